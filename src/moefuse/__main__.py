@@ -1,0 +1,3 @@
+from moefuse.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""Argument checks shared by the public ops. Every failure is a ``ValueError`` naming the op and
+the argument, raised before anything is written.
+
+Checks that need real memory addresses (aliasing) are skipped while torch.compile traces with fake
+tensors; they run again in eager mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FLOAT16S = (torch.bfloat16, torch.float16)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tracing() -> bool:
+    """True while torch.compile / fake-tensor tracing runs (no real data pointers)."""
+    try:
+        return bool(torch.compiler.is_compiling())
+    except AttributeError:  # pragma: no cover - old torch
+        return False
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    ndims: Sequence[int] | None = None,
+    shape: Sequence[int] | None = None,
+    device: torch.device | None = None,
+    last_dim_contiguous: bool = True,
+) -> None:
+    """Validate one tensor argument; ``shape`` entries of -1 match anything."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"moefuse.{op}: argument '{name}' must be a torch.Tensor, got {type(t)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(
+            f"moefuse.{op}: argument '{name}' must have dtype {_dtype_names(dtypes)}, got {t.dtype}"
+        )
+    if ndims is not None and t.dim() not in ndims:
+        raise ValueError(
+            f"moefuse.{op}: argument '{name}' must have {' or '.join(map(str, ndims))} "
+            f"dimensions, got shape {tuple(t.shape)}"
+        )
+    if shape is not None:
+        ok = len(shape) == t.dim() and all(s in (-1, d) for s, d in zip(shape, t.shape))
+        if not ok:
+            want = tuple("*" if s == -1 else s for s in shape)
+            raise ValueError(
+                f"moefuse.{op}: argument '{name}' must have shape {want}, got {tuple(t.shape)}"
+            )
+    if device is not None and t.device != device:
+        raise ValueError(
+            f"moefuse.{op}: argument '{name}' is on {t.device}, expected {device} "
+            "(all tensors of one call must share a device)"
+        )
+    if last_dim_contiguous and t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"moefuse.{op}: argument '{name}' must have a contiguous last dimension "
+            f"(stride(-1) == 1), got strides {tuple(t.stride())}"
+        )
+
+
+def check_rows_addressable(op: str, name: str, t: torch.Tensor) -> None:
+    """A [..., H] tensor whose leading dims flatten to rows with one row stride."""
+    if t.dim() == 3 and t.shape[0] > 1 and t.shape[1] > 1:
+        if t.stride(0) != t.shape[1] * t.stride(1):
+            raise ValueError(
+                f"moefuse.{op}: argument '{name}' of shape {tuple(t.shape)} must have uniformly "
+                f"strided rows (stride(0) == shape[1] * stride(1)), got strides {tuple(t.stride())}"
+            )
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+    return start, start + extent * t.element_size()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the memory spans of ``a`` and ``b`` intersect (conservative for strided views)."""
+    if tracing():
+        return False
+    a0, a1 = _byte_span(a)
+    b0, b1 = _byte_span(b)
+    return a0 < b1 and b0 < a1 and a1 > a0 and b1 > b0
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` are the same elements (same pointer, shape and strides)."""
+    if tracing():
+        return a is b
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def check_no_overlap(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if overlaps(a, b):
+        raise ValueError(f"moefuse.{op}: argument '{name_a}' must not alias '{name_b}'")
+
+
+def check_alias_exact_or_disjoint(
+    op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor
+) -> None:
+    """``a`` may be exactly ``b`` (in-place) or disjoint from it, but not partially overlapping."""
+    if overlaps(a, b) and not same_memory(a, b):
+        raise ValueError(
+            f"moefuse.{op}: argument '{name_a}' partially overlaps '{name_b}'; it must be the same "
+            "tensor (in-place update) or not alias it at all"
+        )
+
+
+def check_eps(op: str, name: str, eps) -> None:
+    if not isinstance(eps, (int, float)) or eps < 0 or eps != eps:
+        raise ValueError(f"moefuse.{op}: argument '{name}' must be a non-negative float, got {eps!r}")

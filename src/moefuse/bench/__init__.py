@@ -1,0 +1,1 @@
+"""Benchmarks (``python -m moefuse bench <family>``). Nothing here runs at import time."""

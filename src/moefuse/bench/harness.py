@@ -1,0 +1,195 @@
+"""Timing, ceiling and reporting helpers shared by every benchmark family.
+
+Method (../shared/measurements, device METHOD.md): each variant is captured ``calls`` times in one
+CUDA graph, rotating over enough input sets that the working set exceeds the L2 cache; the graph is
+replayed and the median per-call time of the replays is reported. The bandwidth ceiling is an SM
+copy kernel measured in the same run (a graph-captured ``copy_`` becomes a memcpy node that runs on
+the copy engines, well below what SM kernels reach).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+L2_BYTES_DEFAULT = 60 * 1024 * 1024
+
+
+def l2_bytes() -> int:
+    try:
+        return int(torch.cuda.get_device_properties(0).L2_cache_size)
+    except Exception:
+        return L2_BYTES_DEFAULT
+
+
+def rotation_sets(bytes_per_call: int, cap: int = 32) -> int:
+    """How many distinct input sets to rotate over so one graph sweep overflows the L2 cache."""
+    need = (3 * l2_bytes()) // max(1, bytes_per_call) + 1
+    return int(max(1, min(cap, need)))
+
+
+def graph_time_us(
+    fn: Callable[[int], object],
+    *,
+    calls: int = 20,
+    replays: int = 15,
+    warmup: int = 3,
+) -> float:
+    """Median per-call µs of ``fn(i)`` (i = call index) captured ``calls`` times in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(warmup):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_ceiling_tbs(nbytes: int = 1 << 30) -> float:
+    """Bandwidth (bytes read + written per second, in TB/s) of an SM copy kernel."""
+    from moefuse.bench._copy import sm_copy
+
+    n = nbytes // 2
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda i: sm_copy(src, dst), calls=5, replays=10)
+    return 2 * nbytes / (us * 1e-6) / 1e12
+
+
+def git_commit() -> str:
+    env = os.environ.get("MOEFUSE_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def run_metadata() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    return {
+        "gpu": props.name if props else "cpu",
+        "sm_count": props.multi_processor_count if props else 0,
+        "capability": list(torch.cuda.get_device_capability(0)) if props else [],
+        "gpu_count": torch.cuda.device_count(),
+        "commit": git_commit(),
+        "command": "python -m moefuse " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "method": "median per-call time of CUDA-graph replays (calls rotated over input sets "
+        "larger than L2); TB/s = minimum bytes read + written / time",
+    }
+
+
+def gpu_slug() -> str:
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return name.lower().replace("nvidia", "").strip().replace(" ", "-")
+
+
+def save_results(
+    family: str,
+    rows: list[dict],
+    meta: dict,
+    out_dir: str | os.PathLike = "bench/results",
+    *,
+    suffix: str = "",
+    plot_metric: str = "us",
+) -> tuple[Path, Path | None]:
+    """Write ``<family>-<gpu><suffix>.json`` and a PNG plot beside it; returns both paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{family}-{gpu_slug()}{suffix}"
+    json_path = out / f"{stem}.json"
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    png_path = out / f"{stem}.png"
+    try:
+        plot_rows(rows, png_path, title=f"moefuse {family} on {meta.get('gpu')}", metric=plot_metric)
+    except ImportError:
+        png_path = None
+    return json_path, png_path
+
+
+def plot_rows(rows: list[dict], path: Path, *, title: str, metric: str = "us") -> None:
+    """One panel per (op, shape) with ``metric`` against M, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for r in rows:
+        if r.get(metric) is None:
+            continue
+        key = f"{r['op']} {r.get('shape', '')}".strip()
+        panels.setdefault(key, {}).setdefault(r["variant"], []).append((r["M"], r[metric]))
+    n = len(panels)
+    if n == 0:
+        return
+    cols = min(4, n)
+    nrows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows), squeeze=False)
+    for ax, (key, variants) in zip(axes.flat, panels.items()):
+        for variant, pts in sorted(variants.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(key, fontsize=8)
+        ax.set_xlabel("M (tokens)", fontsize=7)
+        ax.set_ylabel("µs per call" if metric == "us" else metric, fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.3g}"
+    return "-" if v is None else str(v)

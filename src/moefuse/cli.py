@@ -1,0 +1,40 @@
+"""``python -m moefuse demo | bench <family> | env`` — argument parsing only."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCH_FAMILIES = ("norm", "moe", "quant", "allreduce")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moefuse")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="fused epilogue checked against the reference")
+    demo.add_argument("--hidden", type=int, default=None, help="hidden size (default: by device)")
+    demo.add_argument("--tokens", type=int, default=None, help="token count (default: by device)")
+    bench = sub.add_parser("bench", help="benchmarks; see `moefuse bench <family> --help`")
+    bench.add_argument("family", choices=BENCH_FAMILIES)
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the family benchmark")
+    sub.add_parser("env", help="print versions, device and kernel support")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from moefuse.demo import run_demo
+
+        return run_demo(hidden=args.hidden, tokens=args.tokens)
+    if args.command == "bench":
+        module = importlib.import_module(f"moefuse.bench.{args.family}")
+        return module.main(args.rest)
+    if args.command == "env":
+        from moefuse.demo import print_env
+
+        print_env()
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

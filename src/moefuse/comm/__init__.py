@@ -1,0 +1,3 @@
+"""moefuse.comm (being built)."""
+
+__all__: list[str] = []

@@ -1,0 +1,1 @@
+"""Compatibility layers mapping other libraries' names and call styles onto moefuse."""

@@ -1,0 +1,3 @@
+"""moefuse.moe (being built)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""moefuse.quant (being built)."""
+
+__all__: list[str] = []

@@ -1,0 +1,33 @@
+"""Test set-up. Without a CUDA GPU the Triton kernels run in the interpreter, which must be
+switched on before triton is imported by any kernel module."""
+
+import os
+
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+for _var, _val in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ.setdefault(_var, _val)
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 machines)")
+    for item in items:
+        if not HAS_GPU and ("gpu" in item.keywords or "multigpu" in item.keywords):
+            item.add_marker(skip_gpu)
+        if HAS_GPU and "interpreter" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="interpreter tests run on CPU-only machines"))
+
+
+@pytest.fixture
+def seed():
+    torch.manual_seed(1234)
+    return 1234
