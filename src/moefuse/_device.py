@@ -24,3 +24,65 @@ def rcp_fast(x, PTX: tl.constexpr):
 def rsqrt_fast(x):
     """FP32 reciprocal square root; ``rsqrt.approx.ftz.f32`` on the GPU (<= 2 ulp)."""
     return tl.math.rsqrt(x)
+
+
+@triton.jit
+def _flush_subnormal_f32(x):
+    """Sign-preserving zero for FP32 subnormals (biased exponent 0), ``x`` otherwise."""
+    subnormal = (x.to(tl.int32, bitcast=True) & 0x7F800000) == 0
+    return tl.where(subnormal, x * 0.0, x)
+
+
+@triton.jit
+def fma_ftz(a, b, c, PTX: tl.constexpr):
+    """``fma.rn.ftz.f32``: ``a * b + c`` with one RNE rounding; subnormal inputs and result -> ±0.
+
+    Off the PTX path (Triton's interpreter) the same bits come from FP64 math (SPEC §2.3): the
+    product of two FP32 values is exact in FP64; the FP64 sum ``s = p + c`` is turned into its
+    round-to-odd value (if the TwoSum error is non-zero and ``s`` has an even last bit, step ``s``
+    one FP64 ulp toward the error), which has enough spare bits that the final FP64 -> FP32 RNE
+    conversion equals a single rounding of the exact ``a * b + c`` — on every FP32 grid, including
+    the subnormal one. This is the SPEC's midpoint correction in a form that needs no midpoint test.
+    """
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "fma.rn.ftz.f32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            [a, b, c],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        a = _flush_subnormal_f32(a.to(tl.float32))
+        b = _flush_subnormal_f32(b.to(tl.float32))
+        c = _flush_subnormal_f32(c.to(tl.float32))
+        p = a.to(tl.float64) * b.to(tl.float64)
+        cd = c.to(tl.float64)
+        s = p + cd
+        # TwoSum (Knuth): err is the exact rounding error of s = p + cd
+        bv = s - p
+        err = (p - (s - bv)) + (cd - bv)
+        bits = s.to(tl.int64, bitcast=True)
+        # s - s == 0 only for finite s (inf/NaN keep their bits)
+        sticky = (err != 0.0) & ((bits & 1) == 0) & ((s - s) == 0.0)
+        away = (err > 0.0) == (s > 0.0)  # the exact value has the larger magnitude
+        bits = tl.where(sticky, tl.where(away, bits + 1, bits - 1), bits)
+        r = bits.to(tl.float64, bitcast=True).to(tl.float32)
+        return _flush_subnormal_f32(r)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, PTX: tl.constexpr):
+    """FP32 ``x`` -> ``dtype`` with round-to-nearest-even (the SPEC's ``cast``).
+
+    Triton's interpreter converts FP32 to BF16 by truncation, so off the GPU the BF16 case rounds
+    in integer arithmetic on the FP32 bits instead (NaN stays NaN); other dtypes convert directly.
+    """
+    if PTX or dtype != tl.bfloat16:
+        return x.to(dtype)
+    else:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        hi = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)

@@ -28,7 +28,7 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_importable() -> bool:
     try:
         import triton  # noqa: F401
@@ -37,7 +37,7 @@ def triton_importable() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

@@ -125,4 +125,6 @@ def check_alias_exact_or_disjoint(
 
 def check_eps(op: str, name: str, eps) -> None:
     if not isinstance(eps, (int, float)) or eps < 0 or eps != eps:
-        raise ValueError(f"moefuse.{op}: argument '{name}' must be a non-negative float, got {eps!r}")
+        raise ValueError(
+            f"moefuse.{op}: argument '{name}' must be a non-negative float, got {eps!r}"
+        )

@@ -137,7 +137,8 @@ def save_results(
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     png_path = out / f"{stem}.png"
     try:
-        plot_rows(rows, png_path, title=f"moefuse {family} on {meta.get('gpu')}", metric=plot_metric)
+        title = f"moefuse {family} on {meta.get('gpu')}"
+        plot_rows(rows, png_path, title=title, metric=plot_metric)
     except ImportError:
         png_path = None
     return json_path, png_path

@@ -1,0 +1,31 @@
+"""The fused RMSNorm family (SPEC §1): Triton kernels, references and ``supports_*`` helpers."""
+
+from moefuse.norm.api import (
+    fused_add_rmsnorm,
+    gated_residual_next_rmsnorm,
+    gated_residual_rmsnorm,
+    gemma_fused_add_rmsnorm,
+    gemma_rmsnorm,
+    rmsnorm,
+    rmsnorm_sigmoid_gate,
+    supports_fused_add_rmsnorm,
+    supports_gated_residual_next_rmsnorm,
+    supports_gated_residual_rmsnorm,
+    supports_rmsnorm,
+    supports_rmsnorm_sigmoid_gate,
+)
+
+__all__ = [
+    "rmsnorm",
+    "gemma_rmsnorm",
+    "fused_add_rmsnorm",
+    "gemma_fused_add_rmsnorm",
+    "gated_residual_rmsnorm",
+    "gated_residual_next_rmsnorm",
+    "rmsnorm_sigmoid_gate",
+    "supports_rmsnorm",
+    "supports_fused_add_rmsnorm",
+    "supports_gated_residual_rmsnorm",
+    "supports_gated_residual_next_rmsnorm",
+    "supports_rmsnorm_sigmoid_gate",
+]

@@ -1,0 +1,54 @@
+"""Tile shapes of the row kernels — a function of the row width alone.
+
+The reduction tree of a row is fixed by (BLOCK, NUM_CHUNKS, ROWS, num_warps); choosing all four from
+the width H (never from the token count) is what makes every op batch-invariant: a row's output
+bits are the same alone or inside a batch of 16384, and a new token count never recompiles.
+This module imports no triton so that the custom-op layer can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: widest row held in registers in one pass; wider rows loop over chunks of CHUNK_BLOCK
+MAX_SINGLE_BLOCK = 16384
+CHUNK_BLOCK = 8192
+#: small rows are packed several to a program so each program moves about this many elements
+TILE_ELEMENTS = 2048
+#: elements each thread owns per row chunk (8 x 16-bit = one 16-byte vector)
+ELEMS_PER_THREAD = 8
+MAX_WARPS = 16
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class RowTile:
+    block: int  # columns per chunk (power of two)
+    num_chunks: int  # chunks per row; 1 = whole row in registers, one pass over memory
+    rows: int  # rows per program
+    num_warps: int
+
+    def even(self, width: int) -> bool:
+        """True when ``width`` fills every chunk exactly (no column mask needed)."""
+        return width == self.block * self.num_chunks
+
+    def grid(self, n_rows: int) -> tuple[int]:
+        return ((n_rows + self.rows - 1) // self.rows,)
+
+
+def row_tile(width: int, *, max_single: int = MAX_SINGLE_BLOCK) -> RowTile:
+    """The tile for rows of ``width`` elements (see module docstring for why it ignores M)."""
+    if width < 1:
+        raise ValueError(f"row width must be >= 1, got {width}")
+    if width <= max_single:
+        block, chunks = next_pow2(width), 1
+    else:
+        block = min(CHUNK_BLOCK, max_single)
+        chunks = (width + block - 1) // block
+    rows = max(1, TILE_ELEMENTS // block)
+    warps = (rows * block) // (32 * ELEMS_PER_THREAD)
+    warps = max(1, min(MAX_WARPS, next_pow2(warps)))
+    return RowTile(block=block, num_chunks=chunks, rows=rows, num_warps=warps)
