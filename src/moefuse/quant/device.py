@@ -1,0 +1,283 @@
+"""Triton device functions for FP8 and NVFP4 quantization (SPEC §4), shared as kernel epilogues.
+
+Every function here is pure (no loads or stores) and shape-generic unless its docstring says
+otherwise, so the standalone quantizers, the fused norm + quant kernels and the communication
+fusions (SPEC §3.1) all run the same code. Bit-exactness against the CPU reference must hold in
+Triton's interpreter too, so every conversion has a software path built from integer operations on
+the FP32 bits; ``PTX: tl.constexpr`` selects the hardware ``cvt`` where one exists on SM90 and has
+been checked bit-identical (FP32 -> E4M3/E5M2 with RNE + satfinite). There is no FP32 -> E2M1
+conversion on SM90 (SPEC §0.1): E2M1 is always software.
+
+Constants and conventions (mirrored by ``moefuse.quant.reference``):
+
+* FP8 format codes: ``E4M3 = 0`` (E4M3FN, max 448, byte 0x7E) and ``E5M2 = 1`` (max 57344, 0x7B).
+  Encoding is round-to-nearest-even with finite saturation: ``|x| >= max`` (including +-Inf) gives
+  +-max. Every NaN encodes as the canonical byte ``0x7F`` (sign dropped: NaN signs produced by GPU
+  and CPU arithmetic differ, so a sign-carrying NaN could never be bit-exact). ``-0.0`` keeps its
+  sign (0x80).
+* E2M1 nibbles: sign bit 3, magnitude code bits 0-2 ``{0, .5, 1, 1.5, 2, 3, 4, 6}``, RNE with ties
+  to the even code, saturating (``|x| > 6`` and Inf give code 7). The sign bit is set iff
+  ``x < 0``: ``-0.0`` encodes as 0x0 and NaN as 0x7 (SPEC §4.2 lets tests treat 0x0 and 0x8 alike;
+  this rule makes the nibble independent of NaN signs).
+* NVFP4 recipe codes: ``RECIPE_FAST = 0`` (``rcp_fast(s * rcp_fast(gs))``), ``RECIPE_IEEE = 1``
+  (``gs / s``, IEEE division).
+* Scale layout codes (SPEC §3.1 ``layout_code``): ``SWIZZLED_128x4 = 0``, ``SWIZZLED_8x4 = 1``,
+  ``LINEAR = 2``.
+"""
+
+import triton
+import triton.language as tl
+
+from moefuse._device import rcp_fast
+
+# FP8 formats.
+E4M3: tl.constexpr = tl.constexpr(0)
+E5M2: tl.constexpr = tl.constexpr(1)
+# NVFP4 output-scale recipes.
+RECIPE_FAST: tl.constexpr = tl.constexpr(0)
+RECIPE_IEEE: tl.constexpr = tl.constexpr(1)
+# Scale-factor layouts (SPEC §3.1 layout_code).
+SWIZZLED_128x4: tl.constexpr = tl.constexpr(0)
+SWIZZLED_8x4: tl.constexpr = tl.constexpr(1)
+LINEAR: tl.constexpr = tl.constexpr(2)
+
+# FP32 bit patterns used below.
+_F32_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
+_R6: tl.constexpr = tl.constexpr(0x3E2AAAAB)  # rcp_fast(6.0) == RNE(1/6) (SPEC §0.2)
+
+
+@triton.jit
+def _minifloat_magnitude(
+    a,
+    MAN: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+):
+    """Magnitude code of a small float format for ``a`` = FP32 bits with the sign cleared (uint32).
+
+    RNE to MAN mantissa bits with exponent bias BIAS; subnormals of the target handled exactly;
+    ``a >= MAX_BITS`` (the FP32 bits of the largest finite value, Inf included) gives MAX_CODE;
+    NaN gives NAN_CODE. Integer-only so the interpreter and the GPU agree bit for bit.
+    """
+    D: tl.constexpr = 23 - MAN
+    MIN_NORMAL_BITS: tl.constexpr = (128 - BIAS) << 23
+    REBIAS: tl.constexpr = (127 - BIAS) << MAN
+    # Normal range: round the 23-bit mantissa to MAN bits (ties to even; a carry into the exponent
+    # is the correct next binade), then move the exponent bias from 127 to BIAS.
+    lsb = (a >> D) & 1
+    normal = ((a + ((1 << (D - 1)) - 1) + lsb) >> D) - REBIAS
+    # Subnormal range of the target: value = sig * 2^(E-150); code = RNE(value / 2^(1-BIAS-MAN)).
+    # The shift is clamped at 31: anything shifted by >= 25 rounds to 0 and the sum cannot overflow.
+    e = (a >> 23).to(tl.int32)
+    sig = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(151 - BIAS - MAN - e, 1), 31).to(tl.uint32)
+    one = tl.full(a.shape, 1, tl.uint32)
+    half_m1 = (one << (shift - 1)) - 1
+    sub = (sig + half_m1 + ((sig >> shift) & 1)) >> shift
+    code = tl.where(a < MIN_NORMAL_BITS, sub, normal)
+    code = tl.where(a >= MAX_BITS, MAX_CODE, code)
+    code = tl.where(a > _F32_INF_BITS, NAN_CODE, code)
+    return code
+
+
+@triton.jit
+def fp8_encode(x, FMT: tl.constexpr, PTX: tl.constexpr):
+    """FP32 -> FP8 byte (uint8), RNE, finite saturation, canonical NaN 0x7F. Any shape.
+
+    ``FMT``: ``E4M3`` (0) or ``E5M2`` (1). ``PTX=True`` uses the hardware ``cvt.rn.satfinite``
+    conversion (Triton's ``.to(float8, rtne)``) and only fixes up NaN; ``PTX=False`` is the
+    integer encoder. The GPU test sweeps all 2^32 FP32 patterns through both.
+    """
+    b = x.to(tl.uint32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    if PTX:
+        if FMT == 0:
+            hw = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            hw = x.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        return tl.where(a > _F32_INF_BITS, 0x7F, hw).to(tl.uint8)
+    else:
+        if FMT == 0:
+            mag = _minifloat_magnitude(a, 3, 7, 0x43E00000, 0x7E, 0x7F)
+        else:
+            mag = _minifloat_magnitude(a, 2, 15, 0x47600000, 0x7B, 0x7F)
+        sign = (b >> 24) & 0x80
+        return tl.where(a > _F32_INF_BITS, 0x7F, mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_decode_fmt(q, MAN: tl.constexpr, BIAS: tl.constexpr, SUB_UNIT: tl.constexpr,
+                    HAS_INF: tl.constexpr):
+    qi = q.to(tl.uint32) & 0xFF
+    sign = (qi & 0x80) << 24
+    mag = qi & 0x7F
+    exp = mag >> MAN
+    man = mag & ((1 << MAN) - 1)
+    normal_bits = ((exp + (127 - BIAS)) << 23) | (man << (23 - MAN))
+    # Subnormal: man * 2^(1 - BIAS - MAN) (SUB_UNIT), exact in FP32.
+    sub = man.to(tl.float32) * SUB_UNIT
+    val = tl.where(exp == 0, sub, normal_bits.to(tl.float32, bitcast=True))
+    if HAS_INF:
+        val = tl.where(exp == 31, tl.where(man == 0, float("inf"), float("nan")), val)
+    else:
+        val = tl.where(mag == 0x7F, float("nan"), val)
+    return (val.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_decode(q, FMT: tl.constexpr):
+    """FP8 byte (integer tensor holding 0..255) -> exact FP32 value. Any shape.
+
+    E4M3: 0x7F/0xFF decode to NaN; E5M2: exponent 31 decodes to Inf/NaN as the format defines.
+    Software (integer) decode so it runs identically in the interpreter.
+    """
+    if FMT == 0:
+        return _fp8_decode_fmt(q, 3, 7, 2.0**-9, False)
+    else:
+        return _fp8_decode_fmt(q, 2, 15, 2.0**-16, True)
+
+
+@triton.jit
+def e2m1_magnitude(a):
+    """E2M1 magnitude code (int32, 0..7) of ``a`` = FP32 bits with the sign cleared (uint32).
+
+    RNE with ties to the even code, saturating at 6.0 (code 7); NaN -> 7. Any shape.
+    """
+    return _minifloat_magnitude(a, 1, 1, 0x40C00000, 7, 7).to(tl.int32)
+
+
+@triton.jit
+def e2m1_encode(x):
+    """FP32 -> E2M1 nibble (int32, 0..15): magnitude code | 8 if ``x < 0``. Any shape.
+
+    Thresholds (SPEC §4.2): 0 <= .25 < 1 < .75 <= 2 <= 1.25 < 3 < 1.75 <= 4 <= 2.5 < 5 < 3.5 <= 6
+    <= 5 < 7. ``-0.0`` -> 0x0, NaN -> 0x7, +-Inf -> 0x7/0xF.
+    """
+    a = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    return e2m1_magnitude(a) | tl.where(x < 0, 8, 0)
+
+
+@triton.jit
+def e2m1_decode(nibble):
+    """E2M1 nibble (integer tensor, 0..15) -> FP32 value (exact). Any shape."""
+    n = nibble.to(tl.int32)
+    code = n & 7
+    # code 0..7 -> 0, .5, 1, 1.5, 2, 3, 4, 6: subnormal code 1 is 0.5; otherwise (2 + m) * 2^(e-2)
+    # with e = code >> 1, m = code & 1.
+    e = code >> 1
+    m = code & 1
+    normal = (2 + m).to(tl.float32) * tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0))
+    mag = tl.where(code < 2, code.to(tl.float32) * 0.5, normal)
+    # Sign by bit-or (Triton's unary minus is 0 - x, which would turn -0.0 into +0.0).
+    sign = ((n & 8) << 28).to(tl.uint32)
+    return (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pack_nibbles(nib, N_OUT: tl.constexpr):
+    """Pack nibbles along the last axis of a 3-D tile: ``[R, C, 2*N_OUT]`` -> ``[R, C, N_OUT]``
+    uint8, element ``2j`` in the low nibble and ``2j+1`` in the high nibble (SPEC §4.2).
+    (Reshape + split of a size-2 axis: each thread already holds the pair, no data movement.)
+    """
+    pairs = tl.reshape(nib, (nib.shape[0], nib.shape[1], N_OUT, 2))
+    lo, hi = tl.split(pairs)
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def nvfp4_scale(amax, gs, rcp_gs, RECIPE: tl.constexpr, PTX: tl.constexpr):
+    """NVFP4 per-block scale (SPEC §4.2) from the block amax. Any shape; returns (sf, out_scale).
+
+    ``amax`` FP32 >= 0 (NaN allowed), ``gs`` the FP32 global scale (scalar), ``rcp_gs`` =
+    ``rcp_fast(gs)`` computed once by the caller (only read by the "fast" recipe).
+    ``sf`` (uint8) = ``e4m3(gs * (amax * R6))`` - two FP32 RNE multiplies in this order, never
+    contracted (no add). ``out_scale`` (FP32) = 0 when ``f32(sf) == 0`` (zero block), else
+    ``rcp_fast(s * rcp_gs)`` (RECIPE_FAST) or ``gs / s`` (RECIPE_IEEE, correctly rounded).
+    A NaN amax gives ``sf = 0x7F`` and a NaN out_scale; Inf gives 448 (0x7E).
+    """
+    r6 = tl.full(amax.shape, _R6, tl.uint32).to(tl.float32, bitcast=True)
+    sf_f32 = gs * (amax * r6)
+    sf = fp8_encode(sf_f32, 0, PTX)
+    s = fp8_decode(sf, 0)
+    if RECIPE == 0:
+        os = rcp_fast(s * rcp_gs, PTX)
+    else:
+        os = tl.math.div_rn(tl.zeros_like(s) + gs, s)
+    out_scale = tl.where(s == 0.0, 0.0, os)
+    return sf, out_scale
+
+
+@triton.jit
+def nvfp4_quantize_3d(v, gs, rcp_gs, RECIPE: tl.constexpr, PTX: tl.constexpr):
+    """NVFP4-quantize an ``[R, B, 16]`` FP32 tile whose last axis is one 16-element block.
+
+    ``v`` must already be in the op's output precision (e.g. BF16-rounded, widened exactly).
+    Returns ``(packed [R, B, 8] uint8, sf [R, B] uint8)``: element 2j in the low nibble, 2j+1 in
+    the high nibble; one E4M3 scale byte per block. Masked-off lanes must hold 0 (a block of zeros
+    quantizes to sf = 0 and codes 0). Codes are ``e2m1(|v| * out_scale)`` with the sign bit set iff
+    ``v < 0``. amax is an integer max over the FP32 bits with the sign cleared: exact for finite
+    values, and NaN (largest bit pattern) propagates deterministically, whereas Triton's float max
+    may drop NaN on the GPU.
+    """
+    a = v.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    amax = tl.max(a, axis=2).to(tl.float32, bitcast=True)
+    sf, out_scale = nvfp4_scale(amax, gs, rcp_gs, RECIPE, PTX)
+    q = a.to(tl.float32, bitcast=True) * tl.expand_dims(out_scale, 2)
+    mag = e2m1_magnitude(q.to(tl.uint32, bitcast=True))
+    nib = mag | tl.where(v < 0, 8, 0)
+    return pack_nibbles(nib, 8), sf
+
+
+@triton.jit
+def nvfp4_quantize_blocks(v, gs, rcp_gs, RECIPE: tl.constexpr, PTX: tl.constexpr):
+    """NVFP4-quantize a ``[BLOCKS, 16]`` FP32 tile (one block per row of the tile).
+
+    Returns ``(packed [BLOCKS, 8] uint8, sf [BLOCKS] uint8)``; numerics of ``nvfp4_quantize_3d``.
+    """
+    B: tl.constexpr = v.shape[0]
+    packed, sf = nvfp4_quantize_3d(tl.reshape(v, (1, B, 16)), gs, rcp_gs, RECIPE, PTX)
+    return tl.reshape(packed, (B, 8)), tl.reshape(sf, (B,))
+
+
+@triton.jit
+def nvfp4_quantize_rows(v, gs, rcp_gs, BLOCK_H: tl.constexpr, RECIPE: tl.constexpr,
+                        PTX: tl.constexpr):
+    """NVFP4-quantize a ``[ROWS, BLOCK_H]`` FP32 tile of whole rows (BLOCK_H % 16 == 0).
+
+    Returns ``(packed [ROWS, BLOCK_H // 2] uint8, sf [ROWS, BLOCK_H // 16] uint8)``. Columns past
+    the real H must hold 0; the caller masks their stores. Numerics of ``nvfp4_quantize_3d``.
+    """
+    ROWS: tl.constexpr = v.shape[0]
+    packed, sf = nvfp4_quantize_3d(tl.reshape(v, (ROWS, BLOCK_H // 16, 16)), gs, rcp_gs, RECIPE,
+                                   PTX)
+    return tl.reshape(packed, (ROWS, BLOCK_H // 2)), sf
+
+
+@triton.jit
+def scale_offset(m, k, n_kcols, LAYOUT: tl.constexpr):
+    """Byte offset of the scale of row ``m``, block column ``k`` (integer tensors, broadcastable).
+
+    ``n_kcols``: padded block columns ``Kp = round_up(H/16, 4)`` for the swizzled layouts, or
+    ``KB = H/16`` for LINEAR. Offsets (SPEC §4.2):
+    LINEAR ``m*KB + k``; SWIZZLED_128x4 ``(m//128)*Kp*128 + (k//4)*512 + (m%32)*16 +
+    ((m%128)//32)*4 + k%4``; SWIZZLED_8x4 ``(m//8)*Kp*8 + (k//4)*32 + (m%8)*4 + k%4``.
+    Callers pass int64 ``m`` when ``Mp * Kp`` may exceed 2^31.
+    """
+    if LAYOUT == 2:
+        return m * n_kcols + k
+    elif LAYOUT == 0:
+        return (
+            (m // 128) * (n_kcols * 128) + (k // 4) * 512 + (m % 32) * 16
+            + ((m % 128) // 32) * 4 + (k % 4)
+        )
+    else:
+        return (m // 8) * (n_kcols * 8) + (k // 4) * 32 + (m % 8) * 4 + (k % 4)
+
+
+@triton.jit
+def fp8_amax_scale(amax):
+    """Dynamic per-token E4M3 scale (SPEC §4.3): ``max(amax / 448, 2^-9 / 448)``, IEEE division."""
+    floor_ = tl.math.div_rn(tl.zeros_like(amax) + 2.0**-9, tl.zeros_like(amax) + 448.0)
+    return tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0), floor_)
