@@ -42,6 +42,7 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@torch.compiler.assume_constant_result
 def kernel_device_reason(device: torch.device) -> str | None:
     """Why Triton kernels cannot run on ``device`` (None when they can)."""
     if not triton_importable():
@@ -85,7 +86,7 @@ def choose_impl(op: str, impl: str, device: torch.device, unsupported_reason: st
     ``unsupported_reason`` is None when the kernel can run these tensors on this device.
     """
     if impl not in IMPLS:
-        raise ValueError(f"moefuse.{op}: impl must be one of {IMPLS}, got {impl!r}")
+        raise ValueError(f"moefuse.{op}: argument 'impl' must be one of {IMPLS}, got {impl!r}")
     if impl == "reference":
         return "reference"
     if impl == "triton":

@@ -66,14 +66,18 @@ def ulp_distance(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """Elementwise distance in units in the last place of ``actual.dtype`` (int64 tensor)."""
     if actual.dtype != expected.dtype:
         raise TypeError(f"dtype mismatch: {actual.dtype} vs {expected.dtype}")
-    return (_ordered_int(actual.cpu()) - _ordered_int(expected.cpu())).abs()
+    return (_ordered_int(actual) - _ordered_int(expected.to(actual.device))).abs()
+
+
+def _raw_bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of ``t`` as an integer tensor on the CPU (for bitwise comparison)."""
-    t = t.detach().contiguous().cpu()
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.view(view)
+    return _raw_bits(t).cpu()
 
 
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
@@ -82,7 +86,7 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
             f"{what}: shape/dtype {tuple(actual.shape)}/{actual.dtype} vs "
             f"{tuple(expected.shape)}/{expected.dtype}"
         )
-    a, b = bits(actual), bits(expected)
+    a, b = _raw_bits(actual), _raw_bits(expected.to(actual.device))
     if not torch.equal(a, b):
         bad = (a != b).nonzero()
         first = tuple(bad[0].tolist())
@@ -109,11 +113,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: str, what: s
             idx = tuple((d == worst).nonzero()[0].tolist())
             raise AssertionError(
                 f"{what}: {worst} ulp > {row.max_ulp} at {idx}: "
-                f"{actual.cpu()[idx].item()!r} vs {expected.cpu()[idx].item()!r} ({row.reason})"
+                f"{actual[idx].item()!r} vs {expected[idx].item()!r} ({row.reason})"
             )
     else:
         torch.testing.assert_close(
-            actual.cpu(), expected.to(actual.dtype).cpu(), rtol=row.rtol, atol=row.atol, msg=what
+            actual, expected.to(actual.dtype).to(actual.device), rtol=row.rtol, atol=row.atol,
+            msg=lambda m: f"{what}: {m}",
         )
 
 
