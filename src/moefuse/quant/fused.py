@@ -1,0 +1,252 @@
+"""Fused RMSNorm (+ residual add) + quantization kernels and launchers (SPEC §1.1, §1.2, §4).
+
+The row structure is the norm family's (``moefuse.norm.triton`` / ``moefuse.norm.tiles``): a
+``[ROWS, BLOCK]`` tile chosen from the width alone, the row in registers when it fits in one block,
+otherwise two ascending passes over chunks (the second re-reads the row). The quantization is the
+epilogue from :mod:`moefuse.quant.device`, so the numbers are those of the standalone quantizers:
+
+* FP8 (``rmsnorm_quant``, ``fused_add_rmsnorm_quant``): ``q = e8(((x * r) * g) * inv)`` of the
+  UNROUNDED FP32 norm output, ``inv = 1/scale`` one IEEE division per program.
+* NVFP4 (``rmsnorm_fp4_quantize``, ``fused_add_rmsnorm_fp4_quantize``): ``y = cast((x * r) * g)``
+  rounded to the activation dtype first (the unfused pipeline's numbers), then the §4.2 recipe on
+  each 16-element block of ``y``; ``y`` itself is stored only when ``norm_out`` is requested.
+  The grid covers the layout's PADDED rows, and every program also zero-fills its rows' padding
+  block columns: the kernel writes every scale byte.
+
+With a residual (the ``fused_add_*`` ops) ``h = f32(x) + f32(res)``, ``res <- cast(h)`` and the
+statistic and normalization use the unrounded FP32 ``h`` (SPEC §1.2); ``input`` is not written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse._device import rcp_fast, round_to
+from moefuse._runtime import interpreter_active
+from moefuse.norm.tiles import row_tile
+from moefuse.norm.triton import _inv_rms, _ld, _row_base, _st
+from moefuse.quant import device as D
+from moefuse.quant.formats import FP8_CODE, LAYOUTS, RECIPES, scale_layout_shape
+
+
+def _pdl_kwargs(use_pdl: bool) -> dict:
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+def _rows_of(t) -> tuple[int, int, int, int]:
+    if t.dim() == 2:
+        return t.shape[0], 1, t.stride(0), 0
+    return t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1)
+
+
+@triton.jit
+def _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """f32(x), or f32(x) + f32(res) (FP32, unrounded) when HAS_RESIDUAL."""
+    h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED)
+    if HAS_RESIDUAL:
+        h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
+    return h
+
+
+# ----------------------------------------------------------------------------- FP8
+@triton.jit(do_not_specialize=["n_rows"])
+def _rmsnorm_fp8_kernel(
+    x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr,
+    n_rows, H, Hf, HEADS,
+    x_st, x_sh, r_st, r_sh, q_st, q_sh,
+    eps, gain_center,
+    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, FMT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """q = e8(((h * r) * g) * (1/scale)); h = f32(x) [+ f32(res), res <- cast(h)]."""
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    rmask = (rows < n_rows)[:, None]
+    x_row = _row_base(rows, HEADS, x_st, x_sh)[:, None]
+    r_row = _row_base(rows, HEADS, r_st, r_sh)[:, None]
+    q_row = _row_base(rows, HEADS, q_st, q_sh)[:, None]
+    if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK)
+        mask = rmask & (cols < H)[None, :]
+        w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
+        if USE_PDL:
+            gdc_wait()
+        inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
+        h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL)
+        if USE_PDL:
+            gdc_launch_dependents()
+        if HAS_RESIDUAL:
+            _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
+        r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
+        q = D.fp8_encode(((h * r) * w) * inv, FMT, PTX)
+        if MASKED:
+            tl.store(q_ptr + q_row + cols[None, :], q, mask=mask)
+        else:
+            tl.store(q_ptr + q_row + cols[None, :], q)
+    else:
+        if USE_PDL:
+            gdc_wait()
+        inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
+        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for c in tl.static_range(NUM_CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            mask = rmask & (cols < H)[None, :]
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL)
+            acc += h * h
+        r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
+        # second pass: recompute the same FP32 h (the residual is written only now, chunk by
+        # chunk, after this chunk's read)
+        for c in tl.static_range(NUM_CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            mask = rmask & (cols < H)[None, :]
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL)
+            w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
+            if HAS_RESIDUAL:
+                _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
+            q = D.fp8_encode(((h * r) * w) * inv, FMT, PTX)
+            tl.store(q_ptr + q_row + cols[None, :], q, mask=mask)
+        if USE_PDL:
+            gdc_launch_dependents()
+
+
+def launch_rmsnorm_fp8(input, residual, weight, scale, out, eps: float, gain_center: float,
+                       use_pdl: bool) -> None:  # fmt: skip
+    """``input`` (and ``residual``, same shape) 2-D/3-D; ``out`` FP8 of the same shape."""
+    n_rows, heads, x_st, x_sh = _rows_of(input)
+    width = input.shape[-1]
+    if n_rows == 0:
+        return
+    _, _, q_st, q_sh = _rows_of(out)
+    r_st, r_sh = _rows_of(residual)[2:] if residual is not None else (0, 0)
+    tile = row_tile(width)
+    masked = tile.rows > 1 or not tile.even(width)
+    _rmsnorm_fp8_kernel[tile.grid(n_rows)](
+        input, residual if residual is not None else input, weight, scale, out.view(torch.uint8),
+        n_rows, width, float(width), heads,
+        x_st, x_sh, r_st, r_sh, q_st, q_sh,
+        eps, gain_center,
+        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
+        HAS_RESIDUAL=residual is not None, FMT=FP8_CODE[out.dtype],
+        PTX=not interpreter_active(), USE_PDL=use_pdl,
+        num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- NVFP4
+@triton.jit
+def _fp4_epilogue(y, gs, rcp_gs, rows, live_rows, chunk, p_ptr, p_row, s_ptr, y_ptr, y_row,
+                  H, KB, n_kcols, n_rows_padded, BLOCK: tl.constexpr, RECIPE: tl.constexpr,
+                  LAYOUT: tl.constexpr, HAS_NORM_OUT: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Round ``y`` to the activation dtype, store it if asked, NVFP4-quantize and store one chunk.
+
+    Rows that are padding (``live_rows`` False) quantize zeros: scale 0 and no packed store.
+    """
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = live_rows & (cols < H)[None, :]
+    yq = round_to(y, y_ptr.dtype.element_ty, PTX)
+    if HAS_NORM_OUT:
+        tl.store(y_ptr + y_row + cols[None, :], yq, mask=mask)
+    v = tl.where(mask, yq.to(tl.float32), 0.0)
+    packed, sf = D.nvfp4_quantize_rows(v, gs, rcp_gs, BLOCK, RECIPE, PTX)
+    pcols = chunk * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    tl.store(p_ptr + p_row + pcols[None, :], packed, mask=live_rows & (pcols < H // 2)[None, :])
+    ks = chunk * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+    r64 = rows.to(tl.int64)[:, None]
+    off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
+    tl.store(s_ptr + off, sf, mask=(rows < n_rows_padded)[:, None] & (ks < KB)[None, :])
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_rows_padded"])
+def _rmsnorm_fp4_kernel(
+    x_ptr, res_ptr, w_ptr, gs_ptr, p_ptr, s_ptr, y_ptr,
+    n_rows, n_rows_padded, H, Hf, KB, n_kcols,
+    x_st, r_st, p_st, y_st,
+    eps, gain_center,
+    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_NORM_OUT: tl.constexpr, RECIPE: tl.constexpr,
+    LAYOUT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """y = cast((h * r) * g); (packed, scales) = nvfp4(y); grid over the padded rows."""
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    live_rows = (rows < n_rows)[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    x_row = r64 * x_st
+    r_row = r64 * r_st
+    p_row = r64 * p_st
+    y_row = r64 * y_st
+    # padding block columns [KB, n_kcols) of every row this program owns (fewer than 4)
+    kpad = KB + tl.arange(0, 4)
+    pad_off = D.scale_offset(r64, kpad[None, :].to(tl.int64), n_kcols, LAYOUT)
+    pad_mask = (rows < n_rows_padded)[:, None] & (kpad < n_kcols)[None, :]
+    tl.store(s_ptr + pad_off, tl.zeros((ROWS, 4), dtype=tl.uint8), mask=pad_mask)
+    if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK)
+        mask = live_rows & (cols < H)[None, :]
+        w = _ld(w_ptr + cols, cols < H, True)[None, :] + gain_center
+        if USE_PDL:
+            gdc_wait()
+        gs = tl.load(gs_ptr).to(tl.float32)
+        h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL)
+        if USE_PDL:
+            gdc_launch_dependents()
+        if HAS_RESIDUAL:
+            _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
+        r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
+        _fp4_epilogue((h * r) * w, gs, rcp_fast(gs, PTX), rows, live_rows, 0, p_ptr, p_row,
+                      s_ptr, y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
+                      HAS_NORM_OUT, PTX)  # fmt: skip
+    else:
+        if USE_PDL:
+            gdc_wait()
+        gs = tl.load(gs_ptr).to(tl.float32)
+        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for c in tl.static_range(NUM_CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            mask = live_rows & (cols < H)[None, :]
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL)
+            acc += h * h
+        r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
+        rcp_gs = rcp_fast(gs, PTX)
+        for c in tl.static_range(NUM_CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            mask = live_rows & (cols < H)[None, :]
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL)
+            w = _ld(w_ptr + cols, cols < H, True)[None, :] + gain_center
+            if HAS_RESIDUAL:
+                _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
+            _fp4_epilogue((h * r) * w, gs, rcp_gs, rows, live_rows, c, p_ptr, p_row, s_ptr,
+                          y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
+                          HAS_NORM_OUT, PTX)  # fmt: skip
+        if USE_PDL:
+            gdc_launch_dependents()
+
+
+def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, norm_out,
+                       eps: float, gain_center: float, layout: str, recipe: str,
+                       use_pdl: bool) -> None:  # fmt: skip
+    """``input`` [M, H] (H % 16 == 0); ``norm_out`` [M, H] of the input dtype or None."""
+    m, width = input.shape
+    kb = width // 16
+    rows_p, n_kcols = scale_layout_shape(m, kb, layout)
+    if rows_p == 0:
+        return
+    tile = row_tile(width)
+    grid = ((rows_p + tile.rows - 1) // tile.rows,)
+    y = norm_out if norm_out is not None else input  # dtype carrier when not stored
+    _rmsnorm_fp4_kernel[grid](
+        input, residual if residual is not None else input, weight, global_scale, packed,
+        scales, y,
+        m, rows_p, width, float(width), kb, n_kcols,
+        input.stride(0), residual.stride(0) if residual is not None else 0, packed.stride(0),
+        y.stride(0),
+        eps, gain_center,
+        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows,
+        HAS_RESIDUAL=residual is not None, HAS_NORM_OUT=norm_out is not None,
+        RECIPE=RECIPES[recipe], LAYOUT=LAYOUTS[layout], PTX=not interpreter_active(),
+        USE_PDL=use_pdl, num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
+    )  # fmt: skip

@@ -1,0 +1,182 @@
+"""PyTorch references of the quantization ops (SPEC §4, §1.1, §1.2) — the oracle and the CPU path.
+
+Each function has the signature of its public op (minus ``out``/``impl``/``enable_pdl``) and returns
+new tensors; it never mutates its arguments (the public ops copy results into in-place targets).
+The fused references are literally ``moefuse.norm.reference`` followed by the format primitives in
+:mod:`moefuse.quant.formats`, so "fused == unfused" is true by construction.
+
+Conventions (documented once here, tested in ``tests/test_quant*.py``):
+
+* FP8: ``q = e8(v * inv)`` with ``inv = 1/scale`` an IEEE FP32 division done once; RNE, finite
+  saturation (``|x| >= max`` and Inf -> +-max), every NaN -> byte 0x7F.
+* NVFP4 ("fast" recipe): the reciprocal is a parameter ``rcp``; the default is the IEEE reciprocal
+  (what Triton's interpreter computes for ``rcp_fast``). GPU tests pass the device's
+  ``rcp.approx.ftz.f32`` (``moefuse.quant.triton.rcp_approx``) and then compare bit for bit.
+* NVFP4 NaN/Inf: a block containing NaN gets scale byte 0x7F (E4M3 NaN) so the whole block
+  dequantizes to NaN; a block whose amax is Inf gets scale byte 0x7E (448), Inf elements code
+  +-6 and finite ones their (usually zero) codes. Nibble sign bit set iff ``v < 0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from moefuse.norm import reference as norm_ref
+from moefuse.quant import formats as F
+
+Rcp = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` as one FP32 IEEE division (0-d tensor)."""
+    s = scale.float().reshape(())
+    return torch.ones_like(s) / s
+
+
+# ----------------------------------------------------------------------------- FP8
+def fp8_quantize_reference(
+    input: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+) -> torch.Tensor:
+    """Static per-tensor FP8: ``e8(f32(input) * (1/scale))``; same shape as ``input``."""
+    q = F.fp8_bits(input.float() * inverse_scale(scale).to(input.device), dtype)
+    return q.view(dtype)
+
+
+def fp8_per_token_scale(amax: torch.Tensor) -> torch.Tensor:
+    """SPEC §4.3: ``max(amax / 448, 2^-9 / 448)`` in FP32, NaN propagating."""
+    floor = torch.tensor(2.0**-9, dtype=torch.float32) / torch.tensor(448.0, dtype=torch.float32)
+    return torch.maximum(amax.float() / 448.0, floor.to(amax.device))
+
+
+def fp8_quantize_per_token_reference(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token E4M3 (SPEC §4.3) over the last dim.
+
+    Returns ``(q [..., H] float8_e4m3fn, scales [..., 1] FP32)`` with
+    ``s = max(amax/448, 2^-9/448)`` and ``q = e4m3(v / s)`` (IEEE division per element;
+    saturation makes the SPEC's clamp implicit).
+    """
+    x = input.float()
+    if x.shape[-1] == 0 or x.numel() == 0:
+        amax = x.new_zeros(*x.shape[:-1], 1)
+    else:
+        amax = x.abs().amax(dim=-1, keepdim=True)
+    s = fp8_per_token_scale(amax)
+    return F.fp8_bits(x / s).view(torch.float8_e4m3fn), s
+
+
+def fp8_dequantize_reference(
+    input: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``cast(f32(q) * scale)``; ``scale`` is ``[1]`` (per tensor) or ``[..., 1]`` (per row)."""
+    s = scale.float()
+    if s.numel() == 1:
+        s = s.reshape(())
+    return (input.float() * s).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- NVFP4
+def fp4_quantize_reference(
+    input: torch.Tensor,
+    global_scale: torch.Tensor,
+    layout: str = "swizzled_128x4",
+    recipe: str = "fast",
+    rcp: Rcp = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 (SPEC §4.2) of ``input`` ``[M, H]`` (H % 16 == 0, values taken as they are).
+
+    Returns ``(packed [M, H/2] uint8, scales uint8)``; ``scales`` has shape
+    ``formats.scale_layout_shape(M, H/16, layout)`` and, flattened, is in the layout's byte order
+    with zeroed padding.
+    """
+    nib, sf = F.nvfp4_block_quant(input.float(), global_scale, recipe, rcp)
+    return F.pack_nibbles(nib), F.swizzle_scales(sf, layout)
+
+
+def fp4_dequantize_reference(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    layout: str = "swizzled_128x4",
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``x = cast((e2m1_value(code) * f32(sf)) / gs)`` (product exact, IEEE division)."""
+    m, half = packed.shape
+    kb = 2 * half // 16
+    sf = F.unswizzle_scales(scales, m, kb, layout)
+    vals = F.e2m1_values(F.unpack_nibbles(packed)).reshape(m, kb, 16)
+    prod = vals * F.fp8_values(sf).unsqueeze(-1)
+    gs = global_scale.float().reshape(()).to(packed.device)
+    return (prod / gs).reshape(m, 2 * half).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- fused norms
+def rmsnorm_quant_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = 1e-6,
+    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    gain_center: float = 0.0,
+) -> torch.Tensor:
+    """SPEC §1.1: ``e8(((x * r) * g) * (1/scale))`` of the UNROUNDED FP32 norm output."""
+    x = input.float()
+    y = (x * norm_ref.inv_rms(x, eps)) * norm_ref.gain(weight, gain_center)
+    return F.fp8_bits(y * inverse_scale(scale).to(y.device), quant_dtype).view(quant_dtype)
+
+
+def fused_add_rmsnorm_quant_reference(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = 1e-6,
+    quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    gain_center: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC §1.2 quant variant. Returns ``(q, residual_out)``: ``h = f32(input) + f32(residual)``,
+    ``residual_out = cast(h)``, ``q = e8(((h * r) * g) * (1/scale))`` with r from the FP32 h."""
+    h = input.float() + residual.float()
+    y = (h * norm_ref.inv_rms(h, eps)) * norm_ref.gain(weight, gain_center)
+    q = F.fp8_bits(y * inverse_scale(scale).to(y.device), quant_dtype).view(quant_dtype)
+    return q, h.to(residual.dtype)
+
+
+def rmsnorm_fp4_quantize_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    global_scale: torch.Tensor,
+    eps: float = 1e-6,
+    layout: str = "swizzled_128x4",
+    recipe: str = "fast",
+    gain_center: float = 0.0,
+    rcp: Rcp = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm, rounded to the input dtype, then NVFP4 (the unfused pipeline, SPEC §3.7).
+
+    Returns ``(packed, scales, norm_out)`` with ``norm_out = rmsnorm_reference(...)``.
+    """
+    y = norm_ref.rmsnorm_reference(input, weight, eps, gain_center)
+    packed, scales = fp4_quantize_reference(y, global_scale, layout, recipe, rcp)
+    return packed, scales, y
+
+
+def fused_add_rmsnorm_fp4_quantize_reference(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    global_scale: torch.Tensor,
+    eps: float = 1e-6,
+    layout: str = "swizzled_128x4",
+    recipe: str = "fast",
+    gain_center: float = 0.0,
+    rcp: Rcp = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fused_add_rmsnorm`` (SPEC §1.2) then NVFP4 of the rounded norm output.
+
+    Returns ``(packed, scales, norm_out, residual_out)``.
+    """
+    y, res_out = norm_ref.fused_add_rmsnorm_reference(input, residual, weight, eps, gain_center)
+    packed, scales = fp4_quantize_reference(y, global_scale, layout, recipe, rcp)
+    return packed, scales, y, res_out
