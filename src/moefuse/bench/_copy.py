@@ -14,7 +14,10 @@ def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
-def sm_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+#: (elements per program, warps) tried by the ceiling measurement; the best one is the ceiling
+COPY_CONFIGS = ((2048, 4), (4096, 4), (8192, 8), (16384, 8), (16384, 16))
+
+
+def sm_copy(src: torch.Tensor, dst: torch.Tensor, block: int = 8192, num_warps: int = 8) -> None:
     n = src.numel()
-    block = 8192
-    _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=8)
+    _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=num_warps)

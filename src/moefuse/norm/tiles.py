@@ -17,7 +17,9 @@ CHUNK_BLOCK = 8192
 TILE_ELEMENTS = 2048
 #: elements each thread owns per row chunk (8 x 16-bit = one 16-byte vector)
 ELEMS_PER_THREAD = 8
-MAX_WARPS = 16
+#: measured on H200 (scripts/sweep_norm_tiles.py, 2026-11-29): 8 warps per row beat 16 at
+#: H = 4096 and 8192 (gated_residual_next 16384 x 8192: 391 vs 484 us); see notes/norm.md
+MAX_WARPS = 8
 
 
 def next_pow2(n: int) -> int:

@@ -7,6 +7,10 @@ FP32 ``[ROWS, BLOCK]`` partial before the one ``tl.sum`` (re-reading the row fro
 second pass). Rows are addressed as ``(row // HEADS) * stride_t + (row % HEADS) * stride_h`` so 2-D
 and 3-D inputs with any row strides share one kernel.
 
+Sums of products are written as explicit ``tl.fma``: if contraction were left to the compiler, a
+value that Triton recomputes in a second register layout could be contracted differently from
+the first, so one element would have two values (seen on H200: ffn_input != cast(router_input)).
+
 PDL: parameters (weights, gates of the model) are loaded before ``gdc_wait``; activations, which
 the previous kernel may still be writing, after it. ``gdc_launch_dependents`` follows the last load
 of the previous kernel's data.
@@ -196,7 +200,7 @@ def _gated_residual_kernel(
         if HAS_WEIGHT:
             x = x * w
         r = _inv_rms(tl.sum(x * x, axis=1), Hf, eps)[:, None]
-        _st(out_ptr + o_row + cols[None, :], a * res + be * (x * r), mask, MASKED, PTX)
+        _st(out_ptr + o_row + cols[None, :], tl.fma(a, res, be * (x * r)), mask, MASKED, PTX)
     else:
         if USE_PDL:
             gdc_wait()
@@ -217,7 +221,7 @@ def _gated_residual_kernel(
             res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
             a = _ld(alpha_ptr + cols, cmask, MASKED)[None, :]
             be = _ld(beta_ptr + cols, cmask, MASKED)[None, :]
-            _st(out_ptr + o_row + cols[None, :], a * res + be * (x * r), mask, MASKED, PTX)
+            _st(out_ptr + o_row + cols[None, :], tl.fma(a, res, be * (x * r)), mask, MASKED, PTX)
         if USE_PDL:
             gdc_launch_dependents()
 
@@ -231,7 +235,9 @@ def _stream_update(res, b, a_ptr, be_ptr, cols, cmask, alpha_scalar, r1,
     elif ALPHA_MODE == 2:
         res = _ld(a_ptr + cols, cmask, MASKED)[None, :] * res
     be = _ld(be_ptr + cols, cmask, MASKED)[None, :]
-    return res + (be * b) * r1
+    # explicit FMA: left to the compiler, contraction can differ between copies of the expression
+    # that Triton rematerialises for different layouts, giving two values of one element
+    return tl.fma(be * b, r1, res)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
