@@ -1,0 +1,76 @@
+"""torch.library custom ops of the MoE finalize family.
+
+Each op writes a caller-allocated output and returns nothing; ``mutates_args`` names exactly that
+output, so torch.compile (functionalization) and CUDA graphs see the true data flow. Validation
+happens in :mod:`moefuse.moe.api` before these are called. The real implementations import the
+Triton launchers lazily (TRITON_INTERPRET must be set before triton is imported).
+"""
+
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("moefuse::moe_finalize", mutates_args=("out",))
+def moe_finalize_op(
+    permuted_input: Tensor,
+    expanded_idx_to_permuted_idx: Tensor,
+    topk_scales: Tensor,
+    out: Tensor,
+    bias: Tensor | None,
+    expert_ids: Tensor | None,
+    routed_scaling_factor: float,
+    shared_expert_output: Tensor | None,
+    input_is_expanded: bool,
+    use_pdl: bool,
+) -> None:
+    from moefuse.moe.triton import launch_moe_finalize
+
+    launch_moe_finalize(
+        permuted_input, expanded_idx_to_permuted_idx, topk_scales, out, bias, expert_ids,
+        routed_scaling_factor, shared_expert_output, input_is_expanded, use_pdl,
+    )  # fmt: skip
+
+
+@moe_finalize_op.register_fake
+def _(permuted_input, expanded_idx_to_permuted_idx, topk_scales, out, bias, expert_ids,
+      routed_scaling_factor, shared_expert_output, input_is_expanded, use_pdl):  # fmt: skip
+    return None
+
+
+@torch.library.custom_op("moefuse::moe_finalize_scatter_add", mutates_args=("out",))
+def moe_finalize_scatter_add_op(
+    permuted_input: Tensor,
+    permuted_idx_to_expanded_idx: Tensor,
+    topk_scales: Tensor,
+    out: Tensor,
+    routed_scaling_factor: float,
+    use_pdl: bool,
+) -> None:
+    from moefuse.moe.triton import launch_moe_finalize_scatter_add
+
+    launch_moe_finalize_scatter_add(
+        permuted_input, permuted_idx_to_expanded_idx, topk_scales, out, routed_scaling_factor,
+        use_pdl,
+    )  # fmt: skip
+
+
+@moe_finalize_scatter_add_op.register_fake
+def _(permuted_input, permuted_idx_to_expanded_idx, topk_scales, out, routed_scaling_factor,
+      use_pdl):  # fmt: skip
+    return None
+
+
+@torch.library.custom_op("moefuse::moe_permute", mutates_args=("out",))
+def moe_permute_op(
+    input: Tensor, permuted_idx_to_expanded_idx: Tensor, top_k: int, out: Tensor, use_pdl: bool
+) -> None:
+    from moefuse.moe.triton import launch_moe_permute
+
+    launch_moe_permute(input, permuted_idx_to_expanded_idx, top_k, out, use_pdl)
+
+
+@moe_permute_op.register_fake
+def _(input, permuted_idx_to_expanded_idx, top_k, out, use_pdl):
+    return None

@@ -1,0 +1,191 @@
+"""PyTorch reference of the MoE finalize family (SPEC §2) — the oracle and the CPU path.
+
+Everything here is whole-tensor torch math (no Python loop over tokens or columns), so the same
+functions check the GPU kernels at full shapes in seconds. The functions are functional: they
+return new tensors; the public ops copy results into caller-provided outputs.
+
+``fma_ftz_f32`` emulates PTX ``fma.rn.ftz.f32`` bit for bit (SPEC §2.3 item 4): subnormal inputs
+flushed to ±0, exact FP64 product, FP64 sum made round-to-odd from its TwoSum error (equivalent to
+the SPEC's midpoint correction, and also right on the subnormal FP32 grid), one FP32 RNE rounding,
+subnormal result flushed to ±0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP32_MIN_NORMAL = 2.0**-126
+#: tokens per chunk are chosen so a chunk holds about this many elements (keeps FP64 temporaries
+#: cache-sized: the big GPU test shapes would otherwise allocate GiBs per temporary)
+_CHUNK_ELEMENTS = 1 << 18
+
+
+def flush_subnormal_f32(x: torch.Tensor) -> torch.Tensor:
+    """FP32 subnormals (|x| < 2^-126, nonzero) replaced by a zero of the same sign."""
+    return torch.where(x.abs() < FP32_MIN_NORMAL, torch.copysign(torch.zeros_like(x), x), x)
+
+
+def fma_ftz_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Bit-exact ``fma.rn.ftz.f32(a, b, c)`` of FP32 tensors (broadcasting), FP32 result."""
+    a = flush_subnormal_f32(a.float()).double()
+    b = flush_subnormal_f32(b.float()).double()
+    c = flush_subnormal_f32(c.float()).double()
+    p = a * b  # exact: two 24-bit significands fit in 53 bits, FP32 exponents cannot overflow FP64
+    s = p + c
+    bv = s - p
+    err = (p - (s - bv)) + (c - bv)  # TwoSum: s + err == p + c exactly (s finite)
+    bits = s.view(torch.int64)
+    sticky = (err != 0) & ((bits & 1) == 0) & torch.isfinite(s)
+    away = (err > 0) == (s > 0)
+    step = torch.where(away, 1, -1).to(torch.int64)
+    bits = torch.where(sticky, bits + step, bits)
+    return flush_subnormal_f32(bits.view(torch.float64).float())
+
+
+def slot_rows(
+    expanded_idx_to_permuted_idx: torch.Tensor, num_rows: int, input_is_expanded: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [M, K] int64, valid [M, K] bool)`` per SPEC §0.3 / §2.2.
+
+    Mapped mode: row = map[t, k], valid when 0 <= row < num_rows. Expanded mode: row = t*K + k and
+    the map is only a mask (valid when map[t, k] >= 0).
+    """
+    idx = expanded_idx_to_permuted_idx.long()
+    m, k = idx.shape
+    if input_is_expanded:
+        rows = torch.arange(m * k, device=idx.device, dtype=torch.int64).view(m, k)
+        return rows, idx >= 0
+    valid = (idx >= 0) & (idx < num_rows)
+    return torch.where(valid, idx, 0), valid
+
+
+def _finalize_rows(
+    permuted_input: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    expert_ids: torch.Tensor | None,
+    routed_scaling_factor: float,
+    shared: torch.Tensor | None,
+) -> torch.Tensor:
+    """FP32 accumulator [m, H] of one chunk of tokens (before the final rounding)."""
+    m, top_k = rows.shape
+    h = permuted_input.shape[1]
+    acc = torch.zeros(m, h, dtype=torch.float32, device=permuted_input.device)
+    w = scales.float()
+    for k in range(top_k):  # ascending slot order (SPEC §2.3.2)
+        v = valid[:, k]
+        if not bool(v.any()):
+            continue
+        tok = v.nonzero().squeeze(1)
+        # only valid slots' rows are read: rows behind invalid indices may hold NaN/Inf
+        x = permuted_input.index_select(0, rows[tok, k]).float()
+        if bias is not None:
+            e = expert_ids[tok, k].long()
+            in_range = (e >= 0) & (e < bias.shape[0])
+            b = bias.index_select(0, torch.where(in_range, e, 0)).float()
+            x = x + torch.where(in_range[:, None], b, torch.zeros_like(b))
+        acc[tok] = fma_ftz_f32(x, w[tok, k][:, None], acc[tok])
+    if routed_scaling_factor != 1.0:
+        acc = acc * torch.tensor(routed_scaling_factor, dtype=torch.float32)
+    if shared is not None:
+        acc = acc + shared.float()
+    return acc
+
+
+def moe_finalize_reference(
+    permuted_input: torch.Tensor,
+    expanded_idx_to_permuted_idx: torch.Tensor,
+    topk_scales: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    expert_ids: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    shared_expert_output: torch.Tensor | None = None,
+    input_is_expanded: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Deterministic MoE finalize (SPEC §2.2), returned as a new ``[M, H]`` tensor::
+
+        acc = +0.0                                              # FP32, per (t, j)
+        for k ascending, valid slots only (row never read otherwise):
+            x = f32(permuted_input[row(t, k), j])
+            if bias: x = x + f32(bias[expert_ids[t, k], j])      # FP32 add; ids outside [0, E)
+                                                                # add nothing
+            acc = fma_ftz(x, f32(topk_scales[t, k]), acc)
+        if routed_scaling_factor != 1: acc = acc * fp32(routed_scaling_factor)
+        if shared_expert_output:       acc = acc + f32(shared_expert_output[t, j])
+        out[t, j] = cast(acc)                                   # the one rounding (RNE)
+
+    Shapes: ``permuted_input`` [R, H], map / scales / expert_ids [M, K], bias [E, H], shared
+    [M, H]. ``out_dtype`` defaults to the dtype of ``permuted_input``.
+    """
+    m, top_k = expanded_idx_to_permuted_idx.shape
+    h = permuted_input.shape[1]
+    out_dtype = out_dtype or permuted_input.dtype
+    out = torch.empty(m, h, dtype=out_dtype, device=permuted_input.device)
+    n_rows = permuted_input.shape[0]
+    rows, valid = slot_rows(expanded_idx_to_permuted_idx, n_rows, input_is_expanded)
+    step = max(1, _CHUNK_ELEMENTS // max(1, h * max(1, top_k)))
+    for t0 in range(0, m, step):
+        sl = slice(t0, min(m, t0 + step))
+        acc = _finalize_rows(
+            permuted_input,
+            rows[sl],
+            valid[sl],
+            topk_scales[sl],
+            bias,
+            expert_ids[sl] if expert_ids is not None else None,
+            routed_scaling_factor,
+            shared_expert_output[sl] if shared_expert_output is not None else None,
+        )
+        out[sl] = acc.to(out_dtype)
+    return out
+
+
+def moe_finalize_scatter_add_reference(
+    permuted_input: torch.Tensor,
+    permuted_idx_to_expanded_idx: torch.Tensor,
+    topk_scales: torch.Tensor,
+    *,
+    routed_scaling_factor: float = 1.0,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Scatter-add finalize (the GEMM-epilogue style), new ``[M, H]`` tensor::
+
+        buf = zeros(M, H) FP32
+        for each permuted row p with e = permuted_idx_to_expanded_idx[p] in [0, M*K):
+            buf[e // K] += f32(permuted_input[p]) * f32(topk_scales[e // K, e % K])   # FP32
+        out = cast(buf * fp32(routed_scaling_factor))   # multiply skipped when 1.0
+
+    The order of the additions into ``buf`` is unspecified (atomics on the GPU), so results may
+    differ from :func:`moe_finalize_reference` by FP32 reassociation — this path exists to be
+    compared against, not to be bit-reproducible.
+    """
+    m, top_k = topk_scales.shape
+    h = permuted_input.shape[1]
+    out_dtype = out_dtype or permuted_input.dtype
+    e = permuted_idx_to_expanded_idx.long()
+    rows = ((e >= 0) & (e < m * top_k)).nonzero().squeeze(1)
+    e = e[rows]
+    w = topk_scales.reshape(-1).float()[e]
+    buf = torch.zeros(m, h, dtype=torch.float32, device=permuted_input.device)
+    buf.index_add_(0, e // top_k, permuted_input.index_select(0, rows).float() * w[:, None])
+    if routed_scaling_factor != 1.0:
+        buf = buf * torch.tensor(routed_scaling_factor, dtype=torch.float32)
+    return buf.to(out_dtype)
+
+
+def moe_permute_reference(
+    input: torch.Tensor, permuted_idx_to_expanded_idx: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """``out[p] = input[e // top_k]`` for ``e = permuted_idx_to_expanded_idx[p]`` in
+    ``[0, M*top_k)``; other rows (padding) are zeros. New ``[R, H]`` tensor, same dtype."""
+    m, h = input.shape
+    e = permuted_idx_to_expanded_idx.long()
+    valid = (e >= 0) & (e < m * top_k)
+    out = torch.zeros(e.shape[0], h, dtype=input.dtype, device=input.device)
+    rows = valid.nonzero().squeeze(1)
+    out[rows] = input.index_select(0, e[rows] // top_k)
+    return out

@@ -1,0 +1,35 @@
+"""Column tiles of the MoE kernels — a function of the row width H alone (no triton import, so
+the public API can answer ``supports_*`` without loading triton).
+
+The finalize gives every output element its own sequential FMA chain over the K slots, so the tile
+cannot change a result bit; it is still fixed per H so that a new token count never recompiles.
+"""
+
+from __future__ import annotations
+
+#: K up to this is unrolled with tl.static_range (all K row loads in flight at once); larger K
+#: uses a run-time loop (same order, same bits)
+MAX_UNROLL_K = 16
+#: columns of one program for wide rows: 128 threads x one 16-byte vector of 16-bit elements
+MAX_BLOCK = 1024
+ELEMS_PER_THREAD = 8
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def finalize_tile(hidden: int) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` for rows of ``hidden`` columns.
+
+    Rows up to 1024 columns are one program each; wider rows are split into 1024-column tiles
+    (one 16-byte load per thread and slot, so K independent loads in flight per thread).
+    """
+    block = max(32, min(MAX_BLOCK, next_pow2(hidden)))
+    warps = max(1, min(8, block // (32 * ELEMS_PER_THREAD)))
+    return block, warps
+
+
+def vec_width(hidden: int, *row_strides: int) -> int:
+    """8 when H and every row stride are multiples of 8 elements (16-byte vectors), else 1."""
+    return 8 if hidden % 8 == 0 and all(s % 8 == 0 for s in row_strides) else 1
