@@ -1,7 +1,7 @@
-"""Time the norm kernels under several tile choices (warps per row) on the GPU.
+"""Time the norm kernels under several tile choices on the GPU and print register use.
 
-Used to pick the constants of moefuse/norm/tiles.py; the choice must stay a function of the width
-only. Run: PYTHONPATH=src python3 scripts/sweep_norm_tiles.py
+Used to pick the constants of moefuse/norm/tiles.py and moefuse/norm/triton.py (the choice must
+stay a function of the width only). Run: PYTHONPATH=src python3 scripts/sweep_norm_tiles.py
 """
 
 import torch
@@ -9,49 +9,65 @@ import torch
 import moefuse
 from moefuse.bench import harness
 from moefuse.norm import tiles
+from moefuse.norm import triton as nt
+
+BF = torch.bfloat16
+
+
+def _sets(m, h):
+    out = []
+    for _ in range(harness.rotation_sets(12 * m * h)):
+        out.append((torch.randn(m, h, device="cuda").to(BF),
+                    torch.randn(m, h, device="cuda").to(BF),
+                    torch.randn(m, h, device="cuda"), torch.empty(m, h, device="cuda"),
+                    torch.empty(m, h, device="cuda", dtype=BF)))  # fmt: skip
+    return out
+
+
+def _time(op, sets, w, a):
+    n = len(sets)
+    if op == "add":
+        fn = lambda i: moefuse.fused_add_rmsnorm(sets[i % n][0], sets[i % n][1], w, impl="triton")
+    elif op == "gated":
+        fn = lambda i: moefuse.gated_residual_rmsnorm(
+            sets[i % n][0], sets[i % n][2], None, a, a, out=sets[i % n][3], impl="triton")
+    else:
+        fn = lambda i: moefuse.gated_residual_next_rmsnorm(
+            sets[i % n][0], sets[i % n][2], w, a, a, residual_out=sets[i % n][3],
+            ffn_input=sets[i % n][4], impl="triton")  # fmt: skip
+    return harness.graph_time_us(fn, calls=max(20, n))
 
 
 def main() -> None:
-    print(f"ceiling {harness.copy_ceiling_tbs():.2f} TB/s")
-    bf = torch.bfloat16
-    for h in (4096, 8192):
-        for m in (1, 128, 2048, 16384):
-            sets = []
-            for _ in range(harness.rotation_sets(12 * m * h)):
-                sets.append((torch.randn(m, h, device="cuda").to(bf),
-                             torch.randn(m, h, device="cuda").to(bf),
-                             torch.randn(m, h, device="cuda"),
-                             torch.empty(m, h, device="cuda"),
-                             torch.empty(m, h, device="cuda", dtype=bf)))  # fmt: skip
-            w, a = torch.randn(h, device="cuda").to(bf), torch.rand(h, device="cuda")
-            n = len(sets)
-            line = f"H={h} M={m:6d}"
-            for ept in (4, 8, 16, 32):
-                tiles.ELEMS_PER_THREAD = ept
-                t_add = harness.graph_time_us(
-                    lambda i, n=n, sets=sets: moefuse.fused_add_rmsnorm(
-                        sets[i % n][0], sets[i % n][1], w, impl="triton"), calls=max(20, n))
-                t_next = harness.graph_time_us(
-                    lambda i, n=n, sets=sets: moefuse.gated_residual_next_rmsnorm(
-                        sets[i % n][0], sets[i % n][2], w, a, a, residual_out=sets[i % n][3],
-                        ffn_input=sets[i % n][4], impl="triton"), calls=max(20, n))
-                warps = tiles.row_tile(h).num_warps
-                line += (f" | ept={ept} w={warps}: add {t_add:7.2f}us "
-                         f"({8 * m * h / t_add / 1e6:.2f} TB/s) next {t_next:7.2f}us "
-                         f"({12 * m * h / t_next / 1e6:.2f})")
-            print(line, flush=True)
-    tiles.ELEMS_PER_THREAD = 8
-    for d in (64, 128):
-        for m in (2048, 16384):
-            x = torch.randn(m, 32, d, device="cuda").to(bf)
-            g = torch.randn(m, 32, d, device="cuda").to(bf)
-            line = f"gate D={d} M={m}"
-            for target in (1024, 2048, 4096, 8192):
-                tiles.TILE_ELEMENTS = target
-                t = harness.graph_time_us(
-                    lambda i: moefuse.rmsnorm_sigmoid_gate(x, g, impl="triton"), calls=20)
-                line += f" | tile={target}: {t:7.2f}us ({6 * x.numel() / t / 1e6:.2f} TB/s)"
-            print(line, flush=True)
+    print(f"ceiling {harness.copy_ceiling_tbs():.2f} TB/s", flush=True)
+    bytes_per = {"add": 8, "gated": 10, "next": 12}
+    plan = [(4096, 2048, "add"), (4096, 16384, "add"), (8192, 16384, "gated"),
+            (8192, 16384, "next"), (8192, 2048, "next"), (4096, 1024, "next")]  # fmt: skip
+    for h, m, op in plan:
+        sets = _sets(m, h)
+        w, a = torch.randn(h, device="cuda").to(BF), torch.rand(h, device="cuda")
+        line = f"{op:5s} H={h} M={m:6d}"
+        for warps in (4, 8, 16):
+            for single in (16384, 4096):
+                for evict in ("evict_first", ""):
+                    if single == 4096 and (h == 4096 or evict == ""):
+                        continue
+                    tiles.MAX_WARPS = warps
+                    tiles.ELEMS_PER_THREAD = 1
+                    tiles.MAX_SINGLE_BLOCK = single
+                    tiles.CHUNK_BLOCK = min(8192, single)
+                    nt.STREAM_EVICTION = evict
+                    us = _time(op, sets, w, a)
+                    tag = f"w{warps}{'c' if single < h else ''}{'E' if evict else ''}"
+                    line += f" | {tag} {us:7.2f}us {bytes_per[op] * m * h / us / 1e6:.2f}"
+        print(line, flush=True)
+    for kernel in (nt._fused_add_rmsnorm_kernel, nt._gated_residual_kernel,
+                   nt._gated_residual_next_kernel):  # fmt: skip
+        for cache in kernel.device_caches.values():
+            for ck in cache[0].values():
+                md = ck.metadata
+                print(kernel.fn.__name__, "warps", md.num_warps, "regs", ck.n_regs,
+                      "spills", ck.n_spills)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ class RowTile:
         return ((n_rows + self.rows - 1) // self.rows,)
 
 
-def row_tile(width: int, *, max_single: int = MAX_SINGLE_BLOCK) -> RowTile:
+def row_tile(width: int, *, max_single: int | None = None) -> RowTile:
     """The tile for rows of ``width`` elements (see module docstring for why it ignores M)."""
+    max_single = MAX_SINGLE_BLOCK if max_single is None else max_single
     if width < 1:
         raise ValueError(f"row width must be >= 1, got {width}")
     if width <= max_single:

@@ -28,6 +28,8 @@ from moefuse._runtime import interpreter_active
 from moefuse.norm.tiles import row_tile
 
 LOG2E = 1.4426950408889634
+#: cache hint of activation loads (each byte is read once); weights keep the default policy
+STREAM_EVICTION = "evict_first"
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -38,11 +40,11 @@ def _row_base(rows, HEADS, stride_t, stride_h):
 
 
 @triton.jit
-def _ld(ptrs, mask, MASKED: tl.constexpr):
+def _ld(ptrs, mask, MASKED: tl.constexpr, EVICT: tl.constexpr = ""):
     if MASKED:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     else:
-        return tl.load(ptrs).to(tl.float32)
+        return tl.load(ptrs, eviction_policy=EVICT).to(tl.float32)
 
 
 @triton.jit
@@ -80,6 +82,7 @@ def _rmsnorm_kernel(
     x_st, x_sh, g_st, g_sh, o_st, o_sh,
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    EVICT: tl.constexpr,
     HAS_GATE: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out = cast((x * r) * m), m = f32(w) + gain_center, or sigmoid(gate) when HAS_GATE."""
@@ -93,9 +96,9 @@ def _rmsnorm_kernel(
             w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED)
+        x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT)
         if HAS_GATE:
-            g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED)
+            g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT)
             w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
         if USE_PDL:
             gdc_launch_dependents()
@@ -112,9 +115,9 @@ def _rmsnorm_kernel(
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED)
+            x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT)
             if HAS_GATE:
-                g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED)
+                g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT)
                 w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
             else:
                 w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
@@ -130,6 +133,7 @@ def _fused_add_rmsnorm_kernel(
     x_st, r_st,
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    EVICT: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """h = f32(x) + f32(res); res <- cast(h); x <- cast((h * r) * g), r from the FP32 h."""
@@ -141,8 +145,8 @@ def _fused_add_rmsnorm_kernel(
         w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED)
-        h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
+        h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT)
+        h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
         if USE_PDL:
             gdc_launch_dependents()
         _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
@@ -161,8 +165,8 @@ def _fused_add_rmsnorm_kernel(
         # second pass recomputes the same FP32 h (both inputs are still unmodified for this chunk)
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED)
-            h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
+            h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT)
+            h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
             w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
             _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
             _st(x_ptr + x_row + cols[None, :], (h * r) * w, mask, MASKED, PTX)
@@ -177,6 +181,7 @@ def _gated_residual_kernel(
     b_st, r_st, o_st,
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    EVICT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """x = f32(branch) [* (f32(w) + c)]; out = alpha * residual + beta * (x * r)  (all FP32)."""
@@ -193,8 +198,8 @@ def _gated_residual_kernel(
             w = _ld(w_ptr + cols, cmask, MASKED)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED)
-        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
+        x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT)
+        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
         if USE_PDL:
             gdc_launch_dependents()
         if HAS_WEIGHT:
@@ -215,10 +220,10 @@ def _gated_residual_kernel(
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             cmask = cols < H
-            x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED)
+            x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT)
             if HAS_WEIGHT:
                 x = x * (_ld(w_ptr + cols, cmask, MASKED)[None, :] + gain_center)
-            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
+            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
             a = _ld(alpha_ptr + cols, cmask, MASKED)[None, :]
             be = _ld(beta_ptr + cols, cmask, MASKED)[None, :]
             _st(out_ptr + o_row + cols[None, :], tl.fma(a, res, be * (x * r)), mask, MASKED, PTX)
@@ -240,6 +245,22 @@ def _stream_update(res, b, a_ptr, be_ptr, cols, cmask, alpha_scalar, r1,
     return tl.fma(be * b, r1, res)
 
 
+@triton.jit
+def _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED: tl.constexpr, HAS_ROUTER: tl.constexpr,
+               PTX: tl.constexpr):  # fmt: skip
+    """ffn_input = cast(y) and, when asked, router_input = y (FP32).
+
+    With a router output, ffn_input is rounded from the stored router values re-read by the same
+    threads: Triton may recompute ``y`` in a second register layout for the 16-bit store, and on
+    H200 that copy differed from the FP32 one by an ulp now and then (ffn != cast(router)).
+    """
+    if HAS_ROUTER:
+        _st(router_ptrs, y, mask, MASKED, PTX)
+        tl.debug_barrier()
+        y = _ld(router_ptrs, mask, MASKED)
+    _st(ffn_ptrs, y, mask, MASKED, PTX)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _gated_residual_next_kernel(
     b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr,
@@ -247,6 +268,7 @@ def _gated_residual_next_kernel(
     b_st, r_st, ro_st, f_st, rt_st,
     alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    EVICT: tl.constexpr,
     ALPHA_MODE: tl.constexpr, HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -268,8 +290,8 @@ def _gated_residual_next_kernel(
             pw = _ld(pw_ptr + cols, cmask, MASKED)[None, :] + post_gain_center
         if USE_PDL:
             gdc_wait()
-        b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED)
-        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
+        b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT)
+        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
         if USE_PDL:
             gdc_launch_dependents()
         if HAS_POST_WEIGHT:
@@ -280,10 +302,8 @@ def _gated_residual_next_kernel(
         _st(rout_ptr + ro_row + cols[None, :], ro, mask, MASKED, PTX)
         # padded columns hold ro = 0 (b = res = 0 there), so they add nothing to the sum
         r2 = _inv_rms(tl.sum(ro * ro, axis=1), Hf, next_eps)[:, None]
-        y = (ro * r2) * nw
-        _st(ffn_ptr + f_row + cols[None, :], y, mask, MASKED, PTX)
-        if HAS_ROUTER:
-            _st(router_ptr + rt_row + cols[None, :], y, mask, MASKED, PTX)
+        _store_ffn(ffn_ptr + f_row + cols[None, :], router_ptr + rt_row + cols[None, :],
+                   (ro * r2) * nw, mask, MASKED, HAS_ROUTER, PTX)  # fmt: skip
     else:
         if USE_PDL:
             gdc_wait()
@@ -299,10 +319,10 @@ def _gated_residual_next_kernel(
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             cmask = cols < H
-            b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED)
+            b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT)
             if HAS_POST_WEIGHT:
                 b = b * (_ld(pw_ptr + cols, cmask, MASKED)[None, :] + post_gain_center)
-            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
+            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
             ro = _stream_update(res, b, alpha_ptr, beta_ptr, cols, cmask, alpha_scalar, r1,
                                 ALPHA_MODE, MASKED)  # fmt: skip
             _st(rout_ptr + ro_row + cols[None, :], ro, mask, MASKED, PTX)
@@ -316,10 +336,8 @@ def _gated_residual_next_kernel(
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             nw = _ld(nw_ptr + cols, cols < H, MASKED)[None, :] + next_gain_center
             ro = _ld(rout_ptr + ro_row + cols[None, :], mask, MASKED)
-            y = (ro * r2) * nw
-            _st(ffn_ptr + f_row + cols[None, :], y, mask, MASKED, PTX)
-            if HAS_ROUTER:
-                _st(router_ptr + rt_row + cols[None, :], y, mask, MASKED, PTX)
+            _store_ffn(ffn_ptr + f_row + cols[None, :], router_ptr + rt_row + cols[None, :],
+                       (ro * r2) * nw, mask, MASKED, HAS_ROUTER, PTX)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -360,6 +378,7 @@ def launch_rmsnorm(
         x_st, x_sh, g_st, g_sh, o_st, o_sh,
         eps, gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
+        EVICT=STREAM_EVICTION,
         HAS_GATE=gate is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
@@ -385,6 +404,7 @@ def launch_fused_add_rmsnorm(
         input.stride(0), residual.stride(0),
         eps, gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
+        EVICT=STREAM_EVICTION,
         PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
@@ -412,6 +432,7 @@ def launch_gated_residual_rmsnorm(
         branch.stride(0), residual.stride(0), out.stride(0),
         eps, gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
+        EVICT=STREAM_EVICTION,
         HAS_WEIGHT=weight is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
@@ -450,6 +471,7 @@ def launch_gated_residual_next_rmsnorm(
         router.stride(0),
         alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
+        EVICT=STREAM_EVICTION,
         ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,
         HAS_ROUTER=router_input is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
