@@ -167,3 +167,23 @@ def scale_offsets(m: int, kb: int, layout: str) -> torch.Tensor:
         return (r // 128) * (kp * 128) + (k // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 \
             + k % 4
     return (r // 8) * (kp * 8) + (k // 4) * 32 + (r % 8) * 4 + k % 4
+
+
+def _ordered_code(codes: torch.Tensor, sign_bit: int) -> torch.Tensor:
+    c = codes.to(torch.int64)
+    mag = c & (sign_bit - 1)
+    return torch.where((c & sign_bit) != 0, -mag, mag)
+
+
+def fp8_code_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Steps between FP8 codes along the value axis (``+0``/``-0`` are 0 apart); int64 tensor.
+
+    Adjacent finite FP8 values are one step apart, so this measures "off by one rounding"."""
+    oa = _ordered_code(a.view(torch.uint8), 0x80)
+    return (oa - _ordered_code(b.view(torch.uint8).to(a.device), 0x80)).abs()
+
+
+def e2m1_code_distance(a_packed: torch.Tensor, b_packed: torch.Tensor) -> torch.Tensor:
+    """Steps between the E2M1 codes of two packed NVFP4 tensors (per element, int64)."""
+    a, b = unpack_nibbles(a_packed), unpack_nibbles(b_packed.to(a_packed.device))
+    return (_ordered_code(a, 8) - _ordered_code(b, 8)).abs()

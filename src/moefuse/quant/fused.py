@@ -179,17 +179,28 @@ def _rmsnorm_fp4_kernel(
     r_row = r64 * r_st
     p_row = r64 * p_st
     y_row = r64 * y_st
+    if NUM_CHUNKS == 1:
+        # parameters before the grid-dependency wait; activations and every store after it
+        cols = tl.arange(0, BLOCK)
+        w = _ld(w_ptr + cols, cols < H, True)[None, :] + gain_center
+    if USE_PDL:
+        gdc_wait()
     # padding block columns [KB, n_kcols) of every row this program owns (fewer than 4)
     kpad = KB + tl.arange(0, 4)
     pad_off = D.scale_offset(r64, kpad[None, :].to(tl.int64), n_kcols, LAYOUT)
     pad_mask = (rows < n_rows_padded)[:, None] & (kpad < n_kcols)[None, :]
     tl.store(s_ptr + pad_off, tl.zeros((ROWS, 4), dtype=tl.uint8), mask=pad_mask)
-    if NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK)
+    if pid * ROWS >= n_rows:
+        # a program of padding rows only (e.g. rows M..127 of SWIZZLED_128x4): zero scale bytes,
+        # no loads, no math
+        smask_rows = (rows < n_rows_padded)[:, None]
+        for c in tl.static_range(NUM_CHUNKS):
+            ks = c * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+            off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
+            tl.store(s_ptr + off, tl.zeros((ROWS, BLOCK // 16), dtype=tl.uint8),
+                     mask=smask_rows & (ks < KB)[None, :])  # fmt: skip
+    elif NUM_CHUNKS == 1:
         mask = live_rows & (cols < H)[None, :]
-        w = _ld(w_ptr + cols, cols < H, True)[None, :] + gain_center
-        if USE_PDL:
-            gdc_wait()
         gs = tl.load(gs_ptr).to(tl.float32)
         h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL)
         if USE_PDL:
@@ -201,8 +212,6 @@ def _rmsnorm_fp4_kernel(
                       s_ptr, y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
                       HAS_NORM_OUT, PTX)  # fmt: skip
     else:
-        if USE_PDL:
-            gdc_wait()
         gs = tl.load(gs_ptr).to(tl.float32)
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in tl.static_range(NUM_CHUNKS):
