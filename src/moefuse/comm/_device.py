@@ -1,0 +1,204 @@
+"""Triton device helpers of the communication kernels: peer addressing, bounded waits, and the
+per-row epilogue (residual add, RMSNorm, quantization) that every all-reduce algorithm shares.
+
+Sharing one epilogue is what makes the algorithms agree bit for bit: each of them produces the
+same T-rounded sum ``s`` of a row (FP32 rank-order sum from +0.0, one rounding) and hands it to
+:func:`epilogue_row`. The row statistic is summed in FP64 from exact squares (every BF16/FP16/FP32
+square is exact in FP64) and rounded once to FP32: a different ``tl.sum`` tree — another kernel,
+another register layout — could only change the FP32 result if the FP64 sums differed across an
+FP32 rounding boundary, which needs a relative FP64 difference of ~2^-53 to hit a 2^-24 window
+(probability ~2^-29 per row); within one kernel the tree is fixed by the width anyway.
+
+Conventions: ``PTX`` (constexpr) is False in Triton's interpreter, which cannot run inline PTX or
+PDL intrinsics; the off-path computes the same thing (the clock comes from a host-refreshed word,
+see :class:`moefuse.comm.transport.CpuClock`). Peer base addresses are stored in 16-byte units so
+that Triton can prove the alignment of every peer row and vectorize it.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+from moefuse._device import round_to, rsqrt_fast
+from moefuse.quant import device as QD
+
+# Control-block words (int32, local to a rank; see moefuse.comm.workspace for their lifecycle).
+CTRL_GEN: tl.constexpr = tl.constexpr(0)  # Lamport generation 0, 1, 2, 0, ...
+CTRL_ARRIVE_1S: tl.constexpr = tl.constexpr(1)  # one-shot CTA arrival counter
+CTRL_EPOCH: tl.constexpr = tl.constexpr(2)  # two-shot barrier epoch 1..2^30
+CTRL_ARRIVE_2S: tl.constexpr = tl.constexpr(3)  # two-shot CTA arrival counter
+CTRL_STATUS: tl.constexpr = tl.constexpr(4)  # bit r set: rank r never arrived (bounded wait)
+EPOCH_WRAP: tl.constexpr = tl.constexpr(1 << 30)
+
+
+@triton.jit
+def now_ns(clock_ptr, PTX: tl.constexpr):
+    """Nanosecond clock: ``%globaltimer`` on the GPU, the host-refreshed word in the interpreter."""
+    if PTX:
+        return globaltimer()
+    else:
+        return tl.load(clock_ptr, volatile=True)
+
+
+@triton.jit
+def sentinel(BITS: tl.constexpr):
+    """The Lamport "empty" pattern: negative zero of the payload type, as a signed integer."""
+    if BITS == 16:
+        return -32768
+    else:
+        return -2147483648
+
+
+@triton.jit
+def empty_row(BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """A row of sentinels, to re-arm a consumed Lamport slot."""
+    if BITS == 16:
+        return tl.full([BLOCK], -32768, tl.int16)
+    else:
+        return tl.full([BLOCK], -2147483648, tl.int32)
+
+
+@triton.jit
+def as_bits(x, BITS: tl.constexpr):
+    if BITS == 16:
+        return x.to(tl.int16, bitcast=True)
+    else:
+        return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def peer_base(table_ptr, q, off16, BITS: tl.constexpr):
+    """Integer-typed pointer to region ``off16`` (16-byte units) of rank ``q``'s buffer."""
+    addr = (tl.load(table_ptr + q) + off16) * 16
+    if BITS == 16:
+        return addr.to(tl.pointer_type(tl.int16))
+    else:
+        return addr.to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def flag_ptrs(table_ptr, ranks, rmask, flags_off16, index):
+    """Pointers to int32 flag ``index`` of every rank in ``ranks`` (masked lanes: rank 0)."""
+    base = (tl.load(table_ptr + ranks, mask=rmask, other=0) + flags_off16) * 16
+    return base.to(tl.pointer_type(tl.int32)) + index
+
+
+@triton.jit
+def signal_peers(table_ptr, flags_off16, slot, rank, value, P: tl.constexpr, PP: tl.constexpr):
+    """Release-store ``value`` into flag ``[slot, rank]`` of every other rank (system scope).
+
+    The CTA barrier first makes every thread's earlier stores part of what the release publishes.
+    """
+    tl.debug_barrier()
+    ranks = tl.arange(0, PP)
+    rmask = (ranks < P) & (ranks != rank)
+    ptrs = flag_ptrs(table_ptr, ranks, rmask, flags_off16, slot * P + rank)
+    tl.atomic_xchg(ptrs, tl.zeros([PP], tl.int32) + value, mask=rmask, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_peers(table_ptr, flags_off16, slot, rank, value, deadline, clock_ptr,
+               P: tl.constexpr, PP: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Wait (acquire, system scope) until this rank's flags ``[slot, q]`` equal ``value`` for
+    every other rank q, or until ``deadline``. Returns the bit mask of ranks still missing (0 on
+    success). Polls with atomics so the successful read is itself the acquire; the CTA barrier
+    after it orders every thread's later loads behind that acquire."""
+    ranks = tl.arange(0, PP)
+    rmask = (ranks < P) & (ranks != rank)
+    mine = flag_ptrs(table_ptr, rank + ranks * 0, rmask, flags_off16, slot * P + ranks)
+    seen = tl.atomic_add(mine, tl.zeros([PP], tl.int32), mask=rmask, sem="acquire", scope="sys")
+    missing = tl.sum(tl.where(rmask & (seen != value), 1 << ranks, 0), axis=0)
+    expired = missing * 0
+    while (missing != 0) & (expired == 0):
+        seen = tl.atomic_add(mine, tl.zeros([PP], tl.int32), mask=rmask, sem="acquire",
+                             scope="sys")  # fmt: skip
+        missing = tl.sum(tl.where(rmask & (seen != value), 1 << ranks, 0), axis=0)
+        expired = (now_ns(clock_ptr, PTX) > deadline).to(tl.int32)
+    tl.debug_barrier()
+    return missing
+
+
+@triton.jit
+def poll_row(ptr, cmask, deadline, clock_ptr, BITS: tl.constexpr, PTX: tl.constexpr):
+    """Lamport receive: volatile-load the row until no element is the sentinel (or the deadline
+    passes). Returns ``(bits, pending)``; ``pending != 0`` means the wait timed out."""
+    SENT = sentinel(BITS)
+    v = tl.load(ptr, mask=cmask, other=0, volatile=True)
+    pending = tl.max((v == SENT).to(tl.int32), axis=0)
+    expired = pending * 0
+    while (pending != 0) & (expired == 0):
+        v = tl.load(ptr, mask=cmask, other=0, volatile=True)
+        pending = tl.max((v == SENT).to(tl.int32), axis=0)
+        expired = (now_ns(clock_ptr, PTX) > deadline).to(tl.int32)
+    return v, pending
+
+
+@triton.jit
+def scrub(bits, BITS: tl.constexpr):
+    """-0.0 -> +0.0 in the payload (numerically the same; a -0.0 would look like "not arrived")."""
+    return tl.where(bits == sentinel(BITS), tl.zeros_like(bits), bits)
+
+
+@triton.jit
+def accumulate(acc, v, T: tl.constexpr, FP32_ACC: tl.constexpr, PTX: tl.constexpr):
+    """One step of the rank-order sum: FP32 running sum, or T-rounded after every add."""
+    if FP32_ACC:
+        return acc + v
+    else:
+        return round_to(acc + v, T, PTX).to(tl.float32)
+
+
+@triton.jit
+def epilogue_row(
+    s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+    out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr,
+    T: tl.constexpr, BLOCK_H: tl.constexpr, PATTERN: tl.constexpr, WRITE_NORM: tl.constexpr,
+    LAYOUT: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """Everything after the all-reduce for token row ``t`` (SPEC §3.1).
+
+    ``s``: FP32 values of the T-rounded sum (masked lanes 0); ``res``: the residual row widened to
+    FP32; ``g = f32(weight) + weight_bias``. PATTERN 0 writes ``s``; otherwise
+    ``h = T(s + res)`` -> residual_out, ``n = T((h * r) * g)`` with ``r`` the inverse RMS of the
+    ROUNDED h -> norm_out (when WRITE_NORM), and PATTERN 2 (FP8) / 3 (NVFP4) quantize ``n``.
+    """
+    t64 = t.to(tl.int64)
+    if PATTERN == 0:
+        tl.store(out_ptr + t64 * out_st + cols, round_to(s, T, PTX), mask=cmask)
+    else:
+        h = round_to(s + res, T, PTX)
+        tl.store(rout_ptr + t64 * rout_st + cols, h, mask=cmask)
+        hf = tl.where(cmask, h.to(tl.float32), 0.0)
+        hd = hf.to(tl.float64)
+        sumsq = tl.sum(hd * hd, axis=0).to(tl.float32)
+        r = rsqrt_fast(tl.math.div_rn(sumsq, Hf) + eps)
+        n = round_to((hf * r) * g, T, PTX)
+        if WRITE_NORM:
+            tl.store(nout_ptr + t64 * nout_st + cols, n, mask=cmask)
+        if PATTERN == 2:
+            q = QD.fp8_encode(n.to(tl.float32) * inv_scale, 0, PTX)
+            tl.store(q_ptr + t64 * q_st + cols, q, mask=cmask)
+        if PATTERN == 3:
+            nf = tl.where(cmask, n.to(tl.float32), 0.0)
+            packed, sf = QD.nvfp4_quantize_rows(tl.reshape(nf, (1, BLOCK_H)), gs, rcp_gs,
+                                                BLOCK_H, 1, PTX)  # fmt: skip
+            half = tl.arange(0, BLOCK_H // 2)
+            tl.store(q_ptr + t64 * q_st + half, tl.reshape(packed, (BLOCK_H // 2,)),
+                     mask=half * 2 < H)  # fmt: skip
+            ks = tl.arange(0, BLOCK_H // 16)
+            kb = H // 16
+            sfv = tl.where(ks < kb, tl.reshape(sf, (BLOCK_H // 16,)), 0).to(tl.uint8)
+            off = QD.scale_offset(t64, ks.to(tl.int64), n_kcols, LAYOUT)
+            tl.store(sf_ptr + off, sfv, mask=ks < n_kcols)
+
+
+@triton.jit
+def zero_scale_rows(sf_ptr, first, stop, step, n_kcols, LAYOUT: tl.constexpr,
+                    KP_BLOCK: tl.constexpr):  # fmt: skip
+    """Write 0 into every scale byte of padding rows ``first, first+step, ... < stop``."""
+    ks = tl.arange(0, KP_BLOCK)
+    row = first
+    while row < stop:
+        off = QD.scale_offset(row.to(tl.int64), ks.to(tl.int64), n_kcols, LAYOUT)
+        tl.store(sf_ptr + off, tl.zeros([KP_BLOCK], tl.uint8), mask=ks < n_kcols)
+        row += step

@@ -1,0 +1,199 @@
+"""Peer-visible memory for the communication workspace: one byte buffer per rank, mapped into every
+rank's address space, addressed by a table of base addresses.
+
+Backends (chosen by :class:`moefuse.comm.AllReduceWorkspace` from the device type):
+
+* :class:`SymmetricMemoryTransport` (CUDA): ``torch.distributed._symmetric_memory.empty`` +
+  ``rendezvous`` with NVLink multicast disabled; ``buffer_ptrs`` are the peers' buffers mapped into
+  this process over NVLink P2P (unicast loads and stores only, never ``multimem``).
+* :class:`SharedMemoryTransport` (CPU): one file per rank in a shared-memory directory, mapped
+  ``MAP_SHARED`` by every process of the group. The Triton interpreter dereferences raw addresses,
+  so the same kernels that run on the GPU run across real processes on CPU tensors.
+
+Both expose ``local`` (this rank's buffer as a uint8 tensor), ``peer_addrs`` (the address, valid in
+this process, of every rank's buffer; index = rank in the group) and an idempotent ``close()``.
+Neither ever hands a shared buffer to a kernel as a tensor argument: Triton's interpreter copies
+tensor arguments back after a launch, which would race with peers writing the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+#: environment the GPU transport (and every process that benchmarks against NCCL/symm-mem) keeps
+#: set: multicast (NVLS) must never be used, and NCCL must not pick it either.
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+#: every base address is a multiple of this (kernels load table entries in 16-byte units so that
+#: Triton can prove 16-byte alignment and vectorize peer loads and stores)
+ALIGN = 16
+
+
+def disable_multicast_env() -> None:
+    """Set the no-multicast variables (without overriding an explicit user choice)."""
+    for key, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class SharedMemoryTransport:
+    """Per-rank buffers in shared-memory files; collective over a gloo ``group``.
+
+    Construction: every rank creates and zero-fills its file, the names are exchanged with
+    ``all_gather_object``, every rank maps every file, a barrier, and each rank unlinks its own
+    file (the mappings outlive the names). ``close()`` is collective too (barrier, unmap).
+    """
+
+    kind = "shm"
+
+    def __init__(self, group, nbytes: int, init=None, vote=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.nbytes = int(nbytes)
+        tag = uuid.uuid4().hex[:12]
+        self._path = os.path.join(_shm_dir(), f"moefuse-comm-{os.getpid()}-{tag}-r{self.rank}")
+        try:
+            storage = torch.UntypedStorage.from_file(self._path, True, self.nbytes)
+            error = None
+        except Exception as exc:  # e.g. no space in the shared-memory directory
+            error = exc
+        _agree(vote, error, self._unlink)
+        self.local = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.local.zero_()
+        if init is not None:
+            init(self.local)
+        paths = [None] * self.world_size
+        dist.all_gather_object(paths, self._path, group=group)
+        self._maps = []
+        for r, path in enumerate(paths):
+            if r == self.rank:
+                self._maps.append(self.local)
+            else:
+                st = torch.UntypedStorage.from_file(path, True, self.nbytes)
+                self._maps.append(torch.empty(0, dtype=torch.uint8).set_(st))
+        self.peer_addrs = [m.data_ptr() for m in self._maps]
+        if any(a % ALIGN for a in self.peer_addrs):
+            raise RuntimeError("shared-memory mapping is not 16-byte aligned")
+        dist.barrier(group=group)
+        # every rank has mapped every file: the names can go now (the mappings stay valid), so a
+        # crashed process never leaves a file behind
+        self._unlink()
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        dist.barrier(group=self.group)
+        self._maps = []
+        self.local = None
+        self.peer_addrs = []
+        self._unlink()
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+
+class SymmetricMemoryTransport:
+    """Per-rank buffers from torch symmetric memory over NVLink P2P, multicast disabled.
+
+    ``init(local)`` fills this rank's buffer (e.g. Lamport sentinels) before the rendezvous
+    barrier, so no peer can write into it before it is initialised.
+    """
+
+    kind = "symm_mem"
+
+    def __init__(self, group, nbytes: int, device: torch.device, init=None, vote=None):
+        disable_multicast_env()
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.nbytes = int(nbytes)
+        name = group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            try:
+                enable(name)
+            except Exception:  # newer torch registers groups itself
+                pass
+        try:
+            self.local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device)
+            error = None
+        except Exception as exc:  # e.g. out of memory, or no symmetric-memory backend
+            error = exc
+        _agree(vote, error, lambda: None)
+        self.local.zero_()
+        if init is not None:
+            init(self.local)
+        torch.cuda.synchronize(device)
+        self._handle = symm_mem.rendezvous(self.local, name)
+        self.peer_addrs = [int(p) for p in self._handle.buffer_ptrs]
+        if any(a % ALIGN for a in self.peer_addrs):
+            raise RuntimeError("symmetric-memory buffers are not 16-byte aligned")
+        dist.barrier(group=group)
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        dist.barrier(group=self.group)
+        self._handle = None
+        self.local = None
+        self.peer_addrs = []
+
+
+def _agree(vote, error, cleanup) -> None:
+    """Every rank learns whether every rank's allocation succeeded before anyone enters the
+    next collective step (a rank that failed alone would otherwise leave the others hanging)."""
+    ok = error is None
+    if vote is not None:
+        ok = vote(ok)
+    if not ok:
+        cleanup()
+        raise RuntimeError(f"peer buffer allocation failed ({error or 'on another rank'})")
+
+
+class CpuClock:
+    """A nanosecond clock in a one-element int64 tensor, refreshed by a daemon thread.
+
+    Triton's interpreter cannot read ``%globaltimer``; its bounded waits read this word instead
+    (with a volatile load), so a CPU timeout means the same wall-clock time as a GPU one. The
+    thread ticks every ``period_s``; the interpreter releases the GIL often enough for it to run.
+    """
+
+    def __init__(self, period_s: float = 0.002):
+        self.tensor = torch.zeros(1, dtype=torch.int64)
+        self._period = period_s
+        self._stop = threading.Event()
+        self.tensor[0] = time.monotonic_ns()
+        self._thread = threading.Thread(target=self._run, name="moefuse-comm-clock", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            self.tensor[0] = time.monotonic_ns()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)

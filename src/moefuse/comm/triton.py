@@ -1,0 +1,378 @@
+"""Triton kernels of the all-reduce fusions (SPEC §3.0, §3.1) and their launcher.
+
+Three algorithms, one epilogue (:func:`moefuse.comm._device.epilogue_row`), same bits:
+
+* ``_oneshot_kernel`` — Lamport. Every CTA pushes its token rows (payload -0.0 scrubbed to +0.0)
+  into slot ``[gen, t, rank]`` of every peer's buffer with plain 16-byte stores, then, for each of
+  its rows, volatile-polls the P-1 peer slots of its own buffer until no element is the -0.0
+  sentinel, re-arms each slot as soon as it has consumed it (so the amount to clear is always
+  exactly what was used, never a stale size), sums the ranks in ascending order and runs the
+  epilogue. Three generations of slots; the last CTA to arrive (atomic counter) advances the
+  device-resident generation, so nothing about it is baked into a CUDA graph.
+* ``_twoshot_kernel`` — reduce-scatter + all-gather with unicast stores only. Rank o owns tokens
+  ``[o*c, (o+1)*c)``, ``c = ceil(M/P)``. Phase 1: push every non-owned row into its owner's
+  staging slot; release-flag every peer; acquire-wait for theirs. Phase 2: the owner sums its rows
+  (own input + P-1 staging slots, rank order), rounds once and pushes the sum into every rank's
+  gather buffer; flag; wait. Phase 3: every rank runs the epilogue on its rows from its local
+  gather buffer. Flags are per (phase, CTA index, sender) and carry a device-resident epoch; CTA
+  ``j`` only ever waits on CTA ``j`` of the peers, so no CTA waits on another CTA of its own launch
+  (Triton's interpreter runs them one after another) and the grid is identical on all ranks.
+* ``_gathered_kernel`` — the torch.distributed path: the inputs of all ranks were all-gathered by
+  NCCL/gloo into ``[P, M, H]``; sum in rank order, epilogue.
+
+Every wait is bounded (``timeout_us``): a CTA that gives up ORs the missing ranks into the status
+word and stops; a later launch on the same workspace sees the status and does nothing.
+Token counts are run-time arguments (``do_not_specialize``), tiles depend on H only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse._device import rcp_fast, round_to
+from moefuse._runtime import interpreter_active
+from moefuse.comm import _device as D
+from moefuse.comm.tiles import comm_tile
+
+
+# ----------------------------------------------------------------------------- shared prologue
+@triton.jit
+def _params(w_ptr, scale_ptr, cols, cmask, weight_bias, PATTERN: tl.constexpr, PTX: tl.constexpr):
+    """Gain ``f32(w) + weight_bias`` (model parameters: loaded before the grid-dependency wait)."""
+    if PATTERN != 0:
+        g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + weight_bias
+    else:
+        g = tl.zeros(cols.shape, tl.float32)
+    return g
+
+
+@triton.jit
+def _scales(scale_ptr, PATTERN: tl.constexpr, PTX: tl.constexpr):
+    """``(1/scale, gs, rcp_fast(gs))`` from the [1] FP32 scale (IEEE 1/scale for FP8, SPEC §3.1)."""
+    one = tl.full([], 1.0, tl.float32)
+    if PATTERN == 2:
+        sc = tl.load(scale_ptr).to(tl.float32)
+        return tl.math.div_rn(one, sc), one, one
+    elif PATTERN == 3:
+        gs = tl.load(scale_ptr).to(tl.float32)
+        return one, gs, rcp_fast(gs, PTX)
+    else:
+        return one, one, one
+
+
+@triton.jit
+def _finish(ctrl_ptr, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+            PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
+            USE_PDL: tl.constexpr):  # fmt: skip
+    """Common tail: PDL trigger, status on timeout, scale padding rows, CTA arrival count.
+
+    Returns True in the one CTA that arrives last (it then advances the device-resident state)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    if missing != 0:
+        tl.atomic_or(ctrl_ptr + D.CTRL_STATUS, missing, sem="relaxed", scope="gpu")
+    if PATTERN == 3:
+        D.zero_scale_rows(sf_ptr, M + pid, M_pad, G, n_kcols, LAYOUT, KP_BLOCK)
+    old = tl.atomic_add(ctrl_ptr + arrive_idx, 1, sem="acq_rel", scope="gpu")
+    return old == G - 1
+
+
+# ----------------------------------------------------------------------------- one-shot
+@triton.jit(do_not_specialize=["M", "M_pad"])
+def _oneshot_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
+    x_st, res_st, out_st, rout_st, nout_st, q_st,
+    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
+    M, M_pad, H, Hf, rank, cap, n_kcols, eps, weight_bias, timeout_us,
+    P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
+    WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
+    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    T: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = _params(w_ptr, scale_ptr, cols, cmask, weight_bias, PATTERN, PTX)
+    if USE_PDL:
+        gdc_wait()
+    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    gen = tl.load(ctrl_ptr + D.CTRL_GEN)
+    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)  # rows pid, pid + G, ...
+    region = gen.to(tl.int64) * cap
+
+    # The first row's activations stay in registers: a CTA with one row has then read all of the
+    # previous kernel's data before it starts waiting, and lets dependents launch (PDL) early.
+    first = cmask & (n_mine > 0)
+    x0 = tl.load(x_ptr + pid.to(tl.int64) * x_st + cols, mask=first, other=0.0)
+    if PATTERN != 0:
+        res0 = tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=first, other=0.0)
+        res0 = res0.to(tl.float32)
+    else:
+        res0 = tl.zeros([BLOCK_H], tl.float32)
+
+    # push: this rank's rows into slot [gen, t, rank] of every peer
+    i = 0
+    while i < n_mine:
+        t = (pid + i * G).to(tl.int64)
+        x = tl.load(x_ptr + t * x_st + cols, mask=cmask, other=0.0)
+        bits = D.scrub(D.as_bits(x, BITS), BITS)
+        off = ((region + t) * P + rank) * H
+        for q in tl.static_range(P):
+            if q != rank:
+                tl.store(D.peer_base(table_ptr, q, lam_off16, BITS) + off + cols, bits, mask=cmask)
+        i += 1
+    if USE_PDL:
+        if n_mine <= 1:
+            gdc_launch_dependents()
+
+    # receive, reduce in rank order, epilogue
+    mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
+    empty = D.empty_row(BLOCK_H, BITS)
+    missing = 0
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = (pid + i * G).to(tl.int64)
+        if i == 0:
+            x = x0
+            res = res0
+        else:
+            x = tl.load(x_ptr + t * x_st + cols, mask=cmask, other=0.0)
+            if PATTERN != 0:
+                res = tl.load(res_ptr + t * res_st + cols, mask=cmask, other=0.0).to(tl.float32)
+            else:
+                res = res0
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for q in tl.static_range(P):
+            if q == rank:
+                v = x.to(tl.float32)
+            else:
+                ptr = mine + ((region + t) * P + q) * H + cols
+                bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
+                tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
+                missing = missing | tl.where(pending != 0, 1 << q, 0)
+                v = bits.to(T, bitcast=True).to(tl.float32)
+            acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
+        s = round_to(acc, T, PTX).to(tl.float32)
+        D.epilogue_row(s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                       out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr,
+                       T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
+        i += 1
+    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                   PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
+    if last:
+        tl.store(ctrl_ptr + D.CTRL_ARRIVE_1S, 0)
+        tl.store(ctrl_ptr + D.CTRL_GEN, (gen + 1) % 3)
+
+
+# ----------------------------------------------------------------------------- two-shot
+@triton.jit(do_not_specialize=["M", "M_pad"])
+def _twoshot_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
+    x_st, res_st, out_st, rout_st, nout_st, q_st,
+    table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr,
+    M, M_pad, H, Hf, rank, chunk_cap, n_kcols, eps, weight_bias, timeout_us,
+    P: tl.constexpr, PP: tl.constexpr, NSLOT: tl.constexpr, BLOCK_H: tl.constexpr,
+    BITS: tl.constexpr, PATTERN: tl.constexpr, WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr,
+    KP_BLOCK: tl.constexpr, FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    T: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = _params(w_ptr, scale_ptr, cols, cmask, weight_bias, PATTERN, PTX)
+    if USE_PDL:
+        gdc_wait()
+    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
+    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
+    chunk = (M + P - 1) // P  # tokens per owner
+
+    # phase 1: scatter non-owned rows to their owner's staging slot [rank]
+    i = 0
+    while i < n_mine:
+        t = pid + i * G
+        o = t // chunk
+        if o != rank:
+            t64 = t.to(tl.int64)
+            x = tl.load(x_ptr + t64 * x_st + cols, mask=cmask, other=0.0)
+            row = rank * chunk_cap + (t - o * chunk)
+            dst = D.peer_base(table_ptr, o, stage_off16, BITS) + row.to(tl.int64) * H + cols
+            tl.store(dst, D.as_bits(x, BITS), mask=cmask)
+        i += 1
+    missing = 0
+    if healthy:
+        D.signal_peers(table_ptr, flags_off16, pid, rank, epoch, P, PP)
+        missing = D.wait_peers(table_ptr, flags_off16, pid, rank, epoch, deadline, clock_ptr,
+                               P, PP, PTX)  # fmt: skip
+
+    # phase 2: reduce the owned rows (rank order) and push the sum into every rank's gather buffer
+    stage = D.peer_base(table_ptr, rank, stage_off16, BITS)
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if t // chunk == rank:
+            t64 = t.to(tl.int64)
+            acc = tl.zeros([BLOCK_H], tl.float32)
+            for q in tl.static_range(P):
+                if q == rank:
+                    v = tl.load(x_ptr + t64 * x_st + cols, mask=cmask, other=0.0).to(tl.float32)
+                else:
+                    row = (q * chunk_cap + (t - rank * chunk)).to(tl.int64)
+                    bits = tl.load(stage + row * H + cols, mask=cmask, other=0,
+                                   cache_modifier=".cg")  # fmt: skip
+                    v = bits.to(T, bitcast=True).to(tl.float32)
+                acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
+            sbits = D.as_bits(round_to(acc, T, PTX), BITS)
+            for q in tl.static_range(P):
+                dst = D.peer_base(table_ptr, q, gather_off16, BITS) + t64 * H + cols
+                tl.store(dst, sbits, mask=cmask)
+        i += 1
+    if healthy & (missing == 0):
+        D.signal_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, P, PP)
+        missing = D.wait_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, deadline,
+                               clock_ptr, P, PP, PTX)  # fmt: skip
+
+    # phase 3: epilogue on this CTA's rows from the local gather buffer
+    gathered = D.peer_base(table_ptr, rank, gather_off16, BITS)
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t64 = (pid + i * G).to(tl.int64)
+        bits = tl.load(gathered + t64 * H + cols, mask=cmask, other=0, cache_modifier=".cg")
+        s = bits.to(T, bitcast=True).to(tl.float32)
+        if PATTERN != 0:
+            res = tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            res = s
+        D.epilogue_row(s, res, g, t64, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                       out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr,
+                       T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
+        i += 1
+    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                   PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
+    if last:
+        tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
+        tl.store(ctrl_ptr + D.CTRL_EPOCH, epoch % D.EPOCH_WRAP + 1)
+
+
+# ----------------------------------------------------------------------------- gathered (torch)
+@triton.jit(do_not_specialize=["M", "M_pad"])
+def _gathered_kernel(
+    g_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
+    res_st, out_st, rout_st, nout_st, q_st,
+    M, M_pad, H, Hf, n_kcols, eps, weight_bias,
+    P: tl.constexpr, BLOCK_H: tl.constexpr, PATTERN: tl.constexpr, WRITE_NORM: tl.constexpr,
+    LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr, FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+):  # fmt: skip
+    """``g_ptr``: the all-gathered partials, contiguous ``[P, M, H]``."""
+    T: tl.constexpr = g_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = _params(w_ptr, scale_ptr, cols, cmask, weight_bias, PATTERN, PTX)
+    if USE_PDL:
+        gdc_wait()
+    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    t = pid
+    while t < M:
+        t64 = t.to(tl.int64)
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for q in tl.static_range(P):
+            v = tl.load(g_ptr + (q * M + t64) * H + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
+        s = round_to(acc, T, PTX).to(tl.float32)
+        if PATTERN != 0:
+            res = tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            res = s
+        D.epilogue_row(s, res, g, t64, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                       out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr,
+                       T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
+        t += G
+    if USE_PDL:
+        gdc_launch_dependents()
+    if PATTERN == 3:
+        D.zero_scale_rows(sf_ptr, M + pid, M_pad, G, n_kcols, LAYOUT, KP_BLOCK)
+
+
+# ----------------------------------------------------------------------------- launcher
+_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
+
+
+def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weight, *, out=None,
+                            residual_out=None, norm_out=None, quant_out=None, scale_out=None,
+                            scale=None, layout: int = 0, m_pad: int = 0, eps: float = 1e-6,
+                            weight_bias: float = 0.0, fp32_acc: bool = True,
+                            use_pdl: bool = False, gathered=None) -> None:  # fmt: skip
+    """Run one all-reduce fusion on ``ws`` with ``algorithm`` in "oneshot" | "twoshot" | "torch".
+
+    ``pattern``: 0 all-reduce (``out``), 1 residual + RMSNorm, 2 + FP8, 3 + NVFP4 (``norm_out`` is
+    written in 1, and in 2/3 when given). ``gathered`` ([P, M, H], "torch" only) holds the
+    all-gathered partials. Outputs must be allocated by the caller; nothing is validated here.
+    """
+    m, h = x.shape
+    if m == 0:
+        return
+    tile = comm_tile(h, pattern)
+    ptx = not interpreter_active()
+    dummy = x
+    # unused pointer arguments get a real tensor (never dereferenced: constexpr-disabled code)
+    res = residual if residual is not None else dummy
+    w = weight if weight is not None else dummy
+    o = out if out is not None else dummy
+    ro = residual_out if residual_out is not None else dummy
+    no = norm_out if norm_out is not None else dummy
+    qo = quant_out.view(torch.uint8) if quant_out is not None else dummy
+    so = scale_out.view(torch.uint8) if scale_out is not None else dummy
+    sc = scale if scale is not None else dummy
+    write_norm = pattern == 1 or (pattern in (2, 3) and norm_out is not None)
+    n_kcols = 0
+    if pattern == 3:
+        n_kcols = scale_out.shape[-1] if scale_out.dim() == 2 else 0
+    strides = (res.stride(0), o.stride(0), ro.stride(0), no.stride(0), qo.stride(0))
+    common = dict(
+        BLOCK_H=tile.block, PATTERN=pattern, WRITE_NORM=write_norm, LAYOUT=layout,
+        KP_BLOCK=tile.kp_block, FP32_ACC=bool(fp32_acc), USE_PDL=bool(use_pdl), PTX=ptx,
+        num_warps=tile.num_warps,
+    )  # fmt: skip
+    if use_pdl:
+        common["launch_pdl"] = True
+    scalars = (m, max(m_pad, m), h, float(h))
+    if algorithm == "torch":
+        grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
+        _gathered_kernel[grid](
+            gathered, res, w, o, ro, no, qo, so, sc, *strides, *scalars, n_kcols, float(eps),
+            float(weight_bias), P=ws.world_size, **common,
+        )  # fmt: skip
+        return
+    timeout_us = ws.timeout_us
+    bits = _BITS[x.dtype]
+    if algorithm == "oneshot":
+        grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
+        _oneshot_kernel[grid](
+            x, res, w, o, ro, no, qo, so, sc, x.stride(0), *strides,
+            ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock, *scalars, ws.rank,
+            ws.oneshot_max_tokens, n_kcols, float(eps), float(weight_bias), timeout_us,
+            P=ws.world_size, BITS=bits, **common,
+        )  # fmt: skip
+    elif algorithm == "twoshot":
+        grid = (max(1, min(m, ws.max_ctas(tile.num_warps), ws.num_flag_slots)),)
+        _twoshot_kernel[grid](
+            x, res, w, o, ro, no, qo, so, sc, x.stride(0), *strides,
+            ws.table, ws.offset16("flags"), ws.offset16("stage"), ws.offset16("gather"), ws.ctrl,
+            ws.clock, *scalars, ws.rank, ws.chunk_cap, n_kcols, float(eps), float(weight_bias),
+            timeout_us, P=ws.world_size, PP=triton.next_power_of_2(ws.world_size),
+            NSLOT=ws.num_flag_slots, BITS=bits, **common,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}")

@@ -1,0 +1,360 @@
+"""The communication workspace: peer buffers, device-resident control state, lifecycle.
+
+``AllReduceWorkspace(group, max_tokens, hidden_size, dtype, device)`` is collective over a
+``torch.distributed`` process group (any ranks, any order; ranks below are ranks *in the group*).
+Lifecycle::
+
+    ws = AllReduceWorkspace(group, max_tokens, hidden, torch.bfloat16, device)   # collective
+    ok = ws.vote(ws.supports(x))      # collective MIN before CUDA-graph capture: ranks agree
+    with ws.capture():                # checks health (syncs) before the capture starts
+        ... moefuse.allreduce_residual_rmsnorm(..., workspace=ws) ...
+    ws.check()                        # syncs; RuntimeError naming ranks that never arrived
+    ws.close()                        # required, collective: device sync + barrier; idempotent
+
+Memory of one rank (one peer-visible byte buffer, every region 256-byte aligned)::
+
+    flags   int32 [2 phases, NSLOT CTA slots, P senders]      two-shot barrier flags (zeroed)
+    lamport T     [3 generations, L tokens, P ranks, H]        one-shot slots (-0.0 sentinels)
+    stage   T     [P senders, ceil(max_tokens / P), H]         two-shot reduce-scatter input
+    gather  T     [max_tokens, H]                              two-shot all-gather output
+
+plus, local to the rank, the int32 control block (``ctrl``: Lamport generation, CTA arrival
+counters, two-shot epoch, status word — all advanced by the kernels themselves, so CUDA-graph
+replays are correct) and the int64 pointer table (``table``: every rank's buffer address in this
+process, in 16-byte units). Later communication ops reuse the same buffers through
+:meth:`offset16` / ``table`` / ``ctrl`` (``regions`` lists the layout).
+
+Backends: CUDA tensors use torch symmetric memory over NVLink P2P with multicast disabled; a
+``cpu`` device uses shared-memory files between processes (gloo group) so the same Triton kernels
+run in the interpreter across real processes. Groups that span hosts or lack peer access get a
+workspace without peer buffers (``peer_access`` False): every call then takes the
+torch.distributed path (all-gather + local rank-order sum), which gives the same bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+
+import torch
+import torch.distributed as dist
+
+from moefuse.comm import transport as tp
+from moefuse.comm.tiles import MAX_HIDDEN, comm_tile, resident_ctas_per_sm
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ALGORITHMS = ("auto", "oneshot", "twoshot", "torch")
+
+#: Crossovers of ``algorithm="auto"``: the largest payload ``M * H * elem`` (bytes per rank) for
+#: which one-shot is chosen, per world size; above it two-shot runs. FIRST GUESS, TO BE
+#: RE-MEASURED with ``python -m moefuse bench allreduce --world-size P`` on the H200 machines
+#: (2026-11-29 baselines, ../shared/measurements/h200-baselines.md, H = 4096 BF16: FlashInfer's
+#: one-shot beats its two-shot at every M for P = 2; for P = 4 one-shot wins at M = 64 (1/2 MiB)
+#: and loses at M = 512 (4 MiB); one-shot sends (P-1)x the payload, two-shot 2(P-1)/P x).
+ONESHOT_MAX_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}
+#: default Lamport budget: 3 generations x P slots x L tokens x H x elem <= this many bytes
+LAMPORT_BUDGET_BYTES = 256 << 20
+NUM_FLAG_SLOTS = 1024
+CTRL_WORDS = 16
+CTRL_GEN, CTRL_ARRIVE_1S, CTRL_EPOCH, CTRL_ARRIVE_2S, CTRL_STATUS = range(5)
+DEFAULT_TIMEOUT_S = 60.0
+#: "SM count" of the CPU backend: grids stay small so the interpreter also runs CTAs that loop
+CPU_SMS = 2
+
+_REGISTRY: dict[int, AllReduceWorkspace] = {}
+_IDS = itertools.count(1)
+
+
+def get_workspace(ws_id: int) -> AllReduceWorkspace:
+    """The open workspace with this id (custom ops carry the id, not the object)."""
+    try:
+        return _REGISTRY[ws_id]
+    except KeyError:
+        raise RuntimeError(f"moefuse.comm: workspace {ws_id} is closed or unknown") from None
+
+
+def oneshot_max_bytes(world_size: int) -> int:
+    for p in sorted(ONESHOT_MAX_BYTES):
+        if world_size <= p:
+            return ONESHOT_MAX_BYTES[p]
+    return ONESHOT_MAX_BYTES[max(ONESHOT_MAX_BYTES)]
+
+
+def _align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+def _collective_device(group, device: torch.device) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if device.type == "cuda" and "nccl" in backend:
+        return device
+    return torch.device("cpu")
+
+
+class AllReduceWorkspace:
+    """Collective workspace of the all-reduce fusions; see the module docstring.
+
+    Args: ``group`` (ProcessGroup, None = WORLD; NCCL for CUDA, gloo for CPU), ``max_tokens`` (M
+    capacity), ``hidden_size`` (H), ``dtype`` (activation dtype: BF16/FP16/FP32), ``device`` (this
+    rank's CUDA device, or ``cpu``). Keyword-only: ``timeout_s`` (bound of every wait, default 60),
+    ``oneshot_max_tokens`` (Lamport capacity L; default from a 256 MiB budget),
+    ``peer_access`` (None = detect; False forces the torch.distributed path).
+    """
+
+    def __init__(self, group, max_tokens: int, hidden_size: int, dtype: torch.dtype, device, *,
+                 timeout_s: float | None = None, oneshot_max_tokens: int | None = None,
+                 peer_access: bool | None = None):  # fmt: skip
+        group = group if group is not None else dist.group.WORLD
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"AllReduceWorkspace: max_tokens must be a positive int, "
+                             f"got {max_tokens!r}")  # fmt: skip
+        if not isinstance(hidden_size, int) or not 1 <= hidden_size <= MAX_HIDDEN:
+            raise ValueError(f"AllReduceWorkspace: hidden_size must be an int in [1, {MAX_HIDDEN}]"
+                             f", got {hidden_size!r}")  # fmt: skip
+        if dtype not in DTYPES:
+            raise ValueError(f"AllReduceWorkspace: dtype must be one of {DTYPES}, got {dtype}")
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"AllReduceWorkspace: device must be cuda or cpu, got {device}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if self.world_size < 2:
+            raise ValueError("AllReduceWorkspace: the group must have at least 2 ranks")
+        self.max_tokens = max_tokens
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        self.timeout_s = float(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        if not 0 < self.timeout_s <= 2000:
+            raise ValueError("AllReduceWorkspace: timeout_s must be in (0, 2000]")
+        self.timeout_us = int(self.timeout_s * 1e6)
+        self._coll_device = _collective_device(group, device)
+        self._closed = False
+        self._failure: str | None = None
+        self.check_each_call = device.type == "cpu"  # free there: memory is host memory
+
+        elem = torch.empty(0, dtype=dtype).element_size()
+        p, h = self.world_size, hidden_size
+        if oneshot_max_tokens is None:
+            oneshot_max_tokens = max(1, LAMPORT_BUDGET_BYTES // (3 * p * h * elem))
+        self.oneshot_max_tokens = int(max(1, min(max_tokens, oneshot_max_tokens)))
+        self.chunk_cap = (max_tokens + p - 1) // p
+        self.num_flag_slots = NUM_FLAG_SLOTS
+        sizes = [
+            ("flags", 2 * NUM_FLAG_SLOTS * p * 4),
+            ("lamport", 3 * self.oneshot_max_tokens * p * h * elem),
+            ("stage", p * self.chunk_cap * h * elem),
+            ("gather", max_tokens * h * elem),
+        ]
+        self.regions: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, nbytes in sizes:
+            self.regions[name] = (offset, nbytes)
+            offset = _align(offset + nbytes)
+        self.buffer_bytes = offset
+
+        self.num_sms = self._min_sm_count()
+        want_peers = self._detect_peer_access() if peer_access is None else bool(peer_access)
+        self.transport = self._make_transport() if self.vote(want_peers) else None
+        self.peer_access = self.transport is not None
+        addrs = self.transport.peer_addrs if self.peer_access else [0] * p
+        self.table = torch.tensor([a // tp.ALIGN for a in addrs], dtype=torch.int64, device=device)
+        self.ctrl = torch.zeros(CTRL_WORDS, dtype=torch.int32, device=device)
+        self.ctrl[CTRL_EPOCH] = 1
+        self._clock = tp.CpuClock() if device.type == "cpu" else None
+        self.clock = self._clock.tensor if self._clock is not None else self.ctrl
+        self.id = next(_IDS)
+        _REGISTRY[self.id] = self
+
+    # ------------------------------------------------------------------------- construction
+    def _min_sm_count(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_SMS
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        t = torch.tensor([sms], dtype=torch.int32, device=self._coll_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def _detect_peer_access(self) -> bool:
+        """Same host for every rank and, on CUDA, P2P access to every peer's device."""
+        index = self.device.index if self.device.type == "cuda" else -1
+        infos = [None] * self.world_size
+        dist.all_gather_object(infos, (socket.gethostname(), index), group=self.group)
+        if any(host != infos[0][0] for host, _ in infos):
+            return False
+        if self.device.type == "cuda":
+            for _, peer in infos:
+                if peer != index and not torch.cuda.can_device_access_peer(index, peer):
+                    return False
+        return True
+
+    def _init_buffer(self, local: torch.Tensor) -> None:
+        off, nbytes = self.regions["lamport"]
+        view = local[off : off + nbytes]
+        if self.dtype == torch.float32:
+            view.view(torch.int32).fill_(-(2**31))
+        else:
+            view.view(torch.int16).fill_(-(2**15))
+
+    def _make_transport(self):
+        """Allocate and rendezvous the peer buffers; None (on every rank) if any rank fails."""
+        try:
+            if self.device.type == "cuda":
+                return tp.SymmetricMemoryTransport(
+                    self.group, self.buffer_bytes, self.device, self._init_buffer, self.vote
+                )
+            return tp.SharedMemoryTransport(
+                self.group, self.buffer_bytes, self._init_buffer, self.vote
+            )
+        except Exception as exc:  # surfaced once; the torch.distributed path still works
+            from moefuse._runtime import log_once
+
+            log_once("AllReduceWorkspace", f"peer buffers unavailable ({exc}); using the "
+                     "torch.distributed path")  # fmt: skip
+            return None
+
+    # ------------------------------------------------------------------------- queries
+    def offset16(self, region: str) -> int:
+        """Byte offset of ``region`` inside every rank's buffer, in 16-byte units."""
+        return self.regions[region][0] // tp.ALIGN
+
+    def max_ctas(self, num_warps: int) -> int:
+        return self.num_sms * resident_ctas_per_sm(num_warps)
+
+    def unsupported_reason(self, x: torch.Tensor) -> str | None:
+        """Why the Triton kernels cannot run ``x`` ([M, H]) on this workspace (None if they can)."""
+        from moefuse._runtime import kernel_device_reason
+
+        if self._closed:
+            return "the workspace is closed"
+        if self._failure is not None:
+            return f"the workspace failed: {self._failure}"
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            return "input must be a 2-D [M, H] tensor"
+        if x.shape[1] != self.hidden_size:
+            return f"hidden size {x.shape[1]} != workspace hidden_size {self.hidden_size}"
+        if x.shape[0] > self.max_tokens:
+            return f"{x.shape[0]} tokens > workspace max_tokens {self.max_tokens}"
+        if x.dtype != self.dtype:
+            return f"dtype {x.dtype} != workspace dtype {self.dtype}"
+        if x.device != self.device:
+            return f"device {x.device} != workspace device {self.device}"
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            return "the last dimension must be contiguous"
+        return kernel_device_reason(self.device)
+
+    def supports(self, x: torch.Tensor) -> bool:
+        """Local answer: can the fused Triton path run ``x`` here? Combine with :meth:`vote`."""
+        return self.unsupported_reason(x) is None
+
+    def choose_algorithm(self, num_tokens: int, algorithm: str = "auto") -> str:
+        """Resolve ``algorithm`` for M tokens: "oneshot" | "twoshot" | "torch".
+
+        "auto" picks by payload bytes (:data:`ONESHOT_MAX_BYTES`); an explicit peer algorithm that
+        cannot run raises (it never falls back silently). Same answer on every rank for the same M.
+        """
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"moefuse.comm: algorithm must be one of {ALGORITHMS}, "
+                             f"got {algorithm!r}")  # fmt: skip
+        if algorithm == "torch":
+            return "torch"
+        if not self.peer_access:
+            if algorithm == "auto":
+                return "torch"
+            raise RuntimeError(f"moefuse.comm: algorithm={algorithm!r} needs peer buffers, which "
+                               "this workspace does not have (peer_access is False)")  # fmt: skip
+        fits_oneshot = num_tokens <= self.oneshot_max_tokens
+        if algorithm == "oneshot" and not fits_oneshot:
+            raise RuntimeError(f"moefuse.comm: one-shot holds at most {self.oneshot_max_tokens} "
+                               f"tokens, got {num_tokens}")  # fmt: skip
+        if algorithm != "auto":
+            return algorithm
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        payload = num_tokens * self.hidden_size * elem
+        if fits_oneshot and payload <= oneshot_max_bytes(self.world_size):
+            return "oneshot"
+        return "twoshot"
+
+    def tile(self, pattern: int = 1):
+        return comm_tile(self.hidden_size, pattern)
+
+    # ------------------------------------------------------------------------- collectives
+    def vote(self, local_ok: bool) -> bool:
+        """Collective MIN of ``local_ok`` over the group (call outside graph capture): every rank
+        gets True only if every rank said True, so all ranks take the same path."""
+        t = torch.tensor([1 if local_ok else 0], dtype=torch.int32, device=self._coll_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def global_rank(self, group_rank: int) -> int:
+        try:
+            return dist.get_global_rank(self.group, group_rank)
+        except Exception:
+            return group_rank
+
+    def _status_message(self, status: int) -> str:
+        missing = [r for r in range(self.world_size) if status >> r & 1]
+        names = ", ".join(f"{r} (global rank {self.global_rank(r)})" for r in missing)
+        return (f"rank(s) {names} never arrived within timeout_s={self.timeout_s:g} on group "
+                f"rank {self.rank}; close() and re-create the workspace")  # fmt: skip
+
+    def poll_status(self) -> None:
+        """Raise if a kernel recorded a timeout (reads device memory: syncs on CUDA)."""
+        if self.peer_access and not self._closed:
+            status = int(self.ctrl[CTRL_STATUS].item())
+            if status:
+                self._failure = self._status_message(status)
+        self.raise_if_unusable()
+
+    def raise_if_unusable(self) -> None:
+        if self._closed:
+            raise RuntimeError("moefuse.comm: the workspace is closed")
+        if self._failure is not None:
+            raise RuntimeError(f"moefuse.comm: {self._failure}")
+
+    def check(self) -> None:
+        """Synchronize this rank's device and raise ``RuntimeError`` naming the rank(s) a bounded
+        wait gave up on. After a failure every later call raises until the workspace is closed and
+        re-created (collectively)."""
+        if self._closed:
+            raise RuntimeError("moefuse.comm: the workspace is closed")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.poll_status()
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Bracket CUDA-graph capture of calls on this workspace: health is checked (with a sync)
+        before capture starts. Warm up every shape outside capture first (Triton compiles)."""
+        self.check()
+        yield self
+
+    def close(self) -> None:
+        """Collective: device sync, barrier, release the peer buffers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _REGISTRY.pop(getattr(self, "id", -1), None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.transport is not None:
+            self.transport.close()  # barrier inside
+        else:
+            dist.barrier(group=self.group)
+        self.transport = None
+        if self._clock is not None:
+            self._clock.stop()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        kind = self.transport.kind if self.transport is not None else "torch.distributed only"
+        return (f"AllReduceWorkspace(rank={self.rank}/{self.world_size}, max_tokens="
+                f"{self.max_tokens}, hidden_size={self.hidden_size}, dtype={self.dtype}, "
+                f"device={self.device}, backend={kind}, closed={self._closed})")  # fmt: skip
