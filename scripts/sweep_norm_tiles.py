@@ -49,14 +49,14 @@ def main() -> None:
         line = f"{op:5s} H={h} M={m:6d}"
         for warps in (4, 8, 16):
             for single in (16384, 4096):
-                for evict in ("evict_first", ""):
-                    if single == 4096 and (h == 4096 or evict == ""):
+                for evict in (True, False):
+                    if single == 4096 and (h == 4096 or not evict):
                         continue
                     tiles.MAX_WARPS = warps
                     tiles.ELEMS_PER_THREAD = 1
                     tiles.MAX_SINGLE_BLOCK = single
                     tiles.CHUNK_BLOCK = min(8192, single)
-                    nt.STREAM_EVICTION = evict
+                    nt.STREAM_EVICT_FIRST = evict
                     us = _time(op, sets, w, a)
                     tag = f"w{warps}{'c' if single < h else ''}{'E' if evict else ''}"
                     line += f" | {tag} {us:7.2f}us {bytes_per[op] * m * h / us / 1e6:.2f}"

@@ -28,8 +28,8 @@ from moefuse._runtime import interpreter_active
 from moefuse.norm.tiles import row_tile
 
 LOG2E = 1.4426950408889634
-#: cache hint of activation loads (each byte is read once); weights keep the default policy
-STREAM_EVICTION = "evict_first"
+#: evict-first cache hint on activation loads (each byte is read once); weights keep the default
+STREAM_EVICT_FIRST = True
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -40,11 +40,20 @@ def _row_base(rows, HEADS, stride_t, stride_h):
 
 
 @triton.jit
-def _ld(ptrs, mask, MASKED: tl.constexpr, EVICT: tl.constexpr = ""):
-    if MASKED:
-        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+def _ld(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+    """Load as FP32; STREAM marks data read exactly once (evict-first cache hint)."""
+    if STREAM:
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(
+                tl.float32
+            )
+        else:
+            return tl.load(ptrs, eviction_policy="evict_first").to(tl.float32)
     else:
-        return tl.load(ptrs, eviction_policy=EVICT).to(tl.float32)
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            return tl.load(ptrs).to(tl.float32)
 
 
 @triton.jit
@@ -82,7 +91,7 @@ def _rmsnorm_kernel(
     x_st, x_sh, g_st, g_sh, o_st, o_sh,
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    EVICT: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
     HAS_GATE: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out = cast((x * r) * m), m = f32(w) + gain_center, or sigmoid(gate) when HAS_GATE."""
@@ -93,12 +102,12 @@ def _rmsnorm_kernel(
     g_row = _row_base(rows, HEADS, g_st, g_sh)[:, None]
     if NUM_CHUNKS == 1:
         if not HAS_GATE:
-            w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
+            w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT)
+        x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
         if HAS_GATE:
-            g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT)
+            g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT_FIRST)
             w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
         if USE_PDL:
             gdc_launch_dependents()
@@ -110,17 +119,17 @@ def _rmsnorm_kernel(
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED)
+            x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
             acc += x * x
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT)
+            x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
             if HAS_GATE:
-                g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT)
+                g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT_FIRST)
                 w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
             else:
-                w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
+                w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
             _st(out_ptr + o_row + cols[None, :], (x * r) * w, mask, MASKED, PTX)
         if USE_PDL:
             gdc_launch_dependents()
@@ -133,7 +142,7 @@ def _fused_add_rmsnorm_kernel(
     x_st, r_st,
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    EVICT: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """h = f32(x) + f32(res); res <- cast(h); x <- cast((h * r) * g), r from the FP32 h."""
@@ -142,11 +151,11 @@ def _fused_add_rmsnorm_kernel(
     x_row = rows.to(tl.int64)[:, None] * x_st
     r_row = rows.to(tl.int64)[:, None] * r_st
     if NUM_CHUNKS == 1:
-        w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
+        w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT)
-        h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
+        h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+        h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
         if USE_PDL:
             gdc_launch_dependents()
         _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
@@ -158,16 +167,16 @@ def _fused_add_rmsnorm_kernel(
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED)
-            h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
+            h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
+            h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, False)
             acc += h * h
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         # second pass recomputes the same FP32 h (both inputs are still unmodified for this chunk)
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT)
-            h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
-            w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
+            h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+            h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+            w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
             _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
             _st(x_ptr + x_row + cols[None, :], (h * r) * w, mask, MASKED, PTX)
         if USE_PDL:
@@ -181,7 +190,7 @@ def _gated_residual_kernel(
     b_st, r_st, o_st,
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    EVICT: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """x = f32(branch) [* (f32(w) + c)]; out = alpha * residual + beta * (x * r)  (all FP32)."""
@@ -192,14 +201,14 @@ def _gated_residual_kernel(
     o_row = rows.to(tl.int64)[:, None] * o_st
     if NUM_CHUNKS == 1:
         cmask = cols < H
-        a = _ld(alpha_ptr + cols, cmask, MASKED)[None, :]
-        be = _ld(beta_ptr + cols, cmask, MASKED)[None, :]
+        a = _ld(alpha_ptr + cols, cmask, MASKED, False)[None, :]
+        be = _ld(beta_ptr + cols, cmask, MASKED, False)[None, :]
         if HAS_WEIGHT:
-            w = _ld(w_ptr + cols, cmask, MASKED)[None, :] + gain_center
+            w = _ld(w_ptr + cols, cmask, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT)
-        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
+        x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
         if USE_PDL:
             gdc_launch_dependents()
         if HAS_WEIGHT:
@@ -212,20 +221,20 @@ def _gated_residual_kernel(
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED)
+            x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, False)
             if HAS_WEIGHT:
-                x = x * (_ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center)
+                x = x * (_ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center)
             acc += x * x
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             cmask = cols < H
-            x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT)
+            x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
             if HAS_WEIGHT:
-                x = x * (_ld(w_ptr + cols, cmask, MASKED)[None, :] + gain_center)
-            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
-            a = _ld(alpha_ptr + cols, cmask, MASKED)[None, :]
-            be = _ld(beta_ptr + cols, cmask, MASKED)[None, :]
+                x = x * (_ld(w_ptr + cols, cmask, MASKED, False)[None, :] + gain_center)
+            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+            a = _ld(alpha_ptr + cols, cmask, MASKED, False)[None, :]
+            be = _ld(beta_ptr + cols, cmask, MASKED, False)[None, :]
             _st(out_ptr + o_row + cols[None, :], tl.fma(a, res, be * (x * r)), mask, MASKED, PTX)
         if USE_PDL:
             gdc_launch_dependents()
@@ -238,8 +247,8 @@ def _stream_update(res, b, a_ptr, be_ptr, cols, cmask, alpha_scalar, r1,
     if ALPHA_MODE == 1:
         res = alpha_scalar * res
     elif ALPHA_MODE == 2:
-        res = _ld(a_ptr + cols, cmask, MASKED)[None, :] * res
-    be = _ld(be_ptr + cols, cmask, MASKED)[None, :]
+        res = _ld(a_ptr + cols, cmask, MASKED, False)[None, :] * res
+    be = _ld(be_ptr + cols, cmask, MASKED, False)[None, :]
     # explicit FMA: left to the compiler, contraction can differ between copies of the expression
     # that Triton rematerialises for different layouts, giving two values of one element
     return tl.fma(be * b, r1, res)
@@ -257,7 +266,7 @@ def _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED: tl.constexpr, HAS_ROUTER:
     if HAS_ROUTER:
         _st(router_ptrs, y, mask, MASKED, PTX)
         tl.debug_barrier()
-        y = _ld(router_ptrs, mask, MASKED)
+        y = _ld(router_ptrs, mask, MASKED, False)
     _st(ffn_ptrs, y, mask, MASKED, PTX)
 
 
@@ -268,7 +277,7 @@ def _gated_residual_next_kernel(
     b_st, r_st, ro_st, f_st, rt_st,
     alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    EVICT: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
     ALPHA_MODE: tl.constexpr, HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -285,13 +294,13 @@ def _gated_residual_next_kernel(
     rt_row = rows.to(tl.int64)[:, None] * rt_st
     if NUM_CHUNKS == 1:
         cmask = cols < H
-        nw = _ld(nw_ptr + cols, cmask, MASKED)[None, :] + next_gain_center
+        nw = _ld(nw_ptr + cols, cmask, MASKED, False)[None, :] + next_gain_center
         if HAS_POST_WEIGHT:
-            pw = _ld(pw_ptr + cols, cmask, MASKED)[None, :] + post_gain_center
+            pw = _ld(pw_ptr + cols, cmask, MASKED, False)[None, :] + post_gain_center
         if USE_PDL:
             gdc_wait()
-        b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT)
-        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
+        b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
         if USE_PDL:
             gdc_launch_dependents()
         if HAS_POST_WEIGHT:
@@ -310,19 +319,19 @@ def _gated_residual_next_kernel(
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED)
+            b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, False)
             if HAS_POST_WEIGHT:
-                b = b * (_ld(pw_ptr + cols, cols < H, MASKED)[None, :] + post_gain_center)
+                b = b * (_ld(pw_ptr + cols, cols < H, MASKED, False)[None, :] + post_gain_center)
             acc += b * b
         r1 = _inv_rms(tl.sum(acc, axis=1), Hf, post_eps)[:, None]
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             cmask = cols < H
-            b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT)
+            b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
             if HAS_POST_WEIGHT:
-                b = b * (_ld(pw_ptr + cols, cmask, MASKED)[None, :] + post_gain_center)
-            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT)
+                b = b * (_ld(pw_ptr + cols, cmask, MASKED, False)[None, :] + post_gain_center)
+            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
             ro = _stream_update(res, b, alpha_ptr, beta_ptr, cols, cmask, alpha_scalar, r1,
                                 ALPHA_MODE, MASKED)  # fmt: skip
             _st(rout_ptr + ro_row + cols[None, :], ro, mask, MASKED, PTX)
@@ -334,8 +343,8 @@ def _gated_residual_next_kernel(
         tl.debug_barrier()
         for c in tl.static_range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            nw = _ld(nw_ptr + cols, cols < H, MASKED)[None, :] + next_gain_center
-            ro = _ld(rout_ptr + ro_row + cols[None, :], mask, MASKED)
+            nw = _ld(nw_ptr + cols, cols < H, MASKED, False)[None, :] + next_gain_center
+            ro = _ld(rout_ptr + ro_row + cols[None, :], mask, MASKED, False)
             _store_ffn(ffn_ptr + f_row + cols[None, :], router_ptr + rt_row + cols[None, :],
                        (ro * r2) * nw, mask, MASKED, HAS_ROUTER, PTX)  # fmt: skip
 
@@ -378,7 +387,7 @@ def launch_rmsnorm(
         x_st, x_sh, g_st, g_sh, o_st, o_sh,
         eps, gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        EVICT=STREAM_EVICTION,
+        EVICT_FIRST=STREAM_EVICT_FIRST,
         HAS_GATE=gate is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
@@ -404,7 +413,7 @@ def launch_fused_add_rmsnorm(
         input.stride(0), residual.stride(0),
         eps, gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        EVICT=STREAM_EVICTION,
+        EVICT_FIRST=STREAM_EVICT_FIRST,
         PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
@@ -432,7 +441,7 @@ def launch_gated_residual_rmsnorm(
         branch.stride(0), residual.stride(0), out.stride(0),
         eps, gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        EVICT=STREAM_EVICTION,
+        EVICT_FIRST=STREAM_EVICT_FIRST,
         HAS_WEIGHT=weight is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
@@ -471,7 +480,7 @@ def launch_gated_residual_next_rmsnorm(
         router.stride(0),
         alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        EVICT=STREAM_EVICTION,
+        EVICT_FIRST=STREAM_EVICT_FIRST,
         ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,
         HAS_ROUTER=router_input is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
