@@ -64,6 +64,11 @@ def _check_out(op, name, out, shape, dtype, device, *, contiguous=True) -> None:
         raise ValueError(f"moefuse.{op}: argument '{name}' must be contiguous")
 
 
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """The uint8 view of an FP8 tensor (the custom ops take FP8 data as bytes + a format code)."""
+    return t.view(torch.uint8)
+
+
 def _as_kernel_rows(t: torch.Tensor) -> torch.Tensor:
     """A 2-D or 3-D view the kernels address as rows (1-D -> [1, H])."""
     return t.unsqueeze(0) if t.dim() == 1 else t
@@ -130,8 +135,8 @@ def fp8_quantize(input, scale, *, dtype=torch.float8_e4m3fn, out=None, enable_pd
     if choose_impl(op, impl, input.device, _reason(input)) == "reference":
         out.copy_(ref.fp8_quantize_reference(input, scale, dtype))
         return out
-    ops.fp8_quantize_op(_as_kernel_rows(input), scale, _as_kernel_rows(out),
-                        resolve_pdl(enable_pdl, input.device))  # fmt: skip
+    ops.fp8_quantize_op(_as_kernel_rows(input), scale, _as_kernel_rows(_u8(out)),
+                        F.FP8_CODE[dtype], resolve_pdl(enable_pdl, input.device))  # fmt: skip
     return out
 
 
@@ -171,7 +176,7 @@ def fp8_quantize_per_token(input, *, out=None, scale_out=None, enable_pdl=None,
         out.copy_(q)
         scale_out.copy_(s)
         return out, scale_out
-    ops.fp8_quantize_per_token_op(_as_kernel_rows(input), _as_kernel_rows(out), scale_out,
+    ops.fp8_quantize_per_token_op(_as_kernel_rows(input), _as_kernel_rows(_u8(out)), scale_out,
                                   resolve_pdl(enable_pdl, input.device))  # fmt: skip
     return out, scale_out
 
@@ -206,8 +211,8 @@ def fp8_dequantize(input, scale, *, out_dtype=torch.bfloat16, out=None, enable_p
     if choose_impl(op, impl, input.device, _reason(input)) == "reference":
         out.copy_(ref.fp8_dequantize_reference(input, scale, out_dtype))
         return out
-    ops.fp8_dequantize_op(_as_kernel_rows(input), scale, _as_kernel_rows(out),
-                          resolve_pdl(enable_pdl, input.device))  # fmt: skip
+    ops.fp8_dequantize_op(_as_kernel_rows(_u8(input)), scale, _as_kernel_rows(out),
+                          F.FP8_CODE[input.dtype], resolve_pdl(enable_pdl, input.device))
     return out
 
 
@@ -342,8 +347,8 @@ def rmsnorm_quant(input, weight, scale, eps: float = 1e-6, *, out=None,
     if choose_impl(op, impl, input.device, _reason(input)) == "reference":
         out.copy_(ref.rmsnorm_quant_reference(input, weight, scale, eps, dtype, gain_center))
         return out
-    ops.rmsnorm_quant_op(input, weight, scale, out, float(eps), float(gain_center),
-                         resolve_pdl(enable_pdl, input.device))  # fmt: skip
+    ops.rmsnorm_quant_op(input, weight, scale, _u8(out), F.FP8_CODE[dtype], float(eps),
+                         float(gain_center), resolve_pdl(enable_pdl, input.device))
     return out
 
 
@@ -376,8 +381,9 @@ def fused_add_rmsnorm_quant(input, residual, weight, scale, eps: float = 1e-6, *
         out.copy_(q)
         residual.copy_(res_out)
         return out
-    ops.fused_add_rmsnorm_quant_op(input, residual, weight, scale, out, float(eps),
-                                   float(gain_center), resolve_pdl(enable_pdl, input.device))
+    ops.fused_add_rmsnorm_quant_op(input, residual, weight, scale, _u8(out), F.FP8_CODE[dtype],
+                                   float(eps), float(gain_center),
+                                   resolve_pdl(enable_pdl, input.device))  # fmt: skip
     return out
 
 

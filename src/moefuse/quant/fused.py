@@ -19,7 +19,6 @@ statistic and normalization use the unrounded FP32 ``h`` (SPEC §1.2); ``input``
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -27,13 +26,45 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import rcp_fast, round_to
 from moefuse._runtime import interpreter_active
 from moefuse.norm.tiles import row_tile
-from moefuse.norm.triton import _inv_rms, _ld, _row_base, _st
+from moefuse.norm.triton import _inv_rms, _row_base
 from moefuse.quant import device as D
-from moefuse.quant.formats import FP8_CODE, LAYOUTS, RECIPES, scale_layout_shape
+from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 
 
 def _pdl_kwargs(use_pdl: bool) -> dict:
     return {"launch_pdl": True} if use_pdl else {}
+
+
+def _evict(tile) -> bool:
+    """Activations are read once when the row fits one block (evict-first hint); the chunked
+    path re-reads each row, so it keeps the default policy."""
+    return tile.num_chunks == 1
+
+
+@triton.jit
+def _ld(ptrs, mask, MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
+    """Load as FP32 (masked lanes read 0.0)."""
+    if EVICT_FIRST:
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(
+                tl.float32)  # fmt: skip
+        else:
+            return tl.load(ptrs, eviction_policy="evict_first").to(tl.float32)
+    else:
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            return tl.load(ptrs).to(tl.float32)
+
+
+@triton.jit
+def _st(ptrs, value, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
+    """Round FP32 ``value`` to the pointer's dtype (RNE, also in the interpreter) and store."""
+    value = round_to(value, ptrs.dtype.element_ty, PTX)
+    if MASKED:
+        tl.store(ptrs, value, mask=mask)
+    else:
+        tl.store(ptrs, value)
 
 
 def _rows_of(t) -> tuple[int, int, int, int]:
@@ -44,11 +75,11 @@ def _rows_of(t) -> tuple[int, int, int, int]:
 
 @triton.jit
 def _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+            HAS_RESIDUAL: tl.constexpr, EVICT_FIRST: tl.constexpr):  # fmt: skip
     """f32(x), or f32(x) + f32(res) (FP32, unrounded) when HAS_RESIDUAL."""
-    h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED)
+    h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
     if HAS_RESIDUAL:
-        h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED)
+        h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
     return h
 
 
@@ -60,7 +91,8 @@ def _rmsnorm_fp8_kernel(
     x_st, x_sh, r_st, r_sh, q_st, q_sh,
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, FMT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, FMT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """q = e8(((h * r) * g) * (1/scale)); h = f32(x) [+ f32(res), res <- cast(h)]."""
     pid = tl.program_id(0)
@@ -76,7 +108,7 @@ def _rmsnorm_fp8_kernel(
         if USE_PDL:
             gdc_wait()
         inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
-        h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL)
+        h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL, EVICT_FIRST)
         if USE_PDL:
             gdc_launch_dependents()
         if HAS_RESIDUAL:
@@ -95,7 +127,7 @@ def _rmsnorm_fp8_kernel(
         for c in tl.static_range(NUM_CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = rmask & (cols < H)[None, :]
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL)
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL, EVICT_FIRST)
             acc += h * h
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         # second pass: recompute the same FP32 h (the residual is written only now, chunk by
@@ -103,7 +135,7 @@ def _rmsnorm_fp8_kernel(
         for c in tl.static_range(NUM_CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = rmask & (cols < H)[None, :]
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL)
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL, EVICT_FIRST)
             w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
             if HAS_RESIDUAL:
                 _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
@@ -113,9 +145,10 @@ def _rmsnorm_fp8_kernel(
             gdc_launch_dependents()
 
 
-def launch_rmsnorm_fp8(input, residual, weight, scale, out, eps: float, gain_center: float,
-                       use_pdl: bool) -> None:  # fmt: skip
-    """``input`` (and ``residual``, same shape) 2-D/3-D; ``out`` FP8 of the same shape."""
+def launch_rmsnorm_fp8(input, residual, weight, scale, out, fmt: int, eps: float,
+                       gain_center: float, use_pdl: bool) -> None:  # fmt: skip
+    """``input`` (and ``residual``, same shape) 2-D/3-D; ``out`` uint8 (FP8 bits of format
+    ``fmt``) of the same shape."""
     n_rows, heads, x_st, x_sh = _rows_of(input)
     width = input.shape[-1]
     if n_rows == 0:
@@ -125,12 +158,12 @@ def launch_rmsnorm_fp8(input, residual, weight, scale, out, eps: float, gain_cen
     tile = row_tile(width)
     masked = tile.rows > 1 or not tile.even(width)
     _rmsnorm_fp8_kernel[tile.grid(n_rows)](
-        input, residual if residual is not None else input, weight, scale, out.view(torch.uint8),
+        input, residual if residual is not None else input, weight, scale, out,
         n_rows, width, float(width), heads,
         x_st, x_sh, r_st, r_sh, q_st, q_sh,
         eps, gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        HAS_RESIDUAL=residual is not None, FMT=FP8_CODE[out.dtype],
+        HAS_RESIDUAL=residual is not None, FMT=fmt, EVICT_FIRST=_evict(tile),
         PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
@@ -168,7 +201,7 @@ def _rmsnorm_fp4_kernel(
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_NORM_OUT: tl.constexpr, RECIPE: tl.constexpr,
-    LAYOUT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    LAYOUT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """y = cast((h * r) * g); (packed, scales) = nvfp4(y); grid over the padded rows."""
     pid = tl.program_id(0)
@@ -202,7 +235,7 @@ def _rmsnorm_fp4_kernel(
     elif NUM_CHUNKS == 1:
         mask = live_rows & (cols < H)[None, :]
         gs = tl.load(gs_ptr).to(tl.float32)
-        h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL)
+        h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
         if USE_PDL:
             gdc_launch_dependents()
         if HAS_RESIDUAL:
@@ -217,14 +250,14 @@ def _rmsnorm_fp4_kernel(
         for c in tl.static_range(NUM_CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = live_rows & (cols < H)[None, :]
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL)
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
             acc += h * h
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         rcp_gs = rcp_fast(gs, PTX)
         for c in tl.static_range(NUM_CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = live_rows & (cols < H)[None, :]
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL)
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
             w = _ld(w_ptr + cols, cols < H, True)[None, :] + gain_center
             if HAS_RESIDUAL:
                 _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
@@ -256,6 +289,7 @@ def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, no
         eps, gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows,
         HAS_RESIDUAL=residual is not None, HAS_NORM_OUT=norm_out is not None,
-        RECIPE=RECIPES[recipe], LAYOUT=LAYOUTS[layout], PTX=not interpreter_active(),
+        RECIPE=RECIPES[recipe], LAYOUT=LAYOUTS[layout], EVICT_FIRST=_evict(tile),
+        PTX=not interpreter_active(),
         USE_PDL=use_pdl, num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip

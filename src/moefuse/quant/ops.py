@@ -4,7 +4,8 @@ Each op writes caller-allocated outputs and returns nothing; ``mutates_args`` na
 tensors it writes. Validation happens in :mod:`moefuse.quant.api` before these are called. The real
 implementations import the Triton launchers lazily (TRITON_INTERPRET must be set before triton is
 imported). Layout and recipe travel as strings (``"swizzled_128x4" | "swizzled_8x4" | "linear"``,
-``"fast" | "ieee"``).
+``"fast" | "ieee"``). FP8 tensors cross the op boundary as ``uint8`` views with an explicit format
+code ``fmt`` (0 = E4M3, 1 = E5M2): PyTorch's generic op checks cannot do arithmetic on FP8 tensors.
 """
 
 import torch
@@ -13,14 +14,14 @@ Tensor = torch.Tensor
 
 
 @torch.library.custom_op("moefuse::fp8_quantize", mutates_args=("out",))
-def fp8_quantize_op(input: Tensor, scale: Tensor, out: Tensor, use_pdl: bool) -> None:
+def fp8_quantize_op(input: Tensor, scale: Tensor, out: Tensor, fmt: int, use_pdl: bool) -> None:
     from moefuse.quant.triton import launch_fp8_quantize
 
-    launch_fp8_quantize(input, scale, out, use_pdl)
+    launch_fp8_quantize(input, scale, out, fmt, use_pdl)
 
 
 @fp8_quantize_op.register_fake
-def _(input, scale, out, use_pdl):
+def _(input, scale, out, fmt, use_pdl):
     return None
 
 
@@ -37,14 +38,14 @@ def _(input, out, scale_out, use_pdl):
 
 
 @torch.library.custom_op("moefuse::fp8_dequantize", mutates_args=("out",))
-def fp8_dequantize_op(input: Tensor, scale: Tensor, out: Tensor, use_pdl: bool) -> None:
+def fp8_dequantize_op(input: Tensor, scale: Tensor, out: Tensor, fmt: int, use_pdl: bool) -> None:
     from moefuse.quant.triton import launch_fp8_dequantize
 
-    launch_fp8_dequantize(input, scale, out, use_pdl)
+    launch_fp8_dequantize(input, scale, out, fmt, use_pdl)
 
 
 @fp8_dequantize_op.register_fake
-def _(input, scale, out, use_pdl):
+def _(input, scale, out, fmt, use_pdl):
     return None
 
 
@@ -88,17 +89,18 @@ def rmsnorm_quant_op(
     weight: Tensor,
     scale: Tensor,
     out: Tensor,
+    fmt: int,
     eps: float,
     gain_center: float,
     use_pdl: bool,
 ) -> None:
     from moefuse.quant.fused import launch_rmsnorm_fp8
 
-    launch_rmsnorm_fp8(input, None, weight, scale, out, eps, gain_center, use_pdl)
+    launch_rmsnorm_fp8(input, None, weight, scale, out, fmt, eps, gain_center, use_pdl)
 
 
 @rmsnorm_quant_op.register_fake
-def _(input, weight, scale, out, eps, gain_center, use_pdl):
+def _(input, weight, scale, out, fmt, eps, gain_center, use_pdl):
     return None
 
 
@@ -109,17 +111,18 @@ def fused_add_rmsnorm_quant_op(
     weight: Tensor,
     scale: Tensor,
     out: Tensor,
+    fmt: int,
     eps: float,
     gain_center: float,
     use_pdl: bool,
 ) -> None:
     from moefuse.quant.fused import launch_rmsnorm_fp8
 
-    launch_rmsnorm_fp8(input, residual, weight, scale, out, eps, gain_center, use_pdl)
+    launch_rmsnorm_fp8(input, residual, weight, scale, out, fmt, eps, gain_center, use_pdl)
 
 
 @fused_add_rmsnorm_quant_op.register_fake
-def _(input, residual, weight, scale, out, eps, gain_center, use_pdl):
+def _(input, residual, weight, scale, out, fmt, eps, gain_center, use_pdl):
     return None
 
 

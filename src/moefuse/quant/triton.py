@@ -26,7 +26,7 @@ from moefuse._device import rcp_fast, round_to
 from moefuse._runtime import interpreter_active
 from moefuse.norm.tiles import next_pow2, row_tile
 from moefuse.quant import device as D
-from moefuse.quant.formats import FP8_CODE, LAYOUTS, RECIPES, scale_layout_shape
+from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 
 ELEMENTWISE_TILE = 4096  # elements per program of the elementwise kernels
 
@@ -56,7 +56,8 @@ def _fp8_quantize_kernel(
     if USE_PDL:
         gdc_wait()
     inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
-    x = tl.load(x_ptr + x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + x_row + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)  # fmt: skip
     if USE_PDL:
         gdc_launch_dependents()
     q = D.fp8_encode(x * inv, FMT, PTX)
@@ -76,8 +77,9 @@ def _rows_of(t: torch.Tensor) -> tuple[int, int, int, int]:
     return t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1)
 
 
-def launch_fp8_quantize(input, scale, q, use_pdl: bool) -> None:
-    """``input`` 2-D/3-D (last dim contiguous), ``q`` contiguous FP8 of the same shape."""
+def launch_fp8_quantize(input, scale, q, fmt: int, use_pdl: bool) -> None:
+    """``input`` 2-D/3-D (last dim contiguous), ``q`` contiguous uint8 (FP8 bits, format ``fmt``)
+    of the same shape."""
     n_rows, heads, x_st, x_sh = _rows_of(input)
     width = input.shape[-1]
     if n_rows == 0 or width == 0:
@@ -85,9 +87,9 @@ def launch_fp8_quantize(input, scale, q, use_pdl: bool) -> None:
     bm, bn, warps = _elementwise_tile(width)
     grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
     _fp8_quantize_kernel[grid](
-        input, scale, q.view(torch.uint8),
+        input, scale, q,
         n_rows, width, heads, x_st, x_sh, width,
-        BLOCK_M=bm, BLOCK_N=bn, FMT=FP8_CODE[q.dtype], PTX=_ptx(), USE_PDL=use_pdl,
+        BLOCK_M=bm, BLOCK_N=bn, FMT=fmt, PTX=_ptx(), USE_PDL=use_pdl,
         num_warps=warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
 
@@ -152,7 +154,7 @@ def launch_fp8_quantize_per_token(input, q, scales, use_pdl: bool) -> None:
         return
     tile = row_tile(max(width, 1))
     _fp8_per_token_kernel[tile.grid(n_rows)](
-        input, q.view(torch.uint8), scales,
+        input, q, scales,
         n_rows, width, heads, x_st, x_sh, width,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, PTX=_ptx(),
         USE_PDL=use_pdl, num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
@@ -185,7 +187,7 @@ def _fp8_dequantize_kernel(
              round_to(val, out_ptr.dtype.element_ty, PTX), mask=mask)  # fmt: skip
 
 
-def launch_fp8_dequantize(input, scale, out, use_pdl: bool) -> None:
+def launch_fp8_dequantize(input, scale, out, fmt: int, use_pdl: bool) -> None:
     n_rows, heads, q_st, q_sh = _rows_of(input)
     width = input.shape[-1]
     if n_rows == 0 or width == 0:
@@ -193,9 +195,9 @@ def launch_fp8_dequantize(input, scale, out, use_pdl: bool) -> None:
     bm, bn, warps = _elementwise_tile(width)
     grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
     _fp8_dequantize_kernel[grid](
-        input.view(torch.uint8), scale, out,
+        input, scale, out,
         n_rows, width, heads, q_st, q_sh, width, 0 if scale.numel() == 1 else 1,
-        BLOCK_M=bm, BLOCK_N=bn, FMT=FP8_CODE[input.dtype], PTX=_ptx(), USE_PDL=use_pdl,
+        BLOCK_M=bm, BLOCK_N=bn, FMT=fmt, PTX=_ptx(), USE_PDL=use_pdl,
         num_warps=warps, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
 
@@ -218,8 +220,8 @@ def _fp4_quantize_kernel(
     if USE_PDL:
         gdc_wait()
     gs = tl.load(gs_ptr).to(tl.float32)
-    x = tl.load(x_ptr + (r64 * x_st)[:, None, None] + cols[None, :, :],
-                mask=live[:, :, None], other=0.0).to(tl.float32)  # fmt: skip
+    x = tl.load(x_ptr + (r64 * x_st)[:, None, None] + cols[None, :, :], mask=live[:, :, None],
+                other=0.0, eviction_policy="evict_first").to(tl.float32)  # fmt: skip
     if USE_PDL:
         gdc_launch_dependents()
     packed, sf = D.nvfp4_quantize_3d(x, gs, rcp_fast(gs, PTX), RECIPE, PTX)
