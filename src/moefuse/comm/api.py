@@ -190,8 +190,9 @@ def _fp8(op, input, residual, weight, scale, workspace, eps, weight_bias, fp32_a
         quant_out = torch.empty(input.shape, dtype=torch.float8_e4m3fn, device=input.device)
     if input.shape[0] > 0:
         backend = _impl(op, impl, input, workspace)
-        ops.allreduce_residual_rmsnorm_fp8_op(
-            input, residual, weight, scale, residual_out, norm_out, quant_out, workspace.id,
+        ops.allreduce_residual_rmsnorm_fp8_op(  # FP8 bytes travel as uint8 (schema checks)
+            input, residual, weight, scale, residual_out, norm_out, quant_out.view(torch.uint8),
+            workspace.id,
             float(eps), float(weight_bias), fp32_acc, algorithm,
             resolve_pdl(enable_pdl, input.device), backend,
         )  # fmt: skip

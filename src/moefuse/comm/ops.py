@@ -66,7 +66,7 @@ def _execute_reference(pattern, ws, x, residual, weight, out, residual_out, norm
             x, residual, weight, scale, workspace=ws, eps=eps, weight_bias=weight_bias,
             fp32_acc=fp32_acc,
         )  # fmt: skip
-        quant_out.copy_(q)
+        quant_out.copy_(q.view(torch.uint8))
     else:
         h, n, q, sf = ref.allreduce_residual_rmsnorm_nvfp4_reference(
             x, residual, weight, scale, workspace=ws, layout=LAYOUT_NAMES[layout], eps=eps,
@@ -121,6 +121,7 @@ def allreduce_residual_rmsnorm_fp8_op(
     norm_out: Tensor | None, quant_out: Tensor, workspace_id: int, eps: float, weight_bias: float,
     fp32_acc: bool, algorithm: str, use_pdl: bool, backend: str,
 ) -> None:  # fmt: skip
+    """``quant_out``: the FP8 bytes as a uint8 tensor."""
     _execute(2, workspace_id, backend, algorithm, input, residual, weight,
              residual_out=residual_out, norm_out=norm_out, quant_out=quant_out, scale=scale,
              eps=eps, weight_bias=weight_bias, fp32_acc=fp32_acc, use_pdl=use_pdl)  # fmt: skip
