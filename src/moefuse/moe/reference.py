@@ -73,20 +73,20 @@ def _finalize_rows(
     m, top_k = rows.shape
     h = permuted_input.shape[1]
     acc = torch.zeros(m, h, dtype=torch.float32, device=permuted_input.device)
+    if permuted_input.shape[0] == 0:  # no rows: every slot is invalid
+        top_k = 0
     w = scales.float()
     for k in range(top_k):  # ascending slot order (SPEC §2.3.2)
-        v = valid[:, k]
-        if not bool(v.any()):
-            continue
-        tok = v.nonzero().squeeze(1)
-        # only valid slots' rows are read: rows behind invalid indices may hold NaN/Inf
-        x = permuted_input.index_select(0, rows[tok, k]).float()
+        v = valid[:, k : k + 1]
+        # whole-chunk gather: invalid slots read a stand-in row (rows[] holds 0 there) whose
+        # values are discarded by the where() below, so NaN/Inf behind them cannot leak
+        x = permuted_input.index_select(0, rows[:, k]).float()
         if bias is not None:
-            e = expert_ids[tok, k].long()
-            in_range = (e >= 0) & (e < bias.shape[0])
-            b = bias.index_select(0, torch.where(in_range, e, 0)).float()
-            x = x + torch.where(in_range[:, None], b, torch.zeros_like(b))
-        acc[tok] = fma_ftz_f32(x, w[tok, k][:, None], acc[tok])
+            e = expert_ids[:, k].long()
+            has_b = (e >= 0) & (e < bias.shape[0])
+            b = bias.index_select(0, torch.where(has_b, e, 0)).float()
+            x = torch.where(has_b[:, None], x + b, x)
+        acc = torch.where(v, fma_ftz_f32(x, w[:, k : k + 1], acc), acc)
     if routed_scaling_factor != 1.0:
         acc = acc * torch.tensor(routed_scaling_factor, dtype=torch.float32)
     if shared is not None:
@@ -127,7 +127,7 @@ def moe_finalize_reference(
     out = torch.empty(m, h, dtype=out_dtype, device=permuted_input.device)
     n_rows = permuted_input.shape[0]
     rows, valid = slot_rows(expanded_idx_to_permuted_idx, n_rows, input_is_expanded)
-    step = max(1, _CHUNK_ELEMENTS // max(1, h * max(1, top_k)))
+    step = max(1, _CHUNK_ELEMENTS // max(1, h))
     for t0 in range(0, m, step):
         sl = slice(t0, min(m, t0 + step))
         acc = _finalize_rows(
