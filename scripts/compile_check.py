@@ -57,22 +57,26 @@ def main() -> None:
     parser.add_argument("--widths", default="64,2880,4096,8192,16384,20000")
     args = parser.parse_args()
     for width in map(int, args.widths.split(",")):
-        t = tiles.row_tile(width)
-        base = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows,
-                    MASKED=t.rows > 1 or not t.even(width), EVICT_FIRST=True, PTX=True,
-                    USE_PDL=True)  # fmt: skip
-        cases = [
-            ("rmsnorm", nt._rmsnorm_kernel, {**base, "HAS_GATE": False}, ()),
-            ("fused_add", nt._fused_add_rmsnorm_kernel, base, ()),
-            ("gated", nt._gated_residual_kernel, {**base, "HAS_WEIGHT": True},
-             ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr")),
-            ("gated_next", nt._gated_residual_next_kernel,
-             {**base, "ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
-             ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr")),
-        ]  # fmt: skip
-        for name, kernel, consts, fp32 in cases:
+        for name, kernel, extra, fp32, policy in _cases():
+            t = tiles.row_tile(width, policy)
+            consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows,
+                          MASKED=t.rows > 1 or not t.even(width), EVICT_FIRST=False, PTX=True,
+                          USE_PDL=True, **extra)  # fmt: skip
             regs, spills = compile_report(kernel, consts, t.num_warps, fp32)
-            print(f"H={width:6d} {name:11s} warps={t.num_warps:2d} regs={regs:4d} spills={spills}")
+            print(f"H={width:6d} {name:11s} warps={t.num_warps:2d} chunks={t.num_chunks} "
+                  f"regs={regs:4d} spills={spills}")
+
+
+def _cases():
+    return [
+        ("rmsnorm", nt._rmsnorm_kernel, {"HAS_GATE": False}, (), tiles.TilePolicy()),
+        ("fused_add", nt._fused_add_rmsnorm_kernel, {}, (), tiles.TilePolicy()),
+        ("gated", nt._gated_residual_kernel, {"HAS_WEIGHT": True},
+         ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"), tiles.GATED_POLICY),
+        ("gated_next", nt._gated_residual_next_kernel,
+         {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
+         ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"), tiles.GATED_NEXT_POLICY),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ CHUNK_BLOCK = 8192
 TILE_ELEMENTS = 2048
 #: elements each thread owns per row chunk (8 x 16-bit = one 16-byte vector)
 ELEMS_PER_THREAD = 8
-#: measured on H200 (scripts/sweep_norm_tiles.py, 2026-11-29): 8 warps per row beat 16 at
-#: H = 4096 and 8192 (gated_residual_next 16384 x 8192: 391 vs 484 us); see notes/norm.md
 MAX_WARPS = 8
 
 
@@ -41,17 +39,36 @@ class RowTile:
         return ((n_rows + self.rows - 1) // self.rows,)
 
 
-def row_tile(width: int, *, max_single: int | None = None) -> RowTile:
+@dataclass(frozen=True)
+class TilePolicy:
+    """Per-op limits (None = the module default); register-heavy ops hold less of a row."""
+
+    max_single: int | None = None
+    chunk: int | None = None
+    max_warps: int | None = None
+
+
+#: the gated ops keep an FP32 stream and three FP32 parameter vectors live: measured on H200
+#: (scripts/sweep_norm_tiles.py, notes/norm.md), 16384 x 8192 with 8 warps ran at 3.2-3.3 TB/s
+#: (183 registers, one CTA per SM); with 4 warps gated_residual_rmsnorm is fastest in two 4096
+#: chunks (337 us) and gated_residual_next_rmsnorm in one pass (389 us, 4.1 TB/s)
+GATED_POLICY = TilePolicy(max_single=4096, chunk=4096, max_warps=4)
+GATED_NEXT_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4)
+
+
+def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
     """The tile for rows of ``width`` elements (see module docstring for why it ignores M)."""
-    max_single = MAX_SINGLE_BLOCK if max_single is None else max_single
+    max_single = policy.max_single or MAX_SINGLE_BLOCK
+    chunk = policy.chunk or CHUNK_BLOCK
+    max_warps = policy.max_warps or MAX_WARPS
     if width < 1:
         raise ValueError(f"row width must be >= 1, got {width}")
     if width <= max_single:
         block, chunks = next_pow2(width), 1
     else:
-        block = min(CHUNK_BLOCK, max_single)
+        block = min(chunk, max_single)
         chunks = (width + block - 1) // block
     rows = max(1, TILE_ELEMENTS // block)
     warps = (rows * block) // (32 * ELEMS_PER_THREAD)
-    warps = max(1, min(MAX_WARPS, next_pow2(warps)))
+    warps = max(1, min(max_warps, next_pow2(warps)))
     return RowTile(block=block, num_chunks=chunks, rows=rows, num_warps=warps)

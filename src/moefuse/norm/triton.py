@@ -25,11 +25,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to, rsqrt_fast
 from moefuse._runtime import interpreter_active
-from moefuse.norm.tiles import row_tile
+from moefuse.norm.tiles import GATED_NEXT_POLICY, GATED_POLICY, row_tile
 
 LOG2E = 1.4426950408889634
-#: evict-first cache hint on activation loads (each byte is read once); weights keep the default
-STREAM_EVICT_FIRST = True
+#: evict-first cache hint on activation loads; measured slower on H200 by 1-4 % (notes/norm.md),
+#: so off, kept as a switch for other GPUs
+STREAM_EVICT_FIRST = False
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -117,12 +118,12 @@ def _rmsnorm_kernel(
         if USE_PDL:
             gdc_wait()
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.static_range(NUM_CHUNKS):
+        for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
             acc += x * x
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
-        for c in tl.static_range(NUM_CHUNKS):
+        for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
             if HAS_GATE:
@@ -165,14 +166,14 @@ def _fused_add_rmsnorm_kernel(
         if USE_PDL:
             gdc_wait()
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.static_range(NUM_CHUNKS):
+        for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
             h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, False)
             acc += h * h
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         # second pass recomputes the same FP32 h (both inputs are still unmodified for this chunk)
-        for c in tl.static_range(NUM_CHUNKS):
+        for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
             h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
@@ -219,14 +220,14 @@ def _gated_residual_kernel(
         if USE_PDL:
             gdc_wait()
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.static_range(NUM_CHUNKS):
+        for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, False)
             if HAS_WEIGHT:
                 x = x * (_ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center)
             acc += x * x
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
-        for c in tl.static_range(NUM_CHUNKS):
+        for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             cmask = cols < H
             x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
@@ -317,7 +318,7 @@ def _gated_residual_next_kernel(
         if USE_PDL:
             gdc_wait()
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.static_range(NUM_CHUNKS):
+        for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, False)
             if HAS_POST_WEIGHT:
@@ -325,7 +326,7 @@ def _gated_residual_next_kernel(
             acc += b * b
         r1 = _inv_rms(tl.sum(acc, axis=1), Hf, post_eps)[:, None]
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.static_range(NUM_CHUNKS):
+        for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             cmask = cols < H
             b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
@@ -341,7 +342,7 @@ def _gated_residual_next_kernel(
         r2 = _inv_rms(tl.sum(acc, axis=1), Hf, next_eps)[:, None]
         # make this program's residual_out stores visible to all of its threads before re-reading
         tl.debug_barrier()
-        for c in tl.static_range(NUM_CHUNKS):
+        for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
             nw = _ld(nw_ptr + cols, cols < H, MASKED, False)[None, :] + next_gain_center
             ro = _ld(rout_ptr + ro_row + cols[None, :], mask, MASKED, False)
@@ -433,7 +434,7 @@ def launch_gated_residual_rmsnorm(
     n_rows, width = branch.shape
     if n_rows == 0:
         return
-    tile = row_tile(width)
+    tile = row_tile(width, GATED_POLICY)
     masked = tile.rows > 1 or not tile.even(width)
     _gated_residual_kernel[tile.grid(n_rows)](
         branch, residual, weight if weight is not None else alpha, alpha, beta, out,
@@ -467,7 +468,7 @@ def launch_gated_residual_next_rmsnorm(
     n_rows, width = branch.shape
     if n_rows == 0:
         return
-    tile = row_tile(width)
+    tile = row_tile(width, GATED_NEXT_POLICY)
     masked = tile.rows > 1 or not tile.even(width)
     alpha_mode = 2 if alpha is not None else (0 if alpha_scalar == 1.0 else 1)
     router = router_input if router_input is not None else residual_out
