@@ -179,7 +179,7 @@ def _encode_kernel(x_ptr, e4_ptr, e5_ptr, e2_ptr, d4_ptr, d5_ptr, de_ptr, n, BLO
     x = tl.load(x_ptr + offs, mask=mask)
     tl.store(e4_ptr + offs, D.fp8_encode(x, 0, False), mask=mask)
     tl.store(e5_ptr + offs, D.fp8_encode(x, 1, False), mask=mask)
-    tl.store(e2_ptr + offs, D.e2m1_encode(x).to(tl.uint8), mask=mask)
+    tl.store(e2_ptr + offs, D.e2m1_encode(x, False).to(tl.uint8), mask=mask)
     byte = offs & 255
     tl.store(d4_ptr + offs, D.fp8_decode(byte, 0), mask=mask & (offs < 256))
     tl.store(d5_ptr + offs, D.fp8_decode(byte, 1), mask=mask & (offs < 256))

@@ -47,39 +47,45 @@ _R6: tl.constexpr = tl.constexpr(0x3E2AAAAB)  # rcp_fast(6.0) == RNE(1/6) (SPEC 
 
 
 @triton.jit
+def _add_rn(a, b, PTX: tl.constexpr):
+    """FP32 ``a + b`` with one RNE rounding that the compiler may NOT contract with a preceding
+    multiply into an FMA (``add.rn.f32``): the operand ``a`` must be the rounded product."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a + b
+
+
+@triton.jit
 def _minifloat_magnitude(
     a,
     MAN: tl.constexpr,
     BIAS: tl.constexpr,
-    MAX_BITS: tl.constexpr,
     MAX_CODE: tl.constexpr,
-    NAN_CODE: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """Magnitude code of a small float format for ``a`` = FP32 bits with the sign cleared (uint32).
 
-    RNE to MAN mantissa bits with exponent bias BIAS; subnormals of the target handled exactly;
-    ``a >= MAX_BITS`` (the FP32 bits of the largest finite value, Inf included) gives MAX_CODE;
-    NaN gives NAN_CODE. Integer-only so the interpreter and the GPU agree bit for bit.
+    RNE to MAN mantissa bits with exponent bias BIAS, target subnormals exact, saturating at
+    MAX_CODE (which also catches Inf and NaN; callers that need a NaN code patch it).
+
+    One FP32 add does the rounding: for ``a`` in binade ``e`` (clamped below at the target's
+    minimum normal exponent ``emin``), ``magic = 2^(e + 23 - MAN)`` has an ulp equal to the target's
+    spacing in that binade, so ``a + magic`` rounds ``a`` to the target grid (RNE, ties to even)
+    and its low bits count grid steps ``k``; the code is ``k + ((e - emin) << MAN)``. The clamp
+    makes the same formula produce the target's subnormals. Huge ``a`` (magic overflowing into the
+    sign bit or to Inf), Inf and NaN all give codes far above MAX_CODE (unsigned), so the final
+    minimum saturates them. Pure integer/FP32-add math: identical in the interpreter and on GPU.
     """
+    EMIN_BITS: tl.constexpr = (128 - BIAS) << 23  # bits of 2^emin, emin = 1 - BIAS
     D: tl.constexpr = 23 - MAN
-    MIN_NORMAL_BITS: tl.constexpr = (128 - BIAS) << 23
-    REBIAS: tl.constexpr = (127 - BIAS) << MAN
-    # Normal range: round the 23-bit mantissa to MAN bits (ties to even; a carry into the exponent
-    # is the correct next binade), then move the exponent bias from 127 to BIAS.
-    lsb = (a >> D) & 1
-    normal = ((a + ((1 << (D - 1)) - 1) + lsb) >> D) - REBIAS
-    # Subnormal range of the target: value = sig * 2^(E-150); code = RNE(value / 2^(1-BIAS-MAN)).
-    # The shift is clamped at 31: anything shifted by >= 25 rounds to 0 and the sum cannot overflow.
-    e = (a >> 23).to(tl.int32)
-    sig = (a & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(tl.maximum(151 - BIAS - MAN - e, 1), 31).to(tl.uint32)
-    one = tl.full(a.shape, 1, tl.uint32)
-    half_m1 = (one << (shift - 1)) - 1
-    sub = (sig + half_m1 + ((sig >> shift) & 1)) >> shift
-    code = tl.where(a < MIN_NORMAL_BITS, sub, normal)
-    code = tl.where(a >= MAX_BITS, MAX_CODE, code)
-    code = tl.where(a > _F32_INF_BITS, NAN_CODE, code)
-    return code
+    eb = tl.maximum(a & 0x7F800000, EMIN_BITS)
+    magic = eb + (D << 23)
+    y = _add_rn(a.to(tl.float32, bitcast=True), magic.to(tl.float32, bitcast=True), PTX)
+    code = (y.to(tl.uint32, bitcast=True) - magic - (EMIN_BITS >> D)) + (eb >> D)
+    return tl.minimum(code, MAX_CODE)
 
 
 @triton.jit
@@ -100,9 +106,9 @@ def fp8_encode(x, FMT: tl.constexpr, PTX: tl.constexpr):
         return tl.where(a > _F32_INF_BITS, 0x7F, hw).to(tl.uint8)
     else:
         if FMT == 0:
-            mag = _minifloat_magnitude(a, 3, 7, 0x43E00000, 0x7E, 0x7F)
+            mag = _minifloat_magnitude(a, 3, 7, 0x7E, PTX)
         else:
-            mag = _minifloat_magnitude(a, 2, 15, 0x47600000, 0x7B, 0x7F)
+            mag = _minifloat_magnitude(a, 2, 15, 0x7B, PTX)
         sign = (b >> 24) & 0x80
         return tl.where(a > _F32_INF_BITS, 0x7F, mag | sign).to(tl.uint8)
 
@@ -140,23 +146,23 @@ def fp8_decode(q, FMT: tl.constexpr):
 
 
 @triton.jit
-def e2m1_magnitude(a):
+def e2m1_magnitude(a, PTX: tl.constexpr):
     """E2M1 magnitude code (int32, 0..7) of ``a`` = FP32 bits with the sign cleared (uint32).
 
     RNE with ties to the even code, saturating at 6.0 (code 7); NaN -> 7. Any shape.
     """
-    return _minifloat_magnitude(a, 1, 1, 0x40C00000, 7, 7).to(tl.int32)
+    return _minifloat_magnitude(a, 1, 1, 7, PTX).to(tl.int32)
 
 
 @triton.jit
-def e2m1_encode(x):
+def e2m1_encode(x, PTX: tl.constexpr):
     """FP32 -> E2M1 nibble (int32, 0..15): magnitude code | 8 if ``x < 0``. Any shape.
 
     Thresholds (SPEC §4.2): 0 <= .25 < 1 < .75 <= 2 <= 1.25 < 3 < 1.75 <= 4 <= 2.5 < 5 < 3.5 <= 6
     <= 5 < 7. ``-0.0`` -> 0x0, NaN -> 0x7, +-Inf -> 0x7/0xF.
     """
     a = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    return e2m1_magnitude(a) | tl.where(x < 0, 8, 0)
+    return e2m1_magnitude(a, PTX) | tl.where(x < 0, 8, 0)
 
 
 @triton.jit
@@ -225,7 +231,7 @@ def nvfp4_quantize_3d(v, gs, rcp_gs, RECIPE: tl.constexpr, PTX: tl.constexpr):
     amax = tl.max(a, axis=2).to(tl.float32, bitcast=True)
     sf, out_scale = nvfp4_scale(amax, gs, rcp_gs, RECIPE, PTX)
     q = a.to(tl.float32, bitcast=True) * tl.expand_dims(out_scale, 2)
-    mag = e2m1_magnitude(q.to(tl.uint32, bitcast=True))
+    mag = e2m1_magnitude(q.to(tl.uint32, bitcast=True), PTX)
     nib = mag | tl.where(v < 0, 8, 0)
     return pack_nibbles(nib, 8), sf
 

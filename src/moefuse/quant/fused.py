@@ -183,8 +183,9 @@ def _fp4_epilogue(y, gs, rcp_gs, rows, live_rows, chunk, p_ptr, p_row, s_ptr, y_
     yq = round_to(y, y_ptr.dtype.element_ty, PTX)
     if HAS_NORM_OUT:
         tl.store(y_ptr + y_row + cols[None, :], yq, mask=mask)
-    v = tl.where(mask, yq.to(tl.float32), 0.0)
-    packed, sf = D.nvfp4_quantize_rows(v, gs, rcp_gs, BLOCK, RECIPE, PTX)
+    # masked-off lanes hold 0 already (loads read 0 and the caller zeroes r of padding rows), so
+    # padding rows quantize to scale 0; blocks past H are never stored
+    packed, sf = D.nvfp4_quantize_rows(yq.to(tl.float32), gs, rcp_gs, BLOCK, RECIPE, PTX)
     pcols = chunk * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
     tl.store(p_ptr + p_row + pcols[None, :], packed, mask=live_rows & (pcols < H // 2)[None, :])
     ks = chunk * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
@@ -240,7 +241,8 @@ def _rmsnorm_fp4_kernel(
             gdc_launch_dependents()
         if HAS_RESIDUAL:
             _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
-        r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
+        # r = 0 on padding rows: y = 0 there even when eps = 0 makes rsqrt(0) infinite
+        r = tl.where(live_rows, _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None], 0.0)
         _fp4_epilogue((h * r) * w, gs, rcp_fast(gs, PTX), rows, live_rows, 0, p_ptr, p_row,
                       s_ptr, y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
                       HAS_NORM_OUT, PTX)  # fmt: skip
@@ -252,7 +254,7 @@ def _rmsnorm_fp4_kernel(
             mask = live_rows & (cols < H)[None, :]
             h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
             acc += h * h
-        r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
+        r = tl.where(live_rows, _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None], 0.0)
         rcp_gs = rcp_fast(gs, PTX)
         for c in tl.static_range(NUM_CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
