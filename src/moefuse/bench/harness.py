@@ -71,6 +71,15 @@ def graph_time_us(
     return statistics.median(times)
 
 
+def compile_baseline(fn: Callable) -> Callable:
+    """``torch.compile`` (default mode, static shapes) of a baseline, allowed one graph per shape:
+    with dynamo's default limit of 8 recompilations, later shapes would silently run eagerly."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
+    return torch.compile(fn, dynamic=False)
+
+
 def copy_ceiling_tbs(nbytes: int = 1 << 30) -> float:
     """Bandwidth (bytes read + written per second, in TB/s) of the best of a few SM copy kernels
     (Triton, 16-bit elements, several tile sizes) over ``nbytes``."""

@@ -181,7 +181,7 @@ def bench_finalize(device, tokens, hidden, k, use_compile, tune) -> list[dict]:
     from moefuse._runtime import resolve_pdl
 
     use_pdl = resolve_pdl(None, device)
-    compiled = torch.compile(torch_finalize) if use_compile else None
+    compiled = harness.compile_baseline(torch_finalize) if use_compile else None
     rows_out = []
     for h in hidden:
         for m in tokens:

@@ -126,7 +126,7 @@ def _variants(op: str, compiled: dict):
             "gated_residual_next_rmsnorm": torch_gated_residual_next_rmsnorm,
             "rmsnorm_sigmoid_gate": torch_rmsnorm_sigmoid_gate,
         }[op]
-        compiled[op] = torch.compile(raw, dynamic=False)
+        compiled[op] = harness.compile_baseline(raw)
     comp = compiled[op]
     comp_fn = {
         "rmsnorm": lambda s: comp(s[0], s[1]),
