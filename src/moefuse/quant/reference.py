@@ -44,10 +44,17 @@ def fp8_quantize_reference(
     return q.view(dtype)
 
 
+def _div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """IEEE FP32 ``a / b``. (Dividing a CUDA tensor by a Python scalar multiplies by the rounded
+    reciprocal in PyTorch, which is not the SPEC's division.)"""
+    return a / torch.full_like(a, b)
+
+
 def fp8_per_token_scale(amax: torch.Tensor) -> torch.Tensor:
     """SPEC §4.3: ``max(amax / 448, 2^-9 / 448)`` in FP32, NaN propagating."""
-    floor = torch.tensor(2.0**-9, dtype=torch.float32) / torch.tensor(448.0, dtype=torch.float32)
-    return torch.maximum(amax.float() / 448.0, floor.to(amax.device))
+    amax = amax.float()
+    floor = _div(torch.full_like(amax, 2.0**-9), 448.0)
+    return torch.maximum(_div(amax, 448.0), floor)
 
 
 def fp8_quantize_per_token_reference(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
