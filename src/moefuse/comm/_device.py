@@ -11,8 +11,9 @@ FP32 rounding boundary, which needs a relative FP64 difference of ~2^-53 to hit 
 
 Conventions: ``PTX`` (constexpr) is False in Triton's interpreter, which cannot run inline PTX or
 PDL intrinsics; the off-path computes the same thing (the clock comes from a host-refreshed word,
-see :class:`moefuse.comm.transport.CpuClock`). Peer base addresses are stored in 16-byte units so
-that Triton can prove the alignment of every peer row and vectorize it.
+see :class:`moefuse.comm.transport.CpuClock`). Peer buffers are addressed relative to the pointer
+table argument (distances in 16-byte units) so that Triton can prove the alignment of every peer
+row and vectorize it.
 """
 
 import triton
@@ -68,19 +69,24 @@ def as_bits(x, BITS: tl.constexpr):
 
 @triton.jit
 def peer_base(table_ptr, q, off16, BITS: tl.constexpr):
-    """Integer-typed pointer to region ``off16`` (16-byte units) of rank ``q``'s buffer."""
-    addr = (tl.load(table_ptr + q) + off16) * 16
+    """Integer-typed pointer to region ``off16`` (16-byte units) of rank ``q``'s buffer.
+
+    Table entries are distances from the table itself in 16-byte units: pointer arithmetic on the
+    (aligned) table argument keeps Triton's alignment analysis, so peer rows are moved with 16-byte
+    vector loads and stores; an integer cast to a pointer would lose it (scalar 2-byte accesses).
+    """
+    d = tl.load(table_ptr + q) + off16
     if BITS == 16:
-        return addr.to(tl.pointer_type(tl.int16))
+        return table_ptr.to(tl.pointer_type(tl.int16)) + d * 8
     else:
-        return addr.to(tl.pointer_type(tl.int32))
+        return table_ptr.to(tl.pointer_type(tl.int32)) + d * 4
 
 
 @triton.jit
 def flag_ptrs(table_ptr, ranks, rmask, flags_off16, index):
     """Pointers to int32 flag ``index`` of every rank in ``ranks`` (masked lanes: rank 0)."""
-    base = (tl.load(table_ptr + ranks, mask=rmask, other=0) + flags_off16) * 16
-    return base.to(tl.pointer_type(tl.int32)) + index
+    d = tl.load(table_ptr + ranks, mask=rmask, other=0) + flags_off16
+    return table_ptr.to(tl.pointer_type(tl.int32)) + d * 4 + index
 
 
 @triton.jit

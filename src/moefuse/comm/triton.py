@@ -3,20 +3,21 @@
 Three algorithms, one epilogue (:func:`moefuse.comm._device.epilogue_row`), same bits:
 
 * ``_oneshot_kernel`` — Lamport. Every CTA pushes its token rows (payload -0.0 scrubbed to +0.0)
-  into slot ``[gen, t, rank]`` of every peer's buffer with plain 16-byte stores, then, for each of
-  its rows, volatile-polls the P-1 peer slots of its own buffer until no element is the -0.0
+  into its slot ``[gen, t, sender]`` of every peer's buffer with plain 16-byte stores and, one row
+  behind, volatile-polls the P-1 peer slots of its own buffer until no element is the -0.0
   sentinel, re-arms each slot as soon as it has consumed it (so the amount to clear is always
-  exactly what was used, never a stale size), sums the ranks in ascending order and runs the
-  epilogue. Three generations of slots; the last CTA to arrive (atomic counter) advances the
-  device-resident generation, so nothing about it is baked into a CUDA graph.
+  exactly what was used, never a stale size), sums the ranks in ascending order (its own row from
+  its own input) and runs the epilogue. Three generations of slots; the last CTA to arrive (atomic
+  counter) advances the device-resident generation, so nothing about it is baked into a graph.
 * ``_twoshot_kernel`` — reduce-scatter + all-gather with unicast stores only. Rank o owns tokens
   ``[o*c, (o+1)*c)``, ``c = ceil(M/P)``. Phase 1: push every non-owned row into its owner's
   staging slot; release-flag every peer; acquire-wait for theirs. Phase 2: the owner sums its rows
-  (own input + P-1 staging slots, rank order), rounds once and pushes the sum into every rank's
-  gather buffer; flag; wait. Phase 3: every rank runs the epilogue on its rows from its local
-  gather buffer. Flags are per (phase, CTA index, sender) and carry a device-resident epoch; CTA
-  ``j`` only ever waits on CTA ``j`` of the peers, so no CTA waits on another CTA of its own launch
-  (Triton's interpreter runs them one after another) and the grid is identical on all ranks.
+  (own input + P-1 staging slots, rank order), rounds once, pushes the sum into every peer's
+  gather buffer and runs the epilogue of those rows itself; flag; wait. Phase 3: every rank runs
+  the epilogue of the other ranks' rows from its local gather buffer. Flags are per (phase, CTA
+  index, sender) and carry a device-resident epoch; CTA ``j`` only ever waits on CTA ``j`` of the
+  peers, so no CTA waits on another CTA of its own launch (Triton's interpreter runs them one
+  after another) and the grid is identical on all ranks.
 * ``_gathered_kernel`` — the torch.distributed path: the inputs of all ranks were all-gathered by
   NCCL/gloo into ``[P, M, H]``; sum in rank order, epilogue.
 
@@ -81,6 +82,22 @@ def _finish(ctrl_ptr, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
 
 
 # ----------------------------------------------------------------------------- one-shot
+@triton.jit
+def _push_row(x_ptr, x_st, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
+              P: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """Store row ``t`` of this rank (-0.0 scrubbed) into its slot of every peer's buffer.
+
+    Slots hold only the P-1 peers of the receiving rank (a rank reads its own row from its own
+    input): sender ``s`` uses slot ``s - (s > q)`` at receiver ``q``."""
+    t64 = t.to(tl.int64)
+    bits = D.scrub(D.as_bits(tl.load(x_ptr + t64 * x_st + cols, mask=cmask, other=0.0), BITS), BITS)
+    for q in tl.static_range(P):
+        if q != rank:
+            slot = rank - (rank > q).to(tl.int32)
+            off = ((region + t64) * (P - 1) + slot) * H
+            tl.store(D.peer_base(table_ptr, q, lam_off16, BITS) + off + cols, bits, mask=cmask)
+
+
 @triton.jit(do_not_specialize=["M", "M_pad"])
 def _oneshot_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
@@ -116,52 +133,47 @@ def _oneshot_kernel(
     else:
         res0 = tl.zeros([BLOCK_H], tl.float32)
 
-    # push: this rank's rows into slot [gen, t, rank] of every peer
-    i = 0
-    while i < n_mine:
-        t = (pid + i * G).to(tl.int64)
-        x = tl.load(x_ptr + t * x_st + cols, mask=cmask, other=0.0)
-        bits = D.scrub(D.as_bits(x, BITS), BITS)
-        off = ((region + t) * P + rank) * H
-        for q in tl.static_range(P):
-            if q != rank:
-                tl.store(D.peer_base(table_ptr, q, lam_off16, BITS) + off + cols, bits, mask=cmask)
-        i += 1
-    if USE_PDL:
-        if n_mine <= 1:
-            gdc_launch_dependents()
-
-    # receive, reduce in rank order, epilogue
+    # Iteration i pushes row i and receives row i - 1: the peers pushed row i - 1 one iteration
+    # earlier, so NVLink traffic of one row overlaps the local epilogue of the previous one.
     mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
     i = 0
-    while (i < n_mine) & (missing == 0):
-        t = (pid + i * G).to(tl.int64)
-        if i == 0:
-            x = x0
-            res = res0
-        else:
-            x = tl.load(x_ptr + t * x_st + cols, mask=cmask, other=0.0)
-            if PATTERN != 0:
-                res = tl.load(res_ptr + t * res_st + cols, mask=cmask, other=0.0).to(tl.float32)
-            else:
+    while (i <= n_mine) & (missing == 0):
+        if i < n_mine:
+            _push_row(x_ptr, x_st, pid + i * G, cols, cmask, table_ptr, lam_off16, region, rank,
+                      H, P, BITS)  # fmt: skip
+            if USE_PDL:
+                if n_mine == 1:
+                    gdc_launch_dependents()
+        if i > 0:
+            t = (pid + (i - 1) * G).to(tl.int64)
+            if i == 1:
+                x = x0
                 res = res0
-        acc = tl.zeros([BLOCK_H], tl.float32)
-        for q in tl.static_range(P):
-            if q == rank:
-                v = x.to(tl.float32)
             else:
-                ptr = mine + ((region + t) * P + q) * H + cols
-                bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
-                tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
-                missing = missing | tl.where(pending != 0, 1 << q, 0)
-                v = bits.to(T, bitcast=True).to(tl.float32)
-            acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
-        s = round_to(acc, T, PTX).to(tl.float32)
-        D.epilogue_row(s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
-                       out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr,
-                       T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
+                x = tl.load(x_ptr + t * x_st + cols, mask=cmask, other=0.0)
+                if PATTERN != 0:
+                    res = tl.load(res_ptr + t * res_st + cols, mask=cmask, other=0.0)
+                    res = res.to(tl.float32)
+                else:
+                    res = res0
+            acc = tl.zeros([BLOCK_H], tl.float32)
+            for q in tl.static_range(P):
+                if q == rank:
+                    v = x.to(tl.float32)
+                else:
+                    slot = q - (q > rank).to(tl.int32)
+                    ptr = mine + ((region + t) * (P - 1) + slot) * H + cols
+                    bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
+                    tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
+                    missing = missing | tl.where(pending != 0, 1 << q, 0)
+                    v = bits.to(T, bitcast=True).to(tl.float32)
+                acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
+            s = round_to(acc, T, PTX).to(tl.float32)
+            D.epilogue_row(s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                           out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
+                           sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
         i += 1
     last = _finish(ctrl_ptr, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
                    PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
@@ -231,30 +243,43 @@ def _twoshot_kernel(
                                    cache_modifier=".cg")  # fmt: skip
                     v = bits.to(T, bitcast=True).to(tl.float32)
                 acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
-            sbits = D.as_bits(round_to(acc, T, PTX), BITS)
+            s = round_to(acc, T, PTX)
             for q in tl.static_range(P):
-                dst = D.peer_base(table_ptr, q, gather_off16, BITS) + t64 * H + cols
-                tl.store(dst, sbits, mask=cmask)
+                if q != rank:
+                    dst = D.peer_base(table_ptr, q, gather_off16, BITS) + t64 * H + cols
+                    tl.store(dst, D.as_bits(s, BITS), mask=cmask)
+            # the owner finishes its own rows now, with the sum still in registers
+            if PATTERN != 0:
+                res = tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0)
+                res = res.to(tl.float32)
+            else:
+                res = acc
+            D.epilogue_row(s.to(tl.float32), res, g, t64, cols, cmask, H, Hf, eps, inv_scale, gs,
+                           rcp_gs, n_kcols, out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st,
+                           q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)
         i += 1
     if healthy & (missing == 0):
         D.signal_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, P, PP)
         missing = D.wait_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, deadline,
                                clock_ptr, P, PP, PTX)  # fmt: skip
 
-    # phase 3: epilogue on this CTA's rows from the local gather buffer
+    # phase 3: epilogue on this CTA's rows owned by other ranks, from the local gather buffer
     gathered = D.peer_base(table_ptr, rank, gather_off16, BITS)
     i = 0
     while (i < n_mine) & (missing == 0):
-        t64 = (pid + i * G).to(tl.int64)
-        bits = tl.load(gathered + t64 * H + cols, mask=cmask, other=0, cache_modifier=".cg")
-        s = bits.to(T, bitcast=True).to(tl.float32)
-        if PATTERN != 0:
-            res = tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0).to(tl.float32)
-        else:
-            res = s
-        D.epilogue_row(s, res, g, t64, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
-                       out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr,
-                       T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
+        t = pid + i * G
+        if t // chunk != rank:
+            t64 = t.to(tl.int64)
+            bits = tl.load(gathered + t64 * H + cols, mask=cmask, other=0, cache_modifier=".cg")
+            s = bits.to(T, bitcast=True).to(tl.float32)
+            if PATTERN != 0:
+                res = tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0)
+                res = res.to(tl.float32)
+            else:
+                res = s
+            D.epilogue_row(s, res, g, t64, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs,
+                           n_kcols, out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr,
+                           q_st, sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
         i += 1
     last = _finish(ctrl_ptr, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
                    PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip

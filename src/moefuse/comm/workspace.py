@@ -14,14 +14,15 @@ Lifecycle::
 Memory of one rank (one peer-visible byte buffer, every region 256-byte aligned)::
 
     flags   int32 [2 phases, NSLOT CTA slots, P senders]      two-shot barrier flags (zeroed)
-    lamport T     [3 generations, L tokens, P ranks, H]        one-shot slots (-0.0 sentinels)
+    lamport T     [3 generations, L tokens, P-1 peers, H]      one-shot slots (-0.0 sentinels)
     stage   T     [P senders, ceil(max_tokens / P), H]         two-shot reduce-scatter input
     gather  T     [max_tokens, H]                              two-shot all-gather output
 
 plus, local to the rank, the int32 control block (``ctrl``: Lamport generation, CTA arrival
 counters, two-shot epoch, status word — all advanced by the kernels themselves, so CUDA-graph
 replays are correct) and the int64 pointer table (``table``: every rank's buffer address in this
-process, in 16-byte units). Later communication ops reuse the same buffers through
+process, as distances from the table in 16-byte units). Later communication ops reuse the same
+buffers through
 :meth:`offset16` / ``table`` / ``ctrl`` (``regions`` lists the layout).
 
 Backends: CUDA tensors use torch symmetric memory over NVLink P2P with multicast disabled; a
@@ -47,14 +48,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALGORITHMS = ("auto", "oneshot", "twoshot", "torch")
 
 #: Crossovers of ``algorithm="auto"``: the largest payload ``M * H * elem`` (bytes per rank) for
-#: which one-shot is chosen, per world size; above it two-shot runs. FIRST GUESS, TO BE
-#: RE-MEASURED with ``python -m moefuse bench allreduce --world-size P`` on the H200 machines
-#: (2026-11-29 baselines, ../shared/measurements/h200-baselines.md, H = 4096 BF16: FlashInfer's
-#: one-shot beats its two-shot at every M for P = 2; for P = 4 one-shot wins at M = 64 (1/2 MiB)
-#: and loses at M = 512 (4 MiB); one-shot sends (P-1)x the payload, two-shot 2(P-1)/P x).
-ONESHOT_MAX_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 512 << 10}
-#: default Lamport budget: 3 generations x P slots x L tokens x H x elem <= this many bytes
-LAMPORT_BUDGET_BYTES = 256 << 20
+#: which one-shot is chosen, per world size (None: always, up to the Lamport capacity); above it
+#: two-shot runs. FIRST GUESS, TO BE RE-MEASURED with ``python -m moefuse bench allreduce
+#: --world-size P`` on the H200 machines. Basis (2026-11-29 baselines,
+#: ../shared/measurements/h200-baselines.md, H = 4096 BF16): at P = 2 one-shot and two-shot send
+#: the same bytes and FlashInfer's one-shot beats its two-shot at every M (665 vs 686 us at
+#: M = 16384); at P = 4 one-shot sends 3x the payload against two-shot's 1.5x and FlashInfer's
+#: one-shot wins at M = 64 (1/2 MiB, 10.2 vs 16.9 us) but loses from M = 512 (4 MiB, 49.7 vs 33.3).
+ONESHOT_MAX_BYTES: dict[int, int | None] = {2: None, 4: 1 << 20, 8: 512 << 10}
+#: cap of the default Lamport capacity: 3 generations x (P-1) slots x L tokens x H x elem bytes
+LAMPORT_BUDGET_BYTES = 768 << 20
 NUM_FLAG_SLOTS = 1024
 CTRL_WORDS = 16
 CTRL_GEN, CTRL_ARRIVE_1S, CTRL_EPOCH, CTRL_ARRIVE_2S, CTRL_STATUS = range(5)
@@ -74,7 +77,7 @@ def get_workspace(ws_id: int) -> AllReduceWorkspace:
         raise RuntimeError(f"moefuse.comm: workspace {ws_id} is closed or unknown") from None
 
 
-def oneshot_max_bytes(world_size: int) -> int:
+def oneshot_max_bytes(world_size: int) -> int | None:
     for p in sorted(ONESHOT_MAX_BYTES):
         if world_size <= p:
             return ONESHOT_MAX_BYTES[p]
@@ -98,7 +101,8 @@ class AllReduceWorkspace:
     Args: ``group`` (ProcessGroup, None = WORLD; NCCL for CUDA, gloo for CPU), ``max_tokens`` (M
     capacity), ``hidden_size`` (H), ``dtype`` (activation dtype: BF16/FP16/FP32), ``device`` (this
     rank's CUDA device, or ``cpu``). Keyword-only: ``timeout_s`` (bound of every wait, default 60),
-    ``oneshot_max_tokens`` (Lamport capacity L; default from a 256 MiB budget),
+    ``oneshot_max_tokens`` (Lamport capacity L; default: what "auto" can pick for this world
+    size, within a 768 MiB budget),
     ``peer_access`` (None = detect; False forces the torch.distributed path).
     """
 
@@ -140,13 +144,16 @@ class AllReduceWorkspace:
         elem = torch.empty(0, dtype=dtype).element_size()
         p, h = self.world_size, hidden_size
         if oneshot_max_tokens is None:
-            oneshot_max_tokens = max(1, LAMPORT_BUDGET_BYTES // (3 * p * h * elem))
+            limit = oneshot_max_bytes(p)
+            auto_tokens = max_tokens if limit is None else -(-limit // (h * elem))
+            budget_tokens = LAMPORT_BUDGET_BYTES // (3 * (p - 1) * h * elem)
+            oneshot_max_tokens = min(auto_tokens, budget_tokens)
         self.oneshot_max_tokens = int(max(1, min(max_tokens, oneshot_max_tokens)))
         self.chunk_cap = (max_tokens + p - 1) // p
         self.num_flag_slots = NUM_FLAG_SLOTS
         sizes = [
             ("flags", 2 * NUM_FLAG_SLOTS * p * 4),
-            ("lamport", 3 * self.oneshot_max_tokens * p * h * elem),
+            ("lamport", 3 * self.oneshot_max_tokens * (p - 1) * h * elem),
             ("stage", p * self.chunk_cap * h * elem),
             ("gather", max_tokens * h * elem),
         ]
@@ -161,8 +168,13 @@ class AllReduceWorkspace:
         want_peers = self._detect_peer_access() if peer_access is None else bool(peer_access)
         self.transport = self._make_transport() if self.vote(want_peers) else None
         self.peer_access = self.transport is not None
-        addrs = self.transport.peer_addrs if self.peer_access else [0] * p
-        self.table = torch.tensor([a // tp.ALIGN for a in addrs], dtype=torch.int64, device=device)
+        # the table holds each rank's buffer as a distance from the table itself, in 16-byte units
+        # (kernels index peer memory from the aligned table argument; see comm/_device.py)
+        self.table = torch.zeros(max(p, 2), dtype=torch.int64, device=device)
+        if self.peer_access:
+            here = self.table.data_ptr()
+            dist16 = [(a - here) // tp.ALIGN for a in self.transport.peer_addrs]
+            self.table[:p] = torch.tensor(dist16, dtype=torch.int64)
         self.ctrl = torch.zeros(CTRL_WORDS, dtype=torch.int32, device=device)
         self.ctrl[CTRL_EPOCH] = 1
         self._clock = tp.CpuClock() if device.type == "cpu" else None
@@ -275,7 +287,8 @@ class AllReduceWorkspace:
             return algorithm
         elem = torch.empty(0, dtype=self.dtype).element_size()
         payload = num_tokens * self.hidden_size * elem
-        if fits_oneshot and payload <= oneshot_max_bytes(self.world_size):
+        limit = oneshot_max_bytes(self.world_size)
+        if fits_oneshot and (limit is None or payload <= limit):
             return "oneshot"
         return "twoshot"
 
