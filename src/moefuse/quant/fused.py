@@ -25,7 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to
 from moefuse._runtime import interpreter_active
-from moefuse.norm.tiles import row_tile
+from moefuse.norm.tiles import RowTile, TilePolicy, row_tile
 from moefuse.norm.triton import _inv_rms, _row_base
 from moefuse.quant import device as D
 from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
@@ -33,6 +33,16 @@ from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 
 def _pdl_kwargs(use_pdl: bool) -> dict:
     return {"launch_pdl": True} if use_pdl else {}
+
+
+#: tile policy of the fused norm + quant kernels (the norm family's default today); the benchmark's
+#: ``--sweep`` times alternatives so that this can be set from H200 measurements
+QUANT_POLICY = TilePolicy()
+
+
+def quant_row_tile(width: int) -> RowTile:
+    """The row tile of the fused kernels: a function of the width only (batch invariance)."""
+    return row_tile(width, QUANT_POLICY)
 
 
 def _evict(tile) -> bool:
@@ -146,16 +156,16 @@ def _rmsnorm_fp8_kernel(
 
 
 def launch_rmsnorm_fp8(input, residual, weight, scale, out, fmt: int, eps: float,
-                       gain_center: float, use_pdl: bool) -> None:  # fmt: skip
+                       gain_center: float, use_pdl: bool, tile: RowTile | None = None) -> None:
     """``input`` (and ``residual``, same shape) 2-D/3-D; ``out`` uint8 (FP8 bits of format
-    ``fmt``) of the same shape."""
+    ``fmt``) of the same shape. ``tile`` overrides the width's tile (benchmark sweeps only)."""
     n_rows, heads, x_st, x_sh = _rows_of(input)
     width = input.shape[-1]
     if n_rows == 0:
         return
     _, _, q_st, q_sh = _rows_of(out)
     r_st, r_sh = _rows_of(residual)[2:] if residual is not None else (0, 0)
-    tile = row_tile(width)
+    tile = tile or quant_row_tile(width)
     masked = tile.rows > 1 or not tile.even(width)
     _rmsnorm_fp8_kernel[tile.grid(n_rows)](
         input, residual if residual is not None else input, weight, scale, out,
@@ -272,14 +282,15 @@ def _rmsnorm_fp4_kernel(
 
 def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, norm_out,
                        eps: float, gain_center: float, layout: str, recipe: str,
-                       use_pdl: bool) -> None:  # fmt: skip
-    """``input`` [M, H] (H % 16 == 0); ``norm_out`` [M, H] of the input dtype or None."""
+                       use_pdl: bool, tile: RowTile | None = None) -> None:  # fmt: skip
+    """``input`` [M, H] (H % 16 == 0); ``norm_out`` [M, H] of the input dtype or None.
+    ``tile`` overrides the width's tile (benchmark sweeps only)."""
     m, width = input.shape
     kb = width // 16
     rows_p, n_kcols = scale_layout_shape(m, kb, layout)
     if rows_p == 0:
         return
-    tile = row_tile(width)
+    tile = tile or quant_row_tile(width)
     grid = ((rows_p + tile.rows - 1) // tile.rows,)
     y = norm_out if norm_out is not None else input  # dtype carrier when not stored
     _rmsnorm_fp4_kernel[grid](
