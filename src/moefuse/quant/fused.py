@@ -52,7 +52,7 @@ def _evict(tile) -> bool:
 
 
 @triton.jit
-def _ld(ptrs, mask, MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
+def _ld(ptrs, mask, MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr):
     """Load as FP32 (masked lanes read 0.0)."""
     if EVICT_FIRST:
         if MASKED:
@@ -83,6 +83,20 @@ def _rows_of(t) -> tuple[int, int, int, int]:
     return t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1)
 
 
+def _fp8_metadata(grid, kernel, args):
+    n, h = args["n_rows"], args["H"]
+    elem = args["x_ptr"].element_size() * (3 if args["HAS_RESIDUAL"] else 1)
+    return {"name": f"rmsnorm_fp8 M={n} H={h}", "bytes": n * h * (elem + 1)}
+
+
+def _fp4_metadata(grid, kernel, args):
+    n, h = args["n_rows"], args["H"]
+    e = args["x_ptr"].element_size()
+    elem = e * (3 if args["HAS_RESIDUAL"] else 1) + (e if args["HAS_NORM_OUT"] else 0)
+    scales = args["n_rows_padded"] * args["n_kcols"]
+    return {"name": f"rmsnorm_fp4 M={n} H={h}", "bytes": n * h * elem + n * h // 2 + scales}
+
+
 @triton.jit
 def _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED: tl.constexpr,
             HAS_RESIDUAL: tl.constexpr, EVICT_FIRST: tl.constexpr):  # fmt: skip
@@ -94,7 +108,7 @@ def _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED: tl.constexpr,
 
 
 # ----------------------------------------------------------------------------- FP8
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows"], launch_metadata=_fp8_metadata)
 def _rmsnorm_fp8_kernel(
     x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr,
     n_rows, H, Hf, HEADS,
@@ -114,7 +128,7 @@ def _rmsnorm_fp8_kernel(
     if NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         mask = rmask & (cols < H)[None, :]
-        w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
+        w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
         inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
@@ -146,7 +160,7 @@ def _rmsnorm_fp8_kernel(
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = rmask & (cols < H)[None, :]
             h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL, EVICT_FIRST)
-            w = _ld(w_ptr + cols, cols < H, MASKED)[None, :] + gain_center
+            w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
             if HAS_RESIDUAL:
                 _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
             q = D.fp8_encode(((h * r) * w) * inv, FMT, PTX)
@@ -204,7 +218,7 @@ def _fp4_epilogue(y, gs, rcp_gs, rows, live_rows, chunk, p_ptr, p_row, s_ptr, y_
     tl.store(s_ptr + off, sf, mask=(rows < n_rows_padded)[:, None] & (ks < KB)[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_rows_padded"])
+@triton.jit(do_not_specialize=["n_rows", "n_rows_padded"], launch_metadata=_fp4_metadata)
 def _rmsnorm_fp4_kernel(
     x_ptr, res_ptr, w_ptr, gs_ptr, p_ptr, s_ptr, y_ptr,
     n_rows, n_rows_padded, H, Hf, KB, n_kcols,
@@ -226,7 +240,7 @@ def _rmsnorm_fp4_kernel(
     if NUM_CHUNKS == 1:
         # parameters before the grid-dependency wait; activations and every store after it
         cols = tl.arange(0, BLOCK)
-        w = _ld(w_ptr + cols, cols < H, True)[None, :] + gain_center
+        w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
     if USE_PDL:
         gdc_wait()
     # padding block columns [KB, n_kcols) of every row this program owns (fewer than 4)
@@ -270,7 +284,7 @@ def _rmsnorm_fp4_kernel(
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = live_rows & (cols < H)[None, :]
             h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
-            w = _ld(w_ptr + cols, cols < H, True)[None, :] + gain_center
+            w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
             if HAS_RESIDUAL:
                 _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
             _fp4_epilogue((h * r) * w, gs, rcp_gs, rows, live_rows, c, p_ptr, p_row, s_ptr,

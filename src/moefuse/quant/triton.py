@@ -39,8 +39,21 @@ def _ptx() -> bool:
     return not interpreter_active()
 
 
+def _fp8_metadata(grid, kernel, args):
+    n, h = args["n_rows"], args["H"]
+    return {"name": f"fp8_quantize M={n} H={h}",
+            "bytes": n * h * (args["x_ptr"].element_size() + 1)}  # fmt: skip
+
+
+def _fp4_metadata(grid, kernel, args):
+    n, kb = args["n_rows"], args["KB"]
+    scales = args["n_rows_padded"] * args["n_kcols"]
+    return {"name": f"fp4_quantize M={n} H={16 * kb}",
+            "bytes": n * kb * 16 * args["x_ptr"].element_size() + n * kb * 8 + scales}
+
+
 # ----------------------------------------------------------------------------- FP8 static
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows"], launch_metadata=_fp8_metadata)
 def _fp8_quantize_kernel(
     x_ptr, scale_ptr, q_ptr,
     n_rows, H, HEADS, x_st, x_sh, q_st,
@@ -203,7 +216,7 @@ def launch_fp8_dequantize(input, scale, out, fmt: int, use_pdl: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- NVFP4
-@triton.jit(do_not_specialize=["n_rows", "n_rows_padded"])
+@triton.jit(do_not_specialize=["n_rows", "n_rows_padded"], launch_metadata=_fp4_metadata)
 def _fp4_quantize_kernel(
     x_ptr, gs_ptr, p_ptr, s_ptr,
     n_rows, n_rows_padded, KB, n_kcols, x_st, p_st,
