@@ -98,7 +98,7 @@ def _push_row(x_ptr, x_st, t, cols, cmask, table_ptr, lam_off16, region, rank, H
             tl.store(D.peer_base(table_ptr, q, lam_off16, BITS) + off + cols, bits, mask=cmask)
 
 
-@triton.jit(do_not_specialize=["M", "M_pad"])
+@triton.jit(do_not_specialize=["M", "M_pad", "rank"])
 def _oneshot_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
     x_st, res_st, out_st, rout_st, nout_st, q_st,
@@ -183,7 +183,7 @@ def _oneshot_kernel(
 
 
 # ----------------------------------------------------------------------------- two-shot
-@triton.jit(do_not_specialize=["M", "M_pad"])
+@triton.jit(do_not_specialize=["M", "M_pad", "rank"])
 def _twoshot_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
     x_st, res_st, out_st, rout_st, nout_st, q_st,
