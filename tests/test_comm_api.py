@@ -247,3 +247,62 @@ def test_bounded_wait_names_the_missing_rank(algo):
 
 def test_opcheck_and_torch_compile():
     assert all(run_group(2, scenario_opcheck_compile))
+
+
+def scenario_compat(rank, world_size):
+    """FlashInfer's pattern-based call writes the same bits as the per-pattern functions."""
+    import moefuse
+    from moefuse.compat._comm import AllReduceFusionPattern as Pat
+    from moefuse.compat._comm import trtllm_allreduce_fusion
+    from moefuse.quant.formats import scale_layout_shape
+
+    m, h = 3, 64
+    ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60)
+    partials, res, w = make_case(21, world_size, m, h, BF16)
+    x = partials[rank]
+    sc = torch.tensor([0.5])
+    e = lambda dt=BF16, shape=(m, h): poison_(torch.empty(shape, dtype=dt))  # noqa: E731
+    kw = dict(workspace=ws, impl="triton", weight_bias=1.0)
+    common = (world_size, rank, m, h, ws, False, True, True)
+    for use_oneshot in (None, True, False):
+        algo = {None: "auto", True: "oneshot", False: "twoshot"}[use_oneshot]
+        out = e()
+        trtllm_allreduce_fusion(x, *common, Pat.kAllReduce, use_oneshot, allreduce_out=out,
+                                impl="triton")  # fmt: skip
+        assert_bitwise_equal(out, moefuse.allreduce(x, workspace=ws, impl="triton"), "pattern 0")
+        ro, no = e(), e()
+        trtllm_allreduce_fusion(x, *common, Pat.kARResidualRMSNorm, use_oneshot, residual_in=res,
+                                residual_out=ro, norm_out=no, rms_gamma=w, rms_eps=1e-6,
+                                weight_bias=1.0, impl="triton")  # fmt: skip
+        exp = moefuse.allreduce_residual_rmsnorm(x, res, w, algorithm=algo, **kw)
+        assert_bitwise_equal(ro, exp[0], "pattern 1 residual_out")
+        assert_bitwise_equal(no, exp[1], "pattern 1 norm_out")
+        ro, no, q = e(), e(), e(torch.uint8).view(torch.float8_e4m3fn)
+        trtllm_allreduce_fusion(x, *common, Pat.kARResidualRMSNormOutFP8Quant, use_oneshot,
+                                residual_in=res, residual_out=ro, norm_out=no, quant_out=q,
+                                rms_gamma=w, rms_eps=1e-6, scale_factor=0.5, weight_bias=1.0,
+                                impl="triton")  # fmt: skip
+        exp = moefuse.allreduce_residual_rmsnorm_out_fp8(x, res, w, sc, **kw)
+        for a, b in zip((ro, no, q), exp):
+            assert_bitwise_equal(a.view(torch.uint8) if a.dtype == q.dtype else a,
+                                 b.view(torch.uint8) if b.dtype == q.dtype else b, "pattern 4")
+        for code, layout in ((0, "swizzled_128x4"), (2, "linear")):
+            ro, pk = e(), e(torch.uint8, (m, h // 2))
+            sf = e(torch.uint8, scale_layout_shape(m, h // 16, layout))
+            trtllm_allreduce_fusion(x, *common, Pat.kARResidualRMSNormFP4Quant, use_oneshot,
+                                    residual_in=res, residual_out=ro, quant_out=pk,
+                                    scale_out=sf.view(-1), rms_gamma=w, rms_eps=1e-6,
+                                    scale_factor=sc, layout_code=code, weight_bias=1.0,
+                                    impl="triton")  # fmt: skip
+            exp = moefuse.allreduce_residual_rmsnorm_nvfp4(x, res, w, sc, layout=layout, **kw)
+            for a, b in zip((ro, pk, sf), exp):
+                assert_bitwise_equal(a, b, f"pattern 3 {layout}")
+    with pytest.raises(NotImplementedError):
+        trtllm_allreduce_fusion(x, *common, Pat.kMoEFinalizeARResidualRMSNorm, None,
+                                residual_in=res, residual_out=e(), rms_gamma=w)  # fmt: skip
+    ws.close()
+    return True
+
+
+def test_flashinfer_compat_patterns():
+    assert all(run_group(2, scenario_compat))

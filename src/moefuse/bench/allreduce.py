@@ -1,0 +1,254 @@
+"""``python -m moefuse bench allreduce --world-size P``: all-reduce + residual + RMSNorm on P GPUs.
+
+Spawns P processes (one GPU each, NCCL group; or runs in place under ``torchrun``), checks
+correctness first (every moefuse algorithm against the oracle built from all ranks' partials,
+bitwise across algorithms), then times, side by side in one run, per (H, M):
+
+* ``moefuse`` (algorithm="auto"), ``moefuse_oneshot``, ``moefuse_twoshot``;
+* ``nccl+compile``: NCCL ``all_reduce`` then a ``torch.compile``'d residual add + RMSNorm;
+* ``symm1+compile`` / ``symm2+compile``: PyTorch symmetric-memory ``one_shot_all_reduce`` /
+  ``two_shot_all_reduce_`` (multicast disabled) then the same compiled norm.
+
+Each figure is the max over ranks of the median per-call time of CUDA-graph replays
+(``harness.graph_time_us``; moefuse and NCCL inputs rotate over sets larger than L2; the
+symmetric-memory baselines need their input in one symmetric buffer and do not rotate, which can
+only flatter them). Bytes: ``payload = M*H*2`` per rank; ``algbw`` = payload / time (nccl-tests'
+algorithm bandwidth); ``tbs`` = the 4 x payload each rank must read and write locally (input,
+residual, two outputs) / time, against the SM-copy ceiling. The run ends with the issue's
+performance bar (anchors from ../shared/measurements/h200-baselines.md) and writes
+``bench/results/allreduce-<gpu>-p<P>.json/.png`` with ``--save``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+
+TOKENS = [1, 8, 64, 128, 512, 2048, 16384]
+WIDTHS = [4096, 7168]
+EPS = 1e-6
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+#: FlashInfer 0.7.2.post1 one-shot AR + residual + RMSNorm, H = 4096 BF16 (µs; measurements file)
+FLASHINFER_ONESHOT = {2: {1: 4.6, 8: 5.2, 64: 6.6, 512: 19.5, 2048: 85.0, 16384: 665.0},
+                      4: {1: 5.2, 8: 6.1, 64: 10.2, 512: 49.7, 2048: 201.0, 16384: 1605.1}}
+BASELINES = ("nccl+compile", "symm1+compile", "symm2+compile")
+
+
+def residual_rmsnorm(s, residual, weight):
+    """The unfused epilogue: ``h = T(s + residual)``, ``n = T(h * rsqrt(mean(h^2) + eps) * w)``."""
+    h = (s.float() + residual.float()).to(s.dtype)
+    hf = h.float()
+    n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
+    return h, n.to(s.dtype)
+
+
+# ----------------------------------------------------------------------------- one (H, M)
+def _check(moefuse, ws, x, res, w, group) -> None:
+    """Every algorithm against the oracle of all ranks' partials; bitwise across algorithms."""
+    import torch.distributed as dist
+
+    from moefuse.comm import reference as ref
+    from moefuse.testing import assert_bitwise_equal, assert_close
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    h_ref, n_ref = ref.allreduce_residual_rmsnorm_from_partials(parts, res, w)
+    first = None
+    for algo in ("auto", "oneshot", "twoshot", "torch"):
+        outs = moefuse.allreduce_residual_rmsnorm(x, res, w, workspace=ws, algorithm=algo,
+                                                  impl="triton")  # fmt: skip
+        assert_bitwise_equal(outs[0], h_ref, f"{algo} residual_out")
+        assert_close(outs[1], n_ref, "rsqrt_half", f"{algo} norm_out")
+        first = first or outs
+        for a, b in zip(outs, first):
+            assert_bitwise_equal(a, b, f"{algo} vs auto")
+    ws.check()
+
+
+def _time_case(moefuse, harness, ws, group, h, m, norm_c, replays):
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    dev = ws.device
+    bf = torch.bfloat16
+    payload = m * h * 2
+    n = harness.rotation_sets(4 * payload)
+    g = torch.Generator(device=dev).manual_seed(1234 + dist.get_rank(group))
+    xs = [torch.randn(m, h, generator=g, device=dev).to(bf) for _ in range(n)]
+    torch.manual_seed(4321)  # residual and weight are replicated: same seed on every rank
+    rs = [torch.randn(m, h, device=dev).to(bf) for _ in range(n)]
+    w = (torch.rand(h, device=dev) + 0.5).to(bf)
+    outs = [(torch.empty_like(xs[0]), torch.empty_like(xs[0])) for _ in range(n)]
+    _check(moefuse, ws, xs[0], rs[0], w, group)
+    base_x = [x.clone() for x in xs]  # NCCL reduces in place: keep the moefuse inputs intact
+    sym = symm_mem.empty((m, h), dtype=bf, device=dev)
+    sym.copy_(xs[0])
+    symm_mem.rendezvous(sym, group.group_name)
+    gname = group.group_name
+
+    def fused(algo):
+        return lambda i: moefuse.allreduce_residual_rmsnorm(
+            xs[i % n], rs[i % n], w, workspace=ws, algorithm=algo, impl="triton",
+            residual_out=outs[i % n][0], norm_out=outs[i % n][1],
+        )  # fmt: skip
+
+    def nccl(i):
+        dist.all_reduce(base_x[i % n], group=group)
+        return norm_c(base_x[i % n], rs[i % n], w)
+
+    def symm1(i):
+        return norm_c(torch.ops.symm_mem.one_shot_all_reduce(sym, "sum", gname), rs[i % n], w)
+
+    def symm2(i):
+        torch.ops.symm_mem.two_shot_all_reduce_(sym, "sum", gname)
+        return norm_c(sym, rs[i % n], w)
+
+    variants = {"moefuse": fused("auto"), "moefuse_oneshot": fused("oneshot"),
+                "moefuse_twoshot": fused("twoshot"), "nccl+compile": nccl,
+                "symm1+compile": symm1, "symm2+compile": symm2}  # fmt: skip
+    times = {}
+    for name, fn in variants.items():
+        dist.barrier(group=group)
+        torch.cuda.synchronize(dev)
+        try:
+            us = harness.graph_time_us(fn, calls=max(20, n), replays=replays)
+        except Exception as exc:  # a baseline missing from this torch build must not stop the run
+            print(f"rank {dist.get_rank(group)}: {name} failed at H={h} M={m}: {exc}")
+            us = float("nan")
+        t = torch.tensor([us], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        times[name] = float(t.item())
+    ws.check()
+    return times, ws.choose_algorithm(m)
+
+
+# ----------------------------------------------------------------------------- worker
+def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    import torch.distributed as dist
+
+    import moefuse
+    from moefuse.bench import harness
+
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    if init_method is None:
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("nccl", init_method=init_method, rank=rank,
+                                world_size=world_size)  # fmt: skip
+    group = dist.group.WORLD
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", local)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
+        ([1, 64, 2048] if args.quick else TOKENS)  # fmt: skip
+    widths = [int(h) for h in args.hidden.split(",")] if args.hidden else \
+        ([4096] if args.quick else WIDTHS)  # fmt: skip
+    replays = 8 if args.quick else 15
+    ceiling = harness.copy_ceiling_tbs() if rank == 0 else float("nan")
+    rows = []
+    for h in widths:
+        ws = moefuse.AllReduceWorkspace(group, max(tokens), h, torch.bfloat16, dev,
+                                        oneshot_max_tokens=max(tokens))  # fmt: skip
+        norm_c = harness.compile_baseline(residual_rmsnorm)
+        for m in tokens:
+            times, auto_algo = _time_case(moefuse, harness, ws, group, h, m, norm_c, replays)
+            best = min(times[b] for b in BASELINES if times[b] == times[b])
+            payload = m * h * 2
+            for name, us in times.items():
+                rows.append({
+                    "op": "allreduce_residual_rmsnorm", "shape": f"P={world_size} H={h}",
+                    "P": world_size, "H": h, "M": m, "variant": name, "us": us,
+                    "algbw_GBps": payload / (us * 1e-6) / 1e9,
+                    "tbs": 4 * payload / (us * 1e-6) / 1e12,
+                    "frac_ceiling": 4 * payload / (us * 1e-6) / 1e12 / ceiling,
+                    "x_best_unfused": best / us, "x_nccl": times["nccl+compile"] / us,
+                    "auto_algorithm": auto_algo,
+                })  # fmt: skip
+            if rank == 0:
+                print(f"P={world_size} H={h:5d} M={m:6d} auto={auto_algo:8s} " + "  ".join(
+                    f"{k}={v:8.2f}" for k, v in times.items()) + " us", flush=True)  # fmt: skip
+        ws.close()
+    if rank == 0:
+        bar = bar_checks(rows, world_size)
+        cols = ["shape", "M", "variant", "us", "algbw_GBps", "tbs", "x_best_unfused", "x_nccl"]
+        harness.print_table([r for r in rows if r["variant"] == "moefuse"], cols)
+        for line in bar:
+            print(line)
+        meta = harness.run_metadata()
+        meta.update(ceiling_tbs=ceiling, world_size=world_size, bar=bar,
+                    note="symm-mem baselines time one symmetric input buffer (no L2 rotation)")
+        if args.save:
+            paths = harness.save_results("allreduce", rows, meta, args.out,
+                                         suffix=f"-p{world_size}")  # fmt: skip
+            print("wrote", *[str(p) for p in paths if p])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bar_checks(rows: list[dict], world_size: int) -> list[str]:
+    """The issue's performance bar, evaluated on this run (PASS / FAIL lines)."""
+    t = {(r["H"], r["M"], r["variant"]): r["us"] for r in rows}
+    out = []
+
+    def verdict(ok: bool, text: str) -> None:
+        out.append(f"BAR {'PASS' if ok else 'FAIL'}: {text}")
+
+    for (h, m, v), us in sorted(t.items()):
+        if v != "moefuse":
+            continue
+        best = min(t[(h, m, b)] for b in BASELINES if t[(h, m, b)] == t[(h, m, b)])
+        verdict(us <= best, f"P={world_size} H={h} M={m}: {us:.2f} us <= best unfused {best:.2f}")
+        nccl = t[(h, m, "nccl+compile")]
+        if h == 4096 and world_size == 2 and m <= 512:
+            fi = FLASHINFER_ONESHOT[2].get(m)
+            if fi is not None:
+                verdict(us * 1.15 <= fi, f"P=2 M={m}: {us:.2f} us vs FlashInfer {fi} / 1.15")
+            verdict(us * 2 <= nccl, f"P=2 M={m}: {us:.2f} us <= NCCL+compile {nccl:.2f} / 2")
+        if h == 4096 and world_size == 4 and m <= 64:
+            verdict(us * 2 <= nccl, f"P=4 M={m}: {us:.2f} us <= NCCL+compile {nccl:.2f} / 2")
+        if h == 4096 and world_size == 2 and m == 1:
+            verdict(us <= 4.0, f"P=2 M=1: {us:.2f} us <= 4.0")
+        if h == 4096 and world_size == 2 and m == 16384:
+            verdict(us <= 450.0, f"P=2 M=16384: {us:.2f} us <= 450")
+    return out
+
+
+def _spawned(index: int, world_size: int, args, init_method: str) -> None:
+    _worker(index, world_size, args, init_method)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moefuse bench allreduce")
+    parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
+    parser.add_argument("--save", action="store_true", help="write JSON + PNG under --out")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--quick", action="store_true", help="M in {1, 64, 2048}, H = 4096")
+    parser.add_argument("--tokens", default="", help="comma-separated M values")
+    parser.add_argument("--hidden", default="", help="comma-separated H values")
+    args = parser.parse_args(argv)
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        return 0
+    if torch.cuda.device_count() < args.world_size:
+        print(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
+        return 2
+    import torch.multiprocessing as mp
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    mp.start_processes(_spawned, args=(args.world_size, args, init), nprocs=args.world_size,
+                       start_method="spawn")  # fmt: skip
+    return 0

@@ -1,0 +1,151 @@
+"""FlashInfer's pattern-based ``trtllm_allreduce_fusion`` mapped onto moefuse's per-pattern ops.
+
+``moefuse.compat.flashinfer`` re-exports these names. Differences from FlashInfer:
+
+* ``workspace_ptrs`` must be a :class:`moefuse.comm.AllReduceWorkspace` (FlashInfer passes a tensor
+  of IPC pointers); ``world_size`` / ``world_rank`` / ``hidden_dim`` must match it.
+* ``use_oneshot``: None = moefuse's size heuristic, True = one-shot, False = two-shot; the results
+  are bitwise identical either way.
+* ``trigger_completion_at_end`` is accepted and ignored: moefuse kernels always let dependents
+  launch after their last load of the previous kernel's data (their outputs are complete only at
+  kernel end, which a dependent's grid-dependency wait observes).
+* NVFP4 patterns use recipe "ieee" (SPEC §3.1) and write every scale layout, padding zeroed, on
+  SM90 too. Patterns 6-11 are separate ops (SPEC §3.2-§3.3, §4.3) and raise here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moefuse import comm
+
+__all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", "trtllm_allreduce_fusion"]
+
+
+class AllReduceFusionPattern:
+    """FlashInfer's pattern codes (SPEC §3.1)."""
+
+    kAllReduce = 0
+    kARResidualRMSNorm = 1
+    kARResidualRMSNormFP8Quant = 2
+    kARResidualRMSNormFP4Quant = 3
+    kARResidualRMSNormOutFP8Quant = 4
+    kARResidualRMSNormOutFP4Quant = 5
+    kMoEReductionARResidualRMSNorm = 6
+    kMoEFinalizeARResidualRMSNorm = 7
+
+
+class QuantizationSFLayout:
+    """Scale-factor layout codes (``layout_code``)."""
+
+    SWIZZLED_128x4 = 0
+    SWIZZLED_8x4 = 1
+    LINEAR = 2
+
+
+_LAYOUT_NAMES = {0: "swizzled_128x4", 1: "swizzled_8x4", 2: "linear"}
+
+
+def _scale_tensor(scale_factor, device) -> torch.Tensor:
+    if scale_factor is None:
+        raise ValueError("trtllm_allreduce_fusion: scale_factor is required by the quant patterns")
+    if isinstance(scale_factor, torch.Tensor):
+        return scale_factor.reshape(1).to(device=device, dtype=torch.float32)
+    return torch.tensor([float(scale_factor)], dtype=torch.float32, device=device)
+
+
+def trtllm_allreduce_fusion(
+    allreduce_in: torch.Tensor,
+    world_size: int,
+    world_rank: int,
+    token_num: int,
+    hidden_dim: int,
+    workspace_ptrs,
+    launch_with_pdl: bool | None,
+    trigger_completion_at_end: bool,
+    fp32_acc: bool,
+    pattern_code: int,
+    use_oneshot: bool | None = None,
+    allreduce_out: torch.Tensor | None = None,
+    residual_in: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    norm_out: torch.Tensor | None = None,
+    quant_out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    rms_gamma: torch.Tensor | None = None,
+    rms_eps: float | None = None,
+    scale_factor: torch.Tensor | float | None = None,
+    layout_code: int | None = None,
+    metadata: dict | None = None,
+    weight_bias: float | None = None,
+    *,
+    impl: str = "auto",
+) -> None:
+    """Run FlashInfer pattern ``pattern_code`` on ``workspace_ptrs`` (an AllReduceWorkspace),
+    writing the caller's output tensors in place (FlashInfer semantics). Returns None."""
+    ws = workspace_ptrs
+    if not isinstance(ws, comm.AllReduceWorkspace):
+        raise ValueError("trtllm_allreduce_fusion: 'workspace_ptrs' must be a moefuse "
+                         "AllReduceWorkspace")  # fmt: skip
+    if world_size != ws.world_size or world_rank != ws.rank or hidden_dim != ws.hidden_size:
+        raise ValueError("trtllm_allreduce_fusion: world_size / world_rank / hidden_dim do not "
+                         f"match the workspace ({ws.world_size}, {ws.rank}, {ws.hidden_size})")
+    x = allreduce_in.reshape(token_num, hidden_dim)
+    algorithm = "auto" if use_oneshot is None else ("oneshot" if use_oneshot else "twoshot")
+    common = dict(workspace=ws, fp32_acc=bool(fp32_acc), algorithm=algorithm,
+                  enable_pdl=launch_with_pdl, impl=impl)  # fmt: skip
+    pattern = int(pattern_code)
+    if pattern == AllReduceFusionPattern.kAllReduce:
+        out = allreduce_out.view(token_num, hidden_dim) if allreduce_out is not None else None
+        comm.allreduce(x, out=out, **common)
+        return None
+    if pattern > AllReduceFusionPattern.kARResidualRMSNormOutFP4Quant:
+        raise NotImplementedError(
+            f"trtllm_allreduce_fusion: pattern {pattern} is not an all-reduce + RMSNorm pattern "
+            "of moefuse.comm (MoE reduction/finalize fusions and per-token / block FP8 are "
+            "separate ops)")  # fmt: skip
+    if residual_in is None or rms_gamma is None or residual_out is None:
+        raise ValueError("trtllm_allreduce_fusion: residual_in, residual_out and rms_gamma are "
+                         f"required by pattern {pattern}")  # fmt: skip
+    # outputs are viewed, never reshaped: a copy would silently drop the results
+    rows = lambda t: t.view(token_num, hidden_dim) if t is not None else None  # noqa: E731
+    common.update(eps=1e-6 if rms_eps is None else float(rms_eps),
+                  weight_bias=0.0 if weight_bias is None else float(weight_bias))  # fmt: skip
+    res = residual_in.reshape(token_num, hidden_dim)
+    if pattern == AllReduceFusionPattern.kARResidualRMSNorm:
+        comm.allreduce_residual_rmsnorm(x, res, rms_gamma, residual_out=rows(residual_out),
+                                        norm_out=rows(norm_out), **common)  # fmt: skip
+        return None
+    scale = _scale_tensor(scale_factor, x.device)
+    if pattern in (AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
+                   AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant):  # fmt: skip
+        q = rows(quant_out)
+        if pattern == AllReduceFusionPattern.kARResidualRMSNormFP8Quant:
+            comm.allreduce_residual_rmsnorm_fp8(x, res, rms_gamma, scale,
+                                                residual_out=rows(residual_out), quant_out=q,
+                                                **common)  # fmt: skip
+        else:
+            comm.allreduce_residual_rmsnorm_out_fp8(x, res, rms_gamma, scale,
+                                                    residual_out=rows(residual_out),
+                                                    norm_out=rows(norm_out), quant_out=q,
+                                                    **common)  # fmt: skip
+        return None
+    from moefuse.quant.formats import scale_layout_shape
+
+    layout = _LAYOUT_NAMES[0 if layout_code is None else int(layout_code)]
+    q = quant_out.view(torch.uint8).view(token_num, hidden_dim // 2) if quant_out is not None \
+        else None  # fmt: skip
+    sf = None
+    if scale_out is not None:
+        sf = scale_out.view(torch.uint8).view(
+            scale_layout_shape(token_num, hidden_dim // 16, layout))
+    if pattern == AllReduceFusionPattern.kARResidualRMSNormFP4Quant:
+        comm.allreduce_residual_rmsnorm_nvfp4(x, res, rms_gamma, scale, layout=layout,
+                                              residual_out=rows(residual_out), quant_out=q,
+                                              scale_out=sf, **common)  # fmt: skip
+    else:
+        comm.allreduce_residual_rmsnorm_out_nvfp4(x, res, rms_gamma, scale, layout=layout,
+                                                  residual_out=rows(residual_out),
+                                                  norm_out=rows(norm_out), quant_out=q,
+                                                  scale_out=sf, **common)  # fmt: skip
+    return None
