@@ -239,9 +239,14 @@ def scenario_bounded_wait(rank, world_size, algo):
     (m, h), timeout = SMALL, 2.0
     skipper = world_size - 1
     parts, res, w = make_case(3, world_size, m, h, torch.bfloat16, dev)
-    ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev, timeout_s=timeout)
     run = lambda ws: moefuse.allreduce_residual_rmsnorm(  # noqa: E731
         parts[rank], res, w, workspace=ws, algorithm=algo, impl="triton")
+    # compile with a generous timeout first: ranks finish JIT compilation at different times
+    ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev)
+    run(ws)
+    ws.check()
+    ws.close()
+    ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev, timeout_s=timeout)
     run(ws)
     ws.check()
     elapsed = None
