@@ -216,6 +216,10 @@ def fp8_dequantize(input, scale, *, out_dtype=torch.bfloat16, out=None, enable_p
     return out
 
 
+def supports_fp8_dequantize(input, scale, out_dtype=torch.bfloat16) -> bool:
+    return _supported(_check_fp8_dequantize, "fp8_dequantize", input, scale, out_dtype, None)
+
+
 # ----------------------------------------------------------------------------- NVFP4 standalone
 def _check_fp4_quantize(op, input, global_scale, layout, recipe, out, scale_out) -> None:
     _check_fp4_input(op, input)
@@ -302,6 +306,12 @@ def fp4_dequantize(packed, scales, global_scale, *, layout: str = "swizzled_128x
     ops.fp4_dequantize_op(packed, scales, global_scale, out, layout,
                           resolve_pdl(enable_pdl, packed.device))  # fmt: skip
     return out
+
+
+def supports_fp4_dequantize(packed, scales, global_scale, layout: str = "swizzled_128x4",
+                            out_dtype=torch.float32) -> bool:  # fmt: skip
+    return _supported(_check_fp4_dequantize, "fp4_dequantize", packed, scales, global_scale,
+                      layout, out_dtype, None)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- fused FP8
