@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,21 +66,49 @@ def _steps(m: int, h: int, dev: str) -> list[Step]:
         Step("rmsnorm_sigmoid_gate", f"{m}x{heads}x{d}", sigmoid_gate, "sigmoid_fast"),
     ]
     del ref
-    for extra in _family_steps():
-        steps.extend(extra(m, h, dev, rnd))
-    return steps
+    return steps + _moe_steps(m, h, dev, rnd) + _quant_steps(m, h, dev, x, res, w)
 
 
-def _family_steps():
-    """Demo steps contributed by the other op families (each module owns its own)."""
-    found = []
-    for module in ("moefuse.moe.demo", "moefuse.quant.demo"):
-        try:
-            mod = __import__(module, fromlist=["demo_steps"])
-        except ImportError:
-            continue
-        found.append(mod.demo_steps)
-    return found
+def _moe_steps(m, h, dev, rnd) -> list[Step]:
+    """Route -> expert-sorted rows -> deterministic finalize (top-8 of 64 experts)."""
+    import moefuse
+
+    k, experts = 8, 64
+    logits = rnd(m, experts, dtype=torch.float32)
+    weights, ids = moefuse.route_topk(logits, k)
+    plan = moefuse.sort_by_expert(ids, experts)
+    rows = rnd(plan.num_rows, h)
+    shared = rnd(m, h)
+    return [
+        Step("moe_finalize (K=8, E=64)", f"{m}x{k}x{h}",
+             lambda impl: moefuse.moe_finalize(rows, plan.expanded_idx_to_permuted_idx, weights,
+                                               shared_expert_output=shared, impl=impl),
+             "exact"),  # fmt: skip
+    ]
+
+
+def _quant_steps(m, h, dev, x, res, w) -> list[Step]:
+    """The next GEMM's activations: FP8 after the residual norm, NVFP4 of the normed rows."""
+    import moefuse
+
+    scale = torch.tensor([0.02], device=dev)
+    gs = torch.tensor([448.0 * 6 / 8.0], device=dev)
+
+    def add_norm_fp8(impl):
+        r = res.clone()
+        out = moefuse.fused_add_rmsnorm_quant(x, r, w, scale, impl=impl)
+        return out, r
+
+    def norm_fp4(impl):
+        packed, sf = moefuse.rmsnorm_fp4_quantize(x, w, gs, recipe="ieee", impl=impl)
+        return sf
+
+    return [
+        Step("fused_add_rmsnorm_quant (FP8)", f"{m}x{h}", add_norm_fp8, ("fp8_code", "exact")),
+        Step("rmsnorm_fp4_quantize (scales)", f"{m}x{h}", norm_fp4, "exact"),
+        Step("fp4_quantize (NVFP4)", f"{m}x{h}",
+             lambda impl: moefuse.fp4_quantize(x, gs, recipe="ieee", impl=impl), "exact"),
+    ]
 
 
 def _as_tuple(x):
@@ -114,6 +143,8 @@ def run_demo(hidden: int | None = None, tokens: int | None = None) -> int:
         cmd += [f"--tokens={tokens}"] if tokens else []
         return subprocess.call(cmd, env={**os.environ, "TRITON_INTERPRET": "1"})
     dev = "cuda" if on_gpu else "cpu"
+    if not on_gpu:  # numpy warnings from masked-out lanes in the interpreter are noise here
+        warnings.filterwarnings("ignore", category=RuntimeWarning)
     h = hidden or (4096 if on_gpu else 256)
     m = tokens or (128 if on_gpu else 4)
     backend = "triton" if on_gpu else "triton (interpreter)"
