@@ -41,7 +41,7 @@ from moefuse.comm.tiles import comm_tile
 
 # ----------------------------------------------------------------------------- shared prologue
 @triton.jit
-def _params(w_ptr, scale_ptr, cols, cmask, weight_bias, PATTERN: tl.constexpr, PTX: tl.constexpr):
+def _params(w_ptr, cols, cmask, weight_bias, PATTERN: tl.constexpr):
     """Gain ``f32(w) + weight_bias`` (model parameters: loaded before the grid-dependency wait)."""
     if PATTERN != 0:
         g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + weight_bias
@@ -77,8 +77,12 @@ def _finish(ctrl_ptr, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
         tl.atomic_or(ctrl_ptr + D.CTRL_STATUS, missing, sem="relaxed", scope="gpu")
     if PATTERN == 3:
         D.zero_scale_rows(sf_ptr, M + pid, M_pad, G, n_kcols, LAYOUT, KP_BLOCK)
-    old = tl.atomic_add(ctrl_ptr + arrive_idx, 1, sem="acq_rel", scope="gpu")
-    return old == G - 1
+    if G == 1:  # decode: skip the atomic's round trip to L2 on the critical path
+        last = pid == 0
+    else:
+        old = tl.atomic_add(ctrl_ptr + arrive_idx, 1, sem="acq_rel", scope="gpu")
+        last = old == G - 1
+    return last
 
 
 # ----------------------------------------------------------------------------- one-shot
@@ -113,7 +117,7 @@ def _oneshot_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(w_ptr, scale_ptr, cols, cmask, weight_bias, PATTERN, PTX)
+    g = _params(w_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
@@ -125,7 +129,8 @@ def _oneshot_kernel(
 
     # The first row's activations stay in registers: a CTA with one row has then read all of the
     # previous kernel's data before it starts waiting, and lets dependents launch (PDL) early.
-    first = cmask & (n_mine > 0)
+    # (Masked by pid < M, not by the status word, so these loads do not wait for the ctrl loads.)
+    first = cmask & (pid < M)
     x0 = tl.load(x_ptr + pid.to(tl.int64) * x_st + cols, mask=first, other=0.0)
     if PATTERN != 0:
         res0 = tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=first, other=0.0)
@@ -198,7 +203,7 @@ def _twoshot_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(w_ptr, scale_ptr, cols, cmask, weight_bias, PATTERN, PTX)
+    g = _params(w_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
@@ -304,7 +309,7 @@ def _gathered_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(w_ptr, scale_ptr, cols, cmask, weight_bias, PATTERN, PTX)
+    g = _params(w_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
