@@ -86,3 +86,13 @@ def round_to(x, dtype: tl.constexpr, PTX: tl.constexpr):
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         hi = tl.where(x != x, (bits >> 16) | 0x40, rounded)
         return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def widen_f32(x, PTX: tl.constexpr):
+    """Exact widening to FP32. The interpreter's BF16 -> FP32 conversion mishandles subnormals,
+    so off the GPU BF16 widens through its bits (a 16-bit shift); other dtypes convert directly."""
+    if (not PTX) and (x.dtype == tl.bfloat16):
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)

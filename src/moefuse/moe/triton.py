@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import fma_ftz
+from moefuse._device import fma_ftz, round_to, widen_f32
 from moefuse._runtime import interpreter_active
 from moefuse.moe.tiles import MAX_UNROLL_K, finalize_tile, vec_width
 
@@ -56,27 +56,6 @@ def _rows_metadata(grid, kernel, args):
 
 # ----------------------------------------------------------------------------- device helpers
 @triton.jit
-def _f32(x, PTX: tl.constexpr):
-    """Exact widening to FP32 (BF16 through its bits off the PTX path, see module docstring)."""
-    if (not PTX) and (x.dtype == tl.bfloat16):
-        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
-def _round_to(acc, dtype: tl.constexpr, PTX: tl.constexpr):
-    """FP32 -> ``dtype`` with round-to-nearest-even (the single rounding of the SPEC)."""
-    if (not PTX) and (dtype == tl.bfloat16):
-        bits = acc.to(tl.int32, bitcast=True)
-        rne = bits + 0x7FFF + ((bits >> 16) & 1)
-        rne = tl.where(acc != acc, bits | 0x00400000, rne)  # NaN stays a (quiet) NaN
-        return (rne >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return acc.to(dtype)
-
-
-@triton.jit
 def _slot_meta(
     k, t, map_ptr, scale_ptr, eid_ptr, n_rows, n_experts, top_k, map_st, scale_st, eid_st,
     EXPANDED: tl.constexpr, HAS_BIAS: tl.constexpr, PTX: tl.constexpr,
@@ -89,7 +68,7 @@ def _slot_meta(
     else:
         valid = (idx >= 0) & (idx < n_rows)
         row = idx.to(tl.int64)
-    w = _f32(tl.load(scale_ptr + t * scale_st + k), PTX)
+    w = widen_f32(tl.load(scale_ptr + t * scale_st + k), PTX)
     if HAS_BIAS:
         e = tl.load(eid_ptr + t * eid_st + k)
         has_b = valid & (e >= 0) & (e < n_experts)
@@ -113,10 +92,10 @@ def _slot_row(
     else:
         x_mask = cmask & valid
         b_mask = cmask & has_b
-    x = _f32(tl.load(in_ptr + row * in_st + cols, mask=x_mask, other=0.0,
+    x = widen_f32(tl.load(in_ptr + row * in_st + cols, mask=x_mask, other=0.0,
                      eviction_policy="evict_first"), PTX)  # fmt: skip
     if HAS_BIAS:
-        b = _f32(tl.load(bias_ptr + e * bias_st + cols, mask=b_mask, other=0.0), PTX)
+        b = widen_f32(tl.load(bias_ptr + e * bias_st + cols, mask=b_mask, other=0.0), PTX)
         x = tl.where(has_b, x + b, x)
     return x
 
@@ -191,9 +170,9 @@ def _moe_finalize_kernel(
     if HAS_SHARED:
         sh_ptrs = shared_ptr + t * (shared_st_v * VEC) + cols
         if EVEN:
-            sh = _f32(tl.load(sh_ptrs), PTX)
+            sh = widen_f32(tl.load(sh_ptrs), PTX)
         else:
-            sh = _f32(tl.load(sh_ptrs, mask=cmask, other=0.0), PTX)
+            sh = widen_f32(tl.load(sh_ptrs, mask=cmask, other=0.0), PTX)
     if USE_PDL:
         gdc_launch_dependents()
     if HAS_RSF:
@@ -202,9 +181,9 @@ def _moe_finalize_kernel(
         acc = acc + sh
     out_ptrs = out_ptr + t * (out_st_v * VEC) + cols
     if EVEN:
-        tl.store(out_ptrs, _round_to(acc, out_ptr.dtype.element_ty, PTX))
+        tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty, PTX))
     else:
-        tl.store(out_ptrs, _round_to(acc, out_ptr.dtype.element_ty, PTX), mask=cmask)
+        tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty, PTX), mask=cmask)
 
 
 @triton.jit(launch_metadata=_rows_metadata)
@@ -224,8 +203,8 @@ def _moe_scatter_add_kernel(
     valid = (e >= 0) & (e < n_expanded)
     e = tl.where(valid, e, 0).to(tl.int64)
     t = e // top_k
-    w = _f32(tl.load(scale_ptr + t * scale_st + (e - t * top_k), mask=valid, other=0.0), PTX)
-    x = _f32(tl.load(in_ptr + p * in_st + cols, mask=cmask & valid, other=0.0), PTX)
+    w = widen_f32(tl.load(scale_ptr + t * scale_st + (e - t * top_k), mask=valid, other=0.0), PTX)
+    x = widen_f32(tl.load(in_ptr + p * in_st + cols, mask=cmask & valid, other=0.0), PTX)
     if USE_PDL:
         gdc_launch_dependents()
     tl.atomic_add(buf_ptr + t * H + cols, x * w, mask=cmask & valid, sem="relaxed")
