@@ -130,6 +130,12 @@ def scenario_lifecycle(rank, world_size):
     assert ws.vote(rank == 0) is False  # MIN over the group: one dissent decides for all
     assert ws.choose_algorithm(1) == "oneshot"
     assert ws.choose_algorithm(16, "twoshot") == "twoshot"
+    extra = moefuse.AllReduceWorkspace(None, 4, h, BF16, "cpu", extra_regions={"mailbox": 1000})
+    off, nbytes = extra.regions["mailbox"]
+    assert nbytes == 1000 and off % 256 == 0 and off + nbytes <= extra.buffer_bytes
+    assert extra.offset16("mailbox") * 16 == off
+    assert int(extra.transport.local[off : off + nbytes].sum()) == 0  # zero-filled
+    extra.close()
     nopeer = moefuse.AllReduceWorkspace(None, 16, h, BF16, "cpu", peer_access=False)
     assert not nopeer.peer_access and nopeer.choose_algorithm(5) == "torch"
     partials, res, w = make_case(5, world_size, 5, h, BF16)

@@ -23,7 +23,7 @@ TOKENS = (1, 5, 64, 128, 1000, 4096, 16384)
 WIDTHS = (2880, 4096, 7168, 8192)
 DTYPES = (torch.bfloat16, torch.float16)
 ALGOS = ("oneshot", "twoshot", "torch")
-QUANT_WIDTHS = (4096, 7168)
+QUANT_WIDTHS = (4096,)  # (7168 and friends share the epilogue code tested by pattern 1)
 QUANT_TOKENS = (1, 128, 1000)
 SMALL = (64, 4096)  # (M, H) of the graph-replay and bounded-wait scenarios
 FP8_SCALE = 0.0125
@@ -124,9 +124,10 @@ def scenario_full_shapes(rank, world_size):
                     for a, b in zip(outs, first):
                         assert_bitwise_equal(a, b, f"{what} vs {ALGOS[0]}")
                     if m in (5, 1000):
-                        off = call(moefuse, "norm", ws, x, res, w, algo, pdl=False, wb=wb)
-                        for a, b in zip(off, outs):
-                            assert_bitwise_equal(a, b, f"{what} PDL off")
+                        if dtype == torch.bfloat16:  # (each PDL-off variant is a compilation)
+                            off = call(moefuse, "norm", ws, x, res, w, algo, pdl=False, wb=wb)
+                            for a, b in zip(off, outs):
+                                assert_bitwise_equal(a, b, f"{what} PDL off")
                         i = m // 2
                         alone = call(moefuse, "norm", ws, x[i : i + 1], res[i : i + 1], w, algo,
                                      wb=wb)  # fmt: skip

@@ -103,12 +103,15 @@ class AllReduceWorkspace:
     rank's CUDA device, or ``cpu``). Keyword-only: ``timeout_s`` (bound of every wait, default 60),
     ``oneshot_max_tokens`` (Lamport capacity L; default: what "auto" can pick for this world
     size, within a 768 MiB budget),
-    ``peer_access`` (None = detect; False forces the torch.distributed path).
+    ``peer_access`` (None = detect; False forces the torch.distributed path),
+    ``extra_regions`` (name -> bytes: more peer-visible regions, zero-filled, appended to the
+    layout for other communication ops; ``offset16(name)`` addresses them).
     """
 
     def __init__(self, group, max_tokens: int, hidden_size: int, dtype: torch.dtype, device, *,
                  timeout_s: float | None = None, oneshot_max_tokens: int | None = None,
-                 peer_access: bool | None = None):  # fmt: skip
+                 peer_access: bool | None = None,
+                 extra_regions: dict[str, int] | None = None):  # fmt: skip
         group = group if group is not None else dist.group.WORLD
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -157,6 +160,10 @@ class AllReduceWorkspace:
             ("stage", p * self.chunk_cap * h * elem),
             ("gather", max_tokens * h * elem),
         ]
+        for name, nbytes in (extra_regions or {}).items():
+            if any(name == n for n, _ in sizes) or int(nbytes) < 0:
+                raise ValueError(f"AllReduceWorkspace: bad extra region {name!r}: {nbytes!r}")
+            sizes.append((name, int(nbytes)))
         self.regions: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, nbytes in sizes:
