@@ -67,6 +67,31 @@ def checksum(*tensors) -> torch.Tensor:
     return torch.stack(out) if out else torch.zeros(0)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Bitwise equality checked on the device (large outputs are not copied to the host unless
+    they differ, then ``assert_bitwise_equal`` reports where)."""
+    from moefuse.testing import assert_bitwise_equal
+
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(
+            a.contiguous().view(view), b.contiguous().view(view)):  # fmt: skip
+        assert_bitwise_equal(a, b, what)
+
+
+def within_one_ulp(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """BF16/FP16 ``a`` within 1 ulp of ``b`` (the ``rsqrt_half`` row of moefuse.testing), on the
+    device; NaN never passes."""
+    from moefuse.testing import assert_close
+
+    def ordered(t):
+        i = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -(i & 0x7FFF), i & 0x7FFF)
+
+    ok = bool(torch.isfinite(a).all()) and int((ordered(a) - ordered(b)).abs().max()) <= 1
+    if not ok:
+        assert_close(a, b, "rsqrt_half", what)
+
+
 def assert_ranks_agree(values: torch.Tensor, what: str) -> None:
     import torch.distributed as dist
 
@@ -102,7 +127,6 @@ def scenario_full_shapes(rank, world_size):
     the row alone; allreduce-only at a few shapes."""
     import moefuse
     from moefuse.comm import reference as ref
-    from moefuse.testing import assert_bitwise_equal, assert_close
 
     dev = _dev(rank)
     for dtype in DTYPES:
@@ -118,27 +142,28 @@ def scenario_full_shapes(rank, world_size):
                 for algo in ALGOS:
                     what = f"{dtype} H={h} M={m} {algo}"
                     outs = call(moefuse, "norm", ws, x, res, w, algo, wb=wb)
-                    assert_bitwise_equal(outs[0], h_ref, f"{what} residual_out")
-                    assert_close(outs[1], n_ref, "rsqrt_half", f"{what} norm_out")
+                    same_bits(outs[0], h_ref, f"{what} residual_out")
+                    if first is None:
+                        within_one_ulp(outs[1], n_ref, f"{what} norm_out")
                     first = first or outs
                     for a, b in zip(outs, first):
-                        assert_bitwise_equal(a, b, f"{what} vs {ALGOS[0]}")
+                        same_bits(a, b, f"{what} vs {ALGOS[0]}")
                     if m in (5, 1000):
                         if dtype == torch.bfloat16:  # (each PDL-off variant is a compilation)
                             off = call(moefuse, "norm", ws, x, res, w, algo, pdl=False, wb=wb)
                             for a, b in zip(off, outs):
-                                assert_bitwise_equal(a, b, f"{what} PDL off")
+                                same_bits(a, b, f"{what} PDL off")
                         i = m // 2
                         alone = call(moefuse, "norm", ws, x[i : i + 1], res[i : i + 1], w, algo,
                                      wb=wb)  # fmt: skip
                         for a, b in zip(alone, outs):
-                            assert_bitwise_equal(a, b[i : i + 1], f"{what} row alone")
+                            same_bits(a, b[i : i + 1], f"{what} row alone")
                 assert_ranks_agree(checksum(*first), f"{dtype} H={h} M={m}")
                 if h == 4096 and m in (1, 128, 16384):
                     s_ref = ref.allreduce_from_partials(parts)
                     for algo in ALGOS:
                         s = call(moefuse, "ar", ws, x, res, w, algo)[0]
-                        assert_bitwise_equal(s, s_ref, f"allreduce {dtype} M={m} {algo}")
+                        same_bits(s, s_ref, f"allreduce {dtype} M={m} {algo}")
             ws.check()
             ws.close()
     return True
@@ -149,7 +174,6 @@ def scenario_quant(rank, world_size):
     the kernel's own norm output; bitwise across algorithms and ranks."""
     import moefuse
     from moefuse.quant import reference as quant_ref
-    from moefuse.testing import assert_bitwise_equal
 
     dev = _dev(rank)
     cases = [("fp8", "swizzled_128x4"), ("fp8_out", "swizzled_128x4"),
@@ -168,19 +192,19 @@ def scenario_quant(rank, world_size):
                     what = f"H={h} M={m} {pattern} {layout} {algo}"
                     outs = call(moefuse, pattern, ws, x, res, w, algo, layout=layout)
                     if pattern.endswith("_out"):
-                        assert_bitwise_equal(outs[1], n_kernel, f"{what} norm_out")
+                        same_bits(outs[1], n_kernel, f"{what} norm_out")
                     if pattern.startswith("fp8"):
                         q = quant_ref.fp8_quantize_reference(n_kernel,
                                                              torch.tensor([FP8_SCALE], device=dev))
-                        assert_bitwise_equal(outs[-1].view(torch.uint8), q.view(torch.uint8), what)
+                        same_bits(outs[-1].view(torch.uint8), q.view(torch.uint8), what)
                     else:
                         pk, sf = quant_ref.fp4_quantize_reference(
                             n_kernel, torch.tensor([NVFP4_GS], device=dev), layout, recipe="ieee")
-                        assert_bitwise_equal(outs[-2], pk, f"{what} codes")
-                        assert_bitwise_equal(outs[-1], sf, f"{what} scales")
+                        same_bits(outs[-2], pk, f"{what} codes")
+                        same_bits(outs[-1], sf, f"{what} scales")
                     first = first or outs
                     for a, b in zip(outs, first):
-                        assert_bitwise_equal(a, b, f"{what} vs {ALGOS[0]}")
+                        same_bits(a, b, f"{what} vs {ALGOS[0]}")
                 assert_ranks_agree(checksum(*first), f"H={h} M={m} {pattern}")
         ws.close()
     return True
