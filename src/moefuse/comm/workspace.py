@@ -49,12 +49,14 @@ ALGORITHMS = ("auto", "oneshot", "twoshot", "torch")
 
 #: Crossovers of ``algorithm="auto"``: the largest payload ``M * H * elem`` (bytes per rank) for
 #: which one-shot is chosen, per world size (None: always, up to the Lamport capacity); above it
-#: two-shot runs. FIRST GUESS, TO BE RE-MEASURED with ``python -m moefuse bench allreduce
-#: --world-size P`` on the H200 machines. Basis (2026-11-29 baselines,
-#: ../shared/measurements/h200-baselines.md, H = 4096 BF16): at P = 2 one-shot and two-shot send
-#: the same bytes and FlashInfer's one-shot beats its two-shot at every M (665 vs 686 us at
-#: M = 16384); at P = 4 one-shot sends 3x the payload against two-shot's 1.5x and FlashInfer's
-#: one-shot wins at M = 64 (1/2 MiB, 10.2 vs 16.9 us) but loses from M = 512 (4 MiB, 49.7 vs 33.3).
+#: two-shot runs.
+#: * P = 2 MEASURED on 2 x H200 (2026-11-29, bench/results/allreduce-h200-p2.json, commit
+#:   2b8b3b71ed35): one-shot beats two-shot at every M and H measured, e.g. H = 4096: 3.4 vs 8.0 us
+#:   (M = 1), 18.7 vs 24.7 (M = 512), 390 vs 470 (M = 16384); H = 7168: 668 vs 819 at M = 16384.
+#: * P = 4 and 8: NOT YET MEASURED (the 4- and 8-GPU machines were not lent); first guess from
+#:   ../shared/measurements/h200-baselines.md: one-shot sends 3x the payload against two-shot's
+#:   1.5x at P = 4, and FlashInfer's one-shot wins at M = 64 (1/2 MiB, 10.2 vs 16.9 us) but loses
+#:   from M = 512 (4 MiB, 49.7 vs 33.3 us).
 ONESHOT_MAX_BYTES: dict[int, int | None] = {2: None, 4: 1 << 20, 8: 512 << 10}
 #: cap of the default Lamport capacity: 3 generations x (P-1) slots x L tokens x H x elem bytes
 LAMPORT_BUDGET_BYTES = 768 << 20
