@@ -26,14 +26,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import rcp_fast, round_to
 from moefuse._runtime import interpreter_active
 from moefuse.norm.tiles import RowTile, TilePolicy, row_tile
-from moefuse.norm.triton import _inv_rms, _row_base
+from moefuse.norm.triton import _inv_rms, _ld, _pdl_kwargs, _row_base, _st
 from moefuse.quant import device as D
 from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
-
-
-def _pdl_kwargs(use_pdl: bool) -> dict:
-    return {"launch_pdl": True} if use_pdl else {}
-
 
 #: tile policy of the fused norm + quant kernels (the norm family's default today); the benchmark's
 #: ``--sweep`` times alternatives so that this can be set from H200 measurements
@@ -49,32 +44,6 @@ def _evict(tile) -> bool:
     """Activations are read once when the row fits one block (evict-first hint); the chunked
     path re-reads each row, so it keeps the default policy."""
     return tile.num_chunks == 1
-
-
-@triton.jit
-def _ld(ptrs, mask, MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr):
-    """Load as FP32 (masked lanes read 0.0)."""
-    if EVICT_FIRST:
-        if MASKED:
-            return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(
-                tl.float32)  # fmt: skip
-        else:
-            return tl.load(ptrs, eviction_policy="evict_first").to(tl.float32)
-    else:
-        if MASKED:
-            return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            return tl.load(ptrs).to(tl.float32)
-
-
-@triton.jit
-def _st(ptrs, value, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
-    """Round FP32 ``value`` to the pointer's dtype (RNE, also in the interpreter) and store."""
-    value = round_to(value, ptrs.dtype.element_ty, PTX)
-    if MASKED:
-        tl.store(ptrs, value, mask=mask)
-    else:
-        tl.store(ptrs, value)
 
 
 def _rows_of(t) -> tuple[int, int, int, int]:
