@@ -6,7 +6,7 @@ import torch
 
 import moefuse
 from moefuse.norm import ops
-from moefuse.testing import assert_bitwise_equal
+from moefuse.testing import assert_bitwise_equal, expect_value_error
 
 pytestmark = pytest.mark.interpreter
 
@@ -15,30 +15,22 @@ def _rand(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape).to(dtype)
 
 
-def _expect_value_error(fn, name, *watched):
-    before = [t.clone() for t in watched]
-    with pytest.raises(ValueError, match=f"'{name}'"):
-        fn()
-    for t, b in zip(watched, before):
-        assert_bitwise_equal(t, b, f"{name}: nothing written")
-
-
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_rmsnorm_bad_inputs(impl):
     x, w = _rand(4, 64), _rand(64)
     out = torch.full_like(x, 3.0)
     call = lambda **kw: moefuse.rmsnorm(**{"input": x, "weight": w, "out": out, "impl": impl, **kw})
-    _expect_value_error(lambda: call(input=x.float()), "input", out)
-    _expect_value_error(lambda: call(weight=_rand(63)), "weight", out)
-    _expect_value_error(lambda: call(out=torch.empty(4, 64, dtype=torch.float16)), "out", x)
-    _expect_value_error(lambda: call(out=torch.empty(3, 64, dtype=torch.bfloat16)), "out", x)
-    _expect_value_error(lambda: call(input=_rand(64, 4).t()), "input", out)  # stride(-1) != 1
+    expect_value_error(lambda: call(input=x.float()), "input", out)
+    expect_value_error(lambda: call(weight=_rand(63)), "weight", out)
+    expect_value_error(lambda: call(out=torch.empty(4, 64, dtype=torch.float16)), "out", x)
+    expect_value_error(lambda: call(out=torch.empty(3, 64, dtype=torch.bfloat16)), "out", x)
+    expect_value_error(lambda: call(input=_rand(64, 4).t()), "input", out)  # stride(-1) != 1
     meta_w = torch.empty(64, dtype=torch.bfloat16, device="meta")
-    _expect_value_error(lambda: call(weight=meta_w), "weight", out)
-    _expect_value_error(lambda: call(input=_rand(64)), "input", out)  # 1-D
-    _expect_value_error(lambda: call(eps=-1.0), "eps", out)
+    expect_value_error(lambda: call(weight=meta_w), "weight", out)
+    expect_value_error(lambda: call(input=_rand(64)), "input", out)  # 1-D
+    expect_value_error(lambda: call(eps=-1.0), "eps", out)
     buf = _rand(5, 64)
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.rmsnorm(buf[1:], w, out=buf[:4], impl=impl), "out", buf
     )  # partial overlap
 
@@ -46,11 +38,11 @@ def test_rmsnorm_bad_inputs(impl):
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_fused_add_bad_inputs(impl):
     x, r, w = _rand(4, 64), _rand(4, 64), _rand(64)
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.fused_add_rmsnorm(x, r.half(), w, impl=impl), "residual", x, r
     )
-    _expect_value_error(lambda: moefuse.fused_add_rmsnorm(x, x, w, impl=impl), "residual", x)
-    _expect_value_error(
+    expect_value_error(lambda: moefuse.fused_add_rmsnorm(x, x, w, impl=impl), "residual", x)
+    expect_value_error(
         lambda: moefuse.fused_add_rmsnorm(x, _rand(4, 65), w, impl=impl), "residual", x
     )
 
@@ -59,33 +51,33 @@ def test_fused_add_bad_inputs(impl):
 def test_gated_bad_inputs(impl):
     b, r, a = _rand(4, 64), torch.randn(4, 64), torch.rand(64)
     out = torch.zeros(4, 64)
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.gated_residual_rmsnorm(b, r.bfloat16(), None, a, a, impl=impl),
         "residual", r,
     )  # fmt: skip
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.gated_residual_rmsnorm(b, r, None, a.double(), a, impl=impl), "alpha", r
     )
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.gated_residual_rmsnorm(b, r, None, a, a[:63], impl=impl), "beta", r
     )
     alias = torch.zeros(4, 64)
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.gated_residual_rmsnorm(
             alias.view(torch.bfloat16)[:, :64], r, None, a, a, out=alias, impl=impl
         ),
         "out", alias,
     )  # fmt: skip
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.gated_residual_next_rmsnorm(b, r, _rand(64), "1", a, impl=impl), "alpha", r
     )
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.gated_residual_next_rmsnorm(
             b, r, _rand(64), 1.0, a, ffn_input=torch.empty(4, 64), impl=impl
         ),
         "ffn_input", r,
     )  # fmt: skip
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.gated_residual_next_rmsnorm(
             b, r, _rand(64), 1.0, a, residual_out=r[:, :32], impl=impl
         ),
@@ -96,13 +88,13 @@ def test_gated_bad_inputs(impl):
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_sigmoid_gate_bad_inputs(impl):
     x = _rand(2, 4, 64)
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.rmsnorm_sigmoid_gate(x, x, impl=impl), "gate", x
     )
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.rmsnorm_sigmoid_gate(x, _rand(2, 4, 32), impl=impl), "gate", x
     )
-    _expect_value_error(lambda: moefuse.rmsnorm_sigmoid_gate(x, x.clone(), impl="cuda"), "impl", x)
+    expect_value_error(lambda: moefuse.rmsnorm_sigmoid_gate(x, x.clone(), impl="cuda"), "impl", x)
 
 
 def test_bad_impl_name():

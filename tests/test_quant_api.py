@@ -7,7 +7,7 @@ import torch
 
 import moefuse
 from moefuse.quant import ops
-from moefuse.testing import assert_bitwise_equal
+from moefuse.testing import assert_bitwise_equal, expect_value_error
 
 pytestmark = pytest.mark.interpreter
 
@@ -18,41 +18,33 @@ def _rand(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape).to(dtype)
 
 
-def _expect_value_error(fn, name, *watched):
-    before = [t.clone() for t in watched]
-    with pytest.raises(ValueError, match=f"'{name}'"):
-        fn()
-    for t, b in zip(watched, before):
-        assert_bitwise_equal(t, b, f"{name}: nothing written")
-
-
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_fp8_bad_inputs(impl):
     x, s = _rand(4, 64), torch.tensor([0.1])
     out = torch.zeros(4, 64, dtype=E4M3)
     q = lambda **kw: moefuse.fp8_quantize(**{"input": x, "scale": s, "out": out, "impl": impl,
                                              **kw})  # fmt: skip
-    _expect_value_error(lambda: q(input=x.to(torch.int32)), "input", out)
-    _expect_value_error(lambda: q(scale=torch.tensor([0.1, 0.2])), "scale", out)
-    _expect_value_error(lambda: q(scale=torch.tensor([1], dtype=torch.float16)), "scale", out)
-    _expect_value_error(lambda: q(dtype=torch.float16, out=None), "dtype")
-    _expect_value_error(lambda: q(out=torch.zeros(4, 63, dtype=E4M3)), "out", x)
-    _expect_value_error(lambda: q(out=torch.zeros(4, 64, dtype=torch.float8_e5m2)), "out", x)
-    _expect_value_error(lambda: q(input=_rand(64, 4).t()), "input", out)
-    _expect_value_error(lambda: q(input=_rand(2, 2, 2, 8)), "input", out)
+    expect_value_error(lambda: q(input=x.to(torch.int32)), "input", out)
+    expect_value_error(lambda: q(scale=torch.tensor([0.1, 0.2])), "scale", out)
+    expect_value_error(lambda: q(scale=torch.tensor([1], dtype=torch.float16)), "scale", out)
+    expect_value_error(lambda: q(dtype=torch.float16, out=None), "dtype")
+    expect_value_error(lambda: q(out=torch.zeros(4, 63, dtype=E4M3)), "out", x)
+    expect_value_error(lambda: q(out=torch.zeros(4, 64, dtype=torch.float8_e5m2)), "out", x)
+    expect_value_error(lambda: q(input=_rand(64, 4).t()), "input", out)
+    expect_value_error(lambda: q(input=_rand(2, 2, 2, 8)), "input", out)
     alias = torch.zeros(4, 64, dtype=torch.bfloat16)
-    _expect_value_error(lambda: q(input=alias, out=alias.view(E4M3)[:, :64]), "out", alias)
+    expect_value_error(lambda: q(input=alias, out=alias.view(E4M3)[:, :64]), "out", alias)
     o, sc = torch.zeros(4, 64, dtype=E4M3), torch.zeros(4, 1)
     bad_sc = torch.zeros(4)
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.fp8_quantize_per_token(x, out=o, scale_out=bad_sc, impl=impl),
         "scale_out", o,
     )  # fmt: skip
-    _expect_value_error(lambda: moefuse.fp8_quantize_per_token(
+    expect_value_error(lambda: moefuse.fp8_quantize_per_token(
         x, out=torch.zeros(4, 64, dtype=torch.float8_e5m2), scale_out=sc, impl=impl), "out", sc)
-    _expect_value_error(lambda: moefuse.fp8_dequantize(o, torch.ones(3, 1), impl=impl), "scale")
-    _expect_value_error(lambda: moefuse.fp8_dequantize(x, s, impl=impl), "input")
-    _expect_value_error(lambda: moefuse.fp8_dequantize(o, s, out_dtype=torch.int8, impl=impl),
+    expect_value_error(lambda: moefuse.fp8_dequantize(o, torch.ones(3, 1), impl=impl), "scale")
+    expect_value_error(lambda: moefuse.fp8_dequantize(x, s, impl=impl), "input")
+    expect_value_error(lambda: moefuse.fp8_dequantize(o, s, out_dtype=torch.int8, impl=impl),
                         "out_dtype")  # fmt: skip
 
 
@@ -62,22 +54,22 @@ def test_fp4_bad_inputs(impl):
     out, sc = torch.full((4, 32), 7, dtype=torch.uint8), torch.full((128, 4), 7, dtype=torch.uint8)
     q = lambda **kw: moefuse.fp4_quantize(**{"input": x, "global_scale": gs, "out": out,
                                              "scale_out": sc, "impl": impl, **kw})  # fmt: skip
-    _expect_value_error(lambda: q(input=_rand(4, 40), out=None, scale_out=None), "input")
-    _expect_value_error(lambda: q(input=_rand(2, 4, 64)), "input", out, sc)
-    _expect_value_error(lambda: q(global_scale=torch.tensor(100.0).double()), "global_scale",
+    expect_value_error(lambda: q(input=_rand(4, 40), out=None, scale_out=None), "input")
+    expect_value_error(lambda: q(input=_rand(2, 4, 64)), "input", out, sc)
+    expect_value_error(lambda: q(global_scale=torch.tensor(100.0).double()), "global_scale",
                         out, sc)  # fmt: skip
-    _expect_value_error(lambda: q(layout="swizzled"), "layout", out, sc)
-    _expect_value_error(lambda: q(recipe="exact"), "recipe", out, sc)
-    _expect_value_error(lambda: q(scale_out=torch.zeros(4, 4, dtype=torch.uint8)), "scale_out",
+    expect_value_error(lambda: q(layout="swizzled"), "layout", out, sc)
+    expect_value_error(lambda: q(recipe="exact"), "recipe", out, sc)
+    expect_value_error(lambda: q(scale_out=torch.zeros(4, 4, dtype=torch.uint8)), "scale_out",
                         out)  # fmt: skip
-    _expect_value_error(lambda: q(out=torch.zeros(4, 32, dtype=torch.int8)), "out", sc)
+    expect_value_error(lambda: q(out=torch.zeros(4, 32, dtype=torch.int8)), "out", sc)
     buf = torch.zeros(700, dtype=torch.uint8)
-    _expect_value_error(lambda: q(out=buf[:128].view(4, 32), scale_out=buf[64:576].view(128, 4)),
+    expect_value_error(lambda: q(out=buf[:128].view(4, 32), scale_out=buf[64:576].view(128, 4)),
                         "scale_out", buf)  # fmt: skip
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.fp4_dequantize(out, sc, gs, layout="linear", impl=impl), "scales", out
     )
-    _expect_value_error(lambda: moefuse.fp4_dequantize(out[:, :3], sc, gs, impl=impl), "packed")
+    expect_value_error(lambda: moefuse.fp4_dequantize(out[:, :3], sc, gs, impl=impl), "packed")
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
@@ -85,35 +77,35 @@ def test_fused_bad_inputs(impl):
     x, r, w = _rand(4, 64), _rand(4, 64), _rand(64)
     s, gs = torch.tensor([0.1]), torch.tensor([100.0])
     out = torch.zeros(4, 64, dtype=E4M3)
-    _expect_value_error(lambda: moefuse.rmsnorm_quant(x.float(), w, s, impl=impl), "input")
-    _expect_value_error(lambda: moefuse.rmsnorm_quant(x, w[:63], s, impl=impl), "weight")
-    _expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, 0.1, impl=impl), "scale")
-    _expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, eps=-1.0, impl=impl), "eps")
-    _expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, out=torch.zeros(4, 64),
+    expect_value_error(lambda: moefuse.rmsnorm_quant(x.float(), w, s, impl=impl), "input")
+    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w[:63], s, impl=impl), "weight")
+    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, 0.1, impl=impl), "scale")
+    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, eps=-1.0, impl=impl), "eps")
+    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, out=torch.zeros(4, 64),
                                                       impl=impl), "dtype")  # fmt: skip
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_quant(x, r.half(), w, s, out=out, impl=impl),
         "residual", x, out,
     )  # fmt: skip
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_quant(x, x, w, s, out=out, impl=impl), "residual", out
     )
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_quant(x, r, w, s, out=r.view(E4M3)[:, :64], impl=impl),
         "out", r,
     )  # fmt: skip
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.rmsnorm_fp4_quantize(_rand(4, 40), _rand(40), gs, impl=impl), "input"
     )
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.rmsnorm_fp4_quantize(x, w, gs, norm_out=x[:, :32], impl=impl),
         "norm_out", x,
     )  # fmt: skip
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gs, norm_out=r, impl=impl),
         "norm_out", x, r,
     )  # fmt: skip
-    _expect_value_error(
+    expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gs, layout="8x4", impl=impl),
         "layout", x, r,
     )  # fmt: skip

@@ -131,6 +131,21 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: str, what: s
         )
 
 
+def expect_value_error(fn, argument: str, *untouched: torch.Tensor) -> None:
+    """Assert that ``fn()`` raises ``ValueError`` naming ``'argument'`` and writes nothing into
+    ``untouched`` (the API contract for bad input)."""
+    before = [_raw_bits(t).clone() for t in untouched]
+    try:
+        fn()
+    except ValueError as exc:
+        if f"'{argument}'" not in str(exc):
+            raise AssertionError(f"ValueError does not name '{argument}': {exc}") from exc
+    else:
+        raise AssertionError(f"no ValueError for a bad '{argument}'")
+    for t, b in zip(untouched, before):
+        assert_bitwise_equal(_raw_bits(t), b, f"{argument}: nothing written")
+
+
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if actual.numel() == 0:
         return 0.0
