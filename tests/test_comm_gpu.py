@@ -4,7 +4,7 @@ ranks, PDL on/off and batch sizes; 1,000 CUDA-graph replays with fresh data (and
 bounded waits when one process skips a call.
 
 Run: ``python -m pytest -q tests/test_comm_gpu.py`` (each test spawns its own P processes; world
-sizes beyond the GPU count are skipped; ``-k p2`` / ``-k p4`` selects one).
+sizes beyond the GPU count are skipped; ``-k p2`` / ``-k p4`` / ``-k p8`` selects one).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from comm_mp import run_group
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
-WORLD_SIZES = [pytest.param(2, id="p2"), pytest.param(4, id="p4")]
+WORLD_SIZES = [pytest.param(2, id="p2"), pytest.param(4, id="p4"), pytest.param(8, id="p8")]
 TOKENS = (1, 5, 64, 128, 1000, 4096, 16384)
 WIDTHS = (2880, 4096, 7168, 8192)
 DTYPES = (torch.bfloat16, torch.float16)
