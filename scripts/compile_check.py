@@ -75,7 +75,7 @@ def _cases():
          ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"), tiles.GATED_POLICY),
         ("gated_next", nt._gated_residual_next_kernel,
          {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
-         ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"), tiles.GATED_NEXT_POLICY),
+         ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"), tiles.GATED_POLICY),
     ]  # fmt: skip
 
 

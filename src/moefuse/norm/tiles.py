@@ -50,10 +50,11 @@ class TilePolicy:
 
 #: the gated ops keep an FP32 stream and three FP32 parameter vectors live: measured on H200
 #: (scripts/sweep_norm_tiles.py, notes/norm.md), 16384 x 8192 with 8 warps ran at 3.2-3.3 TB/s
-#: (183 registers, one CTA per SM); with 4 warps gated_residual_rmsnorm is fastest in two 4096
-#: chunks (337 us) and gated_residual_next_rmsnorm in one pass (389 us, 4.1 TB/s)
-GATED_POLICY = TilePolicy(max_single=4096, chunk=4096, max_warps=4)
-GATED_NEXT_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4)
+#: (183 registers, one CTA per SM); with 4 warps and the row in one pass gated_residual_next runs
+#: 389 us (4.1 TB/s) and gated_residual 351 us. Two 4096 chunks were 4 % faster for
+#: gated_residual at M = 16384 (337 us) but 1.6 x slower at M <= 128 (3.6 vs 2.2 us at M = 1),
+#: so both ops hold rows up to 8192 in registers.
+GATED_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4)
 
 
 def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:

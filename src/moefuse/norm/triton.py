@@ -25,7 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to, rsqrt_fast
 from moefuse._runtime import interpreter_active
-from moefuse.norm.tiles import GATED_NEXT_POLICY, GATED_POLICY, row_tile
+from moefuse.norm.tiles import GATED_POLICY, row_tile
 
 LOG2E = 1.4426950408889634
 #: evict-first cache hint on activation loads; measured slower on H200 by 1-4 % (notes/norm.md),
@@ -468,7 +468,7 @@ def launch_gated_residual_next_rmsnorm(
     n_rows, width = branch.shape
     if n_rows == 0:
         return
-    tile = row_tile(width, GATED_NEXT_POLICY)
+    tile = row_tile(width, GATED_POLICY)
     masked = tile.rows > 1 or not tile.even(width)
     alpha_mode = 2 if alpha is not None else (0 if alpha_scalar == 1.0 else 1)
     router = router_input if router_input is not None else residual_out
