@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call: every GPU test suite, spread over the GPUs present, logs under ${OUT:-out}.
+# Usage (repo root, on an H200 machine): bash scripts/gpu_check.sh [--bench]
+#   single-GPU suites run in parallel, one per GPU; then the communication suite for every world
+#   size the machine has; with --bench the benchmarks follow (JSON + PNG under $OUT/results).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT/results"
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+suites=(tests/test_norm_gpu.py tests/test_moe_gpu.py tests/test_quant_gpu.py)
+pids=()
+for i in "${!suites[@]}"; do
+  gpu=$((i % gpus))
+  name=$(basename "${suites[$i]}" .py)
+  CUDA_VISIBLE_DEVICES=$gpu python3 -m pytest -q -p no:cacheprovider "${suites[$i]}" \
+    > "$OUT/$name.log" 2>&1 &
+  pids+=($!)
+  if (( gpus == 1 )); then wait "${pids[-1]}"; fi
+done
+wait
+for s in "${suites[@]}"; do name=$(basename "$s" .py); echo "$name: $(tail -1 "$OUT/$name.log")"; done
+if (( gpus >= 2 )); then
+  python3 -m pytest -q -p no:cacheprovider tests/test_comm_gpu.py > "$OUT/test_comm_gpu.log" 2>&1
+  echo "test_comm_gpu: $(tail -1 "$OUT/test_comm_gpu.log")"
+fi
+if [[ "${1:-}" == "--bench" ]]; then
+  for fam in norm moe quant; do
+    python3 -m moefuse bench "$fam" --save --out "$OUT/results" > "$OUT/bench_$fam.log" 2>&1
+  done
+  for p in 2 4 8; do
+    (( gpus >= p )) && python3 -m moefuse bench allreduce --world-size "$p" --save \
+      --out "$OUT/results" > "$OUT/bench_allreduce_p$p.log" 2>&1
+  done
+  grep -hE "BAR|PASS|FAIL" "$OUT"/bench_*.log | tail -40
+fi
