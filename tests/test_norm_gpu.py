@@ -7,7 +7,7 @@ import torch
 
 import moefuse
 from moefuse.norm import reference as ref
-from moefuse.testing import assert_bitwise_equal, assert_close, poison_
+from moefuse.testing import assert_bitwise_equal, assert_close, poison_, run_eager_pdl_and_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -19,32 +19,6 @@ DEV = "cuda"
 
 def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(*shape, device=DEV) * scale).to(dtype)
-
-
-def _run_three_ways(run, make_outputs):
-    """Run ``run(outputs, pdl)`` eagerly with PDL on, with PDL off, and as a CUDA-graph replay
-    (inputs fixed, outputs poisoned before the replay); return the three output tuples."""
-    results = []
-    for pdl in (True, False):
-        outs = make_outputs()
-        run(outs, pdl)
-        results.append(outs)
-    outs = make_outputs()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(outs, True)  # warm-up (compiles) outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(outs, True)
-    for _ in range(2):
-        for o in outs:
-            poison_(o)
-        graph.replay()
-    torch.cuda.synchronize()
-    results.append(outs)
-    return results
 
 
 def _assert_same(results, what):
@@ -60,7 +34,7 @@ def test_rmsnorm_gpu(dtype, width, gemma):
     fn = moefuse.gemma_rmsnorm if gemma else moefuse.rmsnorm
     for m in TOKENS:
         x, w = _rand(m, width, dtype=dtype), _rand(width, dtype=dtype)
-        res = _run_three_ways(
+        res = run_eager_pdl_and_graph(
             lambda outs, pdl: fn(x, w, out=outs[0], enable_pdl=pdl, impl="triton"),
             lambda: [poison_(torch.empty_like(x))],
         )
@@ -81,7 +55,7 @@ def test_fused_add_rmsnorm_gpu(dtype, width):
             outs[1].copy_(r)
             moefuse.fused_add_rmsnorm(outs[0], outs[1], w, enable_pdl=pdl, impl="triton")
 
-        res = _run_three_ways(run, lambda: [torch.empty_like(x), torch.empty_like(r)])
+        res = run_eager_pdl_and_graph(run, lambda: [torch.empty_like(x), torch.empty_like(r)])
         _assert_same(res, f"fused_add {m}x{width} modes")
         normed, r_out = ref.fused_add_rmsnorm_reference(x, r, w)
         assert_bitwise_equal(res[0][1], r_out, "residual")
@@ -99,7 +73,7 @@ def test_gated_residual_rmsnorm_gpu(width, with_weight):
         b, r = _rand(m, width), torch.randn(m, width, device=DEV)
         w = _rand(width) if with_weight else None
         a, be = torch.rand(width, device=DEV), torch.rand(width, device=DEV)
-        res = _run_three_ways(
+        res = run_eager_pdl_and_graph(
             lambda outs, pdl: moefuse.gated_residual_rmsnorm(
                 b, r, w, a, be, gain_center=1.0, out=outs[0], enable_pdl=pdl, impl="triton"
             ),
@@ -127,7 +101,7 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
                 router_input=outs[2], enable_pdl=pdl, impl="triton", **kw,
             )  # fmt: skip
 
-        res = _run_three_ways(
+        res = run_eager_pdl_and_graph(
             run,
             lambda: [poison_(torch.empty_like(r)), poison_(torch.empty_like(b)),
                      poison_(torch.empty_like(r))],  # fmt: skip
@@ -153,7 +127,7 @@ def test_rmsnorm_sigmoid_gate_gpu(dtype, head_dim):
             outs[0].copy_(x)
             moefuse.rmsnorm_sigmoid_gate(outs[0], g, enable_pdl=pdl, impl="triton")
 
-        res = _run_three_ways(run, lambda: [torch.empty_like(x)])
+        res = run_eager_pdl_and_graph(run, lambda: [torch.empty_like(x)])
         _assert_same(res, "sigmoid gate modes")
         assert_close(res[0][0], ref.rmsnorm_sigmoid_gate_reference(x, g), "sigmoid_fast")
 

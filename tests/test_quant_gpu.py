@@ -25,7 +25,7 @@ from moefuse.quant import device as D
 from moefuse.quant import formats as F
 from moefuse.quant import reference as ref
 from moefuse.quant.triton import rcp_approx
-from moefuse.testing import assert_bitwise_equal, assert_close, poison_
+from moefuse.testing import assert_bitwise_equal, assert_close, poison_, run_eager_pdl_and_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -289,32 +289,6 @@ def test_wide_rows_chunked_path_gpu():
 
 
 # ----------------------------------------------------------------------------- execution modes
-def _run_three_ways(run, make_outputs):
-    """``run(outs, pdl)`` eagerly with PDL on and off, and as a CUDA-graph replay (outputs
-    poisoned before each of 4 replays); returns the three output tuples."""
-    results = []
-    for pdl in (True, False):
-        outs = make_outputs()
-        run(outs, pdl)
-        results.append(outs)
-    outs = make_outputs()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(outs, True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(outs, True)
-    for _ in range(4):
-        for o in outs:
-            poison_(o)
-        graph.replay()
-    torch.cuda.synchronize()
-    results.append(outs)
-    return results
-
-
 @pytest.mark.parametrize("m", [1, 1000])
 def test_eager_pdl_and_graph_replay_bitwise(m):
     h = 4096
@@ -344,7 +318,7 @@ def test_eager_pdl_and_graph_replay_bitwise(m):
         moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gs, layout="swizzled_8x4", out=o[7],
                                                scale_out=o[8], enable_pdl=pdl, impl="triton")
 
-    results = _run_three_ways(run, make)
+    results = run_eager_pdl_and_graph(run, make)
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert_bitwise_equal(a, b, f"PDL off / graph replay, M={m}")

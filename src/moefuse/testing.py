@@ -146,6 +146,34 @@ def expect_value_error(fn, argument: str, *untouched: torch.Tensor) -> None:
         assert_bitwise_equal(_raw_bits(t), b, f"{argument}: nothing written")
 
 
+def run_eager_pdl_and_graph(run, make_outputs, replays: int = 4) -> list:
+    """Run ``run(outputs, pdl)`` three ways on the GPU and return the three output tuples: eagerly
+    with PDL on, eagerly with PDL off, and as a CUDA-graph replay (captured after a warm-up on a
+    side stream; outputs poisoned before each of ``replays`` replays, >= 4 per SPEC §5).
+    ``make_outputs()`` returns a fresh tuple of output tensors for each mode."""
+    results = []
+    for pdl in (True, False):
+        outs = make_outputs()
+        run(outs, pdl)
+        results.append(outs)
+    outs = make_outputs()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(outs, True)  # warm-up (compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(outs, True)
+    for _ in range(replays):
+        for o in outs:
+            poison_(o)
+        graph.replay()
+    torch.cuda.synchronize()
+    results.append(outs)
+    return results
+
+
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if actual.numel() == 0:
         return 0.0
