@@ -28,7 +28,6 @@ class Step:
 
 def _steps(m: int, h: int, dev: str) -> list[Step]:
     import moefuse
-    from moefuse.norm import reference as ref
 
     bf = torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -65,7 +64,6 @@ def _steps(m: int, h: int, dev: str) -> list[Step]:
              ("fp32_stream", "rsqrt_half")),  # fmt: skip
         Step("rmsnorm_sigmoid_gate", f"{m}x{heads}x{d}", sigmoid_gate, "sigmoid_fast"),
     ]
-    del ref
     return steps + _moe_steps(m, h, dev, rnd) + _quant_steps(m, h, dev, x, res, w)
 
 

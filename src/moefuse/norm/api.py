@@ -158,8 +158,6 @@ def _check_gated_common(op, branch, residual, alpha, beta, alpha_may_be_scalar=F
     m, width = branch.shape
     v.check_tensor(op, "residual", residual, dtypes=F32, shape=(m, width), device=branch.device)
     if not (alpha_may_be_scalar and isinstance(alpha, (int, float))):
-        if alpha_may_be_scalar and isinstance(alpha, bool):
-            raise ValueError(f"moefuse.{op}: argument 'alpha' must be a float or an FP32 tensor")
         _check_vector(op, "alpha", alpha, width, F32, branch.device)
     _check_vector(op, "beta", beta, width, F32, branch.device)
 
