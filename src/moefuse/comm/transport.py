@@ -185,6 +185,9 @@ class CpuClock:
     def __init__(self, period_s: float = 0.002):
         self.tensor = torch.zeros(1, dtype=torch.int64)
         self._period = period_s
+        #: a read may be up to one tick old, so a wait can see its deadline pass up to one tick
+        #: early: waits add this to their timeout so none ends before ``timeout_s``
+        self.resolution_us = int(period_s * 1e6)
         self._stop = threading.Event()
         self.tensor[0] = time.monotonic_ns()
         self._thread = threading.Thread(target=self._run, name="moefuse-comm-clock", daemon=True)

@@ -140,7 +140,6 @@ class AllReduceWorkspace:
         self.timeout_s = float(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
         if not 0 < self.timeout_s <= 2000:
             raise ValueError("AllReduceWorkspace: timeout_s must be in (0, 2000]")
-        self.timeout_us = int(self.timeout_s * 1e6)
         self._coll_device = _collective_device(group, device)
         self._closed = False
         self._failure: str | None = None
@@ -188,6 +187,10 @@ class AllReduceWorkspace:
         self.ctrl[CTRL_EPOCH] = 1
         self._clock = tp.CpuClock() if device.type == "cpu" else None
         self.clock = self._clock.tensor if self._clock is not None else self.ctrl
+        # in-kernel wait bound: timeout_s plus the clock's resolution (the CPU clock word is
+        # refreshed by a thread; %globaltimer is fine-grained), so no wait ends before timeout_s
+        resolution_us = self._clock.resolution_us if self._clock is not None else 1
+        self.timeout_us = int(self.timeout_s * 1e6) + resolution_us
         self.id = next(_IDS)
         _REGISTRY[self.id] = self
 
