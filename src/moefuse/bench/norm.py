@@ -191,17 +191,20 @@ def main(argv: list[str]) -> int:
                     times[name] = harness.graph_time_us(
                         lambda i, fn=fn, sets=case.sets, n=n: fn(sets[i % n]), calls=max(20, n)
                     )
+                times["sm_copy"] = harness.copy_time_us(case.bytes)
                 for name, us in times.items():
                     tbs = case.bytes / (us * 1e-6) / 1e12
                     rows.append({
                         "op": op, "shape": case.shape, "M": m, "variant": name, "us": us,
                         "tbs": tbs, "frac_ceiling": tbs / ceiling,
                         "x_compile": times["compile"] / us, "x_eager": times["eager"] / us,
+                        "x_copy_same_bytes": times["sm_copy"] / us,
                     })  # fmt: skip
                 print(f"{op:28s} {case.shape:8s} M={m:6d} " + "  ".join(
                     f"{k}={v:8.2f}us" for k, v in times.items()) +
                     f"  moefuse {case.bytes / times['moefuse'] / 1e6:.2f} TB/s"
-                    f"  x_compile={times['compile'] / times['moefuse']:.2f}")  # fmt: skip
+                    f"  x_compile={times['compile'] / times['moefuse']:.2f}"
+                    f"  x_copy={times['sm_copy'] / times['moefuse']:.2f}")  # fmt: skip
     meta = harness.run_metadata()
     meta["ceiling_tbs"] = ceiling
     meta["ceiling_method"] = "Triton SM copy kernel of 1 GiB, CUDA-graph replay"
