@@ -228,3 +228,55 @@ def test_eight_ranks_basic_pattern():
     cfg = dict(dtypes=(torch.bfloat16,), widths=(48,), tokens=(3,), patterns=("norm",),
                batch_invariance=False)  # fmt: skip
     _assert_ranks_agree(run_group(8, scenario_patterns, cfg))
+
+
+# ----------------------------------------------------------------------------- one-shot variants
+#: MOEFUSE_COMM_* settings of the experimental one-shot variants (tiles.OneshotVariant)
+VARIANTS = {
+    "prefetch": {"MOEFUSE_COMM_ONESHOT_PREFETCH": "1"},
+    "probe": {"MOEFUSE_COMM_POLL_PROBE": "64"},  # wider than H = 48: masked probe lanes
+    "persistent": {"MOEFUSE_COMM_ONESHOT_PREFETCH": "1", "MOEFUSE_COMM_POLL_PROBE": "16",
+                   "MOEFUSE_COMM_ROWS_PER_CTA": "4", "MOEFUSE_COMM_ONESHOT_WARPS": "2"},
+}  # fmt: skip
+
+
+def scenario_variant(rank, world_size, env, patterns, widths, tokens):
+    """Default one-shot, then the variant in ``env`` on the same inputs (-0.0 included), several
+    calls in a row (generations cycle): bitwise equal outputs. Returns a digest per case."""
+    import os
+
+    import moefuse
+
+    digests = []
+    for h in widths:
+        ws = moefuse.AllReduceWorkspace(None, max(tokens), h, torch.bfloat16, "cpu",
+                                        timeout_s=120)  # fmt: skip
+        for m in tokens:
+            for pattern in patterns:
+                partials, res, w = make_case(case_seed("variant", h, m, pattern), world_size, m,
+                                             h, torch.bfloat16)  # fmt: skip
+                x = partials[rank]
+                base = run_pattern(moefuse, ws, pattern, x, res, w, "oneshot")
+                os.environ.update(env)
+                try:
+                    for rep in range(2):
+                        outs = run_pattern(moefuse, ws, pattern, x, res, w, "oneshot")
+                        for a, b in zip(outs, base):
+                            assert_bitwise_equal(a, b, f"rank {rank} {env} H={h} M={m} "
+                                                 f"{pattern} call {rep}")  # fmt: skip
+                finally:
+                    for key in env:
+                        del os.environ[key]
+                digests.append(digest(*base))
+        ws.close()
+    return digests
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_oneshot_variant_bitwise_equal_to_default(variant):
+    """Each variant of the one-shot kernel gives the default's bits (CPU grids are <= 8 CTAs, so
+    M = 17 runs several rows per CTA through the prefetch pipeline); P = 3 for one of them."""
+    world = 3 if variant == "persistent" else 2
+    patterns = ("ar", "norm", "nvfp4_out") if variant == "prefetch" else ("norm",)
+    args = (VARIANTS[variant], patterns, (48,), (1, 17))
+    _assert_ranks_agree(run_group(world, scenario_variant, *args))

@@ -36,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import rcp_fast, round_to
 from moefuse._runtime import interpreter_active
 from moefuse.comm import _device as D
-from moefuse.comm.tiles import comm_tile
+from moefuse.comm.tiles import comm_tile, oneshot_variant
 
 
 # ----------------------------------------------------------------------------- shared prologue
@@ -110,7 +110,7 @@ def _oneshot_kernel(
     M, M_pad, H, Hf, rank, cap, n_kcols, eps, weight_bias, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr, PROBE: tl.constexpr,
 ):  # fmt: skip
     T: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -169,7 +169,10 @@ def _oneshot_kernel(
                     v = x.to(tl.float32)
                 else:
                     slot = q - (q > rank).to(tl.int32)
-                    ptr = mine + ((region + t) * (P - 1) + slot) * H + cols
+                    row = mine + ((region + t) * (P - 1) + slot) * H
+                    if PROBE > 0:
+                        D.poll_probe(row, H, deadline, clock_ptr, PROBE, BITS, PTX)
+                    ptr = row + cols
                     bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
                     tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
                     missing = missing | tl.where(pending != 0, 1 << q, 0)
@@ -179,6 +182,110 @@ def _oneshot_kernel(
             D.epilogue_row(s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                            out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
                            sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
+        i += 1
+    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                   PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
+    if last:
+        tl.store(ctrl_ptr + D.CTRL_ARRIVE_1S, 0)
+        tl.store(ctrl_ptr + D.CTRL_GEN, (gen + 1) % 3)
+
+
+# ----------------------------------------------------------------------------- one-shot, prefetch
+@triton.jit
+def _load_row(x_ptr, res_ptr, x_st, res_st, t, M, cols, cmask, PATTERN: tl.constexpr):
+    """Row ``t``'s input and residual in their own dtypes (zeros past M; residual zeros when
+    PATTERN 0 has none). Depends on nothing but ``t``: the loads issue at once."""
+    m = cmask & (t < M)
+    t64 = t.to(tl.int64)
+    x = tl.load(x_ptr + t64 * x_st + cols, mask=m, other=0.0)
+    if PATTERN != 0:
+        r = tl.load(res_ptr + t64 * res_st + cols, mask=m, other=0.0)
+    else:
+        r = tl.zeros_like(x)
+    return x, r
+
+
+@triton.jit
+def _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
+               P: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """:func:`_push_row` for a row already in registers."""
+    t64 = t.to(tl.int64)
+    bits = D.scrub(D.as_bits(x, BITS), BITS)
+    for q in tl.static_range(P):
+        if q != rank:
+            slot = rank - (rank > q).to(tl.int32)
+            off = ((region + t64) * (P - 1) + slot) * H
+            tl.store(D.peer_base(table_ptr, q, lam_off16, BITS) + off + cols, bits, mask=cmask)
+
+
+@triton.jit(do_not_specialize=["M", "M_pad", "rank"])
+def _oneshot_prefetch_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
+    x_st, res_st, out_st, rout_st, nout_st, q_st,
+    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
+    M, M_pad, H, Hf, rank, cap, n_kcols, eps, weight_bias, timeout_us,
+    P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
+    WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
+    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr, PROBE: tl.constexpr,
+):  # fmt: skip
+    """``_oneshot_kernel`` with a software pipeline over this CTA's rows (same slots, same
+    generation protocol, same bits). Rows ``a`` (current), ``b`` (next), ``c`` (after next) live
+    in registers: iteration i pushes row i+1 (loaded one iteration earlier, so the store never
+    waits on a load), issues the loads of row i+2, then polls row i and runs its epilogue from
+    the registers (each input row is read from HBM once, not three times)."""
+    T: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = _params(w_ptr, cols, cmask, weight_bias, PATTERN)
+    if USE_PDL:
+        gdc_wait()
+    # rows pid and pid + G: issued with the control-word loads, not behind them
+    xa, ra = _load_row(x_ptr, res_ptr, x_st, res_st, pid, M, cols, cmask, PATTERN)
+    xb, rb = _load_row(x_ptr, res_ptr, x_st, res_st, pid + G, M, cols, cmask, PATTERN)
+    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    gen = tl.load(ctrl_ptr + D.CTRL_GEN)
+    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)  # rows pid, pid + G, ...
+    region = gen.to(tl.int64) * cap
+    if n_mine > 0:
+        _push_vals(xa, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        if USE_PDL:
+            if n_mine == 1:  # every input of the previous kernel is in registers
+                gdc_launch_dependents()
+
+    mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
+    empty = D.empty_row(BLOCK_H, BITS)
+    missing = 0
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if i + 1 < n_mine:
+            _push_vals(xb, t + G, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        xc, rc = _load_row(x_ptr, res_ptr, x_st, res_st, t + 2 * G, M, cols, cmask, PATTERN)
+        t64 = t.to(tl.int64)
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for q in tl.static_range(P):
+            if q == rank:
+                v = xa.to(tl.float32)
+            else:
+                slot = q - (q > rank).to(tl.int32)
+                row = mine + ((region + t64) * (P - 1) + slot) * H
+                if PROBE > 0:
+                    D.poll_probe(row, H, deadline, clock_ptr, PROBE, BITS, PTX)
+                ptr = row + cols
+                bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
+                tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
+                missing = missing | tl.where(pending != 0, 1 << q, 0)
+                v = bits.to(T, bitcast=True).to(tl.float32)
+            acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
+        s = round_to(acc, T, PTX).to(tl.float32)
+        D.epilogue_row(s, ra.to(tl.float32), g, t64, cols, cmask, H, Hf, eps, inv_scale, gs,
+                       rcp_gs, n_kcols, out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st,
+                       q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)
+        xa, ra, xb, rb = xb, rb, xc, rc
         i += 1
     last = _finish(ctrl_ptr, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
                    PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
@@ -388,12 +495,18 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
     timeout_us = ws.timeout_us
     bits = _BITS[x.dtype]
     if algorithm == "oneshot":
-        grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
-        _oneshot_kernel[grid](
+        var = oneshot_variant()
+        cap_ctas = ws.max_ctas(tile.num_warps)
+        if var.num_warps:  # registers grow as warps shrink: assume 2 co-resident CTAs per SM
+            common["num_warps"] = var.num_warps
+            cap_ctas = ws.num_sms * 2
+        ctas = min(-(-m // var.rows_per_cta), cap_ctas)
+        kernel = _oneshot_prefetch_kernel if var.prefetch else _oneshot_kernel
+        kernel[(max(1, ctas),)](
             x, res, w, o, ro, no, qo, so, sc, x.stride(0), *strides,
             ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock, *scalars, ws.rank,
             ws.oneshot_max_tokens, n_kcols, float(eps), float(weight_bias), timeout_us,
-            P=ws.world_size, BITS=bits, **common,
+            P=ws.world_size, BITS=bits, PROBE=var.probe, **common,
         )  # fmt: skip
     elif algorithm == "twoshot":
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps), ws.num_flag_slots)),)
