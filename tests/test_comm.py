@@ -280,3 +280,16 @@ def test_oneshot_variant_bitwise_equal_to_default(variant):
     patterns = ("ar", "norm", "nvfp4_out") if variant == "prefetch" else ("norm",)
     args = (VARIANTS[variant], patterns, (48,), (1, 17))
     _assert_ranks_agree(run_group(world, scenario_variant, *args))
+
+
+def test_oneshot_variant_defaults_by_token_count_and_env_overrides(monkeypatch):
+    """The measured per-size choice (comm/tiles.py) applies unless a variant variable is set."""
+    from moefuse.comm import tiles as ct
+
+    for name in ct._VARIANT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert ct.oneshot_variant(64) == ct.OneshotVariant()
+    assert ct.oneshot_variant(512) == ct.OneshotVariant(prefetch=True, rows_per_cta=4)
+    assert ct.oneshot_variant(16384) == ct.OneshotVariant(prefetch=True, rows_per_cta=8)
+    monkeypatch.setenv("MOEFUSE_COMM_ROWS_PER_CTA", "2")
+    assert ct.oneshot_variant(16384) == ct.OneshotVariant(rows_per_cta=2)

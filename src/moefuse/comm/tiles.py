@@ -72,10 +72,34 @@ class OneshotVariant:
     num_warps: int = 0
 
 
-def oneshot_variant() -> OneshotVariant:
-    """The variant selected by the environment, read at every launch (same on every rank, or
-    grids and slot schedules would differ)."""
+#: token counts from which the one-shot kernel defaults to the prefetch pipeline, and the rows per
+#: CTA it then uses. Measured on 2 x H200 (scripts/sweep_comm_variants.py, notes/gpu-logs/
+#: comm-variants-p2-2026-11-29.log; us, default -> prefetch with R rows per CTA): H = 4096
+#: M = 512 19.17 -> 18.07 (R = 4), M = 2048 58.68 -> 54.84 (R = 8); H = 7168 M = 512 30.18 ->
+#: 29.85, M = 2048 92.73 -> 92.08. At M <= 128 the default kernel was as fast or faster
+#: (H = 4096 M = 128: 7.40 vs 7.52) and more rows per CTA were much slower (M = 8: 4.47 -> 9.14).
+PREFETCH_MIN_TOKENS = 384
+PREFETCH_ROWS_PER_CTA = ((1024, 4), (None, 8))  # (up to M tokens, rows per CTA)
+
+_VARIANT_ENV = ("MOEFUSE_COMM_ONESHOT_PREFETCH", "MOEFUSE_COMM_POLL_PROBE",
+                "MOEFUSE_COMM_ROWS_PER_CTA", "MOEFUSE_COMM_ONESHOT_WARPS")  # fmt: skip
+
+
+def default_oneshot_variant(m_tokens: int) -> OneshotVariant:
+    """The measured choice for ``m_tokens`` rows (every variant gives the same bits)."""
+    if m_tokens < PREFETCH_MIN_TOKENS:
+        return OneshotVariant()
+    rows = next(r for limit, r in PREFETCH_ROWS_PER_CTA if limit is None or m_tokens <= limit)
+    return OneshotVariant(prefetch=True, rows_per_cta=rows)
+
+
+def oneshot_variant(m_tokens: int = 1) -> OneshotVariant:
+    """The variant for ``m_tokens`` rows: :func:`default_oneshot_variant`, unless one of the
+    MOEFUSE_COMM_* variant variables is set (then the environment alone decides). Read at every
+    launch; it must be the same on every rank, or grids and slot schedules would differ."""
     env = os.environ.get
+    if not any(env(name) for name in _VARIANT_ENV):
+        return default_oneshot_variant(m_tokens)
     probe = int(env("MOEFUSE_COMM_POLL_PROBE", "0") or 0)
     if probe and (probe < 16 or probe & (probe - 1)):
         raise ValueError(f"MOEFUSE_COMM_POLL_PROBE must be 0 or a power of two >= 16, got {probe}")

@@ -495,7 +495,7 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
     timeout_us = ws.timeout_us
     bits = _BITS[x.dtype]
     if algorithm == "oneshot":
-        var = oneshot_variant()
+        var = oneshot_variant(m)
         cap_ctas = ws.max_ctas(tile.num_warps)
         if var.num_warps:  # registers grow as warps shrink: assume 2 co-resident CTAs per SM
             common["num_warps"] = var.num_warps
