@@ -6,7 +6,9 @@ stride arguments marked 16-divisible, as the JIT specializes them at run time; w
 load is scalar and the counts mean nothing), assembles the PTX with the ptxas bundled with Triton
 (``-arch=sm_90a -v``) and disassembles the cubin with the bundled ``cuobjdump -sass`` (or
 ``nvdisasm``). Reports registers, spill bytes, the SASS instruction count (NOPs and the trailing
-BRA-to-self excluded), the count per element of the thread's tile, and a breakdown by opcode class.
+BRA-to-self excluded), the "body" (instructions up to the last EXIT: without the out-of-line slow
+path of IEEE division that ptxas appends after it) and the body per element of the thread's tile,
+and a breakdown by opcode class. Static counts: branches not taken (padding-row programs) count too.
 
 Run: PYTHONPATH=src python scripts/sass_count.py [--widths 4096] [--warps 8] [--ops] [--dump DIR]
 """
@@ -37,8 +39,10 @@ PTXAS = os.path.join(BIN, "ptxas")
 _CLASSES = {
     "int": {"IADD3", "IMAD", "LOP3", "SHF", "LEA", "IMNMX", "ISETP", "SEL", "PRMT", "IABS",
             "POPC", "FLO", "BFE", "BFI", "SGXT", "VIMNMX", "IMUL", "IADD", "I2IP", "BMSK",
-            "LEA.HI", "VIADD", "IDP", "BREV", "PLOP3", "P2R", "R2P"},
+            "LEA.HI", "VIADD", "IDP", "BREV", "PLOP3", "P2R", "R2P", "VIMNMX3", "VIADDMNMX",
+            "IMNMX3"},
     "fp32": {"FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FCHK", "FSET"},
+    "fp16x2": {"HFMA2", "HADD2", "HMUL2", "HSETP2", "HMNMX2", "HSET2"},
     "cvt": {"F2F", "I2F", "F2I", "F2FP", "FRND", "I2FP", "F2IP"},
     "mufu": {"MUFU"},
     "mov": {"MOV", "S2R", "S2UR", "CS2R", "R2UR", "UMOV", "ULDC", "MOV32I"},
@@ -46,7 +50,7 @@ _CLASSES = {
     "mem": {"LDG", "STG", "LDS", "STS", "LDC", "LD", "ST", "ATOM", "ATOMG", "RED", "LDL", "STL",
             "LDSM", "STSM"},
     "ctrl": {"BRA", "EXIT", "BAR", "BSSY", "BSYNC", "WARPSYNC", "CALL", "RET", "ACQBULK",
-             "DEPBAR", "YIELD", "ELECT", "BPT"},
+             "DEPBAR", "YIELD", "ELECT", "BPT", "PREEXIT"},
 }  # fmt: skip
 
 
@@ -119,11 +123,13 @@ def compile_sass(kernel, consts, num_warps, dump=None, tag="k"):
     while ops and ops[-1].startswith("BRA"):
         ops.pop()
         break
+    exits = [i for i, o in enumerate(ops) if o.startswith("EXIT")]
+    body = exits[-1] + 1 if exits else len(ops)
     by_cls = collections.Counter(_cls(o) for o in ops)
     by_op = collections.Counter(o.split(".")[0] for o in ops)
     return {"regs": int(regs.group(1)) if regs else -1,
             "spills": int(spill.group(1)) if spill else -1,
-            "instr": len(ops), "classes": by_cls, "ops": by_op}  # fmt: skip
+            "instr": len(ops), "body": body, "classes": by_cls, "ops": by_op}  # fmt: skip
 
 
 def _fp4_fused_case(width, warps, residual=False, norm_out=False, layout=0, recipe=0):
@@ -173,7 +179,7 @@ def main() -> None:
             cls = " ".join(f"{k}={v}" for k, v in sorted(r["classes"].items()))
             print(f"H={width} {name:21s} warps={warps} elem/thr={per_thread:5.1f} "
                   f"regs={r['regs']:3d} spills={r['spills']} instr={r['instr']:4d} "
-                  f"({r['instr'] / per_thread:5.1f}/elem)  {cls}")
+                  f"body={r['body']:4d} ({r['body'] / per_thread:5.1f}/elem)  {cls}")
             if args.ops:
                 print("    " + " ".join(f"{k}={v}" for k, v in r["ops"].most_common()))
 

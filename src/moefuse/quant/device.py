@@ -326,15 +326,21 @@ def scale_offset(m, k, n_kcols, LAYOUT: tl.constexpr):
     ((m%128)//32)*4 + k%4``; SWIZZLED_8x4 ``(m//8)*Kp*8 + (k//4)*32 + (m%8)*4 + k%4``.
     Callers pass int64 ``m`` when ``Mp * Kp`` may exceed 2^31.
     """
+    # m, k >= 0: shifts and masks instead of // and % (signed division needs sign fix-ups); the
+    # offset inside a row tile is < 2^31 for any real width, so it is computed in 32 bits and only
+    # the row-tile term keeps m's width (64-bit when the caller passes int64)
     if LAYOUT == 2:
         return m * n_kcols + k
     elif LAYOUT == 0:
-        return (
-            (m // 128) * (n_kcols * 128) + (k // 4) * 512 + (m % 32) * 16
-            + ((m % 128) // 32) * 4 + (k % 4)
-        )
+        mi = m.to(tl.int32)
+        ki = k.to(tl.int32)
+        inner = ((ki >> 2) << 9) + ((mi & 31) << 4) + (((mi >> 5) & 3) << 2) + (ki & 3)
+        return (m >> 7) * (n_kcols * 128) + inner
     else:
-        return (m // 8) * (n_kcols * 8) + (k // 4) * 32 + (m % 8) * 4 + (k % 4)
+        mi = m.to(tl.int32)
+        ki = k.to(tl.int32)
+        inner = ((ki >> 2) << 5) + ((mi & 7) << 2) + (ki & 3)
+        return (m >> 3) * (n_kcols * 8) + inner
 
 
 @triton.jit
