@@ -204,6 +204,36 @@ def test_device_encoders_and_decoders_match_reference():
 
 
 @triton.jit
+def _offset_kernel(m_ptr, k_ptr, out_ptr, n_kcols, N: tl.constexpr, LAYOUT: tl.constexpr):
+    i = tl.arange(0, N)
+    m = tl.load(m_ptr + i)
+    k = tl.load(k_ptr + i)
+    tl.store(out_ptr + i, D.scale_offset(m, k, n_kcols, LAYOUT))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_device_scale_offset_int64_rows(layout, seed):
+    """``scale_offset`` (32-bit in-tile part, row-tile term in m's width) against the SPEC formula
+    in Python integers, with int64 rows whose offsets pass 2^31 and 2^32."""
+    g = torch.Generator().manual_seed(seed)
+    kp = 260  # H = 4160: KB = 260, a multiple of 4
+    m = torch.cat([torch.randint(0, 1 << 12, (256,), generator=g),
+                   torch.randint((1 << 31) // kp, (1 << 34) // kp, (256,), generator=g)])
+    k = torch.randint(0, kp, (512,), generator=g)
+    out = torch.empty(512, dtype=torch.int64)
+    _offset_kernel[(1,)](m, k, out, kp, N=512, LAYOUT=F.LAYOUTS[layout])
+    def spec(mm, kk):
+        if layout == "linear":
+            return mm * kp + kk
+        if layout == "swizzled_128x4":
+            return ((mm // 128) * kp * 128 + (kk // 4) * 512 + (mm % 32) * 16
+                    + ((mm % 128) // 32) * 4 + kk % 4)
+        return (mm // 8) * kp * 8 + (kk // 4) * 32 + (mm % 8) * 4 + kk % 4
+    expect = torch.tensor([spec(a, b) for a, b in zip(m.tolist(), k.tolist())])
+    assert_bitwise_equal(out, expect, f"scale_offset {layout}")
+
+
+@triton.jit
 def _e2m1_scaled_kernel(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, N_SCALES: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
