@@ -204,6 +204,76 @@ def test_device_encoders_and_decoders_match_reference():
 
 
 @triton.jit
+def _offset_kernel(m_ptr, k_ptr, out_ptr, n_kcols, N: tl.constexpr, LAYOUT: tl.constexpr):
+    i = tl.arange(0, N)
+    m = tl.load(m_ptr + i)
+    k = tl.load(k_ptr + i)
+    tl.store(out_ptr + i, D.scale_offset(m, k, n_kcols, LAYOUT))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_device_scale_offset_int64_rows(layout, seed):
+    """``scale_offset`` (32-bit in-tile part, row-tile term in m's width) against the SPEC formula
+    in Python integers, with int64 rows whose offsets pass 2^31 and 2^32."""
+    g = torch.Generator().manual_seed(seed)
+    kp = 260  # H = 4160: KB = 260, a multiple of 4
+    m = torch.cat([torch.randint(0, 1 << 12, (256,), generator=g),
+                   torch.randint((1 << 31) // kp, (1 << 34) // kp, (256,), generator=g)])
+    k = torch.randint(0, kp, (512,), generator=g)
+    out = torch.empty(512, dtype=torch.int64)
+    _offset_kernel[(1,)](m, k, out, kp, N=512, LAYOUT=F.LAYOUTS[layout])
+    def spec(mm, kk):
+        if layout == "linear":
+            return mm * kp + kk
+        if layout == "swizzled_128x4":
+            return ((mm // 128) * kp * 128 + (kk // 4) * 512 + (mm % 32) * 16
+                    + ((mm % 128) // 32) * 4 + kk % 4)
+        return (mm // 8) * kp * 8 + (kk // 4) * 32 + (mm % 8) * 4 + kk % 4
+    expect = torch.tensor([spec(a, b) for a, b in zip(m.tolist(), k.tolist())])
+    assert_bitwise_equal(out, expect, f"scale_offset {layout}")
+
+
+@triton.jit
+def _e2m1_scaled_kernel(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, N_SCALES: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    for i in tl.static_range(N_SCALES):
+        q = x * tl.load(s_ptr + i)
+        tl.store(out_ptr + i * n + offs, D.e2m1_encode(q, False).to(tl.uint8), mask=mask)
+
+
+def test_e2m1_encoder_exhaustive_over_bf16_times_scales():
+    """Every BF16 pattern times scales that put each binade, tie and the saturation edge under the
+    encoder (the software path of ``_e2m1_round``; the GPU suite sweeps all 2^32 FP32 patterns
+    through the PTX path)."""
+    x = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    scales = torch.tensor([1.0, 0.75, 1.0 / 3, 3.0, 2.0**-20, 2.0**20, 6.0 / 448, 1.0000001])
+    out = torch.empty(len(scales), x.numel(), dtype=torch.uint8)
+    _e2m1_scaled_kernel[(1,)](x, scales, out, x.numel(), BLOCK=2**16, N_SCALES=len(scales))
+    for i, s in enumerate(scales):
+        assert_bitwise_equal(out[i], F.e2m1_nibbles(x * s), f"e2m1(bf16 * {s.item()})")
+
+
+@pytest.mark.parametrize("gs", [448 * 6 / 3e38, 1.0, 448 * 6 / 80.0, 3e4])
+def test_nvfp4_blocks_exhaustive_over_bf16(gs, seed):
+    """All 2^16 BF16 patterns (NaN, Inf, subnormals, -0.0 included), shuffled into 4096 blocks,
+    through ``nvfp4_quantize_blocks`` in the interpreter vs the reference, both recipes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    x = x[torch.randperm(x.numel(), generator=g)].reshape(4096, 16)
+    x[::3] = x[::3].nan_to_num(0.0, 0.0, 0.0)  # every third block finite
+    gst = torch.tensor([gs])
+    for recipe in RECIPES:
+        packed, sf = torch.empty(4096, 8, dtype=torch.uint8), torch.empty(4096, dtype=torch.uint8)
+        _blocks_kernel[(1,)](x, gst, packed, sf, B=4096, RECIPE=F.RECIPES[recipe])
+        nib, esf = F.nvfp4_block_quant(x.reshape(1, -1), gst, recipe)
+        assert_bitwise_equal(sf, esf.reshape(4096), f"scale bytes gs={gs} {recipe}")
+        assert_bitwise_equal(packed, F.pack_nibbles(nib).reshape(4096, 8),
+                             f"packed gs={gs} {recipe}")  # fmt: skip
+
+
+@triton.jit
 def _blocks_kernel(v_ptr, gs_ptr, p_ptr, s_ptr, B: tl.constexpr, RECIPE: tl.constexpr):
     b = tl.arange(0, B)
     v = tl.load(v_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :])

@@ -146,12 +146,53 @@ def fp8_decode(q, FMT: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_round(a, PTX: tl.constexpr):
+    """E2M1 rounding of ``a`` = FP32 bits with the sign cleared (uint32): returns FP32 bits ``y``
+    (uint32) whose low byte is the magnitude code (0..7, bit 3 clear); bits 8..22 are zero and bits
+    23..30 hold an exponent (callers mask or take the low byte). Any shape.
+
+    Five operations, no final saturation: ``c = min(a, bits(6.0))`` (unsigned: Inf, NaN and
+    everything above 6 become 6.0 = code 7); ``e'`` = exponent of ``c`` clamped below at 0 (E2M1's
+    minimum normal 1.0); ``magic`` = ``2^(e' + 22)`` with mantissa ``2e'``, whose ulp ``2^(e'-1)``
+    is E2M1's spacing in that binade; ``y = c + magic`` (one RNE add, ``add.rn.f32``: never
+    contracted) then has mantissa ``k + 2e'`` with ``k = round(c / 2^(e'-1))``, which is the code
+    (the even mantissa ``2e'`` keeps ties on even ``k``, i.e. on the even code). ``magic`` comes
+    from ``t = max(eb + X, B)`` (``eb`` = exponent bits of ``c``) and ``t + (t >> 22)``: with
+    ``X = (22 << 23) - 297`` the shift adds ``2e' + 254 + 43`` and the offset cancels. Checked
+    against the SPEC thresholds for all 2^31 non-negative FP32 patterns (numpy, and the GPU suite).
+    """
+    if PTX:
+        # the same steps in PTX: LLVM would rewrite max(x + X, B) as max(x, B - X) + X, which
+        # ptxas does not fuse; written this way SASS is VIMNMX, LOP3, VIADDMNMX (add+max),
+        # LEA.HI (shr+add), FADD: 5 instructions (the previous encoder took 8 plus the min)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 c, t, s;\n"
+            "min.u32 c, $1, 0x40C00000;\n"
+            "and.b32 t, c, 0x7F800000;\n"
+            "add.u32 t, t, 0x0AFFFED7;\n"
+            "max.u32 t, t, 0x4A7FFED7;\n"
+            "shr.u32 s, t, 22;\n"
+            "add.u32 t, t, s;\n"
+            "add.rn.f32 $0, c, t; }",
+            "=r,r", [a], dtype=tl.uint32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        X: tl.constexpr = (22 << 23) - 297  # 0x0AFFFED7
+        B: tl.constexpr = (127 << 23) + X  # 0x4A7FFED7: e' >= 0 (E2M1's minimum normal exponent)
+        c = tl.minimum(a, 0x40C00000)
+        t = tl.maximum((c & 0x7F800000) + X, B)
+        magic = t + (t >> 22)
+        y = c.to(tl.float32, bitcast=True) + magic.to(tl.float32, bitcast=True)
+        return y.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def e2m1_magnitude(a, PTX: tl.constexpr):
     """E2M1 magnitude code (int32, 0..7) of ``a`` = FP32 bits with the sign cleared (uint32).
 
     RNE with ties to the even code, saturating at 6.0 (code 7); NaN -> 7. Any shape.
     """
-    return _minifloat_magnitude(a, 1, 1, 7, PTX).to(tl.int32)
+    return (_e2m1_round(a, PTX) & 7).to(tl.int32)
 
 
 @triton.jit
@@ -206,7 +247,12 @@ def nvfp4_scale(amax, gs, rcp_gs, RECIPE: tl.constexpr, PTX: tl.constexpr):
     r6 = tl.full(amax.shape, _R6, tl.uint32).to(tl.float32, bitcast=True)
     sf_f32 = gs * (amax * r6)
     sf = fp8_encode(sf_f32, 0, PTX)
-    s = fp8_decode(sf, 0)
+    if PTX:
+        # hardware E4M3 -> FP32 (cvt via f16x2; exact, NaN stays NaN): ~3 instructions instead of
+        # the ~12 of the integer decoder
+        s = sf.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        s = fp8_decode(sf, 0)
     if RECIPE == 0:
         os = rcp_fast(s * rcp_gs, PTX)
     else:
@@ -231,9 +277,18 @@ def nvfp4_quantize_3d(v, gs, rcp_gs, RECIPE: tl.constexpr, PTX: tl.constexpr):
     amax = tl.max(a, axis=2).to(tl.float32, bitcast=True)
     sf, out_scale = nvfp4_scale(amax, gs, rcp_gs, RECIPE, PTX)
     q = a.to(tl.float32, bitcast=True) * tl.expand_dims(out_scale, 2)
-    mag = e2m1_magnitude(q.to(tl.uint32, bitcast=True), PTX)
-    nib = mag | tl.where(v < 0, 8, 0)
-    return pack_nibbles(nib, 8), sf
+    # low byte of y = the nibble (code in bits 0-2, sign in bit 3); the bits above are dropped by
+    # the uint8 truncation after the pair merge, so no mask is needed
+    y = _e2m1_round(q.to(tl.uint32, bitcast=True), PTX)
+    R: tl.constexpr = v.shape[0]
+    B: tl.constexpr = v.shape[1]
+    y_lo, y_hi = tl.split(tl.reshape(y, (R, B, 8, 2)))
+    v_lo, v_hi = tl.split(tl.reshape(v, (R, B, 8, 2)))
+    # signs into bits 3 and 7 of the byte (a compare + one predicated OR each), then one IMAD
+    # (y_hi * 16 + low): bit-disjoint in the low byte, so + is |
+    low = tl.where(v_lo < 0, y_lo | 0x08, y_lo)
+    low = tl.where(v_hi < 0, low | 0x80, low)
+    return ((y_hi << 4) + low).to(tl.uint8), sf
 
 
 @triton.jit
@@ -271,15 +326,21 @@ def scale_offset(m, k, n_kcols, LAYOUT: tl.constexpr):
     ((m%128)//32)*4 + k%4``; SWIZZLED_8x4 ``(m//8)*Kp*8 + (k//4)*32 + (m%8)*4 + k%4``.
     Callers pass int64 ``m`` when ``Mp * Kp`` may exceed 2^31.
     """
+    # m, k >= 0: shifts and masks instead of // and % (signed division needs sign fix-ups); the
+    # offset inside a row tile is < 2^31 for any real width, so it is computed in 32 bits and only
+    # the row-tile term keeps m's width (64-bit when the caller passes int64)
     if LAYOUT == 2:
         return m * n_kcols + k
     elif LAYOUT == 0:
-        return (
-            (m // 128) * (n_kcols * 128) + (k // 4) * 512 + (m % 32) * 16
-            + ((m % 128) // 32) * 4 + (k % 4)
-        )
+        mi = m.to(tl.int32)
+        ki = k.to(tl.int32)
+        inner = ((ki >> 2) << 9) + ((mi & 31) << 4) + (((mi >> 5) & 3) << 2) + (ki & 3)
+        return (m >> 7) * (n_kcols * 128) + inner
     else:
-        return (m // 8) * (n_kcols * 8) + (k // 4) * 32 + (m % 8) * 4 + (k % 4)
+        mi = m.to(tl.int32)
+        ki = k.to(tl.int32)
+        inner = ((ki >> 2) << 5) + ((mi & 7) << 2) + (ki & 3)
+        return (m >> 3) * (n_kcols * 8) + inner
 
 
 @triton.jit
