@@ -1,10 +1,16 @@
 """Compile moefuse's norm kernels for sm_90 on a machine without a GPU and report registers and
 spills (ptxas -v), so that compile errors and register pressure show up before a GPU run.
 
-Run: PYTHONPATH=src python scripts/compile_check.py [--widths 4096,8192]
+Every one-pass kernel is compiled three ways: one tile per program ("tile", the launch when the
+policy's programs_per_sm is 0), the persistent loop ("loop") and the persistent loop with the next
+tile prefetched ("prefetch"), the last two with the launcher's register cap (maxnreg) for the
+programs per SM; "*" marks what the tile policy launches.
+
+Run: PYTHONPATH=src python scripts/compile_check.py [--widths 4096,8192] [--only fp8,fp4]
 """
 
 import argparse
+import dataclasses
 import inspect
 import os
 import re
@@ -24,11 +30,21 @@ FP32_PTRS = {"res_ptr_gated", "alpha_ptr", "beta_ptr", "out_ptr_gated", "rout_pt
              "a_ptr", "be_ptr"}  # fmt: skip
 
 
+#: pointer types other than bf16 / fp32 (the fused quant kernels' outputs and scales)
+PTR_TYPES = {"q_ptr": "*u8", "p_ptr": "*u8", "s_ptr": "*u8", "scale_ptr": "*fp32",
+             "gs_ptr": "*fp32"}  # fmt: skip
+
+
+VARIANTS = (("tile", False, False), ("loop", True, False), ("prefetch", True, True))
+
+
 def _signature(kernel, consts, fp32_ptrs):
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
         if name in consts:
             sig[name] = "constexpr"
+        elif name in PTR_TYPES:
+            sig[name] = PTR_TYPES[name]
         elif name.endswith("_ptr"):
             sig[name] = "*fp32" if name in fp32_ptrs else "*bf16"
         elif name in ("eps", "gain_center", "Hf", "alpha_scalar", "post_eps", "next_eps",
@@ -39,10 +55,13 @@ def _signature(kernel, consts, fp32_ptrs):
     return sig
 
 
-def compile_report(kernel, consts, num_warps, fp32_ptrs=()):
+def compile_report(kernel, consts, num_warps, fp32_ptrs=(), maxnreg=None):
     src = ASTSource(fn=kernel, signature=_signature(kernel, consts, set(fp32_ptrs)),
                     constexprs=consts)  # fmt: skip
-    ck = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    options = {"num_warps": num_warps}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    ck = triton.compile(src, target=TARGET, options=options)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ck.asm["ptx"])
     out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
@@ -54,28 +73,65 @@ def compile_report(kernel, consts, num_warps, fp32_ptrs=()):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--widths", default="64,2880,4096,8192,16384,20000")
+    parser.add_argument("--widths", default="64,128,2880,4096,8192,16384,20000")
+    parser.add_argument("--only", default="", help="comma-separated case names")
     args = parser.parse_args()
+    only = set(filter(None, args.only.split(",")))
     for width in map(int, args.widths.split(",")):
         for name, kernel, extra, fp32, policy in _cases():
+            if only and name not in only:
+                continue
+            if name.startswith("fp4") and width % 16:
+                continue
             t = tiles.row_tile(width, policy)
-            consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows,
-                          MASKED=t.rows > 1 or not t.even(width), EVICT_FIRST=False, PTX=True,
-                          USE_PDL=True, **extra)  # fmt: skip
-            regs, spills = compile_report(kernel, consts, t.num_warps, fp32)
-            print(f"H={width:6d} {name:11s} warps={t.num_warps:2d} chunks={t.num_chunks} "
-                  f"regs={regs:4d} spills={spills}")
+            extra = dict(extra)
+            for warps in sorted({t.num_warps, *extra.pop("_warps", ())}):
+                # "tile": one program per row tile (the kernel of before); "loop": persistent
+                # loop without prefetch; "prefetch": persistent loop with prefetch. "*" marks the
+                # variant the tile policy launches.
+                variants = VARIANTS if t.num_chunks == 1 else VARIANTS[:1]
+                for label, persistent, prefetch in variants:
+                    consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows,
+                                  MASKED=t.rows > 1 or not t.even(width), PTX=True, USE_PDL=True,
+                                  PERSISTENT=persistent, PREFETCH=prefetch, **extra)  # fmt: skip
+                    consts.setdefault("EVICT_FIRST", False)
+                    params = inspect.signature(kernel.fn).parameters
+                    consts = {k: v for k, v in consts.items() if k in params}
+                    # persistent variants: the policy's programs per SM (2 where it runs one tile
+                    # per program) and the launcher's register cap for them
+                    per_sm = (t.programs_per_sm or 2) if persistent else 0
+                    vt = dataclasses.replace(t, num_warps=warps, programs_per_sm=per_sm)
+                    cap = vt.max_registers()
+                    regs, spills = compile_report(kernel, consts, warps, fp32, cap)
+                    chosen = (t.programs_per_sm > 0, t.prefetch)
+                    mark = "*" if (persistent, prefetch) == chosen and warps == t.num_warps else " "
+                    print(f"H={width:6d} {name:11s} warps={warps:2d} chunks={t.num_chunks} "
+                          f"{label:8s}{mark} per_sm={per_sm} maxnreg={cap or '-':>3} "
+                          f"regs={regs:4d} spills={spills}", flush=True)
 
 
 def _cases():
+    from moefuse.quant import fused as qf
+
     return [
         ("rmsnorm", nt._rmsnorm_kernel, {"HAS_GATE": False}, (), tiles.TilePolicy()),
-        ("fused_add", nt._fused_add_rmsnorm_kernel, {}, (), tiles.TilePolicy()),
+        ("fused_add", nt._fused_add_rmsnorm_kernel, {}, (), tiles.FUSED_ADD_POLICY),
         ("gated", nt._gated_residual_kernel, {"HAS_WEIGHT": True},
          ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"), tiles.GATED_POLICY),
         ("gated_next", nt._gated_residual_next_kernel,
          {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
          ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"), tiles.GATED_POLICY),
+        ("sigmoid", nt._rmsnorm_kernel, {"HAS_GATE": True}, (), tiles.SIGMOID_GATE_POLICY),
+        ("fp8", qf._rmsnorm_fp8_kernel, {"HAS_RESIDUAL": False, "FMT": 0, "EVICT_FIRST": True,
+                                         "_warps": (4, 8)}, (), qf.QUANT_POLICY),
+        ("fp8_add", qf._rmsnorm_fp8_kernel, {"HAS_RESIDUAL": True, "FMT": 0, "EVICT_FIRST": True},
+         (), qf.QUANT_ADD_POLICY),
+        ("fp4", qf._rmsnorm_fp4_kernel, {"HAS_RESIDUAL": False, "HAS_NORM_OUT": False,
+                                         "RECIPE": 0, "LAYOUT": 0, "EVICT_FIRST": True,
+                                         "_warps": (4, 8)}, (), qf.QUANT_FP4_POLICY),
+        ("fp4_add", qf._rmsnorm_fp4_kernel, {"HAS_RESIDUAL": True, "HAS_NORM_OUT": True,
+                                             "RECIPE": 0, "LAYOUT": 0, "EVICT_FIRST": True},
+         (), qf.QUANT_FP4_POLICY),
     ]  # fmt: skip
 
 

@@ -42,6 +42,19 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached per device); 1 off CUDA, so that the
+    interpreter (CI) runs the persistent row loops with several tiles per program."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @torch.compiler.assume_constant_result
 def kernel_device_reason(device: torch.device) -> str | None:
     """Why Triton kernels cannot run on ``device`` (None when they can)."""

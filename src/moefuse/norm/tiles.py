@@ -18,6 +18,19 @@ TILE_ELEMENTS = 2048
 #: elements each thread owns per row chunk (8 x 16-bit = one 16-byte vector)
 ELEMS_PER_THREAD = 8
 MAX_WARPS = 8
+#: persistent row loop (one-pass tiles only): programs per SM for a tile of PERSISTENT_TILE_ELEMENTS
+#: (larger tiles get proportionally fewer, at least 1), and whether each program issues the loads of
+#: its next row tile before reducing the current one. H200 (notes/gpu-logs/
+#: sweep-occupancy-2026-11-29.log): rmsnorm_quant 16384 x 4096 took 68.6 us with one program per
+#: row and 50.6 us (= an SM copy of the same bytes) with 4 prefetching programs per SM; without the
+#: prefetch the same loop took 63 us. 0 programs per SM = one program per row tile.
+PROGRAMS_PER_SM = 4
+PREFETCH = True
+PERSISTENT_TILE_ELEMENTS = 4096
+MULTI_ROW_PROGRAMS_PER_SM = 2
+#: registers per SM (sm_90): persistent launches cap registers per thread at
+#: REGISTERS_PER_SM / (programs_per_sm x threads) so that all programs of an SM are resident
+REGISTERS_PER_SM = 65536
 
 
 def next_pow2(n: int) -> int:
@@ -30,6 +43,13 @@ class RowTile:
     num_chunks: int  # chunks per row; 1 = whole row in registers, one pass over memory
     rows: int  # rows per program
     num_warps: int
+    #: persistent grid: min(row tiles, programs_per_sm x SMs) programs, each looping over the row
+    #: tiles pid, pid + grid, ...; 0 = one program per row tile. Neither field changes a row's
+    #: arithmetic (same tile, warps and tree): they only choose which program computes a row.
+    programs_per_sm: int = 0
+    prefetch: bool = False
+    #: cap registers (ptxas maxnreg) so that programs_per_sm programs fit on one SM
+    fit_registers: bool = True
 
     def even(self, width: int) -> bool:
         """True when ``width`` fills every chunk exactly (no column mask needed)."""
@@ -37,6 +57,19 @@ class RowTile:
 
     def grid(self, n_rows: int) -> tuple[int]:
         return ((n_rows + self.rows - 1) // self.rows,)
+
+    def persistent_grid(self, n_tiles: int, sm_count: int) -> tuple[int]:
+        """Programs for ``n_tiles`` row tiles; the grid is a runtime value (no recompilation)."""
+        if self.programs_per_sm <= 0 or self.num_chunks > 1:
+            return (n_tiles,)
+        return (max(1, min(n_tiles, self.programs_per_sm * sm_count)),)
+
+    def max_registers(self) -> int | None:
+        """Register cap of a persistent launch (None = no cap needed or asked)."""
+        if self.programs_per_sm <= 0 or self.num_chunks > 1 or not self.fit_registers:
+            return None
+        cap = REGISTERS_PER_SM // (self.programs_per_sm * self.num_warps * 32) // 8 * 8
+        return cap if cap < 255 else None
 
 
 @dataclass(frozen=True)
@@ -46,6 +79,12 @@ class TilePolicy:
     max_single: int | None = None
     chunk: int | None = None
     max_warps: int | None = None
+    #: persistent loop: programs per SM for a PERSISTENT_TILE_ELEMENTS tile (0 = off) and prefetch
+    programs_per_sm: int | None = None
+    prefetch: bool | None = None
+    #: blocks above these run one tile per program / the loop without prefetch (register limits)
+    persistent_max_block: int | None = None
+    prefetch_max_block: int | None = None
 
 
 #: the gated ops keep an FP32 stream and three FP32 parameter vectors live: measured on H200
@@ -54,7 +93,17 @@ class TilePolicy:
 #: 389 us (4.1 TB/s) and gated_residual 351 us. Two 4096 chunks were 4 % faster for
 #: gated_residual at M = 16384 (337 us) but 1.6 x slower at M <= 128 (3.6 vs 2.2 us at M = 1),
 #: so both ops hold rows up to 8192 in registers.
-GATED_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4)
+#: Persistent (2 programs per SM, prefetch) only up to 4096 columns: 251 / 254 registers there
+#: without spills (scripts/compile_check.py); at 8192 the one-tile kernels already use 255 registers
+#: and spill 280 / 28 B, the loop spills 316 / 112 B and the prefetch 892 / 776 B.
+GATED_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4, programs_per_sm=2,
+                          persistent_max_block=4096)
+#: fused_add_rmsnorm: at 4 programs per SM (64 registers) the prefetching kernel spills 64 B at
+#: H = 4096; 3 per SM (80 registers) does not
+FUSED_ADD_POLICY = TilePolicy(programs_per_sm=3)
+#: rmsnorm_sigmoid_gate: the gate doubles the loads; at 4 programs per SM (64 registers) the
+#: prefetching kernel spills 112 B at H = 4096
+SIGMOID_GATE_POLICY = TilePolicy(programs_per_sm=2)
 
 
 def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
@@ -72,4 +121,17 @@ def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
     rows = max(1, TILE_ELEMENTS // block)
     warps = (rows * block) // (32 * ELEMS_PER_THREAD)
     warps = max(1, min(max_warps, next_pow2(warps)))
-    return RowTile(block=block, num_chunks=chunks, rows=rows, num_warps=warps)
+    per_sm = PROGRAMS_PER_SM if policy.programs_per_sm is None else policy.programs_per_sm
+    prefetch = PREFETCH if policy.prefetch is None else policy.prefetch
+    if per_sm > 0 and rows * block > PERSISTENT_TILE_ELEMENTS:
+        per_sm = max(1, per_sm * PERSISTENT_TILE_ELEMENTS // (rows * block))
+    if rows > 1:
+        # several rows per tile: per-row addressing lives across the loop; at 3-4 programs per SM
+        # (<= 80 registers) the loops of rmsnorm / sigmoid gate / FP8 spill 40-210 B at H = 64, 128
+        per_sm = min(per_sm, MULTI_ROW_PROGRAMS_PER_SM)
+    if chunks > 1 or (policy.persistent_max_block or block) < block:
+        per_sm = 0  # the chunked (wide-row) path keeps one program per row tile
+    if per_sm == 0 or (policy.prefetch_max_block or block) < block:
+        prefetch = False
+    return RowTile(block=block, num_chunks=chunks, rows=rows, num_warps=warps,
+                   programs_per_sm=per_sm, prefetch=prefetch)

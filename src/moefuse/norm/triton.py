@@ -24,8 +24,15 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to, rsqrt_fast
-from moefuse._runtime import interpreter_active
-from moefuse.norm.tiles import GATED_POLICY, row_tile
+from moefuse._runtime import interpreter_active, sm_count
+from moefuse.norm.tiles import (
+    FUSED_ADD_POLICY,
+    GATED_POLICY,
+    SIGMOID_GATE_POLICY,
+    RowTile,
+    TilePolicy,
+    row_tile,
+)
 
 LOG2E = 1.4426950408889634
 #: evict-first cache hint on activation loads; measured slower on H200 by 1-4 % (notes/norm.md),
@@ -41,20 +48,24 @@ def _row_base(rows, HEADS, stride_t, stride_h):
 
 
 @triton.jit
-def _ld(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
-    """Load as FP32; STREAM marks data read exactly once (evict-first cache hint)."""
+def _ld_raw(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+    """Load in the stored dtype; STREAM marks data read exactly once (evict-first cache hint)."""
     if STREAM:
         if MASKED:
-            return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(
-                tl.float32
-            )
+            return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
         else:
-            return tl.load(ptrs, eviction_policy="evict_first").to(tl.float32)
+            return tl.load(ptrs, eviction_policy="evict_first")
     else:
         if MASKED:
-            return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            return tl.load(ptrs, mask=mask, other=0.0)
         else:
-            return tl.load(ptrs).to(tl.float32)
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _ld(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+    """Load as FP32 (exact widening of the stored dtype)."""
+    return _ld_raw(ptrs, mask, MASKED, STREAM).to(tl.float32)
 
 
 @triton.jit
@@ -84,7 +95,95 @@ def _tile(pid, chunk, n_rows, H, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     return rows, cols, mask
 
 
+@triton.jit
+def _tile_rows(t, cols, n_rows, H, ROWS: tl.constexpr):
+    """Rows [ROWS] of row tile ``t`` and the [ROWS, BLOCK] mask (``_tile`` with given columns).
+
+    The persistent loops keep ``cols`` out of the loop-carried values: a carried ``tl.arange``
+    loses its contiguity information and every load would become scalar.
+    """
+    rows = t * ROWS + tl.arange(0, ROWS)
+    return rows, (rows < n_rows)[:, None] & (cols < H)[None, :]
+
+
+@triton.jit
+def _pf_mask(rows, mask, n_rows, MASKED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Mask of a prefetch load: row-masked even for unmasked tiles (the tile after a program's
+    last one does not exist; its loads must read nothing)."""
+    if MASKED:
+        return mask
+    else:
+        return tl.broadcast_to((rows < n_rows)[:, None], (ROWS, BLOCK))
+
+
+# ----------------------------------------------------------------------------- per-tile helpers
+# One-pass tiles: ``*_load`` issues a tile's activation loads (stored dtype), ``*_tile`` does the
+# tile's arithmetic and stores from the FP32 values. The straight-line kernel (PERSISTENT = False)
+# and the persistent loop call the same two helpers, so a row's arithmetic is one piece of code.
+@triton.jit
+def _rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st, g_sh,
+              MASKED: tl.constexpr, STREAM: tl.constexpr, HAS_GATE: tl.constexpr):  # fmt: skip
+    x = _ld_raw(x_ptr + _row_base(rows, HEADS, x_st, x_sh)[:, None] + cols[None, :], mask,
+                MASKED, STREAM)  # fmt: skip
+    g = x
+    if HAS_GATE:
+        g = _ld_raw(gate_ptr + _row_base(rows, HEADS, g_st, g_sh)[:, None] + cols[None, :], mask,
+                    MASKED, STREAM)  # fmt: skip
+    return x, g
+
+
+@triton.jit
+def _rms_tile(x, g, w, rows, cols, mask, out_ptr, HEADS, o_st, o_sh, Hf, eps,
+              MASKED: tl.constexpr, HAS_GATE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """out = cast((x * r) * w); w = sigmoid(g) when HAS_GATE (x, g FP32)."""
+    if HAS_GATE:
+        w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
+    r = _inv_rms(tl.sum(x * x, axis=1), Hf, eps)[:, None]
+    o_row = _row_base(rows, HEADS, o_st, o_sh)[:, None]
+    _st(out_ptr + o_row + cols[None, :], (x * r) * w, mask, MASKED, PTX)
+
+
+@triton.jit
+def _add_load(a_ptr, b_ptr, rows, cols, mask, a_st, b_st, MASKED: tl.constexpr,
+              STREAM: tl.constexpr):  # fmt: skip
+    """Two activation tiles of one 2-D row block (input + residual, or branch + stream)."""
+    r64 = rows.to(tl.int64)[:, None]
+    a = _ld_raw(a_ptr + r64 * a_st + cols[None, :], mask, MASKED, STREAM)
+    b = _ld_raw(b_ptr + r64 * b_st + cols[None, :], mask, MASKED, STREAM)
+    return a, b
+
+
+@triton.jit
+def _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps,
+              MASKED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """res <- cast(h); x <- cast((h * r) * w), r from the FP32 h."""
+    r64 = rows.to(tl.int64)[:, None]
+    _st(res_ptr + r64 * r_st + cols[None, :], h, mask, MASKED, PTX)
+    r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
+    _st(x_ptr + r64 * x_st + cols[None, :], (h * r) * w, mask, MASKED, PTX)
+
+
+@triton.jit
+def _gated_tile(x, res, a, be, w, rows, cols, mask, out_ptr, o_st, Hf, eps,
+                MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """out = alpha * res + beta * (x * r), x = branch [* w] (FP32)."""
+    if HAS_WEIGHT:
+        x = x * w
+    r = _inv_rms(tl.sum(x * x, axis=1), Hf, eps)[:, None]
+    o_row = rows.to(tl.int64)[:, None] * o_st
+    _st(out_ptr + o_row + cols[None, :], tl.fma(a, res, be * (x * r)), mask, MASKED, PTX)
+
+
 # ----------------------------------------------------------------------------- kernels
+# Persistent row loop (one-pass tiles, NUM_CHUNKS == 1): program ``pid`` of ``nprog`` computes the
+# row tiles t = pid, pid + nprog, ... < n_tiles (grid = n_tiles makes it one tile per program).
+# With PREFETCH, the activation loads of tile t + nprog are issued (raw dtype, row-masked) before
+# tile t is reduced and stored, so a program has two rows' loads in flight. A row's arithmetic is
+# the same code as with one tile per program: the loop only chooses which program computes a row.
+# In-place ops (fused_add's residual, the sigmoid gate's input, gated ``out is residual``) stay
+# safe: tile t + nprog belongs to this program alone and is read before it is written.
+# PDL: gdc_wait before the first activation load; gdc_launch_dependents in the last iteration,
+# after its loads (one tile per program: the same place as before the loop existed).
 @triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_kernel(
     x_ptr, w_ptr, gate_ptr, out_ptr,
@@ -93,28 +192,60 @@ def _rmsnorm_kernel(
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
-    HAS_GATE: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """out = cast((x * r) * m), m = f32(w) + gain_center, or sigmoid(gate) when HAS_GATE."""
     pid = tl.program_id(0)
-    rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
-    x_row = _row_base(rows, HEADS, x_st, x_sh)[:, None]
-    o_row = _row_base(rows, HEADS, o_st, o_sh)[:, None]
-    g_row = _row_base(rows, HEADS, g_st, g_sh)[:, None]
     if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK)
+        w = 1.0  # replaced by sigmoid(gate) per tile when HAS_GATE
         if not HAS_GATE:
             w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-        if HAS_GATE:
-            g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
-        if USE_PDL:
-            gdc_launch_dependents()
-        r = _inv_rms(tl.sum(x * x, axis=1), Hf, eps)[:, None]
-        _st(out_ptr + o_row + cols[None, :], (x * r) * w, mask, MASKED, PTX)
+        if not PERSISTENT:
+            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
+            x, g = _rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st, g_sh,
+                             MASKED, EVICT_FIRST, HAS_GATE)  # fmt: skip
+            if USE_PDL:
+                gdc_launch_dependents()
+            _rms_tile(x.to(tl.float32), g.to(tl.float32), w, rows, cols, mask, out_ptr, HEADS,
+                      o_st, o_sh, Hf, eps, MASKED, HAS_GATE, PTX)  # fmt: skip
+        else:
+            nprog = tl.num_programs(0)
+            n_tiles = tl.cdiv(n_rows, ROWS)
+            t = pid
+            if PREFETCH:
+                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
+                x_nx, g_nx = _rms_load(x_ptr, gate_ptr, rows0, cols, mask0, HEADS, x_st, x_sh,
+                                       g_st, g_sh, MASKED, EVICT_FIRST, HAS_GATE)  # fmt: skip
+            while t < n_tiles:
+                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+                if PREFETCH:
+                    x = x_nx.to(tl.float32)
+                    g = g_nx.to(tl.float32)
+                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+                    mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
+                    x_nx, g_nx = _rms_load(x_ptr, gate_ptr, rows_n, cols, mask_n, HEADS,
+                                           x_st, x_sh, g_st, g_sh, True, EVICT_FIRST,
+                                           HAS_GATE)  # fmt: skip
+                else:
+                    x, g = _rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st,
+                                     g_sh, MASKED, EVICT_FIRST, HAS_GATE)  # fmt: skip
+                    x = x.to(tl.float32)
+                    g = g.to(tl.float32)
+                if USE_PDL:
+                    if t + nprog >= n_tiles:
+                        gdc_launch_dependents()
+                _rms_tile(x, g, w, rows, cols, mask, out_ptr, HEADS, o_st, o_sh, Hf, eps, MASKED,
+                          HAS_GATE, PTX)  # fmt: skip
+                t += nprog
     else:
+        rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
+        x_row = _row_base(rows, HEADS, x_st, x_sh)[:, None]
+        o_row = _row_base(rows, HEADS, o_st, o_sh)[:, None]
+        g_row = _row_base(rows, HEADS, g_st, g_sh)[:, None]
         if USE_PDL:
             gdc_wait()
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -144,25 +275,56 @@ def _fused_add_rmsnorm_kernel(
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """h = f32(x) + f32(res); res <- cast(h); x <- cast((h * r) * g), r from the FP32 h."""
     pid = tl.program_id(0)
-    rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
-    x_row = rows.to(tl.int64)[:, None] * x_st
-    r_row = rows.to(tl.int64)[:, None] * r_st
     if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK)
         w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-        h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-        if USE_PDL:
-            gdc_launch_dependents()
-        _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
-        r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
-        _st(x_ptr + x_row + cols[None, :], (h * r) * w, mask, MASKED, PTX)
+        if not PERSISTENT:
+            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
+            xr, rr = _add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED, EVICT_FIRST)
+            h = xr.to(tl.float32)
+            h += rr.to(tl.float32)
+            if USE_PDL:
+                gdc_launch_dependents()
+            _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps, MASKED, PTX)
+        else:
+            nprog = tl.num_programs(0)
+            n_tiles = tl.cdiv(n_rows, ROWS)
+            t = pid
+            if PREFETCH:
+                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
+                x_nx, r_nx = _add_load(x_ptr, res_ptr, rows0, cols, mask0, x_st, r_st, MASKED,
+                                       EVICT_FIRST)  # fmt: skip
+            while t < n_tiles:
+                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+                if PREFETCH:
+                    h = x_nx.to(tl.float32)
+                    h += r_nx.to(tl.float32)
+                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+                    mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
+                    x_nx, r_nx = _add_load(x_ptr, res_ptr, rows_n, cols, mask_n, x_st, r_st, True,
+                                           EVICT_FIRST)  # fmt: skip
+                else:
+                    xr, rr = _add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED,
+                                       EVICT_FIRST)  # fmt: skip
+                    h = xr.to(tl.float32)
+                    h += rr.to(tl.float32)
+                if USE_PDL:
+                    if t + nprog >= n_tiles:
+                        gdc_launch_dependents()
+                _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps, MASKED,
+                          PTX)  # fmt: skip
+                t += nprog
     else:
+        rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
+        x_row = rows.to(tl.int64)[:, None] * x_st
+        r_row = rows.to(tl.int64)[:, None] * r_st
         if USE_PDL:
             gdc_wait()
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -192,31 +354,59 @@ def _gated_residual_kernel(
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """x = f32(branch) [* (f32(w) + c)]; out = alpha * residual + beta * (x * r)  (all FP32)."""
     pid = tl.program_id(0)
-    rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
-    b_row = rows.to(tl.int64)[:, None] * b_st
-    r_row = rows.to(tl.int64)[:, None] * r_st
-    o_row = rows.to(tl.int64)[:, None] * o_st
     if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK)
         cmask = cols < H
         a = _ld(alpha_ptr + cols, cmask, MASKED, False)[None, :]
         be = _ld(beta_ptr + cols, cmask, MASKED, False)[None, :]
+        w = 1.0
         if HAS_WEIGHT:
             w = _ld(w_ptr + cols, cmask, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-        if USE_PDL:
-            gdc_launch_dependents()
-        if HAS_WEIGHT:
-            x = x * w
-        r = _inv_rms(tl.sum(x * x, axis=1), Hf, eps)[:, None]
-        _st(out_ptr + o_row + cols[None, :], tl.fma(a, res, be * (x * r)), mask, MASKED, PTX)
+        if not PERSISTENT:
+            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
+            br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
+            if USE_PDL:
+                gdc_launch_dependents()
+            _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, rows, cols, mask,
+                        out_ptr, o_st, Hf, eps, MASKED, HAS_WEIGHT, PTX)  # fmt: skip
+        else:
+            nprog = tl.num_programs(0)
+            n_tiles = tl.cdiv(n_rows, ROWS)
+            t = pid
+            if PREFETCH:
+                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
+                b_nx, r_nx = _add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
+                                       EVICT_FIRST)  # fmt: skip
+            while t < n_tiles:
+                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+                if PREFETCH:
+                    br = b_nx
+                    rr = r_nx
+                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+                    mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
+                    b_nx, r_nx = _add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
+                                           EVICT_FIRST)  # fmt: skip
+                else:
+                    br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED,
+                                       EVICT_FIRST)  # fmt: skip
+                if USE_PDL:
+                    if t + nprog >= n_tiles:
+                        gdc_launch_dependents()
+                _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, rows, cols, mask,
+                            out_ptr, o_st, Hf, eps, MASKED, HAS_WEIGHT, PTX)  # fmt: skip
+                t += nprog
     else:
+        rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
+        b_row = rows.to(tl.int64)[:, None] * b_st
+        r_row = rows.to(tl.int64)[:, None] * r_st
+        o_row = rows.to(tl.int64)[:, None] * o_st
         if USE_PDL:
             gdc_wait()
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -271,6 +461,26 @@ def _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED: tl.constexpr, HAS_ROUTER:
     _st(ffn_ptrs, y, mask, MASKED, PTX)
 
 
+@triton.jit
+def _gated_next_tile(b, res, nw, pw, rows, cols, cmask, mask, alpha_ptr, beta_ptr, rout_ptr,
+                     ffn_ptr, router_ptr, ro_st, f_st, rt_st, alpha_scalar, Hf, post_eps,
+                     next_eps, ALPHA_MODE: tl.constexpr, MASKED: tl.constexpr,
+                     HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
+                     PTX: tl.constexpr):  # fmt: skip
+    """One-pass tile of _gated_residual_next_kernel from the FP32 branch and stream."""
+    if HAS_POST_WEIGHT:
+        b = b * pw
+    r1 = _inv_rms(tl.sum(b * b, axis=1), Hf, post_eps)[:, None]
+    ro = _stream_update(res, b, alpha_ptr, beta_ptr, cols, cmask, alpha_scalar, r1,
+                        ALPHA_MODE, MASKED)  # fmt: skip
+    r64 = rows.to(tl.int64)[:, None]
+    _st(rout_ptr + r64 * ro_st + cols[None, :], ro, mask, MASKED, PTX)
+    # padded columns hold ro = 0 (b = res = 0 there), so they add nothing to the sum
+    r2 = _inv_rms(tl.sum(ro * ro, axis=1), Hf, next_eps)[:, None]
+    _store_ffn(ffn_ptr + r64 * f_st + cols[None, :], router_ptr + r64 * rt_st + cols[None, :],
+               (ro * r2) * nw, mask, MASKED, HAS_ROUTER, PTX)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _gated_residual_next_kernel(
     b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr,
@@ -280,41 +490,67 @@ def _gated_residual_next_kernel(
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     ALPHA_MODE: tl.constexpr, HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """SPEC §1.4: gated stream update, then the next RMSNorm of the stored FP32 residual_out.
 
     ALPHA_MODE: 0 = scalar 1.0 (u = residual), 1 = other scalar, 2 = per-channel tensor.
     """
     pid = tl.program_id(0)
-    rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
-    b_row = rows.to(tl.int64)[:, None] * b_st
-    r_row = rows.to(tl.int64)[:, None] * r_st
-    ro_row = rows.to(tl.int64)[:, None] * ro_st
-    f_row = rows.to(tl.int64)[:, None] * f_st
-    rt_row = rows.to(tl.int64)[:, None] * rt_st
     if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK)
         cmask = cols < H
         nw = _ld(nw_ptr + cols, cmask, MASKED, False)[None, :] + next_gain_center
+        pw = 1.0
         if HAS_POST_WEIGHT:
             pw = _ld(pw_ptr + cols, cmask, MASKED, False)[None, :] + post_gain_center
         if USE_PDL:
             gdc_wait()
-        b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-        res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-        if USE_PDL:
-            gdc_launch_dependents()
-        if HAS_POST_WEIGHT:
-            b = b * pw
-        r1 = _inv_rms(tl.sum(b * b, axis=1), Hf, post_eps)[:, None]
-        ro = _stream_update(res, b, alpha_ptr, beta_ptr, cols, cmask, alpha_scalar, r1,
-                            ALPHA_MODE, MASKED)  # fmt: skip
-        _st(rout_ptr + ro_row + cols[None, :], ro, mask, MASKED, PTX)
-        # padded columns hold ro = 0 (b = res = 0 there), so they add nothing to the sum
-        r2 = _inv_rms(tl.sum(ro * ro, axis=1), Hf, next_eps)[:, None]
-        _store_ffn(ffn_ptr + f_row + cols[None, :], router_ptr + rt_row + cols[None, :],
-                   (ro * r2) * nw, mask, MASKED, HAS_ROUTER, PTX)  # fmt: skip
+        if not PERSISTENT:
+            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
+            br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
+            if USE_PDL:
+                gdc_launch_dependents()
+            _gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, cmask,
+                             mask, alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr, ro_st,
+                             f_st, rt_st, alpha_scalar, Hf, post_eps, next_eps, ALPHA_MODE, MASKED,
+                             HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
+        else:
+            nprog = tl.num_programs(0)
+            n_tiles = tl.cdiv(n_rows, ROWS)
+            t = pid
+            if PREFETCH:
+                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
+                b_nx, r_nx = _add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
+                                       EVICT_FIRST)  # fmt: skip
+            while t < n_tiles:
+                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+                if PREFETCH:
+                    br = b_nx
+                    rr = r_nx
+                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+                    mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
+                    b_nx, r_nx = _add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
+                                           EVICT_FIRST)  # fmt: skip
+                else:
+                    br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED,
+                                       EVICT_FIRST)  # fmt: skip
+                if USE_PDL:
+                    if t + nprog >= n_tiles:
+                        gdc_launch_dependents()
+                _gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, cmask,
+                                 mask, alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr, ro_st,
+                                 f_st, rt_st, alpha_scalar, Hf, post_eps, next_eps, ALPHA_MODE,
+                                 MASKED, HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
+                t += nprog
     else:
+        rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
+        b_row = rows.to(tl.int64)[:, None] * b_st
+        r_row = rows.to(tl.int64)[:, None] * r_st
+        ro_row = rows.to(tl.int64)[:, None] * ro_st
+        f_row = rows.to(tl.int64)[:, None] * f_st
+        rt_row = rows.to(tl.int64)[:, None] * rt_st
         if USE_PDL:
             gdc_wait()
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -358,9 +594,34 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.shape[0] * t.shape[1], t.stride(0), t.stride(1)
 
 
+def _grid(tile: RowTile, n_tiles: int, device: torch.device) -> tuple[int]:
+    """min(n_tiles, programs_per_sm x SMs) programs (n_tiles when not persistent); a runtime value,
+    so a new M never recompiles."""
+    return tile.persistent_grid(n_tiles, sm_count(device))
+
+
+def _persistent(tile: RowTile) -> bool:
+    """One-pass tiles with programs_per_sm > 0 run the persistent loop; others the straight-line
+    one-tile-per-program kernel of before (fewer registers: nothing lives across tiles)."""
+    return tile.programs_per_sm > 0 and tile.num_chunks == 1
+
+
+def _prefetch(tile: RowTile) -> bool:
+    return tile.prefetch and _persistent(tile)
+
+
 def _pdl_kwargs(use_pdl: bool) -> dict:
     # the interpreter ignores unknown launch options, but only pass it when it is on
     return {"launch_pdl": True} if use_pdl else {}
+
+
+def _launch_kwargs(tile: RowTile, use_pdl: bool) -> dict:
+    """PDL and, for persistent launches, the register cap that keeps programs_per_sm resident."""
+    out = _pdl_kwargs(use_pdl)
+    cap = tile.max_registers()
+    if cap is not None and not interpreter_active():
+        out = {**out, "maxnreg": cap}
+    return out
 
 
 def launch_rmsnorm(
@@ -371,6 +632,7 @@ def launch_rmsnorm(
     gain_center: float,
     use_pdl: bool,
     gate: torch.Tensor | None = None,
+    tile: RowTile | None = None,
 ) -> None:
     """rmsnorm / gemma_rmsnorm (``weight``) or rmsnorm_sigmoid_gate (``gate``) over [.., H]."""
     width = input.shape[-1]
@@ -380,9 +642,9 @@ def launch_rmsnorm(
     heads = input.shape[1] if input.dim() == 3 else 1
     _, o_st, o_sh = _row_strides(out)
     g_st, g_sh = (_row_strides(gate)[1:] if gate is not None else (0, 0))
-    tile = row_tile(width)
+    tile = tile or row_tile(width, SIGMOID_GATE_POLICY if gate is not None else TilePolicy())
     masked = tile.rows > 1 or not tile.even(width)
-    _rmsnorm_kernel[tile.grid(n_rows)](
+    _rmsnorm_kernel[_grid(tile, tile.grid(n_rows)[0], input.device)](
         input, weight if weight is not None else input, gate if gate is not None else input, out,
         n_rows, width, float(width), heads,
         x_st, x_sh, g_st, g_sh, o_st, o_sh,
@@ -390,7 +652,8 @@ def launch_rmsnorm(
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
         EVICT_FIRST=STREAM_EVICT_FIRST,
         HAS_GATE=gate is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
-        num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
+        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
+        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
 
 
@@ -401,14 +664,15 @@ def launch_fused_add_rmsnorm(
     eps: float,
     gain_center: float,
     use_pdl: bool,
+    tile: RowTile | None = None,
 ) -> None:
     """In place on ``input`` and ``residual`` ([M, H] each, row strides free)."""
     n_rows, width = input.shape
     if n_rows == 0:
         return
-    tile = row_tile(width)
+    tile = tile or row_tile(width, FUSED_ADD_POLICY)
     masked = tile.rows > 1 or not tile.even(width)
-    _fused_add_rmsnorm_kernel[tile.grid(n_rows)](
+    _fused_add_rmsnorm_kernel[_grid(tile, tile.grid(n_rows)[0], input.device)](
         input, residual, weight,
         n_rows, width, float(width),
         input.stride(0), residual.stride(0),
@@ -416,7 +680,8 @@ def launch_fused_add_rmsnorm(
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
         EVICT_FIRST=STREAM_EVICT_FIRST,
         PTX=not interpreter_active(), USE_PDL=use_pdl,
-        num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
+        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
+        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
 
 
@@ -430,13 +695,14 @@ def launch_gated_residual_rmsnorm(
     eps: float,
     gain_center: float,
     use_pdl: bool,
+    tile: RowTile | None = None,
 ) -> None:
     n_rows, width = branch.shape
     if n_rows == 0:
         return
-    tile = row_tile(width, GATED_POLICY)
+    tile = tile or row_tile(width, GATED_POLICY)
     masked = tile.rows > 1 or not tile.even(width)
-    _gated_residual_kernel[tile.grid(n_rows)](
+    _gated_residual_kernel[_grid(tile, tile.grid(n_rows)[0], branch.device)](
         branch, residual, weight if weight is not None else alpha, alpha, beta, out,
         n_rows, width, float(width),
         branch.stride(0), residual.stride(0), out.stride(0),
@@ -444,7 +710,8 @@ def launch_gated_residual_rmsnorm(
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
         EVICT_FIRST=STREAM_EVICT_FIRST,
         HAS_WEIGHT=weight is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
-        num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
+        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
+        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
 
 
@@ -464,15 +731,16 @@ def launch_gated_residual_next_rmsnorm(
     next_gain_center: float,
     post_gain_center: float,
     use_pdl: bool,
+    tile: RowTile | None = None,
 ) -> None:
     n_rows, width = branch.shape
     if n_rows == 0:
         return
-    tile = row_tile(width, GATED_POLICY)
+    tile = tile or row_tile(width, GATED_POLICY)
     masked = tile.rows > 1 or not tile.even(width)
     alpha_mode = 2 if alpha is not None else (0 if alpha_scalar == 1.0 else 1)
     router = router_input if router_input is not None else residual_out
-    _gated_residual_next_kernel[tile.grid(n_rows)](
+    _gated_residual_next_kernel[_grid(tile, tile.grid(n_rows)[0], branch.device)](
         branch, residual, next_weight, alpha if alpha is not None else beta, beta,
         post_weight if post_weight is not None else next_weight,
         residual_out, ffn_input, router,
@@ -484,5 +752,6 @@ def launch_gated_residual_next_rmsnorm(
         EVICT_FIRST=STREAM_EVICT_FIRST,
         ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,
         HAS_ROUTER=router_input is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
-        num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
+        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
+        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip

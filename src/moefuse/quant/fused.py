@@ -26,18 +26,45 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import rcp_fast, round_to
 from moefuse._runtime import interpreter_active
 from moefuse.norm.tiles import RowTile, TilePolicy, row_tile
-from moefuse.norm.triton import _inv_rms, _ld, _pdl_kwargs, _row_base, _st
+from moefuse.norm.triton import (
+    _grid,
+    _inv_rms,
+    _launch_kwargs,
+    _ld,
+    _ld_raw,
+    _persistent,
+    _pf_mask,
+    _prefetch,
+    _row_base,
+    _st,
+    _tile_rows,
+)
 from moefuse.quant import device as D
 from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 
 #: tile policy of the fused norm + quant kernels (the norm family's default today); the benchmark's
-#: ``--sweep`` times alternatives so that this can be set from H200 measurements
+#: ``--sweep`` times alternatives so that this can be set from H200 measurements. One-pass rows run
+#: the persistent loop with prefetch (tiles.PROGRAMS_PER_SM per SM): on H200 rmsnorm_quant
+#: 16384 x 4096 went from 68.6 us to 50.6 us (= SM copy) with 8 warps and 4 programs per SM.
 QUANT_POLICY = TilePolicy()
+#: fused_add_rmsnorm_quant: the prefetching kernel spills at 3-4 programs per SM (H = 4096: 4 / 60 B
+#: at 80 / 64 registers), not at 2 (110 registers)
+QUANT_ADD_POLICY = TilePolicy(programs_per_sm=2)
+#: NVFP4 kernels (rmsnorm_fp4_quantize, fused_add_rmsnorm_fp4_quantize): instruction-bound, one
+#: tile per program. The persistent loop needs far more registers here (H = 4096, 8 warps: 64 ->
+#: 115 / 128 with prefetch; 4 warps: 128 -> 225 / 255), so at 2-4 programs per SM it spills
+#: (scripts/compile_check.py); scripts/sweep_persistent.py times it anyway.
+QUANT_FP4_POLICY = TilePolicy(programs_per_sm=0)
 
 
-def quant_row_tile(width: int) -> RowTile:
-    """The row tile of the fused kernels: a function of the width only (batch invariance)."""
-    return row_tile(width, QUANT_POLICY)
+def quant_row_tile(width: int, residual: bool = False) -> RowTile:
+    """The row tile of the fused FP8 kernels: a function of the width only (batch invariance)."""
+    return row_tile(width, QUANT_ADD_POLICY if residual else QUANT_POLICY)
+
+
+def quant_fp4_row_tile(width: int) -> RowTile:
+    """The row tile of the fused NVFP4 kernels (width only, like ``quant_row_tile``)."""
+    return row_tile(width, QUANT_FP4_POLICY)
 
 
 def _evict(tile) -> bool:
@@ -76,6 +103,45 @@ def _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED: tl.constexpr,
     return h
 
 
+@triton.jit
+def _fp8_load(x_ptr, res_ptr, rows, cols, mask, HEADS, x_st, x_sh, r_st, r_sh,
+              MASKED: tl.constexpr, STREAM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """The activation loads of one tile (stored dtype); the residual is ``x`` when absent."""
+    x = _ld_raw(x_ptr + _row_base(rows, HEADS, x_st, x_sh)[:, None] + cols[None, :], mask, MASKED,
+                STREAM)  # fmt: skip
+    r = x
+    if HAS_RESIDUAL:
+        r = _ld_raw(res_ptr + _row_base(rows, HEADS, r_st, r_sh)[:, None] + cols[None, :], mask,
+                    MASKED, STREAM)  # fmt: skip
+    return x, r
+
+
+@triton.jit
+def _widen_h(x, r, HAS_RESIDUAL: tl.constexpr):
+    """f32(x) [+ f32(res)]: the FP32 h of ``_load_h`` from raw loads."""
+    h = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        h += r.to(tl.float32)
+    return h
+
+
+@triton.jit
+def _fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_st, q_sh, Hf, eps,
+              MASKED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FMT: tl.constexpr,
+              PTX: tl.constexpr):  # fmt: skip
+    """One-pass tile: [res <- cast(h)]; q = e8(((h * r) * w) * inv)."""
+    if HAS_RESIDUAL:
+        _st(res_ptr + _row_base(rows, HEADS, r_st, r_sh)[:, None] + cols[None, :], h, mask,
+            MASKED, PTX)  # fmt: skip
+    r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
+    q = D.fp8_encode(((h * r) * w) * inv, FMT, PTX)
+    q_ptrs = q_ptr + _row_base(rows, HEADS, q_st, q_sh)[:, None] + cols[None, :]
+    if MASKED:
+        tl.store(q_ptrs, q, mask=mask)
+    else:
+        tl.store(q_ptrs, q)
+
+
 # ----------------------------------------------------------------------------- FP8
 @triton.jit(do_not_specialize=["n_rows"], launch_metadata=_fp8_metadata)
 def _rmsnorm_fp8_kernel(
@@ -85,34 +151,59 @@ def _rmsnorm_fp8_kernel(
     eps, gain_center,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, FMT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """q = e8(((h * r) * g) * (1/scale)); h = f32(x) [+ f32(res), res <- cast(h)]."""
     pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    rmask = (rows < n_rows)[:, None]
-    x_row = _row_base(rows, HEADS, x_st, x_sh)[:, None]
-    r_row = _row_base(rows, HEADS, r_st, r_sh)[:, None]
-    q_row = _row_base(rows, HEADS, q_st, q_sh)[:, None]
     if NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
-        mask = rmask & (cols < H)[None, :]
         w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
         inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
-        h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL, EVICT_FIRST)
-        if USE_PDL:
-            gdc_launch_dependents()
-        if HAS_RESIDUAL:
-            _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
-        r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
-        q = D.fp8_encode(((h * r) * w) * inv, FMT, PTX)
-        if MASKED:
-            tl.store(q_ptr + q_row + cols[None, :], q, mask=mask)
+        if not PERSISTENT:
+            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
+            xr, rr = _fp8_load(x_ptr, res_ptr, rows, cols, mask, HEADS, x_st, x_sh, r_st, r_sh,
+                               MASKED, EVICT_FIRST, HAS_RESIDUAL)  # fmt: skip
+            h = _widen_h(xr, rr, HAS_RESIDUAL)
+            if USE_PDL:
+                gdc_launch_dependents()
+            _fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_st, q_sh,
+                      Hf, eps, MASKED, HAS_RESIDUAL, FMT, PTX)  # fmt: skip
         else:
-            tl.store(q_ptr + q_row + cols[None, :], q)
+            # persistent row loop, optional prefetch of the next tile: see moefuse.norm.triton
+            nprog = tl.num_programs(0)
+            n_tiles = tl.cdiv(n_rows, ROWS)
+            t = pid
+            if PREFETCH:
+                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
+                x_nx, r_nx = _fp8_load(x_ptr, res_ptr, rows0, cols, mask0, HEADS, x_st, x_sh,
+                                       r_st, r_sh, MASKED, EVICT_FIRST, HAS_RESIDUAL)  # fmt: skip
+            while t < n_tiles:
+                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+                if PREFETCH:
+                    h = _widen_h(x_nx, r_nx, HAS_RESIDUAL)
+                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+                    mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
+                    x_nx, r_nx = _fp8_load(x_ptr, res_ptr, rows_n, cols, mask_n, HEADS, x_st,
+                                           x_sh, r_st, r_sh, True, EVICT_FIRST,
+                                           HAS_RESIDUAL)  # fmt: skip
+                else:
+                    xr, rr = _fp8_load(x_ptr, res_ptr, rows, cols, mask, HEADS, x_st, x_sh, r_st,
+                                       r_sh, MASKED, EVICT_FIRST, HAS_RESIDUAL)  # fmt: skip
+                    h = _widen_h(xr, rr, HAS_RESIDUAL)
+                if USE_PDL:
+                    if t + nprog >= n_tiles:
+                        gdc_launch_dependents()
+                _fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_st,
+                          q_sh, Hf, eps, MASKED, HAS_RESIDUAL, FMT, PTX)  # fmt: skip
+                t += nprog
     else:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        rmask = (rows < n_rows)[:, None]
+        x_row = _row_base(rows, HEADS, x_st, x_sh)[:, None]
+        r_row = _row_base(rows, HEADS, r_st, r_sh)[:, None]
+        q_row = _row_base(rows, HEADS, q_st, q_sh)[:, None]
         if USE_PDL:
             gdc_wait()
         inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
@@ -148,17 +239,17 @@ def launch_rmsnorm_fp8(input, residual, weight, scale, out, fmt: int, eps: float
         return
     _, _, q_st, q_sh = _rows_of(out)
     r_st, r_sh = _rows_of(residual)[2:] if residual is not None else (0, 0)
-    tile = tile or quant_row_tile(width)
+    tile = tile or quant_row_tile(width, residual is not None)
     masked = tile.rows > 1 or not tile.even(width)
-    _rmsnorm_fp8_kernel[tile.grid(n_rows)](
+    _rmsnorm_fp8_kernel[_grid(tile, tile.grid(n_rows)[0], input.device)](
         input, residual if residual is not None else input, weight, scale, out,
         n_rows, width, float(width), heads,
         x_st, x_sh, r_st, r_sh, q_st, q_sh,
         eps, gain_center,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
         HAS_RESIDUAL=residual is not None, FMT=fmt, EVICT_FIRST=_evict(tile),
-        PTX=not interpreter_active(), USE_PDL=use_pdl,
-        num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
+        PTX=not interpreter_active(), USE_PDL=use_pdl, PERSISTENT=_persistent(tile),
+        PREFETCH=_prefetch(tile), num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
 
 
@@ -187,6 +278,85 @@ def _fp4_epilogue(y, gs, rcp_gs, rows, live_rows, chunk, p_ptr, p_row, s_ptr, y_
     tl.store(s_ptr + off, sf, mask=(rows < n_rows_padded)[:, None] & (ks < KB)[None, :])
 
 
+@triton.jit
+def _fp4_pad_scales(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, ROWS: tl.constexpr,
+                    LAYOUT: tl.constexpr):  # fmt: skip
+    """Zero the padding block columns [KB, n_kcols) of ``rows`` (fewer than 4)."""
+    kpad = KB + tl.arange(0, 4)
+    pad_off = D.scale_offset(r64, kpad[None, :].to(tl.int64), n_kcols, LAYOUT)
+    pad_mask = (rows < n_rows_padded)[:, None] & (kpad < n_kcols)[None, :]
+    tl.store(s_ptr + pad_off, tl.zeros((ROWS, 4), dtype=tl.uint8), mask=pad_mask)
+
+
+@triton.jit
+def _rmsnorm_fp4_rows(x_ptr, res_ptr, w_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, pid, n_rows,
+                      n_rows_padded, H, Hf, KB, n_kcols, x_st, r_st, p_st, y_st, eps,
+                      gain_center, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr, HAS_NORM_OUT: tl.constexpr,
+                      RECIPE: tl.constexpr, LAYOUT: tl.constexpr, EVICT_FIRST: tl.constexpr,
+                      PTX: tl.constexpr, USE_PDL: tl.constexpr,
+                      PREFETCH: tl.constexpr):  # fmt: skip
+    """One-pass rows of ``_rmsnorm_fp4_kernel``: a persistent loop over the row tiles of the
+    PADDED rows (t = pid, pid + nprog, ...); tiles of padding rows only store zero scale bytes.
+    With PREFETCH the next tile's activations are loaded (row-masked: nothing for padding rows or
+    past the last tile) before the current tile is reduced."""
+    nprog = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows_padded, ROWS)
+    # parameters before the grid-dependency wait; activations and every store after it
+    cols = tl.arange(0, BLOCK)
+    w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
+    if USE_PDL:
+        gdc_wait()
+    gs = tl.load(gs_ptr).to(tl.float32)
+    t = pid
+    if PREFETCH:
+        rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
+        x_nx = _ld_raw(x_ptr + rows0.to(tl.int64)[:, None] * x_st + cols[None, :], mask0, True,
+                       EVICT_FIRST)  # fmt: skip
+        if HAS_RESIDUAL:
+            r_nx = _ld_raw(res_ptr + rows0.to(tl.int64)[:, None] * r_st + cols[None, :], mask0,
+                           True, EVICT_FIRST)  # fmt: skip
+    while t < n_tiles:
+        rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+        live_rows = (rows < n_rows)[:, None]
+        r64 = rows.to(tl.int64)[:, None]
+        if PREFETCH:
+            h = x_nx.to(tl.float32)
+            if HAS_RESIDUAL:
+                h += r_nx.to(tl.float32)
+            rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+            x_nx = _ld_raw(x_ptr + rows_n.to(tl.int64)[:, None] * x_st + cols[None, :], mask_n,
+                           True, EVICT_FIRST)  # fmt: skip
+            if HAS_RESIDUAL:
+                r_nx = _ld_raw(res_ptr + rows_n.to(tl.int64)[:, None] * r_st + cols[None, :],
+                               mask_n, True, EVICT_FIRST)  # fmt: skip
+            if USE_PDL:
+                if t + nprog >= n_tiles:
+                    gdc_launch_dependents()
+        _fp4_pad_scales(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, ROWS, LAYOUT)
+        if t * ROWS >= n_rows:
+            # a tile of padding rows only (e.g. rows M..127 of SWIZZLED_128x4): zero scale bytes
+            ks = tl.arange(0, BLOCK // 16)
+            off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
+            tl.store(s_ptr + off, tl.zeros((ROWS, BLOCK // 16), dtype=tl.uint8),
+                     mask=(rows < n_rows_padded)[:, None] & (ks < KB)[None, :])  # fmt: skip
+        else:
+            if not PREFETCH:
+                h = _load_h(x_ptr, res_ptr, r64 * x_st, r64 * r_st, cols, mask, True,
+                            HAS_RESIDUAL, EVICT_FIRST)  # fmt: skip
+                if USE_PDL:
+                    if t + nprog >= n_tiles:
+                        gdc_launch_dependents()
+            if HAS_RESIDUAL:
+                _st(res_ptr + r64 * r_st + cols[None, :], h, mask, True, PTX)
+            # r = 0 on padding rows: y = 0 there even when eps = 0 makes rsqrt(0) infinite
+            r = tl.where(live_rows, _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None], 0.0)
+            _fp4_epilogue((h * r) * w, gs, rcp_fast(gs, PTX), rows, live_rows, 0, p_ptr,
+                          r64 * p_st, s_ptr, y_ptr, r64 * y_st, H, KB, n_kcols, n_rows_padded,
+                          BLOCK, RECIPE, LAYOUT, HAS_NORM_OUT, PTX)  # fmt: skip
+        t += nprog
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_rows_padded"], launch_metadata=_fp4_metadata)
 def _rmsnorm_fp4_kernel(
     x_ptr, res_ptr, w_ptr, gs_ptr, p_ptr, s_ptr, y_ptr,
@@ -196,71 +366,83 @@ def _rmsnorm_fp4_kernel(
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_NORM_OUT: tl.constexpr, RECIPE: tl.constexpr,
     LAYOUT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """y = cast((h * r) * g); (packed, scales) = nvfp4(y); grid over the padded rows."""
+    """y = cast((h * r) * g); (packed, scales) = nvfp4(y); grid over the padded rows.
+
+    PERSISTENT one-pass rows run the loop of ``_rmsnorm_fp4_rows``; otherwise one tile per
+    program (the code below)."""
     pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    live_rows = (rows < n_rows)[:, None]
-    r64 = rows.to(tl.int64)[:, None]
-    x_row = r64 * x_st
-    r_row = r64 * r_st
-    p_row = r64 * p_st
-    y_row = r64 * y_st
-    if NUM_CHUNKS == 1:
-        # parameters before the grid-dependency wait; activations and every store after it
-        cols = tl.arange(0, BLOCK)
-        w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
-    if USE_PDL:
-        gdc_wait()
-    # padding block columns [KB, n_kcols) of every row this program owns (fewer than 4)
-    kpad = KB + tl.arange(0, 4)
-    pad_off = D.scale_offset(r64, kpad[None, :].to(tl.int64), n_kcols, LAYOUT)
-    pad_mask = (rows < n_rows_padded)[:, None] & (kpad < n_kcols)[None, :]
-    tl.store(s_ptr + pad_off, tl.zeros((ROWS, 4), dtype=tl.uint8), mask=pad_mask)
-    if pid * ROWS >= n_rows:
-        # a program of padding rows only (e.g. rows M..127 of SWIZZLED_128x4): zero scale bytes,
-        # no loads, no math
-        smask_rows = (rows < n_rows_padded)[:, None]
-        for c in tl.static_range(NUM_CHUNKS):
-            ks = c * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
-            off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
-            tl.store(s_ptr + off, tl.zeros((ROWS, BLOCK // 16), dtype=tl.uint8),
-                     mask=smask_rows & (ks < KB)[None, :])  # fmt: skip
-    elif NUM_CHUNKS == 1:
-        mask = live_rows & (cols < H)[None, :]
-        gs = tl.load(gs_ptr).to(tl.float32)
-        h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
-        if USE_PDL:
-            gdc_launch_dependents()
-        if HAS_RESIDUAL:
-            _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
-        # r = 0 on padding rows: y = 0 there even when eps = 0 makes rsqrt(0) infinite
-        r = tl.where(live_rows, _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None], 0.0)
-        _fp4_epilogue((h * r) * w, gs, rcp_fast(gs, PTX), rows, live_rows, 0, p_ptr, p_row,
-                      s_ptr, y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
-                      HAS_NORM_OUT, PTX)  # fmt: skip
+    if NUM_CHUNKS == 1 and PERSISTENT:
+        _rmsnorm_fp4_rows(x_ptr, res_ptr, w_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, pid, n_rows,
+                          n_rows_padded, H, Hf, KB, n_kcols, x_st, r_st, p_st, y_st, eps,
+                          gain_center, BLOCK, ROWS, HAS_RESIDUAL, HAS_NORM_OUT, RECIPE, LAYOUT,
+                          EVICT_FIRST, PTX, USE_PDL, PREFETCH)  # fmt: skip
     else:
-        gs = tl.load(gs_ptr).to(tl.float32)
-        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.static_range(NUM_CHUNKS):
-            cols = c * BLOCK + tl.arange(0, BLOCK)
-            mask = live_rows & (cols < H)[None, :]
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
-            acc += h * h
-        r = tl.where(live_rows, _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None], 0.0)
-        rcp_gs = rcp_fast(gs, PTX)
-        for c in tl.static_range(NUM_CHUNKS):
-            cols = c * BLOCK + tl.arange(0, BLOCK)
-            mask = live_rows & (cols < H)[None, :]
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        live_rows = (rows < n_rows)[:, None]
+        r64 = rows.to(tl.int64)[:, None]
+        x_row = r64 * x_st
+        r_row = r64 * r_st
+        p_row = r64 * p_st
+        y_row = r64 * y_st
+        if NUM_CHUNKS == 1:
+            # parameters before the grid-dependency wait; activations and every store after it
+            cols = tl.arange(0, BLOCK)
             w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
+        if USE_PDL:
+            gdc_wait()
+        # padding block columns [KB, n_kcols) of every row this program owns (fewer than 4)
+        kpad = KB + tl.arange(0, 4)
+        pad_off = D.scale_offset(r64, kpad[None, :].to(tl.int64), n_kcols, LAYOUT)
+        pad_mask = (rows < n_rows_padded)[:, None] & (kpad < n_kcols)[None, :]
+        tl.store(s_ptr + pad_off, tl.zeros((ROWS, 4), dtype=tl.uint8), mask=pad_mask)
+        if pid * ROWS >= n_rows:
+            # a program of padding rows only (e.g. rows M..127 of SWIZZLED_128x4): zero scale bytes,
+            # no loads, no math
+            smask_rows = (rows < n_rows_padded)[:, None]
+            for c in tl.static_range(NUM_CHUNKS):
+                ks = c * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+                off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
+                tl.store(s_ptr + off, tl.zeros((ROWS, BLOCK // 16), dtype=tl.uint8),
+                         mask=smask_rows & (ks < KB)[None, :])  # fmt: skip
+        elif NUM_CHUNKS == 1:
+            mask = live_rows & (cols < H)[None, :]
+            gs = tl.load(gs_ptr).to(tl.float32)
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
+            if USE_PDL:
+                gdc_launch_dependents()
             if HAS_RESIDUAL:
                 _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
-            _fp4_epilogue((h * r) * w, gs, rcp_gs, rows, live_rows, c, p_ptr, p_row, s_ptr,
-                          y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
+            # r = 0 on padding rows: y = 0 there even when eps = 0 makes rsqrt(0) infinite
+            r = tl.where(live_rows, _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None], 0.0)
+            _fp4_epilogue((h * r) * w, gs, rcp_fast(gs, PTX), rows, live_rows, 0, p_ptr, p_row,
+                          s_ptr, y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
                           HAS_NORM_OUT, PTX)  # fmt: skip
-        if USE_PDL:
-            gdc_launch_dependents()
+        else:
+            gs = tl.load(gs_ptr).to(tl.float32)
+            acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+            for c in tl.static_range(NUM_CHUNKS):
+                cols = c * BLOCK + tl.arange(0, BLOCK)
+                mask = live_rows & (cols < H)[None, :]
+                h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL,
+                            EVICT_FIRST)  # fmt: skip
+                acc += h * h
+            r = tl.where(live_rows, _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None], 0.0)
+            rcp_gs = rcp_fast(gs, PTX)
+            for c in tl.static_range(NUM_CHUNKS):
+                cols = c * BLOCK + tl.arange(0, BLOCK)
+                mask = live_rows & (cols < H)[None, :]
+                h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL,
+                            EVICT_FIRST)  # fmt: skip
+                w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
+                if HAS_RESIDUAL:
+                    _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
+                _fp4_epilogue((h * r) * w, gs, rcp_gs, rows, live_rows, c, p_ptr, p_row, s_ptr,
+                              y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
+                              HAS_NORM_OUT, PTX)  # fmt: skip
+            if USE_PDL:
+                gdc_launch_dependents()
 
 
 def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, norm_out,
@@ -273,8 +455,8 @@ def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, no
     rows_p, n_kcols = scale_layout_shape(m, kb, layout)
     if rows_p == 0:
         return
-    tile = tile or quant_row_tile(width)
-    grid = ((rows_p + tile.rows - 1) // tile.rows,)
+    tile = tile or quant_fp4_row_tile(width)
+    grid = _grid(tile, (rows_p + tile.rows - 1) // tile.rows, input.device)
     y = norm_out if norm_out is not None else input  # dtype carrier when not stored
     _rmsnorm_fp4_kernel[grid](
         input, residual if residual is not None else input, weight, global_scale, packed,
@@ -286,6 +468,6 @@ def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, no
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows,
         HAS_RESIDUAL=residual is not None, HAS_NORM_OUT=norm_out is not None,
         RECIPE=RECIPES[recipe], LAYOUT=LAYOUTS[layout], EVICT_FIRST=_evict(tile),
-        PTX=not interpreter_active(),
-        USE_PDL=use_pdl, num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
+        PTX=not interpreter_active(), PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
+        USE_PDL=use_pdl, num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
