@@ -24,7 +24,12 @@ MAX_WARPS = 8
 #: sweep-occupancy-2026-11-29.log): rmsnorm_quant 16384 x 4096 took 68.6 us with one program per
 #: row and 50.6 us (= an SM copy of the same bytes) with 4 prefetching programs per SM; without the
 #: prefetch the same loop took 63 us. 0 programs per SM = one program per row tile.
-PROGRAMS_PER_SM = 4
+#: The full sweep (scripts/sweep_persistent.py, notes/gpu-logs/sweep-persistent-2026-11-29.log,
+#: bitwise equal everywhere) found the loop slower for every op that writes as much as it reads
+#: (rmsnorm 16384 x 4096: 73.2 vs 66.3 us; fused_add 143.4 vs 136.0; sigmoid gate 69.7 vs 50.8;
+#: gated ops at 8192: 1.6-1.8 x slower at 2-4 programs per SM), so the module default is off and
+#: only rmsnorm_quant (quant/fused.py QUANT_POLICY) turns it on.
+PROGRAMS_PER_SM = 0
 PREFETCH = True
 PERSISTENT_TILE_ELEMENTS = 4096
 MULTI_ROW_PROGRAMS_PER_SM = 2
@@ -96,14 +101,17 @@ class TilePolicy:
 #: Persistent (2 programs per SM, prefetch) only up to 4096 columns: 251 / 254 registers there
 #: without spills (scripts/compile_check.py); at 8192 the one-tile kernels already use 255 registers
 #: and spill 280 / 28 B, the loop spills 316 / 112 B and the prefetch 892 / 776 B.
-GATED_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4, programs_per_sm=2,
+#: Measured (sweep-persistent-2026-11-29.log): at H = 4096 the loop helped at M = 1024
+#: (gated_next 16.7 vs 18.6 us) but lost at M = 16384 (220.3 vs 198.6), so it stays off.
+GATED_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4, programs_per_sm=0,
                           persistent_max_block=4096)
 #: fused_add_rmsnorm: at 4 programs per SM (64 registers) the prefetching kernel spills 64 B at
-#: H = 4096; 3 per SM (80 registers) does not
-FUSED_ADD_POLICY = TilePolicy(programs_per_sm=3)
-#: rmsnorm_sigmoid_gate: the gate doubles the loads; at 4 programs per SM (64 registers) the
-#: prefetching kernel spills 112 B at H = 4096
-SIGMOID_GATE_POLICY = TilePolicy(programs_per_sm=2)
+#: H = 4096; 3 per SM (80 registers) does not, but it ran slower than one program per row
+#: (16384 x 4096: 143.4 vs 136.0 us), so the loop is off
+FUSED_ADD_POLICY = TilePolicy(programs_per_sm=0)
+#: rmsnorm_sigmoid_gate: the gate doubles the loads; 2 prefetching programs per SM ran 69.7 us vs
+#: 50.8 us for one program per tile (16384 x 32 x 64): off
+SIGMOID_GATE_POLICY = TilePolicy(programs_per_sm=0)
 
 
 def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:

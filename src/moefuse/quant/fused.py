@@ -46,15 +46,23 @@ from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 #: ``--sweep`` times alternatives so that this can be set from H200 measurements. One-pass rows run
 #: the persistent loop with prefetch (tiles.PROGRAMS_PER_SM per SM): on H200 rmsnorm_quant
 #: 16384 x 4096 went from 68.6 us to 50.6 us (= SM copy) with 8 warps and 4 programs per SM.
-QUANT_POLICY = TilePolicy()
+#: The H200 sweep (notes/gpu-logs/sweep-persistent-2026-11-29.log) confirmed it: 16384 x 4096
+#: 54.95 vs 68.89 us, 2048 x 4096 9.33 vs 11.26 us, 16384 x 8192 108.3 vs 130.9 us (bitwise equal).
+QUANT_POLICY = TilePolicy(programs_per_sm=4, prefetch=True)
 #: fused_add_rmsnorm_quant: the prefetching kernel spills at 3-4 programs per SM (H = 4096: 4 / 60 B
-#: at 80 / 64 registers), not at 2 (110 registers)
-QUANT_ADD_POLICY = TilePolicy(programs_per_sm=2)
+#: at 80 / 64 registers), not at 2 (110 registers); at 2 per SM it was no faster than one program
+#: per row (16384 x 4096: 123.0 vs 121.4 us; 16384 x 8192: 269.7 vs 240.2), so the loop is off
+QUANT_ADD_POLICY = TilePolicy(programs_per_sm=0)
 #: NVFP4 kernels (rmsnorm_fp4_quantize, fused_add_rmsnorm_fp4_quantize): instruction-bound, one
 #: tile per program. The persistent loop needs far more registers here (H = 4096, 8 warps: 64 ->
 #: 115 / 128 with prefetch; 4 warps: 128 -> 225 / 255), so at 2-4 programs per SM it spills
-#: (scripts/compile_check.py); scripts/sweep_persistent.py times it anyway.
-QUANT_FP4_POLICY = TilePolicy(programs_per_sm=0)
+#: (scripts/compile_check.py); scripts/sweep_persistent.py times it anyway. 4 warps (32 elements
+#: per thread: per-program work amortised over twice the elements) beat 8 on H200:
+#: rmsnorm_fp4_quantize 16384 x 4096 75.5 vs 90.0 us, 2048 x 4096 12.2 vs 13.9, 16384 x 8192
+#: 155.4 vs 165.5 (sweep-persistent-2026-11-29.log; the residual variant stays at 8 warps there:
+#: its sweep only timed 8)
+QUANT_FP4_POLICY = TilePolicy(programs_per_sm=0, max_warps=4)
+QUANT_FP4_ADD_POLICY = TilePolicy(programs_per_sm=0)
 
 
 def quant_row_tile(width: int, residual: bool = False) -> RowTile:
@@ -62,9 +70,9 @@ def quant_row_tile(width: int, residual: bool = False) -> RowTile:
     return row_tile(width, QUANT_ADD_POLICY if residual else QUANT_POLICY)
 
 
-def quant_fp4_row_tile(width: int) -> RowTile:
+def quant_fp4_row_tile(width: int, residual: bool = False) -> RowTile:
     """The row tile of the fused NVFP4 kernels (width only, like ``quant_row_tile``)."""
-    return row_tile(width, QUANT_FP4_POLICY)
+    return row_tile(width, QUANT_FP4_ADD_POLICY if residual else QUANT_FP4_POLICY)
 
 
 def _evict(tile) -> bool:
@@ -455,7 +463,7 @@ def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, no
     rows_p, n_kcols = scale_layout_shape(m, kb, layout)
     if rows_p == 0:
         return
-    tile = tile or quant_fp4_row_tile(width)
+    tile = tile or quant_fp4_row_tile(width, residual is not None)
     grid = _grid(tile, (rows_p + tile.rows - 1) // tile.rows, input.device)
     y = norm_out if norm_out is not None else input  # dtype carrier when not stored
     _rmsnorm_fp4_kernel[grid](
