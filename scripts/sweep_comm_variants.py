@@ -36,6 +36,8 @@ VARIANTS = {
     "pf+r8": {PF: "1", ROWS: "8"},
     "pf+probe+r4": {PF: "1", PROBE: "64", ROWS: "4"},
     "pf+w4": {PF: "1", WARPS: "4"},  # H <= 4096 only (235 registers; spills at 7168)
+    "pf+r3": {PF: "1", ROWS: "3"},
+    "pf+r6": {PF: "1", ROWS: "6"},
 }
 TOKENS = [1, 8, 64, 128, 512, 2048]
 WIDTHS = [4096, 7168]
