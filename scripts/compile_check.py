@@ -1,7 +1,8 @@
 """Compile moefuse's norm kernels for sm_90 on a machine without a GPU and report registers and
 spills (ptxas -v), so that compile errors and register pressure show up before a GPU run.
 
-Every one-pass kernel is compiled three ways: one tile per program ("tile", the launch when the
+Every one-pass kernel is compiled three ways (gated ops with sliced rows: four, "split" = one
+(row, slice) per program, marked "s"): one tile per program ("tile", the launch when the
 policy's programs_per_sm is 0), the persistent loop ("loop") and the persistent loop with the next
 tile prefetched ("prefetch"), the last two with the launcher's register cap (maxnreg) for the
 programs per SM; "*" marks what the tile policy launches.
@@ -32,7 +33,7 @@ FP32_PTRS = {"res_ptr_gated", "alpha_ptr", "beta_ptr", "out_ptr_gated", "rout_pt
 
 #: pointer types other than bf16 / fp32 (the fused quant kernels' outputs and scales)
 PTR_TYPES = {"q_ptr": "*u8", "p_ptr": "*u8", "s_ptr": "*u8", "scale_ptr": "*fp32",
-             "gs_ptr": "*fp32"}  # fmt: skip
+             "gs_ptr": "*fp32", "part_ptr": "*fp32", "ctr_ptr": "*i32"}  # fmt: skip
 
 
 VARIANTS = (("tile", False, False), ("loop", True, False), ("prefetch", True, True))
@@ -90,12 +91,19 @@ def main() -> None:
                 # loop without prefetch; "prefetch": persistent loop with prefetch. "*" marks the
                 # variant the tile policy launches.
                 variants = VARIANTS if t.num_chunks == 1 else VARIANTS[:1]
+                params = inspect.signature(kernel.fn).parameters
+                if "SPLIT" in params and t.slices > 1:
+                    # split rows (gated ops): one (row, slice) per program, same tile
+                    variants = variants + (("split", False, False),)
                 for label, persistent, prefetch in variants:
+                    split = label == "split"
                     consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows,
-                                  MASKED=t.rows > 1 or not t.even(width), PTX=True, USE_PDL=True,
-                                  PERSISTENT=persistent, PREFETCH=prefetch, **extra)  # fmt: skip
+                                  MASKED=t.rows > 1 or not t.even(width) or split, PTX=True,
+                                  USE_PDL=True, PERSISTENT=persistent, PREFETCH=prefetch,
+                                  SLICES=t.slices, SPLIT=split, PHASE=0,
+                                  LOG2S=t.slices.bit_length() - 1,
+                                  TIMEOUT_NS=tiles.SPLIT_TIMEOUT_NS, **extra)  # fmt: skip
                     consts.setdefault("EVICT_FIRST", False)
-                    params = inspect.signature(kernel.fn).parameters
                     consts = {k: v for k, v in consts.items() if k in params}
                     # persistent variants: the policy's programs per SM (2 where it runs one tile
                     # per program) and the launcher's register cap for them
@@ -105,7 +113,10 @@ def main() -> None:
                     regs, spills = compile_report(kernel, consts, warps, fp32, cap)
                     chosen = (t.programs_per_sm > 0, t.prefetch)
                     mark = "*" if (persistent, prefetch) == chosen and warps == t.num_warps else " "
+                    if split:
+                        mark = "s"  # launched at small M (rows x slices <= SMs)
                     print(f"H={width:6d} {name:11s} warps={warps:2d} chunks={t.num_chunks} "
+                          f"S={t.slices} "
                           f"{label:8s}{mark} per_sm={per_sm} maxnreg={cap or '-':>3} "
                           f"regs={regs:4d} spills={spills}", flush=True)
 

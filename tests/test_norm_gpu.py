@@ -21,6 +21,14 @@ def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(*shape, device=DEV) * scale).to(dtype)
 
 
+def _splits(m, width):
+    """True when the gated ops run this shape in split-row mode (one program per row slice)."""
+    from moefuse.norm import tiles
+
+    tile = tiles.row_tile(width, tiles.GATED_POLICY)
+    return tile.can_split(width, m, torch.cuda.get_device_properties(0).multi_processor_count)
+
+
 def _assert_same(results, what):
     for other in results[1:]:
         for a, b in zip(results[0], other):
@@ -80,6 +88,14 @@ def test_gated_residual_rmsnorm_gpu(width, with_weight):
             lambda: [poison_(torch.empty_like(r))],
         )
         _assert_same(res, "gated modes")
+        if _splits(m, width):  # M = 1, 7 at H >= 2880: split rows; bits of the normal mode
+            from moefuse.norm import gated
+
+            normal = poison_(torch.empty_like(r))
+            gated.launch_gated_residual_rmsnorm(b, r, w, a, be, normal, 1e-6, 1.0, False,
+                                                split=False)  # fmt: skip
+            assert_bitwise_equal(res[0][0], normal, f"split vs normal {m}x{width}")
+            assert moefuse.norm.split_rows_timeouts(DEV) == 0
         expected = ref.gated_residual_rmsnorm_reference(b, r, w, a, be, 1e-6, 1.0)
         assert_close(res[0][0], expected, "fp32_stream", f"gated {m}x{width}")
 
@@ -108,6 +124,17 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
         )
         _assert_same(res, "gated_next modes")
         ro, ffn, router = res[0]
+        if _splits(m, width):  # split rows at M = 1, 7 and H >= 2880: bits of the normal mode
+            from moefuse.norm import gated
+
+            normal = [poison_(torch.empty_like(t)) for t in (r, b, r)]
+            gated.launch_gated_residual_next_rmsnorm(
+                b, r, nw, alpha if alpha_kind == "tensor" else None, 1.0, be, pw, *normal, 1e-6,
+                1e-6, 0.0, 1.0, False, split=False,
+            )  # fmt: skip
+            for got, exp in zip(res[0], normal):
+                assert_bitwise_equal(got, exp, f"split vs normal {m}x{width}")
+            assert moefuse.norm.split_rows_timeouts(DEV) == 0
         exp_ro, _, _ = ref.gated_residual_next_rmsnorm_reference(
             b, r, nw, alpha, be, 1e-6, 1e-6, 0.0, pw, 1.0
         )

@@ -52,7 +52,7 @@ def gated_residual_rmsnorm_op(
     gain_center: float,
     use_pdl: bool,
 ) -> None:
-    from moefuse.norm.triton import launch_gated_residual_rmsnorm
+    from moefuse.norm.gated import launch_gated_residual_rmsnorm
 
     launch_gated_residual_rmsnorm(
         branch, residual, weight, alpha, beta, out, eps, gain_center, use_pdl
@@ -85,7 +85,7 @@ def gated_residual_next_rmsnorm_op(
     post_gain_center: float,
     use_pdl: bool,
 ) -> None:
-    from moefuse.norm.triton import launch_gated_residual_next_rmsnorm
+    from moefuse.norm.gated import launch_gated_residual_next_rmsnorm
 
     launch_gated_residual_next_rmsnorm(
         branch, residual, next_weight, alpha, alpha_scalar, beta, post_weight, residual_out,

@@ -36,6 +36,16 @@ MULTI_ROW_PROGRAMS_PER_SM = 2
 #: registers per SM (sm_90): persistent launches cap registers per thread at
 #: REGISTERS_PER_SM / (programs_per_sm x threads) so that all programs of an SM are resident
 REGISTERS_PER_SM = 65536
+#: split rows (gated ops, small M): a one-row tile is held as [SLICES, SLICE] with SLICE = 32 lanes
+#: x num_warps x ELEMS_PER_THREAD; the row statistic is the ascending chain of the per-slice sums
+#: in BOTH modes. Split mode runs one program per (row, slice) when the row is at least
+#: SPLIT_MIN_WIDTH wide and rows x slices <= SMs (all programs resident: they wait on each other).
+#: SPLIT_ROWS: None = automatic, False = never, True = whenever the tile and the grid allow it.
+SPLIT_MIN_WIDTH = 2048
+SPLIT_ROWS: bool | None = None
+#: bound of the cross-program wait of split mode (ns of %globaltimer); a timeout is counted in the
+#: scratch's error word (moefuse.norm.split_rows_timeouts) and the row's outputs are garbage
+SPLIT_TIMEOUT_NS = 1_000_000_000
 
 
 def next_pow2(n: int) -> int:
@@ -55,6 +65,8 @@ class RowTile:
     prefetch: bool = False
     #: cap registers (ptxas maxnreg) so that programs_per_sm programs fit on one SM
     fit_registers: bool = True
+    #: slices of a one-row tile ([slices, block // slices] layout; 1 = [rows, block])
+    slices: int = 1
 
     def even(self, width: int) -> bool:
         """True when ``width`` fills every chunk exactly (no column mask needed)."""
@@ -68,6 +80,18 @@ class RowTile:
         if self.programs_per_sm <= 0 or self.num_chunks > 1:
             return (n_tiles,)
         return (max(1, min(n_tiles, self.programs_per_sm * sm_count)),)
+
+    def slice_width(self) -> int:
+        return self.block // self.slices
+
+    def can_split(self, width: int, n_rows: int, sm_count: int, force: bool = False) -> bool:
+        """Split mode possible: sliced one-pass single-row tile and, on a GPU (``sm_count`` > 0),
+        every (row, slice) program resident at once; ``force`` skips the width threshold."""
+        if self.slices < 2 or self.num_chunks != 1 or self.rows != 1:
+            return False
+        if not force and width < SPLIT_MIN_WIDTH:
+            return False
+        return sm_count <= 0 or n_rows * self.slices <= sm_count
 
     def max_registers(self) -> int | None:
         """Register cap of a persistent launch (None = no cap needed or asked)."""
@@ -90,6 +114,8 @@ class TilePolicy:
     #: blocks above these run one tile per program / the loop without prefetch (register limits)
     persistent_max_block: int | None = None
     prefetch_max_block: int | None = None
+    #: hold one-row tiles as [slices, 32 x warps x ELEMS_PER_THREAD] (split-row capable)
+    slice_rows: bool = False
 
 
 #: the gated ops keep an FP32 stream and three FP32 parameter vectors live: measured on H200
@@ -103,8 +129,9 @@ class TilePolicy:
 #: and spill 280 / 28 B, the loop spills 316 / 112 B and the prefetch 892 / 776 B.
 #: Measured (sweep-persistent-2026-11-29.log): at H = 4096 the loop helped at M = 1024
 #: (gated_next 16.7 vs 18.6 us) but lost at M = 16384 (220.3 vs 198.6), so it stays off.
+#: Rows are sliced (split mode at small M, see SPLIT_MIN_WIDTH).
 GATED_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4, programs_per_sm=0,
-                          persistent_max_block=4096)
+                          persistent_max_block=4096, slice_rows=True)
 #: fused_add_rmsnorm: at 4 programs per SM (64 registers) the prefetching kernel spills 64 B at
 #: H = 4096; 3 per SM (80 registers) does not, but it ran slower than one program per row
 #: (16384 x 4096: 143.4 vs 136.0 us), so the loop is off
@@ -141,5 +168,8 @@ def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
         per_sm = 0  # the chunked (wide-row) path keeps one program per row tile
     if per_sm == 0 or (policy.prefetch_max_block or block) < block:
         prefetch = False
+    slices = 1
+    if policy.slice_rows and rows == 1 and chunks == 1:
+        slices = max(1, block // (32 * warps * ELEMS_PER_THREAD))
     return RowTile(block=block, num_chunks=chunks, rows=rows, num_warps=warps,
-                   programs_per_sm=per_sm, prefetch=prefetch)
+                   programs_per_sm=per_sm, prefetch=prefetch, slices=slices)

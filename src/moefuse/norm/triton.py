@@ -27,7 +27,6 @@ from moefuse._device import rcp_fast, round_to, rsqrt_fast
 from moefuse._runtime import interpreter_active, sm_count
 from moefuse.norm.tiles import (
     FUSED_ADD_POLICY,
-    GATED_POLICY,
     SIGMOID_GATE_POLICY,
     RowTile,
     TilePolicy,
@@ -161,17 +160,6 @@ def _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps,
     _st(res_ptr + r64 * r_st + cols[None, :], h, mask, MASKED, PTX)
     r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
     _st(x_ptr + r64 * x_st + cols[None, :], (h * r) * w, mask, MASKED, PTX)
-
-
-@triton.jit
-def _gated_tile(x, res, a, be, w, rows, cols, mask, out_ptr, o_st, Hf, eps,
-                MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """out = alpha * res + beta * (x * r), x = branch [* w] (FP32)."""
-    if HAS_WEIGHT:
-        x = x * w
-    r = _inv_rms(tl.sum(x * x, axis=1), Hf, eps)[:, None]
-    o_row = rows.to(tl.int64)[:, None] * o_st
-    _st(out_ptr + o_row + cols[None, :], tl.fma(a, res, be * (x * r)), mask, MASKED, PTX)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -346,246 +334,6 @@ def _fused_add_rmsnorm_kernel(
             gdc_launch_dependents()
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _gated_residual_kernel(
-    b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr,
-    n_rows, H, Hf,
-    b_st, r_st, o_st,
-    eps, gain_center,
-    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):  # fmt: skip
-    """x = f32(branch) [* (f32(w) + c)]; out = alpha * residual + beta * (x * r)  (all FP32)."""
-    pid = tl.program_id(0)
-    if NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK)
-        cmask = cols < H
-        a = _ld(alpha_ptr + cols, cmask, MASKED, False)[None, :]
-        be = _ld(beta_ptr + cols, cmask, MASKED, False)[None, :]
-        w = 1.0
-        if HAS_WEIGHT:
-            w = _ld(w_ptr + cols, cmask, MASKED, False)[None, :] + gain_center
-        if USE_PDL:
-            gdc_wait()
-        if not PERSISTENT:
-            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
-            br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
-            if USE_PDL:
-                gdc_launch_dependents()
-            _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, rows, cols, mask,
-                        out_ptr, o_st, Hf, eps, MASKED, HAS_WEIGHT, PTX)  # fmt: skip
-        else:
-            nprog = tl.num_programs(0)
-            n_tiles = tl.cdiv(n_rows, ROWS)
-            t = pid
-            if PREFETCH:
-                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-                b_nx, r_nx = _add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
-                                       EVICT_FIRST)  # fmt: skip
-            while t < n_tiles:
-                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
-                if PREFETCH:
-                    br = b_nx
-                    rr = r_nx
-                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
-                    mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-                    b_nx, r_nx = _add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
-                                           EVICT_FIRST)  # fmt: skip
-                else:
-                    br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED,
-                                       EVICT_FIRST)  # fmt: skip
-                if USE_PDL:
-                    if t + nprog >= n_tiles:
-                        gdc_launch_dependents()
-                _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, rows, cols, mask,
-                            out_ptr, o_st, Hf, eps, MASKED, HAS_WEIGHT, PTX)  # fmt: skip
-                t += nprog
-    else:
-        rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
-        b_row = rows.to(tl.int64)[:, None] * b_st
-        r_row = rows.to(tl.int64)[:, None] * r_st
-        o_row = rows.to(tl.int64)[:, None] * o_st
-        if USE_PDL:
-            gdc_wait()
-        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.range(NUM_CHUNKS):
-            rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, False)
-            if HAS_WEIGHT:
-                x = x * (_ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center)
-            acc += x * x
-        r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
-        for c in tl.range(NUM_CHUNKS):
-            rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            cmask = cols < H
-            x = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            if HAS_WEIGHT:
-                x = x * (_ld(w_ptr + cols, cmask, MASKED, False)[None, :] + gain_center)
-            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            a = _ld(alpha_ptr + cols, cmask, MASKED, False)[None, :]
-            be = _ld(beta_ptr + cols, cmask, MASKED, False)[None, :]
-            _st(out_ptr + o_row + cols[None, :], tl.fma(a, res, be * (x * r)), mask, MASKED, PTX)
-        if USE_PDL:
-            gdc_launch_dependents()
-
-
-@triton.jit
-def _stream_update(res, b, a_ptr, be_ptr, cols, cmask, alpha_scalar, r1,
-                   ALPHA_MODE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """residual_out = u + (beta * b) * r1; u = residual, scalar * residual or alpha * residual."""
-    if ALPHA_MODE == 1:
-        res = alpha_scalar * res
-    elif ALPHA_MODE == 2:
-        res = _ld(a_ptr + cols, cmask, MASKED, False)[None, :] * res
-    be = _ld(be_ptr + cols, cmask, MASKED, False)[None, :]
-    # explicit FMA: left to the compiler, contraction can differ between copies of the expression
-    # that Triton rematerialises for different layouts, giving two values of one element
-    return tl.fma(be * b, r1, res)
-
-
-@triton.jit
-def _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED: tl.constexpr, HAS_ROUTER: tl.constexpr,
-               PTX: tl.constexpr):  # fmt: skip
-    """ffn_input = cast(y) and, when asked, router_input = y (FP32).
-
-    With a router output, ffn_input is rounded from the stored router values re-read by the same
-    threads: Triton may recompute ``y`` in a second register layout for the 16-bit store, and on
-    H200 that copy differed from the FP32 one by an ulp now and then (ffn != cast(router)).
-    """
-    if HAS_ROUTER:
-        _st(router_ptrs, y, mask, MASKED, PTX)
-        tl.debug_barrier()
-        y = _ld(router_ptrs, mask, MASKED, False)
-    _st(ffn_ptrs, y, mask, MASKED, PTX)
-
-
-@triton.jit
-def _gated_next_tile(b, res, nw, pw, rows, cols, cmask, mask, alpha_ptr, beta_ptr, rout_ptr,
-                     ffn_ptr, router_ptr, ro_st, f_st, rt_st, alpha_scalar, Hf, post_eps,
-                     next_eps, ALPHA_MODE: tl.constexpr, MASKED: tl.constexpr,
-                     HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
-                     PTX: tl.constexpr):  # fmt: skip
-    """One-pass tile of _gated_residual_next_kernel from the FP32 branch and stream."""
-    if HAS_POST_WEIGHT:
-        b = b * pw
-    r1 = _inv_rms(tl.sum(b * b, axis=1), Hf, post_eps)[:, None]
-    ro = _stream_update(res, b, alpha_ptr, beta_ptr, cols, cmask, alpha_scalar, r1,
-                        ALPHA_MODE, MASKED)  # fmt: skip
-    r64 = rows.to(tl.int64)[:, None]
-    _st(rout_ptr + r64 * ro_st + cols[None, :], ro, mask, MASKED, PTX)
-    # padded columns hold ro = 0 (b = res = 0 there), so they add nothing to the sum
-    r2 = _inv_rms(tl.sum(ro * ro, axis=1), Hf, next_eps)[:, None]
-    _store_ffn(ffn_ptr + r64 * f_st + cols[None, :], router_ptr + r64 * rt_st + cols[None, :],
-               (ro * r2) * nw, mask, MASKED, HAS_ROUTER, PTX)  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def _gated_residual_next_kernel(
-    b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr,
-    n_rows, H, Hf,
-    b_st, r_st, ro_st, f_st, rt_st,
-    alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
-    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    ALPHA_MODE: tl.constexpr, HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):  # fmt: skip
-    """SPEC §1.4: gated stream update, then the next RMSNorm of the stored FP32 residual_out.
-
-    ALPHA_MODE: 0 = scalar 1.0 (u = residual), 1 = other scalar, 2 = per-channel tensor.
-    """
-    pid = tl.program_id(0)
-    if NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK)
-        cmask = cols < H
-        nw = _ld(nw_ptr + cols, cmask, MASKED, False)[None, :] + next_gain_center
-        pw = 1.0
-        if HAS_POST_WEIGHT:
-            pw = _ld(pw_ptr + cols, cmask, MASKED, False)[None, :] + post_gain_center
-        if USE_PDL:
-            gdc_wait()
-        if not PERSISTENT:
-            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
-            br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
-            if USE_PDL:
-                gdc_launch_dependents()
-            _gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, cmask,
-                             mask, alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr, ro_st,
-                             f_st, rt_st, alpha_scalar, Hf, post_eps, next_eps, ALPHA_MODE, MASKED,
-                             HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
-        else:
-            nprog = tl.num_programs(0)
-            n_tiles = tl.cdiv(n_rows, ROWS)
-            t = pid
-            if PREFETCH:
-                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-                b_nx, r_nx = _add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
-                                       EVICT_FIRST)  # fmt: skip
-            while t < n_tiles:
-                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
-                if PREFETCH:
-                    br = b_nx
-                    rr = r_nx
-                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
-                    mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-                    b_nx, r_nx = _add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
-                                           EVICT_FIRST)  # fmt: skip
-                else:
-                    br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED,
-                                       EVICT_FIRST)  # fmt: skip
-                if USE_PDL:
-                    if t + nprog >= n_tiles:
-                        gdc_launch_dependents()
-                _gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, cmask,
-                                 mask, alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr, ro_st,
-                                 f_st, rt_st, alpha_scalar, Hf, post_eps, next_eps, ALPHA_MODE,
-                                 MASKED, HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
-                t += nprog
-    else:
-        rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
-        b_row = rows.to(tl.int64)[:, None] * b_st
-        r_row = rows.to(tl.int64)[:, None] * r_st
-        ro_row = rows.to(tl.int64)[:, None] * ro_st
-        f_row = rows.to(tl.int64)[:, None] * f_st
-        rt_row = rows.to(tl.int64)[:, None] * rt_st
-        if USE_PDL:
-            gdc_wait()
-        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.range(NUM_CHUNKS):
-            rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, False)
-            if HAS_POST_WEIGHT:
-                b = b * (_ld(pw_ptr + cols, cols < H, MASKED, False)[None, :] + post_gain_center)
-            acc += b * b
-        r1 = _inv_rms(tl.sum(acc, axis=1), Hf, post_eps)[:, None]
-        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.range(NUM_CHUNKS):
-            rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            cmask = cols < H
-            b = _ld(b_ptr + b_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            if HAS_POST_WEIGHT:
-                b = b * (_ld(pw_ptr + cols, cmask, MASKED, False)[None, :] + post_gain_center)
-            res = _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            ro = _stream_update(res, b, alpha_ptr, beta_ptr, cols, cmask, alpha_scalar, r1,
-                                ALPHA_MODE, MASKED)  # fmt: skip
-            _st(rout_ptr + ro_row + cols[None, :], ro, mask, MASKED, PTX)
-            acc += ro * ro
-        if USE_PDL:
-            gdc_launch_dependents()
-        r2 = _inv_rms(tl.sum(acc, axis=1), Hf, next_eps)[:, None]
-        # make this program's residual_out stores visible to all of its threads before re-reading
-        tl.debug_barrier()
-        for c in tl.range(NUM_CHUNKS):
-            rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            nw = _ld(nw_ptr + cols, cols < H, MASKED, False)[None, :] + next_gain_center
-            ro = _ld(rout_ptr + ro_row + cols[None, :], mask, MASKED, False)
-            _store_ffn(ffn_ptr + f_row + cols[None, :], router_ptr + rt_row + cols[None, :],
-                       (ro * r2) * nw, mask, MASKED, HAS_ROUTER, PTX)  # fmt: skip
-
-
 # ----------------------------------------------------------------------------- launchers
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(rows, stride_t, stride_h) of a [M, H] or [M, heads, H] tensor; HEADS = 1 for 2-D."""
@@ -685,73 +433,14 @@ def launch_fused_add_rmsnorm(
     )  # fmt: skip
 
 
-def launch_gated_residual_rmsnorm(
-    branch: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    alpha: torch.Tensor,
-    beta: torch.Tensor,
-    out: torch.Tensor,
-    eps: float,
-    gain_center: float,
-    use_pdl: bool,
-    tile: RowTile | None = None,
-) -> None:
-    n_rows, width = branch.shape
-    if n_rows == 0:
-        return
-    tile = tile or row_tile(width, GATED_POLICY)
-    masked = tile.rows > 1 or not tile.even(width)
-    _gated_residual_kernel[_grid(tile, tile.grid(n_rows)[0], branch.device)](
-        branch, residual, weight if weight is not None else alpha, alpha, beta, out,
-        n_rows, width, float(width),
-        branch.stride(0), residual.stride(0), out.stride(0),
-        eps, gain_center,
-        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        EVICT_FIRST=STREAM_EVICT_FIRST,
-        HAS_WEIGHT=weight is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
-        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
-        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
-    )  # fmt: skip
+#: the gated ops live in moefuse.norm.gated (split-row mode); their names stay reachable here
+_GATED_NAMES = ("_gated_residual_kernel", "_gated_residual_next_kernel",
+                "launch_gated_residual_rmsnorm", "launch_gated_residual_next_rmsnorm")  # fmt: skip
 
 
-def launch_gated_residual_next_rmsnorm(
-    branch: torch.Tensor,
-    residual: torch.Tensor,
-    next_weight: torch.Tensor,
-    alpha: torch.Tensor | None,
-    alpha_scalar: float,
-    beta: torch.Tensor,
-    post_weight: torch.Tensor | None,
-    residual_out: torch.Tensor,
-    ffn_input: torch.Tensor,
-    router_input: torch.Tensor | None,
-    post_eps: float,
-    next_eps: float,
-    next_gain_center: float,
-    post_gain_center: float,
-    use_pdl: bool,
-    tile: RowTile | None = None,
-) -> None:
-    n_rows, width = branch.shape
-    if n_rows == 0:
-        return
-    tile = tile or row_tile(width, GATED_POLICY)
-    masked = tile.rows > 1 or not tile.even(width)
-    alpha_mode = 2 if alpha is not None else (0 if alpha_scalar == 1.0 else 1)
-    router = router_input if router_input is not None else residual_out
-    _gated_residual_next_kernel[_grid(tile, tile.grid(n_rows)[0], branch.device)](
-        branch, residual, next_weight, alpha if alpha is not None else beta, beta,
-        post_weight if post_weight is not None else next_weight,
-        residual_out, ffn_input, router,
-        n_rows, width, float(width),
-        branch.stride(0), residual.stride(0), residual_out.stride(0), ffn_input.stride(0),
-        router.stride(0),
-        alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
-        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        EVICT_FIRST=STREAM_EVICT_FIRST,
-        ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,
-        HAS_ROUTER=router_input is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
-        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
-        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
-    )  # fmt: skip
+def __getattr__(name: str):
+    if name in _GATED_NAMES:
+        from moefuse.norm import gated
+
+        return getattr(gated, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
