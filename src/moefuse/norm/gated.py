@@ -16,10 +16,11 @@ program resident at once: split mode runs only when rows x SLICES <= SMs. In Tri
 programs run one after another, so the split mode runs as one launch per phase (PHASE = 1, 2, [3]:
 publish, then read the partials and continue), through the same per-slice code.
 
-Scratch (per device, allocated outside CUDA-graph capture; while capturing without one the normal
-mode runs, same bits): FP32 partials ``[rows, 2, SLICES]`` and int32 ``[error, counters[rows, 8]]``.
-Launches of this module on one device must be stream-ordered (two streams running split-mode
-launches concurrently would share tickets).
+Scratch (per device and stream, allocated outside CUDA-graph capture; while capturing without one
+the normal mode runs, same bits): FP32 partials ``[rows, 2, SLICES]`` and int32 ``[error,
+counters[rows, 8]]``. Launches on one stream are ordered, so their tickets never interleave; a
+CUDA graph keeps its capture stream's scratch, so replays of graphs captured on one stream must not
+run concurrently with each other (see ``_SCRATCH``).
 """
 
 from __future__ import annotations
@@ -443,14 +444,26 @@ def _gated_residual_next_kernel(
 
 
 # ----------------------------------------------------------------------------- split scratch
-_SCRATCH: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+#: one scratch per (device, stream): launches on one stream are ordered, so their tickets never
+#: interleave; split launches on two streams at once get different counters. A CUDA graph keeps
+#: the scratch of the stream it was captured on: replays of graphs captured on one stream must not
+#: overlap each other (nor eager split launches on that stream) — the usual rule for per-stream
+#: workspaces such as cuBLAS's.
+_SCRATCH: dict[tuple[str, int | None, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _stream_key(device: torch.device) -> tuple[str, int | None, int]:
+    if device.type != "cuda":
+        return (device.type, device.index, 0)
+    return (device.type, device.index, torch.cuda.current_stream(device).cuda_stream)
 
 
 def _scratch(device: torch.device, n_rows: int, slices: int):
-    """(partials FP32, [error, counters] int32) of ``device`` for ``n_rows`` x ``slices``; None
-    while a CUDA graph is being captured and no large enough scratch exists (no allocation then).
+    """(partials FP32, [error, counters] int32) of ``device`` and the current stream for
+    ``n_rows`` x ``slices``; None while a CUDA graph is being captured and no large enough scratch
+    exists for the capturing stream (no allocation then: the normal mode runs, same bits).
     """
-    key = (device.type, device.index)
+    key = _stream_key(device)
     cur = _SCRATCH.get(key)
     if cur is not None and cur[0].numel() >= 2 * n_rows * slices and \
             cur[1].numel() >= 1 + _CTR_PER_ROW * n_rows:  # fmt: skip
@@ -466,17 +479,17 @@ def _scratch(device: torch.device, n_rows: int, slices: int):
 
 
 def split_rows_timeouts(device: torch.device | str | None = None, reset: bool = False) -> int:
-    """Split-mode programs of ``device`` whose cross-program wait timed out (0 = none; their rows
-    were wrong). Reads the device (synchronizes); ``reset`` zeroes the count."""
+    """Split-mode programs of ``device`` (all streams) whose cross-program wait timed out (0 =
+    none; their rows were wrong). Reads the device (synchronizes); ``reset`` zeroes the count."""
     device = torch.device(device if device is not None else "cuda")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    cur = _SCRATCH.get((device.type, device.index))
-    if cur is None:
-        return 0
-    n = int(cur[1][0].item())
-    if reset:
-        cur[1][0].zero_()
+    n = 0
+    for key, cur in _SCRATCH.items():
+        if key[:2] == (device.type, device.index):
+            n += int(cur[1][0].item())
+            if reset:
+                cur[1][0].zero_()
     return n
 
 
