@@ -22,7 +22,8 @@ def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
 
 
 def _splits(m, width):
-    """True when the gated ops run this shape in split-row mode (one program per row slice)."""
+    """True when the gated ops can run this shape in split-row mode (one program per row slice;
+    opt-in, see moefuse.norm.tiles.SPLIT_ROWS)."""
     from moefuse.norm import tiles
 
     tile = tiles.row_tile(width, tiles.GATED_POLICY)
@@ -88,13 +89,13 @@ def test_gated_residual_rmsnorm_gpu(width, with_weight):
             lambda: [poison_(torch.empty_like(r))],
         )
         _assert_same(res, "gated modes")
-        if _splits(m, width):  # M = 1, 7 at H >= 2880: split rows; bits of the normal mode
+        if _splits(m, width):  # M = 1, 7 at H >= 2880: split rows (opt-in) = the normal bits
             from moefuse.norm import gated
 
-            normal = poison_(torch.empty_like(r))
-            gated.launch_gated_residual_rmsnorm(b, r, w, a, be, normal, 1e-6, 1.0, False,
-                                                split=False)  # fmt: skip
-            assert_bitwise_equal(res[0][0], normal, f"split vs normal {m}x{width}")
+            split = poison_(torch.empty_like(r))
+            gated.launch_gated_residual_rmsnorm(b, r, w, a, be, split, 1e-6, 1.0, False,
+                                                split=True)  # fmt: skip
+            assert_bitwise_equal(split, res[0][0], f"split vs normal {m}x{width}")
             assert moefuse.norm.split_rows_timeouts(DEV) == 0
         expected = ref.gated_residual_rmsnorm_reference(b, r, w, a, be, 1e-6, 1.0)
         assert_close(res[0][0], expected, "fp32_stream", f"gated {m}x{width}")
@@ -124,15 +125,15 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
         )
         _assert_same(res, "gated_next modes")
         ro, ffn, router = res[0]
-        if _splits(m, width):  # split rows at M = 1, 7 and H >= 2880: bits of the normal mode
+        if _splits(m, width):  # split rows (opt-in) at M = 1, 7 and H >= 2880: normal bits
             from moefuse.norm import gated
 
-            normal = [poison_(torch.empty_like(t)) for t in (r, b, r)]
+            split = [poison_(torch.empty_like(t)) for t in (r, b, r)]
             gated.launch_gated_residual_next_rmsnorm(
-                b, r, nw, alpha if alpha_kind == "tensor" else None, 1.0, be, pw, *normal, 1e-6,
-                1e-6, 0.0, 1.0, False, split=False,
+                b, r, nw, alpha if alpha_kind == "tensor" else None, 1.0, be, pw, *split, 1e-6,
+                1e-6, 0.0, 1.0, False, split=True,
             )  # fmt: skip
-            for got, exp in zip(res[0], normal):
+            for got, exp in zip(split, res[0]):
                 assert_bitwise_equal(got, exp, f"split vs normal {m}x{width}")
             assert moefuse.norm.split_rows_timeouts(DEV) == 0
         exp_ro, _, _ = ref.gated_residual_next_rmsnorm_reference(

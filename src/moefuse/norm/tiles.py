@@ -42,7 +42,13 @@ REGISTERS_PER_SM = 65536
 #: SPLIT_MIN_WIDTH wide and rows x slices <= SMs (all programs resident: they wait on each other).
 #: SPLIT_ROWS: None = automatic, False = never, True = whenever the tile and the grid allow it.
 SPLIT_MIN_WIDTH = 2048
-SPLIT_ROWS: bool | None = None
+#: Off by default: measured on H200 (scripts/check_split_rows.py, notes/gpu-logs/
+#: check-split-rows-2026-11-29.log; bitwise equal to the normal mode everywhere) the split mode
+#: was SLOWER at every shape tried: M = 1, H = 8192 3.54 vs 2.69 us (gated_residual), 4.93 vs
+#: 3.69 us (gated_next); M = 16 3.91 vs 2.91, 5.52 vs 4.17; H = 4096 2.40 vs 1.50 us. The ticket
+#: barrier and the full tile each split program still holds (same tree) cost more than the
+#: parallel loads win. Kept as an opt-in (split=True / SPLIT_ROWS = None) for other GPUs.
+SPLIT_ROWS: bool | None = False
 #: bound of the cross-program wait of split mode (ns of %globaltimer); a timeout is counted in the
 #: scratch's error word (moefuse.norm.split_rows_timeouts) and the row's outputs are garbage
 SPLIT_TIMEOUT_NS = 1_000_000_000
