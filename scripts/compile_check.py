@@ -104,7 +104,6 @@ def main() -> None:
                                   LOG2S=t.slices.bit_length() - 1,
                                   TIMEOUT_NS=tiles.SPLIT_TIMEOUT_NS, **extra)  # fmt: skip
                     consts.setdefault("EVICT_FIRST", False)
-                    consts.setdefault("LATE_PARAMS", False)
                     consts = {k: v for k, v in consts.items() if k in params}
                     # persistent variants: the policy's programs per SM (2 where it runs one tile
                     # per program) and the launcher's register cap for them
@@ -132,17 +131,6 @@ def _cases():
          ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"), tiles.GATED_POLICY),
         ("gated_next", nt._gated_residual_next_kernel,
          {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
-         ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"), tiles.GATED_POLICY),
-        # the benchmark's configurations, parameters loaded before gdc_wait / after the reduction
-        ("gated_bench", nt._gated_residual_kernel, {"HAS_WEIGHT": False},
-         ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"), tiles.GATED_POLICY),
-        ("gated_late", nt._gated_residual_kernel, {"HAS_WEIGHT": False, "LATE_PARAMS": True},
-         ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"), tiles.GATED_POLICY),
-        ("next_bench", nt._gated_residual_next_kernel,
-         {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": False, "HAS_ROUTER": False},
-         ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"), tiles.GATED_POLICY),
-        ("next_late", nt._gated_residual_next_kernel,
-         {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": False, "HAS_ROUTER": False, "LATE_PARAMS": True},
          ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"), tiles.GATED_POLICY),
         ("sigmoid", nt._rmsnorm_kernel, {"HAS_GATE": True}, (), tiles.SIGMOID_GATE_POLICY),
         ("fp8", qf._rmsnorm_fp8_kernel, {"HAS_RESIDUAL": False, "FMT": 0, "EVICT_FIRST": True,

@@ -153,23 +153,16 @@ def _row_sumsq(sq, t, sid, part_ptr, ctr_ptr, SLOT: tl.constexpr, SLICES: tl.con
 # ----------------------------------------------------------------------------- per-tile code
 @triton.jit
 def _gated_tile(x, res, a, be, w, t, sid, rows, offs, mask, out_ptr, o_st, Hf, eps, part_ptr,
-                ctr_ptr, a_ptr, be_ptr, pm, MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                PTX: tl.constexpr, SLICES: tl.constexpr, SPLIT: tl.constexpr,
-                PHASE: tl.constexpr, LOG2S: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-                LATE_PARAMS: tl.constexpr):  # fmt: skip
-    """out = alpha * res + beta * (x * r), x = branch [* w] (FP32). PHASE 1 only publishes.
-
-    LATE_PARAMS: alpha and beta are loaded here, after the reduction (``a``, ``be`` unused), so
-    they are not live across it (registers); otherwise the caller loaded them before gdc_wait."""
+                ctr_ptr, MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr,
+                SLICES: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr,
+                LOG2S: tl.constexpr, TIMEOUT_NS: tl.constexpr):  # fmt: skip
+    """out = alpha * res + beta * (x * r), x = branch [* w] (FP32). PHASE 1 only publishes."""
     if HAS_WEIGHT:
         x = x * w
     ss = _row_sumsq(x * x, t, sid, part_ptr, ctr_ptr, 0, SLICES, SPLIT, PHASE, 1, LOG2S,
                     TIMEOUT_NS)  # fmt: skip
     if PHASE != 1:
         r = tl.broadcast_to(_inv_rms(ss, Hf, eps), x.shape)
-        if LATE_PARAMS:
-            a = _ld(a_ptr + offs, pm, MASKED, False)
-            be = _ld(be_ptr + offs, pm, MASKED, False)
         o_row = rows.to(tl.int64)[:, None] * o_st
         _st(out_ptr + o_row + offs, tl.fma(a, res, be * (x * r)), mask, MASKED, PTX)
 
@@ -211,12 +204,8 @@ def _gated_next_tile(b, res, nw, pw, t, sid, rows, offs, pmask, mask, alpha_ptr,
                      MASKED: tl.constexpr, HAS_POST_WEIGHT: tl.constexpr,
                      HAS_ROUTER: tl.constexpr, PTX: tl.constexpr, SLICES: tl.constexpr,
                      SPLIT: tl.constexpr, PHASE: tl.constexpr, LOG2S: tl.constexpr,
-                     TIMEOUT_NS: tl.constexpr, nw_ptr, next_gain_center,
-                     LATE_PARAMS: tl.constexpr):  # fmt: skip
+                     TIMEOUT_NS: tl.constexpr):  # fmt: skip
     """One-pass tile of _gated_residual_next_kernel from the FP32 branch and stream.
-
-    LATE_PARAMS: next_weight is loaded here, right before its use (``nw`` unused), instead of
-    being live across both reductions.
 
     Interpreter split phases: 1 publishes the slice sum of b; 2 stores residual_out and publishes
     its slice sum; 3 re-reads the stored FP32 residual_out (the same bits) and writes ffn/router.
@@ -241,8 +230,6 @@ def _gated_next_tile(b, res, nw, pw, t, sid, rows, offs, pmask, mask, alpha_ptr,
                          TIMEOUT_NS)  # fmt: skip
         if PHASE != 2:
             r2 = tl.broadcast_to(_inv_rms(ss2, Hf, next_eps), ro.shape)
-            if LATE_PARAMS:
-                nw = _ld(nw_ptr + offs, pmask, MASKED, False) + next_gain_center
             _store_ffn(ffn_ptr + r64 * f_st + offs, router_ptr + r64 * rt_st + offs,
                        (ro * r2) * nw, mask, MASKED, HAS_ROUTER, PTX)  # fmt: skip
 
@@ -261,7 +248,7 @@ def _gated_residual_kernel(
     EVICT_FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr, SLICES: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr,
-    LOG2S: tl.constexpr, TIMEOUT_NS: tl.constexpr, LATE_PARAMS: tl.constexpr,
+    LOG2S: tl.constexpr, TIMEOUT_NS: tl.constexpr,
 ):  # fmt: skip
     """x = f32(branch) [* (f32(w) + c)]; out = alpha * residual + beta * (x * r)  (all FP32)."""
     pid = tl.program_id(0)
@@ -271,11 +258,8 @@ def _gated_residual_kernel(
             sid = tl.program_id(1)
         offs = _slab_offs(BLOCK, SLICES)
         pm = _col_mask(offs, H, sid, SLICES, SPLIT)
-        a = 0.0
-        be = 0.0
-        if not LATE_PARAMS:
-            a = _ld(alpha_ptr + offs, pm, MASKED, False)
-            be = _ld(beta_ptr + offs, pm, MASKED, False)
+        a = _ld(alpha_ptr + offs, pm, MASKED, False)
+        be = _ld(beta_ptr + offs, pm, MASKED, False)
         w = 1.0
         if HAS_WEIGHT:
             w = _ld(w_ptr + offs, pm, MASKED, False) + gain_center
@@ -287,9 +271,8 @@ def _gated_residual_kernel(
             if USE_PDL:
                 gdc_launch_dependents()
             _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, pid, sid, rows, offs,
-                        mask, out_ptr, o_st, Hf, eps, part_ptr, ctr_ptr, alpha_ptr, beta_ptr, pm,
-                        MASKED, HAS_WEIGHT, PTX, SLICES, SPLIT, PHASE, LOG2S, TIMEOUT_NS,
-                        LATE_PARAMS)  # fmt: skip
+                        mask, out_ptr, o_st, Hf, eps, part_ptr, ctr_ptr, MASKED, HAS_WEIGHT, PTX,
+                        SLICES, SPLIT, PHASE, LOG2S, TIMEOUT_NS)  # fmt: skip
         else:
             nprog = tl.num_programs(0)
             n_tiles = tl.cdiv(n_rows, ROWS)
@@ -315,9 +298,8 @@ def _gated_residual_kernel(
                     if t + nprog >= n_tiles:
                         gdc_launch_dependents()
                 _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, t, sid, rows, offs,
-                            mask, out_ptr, o_st, Hf, eps, part_ptr, ctr_ptr, alpha_ptr, beta_ptr,
-                            pm, MASKED, HAS_WEIGHT, PTX, SLICES, False, 0, LOG2S, TIMEOUT_NS,
-                            LATE_PARAMS)  # fmt: skip
+                            mask, out_ptr, o_st, Hf, eps, part_ptr, ctr_ptr, MASKED, HAS_WEIGHT,
+                            PTX, SLICES, False, 0, LOG2S, TIMEOUT_NS)  # fmt: skip
                 t += nprog
     else:
         rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
@@ -360,7 +342,7 @@ def _gated_residual_next_kernel(
     ALPHA_MODE: tl.constexpr, HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr, SLICES: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr,
-    LOG2S: tl.constexpr, TIMEOUT_NS: tl.constexpr, LATE_PARAMS: tl.constexpr,
+    LOG2S: tl.constexpr, TIMEOUT_NS: tl.constexpr,
 ):  # fmt: skip
     """SPEC §1.4: gated stream update, then the next RMSNorm of the FP32 residual_out.
 
@@ -373,9 +355,7 @@ def _gated_residual_next_kernel(
             sid = tl.program_id(1)
         offs = _slab_offs(BLOCK, SLICES)
         pm = _col_mask(offs, H, sid, SLICES, SPLIT)
-        nw = 0.0
-        if not LATE_PARAMS:
-            nw = _ld(nw_ptr + offs, pm, MASKED, False) + next_gain_center
+        nw = _ld(nw_ptr + offs, pm, MASKED, False) + next_gain_center
         pw = 1.0
         if HAS_POST_WEIGHT:
             pw = _ld(pw_ptr + offs, pm, MASKED, False) + post_gain_center
@@ -390,8 +370,7 @@ def _gated_residual_next_kernel(
                              pm, mask, alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr, ro_st,
                              f_st, rt_st, alpha_scalar, Hf, post_eps, next_eps, part_ptr,
                              ctr_ptr, ALPHA_MODE, MASKED, HAS_POST_WEIGHT, HAS_ROUTER, PTX,
-                             SLICES, SPLIT, PHASE, LOG2S, TIMEOUT_NS, nw_ptr, next_gain_center,
-                             LATE_PARAMS)  # fmt: skip
+                             SLICES, SPLIT, PHASE, LOG2S, TIMEOUT_NS)  # fmt: skip
         else:
             nprog = tl.num_programs(0)
             n_tiles = tl.cdiv(n_rows, ROWS)
@@ -420,8 +399,7 @@ def _gated_residual_next_kernel(
                                  offs, pm, mask, alpha_ptr, beta_ptr, rout_ptr, ffn_ptr,
                                  router_ptr, ro_st, f_st, rt_st, alpha_scalar, Hf, post_eps,
                                  next_eps, part_ptr, ctr_ptr, ALPHA_MODE, MASKED, HAS_POST_WEIGHT,
-                                 HAS_ROUTER, PTX, SLICES, False, 0, LOG2S, TIMEOUT_NS, nw_ptr,
-                                 next_gain_center, LATE_PARAMS)  # fmt: skip
+                                 HAS_ROUTER, PTX, SLICES, False, 0, LOG2S, TIMEOUT_NS)  # fmt: skip
                 t += nprog
     else:
         rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
@@ -552,18 +530,6 @@ def _launches(tile: RowTile, n_rows: int, device: torch.device, scratch, phases:
     return [(grid, _split_consts(tile, True, p)) for p in range(1, phases + 1)]
 
 
-#: load the gated ops' parameter vectors after the row reduction (not before gdc_wait) for
-#: one-pass tiles of at least this many columns and launches of at least this many rows (None =
-#: never). Same arithmetic either way (same bits); only register pressure and PDL overlap differ.
-LATE_PARAMS_MIN_BLOCK: int | None = None
-LATE_PARAMS_MIN_ROWS = 0
-
-
-def _late_params(tile: RowTile, n_rows: int) -> bool:
-    return (LATE_PARAMS_MIN_BLOCK is not None and tile.num_chunks == 1
-            and tile.block >= LATE_PARAMS_MIN_BLOCK and n_rows >= LATE_PARAMS_MIN_ROWS)
-
-
 def _kwargs(tile: RowTile, scratch, use_pdl: bool) -> dict:
     # split launches are never persistent: no register cap
     return nt._launch_kwargs(tile if scratch is None else replace(tile, programs_per_sm=0), use_pdl)
@@ -606,7 +572,6 @@ def launch_gated_residual_rmsnorm(
             HAS_WEIGHT=weight is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
             PERSISTENT=nt._persistent(tile) and scratch is None,
             PREFETCH=nt._prefetch(tile) and scratch is None, **consts,
-            LATE_PARAMS=_late_params(tile, n_rows),
             num_warps=tile.num_warps, **_kwargs(tile, scratch, use_pdl),
         )  # fmt: skip
 
@@ -654,6 +619,5 @@ def launch_gated_residual_next_rmsnorm(
             HAS_ROUTER=router_input is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
             PERSISTENT=nt._persistent(tile) and scratch is None,
             PREFETCH=nt._prefetch(tile) and scratch is None, **consts,
-            LATE_PARAMS=_late_params(tile, n_rows),
             num_warps=tile.num_warps, **_kwargs(tile, scratch, use_pdl),
         )  # fmt: skip
