@@ -189,13 +189,26 @@ class CpuClock:
         #: early: waits add this to their timeout so none ends before ``timeout_s``
         self.resolution_us = int(period_s * 1e6)
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self.tensor[0] = time.monotonic_ns()
         self._thread = threading.Thread(target=self._run, name="moefuse-comm-clock", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):
-            self.tensor[0] = time.monotonic_ns()
+            self.tick()
+
+    def tick(self) -> None:
+        """Set the word to now. Called right before each launch as well: a wait's deadline is the
+        word it reads first plus the timeout, and that word is then never older than the call,
+        so no wait ends before ``timeout_s`` after the call began even when the refresh thread is
+        starved (2-core CI, several rank processes; a thread-only clock ended a 2 s wait at 1.98 s).
+        Locked and monotonic: the thread can never write back an older reading over a newer one.
+        """
+        with self._lock:
+            now = time.monotonic_ns()
+            if now > int(self.tensor[0]):
+                self.tensor[0] = now
 
     def stop(self) -> None:
         self._stop.set()

@@ -493,6 +493,7 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
         )  # fmt: skip
         return
     timeout_us = ws.timeout_us
+    ws.refresh_clock()
     bits = _BITS[x.dtype]
     if algorithm == "oneshot":
         var = oneshot_variant(m)

@@ -194,6 +194,12 @@ class AllReduceWorkspace:
         self.id = next(_IDS)
         _REGISTRY[self.id] = self
 
+    def refresh_clock(self) -> None:
+        """CPU backend: set the clock word to now before a launch (see ``CpuClock.tick``); the
+        GPU reads ``%globaltimer`` and needs nothing."""
+        if self._clock is not None:
+            self._clock.tick()
+
     # ------------------------------------------------------------------------- construction
     def _min_sm_count(self) -> int:
         if self.device.type != "cuda":
