@@ -87,19 +87,54 @@ def _finish(ctrl_ptr, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
 
 # ----------------------------------------------------------------------------- one-shot
 @triton.jit
-def _push_row(x_ptr, x_st, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
-              P: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
-    """Store row ``t`` of this rank (-0.0 scrubbed) into its slot of every peer's buffer.
+def _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
+               P: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """Store row ``t`` of this rank, already in registers as ``x`` (-0.0 scrubbed), into its
+    slot of every peer's buffer.
 
     Slots hold only the P-1 peers of the receiving rank (a rank reads its own row from its own
     input): sender ``s`` uses slot ``s - (s > q)`` at receiver ``q``."""
     t64 = t.to(tl.int64)
-    bits = D.scrub(D.as_bits(tl.load(x_ptr + t64 * x_st + cols, mask=cmask, other=0.0), BITS), BITS)
+    bits = D.scrub(D.as_bits(x, BITS), BITS)
     for q in tl.static_range(P):
         if q != rank:
             slot = rank - (rank > q).to(tl.int32)
             off = ((region + t64) * (P - 1) + slot) * H
             tl.store(D.peer_base(table_ptr, q, lam_off16, BITS) + off + cols, bits, mask=cmask)
+
+
+@triton.jit
+def _push_row(x_ptr, x_st, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
+              P: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """Load row ``t`` of this rank's input and push it (:func:`_push_vals`)."""
+    x = tl.load(x_ptr + t.to(tl.int64) * x_st + cols, mask=cmask, other=0.0)
+    _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+
+
+@triton.jit
+def _receive_sum(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr, empty,
+                 T: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, FP32_ACC: tl.constexpr,
+                 PROBE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Row ``t64`` summed over ranks in ascending order (this rank's ``x`` in its place, each
+    peer's row polled from its slot of this rank's buffer, then the slot re-armed), rounded to
+    ``T``. Returns (sum as FP32, bit mask of the peers whose row did not arrive in time)."""
+    acc = tl.zeros(x.shape, tl.float32)
+    missing = 0
+    for q in tl.static_range(P):
+        if q == rank:
+            v = x.to(tl.float32)
+        else:
+            slot = q - (q > rank).to(tl.int32)
+            row = mine + ((region + t64) * (P - 1) + slot) * H
+            if PROBE > 0:
+                D.poll_probe(row, H, deadline, clock_ptr, PROBE, BITS, PTX)
+            ptr = row + cols
+            bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
+            tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
+            missing = missing | tl.where(pending != 0, 1 << q, 0)
+            v = bits.to(T, bitcast=True).to(tl.float32)
+        acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
+    return round_to(acc, T, PTX).to(tl.float32), missing
 
 
 @triton.jit(do_not_specialize=["M", "M_pad", "rank"])
@@ -163,22 +198,9 @@ def _oneshot_kernel(
                     res = res.to(tl.float32)
                 else:
                     res = res0
-            acc = tl.zeros([BLOCK_H], tl.float32)
-            for q in tl.static_range(P):
-                if q == rank:
-                    v = x.to(tl.float32)
-                else:
-                    slot = q - (q > rank).to(tl.int32)
-                    row = mine + ((region + t) * (P - 1) + slot) * H
-                    if PROBE > 0:
-                        D.poll_probe(row, H, deadline, clock_ptr, PROBE, BITS, PTX)
-                    ptr = row + cols
-                    bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
-                    tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
-                    missing = missing | tl.where(pending != 0, 1 << q, 0)
-                    v = bits.to(T, bitcast=True).to(tl.float32)
-                acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
-            s = round_to(acc, T, PTX).to(tl.float32)
+            s, miss = _receive_sum(x, t, mine, region, rank, cols, cmask, H, deadline,
+                                   clock_ptr, empty, T, P, BITS, FP32_ACC, PROBE, PTX)  # fmt: skip
+            missing = missing | miss
             D.epilogue_row(s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                            out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
                            sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
@@ -203,19 +225,6 @@ def _load_row(x_ptr, res_ptr, x_st, res_st, t, M, cols, cmask, PATTERN: tl.const
     else:
         r = tl.zeros_like(x)
     return x, r
-
-
-@triton.jit
-def _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
-               P: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
-    """:func:`_push_row` for a row already in registers."""
-    t64 = t.to(tl.int64)
-    bits = D.scrub(D.as_bits(x, BITS), BITS)
-    for q in tl.static_range(P):
-        if q != rank:
-            slot = rank - (rank > q).to(tl.int32)
-            off = ((region + t64) * (P - 1) + slot) * H
-            tl.store(D.peer_base(table_ptr, q, lam_off16, BITS) + off + cols, bits, mask=cmask)
 
 
 @triton.jit(do_not_specialize=["M", "M_pad", "rank"])
@@ -266,22 +275,9 @@ def _oneshot_prefetch_kernel(
             _push_vals(xb, t + G, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
         xc, rc = _load_row(x_ptr, res_ptr, x_st, res_st, t + 2 * G, M, cols, cmask, PATTERN)
         t64 = t.to(tl.int64)
-        acc = tl.zeros([BLOCK_H], tl.float32)
-        for q in tl.static_range(P):
-            if q == rank:
-                v = xa.to(tl.float32)
-            else:
-                slot = q - (q > rank).to(tl.int32)
-                row = mine + ((region + t64) * (P - 1) + slot) * H
-                if PROBE > 0:
-                    D.poll_probe(row, H, deadline, clock_ptr, PROBE, BITS, PTX)
-                ptr = row + cols
-                bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
-                tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
-                missing = missing | tl.where(pending != 0, 1 << q, 0)
-                v = bits.to(T, bitcast=True).to(tl.float32)
-            acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
-        s = round_to(acc, T, PTX).to(tl.float32)
+        s, miss = _receive_sum(xa, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr,
+                               empty, T, P, BITS, FP32_ACC, PROBE, PTX)  # fmt: skip
+        missing = missing | miss
         D.epilogue_row(s, ra.to(tl.float32), g, t64, cols, cmask, H, Hf, eps, inv_scale, gs,
                        rcp_gs, n_kcols, out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st,
                        q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)
