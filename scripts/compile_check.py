@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moefuse.norm import tiles
+from moefuse.norm import gated, tiles
 from moefuse.norm import triton as nt
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -127,9 +127,9 @@ def _cases():
     return [
         ("rmsnorm", nt._rmsnorm_kernel, {"HAS_GATE": False}, (), tiles.TilePolicy()),
         ("fused_add", nt._fused_add_rmsnorm_kernel, {}, (), tiles.FUSED_ADD_POLICY),
-        ("gated", nt._gated_residual_kernel, {"HAS_WEIGHT": True},
+        ("gated", gated._gated_residual_kernel, {"HAS_WEIGHT": True},
          ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"), tiles.GATED_POLICY),
-        ("gated_next", nt._gated_residual_next_kernel,
+        ("gated_next", gated._gated_residual_next_kernel,
          {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
          ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"), tiles.GATED_POLICY),
         ("sigmoid", nt._rmsnorm_kernel, {"HAS_GATE": True}, (), tiles.SIGMOID_GATE_POLICY),

@@ -8,7 +8,7 @@ import torch
 
 import moefuse
 from moefuse.bench import harness
-from moefuse.norm import tiles
+from moefuse.norm import gated, tiles
 from moefuse.norm import triton as nt
 
 BF = torch.bfloat16
@@ -61,8 +61,8 @@ def main() -> None:
                     tag = f"w{warps}{'c' if single < h else ''}{'E' if evict else ''}"
                     line += f" | {tag} {us:7.2f}us {bytes_per[op] * m * h / us / 1e6:.2f}"
         print(line, flush=True)
-    for kernel in (nt._fused_add_rmsnorm_kernel, nt._gated_residual_kernel,
-                   nt._gated_residual_next_kernel):  # fmt: skip
+    for kernel in (nt._fused_add_rmsnorm_kernel, gated._gated_residual_kernel,
+                   gated._gated_residual_next_kernel):  # fmt: skip
         for cache in kernel.device_caches.values():
             for ck in cache[0].values():
                 md = ck.metadata

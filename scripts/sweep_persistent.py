@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from moefuse.bench import harness
-from moefuse.norm import tiles
+from moefuse.norm import gated, tiles
 from moefuse.norm import triton as nt
 from moefuse.quant import fused as qf
 from moefuse.quant.formats import scale_layout_shape
@@ -82,16 +82,16 @@ OPS = {
         lambda d, t: nt.launch_fused_add_rmsnorm(d["x"], d["res"], d["w"], EPS, 0.0, True, tile=t),
         ("x", "res")),
     "gated_residual": Op(
-        nt._gated_residual_kernel, lambda: tiles.GATED_POLICY, 10,
+        gated._gated_residual_kernel, lambda: tiles.GATED_POLICY, 10,
         lambda m, h: dict(b=_r(m, h), res=_r(m, h, dtype=F32), a=_r(h, dtype=F32),
                           be=_r(h, dtype=F32), o=_e(m, h, dtype=F32)),
-        lambda d, t: nt.launch_gated_residual_rmsnorm(d["b"], d["res"], None, d["a"], d["be"],
+        lambda d, t: gated.launch_gated_residual_rmsnorm(d["b"], d["res"], None, d["a"], d["be"],
                                                       d["o"], EPS, 0.0, True, tile=t), ("o",)),
     "gated_next": Op(
-        nt._gated_residual_next_kernel, lambda: tiles.GATED_POLICY, 12,
+        gated._gated_residual_next_kernel, lambda: tiles.GATED_POLICY, 12,
         lambda m, h: dict(b=_r(m, h), res=_r(m, h, dtype=F32), nw=_r(h), a=_r(h, dtype=F32),
                           be=_r(h, dtype=F32), ro=_e(m, h, dtype=F32), f=_e(m, h, dtype=BF)),
-        lambda d, t: nt.launch_gated_residual_next_rmsnorm(
+        lambda d, t: gated.launch_gated_residual_next_rmsnorm(
             d["b"], d["res"], d["nw"], d["a"], 1.0, d["be"], None, d["ro"], d["f"], None, EPS,
             EPS, 0.0, 0.0, True, tile=t), ("ro", "f")),
     "fp8": Op(

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from moefuse.norm import tiles
+from moefuse.norm import gated, tiles
 from moefuse.norm import triton as nt
 from moefuse.quant import fused as qf
 from moefuse.testing import assert_bitwise_equal, poison_
@@ -110,7 +110,7 @@ def test_gated_residual_in_place(width, seed):
     def run(tile):
         rb, ri = _framed(ROWS, width, dtype=F32)
         ri.copy_(res)
-        nt.launch_gated_residual_rmsnorm(b, ri, w, a, be, ri, 1e-6, 0.0, False, tile=tile)
+        gated.launch_gated_residual_rmsnorm(b, ri, w, a, be, ri, 1e-6, 0.0, False, tile=tile)
         return (rb,)
 
     _check(run, width, tiles.GATED_POLICY, 1)
@@ -127,7 +127,7 @@ def test_gated_residual_next_in_place(width, seed):
         fb, fi = _framed(ROWS, width, dtype=BF)
         tb, ti = _framed(ROWS, width, dtype=F32)
         ri.copy_(res)
-        nt.launch_gated_residual_next_rmsnorm(b, ri, nw, a, 1.0, be, pw, ri, fi, ti, 1e-6, 1e-6,
+        gated.launch_gated_residual_next_rmsnorm(b, ri, nw, a, 1.0, be, pw, ri, fi, ti, 1e-6, 1e-6,
                                               0.0, 0.0, False, tile=tile)  # fmt: skip
         return rb, fb, tb
 

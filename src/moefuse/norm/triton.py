@@ -432,15 +432,3 @@ def launch_fused_add_rmsnorm(
         num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
 
-
-#: the gated ops live in moefuse.norm.gated (split-row mode); their names stay reachable here
-_GATED_NAMES = ("_gated_residual_kernel", "_gated_residual_next_kernel",
-                "launch_gated_residual_rmsnorm", "launch_gated_residual_next_rmsnorm")  # fmt: skip
-
-
-def __getattr__(name: str):
-    if name in _GATED_NAMES:
-        from moefuse.norm import gated
-
-        return getattr(gated, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
