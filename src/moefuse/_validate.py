@@ -7,7 +7,7 @@ tensors; they run again in eager mode.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -128,3 +128,13 @@ def check_eps(op: str, name: str, eps) -> None:
         raise ValueError(
             f"moefuse.{op}: argument '{name}' must be a non-negative float, got {eps!r}"
         )
+
+
+def accepts(check: Callable[..., None], *args) -> bool:
+    """True when ``check(*args)`` raises no ValueError: the argument half of every ``supports_*``
+    helper (the other half asks whether a kernel can run on the device)."""
+    try:
+        check(*args)
+    except ValueError:
+        return False
+    return True

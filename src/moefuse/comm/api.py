@@ -160,12 +160,10 @@ def allreduce_residual_rmsnorm(input, residual, weight, *, workspace, eps: float
 
 def supports_allreduce_residual_rmsnorm(input, residual, weight, *, workspace) -> bool:
     """Local answer (no side effects); combine across ranks with ``workspace.vote``."""
-    try:
-        _check_common("allreduce_residual_rmsnorm", input, workspace, True, "auto")
-        _check_norm_inputs("allreduce_residual_rmsnorm", input, residual, weight, 1e-6, 0.0)
-    except ValueError:
-        return False
-    return workspace.supports(input)
+    op = "allreduce_residual_rmsnorm"
+    return (v.accepts(_check_common, op, input, workspace, True, "auto")
+            and v.accepts(_check_norm_inputs, op, input, residual, weight, 1e-6, 0.0)
+            and workspace.supports(input))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- FP8 (2 / 4)
@@ -224,11 +222,8 @@ def allreduce_residual_rmsnorm_out_fp8(input, residual, weight, scale, *, worksp
 
 
 def supports_allreduce_residual_rmsnorm_fp8(input, residual, weight, scale, *, workspace) -> bool:
-    try:
-        _check_scale("allreduce_residual_rmsnorm_fp8", "scale", scale, input.device)
-    except ValueError:
-        return False
-    return supports_allreduce_residual_rmsnorm(input, residual, weight, workspace=workspace)
+    return (v.accepts(_check_scale, "allreduce_residual_rmsnorm_fp8", "scale", scale, input.device)
+            and supports_allreduce_residual_rmsnorm(input, residual, weight, workspace=workspace))
 
 
 # ----------------------------------------------------------------------------- NVFP4 (3 / 5)
@@ -309,10 +304,8 @@ def allreduce_residual_rmsnorm_out_nvfp4(input, residual, weight, global_scale, 
 
 def supports_allreduce_residual_rmsnorm_nvfp4(input, residual, weight, global_scale, *,
                                               workspace) -> bool:  # fmt: skip
-    try:
-        _check_scale("allreduce_residual_rmsnorm_nvfp4", "global_scale", global_scale,
-                     input.device)  # fmt: skip
-    except ValueError:
+    if not v.accepts(_check_scale, "allreduce_residual_rmsnorm_nvfp4", "global_scale",
+                     global_scale, input.device):  # fmt: skip
         return False
     if input.dim() != 2 or input.shape[1] % 16 != 0:
         return False

@@ -93,11 +93,8 @@ def _kernel_reason(t: torch.Tensor, rows: int, hidden: int) -> str | None:
 
 
 def _supported(check, reason, *args) -> bool:
-    try:
-        check(*args)
-    except ValueError:
-        return False
-    return reason() is None
+    """``check(*args)`` passes and ``reason()`` finds nothing stopping the kernel."""
+    return v.accepts(check, *args) and reason() is None
 
 
 # ----------------------------------------------------------------------------- moe_finalize

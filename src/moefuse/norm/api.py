@@ -64,12 +64,8 @@ def _device_reason(t: torch.Tensor) -> str | None:
 
 
 def _supported(check, *args) -> bool:
-    """``check(*args)`` passes and the kernel can run on the first argument's device."""
-    try:
-        check(*args)
-    except ValueError:
-        return False
-    return _device_reason(args[1]) is None
+    """``check(*args)`` passes and the kernel can run on the first tensor argument's device."""
+    return v.accepts(check, *args) and _device_reason(args[1]) is None
 
 
 # ----------------------------------------------------------------------------- rmsnorm

@@ -99,11 +99,8 @@ def _reason(t: torch.Tensor) -> str | None:
 
 
 def _supported(check, *args) -> bool:
-    try:
-        check(*args)
-    except ValueError:
-        return False
-    return _reason(args[1]) is None
+    """``check(*args)`` passes and the kernel can run on the first tensor argument's device."""
+    return v.accepts(check, *args) and _reason(args[1]) is None
 
 
 # ----------------------------------------------------------------------------- FP8 standalone
