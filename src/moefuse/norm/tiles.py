@@ -117,9 +117,8 @@ class TilePolicy:
     #: persistent loop: programs per SM for a PERSISTENT_TILE_ELEMENTS tile (0 = off) and prefetch
     programs_per_sm: int | None = None
     prefetch: bool | None = None
-    #: blocks above these run one tile per program / the loop without prefetch (register limits)
+    #: blocks above this run one tile per program (register limits)
     persistent_max_block: int | None = None
-    prefetch_max_block: int | None = None
     #: hold one-row tiles as [slices, 32 x warps x ELEMS_PER_THREAD] (split-row capable)
     slice_rows: bool = False
 
@@ -172,7 +171,7 @@ def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
         per_sm = min(per_sm, MULTI_ROW_PROGRAMS_PER_SM)
     if chunks > 1 or (policy.persistent_max_block or block) < block:
         per_sm = 0  # the chunked (wide-row) path keeps one program per row tile
-    if per_sm == 0 or (policy.prefetch_max_block or block) < block:
+    if per_sm == 0:
         prefetch = False
     slices = 1
     if policy.slice_rows and rows == 1 and chunks == 1:
