@@ -88,6 +88,27 @@ def _slab_load(a_ptr, b_ptr, rows, offs, mask, a_st, b_st, MASKED: tl.constexpr,
 
 # ----------------------------------------------------------------------------- row statistic
 @triton.jit
+def _loop_tile(t, nprog, b_nx, r_nx, b_ptr, res_ptr, offs, n_rows, H, sid, b_st, r_st,
+               ROWS: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+               EVICT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """Row tile ``t`` of the persistent loop: (rows, mask, branch, residual, next branch, next
+    residual). With PREFETCH the tile comes from the registers loaded one iteration earlier
+    (``b_nx``, ``r_nx``) and tile ``t + nprog``'s loads are issued now; otherwise it is loaded
+    here and ``b_nx``, ``r_nx`` pass through untouched."""
+    rows, mask = _slab_rows(t, offs, n_rows, H, sid, ROWS, SLICES, False)
+    if PREFETCH:
+        br = b_nx
+        rr = r_nx
+        rows_n, mask_n = _slab_rows(t + nprog, offs, n_rows, H, sid, ROWS, SLICES, False)
+        mask_n = _slab_pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK, SLICES)
+        b_nx, r_nx = _slab_load(b_ptr, res_ptr, rows_n, offs, mask_n, b_st, r_st, True,
+                                EVICT_FIRST)  # fmt: skip
+    else:
+        br, rr = _slab_load(b_ptr, res_ptr, rows, offs, mask, b_st, r_st, MASKED, EVICT_FIRST)
+    return rows, mask, br, rr, b_nx, r_nx
+
+
+@triton.jit
 def _chain(p, SLICES: tl.constexpr):
     """``((p_0 + p_1) + p_2) + ...``; each p_i is extracted exactly (the other terms are +0.0)."""
     idx = tl.arange(0, SLICES)
@@ -277,23 +298,16 @@ def _gated_residual_kernel(
             nprog = tl.num_programs(0)
             n_tiles = tl.cdiv(n_rows, ROWS)
             t = pid
+            b_nx = 0.0
+            r_nx = 0.0
             if PREFETCH:
                 rows0, mask0 = _slab_rows(t, offs, n_rows, H, sid, ROWS, SLICES, False)
                 b_nx, r_nx = _slab_load(b_ptr, res_ptr, rows0, offs, mask0, b_st, r_st, MASKED,
                                         EVICT_FIRST)  # fmt: skip
             while t < n_tiles:
-                rows, mask = _slab_rows(t, offs, n_rows, H, sid, ROWS, SLICES, False)
-                if PREFETCH:
-                    br = b_nx
-                    rr = r_nx
-                    rows_n, mask_n = _slab_rows(t + nprog, offs, n_rows, H, sid, ROWS, SLICES,
-                                                False)  # fmt: skip
-                    mask_n = _slab_pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK, SLICES)
-                    b_nx, r_nx = _slab_load(b_ptr, res_ptr, rows_n, offs, mask_n, b_st, r_st,
-                                            True, EVICT_FIRST)  # fmt: skip
-                else:
-                    br, rr = _slab_load(b_ptr, res_ptr, rows, offs, mask, b_st, r_st, MASKED,
-                                        EVICT_FIRST)  # fmt: skip
+                rows, mask, br, rr, b_nx, r_nx = _loop_tile(
+                    t, nprog, b_nx, r_nx, b_ptr, res_ptr, offs, n_rows, H, sid, b_st, r_st, ROWS,
+                    SLICES, BLOCK, MASKED, EVICT_FIRST, PREFETCH)  # fmt: skip
                 if USE_PDL:
                     if t + nprog >= n_tiles:
                         gdc_launch_dependents()
@@ -375,23 +389,16 @@ def _gated_residual_next_kernel(
             nprog = tl.num_programs(0)
             n_tiles = tl.cdiv(n_rows, ROWS)
             t = pid
+            b_nx = 0.0
+            r_nx = 0.0
             if PREFETCH:
                 rows0, mask0 = _slab_rows(t, offs, n_rows, H, sid, ROWS, SLICES, False)
                 b_nx, r_nx = _slab_load(b_ptr, res_ptr, rows0, offs, mask0, b_st, r_st, MASKED,
                                         EVICT_FIRST)  # fmt: skip
             while t < n_tiles:
-                rows, mask = _slab_rows(t, offs, n_rows, H, sid, ROWS, SLICES, False)
-                if PREFETCH:
-                    br = b_nx
-                    rr = r_nx
-                    rows_n, mask_n = _slab_rows(t + nprog, offs, n_rows, H, sid, ROWS, SLICES,
-                                                False)  # fmt: skip
-                    mask_n = _slab_pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK, SLICES)
-                    b_nx, r_nx = _slab_load(b_ptr, res_ptr, rows_n, offs, mask_n, b_st, r_st,
-                                            True, EVICT_FIRST)  # fmt: skip
-                else:
-                    br, rr = _slab_load(b_ptr, res_ptr, rows, offs, mask, b_st, r_st, MASKED,
-                                        EVICT_FIRST)  # fmt: skip
+                rows, mask, br, rr, b_nx, r_nx = _loop_tile(
+                    t, nprog, b_nx, r_nx, b_ptr, res_ptr, offs, n_rows, H, sid, b_st, r_st, ROWS,
+                    SLICES, BLOCK, MASKED, EVICT_FIRST, PREFETCH)  # fmt: skip
                 if USE_PDL:
                     if t + nprog >= n_tiles:
                         gdc_launch_dependents()
