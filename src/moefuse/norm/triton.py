@@ -344,7 +344,9 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 def _grid(tile: RowTile, n_tiles: int, device: torch.device) -> tuple[int]:
     """min(n_tiles, programs_per_sm x SMs) programs (n_tiles when not persistent); a runtime value,
-    so a new M never recompiles."""
+    so a new M never recompiles. The SM count is only looked up for persistent tiles."""
+    if not _persistent(tile):
+        return (n_tiles,)
     return tile.persistent_grid(n_tiles, sm_count(device))
 
 

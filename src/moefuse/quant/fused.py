@@ -44,7 +44,7 @@ from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 
 #: tile policy of the fused norm + quant kernels (the norm family's default today); the benchmark's
 #: ``--sweep`` times alternatives so that this can be set from H200 measurements. One-pass rows run
-#: the persistent loop with prefetch (tiles.PROGRAMS_PER_SM per SM): on H200 rmsnorm_quant
+#: the persistent loop with prefetch (4 programs per SM): on H200 rmsnorm_quant
 #: 16384 x 4096 went from 68.6 us to 50.6 us (= SM copy) with 8 warps and 4 programs per SM.
 #: The H200 sweep (notes/gpu-logs/sweep-persistent-2026-11-29.log) confirmed it: 16384 x 4096
 #: 54.95 vs 68.89 us, 2048 x 4096 9.33 vs 11.26 us, 16384 x 8192 108.3 vs 130.9 us (bitwise equal).
