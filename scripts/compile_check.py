@@ -1,8 +1,8 @@
 """Compile moefuse's norm kernels for sm_90 on a machine without a GPU and report registers and
 spills (ptxas -v), so that compile errors and register pressure show up before a GPU run.
 
-Every one-pass kernel is compiled three ways (gated ops with sliced rows: four, "split" = one
-(row, slice) per program, marked "s"): one tile per program ("tile", the launch when the
+Every one-pass kernel is compiled three ways (stepped rows of the gated ops instead: "unroll",
+launched at small M, and "loop", at large M): one tile per program ("tile", the launch when the
 policy's programs_per_sm is 0), the persistent loop ("loop") and the persistent loop with the next
 tile prefetched ("prefetch"), the last two with the launcher's register cap (maxnreg) for the
 programs per SM; "*" marks what the tile policy launches.
@@ -92,17 +92,15 @@ def main() -> None:
                 # variant the tile policy launches.
                 variants = VARIANTS if t.num_chunks == 1 else VARIANTS[:1]
                 params = inspect.signature(kernel.fn).parameters
-                if "SPLIT" in params and t.slices > 1:
-                    # split rows (gated ops): one (row, slice) per program, same tile
-                    variants = variants + (("split", False, False),)
+                if t.stepped:
+                    variants = (("loop", False, False),)
+                    if t.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS:
+                        variants = (("unroll", False, False),) + variants
                 for label, persistent, prefetch in variants:
-                    split = label == "split"
-                    consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows,
-                                  MASKED=t.rows > 1 or not t.even(width) or split, PTX=True,
+                    consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, STEPS=t.num_chunks,
+                                  ROWS=t.rows, MASKED=t.rows > 1 or not t.even(width), PTX=True,
                                   USE_PDL=True, PERSISTENT=persistent, PREFETCH=prefetch,
-                                  SLICES=t.slices, SPLIT=split, PHASE=0,
-                                  LOG2S=t.slices.bit_length() - 1,
-                                  TIMEOUT_NS=tiles.SPLIT_TIMEOUT_NS, **extra)  # fmt: skip
+                                  STEPPED=t.stepped, UNROLL=label == "unroll", **extra)  # fmt: skip
                     consts.setdefault("EVICT_FIRST", False)
                     consts = {k: v for k, v in consts.items() if k in params}
                     # persistent variants: the policy's programs per SM (2 where it runs one tile
@@ -113,10 +111,10 @@ def main() -> None:
                     regs, spills = compile_report(kernel, consts, warps, fp32, cap)
                     chosen = (t.programs_per_sm > 0, t.prefetch)
                     mark = "*" if (persistent, prefetch) == chosen and warps == t.num_warps else " "
-                    if split:
-                        mark = "s"  # launched at small M (rows x slices <= SMs)
+                    if t.stepped:
+                        mark = "*"
                     print(f"H={width:6d} {name:11s} warps={warps:2d} chunks={t.num_chunks} "
-                          f"S={t.slices} "
+                          f"{'stepped ' if t.stepped else ''}"
                           f"{label:8s}{mark} per_sm={per_sm} maxnreg={cap or '-':>3} "
                           f"regs={regs:4d} spills={spills}", flush=True)
 

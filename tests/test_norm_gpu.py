@@ -21,13 +21,13 @@ def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(*shape, device=DEV) * scale).to(dtype)
 
 
-def _splits(m, width):
-    """True when the gated ops can run this shape in split-row mode (one program per row slice;
-    opt-in, see moefuse.norm.tiles.SPLIT_ROWS)."""
+def _both_stepped_modes(width):
+    """True when the gated ops' rows of this width are stepped and short enough to run both the
+    unrolled and the looped mode (moefuse.norm.gated), which must give the same bits."""
     from moefuse.norm import tiles
 
     tile = tiles.row_tile(width, tiles.GATED_POLICY)
-    return tile.can_split(width, m, torch.cuda.get_device_properties(0).multi_processor_count)
+    return tile.stepped and tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS
 
 
 def _assert_same(results, what):
@@ -89,14 +89,18 @@ def test_gated_residual_rmsnorm_gpu(width, with_weight):
             lambda: [poison_(torch.empty_like(r))],
         )
         _assert_same(res, "gated modes")
-        if _splits(m, width):  # M = 1, 7 at H >= 2880: split rows (opt-in) = the normal bits
+        if _both_stepped_modes(width):  # unrolled and looped rows: the same bits at every M
             from moefuse.norm import gated
 
-            split = poison_(torch.empty_like(r))
-            gated.launch_gated_residual_rmsnorm(b, r, w, a, be, split, 1e-6, 1.0, False,
-                                                split=True)  # fmt: skip
-            assert_bitwise_equal(split, res[0][0], f"split vs normal {m}x{width}")
-            assert moefuse.norm.split_rows_timeouts(DEV) == 0
+            for unroll in (False, True):
+                other = poison_(torch.empty_like(r))
+                gated.launch_gated_residual_rmsnorm(b, r, w, a, be, other, 1e-6, 1.0, False,
+                                                    unroll=unroll)  # fmt: skip
+                assert_bitwise_equal(other, res[0][0], f"unroll={unroll} {m}x{width}")
+        i = m - 1  # batch invariance: the row alone (another launch mode at large M)
+        alone = moefuse.gated_residual_rmsnorm(b[i : i + 1], r[i : i + 1], w, a, be,
+                                               gain_center=1.0, impl="triton")  # fmt: skip
+        assert_bitwise_equal(alone, res[0][0][i : i + 1], f"gated row alone {m}x{width}")
         expected = ref.gated_residual_rmsnorm_reference(b, r, w, a, be, 1e-6, 1.0)
         assert_close(res[0][0], expected, "fp32_stream", f"gated {m}x{width}")
 
@@ -125,17 +129,22 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
         )
         _assert_same(res, "gated_next modes")
         ro, ffn, router = res[0]
-        if _splits(m, width):  # split rows (opt-in) at M = 1, 7 and H >= 2880: normal bits
+        if _both_stepped_modes(width):  # unrolled and looped rows: the same bits at every M
             from moefuse.norm import gated
 
-            split = [poison_(torch.empty_like(t)) for t in (r, b, r)]
-            gated.launch_gated_residual_next_rmsnorm(
-                b, r, nw, alpha if alpha_kind == "tensor" else None, 1.0, be, pw, *split, 1e-6,
-                1e-6, 0.0, 1.0, False, split=True,
-            )  # fmt: skip
-            for got, exp in zip(split, res[0]):
-                assert_bitwise_equal(got, exp, f"split vs normal {m}x{width}")
-            assert moefuse.norm.split_rows_timeouts(DEV) == 0
+            for unroll in (False, True):
+                other = [poison_(torch.empty_like(t)) for t in (r, b, r)]
+                gated.launch_gated_residual_next_rmsnorm(
+                    b, r, nw, alpha if alpha_kind == "tensor" else None, 1.0, be, pw, *other,
+                    1e-6, 1e-6, 0.0, 1.0, False, unroll=unroll,
+                )  # fmt: skip
+                for got, exp in zip(other, res[0]):
+                    assert_bitwise_equal(got, exp, f"unroll={unroll} {m}x{width}")
+        i = m - 1  # batch invariance: the row alone (another launch mode at large M)
+        alone = moefuse.gated_residual_next_rmsnorm(b[i : i + 1], r[i : i + 1], nw, alpha, be,
+                                                    impl="triton", **kw)  # fmt: skip
+        for got, exp in zip(alone, (ro, ffn)):
+            assert_bitwise_equal(got, exp[i : i + 1], f"gated_next row alone {m}x{width}")
         exp_ro, _, _ = ref.gated_residual_next_rmsnorm_reference(
             b, r, nw, alpha, be, 1e-6, 1e-6, 0.0, pw, 1.0
         )
@@ -143,36 +152,6 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
         own = (ro * ref.inv_rms(ro, 1e-6)) * ref.gain(nw, 0.0)
         assert_close(ffn, own.to(dtype), "rsqrt_half", f"ffn_input {m}x{width}")
         assert_bitwise_equal(router.to(dtype), ffn, "ffn = cast(router)")
-
-
-def test_split_rows_on_two_streams_at_once():
-    """Split-row launches on two streams overlap without sharing tickets (per-stream scratch):
-    every output equals the normal mode's bits, and no wait timed out."""
-    from moefuse.norm import gated
-
-    width, m, rounds = 8192, 4, 40
-    assert _splits(m, width)
-    a, be = torch.rand(width, device=DEV), torch.rand(width, device=DEV)
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    inputs = [[(_rand(m, width), torch.randn(m, width, device=DEV)) for _ in range(rounds)]
-              for _ in streams]  # fmt: skip
-    outs = [[poison_(torch.empty(m, width, device=DEV)) for _ in range(rounds)] for _ in streams]
-    torch.cuda.synchronize()
-    for k in range(rounds):  # interleave the launches of the two streams
-        for s, stream in enumerate(streams):
-            with torch.cuda.stream(stream):
-                b, r = inputs[s][k]
-                gated.launch_gated_residual_rmsnorm(b, r, None, a, be, outs[s][k], 1e-6, 0.0,
-                                                    False, split=True)  # fmt: skip
-    torch.cuda.synchronize()
-    for s in range(len(streams)):
-        for k in range(rounds):
-            b, r = inputs[s][k]
-            normal = poison_(torch.empty(m, width, device=DEV))
-            gated.launch_gated_residual_rmsnorm(b, r, None, a, be, normal, 1e-6, 0.0, False,
-                                                split=False)  # fmt: skip
-            assert_bitwise_equal(outs[s][k], normal, f"stream {s} round {k}")
-    assert moefuse.norm.split_rows_timeouts(DEV) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -191,7 +170,7 @@ def test_rmsnorm_sigmoid_gate_gpu(dtype, head_dim):
 
 
 def test_wide_and_odd_rows_gpu():
-    """Chunked rows (wider than one block), width 1 and odd widths."""
+    """Chunked / looped stepped rows (wider than one block), width 1 and odd widths."""
     for width in (1, 3, 1000, 16385, 65536):
         for m in (1, 7, 300):
             x, r, w = _rand(m, width), _rand(m, width), _rand(width)

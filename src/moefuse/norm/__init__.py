@@ -8,7 +8,6 @@ from moefuse.norm.api import (
     gemma_rmsnorm,
     rmsnorm,
     rmsnorm_sigmoid_gate,
-    split_rows_timeouts,  # noqa: F401  (diagnostics: moefuse.norm only, not in __all__)
     supports_fused_add_rmsnorm,
     supports_gated_residual_next_rmsnorm,
     supports_gated_residual_rmsnorm,

@@ -323,17 +323,6 @@ def supports_gated_residual_next_rmsnorm(
     )  # fmt: skip
 
 
-def split_rows_timeouts(device=None, reset: bool = False) -> int:
-    """Programs of the gated ops' split-row mode (small M, one program per row slice) on
-    ``device`` (default: the current CUDA device) whose bounded wait for the other slices of their
-    row timed out (tiles.SPLIT_TIMEOUT_NS); 0 means every split row was computed. A non-zero count
-    means some rows were wrong (e.g. the GPU was shared with kernels that kept SMs busy). Reads the
-    device's counter (synchronizes); ``reset`` zeroes it."""
-    from moefuse.norm.gated import split_rows_timeouts as timeouts
-
-    return timeouts(device, reset)
-
-
 # ----------------------------------------------------------------------------- sigmoid gate
 def _check_sigmoid_gate(op, input, gate, eps) -> None:
     v.check_tensor(op, "input", input, dtypes=HALF, ndims=(2, 3))

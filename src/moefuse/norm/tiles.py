@@ -36,22 +36,10 @@ MULTI_ROW_PROGRAMS_PER_SM = 2
 #: registers per SM (sm_90): persistent launches cap registers per thread at
 #: REGISTERS_PER_SM / (programs_per_sm x threads) so that all programs of an SM are resident
 REGISTERS_PER_SM = 65536
-#: split rows (gated ops, small M): a one-row tile is held as [SLICES, SLICE] with SLICE = 32 lanes
-#: x num_warps x ELEMS_PER_THREAD; the row statistic is the ascending chain of the per-slice sums
-#: in BOTH modes. Split mode runs one program per (row, slice) when the row is at least
-#: SPLIT_MIN_WIDTH wide and rows x slices <= SMs (all programs resident: they wait on each other).
-#: SPLIT_ROWS: None = automatic, False = never, True = whenever the tile and the grid allow it.
-SPLIT_MIN_WIDTH = 2048
-#: Off by default: measured on H200 (scripts/check_split_rows.py, notes/gpu-logs/
-#: check-split-rows-2026-11-29.log; bitwise equal to the normal mode everywhere) the split mode
-#: was SLOWER at every shape tried: M = 1, H = 8192 3.54 vs 2.69 us (gated_residual), 4.93 vs
-#: 3.69 us (gated_next); M = 16 3.91 vs 2.91, 5.52 vs 4.17; H = 4096 2.40 vs 1.50 us. The ticket
-#: barrier and the full tile each split program still holds (same tree) cost more than the
-#: parallel loads win. Kept as an opt-in (split=True / SPLIT_ROWS = None) for other GPUs.
-SPLIT_ROWS: bool | None = False
-#: bound of the cross-program wait of split mode (ns of %globaltimer); a timeout is counted in the
-#: scratch's error word (moefuse.norm.split_rows_timeouts) and the row's outputs are garbage
-SPLIT_TIMEOUT_NS = 1_000_000_000
+#: stepped rows (gated ops, see norm/gated.py): rows of at most STEP_UNROLL_MAX_STEPS steps run
+#: unrolled (the row in registers) below STEP_LOOP_MIN_ROWS rows, looped otherwise (same bits)
+STEP_UNROLL_MAX_STEPS = 4
+STEP_LOOP_MIN_ROWS = 512
 
 
 def next_pow2(n: int) -> int:
@@ -71,8 +59,9 @@ class RowTile:
     prefetch: bool = False
     #: cap registers (ptxas maxnreg) so that programs_per_sm programs fit on one SM
     fit_registers: bool = True
-    #: slices of a one-row tile ([slices, block // slices] layout; 1 = [rows, block])
-    slices: int = 1
+    #: stepped row (gated ops): one row per program walked in num_chunks steps of block columns,
+    #: per-thread FP32 accumulation over the steps, one tl.sum (see norm/gated.py)
+    stepped: bool = False
 
     def even(self, width: int) -> bool:
         """True when ``width`` fills every chunk exactly (no column mask needed)."""
@@ -86,18 +75,6 @@ class RowTile:
         if self.programs_per_sm <= 0 or self.num_chunks > 1:
             return (n_tiles,)
         return (max(1, min(n_tiles, self.programs_per_sm * sm_count)),)
-
-    def slice_width(self) -> int:
-        return self.block // self.slices
-
-    def can_split(self, width: int, n_rows: int, sm_count: int, force: bool = False) -> bool:
-        """Split mode possible: sliced one-pass single-row tile and, on a GPU (``sm_count`` > 0),
-        every (row, slice) program resident at once; ``force`` skips the width threshold."""
-        if self.slices < 2 or self.num_chunks != 1 or self.rows != 1:
-            return False
-        if not force and width < SPLIT_MIN_WIDTH:
-            return False
-        return sm_count <= 0 or n_rows * self.slices <= sm_count
 
     def max_registers(self) -> int | None:
         """Register cap of a persistent launch (None = no cap needed or asked)."""
@@ -119,24 +96,20 @@ class TilePolicy:
     prefetch: bool | None = None
     #: blocks above this run one tile per program (register limits)
     persistent_max_block: int | None = None
-    #: hold one-row tiles as [slices, 32 x warps x ELEMS_PER_THREAD] (split-row capable)
-    slice_rows: bool = False
+    #: rows wider than this are stepped (None = never): steps of 32 x step_warps x step_vec columns
+    step_min_width: int | None = None
+    step_warps: int = 16
+    step_vec: int = 4
 
 
-#: the gated ops keep an FP32 stream and three FP32 parameter vectors live: measured on H200
-#: (scripts/sweep_norm_tiles.py, notes/norm.md), 16384 x 8192 with 8 warps ran at 3.2-3.3 TB/s
-#: (183 registers, one CTA per SM); with 4 warps and the row in one pass gated_residual_next runs
-#: 389 us (4.1 TB/s) and gated_residual 351 us. Two 4096 chunks were 4 % faster for
-#: gated_residual at M = 16384 (337 us) but 1.6 x slower at M <= 128 (3.6 vs 2.2 us at M = 1),
-#: so both ops hold rows up to 8192 in registers.
-#: Persistent (2 programs per SM, prefetch) only up to 4096 columns: 251 / 254 registers there
-#: without spills (scripts/compile_check.py); at 8192 the one-tile kernels already use 255 registers
-#: and spill 280 / 28 B, the loop spills 316 / 112 B and the prefetch 892 / 776 B.
-#: Measured (sweep-persistent-2026-11-29.log): at H = 4096 the loop helped at M = 1024
-#: (gated_next 16.7 vs 18.6 us) but lost at M = 16384 (220.3 vs 198.6), so it stays off.
-#: Rows are sliced (split mode at small M, see SPLIT_MIN_WIDTH).
+#: gated ops: rows up to 2048 wide are one-pass [ROWS, BLOCK] tiles with 4 warps (the old layout);
+#: wider rows are stepped, 16 warps x 4 columns per step (STEP 2048), unrolled at small M and
+#: looped at large M (see norm/gated.py). H200 (scripts/sweep_stepped.py, notes/norm.md): the
+#: one-pass 4-warp tile of 8192 columns needed 255 registers (2 CTAs per SM) and ran 16384 x 8192
+#: at 349 / 440 us (gated / gated_next) vs compile's 326 / 403; the looped stepped kernel (32-40
+#: registers) ran 325 / 405 us. torch.compile's own kernel has the same shape (16 warps, 2048).
 GATED_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4, programs_per_sm=0,
-                          persistent_max_block=4096, slice_rows=True)
+                          persistent_max_block=4096, step_min_width=2048)
 #: fused_add_rmsnorm: at 4 programs per SM (64 registers) the prefetching kernel spills 64 B at
 #: H = 4096; 3 per SM (80 registers) does not, but it ran slower than one program per row
 #: (16384 x 4096: 143.4 vs 136.0 us), so the loop is off
@@ -153,6 +126,10 @@ def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
     max_warps = policy.max_warps or MAX_WARPS
     if width < 1:
         raise ValueError(f"row width must be >= 1, got {width}")
+    if policy.step_min_width is not None and width > policy.step_min_width:
+        step = 32 * policy.step_warps * policy.step_vec
+        return RowTile(block=step, num_chunks=-(-width // step), rows=1,
+                       num_warps=policy.step_warps, stepped=True)  # fmt: skip
     if width <= max_single:
         block, chunks = next_pow2(width), 1
     else:
@@ -173,8 +150,5 @@ def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
         per_sm = 0  # the chunked (wide-row) path keeps one program per row tile
     if per_sm == 0:
         prefetch = False
-    slices = 1
-    if policy.slice_rows and rows == 1 and chunks == 1:
-        slices = max(1, block // (32 * warps * ELEMS_PER_THREAD))
     return RowTile(block=block, num_chunks=chunks, rows=rows, num_warps=warps,
-                   programs_per_sm=per_sm, prefetch=prefetch, slices=slices)
+                   programs_per_sm=per_sm, prefetch=prefetch)

@@ -1,0 +1,137 @@
+"""Stepped rows of the gated ops (moefuse.norm.gated) in the interpreter: the unrolled and the
+looped mode must give BITWISE the same outputs (same per-step code, same per-thread accumulation
+order), a row alone must equal the same row inside a batch that runs the other mode, nothing may
+be written outside the rows, and the outputs must match the reference. Small steps (tiles with
+STEP = 64 or 32 columns) stand in for the GPU's 2048, so that rows have several steps and a
+masked last step at interpreter-friendly widths."""
+
+import pytest
+import torch
+
+import moefuse
+from moefuse.norm import gated, tiles
+from moefuse.norm import reference as ref
+from moefuse.testing import assert_bitwise_equal, assert_close, poison_
+
+pytestmark = pytest.mark.interpreter
+BF = torch.bfloat16
+F32 = torch.float32
+
+# (width, step): 3 full steps; 4 steps with a masked last one; 1 step; 7 steps (> the unroll
+# limit of 4: looped only)
+CASES = [(192, 64), (200, 64), (64, 64), (217, 32)]
+
+
+def _tile(width, step):
+    return tiles.RowTile(block=step, num_chunks=-(-width // step), rows=1, num_warps=1,
+                         stepped=True)  # fmt: skip
+
+
+def _modes(tile):
+    return (False, True) if tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS else (False,)
+
+
+def _rand(*shape, dtype=BF):
+    return torch.randn(*shape, dtype=F32).to(dtype)
+
+
+def _framed(m, width, dtype):
+    buf = poison_(torch.empty(m + 2, width, dtype=dtype))
+    return buf, buf[1:-1]
+
+
+def _assert_frames(bufs):
+    for buf in bufs:
+        assert torch.isnan(buf[0].float()).all() and torch.isnan(buf[-1].float()).all(), \
+            "wrote outside the rows"  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("with_weight", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_gated_residual_stepped(case, with_weight, in_place, seed):
+    width, step = case
+    tile, m = _tile(width, step), 3
+    b, res = _rand(m, width), _rand(m, width, dtype=F32)
+    w = _rand(width) if with_weight else None
+    a, be = _rand(width, dtype=F32), _rand(width, dtype=F32)
+    outs = []
+    for unroll in _modes(tile):
+        rb, ri = _framed(m, width, F32)
+        ri.copy_(res)
+        ob, oi = (rb, ri) if in_place else _framed(m, width, F32)
+        gated.launch_gated_residual_rmsnorm(b, ri, w, a, be, oi, 1e-6, 0.5, False, tile=tile,
+                                            unroll=unroll)  # fmt: skip
+        _assert_frames([ob])
+        outs.append(ob)
+    for other in outs[1:]:
+        assert_bitwise_equal(other, outs[0], "unrolled vs looped")
+    expected = ref.gated_residual_rmsnorm_reference(b, res, w, a, be, 1e-6, 0.5)
+    assert_close(outs[0][1:-1], expected, "fp32_stream", "gated stepped")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("alpha_mode", ["one", "scalar", "tensor"])
+@pytest.mark.parametrize("extras", [False, True])
+def test_gated_residual_next_stepped(case, alpha_mode, extras, seed):
+    width, step = case
+    tile, m = _tile(width, step), 3
+    b, res = _rand(m, width), _rand(m, width, dtype=F32)
+    nw, pw = _rand(width), _rand(width) if extras else None
+    a, be = _rand(width, dtype=F32), _rand(width, dtype=F32)
+    alpha, scalar = {"one": (None, 1.0), "scalar": (None, 0.75), "tensor": (a, 1.0)}[alpha_mode]
+    outs = []
+    for unroll in _modes(tile):
+        rob, roi = _framed(m, width, F32)
+        roi.copy_(res)  # in place: residual_out is the residual
+        fb, fi = _framed(m, width, BF)
+        tb, ti = _framed(m, width, F32) if extras else (None, None)
+        gated.launch_gated_residual_next_rmsnorm(b, roi, nw, alpha, scalar, be, pw, roi, fi, ti,
+                                                 1e-6, 1e-5, 1.0, 0.5, False, tile=tile,
+                                                 unroll=unroll)  # fmt: skip
+        got = [rob, fb] + ([tb] if extras else [])
+        _assert_frames(got)
+        outs.append(got)
+    for other in outs[1:]:
+        for x, y in zip(other, outs[0]):
+            assert_bitwise_equal(x, y, "unrolled vs looped")
+    ro, ffn = outs[0][0][1:-1], outs[0][1][1:-1]
+    full_alpha = a if alpha_mode == "tensor" else scalar
+    exp_ro, _, _ = ref.gated_residual_next_rmsnorm_reference(b, res, nw, full_alpha, be, 1e-6,
+                                                             1e-5, 1.0, pw, 0.5)  # fmt: skip
+    assert_close(ro, exp_ro, "fp32_stream", "residual_out")
+    own = (ro * ref.inv_rms(ro, 1e-5)) * ref.gain(nw, 1.0)
+    assert_close(ffn, own.to(BF), "rsqrt_half", "ffn_input")
+    if extras:
+        assert_bitwise_equal(outs[0][2][1:-1].to(BF), ffn, "ffn = cast(router)")
+
+
+def test_row_alone_equals_row_in_a_looped_batch(monkeypatch, seed):
+    """The default launch picks the mode from M: with the loop threshold lowered to 4 rows, a
+    batch of 6 runs looped and each row alone runs unrolled; the bits must not change."""
+    monkeypatch.setattr(tiles, "STEP_LOOP_MIN_ROWS", 4)
+    width, m = 2500, 6  # GATED_POLICY: stepped, 2 steps of 2048 (the second masked)
+    assert tiles.row_tile(width, tiles.GATED_POLICY).stepped
+    b, res = _rand(m, width), _rand(m, width, dtype=F32)
+    nw, a, be = _rand(width), _rand(width, dtype=F32), _rand(width, dtype=F32)
+    out = moefuse.gated_residual_rmsnorm(b, res, None, a, be, impl="triton")
+    ro, ffn = moefuse.gated_residual_next_rmsnorm(b, res, nw, a, be, impl="triton")
+    for i in (0, m - 1):
+        alone = moefuse.gated_residual_rmsnorm(b[i : i + 1], res[i : i + 1], None, a, be,
+                                               impl="triton")  # fmt: skip
+        assert_bitwise_equal(alone, out[i : i + 1], "gated row alone")
+        ro_i, ffn_i = moefuse.gated_residual_next_rmsnorm(b[i : i + 1], res[i : i + 1], nw, a, be,
+                                                          impl="triton")  # fmt: skip
+        assert_bitwise_equal(ro_i, ro[i : i + 1], "residual_out row alone")
+        assert_bitwise_equal(ffn_i, ffn[i : i + 1], "ffn_input row alone")
+
+
+def test_unroll_beyond_the_register_limit_is_refused():
+    width, step = 217, 32  # 7 steps > STEP_UNROLL_MAX_STEPS
+    b, res = _rand(1, width), _rand(1, width, dtype=F32)
+    a, be = _rand(width, dtype=F32), _rand(width, dtype=F32)
+    out = poison_(torch.empty(1, width))
+    with pytest.raises(ValueError, match="unrolled stepped rows"):
+        gated.launch_gated_residual_rmsnorm(b, res, None, a, be, out, 1e-6, 0.0, False,
+                                            tile=_tile(width, step), unroll=True)  # fmt: skip
+    assert torch.isnan(out).all()
