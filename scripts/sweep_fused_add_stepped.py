@@ -6,7 +6,7 @@
 2. CUDA-graph replay times (benchmark configuration, PDL on) of the one-pass tile (today's
    policy), stepped unrolled, stepped looped and torch.compile.
 
-Run: PYTHONPATH=src python3 scripts/sweep_fused_add_stepped.py
+Run: PYTHONPATH=src python3 scripts/sweep_fused_add_stepped.py [columns per thread per step: 4]
 """
 
 import dataclasses
@@ -22,7 +22,8 @@ from moefuse.norm import triton as nt
 from moefuse.testing import assert_close
 
 DEV, BF, EPS = "cuda", torch.bfloat16, 1e-6
-STEPPED = dataclasses.replace(tiles.FUSED_ADD_POLICY, step_min_width=2048)
+VEC = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+STEPPED = dataclasses.replace(tiles.FUSED_ADD_POLICY, step_min_width=2048, step_vec=VEC)
 
 
 def _stepped(h):
@@ -83,7 +84,7 @@ def sweep() -> None:
 
 
 if __name__ == "__main__":
-    print(torch.cuda.get_device_name(0), flush=True)
+    print(torch.cuda.get_device_name(0), "step_vec", VEC, flush=True)
     fails = check()
     sweep()
     print("check failures:", fails)
