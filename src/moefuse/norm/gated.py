@@ -26,9 +26,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._runtime import interpreter_active
+from moefuse.norm import tiles
 from moefuse.norm import triton as nt
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
-from moefuse.norm.triton import _inv_rms, _ld, _ld_raw, _ldp, _param, _pf_mask, _st, _step_cols
+from moefuse.norm.triton import _inv_rms, _ld, _ld_raw, _pf_mask, _st
 
 
 # ----------------------------------------------------------------------------- element math
@@ -139,6 +140,32 @@ def _gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_pt
 
 
 # ----------------------------------------------------------------------------- stepped rows
+@triton.jit
+def _ldp(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr):
+    """FP32 load with an L2 eviction policy ("" = default, "evict_last", "evict_first")."""
+    if MASKED:
+        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
+    else:
+        v = tl.load(ptrs, eviction_policy=POLICY)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _step_cols(k, H, STEP: tl.constexpr):
+    """Columns [1, STEP] of step ``k`` and their mask."""
+    cols = k * STEP + tl.arange(0, STEP)[None, :]
+    return cols, cols < H
+
+
+@triton.jit
+def _param(ptr, cols, cm, center, MASKED: tl.constexpr, PRESENT: tl.constexpr):
+    """FP32 parameter vector [+ center] of a step (1.0 when the op has none)."""
+    if PRESENT:
+        return _ldp(ptr + cols, cm, MASKED, "") + center
+    else:
+        return 1.0
+
+
 @triton.jit
 def _branch_step(b_ptr, b_row, w_ptr, cols, cm, gc, MASKED: tl.constexpr,
                  HAS_WEIGHT: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
@@ -429,6 +456,21 @@ def _gated_residual_next_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
+def _unroll(tile: RowTile, n_rows: int, unroll: bool | None) -> bool:
+    """Unrolled stepped mode for this launch. ``unroll=None``: rows of at most
+    tiles.STEP_UNROLL_MAX_STEPS steps and fewer than tiles.STEP_LOOP_MIN_ROWS rows; True forces it
+    (ValueError beyond STEP_UNROLL_MAX_STEPS: the row would not fit in registers)."""
+    if not tile.stepped:
+        return False
+    fits = tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS
+    if unroll is None:
+        return fits and n_rows < tiles.STEP_LOOP_MIN_ROWS
+    if unroll and not fits:
+        raise ValueError(f"unrolled stepped rows: {tile.num_chunks} steps > "
+                         f"{tiles.STEP_UNROLL_MAX_STEPS}")  # fmt: skip
+    return unroll
+
+
 def _consts(tile: RowTile, width: int, n_rows: int, unroll: bool | None, use_pdl: bool) -> dict:
     """Constexprs and launch options shared by both gated kernels."""
     plain = nt._persistent(tile) and not tile.stepped
@@ -437,7 +479,7 @@ def _consts(tile: RowTile, width: int, n_rows: int, unroll: bool | None, use_pdl
         MASKED=tile.rows > 1 or not tile.even(width), EVICT_FIRST=nt.STREAM_EVICT_FIRST,
         PTX=not interpreter_active(), USE_PDL=use_pdl, PERSISTENT=plain,
         PREFETCH=plain and nt._prefetch(tile), STEPPED=tile.stepped,
-        UNROLL=nt.stepped_unroll(tile, n_rows, unroll), num_warps=tile.num_warps,
+        UNROLL=_unroll(tile, n_rows, unroll), num_warps=tile.num_warps,
         **nt._launch_kwargs(tile, use_pdl),
     )  # fmt: skip
 

@@ -25,7 +25,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to, rsqrt_fast
 from moefuse._runtime import interpreter_active, sm_count
-from moefuse.norm import tiles
 from moefuse.norm.tiles import (
     FUSED_ADD_POLICY,
     SIGMOID_GATE_POLICY,
@@ -114,93 +113,6 @@ def _pf_mask(rows, mask, n_rows, MASKED: tl.constexpr, ROWS: tl.constexpr, BLOCK
         return mask
     else:
         return tl.broadcast_to((rows < n_rows)[:, None], (ROWS, BLOCK))
-
-
-# ----------------------------------------------------------------------------- stepped rows
-# (norm/gated.py describes the layout: [1, STEP] steps, per-thread FP32 accumulation over the
-# steps in ascending order, one tl.sum; unrolled and looped launches give the same bits)
-@triton.jit
-def _ldp(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr):
-    """FP32 load with an L2 eviction policy ("" = default, "evict_last", "evict_first")."""
-    if MASKED:
-        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
-    else:
-        v = tl.load(ptrs, eviction_policy=POLICY)
-    return v.to(tl.float32)
-
-
-@triton.jit
-def _step_cols(k, H, STEP: tl.constexpr):
-    """Columns [1, STEP] of step ``k`` and their mask."""
-    cols = k * STEP + tl.arange(0, STEP)[None, :]
-    return cols, cols < H
-
-
-@triton.jit
-def _param(ptr, cols, cm, center, MASKED: tl.constexpr, PRESENT: tl.constexpr):
-    """FP32 parameter vector [+ center] of a step (1.0 when the op has none)."""
-    if PRESENT:
-        return _ldp(ptr + cols, cm, MASKED, "") + center
-    else:
-        return 1.0
-
-
-
-@triton.jit
-def _add_step(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED: tl.constexpr,
-              POLICY: tl.constexpr):  # fmt: skip
-    """h = f32(x) + f32(res) of one step (stepped rows)."""
-    h = _ldp(x_ptr + x_row + cols, cm, MASKED, POLICY)
-    h += _ldp(res_ptr + r_row + cols, cm, MASKED, POLICY)
-    return h
-
-
-@triton.jit
-def _fused_add_stepped(x_ptr, res_ptr, w_ptr, row, H, Hf, x_st, r_st, eps, gc,
-                       STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
-                       MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """One row of _fused_add_rmsnorm_kernel, stepped layout (norm/gated.py): unrolled (the row's
-    h held in registers) or looped (h recomputed from the unmodified inputs, re-read from L2)."""
-    x_row = row * x_st
-    r_row = row * r_st
-    acc = tl.zeros([1, STEP], dtype=tl.float32)
-    if UNROLL:
-        ws = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            ws = ws + (_param(w_ptr, cols, cm, gc, MASKED, True),)
-        if USE_PDL:
-            gdc_wait()
-        hs = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            hs = hs + (_add_step(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_first"),)
-        if USE_PDL:
-            gdc_launch_dependents()
-        for k in tl.static_range(STEPS):
-            acc = tl.fma(hs[k], hs[k], acc)
-        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            _st(res_ptr + r_row + cols, hs[k], cm, MASKED, PTX)
-            _st(x_ptr + x_row + cols, (hs[k] * r) * ws[k], cm, MASKED, PTX)
-    else:
-        if USE_PDL:
-            gdc_wait()
-        for k in tl.range(0, STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            h = _add_step(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_last")
-            acc = tl.fma(h, h, acc)
-        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
-        # the second pass recomputes the same FP32 h: this step's inputs are still unmodified
-        for k in tl.range(0, STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            h = _add_step(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_first")
-            w = _param(w_ptr, cols, cm, gc, MASKED, True)
-            _st(res_ptr + r_row + cols, h, cm, MASKED, PTX)
-            _st(x_ptr + x_row + cols, (h * r) * w, cm, MASKED, PTX)
-        if USE_PDL:
-            gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------- per-tile helpers
@@ -352,15 +264,11 @@ def _fused_add_rmsnorm_kernel(
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr, STEPPED: tl.constexpr, UNROLL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """h = f32(x) + f32(res); res <- cast(h); x <- cast((h * r) * g), r from the FP32 h."""
     pid = tl.program_id(0)
-    if STEPPED:
-        _fused_add_stepped(x_ptr, res_ptr, w_ptr, pid.to(tl.int64), H, Hf, x_st, r_st, eps,
-                           gain_center, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX,
-                           USE_PDL)  # fmt: skip
-    elif NUM_CHUNKS == 1:
+    if NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
@@ -452,21 +360,6 @@ def _prefetch(tile: RowTile) -> bool:
     return tile.prefetch and _persistent(tile)
 
 
-def stepped_unroll(tile: RowTile, n_rows: int, unroll: bool | None) -> bool:
-    """Unrolled stepped mode for this launch. ``unroll=None``: rows of at most
-    tiles.STEP_UNROLL_MAX_STEPS steps and fewer than tiles.STEP_LOOP_MIN_ROWS rows; True forces it
-    (ValueError beyond STEP_UNROLL_MAX_STEPS: the row would not fit in registers)."""
-    if not tile.stepped:
-        return False
-    fits = tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS
-    if unroll is None:
-        return fits and n_rows < tiles.STEP_LOOP_MIN_ROWS
-    if unroll and not fits:
-        raise ValueError(f"unrolled stepped rows: {tile.num_chunks} steps > "
-                         f"{tiles.STEP_UNROLL_MAX_STEPS}")  # fmt: skip
-    return unroll
-
-
 def _pdl_kwargs(use_pdl: bool) -> dict:
     # the interpreter ignores unknown launch options, but only pass it when it is on
     return {"launch_pdl": True} if use_pdl else {}
@@ -522,17 +415,14 @@ def launch_fused_add_rmsnorm(
     gain_center: float,
     use_pdl: bool,
     tile: RowTile | None = None,
-    unroll: bool | None = None,
 ) -> None:
-    """In place on ``input`` and ``residual`` ([M, H] each, row strides free). Stepped rows run
-    unrolled or looped (``unroll``, None = by M, see stepped_unroll): the same bits."""
+    """In place on ``input`` and ``residual`` ([M, H] each, row strides free)."""
     n_rows, width = input.shape
     if n_rows == 0:
         return
     tile = tile or row_tile(width, FUSED_ADD_POLICY)
     masked = tile.rows > 1 or not tile.even(width)
-    grid = (n_rows,) if tile.stepped else _grid(tile, tile.grid(n_rows)[0], input.device)
-    _fused_add_rmsnorm_kernel[grid](
+    _fused_add_rmsnorm_kernel[_grid(tile, tile.grid(n_rows)[0], input.device)](
         input, residual, weight,
         n_rows, width, float(width),
         input.stride(0), residual.stride(0),
@@ -540,9 +430,7 @@ def launch_fused_add_rmsnorm(
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
         EVICT_FIRST=STREAM_EVICT_FIRST,
         PTX=not interpreter_active(), USE_PDL=use_pdl,
-        PERSISTENT=_persistent(tile) and not tile.stepped,
-        PREFETCH=_prefetch(tile) and not tile.stepped, STEPPED=tile.stepped,
-        UNROLL=stepped_unroll(tile, n_rows, unroll),
+        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
         num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
 
