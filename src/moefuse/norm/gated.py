@@ -20,8 +20,6 @@ after it; ``gdc_launch_dependents`` after the last load of the previous kernel's
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,9 +30,6 @@ from moefuse.norm import tiles
 from moefuse.norm import triton as nt
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
 from moefuse.norm.triton import _inv_rms, _ld, _ld_raw, _pf_mask, _st
-
-#: L2 eviction policy of the stepped rows' parameter loads (EXPERIMENT knob)
-PARAM_POLICY = tl.constexpr(os.environ.get("MOEFUSE_GATED_PARAM_POLICY", ""))
 
 
 # ----------------------------------------------------------------------------- element math
@@ -166,7 +161,7 @@ def _step_cols(k, H, STEP: tl.constexpr):
 def _param(ptr, cols, cm, center, MASKED: tl.constexpr, PRESENT: tl.constexpr):
     """FP32 parameter vector [+ center] of a step (1.0 when the op has none)."""
     if PRESENT:
-        return _ldp(ptr + cols, cm, MASKED, PARAM_POLICY) + center
+        return _ldp(ptr + cols, cm, MASKED, "") + center
     else:
         return 1.0
 
