@@ -215,6 +215,30 @@ def test_new_token_count_never_recompiles():
     assert after == before, f"compiled variants {before} -> {after} across M = 1..4096"
 
 
+def test_gated_ops_never_recompile_across_token_counts():
+    """Stepped rows pick the unrolled or the looped kernel by M; the first launch compiles both,
+    so no later token count (crossing tiles.STEP_LOOP_MIN_ROWS included) compiles anything."""
+    from moefuse.norm import gated, tiles
+
+    assert tiles.STEP_LOOP_MIN_ROWS < 4096
+    kernels = (gated._gated_residual_kernel, gated._gated_residual_next_kernel)
+    tokens = sorted({*range(1, 4097, 97), tiles.STEP_LOOP_MIN_ROWS - 1, tiles.STEP_LOOP_MIN_ROWS,
+                     4096})  # fmt: skip
+    for width in (2048, 4096, 8192):  # narrow tile, 2 and 4 steps
+        b, r = _rand(4096, width), torch.randn(4096, width, device=DEV)
+        nw, a, be = _rand(width), torch.rand(width, device=DEV), torch.rand(width, device=DEV)
+        moefuse.gated_residual_rmsnorm(b[:1], r[:1], None, a, be, impl="triton")
+        moefuse.gated_residual_next_rmsnorm(b[:1], r[:1], nw, a, be, impl="triton")
+        torch.cuda.synchronize()
+        before = [_compiled_variants(k) for k in kernels]
+        for m in tokens:
+            moefuse.gated_residual_rmsnorm(b[:m], r[:m], None, a, be, impl="triton")
+            moefuse.gated_residual_next_rmsnorm(b[:m], r[:m], nw, a, be, impl="triton")
+        torch.cuda.synchronize()
+        after = [_compiled_variants(k) for k in kernels]
+        assert after == before, f"H = {width}: compiled variants {before} -> {after}"
+
+
 def test_torch_compile_inductor_and_opcheck_gpu():
     from moefuse.norm import ops
 

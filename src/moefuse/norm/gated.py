@@ -488,6 +488,38 @@ def _grid(tile: RowTile, n_rows: int, device: torch.device) -> tuple[int]:
     return (n_rows,) if tile.stepped else nt._grid(tile, tile.grid(n_rows)[0], device)
 
 
+#: specialisations whose other stepped mode has been compiled (see _launch)
+_WARMED: set = set()
+
+
+def _spec_key(kernel, args, consts) -> tuple:
+    """What Triton specialises a launch on, minus the mode: argument dtypes and devices, 16-byte
+    alignment of pointers and 16-divisibility of ints (n_rows included: harmless), constexprs."""
+    spec = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            spec.append((a.dtype, a.device, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            spec.append((a % 16 == 0, a == 1))
+        else:
+            spec.append(type(a))
+    return (kernel.fn.__name__, tuple(spec),
+            tuple(sorted((k, v) for k, v in consts.items() if k != "UNROLL")))  # fmt: skip
+
+
+def _launch(kernel, grid, args, consts, tile: RowTile) -> None:
+    """Launch; for stepped rows also compile the other mode (unrolled / looped) the first time a
+    specialisation is seen, so that a later token count crossing STEP_LOOP_MIN_ROWS never
+    triggers a compilation (serving changes M every step)."""
+    kernel[grid](*args, **consts)
+    if not tile.stepped or interpreter_active() or tile.num_chunks > tiles.STEP_UNROLL_MAX_STEPS:
+        return
+    key = _spec_key(kernel, args, consts)
+    if key not in _WARMED:
+        _WARMED.add(key)
+        kernel.warmup(*args, grid=grid, **{**consts, "UNROLL": not consts["UNROLL"]})
+
+
 def launch_gated_residual_rmsnorm(
     branch: torch.Tensor,
     residual: torch.Tensor,
@@ -505,13 +537,14 @@ def launch_gated_residual_rmsnorm(
     if n_rows == 0:
         return
     tile = tile or row_tile(width, GATED_POLICY)
-    _gated_residual_kernel[_grid(tile, n_rows, branch.device)](
+    args = (
         branch, residual, weight if weight is not None else alpha, alpha, beta, out,
         n_rows, width, float(width),
         branch.stride(0), residual.stride(0), out.stride(0),
         eps, gain_center,
-        HAS_WEIGHT=weight is not None, **_consts(tile, width, n_rows, unroll, use_pdl),
     )  # fmt: skip
+    consts = dict(HAS_WEIGHT=weight is not None, **_consts(tile, width, n_rows, unroll, use_pdl))
+    _launch(_gated_residual_kernel, _grid(tile, n_rows, branch.device), args, consts, tile)
 
 
 def launch_gated_residual_next_rmsnorm(
@@ -539,7 +572,7 @@ def launch_gated_residual_next_rmsnorm(
     tile = tile or row_tile(width, GATED_POLICY)
     alpha_mode = 2 if alpha is not None else (0 if alpha_scalar == 1.0 else 1)
     router = router_input if router_input is not None else residual_out
-    _gated_residual_next_kernel[_grid(tile, n_rows, branch.device)](
+    args = (
         branch, residual, next_weight, alpha if alpha is not None else beta, beta,
         post_weight if post_weight is not None else next_weight,
         residual_out, ffn_input, router,
@@ -547,6 +580,8 @@ def launch_gated_residual_next_rmsnorm(
         branch.stride(0), residual.stride(0), residual_out.stride(0), ffn_input.stride(0),
         router.stride(0),
         alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
-        ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,
-        HAS_ROUTER=router_input is not None, **_consts(tile, width, n_rows, unroll, use_pdl),
     )  # fmt: skip
+    consts = dict(ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,
+                  HAS_ROUTER=router_input is not None,
+                  **_consts(tile, width, n_rows, unroll, use_pdl))  # fmt: skip
+    _launch(_gated_residual_next_kernel, _grid(tile, n_rows, branch.device), args, consts, tile)
