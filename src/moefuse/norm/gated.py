@@ -189,6 +189,34 @@ def _branch_sumsq_loop(b_ptr, b_row, w_ptr, H, gc, STEP: tl.constexpr, STEPS: tl
 
 
 @triton.jit
+def _load_steps(a_ptr, b_ptr, a_row, b_row, H, STEP: tl.constexpr, STEPS: tl.constexpr,
+                MASKED: tl.constexpr):  # fmt: skip
+    """Every step of two activation rows as FP32 tuples, all loads issued together."""
+    xs = ()
+    ys = ()
+    for k in tl.static_range(STEPS):
+        cols, cm = _step_cols(k, H, STEP)
+        xs = xs + (_ldp(a_ptr + a_row + cols, cm, MASKED, "evict_first"),)
+        ys = ys + (_ldp(b_ptr + b_row + cols, cm, MASKED, "evict_first"),)
+    return xs, ys
+
+
+@triton.jit
+def _weighted_sumsq(xs, ws, STEP: tl.constexpr, STEPS: tl.constexpr, HAS_W: tl.constexpr):
+    """(x [* w] per step, [1, 1] statistic): per-thread ``fma(x, x, acc)`` over the steps in
+    ascending order, then one tl.sum (the looped mode's order, see _branch_sumsq_loop)."""
+    acc = tl.zeros([1, STEP], dtype=tl.float32)
+    xws = ()
+    for k in tl.static_range(STEPS):
+        x = xs[k]
+        if HAS_W:
+            x = x * ws[k]
+        xws = xws + (x,)
+        acc = tl.fma(x, x, acc)
+    return xws, tl.sum(acc, axis=1)[:, None]
+
+
+@triton.jit
 def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, Hf, b_st, r_st,
                    o_st, eps, gc, STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
                    MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr,
@@ -208,23 +236,11 @@ def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, 
             ws = ws + (_param(w_ptr, cols, cm, gc, MASKED, HAS_WEIGHT),)
         if USE_PDL:
             gdc_wait()
-        xs = ()
-        rs = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            xs = xs + (_ldp(b_ptr + b_row + cols, cm, MASKED, "evict_first"),)
-            rs = rs + (_ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first"),)
+        xs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
         if USE_PDL:
             gdc_launch_dependents()
-        acc = tl.zeros([1, STEP], dtype=tl.float32)
-        xws = ()
-        for k in tl.static_range(STEPS):
-            x = xs[k]
-            if HAS_WEIGHT:
-                x = x * ws[k]
-            xws = xws + (x,)
-            acc = tl.fma(x, x, acc)
-        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
+        xws, ss = _weighted_sumsq(xs, ws, STEP, STEPS, HAS_WEIGHT)
+        r = _inv_rms(ss, Hf, eps)
         for k in tl.static_range(STEPS):
             cols, cm = _step_cols(k, H, STEP)
             _st(out_ptr + o_row + cols, _gated_out(als[k], rs[k], bes[k], xws[k], r), cm, MASKED,
@@ -274,23 +290,11 @@ def _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr,
             bes = bes + (_param(beta_ptr, cols, cm, 0.0, MASKED, True),)
         if USE_PDL:
             gdc_wait()
-        bs = ()
-        rs = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            bs = bs + (_ldp(b_ptr + b_row + cols, cm, MASKED, "evict_first"),)
-            rs = rs + (_ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first"),)
+        bs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
         if USE_PDL:
             gdc_launch_dependents()
-        acc1 = tl.zeros([1, STEP], dtype=tl.float32)
-        bws = ()
-        for k in tl.static_range(STEPS):
-            b = bs[k]
-            if HAS_POST_WEIGHT:
-                b = b * pws[k]
-            bws = bws + (b,)
-            acc1 = tl.fma(b, b, acc1)
-        r1 = _inv_rms(tl.sum(acc1, axis=1)[:, None], Hf, post_eps)
+        bws, ss1 = _weighted_sumsq(bs, pws, STEP, STEPS, HAS_POST_WEIGHT)
+        r1 = _inv_rms(ss1, Hf, post_eps)
         ros = ()
         for k in tl.static_range(STEPS):
             cols, cm = _step_cols(k, H, STEP)
