@@ -537,6 +537,11 @@ def launch_gated_residual_rmsnorm(
     tile: RowTile | None = None,
     unroll: bool | None = None,
 ) -> None:
+    """SPEC §1.3 on validated tensors: ``out = alpha * residual + beta * (x * r)`` with
+    ``x = f32(branch) [* (f32(weight) + gain_center)]``. branch [M, H] BF16/FP16, residual and
+    out [M, H] FP32 (row strides free; out may be residual), alpha / beta [H] FP32, weight [H].
+    Writes ``out`` only. ``tile`` / ``unroll`` override the width's tile and the stepped mode
+    (tests and sweeps; neither changes a bit)."""
     n_rows, width = branch.shape
     if n_rows == 0:
         return
@@ -570,6 +575,13 @@ def launch_gated_residual_next_rmsnorm(
     tile: RowTile | None = None,
     unroll: bool | None = None,
 ) -> None:
+    """SPEC §1.4 on validated tensors: residual_out (FP32 [M, H], may be residual) = u +
+    (beta * b) * rsqrt(mean_sq(b) + post_eps), b = f32(branch) [* (post_weight + c)], u =
+    residual, alpha_scalar * residual or alpha * residual (alpha [H] FP32 when given); then
+    router = (residual_out * rsqrt(mean_sq(residual_out) + next_eps)) * (next_weight + c),
+    ffn_input = cast(router) in branch's dtype, router_input (FP32) when given. Writes
+    residual_out, ffn_input and router_input only. ``tile`` / ``unroll``: see
+    launch_gated_residual_rmsnorm."""
     n_rows, width = branch.shape
     if n_rows == 0:
         return
