@@ -108,8 +108,7 @@ class TilePolicy:
 #: one-pass 4-warp tile of 8192 columns needed 255 registers (2 CTAs per SM) and ran 16384 x 8192
 #: at 349 / 440 us (gated / gated_next) vs compile's 326 / 403; the looped stepped kernel (32-40
 #: registers) ran 325 / 405 us. torch.compile's own kernel has the same shape (16 warps, 2048).
-GATED_POLICY = TilePolicy(max_single=8192, chunk=4096, max_warps=4, programs_per_sm=0,
-                          persistent_max_block=4096, step_min_width=2048)
+GATED_POLICY = TilePolicy(max_warps=4, programs_per_sm=0, step_min_width=2048)
 #: fused_add_rmsnorm: at 4 programs per SM (64 registers) the prefetching kernel spills 64 B at
 #: H = 4096; 3 per SM (80 registers) does not, but it ran slower than one program per row
 #: (16384 x 4096: 143.4 vs 136.0 us), so the loop is off
