@@ -8,7 +8,7 @@ import moefuse
 from moefuse.norm import reference as ref
 from moefuse.testing import assert_bitwise_equal, assert_close, poison_, poisoned_like
 
-WIDTHS = [1, 7, 48, 200, 20000]  # 20000 > one block: the chunked two-pass path
+WIDTHS = [1, 7, 48, 200, 20000]  # 20000: chunked two-pass rows (gated ops: 10 looped steps)
 TOKENS = [1, 3, 17]
 DTYPES = [torch.bfloat16, torch.float16]
 pytestmark = pytest.mark.interpreter
