@@ -29,7 +29,7 @@ from moefuse._runtime import interpreter_active
 from moefuse.norm import tiles
 from moefuse.norm import triton as nt
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
-from moefuse.norm.triton import _inv_rms, _ld, _ld_raw, _pf_mask, _st
+from moefuse.norm.triton import _add_load, _inv_rms, _ld, _pf_mask, _st, _tile_rows
 
 
 # ----------------------------------------------------------------------------- element math
@@ -69,22 +69,6 @@ def _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED: tl.constexpr, HAS_ROUTER:
 
 # ----------------------------------------------------------------------------- narrow rows
 @triton.jit
-def _tile_rows(t, cols, n_rows, H, ROWS: tl.constexpr):
-    """Rows [ROWS] of row tile ``t`` and the [ROWS, BLOCK] element mask."""
-    rows = t * ROWS + tl.arange(0, ROWS)
-    return rows, (rows < n_rows)[:, None] & (cols < H)[None, :]
-
-
-@triton.jit
-def _pair_load(a_ptr, b_ptr, rows, cols, mask, a_st, b_st, MASKED: tl.constexpr,
-               STREAM: tl.constexpr):  # fmt: skip
-    r64 = rows.to(tl.int64)[:, None]
-    a = _ld_raw(a_ptr + r64 * a_st + cols[None, :], mask, MASKED, STREAM)
-    b = _ld_raw(b_ptr + r64 * b_st + cols[None, :], mask, MASKED, STREAM)
-    return a, b
-
-
-@triton.jit
 def _loop_tile(t, nprog, b_nx, r_nx, b_ptr, res_ptr, cols, n_rows, H, b_st, r_st,
                ROWS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
                EVICT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
@@ -98,10 +82,10 @@ def _loop_tile(t, nprog, b_nx, r_nx, b_ptr, res_ptr, cols, n_rows, H, b_st, r_st
         rr = r_nx
         rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
         mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-        b_nx, r_nx = _pair_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
+        b_nx, r_nx = _add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
                                 EVICT_FIRST)  # fmt: skip
     else:
-        br, rr = _pair_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
+        br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
     return rows, mask, br, rr, b_nx, r_nx
 
 
@@ -367,7 +351,7 @@ def _gated_residual_kernel(
             gdc_wait()
         if not PERSISTENT:
             rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
-            br, rr = _pair_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
+            br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
             if USE_PDL:
                 gdc_launch_dependents()
             _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, rows, cols, mask, out_ptr,
@@ -380,7 +364,7 @@ def _gated_residual_kernel(
             r_nx = 0.0
             if PREFETCH:
                 rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-                b_nx, r_nx = _pair_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
+                b_nx, r_nx = _add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
                                         EVICT_FIRST)  # fmt: skip
             while t < n_tiles:
                 rows, mask, br, rr, b_nx, r_nx = _loop_tile(
@@ -428,7 +412,7 @@ def _gated_residual_next_kernel(
             gdc_wait()
         if not PERSISTENT:
             rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
-            br, rr = _pair_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
+            br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
             if USE_PDL:
                 gdc_launch_dependents()
             _gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm, mask,
@@ -443,7 +427,7 @@ def _gated_residual_next_kernel(
             r_nx = 0.0
             if PREFETCH:
                 rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-                b_nx, r_nx = _pair_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
+                b_nx, r_nx = _add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
                                         EVICT_FIRST)  # fmt: skip
             while t < n_tiles:
                 rows, mask, br, rr, b_nx, r_nx = _loop_tile(
