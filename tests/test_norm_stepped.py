@@ -135,3 +135,39 @@ def test_unroll_beyond_the_register_limit_is_refused():
         gated.launch_gated_residual_rmsnorm(b, res, None, a, be, out, 1e-6, 0.0, False,
                                             tile=_tile(width, step), unroll=True)  # fmt: skip
     assert torch.isnan(out).all()
+
+
+def test_a_compiling_launch_also_compiles_the_other_mode(monkeypatch):
+    """gated._launch (GPU path, faked here): a launch that grows Triton's kernel cache warms the
+    other stepped mode once; cached launches and unsteppable tiles warm nothing."""
+
+    class FakeKernel:
+        def __init__(self):
+            self.device_caches = {0: ({}, None)}
+            self.launches, self.warmed = [], []
+
+        def _compile(self, unroll):
+            self.device_caches[0][0].setdefault(unroll, "binary")
+
+        def __getitem__(self, grid):
+            def run(*args, **consts):
+                self.launches.append(consts["UNROLL"])
+                self._compile(consts["UNROLL"])
+
+            return run
+
+        def warmup(self, *args, grid, **consts):
+            self.warmed.append(consts["UNROLL"])
+            self._compile(consts["UNROLL"])
+
+    monkeypatch.setattr(gated, "interpreter_active", lambda: False)
+    stepped, narrow = _tile(200, 64), tiles.row_tile(200, tiles.GATED_POLICY)
+    k = FakeKernel()
+    gated._launch(k, (1,), (), {"UNROLL": True}, stepped)  # compiles: warms the looped mode
+    gated._launch(k, (1,), (), {"UNROLL": True}, stepped)  # cached
+    gated._launch(k, (1,), (), {"UNROLL": False}, stepped)  # already warmed: cached
+    assert k.launches == [True, True, False] and k.warmed == [False]
+    k = FakeKernel()
+    gated._launch(k, (1,), (), {"UNROLL": False}, narrow)  # not stepped: nothing to warm
+    gated._launch(k, (1,), (), {"UNROLL": False}, _tile(217, 32))  # 7 steps: looped only
+    assert k.warmed == []

@@ -476,35 +476,21 @@ def _grid(tile: RowTile, n_rows: int, device: torch.device) -> tuple[int]:
     return (n_rows,) if tile.stepped else nt._grid(tile, tile.grid(n_rows)[0], device)
 
 
-#: specialisations whose other stepped mode has been compiled (see _launch)
-_WARMED: set = set()
-
-
-def _spec_key(kernel, args, consts) -> tuple:
-    """What Triton specialises a launch on, minus the mode: argument dtypes and devices, 16-byte
-    alignment of pointers and 16-divisibility of ints (n_rows included: harmless), constexprs."""
-    spec = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            spec.append((a.dtype, a.device, a.data_ptr() % 16 == 0))
-        elif isinstance(a, int) and not isinstance(a, bool):
-            spec.append((a % 16 == 0, a == 1))
-        else:
-            spec.append(type(a))
-    return (kernel.fn.__name__, tuple(spec),
-            tuple(sorted((k, v) for k, v in consts.items() if k != "UNROLL")))  # fmt: skip
+def _compiled(kernel) -> int:
+    """Kernels Triton has compiled so far for ``kernel``, all devices (its own cache)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
 
 def _launch(kernel, grid, args, consts, tile: RowTile) -> None:
-    """Launch; for stepped rows also compile the other mode (unrolled / looped) the first time a
-    specialisation is seen, so that a later token count crossing STEP_LOOP_MIN_ROWS never
-    triggers a compilation (serving changes M every step)."""
+    """Launch; for stepped rows, a launch that had to compile also compiles the other mode
+    (unrolled / looped) of the same specialisation, so that a later token count crossing
+    STEP_LOOP_MIN_ROWS never triggers a compilation (serving changes M every step). Cost on a
+    cached launch: two looks at the size of Triton's kernel cache."""
+    warm = (tile.stepped and not interpreter_active()
+            and tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS)  # fmt: skip
+    before = _compiled(kernel) if warm else 0
     kernel[grid](*args, **consts)
-    if not tile.stepped or interpreter_active() or tile.num_chunks > tiles.STEP_UNROLL_MAX_STEPS:
-        return
-    key = _spec_key(kernel, args, consts)
-    if key not in _WARMED:
-        _WARMED.add(key)
+    if warm and _compiled(kernel) > before:
         kernel.warmup(*args, grid=grid, **{**consts, "UNROLL": not consts["UNROLL"]})
 
 
