@@ -195,7 +195,7 @@ def worker(rank, world_size, args, init_method) -> None:
 
 
 # ----------------------------------------------------------------------------- offline compile
-def compile_only(widths) -> None:
+def compile_only(widths, dump=None) -> None:
     """Every variant's one-shot kernel for sm_90a (P = 2, BF16, pattern 1): registers, spills."""
     import inspect
     import re
@@ -250,6 +250,10 @@ def compile_only(widths) -> None:
             regs = re.search(r"Used (\d+) registers", out.stderr)
             spill = re.search(r"(\d+) bytes spill stores", out.stderr)
             v4 = len(re.findall(r"ld\.volatile\.global\.v4", ptx))
+            if dump:  # PTX and TTGIR of each variant, to diff or read offline
+                for ext, text in (("ptx", ptx), ("ttgir", ck.asm["ttgir"])):
+                    with open(os.path.join(dump, f"{name}-{h}.{ext}"), "w") as f:
+                        f.write(text)
             print(f"H={h:5d} {name:9s} kernel={kernel.fn.__name__:24s} warps={warps:2d} "
                   f"probe={var.probe:3d} regs={regs.group(1) if regs else '?'} "
                   f"spills={spill.group(1) if spill else '?'} ld.volatile.v4={v4} "
@@ -263,6 +267,7 @@ def main(argv) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="names of VARIANTS")
     parser.add_argument("--replays", type=int, default=15)
     parser.add_argument("--compile-only", action="store_true", help="sm_90a compile, no GPU")
+    parser.add_argument("--dump-ptx", default=None, help="--compile-only: write PTX/TTGIR here")
     parser.add_argument("--cpu", action="store_true", help="bitwise checks in the interpreter")
     parser.add_argument("--cpu-timing", action="store_true",
                         help="with --cpu: also run the timing loop (interpreter wall time)")
@@ -271,7 +276,7 @@ def main(argv) -> int:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     if args.compile_only:
-        compile_only([int(h) for h in args.hidden.split(",")])
+        compile_only([int(h) for h in args.hidden.split(",")], args.dump_ptx)
         return 0
     if args.cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
