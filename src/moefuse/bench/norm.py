@@ -4,6 +4,16 @@ same math, and an SM copy (the bandwidth ceiling), all timed as CUDA-graph repla
 Bytes counted (the minimum each op must move, elements x bytes): rmsnorm 2+2, fused_add 4+4,
 gated_residual 2+4 read + 4 written, gated_residual_next 2+4 read + 4+2 written, sigmoid gate
 2+2 read + 2 written (per element; weights and gains are negligible).
+
+Output buffers. Inputs rotate over sets larger than L2. torch.compile's (and eager's) outputs come
+from the CUDA graph's memory pool, at one fixed address for every call of a case, as an engine's
+graph gives them. So ``moefuse`` writes to one fixed output per case too (ops with output
+arguments: rmsnorm, the gated ops). ``moefuse_rot_out`` keeps one output per input set, the method
+used before 2026-11-30. At sizes whose outputs fit in L2 next to the streamed inputs, a fixed
+output is rewritten while still dirty in L2 and costs fewer DRAM writes. That is why compile beat
+an SM copy of the same bytes at 1024 x 4096 (notes/gpu-logs/probe-output-policy-2026-11-30.log).
+The in-place ops (fused_add_rmsnorm, the sigmoid gate) write into their rotating inputs, as their
+API requires, while compile's versions write to fixed pool outputs; that asymmetry stays.
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ class Case:
     m: int
     bytes: int
     sets: list = field(default_factory=list)  # per-rotation input tuples
+    fixed_out: tuple = ()  # one output buffer set shared by every call (ops with outputs)
 
 
 def _make_case(op: str, m: int, h: int, head_dim: int | None) -> tuple[Case, dict]:
@@ -74,6 +85,12 @@ def _make_case(op: str, m: int, h: int, head_dim: int | None) -> tuple[Case, dic
     case = Case(op, f"{HEADS}x{head_dim}" if head_dim else f"H={h}", m, nbytes)
     w = torch.randn(h, device=dev).to(bf)
     alpha, beta = torch.rand(h, device=dev), torch.rand(h, device=dev)
+    if op == "rmsnorm":
+        case.fixed_out = (torch.empty(m, h, device=dev, dtype=bf),)
+    elif op == "gated_residual_rmsnorm":
+        case.fixed_out = (torch.empty(m, h, device=dev),)
+    elif op == "gated_residual_next_rmsnorm":
+        case.fixed_out = (torch.empty(m, h, device=dev), torch.empty(m, h, device=dev, dtype=bf))
     for _ in range(harness.rotation_sets(nbytes)):
         if op == "rmsnorm":
             x = torch.randn(m, h, device=dev).to(bf)
@@ -94,21 +111,24 @@ def _make_case(op: str, m: int, h: int, head_dim: int | None) -> tuple[Case, dic
     return case, {}
 
 
-def _variants(op: str, compiled: dict):
-    """name -> fn(set) for moefuse (PDL on / off), eager and compiled PyTorch."""
+def _variants(op: str, compiled: dict, fixed_out: tuple):
+    """name -> fn(set) for moefuse (PDL on / off; outputs at a fixed address, and rotating with
+    the inputs when the op has outputs), eager and compiled PyTorch."""
 
-    def fused(pdl):
+    def fused(pdl, fixed):
         if op == "rmsnorm":
-            return lambda s: moefuse.rmsnorm(s[0], s[1], out=s[2], enable_pdl=pdl, impl="triton")
+            return lambda s: moefuse.rmsnorm(s[0], s[1], out=fixed[0] if fixed else s[2],
+                                             enable_pdl=pdl, impl="triton")  # fmt: skip
         if op == "fused_add_rmsnorm":
             return lambda s: moefuse.fused_add_rmsnorm(*s, enable_pdl=pdl, impl="triton")
         if op == "gated_residual_rmsnorm":
             return lambda s: moefuse.gated_residual_rmsnorm(
-                s[0], s[1], None, s[2], s[3], out=s[4], enable_pdl=pdl, impl="triton")
+                s[0], s[1], None, s[2], s[3], out=fixed[0] if fixed else s[4], enable_pdl=pdl,
+                impl="triton")  # fmt: skip
         if op == "gated_residual_next_rmsnorm":
             return lambda s: moefuse.gated_residual_next_rmsnorm(
-                s[0], s[1], s[2], s[3], s[4], residual_out=s[5], ffn_input=s[6],
-                enable_pdl=pdl, impl="triton")  # fmt: skip
+                s[0], s[1], s[2], s[3], s[4], residual_out=fixed[0] if fixed else s[5],
+                ffn_input=fixed[1] if fixed else s[6], enable_pdl=pdl, impl="triton")  # fmt: skip
         return lambda s: moefuse.rmsnorm_sigmoid_gate(s[0], s[1], enable_pdl=pdl, impl="triton")
 
     torch_fn = {
@@ -135,8 +155,10 @@ def _variants(op: str, compiled: dict):
         "gated_residual_next_rmsnorm": lambda s: comp(*s[:5]),
         "rmsnorm_sigmoid_gate": lambda s: comp(s[0], s[1]),
     }[op]
-    return {"moefuse": fused(True), "moefuse_nopdl": fused(False), "eager": torch_fn,
-            "compile": comp_fn}  # fmt: skip
+    variants = {"moefuse": fused(True, fixed_out), "moefuse_nopdl": fused(False, fixed_out)}
+    if fixed_out:
+        variants["moefuse_rot_out"] = fused(True, None)
+    return {**variants, "eager": torch_fn, "compile": comp_fn}
 
 
 def _check(op: str, s) -> None:
@@ -187,7 +209,7 @@ def main(argv: list[str]) -> int:
                 _check(op, case.sets[0])
                 n = len(case.sets)
                 times = {}
-                for name, fn in _variants(op, compiled).items():
+                for name, fn in _variants(op, compiled, case.fixed_out).items():
                     times[name] = harness.graph_time_us(
                         lambda i, fn=fn, sets=case.sets, n=n: fn(sets[i % n]), calls=max(20, n)
                     )
@@ -208,6 +230,9 @@ def main(argv: list[str]) -> int:
     meta = harness.run_metadata()
     meta["ceiling_tbs"] = ceiling
     meta["ceiling_method"] = "Triton SM copy kernel of 1 GiB, CUDA-graph replay"
+    meta["outputs"] = ("inputs rotate over sets > L2; moefuse / moefuse_nopdl write one fixed "
+                       "output per case (like compile's graph pool); moefuse_rot_out one output "
+                       "per input set; in-place ops write into their inputs")  # fmt: skip
     if args.save:
         paths = harness.save_results("norm", rows, meta, args.out)
         print("wrote", *[str(p) for p in paths if p])
