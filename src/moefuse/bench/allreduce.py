@@ -4,7 +4,12 @@ Spawns P processes (one GPU each, NCCL group; or runs in place under ``torchrun`
 correctness first (every moefuse algorithm against the oracle built from all ranks' partials,
 bitwise across algorithms), then times, side by side in one run, per (H, M):
 
-* ``moefuse`` (algorithm="auto"), ``moefuse_oneshot``, ``moefuse_twoshot``;
+* ``moefuse`` (algorithm="auto"), ``moefuse_oneshot``, ``moefuse_twoshot``: inputs rotate, the
+  two outputs are one buffer pair per case (like the compiled norm's outputs, which come from the
+  CUDA graph's pool at a fixed address); ``moefuse_rot_out``: auto with outputs rotating with the
+  inputs (the method before 2026-11-30); ``moefuse_same_inputs``: auto on the same input set and
+  outputs at every call, the way the FlashInfer figures of the measurements file were taken (its
+  single-GPU figures of the same campaign exceed the copy ceiling, i.e. L2-resident inputs);
 * ``nccl+compile``: NCCL ``all_reduce`` then a ``torch.compile``'d residual add + RMSNorm;
 * ``symm1+compile`` / ``symm2+compile``: PyTorch symmetric-memory ``one_shot_all_reduce`` /
   ``two_shot_all_reduce_`` (multicast disabled) then the same compiled norm.
@@ -83,6 +88,7 @@ def _time_case(moefuse, harness, ws, group, h, m, norm_c, replays):
     rs = [torch.randn(m, h, device=dev).to(bf) for _ in range(n)]
     w = (torch.rand(h, device=dev) + 0.5).to(bf)
     outs = [(torch.empty_like(xs[0]), torch.empty_like(xs[0])) for _ in range(n)]
+    fixed = (torch.empty_like(xs[0]), torch.empty_like(xs[0]))
     _check(moefuse, ws, xs[0], rs[0], w, group)
     base_x = [x.clone() for x in xs]  # NCCL reduces in place: keep the moefuse inputs intact
     sym = symm_mem.empty((m, h), dtype=bf, device=dev)
@@ -90,11 +96,16 @@ def _time_case(moefuse, harness, ws, group, h, m, norm_c, replays):
     symm_mem.rendezvous(sym, group.group_name)
     gname = group.group_name
 
-    def fused(algo):
-        return lambda i: moefuse.allreduce_residual_rmsnorm(
-            xs[i % n], rs[i % n], w, workspace=ws, algorithm=algo, impl="triton",
-            residual_out=outs[i % n][0], norm_out=outs[i % n][1],
-        )  # fmt: skip
+    def fused(algo, inputs="rotate", outputs="fixed"):
+        def call(i):
+            k = 0 if inputs == "same" else i % n
+            o = fixed if outputs == "fixed" else outs[i % n]
+            return moefuse.allreduce_residual_rmsnorm(
+                xs[k], rs[k], w, workspace=ws, algorithm=algo, impl="triton",
+                residual_out=o[0], norm_out=o[1],
+            )  # fmt: skip
+
+        return call
 
     def nccl(i):
         dist.all_reduce(base_x[i % n], group=group)
@@ -108,7 +119,9 @@ def _time_case(moefuse, harness, ws, group, h, m, norm_c, replays):
         return norm_c(sym, rs[i % n], w)
 
     variants = {"moefuse": fused("auto"), "moefuse_oneshot": fused("oneshot"),
-                "moefuse_twoshot": fused("twoshot"), "nccl+compile": nccl,
+                "moefuse_twoshot": fused("twoshot"),
+                "moefuse_rot_out": fused("auto", outputs="rotate"),
+                "moefuse_same_inputs": fused("auto", inputs="same"), "nccl+compile": nccl,
                 "symm1+compile": symm1, "symm2+compile": symm2}  # fmt: skip
     times = {}
     for name, fn in variants.items():
@@ -182,7 +195,9 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
             print(line)
         meta = harness.run_metadata()
         meta.update(ceiling_tbs=ceiling, world_size=world_size, bar=bar,
-                    note="symm-mem baselines time one symmetric input buffer (no L2 rotation)")
+                    note="symm-mem baselines time one symmetric input buffer (no L2 rotation); "
+                         "moefuse variants write one fixed output pair per case except "
+                         "moefuse_rot_out; moefuse_same_inputs reuses one input set")  # fmt: skip
         if args.save:
             paths = harness.save_results("allreduce", rows, meta, args.out,
                                          suffix=f"-p{world_size}")  # fmt: skip
@@ -208,7 +223,13 @@ def bar_checks(rows: list[dict], world_size: int) -> list[str]:
         if h == 4096 and world_size == 2 and m <= 512:
             fi = FLASHINFER_ONESHOT[2].get(m)
             if fi is not None:
-                verdict(us * 1.15 <= fi, f"P=2 M={m}: {us:.2f} us vs FlashInfer {fi} / 1.15")
+                verdict(us * 1.15 <= fi, f"P=2 M={m}: {us:.2f} us (inputs rotated) vs "
+                                         f"FlashInfer {fi} / 1.15")  # fmt: skip
+                same = t.get((h, m, "moefuse_same_inputs"))
+                if same is not None:
+                    verdict(same * 1.15 <= fi, f"P=2 M={m}: {same:.2f} us (same inputs every "
+                                               f"call, the FlashInfer figures' method) vs "
+                                               f"FlashInfer {fi} / 1.15")  # fmt: skip
             verdict(us * 2 <= nccl, f"P=2 M={m}: {us:.2f} us <= NCCL+compile {nccl:.2f} / 2")
         if h == 4096 and world_size == 4 and m <= 64:
             verdict(us * 2 <= nccl, f"P=4 M={m}: {us:.2f} us <= NCCL+compile {nccl:.2f} / 2")

@@ -195,13 +195,18 @@ def plot_rows(rows: list[dict], path: Path, *, title: str, metric: str = "us") -
     n = len(panels)
     if n == 0:
         return
+    # one colour per variant across all panels (a panel without some variant keeps the others')
+    names = sorted({v for variants in panels.values() for v in variants})
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    color = {name: palette(i % palette.N) for i, name in enumerate(names)}
     cols = min(4, n)
     nrows = (n + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows), squeeze=False)
     for ax, (key, variants) in zip(axes.flat, panels.items()):
         for variant, pts in sorted(variants.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=variant)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=variant,
+                    color=color[variant])  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(key, fontsize=8)
