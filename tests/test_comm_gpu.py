@@ -292,6 +292,54 @@ def scenario_bounded_wait(rank, world_size, algo):
     return elapsed
 
 
+def scenario_transports(rank, world_size):
+    """The CUDA IPC transport against symmetric memory: same bits for every algorithm and a few
+    patterns; several calls in a row (Lamport generations cycle, two-shot epochs advance) and
+    one CUDA graph replayed; both workspaces closed and a third created afterwards."""
+    import moefuse
+
+    dev = _dev(rank)
+    h, cap = 4096, 1000
+    spaces = {kind: moefuse.AllReduceWorkspace(None, cap, h, torch.bfloat16, dev, transport=kind,
+                                               oneshot_max_tokens=cap)  # fmt: skip
+              for kind in ("symm_mem", "cuda_ipc")}
+    for kind, ws in spaces.items():
+        assert ws.transport is not None and ws.transport.kind == kind, repr(ws)
+    for m in (1, 64, 1000):
+        parts, res, w = make_case(m * 13 + 1, world_size, m, h, torch.bfloat16, dev)
+        x = parts[rank]
+        for pattern in ("ar", "norm", "nvfp4"):
+            for algo in ("oneshot", "twoshot"):
+                want = call(moefuse, pattern, spaces["symm_mem"], x, res, w, algo)
+                for rep in range(3):
+                    got = call(moefuse, pattern, spaces["cuda_ipc"], x, res, w, algo)
+                    for a, b in zip(got, want):
+                        same_bits(a, b, f"cuda_ipc M={m} {pattern} {algo} call {rep}")
+    ws = spaces["cuda_ipc"]
+    parts, res, w = make_case(5, world_size, 64, h, torch.bfloat16, dev)
+    x, res_out, norm_out = parts[rank], torch.empty_like(res), torch.empty_like(res)
+    want = call(moefuse, "norm", spaces["symm_mem"], x, res, w, "auto")
+    moefuse.allreduce_residual_rmsnorm(x, res, w, workspace=ws, residual_out=res_out,
+                                       norm_out=norm_out, impl="triton")  # warm-up (compiles)
+    with ws.capture():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            moefuse.allreduce_residual_rmsnorm(x, res, w, workspace=ws, residual_out=res_out,
+                                               norm_out=norm_out, impl="triton")  # fmt: skip
+    for rep in range(5):
+        res_out.fill_(float("nan"))
+        graph.replay()
+        same_bits(res_out, want[0], f"cuda_ipc graph replay {rep}")
+    for ws in spaces.values():
+        ws.check()
+        ws.close()
+    again = moefuse.AllReduceWorkspace(None, 8, h, torch.bfloat16, dev, transport="cuda_ipc")
+    out = call(moefuse, "norm", again, x[:8], res[:8], w, "oneshot")
+    same_bits(out[0], want[0][:8], "cuda_ipc after re-creation")
+    again.close()
+    return True
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_full_shapes_every_algorithm(world_size):
@@ -319,3 +367,9 @@ def test_bounded_wait(world_size, algo):
     elapsed = run_group(world_size, scenario_bounded_wait, algo, backend="nccl", timeout_s=300)
     for e in elapsed[:-1]:
         assert 2.0 <= e < 30.0, f"wait ended after {e:.1f} s (timeout 2 s)"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_cuda_ipc_transport_matches_symmetric_memory(world_size):
+    _need(world_size)
+    assert all(run_group(world_size, scenario_transports, backend="nccl", timeout_s=300))

@@ -6,6 +6,9 @@ Backends (chosen by :class:`moefuse.comm.AllReduceWorkspace` from the device typ
 * :class:`SymmetricMemoryTransport` (CUDA): ``torch.distributed._symmetric_memory.empty`` +
   ``rendezvous`` with NVLink multicast disabled; ``buffer_ptrs`` are the peers' buffers mapped into
   this process over NVLink P2P (unicast loads and stores only, never ``multimem``).
+* :class:`CudaIpcTransport` (CUDA, where symmetric memory is missing or fails): an ordinary
+  device allocation per rank, shared with CUDA IPC handles (``torch.multiprocessing``'s tensor
+  reduction) exchanged over the group and opened by every peer; the same unicast P2P mappings.
 * :class:`SharedMemoryTransport` (CPU): one file per rank in a shared-memory directory, mapped
   ``MAP_SHARED`` by every process of the group. The Triton interpreter dereferences raw addresses,
   so the same kernels that run on the GPU run across real processes on CPU tensors.
@@ -161,6 +164,208 @@ class SymmetricMemoryTransport:
         self._handle = None
         self.local = None
         self.peer_addrs = []
+
+
+class _CudaRuntime:
+    """The CUDA runtime calls of :class:`CudaIpcTransport`, through ctypes (no compiled code): on
+    the libcudart this process already loaded (PyTorch's), else the one the loader finds."""
+
+    IPC_HANDLE_BYTES = 64
+    LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+    def __init__(self):
+        import ctypes
+        import ctypes.util
+
+        self._c = ctypes
+        path = _loaded_library("libcudart") or ctypes.util.find_library("cudart")
+        if path is None:
+            raise RuntimeError("libcudart not found")
+        lib = ctypes.CDLL(path)
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        self._sig(lib.cudaMalloc, [ctypes.POINTER(vp), sz])
+        self._sig(lib.cudaFree, [vp])
+        self._sig(lib.cudaIpcGetMemHandle, [ctypes.c_char_p, vp])
+        self._sig(lib.cudaIpcOpenMemHandle, [ctypes.POINTER(vp), ctypes.c_char * 64,
+                                             ctypes.c_uint])  # fmt: skip
+        self._sig(lib.cudaIpcCloseMemHandle, [vp])
+        self._sig(lib.cudaGetErrorString, [ctypes.c_int], ctypes.c_char_p)
+        self._sig(lib.cudaSetDevice, [ctypes.c_int])
+        self.lib = lib
+
+    def set_device(self, index: int) -> None:
+        """Make ``index`` current for this runtime (a libcudart loaded apart from PyTorch's has
+        its own current device)."""
+        self._check(self.lib.cudaSetDevice(index), "cudaSetDevice")
+
+    @staticmethod
+    def _sig(fn, argtypes, restype=None):
+        import ctypes
+
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int if restype is None else restype
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = self.lib.cudaGetErrorString(rc).decode(errors="replace")
+            raise RuntimeError(f"{what} failed: {msg} (error {rc})")
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = self._c.c_void_p()
+        self._check(self.lib.cudaMalloc(self._c.byref(ptr), nbytes), "cudaMalloc")
+        return int(ptr.value)
+
+    def free(self, ptr: int) -> None:
+        self._check(self.lib.cudaFree(self._c.c_void_p(ptr)), "cudaFree")
+
+    def ipc_handle(self, ptr: int) -> bytes:
+        buf = self._c.create_string_buffer(self.IPC_HANDLE_BYTES)
+        self._check(self.lib.cudaIpcGetMemHandle(buf, self._c.c_void_p(ptr)),
+                    "cudaIpcGetMemHandle")  # fmt: skip
+        return buf.raw
+
+    def ipc_open(self, handle: bytes) -> int:
+        ptr = self._c.c_void_p()
+        raw = (self._c.c_char * self.IPC_HANDLE_BYTES).from_buffer_copy(handle)
+        self._check(self.lib.cudaIpcOpenMemHandle(self._c.byref(ptr), raw,
+                                                  self.LAZY_ENABLE_PEER_ACCESS),
+                    "cudaIpcOpenMemHandle")  # fmt: skip
+        return int(ptr.value)
+
+    def ipc_close(self, ptr: int) -> None:
+        self._check(self.lib.cudaIpcCloseMemHandle(self._c.c_void_p(ptr)),
+                    "cudaIpcCloseMemHandle")  # fmt: skip
+
+
+def _loaded_library(stem: str) -> str | None:
+    """Path of an already-loaded shared library whose file name starts with ``stem``."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith(stem + ".so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+class _DeviceBytes:
+    """``__cuda_array_interface__`` of a raw device allocation (zero-copy into a torch tensor)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "strides": None,
+                                         "version": 3}  # fmt: skip
+
+
+class CudaIpcTransport:
+    """Per-rank device buffers shared with CUDA IPC (same host, P2P access between the devices).
+
+    Each rank ``cudaMalloc``s its own buffer (outside PyTorch's caching allocator, so the IPC
+    handle covers exactly this buffer), fills it (``init``) and publishes its 64-byte IPC handle
+    with ``all_gather_object``. Every rank opens every peer's handle on its own device
+    (``cudaIpcOpenMemHandle`` with lazy peer access): the returned addresses are valid in this
+    process and reach the peer's memory over NVLink. ``close()`` is collective: every rank
+    closes its mappings of the peers' buffers before any rank frees its own.
+    """
+
+    kind = "cuda_ipc"
+
+    def __init__(self, group, nbytes: int, device: torch.device, init=None, vote=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.nbytes = int(nbytes)
+        self.device = device
+        self._ptr = None
+        self._opened: list[int] = []
+        handle, error = None, None
+        try:
+            self._rt = _CudaRuntime()
+            with torch.cuda.device(device):
+                self._rt.set_device(device.index)
+                self._ptr = self._rt.malloc(self.nbytes)
+                handle = self._rt.ipc_handle(self._ptr)
+        except Exception as exc:  # no libcudart, out of memory, no IPC on this platform
+            error = exc
+        _agree(vote, error, self._free)
+        self.local = torch.as_tensor(_DeviceBytes(self._ptr, self.nbytes), device=device)
+        self.local.zero_()
+        if init is not None:
+            init(self.local)
+        torch.cuda.synchronize(device)
+        handles = [None] * self.world_size
+        dist.all_gather_object(handles, handle, group=group)
+        addrs, error = [], None
+        try:
+            with torch.cuda.device(device):
+                self._rt.set_device(device.index)
+                for r, h in enumerate(handles):
+                    if r == self.rank:
+                        addrs.append(self._ptr)
+                    else:
+                        addr = self._rt.ipc_open(h)
+                        self._opened.append(addr)
+                        addrs.append(addr)
+        except Exception as exc:  # e.g. no P2P between two of the devices
+            error = exc
+        _agree(vote, error, self._release)
+        self.peer_addrs = addrs
+        if any(a % ALIGN for a in self.peer_addrs):
+            raise RuntimeError("CUDA IPC buffers are not 16-byte aligned")
+        dist.barrier(group=group)
+        self._closed = False
+
+    def _close_mappings(self) -> None:
+        with torch.cuda.device(self.device):
+            if self._opened:
+                self._rt.set_device(self.device.index)
+            for addr in self._opened:
+                self._rt.ipc_close(addr)
+        self._opened = []
+
+    def _free(self) -> None:
+        if self._ptr is not None:
+            self.local = None
+            with torch.cuda.device(self.device):
+                self._rt.set_device(self.device.index)
+                self._rt.free(self._ptr)
+            self._ptr = None
+
+    def _release(self) -> None:
+        """Failure during set-up: every rank runs this after the same vote."""
+        self._close_mappings()
+        dist.barrier(group=self.group)
+        self._free()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.peer_addrs = []
+        self._close_mappings()  # this rank stops using the peers' buffers ...
+        dist.barrier(group=self.group)  # ... before any rank frees its own
+        self._free()
+
+
+#: CUDA transports in the order "auto" tries them
+CUDA_TRANSPORTS = ("symm_mem", "cuda_ipc")
+
+
+def cuda_transport_order(requested: str) -> tuple[str, ...]:
+    """The CUDA transports to try, in order, for ``requested`` ("auto", "symm_mem" or
+    "cuda_ipc"); ValueError otherwise."""
+    if requested == "auto":
+        return CUDA_TRANSPORTS
+    if requested in CUDA_TRANSPORTS:
+        return (requested,)
+    raise ValueError(f"transport must be 'auto' or one of {CUDA_TRANSPORTS}, got {requested!r}")
+
+
+def make_cuda_transport(kind: str, group, nbytes: int, device, init=None, vote=None):
+    cls = {"symm_mem": SymmetricMemoryTransport, "cuda_ipc": CudaIpcTransport}[kind]
+    return cls(group, nbytes, device, init, vote)
 
 
 def _agree(vote, error, cleanup) -> None:

@@ -25,17 +25,21 @@ process, as distances from the table in 16-byte units). Later communication ops 
 buffers through
 :meth:`offset16` / ``table`` / ``ctrl`` (``regions`` lists the layout).
 
-Backends: CUDA tensors use torch symmetric memory over NVLink P2P with multicast disabled; a
-``cpu`` device uses shared-memory files between processes (gloo group) so the same Triton kernels
-run in the interpreter across real processes. Groups that span hosts or lack peer access get a
-workspace without peer buffers (``peer_access`` False): every call then takes the
-torch.distributed path (all-gather + local rank-order sum), which gives the same bits.
+Backends: CUDA tensors use torch symmetric memory over NVLink P2P with multicast disabled, or,
+where that is missing or fails, device buffers shared with CUDA IPC handles (``transport=``
+"auto" tries them in that order; "symm_mem" / "cuda_ipc" pick one; the MOEFUSE_COMM_TRANSPORT
+variable sets the default); a ``cpu`` device uses shared-memory files between processes (gloo
+group) so the same Triton kernels run in the interpreter across real processes. Groups that
+span hosts or lack peer access get a workspace without peer buffers (``peer_access`` False):
+every call then takes the torch.distributed path (all-gather + local rank-order sum), which
+gives the same bits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 
 import torch
@@ -106,13 +110,16 @@ class AllReduceWorkspace:
     ``oneshot_max_tokens`` (Lamport capacity L; default: what "auto" can pick for this world
     size, within a 768 MiB budget),
     ``peer_access`` (None = detect; False forces the torch.distributed path),
+    ``transport`` (CUDA peer buffers: "auto" = symmetric memory, else CUDA IPC; "symm_mem" or
+    "cuda_ipc" forces one; None = the MOEFUSE_COMM_TRANSPORT variable, else "auto"; the same on
+    every rank),
     ``extra_regions`` (name -> bytes: more peer-visible regions, zero-filled, appended to the
     layout for other communication ops; ``offset16(name)`` addresses them).
     """
 
     def __init__(self, group, max_tokens: int, hidden_size: int, dtype: torch.dtype, device, *,
                  timeout_s: float | None = None, oneshot_max_tokens: int | None = None,
-                 peer_access: bool | None = None,
+                 peer_access: bool | None = None, transport: str | None = None,
                  extra_regions: dict[str, int] | None = None):  # fmt: skip
         group = group if group is not None else dist.group.WORLD
         device = torch.device(device)
@@ -128,6 +135,12 @@ class AllReduceWorkspace:
             raise ValueError(f"AllReduceWorkspace: dtype must be one of {DTYPES}, got {dtype}")
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"AllReduceWorkspace: device must be cuda or cpu, got {device}")
+        if transport is None:
+            transport = os.environ.get("MOEFUSE_COMM_TRANSPORT", "") or "auto"
+        try:
+            self._transport_order = tp.cuda_transport_order(transport)
+        except ValueError as exc:
+            raise ValueError(f"AllReduceWorkspace: {exc}") from None
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -231,21 +244,31 @@ class AllReduceWorkspace:
             view.view(torch.int16).fill_(-(2**15))
 
     def _make_transport(self):
-        """Allocate and rendezvous the peer buffers; None (on every rank) if any rank fails."""
-        try:
-            if self.device.type == "cuda":
-                return tp.SymmetricMemoryTransport(
-                    self.group, self.buffer_bytes, self.device, self._init_buffer, self.vote
-                )
-            return tp.SharedMemoryTransport(
-                self.group, self.buffer_bytes, self._init_buffer, self.vote
-            )
-        except Exception as exc:  # surfaced once; the torch.distributed path still works
-            from moefuse._runtime import log_once
+        """Allocate and exchange the peer buffers; None (on every rank) if every transport fails.
 
-            log_once("AllReduceWorkspace", f"peer buffers unavailable ({exc}); using the "
-                     "torch.distributed path")  # fmt: skip
-            return None
+        CUDA: the transports of ``transport=`` in order (symmetric memory, then CUDA IPC); every
+        attempt is collective and ends the same way on every rank (each transport votes on its
+        allocation and mapping), so the ranks always agree on the transport or on none."""
+        from moefuse._runtime import log_once
+
+        if self.device.type != "cuda":
+            kinds = ("shm",)
+        else:
+            kinds = self._transport_order
+        for i, kind in enumerate(kinds):
+            try:
+                if kind == "shm":
+                    return tp.SharedMemoryTransport(
+                        self.group, self.buffer_bytes, self._init_buffer, self.vote
+                    )
+                return tp.make_cuda_transport(kind, self.group, self.buffer_bytes, self.device,
+                                              self._init_buffer, self.vote)  # fmt: skip
+            except Exception as exc:  # surfaced once; the next transport, or the torch path
+                then = f"trying {kinds[i + 1]}" if i + 1 < len(kinds) else \
+                    "using the torch.distributed path"  # fmt: skip
+                log_once(f"AllReduceWorkspace:{kind}", f"{kind} peer buffers unavailable ({exc}); "
+                         f"{then}")  # fmt: skip
+        return None
 
     # ------------------------------------------------------------------------- queries
     def offset16(self, region: str) -> int:
