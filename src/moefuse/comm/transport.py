@@ -182,14 +182,19 @@ class _CudaRuntime:
         if path is None:
             raise RuntimeError("libcudart not found")
         lib = ctypes.CDLL(path)
+
+        class IpcHandle(ctypes.Structure):  # cudaIpcMemHandle_t: passed BY VALUE to open
+            _fields_ = [("reserved", ctypes.c_byte * self.IPC_HANDLE_BYTES)]
+
+        self._handle_t = IpcHandle
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         self._sig(lib.cudaMalloc, [ctypes.POINTER(vp), sz])
         self._sig(lib.cudaFree, [vp])
-        self._sig(lib.cudaIpcGetMemHandle, [ctypes.c_char_p, vp])
-        self._sig(lib.cudaIpcOpenMemHandle, [ctypes.POINTER(vp), ctypes.c_char * 64,
-                                             ctypes.c_uint])  # fmt: skip
+        self._sig(lib.cudaIpcGetMemHandle, [ctypes.POINTER(IpcHandle), vp])
+        self._sig(lib.cudaIpcOpenMemHandle, [ctypes.POINTER(vp), IpcHandle, ctypes.c_uint])
         self._sig(lib.cudaIpcCloseMemHandle, [vp])
         self._sig(lib.cudaGetErrorString, [ctypes.c_int], ctypes.c_char_p)
+        self._sig(lib.cudaGetLastError, [])
         self._sig(lib.cudaSetDevice, [ctypes.c_int])
         self.lib = lib
 
@@ -207,6 +212,9 @@ class _CudaRuntime:
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
+            # reset the runtime's last-error word: PyTorch shares this libcudart and would
+            # otherwise report the error at its next, unrelated CUDA call
+            self.lib.cudaGetLastError()
             msg = self.lib.cudaGetErrorString(rc).decode(errors="replace")
             raise RuntimeError(f"{what} failed: {msg} (error {rc})")
 
@@ -219,14 +227,14 @@ class _CudaRuntime:
         self._check(self.lib.cudaFree(self._c.c_void_p(ptr)), "cudaFree")
 
     def ipc_handle(self, ptr: int) -> bytes:
-        buf = self._c.create_string_buffer(self.IPC_HANDLE_BYTES)
-        self._check(self.lib.cudaIpcGetMemHandle(buf, self._c.c_void_p(ptr)),
+        handle = self._handle_t()
+        self._check(self.lib.cudaIpcGetMemHandle(self._c.byref(handle), self._c.c_void_p(ptr)),
                     "cudaIpcGetMemHandle")  # fmt: skip
-        return buf.raw
+        return bytes(handle)
 
     def ipc_open(self, handle: bytes) -> int:
         ptr = self._c.c_void_p()
-        raw = (self._c.c_char * self.IPC_HANDLE_BYTES).from_buffer_copy(handle)
+        raw = self._handle_t.from_buffer_copy(handle)
         self._check(self.lib.cudaIpcOpenMemHandle(self._c.byref(ptr), raw,
                                                   self.LAZY_ENABLE_PEER_ACCESS),
                     "cudaIpcOpenMemHandle")  # fmt: skip
