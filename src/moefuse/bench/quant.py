@@ -278,16 +278,24 @@ def main(argv: list[str]) -> int:
                 nbytes = int(BYTES_PER_ELEM[op] * m * h)
                 sets = _make_sets(op, m, h, harness.rotation_sets(nbytes))
                 _check(op, sets[0], w, scale, gs)
-                variants = {
+                # outputs: one fixed set per case, like compile's graph-pool outputs (norm.py's
+                # docstring); moefuse_rot_out writes one output set per input set instead
+                fixed = _make_sets(op, m, h, 1)[0][2:]
+                fixed_sets = [(x, r, *fixed) for x, r, *_ in sets]
+                mf = {
                     "moefuse": _moefuse_fn(op, w, scale, gs, True),
                     "moefuse_nopdl": _moefuse_fn(op, w, scale, gs, False),
-                    "eager": _torch_call(op, TORCH_FNS[op], w, inv, gs),
-                    "compile": _torch_call(op, compiled[op], w, inv, gs),
                 }
                 unfused = _unfused_moefuse(op, w, scale, gs)
                 if unfused is not None:
-                    variants["moefuse_unfused"] = unfused
-                times = {name: _time(fn, sets) for name, fn in variants.items()}
+                    mf["moefuse_unfused"] = unfused
+                times = {name: _time(fn, fixed_sets) for name, fn in mf.items()}
+                times["moefuse_rot_out"] = _time(mf["moefuse"], sets)
+                baselines = {
+                    "eager": _torch_call(op, TORCH_FNS[op], w, inv, gs),
+                    "compile": _torch_call(op, compiled[op], w, inv, gs),
+                }
+                times.update({name: _time(fn, sets) for name, fn in baselines.items()})
                 times["sm_copy"] = harness.copy_time_us(nbytes)
                 for name, us in times.items():
                     tbs = nbytes / (us * 1e-6) / 1e12
@@ -298,28 +306,37 @@ def main(argv: list[str]) -> int:
                         "x_copy_same_bytes": times["sm_copy"] / us,
                     })  # fmt: skip
                 best = min(times["moefuse"], times["moefuse_nopdl"])
-                frac = nbytes / (best * 1e-6) / 1e12 / ceiling
+                # the ceiling fraction from the rotating outputs (DRAM writes of every output,
+                # the conservative reading); x compile from the fixed ones (compile's policy)
+                frac = nbytes / (times["moefuse_rot_out"] * 1e-6) / 1e12 / ceiling
+                frac_fixed = nbytes / (best * 1e-6) / 1e12 / ceiling
                 x_comp = times["compile"] / best
-                x_copy = times["sm_copy"] / best
+                x_copy = times["sm_copy"] / times["moefuse_rot_out"]
                 print(f"{op:31s} H={h:5d} M={m:6d} " + "  ".join(
                     f"{k}={v:8.2f}us" for k, v in times.items())
-                    + f"  | moefuse {frac:.2f} x ceiling, {x_comp:.2f} x compile,"
-                    f" {x_copy:.2f} x same-bytes copy")  # fmt: skip
+                    + f"  | moefuse {frac:.2f} x ceiling ({frac_fixed:.2f} fixed outputs),"
+                    f" {x_comp:.2f} x compile, {x_copy:.2f} x same-bytes copy")  # fmt: skip
                 if op in FUSED and m >= 2048 and h == 4096:
                     ok = frac >= 0.85 and x_comp >= 1.5
                     verdicts.append({"op": op, "M": m, "H": h, "frac_ceiling": frac,
+                                     "frac_ceiling_fixed_outputs": frac_fixed,
                                      "x_compile": x_comp, "x_copy_same_bytes": x_copy,
                                      "pass": ok})  # fmt: skip
     if args.sweep:
         rows += _sweep(widths, [t for t in tokens if t >= 2048] or tokens, ceiling)
-    print("\nbar (M >= 2048, H = 4096: >= 0.85 x ceiling and >= 1.5 x torch.compile):")
+    print("\nbar (M >= 2048, H = 4096: >= 0.85 x ceiling [rotating outputs] and >= 1.5 x "
+          "torch.compile [fixed outputs, like compile's]):")  # fmt: skip
     for v in verdicts:
         print(f"  {'PASS' if v['pass'] else 'FAIL'} {v['op']:31s} M={v['M']:6d} "
-              f"{v['frac_ceiling']:.2f} x ceiling  {v['x_compile']:.2f} x compile  "
+              f"{v['frac_ceiling']:.2f} x ceiling ({v['frac_ceiling_fixed_outputs']:.2f} fixed)  "
+              f"{v['x_compile']:.2f} x compile  "
               f"{v['x_copy_same_bytes']:.2f} x same-bytes copy")  # fmt: skip
     meta = harness.run_metadata()
     meta.update(ceiling_tbs=ceiling, bytes_per_element=BYTES_PER_ELEM, bar=verdicts,
-                ceiling_method="best Triton SM copy kernel over 1 GiB, CUDA-graph replay")
+                ceiling_method="best Triton SM copy kernel over 1 GiB, CUDA-graph replay",
+                outputs="inputs rotate over sets > L2; moefuse / moefuse_nopdl / moefuse_unfused "
+                        "write one fixed output set per case (like compile's graph pool); "
+                        "moefuse_rot_out one output set per input set")  # fmt: skip
     if args.save:
         paths = harness.save_results("quant", rows, meta, args.out)
         print("wrote", *[str(p) for p in paths if p])
