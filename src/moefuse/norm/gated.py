@@ -29,7 +29,7 @@ from moefuse._runtime import interpreter_active
 from moefuse.norm import tiles
 from moefuse.norm import triton as nt
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
-from moefuse.norm.triton import _add_load, _inv_rms, _ld, _pf_mask, _st, _tile_rows
+from moefuse.norm.triton import _add_load, _inv_rms, _ld, _loop_tile, _st, _tile_rows
 
 
 # ----------------------------------------------------------------------------- element math
@@ -68,27 +68,6 @@ def _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED: tl.constexpr, HAS_ROUTER:
 
 
 # ----------------------------------------------------------------------------- narrow rows
-@triton.jit
-def _loop_tile(t, nprog, b_nx, r_nx, b_ptr, res_ptr, cols, n_rows, H, b_st, r_st,
-               ROWS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
-               EVICT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    """Row tile ``t`` of the persistent loop: (rows, mask, branch, residual, next branch, next
-    residual). With PREFETCH the tile comes from the registers loaded one iteration earlier
-    (``b_nx``, ``r_nx``) and tile ``t + nprog``'s loads are issued now; otherwise it is loaded
-    here and ``b_nx``, ``r_nx`` pass through untouched."""
-    rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
-    if PREFETCH:
-        br = b_nx
-        rr = r_nx
-        rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
-        mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-        b_nx, r_nx = _add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
-                                EVICT_FIRST)  # fmt: skip
-    else:
-        br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
-    return rows, mask, br, rr, b_nx, r_nx
-
-
 @triton.jit
 def _gated_tile(x, res, a, be, w, rows, cols, mask, out_ptr, o_st, Hf, eps, MASKED: tl.constexpr,
                 HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr):  # fmt: skip

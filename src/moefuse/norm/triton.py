@@ -153,6 +153,28 @@ def _add_load(a_ptr, b_ptr, rows, cols, mask, a_st, b_st, MASKED: tl.constexpr,
 
 
 @triton.jit
+def _loop_tile(t, nprog, b_nx, r_nx, b_ptr, res_ptr, cols, n_rows, H, b_st, r_st,
+               ROWS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+               EVICT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """Row tile ``t`` of a persistent loop over :func:`_add_load` pairs (input + residual, or
+    branch + stream): (rows, mask, first, second, next first, next second). With PREFETCH the
+    tile comes from the registers loaded one iteration earlier (``b_nx``, ``r_nx``) and tile
+    ``t + nprog``'s loads are issued now; otherwise it is loaded here and ``b_nx``, ``r_nx`` pass
+    through untouched."""
+    rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+    if PREFETCH:
+        br = b_nx
+        rr = r_nx
+        rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+        mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
+        b_nx, r_nx = _add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
+                                EVICT_FIRST)  # fmt: skip
+    else:
+        br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
+    return rows, mask, br, rr, b_nx, r_nx
+
+
+@triton.jit
 def _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps,
               MASKED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """res <- cast(h); x <- cast((h * r) * w), r from the FP32 h."""
@@ -285,24 +307,18 @@ def _fused_add_rmsnorm_kernel(
             nprog = tl.num_programs(0)
             n_tiles = tl.cdiv(n_rows, ROWS)
             t = pid
+            x_nx = 0.0  # (unused placeholders without PREFETCH)
+            r_nx = 0.0
             if PREFETCH:
                 rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
                 x_nx, r_nx = _add_load(x_ptr, res_ptr, rows0, cols, mask0, x_st, r_st, MASKED,
                                        EVICT_FIRST)  # fmt: skip
             while t < n_tiles:
-                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
-                if PREFETCH:
-                    h = x_nx.to(tl.float32)
-                    h += r_nx.to(tl.float32)
-                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
-                    mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-                    x_nx, r_nx = _add_load(x_ptr, res_ptr, rows_n, cols, mask_n, x_st, r_st, True,
-                                           EVICT_FIRST)  # fmt: skip
-                else:
-                    xr, rr = _add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED,
-                                       EVICT_FIRST)  # fmt: skip
-                    h = xr.to(tl.float32)
-                    h += rr.to(tl.float32)
+                rows, mask, xr, rr, x_nx, r_nx = _loop_tile(
+                    t, nprog, x_nx, r_nx, x_ptr, res_ptr, cols, n_rows, H, x_st, r_st, ROWS,
+                    BLOCK, MASKED, EVICT_FIRST, PREFETCH)  # fmt: skip
+                h = xr.to(tl.float32)
+                h += rr.to(tl.float32)
                 if USE_PDL:
                     if t + nprog >= n_tiles:
                         gdc_launch_dependents()
