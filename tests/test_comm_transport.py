@@ -57,7 +57,7 @@ def test_auto_falls_back_in_order_and_says_why(monkeypatch, caplog, failing, exp
             raise RuntimeError(f"{kind} is broken here")
         return kind
 
-    monkeypatch.setattr(tp, "make_cuda_transport", fake)
+    monkeypatch.setattr(tp, "make_transport", fake)
     monkeypatch.setattr(_runtime, "_logged", set())  # log_once: every case logs afresh
     with caplog.at_level(logging.INFO, logger="moefuse"):
         got = _bare_workspace(tp.cuda_transport_order("auto"))._make_transport()
@@ -78,7 +78,7 @@ def test_forced_transport_does_not_fall_back(monkeypatch):
         tried.append(kind)
         raise RuntimeError("no")
 
-    monkeypatch.setattr(tp, "make_cuda_transport", fake)
+    monkeypatch.setattr(tp, "make_transport", fake)
     assert _bare_workspace(tp.cuda_transport_order("cuda_ipc"))._make_transport() is None
     assert tried == ["cuda_ipc"]
 

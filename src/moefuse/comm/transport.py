@@ -371,7 +371,10 @@ def cuda_transport_order(requested: str) -> tuple[str, ...]:
     raise ValueError(f"transport must be 'auto' or one of {CUDA_TRANSPORTS}, got {requested!r}")
 
 
-def make_cuda_transport(kind: str, group, nbytes: int, device, init=None, vote=None):
+def make_transport(kind: str, group, nbytes: int, device, init=None, vote=None):
+    """Transport ``kind`` ("shm" for a CPU device, else one of ``CUDA_TRANSPORTS``)."""
+    if kind == "shm":
+        return SharedMemoryTransport(group, nbytes, init, vote)
     cls = {"symm_mem": SymmetricMemoryTransport, "cuda_ipc": CudaIpcTransport}[kind]
     return cls(group, nbytes, device, init, vote)
 

@@ -251,18 +251,11 @@ class AllReduceWorkspace:
         allocation and mapping), so the ranks always agree on the transport or on none."""
         from moefuse._runtime import log_once
 
-        if self.device.type != "cuda":
-            kinds = ("shm",)
-        else:
-            kinds = self._transport_order
+        kinds = self._transport_order if self.device.type == "cuda" else ("shm",)
         for i, kind in enumerate(kinds):
             try:
-                if kind == "shm":
-                    return tp.SharedMemoryTransport(
-                        self.group, self.buffer_bytes, self._init_buffer, self.vote
-                    )
-                return tp.make_cuda_transport(kind, self.group, self.buffer_bytes, self.device,
-                                              self._init_buffer, self.vote)  # fmt: skip
+                return tp.make_transport(kind, self.group, self.buffer_bytes, self.device,
+                                         self._init_buffer, self.vote)  # fmt: skip
             except Exception as exc:  # surfaced once; the next transport, or the torch path
                 then = f"trying {kinds[i + 1]}" if i + 1 < len(kinds) else \
                     "using the torch.distributed path"  # fmt: skip
