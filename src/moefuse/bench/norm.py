@@ -66,6 +66,10 @@ def torch_rmsnorm_sigmoid_gate(x, g):
 
 
 # ----------------------------------------------------------------------------- cases
+#: ops with output arguments -> index of the first output buffer in an input set (outputs last)
+OUTPUTS_FROM = {"rmsnorm": 2, "gated_residual_rmsnorm": 4, "gated_residual_next_rmsnorm": 5}
+
+
 @dataclass
 class Case:
     op: str
@@ -85,12 +89,6 @@ def _make_case(op: str, m: int, h: int, head_dim: int | None) -> tuple[Case, dic
     case = Case(op, f"{HEADS}x{head_dim}" if head_dim else f"H={h}", m, nbytes)
     w = torch.randn(h, device=dev).to(bf)
     alpha, beta = torch.rand(h, device=dev), torch.rand(h, device=dev)
-    if op == "rmsnorm":
-        case.fixed_out = (torch.empty(m, h, device=dev, dtype=bf),)
-    elif op == "gated_residual_rmsnorm":
-        case.fixed_out = (torch.empty(m, h, device=dev),)
-    elif op == "gated_residual_next_rmsnorm":
-        case.fixed_out = (torch.empty(m, h, device=dev), torch.empty(m, h, device=dev, dtype=bf))
     for _ in range(harness.rotation_sets(nbytes)):
         if op == "rmsnorm":
             x = torch.randn(m, h, device=dev).to(bf)
@@ -108,6 +106,8 @@ def _make_case(op: str, m: int, h: int, head_dim: int | None) -> tuple[Case, dic
         else:
             case.sets.append((torch.randn(m, HEADS, head_dim, device=dev).to(bf),
                               torch.randn(m, HEADS, head_dim, device=dev).to(bf)))  # fmt: skip
+    if op in OUTPUTS_FROM:  # the output buffers end each set: one more set of them, shared
+        case.fixed_out = tuple(torch.empty_like(t) for t in case.sets[0][OUTPUTS_FROM[op]:])
     return case, {}
 
 

@@ -111,18 +111,21 @@ TORCH_FNS = {
 
 
 # ----------------------------------------------------------------------------- cases
+def _make_outs(op: str, m: int, h: int) -> tuple:
+    """One set of ``op``'s output buffers: (packed, scales) for NVFP4, (q,) for FP8."""
+    if "fp4" in op:
+        return (torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
+                torch.empty(moefuse.scale_shape(m, h), dtype=torch.uint8, device=DEV))  # fmt: skip
+    return (torch.empty(m, h, dtype=E4M3, device=DEV),)
+
+
 def _make_sets(op: str, m: int, h: int, n_sets: int):
     """Per-rotation inputs: (x, r, outputs...) with fixed weight/scale tensors shared."""
     sets = []
     for _ in range(n_sets):
         x = torch.randn(m, h, device=DEV).to(torch.bfloat16)
         r = torch.randn(m, h, device=DEV).to(torch.bfloat16) if "add" in op else None
-        if "fp4" in op:
-            outs = (torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
-                    torch.empty(moefuse.scale_shape(m, h), dtype=torch.uint8, device=DEV))
-        else:
-            outs = (torch.empty(m, h, dtype=E4M3, device=DEV),)  # fmt: skip
-        sets.append((x, r, *outs))
+        sets.append((x, r, *_make_outs(op, m, h)))
     return sets
 
 
@@ -280,7 +283,7 @@ def main(argv: list[str]) -> int:
                 _check(op, sets[0], w, scale, gs)
                 # outputs: one fixed set per case, like compile's graph-pool outputs (norm.py's
                 # docstring); moefuse_rot_out writes one output set per input set instead
-                fixed = _make_sets(op, m, h, 1)[0][2:]
+                fixed = _make_outs(op, m, h)
                 fixed_sets = [(x, r, *fixed) for x, r, *_ in sets]
                 mf = {
                     "moefuse": _moefuse_fn(op, w, scale, gs, True),
