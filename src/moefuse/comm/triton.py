@@ -87,6 +87,30 @@ def _finish(ctrl_ptr, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
 
 # ----------------------------------------------------------------------------- one-shot
 @triton.jit
+def _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G, cap, PTX: tl.constexpr):
+    """(deadline of every wait, Lamport generation, this CTA's row count — rows pid, pid + G, ...;
+    0 once the workspace has failed —, element offset of the generation's slot region)."""
+    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    gen = tl.load(ctrl_ptr + D.CTRL_GEN)
+    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
+    region = gen.to(tl.int64) * cap
+    return deadline, gen, n_mine, region
+
+
+@triton.jit
+def _oneshot_finish(ctrl_ptr, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                    PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):  # fmt: skip
+    """:func:`_finish`; the CTA that arrives last resets the counter and advances the generation."""
+    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                   PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
+    if last:
+        tl.store(ctrl_ptr + D.CTRL_ARRIVE_1S, 0)
+        tl.store(ctrl_ptr + D.CTRL_GEN, (gen + 1) % 3)
+
+
+@triton.jit
 def _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
                P: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
     """Store row ``t`` of this rank, already in registers as ``x`` (-0.0 scrubbed), into its
@@ -156,11 +180,8 @@ def _oneshot_kernel(
     if USE_PDL:
         gdc_wait()
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
-    gen = tl.load(ctrl_ptr + D.CTRL_GEN)
-    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
-    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)  # rows pid, pid + G, ...
-    region = gen.to(tl.int64) * cap
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
+                                                   cap, PTX)  # fmt: skip
 
     # The first row's activations stay in registers: a CTA with one row has then read all of the
     # previous kernel's data before it starts waiting, and lets dependents launch (PDL) early.
@@ -205,11 +226,8 @@ def _oneshot_kernel(
                            out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
                            sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
         i += 1
-    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-                   PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
-    if last:
-        tl.store(ctrl_ptr + D.CTRL_ARRIVE_1S, 0)
-        tl.store(ctrl_ptr + D.CTRL_GEN, (gen + 1) % 3)
+    _oneshot_finish(ctrl_ptr, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, PATTERN, LAYOUT,
+                    KP_BLOCK, USE_PDL)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- one-shot, prefetch
@@ -254,11 +272,8 @@ def _oneshot_prefetch_kernel(
     xa, ra = _load_row(x_ptr, res_ptr, x_st, res_st, pid, M, cols, cmask, PATTERN)
     xb, rb = _load_row(x_ptr, res_ptr, x_st, res_st, pid + G, M, cols, cmask, PATTERN)
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
-    gen = tl.load(ctrl_ptr + D.CTRL_GEN)
-    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
-    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)  # rows pid, pid + G, ...
-    region = gen.to(tl.int64) * cap
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
+                                                   cap, PTX)  # fmt: skip
     if n_mine > 0:
         _push_vals(xa, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
         if USE_PDL:
@@ -283,11 +298,8 @@ def _oneshot_prefetch_kernel(
                        q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)
         xa, ra, xb, rb = xb, rb, xc, rc
         i += 1
-    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-                   PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
-    if last:
-        tl.store(ctrl_ptr + D.CTRL_ARRIVE_1S, 0)
-        tl.store(ctrl_ptr + D.CTRL_GEN, (gen + 1) % 3)
+    _oneshot_finish(ctrl_ptr, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, PATTERN, LAYOUT,
+                    KP_BLOCK, USE_PDL)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- two-shot
