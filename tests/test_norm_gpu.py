@@ -215,6 +215,28 @@ def test_new_token_count_never_recompiles():
     assert after == before, f"compiled variants {before} -> {after} across M = 1..4096"
 
 
+def test_stepped_rmsnorm_never_recompiles_across_token_counts():
+    """rmsnorm rows of 6145-8192 columns are stepped: unrolled below tiles.RMSNORM_LOOP_MIN_ROWS,
+    looped from there; the first launch compiles both modes."""
+    from moefuse.norm import tiles
+    from moefuse.norm import triton as tk
+
+    n = tiles.RMSNORM_LOOP_MIN_ROWS + 64
+    tokens = sorted({*range(1, n + 1, 61), tiles.RMSNORM_LOOP_MIN_ROWS - 1,
+                     tiles.RMSNORM_LOOP_MIN_ROWS, n})  # fmt: skip
+    for width in (7168, 8192):
+        assert tiles.row_tile(width, tiles.RMSNORM_POLICY).stepped
+        w, x = _rand(width), _rand(n, width)
+        moefuse.rmsnorm(x[:1], w, impl="triton")
+        torch.cuda.synchronize()
+        before = _compiled_variants(tk._rmsnorm_kernel)
+        for m in tokens:
+            moefuse.rmsnorm(x[:m], w, impl="triton")
+        torch.cuda.synchronize()
+        after = _compiled_variants(tk._rmsnorm_kernel)
+        assert after == before, f"H = {width}: compiled variants {before} -> {after}"
+
+
 def test_gated_ops_never_recompile_across_token_counts():
     """Stepped rows pick the unrolled or the looped kernel by M; the first launch compiles both,
     so no later token count (crossing tiles.STEP_LOOP_MIN_ROWS included) compiles anything."""

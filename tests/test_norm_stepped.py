@@ -1,4 +1,5 @@
-"""Stepped rows of the gated ops (moefuse.norm.gated) in the interpreter: the unrolled and the
+"""Stepped rows of the gated ops (moefuse.norm.gated) and of rmsnorm (6145-8192 columns,
+moefuse.norm.triton) in the interpreter: the unrolled and the
 looped mode must give BITWISE the same outputs (same per-step code, same per-thread accumulation
 order), a row alone must equal the same row inside a batch that runs the other mode, nothing may
 be written outside the rows, and the outputs must match the reference. Small steps (tiles with
@@ -11,6 +12,7 @@ import torch
 import moefuse
 from moefuse.norm import gated, tiles
 from moefuse.norm import reference as ref
+from moefuse.norm import triton as nt
 from moefuse.testing import assert_bitwise_equal, assert_close, poison_
 
 pytestmark = pytest.mark.interpreter
@@ -138,8 +140,8 @@ def test_unroll_beyond_the_register_limit_is_refused():
 
 
 def test_a_compiling_launch_also_compiles_the_other_mode(monkeypatch):
-    """gated._launch (GPU path, faked here): a launch that grows Triton's kernel cache warms the
-    other stepped mode once; cached launches and unsteppable tiles warm nothing."""
+    """norm.triton._launch (GPU path, faked here): a launch that grows Triton's kernel cache warms
+    the other stepped mode once; cached launches and unsteppable tiles warm nothing."""
 
     class FakeKernel:
         def __init__(self):
@@ -160,14 +162,69 @@ def test_a_compiling_launch_also_compiles_the_other_mode(monkeypatch):
             self.warmed.append(consts["UNROLL"])
             self._compile(consts["UNROLL"])
 
-    monkeypatch.setattr(gated, "interpreter_active", lambda: False)
+    monkeypatch.setattr(nt, "interpreter_active", lambda: False)
     stepped, narrow = _tile(200, 64), tiles.row_tile(200, tiles.GATED_POLICY)
     k = FakeKernel()
-    gated._launch(k, (1,), (), {"UNROLL": True}, stepped)  # compiles: warms the looped mode
-    gated._launch(k, (1,), (), {"UNROLL": True}, stepped)  # cached
-    gated._launch(k, (1,), (), {"UNROLL": False}, stepped)  # already warmed: cached
+    nt._launch(k, (1,), (), {"UNROLL": True}, stepped)  # compiles: warms the looped mode
+    nt._launch(k, (1,), (), {"UNROLL": True}, stepped)  # cached
+    nt._launch(k, (1,), (), {"UNROLL": False}, stepped)  # already warmed: cached
     assert k.launches == [True, True, False] and k.warmed == [False]
     k = FakeKernel()
-    gated._launch(k, (1,), (), {"UNROLL": False}, narrow)  # not stepped: nothing to warm
-    gated._launch(k, (1,), (), {"UNROLL": False}, _tile(217, 32))  # 7 steps: looped only
+    nt._launch(k, (1,), (), {"UNROLL": False}, narrow)  # not stepped: nothing to warm
+    nt._launch(k, (1,), (), {"UNROLL": False}, _tile(217, 32))  # 7 steps: looped only
     assert k.warmed == []
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("three_d", [False, True])
+def test_rmsnorm_stepped(case, in_place, three_d, seed):
+    width, step = case
+    tile, m = _tile(width, step), 3
+    x, w = _rand(m, width), _rand(width)
+    outs = []
+    for unroll in _modes(tile):
+        xb, xi = _framed(m, width, BF)
+        xi.copy_(x)
+        ob, oi = (xb, xi) if in_place else _framed(m, width, BF)
+        if three_d:  # [1, m, H] with heads = m: the row base walks stride_h
+            nt.launch_rmsnorm(xi[None], w, oi[None], 1e-6, 1.0, False, tile=tile, unroll=unroll)
+        else:
+            nt.launch_rmsnorm(xi, w, oi, 1e-6, 1.0, False, tile=tile, unroll=unroll)
+        _assert_frames([ob])
+        outs.append(ob)
+    for other in outs[1:]:
+        assert_bitwise_equal(other, outs[0], "unrolled vs looped")
+    assert_close(outs[0][1:-1], ref.rmsnorm_reference(x, w, 1e-6, 1.0), "rsqrt_half", "stepped")
+
+
+def test_rmsnorm_policy_steps_only_6145_to_8192_columns():
+    policy = tiles.RMSNORM_POLICY
+    assert not tiles.row_tile(6144, policy).stepped
+    assert not tiles.row_tile(8193, policy).stepped
+    for width in (6145, 7168, 8192):
+        tile = tiles.row_tile(width, policy)
+        assert tile.stepped and (tile.block, tile.num_chunks, tile.num_warps) == (4096, 2, 16)
+        assert tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS  # both modes exist
+
+
+def test_rmsnorm_row_alone_equals_row_in_a_looped_batch(monkeypatch, seed):
+    """moefuse.rmsnorm at a stepped width with the loop threshold lowered to 4 rows: a batch of 6
+    runs looped, each row alone unrolled; the bits must not change."""
+    monkeypatch.setattr(tiles, "RMSNORM_LOOP_MIN_ROWS", 4)
+    width, m = 7000, 6  # two steps of 4096, the second masked
+    assert tiles.row_tile(width, tiles.RMSNORM_POLICY).stepped
+    x, w = _rand(m, width), _rand(width)
+    out = moefuse.rmsnorm(x, w, impl="triton")
+    for i in (0, m - 1):
+        assert_bitwise_equal(moefuse.rmsnorm(x[i : i + 1], w, impl="triton"), out[i : i + 1],
+                             "rmsnorm row alone")  # fmt: skip
+    assert_close(out, ref.rmsnorm_reference(x, w), "rsqrt_half", "rmsnorm 7000")
+
+
+def test_sigmoid_gate_refuses_a_stepped_tile():
+    x, g = _rand(2, 4, 64), _rand(2, 4, 64)
+    before = x.clone()
+    with pytest.raises(ValueError, match="sigmoid gate"):
+        nt.launch_rmsnorm(x, None, x, 1e-5, 0.0, False, gate=g, tile=_tile(64, 32))
+    assert_bitwise_equal(x, before, "nothing written")

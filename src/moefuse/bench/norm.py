@@ -13,7 +13,10 @@ used before 2026-11-30. At sizes whose outputs fit in L2 next to the streamed in
 output is rewritten while still dirty in L2 and costs fewer DRAM writes. That is why compile beat
 an SM copy of the same bytes at 1024 x 4096 (notes/gpu-logs/probe-output-policy-2026-11-30.log).
 The in-place ops (fused_add_rmsnorm, the sigmoid gate) write into their rotating inputs, as their
-API requires, while compile's versions write to fixed pool outputs; that asymmetry stays.
+API requires, while ``compile`` writes to fixed pool outputs. For them ``compile_inplace`` is the
+like-for-like baseline: torch.compile of the same math written back into the inputs
+(``x.copy_(...)``, fused by inductor into its kernel), i.e. the semantics of the moefuse and
+FlashInfer calls; rows carry ``x_compile_inplace`` beside ``x_compile``.
 """
 
 from __future__ import annotations
@@ -63,6 +66,22 @@ def torch_gated_residual_next_rmsnorm(b, r, nw, alpha, beta):
 def torch_rmsnorm_sigmoid_gate(x, g):
     x32 = x.float()
     return (x32 * _inv_rms(x32, 1e-5) * torch.sigmoid(g.float())).to(x.dtype)
+
+
+def torch_fused_add_rmsnorm_inplace(x, r, w):
+    """The in-place semantics of fused_add_rmsnorm: x <- normed, r <- residual out."""
+    normed, h = torch_fused_add_rmsnorm(x, r, w)
+    x.copy_(normed)
+    r.copy_(h)
+
+
+def torch_rmsnorm_sigmoid_gate_inplace(x, g):
+    x.copy_(torch_rmsnorm_sigmoid_gate(x, g))
+
+
+#: in-place ops -> their in-place PyTorch math (compiled as the like-for-like baseline)
+INPLACE_MATH = {"fused_add_rmsnorm": torch_fused_add_rmsnorm_inplace,
+                "rmsnorm_sigmoid_gate": torch_rmsnorm_sigmoid_gate_inplace}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- cases
@@ -158,7 +177,14 @@ def _variants(op: str, compiled: dict, fixed_out: tuple):
     variants = {"moefuse": fused(True, fixed_out), "moefuse_nopdl": fused(False, fixed_out)}
     if fixed_out:
         variants["moefuse_rot_out"] = fused(True, None)
-    return {**variants, "eager": torch_fn, "compile": comp_fn}
+    variants.update(eager=torch_fn, compile=comp_fn)
+    if op in INPLACE_MATH:
+        key = op + "_inplace"
+        if key not in compiled:
+            compiled[key] = harness.compile_baseline(INPLACE_MATH[op])
+        comp_in = compiled[key]
+        variants["compile_inplace"] = lambda s: comp_in(*s)
+    return variants
 
 
 def _check(op: str, s) -> None:
@@ -216,23 +242,29 @@ def main(argv: list[str]) -> int:
                 times["sm_copy"] = harness.copy_time_us(case.bytes)
                 for name, us in times.items():
                     tbs = case.bytes / (us * 1e-6) / 1e12
-                    rows.append({
+                    row = {
                         "op": op, "shape": case.shape, "M": m, "variant": name, "us": us,
                         "tbs": tbs, "frac_ceiling": tbs / ceiling,
                         "x_compile": times["compile"] / us, "x_eager": times["eager"] / us,
                         "x_copy_same_bytes": times["sm_copy"] / us,
-                    })  # fmt: skip
+                    }  # fmt: skip
+                    if "compile_inplace" in times:
+                        row["x_compile_inplace"] = times["compile_inplace"] / us
+                    rows.append(row)
+                inplace = (f"  x_compile_inplace={times['compile_inplace'] / times['moefuse']:.2f}"
+                           if "compile_inplace" in times else "")  # fmt: skip
                 print(f"{op:28s} {case.shape:8s} M={m:6d} " + "  ".join(
                     f"{k}={v:8.2f}us" for k, v in times.items()) +
                     f"  moefuse {case.bytes / times['moefuse'] / 1e6:.2f} TB/s"
-                    f"  x_compile={times['compile'] / times['moefuse']:.2f}"
+                    f"  x_compile={times['compile'] / times['moefuse']:.2f}{inplace}"
                     f"  x_copy={times['sm_copy'] / times['moefuse']:.2f}")  # fmt: skip
     meta = harness.run_metadata()
     meta["ceiling_tbs"] = ceiling
     meta["ceiling_method"] = "Triton SM copy kernel of 1 GiB, CUDA-graph replay"
     meta["outputs"] = ("inputs rotate over sets > L2; moefuse / moefuse_nopdl write one fixed "
                        "output per case (like compile's graph pool); moefuse_rot_out one output "
-                       "per input set; in-place ops write into their inputs")  # fmt: skip
+                       "per input set; in-place ops write into their inputs, like "
+                       "compile_inplace (compile writes to pool outputs)")  # fmt: skip
     if args.save:
         paths = harness.save_results("norm", rows, meta, args.out)
         print("wrote", *[str(p) for p in paths if p])

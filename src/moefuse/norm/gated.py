@@ -29,7 +29,19 @@ from moefuse._runtime import interpreter_active
 from moefuse.norm import tiles
 from moefuse.norm import triton as nt
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
-from moefuse.norm.triton import _add_load, _inv_rms, _ld, _loop_tile, _st, _tile_rows
+from moefuse.norm.triton import (
+    _add_load,
+    _inv_rms,
+    _launch,
+    _ld,
+    _ldp,
+    _loop_tile,
+    _param,
+    _st,
+    _step_cols,
+    _tile_rows,
+    _unroll,
+)
 
 
 # ----------------------------------------------------------------------------- element math
@@ -103,32 +115,6 @@ def _gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_pt
 
 
 # ----------------------------------------------------------------------------- stepped rows
-@triton.jit
-def _ldp(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr):
-    """FP32 load with an L2 eviction policy ("" = default, "evict_last", "evict_first")."""
-    if MASKED:
-        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
-    else:
-        v = tl.load(ptrs, eviction_policy=POLICY)
-    return v.to(tl.float32)
-
-
-@triton.jit
-def _step_cols(k, H, STEP: tl.constexpr):
-    """Columns [1, STEP] of step ``k`` and their mask."""
-    cols = k * STEP + tl.arange(0, STEP)[None, :]
-    return cols, cols < H
-
-
-@triton.jit
-def _param(ptr, cols, cm, center, MASKED: tl.constexpr, PRESENT: tl.constexpr):
-    """FP32 parameter vector [+ center] of a step (1.0 when the op has none)."""
-    if PRESENT:
-        return _ldp(ptr + cols, cm, MASKED, "") + center
-    else:
-        return 1.0
-
-
 @triton.jit
 def _branch_step(b_ptr, b_row, w_ptr, cols, cm, gc, MASKED: tl.constexpr,
                  HAS_WEIGHT: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
@@ -423,21 +409,6 @@ def _gated_residual_next_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
-def _unroll(tile: RowTile, n_rows: int, unroll: bool | None) -> bool:
-    """Unrolled stepped mode for this launch. ``unroll=None``: rows of at most
-    tiles.STEP_UNROLL_MAX_STEPS steps and fewer than tiles.STEP_LOOP_MIN_ROWS rows; True forces it
-    (ValueError beyond STEP_UNROLL_MAX_STEPS: the row would not fit in registers)."""
-    if not tile.stepped:
-        return False
-    fits = tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS
-    if unroll is None:
-        return fits and n_rows < tiles.STEP_LOOP_MIN_ROWS
-    if unroll and not fits:
-        raise ValueError(f"unrolled stepped rows: {tile.num_chunks} steps > "
-                         f"{tiles.STEP_UNROLL_MAX_STEPS}")  # fmt: skip
-    return unroll
-
-
 def _consts(tile: RowTile, width: int, n_rows: int, unroll: bool | None, use_pdl: bool) -> dict:
     """Constexprs and launch options shared by both gated kernels."""
     plain = nt._persistent(tile) and not tile.stepped
@@ -446,31 +417,14 @@ def _consts(tile: RowTile, width: int, n_rows: int, unroll: bool | None, use_pdl
         MASKED=tile.rows > 1 or not tile.even(width), EVICT_FIRST=nt.STREAM_EVICT_FIRST,
         PTX=not interpreter_active(), USE_PDL=use_pdl, PERSISTENT=plain,
         PREFETCH=plain and nt._prefetch(tile), STEPPED=tile.stepped,
-        UNROLL=_unroll(tile, n_rows, unroll), num_warps=tile.num_warps,
+        UNROLL=_unroll(tile, n_rows, unroll, tiles.STEP_LOOP_MIN_ROWS),
+        num_warps=tile.num_warps,
         **nt._launch_kwargs(tile, use_pdl),
     )  # fmt: skip
 
 
 def _grid(tile: RowTile, n_rows: int, device: torch.device) -> tuple[int]:
     return (n_rows,) if tile.stepped else nt._grid(tile, tile.grid(n_rows)[0], device)
-
-
-def _compiled(kernel) -> int:
-    """Kernels Triton has compiled so far for ``kernel``, all devices (its own cache)."""
-    return sum(len(cache[0]) for cache in kernel.device_caches.values())
-
-
-def _launch(kernel, grid, args, consts, tile: RowTile) -> None:
-    """Launch; for stepped rows, a launch that had to compile also compiles the other mode
-    (unrolled / looped) of the same specialisation, so that a later token count crossing
-    STEP_LOOP_MIN_ROWS never triggers a compilation (serving changes M every step). Cost on a
-    cached launch: two looks at the size of Triton's kernel cache."""
-    warm = (tile.stepped and not interpreter_active()
-            and tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS)  # fmt: skip
-    before = _compiled(kernel) if warm else 0
-    kernel[grid](*args, **consts)
-    if warm and _compiled(kernel) > before:
-        kernel.warmup(*args, grid=grid, **{**consts, "UNROLL": not consts["UNROLL"]})
 
 
 def launch_gated_residual_rmsnorm(

@@ -36,10 +36,12 @@ MULTI_ROW_PROGRAMS_PER_SM = 2
 #: registers per SM (sm_90): persistent launches cap registers per thread at
 #: REGISTERS_PER_SM / (programs_per_sm x threads) so that all programs of an SM are resident
 REGISTERS_PER_SM = 65536
-#: stepped rows (gated ops, see norm/gated.py): rows of at most STEP_UNROLL_MAX_STEPS steps run
-#: unrolled (the row in registers) below STEP_LOOP_MIN_ROWS rows, looped otherwise (same bits)
+#: stepped rows (gated ops, see norm/gated.py; rmsnorm at 6145-8192 columns): rows of at most
+#: STEP_UNROLL_MAX_STEPS steps run unrolled (the row in registers) below a row count, looped
+#: otherwise (same bits): STEP_LOOP_MIN_ROWS for the gated ops, RMSNORM_LOOP_MIN_ROWS for rmsnorm
 STEP_UNROLL_MAX_STEPS = 4
 STEP_LOOP_MIN_ROWS = 512
+RMSNORM_LOOP_MIN_ROWS = 4096
 
 
 def next_pow2(n: int) -> int:
@@ -96,8 +98,10 @@ class TilePolicy:
     prefetch: bool | None = None
     #: blocks above this run one tile per program (register limits)
     persistent_max_block: int | None = None
-    #: rows wider than this are stepped (None = never): steps of 32 x step_warps x step_vec columns
+    #: rows wider than step_min_width (None = never) and at most step_max_width (None = any) are
+    #: stepped: steps of 32 x step_warps x step_vec columns
     step_min_width: int | None = None
+    step_max_width: int | None = None
     step_warps: int = 16
     step_vec: int = 4
 
@@ -116,6 +120,14 @@ FUSED_ADD_POLICY = TilePolicy(programs_per_sm=0)
 #: rmsnorm_sigmoid_gate: the gate doubles the loads; 2 prefetching programs per SM ran 69.7 us vs
 #: 50.8 us for one program per tile (16384 x 32 x 64): off
 SIGMOID_GATE_POLICY = TilePolicy(programs_per_sm=0)
+#: rmsnorm / gemma_rmsnorm: rows of 6145-8192 columns are stepped, 16 warps x 8 columns per step
+#: (STEP 4096, two steps), unrolled below RMSNORM_LOOP_MIN_ROWS rows and looped from there. H200
+#: (scripts/sweep_stepped_norms.py, notes/gpu-logs/sweep-stepped-norms-2026-11-30.log), us against
+#: the one-pass 8-warp tile at H = 8192 / 7168: M = 16384 126.8 vs 130.1 / 112.0 vs 114.3
+#: (compile 128.2 / 111.9), M = 128 2.55 vs 2.80 / 2.33 vs 2.63, M = 1024 9.08 vs 8.69 / 8.22 vs
+#: 8.44. Narrower rows keep the one-pass tile (stepped lost 5-30 % at 2880-5120 for M >= 1024);
+#: wider ones were not measured.
+RMSNORM_POLICY = TilePolicy(step_min_width=6144, step_max_width=8192, step_warps=16, step_vec=8)
 
 
 def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
@@ -125,7 +137,8 @@ def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
     max_warps = policy.max_warps or MAX_WARPS
     if width < 1:
         raise ValueError(f"row width must be >= 1, got {width}")
-    if policy.step_min_width is not None and width > policy.step_min_width:
+    if (policy.step_min_width is not None and width > policy.step_min_width
+            and (policy.step_max_width is None or width <= policy.step_max_width)):  # fmt: skip
         step = 32 * policy.step_warps * policy.step_vec
         return RowTile(block=step, num_chunks=-(-width // step), rows=1,
                        num_warps=policy.step_warps, stepped=True)  # fmt: skip

@@ -25,11 +25,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to, rsqrt_fast
 from moefuse._runtime import interpreter_active, sm_count
+from moefuse.norm import tiles
 from moefuse.norm.tiles import (
     FUSED_ADD_POLICY,
+    RMSNORM_POLICY,
     SIGMOID_GATE_POLICY,
     RowTile,
-    TilePolicy,
     row_tile,
 )
 
@@ -113,6 +114,82 @@ def _pf_mask(rows, mask, n_rows, MASKED: tl.constexpr, ROWS: tl.constexpr, BLOCK
         return mask
     else:
         return tl.broadcast_to((rows < n_rows)[:, None], (ROWS, BLOCK))
+
+
+# ----------------------------------------------------------------------------- stepped rows
+# A stepped row (tiles.RowTile.stepped; norm/gated.py describes the layout) is walked in [1, STEP]
+# steps; each thread accumulates its columns' squares over the steps in ascending order and one
+# tl.sum ends the row, so the unrolled mode (row in registers) and the looped mode (two passes,
+# the second re-reading the row from L2) give the same bits.
+@triton.jit
+def _ldp(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr):
+    """FP32 load with an L2 eviction policy ("" = default, "evict_last", "evict_first")."""
+    if MASKED:
+        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
+    else:
+        v = tl.load(ptrs, eviction_policy=POLICY)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _step_cols(k, H, STEP: tl.constexpr):
+    """Columns [1, STEP] of step ``k`` and their mask."""
+    cols = k * STEP + tl.arange(0, STEP)[None, :]
+    return cols, cols < H
+
+
+@triton.jit
+def _param(ptr, cols, cm, center, MASKED: tl.constexpr, PRESENT: tl.constexpr):
+    """FP32 parameter vector [+ center] of a step (1.0 when the op has none)."""
+    if PRESENT:
+        return _ldp(ptr + cols, cm, MASKED, "") + center
+    else:
+        return 1.0
+
+
+@triton.jit
+def _rms_stepped(x_ptr, w_ptr, out_ptr, x_row, o_row, H, Hf, eps, gc, STEP: tl.constexpr,
+                 STEPS: tl.constexpr, UNROLL: tl.constexpr, MASKED: tl.constexpr,
+                 PTX: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """One stepped row of _rmsnorm_kernel: out = cast((x * r) * (f32(w) + gc)). Unrolled: the
+    weights load before gdc_wait and the row's loads are all in flight at once; looped: a first
+    pass accumulates the statistic (loads keep the row in L2), a second re-reads and stores."""
+    acc = tl.zeros([1, STEP], dtype=tl.float32)
+    if UNROLL:
+        ws = ()
+        for k in tl.static_range(STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            ws = ws + (_param(w_ptr, cols, cm, gc, MASKED, True),)
+        if USE_PDL:
+            gdc_wait()
+        xs = ()
+        for k in tl.static_range(STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            xs = xs + (_ldp(x_ptr + x_row + cols, cm, MASKED, "evict_first"),)
+        if USE_PDL:
+            gdc_launch_dependents()
+        for k in tl.static_range(STEPS):
+            acc = tl.fma(xs[k], xs[k], acc)
+        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
+        for k in tl.static_range(STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            _st(out_ptr + o_row + cols, (xs[k] * r) * ws[k], cm, MASKED, PTX)
+    else:
+        if USE_PDL:
+            gdc_wait()
+        for k in tl.range(0, STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            x = _ldp(x_ptr + x_row + cols, cm, MASKED, "evict_last")
+            acc = tl.fma(x, x, acc)
+        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
+        # the second pass may overwrite x (out = input): step k is read before it is written
+        for k in tl.range(0, STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            x = _ldp(x_ptr + x_row + cols, cm, MASKED, "evict_first")
+            _st(out_ptr + o_row + cols, (x * r) * _param(w_ptr, cols, cm, gc, MASKED, True), cm,
+                MASKED, PTX)  # fmt: skip
+        if USE_PDL:
+            gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------- per-tile helpers
@@ -203,11 +280,17 @@ def _rmsnorm_kernel(
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     HAS_GATE: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, STEPPED: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
-    """out = cast((x * r) * m), m = f32(w) + gain_center, or sigmoid(gate) when HAS_GATE."""
+    """out = cast((x * r) * m), m = f32(w) + gain_center, or sigmoid(gate) when HAS_GATE.
+    STEPPED (no gate): one row per program in NUM_CHUNKS steps of BLOCK columns (_rms_stepped)."""
     pid = tl.program_id(0)
-    if NUM_CHUNKS == 1:
+    if STEPPED:
+        row = pid.to(tl.int64)
+        _rms_stepped(x_ptr, w_ptr, out_ptr, _row_base(row, HEADS, x_st, x_sh),
+                     _row_base(row, HEADS, o_st, o_sh), H, Hf, eps, gain_center, BLOCK,
+                     NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL)  # fmt: skip
+    elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         w = 1.0  # replaced by sigmoid(gate) per tile when HAS_GATE
         if not HAS_GATE:
@@ -390,6 +473,40 @@ def _launch_kwargs(tile: RowTile, use_pdl: bool) -> dict:
     return out
 
 
+def _unroll(tile: RowTile, n_rows: int, unroll: bool | None, loop_min_rows: int) -> bool:
+    """Unrolled stepped mode for this launch. ``unroll=None``: rows of at most
+    tiles.STEP_UNROLL_MAX_STEPS steps and fewer than ``loop_min_rows`` rows (the op's threshold);
+    True forces it (ValueError beyond STEP_UNROLL_MAX_STEPS: the row would not fit in
+    registers)."""
+    if not tile.stepped:
+        return False
+    fits = tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS
+    if unroll is None:
+        return fits and n_rows < loop_min_rows
+    if unroll and not fits:
+        raise ValueError(f"unrolled stepped rows: {tile.num_chunks} steps > "
+                         f"{tiles.STEP_UNROLL_MAX_STEPS}")  # fmt: skip
+    return unroll
+
+
+def _compiled(kernel) -> int:
+    """Kernels Triton has compiled so far for ``kernel``, all devices (its own cache)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def _launch(kernel, grid, args, consts, tile: RowTile) -> None:
+    """Launch; for stepped rows, a launch that had to compile also compiles the other mode
+    (unrolled / looped) of the same specialisation, so that a later token count crossing the
+    op's loop threshold never triggers a compilation (serving changes M every step). Cost on a
+    cached launch: two looks at the size of Triton's kernel cache."""
+    warm = (tile.stepped and not interpreter_active()
+            and tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS)  # fmt: skip
+    before = _compiled(kernel) if warm else 0
+    kernel[grid](*args, **consts)
+    if warm and _compiled(kernel) > before:
+        kernel.warmup(*args, grid=grid, **{**consts, "UNROLL": not consts["UNROLL"]})
+
+
 def launch_rmsnorm(
     input: torch.Tensor,
     weight: torch.Tensor | None,
@@ -399,8 +516,11 @@ def launch_rmsnorm(
     use_pdl: bool,
     gate: torch.Tensor | None = None,
     tile: RowTile | None = None,
+    unroll: bool | None = None,
 ) -> None:
-    """rmsnorm / gemma_rmsnorm (``weight``) or rmsnorm_sigmoid_gate (``gate``) over [.., H]."""
+    """rmsnorm / gemma_rmsnorm (``weight``) or rmsnorm_sigmoid_gate (``gate``) over [.., H].
+    ``tile`` / ``unroll`` override the width's tile and the stepped mode (tests and sweeps;
+    neither changes a bit)."""
     width = input.shape[-1]
     n_rows, x_st, x_sh = _row_strides(input)
     if n_rows == 0:
@@ -408,19 +528,25 @@ def launch_rmsnorm(
     heads = input.shape[1] if input.dim() == 3 else 1
     _, o_st, o_sh = _row_strides(out)
     g_st, g_sh = (_row_strides(gate)[1:] if gate is not None else (0, 0))
-    tile = tile or row_tile(width, SIGMOID_GATE_POLICY if gate is not None else TilePolicy())
-    masked = tile.rows > 1 or not tile.even(width)
-    _rmsnorm_kernel[_grid(tile, tile.grid(n_rows)[0], input.device)](
+    tile = tile or row_tile(width, SIGMOID_GATE_POLICY if gate is not None else RMSNORM_POLICY)
+    if tile.stepped and gate is not None:
+        raise ValueError("stepped rows are not implemented for the sigmoid gate")
+    args = (
         input, weight if weight is not None else input, gate if gate is not None else input, out,
         n_rows, width, float(width), heads,
         x_st, x_sh, g_st, g_sh, o_st, o_sh,
         eps, gain_center,
-        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        EVICT_FIRST=STREAM_EVICT_FIRST,
+    )  # fmt: skip
+    consts = dict(
+        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows,
+        MASKED=tile.rows > 1 or not tile.even(width), EVICT_FIRST=STREAM_EVICT_FIRST,
         HAS_GATE=gate is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
-        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
+        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile), STEPPED=tile.stepped,
+        UNROLL=_unroll(tile, n_rows, unroll, tiles.RMSNORM_LOOP_MIN_ROWS),
         num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
+    grid = (n_rows,) if tile.stepped else _grid(tile, tile.grid(n_rows)[0], input.device)
+    _launch(_rmsnorm_kernel, grid, args, consts, tile)
 
 
 def launch_fused_add_rmsnorm(
