@@ -123,7 +123,7 @@ def _cases():
     from moefuse.quant import fused as qf
 
     return [
-        ("rmsnorm", nt._rmsnorm_kernel, {"HAS_GATE": False}, (), tiles.TilePolicy()),
+        ("rmsnorm", nt._rmsnorm_kernel, {"HAS_GATE": False}, (), tiles.RMSNORM_POLICY),
         ("fused_add", nt._fused_add_rmsnorm_kernel, {}, (), tiles.FUSED_ADD_POLICY),
         ("gated", gated._gated_residual_kernel, {"HAS_WEIGHT": True},
          ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"), tiles.GATED_POLICY),

@@ -43,8 +43,13 @@ STREAM_EVICT_FIRST = False
 # ----------------------------------------------------------------------------- device helpers
 @triton.jit
 def _row_base(rows, HEADS, stride_t, stride_h):
-    rows = rows.to(tl.int64)
-    return (rows // HEADS) * stride_t + (rows % HEADS) * stride_h
+    """Element offset of row ``rows`` of a [tokens, HEADS, H] view (HEADS = 1: [M, H]):
+    ``(rows // HEADS) * stride_t + (rows % HEADS) * stride_h``. The division runs in the rows'
+    own 32-bit type (a 64-bit division is a long software routine that also cost the short-row
+    tiles of the sigmoid gate ~40 registers); the products run in 64 bits."""
+    token = rows // HEADS
+    head = rows - token * HEADS
+    return token.to(tl.int64) * stride_t + head.to(tl.int64) * stride_h
 
 
 @triton.jit
@@ -286,7 +291,7 @@ def _rmsnorm_kernel(
     STEPPED (no gate): one row per program in NUM_CHUNKS steps of BLOCK columns (_rms_stepped)."""
     pid = tl.program_id(0)
     if STEPPED:
-        row = pid.to(tl.int64)
+        row = pid
         _rms_stepped(x_ptr, w_ptr, out_ptr, _row_base(row, HEADS, x_st, x_sh),
                      _row_base(row, HEADS, o_st, o_sh), H, Hf, eps, gain_center, BLOCK,
                      NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL)  # fmt: skip
