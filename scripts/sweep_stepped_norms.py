@@ -37,7 +37,7 @@ VARIANTS = ((8, 8), (16, 8), (4, 8))  # (warps, columns per thread per step)
 def _fa_stepped_kernel(x_ptr, res_ptr, w_ptr, H, Hf, x_st, r_st, eps, gc,
                        STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
                        MASKED: tl.constexpr, USE_PDL: tl.constexpr,
-                       POLICY: tl.constexpr):  # fmt: skip
+                       POLICY: tl.constexpr, EARLY_RES: tl.constexpr = False):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = row * x_st
     r_row = row * r_st
@@ -57,12 +57,17 @@ def _fa_stepped_kernel(x_ptr, res_ptr, w_ptr, H, Hf, x_st, r_st, eps, gc,
             hs = hs + (h,)
         if USE_PDL:
             gdc_launch_dependents()
+        if EARLY_RES:
+            for k in tl.static_range(STEPS):
+                cols, cm = _step_cols(k, H, STEP)
+                _st(res_ptr + r_row + cols, hs[k], cm, MASKED, True)
         for k in tl.static_range(STEPS):
             acc = tl.fma(hs[k], hs[k], acc)
         r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
         for k in tl.static_range(STEPS):
             cols, cm = _step_cols(k, H, STEP)
-            _st(res_ptr + r_row + cols, hs[k], cm, MASKED, True)
+            if not EARLY_RES:
+                _st(res_ptr + r_row + cols, hs[k], cm, MASKED, True)
             _st(x_ptr + x_row + cols, (hs[k] * r) * ws[k], cm, MASKED, True)
     else:
         if USE_PDL:
@@ -129,18 +134,19 @@ def _rms_stepped_kernel(x_ptr, w_ptr, out_ptr, H, Hf, x_st, o_st, eps, gc,
             gdc_launch_dependents()
 
 
-def _consts(h, warps, vec, unroll, pdl, policy="evict_first"):
+def _consts(h, warps, vec, unroll, pdl, policy="evict_first", **extra):
     step = 32 * warps * vec
     steps = -(-h // step)
     return dict(STEP=step, STEPS=steps, UNROLL=unroll, MASKED=h != step * steps, USE_PDL=pdl,
-                POLICY=policy,
+                POLICY=policy, **extra,
                 num_warps=warps, **({"launch_pdl": True} if pdl else {}))
 
 
-def fa_stepped(x, r, w, warps, vec, unroll, pdl=True, policy="evict_first"):
+def fa_stepped(x, r, w, warps, vec, unroll, pdl=True, policy="evict_first", early=False):
     m, h = x.shape
     _fa_stepped_kernel[(m,)](x, r, w, h, float(h), x.stride(0), r.stride(0), EPS, 0.0,
-                             **_consts(h, warps, vec, unroll, pdl, policy))  # fmt: skip
+                             **_consts(h, warps, vec, unroll, pdl, policy,
+                                       EARLY_RES=early))  # fmt: skip
 
 
 def rms_stepped(x, w, out, warps, vec, unroll, pdl=True, policy="evict_first"):
@@ -201,16 +207,17 @@ def fa_inplace(x, r, w):
     r.copy_(h)
 
 
-#: (name, warps, vec, unroll, load policy of the unrolled mode)
-SWEEP = (("8x8u", 8, 8, True, "evict_first"), ("16x8u", 16, 8, True, "evict_first"),
-         ("16x8u_dflt", 16, 8, True, ""), ("16x8l", 16, 8, False, "evict_first"))  # fmt: skip
+#: (name, warps, vec, unroll, load policy of the unrolled mode, residual stored before the sum)
+SWEEP = (("16x8u", 16, 8, True, "evict_first", False), ("16x8u_e", 16, 8, True, "", True),
+         ("16x8u_fe", 16, 8, True, "evict_first", True), ("8x8u_e", 8, 8, True, "", True),
+         ("16x8l", 16, 8, False, "evict_first", False))  # fmt: skip
 
 
-def sweep(widths=(2880, 4096, 5120, 7168, 8192)) -> None:
+def sweep(widths=(4096, 7168, 8192), ops=("fused_add",)) -> None:
     c_fa = harness.compile_baseline(torch_fused_add_rmsnorm)
     c_fa_in = harness.compile_baseline(fa_inplace)
     c_rms = harness.compile_baseline(torch_rmsnorm)
-    for op in ("fused_add", "rmsnorm"):
+    for op in ops:
         for h in widths:
             w = torch.randn(h, device=DEV).to(BF)
             for m in (1, 16, 128, 1024, 2048, 4096, 16384):
@@ -222,12 +229,12 @@ def sweep(widths=(2880, 4096, 5120, 7168, 8192)) -> None:
                              torch.randn(m, h, device=DEV).to(BF)) for _ in range(k)]  # fmt: skip
                     t["onepass"] = time_sets(
                         lambda s: moefuse.fused_add_rmsnorm(s[0], s[1], w, enable_pdl=True), sets)
-                    for name, warps, vec, unroll, pol in SWEEP:
+                    for name, warps, vec, unroll, pol, early in SWEEP:
                         if unroll and not _fits(h, warps, vec):
                             continue
                         t[name] = time_sets(
-                            lambda s, a=warps, b=vec, u=unroll, p=pol: fa_stepped(
-                                s[0], s[1], w, a, b, u, policy=p), sets)
+                            lambda s, a=warps, b=vec, u=unroll, p=pol, e=early: fa_stepped(
+                                s[0], s[1], w, a, b, u, policy=p, early=e), sets)
                     if m in (1, 128, 2048, 16384):
                         t["cmp"] = time_sets(lambda s: c_fa(s[0], s[1], w), sets)
                         t["cmp_in"] = time_sets(lambda s: c_fa_in(s[0], s[1], w), sets)
@@ -236,7 +243,7 @@ def sweep(widths=(2880, 4096, 5120, 7168, 8192)) -> None:
                     out = torch.empty(m, h, device=DEV, dtype=BF)
                     t["onepass"] = time_sets(
                         lambda s: moefuse.rmsnorm(s[0], w, out=out, enable_pdl=True), sets)
-                    for name, warps, vec, unroll, pol in SWEEP:
+                    for name, warps, vec, unroll, pol, _ in SWEEP:
                         if unroll and not _fits(h, warps, vec):
                             continue
                         t[name] = time_sets(

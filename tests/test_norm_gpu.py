@@ -215,26 +215,33 @@ def test_new_token_count_never_recompiles():
     assert after == before, f"compiled variants {before} -> {after} across M = 1..4096"
 
 
-def test_stepped_rmsnorm_never_recompiles_across_token_counts():
-    """rmsnorm rows of 6145-8192 columns are stepped: unrolled below tiles.RMSNORM_LOOP_MIN_ROWS,
-    looped from there; the first launch compiles both modes."""
+def test_stepped_rows_never_recompile_across_token_counts():
+    """rmsnorm (6145-8192 columns) and fused_add_rmsnorm (4096, 6554-8192) rows are stepped:
+    unrolled below the op's loop threshold (tiles.RMSNORM_LOOP_MIN_ROWS /
+    FUSED_ADD_LOOP_MIN_ROWS), looped from there; the first launch compiles both modes."""
     from moefuse.norm import tiles
     from moefuse.norm import triton as tk
 
-    n = tiles.RMSNORM_LOOP_MIN_ROWS + 64
-    tokens = sorted({*range(1, n + 1, 61), tiles.RMSNORM_LOOP_MIN_ROWS - 1,
-                     tiles.RMSNORM_LOOP_MIN_ROWS, n})  # fmt: skip
-    for width in (7168, 8192):
-        assert tiles.row_tile(width, tiles.RMSNORM_POLICY).stepped
-        w, x = _rand(width), _rand(n, width)
-        moefuse.rmsnorm(x[:1], w, impl="triton")
-        torch.cuda.synchronize()
-        before = _compiled_variants(tk._rmsnorm_kernel)
-        for m in tokens:
-            moefuse.rmsnorm(x[:m], w, impl="triton")
-        torch.cuda.synchronize()
-        after = _compiled_variants(tk._rmsnorm_kernel)
-        assert after == before, f"H = {width}: compiled variants {before} -> {after}"
+    cases = (
+        (tk._rmsnorm_kernel, tiles.RMSNORM_POLICY, tiles.RMSNORM_LOOP_MIN_ROWS, (7168, 8192),
+         lambda x, r, w: moefuse.rmsnorm(x, w, impl="triton")),
+        (tk._fused_add_rmsnorm_kernel, tiles.FUSED_ADD_POLICY, tiles.FUSED_ADD_LOOP_MIN_ROWS,
+         (4096, 8192), lambda x, r, w: moefuse.fused_add_rmsnorm(x, r, w, impl="triton")),
+    )  # fmt: skip
+    for kernel, policy, threshold, widths, run in cases:
+        n = threshold + 64
+        tokens = sorted({*range(1, n + 1, 61), threshold - 1, threshold, n})
+        for width in widths:
+            assert tiles.row_tile(width, policy).stepped
+            w, x, r = _rand(width), _rand(n, width), _rand(n, width)
+            run(x[:1], r[:1], w)
+            torch.cuda.synchronize()
+            before = _compiled_variants(kernel)
+            for m in tokens:
+                run(x[:m], r[:m], w)
+            torch.cuda.synchronize()
+            after = _compiled_variants(kernel)
+            assert after == before, f"H = {width}: compiled variants {before} -> {after}"
 
 
 def test_gated_ops_never_recompile_across_token_counts():

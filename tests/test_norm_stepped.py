@@ -1,10 +1,10 @@
-"""Stepped rows of the gated ops (moefuse.norm.gated) and of rmsnorm (6145-8192 columns,
-moefuse.norm.triton) in the interpreter: the unrolled and the
-looped mode must give BITWISE the same outputs (same per-step code, same per-thread accumulation
-order), a row alone must equal the same row inside a batch that runs the other mode, nothing may
-be written outside the rows, and the outputs must match the reference. Small steps (tiles with
-STEP = 64 or 32 columns) stand in for the GPU's 2048, so that rows have several steps and a
-masked last step at interpreter-friendly widths."""
+"""Stepped rows of the gated ops (moefuse.norm.gated), of rmsnorm (6145-8192 columns) and of
+fused_add_rmsnorm (4096 and 6554-8192 columns; moefuse.norm.triton) in the interpreter: the
+unrolled and the looped mode must give BITWISE the same outputs (same per-step code, same
+per-thread accumulation order), a row alone must equal the same row inside a batch that runs the
+other mode, nothing may be written outside the rows, and the outputs must match the reference.
+Small steps (tiles with STEP = 64 or 32 columns) stand in for the GPU's 2048 / 4096, so that rows
+have several steps and a masked last step at interpreter-friendly widths."""
 
 import pytest
 import torch
@@ -228,3 +228,48 @@ def test_sigmoid_gate_refuses_a_stepped_tile():
     with pytest.raises(ValueError, match="sigmoid gate"):
         nt.launch_rmsnorm(x, None, x, 1e-5, 0.0, False, gate=g, tile=_tile(64, 32))
     assert_bitwise_equal(x, before, "nothing written")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_add_stepped(case, seed):
+    width, step = case
+    tile, m = _tile(width, step), 3
+    x, r, w = _rand(m, width), _rand(m, width), _rand(width)
+    outs = []
+    for unroll in _modes(tile):
+        xb, xi = _framed(m, width, BF)
+        rb, ri = _framed(m, width, BF)
+        xi.copy_(x)
+        ri.copy_(r)
+        nt.launch_fused_add_rmsnorm(xi, ri, w, 1e-6, 1.0, False, tile=tile, unroll=unroll)
+        _assert_frames([xb, rb])
+        outs.append((xb, rb))
+    for other in outs[1:]:
+        assert_bitwise_equal(other[0], outs[0][0], "normed: unrolled vs looped")
+        assert_bitwise_equal(other[1], outs[0][1], "residual: unrolled vs looped")
+    normed, r_out = ref.fused_add_rmsnorm_reference(x, r, w, 1e-6, 1.0)
+    assert_bitwise_equal(outs[0][1][1:-1], r_out, "residual")
+    assert_close(outs[0][0][1:-1], normed, "rsqrt_half", "normed")
+
+
+def test_fused_add_policy_steps_4096_and_6554_to_8192_columns():
+    policy = tiles.FUSED_ADD_POLICY
+    for width in (2880, 4095, 4097, 5120, 6144, 6553, 8193):
+        assert not tiles.row_tile(width, policy).stepped, width
+    for width, steps in ((4096, 1), (6554, 2), (7168, 2), (8192, 2)):
+        tile = tiles.row_tile(width, policy)
+        assert tile.stepped and (tile.block, tile.num_chunks, tile.num_warps) == (4096, steps, 16)
+
+
+def test_fused_add_row_alone_equals_row_in_a_looped_batch(monkeypatch, seed):
+    monkeypatch.setattr(tiles, "FUSED_ADD_LOOP_MIN_ROWS", 4)
+    width, m = 7000, 6  # two steps of 4096, the second masked
+    assert tiles.row_tile(width, tiles.FUSED_ADD_POLICY).stepped
+    x, r, w = _rand(m, width), _rand(m, width), _rand(width)
+    xb, rb = x.clone(), r.clone()
+    moefuse.fused_add_rmsnorm(xb, rb, w, impl="triton")
+    for i in (0, m - 1):
+        xi, ri = x[i : i + 1].clone(), r[i : i + 1].clone()
+        moefuse.fused_add_rmsnorm(xi, ri, w, impl="triton")
+        assert_bitwise_equal(xi, xb[i : i + 1], "normed row alone")
+        assert_bitwise_equal(ri, rb[i : i + 1], "residual row alone")

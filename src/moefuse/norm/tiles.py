@@ -36,12 +36,14 @@ MULTI_ROW_PROGRAMS_PER_SM = 2
 #: registers per SM (sm_90): persistent launches cap registers per thread at
 #: REGISTERS_PER_SM / (programs_per_sm x threads) so that all programs of an SM are resident
 REGISTERS_PER_SM = 65536
-#: stepped rows (gated ops, see norm/gated.py; rmsnorm at 6145-8192 columns): rows of at most
-#: STEP_UNROLL_MAX_STEPS steps run unrolled (the row in registers) below a row count, looped
-#: otherwise (same bits): STEP_LOOP_MIN_ROWS for the gated ops, RMSNORM_LOOP_MIN_ROWS for rmsnorm
+#: stepped rows (gated ops, see norm/gated.py; rmsnorm and fused_add_rmsnorm at some widths): rows
+#: of at most STEP_UNROLL_MAX_STEPS steps run unrolled (the row in registers) below a row count,
+#: looped otherwise (same bits): STEP_LOOP_MIN_ROWS for the gated ops, RMSNORM_LOOP_MIN_ROWS and
+#: FUSED_ADD_LOOP_MIN_ROWS for the other two
 STEP_UNROLL_MAX_STEPS = 4
 STEP_LOOP_MIN_ROWS = 512
 RMSNORM_LOOP_MIN_ROWS = 4096
+FUSED_ADD_LOOP_MIN_ROWS = 4096
 
 
 def next_pow2(n: int) -> int:
@@ -102,6 +104,8 @@ class TilePolicy:
     #: stepped: steps of 32 x step_warps x step_vec columns
     step_min_width: int | None = None
     step_max_width: int | None = None
+    #: ... and whose columns fill at least this fraction of their steps (the last step is masked)
+    step_min_fill: float = 0.0
     step_warps: int = 16
     step_vec: int = 4
 
@@ -113,10 +117,18 @@ class TilePolicy:
 #: at 349 / 440 us (gated / gated_next) vs compile's 326 / 403; the looped stepped kernel (32-40
 #: registers) ran 325 / 405 us. torch.compile's own kernel has the same shape (16 warps, 2048).
 GATED_POLICY = TilePolicy(max_warps=4, programs_per_sm=0, step_min_width=2048)
-#: fused_add_rmsnorm: at 4 programs per SM (64 registers) the prefetching kernel spills 64 B at
-#: H = 4096; 3 per SM (80 registers) does not, but it ran slower than one program per row
-#: (16384 x 4096: 143.4 vs 136.0 us), so the loop is off
-FUSED_ADD_POLICY = TilePolicy(programs_per_sm=0)
+#: fused_add_rmsnorm: rows of 4096 and of 6554-8192 columns (stepped widths filling >= 80 % of
+#: their 4096-column steps) are stepped, 16 warps x 8 columns per step, the residual stored before
+#: the row's sum, unrolled below FUSED_ADD_LOOP_MIN_ROWS rows and looped from there; other widths
+#: keep the one-pass tile. H200 (scripts/sweep_stepped_norms.py, notes/gpu-logs/
+#: sweep-stepped-fused-add-early-2026-11-30.log), us, stepped vs one-pass, H = 4096 / 7168 / 8192:
+#: M = 1 1.34 vs 1.27 / 1.62 vs 1.68 / 1.68 vs 1.76; M = 1024 9.59 vs 9.59 / 16.99 vs 16.42 /
+#: 18.71 vs 18.80; M = 16384 127.6 vs 135.1 / 222.9 vs 231.2 / 257.9 vs 267.1 (compile 127.2 /
+#: 221.2 / 255.4). At 2880 and 5120 stepped rows lost (sweep-stepped-norms-2026-11-30.log).
+#: (Persistent loop: at 4 programs per SM the prefetching one-pass kernel spilled at H = 4096 and
+#: at 3 it ran 143.4 vs 136.0 us at 16384 x 4096, so it stays off.)
+FUSED_ADD_POLICY = TilePolicy(programs_per_sm=0, step_min_width=4095, step_max_width=8192,
+                              step_min_fill=0.8, step_warps=16, step_vec=8)  # fmt: skip
 #: rmsnorm_sigmoid_gate: the gate doubles the loads; 2 prefetching programs per SM ran 69.7 us vs
 #: 50.8 us for one program per tile (16384 x 32 x 64): off
 SIGMOID_GATE_POLICY = TilePolicy(programs_per_sm=0)
@@ -137,11 +149,13 @@ def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
     max_warps = policy.max_warps or MAX_WARPS
     if width < 1:
         raise ValueError(f"row width must be >= 1, got {width}")
+    step = 32 * policy.step_warps * policy.step_vec
+    steps = -(-width // step)
     if (policy.step_min_width is not None and width > policy.step_min_width
-            and (policy.step_max_width is None or width <= policy.step_max_width)):  # fmt: skip
-        step = 32 * policy.step_warps * policy.step_vec
-        return RowTile(block=step, num_chunks=-(-width // step), rows=1,
-                       num_warps=policy.step_warps, stepped=True)  # fmt: skip
+            and (policy.step_max_width is None or width <= policy.step_max_width)
+            and width >= policy.step_min_fill * steps * step):  # fmt: skip
+        return RowTile(block=step, num_chunks=steps, rows=1, num_warps=policy.step_warps,
+                       stepped=True)  # fmt: skip
     if width <= max_single:
         block, chunks = next_pow2(width), 1
     else:

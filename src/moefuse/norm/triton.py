@@ -197,6 +197,60 @@ def _rms_stepped(x_ptr, w_ptr, out_ptr, x_row, o_row, H, Hf, eps, gc, STEP: tl.c
             gdc_launch_dependents()
 
 
+@triton.jit
+def _fused_add_stepped(x_ptr, res_ptr, w_ptr, x_row, r_row, H, Hf, eps, gc, STEP: tl.constexpr,
+                       STEPS: tl.constexpr, UNROLL: tl.constexpr, MASKED: tl.constexpr,
+                       PTX: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """One stepped row of _fused_add_rmsnorm_kernel: h = f32(x) + f32(res), res <- cast(h),
+    x <- cast((h * r) * (f32(w) + gc)). Unrolled: weights before gdc_wait, every load in
+    flight at once, the residual stored before the row's sum; looped: a first pass accumulates
+    the statistic (loads keep the row in L2), a second recomputes h from the still unmodified
+    inputs of each step and stores both outputs."""
+    acc = tl.zeros([1, STEP], dtype=tl.float32)
+    if UNROLL:
+        ws = ()
+        for k in tl.static_range(STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            ws = ws + (_param(w_ptr, cols, cm, gc, MASKED, True),)
+        if USE_PDL:
+            gdc_wait()
+        hs = ()
+        for k in tl.static_range(STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            h = _ldp(x_ptr + x_row + cols, cm, MASKED, "")
+            h += _ldp(res_ptr + r_row + cols, cm, MASKED, "")
+            hs = hs + (h,)
+        if USE_PDL:
+            gdc_launch_dependents()
+        for k in tl.static_range(STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            _st(res_ptr + r_row + cols, hs[k], cm, MASKED, PTX)
+        for k in tl.static_range(STEPS):
+            acc = tl.fma(hs[k], hs[k], acc)
+        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
+        for k in tl.static_range(STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            _st(x_ptr + x_row + cols, (hs[k] * r) * ws[k], cm, MASKED, PTX)
+    else:
+        if USE_PDL:
+            gdc_wait()
+        for k in tl.range(0, STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            h = _ldp(x_ptr + x_row + cols, cm, MASKED, "evict_last")
+            h += _ldp(res_ptr + r_row + cols, cm, MASKED, "evict_last")
+            acc = tl.fma(h, h, acc)
+        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
+        for k in tl.range(0, STEPS):
+            cols, cm = _step_cols(k, H, STEP)
+            h = _ldp(x_ptr + x_row + cols, cm, MASKED, "evict_first")
+            h += _ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first")
+            _st(res_ptr + r_row + cols, h, cm, MASKED, PTX)
+            _st(x_ptr + x_row + cols, (h * r) * _param(w_ptr, cols, cm, gc, MASKED, True), cm,
+                MASKED, PTX)  # fmt: skip
+        if USE_PDL:
+            gdc_launch_dependents()
+
+
 # ----------------------------------------------------------------------------- per-tile helpers
 # One-pass tiles: ``*_load`` issues a tile's activation loads (stored dtype), ``*_tile`` does the
 # tile's arithmetic and stores from the FP32 values. The straight-line kernel (PERSISTENT = False)
@@ -374,11 +428,17 @@ def _fused_add_rmsnorm_kernel(
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, STEPPED: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
-    """h = f32(x) + f32(res); res <- cast(h); x <- cast((h * r) * g), r from the FP32 h."""
+    """h = f32(x) + f32(res); res <- cast(h); x <- cast((h * r) * g), r from the FP32 h.
+    STEPPED: one row per program in NUM_CHUNKS steps of BLOCK columns (_fused_add_stepped)."""
     pid = tl.program_id(0)
-    if NUM_CHUNKS == 1:
+    if STEPPED:
+        row = pid.to(tl.int64)
+        _fused_add_stepped(x_ptr, res_ptr, w_ptr, row * x_st, row * r_st, H, Hf, eps,
+                           gain_center, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX,
+                           USE_PDL)  # fmt: skip
+    elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
@@ -562,22 +622,29 @@ def launch_fused_add_rmsnorm(
     gain_center: float,
     use_pdl: bool,
     tile: RowTile | None = None,
+    unroll: bool | None = None,
 ) -> None:
-    """In place on ``input`` and ``residual`` ([M, H] each, row strides free)."""
+    """In place on ``input`` and ``residual`` ([M, H] each, row strides free). ``tile`` /
+    ``unroll`` override the width's tile and the stepped mode (tests and sweeps; neither changes
+    a bit)."""
     n_rows, width = input.shape
     if n_rows == 0:
         return
     tile = tile or row_tile(width, FUSED_ADD_POLICY)
-    masked = tile.rows > 1 or not tile.even(width)
-    _fused_add_rmsnorm_kernel[_grid(tile, tile.grid(n_rows)[0], input.device)](
+    args = (
         input, residual, weight,
         n_rows, width, float(width),
         input.stride(0), residual.stride(0),
         eps, gain_center,
-        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        EVICT_FIRST=STREAM_EVICT_FIRST,
+    )  # fmt: skip
+    consts = dict(
+        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows,
+        MASKED=tile.rows > 1 or not tile.even(width), EVICT_FIRST=STREAM_EVICT_FIRST,
         PTX=not interpreter_active(), USE_PDL=use_pdl,
-        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
+        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile), STEPPED=tile.stepped,
+        UNROLL=_unroll(tile, n_rows, unroll, tiles.FUSED_ADD_LOOP_MIN_ROWS),
         num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
+    grid = (n_rows,) if tile.stepped else _grid(tile, tile.grid(n_rows)[0], input.device)
+    _launch(_fused_add_rmsnorm_kernel, grid, args, consts, tile)
 
