@@ -19,7 +19,12 @@ import torch
 
 import moefuse
 from moefuse.bench import harness
-from moefuse.bench.norm import torch_fused_add_rmsnorm, torch_rmsnorm, torch_rmsnorm_sigmoid_gate
+from moefuse.bench.norm import (
+    INPLACE_MATH,
+    torch_fused_add_rmsnorm,
+    torch_rmsnorm,
+    torch_rmsnorm_sigmoid_gate,
+)
 
 
 def time_sets(fn, sets):
@@ -31,21 +36,17 @@ def rms_inplace(x, w):
     x.copy_(torch_rmsnorm(x, w))
 
 
-def fused_add_inplace(x, r, w):
-    normed, h = torch_fused_add_rmsnorm(x, r, w)
-    x.copy_(normed)
-    r.copy_(h)
-
-
-def sigmoid_inplace(x, g):
-    x.copy_(torch_rmsnorm_sigmoid_gate(x, g))
+fused_add_inplace = INPLACE_MATH["fused_add_rmsnorm"]
+sigmoid_inplace = INPLACE_MATH["rmsnorm_sigmoid_gate"]
 
 
 def main():
     bf, dev = torch.bfloat16, "cuda"
-    comp = {f.__name__: harness.compile_baseline(f) for f in (
-        torch_rmsnorm, torch_fused_add_rmsnorm, torch_rmsnorm_sigmoid_gate,
-        rms_inplace, fused_add_inplace, sigmoid_inplace)}  # fmt: skip
+    comp = {name: harness.compile_baseline(f) for name, f in (
+        ("torch_rmsnorm", torch_rmsnorm), ("torch_fused_add_rmsnorm", torch_fused_add_rmsnorm),
+        ("torch_rmsnorm_sigmoid_gate", torch_rmsnorm_sigmoid_gate), ("rms_inplace", rms_inplace),
+        ("fused_add_inplace", fused_add_inplace), ("sigmoid_inplace", sigmoid_inplace),
+    )}  # fmt: skip
     print(torch.cuda.get_device_name(0), flush=True)
     cols = ("mf", "mf_inpl", "cmp", "cmp_inpl", "copy")
     print(f"{'case':34s} " + " ".join(f"{c:>9s}" for c in cols), flush=True)

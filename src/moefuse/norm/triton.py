@@ -153,59 +153,26 @@ def _param(ptr, cols, cm, center, MASKED: tl.constexpr, PRESENT: tl.constexpr):
 
 
 @triton.jit
-def _rms_stepped(x_ptr, w_ptr, out_ptr, x_row, o_row, H, Hf, eps, gc, STEP: tl.constexpr,
-                 STEPS: tl.constexpr, UNROLL: tl.constexpr, MASKED: tl.constexpr,
-                 PTX: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """One stepped row of _rmsnorm_kernel: out = cast((x * r) * (f32(w) + gc)). Unrolled: the
-    weights load before gdc_wait and the row's loads are all in flight at once; looped: a first
-    pass accumulates the statistic (loads keep the row in L2), a second re-reads and stores."""
-    acc = tl.zeros([1, STEP], dtype=tl.float32)
-    if UNROLL:
-        ws = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            ws = ws + (_param(w_ptr, cols, cm, gc, MASKED, True),)
-        if USE_PDL:
-            gdc_wait()
-        xs = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            xs = xs + (_ldp(x_ptr + x_row + cols, cm, MASKED, "evict_first"),)
-        if USE_PDL:
-            gdc_launch_dependents()
-        for k in tl.static_range(STEPS):
-            acc = tl.fma(xs[k], xs[k], acc)
-        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            _st(out_ptr + o_row + cols, (xs[k] * r) * ws[k], cm, MASKED, PTX)
-    else:
-        if USE_PDL:
-            gdc_wait()
-        for k in tl.range(0, STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            x = _ldp(x_ptr + x_row + cols, cm, MASKED, "evict_last")
-            acc = tl.fma(x, x, acc)
-        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
-        # the second pass may overwrite x (out = input): step k is read before it is written
-        for k in tl.range(0, STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            x = _ldp(x_ptr + x_row + cols, cm, MASKED, "evict_first")
-            _st(out_ptr + o_row + cols, (x * r) * _param(w_ptr, cols, cm, gc, MASKED, True), cm,
-                MASKED, PTX)  # fmt: skip
-        if USE_PDL:
-            gdc_launch_dependents()
+def _step_in(a_ptr, b_ptr, a_row, b_row, cols, cm, MASKED: tl.constexpr, POLICY: tl.constexpr,
+             ADD: tl.constexpr):  # fmt: skip
+    """One step's FP32 input: f32(a), or f32(a) + f32(b) when ADD (fused_add's h)."""
+    v = _ldp(a_ptr + a_row + cols, cm, MASKED, POLICY)
+    if ADD:
+        v += _ldp(b_ptr + b_row + cols, cm, MASKED, POLICY)
+    return v
 
 
 @triton.jit
-def _fused_add_stepped(x_ptr, res_ptr, w_ptr, x_row, r_row, H, Hf, eps, gc, STEP: tl.constexpr,
-                       STEPS: tl.constexpr, UNROLL: tl.constexpr, MASKED: tl.constexpr,
-                       PTX: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """One stepped row of _fused_add_rmsnorm_kernel: h = f32(x) + f32(res), res <- cast(h),
-    x <- cast((h * r) * (f32(w) + gc)). Unrolled: weights before gdc_wait, every load in
-    flight at once, the residual stored before the row's sum; looped: a first pass accumulates
-    the statistic (loads keep the row in L2), a second recomputes h from the still unmodified
-    inputs of each step and stores both outputs."""
+def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps, gc,
+                  STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
+                  MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+                  ADD: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
+    """One stepped row of rmsnorm (out <- cast((x * r) * (f32(w) + gc))) or, when ADD, of
+    fused_add_rmsnorm (h = f32(x) + f32(res); res <- cast(h); out <- cast((h * r) * (f32(w) +
+    gc)), out = x). Unrolled: weights before gdc_wait, every load in flight at once (``POLICY``),
+    the residual stored before the row's sum; looped: a first pass accumulates the statistic
+    (loads keep the row in L2), a second re-reads each step (its inputs are still unmodified:
+    out may be x) and stores."""
     acc = tl.zeros([1, STEP], dtype=tl.float32)
     if UNROLL:
         ws = ()
@@ -214,38 +181,36 @@ def _fused_add_stepped(x_ptr, res_ptr, w_ptr, x_row, r_row, H, Hf, eps, gc, STEP
             ws = ws + (_param(w_ptr, cols, cm, gc, MASKED, True),)
         if USE_PDL:
             gdc_wait()
-        hs = ()
+        vs = ()
         for k in tl.static_range(STEPS):
             cols, cm = _step_cols(k, H, STEP)
-            h = _ldp(x_ptr + x_row + cols, cm, MASKED, "")
-            h += _ldp(res_ptr + r_row + cols, cm, MASKED, "")
-            hs = hs + (h,)
+            vs = vs + (_step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, POLICY, ADD),)
         if USE_PDL:
             gdc_launch_dependents()
+        if ADD:
+            for k in tl.static_range(STEPS):
+                cols, cm = _step_cols(k, H, STEP)
+                _st(res_ptr + r_row + cols, vs[k], cm, MASKED, PTX)
         for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            _st(res_ptr + r_row + cols, hs[k], cm, MASKED, PTX)
-        for k in tl.static_range(STEPS):
-            acc = tl.fma(hs[k], hs[k], acc)
+            acc = tl.fma(vs[k], vs[k], acc)
         r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
         for k in tl.static_range(STEPS):
             cols, cm = _step_cols(k, H, STEP)
-            _st(x_ptr + x_row + cols, (hs[k] * r) * ws[k], cm, MASKED, PTX)
+            _st(out_ptr + o_row + cols, (vs[k] * r) * ws[k], cm, MASKED, PTX)
     else:
         if USE_PDL:
             gdc_wait()
         for k in tl.range(0, STEPS):
             cols, cm = _step_cols(k, H, STEP)
-            h = _ldp(x_ptr + x_row + cols, cm, MASKED, "evict_last")
-            h += _ldp(res_ptr + r_row + cols, cm, MASKED, "evict_last")
-            acc = tl.fma(h, h, acc)
+            v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_last", ADD)
+            acc = tl.fma(v, v, acc)
         r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
         for k in tl.range(0, STEPS):
             cols, cm = _step_cols(k, H, STEP)
-            h = _ldp(x_ptr + x_row + cols, cm, MASKED, "evict_first")
-            h += _ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first")
-            _st(res_ptr + r_row + cols, h, cm, MASKED, PTX)
-            _st(x_ptr + x_row + cols, (h * r) * _param(w_ptr, cols, cm, gc, MASKED, True), cm,
+            v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_first", ADD)
+            if ADD:
+                _st(res_ptr + r_row + cols, v, cm, MASKED, PTX)
+            _st(out_ptr + o_row + cols, (v * r) * _param(w_ptr, cols, cm, gc, MASKED, True), cm,
                 MASKED, PTX)  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
@@ -342,13 +307,12 @@ def _rmsnorm_kernel(
     PREFETCH: tl.constexpr, STEPPED: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
     """out = cast((x * r) * m), m = f32(w) + gain_center, or sigmoid(gate) when HAS_GATE.
-    STEPPED (no gate): one row per program in NUM_CHUNKS steps of BLOCK columns (_rms_stepped)."""
+    STEPPED (no gate): one row per program in NUM_CHUNKS steps of BLOCK columns (_norm_stepped)."""
     pid = tl.program_id(0)
     if STEPPED:
-        row = pid
-        _rms_stepped(x_ptr, w_ptr, out_ptr, _row_base(row, HEADS, x_st, x_sh),
-                     _row_base(row, HEADS, o_st, o_sh), H, Hf, eps, gain_center, BLOCK,
-                     NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL)  # fmt: skip
+        _norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, _row_base(pid, HEADS, x_st, x_sh), 0,
+                      _row_base(pid, HEADS, o_st, o_sh), H, Hf, eps, gain_center, BLOCK,
+                      NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, False, "evict_first")  # fmt: skip
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         w = 1.0  # replaced by sigmoid(gate) per tile when HAS_GATE
@@ -431,13 +395,13 @@ def _fused_add_rmsnorm_kernel(
     PREFETCH: tl.constexpr, STEPPED: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
     """h = f32(x) + f32(res); res <- cast(h); x <- cast((h * r) * g), r from the FP32 h.
-    STEPPED: one row per program in NUM_CHUNKS steps of BLOCK columns (_fused_add_stepped)."""
+    STEPPED: one row per program in NUM_CHUNKS steps of BLOCK columns (_norm_stepped)."""
     pid = tl.program_id(0)
     if STEPPED:
         row = pid.to(tl.int64)
-        _fused_add_stepped(x_ptr, res_ptr, w_ptr, row * x_st, row * r_st, H, Hf, eps,
-                           gain_center, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX,
-                           USE_PDL)  # fmt: skip
+        _norm_stepped(x_ptr, res_ptr, w_ptr, x_ptr, row * x_st, row * r_st, row * x_st, H, Hf,
+                      eps, gain_center, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, True,
+                      "")  # fmt: skip
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
