@@ -97,7 +97,7 @@ def main() -> None:
                     if t.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS:
                         variants = (("unroll", False, False),) + variants
                 for label, persistent, prefetch in variants:
-                    consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, STEPS=t.num_chunks,
+                    consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks,
                                   ROWS=t.rows, MASKED=t.rows > 1 or not t.even(width), PTX=True,
                                   USE_PDL=True, PERSISTENT=persistent, PREFETCH=prefetch,
                                   STEPPED=t.stepped, UNROLL=label == "unroll", **extra)  # fmt: skip

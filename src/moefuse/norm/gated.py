@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._runtime import interpreter_active
 from moefuse.norm import tiles
 from moefuse.norm import triton as nt
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
@@ -39,8 +38,9 @@ from moefuse.norm.triton import (
     _param,
     _st,
     _step_cols,
+    _step_params,
     _tile_rows,
-    _unroll,
+    _weighted_sumsq,
 )
 
 
@@ -151,21 +151,6 @@ def _load_steps(a_ptr, b_ptr, a_row, b_row, H, STEP: tl.constexpr, STEPS: tl.con
 
 
 @triton.jit
-def _weighted_sumsq(xs, ws, STEP: tl.constexpr, STEPS: tl.constexpr, HAS_W: tl.constexpr):
-    """(x [* w] per step, [1, 1] statistic): per-thread ``fma(x, x, acc)`` over the steps in
-    ascending order, then one tl.sum (the looped mode's order, see _branch_sumsq_loop)."""
-    acc = tl.zeros([1, STEP], dtype=tl.float32)
-    xws = ()
-    for k in tl.static_range(STEPS):
-        x = xs[k]
-        if HAS_W:
-            x = x * ws[k]
-        xws = xws + (x,)
-        acc = tl.fma(x, x, acc)
-    return xws, tl.sum(acc, axis=1)[:, None]
-
-
-@triton.jit
 def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, Hf, b_st, r_st,
                    o_st, eps, gc, STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
                    MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr,
@@ -175,14 +160,9 @@ def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, 
     r_row = row * r_st
     o_row = row * o_st
     if UNROLL:
-        als = ()
-        bes = ()
-        ws = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            als = als + (_param(alpha_ptr, cols, cm, 0.0, MASKED, True),)
-            bes = bes + (_param(beta_ptr, cols, cm, 0.0, MASKED, True),)
-            ws = ws + (_param(w_ptr, cols, cm, gc, MASKED, HAS_WEIGHT),)
+        als = _step_params(alpha_ptr, H, 0.0, STEP, STEPS, MASKED, True)
+        bes = _step_params(beta_ptr, H, 0.0, STEP, STEPS, MASKED, True)
+        ws = _step_params(w_ptr, H, gc, STEP, STEPS, MASKED, HAS_WEIGHT)
         if USE_PDL:
             gdc_wait()
         xs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
@@ -227,16 +207,10 @@ def _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr,
     rt_row = row * rt_st
     acc2 = tl.zeros([1, STEP], dtype=tl.float32)
     if UNROLL:
-        nws = ()
-        pws = ()
-        als = ()
-        bes = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            nws = nws + (_param(nw_ptr, cols, cm, ngc, MASKED, True),)
-            pws = pws + (_param(pw_ptr, cols, cm, pgc, MASKED, HAS_POST_WEIGHT),)
-            als = als + (_param(alpha_ptr, cols, cm, 0.0, MASKED, ALPHA_MODE == 2),)
-            bes = bes + (_param(beta_ptr, cols, cm, 0.0, MASKED, True),)
+        nws = _step_params(nw_ptr, H, ngc, STEP, STEPS, MASKED, True)
+        pws = _step_params(pw_ptr, H, pgc, STEP, STEPS, MASKED, HAS_POST_WEIGHT)
+        als = _step_params(alpha_ptr, H, 0.0, STEP, STEPS, MASKED, ALPHA_MODE == 2)
+        bes = _step_params(beta_ptr, H, 0.0, STEP, STEPS, MASKED, True)
         if USE_PDL:
             gdc_wait()
         bs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
@@ -293,7 +267,7 @@ def _gated_residual_kernel(
     n_rows, H, Hf,
     b_st, r_st, o_st,
     eps, gain_center,
-    BLOCK: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr, STEPPED: tl.constexpr, UNROLL: tl.constexpr,
@@ -302,7 +276,7 @@ def _gated_residual_kernel(
     pid = tl.program_id(0)
     if STEPPED:
         _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, pid.to(tl.int64), H,
-                       Hf, b_st, r_st, o_st, eps, gain_center, BLOCK, STEPS, UNROLL, MASKED,
+                       Hf, b_st, r_st, o_st, eps, gain_center, BLOCK, NUM_CHUNKS, UNROLL, MASKED,
                        HAS_WEIGHT, PTX, USE_PDL)  # fmt: skip
     else:
         cols = tl.arange(0, BLOCK)
@@ -349,7 +323,7 @@ def _gated_residual_next_kernel(
     n_rows, H, Hf,
     b_st, r_st, ro_st, f_st, rt_st,
     alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
-    BLOCK: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     ALPHA_MODE: tl.constexpr, HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
@@ -364,8 +338,8 @@ def _gated_residual_next_kernel(
         _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr,
                       router_ptr, pid.to(tl.int64), H, Hf, b_st, r_st, ro_st, f_st, rt_st,
                       alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
-                      BLOCK, STEPS, UNROLL, MASKED, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, PTX,
-                      USE_PDL)  # fmt: skip
+                      BLOCK, NUM_CHUNKS, UNROLL, MASKED, ALPHA_MODE, HAS_POST_WEIGHT,
+                      HAS_ROUTER, PTX, USE_PDL)  # fmt: skip
     else:
         cols = tl.arange(0, BLOCK)
         pm = cols < H
@@ -409,24 +383,6 @@ def _gated_residual_next_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
-def _consts(tile: RowTile, width: int, n_rows: int, unroll: bool | None, use_pdl: bool) -> dict:
-    """Constexprs and launch options shared by both gated kernels."""
-    plain = nt._persistent(tile) and not tile.stepped
-    return dict(
-        BLOCK=tile.block, STEPS=tile.num_chunks, ROWS=tile.rows,
-        MASKED=tile.rows > 1 or not tile.even(width), EVICT_FIRST=nt.STREAM_EVICT_FIRST,
-        PTX=not interpreter_active(), USE_PDL=use_pdl, PERSISTENT=plain,
-        PREFETCH=plain and nt._prefetch(tile), STEPPED=tile.stepped,
-        UNROLL=_unroll(tile, n_rows, unroll, tiles.STEP_LOOP_MIN_ROWS),
-        num_warps=tile.num_warps,
-        **nt._launch_kwargs(tile, use_pdl),
-    )  # fmt: skip
-
-
-def _grid(tile: RowTile, n_rows: int, device: torch.device) -> tuple[int]:
-    return (n_rows,) if tile.stepped else nt._grid(tile, tile.grid(n_rows)[0], device)
-
-
 def launch_gated_residual_rmsnorm(
     branch: torch.Tensor,
     residual: torch.Tensor,
@@ -455,8 +411,9 @@ def launch_gated_residual_rmsnorm(
         branch.stride(0), residual.stride(0), out.stride(0),
         eps, gain_center,
     )  # fmt: skip
-    consts = dict(HAS_WEIGHT=weight is not None, **_consts(tile, width, n_rows, unroll, use_pdl))
-    _launch(_gated_residual_kernel, _grid(tile, n_rows, branch.device), args, consts, tile)
+    consts = nt._row_consts(tile, width, n_rows, unroll, tiles.STEP_LOOP_MIN_ROWS, use_pdl)
+    _launch(_gated_residual_kernel, nt._grid(tile, tile.grid(n_rows)[0], branch.device), args,
+            {**consts, "HAS_WEIGHT": weight is not None}, tile)  # fmt: skip
 
 
 def launch_gated_residual_next_rmsnorm(
@@ -500,7 +457,8 @@ def launch_gated_residual_next_rmsnorm(
         router.stride(0),
         alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
     )  # fmt: skip
-    consts = dict(ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,
-                  HAS_ROUTER=router_input is not None,
-                  **_consts(tile, width, n_rows, unroll, use_pdl))  # fmt: skip
-    _launch(_gated_residual_next_kernel, _grid(tile, n_rows, branch.device), args, consts, tile)
+    consts = nt._row_consts(tile, width, n_rows, unroll, tiles.STEP_LOOP_MIN_ROWS, use_pdl)
+    consts.update(ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,
+                  HAS_ROUTER=router_input is not None)  # fmt: skip
+    _launch(_gated_residual_next_kernel, nt._grid(tile, tile.grid(n_rows)[0], branch.device),
+            args, consts, tile)  # fmt: skip

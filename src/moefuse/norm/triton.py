@@ -153,6 +153,33 @@ def _param(ptr, cols, cm, center, MASKED: tl.constexpr, PRESENT: tl.constexpr):
 
 
 @triton.jit
+def _step_params(ptr, H, center, STEP: tl.constexpr, STEPS: tl.constexpr, MASKED: tl.constexpr,
+                 PRESENT: tl.constexpr):  # fmt: skip
+    """Every step's FP32 parameter vector [+ center] (1.0 when absent) as a tuple: the unrolled
+    mode loads its parameters before gdc_wait."""
+    ps = ()
+    for k in tl.static_range(STEPS):
+        cols, cm = _step_cols(k, H, STEP)
+        ps = ps + (_param(ptr, cols, cm, center, MASKED, PRESENT),)
+    return ps
+
+
+@triton.jit
+def _weighted_sumsq(xs, ws, STEP: tl.constexpr, STEPS: tl.constexpr, HAS_W: tl.constexpr):
+    """(x [* w] per step, [1, 1] statistic): per-thread ``fma(x, x, acc)`` over the steps in
+    ascending order, then one tl.sum (the looped mode's order, see _branch_sumsq_loop)."""
+    acc = tl.zeros([1, STEP], dtype=tl.float32)
+    xws = ()
+    for k in tl.static_range(STEPS):
+        x = xs[k]
+        if HAS_W:
+            x = x * ws[k]
+        xws = xws + (x,)
+        acc = tl.fma(x, x, acc)
+    return xws, tl.sum(acc, axis=1)[:, None]
+
+
+@triton.jit
 def _step_in(a_ptr, b_ptr, a_row, b_row, cols, cm, MASKED: tl.constexpr, POLICY: tl.constexpr,
              ADD: tl.constexpr):  # fmt: skip
     """One step's FP32 input: f32(a), or f32(a) + f32(b) when ADD (fused_add's h)."""
@@ -173,12 +200,8 @@ def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, ep
     the residual stored before the row's sum; looped: a first pass accumulates the statistic
     (loads keep the row in L2), a second re-reads each step (its inputs are still unmodified:
     out may be x) and stores."""
-    acc = tl.zeros([1, STEP], dtype=tl.float32)
     if UNROLL:
-        ws = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            ws = ws + (_param(w_ptr, cols, cm, gc, MASKED, True),)
+        ws = _step_params(w_ptr, H, gc, STEP, STEPS, MASKED, True)
         if USE_PDL:
             gdc_wait()
         vs = ()
@@ -191,15 +214,15 @@ def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, ep
             for k in tl.static_range(STEPS):
                 cols, cm = _step_cols(k, H, STEP)
                 _st(res_ptr + r_row + cols, vs[k], cm, MASKED, PTX)
-        for k in tl.static_range(STEPS):
-            acc = tl.fma(vs[k], vs[k], acc)
-        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
+        _, ss = _weighted_sumsq(vs, ws, STEP, STEPS, False)
+        r = _inv_rms(ss, Hf, eps)
         for k in tl.static_range(STEPS):
             cols, cm = _step_cols(k, H, STEP)
             _st(out_ptr + o_row + cols, (vs[k] * r) * ws[k], cm, MASKED, PTX)
     else:
         if USE_PDL:
             gdc_wait()
+        acc = tl.zeros([1, STEP], dtype=tl.float32)
         for k in tl.range(0, STEPS):
             cols, cm = _step_cols(k, H, STEP)
             v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_last", ADD)
@@ -479,9 +502,10 @@ def _grid(tile: RowTile, n_tiles: int, device: torch.device) -> tuple[int]:
 
 
 def _persistent(tile: RowTile) -> bool:
-    """One-pass tiles with programs_per_sm > 0 run the persistent loop; others the straight-line
-    one-tile-per-program kernel of before (fewer registers: nothing lives across tiles)."""
-    return tile.programs_per_sm > 0 and tile.num_chunks == 1
+    """One-pass tiles with programs_per_sm > 0 run the persistent loop; others (stepped rows
+    included: one program per row) the straight-line one-tile-per-program kernel (fewer
+    registers: nothing lives across tiles)."""
+    return tile.programs_per_sm > 0 and tile.num_chunks == 1 and not tile.stepped
 
 
 def _prefetch(tile: RowTile) -> bool:
@@ -536,6 +560,21 @@ def _launch(kernel, grid, args, consts, tile: RowTile) -> None:
         kernel.warmup(*args, grid=grid, **{**consts, "UNROLL": not consts["UNROLL"]})
 
 
+def _row_consts(tile: RowTile, width: int, n_rows: int, unroll: bool | None,
+                loop_min_rows: int, use_pdl: bool) -> dict:  # fmt: skip
+    """Constexprs and launch options every row kernel of the family takes (rmsnorm, fused_add,
+    both gated ops): tile shape and masking, launch mode (persistent loop; stepped rows unrolled
+    below ``loop_min_rows`` rows or looped), PDL, warps and the persistent register cap."""
+    return dict(
+        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows,
+        MASKED=tile.rows > 1 or not tile.even(width), EVICT_FIRST=STREAM_EVICT_FIRST,
+        PTX=not interpreter_active(), USE_PDL=use_pdl,
+        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile), STEPPED=tile.stepped,
+        UNROLL=_unroll(tile, n_rows, unroll, loop_min_rows),
+        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
+    )  # fmt: skip
+
+
 def launch_rmsnorm(
     input: torch.Tensor,
     weight: torch.Tensor | None,
@@ -566,16 +605,9 @@ def launch_rmsnorm(
         x_st, x_sh, g_st, g_sh, o_st, o_sh,
         eps, gain_center,
     )  # fmt: skip
-    consts = dict(
-        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows,
-        MASKED=tile.rows > 1 or not tile.even(width), EVICT_FIRST=STREAM_EVICT_FIRST,
-        HAS_GATE=gate is not None, PTX=not interpreter_active(), USE_PDL=use_pdl,
-        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile), STEPPED=tile.stepped,
-        UNROLL=_unroll(tile, n_rows, unroll, tiles.RMSNORM_LOOP_MIN_ROWS),
-        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
-    )  # fmt: skip
-    grid = (n_rows,) if tile.stepped else _grid(tile, tile.grid(n_rows)[0], input.device)
-    _launch(_rmsnorm_kernel, grid, args, consts, tile)
+    consts = _row_consts(tile, width, n_rows, unroll, tiles.RMSNORM_LOOP_MIN_ROWS, use_pdl)
+    _launch(_rmsnorm_kernel, _grid(tile, tile.grid(n_rows)[0], input.device), args,
+            {**consts, "HAS_GATE": gate is not None}, tile)  # fmt: skip
 
 
 def launch_fused_add_rmsnorm(
@@ -601,14 +633,7 @@ def launch_fused_add_rmsnorm(
         input.stride(0), residual.stride(0),
         eps, gain_center,
     )  # fmt: skip
-    consts = dict(
-        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows,
-        MASKED=tile.rows > 1 or not tile.even(width), EVICT_FIRST=STREAM_EVICT_FIRST,
-        PTX=not interpreter_active(), USE_PDL=use_pdl,
-        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile), STEPPED=tile.stepped,
-        UNROLL=_unroll(tile, n_rows, unroll, tiles.FUSED_ADD_LOOP_MIN_ROWS),
-        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
-    )  # fmt: skip
-    grid = (n_rows,) if tile.stepped else _grid(tile, tile.grid(n_rows)[0], input.device)
-    _launch(_fused_add_rmsnorm_kernel, grid, args, consts, tile)
+    consts = _row_consts(tile, width, n_rows, unroll, tiles.FUSED_ADD_LOOP_MIN_ROWS, use_pdl)
+    _launch(_fused_add_rmsnorm_kernel, _grid(tile, tile.grid(n_rows)[0], input.device), args,
+            consts, tile)  # fmt: skip
 
