@@ -13,6 +13,7 @@ import moefuse
 from moefuse.norm import gated, tiles
 from moefuse.norm import reference as ref
 from moefuse.norm import triton as nt
+from moefuse.quant import formats as F
 from moefuse.testing import assert_bitwise_equal, assert_close, poison_
 
 pytestmark = pytest.mark.interpreter
@@ -273,3 +274,74 @@ def test_fused_add_row_alone_equals_row_in_a_looped_batch(monkeypatch, seed):
         moefuse.fused_add_rmsnorm(xi, ri, w, impl="triton")
         assert_bitwise_equal(xi, xb[i : i + 1], "normed row alone")
         assert_bitwise_equal(ri, rb[i : i + 1], "residual row alone")
+
+
+# ----------------------------------------------------------------------------- stepped FP8 rows
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("fmt", [0, 1])
+def test_fp8_quant_stepped(case, residual, fmt, seed):
+    """rmsnorm_quant / fused_add_rmsnorm_quant (quant.fused) over stepped rows: the norm's stepped
+    row with the FP8 output hooks. Unrolled == looped bitwise; codes within one step of the
+    reference (the row sum order differs); the residual bitwise; nothing written outside."""
+    from moefuse.quant import fused as qf
+    from moefuse.quant import reference as qref
+
+    width, step = case
+    tile, m = _tile(width, step), 3
+    x, w, res = _rand(m, width), _rand(width), _rand(m, width)
+    scale = torch.tensor([0.02 if fmt == 0 else 1e-4])
+    outs, residuals = [], []
+    for unroll in _modes(tile):
+        qb, qi = _framed(m, width, torch.uint8)
+        qb.fill_(0xAA)
+        rb, ri = _framed(m, width, BF)
+        ri.copy_(res)
+        x_in = x.clone()
+        qf.launch_rmsnorm_fp8(x_in, ri if residual else None, w, scale, qi, fmt, 1e-6, 0.5, False,
+                              tile=tile, unroll=unroll)  # fmt: skip
+        assert (qb[0] == 0xAA).all() and (qb[-1] == 0xAA).all(), "wrote outside the rows"
+        _assert_frames([rb])
+        assert_bitwise_equal(x_in, x, "input untouched")
+        outs.append(qb)
+        residuals.append(rb)
+    for q, r in zip(outs[1:], residuals[1:]):
+        assert_bitwise_equal(q, outs[0], "FP8 codes, unrolled vs looped")
+        assert_bitwise_equal(r, residuals[0], "residual, unrolled vs looped")
+    qdtype = torch.float8_e4m3fn if fmt == 0 else torch.float8_e5m2
+    if residual:
+        exp, res_exp = qref.fused_add_rmsnorm_quant_reference(x, res.clone(), w, scale, 1e-6,
+                                                              quant_dtype=qdtype, gain_center=0.5)
+        assert_bitwise_equal(residuals[0][1:-1], res_exp, "residual = cast(h)")
+    else:
+        exp = qref.rmsnorm_quant_reference(x, w, scale, 1e-6, quant_dtype=qdtype, gain_center=0.5)
+        assert_bitwise_equal(residuals[0][1:-1], res, "residual untouched without residual")
+    got = outs[0][1:-1].view(qdtype)
+    d = F.fp8_code_distance(got, exp)
+    assert int(d.max()) <= 1, f"FP8 codes {int(d.max())} steps apart"
+
+
+def test_fp8_policy_and_row_alone_equals_row_in_a_looped_batch(monkeypatch, seed):
+    """fused_add_rmsnorm_quant steps the widths fused_add_rmsnorm steps; at 7000 columns (masked
+    last step) a batch of 6 with the loop threshold lowered to 4 rows runs looped, each row alone
+    unrolled: the codes and the residual must not change. Rows of whole steps never loop."""
+    from moefuse.quant import fused as qf
+
+    for width in (4096, 7168, 8192, 2880, 5120):
+        assert qf.quant_row_tile(width, True).stepped == tiles.row_tile(
+            width, tiles.FUSED_ADD_POLICY).stepped  # fmt: skip
+    assert not qf.quant_row_tile(4096).stepped  # rmsnorm_quant keeps its persistent tile
+    assert qf.fp8_loop_min_rows(qf.quant_row_tile(8192, True), 8192) > 2**40
+    monkeypatch.setattr(qf, "FP8_LOOP_MIN_ROWS", 4)
+    width, m = 7000, 6
+    tile = qf.quant_row_tile(width, True)
+    assert tile.stepped and qf.fp8_loop_min_rows(tile, width) == 4
+    x, w, res = _rand(m, width), _rand(width), _rand(m, width)
+    scale = torch.tensor([0.02])
+    r_all = res.clone()
+    q_all = moefuse.fused_add_rmsnorm_quant(x, r_all, w, scale, impl="triton")
+    for i in (0, m - 1):
+        r_i = res[i : i + 1].clone()
+        q_i = moefuse.fused_add_rmsnorm_quant(x[i : i + 1], r_i, w, scale, impl="triton")
+        assert_bitwise_equal(q_i, q_all[i : i + 1], "FP8 row alone")
+        assert_bitwise_equal(r_i, r_all[i : i + 1], "residual row alone")

@@ -331,10 +331,14 @@ def test_batch_invariance_gpu():
     q_all = moefuse.rmsnorm_quant(x, w, s, impl="triton")
     p_all, s_all = moefuse.fused_add_rmsnorm_fp4_quantize(x, res.clone(), w, gs, layout="linear",
                                                           impl="triton")  # fmt: skip
+    # 7168 columns: stepped FP8 rows, looped at 4096 rows and unrolled for a row alone
+    qa_all = moefuse.fused_add_rmsnorm_quant(x, res.clone(), w, s, impl="triton")
     for i in (0, 1, 777, 4095):
         sl = slice(i, i + 1)
         assert_bitwise_equal(moefuse.rmsnorm_quant(x[sl], w, s, impl="triton")[0], q_all[i],
                              f"fp8 row {i}")  # fmt: skip
+        qa = moefuse.fused_add_rmsnorm_quant(x[sl], res[sl].clone(), w, s, impl="triton")
+        assert_bitwise_equal(qa[0], qa_all[i], f"fused_add fp8 row {i}")
         p, sc = moefuse.fused_add_rmsnorm_fp4_quantize(x[sl], res[sl].clone(), w, gs,
                                                        layout="linear", impl="triton")
         assert_bitwise_equal(p[0], p_all[i], f"fp4 packed row {i}")
@@ -350,11 +354,14 @@ def test_new_token_count_never_recompiles():
     from moefuse.quant import triton as qt
 
     h = 4096
-    x, w = _rand(4096, h), _rand(h)
+    x, w, r = _rand(4096, h), _rand(h), _rand(4096, h)
+    x7, w7, r7 = _rand(4096, 7168), _rand(7168), _rand(4096, 7168)
     s, gs = torch.tensor([0.02], device=DEV), torch.tensor([300.0], device=DEV)
 
     def call(m):
         moefuse.rmsnorm_quant(x[:m], w, s, impl="triton")
+        moefuse.fused_add_rmsnorm_quant(x[:m], r[:m], w, s, impl="triton")  # stepped rows
+        moefuse.fused_add_rmsnorm_quant(x7[:m], r7[:m], w7, s, impl="triton")  # + looped mode
         moefuse.rmsnorm_fp4_quantize(x[:m], w, gs, impl="triton")
         moefuse.fp4_quantize(x[:m], gs, impl="triton")
         moefuse.fp8_quantize(x[:m], s, impl="triton")

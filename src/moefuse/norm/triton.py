@@ -190,16 +190,34 @@ def _step_in(a_ptr, b_ptr, a_row, b_row, cols, cm, MASKED: tl.constexpr, POLICY:
 
 
 @triton.jit
-def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps, gc,
+def _no_aux(aux_ptr):
+    """AUX hook of the plain norms (no per-call value)."""
+    return 0.0
+
+
+@triton.jit
+def _st_cast(ptrs, y, aux, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
+    """OUT hook of the plain norms: store y rounded to the output's dtype."""
+    _st(ptrs, y, mask, MASKED, PTX)
+
+
+@triton.jit
+def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps, gc, aux_ptr,
                   STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
                   MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-                  ADD: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
+                  ADD: tl.constexpr, POLICY: tl.constexpr, AUX: tl.constexpr,
+                  OUT: tl.constexpr):  # fmt: skip
     """One stepped row of rmsnorm (out <- cast((x * r) * (f32(w) + gc))) or, when ADD, of
     fused_add_rmsnorm (h = f32(x) + f32(res); res <- cast(h); out <- cast((h * r) * (f32(w) +
     gc)), out = x). Unrolled: weights before gdc_wait, every load in flight at once (``POLICY``),
     the residual stored before the row's sum; looped: a first pass accumulates the statistic
     (loads keep the row in L2), a second re-reads each step (its inputs are still unmodified:
-    out may be x) and stores."""
+    out may be x) and stores.
+
+    Output hooks (device functions passed as constexprs; ``_no_aux`` / ``_st_cast`` give the norm):
+    ``aux = AUX(aux_ptr)`` is evaluated once after gdc_wait, and each step's FP32 ``y = (h * r) *
+    g`` goes out through ``OUT(ptrs, y, aux, mask, MASKED, PTX)`` (quant.fused: FP8 codes of
+    ``y * (1 / scale)``)."""
     if UNROLL:
         ws = _step_params(w_ptr, H, gc, STEP, STEPS, MASKED, True)
         if USE_PDL:
@@ -214,14 +232,16 @@ def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, ep
             for k in tl.static_range(STEPS):
                 cols, cm = _step_cols(k, H, STEP)
                 _st(res_ptr + r_row + cols, vs[k], cm, MASKED, PTX)
+        aux = AUX(aux_ptr)
         _, ss = _weighted_sumsq(vs, ws, STEP, STEPS, False)
         r = _inv_rms(ss, Hf, eps)
         for k in tl.static_range(STEPS):
             cols, cm = _step_cols(k, H, STEP)
-            _st(out_ptr + o_row + cols, (vs[k] * r) * ws[k], cm, MASKED, PTX)
+            OUT(out_ptr + o_row + cols, (vs[k] * r) * ws[k], aux, cm, MASKED, PTX)
     else:
         if USE_PDL:
             gdc_wait()
+        aux = AUX(aux_ptr)
         acc = tl.zeros([1, STEP], dtype=tl.float32)
         for k in tl.range(0, STEPS):
             cols, cm = _step_cols(k, H, STEP)
@@ -233,8 +253,8 @@ def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, ep
             v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_first", ADD)
             if ADD:
                 _st(res_ptr + r_row + cols, v, cm, MASKED, PTX)
-            _st(out_ptr + o_row + cols, (v * r) * _param(w_ptr, cols, cm, gc, MASKED, True), cm,
-                MASKED, PTX)  # fmt: skip
+            OUT(out_ptr + o_row + cols, (v * r) * _param(w_ptr, cols, cm, gc, MASKED, True), aux,
+                cm, MASKED, PTX)  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
 
@@ -334,8 +354,9 @@ def _rmsnorm_kernel(
     pid = tl.program_id(0)
     if STEPPED:
         _norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, _row_base(pid, HEADS, x_st, x_sh), 0,
-                      _row_base(pid, HEADS, o_st, o_sh), H, Hf, eps, gain_center, BLOCK,
-                      NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, False, "evict_first")  # fmt: skip
+                      _row_base(pid, HEADS, o_st, o_sh), H, Hf, eps, gain_center, x_ptr, BLOCK,
+                      NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, False, "evict_first", _no_aux,
+                      _st_cast)  # fmt: skip
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         w = 1.0  # replaced by sigmoid(gate) per tile when HAS_GATE
@@ -423,8 +444,8 @@ def _fused_add_rmsnorm_kernel(
     if STEPPED:
         row = pid.to(tl.int64)
         _norm_stepped(x_ptr, res_ptr, w_ptr, x_ptr, row * x_st, row * r_st, row * x_st, H, Hf,
-                      eps, gain_center, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, True,
-                      "")  # fmt: skip
+                      eps, gain_center, x_ptr, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL,
+                      True, "", _no_aux, _st_cast)  # fmt: skip
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center

@@ -19,6 +19,8 @@ statistic and normalization use the unrounded FP32 ``h`` (SPEC §1.2); ``input``
 
 from __future__ import annotations
 
+import sys
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -29,15 +31,18 @@ from moefuse.norm.tiles import RowTile, TilePolicy, row_tile
 from moefuse.norm.triton import (
     _grid,
     _inv_rms,
+    _launch,
     _launch_kwargs,
     _ld,
     _ld_raw,
+    _norm_stepped,
     _persistent,
     _pf_mask,
     _prefetch,
     _row_base,
     _st,
     _tile_rows,
+    _unroll,
 )
 from moefuse.quant import device as D
 from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
@@ -49,10 +54,18 @@ from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 #: The H200 sweep (notes/gpu-logs/sweep-persistent-2026-11-29.log) confirmed it: 16384 x 4096
 #: 54.95 vs 68.89 us, 2048 x 4096 9.33 vs 11.26 us, 16384 x 8192 108.3 vs 130.9 us (bitwise equal).
 QUANT_POLICY = TilePolicy(programs_per_sm=4, prefetch=True)
-#: fused_add_rmsnorm_quant: the prefetching kernel spills at 3-4 programs per SM (H = 4096: 4 / 60 B
-#: at 80 / 64 registers), not at 2 (110 registers); at 2 per SM it was no faster than one program
-#: per row (16384 x 4096: 123.0 vs 121.4 us; 16384 x 8192: 269.7 vs 240.2), so the loop is off
-QUANT_ADD_POLICY = TilePolicy(programs_per_sm=0)
+#: fused_add_rmsnorm_quant: rows of 4096 and of 6554-8192 columns are stepped (the norm's stepped
+#: row, ``_norm_stepped``, with the FP8 output hooks), 16 warps x 8 columns per step, as
+#: fused_add_rmsnorm (norm.tiles.FUSED_ADD_POLICY); other widths keep one row per program (the
+#: prefetching persistent loop spilled at 3-4 programs per SM and was no faster at 2). H200
+#: (scripts/sweep_stepped_fp8.py, notes/gpu-logs/sweep-stepped-fp8-2026-11-30.log), us, one-pass
+#: -> stepped, M = 1 / 128 / 2048 / 4096 / 16384: H = 4096 1.52 -> 1.46, 2.96 -> 2.71, 17.32 ->
+#: 15.77, 31.73 -> 28.63, 118.86 -> 109.03 (compile 111.14); H = 8192 2.27 -> 1.96, 4.26 -> 3.90,
+#: 32.87 -> 30.28, 62.39 -> 56.39, 237.60 -> 222.15 (compile 221.74); H = 7168 (masked last
+#: step, looped from FP8_LOOP_MIN_ROWS) 2.16 -> 1.99, 4.47 -> 3.86, 29.62 -> 29.71, 54.92 ->
+#: 53.59, 207.42 -> 193.70 (compile 192.45).
+QUANT_ADD_POLICY = TilePolicy(programs_per_sm=0, step_min_width=4095, step_max_width=8192,
+                              step_min_fill=0.8, step_warps=16, step_vec=8)  # fmt: skip
 #: NVFP4 kernels (rmsnorm_fp4_quantize, fused_add_rmsnorm_fp4_quantize): instruction-bound, one
 #: tile per program. The persistent loop needs far more registers here (H = 4096, 8 warps: 64 ->
 #: 115 / 128 with prefetch; 4 warps: 128 -> 225 / 255), so at 2-4 programs per SM it spills
@@ -62,6 +75,18 @@ QUANT_ADD_POLICY = TilePolicy(programs_per_sm=0)
 #: 155.4 vs 165.5 (sweep-persistent-2026-11-29.log; the residual variant stays at 8 warps there:
 #: its sweep only timed 8)
 QUANT_FP4_POLICY = TilePolicy(programs_per_sm=0, max_warps=4)
+#: stepped FP8 rows whose last step is masked run looped (two passes, the second re-reading the
+#: row from L2) from this many rows and unrolled below (the same bits). Rows of whole steps stay
+#: unrolled at every M: on H200 unrolled was as fast or faster up to M = 16384 at 4096 and 8192
+#: columns (109.0 vs 111.5 and 222.2 vs 221.6 us), while at 7168 unrolled lost from M = 2048
+#: (32.9 vs 29.7 us; 231.6 vs 193.7 at 16384; sweep-stepped-fp8-2026-11-30.log).
+FP8_LOOP_MIN_ROWS = 2048
+
+
+def fp8_loop_min_rows(tile: RowTile, width: int) -> int:
+    """Row count from which a stepped FP8 row of ``width`` columns runs looped (never for rows of
+    whole steps)."""
+    return FP8_LOOP_MIN_ROWS if width % tile.block else sys.maxsize
 QUANT_FP4_ADD_POLICY = TilePolicy(programs_per_sm=0)
 
 
@@ -151,6 +176,35 @@ def _fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_
 
 
 # ----------------------------------------------------------------------------- FP8
+# hooks of norm.triton._norm_stepped for the stepped FP8 rows: q = e8(y * (1 / scale))
+@triton.jit
+def _inv_scale(scale_ptr):
+    """AUX hook: 1 / scale, one IEEE division (after gdc_wait: the scale may come from the
+    previous kernel)."""
+    return tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
+
+
+@triton.jit
+def _st_fp8(ptrs, y, inv, mask, MASKED: tl.constexpr, FMT: tl.constexpr, PTX: tl.constexpr):
+    q = D.fp8_encode(y * inv, FMT, PTX)
+    if MASKED:
+        tl.store(ptrs, q, mask=mask)
+    else:
+        tl.store(ptrs, q)
+
+
+@triton.jit
+def _st_e4m3(ptrs, y, inv, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
+    """OUT hook: E4M3 codes of ``y * inv``."""
+    _st_fp8(ptrs, y, inv, mask, MASKED, 0, PTX)
+
+
+@triton.jit
+def _st_e5m2(ptrs, y, inv, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
+    """OUT hook: E5M2 codes of ``y * inv``."""
+    _st_fp8(ptrs, y, inv, mask, MASKED, 1, PTX)
+
+
 @triton.jit(do_not_specialize=["n_rows"], launch_metadata=_fp8_metadata)
 def _rmsnorm_fp8_kernel(
     x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr,
@@ -160,10 +214,25 @@ def _rmsnorm_fp8_kernel(
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, FMT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
     USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr,
+    STEPPED: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
-    """q = e8(((h * r) * g) * (1/scale)); h = f32(x) [+ f32(res), res <- cast(h)]."""
+    """q = e8(((h * r) * g) * (1/scale)); h = f32(x) [+ f32(res), res <- cast(h)].
+    STEPPED: one row per program in NUM_CHUNKS steps of BLOCK columns (norm.triton
+    ``_norm_stepped`` with the FP8 output hooks)."""
     pid = tl.program_id(0)
-    if NUM_CHUNKS == 1:
+    if STEPPED:
+        x_row = _row_base(pid, HEADS, x_st, x_sh)
+        r_row = _row_base(pid, HEADS, r_st, r_sh)
+        q_row = _row_base(pid, HEADS, q_st, q_sh)
+        if FMT == 0:
+            _norm_stepped(x_ptr, res_ptr, w_ptr, q_ptr, x_row, r_row, q_row, H, Hf, eps,
+                          gain_center, scale_ptr, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL,
+                          HAS_RESIDUAL, "", _inv_scale, _st_e4m3)  # fmt: skip
+        else:
+            _norm_stepped(x_ptr, res_ptr, w_ptr, q_ptr, x_row, r_row, q_row, H, Hf, eps,
+                          gain_center, scale_ptr, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL,
+                          HAS_RESIDUAL, "", _inv_scale, _st_e5m2)  # fmt: skip
+    elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
@@ -238,9 +307,11 @@ def _rmsnorm_fp8_kernel(
 
 
 def launch_rmsnorm_fp8(input, residual, weight, scale, out, fmt: int, eps: float,
-                       gain_center: float, use_pdl: bool, tile: RowTile | None = None) -> None:
+                       gain_center: float, use_pdl: bool, tile: RowTile | None = None,
+                       unroll: bool | None = None) -> None:  # fmt: skip
     """``input`` (and ``residual``, same shape) 2-D/3-D; ``out`` uint8 (FP8 bits of format
-    ``fmt``) of the same shape. ``tile`` overrides the width's tile (benchmark sweeps only)."""
+    ``fmt``) of the same shape. ``tile`` / ``unroll`` override the width's tile and the stepped
+    mode (tests and benchmark sweeps; ``unroll`` changes no bit)."""
     n_rows, heads, x_st, x_sh = _rows_of(input)
     width = input.shape[-1]
     if n_rows == 0:
@@ -249,16 +320,22 @@ def launch_rmsnorm_fp8(input, residual, weight, scale, out, fmt: int, eps: float
     r_st, r_sh = _rows_of(residual)[2:] if residual is not None else (0, 0)
     tile = tile or quant_row_tile(width, residual is not None)
     masked = tile.rows > 1 or not tile.even(width)
-    _rmsnorm_fp8_kernel[_grid(tile, tile.grid(n_rows)[0], input.device)](
+    args = (
         input, residual if residual is not None else input, weight, scale, out,
         n_rows, width, float(width), heads,
         x_st, x_sh, r_st, r_sh, q_st, q_sh,
         eps, gain_center,
+    )  # fmt: skip
+    consts = dict(
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
         HAS_RESIDUAL=residual is not None, FMT=fmt, EVICT_FIRST=_evict(tile),
         PTX=not interpreter_active(), USE_PDL=use_pdl, PERSISTENT=_persistent(tile),
-        PREFETCH=_prefetch(tile), num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
+        PREFETCH=_prefetch(tile), STEPPED=tile.stepped,
+        UNROLL=_unroll(tile, n_rows, unroll, fp8_loop_min_rows(tile, width)),
+        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
+    _launch(_rmsnorm_fp8_kernel, _grid(tile, tile.grid(n_rows)[0], input.device), args, consts,
+            tile)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- NVFP4
