@@ -231,9 +231,11 @@ def _sweep(widths, tokens, ceiling) -> list[dict]:
     for h in widths:
         w = torch.randn(h, device=DEV).to(torch.bfloat16)
         scale, gs = torch.tensor([0.02], device=DEV), torch.tensor([300.0], device=DEV)
-        base = qf.quant_row_tile(h)
         for m in tokens:
             for op in ("rmsnorm_quant", "rmsnorm_fp4_quantize", "fused_add_rmsnorm_fp4_quantize"):
+                # the op's own tile (the label's "default"); alternatives keep its block
+                base = (qf.quant_fp4_row_tile(h, "add" in op) if "fp4" in op
+                        else qf.quant_row_tile(h))  # fmt: skip
                 nbytes = int(BYTES_PER_ELEM[op] * m * h)
                 sets = _make_sets(op, m, h, harness.rotation_sets(nbytes))
                 line = []
