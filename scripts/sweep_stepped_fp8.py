@@ -18,27 +18,16 @@ Run: PYTHONPATH=src python3 scripts/sweep_stepped_fp8.py [fused_add,rmsnorm] [40
 import sys
 
 import torch
+from sweep_stepped_norms import LAYOUTS, _modes, _tile, time_sets  # same layouts and timing
 
 from moefuse.bench import harness
 from moefuse.bench.quant import torch_fused_add_rmsnorm_quant, torch_rmsnorm_quant
-from moefuse.norm import tiles
 from moefuse.quant import formats as F
 from moefuse.quant import fused as qf
 from moefuse.quant import reference as qref
 
 DEV, BF, EPS = "cuda", torch.bfloat16, 1e-6
 E4M3 = torch.float8_e4m3fn
-LAYOUTS = ((8, 8), (16, 8), (16, 4))  # (warps, columns per thread per step)
-
-
-def _tile(h, warps, vec):
-    step = 32 * warps * vec
-    return tiles.RowTile(block=step, num_chunks=-(-h // step), rows=1, num_warps=warps,
-                         stepped=True)  # fmt: skip
-
-
-def _modes(tile):
-    return (True, False) if tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS else (False,)
 
 
 def run(x, r, w, scale, q, tile=None, unroll=None):
@@ -75,11 +64,6 @@ def check() -> int:
                       f"{'bitwise' if same else 'DIFFERENT'} ref {'ok' if ok else 'BAD'} "
                       f"(code steps {da}/{dr})", flush=True)  # fmt: skip
     return bad
-
-
-def time_sets(fn, sets):
-    n = len(sets)
-    return harness.graph_time_us(lambda i: fn(sets[i % n]), calls=max(20, n), replays=20)
 
 
 def sweep(ops, widths) -> None:
