@@ -155,7 +155,7 @@ def _fp8_fused_case(width, warps):
 
 
 def _fp4_standalone_case(width, warps, layout=0, recipe=0):
-    bm, bk, w = qt._fp4_tile(width // 16)
+    bm, bk, w = qt._fp4_tile(width // 16, qt.FP4_QUANT_MAX_BLOCKS)
     consts = dict(BLOCK_M=bm, BLOCK_K=bk, RECIPE=recipe, LAYOUT=layout, PTX=True, USE_PDL=True)
     return qt._fp4_quantize_kernel, consts, warps or w, bm * bk * 16
 

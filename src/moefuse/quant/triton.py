@@ -90,14 +90,15 @@ def _rows_of(t: torch.Tensor) -> tuple[int, int, int, int]:
     return t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1)
 
 
-def launch_fp8_quantize(input, scale, q, fmt: int, use_pdl: bool) -> None:
+def launch_fp8_quantize(input, scale, q, fmt: int, use_pdl: bool,
+                        tile: tuple[int, int, int] | None = None) -> None:  # fmt: skip
     """``input`` 2-D/3-D (last dim contiguous), ``q`` contiguous uint8 (FP8 bits, format ``fmt``)
-    of the same shape."""
+    of the same shape. ``tile`` = (BLOCK_M, BLOCK_N, warps) overrides the width's tile (sweeps)."""
     n_rows, heads, x_st, x_sh = _rows_of(input)
     width = input.shape[-1]
     if n_rows == 0 or width == 0:
         return
-    bm, bn, warps = _elementwise_tile(width)
+    bm, bn, warps = tile or _elementwise_tile(width)
     grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
     _fp8_quantize_kernel[grid](
         input, scale, q,
@@ -246,21 +247,35 @@ def _fp4_quantize_kernel(
     tl.store(s_ptr + off, tl.where(live, sf, 0), mask=smask)
 
 
-def _fp4_tile(kb: int) -> tuple[int, int, int]:
-    block_k = min(next_pow2(max(kb, 1)), 8)
+#: fp4_quantize's tile takes up to this many 16-element blocks of a row (512 bytes of BF16), and
+#: as many rows as make ELEMENTWISE_TILE elements. H200 (scripts/sweep_quant_tiles.py,
+#: notes/gpu-logs/sweep-quant-tiles-2026-11-30.log), us, 32 rows x 8 blocks -> 16 x 16, 4 warps:
+#: 16384 x 4096 79.56 -> 62.13, 2048 x 4096 12.53 -> 9.77, 16384 x 7168 146.87 -> 109.38,
+#: M = 128 2.61 -> 2.46 (4096), M = 1 1.37 -> 1.39 (4096) and 1.60 -> 1.83 (7168). Whole rows
+#: (1 x 256) were slower (63.6 / 119.3 at 16384).
+FP4_QUANT_MAX_BLOCKS = 16
+
+
+def _fp4_tile(kb: int, max_blocks: int = 8) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, warps) over ``kb`` 16-element blocks per row: up to ``max_blocks``
+    blocks of a row (fp4_quantize: FP4_QUANT_MAX_BLOCKS; the dequantizer keeps 8), 4096
+    elements, 4 warps."""
+    block_k = min(next_pow2(max(kb, 1)), max_blocks)
     block_m = max(1, ELEMENTWISE_TILE // (16 * block_k))
     return block_m, block_k, 4
 
 
 def launch_fp4_quantize(input, global_scale, packed, scales, layout: str, recipe: str,
-                        use_pdl: bool) -> None:  # fmt: skip
-    """``input`` [M, H] (H % 16 == 0, unit last stride); outputs allocated by the caller."""
+                        use_pdl: bool,
+                        tile: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+    """``input`` [M, H] (H % 16 == 0, unit last stride); outputs allocated by the caller.
+    ``tile`` = (BLOCK_M, BLOCK_K, warps) overrides the width's tile (sweeps; no bit changes)."""
     m, width = input.shape
     kb = width // 16
     rows_p, n_kcols = scale_layout_shape(m, kb, layout)
     if rows_p == 0 or kb == 0:
         return
-    bm, bk, warps = _fp4_tile(kb)
+    bm, bk, warps = tile or _fp4_tile(kb, FP4_QUANT_MAX_BLOCKS)
     grid = (triton.cdiv(rows_p, bm), triton.cdiv(n_kcols, bk))
     _fp4_quantize_kernel[grid](
         input, global_scale, packed, scales,
