@@ -345,3 +345,28 @@ def test_fp8_policy_and_row_alone_equals_row_in_a_looped_batch(monkeypatch, seed
         q_i = moefuse.fused_add_rmsnorm_quant(x[i : i + 1], r_i, w, scale, impl="triton")
         assert_bitwise_equal(q_i, q_all[i : i + 1], "FP8 row alone")
         assert_bitwise_equal(r_i, r_all[i : i + 1], "residual row alone")
+
+
+def test_fp8_quant_stepped_3d_strided_rows(seed):
+    """Stepped FP8 rows of a 3-D strided input (rows addressed token x head) give the bits of the
+    same rows as a contiguous 2-D input; the residual view is written and nothing around it."""
+    from moefuse.quant import fused as qf
+
+    width, step = 200, 64
+    tile = _tile(width, step)
+    base, rbase = _rand(3, 5, 224), _rand(3, 5, 224)
+    x, w, scale = base[:, 1:4, :width], _rand(width), torch.tensor([0.02])
+    for unroll in _modes(tile):
+        r3 = rbase.clone()
+        q3 = torch.empty(3, 3, width, dtype=torch.uint8)
+        qf.launch_rmsnorm_fp8(x, r3[:, 2:5, 8 : 8 + width], w, scale, q3, 0, 1e-6, 0.0, False,
+                              tile=tile, unroll=unroll)  # fmt: skip
+        r2 = rbase[:, 2:5, 8 : 8 + width].reshape(9, width).clone()
+        q2 = torch.empty(9, width, dtype=torch.uint8)
+        qf.launch_rmsnorm_fp8(x.reshape(9, width), r2, w, scale, q2, 0, 1e-6, 0.0, False,
+                              tile=tile, unroll=unroll)  # fmt: skip
+        assert_bitwise_equal(q3.reshape(9, width), q2, "3-D rows vs 2-D rows")
+        assert_bitwise_equal(r3[:, 2:5, 8 : 8 + width].reshape(9, width), r2, "3-D residual")
+        untouched = rbase.clone()
+        untouched[:, 2:5, 8 : 8 + width] = r3[:, 2:5, 8 : 8 + width]
+        assert_bitwise_equal(r3, untouched, "residual outside the view")
