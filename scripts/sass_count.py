@@ -139,7 +139,8 @@ def _fp4_fused_case(width, warps, residual=False, norm_out=False, layout=0, reci
     consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows, HAS_RESIDUAL=residual,
                   HAS_NORM_OUT=norm_out, RECIPE=recipe, LAYOUT=layout,
                   EVICT_FIRST=t.num_chunks == 1, PTX=True, USE_PDL=True,
-                  PERSISTENT=False, PREFETCH=False)  # fmt: skip
+                  PERSISTENT=False, PREFETCH=False,
+                  MASKED=t.rows > 1 or not t.even(width))  # fmt: skip
     return qf._rmsnorm_fp4_kernel, consts, t.num_warps, t.rows * t.block * t.num_chunks
 
 
@@ -150,7 +151,7 @@ def _fp8_fused_case(width, warps):
     consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows,
                   MASKED=t.rows > 1 or not t.even(width), HAS_RESIDUAL=False, FMT=0,
                   EVICT_FIRST=t.num_chunks == 1, PTX=True, USE_PDL=True,
-                  PERSISTENT=False, PREFETCH=False)  # fmt: skip
+                  PERSISTENT=False, PREFETCH=False, STEPPED=False, UNROLL=False)  # fmt: skip
     return qf._rmsnorm_fp8_kernel, consts, t.num_warps, t.rows * t.block * t.num_chunks
 
 

@@ -96,3 +96,14 @@ def widen_f32(x, PTX: tl.constexpr):
         return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         return x.to(tl.float32)
+
+
+@triton.jit
+def widen_bf16_pairs(x):
+    """BF16 -> FP32 (exact) on the GPU in one instruction per element: a register holds a BF16
+    pair; the low element widens by ``shl 16``, the high one by masking its low half. (Triton's
+    conversion takes PRMT + IMAD for the high element.) BF16 tensors only; GPU only."""
+    return tl.inline_asm_elementwise(
+        "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }",
+        "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2,
+    )  # fmt: skip

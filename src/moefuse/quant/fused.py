@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import rcp_fast, round_to
+from moefuse._device import rcp_fast, round_to, widen_bf16_pairs
 from moefuse._runtime import interpreter_active
 from moefuse.norm.tiles import RowTile, TilePolicy, row_tile
 from moefuse.norm.triton import (
@@ -127,12 +127,22 @@ def _fp4_metadata(grid, kernel, args):
 
 
 @triton.jit
+def _ld32(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr, PTX: tl.constexpr):
+    """norm.triton ``_ld`` (load, widen exactly to FP32); BF16 on the GPU widens with one
+    instruction per element (``widen_bf16_pairs``)."""
+    if PTX and ptrs.dtype.element_ty == tl.bfloat16:
+        return widen_bf16_pairs(_ld_raw(ptrs, mask, MASKED, STREAM))
+    else:
+        return _ld(ptrs, mask, MASKED, STREAM)
+
+
+@triton.jit
 def _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr, EVICT_FIRST: tl.constexpr):  # fmt: skip
+            HAS_RESIDUAL: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """f32(x), or f32(x) + f32(res) (FP32, unrounded) when HAS_RESIDUAL."""
-    h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+    h = _ld32(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST, PTX)
     if HAS_RESIDUAL:
-        h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+        h += _ld32(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST, PTX)
     return h
 
 
@@ -288,7 +298,8 @@ def _rmsnorm_fp8_kernel(
         for c in tl.static_range(NUM_CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = rmask & (cols < H)[None, :]
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL, EVICT_FIRST)
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL,
+                        EVICT_FIRST, PTX)  # fmt: skip
             acc += h * h
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         # second pass: recompute the same FP32 h (the residual is written only now, chunk by
@@ -296,7 +307,8 @@ def _rmsnorm_fp8_kernel(
         for c in tl.static_range(NUM_CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = rmask & (cols < H)[None, :]
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL, EVICT_FIRST)
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL,
+                        EVICT_FIRST, PTX)  # fmt: skip
             w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
             if HAS_RESIDUAL:
                 _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
@@ -342,25 +354,37 @@ def launch_rmsnorm_fp8(input, residual, weight, scale, out, fmt: int, eps: float
 @triton.jit
 def _fp4_epilogue(y, gs, rcp_gs, rows, live_rows, chunk, p_ptr, p_row, s_ptr, y_ptr, y_row,
                   H, KB, n_kcols, n_rows_padded, BLOCK: tl.constexpr, RECIPE: tl.constexpr,
-                  LAYOUT: tl.constexpr, HAS_NORM_OUT: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+                  LAYOUT: tl.constexpr, HAS_NORM_OUT: tl.constexpr, PTX: tl.constexpr,
+                  MASKED: tl.constexpr = True):  # fmt: skip
     """Round ``y`` to the activation dtype, store it if asked, NVFP4-quantize and store one chunk.
 
     Rows that are padding (``live_rows`` False) quantize zeros: scale 0 and no packed store.
+    MASKED False (caller's guarantee: one live row, H == BLOCK) stores without masks.
     """
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = live_rows & (cols < H)[None, :]
     yq = round_to(y, y_ptr.dtype.element_ty, PTX)
     if HAS_NORM_OUT:
-        tl.store(y_ptr + y_row + cols[None, :], yq, mask=mask)
+        _st_maybe(y_ptr + y_row + cols[None, :], yq, mask, MASKED)
     # masked-off lanes hold 0 already (loads read 0 and the caller zeroes r of padding rows), so
     # padding rows quantize to scale 0; blocks past H are never stored
     packed, sf = D.nvfp4_quantize_rows(yq.to(tl.float32), gs, rcp_gs, BLOCK, RECIPE, PTX)
     pcols = chunk * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
-    tl.store(p_ptr + p_row + pcols[None, :], packed, mask=live_rows & (pcols < H // 2)[None, :])
+    _st_maybe(p_ptr + p_row + pcols[None, :], packed, live_rows & (pcols < H // 2)[None, :],
+              MASKED)  # fmt: skip
     ks = chunk * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
     r64 = rows.to(tl.int64)[:, None]
     off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
-    tl.store(s_ptr + off, sf, mask=(rows < n_rows_padded)[:, None] & (ks < KB)[None, :])
+    _st_maybe(s_ptr + off, sf, (rows < n_rows_padded)[:, None] & (ks < KB)[None, :], MASKED)
+
+
+@triton.jit
+def _st_maybe(ptrs, v, mask, MASKED: tl.constexpr):
+    """tl.store, with ``mask`` only when MASKED."""
+    if MASKED:
+        tl.store(ptrs, v, mask=mask)
+    else:
+        tl.store(ptrs, v)
 
 
 @triton.jit
@@ -428,7 +452,7 @@ def _rmsnorm_fp4_rows(x_ptr, res_ptr, w_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, pid, n
         else:
             if not PREFETCH:
                 h = _load_h(x_ptr, res_ptr, r64 * x_st, r64 * r_st, cols, mask, True,
-                            HAS_RESIDUAL, EVICT_FIRST)  # fmt: skip
+                            HAS_RESIDUAL, EVICT_FIRST, PTX)  # fmt: skip
                 if USE_PDL:
                     if t + nprog >= n_tiles:
                         gdc_launch_dependents()
@@ -451,9 +475,10 @@ def _rmsnorm_fp4_kernel(
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_NORM_OUT: tl.constexpr, RECIPE: tl.constexpr,
     LAYOUT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-    PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr,
+    PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, MASKED: tl.constexpr = True,
 ):  # fmt: skip
     """y = cast((h * r) * g); (packed, scales) = nvfp4(y); grid over the padded rows.
+    MASKED False (one row per tile, H == BLOCK): the one-pass tile loads and stores unmasked.
 
     PERSISTENT one-pass rows run the loop of ``_rmsnorm_fp4_rows``; otherwise one tile per
     program (the code below)."""
@@ -474,7 +499,7 @@ def _rmsnorm_fp4_kernel(
         if NUM_CHUNKS == 1:
             # parameters before the grid-dependency wait; activations and every store after it
             cols = tl.arange(0, BLOCK)
-            w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
+            w = _ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
         # padding block columns [KB, n_kcols) of every row this program owns (fewer than 4)
@@ -494,16 +519,17 @@ def _rmsnorm_fp4_kernel(
         elif NUM_CHUNKS == 1:
             mask = live_rows & (cols < H)[None, :]
             gs = tl.load(gs_ptr).to(tl.float32)
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL, EVICT_FIRST)
+            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL,
+                        EVICT_FIRST, PTX)  # fmt: skip
             if USE_PDL:
                 gdc_launch_dependents()
             if HAS_RESIDUAL:
-                _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
+                _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
             # r = 0 on padding rows: y = 0 there even when eps = 0 makes rsqrt(0) infinite
             r = tl.where(live_rows, _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None], 0.0)
             _fp4_epilogue((h * r) * w, gs, rcp_fast(gs, PTX), rows, live_rows, 0, p_ptr, p_row,
                           s_ptr, y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
-                          HAS_NORM_OUT, PTX)  # fmt: skip
+                          HAS_NORM_OUT, PTX, MASKED)  # fmt: skip
         else:
             gs = tl.load(gs_ptr).to(tl.float32)
             acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -511,7 +537,7 @@ def _rmsnorm_fp4_kernel(
                 cols = c * BLOCK + tl.arange(0, BLOCK)
                 mask = live_rows & (cols < H)[None, :]
                 h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL,
-                            EVICT_FIRST)  # fmt: skip
+                            EVICT_FIRST, PTX)  # fmt: skip
                 acc += h * h
             r = tl.where(live_rows, _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None], 0.0)
             rcp_gs = rcp_fast(gs, PTX)
@@ -519,7 +545,7 @@ def _rmsnorm_fp4_kernel(
                 cols = c * BLOCK + tl.arange(0, BLOCK)
                 mask = live_rows & (cols < H)[None, :]
                 h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL,
-                            EVICT_FIRST)  # fmt: skip
+                            EVICT_FIRST, PTX)  # fmt: skip
                 w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
                 if HAS_RESIDUAL:
                     _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
@@ -554,5 +580,6 @@ def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, no
         HAS_RESIDUAL=residual is not None, HAS_NORM_OUT=norm_out is not None,
         RECIPE=RECIPES[recipe], LAYOUT=LAYOUTS[layout], EVICT_FIRST=_evict(tile),
         PTX=not interpreter_active(), PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile),
-        USE_PDL=use_pdl, num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
+        USE_PDL=use_pdl, MASKED=tile.rows > 1 or not tile.even(width),
+        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
     )  # fmt: skip
