@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 import moefuse
+from moefuse._device import widen_bf16_pairs
 from moefuse.norm import reference as norm_ref
 from moefuse.quant import device as D
 from moefuse.quant import formats as F
@@ -113,6 +114,23 @@ def test_gpu_encoders_match_cpu_reference():
     assert_bitwise_equal(outs[0].cpu(), F.fp8_bits(x, E4M3), "e4m3 GPU vs CPU reference")
     assert_bitwise_equal(outs[1].cpu(), F.fp8_bits(x, E5M2), "e5m2 GPU vs CPU reference")
     assert_bitwise_equal(outs[2].cpu(), F.e2m1_nibbles(x), "e2m1 GPU vs CPU reference")
+
+
+@triton.jit
+def _widen_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, widen_bf16_pairs(tl.load(x_ptr + offs)))
+
+
+def test_widen_bf16_pairs_all_patterns():
+    """The one-instruction BF16 widening of the NVFP4 kernels equals torch's exact widening on
+    all 2^16 BF16 bit patterns (both halves of a pair: even and odd positions)."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=DEV).to(torch.int16)
+    for shift in (0, 1):  # every pattern at an even and at an odd position
+        x = torch.roll(bits, shift).view(torch.bfloat16)
+        y = torch.empty(x.numel(), dtype=torch.float32, device=DEV)
+        _widen_kernel[(x.numel() // 1024,)](x, y, BLOCK=1024)
+        assert_bitwise_equal(y.view(torch.int32), x.float().view(torch.int32), "widen")
 
 
 def test_rcp_fast_matches_spec_facts():
