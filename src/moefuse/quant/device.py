@@ -89,6 +89,30 @@ def _minifloat_magnitude(
 
 
 @triton.jit
+def _e4m3_ptx(x):
+    """FP32 -> E4M3 byte on the GPU, four elements per instance: two ``cvt.rn.satfinite.e4m3x2``
+    (RNE, finite saturation; Inf -> +-448), then NaN bytes made canonical with byte-parallel
+    integer ops. The conversion keeps a NaN's sign (0x7F / 0xFF) and never makes 0xFF from a
+    number, so clearing bit 7 of 0xFF bytes gives 0x7F for every NaN: ``u = (t & 0x7F7F7F7F) +
+    0x01010101`` sets bit 7 of a byte iff its low seven bits are all ones (no carry between
+    bytes), and ``t ^ (u & t & 0x80808080)`` clears it where the byte had it too. About 1.75
+    instructions per element, against ~5 for Triton's conversion plus a per-element NaN select
+    (which also unpacks and repacks the bytes)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 t, u;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        "mov.b32 t, {lo, hi};\n"
+        "and.b32 u, t, 0x7F7F7F7F;\n"
+        "add.u32 u, u, 0x01010101;\n"
+        "and.b32 u, u, t;\n"
+        "and.b32 u, u, 0x80808080;\n"
+        "xor.b32 $0, t, u; }",
+        "=r,r,r,r,r", [x], dtype=tl.uint8, is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
 def fp8_encode(x, FMT: tl.constexpr, PTX: tl.constexpr):
     """FP32 -> FP8 byte (uint8), RNE, finite saturation, canonical NaN 0x7F. Any shape.
 
@@ -100,10 +124,11 @@ def fp8_encode(x, FMT: tl.constexpr, PTX: tl.constexpr):
     a = b & 0x7FFFFFFF
     if PTX:
         if FMT == 0:
-            hw = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+            q = _e4m3_ptx(x)
         else:
             hw = x.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-        return tl.where(a > _F32_INF_BITS, 0x7F, hw).to(tl.uint8)
+            q = tl.where(a > _F32_INF_BITS, 0x7F, hw).to(tl.uint8)
+        return q
     else:
         if FMT == 0:
             mag = _minifloat_magnitude(a, 3, 7, 0x7E, PTX)
