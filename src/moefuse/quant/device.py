@@ -113,18 +113,23 @@ def _e4m3_ptx(x):
 
 
 @triton.jit
-def fp8_encode(x, FMT: tl.constexpr, PTX: tl.constexpr):
+def fp8_encode(x, FMT: tl.constexpr, PTX: tl.constexpr, PACKED: tl.constexpr = True):
     """FP32 -> FP8 byte (uint8), RNE, finite saturation, canonical NaN 0x7F. Any shape.
 
     ``FMT``: ``E4M3`` (0) or ``E5M2`` (1). ``PTX=True`` uses the hardware ``cvt.rn.satfinite``
-    conversion (Triton's ``.to(float8, rtne)``) and only fixes up NaN; ``PTX=False`` is the
-    integer encoder. The GPU test sweeps all 2^32 FP32 patterns through both.
+    conversion and only fixes up NaN: for E4M3 four elements at a time in inline PTX
+    (``_e4m3_ptx``) unless ``PACKED`` is False, otherwise Triton's ``.to(float8, rtne)`` and a
+    per-element select (the same bytes). ``PTX=False`` is the integer encoder. The GPU test
+    sweeps all 2^32 FP32 patterns through the three.
     """
     b = x.to(tl.uint32, bitcast=True)
     a = b & 0x7FFFFFFF
     if PTX:
-        if FMT == 0:
+        if FMT == 0 and PACKED:
             q = _e4m3_ptx(x)
+        elif FMT == 0:
+            hw = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+            q = tl.where(a > _F32_INF_BITS, 0x7F, hw).to(tl.uint8)
         else:
             hw = x.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
             q = tl.where(a > _F32_INF_BITS, 0x7F, hw).to(tl.uint8)
