@@ -2,8 +2,10 @@
 
 The row structure is the norm family's (``moefuse.norm.triton`` / ``moefuse.norm.tiles``): a
 ``[ROWS, BLOCK]`` tile chosen from the width alone, the row in registers when it fits in one block,
-otherwise two ascending passes over chunks (the second re-reads the row). The quantization is the
-epilogue from :mod:`moefuse.quant.device`, so the numbers are those of the standalone quantizers:
+otherwise two ascending passes over chunks (the second re-reads the row); fused_add_rmsnorm_quant
+at 4096 and 6554-8192 columns runs the norm's stepped row (``norm.triton._norm_stepped``) with
+FP8 output hooks. The quantization is the epilogue from :mod:`moefuse.quant.device`, so the
+numbers are those of the standalone quantizers:
 
 * FP8 (``rmsnorm_quant``, ``fused_add_rmsnorm_quant``): ``q = e8(((x * r) * g) * inv)`` of the
   UNROUNDED FP32 norm output, ``inv = 1/scale`` one IEEE division per program.
