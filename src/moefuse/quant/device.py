@@ -127,11 +127,11 @@ def fp8_encode(x, FMT: tl.constexpr, PTX: tl.constexpr, PACKED: tl.constexpr = T
     if PTX:
         if FMT == 0 and PACKED:
             q = _e4m3_ptx(x)
-        elif FMT == 0:
-            hw = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-            q = tl.where(a > _F32_INF_BITS, 0x7F, hw).to(tl.uint8)
         else:
-            hw = x.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+            if FMT == 0:
+                hw = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+            else:
+                hw = x.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
             q = tl.where(a > _F32_INF_BITS, 0x7F, hw).to(tl.uint8)
         return q
     else:

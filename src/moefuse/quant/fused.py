@@ -42,9 +42,9 @@ from moefuse.norm.triton import (
     _pf_mask,
     _prefetch,
     _row_base,
+    _row_consts,
     _st,
     _tile_rows,
-    _unroll,
 )
 from moefuse.quant import device as D
 from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
@@ -183,11 +183,7 @@ def _fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_
             MASKED, PTX)  # fmt: skip
     r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
     q = D.fp8_encode(((h * r) * w) * inv, FMT, PTX, PACKED)
-    q_ptrs = q_ptr + _row_base(rows, HEADS, q_st, q_sh)[:, None] + cols[None, :]
-    if MASKED:
-        tl.store(q_ptrs, q, mask=mask)
-    else:
-        tl.store(q_ptrs, q)
+    _st_maybe(q_ptr + _row_base(rows, HEADS, q_st, q_sh)[:, None] + cols[None, :], q, mask, MASKED)
 
 
 # ----------------------------------------------------------------------------- FP8
@@ -201,11 +197,7 @@ def _inv_scale(scale_ptr):
 
 @triton.jit
 def _st_fp8(ptrs, y, inv, mask, MASKED: tl.constexpr, FMT: tl.constexpr, PTX: tl.constexpr):
-    q = D.fp8_encode(y * inv, FMT, PTX)
-    if MASKED:
-        tl.store(ptrs, q, mask=mask)
-    else:
-        tl.store(ptrs, q)
+    _st_maybe(ptrs, D.fp8_encode(y * inv, FMT, PTX), mask, MASKED)
 
 
 @triton.jit
@@ -243,7 +235,7 @@ def _rmsnorm_fp8_kernel(
             _norm_stepped(x_ptr, res_ptr, w_ptr, q_ptr, x_row, r_row, q_row, H, Hf, eps,
                           gain_center, scale_ptr, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL,
                           HAS_RESIDUAL, "", _inv_scale, _st_e4m3)  # fmt: skip
-        else:
+        else:  # (a hook cannot be chosen into a variable: Triton only passes it as an argument)
             _norm_stepped(x_ptr, res_ptr, w_ptr, q_ptr, x_row, r_row, q_row, H, Hf, eps,
                           gain_center, scale_ptr, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL,
                           HAS_RESIDUAL, "", _inv_scale, _st_e5m2)  # fmt: skip
@@ -336,21 +328,14 @@ def launch_rmsnorm_fp8(input, residual, weight, scale, out, fmt: int, eps: float
     _, _, q_st, q_sh = _rows_of(out)
     r_st, r_sh = _rows_of(residual)[2:] if residual is not None else (0, 0)
     tile = tile or quant_row_tile(width, residual is not None)
-    masked = tile.rows > 1 or not tile.even(width)
     args = (
         input, residual if residual is not None else input, weight, scale, out,
         n_rows, width, float(width), heads,
         x_st, x_sh, r_st, r_sh, q_st, q_sh,
         eps, gain_center,
     )  # fmt: skip
-    consts = dict(
-        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, MASKED=masked,
-        HAS_RESIDUAL=residual is not None, FMT=fmt, EVICT_FIRST=_evict(tile),
-        PTX=not interpreter_active(), USE_PDL=use_pdl, PERSISTENT=_persistent(tile),
-        PREFETCH=_prefetch(tile), STEPPED=tile.stepped,
-        UNROLL=_unroll(tile, n_rows, unroll, fp8_loop_min_rows(tile, width)),
-        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
-    )  # fmt: skip
+    consts = {**_row_consts(tile, width, n_rows, unroll, fp8_loop_min_rows(tile, width), use_pdl),
+              "EVICT_FIRST": _evict(tile), "HAS_RESIDUAL": residual is not None, "FMT": fmt}
     _launch(_rmsnorm_fp8_kernel, _grid(tile, tile.grid(n_rows)[0], input.device), args, consts,
             tile)  # fmt: skip
 
