@@ -15,10 +15,8 @@ within a layout the unrolled (row in registers) and looped (two passes) modes gi
 Run: PYTHONPATH=src python3 scripts/sweep_stepped_fp8.py [fused_add,rmsnorm] [4096,7168,8192]
 """
 
-import sys
-
 import torch
-from sweep_stepped_norms import LAYOUTS, _modes, _tile, time_sets  # same layouts and timing
+from sweep_stepped_norms import LAYOUTS, _modes, _tile, main, time_sets  # layouts, timing, CLI
 
 from moefuse.bench import harness
 from moefuse.bench.quant import torch_fused_add_rmsnorm_quant, torch_rmsnorm_quant
@@ -101,9 +99,4 @@ def sweep(ops, widths) -> None:
 
 
 if __name__ == "__main__":
-    print(torch.cuda.get_device_name(0), flush=True)
-    ops = sys.argv[1].split(",") if len(sys.argv) > 1 else ["fused_add", "rmsnorm"]
-    widths = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else [4096, 7168, 8192]
-    failures = check()
-    sweep(ops, widths)
-    print("check failures:", failures)
+    main(check, sweep)

@@ -127,10 +127,16 @@ def sweep(ops, widths) -> None:
                                                               t.items()), flush=True)  # fmt: skip
 
 
-if __name__ == "__main__":
+def main(check_fn, sweep_fn) -> None:
+    """Command line of the stepped-row sweeps: [ops (fused_add,rmsnorm)] [widths], the check
+    first, then the timings, then the number of failed checks."""
     print(torch.cuda.get_device_name(0), flush=True)
     ops = sys.argv[1].split(",") if len(sys.argv) > 1 else ["fused_add", "rmsnorm"]
     widths = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else [4096, 7168, 8192]
-    failures = check()
-    sweep(ops, widths)
+    failures = check_fn()
+    sweep_fn(ops, widths)
     print("check failures:", failures)
+
+
+if __name__ == "__main__":
+    main(check, sweep)
