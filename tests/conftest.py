@@ -27,6 +27,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="interpreter tests run on CPU-only machines"))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Tests change tile policies and thresholds at run time: no plan may outlive a test."""
+    from moefuse import _fastpath
+
+    _fastpath.clear()
+    yield
+    _fastpath.clear()
+
+
 @pytest.fixture
 def seed():
     torch.manual_seed(1234)

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from moefuse._fastpath import note_alias_check
+
 FLOAT16S = (torch.bfloat16, torch.float16)
 
 
@@ -108,6 +110,7 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_no_overlap(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    note_alias_check("disjoint", a, b)
     if overlaps(a, b):
         raise ValueError(f"moefuse.{op}: argument '{name_a}' must not alias '{name_b}'")
 
@@ -116,6 +119,7 @@ def check_alias_exact_or_disjoint(
     op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor
 ) -> None:
     """``a`` may be exactly ``b`` (in-place) or disjoint from it, but not partially overlapping."""
+    note_alias_check("exact_or_disjoint", a, b)
     if overlaps(a, b) and not same_memory(a, b):
         raise ValueError(
             f"moefuse.{op}: argument '{name_a}' partially overlaps '{name_b}'; it must be the same "

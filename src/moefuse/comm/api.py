@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from moefuse import _validate as v
+from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, resolve_pdl
 from moefuse.comm import ops
 from moefuse.comm.workspace import ALGORITHMS, DTYPES, AllReduceWorkspace
@@ -99,6 +100,7 @@ def _impl(op, impl, input, workspace) -> str:
 
 
 # ----------------------------------------------------------------------------- pattern 0
+@fast_op(guards=("workspace",))
 def allreduce(input, *, workspace, out=None, fp32_acc: bool = True, algorithm: str = "auto",
               enable_pdl=None, impl: str = "auto"):  # fmt: skip
     """Sum of ``input`` over the ranks: ``out = T(sum_r f32(input_r))`` (pattern kAllReduce).
@@ -125,6 +127,7 @@ def supports_allreduce(input, *, workspace) -> bool:
 
 
 # ----------------------------------------------------------------------------- pattern 1
+@fast_op(guards=("workspace",))
 def allreduce_residual_rmsnorm(input, residual, weight, *, workspace, eps: float = 1e-6,
                                weight_bias: float = 0.0, fp32_acc: bool = True,
                                algorithm: str = "auto", enable_pdl=None, impl: str = "auto",
@@ -197,6 +200,7 @@ def _fp8(op, input, residual, weight, scale, workspace, eps, weight_bias, fp32_a
     return (residual_out, norm_out, quant_out) if want_norm else (residual_out, quant_out)
 
 
+@fast_op(guards=("workspace",))
 def allreduce_residual_rmsnorm_fp8(input, residual, weight, scale, *, workspace, eps=1e-6,
                                    weight_bias=0.0, fp32_acc=True, algorithm="auto",
                                    enable_pdl=None, impl="auto", residual_out=None,
@@ -210,6 +214,7 @@ def allreduce_residual_rmsnorm_fp8(input, residual, weight, scale, *, workspace,
                 False)  # fmt: skip
 
 
+@fast_op(guards=("workspace",))
 def allreduce_residual_rmsnorm_out_fp8(input, residual, weight, scale, *, workspace, eps=1e-6,
                                        weight_bias=0.0, fp32_acc=True, algorithm="auto",
                                        enable_pdl=None, impl="auto", residual_out=None,
@@ -275,6 +280,7 @@ def _nvfp4(op, input, residual, weight, global_scale, workspace, layout, eps, we
     return residual_out, quant_out, scale_out
 
 
+@fast_op(guards=("workspace",))
 def allreduce_residual_rmsnorm_nvfp4(input, residual, weight, global_scale, *, workspace,
                                      layout="swizzled_128x4", eps=1e-6, weight_bias=0.0,
                                      fp32_acc=True, algorithm="auto", enable_pdl=None,
@@ -290,6 +296,7 @@ def allreduce_residual_rmsnorm_nvfp4(input, residual, weight, global_scale, *, w
                   residual_out, None, quant_out, scale_out, False)  # fmt: skip
 
 
+@fast_op(guards=("workspace",))
 def allreduce_residual_rmsnorm_out_nvfp4(input, residual, weight, global_scale, *, workspace,
                                          layout="swizzled_128x4", eps=1e-6, weight_bias=0.0,
                                          fp32_acc=True, algorithm="auto", enable_pdl=None,

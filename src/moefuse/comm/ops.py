@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from moefuse._dispatch import custom_op
 from moefuse.comm import reference as ref
 from moefuse.comm.workspace import get_workspace
 
@@ -81,7 +82,7 @@ def _execute_reference(pattern, ws, x, residual, weight, out, residual_out, norm
 
 
 # ----------------------------------------------------------------------------- ops
-@torch.library.custom_op("moefuse::allreduce", mutates_args=("out",))
+@custom_op("moefuse::allreduce", mutates_args=("out",))
 def allreduce_op(input: Tensor, out: Tensor, workspace_id: int, fp32_acc: bool, algorithm: str,
                  use_pdl: bool, backend: str) -> None:  # fmt: skip
     _execute(0, workspace_id, backend, algorithm, input, None, None, out=out, fp32_acc=fp32_acc,
@@ -93,7 +94,7 @@ def _(input, out, workspace_id, fp32_acc, algorithm, use_pdl, backend):
     return None
 
 
-@torch.library.custom_op(
+@custom_op(
     "moefuse::allreduce_residual_rmsnorm", mutates_args=("residual_out", "norm_out")
 )
 def allreduce_residual_rmsnorm_op(
@@ -112,7 +113,7 @@ def _(input, residual, weight, residual_out, norm_out, workspace_id, eps, weight
     return None
 
 
-@torch.library.custom_op(
+@custom_op(
     "moefuse::allreduce_residual_rmsnorm_fp8",
     mutates_args=("residual_out", "norm_out", "quant_out"),
 )
@@ -133,7 +134,7 @@ def _(input, residual, weight, scale, residual_out, norm_out, quant_out, workspa
     return None
 
 
-@torch.library.custom_op(
+@custom_op(
     "moefuse::allreduce_residual_rmsnorm_nvfp4",
     mutates_args=("residual_out", "norm_out", "quant_out", "scale_out"),
 )

@@ -34,6 +34,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.comm import _device as D
 from moefuse.comm.tiles import comm_tile, oneshot_variant
@@ -495,7 +496,7 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
     scalars = (m, max(m_pad, m), h, float(h))
     if algorithm == "torch":
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
-        _gathered_kernel[grid](
+        launch(_gathered_kernel, grid,
             gathered, res, w, o, ro, no, qo, so, sc, *strides, *scalars, n_kcols, float(eps),
             float(weight_bias), P=ws.world_size, **common,
         )  # fmt: skip
@@ -511,7 +512,7 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
             cap_ctas = ws.num_sms * 2
         ctas = min(-(-m // var.rows_per_cta), cap_ctas)
         kernel = _oneshot_prefetch_kernel if var.prefetch else _oneshot_kernel
-        kernel[(max(1, ctas),)](
+        launch(kernel, (max(1, ctas),),
             x, res, w, o, ro, no, qo, so, sc, x.stride(0), *strides,
             ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock, *scalars, ws.rank,
             ws.oneshot_max_tokens, n_kcols, float(eps), float(weight_bias), timeout_us,
@@ -519,7 +520,7 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
         )  # fmt: skip
     elif algorithm == "twoshot":
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps), ws.num_flag_slots)),)
-        _twoshot_kernel[grid](
+        launch(_twoshot_kernel, grid,
             x, res, w, o, ro, no, qo, so, sc, x.stride(0), *strides,
             ws.table, ws.offset16("flags"), ws.offset16("stage"), ws.offset16("gather"), ws.ctrl,
             ws.clock, *scalars, ws.rank, ws.chunk_cap, n_kcols, float(eps), float(weight_bias),

@@ -357,6 +357,12 @@ class AllReduceWorkspace:
                 self._failure = self._status_message(status)
         self.raise_if_unusable()
 
+    def fastpath_ready(self) -> bool:
+        """May a recorded launch plan (:mod:`moefuse._fastpath`) replay a call on this workspace?
+        Only while it is open and healthy, and never on the CPU backend, whose calls do host work
+        after the launch (the status poll and the interpreter clock)."""
+        return not self._closed and self._failure is None and not self.check_each_call
+
     def raise_if_unusable(self) -> None:
         if self._closed:
             raise RuntimeError("moefuse.comm: the workspace is closed")

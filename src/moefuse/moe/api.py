@@ -14,6 +14,7 @@ import math
 import torch
 
 from moefuse import _validate as v
+from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
 from moefuse.moe import ops
 from moefuse.moe import reference as ref
@@ -98,6 +99,7 @@ def _supported(check, reason, *args) -> bool:
 
 
 # ----------------------------------------------------------------------------- moe_finalize
+@fast_op
 def moe_finalize(
     permuted_input: torch.Tensor,
     expanded_idx_to_permuted_idx: torch.Tensor,
@@ -205,6 +207,7 @@ def _check_scatter(op, permuted_input, inv, topk_scales, out, rsf) -> None:
             v.check_no_overlap(op, "out", out, name, t)
 
 
+@fast_op
 def moe_finalize_scatter_add(
     permuted_input: torch.Tensor,
     permuted_idx_to_expanded_idx: torch.Tensor,
@@ -273,6 +276,7 @@ def _check_permute(op, input, inv, top_k, out) -> None:
         v.check_no_overlap(op, "out", out, "permuted_idx_to_expanded_idx", inv)
 
 
+@fast_op
 def moe_permute(
     input: torch.Tensor,
     permuted_idx_to_expanded_idx: torch.Tensor,

@@ -9,10 +9,12 @@ Triton launchers lazily (TRITON_INTERPRET must be set before triton is imported)
 
 import torch
 
+from moefuse._dispatch import custom_op
+
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("moefuse::moe_finalize", mutates_args=("out",))
+@custom_op("moefuse::moe_finalize", mutates_args=("out",))
 def moe_finalize_op(
     permuted_input: Tensor,
     expanded_idx_to_permuted_idx: Tensor,
@@ -39,7 +41,7 @@ def _(permuted_input, expanded_idx_to_permuted_idx, topk_scales, out, bias, expe
     return None
 
 
-@torch.library.custom_op("moefuse::moe_finalize_scatter_add", mutates_args=("out",))
+@custom_op("moefuse::moe_finalize_scatter_add", mutates_args=("out",))
 def moe_finalize_scatter_add_op(
     permuted_input: Tensor,
     permuted_idx_to_expanded_idx: Tensor,
@@ -62,7 +64,7 @@ def _(permuted_input, permuted_idx_to_expanded_idx, topk_scales, out, routed_sca
     return None
 
 
-@torch.library.custom_op("moefuse::moe_permute", mutates_args=("out",))
+@custom_op("moefuse::moe_permute", mutates_args=("out",))
 def moe_permute_op(
     input: Tensor, permuted_idx_to_expanded_idx: Tensor, top_k: int, out: Tensor, use_pdl: bool
 ) -> None:

@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import fma_ftz, round_to, widen_f32
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.moe.tiles import MAX_UNROLL_K, finalize_tile, vec_width
 
@@ -264,7 +265,7 @@ def launch_moe_finalize(
     if shared_expert_output is not None:
         row_strides.append(shared_expert_output.stride(0))
     vec = vec_width(hidden, *row_strides)
-    _moe_finalize_kernel[(m * n_tiles,)](
+    launch(_moe_finalize_kernel, (m * n_tiles,),
         permuted_input, expanded_idx_to_permuted_idx, topk_scales,
         bias if bias is not None else permuted_input,
         expert_ids if expert_ids is not None else expanded_idx_to_permuted_idx,
@@ -302,7 +303,7 @@ def launch_moe_finalize_scatter_add(
     if n_rows > 0:
         block, num_warps = finalize_tile(hidden)
         n_tiles = triton.cdiv(hidden, block)
-        _moe_scatter_add_kernel[(n_rows * n_tiles,)](
+        launch(_moe_scatter_add_kernel, (n_rows * n_tiles,),
             permuted_input, permuted_idx_to_expanded_idx, topk_scales, buf,
             m * top_k, top_k, n_tiles, hidden, permuted_input.stride(0), topk_scales.stride(0),
             BLOCK=block, PTX=not interpreter_active(), USE_PDL=use_pdl, num_warps=num_warps,
@@ -327,7 +328,7 @@ def launch_moe_permute(
     block, num_warps = finalize_tile(hidden)
     n_tiles = triton.cdiv(hidden, block)
     vec = vec_width(hidden, x.stride(0), out.stride(0))
-    _moe_permute_kernel[(n_rows * n_tiles,)](
+    launch(_moe_permute_kernel, (n_rows * n_tiles,),
         x, permuted_idx_to_expanded_idx, out,
         x.shape[0] * top_k, top_k, n_tiles, hidden // vec, x.stride(0) // vec, out.stride(0) // vec,
         VEC=vec, BLOCK=block, USE_PDL=use_pdl, num_warps=num_warps, **_pdl_kwargs(use_pdl),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from moefuse import _validate as v
+from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
 from moefuse.norm import ops
 from moefuse.norm import reference as ref
@@ -83,6 +84,7 @@ def _rmsnorm(op, input, weight, eps, out, enable_pdl, impl, gain_center):
     return out
 
 
+@fast_op
 def rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None, *, impl: str = "auto"):
     """RMSNorm per row: ``out = cast((x * rsqrt(mean(x^2) + eps)) * f32(weight))``.
 
@@ -92,6 +94,7 @@ def rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None, *, impl
     return _rmsnorm("rmsnorm", input, weight, eps, out, enable_pdl, impl, 0.0)
 
 
+@fast_op
 def gemma_rmsnorm(
     input, weight, eps: float = 1e-6, out=None, enable_pdl=None, *, impl: str = "auto"
 ):
@@ -121,6 +124,7 @@ def _fused_add(op, input, residual, weight, eps, enable_pdl, impl, gain_center):
     return None
 
 
+@fast_op
 def fused_add_rmsnorm(
     input, residual, weight, eps: float = 1e-6, enable_pdl=None, *, impl: str = "auto"
 ) -> None:
@@ -135,6 +139,7 @@ def fused_add_rmsnorm(
     return _fused_add("fused_add_rmsnorm", input, residual, weight, eps, enable_pdl, impl, 0.0)
 
 
+@fast_op
 def gemma_fused_add_rmsnorm(
     input, residual, weight, eps: float = 1e-6, enable_pdl=None, *, impl: str = "auto"
 ) -> None:
@@ -173,6 +178,7 @@ def _check_gated(op, branch, residual, weight, alpha, beta, eps, out) -> None:
     v.check_eps(op, "eps", eps)
 
 
+@fast_op
 def gated_residual_rmsnorm(
     branch,
     residual,
@@ -256,6 +262,7 @@ def _check_gated_next(op, branch, residual, next_weight, alpha, beta, post_eps, 
     v.check_eps(op, "next_eps", next_eps)
 
 
+@fast_op
 def gated_residual_next_rmsnorm(
     branch,
     residual,
@@ -331,6 +338,7 @@ def _check_sigmoid_gate(op, input, gate, eps) -> None:
     v.check_eps(op, "eps", eps)
 
 
+@fast_op
 def rmsnorm_sigmoid_gate(input, gate, eps: float = 1e-5, *, enable_pdl=None, impl: str = "auto"):
     """Per-head RMSNorm times a sigmoid gate, in place on ``input`` (SPEC §1.5)::
 

@@ -9,10 +9,12 @@ import the Triton launchers lazily (TRITON_INTERPRET must be set before triton i
 
 import torch
 
+from moefuse._dispatch import custom_op
+
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("moefuse::rmsnorm", mutates_args=("out",))
+@custom_op("moefuse::rmsnorm", mutates_args=("out",))
 def rmsnorm_op(
     input: Tensor, weight: Tensor, out: Tensor, eps: float, gain_center: float, use_pdl: bool
 ) -> None:
@@ -26,7 +28,7 @@ def _(input, weight, out, eps, gain_center, use_pdl):
     return None
 
 
-@torch.library.custom_op("moefuse::fused_add_rmsnorm", mutates_args=("input", "residual"))
+@custom_op("moefuse::fused_add_rmsnorm", mutates_args=("input", "residual"))
 def fused_add_rmsnorm_op(
     input: Tensor, residual: Tensor, weight: Tensor, eps: float, gain_center: float, use_pdl: bool
 ) -> None:
@@ -40,7 +42,7 @@ def _(input, residual, weight, eps, gain_center, use_pdl):
     return None
 
 
-@torch.library.custom_op("moefuse::gated_residual_rmsnorm", mutates_args=("out",))
+@custom_op("moefuse::gated_residual_rmsnorm", mutates_args=("out",))
 def gated_residual_rmsnorm_op(
     branch: Tensor,
     residual: Tensor,
@@ -64,7 +66,7 @@ def _(branch, residual, weight, alpha, beta, out, eps, gain_center, use_pdl):
     return None
 
 
-@torch.library.custom_op(
+@custom_op(
     "moefuse::gated_residual_next_rmsnorm",
     mutates_args=("residual_out", "ffn_input", "router_input"),
 )
@@ -100,7 +102,7 @@ def _(branch, residual, next_weight, alpha, alpha_scalar, beta, post_weight, res
     return None
 
 
-@torch.library.custom_op("moefuse::rmsnorm_sigmoid_gate", mutates_args=("input",))
+@custom_op("moefuse::rmsnorm_sigmoid_gate", mutates_args=("input",))
 def rmsnorm_sigmoid_gate_op(input: Tensor, gate: Tensor, eps: float, use_pdl: bool) -> None:
     from moefuse.norm.triton import launch_rmsnorm
 

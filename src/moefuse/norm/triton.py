@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to, rsqrt_fast
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, sm_count
 from moefuse.norm import tiles
 from moefuse.norm.tiles import (
@@ -576,7 +577,7 @@ def _launch(kernel, grid, args, consts, tile: RowTile) -> None:
     warm = (tile.stepped and not interpreter_active()
             and tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS)  # fmt: skip
     before = _compiled(kernel) if warm else 0
-    kernel[grid](*args, **consts)
+    launch(kernel, grid, *args, **consts)
     if warm and _compiled(kernel) > before:
         kernel.warmup(*args, grid=grid, **{**consts, "UNROLL": not consts["UNROLL"]})
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from moefuse import _validate as v
+from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
 from moefuse.quant import formats as F
 from moefuse.quant import ops
@@ -113,6 +114,7 @@ def _check_fp8_quantize(op, input, scale, dtype, out) -> None:
         v.check_no_overlap(op, "out", out, "input", input)
 
 
+@fast_op
 def fp8_quantize(input, scale, *, dtype=torch.float8_e4m3fn, out=None, enable_pdl=None,
                  impl: str = "auto"):  # fmt: skip
     """Static per-tensor FP8 (SPEC §4.1): ``out = e8(f32(input) * (1/scale))``.
@@ -152,6 +154,7 @@ def _check_per_token(op, input, out, scale_out) -> None:
         v.check_no_overlap(op, "scale_out", scale_out, "input", input)
 
 
+@fast_op
 def fp8_quantize_per_token(input, *, out=None, scale_out=None, enable_pdl=None,
                            impl: str = "auto"):  # fmt: skip
     """Dynamic per-token E4M3 (SPEC §4.3) over the last dim of ``input`` ([H], [M, H], [M, h, H]).
@@ -195,6 +198,7 @@ def _check_fp8_dequantize(op, input, scale, out_dtype, out) -> None:
         v.check_no_overlap(op, "out", out, "input", input)
 
 
+@fast_op
 def fp8_dequantize(input, scale, *, out_dtype=torch.bfloat16, out=None, enable_pdl=None,
                    impl: str = "auto"):  # fmt: skip
     """``out = cast(f32(q) * scale)``: ``scale`` ``[1]`` (per tensor) or ``[..., 1]`` (per row, as
@@ -235,6 +239,7 @@ def _alloc_fp4(input, layout, out, scale_out):
     return out, scale_out
 
 
+@fast_op
 def fp4_quantize(input, global_scale, *, layout: str = "swizzled_128x4", recipe: str = "fast",
                  out=None, scale_out=None, enable_pdl=None, impl: str = "auto"):  # fmt: skip
     """NVFP4 quantization (SPEC §4.2) of ``input`` [M, H] (BF16/FP16/FP32, H % 16 == 0).
@@ -284,6 +289,7 @@ def _check_fp4_dequantize(op, packed, scales, global_scale, layout, out_dtype, o
         v.check_no_overlap(op, "out", out, "scales", scales)
 
 
+@fast_op
 def fp4_dequantize(packed, scales, global_scale, *, layout: str = "swizzled_128x4",
                    out_dtype=torch.float32, out=None, enable_pdl=None,
                    impl: str = "auto"):  # fmt: skip
@@ -335,6 +341,7 @@ def _check_norm_fp8(op, input, residual, weight, scale, eps, dtype, out) -> None
                 v.check_no_overlap(op, "out", out, name, t)
 
 
+@fast_op
 def rmsnorm_quant(input, weight, scale, eps: float = 1e-6, *, out=None,
                   dtype=torch.float8_e4m3fn, gain_center: float = 0.0, enable_pdl=None,
                   impl: str = "auto"):  # fmt: skip
@@ -364,6 +371,7 @@ def supports_rmsnorm_quant(input, weight, scale, dtype=torch.float8_e4m3fn) -> b
                       None)  # fmt: skip
 
 
+@fast_op
 def fused_add_rmsnorm_quant(input, residual, weight, scale, eps: float = 1e-6, *, out=None,
                             dtype=torch.float8_e4m3fn, gain_center: float = 0.0,
                             enable_pdl=None, impl: str = "auto"):  # fmt: skip
@@ -457,6 +465,7 @@ def _norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, ga
     return out, scale_out
 
 
+@fast_op
 def rmsnorm_fp4_quantize(input, weight, global_scale, eps: float = 1e-6, *,
                          layout: str = "swizzled_128x4", recipe: str = "fast",
                          gain_center: float = 0.0, out=None, scale_out=None, norm_out=None,
@@ -472,6 +481,7 @@ def rmsnorm_fp4_quantize(input, weight, global_scale, eps: float = 1e-6, *,
                      recipe, gain_center, out, scale_out, norm_out, enable_pdl, impl)
 
 
+@fast_op
 def fused_add_rmsnorm_fp4_quantize(input, residual, weight, global_scale, eps: float = 1e-6, *,
                                    layout: str = "swizzled_128x4", recipe: str = "fast",
                                    gain_center: float = 0.0, out=None, scale_out=None,

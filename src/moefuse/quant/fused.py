@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to, widen_bf16_pairs
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.norm.tiles import RowTile, TilePolicy, row_tile
 from moefuse.norm.triton import (
@@ -559,7 +560,7 @@ def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, no
     tile = tile or quant_fp4_row_tile(width, residual is not None)
     grid = _grid(tile, (rows_p + tile.rows - 1) // tile.rows, input.device)
     y = norm_out if norm_out is not None else input  # dtype carrier when not stored
-    _rmsnorm_fp4_kernel[grid](
+    launch(_rmsnorm_fp4_kernel, grid,
         input, residual if residual is not None else input, weight, global_scale, packed,
         scales, y,
         m, rows_p, width, float(width), kb, n_kcols,

@@ -10,10 +10,12 @@ code ``fmt`` (0 = E4M3, 1 = E5M2): PyTorch's generic op checks cannot do arithme
 
 import torch
 
+from moefuse._dispatch import custom_op
+
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("moefuse::fp8_quantize", mutates_args=("out",))
+@custom_op("moefuse::fp8_quantize", mutates_args=("out",))
 def fp8_quantize_op(input: Tensor, scale: Tensor, out: Tensor, fmt: int, use_pdl: bool) -> None:
     from moefuse.quant.triton import launch_fp8_quantize
 
@@ -25,7 +27,7 @@ def _(input, scale, out, fmt, use_pdl):
     return None
 
 
-@torch.library.custom_op("moefuse::fp8_quantize_per_token", mutates_args=("out", "scale_out"))
+@custom_op("moefuse::fp8_quantize_per_token", mutates_args=("out", "scale_out"))
 def fp8_quantize_per_token_op(input: Tensor, out: Tensor, scale_out: Tensor, use_pdl: bool) -> None:
     from moefuse.quant.triton import launch_fp8_quantize_per_token
 
@@ -37,7 +39,7 @@ def _(input, out, scale_out, use_pdl):
     return None
 
 
-@torch.library.custom_op("moefuse::fp8_dequantize", mutates_args=("out",))
+@custom_op("moefuse::fp8_dequantize", mutates_args=("out",))
 def fp8_dequantize_op(input: Tensor, scale: Tensor, out: Tensor, fmt: int, use_pdl: bool) -> None:
     from moefuse.quant.triton import launch_fp8_dequantize
 
@@ -49,7 +51,7 @@ def _(input, scale, out, fmt, use_pdl):
     return None
 
 
-@torch.library.custom_op("moefuse::fp4_quantize", mutates_args=("packed", "scales"))
+@custom_op("moefuse::fp4_quantize", mutates_args=("packed", "scales"))
 def fp4_quantize_op(
     input: Tensor,
     global_scale: Tensor,
@@ -69,7 +71,7 @@ def _(input, global_scale, packed, scales, layout, recipe, use_pdl):
     return None
 
 
-@torch.library.custom_op("moefuse::fp4_dequantize", mutates_args=("out",))
+@custom_op("moefuse::fp4_dequantize", mutates_args=("out",))
 def fp4_dequantize_op(
     packed: Tensor, scales: Tensor, global_scale: Tensor, out: Tensor, layout: str, use_pdl: bool
 ) -> None:
@@ -83,7 +85,7 @@ def _(packed, scales, global_scale, out, layout, use_pdl):
     return None
 
 
-@torch.library.custom_op("moefuse::rmsnorm_quant", mutates_args=("out",))
+@custom_op("moefuse::rmsnorm_quant", mutates_args=("out",))
 def rmsnorm_quant_op(
     input: Tensor,
     weight: Tensor,
@@ -104,7 +106,7 @@ def _(input, weight, scale, out, fmt, eps, gain_center, use_pdl):
     return None
 
 
-@torch.library.custom_op("moefuse::fused_add_rmsnorm_quant", mutates_args=("residual", "out"))
+@custom_op("moefuse::fused_add_rmsnorm_quant", mutates_args=("residual", "out"))
 def fused_add_rmsnorm_quant_op(
     input: Tensor,
     residual: Tensor,
@@ -126,7 +128,7 @@ def _(input, residual, weight, scale, out, fmt, eps, gain_center, use_pdl):
     return None
 
 
-@torch.library.custom_op(
+@custom_op(
     "moefuse::rmsnorm_fp4_quantize", mutates_args=("packed", "scales", "norm_out")
 )
 def rmsnorm_fp4_quantize_op(
@@ -154,7 +156,7 @@ def _(input, weight, global_scale, packed, scales, norm_out, eps, gain_center, l
     return None
 
 
-@torch.library.custom_op(
+@custom_op(
     "moefuse::fused_add_rmsnorm_fp4_quantize",
     mutates_args=("residual", "packed", "scales", "norm_out"),
 )

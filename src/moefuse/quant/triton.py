@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.norm.tiles import next_pow2, row_tile
 from moefuse.quant import device as D
@@ -100,7 +101,7 @@ def launch_fp8_quantize(input, scale, q, fmt: int, use_pdl: bool,
         return
     bm, bn, warps = tile or _elementwise_tile(width)
     grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
-    _fp8_quantize_kernel[grid](
+    launch(_fp8_quantize_kernel, grid,
         input, scale, q,
         n_rows, width, heads, x_st, x_sh, width,
         BLOCK_M=bm, BLOCK_N=bn, FMT=fmt, PTX=_ptx(), USE_PDL=use_pdl,
@@ -167,7 +168,7 @@ def launch_fp8_quantize_per_token(input, q, scales, use_pdl: bool) -> None:
     if n_rows == 0:
         return
     tile = row_tile(max(width, 1))
-    _fp8_per_token_kernel[tile.grid(n_rows)](
+    launch(_fp8_per_token_kernel, tile.grid(n_rows),
         input, q, scales,
         n_rows, width, heads, x_st, x_sh, width,
         BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, PTX=_ptx(),
@@ -208,7 +209,7 @@ def launch_fp8_dequantize(input, scale, out, fmt: int, use_pdl: bool) -> None:
         return
     bm, bn, warps = _elementwise_tile(width)
     grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
-    _fp8_dequantize_kernel[grid](
+    launch(_fp8_dequantize_kernel, grid,
         input, scale, out,
         n_rows, width, heads, q_st, q_sh, width, 0 if scale.numel() == 1 else 1,
         BLOCK_M=bm, BLOCK_N=bn, FMT=fmt, PTX=_ptx(), USE_PDL=use_pdl,
@@ -277,7 +278,7 @@ def launch_fp4_quantize(input, global_scale, packed, scales, layout: str, recipe
         return
     bm, bk, warps = tile or _fp4_tile(kb, FP4_QUANT_MAX_BLOCKS)
     grid = (triton.cdiv(rows_p, bm), triton.cdiv(n_kcols, bk))
-    _fp4_quantize_kernel[grid](
+    launch(_fp4_quantize_kernel, grid,
         input, global_scale, packed, scales,
         m, rows_p, kb, n_kcols, input.stride(0), packed.stride(0),
         BLOCK_M=bm, BLOCK_K=bk, RECIPE=RECIPES[recipe], LAYOUT=LAYOUTS[layout], PTX=_ptx(),
@@ -323,7 +324,7 @@ def launch_fp4_dequantize(packed, scales, global_scale, out, layout: str, use_pd
     n_kcols = scale_layout_shape(m, kb, layout)[1]
     bm, bk, warps = _fp4_tile(kb)
     grid = (triton.cdiv(m, bm), triton.cdiv(kb, bk))
-    _fp4_dequantize_kernel[grid](
+    launch(_fp4_dequantize_kernel, grid,
         packed, scales, global_scale, out,
         m, kb, n_kcols, packed.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_K=bk, LAYOUT=LAYOUTS[layout], PTX=_ptx(), USE_PDL=use_pdl,
@@ -345,6 +346,6 @@ def rcp_approx(x: torch.Tensor) -> torch.Tensor:
     x = x.float().contiguous()
     y = torch.empty_like(x)
     if x.numel():
-        _rcp_approx_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024,
+        launch(_rcp_approx_kernel, (triton.cdiv(x.numel(), 1024),), x, y, x.numel(), BLOCK=1024,
                                                               PTX=_ptx())  # fmt: skip
     return y

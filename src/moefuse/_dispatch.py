@@ -1,0 +1,47 @@
+"""Custom ops that cost nothing when nothing is tracing.
+
+Every moefuse op is a ``torch.library`` custom op so that torch.compile, export, fake tensors and
+dispatch modes see its true data flow (schema, ``mutates_args``, fake implementation). Going
+through the dispatcher costs tens of microseconds per eager call, though, for nothing: eager code
+only needs the Python function behind the op. :func:`custom_op` registers the op as usual and
+returns it with one change: calling it runs the Python function directly unless something is
+tracing (:func:`tracing_active`). Same function, same kernel, same bits either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._library.custom_ops import CustomOpDef
+
+_is_compiling = torch.compiler.is_compiling
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+
+#: dispatch modes of moefuse's own that do not count as tracing (the fast path's launch recorder)
+_own_modes = [0]
+
+
+def tracing_active() -> bool:
+    """True under torch.compile / export tracing or while a foreign dispatch mode is active
+    (FakeTensorMode, FlopCounterMode, ...): then calls must go through the dispatcher."""
+    return _is_compiling() or _dispatch_depth() > _own_modes[0]
+
+
+class DirectCustomOp(CustomOpDef):
+    """A :class:`CustomOpDef` whose eager calls skip the dispatcher (see the module docstring).
+    ``torch.library.opcheck`` and ``register_fake`` work on it as on any custom op."""
+
+    def __call__(self, *args, **kwargs):
+        if tracing_active():
+            return self._opoverload(*args, **kwargs)
+        return self._init_fn(*args, **kwargs)
+
+
+def custom_op(name: str, *, mutates_args):
+    """``torch.library.custom_op(name, mutates_args=...)`` returning a :class:`DirectCustomOp`."""
+
+    def register(fn):
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        op.__class__ = DirectCustomOp
+        return op
+
+    return register

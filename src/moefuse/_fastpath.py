@@ -1,0 +1,448 @@
+"""Launch plans: an eager call whose signature was seen before replays its kernel launches.
+
+The host side of an op (validate, allocate, choose the implementation and tile, build constexpr
+dicts, look up Triton's compiled kernel, bind arguments) depends only on the call's *signature*:
+shapes, strides, dtypes and devices of its tensors and the values of its other arguments. So the
+first call with a signature runs the op normally (the "slow path") while a recorder watches, and
+turns what it saw into a plan; later calls with the same signature run the plan, which does only
+what changes per call: read the tensors' addresses, allocate fresh outputs, check aliasing and
+alignment, and hand the recorded launches to Triton's C launcher with the new addresses. Same
+compiled kernels, same arguments, same bits.
+
+A plan is only built when the slow path was pure launch work, as in a CUDA-graph capture:
+* every torch op it ran was an allocation (``empty*``) or a view (a dispatch mode watches);
+* every tensor a kernel got lies inside one of the call's tensor arguments or allocations
+  (found by address, kept as that source plus a byte offset);
+* what it returned is None, an argument, an allocation, or a tuple of these;
+* the aliasing checks of the validation can be re-run from addresses (``_validate`` reports them).
+Anything else (the PyTorch reference, a torch.distributed call, a scratch tensor of unknown
+origin, host-side reads) leaves the signature on the slow path for good: still correct, only not
+faster. A plan replays only when its guards hold: 16-byte aligned addresses (Triton specialised
+the kernels on that), the aliasing checks, the same exact-alias pattern as recorded, the same
+current CUDA device, and ``guards`` of the op (a communication workspace that is still healthy).
+Otherwise the call takes the slow path, which raises the usual error or records another plan
+(up to ``MAX_PLANS_PER_KEY`` per signature).
+
+Plans are skipped while anything traces (torch.compile, export, fake tensors, dispatch modes:
+:func:`moefuse._dispatch.tracing_active`); then the custom op runs as before. On CUDA a plan
+calls the compiled kernels' launcher directly with integer addresses; under ``TRITON_INTERPRET=1``
+the same plan relaunches through Triton's interpreter (how CI tests the plans).
+
+``clear()`` drops every plan (needed after changing module-level tile policies or thresholds at
+run time); ``MOEFUSE_FASTPATH=0`` turns plans off.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from moefuse import _dispatch
+
+MISS = object()
+MAX_PLANS_PER_KEY = 4
+MAX_KEYS_PER_OP = 4096
+ENABLED = [os.environ.get("MOEFUSE_FASTPATH", "1") != "0"]
+
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_SCALAR_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype})
+_aten = torch.ops.aten
+_ALLOC_OPS = frozenset({
+    _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
+    _aten.new_empty.default, _aten.new_empty_strided.default,
+})  # fmt: skip
+_caches: list[dict] = []
+
+
+class _Local(threading.local):
+    rec = None  # the recording of the slow call running on this thread, if any
+
+
+_local = _Local()
+
+
+def clear() -> None:
+    """Forget every plan (the next call of each signature records again)."""
+    for cache in _caches:
+        cache.clear()
+
+
+def plan_count(op_fn) -> int:
+    """Plans recorded so far for a public op decorated with :func:`fast_op` (tests)."""
+    return sum(sum(not isinstance(p, _Slow) for p in plans)
+               for plans in op_fn._moefuse_plans.values())  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- recording
+def launch(kernel, grid, *args, **consts) -> None:
+    """``kernel[grid](*args, **consts)``; recorded when a slow call is being watched."""
+    rec = _local.rec
+    if rec is None:
+        kernel[grid](*args, **consts)
+        return
+    with _disable_current_modes():  # Triton's own torch calls (interpreter copies) are not ours
+        compiled = kernel[grid](*args, **consts)
+    rec.launches.append((kernel, compiled, grid, args, consts))
+
+
+def note_alias_check(kind: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``_validate`` reports each aliasing check: "disjoint" or "exact_or_disjoint"."""
+    rec = _local.rec
+    if rec is not None:
+        rec.alias_checks.append((kind, a, b))
+
+
+class _Recorder(TorchDispatchMode):
+    """Watches the torch ops of one slow call: allocations are kept, views allowed, anything else
+    makes the call impure (not replayable)."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches: list = []
+        self.allocs: list[torch.Tensor] = []
+        self.alias_checks: list = []
+        self.impure: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOC_OPS:
+            self.allocs.append(out)
+        elif not func.is_view and self.impure is None:
+            self.impure = str(func)
+        return out
+
+    def __enter__(self):
+        _local.rec = self
+        _dispatch._own_modes[0] += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _dispatch._own_modes[0] -= 1
+            _local.rec = None
+
+
+class _Slow:
+    """The plan of a signature that cannot be replayed; ``why`` says what stopped it."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __call__(self, *args):
+        return MISS
+
+
+# ----------------------------------------------------------------------------- plan building
+def _span(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+class _Unplannable(Exception):
+    """The recorded call cannot become a plan (the message says why; for debugging)."""
+
+
+class _Sources:
+    """The tensors a plan can address: the call's tensor arguments, then its allocations."""
+
+    def __init__(self, args, allocs):
+        self.items = []  # (kind, index, tensor): ("arg", position) or ("alloc", k)
+        for j, a in enumerate(args):
+            if a.__class__ in _TENSOR_TYPES:
+                self.items.append(("arg", j, a))
+        for k, t in enumerate(allocs):
+            self.items.append(("alloc", k, t))
+        self.ptrs = [t.data_ptr() for _, _, t in self.items]
+        self.spans = [_span(t) for _, _, t in self.items]
+        self.equal_pairs: set[tuple[int, int]] = set()
+
+    def by_identity(self, t) -> int:
+        """The source that is ``t`` (an argument itself, or an allocation: the dispatch mode saw
+        another Python object of the same tensor, so allocations match by memory and layout)."""
+        for s, (_, _, src) in enumerate(self.items):
+            if src is t:
+                return s
+        for s, (kind, _, src) in enumerate(self.items):
+            if kind == "alloc" and src.data_ptr() == t.data_ptr() and _same_layout(src, t):
+                return s
+        raise _Unplannable("a checked or returned tensor is not an argument or an allocation")
+
+    def locate(self, t: torch.Tensor) -> tuple[int, int]:
+        """(source, byte offset) of a kernel's tensor argument."""
+        ptr = t.data_ptr()
+        hits = [s for s, (p, n) in enumerate(zip(self.ptrs, self.spans))
+                if self.items[s][2].device == t.device and p <= ptr < p + max(n, 1)]  # fmt: skip
+        if not hits:
+            raise _Unplannable("a kernel argument lies outside the call's tensors")
+        bases = {self.ptrs[s] for s in hits}
+        if len(bases) > 1:
+            raise _Unplannable("a kernel argument lies inside two different tensors")
+        for other in hits[1:]:  # exact aliases: replay only while they still alias
+            self.equal_pairs.add((hits[0], other))
+        return hits[0], ptr - self.ptrs[hits[0]]
+
+
+def _result_spec(result, sources: _Sources):
+    if result is None:
+        return None
+    if isinstance(result, tuple):
+        return tuple(_result_spec(r, sources) for r in result)
+    if isinstance(result, torch.Tensor):
+        return ("src", sources.by_identity(result))
+    raise _Unplannable(f"returns a {type(result).__name__}")
+
+
+def _result_expr(spec) -> str:
+    if spec is None:
+        return "None"
+    if isinstance(spec, tuple) and (not spec or spec[0] != "src"):
+        return "(" + "".join(_result_expr(s) + ", " for s in spec) + ")"
+    return f"t{spec[1]}"
+
+
+class _Code:
+    """Source of one plan function plus the objects it refers to."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.env: dict = {"MISS": MISS, "_empty": torch.empty_strided}
+
+    def const(self, value) -> str:
+        if value is None or value.__class__ in (int, bool):
+            return repr(value)
+        name = f"_c{len(self.env)}"
+        self.env[name] = value
+        return name
+
+
+def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]):
+    """Turn a watched slow call into a plan function ``plan(*args) -> result | MISS``."""
+    if rec.impure is not None:
+        raise _Unplannable(f"ran {rec.impure}")
+    if not rec.launches:
+        raise _Unplannable("launched no kernel")
+    sources = _Sources(args, rec.allocs)
+    code = _Code()
+    launch_lines = []
+    devices = set()
+    for kernel, compiled, grid, kargs, consts in rec.launches:
+        if callable(grid):
+            raise _Unplannable("callable grid")
+        located = [sources.locate(a) if isinstance(a, torch.Tensor) else None for a in kargs]
+        for a in kargs:
+            if isinstance(a, torch.Tensor):
+                devices.add(a.device)
+        if any(isinstance(v, torch.Tensor) for v in consts.values()):
+            raise _Unplannable("tensor passed as a keyword")
+        launch_lines.append(_launch_line(code, kernel, compiled, grid, kargs, consts, located))
+    if len(devices) > 1:
+        raise _Unplannable("kernels on several devices")
+    checks = [(kind, sources.by_identity(a), sources.by_identity(b), _same_layout(a, b))
+              for kind, a, b in rec.alias_checks]  # fmt: skip
+    spec = _result_spec(result, sources)
+    return _assemble(code, sources, launch_lines, checks, spec, len(args), guard_positions,
+                     next(iter(devices)))  # fmt: skip
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.device == b.device)  # fmt: skip
+
+
+def _launch_line(code: _Code, kernel, compiled, grid, kargs, consts, located) -> str:
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    if located and kargs and isinstance(kargs[0], torch.Tensor) and kargs[0].device.type != "cuda":
+        return _interpreted_launch(code, kernel, grid, kargs, consts, located)
+    return _cuda_launch(code, kernel, compiled, grid, kargs, consts, located)
+
+
+def _cuda_launch(code: _Code, kernel, compiled, grid, kargs, consts, located) -> str:
+    """``launcher(gx, gy, gz, stream, function, coop, pdl, scratch..., *args)`` with addresses as
+    integers: Triton's C launcher then skips its per-pointer ``data_ptr()`` call and
+    ``cuPointerGetAttribute`` (unified addressing makes the address the device pointer)."""
+    from triton import knobs
+
+    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        raise _Unplannable("a Triton launch hook is installed")
+    runner = compiled.run
+    if runner.global_scratch_size or runner.profile_scratch_size:
+        raise _Unplannable("kernel needs scratch memory")
+    binder = kernel.device_caches[torch.cuda.current_device()][4]
+    bound, _, _ = binder(*kargs, **consts)
+    by_id = {id(a): loc for a, loc in zip(kargs, located) if loc is not None}
+    exprs = []
+    for value in bound.values():
+        loc = by_id.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if isinstance(value, torch.Tensor):
+            src, off = loc
+            if off % 16:
+                raise _Unplannable("unaligned kernel argument")
+            exprs.append(f"p{src} + {off}" if off else f"p{src}")
+        else:
+            exprs.append(code.const(value))
+    fn = code.const(runner.launch)
+    head = (f"{fn}({grid[0]}, {grid[1]}, {grid[2]}, s, {code.const(compiled.function)}, "
+            f"{int(runner.launch_cooperative_grid)}, {int(runner.launch_pdl)}, None, None, "
+            f"{code.const(compiled.packed_metadata)}, None, None, None")  # fmt: skip
+    return head + "".join(", " + e for e in exprs) + ")"
+
+
+def _interpreted_launch(code: _Code, kernel, grid, kargs, consts, located) -> str:
+    """Interpreter: relaunch ``kernel[grid]`` with views of the new sources at the recorded
+    offsets (the interpreter needs tensors, not addresses)."""
+    layouts = [(loc, a.dtype, tuple(a.shape), a.stride()) if loc else None
+               for a, loc in zip(kargs, located)]  # fmt: skip
+
+    def relaunch(srcs):
+        new_args = []
+        for a, lay in zip(kargs, layouts):
+            if lay is None:
+                new_args.append(a)
+                continue
+            (src, off), dtype, shape, stride = lay
+            base = srcs[src]
+            byte = base.storage_offset() * base.element_size() + off
+            view = torch.empty(0, dtype=dtype, device=base.device)
+            view.set_(base.untyped_storage(), byte // view.element_size(), shape, stride)
+            new_args.append(view)
+        kernel[grid](*new_args, **consts)
+
+    return f"{code.const(relaunch)}(_srcs)"
+
+
+def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs: int,
+              guard_positions, device: torch.device):  # fmt: skip
+    params = ", ".join(f"a{j}" for j in range(nargs))
+    body = code.lines
+    for j in guard_positions:
+        body.append(f"if not a{j}.fastpath_ready(): return MISS")
+    for s, (kind, idx, t) in enumerate(sources.items):
+        if kind == "arg":
+            body.append(f"t{s} = a{idx}")
+        else:
+            body.append(f"t{s} = _empty({tuple(t.shape)}, {t.stride()}, "
+                        f"dtype={code.const(t.dtype)}, device={code.const(t.device)})")  # fmt: skip
+        body.append(f"p{s} = t{s}.data_ptr()")
+    if sources.items:
+        body.append(f"if ({' | '.join(f'p{s}' for s in range(len(sources.items)))}) & 15: "
+                    "return MISS")  # fmt: skip
+    for a, b in sorted(sources.equal_pairs):
+        body.append(f"if p{a} != p{b}: return MISS")
+    for kind, a, b, same in checks:
+        na, nb = sources.spans[a], sources.spans[b]
+        if not na or not nb:
+            continue
+        overlap = f"(p{a} < p{b} + {nb} and p{b} < p{a} + {na})"
+        if kind == "exact_or_disjoint" and same:
+            body.append(f"if p{a} != p{b} and {overlap}: return MISS")
+        else:
+            body.append(f"if {overlap}: return MISS")
+    if device.type == "cuda":
+        body.append(f"if {code.const(torch.cuda.current_device)}() != {device.index}: return MISS")
+        body.append(f"s = {code.const(torch._C._cuda_getCurrentRawStream)}({device.index})")
+    else:
+        body.append(f"_srcs = ({''.join(f't{s}, ' for s in range(len(sources.items)))})")
+    body.extend(launch_lines)
+    body.append(f"return {_result_expr(spec)}")
+    src = f"def plan({params}):\n" + "".join(f"    {line}\n" for line in body)
+    exec(compile(src, "<moefuse plan>", "exec"), code.env)  # noqa: S102 - generated above
+    plan = code.env["plan"]
+    plan.source = src
+    return plan
+
+
+# ----------------------------------------------------------------------------- the decorator
+def _key_expr(name: str) -> str:
+    return (f"(({name}.shape, {name}.stride(), {name}.dtype, {name}.device) "
+            f"if {name}.__class__ in _TT else ({name}.__class__, {name}) "
+            f"if {name}.__class__ in _SC else _other({name}))")  # fmt: skip
+
+
+def _other(value):
+    if isinstance(value, torch.Tensor):  # a tensor subclass: not ours to replay
+        raise TypeError("tensor subclass")
+    return (value.__class__, value)
+
+
+def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
+    """Decorate a public op: calls with a recorded signature replay the plan (module docstring).
+
+    ``guards`` names arguments whose ``fastpath_ready()`` must be True for a replay (for example a
+    communication workspace, which checks its health there). The wrapper has ``fn``'s signature.
+    """
+    if fn is None:
+        return lambda f: fast_op(f, guards=guards)
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in params):
+        return fn
+    names = [p.name for p in params]
+    guard_positions = tuple(names.index(g) for g in guards)
+    plans: dict = {}
+    _caches.append(plans)
+    env = {"_fn": fn, "_plans": plans, "_TT": _TENSOR_TYPES, "_SC": _SCALAR_TYPES,
+           "_other": _other, "_MISS": MISS, "_local": _local, "_ON": ENABLED,
+           "_tracing": _dispatch.tracing_active, "_MAXP": MAX_PLANS_PER_KEY}  # fmt: skip
+    decl, call = [], []
+    star = False
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and not star:
+            decl.append("*")
+            star = True
+        if p.default is p.empty:
+            decl.append(p.name)
+        else:
+            env[f"_d_{p.name}"] = p.default
+            decl.append(f"{p.name}=_d_{p.name}")
+        call.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
+    args = ", ".join(names)
+    calls = ", ".join(call)
+    key = ", ".join(_key_expr(n) for n in names)
+    src = f"""
+def {fn.__name__}({", ".join(decl)}):
+    if _ON[0] and _local.rec is None and not _tracing():
+        try:
+            key = ({key},)
+            plans = _plans[key]
+        except KeyError:
+            return _record(key, ({args},), lambda: _fn({calls}))
+        except TypeError:
+            return _fn({calls})
+        for plan in plans:
+            result = plan({args})
+            if result is not _MISS:
+                return result
+        if len(plans) < _MAXP:
+            return _record(key, ({args},), lambda: _fn({calls}))
+    return _fn({calls})
+"""
+
+    def record(key, call_args, run):
+        rec = _Recorder()
+        with rec:
+            result = run()
+        try:
+            plan = _build(rec, call_args, result, guard_positions)
+        except _Unplannable as why:
+            plan = _Slow(str(why))
+        if len(plans) >= MAX_KEYS_PER_OP:
+            plans.clear()
+        plans.setdefault(key, []).append(plan)
+        return result
+
+    env["_record"] = record
+    exec(compile(src, f"<moefuse fast_op {fn.__name__}>", "exec"), env)  # noqa: S102
+    wrapper = env[fn.__name__]
+    wrapper.__doc__ = fn.__doc__
+    wrapper.__module__ = fn.__module__
+    wrapper.__qualname__ = fn.__qualname__
+    wrapper.__wrapped__ = fn
+    wrapper._moefuse_plans = plans
+    return wrapper

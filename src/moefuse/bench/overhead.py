@@ -1,0 +1,286 @@
+"""``python -m moefuse bench overhead``: host microseconds per eager call at decode size.
+
+What a user feels in eager mode (prefill, Hugging Face models, notebooks): at M = 1 the GPU work
+of an op takes 1-3 µs, so back-to-back eager calls run at the speed of their host code. Each op
+is called ``--calls`` times back to back with one synchronize at the end; the row is wall time /
+calls (the median of ``--repeats`` such runs), next to ``torch.nn.functional.rms_norm``, torch
+eager equivalents and FlashInfer's calls where ``flashinfer`` imports (its rows are skipped with a
+note otherwise). With ``--world-size P`` (P processes, one GPU each) the communication ops are
+timed too, on rank 0, every rank calling in lockstep.
+
+Writes ``overhead-<gpu>.json`` as ``{"meta": ..., "rows": [{"op", "impl", "us_per_call"}, ...]}``
+plus a bar plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+H = 4096
+HEADS, HEAD_DIM = 32, 128
+TOP_K = 8
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+
+
+def per_call_us(fn, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of (wall time of ``calls`` back-to-back calls + sync) / calls."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(runs)
+
+
+def single_gpu_cases(dev: torch.device) -> list[tuple[str, str, object]]:
+    """(op, impl, fn) for every single-GPU public op and its baselines, at M = 1, BF16."""
+    import torch.nn.functional as F
+
+    import moefuse
+
+    bf = torch.bfloat16
+    x = torch.randn(1, H, device=dev, dtype=bf)
+    r = torch.randn_like(x)
+    w = torch.randn(H, device=dev, dtype=bf)
+    out = torch.empty_like(x)
+    res32 = torch.randn(1, H, device=dev)
+    alpha, beta = torch.rand(H, device=dev), torch.rand(H, device=dev)
+    ro, ffn = torch.empty_like(res32), torch.empty_like(x)
+    heads = torch.randn(1, HEADS, HEAD_DIM, device=dev, dtype=bf)
+    gate = torch.randn_like(heads)
+    scale = torch.tensor([0.05], device=dev)
+    gscale = torch.tensor([448.0 * 6 / 3.0], device=dev)
+    q8 = torch.empty(1, H, device=dev, dtype=torch.float8_e4m3fn)
+    rows, plan, weights = _moe_inputs(dev)
+    xp = torch.empty(plan.permuted_idx_to_expanded_idx.shape[0], H, device=dev, dtype=bf)
+    packed, scales = moefuse.fp4_quantize(x, gscale)
+    cases = [
+        ("rms_norm", "torch", lambda: F.rms_norm(x, (H,), w, 1e-6)),
+        ("rmsnorm", "moefuse", lambda: moefuse.rmsnorm(x, w)),
+        ("rmsnorm(out=)", "moefuse", lambda: moefuse.rmsnorm(x, w, out=out)),
+        ("gemma_rmsnorm", "moefuse", lambda: moefuse.gemma_rmsnorm(x, w)),
+        ("fused_add_rmsnorm", "moefuse", lambda: moefuse.fused_add_rmsnorm(x, r, w)),
+        ("fused_add_rmsnorm", "torch", lambda: _torch_fused_add(F, x, r, w)),
+        ("gemma_fused_add_rmsnorm", "moefuse", lambda: moefuse.gemma_fused_add_rmsnorm(x, r, w)),
+        ("gated_residual_rmsnorm", "moefuse",
+         lambda: moefuse.gated_residual_rmsnorm(x, res32, w, alpha, beta)),
+        ("gated_residual_next_rmsnorm", "moefuse",
+         lambda: moefuse.gated_residual_next_rmsnorm(x, res32, w, alpha, beta, residual_out=ro,
+                                                     ffn_input=ffn)),
+        ("rmsnorm_sigmoid_gate", "moefuse", lambda: moefuse.rmsnorm_sigmoid_gate(heads, gate)),
+        ("moe_finalize", "moefuse",
+         lambda: moefuse.moe_finalize(rows, plan.expanded_idx_to_permuted_idx, weights)),
+        ("moe_finalize", "torch", lambda: _torch_finalize(rows, plan, weights)),
+        ("moe_permute", "moefuse",
+         lambda: moefuse.moe_permute(x, plan.permuted_idx_to_expanded_idx, TOP_K, out=xp)),
+        ("fp8_quantize", "moefuse", lambda: moefuse.fp8_quantize(x, scale)),
+        ("fp8_quantize_per_token", "moefuse", lambda: moefuse.fp8_quantize_per_token(x)),
+        ("fp8_dequantize", "moefuse", lambda: moefuse.fp8_dequantize(q8, scale)),
+        ("fp4_quantize", "moefuse", lambda: moefuse.fp4_quantize(x, gscale)),
+        ("fp4_dequantize", "moefuse", lambda: moefuse.fp4_dequantize(packed, scales, gscale)),
+        ("rmsnorm_quant", "moefuse", lambda: moefuse.rmsnorm_quant(x, w, scale)),
+        ("fused_add_rmsnorm_quant", "moefuse",
+         lambda: moefuse.fused_add_rmsnorm_quant(x, r, w, scale)),
+        ("rmsnorm_fp4_quantize", "moefuse", lambda: moefuse.rmsnorm_fp4_quantize(x, w, gscale)),
+        ("fused_add_rmsnorm_fp4_quantize", "moefuse",
+         lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gscale)),
+    ]  # fmt: skip
+    return cases + _flashinfer_cases(x, r, w)
+
+
+def _torch_fused_add(F, x, r, w):
+    r.add_(x)
+    x.copy_(F.rms_norm(r, (H,), w, 1e-6))
+
+
+def _torch_finalize(rows, plan, weights):
+    idx = plan.expanded_idx_to_permuted_idx.long()
+    return (rows[idx].float() * weights.unsqueeze(-1)).sum(1).bfloat16()
+
+
+def _moe_inputs(dev):
+    from moefuse.bench.moe import make_inputs
+
+    return make_inputs(1, TOP_K, H, dev)
+
+
+def _flashinfer_cases(x, r, w) -> list:
+    try:
+        import flashinfer.norm as fin
+    except Exception as exc:  # optional: the rows are skipped with a note
+        print(f"flashinfer not importable ({type(exc).__name__}): its rows are skipped")
+        return []
+    return [
+        ("rmsnorm", "flashinfer", lambda: fin.rmsnorm(x, w)),
+        ("fused_add_rmsnorm", "flashinfer", lambda: fin.fused_add_rmsnorm(x, r, w)),
+        ("gemma_rmsnorm", "flashinfer", lambda: fin.gemma_rmsnorm(x, w)),
+        ("gemma_fused_add_rmsnorm", "flashinfer", lambda: fin.gemma_fused_add_rmsnorm(x, r, w)),
+    ]
+
+
+def comm_cases(dev: torch.device, group) -> list[tuple[str, str, object]]:
+    import torch.distributed as dist
+
+    import moefuse
+
+    bf = torch.bfloat16
+    ws = moefuse.AllReduceWorkspace(group, 64, H, bf, dev)
+    x = torch.randn(1, H, device=dev, dtype=bf)
+    r = torch.randn_like(x)
+    w = torch.randn(H, device=dev, dtype=bf)
+    ro, no = torch.empty_like(x), torch.empty_like(x)
+    scale = torch.tensor([0.05], device=dev)
+    cases = [
+        ("allreduce", "moefuse", lambda: moefuse.allreduce(x, workspace=ws)),
+        ("allreduce_residual_rmsnorm", "moefuse",
+         lambda: moefuse.allreduce_residual_rmsnorm(x, r, w, workspace=ws, residual_out=ro,
+                                                    norm_out=no)),
+        ("allreduce_residual_rmsnorm_fp8", "moefuse",
+         lambda: moefuse.allreduce_residual_rmsnorm_fp8(x, r, w, scale, workspace=ws,
+                                                        residual_out=ro)),
+        ("all_reduce", "nccl", lambda: dist.all_reduce(x, group=group)),
+    ]  # fmt: skip
+    return cases, ws
+
+
+def _measure(cases, calls, repeats, rank0=True) -> list[dict]:
+    rows = []
+    for op, impl, fn in cases:
+        us = per_call_us(fn, calls, repeats)
+        rows.append({"op": op, "impl": impl, "us_per_call": us})
+        if rank0:
+            print(f"{op:34s} {impl:10s} {us:8.2f} us/call", flush=True)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> list[str]:
+    """Ratios to F.rms_norm and to FlashInfer's call of the same op (in place in ``rows``)."""
+    base = next((r["us_per_call"] for r in rows if r["op"] == "rms_norm"), None)
+    fi = {r["op"]: r["us_per_call"] for r in rows if r["impl"] == "flashinfer"}
+    lines = []
+    for r in rows:
+        if r["impl"] != "moefuse" or base is None:
+            continue
+        r["x_rms_norm"] = r["us_per_call"] / base
+        op = r["op"].split("(")[0]
+        limit = 2.0 if op.startswith("allreduce") else 1.2
+        ok = r["x_rms_norm"] <= limit
+        lines.append(f"{'PASS' if ok else 'FAIL'} {r['op']}: {r['us_per_call']:.2f} us = "
+                     f"{r['x_rms_norm']:.2f} x F.rms_norm (bar <= {limit})")  # fmt: skip
+        if op in fi:
+            r["x_flashinfer"] = r["us_per_call"] / fi[op]
+            ok = r["x_flashinfer"] <= 1.5
+            lines.append(f"{'PASS' if ok else 'FAIL'} {r['op']}: {r['x_flashinfer']:.2f} x "
+                         "FlashInfer (bar <= 1.5)")  # fmt: skip
+    return lines
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"moefuse": "tab:blue", "torch": "tab:gray", "flashinfer": "tab:orange",
+              "nccl": "tab:green"}  # fmt: skip
+    fig, ax = plt.subplots(figsize=(9, 0.28 * len(rows) + 1.2))
+    labels = [f"{r['op']} [{r['impl']}]" for r in rows]
+    ax.barh(range(len(rows)), [r["us_per_call"] for r in rows],
+            color=[colors.get(r["impl"], "tab:purple") for r in rows])  # fmt: skip
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    base = next((r["us_per_call"] for r in rows if r["op"] == "rms_norm"), None)
+    if base:
+        ax.axvline(base * 1.2, color="red", ls="--", lw=0.8, label="1.2 x F.rms_norm")
+        ax.legend(fontsize=7)
+    ax.set_xlabel("host µs per eager call (M = 1, H = 4096, BF16)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _worker(rank: int, world_size: int, args, init: str | None, queue=None) -> None:
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world_size)
+    dev = torch.device("cuda", rank)
+    cases, ws = comm_cases(dev, dist.group.WORLD)
+    rows = _measure(cases, args.calls, args.repeats, rank0=rank == 0)
+    for r in rows:
+        r["op"] = f"{r['op']} (P={world_size})" if r["impl"] != "moefuse" else r["op"]
+        r["P"] = world_size
+    ws.close()
+    dist.destroy_process_group()
+    if rank == 0 and queue is not None:
+        queue.put(rows)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moefuse bench overhead")
+    parser.add_argument("--save", action="store_true", help="write JSON + PNG under --out")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--world-size", type=int, default=0,
+                        help="also time the communication ops on P GPUs (0: skip)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench overhead needs a CUDA GPU (host time of eager calls on the real launcher)")
+        return 2
+    from moefuse.bench import harness
+
+    dev = torch.device("cuda", 0)
+    rows = _measure(single_gpu_cases(dev), args.calls, args.repeats)
+    if args.world_size >= 2 and torch.cuda.device_count() >= args.world_size:
+        import torch.multiprocessing as mp
+
+        from moefuse.bench.allreduce import _free_port
+
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        procs = [ctx.Process(target=_worker, args=(r, args.world_size, args, init, queue))
+                 for r in range(args.world_size)]  # fmt: skip
+        for p in procs:
+            p.start()
+        rows += queue.get(timeout=600)
+        for p in procs:
+            p.join()
+    bars = add_ratios(rows)
+    print("\n".join(bars))
+    if args.save:
+        meta = harness.run_metadata()
+        meta.update(method="host µs per eager call: wall time of back-to-back calls with one "
+                    "final synchronize / calls, median of repeats; M = 1, H = 4096, BF16",
+                    calls=args.calls, repeats=args.repeats, bar=bars)  # fmt: skip
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        import json
+
+        stem = out / f"overhead-{harness.gpu_slug()}"
+        stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        plot(rows, stem.with_suffix(".png"), f"moefuse eager host overhead on {meta['gpu']}")
+        print(f"wrote {stem}.json / .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
