@@ -35,6 +35,7 @@ run time); ``MOEFUSE_FASTPATH=0`` turns plans off.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
 
@@ -43,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from moefuse import _dispatch
 
+logger = logging.getLogger("moefuse")
 MISS = object()
 MAX_PLANS_PER_KEY = 4
 MAX_KEYS_PER_OP = 4096
@@ -69,6 +71,12 @@ def clear() -> None:
     """Forget every plan (the next call of each signature records again)."""
     for cache in _caches:
         cache.clear()
+
+
+def refusals(op_fn) -> list[str]:
+    """Why signatures of a decorated op were left on the slow path (diagnostics, tests)."""
+    return [p.why for plans in op_fn._moefuse_plans.values() for p in plans
+            if isinstance(p, _Slow)]  # fmt: skip
 
 
 def plan_count(op_fn) -> int:
@@ -269,8 +277,8 @@ def _cuda_launch(code: _Code, kernel, compiled, grid, kargs, consts, located) ->
     ``cuPointerGetAttribute`` (unified addressing makes the address the device pointer)."""
     from triton import knobs
 
-    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-        raise _Unplannable("a Triton launch hook is installed")
+    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        raise _Unplannable("a Triton launch hook is installed (profiler?)")
     runner = compiled.run
     if runner.global_scratch_size or runner.profile_scratch_size:
         raise _Unplannable("kernel needs scratch memory")
@@ -292,6 +300,11 @@ def _cuda_launch(code: _Code, kernel, compiled, grid, kargs, consts, located) ->
             f"{int(runner.launch_cooperative_grid)}, {int(runner.launch_pdl)}, None, None, "
             f"{code.const(compiled.packed_metadata)}, None, None, None")  # fmt: skip
     return head + "".join(", " + e for e in exprs) + ")"
+
+
+def _hooked(hook) -> bool:
+    """Triton 3.6 keeps launch hooks in a ``HookChain`` (empty unless a profiler added one)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _interpreted_launch(code: _Code, kernel, grid, kargs, consts, located) -> str:
@@ -432,6 +445,8 @@ def {fn.__name__}({", ".join(decl)}):
             plan = _build(rec, call_args, result, guard_positions)
         except _Unplannable as why:
             plan = _Slow(str(why))
+            logger.debug("moefuse.%s: this signature stays on the slow path: %s",
+                         fn.__name__, why)  # fmt: skip
         if len(plans) >= MAX_KEYS_PER_OP:
             plans.clear()
         plans.setdefault(key, []).append(plan)

@@ -79,9 +79,13 @@ def pdl_available(device: torch.device) -> bool:
     return kernel_device_reason(device) is None and device.type == "cuda"
 
 
-def resolve_pdl(enable_pdl: bool | None, device: torch.device) -> bool:
-    """``None`` means "on where supported"; ``True`` on a device without PDL is turned off."""
-    if enable_pdl is None or enable_pdl:
+def resolve_pdl(enable_pdl: bool | None, device: torch.device, default: bool = True) -> bool:
+    """``None`` means the op's measured ``default`` (the tables beside the tile policies, e.g.
+    ``moefuse.moe.tiles.pdl_default``) where the device supports PDL; ``True`` forces it on where
+    supported (off elsewhere), ``False`` off."""
+    if enable_pdl is None:
+        return default and pdl_available(device)
+    if enable_pdl:
         return pdl_available(device)
     return False
 

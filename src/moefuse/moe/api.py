@@ -3,8 +3,8 @@ baseline and the permute (gather) of activations into expert-sorted order.
 
 Every op validates its arguments (``ValueError`` naming the argument, nothing written), allocates
 a missing output, picks the implementation (``impl="auto" | "triton" | "reference"``, DESIGN.md)
-and runs it. ``enable_pdl=None`` turns programmatic dependent launch on where the device supports
-it. M = 0 (and H = 0) is a no-op that returns the (empty) output.
+and runs it. ``enable_pdl=None`` uses the measured default (``moefuse.moe.tiles.pdl_default``)
+where the device supports it. M = 0 (and H = 0) is a no-op that returns the (empty) output.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
 from moefuse.moe import ops
 from moefuse.moe import reference as ref
+from moefuse.moe.tiles import pdl_default
 
 HALF = v.FLOAT16S
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -159,7 +160,8 @@ def moe_finalize(
             shared_expert_output=shared_expert_output, input_is_expanded=input_is_expanded,
         ))  # fmt: skip
         return out
-    use_pdl = resolve_pdl(enable_pdl, permuted_input.device)
+    use_pdl = resolve_pdl(enable_pdl, permuted_input.device,
+                          pdl_default(out.shape[0], out.shape[1]))  # fmt: skip
     ops.moe_finalize_op(
         permuted_input, expanded_idx_to_permuted_idx, topk_scales, out, bias, expert_ids, rsf,
         shared_expert_output, input_is_expanded, use_pdl,
@@ -303,7 +305,7 @@ def moe_permute(
     if choose_impl(op, impl, input.device, reason) == "reference":
         out.copy_(ref.moe_permute_reference(input, permuted_idx_to_expanded_idx, top_k))
         return out
-    use_pdl = resolve_pdl(enable_pdl, input.device)
+    use_pdl = resolve_pdl(enable_pdl, input.device, pdl_default(input.shape[0], hidden))
     ops.moe_permute_op(input, permuted_idx_to_expanded_idx, top_k, out, use_pdl)
     return out
 

@@ -1,0 +1,120 @@
+"""Launch plans (moefuse._fastpath) and direct custom-op calls, in Triton's interpreter: a replayed
+call gives the custom-op path's bits, a second call with the same signature builds nothing, and
+validation errors are unchanged."""
+
+import pytest
+import torch
+
+import moefuse
+from moefuse import _fastpath as fp
+from moefuse.norm import triton as norm_triton
+
+pytestmark = pytest.mark.interpreter
+H = 40
+
+
+def _rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+def _slow(fn):
+    fp.ENABLED[0] = False
+    try:
+        return fn()
+    finally:
+        fp.ENABLED[0] = True
+
+
+CASES = {
+    "rmsnorm": lambda x, r, w, f: moefuse.rmsnorm(x, w, impl="triton"),
+    "rmsnorm_out_inplace": lambda x, r, w, f: moefuse.rmsnorm(x, w, out=x, impl="triton"),
+    "fused_add_rmsnorm": lambda x, r, w, f: (moefuse.fused_add_rmsnorm(x, r, w, impl="triton"),
+                                             x, r)[1:],
+    "gated_residual_next_rmsnorm": lambda x, r, w, f: moefuse.gated_residual_next_rmsnorm(
+        x, f, w, torch.ones(H), torch.full((H,), 0.5), impl="triton"),
+    "rmsnorm_quant": lambda x, r, w, f: moefuse.rmsnorm_quant(
+        x, w, torch.tensor([0.05]), impl="triton").view(torch.uint8),
+    "fp8_quantize": lambda x, r, w, f: moefuse.fp8_quantize(
+        x, torch.tensor([0.05]), impl="triton").view(torch.uint8),
+}  # fmt: skip
+
+
+def _flat(r):
+    return [r] if isinstance(r, torch.Tensor) else [t for x in r for t in _flat(x)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_replayed_plan_gives_the_custom_op_bits(name, seed):
+    fn = CASES[name]
+    public = {"rmsnorm_out_inplace": moefuse.rmsnorm}.get(name) or getattr(moefuse, name)
+    for m in (3, 3, 1):  # record, replay on fresh data, another signature
+        x, r, w, f = _rand(m, H), _rand(m, H), _rand(H), torch.randn(m, H)
+        want = _flat(_slow(lambda: fn(x.clone(), r.clone(), w, f.clone())))
+        got = _flat(fn(x.clone(), r.clone(), w, f.clone()))
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), name
+    assert fp.plan_count(public) == 2, fp.refusals(public)
+
+
+def test_second_call_builds_no_launch_configuration(monkeypatch):
+    calls = []
+    real = norm_triton.launch_fused_add_rmsnorm
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(norm_triton, "launch_fused_add_rmsnorm", counting)
+    x, r, w = _rand(2, H), _rand(2, H), _rand(H)
+    moefuse.fused_add_rmsnorm(x, r, w, impl="triton")
+    assert len(calls) == 1
+    for _ in range(3):
+        moefuse.fused_add_rmsnorm(x, r, w, impl="triton")
+    assert len(calls) == 1  # replays: no launcher, no tile policy, no constexpr dict
+
+
+def test_validation_errors_survive_plans():
+    x, r, w = _rand(2, H), _rand(2, H), _rand(H)
+    for _ in range(2):
+        moefuse.fused_add_rmsnorm(x, r, w, impl="triton")
+    before = x.clone()
+    with pytest.raises(ValueError, match="'residual' must not alias 'input'"):
+        moefuse.fused_add_rmsnorm(x, x, w, impl="triton")
+    assert torch.equal(x, before)
+    with pytest.raises(ValueError, match="argument 'weight'"):
+        moefuse.fused_add_rmsnorm(x, r, w.float()[:-1], impl="triton")
+    with pytest.raises(ValueError, match="partially overlaps"):
+        buf = _rand(3, H)
+        moefuse.rmsnorm(buf[:2], w, out=buf[1:], impl="triton")
+
+
+def test_exact_alias_pattern_is_part_of_the_plan(seed):
+    """A plan recorded in place (out is input) must not write into input when out differs."""
+    w = _rand(H)
+    x = _rand(2, H)
+    moefuse.rmsnorm(x, w, out=x, impl="triton")  # records: out and input alias
+    x2, out = _rand(2, H), torch.zeros(2, H, dtype=torch.bfloat16)
+    keep = x2.clone()
+    moefuse.rmsnorm(x2, w, out=out, impl="triton")
+    assert torch.equal(x2, keep)
+    assert torch.equal(out, _slow(lambda: moefuse.rmsnorm(keep, w, impl="triton")))
+
+
+def test_reference_and_tensor_subclasses_stay_on_the_slow_path():
+    x, w = _rand(2, H), _rand(H)
+    moefuse.rmsnorm(x, w, impl="reference")
+    assert fp.plan_count(moefuse.rmsnorm) == 0
+    assert any("ran aten" in why for why in fp.refusals(moefuse.rmsnorm))
+    p = torch.nn.Parameter(w.float().bfloat16(), requires_grad=False)
+    for _ in range(2):
+        moefuse.rmsnorm(x, p, impl="triton")  # Parameters are plain tensors for plans
+    assert fp.plan_count(moefuse.rmsnorm) == 1
+
+
+def test_direct_custom_op_is_still_a_custom_op():
+    from moefuse.norm import ops
+
+    assert isinstance(ops.rmsnorm_op, torch._library.custom_ops.CustomOpDef)
+    x, w = _rand(2, H), _rand(H)
+    out = torch.empty_like(x)
+    torch.library.opcheck(ops.rmsnorm_op, (x, w, out, 1e-6, 0.0, False))
