@@ -160,13 +160,17 @@ class _Unplannable(Exception):
 class _Sources:
     """The tensors a plan can address: the call's tensor arguments, then its allocations."""
 
-    def __init__(self, args, allocs):
-        self.items = []  # (kind, index, tensor): ("arg", position) or ("alloc", k)
+    def __init__(self, args, allocs, fixed=()):
+        # (kind, index, tensor): ("arg", position), ("alloc", k) or ("fixed", k): a tensor whose
+        # address cannot change while the guards hold (a workspace's control block)
+        self.items = []
         for j, a in enumerate(args):
             if a.__class__ in _TENSOR_TYPES:
                 self.items.append(("arg", j, a))
         for k, t in enumerate(allocs):
             self.items.append(("alloc", k, t))
+        for k, t in enumerate(fixed):
+            self.items.append(("fixed", k, t))
         self.ptrs = [t.data_ptr() for _, _, t in self.items]
         self.spans = [_span(t) for _, _, t in self.items]
         self.equal_pairs: set[tuple[int, int]] = set()
@@ -220,7 +224,8 @@ class _Code:
 
     def __init__(self):
         self.lines: list[str] = []
-        self.env: dict = {"MISS": MISS, "_empty": torch.empty_strided}
+        self.env: dict = {"MISS": MISS, "_empty": torch.empty_strided,
+                          "_empty_like": torch.empty_like}
 
     def const(self, value) -> str:
         if value is None or value.__class__ in (int, bool):
@@ -236,7 +241,8 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
         raise _Unplannable(f"ran {rec.impure}")
     if not rec.launches:
         raise _Unplannable("launched no kernel")
-    sources = _Sources(args, rec.allocs)
+    fixed = [t for j in guard_positions for t in args[j].fastpath_tensors()]
+    sources = _Sources(args, rec.allocs, fixed)
     code = _Code()
     launch_lines = []
     devices = set()
@@ -330,6 +336,20 @@ def _interpreted_launch(code: _Code, kernel, grid, kargs, consts, located) -> st
     return f"{code.const(relaunch)}(_srcs)"
 
 
+def _alloc_expr(code: _Code, t: torch.Tensor, sources: _Sources) -> str:
+    """A fresh tensor like the recorded allocation ``t``: ``empty_like`` of an argument with the
+    same shape and strides where there is one (the cheapest allocation call), else
+    ``empty_strided``."""
+    for kind, idx, a in sources.items:
+        if kind == "arg" and a.shape == t.shape and a.stride() == t.stride() \
+                and a.device == t.device and a.is_contiguous():  # fmt: skip
+            if a.dtype == t.dtype:
+                return f"_empty_like(a{idx})"
+            return f"_empty_like(a{idx}, dtype={code.const(t.dtype)})"
+    return (f"_empty({tuple(t.shape)}, {t.stride()}, dtype={code.const(t.dtype)}, "
+            f"device={code.const(t.device)})")
+
+
 def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs: int,
               guard_positions, device: torch.device):  # fmt: skip
     params = ", ".join(f"a{j}" for j in range(nargs))
@@ -339,9 +359,12 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
     for s, (kind, idx, t) in enumerate(sources.items):
         if kind == "arg":
             body.append(f"t{s} = a{idx}")
+        elif kind == "fixed":
+            body.append(f"t{s} = {code.const(t)}")
+            body.append(f"p{s} = {t.data_ptr()}")
+            continue
         else:
-            body.append(f"t{s} = _empty({tuple(t.shape)}, {t.stride()}, "
-                        f"dtype={code.const(t.dtype)}, device={code.const(t.device)})")  # fmt: skip
+            body.append(f"t{s} = {_alloc_expr(code, t, sources)}")
         body.append(f"p{s} = t{s}.data_ptr()")
     if sources.items:
         body.append(f"if ({' | '.join(f'p{s}' for s in range(len(sources.items)))}) & 15: "
@@ -388,7 +411,9 @@ def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
     """Decorate a public op: calls with a recorded signature replay the plan (module docstring).
 
     ``guards`` names arguments whose ``fastpath_ready()`` must be True for a replay (for example a
-    communication workspace, which checks its health there). The wrapper has ``fn``'s signature.
+    communication workspace, which checks its health there); their ``fastpath_tensors()`` are
+    tensors whose addresses stay fixed while that holds (kernels may get them). The wrapper has
+    ``fn``'s signature.
     """
     if fn is None:
         return lambda f: fast_op(f, guards=guards)

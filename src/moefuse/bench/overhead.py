@@ -30,19 +30,23 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 
 
-def per_call_us(fn, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of (wall time of ``calls`` back-to-back calls + sync) / calls."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(fns: list, calls: int, repeats: int) -> list[float]:
+    """Per function: median over ``repeats`` rounds of (wall time of ``calls`` back-to-back calls
+    + one synchronize) / calls. Rounds visit every function in turn, so that a slow spell of the
+    host (other tenants, frequency changes) falls on all of them alike."""
+    for fn in fns:
+        for _ in range(50):
             fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(runs)
+    torch.cuda.synchronize()
+    runs: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, runs):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            out.append((time.perf_counter() - t0) / calls * 1e6)
+    return [statistics.median(r) for r in runs]
 
 
 def single_gpu_cases(dev: torch.device) -> list[tuple[str, str, object]]:
@@ -158,8 +162,8 @@ def comm_cases(dev: torch.device, group) -> list[tuple[str, str, object]]:
 
 def _measure(cases, calls, repeats, rank0=True) -> list[dict]:
     rows = []
-    for op, impl, fn in cases:
-        us = per_call_us(fn, calls, repeats)
+    times = per_call_us([fn for _, _, fn in cases], calls, repeats)
+    for (op, impl, _), us in zip(cases, times):
         rows.append({"op": op, "impl": impl, "us_per_call": us})
         if rank0:
             print(f"{op:34s} {impl:10s} {us:8.2f} us/call", flush=True)
@@ -237,8 +241,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moefuse bench overhead")
     parser.add_argument("--save", action="store_true", help="write JSON + PNG under --out")
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--world-size", type=int, default=0,
                         help="also time the communication ops on P GPUs (0: skip)")  # fmt: skip
     args = parser.parse_args(argv)

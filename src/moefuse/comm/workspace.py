@@ -363,6 +363,10 @@ class AllReduceWorkspace:
         after the launch (the status poll and the interpreter clock)."""
         return not self._closed and self._failure is None and not self.check_each_call
 
+    def fastpath_tensors(self) -> list[torch.Tensor]:
+        """Tensors of this workspace that kernels get and that live as long as it does."""
+        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+
     def raise_if_unusable(self) -> None:
         if self._closed:
             raise RuntimeError("moefuse.comm: the workspace is closed")
