@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="fused epilogue checked against the reference")
     demo.add_argument("--hidden", type=int, default=None, help="hidden size (default: by device)")
     demo.add_argument("--tokens", type=int, default=None, help="token count (default: by device)")
+    demo.add_argument("--no-compile", action="store_true",
+                      help="GPU: skip the torch.compile times (faster start)")
     bench = sub.add_parser("bench", help="benchmarks; see `moefuse bench <family> --help`")
     # all / summary: every family in turn / the markdown summary from saved JSON (bench.all,
     # bench.summary)
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from moefuse.demo import run_demo
 
-        return run_demo(hidden=args.hidden, tokens=args.tokens)
+        return run_demo(hidden=args.hidden, tokens=args.tokens, with_compile=not args.no_compile)
     if args.command == "bench":
         module = importlib.import_module(f"moefuse.bench.{args.family}")
         return module.main(args.rest)
