@@ -116,9 +116,9 @@ def _moe_steps(m, h, dev, rnd) -> list[Step]:
     rows = rnd(plan.num_rows, h)
     shared = rnd(m, h)
 
-    def torch_math():  # the benchmark's gather-sum in FP32, plus the shared expert
-        from moefuse.bench.moe import torch_finalize
+    from moefuse.bench.moe import torch_finalize  # imported here, not inside the traced math
 
+    def torch_math():  # the benchmark's gather-sum in FP32, plus the shared expert
         idx = plan.expanded_idx_to_permuted_idx
         return (torch_finalize(rows, idx, weights).float() + shared.float()).to(rows.dtype)
 
@@ -146,22 +146,19 @@ def _quant_steps(m, h, dev, x, res, w) -> list[Step]:
         packed, sf = moefuse.rmsnorm_fp4_quantize(x, w, gs, recipe="ieee", impl=impl)
         return sf
 
-    def bq():  # the benchmark's plain-PyTorch FP8 / NVFP4 math (imported on a GPU only)
-        from moefuse.bench import quant
-
-        return quant
+    from moefuse.bench import quant as bq  # the benchmark's plain-PyTorch FP8 / NVFP4 math
 
     r_t, inv = res.clone(), 1.0 / scale
     return [
         Step("fused_add_rmsnorm_quant (FP8)", f"{m}x{h}", add_norm_fp8, ("fp8_code", "exact"),
              kernel=lambda: moefuse.fused_add_rmsnorm_quant(x, r_t, w, scale, impl="triton"),
-             torch_math=lambda: bq().torch_fused_add_rmsnorm_quant(x, res, w, inv)),  # fmt: skip
+             torch_math=lambda: bq.torch_fused_add_rmsnorm_quant(x, res, w, inv)),  # fmt: skip
         Step("rmsnorm_fp4_quantize (scales)", f"{m}x{h}", norm_fp4, "exact",
              kernel=lambda: moefuse.rmsnorm_fp4_quantize(x, w, gs, recipe="ieee", impl="triton"),
-             torch_math=lambda: bq().torch_rmsnorm_fp4(x, w, gs)),  # fmt: skip
+             torch_math=lambda: bq.torch_rmsnorm_fp4(x, w, gs)),  # fmt: skip
         Step("fp4_quantize (NVFP4)", f"{m}x{h}",
              lambda impl: moefuse.fp4_quantize(x, gs, recipe="ieee", impl=impl), "exact",
-             torch_math=lambda: bq().torch_fp4_quantize(x, gs)),  # fmt: skip
+             torch_math=lambda: bq.torch_fp4_quantize(x, gs)),  # fmt: skip
     ]
 
 

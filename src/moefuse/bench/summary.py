@@ -11,7 +11,8 @@ For every ``<family>-<gpu>[-pP].json`` under ``--dir`` (default ``bench/results`
   beside it, ``<stem>.png``, are log-log: a 1.3 x gain is hard to see on them);
 * ``SUMMARY.md``: an overview table (one line per file) and a table per file (op x M).
 
-With ``--readme PATH`` (default: ``README.md`` when it holds the markers), the overview table is
+With ``--readme PATH`` (default: ``README.md`` when it holds the markers and ``--dir`` is
+``bench/results``), the overview table is
 also written into that file between ``<!-- bench-summary:start -->`` and
 ``<!-- bench-summary:end -->``; nothing else in it changes.
 """
@@ -276,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: README.md when it has the markers)")  # fmt: skip
     args = parser.parse_args(argv)
     readme = args.readme
-    if readme is None and Path("README.md").is_file() and START in Path("README.md").read_text():
+    # the README's table describes the committed results: only they update it by default
+    default_dir = Path(args.dir).resolve() == Path("bench/results").resolve()
+    if readme is None and default_dir and Path("README.md").is_file() \
+            and START in Path("README.md").read_text():  # fmt: skip
         readme = "README.md"
     for path in write_summary(args.dir, readme):
         print("wrote", path)
