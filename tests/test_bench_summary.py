@@ -134,3 +134,40 @@ def test_bench_all_on_a_cpu_machine(capsys):
     assert "norm" in out and "allreduce P=2" in out
     with pytest.raises(ValueError, match="--only"):
         cli.main(["bench", "all", "--only", "nope"])
+
+
+def test_bench_all_runs_the_plan_then_the_summary(monkeypatch, tmp_path, capsys):
+    """The orchestration of `bench all` on a pretend 1-GPU machine: runnable families run (here
+    a stand-in that writes a results file), the others are recorded as skipped with the reason,
+    the manifest and the summary are written, and a failure sets the exit status."""
+    import torch
+
+    from moefuse.bench import harness
+
+    fams = (registry.Family("norm", "moefuse.bench.norm"),
+            registry.Family("quant", "moefuse.bench.quant"),
+            registry.Family("allreduce", "moefuse.bench.allreduce", min_gpus=2,
+                            multi_rank=True))  # fmt: skip
+    monkeypatch.setattr(bench_all, "FAMILIES", fams)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(harness, "gpu_slug", lambda: "fake")
+    monkeypatch.setattr(harness, "run_metadata", lambda: {"gpu": "fake"})
+    ran = []
+
+    def fake_run(cmd, log, progress, label, timeout_s):
+        ran.append(cmd[cmd.index("bench") + 1:])
+        if label == "quant":
+            return 3, 0.1
+        _write(tmp_path / "norm-fake.json", _rows("rmsnorm", "H=8", 1, moefuse=1.0, compile=2.0))
+        return 0, 0.1
+
+    monkeypatch.setattr(bench_all, "run_command", fake_run)
+    rc = bench_all.main(["--out", str(tmp_path), "--world-sizes", "2"])
+    assert rc == 1  # quant failed
+    assert ran == [["norm", "--save", "--out", str(tmp_path)],
+                   ["quant", "--save", "--out", str(tmp_path)]]  # fmt: skip
+    runs = json.loads((tmp_path / "bench-all-fake.json").read_text())["runs"]
+    status = {r["label"]: r["status"] for r in runs}
+    assert status == {"norm": "ok", "quant": "failed (exit 3)", "allreduce P=2": "skipped"}
+    assert "2.00 x compile" in (tmp_path / "SUMMARY.md").read_text()
