@@ -230,10 +230,12 @@ def collect() -> dict:
 
 def format_report(info: dict) -> str:
     v = info["versions"]
-    lines = ["versions: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in v)]
+    missing = {"torch_cuda": "none (CPU build)"}
+    lines = ["versions: " + ", ".join(f"{k} {v[k] or missing.get(k, 'not installed')}"
+                                      for k in v)]  # fmt: skip
     lines.append(f"TRITON_INTERPRET: {'on' if info['triton_interpret'] else 'off'}")
     if not info["devices"]:
-        lines.append("GPUs: none (CUDA not available)")
+        lines.append("GPUs: none (CUDA not available); PDL: no (needs an SM90+ GPU)")
     for d in info["devices"]:
         cap = ".".join(map(str, d["capability"]))
         lines.append(f"cuda:{d['index']} {d['name']}: SM {cap}, {d['sm_count']} SMs, "
