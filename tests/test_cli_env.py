@@ -1,9 +1,6 @@
 """`python -m moefuse env`: versions, devices, peer access, PDL and what impl='auto' picks."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -40,18 +37,12 @@ def test_env_on_cpu_with_the_interpreter():
         assert "interpreter" in r["why"]
 
 
-def test_env_on_cpu_without_the_interpreter():
+def test_env_on_cpu_without_the_interpreter(monkeypatch):
     """A CPU-only machine without TRITON_INTERPRET: the reference, with the reason why the
-    kernels cannot run."""
-    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    environ["CUDA_VISIBLE_DEVICES"] = ""
-    environ["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(os.path.dirname(__file__), "..", "src"), environ.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-m", "moefuse", "env", "--json"], env=environ,
-                         capture_output=True, text=True, timeout=120, check=True).stdout
-    info = json.loads(out)
-    assert info["devices"] == [] and info["triton_interpret"] is False
-    for r in info["families"]:
+    kernels cannot run (the decision reads the variable at call time; `make test`'s wheel check
+    runs the `moefuse env` console script in such an environment)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for r in env.family_paths(torch.device("cpu")):
         assert r["auto"] == "reference" and "TRITON_INTERPRET=1" in r["why"], r
 
 
