@@ -46,11 +46,14 @@ def test_family_overrides_and_formats(tmp_path):
     # moe-comm is not taken for moe; the file may name its baselines itself
     rows = _rows("moe_finalize_allreduce", "P=2", 8, moefuse=2.0, moefuse_unfused=4.0, nccl=8.0)
     _write(tmp_path / "moe-comm-h200-p2.json", rows, baselines=["moefuse_unfused", "nccl"])
-    # overhead: impl / us_per_call, no M
+    # overhead: impl / us_per_call, no M; F.rms_norm's row ("rms_norm") is rmsnorm's baseline
     _write(tmp_path / "overhead-h200.json",
            [{"op": "rmsnorm", "impl": "moefuse", "us_per_call": 5.0},
             {"op": "rmsnorm", "impl": "flashinfer", "us_per_call": 10.0},
-            {"op": "rms_norm", "impl": "torch", "us_per_call": 11.0}])  # fmt: skip
+            {"op": "rms_norm", "impl": "torch", "us_per_call": 4.0},
+            {"op": "moe_finalize", "impl": "moefuse", "us_per_call": 6.0},
+            {"op": "moe_finalize", "impl": "torch", "us_per_call": 12.0},
+            {"op": "moe_permute", "impl": "moefuse", "us_per_call": 6.0}])  # fmt: skip
     (tmp_path / "bench-all-h200.json").write_text(json.dumps({"runs": []}))  # not a result
     by_family = {r.family: r for r in summary.load(tmp_path)}
     assert list(by_family) == ["moe", "overhead", "moe-comm"]  # registry order
@@ -58,8 +61,8 @@ def test_family_overrides_and_formats(tmp_path):
     assert (layer.op, layer.best, layer.speedup) == ("layer", "scatter-add finalize", 1.5)
     (mc,) = by_family["moe-comm"].cases
     assert (mc.best, mc.speedup) == ("moefuse_unfused", 2.0)
-    (oh,) = by_family["overhead"].cases
-    assert (oh.m, oh.best, oh.speedup) == (None, "flashinfer", 2.0)
+    got = {(c.op, c.m, c.best, c.speedup) for c in by_family["overhead"].cases}
+    assert got == {("rmsnorm", None, "torch", 0.8), ("moe_finalize", None, "torch", 2.0)}
     assert registry.family_of("moe-comm-h200-p2").name == "moe-comm"
     assert registry.family_of("moe-h200").name == "moe"
     assert registry.family_of("other-h200") is None
@@ -100,7 +103,8 @@ def test_plan_skips_what_the_machine_cannot_run(monkeypatch):
     fams = (registry.Family("norm", "moefuse.bench.norm"),
             registry.Family("ghost", "moefuse.bench.no_such_module"),
             registry.Family("allreduce", "moefuse.bench.allreduce", min_gpus=2, multi_rank=True),
-            registry.Family("overhead", "moefuse.bench.norm", quick=False))  # fmt: skip
+            registry.Family("overhead", "moefuse.bench.norm", quick=False,
+                            optional_world_size=True))  # fmt: skip
     monkeypatch.setattr(bench_all, "FAMILIES", fams)
     jobs = {j.label: j for j in bench_all.plan(2, "OUT", quick=True, world_sizes=(2, 4))}
     assert list(jobs) == ["norm", "ghost", "allreduce P=2", "allreduce P=4", "overhead"]
@@ -110,7 +114,9 @@ def test_plan_skips_what_the_machine_cannot_run(monkeypatch):
     assert jobs["allreduce P=2"].skip is None and jobs["allreduce P=2"].argv[-2:] == [
         "--world-size", "2"]  # fmt: skip
     assert jobs["allreduce P=4"].skip == "needs 4 GPUs, this machine has 2"
-    assert "--quick" not in jobs["overhead"].argv
+    assert jobs["overhead"].argv == ["overhead", "--save", "--out", "OUT", "--world-size", "2"]
+    one_gpu = {j.label: j for j in bench_all.plan(1, "OUT", world_sizes=(2,))}
+    assert "--world-size" not in one_gpu["overhead"].argv
     assert all(j.skip for j in bench_all.plan(0, "OUT", world_sizes=(2,)))
 
 

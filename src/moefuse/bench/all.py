@@ -53,6 +53,9 @@ def plan(gpus: int, out_dir: str, *, quick: bool = False, only: list[str] | None
         missing = missing_reason(fam)
         if not fam.multi_rank:
             skip = missing or (None if gpus >= 1 else "needs a CUDA GPU")
+            fits = [p for p in world_sizes if 2 <= p <= gpus]
+            if fam.optional_world_size and fits:  # its communication ops too, at the largest P
+                base += ["--world-size", str(max(fits))]
             jobs.append(Job(fam, fam.name, base, "", skip))
             continue
         sizes = [p for p in world_sizes if p >= fam.min_gpus]

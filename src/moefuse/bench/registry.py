@@ -33,6 +33,10 @@ class Family:
     ours: tuple[str, ...] = ("moefuse",)
     #: variants that are neither ours nor baselines, beyond the default rule
     not_baselines: tuple[str, ...] = ()
+    #: a single-GPU family that also times its communication ops given ``--world-size P``
+    optional_world_size: bool = False
+    #: (op name in a baseline row, op it is the baseline of), e.g. F.rms_norm's row for rmsnorm
+    op_aliases: tuple[tuple[str, str], ...] = ()
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -42,7 +46,9 @@ FAMILIES: tuple[Family, ...] = (
     # (atomics) finalize; permute -> finalize: PDL on against off (no baseline: not summarised)
     Family("moe", "moefuse.bench.moe",
            ours=("moefuse", "deterministic finalize", "PDL on"), not_baselines=("PDL off",)),
-    Family("overhead", "moefuse.bench.overhead", quick=False),
+    # host µs per eager call; F.rms_norm (op "rms_norm", impl "torch") is rmsnorm's baseline
+    Family("overhead", "moefuse.bench.overhead", quick=False, optional_world_size=True,
+           op_aliases=(("rms_norm", "rmsnorm"),)),
     Family("allreduce", "moefuse.bench.allreduce", min_gpus=2, multi_rank=True),
     Family("moe-comm", "moefuse.bench.moe_comm", min_gpus=2, multi_rank=True),
     Family("allgather", "moefuse.bench.allgather", min_gpus=2, multi_rank=True),

@@ -62,12 +62,14 @@ def _row_fields(r: dict) -> tuple[str | None, float | None]:
 def cases_of(family_name: str, meta: dict, rows: list[dict]) -> list[Case]:
     """Speed-up cases of one results file: one per (op, shape, M) with ours and a baseline."""
     fam = family_of(family_name)
+    aliases = dict(fam.op_aliases) if fam else {}
     groups: dict[tuple, dict[str, float]] = {}
     for r in rows:
         variant, us = _row_fields(r)
         if variant is None or us is None:
             continue
-        key = (str(r.get("op", "")), str(r.get("shape", "")), r.get("M"))
+        op = str(r.get("op", ""))
+        key = (aliases.get(op, op), str(r.get("shape", "")), r.get("M"))
         groups.setdefault(key, {})[str(variant)] = us
     out = []
     for (op, shape, m), times in groups.items():
