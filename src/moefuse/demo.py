@@ -2,9 +2,10 @@
 reference on the best device present, printed as one table. Exit status 1 if any check fails.
 
 On a GPU the Triton kernels run at a real model's width (hidden 4096, 128 tokens), and the table
-gives each kernel's time per call from CUDA-graph replays (the method of ``moefuse bench``, inputs
-L2-resident at this size) next to ``torch.compile`` of the same math in plain PyTorch, timed the
-same way. Without a GPU, the reference runs and the same Triton kernels run in Triton's
+gives each kernel's time per call from CUDA-graph replays (the method of ``moefuse bench``, with
+the same inputs every call: L2-resident at the default size) next to ``torch.compile`` of the same
+math in plain PyTorch, timed the same way (``--no-compile`` skips it: compiling takes longer than
+the rest of the demo). Without a GPU, the reference runs and the same Triton kernels run in Triton's
 interpreter at a reduced size; no time is printed then (interpreted kernels run on the CPU, one
 program after another: their times say nothing about the kernels).
 """
@@ -229,9 +230,10 @@ def run_demo(hidden: int | None = None, tokens: int | None = None,
     for r in [header, *rows]:
         print("  ".join(str(v).ljust(wd) for v, wd in zip(r, widths)))
     if on_gpu:
-        print("\ntimes: µs per call, median of CUDA-graph replays (20 calls per graph; inputs "
-              "L2-resident at this size); compile = torch.compile of the same math in plain "
-              "PyTorch" + ("" if with_compile else " (skipped: --no-compile)"))  # fmt: skip
+        print("\ntimes: µs per call, median of CUDA-graph replays (20 calls per graph, the same "
+              "inputs every call: L2-resident at the default size); compile = torch.compile of "
+              "the same math in plain PyTorch, timed the same way"
+              + ("" if with_compile else " (skipped: --no-compile)"))  # fmt: skip
     else:
         print("\ntimes: none (the kernels ran in Triton's interpreter on the CPU, where a time "
               "says nothing about the kernel)")  # fmt: skip
