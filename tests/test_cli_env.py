@@ -10,7 +10,8 @@ from moefuse import cli, env
 FAMILIES = {"norm", "moe", "quant"}
 
 
-def test_env_text_and_json(capsys):
+def test_env_text_and_json(capsys, monkeypatch):
+    monkeypatch.delenv("MOEFUSE_COMM_TRANSPORT", raising=False)
     assert cli.main(["env"]) == 0
     text = capsys.readouterr().out
     assert "versions: moefuse" in text and f"torch {torch.__version__}" in text
