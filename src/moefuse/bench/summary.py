@@ -189,11 +189,14 @@ def plot_speedup(res: Result, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     panels: dict[str, list[Case]] = {}
-    for c in res.cases:
-        panels.setdefault(f"{c.op} {c.shape}".strip(), []).append(c)
+    for c in res.cases:  # cases without M (host overhead: one per op) share one bar panel
+        key = f"{c.op} {c.shape}".strip() if c.m is not None else "per op (no M)"
+        panels.setdefault(key, []).append(c)
     cols = min(4, len(panels))
     nrows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows), squeeze=False)
+    bars = max((len(c) for k, c in panels.items() if c[0].m is None), default=0)
+    width = max(4.2 * cols, 6.0, 0.45 * bars + 2.0)
+    fig, axes = plt.subplots(nrows, cols, figsize=(width, 3.3 * nrows + 0.3), squeeze=False)
     for ax, (key, cases) in zip(axes.flat, panels.items()):
         by_m = [c for c in cases if c.m is not None]
         if by_m:  # speed-up against M
@@ -203,9 +206,11 @@ def plot_speedup(res: Result, path: Path) -> Path | None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("M (tokens)", fontsize=7)
             labelled = by_m
-        else:  # no M (host overhead): one bar per case
+        else:  # no M (host overhead): one bar per op
             xs, ys = list(range(len(cases))), [c.speedup for c in cases]
             ax.bar(xs, ys, color="tab:blue")
+            ax.set_xticks(xs, [f"{c.op} {c.shape}".strip() for c in cases], rotation=45,
+                          ha="right")  # fmt: skip
             labelled = cases
         for x, c in zip(xs, labelled):
             ax.annotate(c.best, (x, c.speedup), fontsize=5, rotation=30, xytext=(2, 3),
@@ -219,8 +224,9 @@ def plot_speedup(res: Result, path: Path) -> Path | None:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     meta = res.meta
-    fig.suptitle(f"moefuse {res.family}: speed-up over the best baseline "
-                 f"({meta.get('gpu', '?')}, {str(meta.get('date', '?'))[:10]})", fontsize=10)
+    fig.suptitle(f"moefuse {res.family}: speed-up over the best baseline\n"
+                 f"{meta.get('gpu', '?')}, {str(meta.get('date', '?'))[:10]}, {res.path.name}",
+                 fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
