@@ -92,10 +92,14 @@ def test_committed_summary_is_current(tmp_path):
     for p in [*RESULTS.glob("*.json"), *RESULTS.glob("*.png")]:
         shutil.copy(p, tmp_path)
     results = summary.load(tmp_path)
-    assert summary.summary_markdown(results) == (RESULTS / "SUMMARY.md").read_text()
+    stale = "stale: run `python -m moefuse bench summary` from the repository root and commit"
+    assert summary.summary_markdown(results) == (RESULTS / "SUMMARY.md").read_text(), stale
     readme = (RESULTS.parent.parent / "README.md").read_text()
     table = summary.overview_table(results).replace("](", "](bench/results/")
-    assert f"{summary.START}\n{table}\n{summary.END}" in readme
+    assert f"{summary.START}\n{table}\n{summary.END}" in readme, stale
+    for res in results:
+        if res.cases:
+            assert (RESULTS / f"{res.path.stem}-speedup.png").is_file(), stale
 
 
 # ----------------------------------------------------------------------------- bench all
