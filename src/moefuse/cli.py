@@ -15,24 +15,28 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="fused epilogue checked against the reference")
     demo.add_argument("--hidden", type=int, default=None, help="hidden size (default: by device)")
     demo.add_argument("--tokens", type=int, default=None, help="token count (default: by device)")
+    demo.add_argument("--no-compile", action="store_true",
+                      help="GPU: skip the torch.compile times (faster start)")
     bench = sub.add_parser("bench", help="benchmarks; see `moefuse bench <family> --help`")
-    bench.add_argument("family", choices=BENCH_FAMILIES)
+    # all / summary: every family in turn / the markdown summary from saved JSON (bench.all,
+    # bench.summary)
+    bench.add_argument("family", choices=(*BENCH_FAMILIES, "all", "summary"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the family benchmark")
-    sub.add_parser("env", help="print versions, device and kernel support")
+    env = sub.add_parser("env", help="versions, GPUs, peer access, PDL, what impl='auto' picks")
+    env.add_argument("--json", action="store_true", help="one JSON object instead of text")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
         from moefuse.demo import run_demo
 
-        return run_demo(hidden=args.hidden, tokens=args.tokens)
+        return run_demo(hidden=args.hidden, tokens=args.tokens, with_compile=not args.no_compile)
     if args.command == "bench":
         module = importlib.import_module(f"moefuse.bench.{args.family}")
         return module.main(args.rest)
     if args.command == "env":
-        from moefuse.demo import print_env
+        from moefuse.env import main as env_main
 
-        print_env()
-        return 0
+        return env_main(["--json"] if args.json else [])
     return 2
 
 

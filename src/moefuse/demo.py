@@ -1,8 +1,13 @@
 """``python -m moefuse demo``: one MoE decoder layer's epilogue, every op checked against the
 reference on the best device present, printed as one table. Exit status 1 if any check fails.
 
-On a GPU the Triton kernels run at a real model's width (hidden 4096, 128 tokens). Without one,
-the reference runs and the same Triton kernels run in Triton's interpreter at a reduced size.
+On a GPU the Triton kernels run at a real model's width (hidden 4096, 128 tokens), and the table
+gives each kernel's time per call from CUDA-graph replays (the method of ``moefuse bench``, with
+the same inputs every call: L2-resident at the default size) next to ``torch.compile`` of the same
+math in plain PyTorch, timed the same way (``--no-compile`` skips it: compiling takes longer than
+the rest of the demo). Without a GPU, the reference runs and the same Triton kernels run in Triton's
+interpreter at a reduced size; no time is printed then (interpreted kernels run on the CPU, one
+program after another: their times say nothing about the kernels).
 """
 
 from __future__ import annotations
@@ -10,7 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +31,16 @@ class Step:
     #: (reference outputs, kernel outputs) -> expected outputs, for outputs whose SPEC meaning
     #: is a function of another output (None: the reference outputs)
     expect: Callable[[tuple, tuple], tuple] | None = None
+    #: GPU timing: the kernel call alone (None: ``run("triton")``; in-place ops give a call on
+    #: buffers of their own so the timed call is not a clone + the op) and the same math in
+    #: plain PyTorch, which the demo times under torch.compile
+    kernel: Callable[[], object] | None = None
+    torch_math: Callable[[], object] | None = None
 
 
 def _steps(m: int, h: int, dev: str) -> list[Step]:
     import moefuse
+    from moefuse.bench import norm as bn  # the benchmark's plain-PyTorch math (baselines)
 
     bf = torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -53,19 +63,31 @@ def _steps(m: int, h: int, dev: str) -> list[Step]:
         a = attn.clone()
         return moefuse.rmsnorm_sigmoid_gate(a, gate, impl=impl)
 
+    # in-place ops are timed on buffers of their own (repeated calls keep them finite)
+    xa, rb, attn_t = x.clone(), res.clone(), attn.clone()
+
     steps = [
-        Step("rmsnorm", f"{m}x{h}", lambda impl: moefuse.rmsnorm(x, w, impl=impl), "rsqrt_half"),
+        Step("rmsnorm", f"{m}x{h}", lambda impl: moefuse.rmsnorm(x, w, impl=impl), "rsqrt_half",
+             torch_math=lambda: bn.torch_rmsnorm(x, w)),  # fmt: skip
         Step("gemma_rmsnorm", f"{m}x{h}", lambda impl: moefuse.gemma_rmsnorm(x, w, impl=impl),
-             "rsqrt_half"),  # fmt: skip
-        Step("fused_add_rmsnorm", f"{m}x{h}", fused_add, ("rsqrt_half", "exact")),
+             "rsqrt_half", torch_math=lambda: bn.torch_rmsnorm(x, w.float() + 1.0)),  # fmt: skip
+        Step("fused_add_rmsnorm", f"{m}x{h}", fused_add, ("rsqrt_half", "exact"),
+             kernel=lambda: moefuse.fused_add_rmsnorm(xa, rb, w, impl="triton"),
+             torch_math=lambda: bn.torch_fused_add_rmsnorm(x, res, w)),  # fmt: skip
         Step("gated_residual_rmsnorm", f"{m}x{h}",
              lambda impl: moefuse.gated_residual_rmsnorm(branch, stream, w, alpha, beta,
-                                                         impl=impl), "fp32_stream"),  # fmt: skip
+                                                         impl=impl), "fp32_stream",
+             torch_math=lambda: bn.torch_gated_residual_rmsnorm(branch.float() * w.float(),
+                                                                stream, alpha, beta)),  # fmt: skip
         Step("gated_residual_next_rmsnorm", f"{m}x{h}",
              lambda impl: moefuse.gated_residual_next_rmsnorm(branch, stream, w, alpha, beta,
                                                               impl=impl),
-             ("fp32_stream", "rsqrt_half"), expect=_ffn_of_own_stream(w)),  # fmt: skip
-        Step("rmsnorm_sigmoid_gate", f"{m}x{heads}x{d}", sigmoid_gate, "sigmoid_fast"),
+             ("fp32_stream", "rsqrt_half"), expect=_ffn_of_own_stream(w),
+             torch_math=lambda: bn.torch_gated_residual_next_rmsnorm(branch, stream, w, alpha,
+                                                                     beta)),  # fmt: skip
+        Step("rmsnorm_sigmoid_gate", f"{m}x{heads}x{d}", sigmoid_gate, "sigmoid_fast",
+             kernel=lambda: moefuse.rmsnorm_sigmoid_gate(attn_t, gate, impl="triton"),
+             torch_math=lambda: bn.torch_rmsnorm_sigmoid_gate(attn, gate)),  # fmt: skip
     ]
     return steps + _moe_steps(m, h, dev, rnd) + _quant_steps(m, h, dev, x, res, w)
 
@@ -94,11 +116,18 @@ def _moe_steps(m, h, dev, rnd) -> list[Step]:
     plan = moefuse.sort_by_expert(ids, experts)
     rows = rnd(plan.num_rows, h)
     shared = rnd(m, h)
+
+    from moefuse.bench.moe import torch_finalize  # imported here, not inside the traced math
+
+    def torch_math():  # the benchmark's gather-sum in FP32, plus the shared expert
+        idx = plan.expanded_idx_to_permuted_idx
+        return (torch_finalize(rows, idx, weights).float() + shared.float()).to(rows.dtype)
+
     return [
         Step("moe_finalize (K=8, E=64)", f"{m}x{k}x{h}",
              lambda impl: moefuse.moe_finalize(rows, plan.expanded_idx_to_permuted_idx, weights,
                                                shared_expert_output=shared, impl=impl),
-             "exact"),  # fmt: skip
+             "exact", torch_math=torch_math),  # fmt: skip
     ]
 
 
@@ -118,11 +147,19 @@ def _quant_steps(m, h, dev, x, res, w) -> list[Step]:
         packed, sf = moefuse.rmsnorm_fp4_quantize(x, w, gs, recipe="ieee", impl=impl)
         return sf
 
+    from moefuse.bench import quant as bq  # the benchmark's plain-PyTorch FP8 / NVFP4 math
+
+    r_t, inv = res.clone(), 1.0 / scale
     return [
-        Step("fused_add_rmsnorm_quant (FP8)", f"{m}x{h}", add_norm_fp8, ("fp8_code", "exact")),
-        Step("rmsnorm_fp4_quantize (scales)", f"{m}x{h}", norm_fp4, "exact"),
+        Step("fused_add_rmsnorm_quant (FP8)", f"{m}x{h}", add_norm_fp8, ("fp8_code", "exact"),
+             kernel=lambda: moefuse.fused_add_rmsnorm_quant(x, r_t, w, scale, impl="triton"),
+             torch_math=lambda: bq.torch_fused_add_rmsnorm_quant(x, res, w, inv)),  # fmt: skip
+        Step("rmsnorm_fp4_quantize (scales)", f"{m}x{h}", norm_fp4, "exact",
+             kernel=lambda: moefuse.rmsnorm_fp4_quantize(x, w, gs, recipe="ieee", impl="triton"),
+             torch_math=lambda: bq.torch_rmsnorm_fp4(x, w, gs)),  # fmt: skip
         Step("fp4_quantize (NVFP4)", f"{m}x{h}",
-             lambda impl: moefuse.fp4_quantize(x, gs, recipe="ieee", impl=impl), "exact"),
+             lambda impl: moefuse.fp4_quantize(x, gs, recipe="ieee", impl=impl), "exact",
+             torch_math=lambda: bq.torch_fp4_quantize(x, gs)),  # fmt: skip
     ]
 
 
@@ -130,23 +167,24 @@ def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
-def _timed(fn: Callable[[], object], dev: str) -> tuple[object, float]:
-    out = fn()  # warm-up (compiles)
-    if dev == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            out = fn()
-        end.record()
-        end.synchronize()
-        return out, start.elapsed_time(end) * 100.0  # µs per call
-    t0 = time.perf_counter()
-    out = fn()
-    return out, (time.perf_counter() - t0) * 1e6
+def _gpu_times(step: Step, with_compile: bool) -> tuple[float, float | None, str | None]:
+    """(kernel µs, torch.compile µs or None, note) per call, each the median of CUDA-graph
+    replays of 20 captured calls (moefuse.bench.harness.graph_time_us)."""
+    from moefuse.bench import harness
+
+    kernel = step.kernel or (lambda: step.run("triton"))
+    us = harness.graph_time_us(lambda i: kernel(), calls=20, replays=10)
+    if not with_compile or step.torch_math is None:
+        return us, None, None
+    try:
+        compiled = harness.compile_baseline(step.torch_math)
+        return us, harness.graph_time_us(lambda i: compiled(), calls=20, replays=10), None
+    except Exception as exc:  # a baseline that does not compile must not fail the demo
+        return us, None, f"{step.op}: torch.compile failed ({type(exc).__name__}: {exc})"[:160]
 
 
-def run_demo(hidden: int | None = None, tokens: int | None = None) -> int:
+def run_demo(hidden: int | None = None, tokens: int | None = None,
+             with_compile: bool = True) -> int:  # fmt: skip
     from moefuse.testing import TOLERANCES, assert_close, max_abs_error
 
     on_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -165,11 +203,10 @@ def run_demo(hidden: int | None = None, tokens: int | None = None) -> int:
     backend = "triton" if on_gpu else "triton (interpreter)"
     name = torch.cuda.get_device_name() if on_gpu else "CPU"
     print(f"moefuse demo on {name}: hidden {h}, {m} tokens; each op against the reference\n")
-    rows, failed = [], 0
+    rows, failed, notes = [], 0, []
     for step in _steps(m, h, dev):
         expected = _as_tuple(step.run("reference"))
-        got, us = _timed(lambda step=step: step.run("triton"), dev)
-        got = _as_tuple(got)
+        got = _as_tuple(step.run("triton"))
         if step.expect is not None:
             expected = step.expect(expected, got)
         tols = step.tol if isinstance(step.tol, tuple) else (step.tol,) * len(got)
@@ -181,33 +218,31 @@ def run_demo(hidden: int | None = None, tokens: int | None = None) -> int:
             except AssertionError as exc:
                 status = f"FAIL: {str(exc)[:80]}"
         failed += status != "ok"
-        rows.append((step.op, backend, step.shape, f"{err:.3g}", f"{us:.1f}", status))
-    header = ("op", "backend", "shape", "max abs err", "µs/call", "check")
+        us = comp = None
+        if on_gpu:  # timed after the check: the in-place kernels' timing buffers are separate
+            us, comp, note = _gpu_times(step, with_compile)
+            notes += [note] if note else []
+        rows.append((step.op, backend, step.shape, f"{err:.3g}", _us(us), _us(comp),
+                     f"{comp / us:.2f}" if us and comp else "-", status))  # fmt: skip
+    header = ("op", "backend", "shape", "max abs err", "kernel µs", "compile µs", "x compile",
+              "check")  # fmt: skip
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(v).ljust(wd) for v, wd in zip(r, widths)))
+    if on_gpu:
+        print("\ntimes: µs per call, median of CUDA-graph replays (20 calls per graph, the same "
+              "inputs every call: L2-resident at the default size); compile = torch.compile of "
+              "the same math in plain PyTorch, timed the same way"
+              + ("" if with_compile else " (skipped: --no-compile)"))  # fmt: skip
+    else:
+        print("\ntimes: none (the kernels ran in Triton's interpreter on the CPU, where a time "
+              "says nothing about the kernel)")  # fmt: skip
+    for note in notes:
+        print("note:", note)
     print(f"\n{len(rows) - failed} passed, {failed} failed (tolerances: "
           f"{', '.join(sorted(TOLERANCES))}; see moefuse.testing)")  # fmt: skip
     return 1 if failed else 0
 
 
-def print_env() -> None:
-    import moefuse
-    from moefuse._runtime import interpreter_active, kernel_device_reason
-
-    print("moefuse", moefuse.__version__, "torch", torch.__version__)
-    try:
-        import triton
-
-        print("triton", triton.__version__)
-    except ImportError:
-        print("triton not installed")
-    print("TRITON_INTERPRET:", interpreter_active())
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            dev = torch.device("cuda", i)
-            reason = kernel_device_reason(dev)
-            print(f"cuda:{i}", torch.cuda.get_device_name(i), "kernels:", reason or "supported")
-    else:
-        reason = kernel_device_reason(torch.device("cpu"))
-        print("no CUDA device; kernels:", reason or "interpreter")
+def _us(us: float | None) -> str:
+    return "-" if us is None else f"{us:.2f}"

@@ -1,0 +1,295 @@
+"""``python -m moefuse bench summary``: the markdown summary and the speed-up plots, rebuilt from
+the saved benchmark JSON files alone (no GPU needed).
+
+For every ``<family>-<gpu>[-pP].json`` under ``--dir`` (default ``bench/results``):
+
+* speed-up of a case (op, shape, M) = the best (smallest) baseline time / moefuse's time, both
+  from the same run (> 1: moefuse is faster). Which variant is ours and which are baselines is
+  decided by :func:`moefuse.bench.registry.roles`; cases without a baseline are left out.
+* ``<stem>-speedup.png``: one panel per (op, shape), speed-up against M on a linear axis with
+  1.0 marked, each point labelled with the baseline that was best there (the µs-per-call plots
+  beside it, ``<stem>.png``, are log-log: a 1.3 x gain is hard to see on them);
+* ``SUMMARY.md``: an overview table (one line per file) and a table per file (op x M).
+
+With ``--readme PATH`` (default: ``README.md`` when it holds the markers and ``--dir`` is
+``bench/results``), the overview table is
+also written into that file between ``<!-- bench-summary:start -->`` and
+``<!-- bench-summary:end -->``; nothing else in it changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from moefuse.bench.registry import FAMILIES, family_of, roles
+
+START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
+
+
+@dataclass
+class Case:
+    op: str
+    shape: str
+    m: int | None
+    ours_us: float
+    best: str  # the best baseline's variant name
+    best_us: float
+
+    @property
+    def speedup(self) -> float:
+        return self.best_us / self.ours_us
+
+
+@dataclass
+class Result:
+    path: Path
+    family: str
+    meta: dict
+    cases: list[Case]
+
+
+def _row_fields(r: dict) -> tuple[str | None, float | None]:
+    """(variant, µs) of a row in any family's format (overhead: ``impl`` / ``us_per_call``)."""
+    variant = r.get("variant", r.get("impl"))
+    us = r.get("us", r.get("us_per_call"))
+    return variant, (float(us) if isinstance(us, (int, float)) and us > 0 else None)
+
+
+def cases_of(family_name: str, meta: dict, rows: list[dict]) -> list[Case]:
+    """Speed-up cases of one results file: one per (op, shape, M) with ours and a baseline."""
+    fam = family_of(family_name)
+    aliases = dict(fam.op_aliases) if fam else {}
+    groups: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        variant, us = _row_fields(r)
+        if variant is None or us is None:
+            continue
+        op = str(r.get("op", ""))
+        key = (aliases.get(op, op), str(r.get("shape", "")), r.get("M"))
+        groups.setdefault(key, {})[str(variant)] = us
+    out = []
+    for (op, shape, m), times in groups.items():
+        ours, baselines = roles(fam, meta, set(times))
+        if ours is None or not baselines:
+            continue
+        best = min(baselines, key=lambda v: (times[v], v))
+        out.append(Case(op, shape, m, times[ours], best, times[best]))
+    return out
+
+
+def load(results_dir: str | Path) -> list[Result]:
+    """Every benchmark results file under ``results_dir`` (files without ``rows`` are skipped),
+    in the registry's family order."""
+    order = {f.name: i for i, f in enumerate(FAMILIES)}
+    results = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            continue
+        fam = family_of(path.stem)
+        name = fam.name if fam else path.stem
+        meta = data.get("meta") or {}
+        results.append(Result(path, name, meta, cases_of(name, meta, data["rows"])))
+    results.sort(key=lambda r: (order.get(r.family, len(order)), r.path.name))
+    return results
+
+
+# ----------------------------------------------------------------------------- markdown
+def _fmt_x(x: float) -> str:
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}"
+
+
+def _fmt_us(us: float) -> str:
+    return f"{us:.2f}" if us < 100 else f"{us:.0f}"
+
+
+def overview_table(results: list[Result]) -> str:
+    lines = ["| family | file | GPU | date | commit | cases | speed-up over best baseline "
+             "(min / median / max) | cases >= 1.0 x | plots |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for res in results:
+        xs = sorted(c.speedup for c in res.cases)
+        m = res.meta
+        gpu = str(m.get("gpu", "?")) + (f" x {m['world_size']}" if m.get("world_size") else "")
+        stem = res.path.stem
+        plots = [f"[µs]({stem}.png)"] if res.path.with_suffix(".png").exists() else []
+        if xs:
+            plots.append(f"[speed-up]({stem}-speedup.png)")
+        span = (f"{_fmt_x(xs[0])} / {_fmt_x(statistics.median(xs))} / {_fmt_x(xs[-1])}"
+                if xs else "no baseline in the file")  # fmt: skip
+        wins = f"{sum(x >= 1.0 for x in xs)} / {len(xs)}" if xs else "-"
+        lines.append(f"| {res.family} | {res.path.name} | {gpu} | {str(m.get('date', '?'))[:10]} "
+                     f"| {str(m.get('commit', '?'))[:10]} | {len(xs)} | {span} | {wins} | "
+                     f"{' · '.join(plots) or '-'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _label_m(m) -> str:
+    return "M" if m is None else f"M={m}"
+
+
+def detail_table(res: Result) -> str:
+    """op/shape rows x M columns; a cell is 'speed-up x best baseline (moefuse µs)'."""
+    ms = sorted({c.m for c in res.cases}, key=lambda m: (m is None, m or 0))
+    keys = list(dict.fromkeys((c.op, c.shape) for c in res.cases))
+    cell = {(c.op, c.shape, c.m): c for c in res.cases}
+    lines = ["| op | shape | " + " | ".join(_label_m(m) for m in ms) + " |",
+             "|---|---|" + "---|" * len(ms)]  # fmt: skip
+    for op, shape in keys:
+        cells = []
+        for m in ms:
+            c = cell.get((op, shape, m))
+            cells.append("" if c is None else
+                         f"{_fmt_x(c.speedup)} x {c.best} ({_fmt_us(c.ours_us)} µs)")  # fmt: skip
+        lines.append(f"| {op} | {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_markdown(results: list[Result]) -> str:
+    parts = [
+        "# moefuse benchmark summary",
+        "",
+        "Generated by `python -m moefuse bench summary` from the JSON files in this directory "
+        "(written by `python -m moefuse bench <family> --save` or `bench all`). Speed-up = the "
+        "best baseline's µs / moefuse's µs for the same op, shape and M in the same run (> 1: "
+        "moefuse is faster); times are medians of CUDA-graph replays (see each file's `meta`). "
+        "Baselines are every non-moefuse variant of the run except the SM-copy ceiling "
+        "(`moefuse.bench.registry`).",
+        "",
+        overview_table(results),
+    ]
+    for res in results:
+        if not res.cases:
+            continue
+        m = res.meta
+        parts += ["", f"## {res.family}: {res.path.name}", "",
+                  f"{m.get('gpu', '?')}, commit {m.get('commit', '?')}, {m.get('date', '?')}; "
+                  f"command `{m.get('command', '?')}`. Cell: speed-up x the best baseline at "
+                  "that M (moefuse's µs per call).", "", detail_table(res)]  # fmt: skip
+    return "\n".join(parts) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+def plot_speedup(res: Result, path: Path) -> Path | None:
+    """The speed-up plot of one results file (None when it has no case or no matplotlib)."""
+    if not res.cases:
+        return None
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[str, list[Case]] = {}
+    for c in res.cases:  # cases without M (host overhead: one per op) share one bar panel
+        key = f"{c.op} {c.shape}".strip() if c.m is not None else "per op (no M)"
+        panels.setdefault(key, []).append(c)
+    cols = min(4, len(panels))
+    nrows = (len(panels) + cols - 1) // cols
+    bars = max((len(c) for k, c in panels.items() if c[0].m is None), default=0)
+    width = max(4.2 * cols, 6.0, 0.45 * bars + 2.0)
+    fig, axes = plt.subplots(nrows, cols, figsize=(width, 3.3 * nrows + 0.3), squeeze=False)
+    for ax, (key, cases) in zip(axes.flat, panels.items()):
+        by_m = [c for c in cases if c.m is not None]
+        if by_m:  # speed-up against M
+            by_m.sort(key=lambda c: c.m)
+            xs, ys = [c.m for c in by_m], [c.speedup for c in by_m]
+            ax.plot(xs, ys, marker="o", ms=3, color="tab:blue")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("M (tokens)", fontsize=7)
+            labelled = by_m
+        else:  # no M (host overhead): one bar per op
+            xs, ys = list(range(len(cases))), [c.speedup for c in cases]
+            ax.bar(xs, ys, color="tab:blue")
+            ax.set_xticks(xs, [f"{c.op} {c.shape}".strip() for c in cases], rotation=45,
+                          ha="right")  # fmt: skip
+            labelled = cases
+        for x, c in zip(xs, labelled):
+            ax.annotate(c.best, (x, c.speedup), fontsize=5, rotation=30, xytext=(2, 3),
+                        textcoords="offset points")  # fmt: skip
+        ax.axhline(1.0, color="tab:red", lw=1, ls="--")
+        ax.set_ylim(0, max(1.2, 1.15 * max(ys)))
+        ax.set_title(key, fontsize=8)
+        ax.set_ylabel("speed-up over best baseline", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    meta = res.meta
+    fig.suptitle(f"moefuse {res.family}: speed-up over the best baseline\n"
+                 f"{meta.get('gpu', '?')}, {str(meta.get('date', '?'))[:10]}, {res.path.name}",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- entry points
+def update_readme(readme: Path, table: str) -> bool:
+    """Replace the text between the markers in ``readme`` by ``table``; False when the file or
+    its markers are missing (nothing written then)."""
+    if not readme.is_file():
+        return False
+    text = readme.read_text()
+    if START not in text or END not in text or text.index(START) > text.index(END):
+        return False
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{table}\n{END}{tail}")
+    return True
+
+
+def write_summary(results_dir: str | Path = "bench/results", readme: str | Path | None = None,
+                  ) -> list[Path]:  # fmt: skip
+    """Write SUMMARY.md and the speed-up plots under ``results_dir``; returns the paths."""
+    out = Path(results_dir)
+    results = load(out)
+    written = []
+    for res in results:
+        png = plot_speedup(res, out / f"{res.path.stem}-speedup.png")
+        if png is not None:
+            written.append(png)
+    md = out / "SUMMARY.md"
+    md.write_text(summary_markdown(results))
+    written.append(md)
+    if readme is not None:
+        table = overview_table(results).replace("](", f"]({_rel(out, Path(readme).parent)}")
+        if update_readme(Path(readme), table):
+            written.append(Path(readme))
+    return written
+
+
+def _rel(results_dir: Path, base: Path) -> str:
+    """Link prefix from the README's folder to ``results_dir`` (e.g. ``bench/results/``)."""
+    try:
+        return results_dir.resolve().relative_to(base.resolve()).as_posix() + "/"
+    except ValueError:
+        return results_dir.resolve().as_posix() + "/"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moefuse bench summary", description=__doc__.split(
+        "\n")[0])  # fmt: skip
+    parser.add_argument("--dir", default="bench/results", help="results directory")
+    parser.add_argument("--readme", default=None,
+                        help="file whose marked block receives the overview table "
+                        "(default: README.md when it has the markers)")  # fmt: skip
+    args = parser.parse_args(argv)
+    readme = args.readme
+    # the README's table describes the committed results: only they update it by default
+    default_dir = Path(args.dir).resolve() == Path("bench/results").resolve()
+    if readme is None and default_dir and Path("README.md").is_file() \
+            and START in Path("README.md").read_text():  # fmt: skip
+        readme = "README.md"
+    for path in write_summary(args.dir, readme):
+        print("wrote", path)
+    return 0
