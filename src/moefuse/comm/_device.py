@@ -39,7 +39,7 @@ FAULT_GAVE_UP: tl.constexpr = tl.constexpr(2)  # rank r's wait timed out: it aba
 # Every rank's buffer starts with the peer-visible "faults" region: int32 [MAX_RANKS], word q set
 # by rank q when a wait of q timed out (q then never takes part in the protocol again)
 FAULTS_OFF16: tl.constexpr = tl.constexpr(0)
-MAX_RANKS: tl.constexpr = tl.constexpr(32)  # status masks are int32 bit sets
+MAX_RANKS: tl.constexpr = tl.constexpr(32)  # lanes of the fault vectors (world size <= 31)
 
 
 @triton.jit
@@ -299,13 +299,22 @@ def give_up(ctrl_ptr, table_ptr, rank, missing, P: tl.constexpr, PTX: tl.constex
 def healthy(ctrl_ptr, table_ptr, rank, P: tl.constexpr, PTX: tl.constexpr):
     """True when this rank may take part in a call: no fault recorded here (device status word)
     and no peer has announced that it gave up (this rank's faults region). A peer that gave up is
-    recorded as FAULT_GAVE_UP, so the host raises naming it. Two loads, issued together."""
-    status = tl.load(ctrl_ptr + CTRL_STATUS, volatile=True)
+    recorded as FAULT_GAVE_UP, so the host raises naming it.
+
+    Both words go through ONE reduction, whose result every thread of the CTA shares: a plain
+    scalar load is executed by every warp, and warps that read before and after another CTA's
+    atomic_or would disagree about the row count and then diverge around barriers."""
     ranks = tl.arange(0, MAX_RANKS)
     rmask = ranks < P
+    status = tl.load(ctrl_ptr + CTRL_STATUS + ranks * 0, mask=ranks == 0, other=0, volatile=True)
     mine = flag_ptrs(table_ptr, rank + ranks * 0, rmask, FAULTS_OFF16, ranks)
     seen = tl.load(mine, mask=rmask, other=0, volatile=True)
-    left = tl.sum(tl.where(rmask & (seen != 0), 1 << ranks, 0), axis=0)
-    if (left != 0) & ((status & left) != left):
+    # bits 0..P-1: peers that gave up; bit 31 (P <= 31): "the status word is set". Disjoint
+    # bits, so the int32 sum is their OR (an int64 variant cost 40 registers in the prefetch
+    # kernel at H = 4096)
+    word = tl.where(rmask & (seen != 0), 1 << ranks, 0) | tl.where(status != 0, 1 << 31, 0)
+    both = tl.sum(word, axis=0)
+    left = both & 0x7FFFFFFF
+    if left != 0:
         record_fault(ctrl_ptr, left, FAULT_GAVE_UP, PTX)
-    return (status | left) == 0
+    return both == 0

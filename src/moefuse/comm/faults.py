@@ -29,15 +29,17 @@ import time
 
 import torch
 
-#: largest world size: status masks are int32 bit sets
-MAX_RANKS = 32
+#: largest world size: status masks are int32 bit sets, bit 31 is used by the device check
+MAX_RANKS = 31
+#: lanes of the device-side fault vectors (``moefuse.comm._device.MAX_RANKS``)
+FAULT_LANES = 32
 #: int64 index (in ctrl viewed as int64) of the distance from ctrl to the host block, int32 units
 CTRL_HOST64 = 4
 MISSING, GAVE_UP = 1, 2
 #: host block: summary word + one code word per rank (padded to 64 words = 256 bytes)
 HOST_WORDS = 64
 #: bytes of the peer-visible faults region at the start of every rank's buffer
-FAULTS_REGION_BYTES = MAX_RANKS * 4
+FAULTS_REGION_BYTES = FAULT_LANES * 4
 
 
 class HostStatus:
