@@ -53,6 +53,20 @@ def run_call(moefuse, ws, rank, world_size, index, algo):
     return ro, no
 
 
+def open_warm(moefuse, rank, world_size, algo):
+    """A workspace with the short timeout, after a first call on a generous one: the first call
+    of a process sets up the interpreted kernel (seconds on a loaded 2-core machine), which must
+    not count against a 2 s wait. A barrier then lines the ranks up."""
+    import torch.distributed as dist
+
+    warm = moefuse.AllReduceWorkspace(None, 8, H, BF16, "cpu", timeout_s=120)
+    run_call(moefuse, warm, rank, world_size, 0, algo)
+    warm.close()
+    ws = moefuse.AllReduceWorkspace(None, 8, H, BF16, "cpu", timeout_s=TIMEOUT)
+    dist.barrier()
+    return ws
+
+
 def timed_raise(fn, match):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=match) as info:
@@ -69,7 +83,7 @@ def scenario_late_rank(rank, world_size, algo):
     import moefuse
     from moefuse.comm import faults
 
-    ws = moefuse.AllReduceWorkspace(None, 8, H, BF16, "cpu", timeout_s=TIMEOUT)
+    ws = open_warm(moefuse, rank, world_size, algo)
     run_call(moefuse, ws, rank, world_size, 0, algo)
     assert ws.failed() is None
     # the per-call check on a healthy workspace: a plain load, far below 1 us
@@ -97,19 +111,20 @@ def scenario_late_rank(rank, world_size, algo):
         call(5)
     # recovery in the same processes
     ws = moefuse.AllReduceWorkspace(None, 8, H, BF16, "cpu", timeout_s=TIMEOUT)
-    for i in (6, 7):
-        call(i)
+    dist.barrier()
+    for i, again in ((6, "oneshot"), (7, "twoshot")):
+        run_call(moefuse, ws, rank, world_size, i, again)
     ws.check()
     assert ws.failed() is None
     ws.close()
     return elapsed, per_call
 
 
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
-def test_late_rank_errors_and_both_recover(algo):
+def test_late_rank_errors_and_both_recover():
+    """One-shot here; the killed-rank test below times out in the two-shot kernel."""
     from comm_mp import run_group
 
-    (t0, c0), (t1, c1) = run_group(2, scenario_late_rank, algo)
+    (t0, c0), (t1, c1) = run_group(2, scenario_late_rank, "oneshot")
     assert TIMEOUT <= t0 < TIMEOUT + 30, f"rank 0's failing call took {t0:.2f} s"
     assert t1 < TIMEOUT, f"the late rank waited {t1:.2f} s instead of stopping at once"
     assert max(c0, c1) < 1e-6, f"raise_if_failed costs {max(c0, c1) * 1e9:.0f} ns"
@@ -122,7 +137,7 @@ def scenario_killed(rank, world_size, algo):
     seconds close() took)."""
     import moefuse
 
-    ws = moefuse.AllReduceWorkspace(None, 8, H, BF16, "cpu", timeout_s=TIMEOUT)
+    ws = open_warm(moefuse, rank, world_size, algo)
     run_call(moefuse, ws, rank, world_size, 0, algo)
     if rank == 1:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
