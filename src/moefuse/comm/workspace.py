@@ -9,10 +9,37 @@ Lifecycle::
     with ws.capture():                # checks health (syncs) before the capture starts
         ... moefuse.allreduce_residual_rmsnorm(..., workspace=ws) ...
     ws.check()                        # syncs; RuntimeError naming ranks that never arrived
+    ws.failed()                       # no sync: the failure message, or None while healthy
     ws.close()                        # required, collective: device sync + barrier; idempotent
+
+Faults (see :mod:`moefuse.comm.faults`). Every wait of every communication kernel is bounded by
+``timeout_s``. A CTA whose wait expires records the ranks it waited for in the device status word
+and in a host status block (pinned host memory, written by the kernel with system-scope
+stores), tells the peers that this rank gave up, and stops; later launches on this rank do
+nothing, and a peer that arrives late sees the notice and stops too. Every op reads the host
+block before it launches (:meth:`raise_if_failed`: one plain load, no device sync) and raises
+``RuntimeError`` naming the rank(s) and the group; once failed, every later call raises until
+the workspace is closed and re-created (``close()`` uses a bounded barrier, so a dead peer cannot
+hang it; re-creation is collective over the same group, no process restart).
+
+What the host sees, and when: on CUDA a call returns before its kernel ran, so the call that
+times out returns normally and calls enqueued while it was still running return normally too
+(their kernels do nothing: their outputs are NOT written). The first call made after the
+timed-out kernel finished raises. In a CUDA graph no Python runs at replay: a replay that times
+out records the fault the same way, later replays do nothing, and ``ws.failed()`` /
+``ws.check()`` / the next eager call report it. A serving loop therefore checks once per step,
+after the step's outputs reached the host (the sampled tokens: that copy is the step's sync)::
+
+    graph.replay()                    # or eager calls
+    tokens = sampled.tolist()         # the step's own sync
+    if ws.failed() is not None:       # ~0.1 us, no sync; non-None: this step's outputs are invalid
+        ws.close(); ws = AllReduceWorkspace(...)   # every rank (collective), then redo the step
+
+On CPU (interpreter) kernels finish before the call returns, so the failing call itself raises.
 
 Memory of one rank (one peer-visible byte buffer, every region 256-byte aligned)::
 
+    faults  int32 [32]                                         word q: rank q gave up (offset 0)
     flags   int32 [2 phases, NSLOT CTA slots, P senders]      two-shot barrier flags (zeroed)
     lamport T     [3 generations, L tokens, P-1 peers, H]      one-shot slots (-0.0 sentinels)
     stage   T     [P senders, ceil(max_tokens / P), H]         two-shot reduce-scatter input
@@ -69,6 +96,8 @@ LAMPORT_BUDGET_BYTES = 768 << 20
 NUM_FLAG_SLOTS = 1024
 CTRL_WORDS = 16
 CTRL_GEN, CTRL_ARRIVE_1S, CTRL_EPOCH, CTRL_ARRIVE_2S, CTRL_STATUS = range(5)
+#: int32 words 8-9 of ctrl: int64 distance from ctrl to the host status block (faults.CTRL_HOST64)
+CTRL_HOST_WORDS = (8, 9)
 DEFAULT_TIMEOUT_S = 60.0
 #: bound of close()'s barrier on a healthy workspace (a failed one uses 2 * timeout_s + 10)
 CLOSE_TIMEOUT_S = 600.0
