@@ -77,7 +77,14 @@ def _device_address(pinned: torch.Tensor) -> int:
     address wherever unified addressing applies, i.e. every 64-bit Linux system CUDA supports)."""
     from moefuse.comm.transport import host_device_pointer
 
-    return host_device_pointer(pinned.data_ptr())
+    try:
+        return host_device_pointer(pinned.data_ptr())
+    except Exception as exc:  # no libcudart reachable through ctypes: unified addressing
+        from moefuse._runtime import log_once
+
+        log_once("AllReduceWorkspace", f"cudaHostGetDevicePointer unavailable ({exc}); using "
+                 "the host address of the pinned status block (unified addressing)")  # fmt: skip
+        return pinned.data_ptr()
 
 
 def describe(codes: list[int], summary: int, *, rank: int, group: str, timeout_s: float,
