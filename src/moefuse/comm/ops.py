@@ -49,7 +49,7 @@ def _execute(pattern: int, ws_id: int, backend: str, algorithm: str, x: Tensor, 
         gathered=gathered,
     )  # fmt: skip
     if ws.check_each_call and algo != "torch":  # CPU: the kernel has finished, the read is free
-        ws.raise_if_failed()
+        ws.poll_status()
 
 
 def _execute_reference(pattern, ws, x, residual, weight, out, residual_out, norm_out, quant_out,

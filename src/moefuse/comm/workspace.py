@@ -405,9 +405,23 @@ class AllReduceWorkspace:
             raise RuntimeError("moefuse.comm: the workspace is closed")
         raise RuntimeError(f"moefuse.comm: {self.failed()}")
 
-    #: names used by callers written before raise_if_failed existed
+    #: the name used by callers written before raise_if_failed existed
     raise_if_unusable = raise_if_failed
-    poll_status = raise_if_failed
+
+    def poll_status(self) -> None:
+        """:meth:`raise_if_failed`, after also reading the device status word (a sync on CUDA;
+        free on CPU, where ops call it after every launch). That word is set by every timed-out
+        wait, including kernels that record their timeouts only there (not through
+        ``moefuse.comm._device.give_up``), so :meth:`check` sees those as well."""
+        if self._failure is None and self.peer_access and not self._closed:
+            status = int(self.ctrl[CTRL_STATUS].item())
+            if status and self._status_view[0] == 0:
+                self._failure = faults.describe(
+                    [0] * self.world_size, status, rank=self.rank, group=self._group_name(),
+                    timeout_s=self.timeout_s, global_rank=self.global_rank,
+                )  # fmt: skip
+                self._ok = False
+        self.raise_if_failed()
 
     def failed(self) -> str | None:
         """The failure message, or None while healthy. No device sync: call it once per serving
@@ -433,7 +447,7 @@ class AllReduceWorkspace:
             raise RuntimeError("moefuse.comm: the workspace is closed")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.raise_if_failed()
+        self.poll_status()
 
     @contextlib.contextmanager
     def capture(self):
