@@ -326,7 +326,9 @@ class AllReduceWorkspace:
 
         if self._closed:
             return "the workspace is closed"
-        if self.failed() is not None:
+        # (the host status block itself is read inside the op, by raise_if_failed: this runs
+        # where torch.compile traces, which cannot subscript a memoryview)
+        if self._failure is not None:
             return f"the workspace failed: {self._failure}"
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             return "input must be a 2-D [M, H] tensor"
