@@ -285,3 +285,28 @@ def test_graph_replay_timeout_raises_at_next_eager_call(algo):
     elapsed = run_group(P, scenario_graph_failure, algo, backend="nccl", timeout_s=300)
     assert TIMEOUT <= elapsed[0] < TIMEOUT + 10, elapsed
     assert elapsed[1] < TIMEOUT, f"the late rank's replay waited {elapsed[1]:.2f} s"
+
+
+# ----------------------------------------------------------------------------- creation
+def scenario_no_future_warning(rank, world_size):
+    """Creating (and closing) a symmetric-memory workspace emits no FutureWarning (PyTorch >= 2.11
+    deprecates ``enable_symm_mem_for_group``; it is only called where it is not deprecated)."""
+    import warnings
+
+    import moefuse
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ws = moefuse.AllReduceWorkspace(None, M, H, torch.bfloat16, torch.device("cuda", rank),
+                                        transport="symm_mem")  # fmt: skip
+        assert ws.transport is not None and ws.transport.kind == "symm_mem", repr(ws)
+        call(moefuse, ws, rank, 1, "oneshot")
+        ws.close()
+    future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert not future, future
+    return True
+
+
+def test_workspace_creation_emits_no_future_warning():
+    _need()
+    assert all(run_group(P, scenario_no_future_warning, backend="nccl", timeout_s=300))
