@@ -75,58 +75,65 @@ def timed_raise(fn, match):
 
 
 # ----------------------------------------------------------------------------- late rank
-def scenario_late_rank(rank, world_size, algo):
-    """Rank 1 arrives only after rank 0 gave up. Returns (seconds rank 0's failing call took,
-    seconds rank 1's late call took, mean seconds of one healthy raise_if_failed())."""
+def scenario_late_rank(rank, world_size, algos):
+    """Per algorithm, in the same processes: rank 1 arrives only after rank 0 gave up; both fail,
+    keep failing, recover. Returns ([seconds this rank's failing call took, per algorithm], mean
+    seconds of one healthy raise_if_failed())."""
     import torch.distributed as dist
 
     import moefuse
     from moefuse.comm import faults
 
-    ws = open_warm(moefuse, rank, world_size, algo)
-    run_call(moefuse, ws, rank, world_size, 0, algo)
-    assert ws.failed() is None
-    # the per-call check on a healthy workspace: a plain load, far below 1 us
-    per_call = min(timeit.repeat(ws.raise_if_failed, number=20000, repeat=5)) / 20000
-    call = lambda i: run_call(moefuse, ws, rank, world_size, i, algo)  # noqa: E731
-    if rank == 0:
-        elapsed, msg = timed_raise(lambda: call(1), r"rank\(s\) 1 \(global rank 1\) never arrived")
-        assert "group" in msg and "close()" in msg, msg
-        assert ws.host_status.codes(world_size) == [0, faults.MISSING], "kernel wrote the block"
-        dist.barrier()  # rank 1 may come now: after rank 0 gave up
-    else:
+    took = []
+    per_call = None
+    for k, algo in enumerate(algos):
+        ws = open_warm(moefuse, rank, world_size, algo)
+        run_call(moefuse, ws, rank, world_size, 10 * k, algo)
+        assert ws.failed() is None
+        if per_call is None:  # the per-call check on a healthy workspace: a plain load
+            per_call = min(timeit.repeat(ws.raise_if_failed, number=20000, repeat=5)) / 20000
+        call = lambda i: run_call(moefuse, ws, rank, world_size, 10 * k + i, algo)  # noqa: E731
+        if rank == 0:
+            elapsed, msg = timed_raise(lambda: call(1),
+                                       r"rank\(s\) 1 \(global rank 1\) never arrived")
+            assert "group" in msg and "close()" in msg, msg
+            assert ws.host_status.codes(world_size) == [0, faults.MISSING], "written by kernel"
+            dist.barrier()  # rank 1 may come now: after rank 0 gave up
+        else:
+            dist.barrier()
+            elapsed, msg = timed_raise(lambda: call(1), r"rank\(s\) 0 \(global rank 0\) gave up")
+            assert ws.host_status.codes(world_size) == [faults.GAVE_UP, 0], "written by kernel"
+        took.append(elapsed)
+        assert ws.failed() == msg.removeprefix("moefuse.comm: ")
+        for i in (2, 3):  # every later call raises at once, whatever the backend
+            quick, _ = timed_raise(lambda: call(i), "never arrived|gave up")
+            assert quick < TIMEOUT, "a failed workspace must not wait again"
+        with pytest.raises(RuntimeError, match="never arrived|gave up"):
+            ws.check()
+        with pytest.raises(RuntimeError, match="never arrived|gave up"):
+            moefuse.allreduce(make_case(4, world_size)[0][rank], workspace=ws, impl="reference")
+        ws.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            call(5)
+        # recovery in the same processes
+        ws = moefuse.AllReduceWorkspace(None, 8, H, BF16, "cpu", timeout_s=TIMEOUT)
         dist.barrier()
-        elapsed, msg = timed_raise(lambda: call(1), r"rank\(s\) 0 \(global rank 0\) gave up")
-        assert ws.host_status.codes(world_size) == [faults.GAVE_UP, 0], "kernel wrote the block"
-    assert ws.failed() == msg.removeprefix("moefuse.comm: ")
-    for i in (2, 3):  # every later call raises at once, whatever the backend
-        quick, _ = timed_raise(lambda: call(i), "never arrived|gave up")
-        assert quick < TIMEOUT, "a failed workspace must not wait again"
-    with pytest.raises(RuntimeError, match="never arrived|gave up"):
+        for i, again in ((6, "oneshot"), (7, "twoshot")):
+            run_call(moefuse, ws, rank, world_size, 10 * k + i, again)
         ws.check()
-    with pytest.raises(RuntimeError, match="never arrived|gave up"):
-        moefuse.allreduce(make_case(4, world_size)[0][rank], workspace=ws, impl="reference")
-    ws.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        call(5)
-    # recovery in the same processes
-    ws = moefuse.AllReduceWorkspace(None, 8, H, BF16, "cpu", timeout_s=TIMEOUT)
-    dist.barrier()
-    for i, again in ((6, "oneshot"), (7, "twoshot")):
-        run_call(moefuse, ws, rank, world_size, i, again)
-    ws.check()
-    assert ws.failed() is None
-    ws.close()
-    return elapsed, per_call
+        assert ws.failed() is None
+        ws.close()
+    return took, per_call
 
 
 def test_late_rank_errors_and_both_recover():
-    """One-shot here; the killed-rank test below times out in the two-shot kernel."""
+    """One-shot, then two-shot, in the same two processes (fail, recover, fail again, recover)."""
     from comm_mp import run_group
 
-    (t0, c0), (t1, c1) = run_group(2, scenario_late_rank, "oneshot")
-    assert TIMEOUT <= t0 < TIMEOUT + 30, f"rank 0's failing call took {t0:.2f} s"
-    assert t1 < TIMEOUT, f"the late rank waited {t1:.2f} s instead of stopping at once"
+    (t0, c0), (t1, c1) = run_group(2, scenario_late_rank, ("oneshot", "twoshot"))
+    for algo, a, b in zip(("oneshot", "twoshot"), t0, t1):
+        assert TIMEOUT <= a < TIMEOUT + 30, f"{algo}: rank 0's failing call took {a:.2f} s"
+        assert b < TIMEOUT, f"{algo}: the late rank waited {b:.2f} s instead of stopping at once"
     assert max(c0, c1) < 1e-6, f"raise_if_failed costs {max(c0, c1) * 1e9:.0f} ns"
 
 
