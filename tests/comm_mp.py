@@ -85,3 +85,47 @@ def run_group(world_size: int, fn, *args, backend: str = "gloo", timeout_s: floa
     if errors:
         raise AssertionError("scenario failed:\n" + "\n".join(errors))
     return [got[r][1] for r in range(world_size)]
+
+
+def run_group_one_killed(world_size: int, fn, *args, killed: int = 1, backend: str = "gloo",
+                         timeout_s: float = 300.0) -> dict:  # fmt: skip
+    """:func:`run_group` for a scenario in which rank ``killed`` dies by SIGKILL (fault tests):
+    returns the survivors' results ``{rank: value}`` once all of them reported, checks that the
+    killed rank ended by SIGKILL, then ends the survivors (their process-group teardown may wait
+    on the dead peer)."""
+    import signal
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="moefuse-test-store-")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, backend, fn, args, results))
+             for r in range(world_size)]  # fmt: skip
+    for p in procs:
+        p.start()
+    got: dict[int, object] = {}
+    try:
+        while len(got) < world_size - 1:
+            try:
+                rank, status, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"survivors did not finish in {timeout_s:g} s "
+                                     f"(reported: {sorted(got)})") from None  # fmt: skip
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+        procs[killed].join(timeout=30)
+        code = procs[killed].exitcode
+        assert code == -signal.SIGKILL, f"rank {killed} ended with {code}, not SIGKILL"
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        try:
+            os.unlink(init_file)
+        except FileNotFoundError:
+            pass
+    return got

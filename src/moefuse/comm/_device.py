@@ -28,8 +28,18 @@ CTRL_GEN: tl.constexpr = tl.constexpr(0)  # Lamport generation 0, 1, 2, 0, ...
 CTRL_ARRIVE_1S: tl.constexpr = tl.constexpr(1)  # one-shot CTA arrival counter
 CTRL_EPOCH: tl.constexpr = tl.constexpr(2)  # two-shot barrier epoch 1..2^30
 CTRL_ARRIVE_2S: tl.constexpr = tl.constexpr(3)  # two-shot CTA arrival counter
-CTRL_STATUS: tl.constexpr = tl.constexpr(4)  # bit r set: rank r never arrived (bounded wait)
+CTRL_STATUS: tl.constexpr = tl.constexpr(4)  # bit r set: a fault involving rank r was recorded
+# int64 word 4 of ctrl (int32 words 8-9): distance, in int32 units, from ctrl to the host status
+# block (pinned host memory on CUDA; see moefuse.comm.faults)
+CTRL_HOST64: tl.constexpr = tl.constexpr(4)
 EPOCH_WRAP: tl.constexpr = tl.constexpr(1 << 30)
+# Fault codes of the host status block, one word per rank (after the summary word 0)
+FAULT_MISSING: tl.constexpr = tl.constexpr(1)  # this rank waited for rank r until the deadline
+FAULT_GAVE_UP: tl.constexpr = tl.constexpr(2)  # rank r's wait timed out: it abandoned the workspace
+# Every rank's buffer starts with the peer-visible "faults" region: int32 [MAX_RANKS], word q set
+# by rank q when a wait of q timed out (q then never takes part in the protocol again)
+FAULTS_OFF16: tl.constexpr = tl.constexpr(0)
+MAX_RANKS: tl.constexpr = tl.constexpr(32)  # lanes of the fault vectors (world size <= 31)
 
 
 @triton.jit
@@ -218,3 +228,93 @@ def zero_scale_rows(sf_ptr, first, stop, step, n_kcols, LAYOUT: tl.constexpr,
         off = QD.scale_offset(row.to(tl.int64), ks.to(tl.int64), n_kcols, LAYOUT)
         tl.store(sf_ptr + off, tl.zeros([KP_BLOCK], tl.uint8), mask=ks < n_kcols)
         row += step
+
+
+# ----------------------------------------------------------------------------- faults
+@triton.jit
+def store_sys(ptrs, values, mask, RELEASE: tl.constexpr, PTX: tl.constexpr):
+    """Store of int32 ``values`` where ``mask``, at system scope (``st.relaxed.sys``, or
+    ``st.release.sys`` with RELEASE): the host (pinned memory) or a peer (NVLink) sees it without
+    waiting for the kernel to end. A plain store in the interpreter (host memory)."""
+    if PTX:
+        if RELEASE:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.release.sys.global.b32 [$1], $2; "
+                "mov.u32 $0, 0; }",
+                "=r,l,r,r", [ptrs, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                pack=1,
+            )  # fmt: skip
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.relaxed.sys.global.b32 [$1], $2; "
+                "mov.u32 $0, 0; }",
+                "=r,l,r,r", [ptrs, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                pack=1,
+            )  # fmt: skip
+    else:
+        tl.store(ptrs, values, mask=mask)
+
+
+@triton.jit
+def host_status(ctrl_ptr):
+    """Pointer to the host status block (int32 words; word 0 summary, word 1 + r rank r's code):
+    ctrl plus the distance the workspace stored at int64 word CTRL_HOST64 of ctrl. Relative
+    addressing (as for peer buffers), so the same code runs in the interpreter."""
+    d = tl.load(ctrl_ptr.to(tl.pointer_type(tl.int64)) + CTRL_HOST64)
+    return ctrl_ptr + d
+
+
+@triton.jit
+def record_fault(ctrl_ptr, mask, code, PTX: tl.constexpr):
+    """Record ``code`` (FAULT_MISSING / FAULT_GAVE_UP) for every rank in the bit set ``mask``: in
+    the device status word (later launches of this rank stop) and in the host status block (the
+    host reads it before every call, without a device sync). The per-rank words are written
+    before the summary word, with system-scope stores."""
+    tl.atomic_or(ctrl_ptr + CTRL_STATUS, mask, sem="relaxed", scope="gpu")
+    host = host_status(ctrl_ptr)
+    ranks = tl.arange(0, MAX_RANKS)
+    hit = ((mask >> ranks) & 1) != 0
+    store_sys(host + 1 + ranks, tl.zeros([MAX_RANKS], tl.int32) + code, hit, False, PTX)
+    # the CTA barrier makes every thread's code store part of what the release publishes: a host
+    # that sees the summary word sees the codes (x86 loads are ordered)
+    tl.debug_barrier()
+    first = ranks == 0
+    store_sys(host + ranks, tl.zeros([MAX_RANKS], tl.int32) + mask, first, True, PTX)
+
+
+@triton.jit
+def give_up(ctrl_ptr, table_ptr, rank, missing, P: tl.constexpr, PTX: tl.constexpr):
+    """A bounded wait of this rank timed out waiting for the ranks in ``missing``: record it, and
+    tell every peer (word ``rank`` of its faults region) that this rank has left the protocol, so
+    a late peer stops with an error at its next launch instead of reading what this rank pushed
+    for a call it abandoned."""
+    record_fault(ctrl_ptr, missing, FAULT_MISSING, PTX)
+    ranks = tl.arange(0, MAX_RANKS)
+    peers = (ranks < P) & (ranks != rank)
+    ptrs = flag_ptrs(table_ptr, ranks, peers, FAULTS_OFF16, rank)
+    store_sys(ptrs, tl.zeros([MAX_RANKS], tl.int32) + 1, peers, False, PTX)
+
+
+@triton.jit
+def healthy(ctrl_ptr, table_ptr, rank, P: tl.constexpr, PTX: tl.constexpr):
+    """True when this rank may take part in a call: no fault recorded here (device status word)
+    and no peer has announced that it gave up (this rank's faults region). A peer that gave up is
+    recorded as FAULT_GAVE_UP, so the host raises naming it.
+
+    Both words go through ONE reduction, whose result every thread of the CTA shares: a plain
+    scalar load is executed by every warp, and warps that read before and after another CTA's
+    atomic_or would disagree about the row count and then diverge around barriers."""
+    ranks = tl.arange(0, MAX_RANKS)
+    rmask = ranks < P
+    status = tl.load(ctrl_ptr + CTRL_STATUS + ranks * 0, mask=ranks == 0, other=0, volatile=True)
+    mine = flag_ptrs(table_ptr, rank + ranks * 0, rmask, FAULTS_OFF16, ranks)
+    seen = tl.load(mine, mask=rmask, other=0, volatile=True)
+    # bits 0..P-1: peers that gave up; bit 31 (P <= 31): "the status word is set". Disjoint
+    # bits, so the int32 sum is their OR (an int64 variant cost 40 registers in the prefetch
+    # kernel at H = 4096)
+    word = tl.where(rmask & (seen != 0), 1 << ranks, 0) | tl.where(status != 0, 1 << 31, 0)
+    both = tl.sum(word, axis=0)
+    left = both & 0x7FFFFFFF
+    if left != 0:
+        record_fault(ctrl_ptr, left, FAULT_GAVE_UP, PTX)
+    return both == 0

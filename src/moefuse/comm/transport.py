@@ -53,7 +53,14 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-class SharedMemoryTransport:
+class _Barrier:
+    """``dist.barrier`` over the transport's group (the default collective step of close())."""
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+class SharedMemoryTransport(_Barrier):
     """Per-rank buffers in shared-memory files; collective over a gloo ``group``.
 
     Construction: every rank creates and zero-fills its file, the names are exchanged with
@@ -98,11 +105,13 @@ class SharedMemoryTransport:
         self._unlink()
         self._closed = False
 
-    def close(self) -> None:
+    def close(self, barrier=None) -> None:
+        """``barrier``: the collective step (default ``dist.barrier``); if it raises, nothing is
+        released (a peer may still write into these buffers)."""
         if self._closed:
             return
         self._closed = True
-        dist.barrier(group=self.group)
+        (barrier or self._barrier)()
         self._maps = []
         self.local = None
         self.peer_addrs = []
@@ -115,7 +124,15 @@ class SharedMemoryTransport:
             pass
 
 
-class SymmetricMemoryTransport:
+def needs_group_enable(enable) -> bool:
+    """Whether ``enable_symm_mem_for_group`` must be called: it exists and is not marked
+    deprecated. PyTorch >= 2.11 registers groups itself and decorates the function with
+    ``@deprecated`` (``__deprecated__`` set), which would emit a FutureWarning on every
+    workspace creation."""
+    return enable is not None and getattr(enable, "__deprecated__", None) is None
+
+
+class SymmetricMemoryTransport(_Barrier):
     """Per-rank buffers from torch symmetric memory over NVLink P2P, multicast disabled.
 
     ``init(local)`` fills this rank's buffer (e.g. Lamport sentinels) before the rendezvous
@@ -134,10 +151,10 @@ class SymmetricMemoryTransport:
         self.nbytes = int(nbytes)
         name = group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
+        if needs_group_enable(enable):
             try:
                 enable(name)
-            except Exception:  # newer torch registers groups itself
+            except Exception:  # a torch that registers groups itself
                 pass
         try:
             self.local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device)
@@ -156,11 +173,11 @@ class SymmetricMemoryTransport:
         dist.barrier(group=group)
         self._closed = False
 
-    def close(self) -> None:
+    def close(self, barrier=None) -> None:
         if self._closed:
             return
         self._closed = True
-        dist.barrier(group=self.group)
+        (barrier or self._barrier)()
         self._handle = None
         self.local = None
         self.peer_addrs = []
@@ -196,6 +213,7 @@ class _CudaRuntime:
         self._sig(lib.cudaGetErrorString, [ctypes.c_int], ctypes.c_char_p)
         self._sig(lib.cudaGetLastError, [])
         self._sig(lib.cudaSetDevice, [ctypes.c_int])
+        self._sig(lib.cudaHostGetDevicePointer, [ctypes.POINTER(vp), vp, ctypes.c_uint])
         self.lib = lib
 
     def set_device(self, index: int) -> None:
@@ -244,6 +262,18 @@ class _CudaRuntime:
         self._check(self.lib.cudaIpcCloseMemHandle(self._c.c_void_p(ptr)),
                     "cudaIpcCloseMemHandle")  # fmt: skip
 
+    def host_device_pointer(self, ptr: int) -> int:
+        dev = self._c.c_void_p()
+        self._check(self.lib.cudaHostGetDevicePointer(self._c.byref(dev), self._c.c_void_p(ptr), 0),
+                    "cudaHostGetDevicePointer")  # fmt: skip
+        return int(dev.value)
+
+
+def host_device_pointer(ptr: int) -> int:
+    """Device address of pinned host memory at host address ``ptr`` (the same value under
+    unified addressing; asked of the runtime rather than assumed)."""
+    return _CudaRuntime().host_device_pointer(ptr)
+
 
 def _loaded_library(stem: str) -> str | None:
     """Path of an already-loaded shared library whose file name starts with ``stem``."""
@@ -267,7 +297,7 @@ class _DeviceBytes:
                                          "version": 3}  # fmt: skip
 
 
-class CudaIpcTransport:
+class CudaIpcTransport(_Barrier):
     """Per-rank device buffers shared with CUDA IPC (same host, P2P access between the devices).
 
     Each rank ``cudaMalloc``s its own buffer (outside PyTorch's caching allocator, so the IPC
@@ -347,13 +377,13 @@ class CudaIpcTransport:
         dist.barrier(group=self.group)
         self._free()
 
-    def close(self) -> None:
+    def close(self, barrier=None) -> None:
         if self._closed:
             return
         self._closed = True
         self.peer_addrs = []
         self._close_mappings()  # this rank stops using the peers' buffers ...
-        dist.barrier(group=self.group)  # ... before any rank frees its own
+        (barrier or self._barrier)()  # ... before any rank frees its own
         self._free()
 
 

@@ -21,8 +21,10 @@ Three algorithms, one epilogue (:func:`moefuse.comm._device.epilogue_row`), same
 * ``_gathered_kernel`` — the torch.distributed path: the inputs of all ranks were all-gathered by
   NCCL/gloo into ``[P, M, H]``; sum in rank order, epilogue.
 
-Every wait is bounded (``timeout_us``): a CTA that gives up ORs the missing ranks into the status
-word and stops; a later launch on the same workspace sees the status and does nothing.
+Every wait is bounded (``timeout_us``): a CTA that gives up records the missing ranks (device
+status word + the host status block the host reads before every call, no sync) and tells the
+peers it gave up; a later launch on this rank, or on a peer that sees the notice, does nothing
+(``moefuse.comm._device.healthy``; see ``moefuse.comm.faults``).
 Token counts are run-time arguments (``do_not_specialize``), tiles depend on H only.
 """
 
@@ -66,16 +68,18 @@ def _scales(scale_ptr, PATTERN: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _finish(ctrl_ptr, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-            PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-            USE_PDL: tl.constexpr):  # fmt: skip
-    """Common tail: PDL trigger, status on timeout, scale padding rows, CTA arrival count.
+def _finish(ctrl_ptr, table_ptr, rank, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+            P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
+            USE_PDL: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Common tail: PDL trigger, fault record on timeout, scale padding rows, CTA arrival count.
 
+    A timed-out CTA records the missing ranks (device status word, host status block) and tells
+    the peers that this rank gave up (:func:`moefuse.comm._device.give_up`).
     Returns True in the one CTA that arrives last (it then advances the device-resident state)."""
     if USE_PDL:
         gdc_launch_dependents()
     if missing != 0:
-        tl.atomic_or(ctrl_ptr + D.CTRL_STATUS, missing, sem="relaxed", scope="gpu")
+        D.give_up(ctrl_ptr, table_ptr, rank, missing, P, PTX)
     if PATTERN == 3:
         D.zero_scale_rows(sf_ptr, M + pid, M_pad, G, n_kcols, LAYOUT, KP_BLOCK)
     if G == 1:  # decode: skip the atomic's round trip to L2 on the critical path
@@ -88,24 +92,26 @@ def _finish(ctrl_ptr, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
 
 # ----------------------------------------------------------------------------- one-shot
 @triton.jit
-def _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G, cap, PTX: tl.constexpr):
+def _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap,
+                   P: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """(deadline of every wait, Lamport generation, this CTA's row count — rows pid, pid + G, ...;
-    0 once the workspace has failed —, element offset of the generation's slot region)."""
+    0 once the workspace has failed or a peer gave up —, element offset of the generation's slot
+    region)."""
     deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
     gen = tl.load(ctrl_ptr + D.CTRL_GEN)
-    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX)
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
     region = gen.to(tl.int64) * cap
     return deadline, gen, n_mine, region
 
 
 @triton.jit
-def _oneshot_finish(ctrl_ptr, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-                    PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-                    USE_PDL: tl.constexpr):  # fmt: skip
+def _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                    P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr,
+                    KP_BLOCK: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """:func:`_finish`; the CTA that arrives last resets the counter and advances the generation."""
-    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-                   PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
+    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad,
+                   n_kcols, pid, G, P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_1S, 0)
         tl.store(ctrl_ptr + D.CTRL_GEN, (gen + 1) % 3)
@@ -181,8 +187,8 @@ def _oneshot_kernel(
     if USE_PDL:
         gdc_wait()
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
-                                                   cap, PTX)  # fmt: skip
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr,
+                                                   timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
 
     # The first row's activations stay in registers: a CTA with one row has then read all of the
     # previous kernel's data before it starts waiting, and lets dependents launch (PDL) early.
@@ -227,8 +233,8 @@ def _oneshot_kernel(
                            out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
                            sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
         i += 1
-    _oneshot_finish(ctrl_ptr, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, PATTERN, LAYOUT,
-                    KP_BLOCK, USE_PDL)  # fmt: skip
+    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                    P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- one-shot, prefetch
@@ -273,8 +279,8 @@ def _oneshot_prefetch_kernel(
     xa, ra = _load_row(x_ptr, res_ptr, x_st, res_st, pid, M, cols, cmask, PATTERN)
     xb, rb = _load_row(x_ptr, res_ptr, x_st, res_st, pid + G, M, cols, cmask, PATTERN)
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
-                                                   cap, PTX)  # fmt: skip
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr,
+                                                   timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     if n_mine > 0:
         _push_vals(xa, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
         if USE_PDL:
@@ -299,8 +305,8 @@ def _oneshot_prefetch_kernel(
                        q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)
         xa, ra, xb, rb = xb, rb, xc, rc
         i += 1
-    _oneshot_finish(ctrl_ptr, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, PATTERN, LAYOUT,
-                    KP_BLOCK, USE_PDL)  # fmt: skip
+    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                    P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- two-shot
@@ -325,7 +331,7 @@ def _twoshot_kernel(
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
     deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
     epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
-    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX)
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
     chunk = (M + P - 1) // P  # tokens per owner
 
@@ -402,8 +408,8 @@ def _twoshot_kernel(
                            n_kcols, out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr,
                            q_st, sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
         i += 1
-    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-                   PATTERN, LAYOUT, KP_BLOCK, USE_PDL)  # fmt: skip
+    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad,
+                   n_kcols, pid, G, P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
         tl.store(ctrl_ptr + D.CTRL_EPOCH, epoch % D.EPOCH_WRAP + 1)

@@ -9,10 +9,37 @@ Lifecycle::
     with ws.capture():                # checks health (syncs) before the capture starts
         ... moefuse.allreduce_residual_rmsnorm(..., workspace=ws) ...
     ws.check()                        # syncs; RuntimeError naming ranks that never arrived
+    ws.failed()                       # no sync: the failure message, or None while healthy
     ws.close()                        # required, collective: device sync + barrier; idempotent
+
+Faults (see :mod:`moefuse.comm.faults`). Every wait of every communication kernel is bounded by
+``timeout_s``. A CTA whose wait expires records the ranks it waited for in the device status word
+and in a host status block (pinned host memory, written by the kernel with system-scope
+stores), tells the peers that this rank gave up, and stops; later launches on this rank do
+nothing, and a peer that arrives late sees the notice and stops too. Every op reads the host
+block before it launches (:meth:`raise_if_failed`: one plain load, no device sync) and raises
+``RuntimeError`` naming the rank(s) and the group; once failed, every later call raises until
+the workspace is closed and re-created (``close()`` uses a bounded barrier, so a dead peer cannot
+hang it; re-creation is collective over the same group, no process restart).
+
+What the host sees, and when: on CUDA a call returns before its kernel ran, so the call that
+times out returns normally and calls enqueued while it was still running return normally too
+(their kernels do nothing: their outputs are NOT written). The first call made after the
+timed-out kernel finished raises. In a CUDA graph no Python runs at replay: a replay that times
+out records the fault the same way, later replays do nothing, and ``ws.failed()`` /
+``ws.check()`` / the next eager call report it. A serving loop therefore checks once per step,
+after the step's outputs reached the host (the sampled tokens: that copy is the step's sync)::
+
+    graph.replay()                    # or eager calls
+    tokens = sampled.tolist()         # the step's own sync
+    if ws.failed() is not None:       # ~0.1 us, no sync; non-None: this step's outputs are invalid
+        ws.close(); ws = AllReduceWorkspace(...)   # every rank (collective), then redo the step
+
+On CPU (interpreter) kernels finish before the call returns, so the failing call itself raises.
 
 Memory of one rank (one peer-visible byte buffer, every region 256-byte aligned)::
 
+    faults  int32 [32]                                         word q: rank q gave up (offset 0)
     flags   int32 [2 phases, NSLOT CTA slots, P senders]      two-shot barrier flags (zeroed)
     lamport T     [3 generations, L tokens, P-1 peers, H]      one-shot slots (-0.0 sentinels)
     stage   T     [P senders, ceil(max_tokens / P), H]         two-shot reduce-scatter input
@@ -41,10 +68,12 @@ import contextlib
 import itertools
 import os
 import socket
+import uuid
 
 import torch
 import torch.distributed as dist
 
+from moefuse.comm import faults
 from moefuse.comm import transport as tp
 from moefuse.comm.tiles import MAX_HIDDEN, comm_tile, resident_ctas_per_sm
 
@@ -67,7 +96,11 @@ LAMPORT_BUDGET_BYTES = 768 << 20
 NUM_FLAG_SLOTS = 1024
 CTRL_WORDS = 16
 CTRL_GEN, CTRL_ARRIVE_1S, CTRL_EPOCH, CTRL_ARRIVE_2S, CTRL_STATUS = range(5)
+#: int32 words 8-9 of ctrl: int64 distance from ctrl to the host status block (faults.CTRL_HOST64)
+CTRL_HOST_WORDS = (8, 9)
 DEFAULT_TIMEOUT_S = 60.0
+#: bound of close()'s barrier on a healthy workspace (a failed one uses 2 * timeout_s + 10)
+CLOSE_TIMEOUT_S = 600.0
 #: "SM count" of the CPU backend: grids stay small so the interpreter also runs CTAs that loop
 CPU_SMS = 2
 
@@ -144,8 +177,9 @@ class AllReduceWorkspace:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        if self.world_size < 2:
-            raise ValueError("AllReduceWorkspace: the group must have at least 2 ranks")
+        if not 2 <= self.world_size <= faults.MAX_RANKS:
+            raise ValueError(f"AllReduceWorkspace: the group must have 2 to {faults.MAX_RANKS} "
+                             f"ranks, got {self.world_size}")  # fmt: skip
         self.max_tokens = max_tokens
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -156,7 +190,11 @@ class AllReduceWorkspace:
         self._coll_device = _collective_device(group, device)
         self._closed = False
         self._failure: str | None = None
-        self.check_each_call = device.type == "cpu"  # free there: memory is host memory
+        self._ok = False  # True while open and not failed (one flag for the per-call check)
+        self._leaked = None  # transport kept alive when a failed close() could not agree
+        # CPU: kernels have finished when the launch returns, so the status read after each
+        # call is up to date and the failing call itself raises
+        self.check_each_call = device.type == "cpu"
 
         elem = torch.empty(0, dtype=dtype).element_size()
         p, h = self.world_size, hidden_size
@@ -169,6 +207,7 @@ class AllReduceWorkspace:
         self.chunk_cap = (max_tokens + p - 1) // p
         self.num_flag_slots = NUM_FLAG_SLOTS
         sizes = [
+            ("faults", faults.FAULTS_REGION_BYTES),  # first: kernels address it at offset 0
             ("flags", 2 * NUM_FLAG_SLOTS * p * 4),
             ("lamport", 3 * self.oneshot_max_tokens * (p - 1) * h * elem),
             ("stage", p * self.chunk_cap * h * elem),
@@ -198,6 +237,9 @@ class AllReduceWorkspace:
             self.table[:p] = torch.tensor(dist16, dtype=torch.int64)
         self.ctrl = torch.zeros(CTRL_WORDS, dtype=torch.int32, device=device)
         self.ctrl[CTRL_EPOCH] = 1
+        self.host_status = faults.HostStatus(device, self.ctrl)
+        self._status_view = self.host_status.view
+        self._uid = self._agree_uid()
         self._clock = tp.CpuClock() if device.type == "cpu" else None
         self.clock = self._clock.tensor if self._clock is not None else self.ctrl
         # in-kernel wait bound: timeout_s plus the clock's resolution (the CPU clock word is
@@ -206,6 +248,7 @@ class AllReduceWorkspace:
         self.timeout_us = int(self.timeout_s * 1e6) + resolution_us
         self.id = next(_IDS)
         _REGISTRY[self.id] = self
+        self._ok = True
 
     def refresh_clock(self) -> None:
         """CPU backend: set the clock word to now before a launch (see ``CpuClock.tick``); the
@@ -234,6 +277,12 @@ class AllReduceWorkspace:
                 if peer != index and not torch.cuda.can_device_access_peer(index, peer):
                     return False
         return True
+
+    def _agree_uid(self) -> str:
+        """A name for this workspace, the same on every rank (keys of close()'s store barrier)."""
+        obj = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(obj, src=self.global_rank(0), group=self.group)
+        return obj[0]
 
     def _init_buffer(self, local: torch.Tensor) -> None:
         off, nbytes = self.regions["lamport"]
@@ -277,6 +326,8 @@ class AllReduceWorkspace:
 
         if self._closed:
             return "the workspace is closed"
+        # (the host status block itself is read inside the op, by raise_if_failed: this runs
+        # where torch.compile traces, which cannot subscript a memoryview)
         if self._failure is not None:
             return f"the workspace failed: {self._failure}"
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -343,40 +394,68 @@ class AllReduceWorkspace:
         except Exception:
             return group_rank
 
-    def _status_message(self, status: int) -> str:
-        missing = [r for r in range(self.world_size) if status >> r & 1]
-        names = ", ".join(f"{r} (global rank {self.global_rank(r)})" for r in missing)
-        return (f"rank(s) {names} never arrived within timeout_s={self.timeout_s:g} on group "
-                f"rank {self.rank}; close() and re-create the workspace")  # fmt: skip
-
-    def poll_status(self) -> None:
-        """Raise if a kernel recorded a timeout (reads device memory: syncs on CUDA)."""
-        if self.peer_access and not self._closed:
-            status = int(self.ctrl[CTRL_STATUS].item())
-            if status:
-                self._failure = self._status_message(status)
-        self.raise_if_unusable()
-
     def fastpath_ready(self) -> bool:
         """May a recorded launch plan (:mod:`moefuse._fastpath`) replay a call on this workspace?
-        Only while it is open and healthy, and never on the CPU backend, whose calls do host work
-        after the launch (the status poll and the interpreter clock)."""
-        return not self._closed and self._failure is None and not self.check_each_call
+        Only while it is open and healthy (the same host status load as :meth:`raise_if_failed`,
+        which replays skip), and never on the CPU backend, whose calls do host work after the
+        launch (the status poll and the interpreter clock)."""
+        return self._ok and self._status_view[0] == 0 and not self.check_each_call
 
     def fastpath_tensors(self) -> list[torch.Tensor]:
         """Tensors of this workspace that kernels get and that live as long as it does."""
         return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
 
-    def raise_if_unusable(self) -> None:
+    # ------------------------------------------------------------------------- faults
+    def raise_if_failed(self) -> None:
+        """The check every communication op makes before it launches (or falls back): raises
+        ``RuntimeError`` if the workspace is closed or has failed, naming the rank(s) and the
+        group. No device sync: one plain load from the host status block (pinned host memory
+        written by the kernels' timeout path, see :mod:`moefuse.comm.faults`). New ops call this
+        first, so fault handling needs nothing of them beyond their kernels' bounded waits."""
+        if self._ok and self._status_view[0] == 0:
+            return
         if self._closed:
             raise RuntimeError("moefuse.comm: the workspace is closed")
-        if self._failure is not None:
-            raise RuntimeError(f"moefuse.comm: {self._failure}")
+        raise RuntimeError(f"moefuse.comm: {self.failed()}")
+
+    #: the name used by callers written before raise_if_failed existed
+    raise_if_unusable = raise_if_failed
+
+    def poll_status(self) -> None:
+        """:meth:`raise_if_failed`, after also reading the device status word (a sync on CUDA;
+        free on CPU, where ops call it after every launch). That word is set by every timed-out
+        wait, including kernels that record their timeouts only there (not through
+        ``moefuse.comm._device.give_up``), so :meth:`check` sees those as well."""
+        if self._failure is None and self.peer_access and not self._closed:
+            status = int(self.ctrl[CTRL_STATUS].item())
+            if status and self._status_view[0] == 0:
+                self._failure = faults.describe(
+                    [0] * self.world_size, status, rank=self.rank, group=self._group_name(),
+                    timeout_s=self.timeout_s, global_rank=self.global_rank,
+                )  # fmt: skip
+                self._ok = False
+        self.raise_if_failed()
+
+    def failed(self) -> str | None:
+        """The failure message, or None while healthy. No device sync: call it once per serving
+        step (after the step's outputs were synchronized to the host, e.g. the sampled tokens)
+        to learn whether that step's communication was valid. A failure is permanent: close()
+        and re-create the workspace."""
+        if self._failure is None and self._status_view[0] != 0:
+            self._failure = faults.describe(
+                self.host_status.codes(self.world_size), self._status_view[0], rank=self.rank,
+                group=self._group_name(), timeout_s=self.timeout_s, global_rank=self.global_rank,
+            )  # fmt: skip
+            self._ok = False
+        return self._failure
+
+    def _group_name(self) -> str:
+        return str(getattr(self.group, "group_name", "") or "WORLD")
 
     def check(self) -> None:
-        """Synchronize this rank's device and raise ``RuntimeError`` naming the rank(s) a bounded
-        wait gave up on. After a failure every later call raises until the workspace is closed and
-        re-created (collectively)."""
+        """Synchronize this rank's device, then :meth:`raise_if_failed`: after the sync every
+        fault of the calls issued so far is in the host status block. After a failure every later
+        call raises until the workspace is closed and re-created (collectively)."""
         if self._closed:
             raise RuntimeError("moefuse.comm: the workspace is closed")
         if self.device.type == "cuda":
@@ -390,21 +469,57 @@ class AllReduceWorkspace:
         self.check()
         yield self
 
-    def close(self) -> None:
-        """Collective: device sync, barrier, release the peer buffers. Idempotent."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Collective: device sync, barrier, release the peer buffers. Idempotent.
+
+        The barrier goes through the group's store, bounded by ``timeout_s``, not through a
+        collective, so a dead peer cannot hang it (and every rank takes the same path, whether
+        its copy of the workspace failed or not). Default bound: ``2 * self.timeout_s + 10``
+        seconds on a failed workspace (a late peer first runs into its own timeout), 600 s
+        otherwise. If not every rank arrives in time, the peer buffers are kept (not freed: a
+        live peer could still write into them), a warning is logged and close() returns."""
         if self._closed:
             return
+        failed = self.failed() is not None
         self._closed = True
+        self._ok = False
         _REGISTRY.pop(getattr(self, "id", -1), None)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # every wait is bounded: this ends within timeout_s
             torch.cuda.synchronize(self.device)
-        if self.transport is not None:
-            self.transport.close()  # barrier inside
-        else:
-            dist.barrier(group=self.group)
+        if timeout_s is None:
+            timeout_s = 2 * self.timeout_s + 10 if failed else CLOSE_TIMEOUT_S
+        barrier = self._bounded_barrier(float(timeout_s))
+        try:
+            if self.transport is not None:
+                self.transport.close(barrier)
+            else:
+                barrier()
+        except TimeoutError as exc:
+            import logging
+
+            self._leaked = self.transport
+            logging.getLogger("moefuse").warning(
+                "moefuse.AllReduceWorkspace.close(): %s; the peer buffers are kept (not freed) "
+                "because a peer may still write into them", exc)
         self.transport = None
         if self._clock is not None:
             self._clock.stop()
+
+    def _bounded_barrier(self, timeout_s: float):
+        import torch.distributed.distributed_c10d as c10d
+
+        store = c10d._get_process_group_store(self.group)
+        steps = itertools.count()
+
+        def barrier() -> None:
+            key = f"moefuse/comm/{self._uid}/close/{next(steps)}"
+            arrived = faults.bounded_barrier(store, key, self.world_size, timeout_s)
+            if arrived < self.world_size:
+                raise TimeoutError(f"only {arrived} of {self.world_size} ranks of group "
+                                   f"{self._group_name()!r} reached close() within "
+                                   f"{timeout_s:g} s")  # fmt: skip
+
+        return barrier
 
     @property
     def closed(self) -> bool:
