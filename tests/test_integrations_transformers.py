@@ -121,6 +121,7 @@ def test_experts_function_matches_grouped_mm():
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     idx_ep = idx.clone()
     idx_ep[:, 2] = 8  # lives on another rank: skipped
+    experts._is_expert_parallel = True  # transformers' flag: ids >= E are sentinels
     got_ep = moefuse_experts_forward(experts, x, idx_ep, w)
     w0 = w.clone()
     w0[:, 2] = 0
@@ -143,3 +144,24 @@ def test_unpatch_restores_and_bad_input():
     expect_value_error(lambda: mt.patch("not a model"), "model")
     expect_value_error(lambda: mt.patch(model, impl="cuda"), "impl")
     assert not mt.is_patched(model)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_expert_plan_is_sort_by_expert(ep):
+    """The experts function's lean routing plan equals moefuse.sort_by_expert bit for bit (with
+    expert-parallel sentinels: ids >= E and < 0 when ``ep``)."""
+    from moefuse.integrations._experts import expert_plan
+    from moefuse.moe.routing import sort_by_expert
+
+    g = torch.Generator().manual_seed(11)
+    for m, k, e in ((1, 8, 128), (13, 3, 8), (40, 2, 5), (0, 4, 4)):
+        ids = torch.randint(0, e + 2 if ep else e, (m, k), generator=g)
+        if ep and m > 1:
+            ids[1, 0] = -1
+        got, want = expert_plan(ids, e, ep), sort_by_expert(ids, e)
+        assert got.num_rows == want.num_rows
+        for name in ("expanded_idx_to_permuted_idx", "expert_offsets"):
+            assert_bitwise_equal(getattr(got, name), getattr(want, name), name)
+        # rows behind the local ones: -1 in both (ep), else every row is in use
+        assert_bitwise_equal(got.permuted_idx_to_expanded_idx, want.permuted_idx_to_expanded_idx,
+                             "permuted_idx_to_expanded_idx")  # fmt: skip

@@ -6,6 +6,7 @@ then up rows), ``self.down_proj`` [E, H, I], ``self._apply_gate`` (activation of
 times the up half). Per token t::
 
     plan = sort_by_expert(top_k_index, E)               # expert-sorted slots, static capacity T*K
+                                                        # (its result, from fewer ops: expert_plan)
     xp   = moe_permute(hidden_states, plan)             # [T*K, H]
     h    = grouped GEMM  xp[rows of e] @ gate_up_proj[e].T     # [T*K, 2I]
     a    = self._apply_gate(h)                          # [T*K, I]
@@ -30,13 +31,41 @@ import torch
 from moefuse._runtime import log_once
 from moefuse.moe.api import moe_finalize, moe_permute
 from moefuse.moe.layer import _grouped_mm_torch, grouped_mm_available
-from moefuse.moe.routing import sort_by_expert
+from moefuse.moe.routing import RoutingPlan
 
 NAME = "moefuse"
 #: instance attribute of an experts module holding the ``impl`` its moefuse ops run with
 #: (set by :func:`moefuse.integrations.transformers.patch`; "auto" when absent)
 IMPL_ATTR = "_moefuse_impl"
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def expert_plan(top_k_index: torch.Tensor, num_experts: int, expert_parallel: bool) -> RoutingPlan:
+    """:func:`moefuse.moe.routing.sort_by_expert` ``(top_k_index, num_experts)`` (``pad_to=1``),
+    bit for bit, in ~8 device ops instead of ~38: at decode every op is a launch and the host
+    time of the routing is most of the block's time.
+
+    Slots are stably sorted by expert id (ascending expanded index within an expert); the offsets
+    are a ``searchsorted`` of the expert ids 0..E over the sorted ids. With ``expert_parallel``
+    (transformers' ``_is_expert_parallel``) ids outside ``[0, E)`` are sentinels of experts held
+    elsewhere: they sort behind every local slot and both maps mark them -1; otherwise the ids
+    are trusted to lie in ``[0, E)`` (a router's top-k output).
+    """
+    ids = top_k_index.reshape(-1)
+    n = ids.numel()
+    dev = ids.device
+    if expert_parallel:
+        ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    bounds = torch.arange(num_experts + 1, device=dev, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+    rows = torch.arange(n, device=dev, dtype=torch.int32)
+    perm_to_exp = order.to(torch.int32)
+    exp_to_perm = torch.empty_like(rows).scatter_(0, order, rows)
+    if expert_parallel:
+        perm_to_exp = torch.where(sorted_ids < num_experts, perm_to_exp, -1)
+        exp_to_perm = torch.where(ids < num_experts, exp_to_perm, -1)
+    return RoutingPlan(exp_to_perm.view(top_k_index.shape), perm_to_exp, offsets, n)
 
 
 def _grouped_linear_gather(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -99,7 +128,8 @@ def moefuse_experts_forward(
     impl = self.__dict__.get(IMPL_ATTR, "auto")
     top_k = top_k_index.shape[-1]
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
-    plan = sort_by_expert(top_k_index, self.gate_up_proj.shape[0])
+    plan = expert_plan(top_k_index, self.gate_up_proj.shape[0],
+                       bool(getattr(self, "_is_expert_parallel", False)))
     xp = moe_permute(x, plan.permuted_idx_to_expanded_idx, top_k, impl=impl)
     h = grouped_linear(xp, self.gate_up_proj, plan.expert_offsets)
     act = self._apply_gate(h)
