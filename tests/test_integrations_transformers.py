@@ -52,12 +52,12 @@ def build(kind: str, seed: int, *, hidden=64, layers=2, vocab=VOCAB):
     return tf.DeepseekV3ForCausalLM(cfg).eval()
 
 
-def copies(kind: str):
+def copies(kind: str, impl: str = "triton"):
     """(FP32 model, unpatched BF16 model, patched BF16 model, prompt ids) of one seed. The FP32
     model is the BF16 model widened (same weights), so only the arithmetic differs."""
     bf16 = build(kind, SEEDS[kind]).to(torch.bfloat16)
     patched = copy.deepcopy(bf16)
-    report = mt.patch(patched, impl="triton")
+    report = mt.patch(patched, impl=impl)
     assert report["norms"] > 0 and report["fused_layers"] == 2, report
     assert patched.config._experts_implementation == "moefuse"
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(SEEDS[kind]))
@@ -73,12 +73,13 @@ def token_error(logits: torch.Tensor, fp32: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def test_logits_match_and_are_closer_to_fp32(kind):
     fp32, bf16, patched, ids = copies(kind)
+    ids = ids[:, :8]  # 16 tokens: the interpreted finalize runs one program per token
     want32 = fp32(ids).logits
     unpatched = bf16(ids).logits
     got = patched(ids).logits
     assert_close(got, unpatched, "bf16_model_logits", f"{kind}: patched vs unpatched")
-    again = patched(ids).logits
-    assert_bitwise_equal(again, got, f"{kind}: run to run")
+    if kind == "qwen3_moe":  # one model is enough on CPU; the GPU file checks all three
+        assert_bitwise_equal(patched(ids).logits, got, f"{kind}: run to run")
     # every GEMM and the attention round identically in both BF16 models and dominate the error;
     # the fused ops remove part of the rest. The median over tokens ignores the tokens whose
     # routing flips between two nearly tied experts in one model but not the other.
@@ -90,7 +91,10 @@ def test_logits_match_and_are_closer_to_fp32(kind):
 @pytest.mark.parametrize("kind", list(SEEDS))
 @torch.no_grad()
 def test_greedy_generation_equals_fp32(kind):
-    fp32, _, patched, ids = copies(kind)
+    """The patched ops on their reference path here (the kernels are bitwise equal to it, or
+    within 1 ulp for the norms, per the families' tests; the logits test above runs the
+    interpreted kernels): 16 decode steps of interpreted kernels would take minutes."""
+    fp32, _, patched, ids = copies(kind, impl="reference")
     prompt = ids[:1, :5]
     kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
               eos_token_id=None)  # fmt: skip

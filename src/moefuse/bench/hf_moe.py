@@ -66,7 +66,7 @@ def qwen3_config(args, layers: int):
 
 def set_block_impl(block, name: str) -> None:
     """Point a standalone block's experts at ``name`` (what set_experts_implementation does)."""
-    block.experts.config._experts_implementation_internal = name
+    block.experts.config._experts_implementation = name
 
 
 @torch.inference_mode()
