@@ -40,6 +40,27 @@ IMPL_ATTR = "_moefuse_impl"
 _HALF = (torch.bfloat16, torch.float16)
 
 
+_ARANGES: dict[tuple, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.arange(n)`` kept per (n, device, dtype): one launch less per call at decode. Never
+    written (read-only operands), so sharing it across calls and graphs is safe. Not cached
+    while a CUDA graph is being captured (the tensor would live in the graph's private pool) or
+    while torch.compile traces."""
+    if (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or (
+        torch.compiler.is_compiling()
+    ):
+        return torch.arange(n, device=device, dtype=dtype)
+    key = (n, device, dtype)
+    t = _ARANGES.get(key)
+    if t is None:
+        if len(_ARANGES) > 256:  # prefill lengths vary: bound what is kept
+            _ARANGES.clear()
+        t = _ARANGES[key] = torch.arange(n, device=device, dtype=dtype)
+    return t
+
+
 def expert_plan(top_k_index: torch.Tensor, num_experts: int, expert_parallel: bool) -> RoutingPlan:
     """:func:`moefuse.moe.routing.sort_by_expert` ``(top_k_index, num_experts)`` (``pad_to=1``),
     bit for bit, in ~8 device ops instead of ~38: at decode every op is a launch and the host
@@ -53,13 +74,12 @@ def expert_plan(top_k_index: torch.Tensor, num_experts: int, expert_parallel: bo
     """
     ids = top_k_index.reshape(-1)
     n = ids.numel()
-    dev = ids.device
     if expert_parallel:
         ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
     sorted_ids, order = torch.sort(ids, stable=True)
-    bounds = torch.arange(num_experts + 1, device=dev, dtype=sorted_ids.dtype)
-    offsets = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
-    rows = torch.arange(n, device=dev, dtype=torch.int32)
+    bounds = _arange(num_experts + 1, sorted_ids.device, sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    rows = _arange(n, ids.device, torch.int32)
     perm_to_exp = order.to(torch.int32)
     exp_to_perm = torch.empty_like(rows).scatter_(0, order, rows)
     if expert_parallel:
