@@ -59,6 +59,7 @@ def copies(kind: str, impl: str = "triton"):
     patched = copy.deepcopy(bf16)
     report = mt.patch(patched, impl=impl)
     assert report["norms"] > 0 and report["fused_layers"] == 2, report
+    assert report["shared_expert_blocks"] == (1 if kind == "deepseek_v3" else 0), report
     assert patched.config._experts_implementation == "moefuse"
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(SEEDS[kind]))
     return copy.deepcopy(bf16).float(), bf16, patched, ids

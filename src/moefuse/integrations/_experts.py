@@ -37,6 +37,10 @@ NAME = "moefuse"
 #: instance attribute of an experts module holding the ``impl`` its moefuse ops run with
 #: (set by :func:`moefuse.integrations.transformers.patch`; "auto" when absent)
 IMPL_ATTR = "_moefuse_impl"
+#: instance attribute through which a patched MoE block with shared experts (DeepSeek-V3) hands
+#: the shared-expert output [T, H] to this function for the current call: it is added inside
+#: the finalize (FP32, before the single rounding) instead of by a separate BF16 add
+SHARED_ATTR = "_moefuse_shared_output"
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -135,7 +139,9 @@ def _fallback(module, hidden_states, top_k_index, top_k_weights, reason: str) ->
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     log_once("experts", f"running transformers' grouped_mm for {type(module).__name__}: {reason}")
-    return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    out = grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    shared = module.__dict__.get(SHARED_ATTR)
+    return out if shared is None else out + shared
 
 
 def moefuse_experts_forward(
@@ -156,4 +162,5 @@ def moefuse_experts_forward(
     if act.dtype != xp.dtype:  # an activation that upcasts must not change the GEMM dtype
         act = act.to(xp.dtype)
     y = grouped_linear(act, self.down_proj, plan.expert_offsets)
-    return moe_finalize(y, plan.expanded_idx_to_permuted_idx, top_k_weights, impl=impl)
+    return moe_finalize(y, plan.expanded_idx_to_permuted_idx, top_k_weights, impl=impl,
+                        shared_expert_output=self.__dict__.get(SHARED_ATTR))  # fmt: skip

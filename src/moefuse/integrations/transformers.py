@@ -18,6 +18,9 @@ is imported only when one of these functions runs.
   the NEXT norm (the next layer's ``input_layernorm``, or the final ``norm`` after the last layer):
   the layer returns the residual stream as usual and hands the normalized row to that norm, which
   uses it only when it is called with that very tensor (identity check, no data read).
+* MoE blocks with shared experts (:data:`SHARED_EXPERT_BLOCKS`, DeepSeek-V3): the shared-expert
+  output is added inside the ``"moefuse"`` finalize (FP32, before its one rounding) instead of by
+  a separate BF16 add after it.
 * :func:`unpatch` restores every forward and the previous experts implementation.
 
 Numerics: moefuse's norms round once (``bf16((x * r) * w)``) where transformers rounds twice
@@ -35,7 +38,7 @@ import types
 import torch
 
 from moefuse._runtime import IMPLS
-from moefuse.integrations._experts import IMPL_ATTR, NAME, moefuse_experts_forward
+from moefuse.integrations._experts import IMPL_ATTR, NAME, SHARED_ATTR, moefuse_experts_forward
 from moefuse.norm.api import (
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
@@ -51,6 +54,9 @@ FUSABLE_LAYERS = frozenset({
     "DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer", "Qwen3DecoderLayer", "LlamaDecoderLayer",
     "MistralDecoderLayer",
 })  # fmt: skip
+#: MoE blocks computing ``experts(x) + shared_experts(x)`` (read in transformers 5.x); with the
+#: "moefuse" experts the shared output is added inside the finalize (FP32, one rounding)
+SHARED_EXPERT_BLOCKS = frozenset({"DeepseekV3MoE"})
 _HALF = (torch.bfloat16, torch.float16)
 _STATE = "_moefuse_patch"
 
@@ -150,6 +156,48 @@ def _restore_forward(module, saved) -> None:
         module.forward = saved
 
 
+# ----------------------------------------------------------------------------- shared experts
+class _BlockState:
+    __slots__ = ("forward", "saved")
+
+    def __init__(self, forward, saved):
+        self.forward, self.saved = forward, saved
+
+
+def _shared_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``experts(x) + shared_experts(x)`` with the add inside the moefuse finalize; the original
+    forward whenever the experts do not run the "moefuse" implementation or autograd records."""
+    st = self.__dict__[_STATE]
+    experts = self.experts
+    if (
+        getattr(experts.config, "_experts_implementation", None) != NAME
+        or hidden_states.dtype not in _HALF
+        or torch.is_grad_enabled()
+    ):
+        return st.forward(hidden_states)
+    shape = hidden_states.shape
+    _, topk_weights, topk_indices = self.gate(hidden_states)
+    shared = self.shared_experts(hidden_states).reshape(-1, shape[-1])
+    experts.__dict__[SHARED_ATTR] = shared
+    try:
+        out = experts(hidden_states.reshape(-1, shape[-1]), topk_indices, topk_weights)
+    finally:
+        experts.__dict__.pop(SHARED_ATTR, None)
+    return out.view(shape)
+
+
+def _patch_shared_blocks(model) -> int:
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ in SHARED_EXPERT_BLOCKS and _STATE not in module.__dict__:
+            if all(hasattr(module, a) for a in ("experts", "gate", "shared_experts")):
+                module.__dict__[_STATE] = _BlockState(module.forward,
+                                                      module.__dict__.get("forward"))  # fmt: skip
+                module.forward = types.MethodType(_shared_block_forward, module)
+                n += 1
+    return n
+
+
 # ----------------------------------------------------------------------------- decoder layers
 class _LayerState:
     __slots__ = ("forward", "saved", "next_norm")
@@ -226,9 +274,11 @@ def _patch_layers(model) -> int:
 def patch(model, *, experts: bool = True, norms: bool = True, fuse_residual: bool = True,
           impl: str = "auto") -> dict:  # fmt: skip
     """Run ``model`` (a transformers ``PreTrainedModel``) on moefuse; returns what was patched:
-    ``{"experts": previous implementation or None, "norms": n, "fused_layers": n}``.
+    ``{"experts": previous implementation or None, "norms": n, "fused_layers": n,
+    "shared_expert_blocks": n}``.
 
-    ``experts``: register and select the ``"moefuse"`` experts implementation. ``norms``: RMSNorm
+    ``experts``: register and select the ``"moefuse"`` experts implementation, and add the shared
+    experts of :data:`SHARED_EXPERT_BLOCKS` inside its finalize. ``norms``: RMSNorm
     modules onto :func:`moefuse.rmsnorm`. ``fuse_residual`` (needs ``norms``): residual adds of
     :data:`FUSABLE_LAYERS` as :func:`moefuse.fused_add_rmsnorm`. Patching twice is a no-op;
     :func:`unpatch` undoes everything. ``impl`` ("auto" | "triton" | "reference", DESIGN.md) is
@@ -251,6 +301,7 @@ def patch(model, *, experts: bool = True, norms: bool = True, fuse_residual: boo
         for module in model.modules():
             if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
                 module.__dict__[IMPL_ATTR] = impl
+        report["shared_expert_blocks"] = _patch_shared_blocks(model)
         report["experts"] = model.__dict__.get("_moefuse_previous_experts")
     if norms:
         for module in model.modules():
