@@ -1,6 +1,6 @@
-"""examples/tp_moe_layer.py on CPU with P = 2 processes (gloo): the moefuse epilogue (Triton
-kernels in the interpreter) agrees with the unfused PyTorch / gloo one, is identical on both
-ranks, and the script reports a latency row per token count."""
+"""examples/tp_moe_layer.py with P = 2 processes: on CPU (gloo, the Triton kernels in the
+interpreter) and on 2 GPUs (NCCL). The script itself checks that the moefuse epilogue agrees with
+the unfused PyTorch one and is identical on both ranks; the tests check its report."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import pathlib
 import pytest
 
 from comm_mp import run_group
-
-pytestmark = pytest.mark.interpreter
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tp_moe_layer.py"
 
@@ -28,6 +26,7 @@ def _run(rank, world, argv):
     return ex.run(ex.parse_args(argv))
 
 
+@pytest.mark.interpreter
 def test_tp_moe_layer_example_cpu(tmp_path):
     argv = ["--device", "cpu", "--iters", "1", "--decode", "3", "--prefill", "17",
             "--hidden", "48", "--inter", "24", "--impl", "triton", "--out", str(tmp_path)]
@@ -39,3 +38,20 @@ def test_tp_moe_layer_example_cpu(tmp_path):
             assert row["err_residual"] <= 2e-2 and row["err_norm"] <= 2e-2
             assert row["epilogue_fused_us"] > 0 and row["layer_unfused_us"] > 0
     assert (tmp_path / "tp_moe_layer-p2.json").exists()
+
+
+@pytest.mark.multigpu
+def test_tp_moe_layer_example_two_gpus(tmp_path):
+    """The example on 2 GPUs (NCCL; the Triton kernels, CUDA graphs) at a decode and a prefill
+    size: agreement and cross-rank identity are checked inside; timings are reported (the issue's
+    1.3 x bar is judged from the printed table, not asserted here)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    argv = ["--device", "cuda", "--iters", "10", "--decode", "1", "64", "--prefill", "512",
+            "--out", str(tmp_path)]
+    results = run_group(2, _run, argv, backend="nccl", timeout_s=600)
+    for row in results[0]["rows"]:
+        assert row["timing"] == "graph", row
+        assert row["epilogue_fused_us"] > 0 and row["epilogue_unfused_us"] > 0
