@@ -51,19 +51,23 @@ class ShardedMoE:
     def __init__(self, args, rank: int, world: int, device, dtype):
         if args.inter % world:
             raise ValueError(f"--inter {args.inter} must be divisible by the world size {world}")
-        g = torch.Generator().manual_seed(args.seed)
+        # drawn on the device (GiBs of weights at the GPU defaults); the same seed on every rank
+        # gives every rank the same full weights, of which it keeps its slice
+        g = torch.Generator(device=device).manual_seed(args.seed)
         e, h, i = args.experts, args.hidden, args.inter
 
         def w(*shape):
-            return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype)
+            t = torch.randn(*shape, generator=g, device=device, dtype=torch.float32)
+            return (t / shape[-1] ** 0.5).to(dtype)
 
         router, w13, w2 = w(e, h), w(e, 2 * i, h), w(e, h, i)
-        self.norm_weight = (torch.rand(h, generator=g) + 0.5).to(dtype).to(device)
+        self.norm_weight = (torch.rand(h, generator=g, device=device) + 0.5).to(dtype)
         lo, hi = rank * i // world, (rank + 1) * i // world
-        self.router = router.to(device)
+        self.router = router
         # gate rows then up rows of this rank's slice, kept in the [gate; up] layout
-        self.w13 = torch.cat([w13[:, lo:hi], w13[:, i + lo : i + hi]], 1).contiguous().to(device)
-        self.w2 = w2[:, :, lo:hi].contiguous().to(device)
+        self.w13 = torch.cat([w13[:, lo:hi], w13[:, i + lo : i + hi]], 1).contiguous()
+        self.w2 = w2[:, :, lo:hi].contiguous()
+        del w13, w2
         self.top_k, self.experts, self.eps = args.topk, e, 1e-6
         self.device, self.dtype, self.impl = device, dtype, args.impl
 
