@@ -135,11 +135,20 @@ def test_experts_function_matches_grouped_mm():
 
 
 def test_unpatch_restores_and_bad_input():
-    model = build("mixtral", 0, layers=1).to(torch.bfloat16)
+    model = build("mixtral", 0, layers=3).to(torch.bfloat16)
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        before = model(ids).logits
+        ref = model(ids, output_hidden_states=True)
+        before = ref.logits
         mt.patch(model)  # impl="auto": the references on CPU
+        got = model(ids, output_hidden_states=True)
+        # recorded hidden states are the true residual stream, never overwritten by a later
+        # layer's in-place fused add (the embedding output is bit-exact: nothing touched it)
+        assert len(got.hidden_states) == len(ref.hidden_states) == 4
+        assert_bitwise_equal(got.hidden_states[0], ref.hidden_states[0], "embeddings")
+        for i in (1, 2):
+            torch.testing.assert_close(got.hidden_states[i], ref.hidden_states[i], rtol=0.05,
+                                       atol=0.05)  # fmt: skip
         assert mt.is_patched(model)
         assert mt.patch(model)["fused_layers"] == 0  # already patched: nothing new
         mt.unpatch(model)
