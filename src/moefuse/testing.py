@@ -52,6 +52,15 @@ TOLERANCES: dict[str, Tolerance] = {
         reason="sigmoid through exp2.approx and rcp.approx adds ~2 FP32 ulp before the single BF16/"
         "FP16 rounding, which can still cross one rounding boundary",
     ),
+    "bf16_model_logits": Tolerance(
+        "close",
+        rtol=0.0,
+        atol=0.25,
+        reason="logits (|logit| ~ 1) of a whole BF16 model patched with moefuse vs the same model "
+        "unpatched: the fused ops round once where transformers rounds twice, ~1e-2 apart after "
+        "a few layers, and a token whose top-k routing flips between two nearly tied experts "
+        "moves by up to ~0.2; which of the two is closer to FP32 is tested separately",
+    ),
 }
 
 

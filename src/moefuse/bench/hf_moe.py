@@ -1,0 +1,210 @@
+"""transformers' Qwen3-MoE sparse block and whole-model decode, shipped vs moefuse (issue 18).
+
+    python -m moefuse.bench.hf_moe --out DIR          # one GPU (H200: the issue's perf bar)
+    python -m moefuse.bench.hf_moe --smoke --out DIR  # tiny shapes on CPU (checks the script)
+
+1. Sparse-MoE block (``Qwen3MoeSparseMoeBlock``, router + experts), Qwen3-MoE shapes H = 2048,
+   E = 128, K = 8, I = 768, BF16, random weights: µs per block call in EAGER mode (host time
+   included: ``calls`` back-to-back calls between two synchronizations, median of ``repeats``)
+   at T = 1 / 16 / 256 / 2048 / 8192 tokens for the experts implementations "grouped_mm",
+   "batched_mm" (T <= 16 only) and "moefuse". Every implementation's output is first checked
+   against "grouped_mm" (relative max error <= 3e-2 of the output's max: both are BF16 pipelines
+   with other rounding points).
+2. Eager greedy decode, batch 1, of a small whole Qwen3-MoE model with the real block shapes
+   (``--layers`` layers, random weights from the config): tokens / s as shipped and after
+   ``moefuse.integrations.transformers.patch(model)``, from two ``generate`` lengths
+   (``(n_long - n_short) / (t_long - t_short)``, so prefill cancels out).
+
+Writes ``hf_moe-<gpu>.json`` and ``.png`` (µs per block against T, one line per implementation)
+into DIR and prints both tables with the ratios the issue's bar asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from moefuse.bench.harness import print_table, run_metadata, save_results
+
+IMPLS = ("grouped_mm", "batched_mm", "moefuse")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def eager_us(fn, device, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of (wall time of ``calls`` eager calls) / ``calls``, in µs."""
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def qwen3_config(args, layers: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.dense_inter,
+        moe_intermediate_size=args.inter, num_hidden_layers=layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, num_experts=args.experts, num_experts_per_tok=args.topk,
+        norm_topk_prob=True, max_position_embeddings=4096, initializer_range=0.02,
+    )  # fmt: skip
+
+
+def set_block_impl(block, name: str) -> None:
+    """Point a standalone block's experts at ``name`` (what set_experts_implementation does)."""
+    block.experts.config._experts_implementation = name
+
+
+@torch.inference_mode()
+def bench_block(args, device) -> list[dict]:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from moefuse.integrations.transformers import register
+
+    register()
+    cfg = qwen3_config(args, 1)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    block = block.to(device=device, dtype=torch.bfloat16).eval()
+    rows = []
+    for t in args.tokens:
+        x = torch.randn(1, t, args.hidden, device=device, dtype=torch.bfloat16)
+        set_block_impl(block, "grouped_mm")
+        want = block(x).float()
+        scale = float(want.abs().max()) or 1.0
+        for name in IMPLS:
+            if name == "batched_mm" and t > args.batched_max:
+                continue
+            set_block_impl(block, name)
+            err = float((block(x).float() - want).abs().max()) / scale
+            if err > 3e-2:
+                raise AssertionError(f"{name} at T={t}: relative error {err:.3g} vs grouped_mm")
+            us = eager_us(lambda: block(x), device, args.calls, args.repeats)  # noqa: B023
+            rows.append({"op": "qwen3_moe_block", "shape": f"H{args.hidden} E{args.experts} "
+                         f"K{args.topk} I{args.inter}", "variant": name, "M": t, "us": us,
+                         "rel_err_vs_grouped_mm": err})  # fmt: skip
+    by = {(r["variant"], r["M"]): r["us"] for r in rows}
+    for r in rows:
+        if r["variant"] == "moefuse":
+            base = [by[(n, r["M"])] for n in IMPLS[:2] if (n, r["M"]) in by]
+            r["x_best_transformers"] = min(base) / r["us"]
+            r["x_grouped_mm"] = by[("grouped_mm", r["M"])] / r["us"]
+    return rows
+
+
+@torch.inference_mode()
+def bench_decode(args, device) -> list[dict]:
+    from transformers import Qwen3MoeForCausalLM
+
+    from moefuse.integrations.transformers import patch
+
+    cfg = qwen3_config(args, args.layers)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg)
+    model = model.to(torch.bfloat16).eval()
+    prompt = torch.randint(0, args.vocab, (1, 16), device=device)
+
+    def gen(n):
+        return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)  # fmt: skip
+
+    def rate():
+        gen(args.short)  # warm-up (kernels compiled, caches allocated)
+        times = {}
+        for n in (args.short, args.long):
+            samples = []
+            for _ in range(args.decode_repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                out = gen(n)
+                _sync(device)
+                samples.append(time.perf_counter() - t0)
+            times[n] = statistics.median(samples)
+        return (args.long - args.short) / (times[args.long] - times[args.short]), out
+
+    rows = []
+    shipped_rate, shipped_tokens = rate()
+    rows.append({"op": "decode", "variant": "shipped", "tok_s": shipped_rate,
+                 "experts": model.config._experts_implementation})  # fmt: skip
+    report = patch(model)
+    patched_rate, patched_tokens = rate()
+    same = float((patched_tokens == shipped_tokens).float().mean())
+    rows.append({"op": "decode", "variant": "moefuse patch", "tok_s": patched_rate,
+                 "experts": model.config._experts_implementation, "patched": report,
+                 "x_shipped": patched_rate / shipped_rate,
+                 "greedy_tokens_equal_fraction": same})  # fmt: skip
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench/results", help="directory for JSON + PNG")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (script check)")
+    p.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 256, 2048, 8192])
+    p.add_argument("--batched-max", type=int, default=16, help="largest T for batched_mm")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the decode model")
+    p.add_argument("--short", type=int, default=8)
+    p.add_argument("--long", type=int, default=40)
+    p.add_argument("--decode-repeats", type=int, default=3)
+    p.add_argument("--skip-decode", action="store_true")
+    args = p.parse_args(argv)
+    shapes = dict(hidden=2048, experts=128, topk=8, inter=768, dense_inter=6144, heads=32,
+                  kv_heads=4, head_dim=128, vocab=151936)  # fmt: skip
+    if args.smoke:
+        shapes = dict(hidden=64, experts=8, topk=2, inter=32, dense_inter=96, heads=4,
+                      kv_heads=2, head_dim=16, vocab=256)  # fmt: skip
+        args.tokens, args.calls, args.repeats = [1, 16, 40], 2, 1
+        args.layers, args.short, args.long, args.decode_repeats = 2, 2, 4, 1
+    for key, value in shapes.items():
+        setattr(args, key, value)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    rows = bench_block(args, device)
+    print_table(rows, ["variant", "M", "us", "x_best_transformers", "x_grouped_mm",
+                       "rel_err_vs_grouped_mm"])  # fmt: skip
+    if not args.skip_decode:
+        decode = bench_decode(args, device)
+        print_table(decode, ["variant", "experts", "tok_s", "x_shipped",
+                             "greedy_tokens_equal_fraction"])  # fmt: skip
+        rows += decode
+    meta = run_metadata()
+    meta["command"] = "python -m moefuse.bench.hf_moe"
+    meta["method"] = ("eager: wall time of back-to-back calls between synchronizations / calls "
+                      "(host time included), median of repeats; decode: greedy generate, "
+                      "(n_long - n_short) / (t_long - t_short)")  # fmt: skip
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    json_path, png_path = save_results("hf_moe", rows, meta, args.out)
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
+    return {"rows": rows, "json": str(json_path)}
+
+
+if __name__ == "__main__":
+    main()

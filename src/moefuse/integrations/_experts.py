@@ -1,0 +1,166 @@
+"""The ``"moefuse"`` experts implementation for transformers' ``use_experts_implementation`` hook.
+
+Called as ``fn(self, hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``
+with the weights of a transformers experts module: ``self.gate_up_proj`` [E, 2I, H] (gate rows
+then up rows), ``self.down_proj`` [E, H, I], ``self._apply_gate`` (activation of the gate half
+times the up half). Per token t::
+
+    plan = sort_by_expert(top_k_index, E)               # expert-sorted slots, static capacity T*K
+                                                        # (its result, from fewer ops: expert_plan)
+    xp   = moe_permute(hidden_states, plan)             # [T*K, H]
+    h    = grouped GEMM  xp[rows of e] @ gate_up_proj[e].T     # [T*K, 2I]
+    a    = self._apply_gate(h)                          # [T*K, I]
+    y    = grouped GEMM  a[rows of e] @ down_proj[e].T         # [T*K, H]
+    out  = moe_finalize(y, plan, top_k_weights)         # ascending-k FP32 FMA chain, one rounding
+
+Nothing reads a device value on the host (no ``.item()`` / ``.tolist()``, static shapes), so the
+function is CUDA-graph capturable. Expert ids outside ``[0, E)`` (expert-parallel sentinels) are
+skipped by the finalize. The grouped GEMMs use ``torch._grouped_mm`` on CUDA where it runs (probed
+once per dtype/device by :func:`moefuse.moe.layer.grouped_mm_available`), else a loop-free
+gather + ``bmm`` (CPU CI; memory ``T*K*N*Kd`` elements, fine for small models only).
+
+Modules whose layout this path does not cover (biases, transposed or interleaved gate/up weights,
+no gate, a post-expert norm, FP32 activations, autograd) run transformers' own ``"grouped_mm"``
+function instead, announced once through the ``moefuse`` logger.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moefuse._runtime import log_once
+from moefuse.moe.api import moe_finalize, moe_permute
+from moefuse.moe.layer import _grouped_mm_torch, grouped_mm_available
+from moefuse.moe.routing import RoutingPlan
+
+NAME = "moefuse"
+#: instance attribute of an experts module holding the ``impl`` its moefuse ops run with
+#: (set by :func:`moefuse.integrations.transformers.patch`; "auto" when absent)
+IMPL_ATTR = "_moefuse_impl"
+#: instance attribute through which a patched MoE block with shared experts (DeepSeek-V3) hands
+#: the shared-expert output [T, H] to this function for the current call: it is added inside
+#: the finalize (FP32, before the single rounding) instead of by a separate BF16 add
+SHARED_ATTR = "_moefuse_shared_output"
+_HALF = (torch.bfloat16, torch.float16)
+
+
+_ARANGES: dict[tuple, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.arange(n)`` kept per (n, device, dtype): one launch less per call at decode. Never
+    written (read-only operands), so sharing it across calls and graphs is safe. Not cached
+    while a CUDA graph is being captured (the tensor would live in the graph's private pool) or
+    while torch.compile traces."""
+    if (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or (
+        torch.compiler.is_compiling()
+    ):
+        return torch.arange(n, device=device, dtype=dtype)
+    key = (n, device, dtype)
+    t = _ARANGES.get(key)
+    if t is None:
+        if len(_ARANGES) > 256:  # prefill lengths vary: bound what is kept
+            _ARANGES.clear()
+        t = _ARANGES[key] = torch.arange(n, device=device, dtype=dtype)
+    return t
+
+
+def expert_plan(top_k_index: torch.Tensor, num_experts: int, expert_parallel: bool) -> RoutingPlan:
+    """:func:`moefuse.moe.routing.sort_by_expert` ``(top_k_index, num_experts)`` (``pad_to=1``),
+    bit for bit, in ~8 device ops instead of ~38: at decode every op is a launch and the host
+    time of the routing is most of the block's time.
+
+    Slots are stably sorted by expert id (ascending expanded index within an expert); the offsets
+    are a ``searchsorted`` of the expert ids 0..E over the sorted ids. With ``expert_parallel``
+    (transformers' ``_is_expert_parallel``) ids outside ``[0, E)`` are sentinels of experts held
+    elsewhere: they sort behind every local slot and both maps mark them -1; otherwise the ids
+    are trusted to lie in ``[0, E)`` (a router's top-k output).
+    """
+    ids = top_k_index.reshape(-1)
+    n = ids.numel()
+    if expert_parallel:
+        ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    bounds = _arange(num_experts + 1, sorted_ids.device, sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    rows = _arange(n, ids.device, torch.int32)
+    perm_to_exp = order.to(torch.int32)
+    exp_to_perm = torch.empty_like(rows).scatter_(0, order, rows)
+    if expert_parallel:
+        perm_to_exp = torch.where(sorted_ids < num_experts, perm_to_exp, -1)
+        exp_to_perm = torch.where(ids < num_experts, exp_to_perm, -1)
+    return RoutingPlan(exp_to_perm.view(top_k_index.shape), perm_to_exp, offsets, n)
+
+
+def _grouped_linear_gather(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[p] = w[e(p)] @ a[p]`` for rows p of expert e(p) (``offsets`` [E + 1] int32), without
+    a Python loop over experts or a host read: every row gathers its expert's matrix."""
+    rows = torch.arange(a.shape[0], device=a.device, dtype=offsets.dtype)
+    # expert of row p = number of expert END offsets <= p; rows past offsets[E] (unused capacity)
+    # are clamped onto the last expert: their values are never read by the finalize
+    eid = torch.searchsorted(offsets[1:].contiguous(), rows, right=True).clamp_(max=w.shape[0] - 1)
+    return torch.bmm(w[eid], a.unsqueeze(-1)).squeeze(-1)
+
+
+def grouped_linear(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Grouped ``a[rows of e] @ w[e].T``: ``a`` [R, Kd], ``w`` [E, N, Kd], ``offsets`` [E + 1]."""
+    if (
+        a.is_cuda
+        and a.shape[1] % 8 == 0
+        and w.shape[1] % 8 == 0
+        and w.is_contiguous()
+        and grouped_mm_available(a.dtype, a.device)
+    ):
+        return _grouped_mm_torch(a.contiguous(), w, offsets)
+    return _grouped_linear_gather(a, w, offsets)
+
+
+def _unsupported_reason(module, hidden_states: torch.Tensor) -> str | None:
+    if getattr(module, "has_bias", False):
+        return "expert biases"
+    if getattr(module, "is_transposed", False):
+        return "transposed expert weights"
+    if not getattr(module, "is_concatenated", True):
+        return "interleaved gate/up weights"
+    if not getattr(module, "has_gate", True):
+        return "experts without a gate projection"
+    if getattr(module, "has_post_expert_norm", False):
+        return "a post-expert norm"
+    if hidden_states.dtype not in _HALF:
+        return f"{hidden_states.dtype} activations (the finalize is BF16/FP16)"
+    if torch.is_grad_enabled() and (
+        hidden_states.requires_grad or module.gate_up_proj.requires_grad
+    ):
+        return "autograd (the moefuse ops have no backward)"
+    return None
+
+
+def _fallback(module, hidden_states, top_k_index, top_k_weights, reason: str) -> torch.Tensor:
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    log_once("experts", f"running transformers' grouped_mm for {type(module).__name__}: {reason}")
+    out = grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    shared = module.__dict__.get(SHARED_ATTR)
+    return out if shared is None else out + shared
+
+
+def moefuse_experts_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The registered experts function (module docstring); returns a fresh [T, H] tensor."""
+    reason = _unsupported_reason(self, hidden_states)
+    if reason is not None:
+        return _fallback(self, hidden_states, top_k_index, top_k_weights, reason)
+    impl = self.__dict__.get(IMPL_ATTR, "auto")
+    top_k = top_k_index.shape[-1]
+    x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
+    plan = expert_plan(top_k_index, self.gate_up_proj.shape[0],
+                       bool(getattr(self, "_is_expert_parallel", False)))
+    xp = moe_permute(x, plan.permuted_idx_to_expanded_idx, top_k, impl=impl)
+    h = grouped_linear(xp, self.gate_up_proj, plan.expert_offsets)
+    act = self._apply_gate(h)
+    if act.dtype != xp.dtype:  # an activation that upcasts must not change the GEMM dtype
+        act = act.to(xp.dtype)
+    y = grouped_linear(act, self.down_proj, plan.expert_offsets)
+    return moe_finalize(y, plan.expanded_idx_to_permuted_idx, top_k_weights, impl=impl,
+                        shared_expert_output=self.__dict__.get(SHARED_ATTR))  # fmt: skip

@@ -1,0 +1,329 @@
+"""moefuse inside Hugging Face transformers (>= 5) models: ``register()``, ``patch(model)``,
+``unpatch(model)``. transformers is an optional extra (``pip install moefuse[transformers]``) and
+is imported only when one of these functions runs.
+
+* :func:`register` adds the ``"moefuse"`` experts implementation to
+  ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` (see :mod:`moefuse.integrations._experts`
+  for its dataflow: sort_by_expert -> moe_permute -> grouped GEMM (gate|up) -> ``_apply_gate`` ->
+  grouped GEMM (down) -> moe_finalize). Select it with
+  ``model.set_experts_implementation("moefuse")`` or
+  ``from_pretrained(..., experts_implementation="moefuse")``.
+* :func:`patch` registers, selects the experts implementation, and moves the model's RMSNorms onto
+  moefuse: every module whose class name ends in ``RMSNorm`` and which behaves as
+  ``w * norm(x)`` (or Gemma's ``(1 + w) * norm(x)``, checked numerically on a probe row at patch
+  time) runs :func:`moefuse.rmsnorm` / :func:`moefuse.gemma_rmsnorm` — hidden-size norms and the
+  per-head q/k norms alike. In the pre-norm decoder layers listed in :data:`FUSABLE_LAYERS`, the
+  residual add after attention and the ``post_attention_layernorm`` run as one
+  :func:`moefuse.fused_add_rmsnorm`, and the residual add after the MLP / MoE block is fused with
+  the NEXT norm (the next layer's ``input_layernorm``, or the final ``norm`` after the last layer):
+  the layer returns the residual stream as usual and hands the normalized row to that norm, which
+  uses it only when it is called with that very tensor (identity check, no data read).
+* MoE blocks with shared experts (:data:`SHARED_EXPERT_BLOCKS`, DeepSeek-V3): the shared-expert
+  output is added inside the ``"moefuse"`` finalize (FP32, before its one rounding) instead of by
+  a separate BF16 add after it.
+* :func:`unpatch` restores every forward and the previous experts implementation.
+
+Numerics: moefuse's norms round once (``bf16((x * r) * w)``) where transformers rounds twice
+(``w * bf16(x * r)``), and the fused adds normalize the FP32 sum before rounding it; outputs
+differ from the unpatched model in the last bits and are closer to an FP32 evaluation
+(tests/test_integrations_transformers.py). Inference only: whenever autograd is recording, every
+patched module runs its original forward. Tensors that are not BF16/FP16 (an FP32 model) run the
+original forwards as well.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from moefuse._runtime import IMPLS
+from moefuse.integrations._experts import IMPL_ATTR, NAME, SHARED_ATTR, moefuse_experts_forward
+from moefuse.norm.api import (
+    fused_add_rmsnorm,
+    gemma_fused_add_rmsnorm,
+    gemma_rmsnorm,
+    rmsnorm,
+)
+
+#: decoder layers whose forward is exactly the pre-norm pattern
+#: ``r = x; x = attn(input_layernorm(x)); x = r + x; r = x; x = mlp(post_attention_layernorm(x));
+#: return r + x`` (read in transformers 5.x); only these get the fused residual adds.
+FUSABLE_LAYERS = frozenset({
+    "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoderLayer",
+    "DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer", "Qwen3DecoderLayer", "LlamaDecoderLayer",
+    "MistralDecoderLayer",
+})  # fmt: skip
+#: MoE blocks computing ``experts(x) + shared_experts(x)`` (read in transformers 5.x); with the
+#: "moefuse" experts the shared output is added inside the finalize (FP32, one rounding)
+SHARED_EXPERT_BLOCKS = frozenset({"DeepseekV3MoE"})
+_HALF = (torch.bfloat16, torch.float16)
+_STATE = "_moefuse_patch"
+
+
+# ----------------------------------------------------------------------------- register
+def register() -> None:
+    """Add the ``"moefuse"`` experts implementation to transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if ALL_EXPERTS_FUNCTIONS._global_mapping.get(NAME) is not moefuse_experts_forward:
+        ALL_EXPERTS_FUNCTIONS.register(NAME, moefuse_experts_forward)
+
+
+# ----------------------------------------------------------------------------- norms
+def _norm_eps(module) -> float | None:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+@torch.no_grad()
+def _probe_gain_center(module, eps: float) -> float | None:
+    """0.0 when ``module(x) ~= w * norm(x)``, 1.0 when ``~= (1 + w) * norm(x)``, None otherwise.
+    Evaluated once at patch time on two random rows (within 2e-2: BF16 weights and outputs)."""
+    w = module.weight
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, w.shape[0], generator=g).to(device=w.device)
+    try:
+        got = module.forward(x.to(w.dtype if w.dtype in _HALF else torch.float32)).float()
+    except Exception:
+        return None
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    n = n.to(w.dtype if w.dtype in _HALF else torch.float32).float()  # what the module sees
+    for center in (0.0, 1.0):
+        want = n * (w.float() + center)
+        if got.shape == want.shape and torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+            return center
+    return None
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Patched RMSNorm forward: the fused-add result when a preceding layer left one for exactly
+    this tensor, else moefuse.rmsnorm over the last dim (any leading shape)."""
+    st = self.__dict__[_STATE]
+    pending = st.pending
+    if pending is not None:
+        st.pending = None
+        if pending[0] is hidden_states:
+            return pending[1]
+    if (
+        hidden_states.dtype not in _HALF
+        or hidden_states.stride(-1) != 1
+        or (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad))
+    ):
+        return st.forward(hidden_states)
+    x2 = hidden_states.reshape(-1, hidden_states.shape[-1])
+    fn = gemma_rmsnorm if st.center else rmsnorm
+    return fn(x2, self.weight, st.eps, impl=st.impl).view(hidden_states.shape)
+
+
+class _NormState:
+    """What a patched norm needs: its original forward (fallback and unpatch), eps, gain center,
+    the instance-level forward it had before (restored by unpatch) and the pending fused result."""
+
+    __slots__ = ("forward", "eps", "center", "saved", "impl", "pending")
+
+    def __init__(self, forward, eps, center, saved, impl):
+        self.forward, self.eps, self.center, self.saved = forward, eps, center, saved
+        self.impl, self.pending = impl, None
+
+
+def _patch_norm(module, impl: str) -> bool:
+    if _STATE in module.__dict__:
+        return True
+    weight = getattr(module, "weight", None)
+    eps = _norm_eps(module)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+        return False
+    if weight.is_meta:
+        return False
+    center = _probe_gain_center(module, eps)
+    if center is None:
+        return False
+    module.__dict__[_STATE] = _NormState(module.forward, eps, center,
+                                         module.__dict__.get("forward"), impl)  # fmt: skip
+    module.forward = types.MethodType(_norm_forward, module)
+    return True
+
+
+def _restore_forward(module, saved) -> None:
+    del module.__dict__[_STATE]
+    if saved is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = saved
+
+
+# ----------------------------------------------------------------------------- shared experts
+class _BlockState:
+    __slots__ = ("forward", "saved")
+
+    def __init__(self, forward, saved):
+        self.forward, self.saved = forward, saved
+
+
+def _shared_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``experts(x) + shared_experts(x)`` with the add inside the moefuse finalize; the original
+    forward whenever the experts do not run the "moefuse" implementation or autograd records."""
+    st = self.__dict__[_STATE]
+    experts = self.experts
+    if (
+        getattr(experts.config, "_experts_implementation", None) != NAME
+        or hidden_states.dtype not in _HALF
+        or torch.is_grad_enabled()
+    ):
+        return st.forward(hidden_states)
+    shape = hidden_states.shape
+    _, topk_weights, topk_indices = self.gate(hidden_states)
+    shared = self.shared_experts(hidden_states).reshape(-1, shape[-1])
+    experts.__dict__[SHARED_ATTR] = shared
+    try:
+        out = experts(hidden_states.reshape(-1, shape[-1]), topk_indices, topk_weights)
+    finally:
+        experts.__dict__.pop(SHARED_ATTR, None)
+    return out.view(shape)
+
+
+def _patch_shared_blocks(model) -> int:
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ in SHARED_EXPERT_BLOCKS and _STATE not in module.__dict__:
+            if all(hasattr(module, a) for a in ("experts", "gate", "shared_experts")):
+                module.__dict__[_STATE] = _BlockState(module.forward,
+                                                      module.__dict__.get("forward"))  # fmt: skip
+                module.forward = types.MethodType(_shared_block_forward, module)
+                n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------- decoder layers
+class _LayerState:
+    __slots__ = ("forward", "saved", "next_norm")
+
+    def __init__(self, forward, saved, next_norm):
+        self.forward, self.saved, self.next_norm = forward, saved, next_norm
+
+
+def _add_norm(norm, x: torch.Tensor, residual: torch.Tensor) -> None:
+    """``residual <- x + residual``; ``x <- norm(x + residual)`` (in place, one kernel)."""
+    st = norm.__dict__[_STATE]
+    fn = gemma_fused_add_rmsnorm if st.center else fused_add_rmsnorm
+    fn(x.view(-1, x.shape[-1]), residual.view(-1, residual.shape[-1]), norm.weight, st.eps,
+       impl=st.impl)
+
+
+def _fusable_input(x: torch.Tensor) -> bool:
+    grad = torch.is_grad_enabled() and x.requires_grad
+    return x.dtype in _HALF and x.is_contiguous() and not grad
+
+
+def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Pre-norm decoder layer with fused residual adds (module docstring). Same arguments and
+    result as the original forward, which runs instead whenever a precondition fails."""
+    st = self.__dict__[_STATE]
+    if args or not _fusable_input(hidden_states):
+        return st.forward(hidden_states, *args, **kwargs)
+    normed = self.input_layernorm(hidden_states)
+    attn = self.self_attn(hidden_states=normed, **kwargs)
+    attn = attn[0] if isinstance(attn, tuple) else attn
+    if not (attn.is_contiguous() and attn.dtype == hidden_states.dtype):
+        attn = attn.contiguous().to(hidden_states.dtype)
+    # the caller's tensor (an embedding, a recorded hidden state) is never written: the residual
+    # stream of this layer lives in a fresh buffer from here on
+    residual = hidden_states.clone()
+    _add_norm(self.post_attention_layernorm, attn, residual)  # attn <- post-attention norm
+    out = self.mlp(attn)
+    nxt = st.next_norm
+    if nxt is None or not (out.is_contiguous() and out.dtype == residual.dtype):
+        return residual + out
+    _add_norm(nxt, out, residual)  # residual <- layer output; out <- next norm's result
+    nxt.__dict__[_STATE].pending = (residual, out)
+    return residual
+
+
+def _decoder_stacks(model):
+    """(layers ModuleList, final norm or None) of every decoder stack in ``model``."""
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
+            yield layers, getattr(module, "norm", None)
+
+
+def _patch_layers(model) -> int:
+    fused = 0
+    for layers, final_norm in _decoder_stacks(model):
+        for i, layer in enumerate(layers):
+            if type(layer).__name__ not in FUSABLE_LAYERS or _STATE in layer.__dict__:
+                continue
+            norms = (getattr(layer, "input_layernorm", None),
+                     getattr(layer, "post_attention_layernorm", None))  # fmt: skip
+            if not all(n is not None and _STATE in n.__dict__ for n in norms):
+                continue
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+            if nxt is not None and _STATE not in getattr(nxt, "__dict__", {}):
+                nxt = None
+            layer.__dict__[_STATE] = _LayerState(layer.forward, layer.__dict__.get("forward"), nxt)
+            layer.forward = types.MethodType(_layer_forward, layer)
+            fused += 1
+    return fused
+
+
+# ----------------------------------------------------------------------------- patch / unpatch
+def patch(model, *, experts: bool = True, norms: bool = True, fuse_residual: bool = True,
+          impl: str = "auto") -> dict:  # fmt: skip
+    """Run ``model`` (a transformers ``PreTrainedModel``) on moefuse; returns what was patched:
+    ``{"experts": previous implementation or None, "norms": n, "fused_layers": n,
+    "shared_expert_blocks": n}``.
+
+    ``experts``: register and select the ``"moefuse"`` experts implementation, and add the shared
+    experts of :data:`SHARED_EXPERT_BLOCKS` inside its finalize. ``norms``: RMSNorm
+    modules onto :func:`moefuse.rmsnorm`. ``fuse_residual`` (needs ``norms``): residual adds of
+    :data:`FUSABLE_LAYERS` as :func:`moefuse.fused_add_rmsnorm`. Patching twice is a no-op;
+    :func:`unpatch` undoes everything. ``impl`` ("auto" | "triton" | "reference", DESIGN.md) is
+    passed to every moefuse op the patched modules call (``"triton"`` on CPU tensors runs the
+    kernels in Triton's interpreter). Raises ``ValueError`` for an object that is not a
+    ``torch.nn.Module`` or an unknown ``impl``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"moefuse.patch: argument 'model' must be a torch.nn.Module, "
+                         f"got {type(model).__name__}")  # fmt: skip
+    if impl not in IMPLS:
+        raise ValueError(f"moefuse.patch: argument 'impl' must be one of {IMPLS}, got {impl!r}")
+    report = {"experts": None, "norms": 0, "fused_layers": 0}
+    if experts and hasattr(model, "set_experts_implementation"):
+        register()
+        previous = model.config._experts_implementation
+        if previous != NAME:
+            model.set_experts_implementation(NAME)
+            model.__dict__.setdefault("_moefuse_previous_experts", previous)
+        for module in model.modules():
+            if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+                module.__dict__[IMPL_ATTR] = impl
+        report["shared_expert_blocks"] = _patch_shared_blocks(model)
+        report["experts"] = model.__dict__.get("_moefuse_previous_experts")
+    if norms:
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm") and _patch_norm(module, impl):
+                report["norms"] += 1
+        if fuse_residual:
+            report["fused_layers"] = _patch_layers(model)
+    return report
+
+
+def unpatch(model) -> None:
+    """Undo :func:`patch`: original forwards, previous experts implementation."""
+    for module in model.modules():
+        st = module.__dict__.get(_STATE)
+        if st is not None:
+            _restore_forward(module, st.saved)
+        module.__dict__.pop(IMPL_ATTR, None)
+    previous = model.__dict__.pop("_moefuse_previous_experts", None)
+    if previous is not None:
+        model.set_experts_implementation(previous)
+
+
+def is_patched(model) -> bool:
+    """True when any module of ``model`` runs a moefuse forward."""
+    return any(_STATE in m.__dict__ for m in model.modules())
