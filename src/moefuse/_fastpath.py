@@ -52,6 +52,7 @@ ENABLED = [os.environ.get("MOEFUSE_FASTPATH", "1") != "0"]
 
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _SCALAR_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype})
+_PLAIN_TYPES = frozenset({str, type(None), torch.dtype})
 _aten = torch.ops.aten
 _ALLOC_OPS = frozenset({
     _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
@@ -396,9 +397,12 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
 
 # ----------------------------------------------------------------------------- the decorator
 def _key_expr(name: str) -> str:
+    """The key part of one argument: a tensor's layout and device; a value that only equals its
+    own type's values as itself; numbers with their type (``True == 1 == 1.0``, and validation
+    tells bool from int)."""
     return (f"(({name}.shape, {name}.stride(), {name}.dtype, {name}.device) "
-            f"if {name}.__class__ in _TT else ({name}.__class__, {name}) "
-            f"if {name}.__class__ in _SC else _other({name}))")  # fmt: skip
+            f"if {name}.__class__ in _TT else {name} if {name}.__class__ in _PLAIN "
+            f"else ({name}.__class__, {name}) if {name}.__class__ in _SC else _other({name}))")
 
 
 def _other(value):
@@ -426,8 +430,10 @@ def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
     plans: dict = {}
     _caches.append(plans)
     env = {"_fn": fn, "_plans": plans, "_TT": _TENSOR_TYPES, "_SC": _SCALAR_TYPES,
-           "_other": _other, "_MISS": MISS, "_local": _local, "_ON": ENABLED,
-           "_tracing": _dispatch.tracing_active, "_MAXP": MAX_PLANS_PER_KEY}  # fmt: skip
+           "_PLAIN": _PLAIN_TYPES, "_other": _other, "_MISS": MISS, "_local": _local,
+           "_ON": ENABLED, "_compiling": _dispatch._is_compiling,
+           "_depth": _dispatch._dispatch_depth, "_own": _dispatch._own_modes,
+           "_MAXP": MAX_PLANS_PER_KEY}  # fmt: skip
     decl, call = [], []
     star = False
     for p in params:
@@ -445,7 +451,7 @@ def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
     key = ", ".join(_key_expr(n) for n in names)
     src = f"""
 def {fn.__name__}({", ".join(decl)}):
-    if _ON[0] and _local.rec is None and not _tracing():
+    if _ON[0] and _local.rec is None and not _compiling() and _depth() <= _own[0]:
         try:
             key = ({key},)
             plans = _plans[key]
