@@ -81,8 +81,8 @@ def run_single(moefuse, c, layout="linear", alpha_mode="tensor", impl="triton"):
     alpha = {"tensor": c["alpha"], "one": 1.0, "scalar": 0.75}[alpha_mode]
     router = torch.empty(m, h)
     ro, ffn = moefuse.gated_residual_next_rmsnorm(
-        full, c["residual"], c["weight"], alpha, c["beta"], 1e-5, 1e-6, post_weight=c["post_weight"],
-        router_input=router, impl=impl)  # fmt: skip
+        full, c["residual"], c["weight"], alpha, c["beta"], 1e-5, 1e-6,
+        post_weight=c["post_weight"], router_input=router, impl=impl)  # fmt: skip
     out["gated"] = (ro, ffn, router)
     return out
 
@@ -97,7 +97,9 @@ def assert_same(got, want, what):
 
 
 # ----------------------------------------------------------------------------- scenarios
-def scenario_bitwise(rank, p, h, ms, layout, alpha_mode):
+def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full):
+    """Fused one-shot (and, when ``full``, the torch algorithm and a token alone vs in a batch)
+    bitwise equal to the single-GPU kernels on the gathered rows."""
     import moefuse
 
     ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60,
@@ -106,30 +108,177 @@ def scenario_bitwise(rank, p, h, ms, layout, alpha_mode):
         for i, m in enumerate(ms):
             c = make_case(100 + i, p, m, h)
             want = run_single(moefuse, c, layout, alpha_mode)
-            for algo in ("oneshot", "torch"):
+            for algo in ("oneshot", "torch") if full else ("oneshot",):
                 got = run_all(moefuse, ws, c, rank, p, algo, layout=layout, alpha_mode=alpha_mode)
                 assert_same(got, want, f"P={p} H={h} M={m} {algo}")
-        # a token alone equals the same token inside a batch (row 3 of the last case)
-        c = make_case(100 + len(ms) - 1, p, ms[-1], h)
-        batch = run_all(moefuse, ws, c, rank, p, "oneshot", layout=layout, alpha_mode=alpha_mode)
-        one = dict(c, full=c["full"][3:4].clone(), residual=c["residual"][3:4].clone())
-        alone = run_all(moefuse, ws, one, rank, p, "oneshot", layout=layout,
-                        alpha_mode=alpha_mode)  # fmt: skip
-        for key in ("rms", "fp8"):
-            assert_bitwise_equal(alone[key], batch[key][3:4], f"row alone: {key}")
-        for i in range(3):
-            assert_bitwise_equal(alone["gated"][i], batch["gated"][i][3:4], f"row alone gated {i}")
-        gen = int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
-        return gen
+        if full:  # a token alone equals the same token inside a batch (row 3 of the last case)
+            c = make_case(100 + len(ms) - 1, p, ms[-1], h)
+            batch = run_all(moefuse, ws, c, rank, p, "oneshot", layout=layout,
+                            alpha_mode=alpha_mode)  # fmt: skip
+            one = dict(c, full=c["full"][3:4].clone(), residual=c["residual"][3:4].clone())
+            alone = run_all(moefuse, ws, one, rank, p, "oneshot", layout=layout,
+                            alpha_mode=alpha_mode)  # fmt: skip
+            for key in ("rms", "fp8"):
+                assert_bitwise_equal(alone[key], batch[key][3:4], f"row alone: {key}")
+            for i in range(3):
+                assert_bitwise_equal(alone["gated"][i], batch["gated"][i][3:4],
+                                     f"row alone: gated[{i}]")  # fmt: skip
+        return int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
     finally:
         ws.close()
 
 
-@pytest.mark.parametrize("p,h,ms,layout,alpha_mode", [
-    (2, 96, (5, 1), "linear", "tensor"),
-    (3, 48, (1, 5), "swizzled_128x4", "scalar"),
-    (4, 96, (5,), "swizzled_128x4", "one"),
+@pytest.mark.parametrize("p,h,ms,layout,alpha_mode,full", [
+    (2, 96, (5, 1), "linear", "tensor", True),
+    (3, 48, (5,), "swizzled_128x4", "scalar", False),
+    (4, 64, (1,), "swizzled_128x4", "one", False),
 ])  # fmt: skip
-def test_fused_equals_gather_then_single_gpu_op(p, h, ms, layout, alpha_mode):
-    gens = run_group(p, scenario_bitwise, h, ms, layout, alpha_mode)
-    assert len(set(gens)) == 1  # every rank advanced its generation the same number of times
+def test_fused_equals_gather_then_single_gpu_op(p, h, ms, layout, alpha_mode, full):
+    gens = run_group(p, scenario_bitwise, h, ms, layout, alpha_mode, full)
+    # 5 ops per round (4 without NVFP4) per one-shot round: every rank advanced alike
+    assert len(set(gens)) == 1
+
+
+def scenario_contract(rank, p):
+    """Validation, the references, workspaces without the region or without peers, generation
+    wrap, opcheck and torch.compile."""
+    import moefuse
+    from moefuse.comm import allgather_ops as ops
+    from moefuse.testing import assert_close, expect_value_error
+
+    h, m = 64, 3
+    ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60,
+                                    extra_regions=moefuse.allgather_regions(8, h))  # fmt: skip
+    c = make_case(7, p, m, h)
+    x = shard_of(c["full"], rank, p)
+    w, res = c["weight"], c["residual"]
+    out = poison_(torch.empty(m, h, dtype=BF16))
+    kw = dict(workspace=ws, impl="triton")
+    # --- bad input: ValueError naming the argument, nothing written (no collective is entered)
+    ag = moefuse.all_gather_rmsnorm
+    expect_value_error(lambda: ag(x[:, :-1], w, out=out, **kw), "shard", out)
+    expect_value_error(lambda: ag(x.float(), w, out=out, **kw), "shard", out)
+    expect_value_error(lambda: ag(x, w[:-1], out=out, **kw), "weight", out)
+    expect_value_error(lambda: ag(x, w, out=out[:, :-1], **kw), "out", out)
+    expect_value_error(lambda: ag(x, w, out=out, eps=-1.0, **kw), "eps", out)
+    expect_value_error(lambda: ag(x, w, out=out, algorithm="twoshot", **kw), "algorithm", out)
+    expect_value_error(lambda: ag(x, w, out=out, workspace=None), "workspace", out)
+    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp8(x, w, c["scale"][:0], **kw),
+                       "scale")  # fmt: skip
+    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp4_quantize(x, w, c["gs"],
+                                                                       layout="tiled", **kw),
+                       "layout")  # fmt: skip
+    ro = poison_(torch.empty(m, h))
+    gated = moefuse.all_gather_gated_residual_next_rmsnorm
+    expect_value_error(lambda: gated(x, res.to(BF16), c["alpha"], c["beta"], w, residual_out=ro,
+                                     **kw), "residual", ro)  # fmt: skip
+    expect_value_error(lambda: gated(x, res, True, c["beta"], w, residual_out=ro, **kw), "alpha",
+                       ro)  # fmt: skip
+    expect_value_error(lambda: gated(x, res, c["alpha"], c["beta"], w, residual_out=res[:, 1:],
+                                     **kw), "residual_out", res)  # fmt: skip
+    ws40 = moefuse.AllReduceWorkspace(None, 4, 40, BF16, "cpu", peer_access=False)
+    x40 = torch.randn(2, 40 // p).to(BF16)
+    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp4_quantize(
+        x40, torch.ones(40, dtype=BF16), c["gs"], workspace=ws40), "shard")
+    ws40.close()
+    # --- the references (FP64 statistics, exact rsqrt) within the single-GPU tolerances
+    fused = run_all(moefuse, ws, c, rank, p, "auto")
+    refs = run_all(moefuse, ws, c, rank, p, "auto", impl="reference")
+    assert_close(fused["rms"], refs["rms"], "rsqrt_half", "rmsnorm vs reference")
+    assert_close(fused["fp8"].view(torch.float8_e4m3fn), refs["fp8"].view(torch.float8_e4m3fn),
+                 "fp8_code", "fp8 vs reference")  # fmt: skip
+    assert_close(fused["gated"][0], refs["gated"][0], "fp32_stream", "residual_out vs reference")
+    assert_close(fused["gated"][1], refs["gated"][1], "rsqrt_half", "ffn_input vs reference")
+    # --- supports_*, and workspaces that cannot run the one-shot path: same bits via torch
+    assert moefuse.supports_all_gather_rmsnorm(x, w, workspace=ws)
+    assert not moefuse.supports_all_gather_rmsnorm(x[:, :-1], w, workspace=ws)
+    plain = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu")  # no "allgather" region
+    nopeer = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", peer_access=False,
+                                        extra_regions=moefuse.allgather_regions(8, h))
+    for other in (plain, nopeer):
+        assert not moefuse.supports_all_gather_rmsnorm(x, w, workspace=other)
+        got = run_all(moefuse, other, c, rank, p, "auto")
+        assert_same(got, fused, "auto on a workspace without the one-shot path")
+        with pytest.raises(RuntimeError, match="oneshot"):
+            ag(x, w, workspace=other, algorithm="oneshot", impl="triton")
+    plain.close()
+    nopeer.close()
+    # --- the device-resident generation cycles 0, 1, 2, 0, ...
+    state = ops.allgather_state(ws)
+    gen0 = int(state.agctrl[0])
+    for _ in range(4):
+        ag(x, w, algorithm="oneshot", **kw)
+    assert int(state.agctrl[0]) == (gen0 + 4) % 3 and int(state.agctrl[1]) == 0
+    # --- custom ops: opcheck, torch.compile(fullgraph)
+    e = lambda dt=BF16, shape=(m, h): torch.empty(shape, dtype=dt)  # noqa: E731
+    cases = [
+        (ops.all_gather_rmsnorm_op, (x, w, e(), ws.id, 1e-6, 0.0, "oneshot", False, "triton")),
+        (ops.all_gather_rmsnorm_fp8_op,
+         (x, w, c["scale"], e(torch.uint8), 0, ws.id, 1e-6, 0.0, "torch", False, "triton")),
+        (ops.all_gather_rmsnorm_fp4_quantize_op,
+         (x, w, c["gs"], e(torch.uint8, (m, h // 2)), e(torch.uint8, (m, h // 16)), ws.id, 1e-6,
+          0.0, "linear", "fast", "oneshot", False, "triton")),
+        (ops.all_gather_gated_residual_next_rmsnorm_op,
+         (x, res, w, c["alpha"], 1.0, c["beta"], None, e(torch.float32), e(), None, ws.id, 1e-6,
+          1e-6, 0.0, 0.0, "oneshot", False, "triton")),
+    ]  # fmt: skip
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+    def layer(x, res):
+        ro, ffn = gated(x, res, c["alpha"], c["beta"], w, workspace=ws, impl="triton")
+        n = ag(x, w, workspace=ws, impl="triton")
+        return ro, ffn, n
+
+    expected = layer(x, res)
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, res)
+    for a, b in zip(got, expected):
+        assert_bitwise_equal(a, b, "compiled == eager")
+    ws.close()
+    return True
+
+
+def scenario_bounded_wait(rank, p):
+    """The last rank skips one call: the others' call ends after ~timeout_s with a RuntimeError
+    naming it; later calls raise at once; a new workspace works again."""
+    import time
+
+    import torch.distributed as dist
+
+    import moefuse
+
+    h, timeout = 48, 2.0
+    c = make_case(3, p, 2, h)
+    x = shard_of(c["full"], rank, p)
+    make = lambda: moefuse.AllReduceWorkspace(  # noqa: E731
+        None, 4, h, BF16, "cpu", timeout_s=timeout, extra_regions=moefuse.allgather_regions(4, h))
+    ws = make()
+    call = lambda ws: moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws,  # noqa: E731
+                                                 algorithm="oneshot", impl="triton")
+    call(ws)
+    elapsed = None
+    if rank != p - 1:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"rank\(s\) {p - 1} \(global rank {p - 1}\)"):
+            call(ws)
+        elapsed = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="never arrived"):
+            call(ws)
+        assert time.monotonic() - t0 < timeout, "a failed workspace must not wait again"
+    dist.barrier()
+    ws.close()
+    ws = make()
+    want = moefuse.rmsnorm(c["full"], c["weight"], impl="triton")
+    assert_bitwise_equal(call(ws), want, "after re-creation")
+    ws.close()
+    return elapsed
+
+
+def test_contract_references_fallbacks_and_custom_ops():
+    assert all(run_group(2, scenario_contract))
+
+
+def test_bounded_wait_names_the_missing_rank():
+    elapsed = run_group(2, scenario_bounded_wait)
+    assert elapsed[0] is not None and elapsed[0] >= 2.0
