@@ -235,6 +235,29 @@ def scenario_contract(rank, p):
     for a, b in zip(got, expected):
         assert_bitwise_equal(a, b, "compiled == eager")
     ws.close()
+    # --- FlashInfer call styles (moefuse.compat.flashinfer)
+    from moefuse.compat import flashinfer as fi
+
+    dual = fi.MNNVLCuteDSLAllGatherDualNormWorkspace(p, rank, 8, h, device="cpu")
+    dual.compile(post_eps=1e-6, next_eps=1e-6)
+    assert dual.check_support() and dual.fits(x) and not dual.fits(x[:, :-1])
+    assert fi.supports_all_gather_gated_residual_next_rmsnorm(dual, x, res, c["alpha"], c["beta"],
+                                                              w)  # fmt: skip
+    ro_fi, ffn_fi = fi.all_gather_gated_residual_next_rmsnorm(
+        x, res, c["alpha"], c["beta"], w, dual, post_eps=1e-6, next_eps=1e-6, impl="triton")
+    for a, b in zip((ro_fi, ffn_fi), expected[:2]):
+        assert_bitwise_equal(a, b, "FlashInfer call style == moefuse")
+    with pytest.raises(ValueError, match="'next_eps'"):
+        fi.all_gather_gated_residual_next_rmsnorm(x, res, c["alpha"], c["beta"], w, dual,
+                                                  post_eps=1e-6, next_eps=1e-5)  # fmt: skip
+    dual.destroy()
+    nq = fi.MNNVLCuteDSLAllGatherNormQuantWorkspace(p, rank, 8, h, device="cpu")
+    nq.compile(eps=1e-6)
+    q_fi, sf_fi = fi.all_gather_rmsnorm_fp4_quantize(x, w, c["gs"], nq, eps=1e-6, impl="triton")
+    q, sf = moefuse.rmsnorm_fp4_quantize(c["full"], w, c["gs"], layout="linear", impl="triton")
+    assert_bitwise_equal(q_fi, q, "FlashInfer NVFP4 packed")
+    assert_bitwise_equal(sf_fi, sf, "FlashInfer NVFP4 linear scales")
+    nq.destroy()
     return True
 
 
