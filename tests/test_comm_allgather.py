@@ -97,10 +97,16 @@ def assert_same(got, want, what):
 
 
 # ----------------------------------------------------------------------------- scenarios
-def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full):
+def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full, chunk):
     """Fused one-shot (and, when ``full``, the torch algorithm and a token alone vs in a batch)
-    bitwise equal to the single-GPU kernels on the gathered rows."""
+    bitwise equal to the single-GPU kernels on the gathered rows. ``chunk``: pipeline chunks of
+    that many rows (MOEFUSE_ALLGATHER_CHUNK_ROWS, same on every rank), 0 = the default."""
+    import os
+
     import moefuse
+
+    if chunk:
+        os.environ["MOEFUSE_ALLGATHER_CHUNK_ROWS"] = str(chunk)
 
     ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60,
                                     extra_regions=moefuse.allgather_regions(8, h))  # fmt: skip
@@ -128,13 +134,13 @@ def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full):
         ws.close()
 
 
-@pytest.mark.parametrize("p,h,ms,layout,alpha_mode,full", [
-    (2, 96, (5, 1), "linear", "tensor", True),
-    (3, 48, (5,), "swizzled_128x4", "scalar", False),
-    (4, 64, (1,), "swizzled_128x4", "one", False),
+@pytest.mark.parametrize("p,h,ms,layout,alpha_mode,full,chunk", [
+    (2, 96, (5, 1), "swizzled_128x4", "tensor", True, 0),
+    (3, 48, (5,), "linear", "scalar", False, 2),  # 3 pipeline chunks (2 + 2 + 1 rows)
+    (4, 64, (1,), "swizzled_128x4", "one", False, 0),
 ])  # fmt: skip
-def test_fused_equals_gather_then_single_gpu_op(p, h, ms, layout, alpha_mode, full):
-    gens = run_group(p, scenario_bitwise, h, ms, layout, alpha_mode, full)
+def test_fused_equals_gather_then_single_gpu_op(p, h, ms, layout, alpha_mode, full, chunk):
+    gens = run_group(p, scenario_bitwise, h, ms, layout, alpha_mode, full, chunk)
     # 5 ops per round (4 without NVFP4) per one-shot round: every rank advanced alike
     assert len(set(gens)) == 1
 

@@ -14,6 +14,7 @@ the all-gather waits on NVLink and loads its parameters before its grid-dependen
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -112,20 +113,90 @@ def choose_algorithm(ws, m: int, algorithm: str) -> str:
     return "torch"
 
 
-def _gather(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: bool):
-    """The gathered rows [M, H] (local tensor) and the workspace."""
+def chunk_rows(m: int, row_multiple: int = 1) -> int:
+    """Rows per pipeline chunk for M tokens (M = no pipelining; see :func:`_execute`).
+
+    MOEFUSE_ALLGATHER_CHUNK_ROWS overrides (0 = off; the same on every rank). Default: from
+    :data:`CHUNK_MIN_TOKENS` tokens, :data:`CHUNKS` chunks of a multiple of 128 rows. FIRST
+    GUESS, not measured: the bench times it against MOEFUSE_ALLGATHER_CHUNK_ROWS=0."""
+    env = os.environ.get("MOEFUSE_ALLGATHER_CHUNK_ROWS", "")
+    if env:
+        rows = int(env) or m
+    elif m >= CHUNK_MIN_TOKENS:
+        rows = -(-m // CHUNKS)
+        rows = -(-rows // 128) * 128
+    else:
+        rows = m
+    rows = -(-max(1, rows) // row_multiple) * row_multiple
+    return min(m, rows)
+
+
+#: token count from which the fused ops pipeline the all-gather with the norm (two streams)
+CHUNK_MIN_TOKENS = 2048
+CHUNKS = 4
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        _refuse_in_capture("create the side stream")
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: bool, run_rows,
+             reference, row_multiple: int = 1) -> None:  # fmt: skip
+    """Gather, then the single-GPU op.
+
+    ``run_rows(x, a, b, pdl)`` launches the single-GPU kernel on the gathered rows ``x`` (rows
+    ``a:b`` of the token range) writing rows ``a:b`` of the outputs; ``reference(x)`` writes every
+    output from the full gathered rows (reference backend).
+
+    One-shot with M >= the chunk size (:func:`chunk_rows`): chunk c's all-gather runs on the
+    current stream and, as soon as it is done (event), its norm on a side stream, so the norm
+    of chunk c overlaps the NVLink transfer of chunk c+1; the current stream waits for the side
+    stream at the end (every output is complete when the op returns, on the caller's stream).
+    The ops are batch-invariant, so per-chunk launches give the same bits as one launch."""
     ws = get_workspace(ws_id)
     ws.raise_if_unusable()
-    if backend == "reference" or choose_algorithm(ws, shard.shape[0], algorithm) == "torch":
-        return ref.gather_columns(shard, ws), ws
+    m = shard.shape[0]
+    if backend == "reference":
+        reference(ref.gather_columns(shard, ws))
+        return
+    if choose_algorithm(ws, m, algorithm) == "torch":
+        run_rows(ref.gather_columns(shard, ws), 0, m, use_pdl)
+        return
     from moefuse.comm.allgather_triton import launch_allgather
 
     state = allgather_state(ws)
-    gathered = state.gathered(shard.dtype, shard.shape[0])
-    launch_allgather(ws, state, shard, gathered, use_pdl)
+    gathered = state.gathered(shard.dtype, m)
+    step = chunk_rows(m, row_multiple)
+    if step >= m:
+        launch_allgather(ws, state, shard, gathered, use_pdl)
+        run_rows(gathered, 0, m, use_pdl)
+    elif shard.device.type != "cuda":  # interpreter: the same chunks, one after another
+        for a in range(0, m, step):
+            b = min(m, a + step)
+            launch_allgather(ws, state, shard[a:b], gathered[a:b], False)
+            run_rows(gathered[a:b], a, b, False)
+    else:
+        main = torch.cuda.current_stream(shard.device)
+        side = _side_stream(shard.device)
+        for a in range(0, m, step):
+            b = min(m, a + step)
+            launch_allgather(ws, state, shard[a:b], gathered[a:b], use_pdl and a == 0)
+            ready = torch.cuda.Event()
+            ready.record(main)
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                run_rows(gathered[a:b], a, b, False)
+        done = torch.cuda.Event()
+        done.record(side)
+        main.wait_event(done)
     if ws.check_each_call:
         ws.poll_status()
-    return gathered, ws
 
 
 # ----------------------------------------------------------------------------- ops
@@ -133,13 +204,15 @@ def _gather(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: bo
 def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_id: int,
                           eps: float, gain_center: float, algorithm: str, use_pdl: bool,
                           backend: str) -> None:  # fmt: skip
-    x, ws = _gather(workspace_id, shard, algorithm, backend, use_pdl)
-    if backend == "reference":
-        out.copy_(ref.norm_ref.rmsnorm_reference(x, weight, eps, gain_center))
-        return
     from moefuse.norm.triton import launch_rmsnorm
 
-    launch_rmsnorm(x, weight, out, eps, gain_center, use_pdl)
+    def run_rows(x, a, b, pdl):
+        launch_rmsnorm(x, weight, out[a:b], eps, gain_center, pdl)
+
+    def reference(x):
+        out.copy_(ref.norm_ref.rmsnorm_reference(x, weight, eps, gain_center))
+
+    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference)
 
 
 @all_gather_rmsnorm_op.register_fake
@@ -152,23 +225,28 @@ def all_gather_rmsnorm_fp8_op(shard: Tensor, weight: Tensor, scale: Tensor, out:
                               fmt: int, workspace_id: int, eps: float, gain_center: float,
                               algorithm: str, use_pdl: bool, backend: str) -> None:  # fmt: skip
     """``out``: the FP8 bytes (uint8) of format ``fmt`` (moefuse.quant.formats.FP8_CODE)."""
-    x, ws = _gather(workspace_id, shard, algorithm, backend, use_pdl)
-    if backend == "reference":
-        from moefuse.quant import formats as F
+    from moefuse.quant import formats as F
+    from moefuse.quant.fused import launch_rmsnorm_fp8
 
+    def run_rows(x, a, b, pdl):
+        launch_rmsnorm_fp8(x, None, weight, scale, out[a:b], fmt, eps, gain_center, pdl)
+
+    def reference(x):
         dtype = next(d for d, c in F.FP8_CODE.items() if c == fmt)
         q = ref.quant_ref.rmsnorm_quant_reference(x, weight, scale, eps, dtype, gain_center)
         out.copy_(q.view(torch.uint8))
-        return
-    from moefuse.quant.fused import launch_rmsnorm_fp8
 
-    launch_rmsnorm_fp8(x, None, weight, scale, out, fmt, eps, gain_center, use_pdl)
+    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference)
 
 
 @all_gather_rmsnorm_fp8_op.register_fake
 def _(shard, weight, scale, out, fmt, workspace_id, eps, gain_center, algorithm, use_pdl,
       backend):  # fmt: skip
     return None
+
+
+#: rows of one scale tile per NVFP4 layout: pipeline chunks start on a tile boundary
+_SCALE_ROW_TILE = {"swizzled_128x4": 128, "swizzled_8x4": 8, "linear": 1}
 
 
 @torch.library.custom_op("moefuse::all_gather_rmsnorm_fp4_quantize",
@@ -178,17 +256,24 @@ def all_gather_rmsnorm_fp4_quantize_op(shard: Tensor, weight: Tensor, global_sca
                                        eps: float, gain_center: float, layout: str, recipe: str,
                                        algorithm: str, use_pdl: bool,
                                        backend: str) -> None:  # fmt: skip
-    x, ws = _gather(workspace_id, shard, algorithm, backend, use_pdl)
-    if backend == "reference":
+    from moefuse.quant.fused import launch_rmsnorm_fp4
+
+    tile = _SCALE_ROW_TILE[layout]
+
+    def run_rows(x, a, b, pdl):
+        # rows a:b (a on a tile boundary) own scale rows a : a + round_up(b - a, tile) of the
+        # padded [Mp, Kp] matrix: the last chunk also writes the padding rows (zeros)
+        sf = scales[a : a + -(-(b - a) // tile) * tile]
+        launch_rmsnorm_fp4(x, None, weight, global_scale, packed[a:b], sf, None, eps,
+                           gain_center, layout, recipe, pdl)  # fmt: skip
+
+    def reference(x):
         p, sf, _ = ref.quant_ref.rmsnorm_fp4_quantize_reference(x, weight, global_scale, eps,
                                                                 layout, recipe, gain_center)
         packed.copy_(p)
         scales.copy_(sf.reshape(scales.shape))
-        return
-    from moefuse.quant.fused import launch_rmsnorm_fp4
 
-    launch_rmsnorm_fp4(x, None, weight, global_scale, packed, scales, None, eps, gain_center,
-                       layout, recipe, use_pdl)  # fmt: skip
+    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, tile)
 
 
 @all_gather_rmsnorm_fp4_quantize_op.register_fake
@@ -208,8 +293,17 @@ def all_gather_gated_residual_next_rmsnorm_op(
     next_eps: float, next_gain_center: float, post_gain_center: float, algorithm: str,
     use_pdl: bool, backend: str,
 ) -> None:  # fmt: skip
-    x, ws = _gather(workspace_id, branch_shard, algorithm, backend, use_pdl)
-    if backend == "reference":
+    from moefuse.norm.gated import launch_gated_residual_next_rmsnorm
+
+    def run_rows(x, a, b, pdl):
+        router = router_input[a:b] if router_input is not None else None
+        launch_gated_residual_next_rmsnorm(
+            x, residual[a:b], next_weight, alpha, alpha_scalar, beta, post_weight,
+            residual_out[a:b], ffn_input[a:b], router, post_eps, next_eps, next_gain_center,
+            post_gain_center, pdl,
+        )  # fmt: skip
+
+    def reference(x):
         a = alpha if alpha is not None else alpha_scalar
         ro, ffn, router = ref.norm_ref.gated_residual_next_rmsnorm_reference(
             x, residual, next_weight, a, beta, post_eps, next_eps, next_gain_center, post_weight,
@@ -220,13 +314,8 @@ def all_gather_gated_residual_next_rmsnorm_op(
         ffn_input.copy_(ffn)
         if router_input is not None:
             router_input.copy_(router)
-        return
-    from moefuse.norm.gated import launch_gated_residual_next_rmsnorm
 
-    launch_gated_residual_next_rmsnorm(
-        x, residual, next_weight, alpha, alpha_scalar, beta, post_weight, residual_out, ffn_input,
-        router_input, post_eps, next_eps, next_gain_center, post_gain_center, use_pdl,
-    )  # fmt: skip
+    _execute(workspace_id, branch_shard, algorithm, backend, use_pdl, run_rows, reference)
 
 
 @all_gather_gated_residual_next_rmsnorm_op.register_fake
