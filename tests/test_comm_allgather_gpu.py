@@ -137,13 +137,14 @@ def scenario_shapes(rank, _):
                 c = make_case(m * 31 + h + variant, m, h, dev)
                 want = single(moefuse, c, variant=variant)
                 what = f"H={h} M={m} variant={variant}"
-                for algo in ("oneshot", "torch"):
+                for algo in ("torch", "oneshot"):
                     got = fused(moefuse, ws, c, rank, algo, variant=variant)
                     for i, (a, b) in enumerate(zip(got, want)):
                         same_bits(a, b, f"{what} {algo} output {i}")
+                sums = checksum(*got)  # the one-shot outputs
                 if m in (7, 1000):
-                    got = fused(moefuse, ws, c, rank, "oneshot", pdl=False, variant=variant)
-                    for i, (a, b) in enumerate(zip(got, want)):
+                    off = fused(moefuse, ws, c, rank, "oneshot", pdl=False, variant=variant)
+                    for i, (a, b) in enumerate(zip(off, want)):
                         same_bits(a, b, f"{what} PDL off output {i}")
                     t = m // 2
                     one = dict(c, full=c["full"][t : t + 1].contiguous(),
@@ -151,7 +152,6 @@ def scenario_shapes(rank, _):
                     alone = fused(moefuse, ws, one, rank, "oneshot", variant=variant)
                     for i in (0, 1, 4, 5):  # row-wise outputs (scale layouts pad rows)
                         same_bits(alone[i], want[i][t : t + 1], f"{what} row alone output {i}")
-                sums = checksum(*want)
                 other = [torch.empty_like(sums) for _ in range(P)]
                 dist.all_gather(other, sums)
                 assert all(torch.equal(o, other[0]) for o in other), f"{what}: ranks differ"
@@ -265,7 +265,7 @@ def scenario_bounded_wait(rank, _):
 # ----------------------------------------------------------------------------- tests
 def test_every_op_every_shape_bitwise():
     _need()
-    assert all(run_group(P, scenario_shapes, backend="nccl", timeout_s=900))
+    assert all(run_group(P, scenario_shapes, backend="nccl", timeout_s=540))
 
 
 def test_graph_replays_fresh_data():
