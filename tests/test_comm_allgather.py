@@ -225,6 +225,10 @@ def scenario_contract(rank, p):
                  "fp8_code", "fp8 vs reference")  # fmt: skip
     assert_close(fused["gated"][0], refs["gated"][0], "fp32_stream", "residual_out vs reference")
     assert_close(fused["gated"][1], refs["gated"][1], "rsqrt_half", "ffn_input vs reference")
+    # --- FP16 shards (the gathered buffer is per dtype)
+    xh = shard_of(c["full"].half(), rank, p)
+    assert_bitwise_equal(ag(xh, w.half(), **kw), moefuse.rmsnorm(c["full"].half(), w.half(),
+                                                                 impl="triton"), "FP16 shards")
     # --- supports_*, and workspaces that cannot run the one-shot path: same bits via torch
     assert moefuse.supports_all_gather_rmsnorm(x, w, workspace=ws)
     assert not moefuse.supports_all_gather_rmsnorm(x[:, :-1], w, workspace=ws)

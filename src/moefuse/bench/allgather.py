@@ -6,8 +6,9 @@ baselines give the same bits (the baselines ARE the definition: gather, then the
 then times, side by side in one run:
 
 * ``moefuse``: the fused op (algorithm="auto": Lamport all-gather over NVLink into a local
-  buffer, then the single-GPU kernel, PDL between them); ``moefuse_gather``: its all-gather
-  launch alone (rmsnorm rows only: where the time goes);
+  buffer, then the single-GPU kernel, PDL between them; from 2048 tokens pipelined in chunks);
+  ``moefuse_gather``: its all-gather launch alone (rmsnorm rows only: where the time goes);
+  ``moefuse_nochunk``: the fused op with the pipeline off (rmsnorm rows, where it is on);
 * ``nccl+op``: NCCL ``all_gather_into_tensor`` into [P, M, H/P], re-layout to [M, H]
   (``permute`` + contiguous copy), then the moefuse single-GPU op;
 * ``symm+op``: PyTorch symmetric memory ``torch.ops.symm_mem._low_contention_all_gather``
@@ -43,6 +44,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 BASELINES = ("nccl+op", "symm+op")
 PEER_COPY_BYTES = 256 << 20
+CHUNK_ENV = "MOEFUSE_ALLGATHER_CHUNK_ROWS"
 
 
 # ----------------------------------------------------------------------------- peer bandwidth
@@ -163,15 +165,25 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
     variants = {"moefuse": fused, "nccl+op": nccl, "symm+op": symm}
     if op == "rmsnorm":
         variants["moefuse_gather"] = gather_only
+        if allgather_ops.chunk_rows(m) < m:  # the pipeline's default against one chunk
+            variants["moefuse_nochunk"] = fused
     times = {}
     for name, fn in variants.items():
         dist.barrier(group=group)
         torch.cuda.synchronize(dev)
+        saved = os.environ.get(CHUNK_ENV)
+        if name == "moefuse_nochunk":  # read at capture time, the same on every rank
+            os.environ[CHUNK_ENV] = "0"
         try:
             us = harness.graph_time_us(fn, calls=max(20, n), replays=replays)
         except Exception as exc:
             print(f"rank {rank}: {name} failed at {op} H={h} M={m}: {exc}")
             us = float("nan")
+        finally:
+            if saved is None:
+                os.environ.pop(CHUNK_ENV, None)
+            else:
+                os.environ[CHUNK_ENV] = saved
         t = torch.tensor([us], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         times[name] = float(t.item())
