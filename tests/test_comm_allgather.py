@@ -225,6 +225,20 @@ def scenario_contract(rank, p):
                  "fp8_code", "fp8 vs reference")  # fmt: skip
     assert_close(fused["gated"][0], refs["gated"][0], "fp32_stream", "residual_out vs reference")
     assert_close(fused["gated"][1], refs["gated"][1], "rsqrt_half", "ffn_input vs reference")
+    # --- in place (residual_out is residual), pipelined in 2-row chunks (env: same on all ranks)
+    import os
+
+    want_ro, want_ffn = moefuse.gated_residual_next_rmsnorm(c["full"], res, w, c["alpha"],
+                                                            c["beta"], impl="triton")
+    stream = res.clone()
+    os.environ["MOEFUSE_ALLGATHER_CHUNK_ROWS"] = "2"
+    try:
+        ro_i, ffn_i = gated(x, stream, c["alpha"], c["beta"], w, residual_out=stream, **kw)
+    finally:
+        del os.environ["MOEFUSE_ALLGATHER_CHUNK_ROWS"]
+    assert ro_i is stream
+    assert_bitwise_equal(stream, want_ro, "in place, chunked: residual_out")
+    assert_bitwise_equal(ffn_i, want_ffn, "in place, chunked: ffn_input")
     # --- FP16 shards (the gathered buffer is per dtype)
     xh = shard_of(c["full"].half(), rank, p)
     assert_bitwise_equal(ag(xh, w.half(), **kw), moefuse.rmsnorm(c["full"].half(), w.half(),
