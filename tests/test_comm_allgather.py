@@ -239,6 +239,13 @@ def scenario_contract(rank, p):
     assert ro_i is stream
     assert_bitwise_equal(stream, want_ro, "in place, chunked: residual_out")
     assert_bitwise_equal(ffn_i, want_ffn, "in place, chunked: ffn_input")
+    # --- the experimental one-launch decode rmsnorm (opt-in; same bits as the single-GPU op)
+    os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"] = "1"
+    try:
+        one = ag(x, w, **kw)
+    finally:
+        del os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"]
+    assert_bitwise_equal(one, fused["rms"], "one-launch all_gather_rmsnorm")
     # --- FP16 shards (the gathered buffer is per dtype)
     xh = shard_of(c["full"].half(), rank, p)
     assert_bitwise_equal(ag(xh, w.half(), **kw), moefuse.rmsnorm(c["full"].half(), w.half(),

@@ -147,7 +147,7 @@ def _side_stream(device: torch.device):
 
 
 def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: bool, run_rows,
-             reference, row_multiple: int = 1) -> None:  # fmt: skip
+             reference, row_multiple: int = 1, one_launch=None) -> None:  # fmt: skip
     """Gather, then the single-GPU op.
 
     ``run_rows(x, a, b, pdl)`` launches the single-GPU kernel on the gathered rows ``x`` (rows
@@ -158,7 +158,9 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     current stream and, as soon as it is done (event), its norm on a side stream, so the norm
     of chunk c overlaps the NVLink transfer of chunk c+1; the current stream waits for the side
     stream at the end (every output is complete when the op returns, on the caller's stream).
-    The ops are batch-invariant, so per-chunk launches give the same bits as one launch."""
+    The ops are batch-invariant, so per-chunk launches give the same bits as one launch.
+    ``one_launch(ws, state, gathered)``, when given, may run gather + op as one kernel (returns
+    False when it cannot; :mod:`moefuse.comm.allgather_decode`)."""
     ws = get_workspace(ws_id)
     ws.raise_if_unusable()
     m = shard.shape[0]
@@ -173,7 +175,9 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     state = allgather_state(ws)
     gathered = state.gathered(shard.dtype, m)
     step = chunk_rows(m, row_multiple)
-    if step >= m:
+    if step >= m and one_launch is not None and one_launch(ws, state, gathered):
+        pass
+    elif step >= m:
         launch_allgather(ws, state, shard, gathered, use_pdl)
         run_rows(gathered, 0, m, use_pdl)
     elif shard.device.type != "cuda":  # interpreter: the same chunks, one after another
@@ -212,7 +216,18 @@ def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_
     def reference(x):
         out.copy_(ref.norm_ref.rmsnorm_reference(x, weight, eps, gain_center))
 
-    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference)
+    def one_launch(ws, state, gathered):
+        from moefuse.comm import allgather_decode as dec
+
+        tile = dec.one_launch_tile(gathered.shape[1], shard.shape[0])
+        if tile is None:
+            return False
+        dec.launch_ag_rmsnorm(ws, state, shard, weight, gathered, out, eps, gain_center, use_pdl,
+                              tile)  # fmt: skip
+        return True
+
+    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,
+             one_launch=one_launch)
 
 
 @all_gather_rmsnorm_op.register_fake

@@ -79,7 +79,6 @@ def _allgather_kernel(
     M, S, H, rank, cap, timeout_us,
     P: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
-    T: tl.constexpr = gath_ptr.dtype.element_ty
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_S)
@@ -89,12 +88,9 @@ def _allgather_kernel(
         # every CTA of this grid is resident (grid <= co-resident capacity), so the next kernel
         # (the norm) may take its place early: it loads its parameters, then waits for this grid
         gdc_launch_dependents()
-    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
-    gen = tl.load(agctrl_ptr + AG_GEN)
-    healthy = tl.load(status_ptr, volatile=True) == 0
+    deadline, gen, healthy, region, mine = prelude(table_ptr, ag_off16, agctrl_ptr, status_ptr,
+                                                   clock_ptr, rank, cap, timeout_us, PTX)
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
-    region = gen.to(tl.int64) * cap
-    mine = D.peer_base(table_ptr, rank, ag_off16, 16)
     empty = tl.zeros([BLOCK_S], tl.int16)
     own = rank * S
     missing = 0
@@ -105,25 +101,67 @@ def _allgather_kernel(
     i = 0
     while (i <= n_mine) & (missing == 0):
         if i < n_mine:
-            t64 = (pid + i * G).to(tl.int64)
-            x = tl.load(shard_ptr + t64 * s_st + cols, mask=cm, other=0.0)
-            enc = _encode(x)
-            dst = (region + t64) * H + own + cols
-            for q in tl.static_range(P):
-                if q != rank:
-                    tl.store(D.peer_base(table_ptr, q, ag_off16, 16) + dst, enc, mask=cm)
-            tl.store(gath_ptr + t64 * g_st + own + cols, x, mask=cm)
+            push_row(shard_ptr, s_st, gath_ptr, g_st, pid + i * G, cols, cm, table_ptr, ag_off16,
+                     region, rank, own, H, P)  # fmt: skip
         if i > 0:
-            t64 = (pid + (i - 1) * G).to(tl.int64)
-            for q in tl.static_range(P):
-                if q != rank:
-                    ptr = mine + (region + t64) * H + q * S + cols
-                    w, pending = _poll_fragment(ptr, cm, deadline, clock_ptr, PTX)
-                    tl.store(ptr, empty, mask=cm)  # re-arm the fragment just consumed
-                    missing = missing | tl.where(pending != 0, 1 << q, 0)
-                    val = (w ^ tl.full([BLOCK_S], -1, tl.int16)).to(T, bitcast=True)
-                    tl.store(gath_ptr + t64 * g_st + q * S + cols, val, mask=cm)
+            miss = receive_row(gath_ptr, g_st, pid + (i - 1) * G, cols, cm, mine, region, rank,
+                               S, H, deadline, clock_ptr, empty, P, PTX)  # fmt: skip
+            missing = missing | miss
         i += 1
+    finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
+
+
+@triton.jit
+def prelude(table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, rank, cap, timeout_us,
+            PTX: tl.constexpr):  # fmt: skip
+    """(deadline of every wait, generation, workspace healthy, element offset of the
+    generation's slots, this rank's slots as an int16 pointer)."""
+    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    gen = tl.load(agctrl_ptr + AG_GEN)
+    healthy = tl.load(status_ptr, volatile=True) == 0
+    region = gen.to(tl.int64) * cap
+    mine = D.peer_base(table_ptr, rank, ag_off16, 16)
+    return deadline, gen, healthy, region, mine
+
+
+@triton.jit
+def push_row(shard_ptr, s_st, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank,
+             own, H, P: tl.constexpr):  # fmt: skip
+    """Row ``t`` of this rank's shard: encoded into its columns of every peer's slot, and as is
+    into this rank's gathered row."""
+    t64 = t.to(tl.int64)
+    x = tl.load(shard_ptr + t64 * s_st + cols, mask=cm, other=0.0)
+    enc = _encode(x)
+    dst = (region + t64) * H + own + cols
+    for q in tl.static_range(P):
+        if q != rank:
+            tl.store(D.peer_base(table_ptr, q, ag_off16, 16) + dst, enc, mask=cm)
+    tl.store(gath_ptr + t64 * g_st + own + cols, x, mask=cm)
+
+
+@triton.jit
+def receive_row(gath_ptr, g_st, t, cols, cm, mine, region, rank, S, H, deadline, clock_ptr,
+                empty, P: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Poll every peer's fragment of row ``t`` in this rank's slot, re-arm it, store it decoded
+    into the gathered row. Returns the bit mask of peers whose fragment did not arrive in time."""
+    T: tl.constexpr = gath_ptr.dtype.element_ty
+    t64 = t.to(tl.int64)
+    missing = 0
+    for q in tl.static_range(P):
+        if q != rank:
+            ptr = mine + (region + t64) * H + q * S + cols
+            w, pending = _poll_fragment(ptr, cm, deadline, clock_ptr, PTX)
+            tl.store(ptr, empty, mask=cm)  # re-arm the fragment just consumed
+            missing = missing | tl.where(pending != 0, 1 << q, 0)
+            val = (w ^ tl.full(w.shape, -1, tl.int16)).to(T, bitcast=True)
+            tl.store(gath_ptr + t64 * g_st + q * S + cols, val, mask=cm)
+    return missing
+
+
+@triton.jit
+def finish(agctrl_ptr, status_ptr, gen, missing, pid, G):
+    """Status on timeout; the CTA that arrives last resets the counter and advances the
+    generation (device-resident: correct under CUDA-graph replay)."""
     if missing != 0:
         tl.atomic_or(status_ptr, missing, sem="relaxed", scope="gpu")
     if G == 1:  # decode: no atomic round trip to L2 on the critical path
