@@ -262,6 +262,48 @@ def scenario_bounded_wait(rank, _):
     return elapsed
 
 
+def scenario_one_launch(rank, _):
+    """EXPERIMENTAL one-launch decode all_gather_rmsnorm (MOEFUSE_ALLGATHER_ONE_LAUNCH=1):
+    bitwise equal to moefuse.rmsnorm on the full rows, eager (PDL on / off) and in a replayed
+    CUDA graph. Separate from the default path's tests: a failure here only says the variant
+    must stay off."""
+    import os
+
+    import moefuse
+
+    dev = torch.device("cuda", rank)
+    os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"] = "1"
+    for h in WIDTHS:
+        ws = make_ws(moefuse, 64, h, dev)
+        for m in (1, 7, 64):
+            c = make_case(m + h, m, h, dev)
+            x = shard_of(c["full"], rank)
+            want = moefuse.rmsnorm(c["full"], c["weight"])
+            for pdl in (True, False):
+                got = moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws, impl="triton",
+                                                 algorithm="oneshot", enable_pdl=pdl)
+                same_bits(got, want, f"one launch H={h} M={m} pdl={pdl}")
+            out = torch.empty_like(want)
+            run = lambda: moefuse.all_gather_rmsnorm(  # noqa: E731
+                x, c["weight"], workspace=ws, impl="triton", algorithm="oneshot", out=out)
+            run()
+            with ws.capture():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+            for i in range(5):
+                c_i = make_case(7000 + i, m, h, dev)
+                x.copy_(shard_of(c_i["full"], rank))
+                out.fill_(float("nan"))
+                graph.replay()
+                same_bits(out, moefuse.rmsnorm(c_i["full"], c["weight"]),
+                          f"one launch H={h} M={m} replay {i}")
+            del graph
+        ws.check()
+        ws.close()
+    return True
+
+
 # ----------------------------------------------------------------------------- tests
 def test_every_op_every_shape_bitwise():
     _need()
@@ -277,3 +319,8 @@ def test_bounded_wait():
     _need()
     elapsed = run_group(P, scenario_bounded_wait, backend="nccl", timeout_s=300)
     assert elapsed[0] is not None and elapsed[0] >= 3.0
+
+
+def test_one_launch_decode_variant_bitwise():
+    _need()
+    assert all(run_group(P, scenario_one_launch, backend="nccl", timeout_s=300))
