@@ -134,15 +134,18 @@ def chunk_rows(m: int, row_multiple: int = 1) -> int:
 #: token count from which the fused ops pipeline the all-gather with the norm (two streams)
 CHUNK_MIN_TOKENS = 2048
 CHUNKS = 4
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device):
+def _comm_stream(device: torch.device):
+    """High-priority stream of the pipelined all-gather launches (one per device): the block
+    scheduler then dispatches the gather CTAs of chunk c+1 ahead of the norm CTAs of chunk c,
+    which would otherwise fill the SMs and leave the NVLink transfer waiting for a slot."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
+    stream = _COMM_STREAMS.get(index)
     if stream is None:
-        _refuse_in_capture("create the side stream")
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+        _refuse_in_capture("create the communication stream")
+        stream = _COMM_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
     return stream
 
 
@@ -154,10 +157,13 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     ``a:b`` of the token range) writing rows ``a:b`` of the outputs; ``reference(x)`` writes every
     output from the full gathered rows (reference backend).
 
-    One-shot with M >= the chunk size (:func:`chunk_rows`): chunk c's all-gather runs on the
-    current stream and, as soon as it is done (event), its norm on a side stream, so the norm
-    of chunk c overlaps the NVLink transfer of chunk c+1; the current stream waits for the side
-    stream at the end (every output is complete when the op returns, on the caller's stream).
+    One-shot with M >= the chunk size (:func:`chunk_rows`): the all-gathers of the chunks run
+    one after another on a high-priority communication stream (which first waits for the
+    caller's stream: the shards), and the caller's stream runs chunk c's norm as soon as chunk
+    c is gathered (event), so the norm of chunk c overlaps the NVLink transfer of chunk c+1.
+    Every output is complete, in the caller's stream order, when the op returns; a later call's
+    gathers wait for this call's norms (the communication stream waits for the caller's stream
+    at entry), and all gather launches stay ordered (generations).
     The ops are batch-invariant, so per-chunk launches give the same bits as one launch.
     ``one_launch(ws, state, gathered)``, when given, may run gather + op as one kernel (returns
     False when it cannot; :mod:`moefuse.comm.allgather_decode`)."""
@@ -187,18 +193,16 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
             run_rows(gathered[a:b], a, b, False)
     else:
         main = torch.cuda.current_stream(shard.device)
-        side = _side_stream(shard.device)
+        comm = _comm_stream(shard.device)
+        comm.wait_stream(main)
         for a in range(0, m, step):
             b = min(m, a + step)
-            launch_allgather(ws, state, shard[a:b], gathered[a:b], use_pdl and a == 0)
+            with torch.cuda.stream(comm):
+                launch_allgather(ws, state, shard[a:b], gathered[a:b], False)
             ready = torch.cuda.Event()
-            ready.record(main)
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                run_rows(gathered[a:b], a, b, False)
-        done = torch.cuda.Event()
-        done.record(side)
-        main.wait_event(done)
+            ready.record(comm)
+            main.wait_event(ready)
+            run_rows(gathered[a:b], a, b, use_pdl and a == 0)
     if ws.check_each_call:
         ws.poll_status()
 
