@@ -366,3 +366,21 @@ def test_contract_references_fallbacks_and_custom_ops():
 def test_bounded_wait_names_the_missing_rank():
     elapsed = run_group(2, scenario_bounded_wait)
     assert elapsed[0] is not None and elapsed[0] >= 2.0
+
+
+def test_bench_bar_lines():
+    """The benchmark's bar logic on synthetic rows (no GPU): PASS / FAIL where the issue says."""
+    from moefuse.bench.allgather import bar_checks
+
+    def row(m, us, best, bound):
+        return {"variant": "moefuse", "op": "all_gather_rmsnorm", "P": 2, "H": 4096, "M": m,
+                "us": us, "x_best_unfused": best / us, "x_nvlink_bound": bound / us,
+                "nvlink_bound_us": bound}  # fmt: skip
+
+    lines = bar_checks([row(1, 4.5, 10.0, 0.01), row(64, 8.0, 14.0, 0.6),
+                        row(4096, 120.0, 147.0, 100.0)])  # fmt: skip
+    fails = [x for x in lines if x.startswith("BAR FAIL")]
+    assert len(lines) == 7 and len(fails) == 1 and "M=64" in fails[0] and "/ 2" in fails[0]
+    lines = bar_checks([row(1, 5.5, 12.0, 0.01), row(16384, 700.0, 515.0, 300.0)])
+    fails = " ".join(x for x in lines if x.startswith("BAR FAIL"))
+    assert "<= 5.0" in fails and "NVLink" in fails and "best unfused 515.00" in fails
