@@ -384,3 +384,32 @@ def test_bench_bar_lines():
     lines = bar_checks([row(1, 5.5, 12.0, 0.01), row(16384, 700.0, 515.0, 300.0)])
     fails = " ".join(x for x in lines if x.startswith("BAR FAIL"))
     assert "<= 5.0" in fails and "NVLink" in fails and "best unfused 515.00" in fails
+
+
+def scenario_one_launch_stepped(rank, p):
+    """The one-launch decode kernel on stepped rows (H = 8192: rmsnorm's tile steps the row),
+    M = 2, against moefuse.rmsnorm and the default two-launch path."""
+    import os
+
+    import moefuse
+
+    h = 8192
+    ws = moefuse.AllReduceWorkspace(None, 2, h, BF16, "cpu", oneshot_max_tokens=1,
+                                    extra_regions=moefuse.allgather_regions(2, h))  # fmt: skip
+    c = make_case(11, p, 2, h)
+    x, w = shard_of(c["full"], rank, p), c["weight"]
+    want = moefuse.rmsnorm(c["full"], w, impl="triton")
+    os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"] = "1"
+    try:
+        one = moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton")
+    finally:
+        del os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"]
+    assert_bitwise_equal(one, want, "one launch, stepped rows")
+    assert_bitwise_equal(moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton"), want,
+                         "two launches, stepped rows")  # fmt: skip
+    ws.close()
+    return True
+
+
+def test_one_launch_decode_stepped_rows():
+    assert all(run_group(2, scenario_one_launch_stepped))
