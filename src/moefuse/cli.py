@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-BENCH_FAMILIES = ("norm", "moe", "quant", "allreduce", "overhead")
+BENCH_FAMILIES = ("norm", "moe", "quant", "allreduce", "overhead", "allgather")
 
 
 def main(argv: list[str] | None = None) -> int:

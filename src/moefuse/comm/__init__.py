@@ -28,3 +28,29 @@ __all__ = [
     "supports_allreduce_residual_rmsnorm_fp8",
     "supports_allreduce_residual_rmsnorm_nvfp4",
 ]
+
+# all-gather + norm fusions (SPEC §3.6, §3.7; issue 17)
+from moefuse.comm.allgather_api import (  # noqa: E402
+    all_gather_gated_residual_next_rmsnorm,
+    all_gather_rmsnorm,
+    all_gather_rmsnorm_fp4_quantize,
+    all_gather_rmsnorm_fp8,
+    supports_all_gather_gated_residual_next_rmsnorm,
+    supports_all_gather_rmsnorm,
+    supports_all_gather_rmsnorm_fp4_quantize,
+    supports_all_gather_rmsnorm_fp8,
+)
+from moefuse.comm.allgather_ops import allgather_regions, prepare_allgather  # noqa: E402
+
+__all__ += [
+    "all_gather_gated_residual_next_rmsnorm",
+    "all_gather_rmsnorm",
+    "all_gather_rmsnorm_fp4_quantize",
+    "all_gather_rmsnorm_fp8",
+    "allgather_regions",
+    "prepare_allgather",
+    "supports_all_gather_gated_residual_next_rmsnorm",
+    "supports_all_gather_rmsnorm",
+    "supports_all_gather_rmsnorm_fp4_quantize",
+    "supports_all_gather_rmsnorm_fp8",
+]

@@ -31,3 +31,10 @@ try:
     __all__ += [n for n in _comm_all if n not in __all__]
 except ImportError:  # pragma: no cover
     pass
+try:
+    from moefuse.compat._allgather import *  # noqa: F401,F403
+    from moefuse.compat._allgather import __all__ as _allgather_all
+
+    __all__ += [n for n in _allgather_all if n not in __all__]
+except ImportError:  # pragma: no cover
+    pass

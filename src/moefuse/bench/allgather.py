@@ -1,0 +1,338 @@
+"""``python -m moefuse bench allgather --world-size P``: all-gather + norm fusions on P GPUs.
+
+Spawns P processes (one GPU each, NCCL group; or runs in place under ``torchrun``). Each rank
+holds ``shard`` [M, H/P] BF16. Per (op, H, M) it first checks that the fused op and both
+baselines give the same bits (the baselines ARE the definition: gather, then the single-GPU op),
+then times, side by side in one run:
+
+* ``moefuse``: the fused op (algorithm="auto": Lamport all-gather over NVLink into a local
+  buffer, then the single-GPU kernel, PDL between them; from 2048 tokens pipelined in chunks);
+  ``moefuse_gather``: its all-gather launch alone (rmsnorm rows only: where the time goes);
+  ``moefuse_nochunk``: the fused op with the pipeline off (rmsnorm rows, where it is on);
+  ``moefuse_1launch``: the experimental one-launch decode kernel (rmsnorm, M <= 64; checked
+  bitwise first, NaN if it fails);
+* ``nccl+op``: NCCL ``all_gather_into_tensor`` into [P, M, H/P], re-layout to [M, H]
+  (``permute`` + contiguous copy), then the moefuse single-GPU op;
+* ``symm+op``: PyTorch symmetric memory ``torch.ops.symm_mem._low_contention_all_gather``
+  (peer loads, no multicast), the same re-layout and op; NaN with a printed note where this
+  torch build lacks it.
+
+Ops (``--ops``): ``rmsnorm`` (-> moefuse.rmsnorm), ``fp8`` (-> rmsnorm_quant), ``fp4``
+(-> rmsnorm_fp4_quantize, linear scales), ``gated`` (-> gated_residual_next_rmsnorm, tensor
+alpha). Each figure is the max over ranks of the median per-call time of CUDA-graph replays
+(``harness.graph_time_us``; shards rotate over sets larger than L2; the symmetric-memory input
+is one buffer, which can only flatter that baseline).
+
+NVLink bound: the bytes each rank must receive, ``(P-1)/P * M * H * 2``, over the peer-copy
+bandwidth measured in the same run (``peer_copy_GBps``: every rank at once pushes a 256 MiB
+buffer into its right neighbour's symmetric buffer with an SM copy kernel, and pulls one with a
+copy-engine ``copy_``; the faster of the two, max over ranks of the time). The run ends with
+the issue's bar (PASS / FAIL lines) and writes ``bench/results/allgather-<gpu>-p<P>.json/.png``
+with ``--save`` (``--out`` another directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+
+TOKENS = [1, 8, 64, 512, 4096, 16384]
+WIDTHS = [4096, 8192]
+OPS = ("rmsnorm", "fp8", "fp4", "gated")
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+BASELINES = ("nccl+op", "symm+op")
+PEER_COPY_BYTES = 256 << 20
+CHUNK_ENV = "MOEFUSE_ALLGATHER_CHUNK_ROWS"
+
+
+# ----------------------------------------------------------------------------- peer bandwidth
+def peer_copy_gbps(group, dev, harness) -> float:
+    """Measured one-direction peer-copy bandwidth (GB/s) with every rank copying at once."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from moefuse.bench._copy import COPY_CONFIGS, sm_copy
+
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    n = PEER_COPY_BYTES // 2
+    buf = symm_mem.empty(n, dtype=torch.bfloat16, device=dev)
+    hdl = symm_mem.rendezvous(buf, group.group_name)
+    peer = hdl.get_remote_tensor((rank + 1) % p, buf.size(), buf.dtype)
+    local = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
+    best = float("inf")
+    copies = [lambda i, b=block, w=warps: sm_copy(local, peer, b, w)  # SM stores (as the kernel)
+              for block, warps in COPY_CONFIGS] + [lambda i: local.copy_(peer)]  # copy engine
+    for fn in copies:
+        dist.barrier(group=group)
+        try:
+            best = min(best, harness.graph_time_us(fn, calls=3, replays=5))
+        except Exception as exc:  # report, keep the others
+            print(f"rank {rank}: a peer-copy measurement failed: {exc}")
+    t = torch.tensor([best], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    dist.barrier(group=group)
+    return PEER_COPY_BYTES / (float(t.item()) * 1e-6) / 1e9
+
+
+# ----------------------------------------------------------------------------- one case
+def _single(moefuse, op, full, c):
+    """The single-GPU op on full rows (the definition of the fused op), outputs as a tuple."""
+    if op == "rmsnorm":
+        return (moefuse.rmsnorm(full, c["w"]),)
+    if op == "fp8":
+        return (moefuse.rmsnorm_quant(full, c["w"], c["scale"]).view(torch.uint8),)
+    if op == "fp4":
+        return moefuse.rmsnorm_fp4_quantize(full, c["w"], c["gs"], layout="linear")
+    return moefuse.gated_residual_next_rmsnorm(full, c["res"], c["w"], c["alpha"], c["beta"],
+                                               residual_out=c["ro"])  # fmt: skip
+
+
+def _fused(moefuse, op, shard, c, ws):
+    kw = dict(workspace=ws, impl="triton")
+    if op == "rmsnorm":
+        return (moefuse.all_gather_rmsnorm(shard, c["w"], out=c["out"], **kw),)
+    if op == "fp8":
+        return (moefuse.all_gather_rmsnorm_fp8(shard, c["w"], c["scale"], out=c["out8"],
+                                               **kw).view(torch.uint8),)  # fmt: skip
+    if op == "fp4":
+        return moefuse.all_gather_rmsnorm_fp4_quantize(shard, c["w"], c["gs"], layout="linear",
+                                                       out=c["q4"], scale_out=c["sf4"], **kw)
+    return moefuse.all_gather_gated_residual_next_rmsnorm(
+        shard, c["res"], c["alpha"], c["beta"], c["w"], residual_out=c["ro"], ffn_input=c["out"],
+        **kw)  # fmt: skip
+
+
+def _time_case(moefuse, harness, ws, group, op, h, m, replays):
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from moefuse.comm import allgather_ops
+    from moefuse.comm.allgather_decode import ONE_LAUNCH_ENV, ONE_LAUNCH_MAX_TOKENS
+    from moefuse.comm.allgather_triton import launch_allgather
+    from moefuse.testing import assert_bitwise_equal
+
+    dev, bf = ws.device, torch.bfloat16
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    s = h // p
+    n = harness.rotation_sets(4 * m * h * 2)
+    g = torch.Generator(device=dev).manual_seed(1234 + rank)
+    shards = [torch.randn(m, s, generator=g, device=dev).to(bf) for _ in range(n)]
+    g = torch.Generator(device=dev).manual_seed(4321)  # replicated tensors: same on every rank
+    c = dict(w=(torch.rand(h, generator=g, device=dev) + 0.5).to(bf),
+             res=torch.randn(m, h, generator=g, device=dev),
+             alpha=torch.rand(h, generator=g, device=dev) + 0.5,
+             beta=torch.randn(h, generator=g, device=dev),
+             scale=torch.tensor([0.0125], device=dev), gs=torch.tensor([448.0 * 6 / 5], device=dev),
+             out=torch.empty(m, h, dtype=bf, device=dev), ro=torch.empty(m, h, device=dev),
+             out8=torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
+             q4=torch.empty(m, h // 2, dtype=torch.uint8, device=dev),
+             sf4=torch.empty(m, h // 16, dtype=torch.uint8, device=dev))  # fmt: skip
+    stacked = torch.empty(p, m, s, dtype=bf, device=dev)
+    sym = symm_mem.empty((m, s), dtype=bf, device=dev)
+    sym.copy_(shards[0])
+    symm_mem.rendezvous(sym, group.group_name)
+    gname = group.group_name
+
+    def nccl(i):
+        dist.all_gather_into_tensor(stacked, shards[i % n], group=group)
+        return _single(moefuse, op, stacked.permute(1, 0, 2).reshape(m, h), c)
+
+    def symm(i):
+        out = torch.ops.symm_mem._low_contention_all_gather(sym, gname)
+        return _single(moefuse, op, out.view(p, m, s).permute(1, 0, 2).reshape(m, h), c)
+
+    def fused(i):
+        return _fused(moefuse, op, shards[i % n], c, ws)
+
+    state = allgather_ops.allgather_state(ws)
+    gathered = state.gathered(bf, m)
+
+    def gather_only(i):
+        launch_allgather(ws, state, shards[i % n], gathered, True)
+
+    # correctness first: the fused op equals both baselines bit for bit
+    want = [t.clone() for t in nccl(0)]
+    for name, fn in (("moefuse", fused), ("symm+op", symm)):
+        sym.copy_(shards[0])
+        try:
+            got = fn(0)
+        except Exception as exc:  # a baseline missing from this torch build must not stop the run
+            if name == "moefuse":
+                raise
+            print(f"rank {rank}: {name} check skipped at {op} H={h} M={m}: {exc}")
+            continue
+        for a, b in zip(got, want):
+            assert_bitwise_equal(a, b, f"{op} H={h} M={m}: {name} vs NCCL + single-GPU op")
+    variants = {"moefuse": fused, "nccl+op": nccl, "symm+op": symm}
+    if op == "rmsnorm":
+        variants["moefuse_gather"] = gather_only
+        if allgather_ops.chunk_rows(m) < m:  # the pipeline's default against one chunk
+            variants["moefuse_nochunk"] = fused
+        if m <= ONE_LAUNCH_MAX_TOKENS:  # the experimental one-launch decode kernel
+            variants["moefuse_1launch"] = fused
+    times = {}
+    for name, fn in variants.items():
+        dist.barrier(group=group)
+        torch.cuda.synchronize(dev)
+        env = {"moefuse_nochunk": (CHUNK_ENV, "0"), "moefuse_1launch": (ONE_LAUNCH_ENV, "1")}
+        key, value = env.get(name, (None, None))
+        saved = os.environ.get(key) if key else None
+        if key:  # read at capture time, the same on every rank
+            os.environ[key] = value
+        try:
+            if name == "moefuse_1launch":  # correctness first for the variant too
+                for a, b in zip(fn(0), want):
+                    assert_bitwise_equal(a, b, f"{op} H={h} M={m}: one-launch vs NCCL + op")
+            us = harness.graph_time_us(fn, calls=max(20, n), replays=replays)
+        except Exception as exc:
+            print(f"rank {rank}: {name} failed at {op} H={h} M={m}: {exc}")
+            us = float("nan")
+        finally:
+            if key and saved is None:
+                os.environ.pop(key, None)
+            elif key:
+                os.environ[key] = saved
+        t = torch.tensor([us], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        times[name] = float(t.item())
+    ws.check()
+    return times
+
+
+# ----------------------------------------------------------------------------- worker
+def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    import torch.distributed as dist
+
+    import moefuse
+    from moefuse.bench import harness
+
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    if init_method is None:
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("nccl", init_method=init_method, rank=rank,
+                                world_size=world_size)  # fmt: skip
+    group = dist.group.WORLD
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", local)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
+        ([1, 64, 4096] if args.quick else TOKENS)  # fmt: skip
+    widths = [int(h) for h in args.hidden.split(",")] if args.hidden else \
+        ([4096] if args.quick else WIDTHS)  # fmt: skip
+    ops = [o for o in args.ops.split(",") if o] if args.ops else list(OPS)
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise SystemExit(f"--ops: unknown {bad}; choose from {OPS}")
+    replays = 8 if args.quick else 15
+    bw = peer_copy_gbps(group, dev, harness)
+    if rank == 0:
+        print(f"peer-copy bandwidth (one direction, all ranks at once): {bw:.1f} GB/s", flush=True)
+    rows = []
+    for h in widths:
+        ws = moefuse.AllReduceWorkspace(group, max(tokens), h, torch.bfloat16, dev,
+                                        oneshot_max_tokens=1,
+                                        extra_regions=moefuse.allgather_regions(max(tokens), h))
+        for op in ops:
+            for m in tokens:
+                times = _time_case(moefuse, harness, ws, group, op, h, m, replays)
+                best = min((times[b] for b in BASELINES if times[b] == times[b]),
+                           default=float("nan"))  # fmt: skip
+                received = (world_size - 1) * m * h * 2 // world_size
+                bound_us = received / (bw * 1e9) * 1e6
+                for name, us in times.items():
+                    rows.append({
+                        "op": f"all_gather_{op}", "shape": f"P={world_size} H={h}",
+                        "P": world_size, "H": h, "M": m, "variant": name, "us": us,
+                        "received_bytes": received, "nvlink_bound_us": bound_us,
+                        "x_nvlink_bound": bound_us / us, "x_best_unfused": best / us,
+                        "x_nccl": times["nccl+op"] / us,
+                    })  # fmt: skip
+                if rank == 0:
+                    print(f"P={world_size} {op:7s} H={h:5d} M={m:6d} " + "  ".join(
+                        f"{k}={v:8.2f}" for k, v in times.items())
+                        + f" us  bound={bound_us:.2f}", flush=True)  # fmt: skip
+        ws.close()
+    if rank == 0:
+        bar = bar_checks(rows)
+        cols = ["op", "shape", "M", "variant", "us", "nvlink_bound_us", "x_nvlink_bound",
+                "x_best_unfused", "x_nccl"]  # fmt: skip
+        harness.print_table([r for r in rows if r["variant"] == "moefuse"], cols)
+        for line in bar:
+            print(line)
+        meta = harness.run_metadata()
+        meta.update(world_size=world_size, peer_copy_GBps=bw, bar=bar,
+                    note="symm+op times one symmetric input buffer (no L2 rotation); "
+                         "moefuse_gather = the fused op's all-gather launch alone")  # fmt: skip
+        if args.save:
+            paths = harness.save_results("allgather", rows, meta, args.out,
+                                         suffix=f"-p{world_size}")  # fmt: skip
+            print("wrote", *[str(p) for p in paths if p])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bar_checks(rows: list[dict]) -> list[str]:
+    """The issue's bar on this run: every M >= 1.0 x the best unfused path of the same run;
+    M <= 64 >= 2 x; M = 1, H = 4096 <= 5 us; M >= 4096 >= 0.8 x the NVLink bound."""
+    out = []
+
+    def verdict(ok: bool, text: str) -> None:
+        out.append(f"BAR {'PASS' if ok else 'FAIL'}: {text}")
+
+    for r in rows:
+        if r["variant"] != "moefuse":
+            continue
+        tag = f"{r['op']} P={r['P']} H={r['H']} M={r['M']}: {r['us']:.2f} us"
+        best = r["us"] * r["x_best_unfused"]
+        verdict(r["x_best_unfused"] >= 1.0, f"{tag} <= best unfused {best:.2f}")
+        if r["M"] <= 64:
+            verdict(r["x_best_unfused"] >= 2.0, f"{tag} <= best unfused {best:.2f} / 2")
+        if r["M"] == 1 and r["H"] == 4096:
+            verdict(r["us"] <= 5.0, f"{tag} <= 5.0")
+        if r["M"] >= 4096:
+            verdict(r["x_nvlink_bound"] >= 0.8, f"{tag}: NVLink bound {r['nvlink_bound_us']:.2f}"
+                                                f" us / time = {r['x_nvlink_bound']:.2f} >= 0.8")
+    return out
+
+
+def _spawned(index: int, world_size: int, args, init_method: str) -> None:
+    _worker(index, world_size, args, init_method)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moefuse bench allgather")
+    parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
+    parser.add_argument("--save", action="store_true", help="write JSON + PNG under --out")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--quick", action="store_true", help="M in {1, 64, 4096}, H = 4096")
+    parser.add_argument("--tokens", default="", help="comma-separated M values")
+    parser.add_argument("--hidden", default="", help="comma-separated H values")
+    parser.add_argument("--ops", default="", help=f"comma-separated subset of {OPS}")
+    args = parser.parse_args(argv)
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        return 0
+    if torch.cuda.device_count() < args.world_size:
+        print(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
+        return 2
+    import torch.multiprocessing as mp
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    mp.start_processes(_spawned, args=(args.world_size, args, init), nprocs=args.world_size,
+                       start_method="spawn")  # fmt: skip
+    return 0

@@ -1,0 +1,126 @@
+"""One-launch decode variant of :func:`moefuse.all_gather_rmsnorm` (EXPERIMENTAL, opt-in with
+``MOEFUSE_ALLGATHER_ONE_LAUNCH=1``, the same on every rank; never measured on a GPU yet).
+
+The default fused path is two launches (gather, then ``moefuse.rmsnorm``'s kernel). At decode
+sizes the second launch and its grid-dependency wait are a visible part of the latency, so this
+kernel does both in one program per norm tile: program ``pid`` gathers the rows of its own
+tile (push its fragments, poll the peers' ones, all through
+:mod:`moefuse.comm.allgather_triton`'s helpers), a CTA barrier makes them visible to every
+thread, and then it runs the SAME device code as ``moefuse.norm.triton._rmsnorm_kernel`` on
+those rows — same tile (``row_tile(H, RMSNORM_POLICY)``), same constexprs, same ``num_warps``,
+rows re-read from the gathered buffer with the same addressing — so the reduction tree, and the
+bits, are the single-GPU kernel's. The GPU tests compare the two bitwise; only where they pass
+should this become the default for small M.
+
+Eligible launches: one-shot, M <= :data:`ONE_LAUNCH_MAX_TOKENS` (one program per tile, all
+co-resident: no cross-rank wait on an unscheduled program), tiles the single-GPU kernel runs
+straight-line (stepped rows unrolled, or one-pass tiles without the persistent loop).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse.comm import allgather_triton as AG
+from moefuse.comm.workspace import CTRL_STATUS
+from moefuse.norm import tiles
+from moefuse.norm import triton as nt
+from moefuse.norm.tiles import RMSNORM_POLICY, row_tile
+
+ONE_LAUNCH_ENV = "MOEFUSE_ALLGATHER_ONE_LAUNCH"
+#: largest M of the one-launch variant (programs = tiles <= 64: all resident on every rank)
+ONE_LAUNCH_MAX_TOKENS = 64
+
+
+@triton.jit(do_not_specialize=["n_rows", "rank"])
+def _ag_rmsnorm_kernel(
+    shard_ptr, s_st, x_ptr, w_ptr, out_ptr,
+    n_rows, H, Hf, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center,
+    table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, S, rank, cap, timeout_us,
+    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    STEPPED: tl.constexpr, UNROLL: tl.constexpr,
+    P: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    if USE_PDL:
+        gdc_wait()
+    # --- gather the rows of this program's tile into x_ptr (the gathered buffer)
+    deadline, gen, healthy, region, mine = AG.prelude(table_ptr, ag_off16, agctrl_ptr,
+                                                      status_ptr, clock_ptr, rank, cap,
+                                                      timeout_us, PTX)  # fmt: skip
+    scols = tl.arange(0, BLOCK_S)
+    scm = scols < S
+    first = pid * ROWS
+    n_mine = tl.where(healthy, tl.minimum(ROWS, n_rows - first), 0)
+    j = 0
+    while j < n_mine:  # (while: the interpreter cannot range over a loaded value)
+        AG.push_row(shard_ptr, s_st, x_ptr, x_st, first + j, scols, scm, table_ptr, ag_off16,
+                    region, rank, rank * S, H, P)  # fmt: skip
+        j += 1
+    if USE_PDL:
+        gdc_launch_dependents()  # every input of this launch is read
+    empty = tl.zeros([BLOCK_S], tl.int16)
+    missing = 0
+    j = 0
+    while (j < n_mine) & (missing == 0):
+        missing = missing | AG.receive_row(x_ptr, x_st, first + j, scols, scm, mine, region, rank,
+                                           S, H, deadline, clock_ptr, empty, P, PTX)  # fmt: skip
+        j += 1
+    tl.debug_barrier()  # the gathered rows, written by every thread, are visible to all of them
+    # --- the single-GPU rmsnorm of the tile (moefuse.norm.triton._rmsnorm_kernel, no gate)
+    if STEPPED:
+        nt._norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, nt._row_base(pid, HEADS, x_st, x_sh), 0,
+                         nt._row_base(pid, HEADS, o_st, o_sh), H, Hf, eps, gain_center, x_ptr,
+                         BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, False, False, "evict_first",
+                         nt._no_aux, nt._st_cast)  # fmt: skip
+    else:
+        cols = tl.arange(0, BLOCK)
+        w = nt._ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+        rows, mask = nt._tile_rows(pid, cols, n_rows, H, ROWS)
+        x, g = nt._rms_load(x_ptr, x_ptr, rows, cols, mask, HEADS, x_st, x_sh, 0, 0, MASKED,
+                            EVICT_FIRST, False)  # fmt: skip
+        nt._rms_tile(x.to(tl.float32), g.to(tl.float32), w, rows, cols, mask, out_ptr, HEADS,
+                     o_st, o_sh, Hf, eps, MASKED, False, PTX)  # fmt: skip
+    AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
+
+
+def one_launch_tile(width: int, m: int):
+    """The single-GPU rmsnorm tile for this width when the one-launch variant can run it at M
+    tokens (opt-in by environment), else None."""
+    if os.environ.get(ONE_LAUNCH_ENV, "0") in ("", "0") or m > ONE_LAUNCH_MAX_TOKENS:
+        return None
+    tile = row_tile(width, RMSNORM_POLICY)
+    if nt._persistent(tile) or (tile.num_chunks > 1 and not tile.stepped):
+        return None
+    if tile.stepped and not nt._unroll(tile, m, None, tiles.RMSNORM_LOOP_MIN_ROWS):
+        return None
+    return tile
+
+
+def launch_ag_rmsnorm(ws, state, shard: torch.Tensor, weight: torch.Tensor, gathered, out,
+                      eps: float, gain_center: float, use_pdl: bool, tile) -> None:  # fmt: skip
+    """Gather + rmsnorm in one launch (``tile`` from :func:`one_launch_tile`)."""
+    m, s = shard.shape
+    width = gathered.shape[1]
+    n_rows, x_st, x_sh = nt._row_strides(gathered)
+    _, o_st, o_sh = nt._row_strides(out)
+    block_s, _ = AG.allgather_tile(s)
+    consts = nt._row_consts(tile, width, n_rows, None, tiles.RMSNORM_LOOP_MIN_ROWS, use_pdl)
+    consts.pop("PERSISTENT")
+    consts.pop("PREFETCH")
+    consts.pop("maxnreg", None)
+    ws.refresh_clock()
+    grid = (triton.cdiv(n_rows, tile.rows),)
+    _ag_rmsnorm_kernel[grid](
+        shard, shard.stride(0), gathered, weight, out,
+        n_rows, width, float(width), 1, x_st, x_sh, o_st, o_sh, float(eps), float(gain_center),
+        ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, s,
+        ws.rank, ws.max_tokens, ws.timeout_us, P=ws.world_size, BLOCK_S=block_s, **consts,
+    )  # fmt: skip

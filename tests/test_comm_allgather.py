@@ -1,0 +1,415 @@
+"""All-gather + norm fusions on CPU (SPEC §3.6, §3.7): the real Triton kernels in the interpreter
+across 2-4 real processes (gloo group, shared-memory peer buffers). Every op, one-shot and
+torch algorithms, bitwise against "gather the shards, then the single-GPU op" (same Triton
+kernel, so the claim is exact equality), the references against that within the single-GPU
+ops' tolerances, -0.0 and 0xFFFF payloads, a token alone vs in a batch, generation wrap,
+validation, bounded waits, opcheck and torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comm_mp import run_group
+from moefuse.testing import assert_bitwise_equal, poison_
+
+pytestmark = pytest.mark.interpreter
+
+BF16 = torch.bfloat16
+FP8_SCALE = 0.0125
+NVFP4_GS = 448.0 * 6 / 5.0
+
+
+def make_case(seed, p, m, h, dtype=BF16):
+    """Full rows (every rank builds the same ones from ``seed``) and the replicated tensors."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(m, h, generator=g).to(dtype)
+    if m > 0:
+        full[0, : min(h, 3)] = -0.0  # -0.0 must travel unchanged (the Lamport encoding keeps it)
+    c = dict(
+        full=full,
+        weight=(torch.rand(h, generator=g) + 0.5).to(dtype),
+        residual=torch.randn(m, h, generator=g),
+        alpha=torch.rand(h, generator=g) + 0.5,
+        beta=torch.randn(h, generator=g),
+        post_weight=(torch.rand(h, generator=g) + 0.5).to(dtype),
+        scale=torch.tensor([FP8_SCALE]),
+        gs=torch.tensor([NVFP4_GS]),
+    )
+    return c
+
+
+def shard_of(full, rank, p):
+    s = full.shape[1] // p
+    return full[:, rank * s : (rank + 1) * s].clone()
+
+
+ALL_OPS = ("rms", "gemma", "fp8", "fp4", "gated")
+
+
+def run_all(moefuse, ws, c, rank, p, algo, impl="triton", alpha_mode="tensor", layout="linear",
+            ops=ALL_OPS):  # fmt: skip
+    """The ops ``ops`` on this rank's shard; returns a dict of outputs (bytes views for FP8)."""
+    x = shard_of(c["full"], rank, p)
+    m, h = c["full"].shape
+    kw = dict(workspace=ws, algorithm=algo, impl=impl)
+    out = {}
+    out["rms"] = moefuse.all_gather_rmsnorm(x, c["weight"], eps=1e-6,
+                                            out=poison_(torch.empty(m, h, dtype=x.dtype)), **kw)
+    if "gemma" in ops:
+        out["gemma"] = moefuse.all_gather_rmsnorm(x, c["weight"], gain_center=1.0, **kw)
+    if "fp8" in ops:
+        out["fp8"] = moefuse.all_gather_rmsnorm_fp8(x, c["weight"], c["scale"], **kw).view(
+            torch.uint8)
+    if h % 16 == 0 and "fp4" in ops:
+        out["fp4"] = moefuse.all_gather_rmsnorm_fp4_quantize(x, c["weight"], c["gs"],
+                                                             layout=layout, **kw)  # fmt: skip
+    alpha = {"tensor": c["alpha"], "one": 1.0, "scalar": 0.75}[alpha_mode]
+    router = poison_(torch.empty(m, h))
+    ro, ffn = moefuse.all_gather_gated_residual_next_rmsnorm(
+        x, c["residual"], alpha, c["beta"], c["weight"], post_eps=1e-5, next_eps=1e-6,
+        post_weight=c["post_weight"], router_input=router, **kw)  # fmt: skip
+    out["gated"] = (ro, ffn, router)
+    return out
+
+
+def run_single(moefuse, c, layout="linear", alpha_mode="tensor", impl="triton", ops=ALL_OPS):
+    """The same outputs from the full rows with the single-GPU ops (the definition)."""
+    full = c["full"]
+    m, h = full.shape
+    out = {}
+    out["rms"] = moefuse.rmsnorm(full, c["weight"], 1e-6, impl=impl)
+    if "gemma" in ops:
+        out["gemma"] = moefuse.gemma_rmsnorm(full, c["weight"], impl=impl)
+    if "fp8" in ops:
+        out["fp8"] = moefuse.rmsnorm_quant(full, c["weight"], c["scale"], impl=impl).view(
+            torch.uint8)
+    if h % 16 == 0 and "fp4" in ops:
+        out["fp4"] = moefuse.rmsnorm_fp4_quantize(full, c["weight"], c["gs"], layout=layout,
+                                                  impl=impl)  # fmt: skip
+    alpha = {"tensor": c["alpha"], "one": 1.0, "scalar": 0.75}[alpha_mode]
+    router = torch.empty(m, h)
+    ro, ffn = moefuse.gated_residual_next_rmsnorm(
+        full, c["residual"], c["weight"], alpha, c["beta"], 1e-5, 1e-6,
+        post_weight=c["post_weight"], router_input=router, impl=impl)  # fmt: skip
+    out["gated"] = (ro, ffn, router)
+    return out
+
+
+def assert_same(got, want, what):
+    for key in want:
+        a, b = got[key], want[key]
+        a = a if isinstance(a, tuple) else (a,)
+        b = b if isinstance(b, tuple) else (b,)
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{what}: {key}[{i}]")
+
+
+# ----------------------------------------------------------------------------- scenarios
+def digest(out) -> str:
+    import hashlib
+
+    from moefuse.testing import bits
+
+    sha = hashlib.sha1()
+    for key in sorted(out):
+        for t in out[key] if isinstance(out[key], tuple) else (out[key],):
+            sha.update(bits(t).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full, chunk):
+    """Fused one-shot (and, when ``full``, the torch algorithm and a token alone vs in a batch)
+    bitwise equal to the single-GPU kernels on the gathered rows. ``full`` runs every op and
+    checks on every rank; otherwise rmsnorm + the gated op, checked against the single-GPU ops
+    on rank 0 and by digest across ranks (the interpreter is slow). ``chunk``: pipeline chunks
+    of that many rows (MOEFUSE_ALLGATHER_CHUNK_ROWS, same on every rank), 0 = the default."""
+    import os
+
+    import torch.distributed as dist
+
+    import moefuse
+
+    if chunk:
+        os.environ["MOEFUSE_ALLGATHER_CHUNK_ROWS"] = str(chunk)
+    ops = ALL_OPS if full else ("rms", "gated")
+    ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60,
+                                    extra_regions=moefuse.allgather_regions(8, h))  # fmt: skip
+    try:
+        for i, m in enumerate(ms):
+            c = make_case(100 + i, p, m, h)
+            want = run_single(moefuse, c, layout, alpha_mode, ops=ops) \
+                if full or rank == 0 else None  # fmt: skip
+            for algo in ("oneshot", "torch") if full else ("oneshot",):
+                got = run_all(moefuse, ws, c, rank, p, algo, layout=layout, alpha_mode=alpha_mode,
+                              ops=ops)  # fmt: skip
+                if want is not None:
+                    assert_same(got, want, f"P={p} H={h} M={m} {algo}")
+                digests = [None] * p
+                dist.all_gather_object(digests, digest(got))
+                assert len(set(digests)) == 1, f"P={p} H={h} M={m} {algo}: ranks differ"
+        if full:  # a token alone equals the same token inside a batch (row 3 of the last case)
+            c = make_case(100 + len(ms) - 1, p, ms[-1], h)
+            batch = run_all(moefuse, ws, c, rank, p, "oneshot", layout=layout,
+                            alpha_mode=alpha_mode)  # fmt: skip
+            one = dict(c, full=c["full"][3:4].clone(), residual=c["residual"][3:4].clone())
+            alone = run_all(moefuse, ws, one, rank, p, "oneshot", layout=layout,
+                            alpha_mode=alpha_mode)  # fmt: skip
+            for key in ("rms", "fp8"):
+                assert_bitwise_equal(alone[key], batch[key][3:4], f"row alone: {key}")
+            for i in range(3):
+                assert_bitwise_equal(alone["gated"][i], batch["gated"][i][3:4],
+                                     f"row alone: gated[{i}]")  # fmt: skip
+        return int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
+    finally:
+        ws.close()
+
+
+@pytest.mark.parametrize("p,h,ms,layout,alpha_mode,full,chunk", [
+    (2, 96, (5,), "swizzled_128x4", "tensor", True, 0),  # (+ M = 1: the row alone)
+    (3, 48, (5,), "linear", "scalar", False, 2),  # 3 pipeline chunks (2 + 2 + 1 rows)
+    (4, 64, (1,), "swizzled_128x4", "one", False, 0),
+])  # fmt: skip
+def test_fused_equals_gather_then_single_gpu_op(p, h, ms, layout, alpha_mode, full, chunk):
+    gens = run_group(p, scenario_bitwise, h, ms, layout, alpha_mode, full, chunk)
+    assert len(set(gens)) == 1  # every rank advanced its generation alike
+
+
+def scenario_contract(rank, p):
+    """Validation, the references, workspaces without the region or without peers, generation
+    wrap, opcheck and torch.compile."""
+    import moefuse
+    from moefuse.comm import allgather_ops as ops
+    from moefuse.testing import assert_close, expect_value_error
+
+    h, m = 64, 3
+    ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60,
+                                    extra_regions=moefuse.allgather_regions(8, h))  # fmt: skip
+    c = make_case(7, p, m, h)
+    x = shard_of(c["full"], rank, p)
+    w, res = c["weight"], c["residual"]
+    out = poison_(torch.empty(m, h, dtype=BF16))
+    kw = dict(workspace=ws, impl="triton")
+    # --- bad input: ValueError naming the argument, nothing written (no collective is entered)
+    ag = moefuse.all_gather_rmsnorm
+    expect_value_error(lambda: ag(x[:, :-1], w, out=out, **kw), "shard", out)
+    expect_value_error(lambda: ag(x.float(), w, out=out, **kw), "shard", out)
+    expect_value_error(lambda: ag(x, w[:-1], out=out, **kw), "weight", out)
+    expect_value_error(lambda: ag(x, w, out=out[:, :-1], **kw), "out", out)
+    expect_value_error(lambda: ag(x, w, out=out, eps=-1.0, **kw), "eps", out)
+    expect_value_error(lambda: ag(x, w, out=out, algorithm="twoshot", **kw), "algorithm", out)
+    expect_value_error(lambda: ag(x, w, out=out, workspace=None), "workspace", out)
+    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp8(x, w, c["scale"][:0], **kw),
+                       "scale")  # fmt: skip
+    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp4_quantize(x, w, c["gs"],
+                                                                       layout="tiled", **kw),
+                       "layout")  # fmt: skip
+    ro = poison_(torch.empty(m, h))
+    gated = moefuse.all_gather_gated_residual_next_rmsnorm
+    expect_value_error(lambda: gated(x, res.to(BF16), c["alpha"], c["beta"], w, residual_out=ro,
+                                     **kw), "residual", ro)  # fmt: skip
+    expect_value_error(lambda: gated(x, res, True, c["beta"], w, residual_out=ro, **kw), "alpha",
+                       ro)  # fmt: skip
+    expect_value_error(lambda: gated(x, res, c["alpha"], c["beta"], w, residual_out=res[:, 1:],
+                                     **kw), "residual_out", res)  # fmt: skip
+    ws40 = moefuse.AllReduceWorkspace(None, 4, 40, BF16, "cpu", peer_access=False)
+    x40 = torch.randn(2, 40 // p).to(BF16)
+    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp4_quantize(
+        x40, torch.ones(40, dtype=BF16), c["gs"], workspace=ws40), "shard")
+    ws40.close()
+    # --- the references (FP64 statistics, exact rsqrt) within the single-GPU tolerances
+    fused = run_all(moefuse, ws, c, rank, p, "auto")
+    refs = run_all(moefuse, ws, c, rank, p, "auto", impl="reference")
+    assert_close(fused["rms"], refs["rms"], "rsqrt_half", "rmsnorm vs reference")
+    assert_close(fused["fp8"].view(torch.float8_e4m3fn), refs["fp8"].view(torch.float8_e4m3fn),
+                 "fp8_code", "fp8 vs reference")  # fmt: skip
+    assert_close(fused["gated"][0], refs["gated"][0], "fp32_stream", "residual_out vs reference")
+    assert_close(fused["gated"][1], refs["gated"][1], "rsqrt_half", "ffn_input vs reference")
+    # --- in place (residual_out is residual), pipelined in 2-row chunks (env: same on all ranks)
+    import os
+
+    want_ro, want_ffn = moefuse.gated_residual_next_rmsnorm(c["full"], res, w, c["alpha"],
+                                                            c["beta"], impl="triton")
+    stream = res.clone()
+    os.environ["MOEFUSE_ALLGATHER_CHUNK_ROWS"] = "2"
+    try:
+        ro_i, ffn_i = gated(x, stream, c["alpha"], c["beta"], w, residual_out=stream, **kw)
+    finally:
+        del os.environ["MOEFUSE_ALLGATHER_CHUNK_ROWS"]
+    assert ro_i is stream
+    assert_bitwise_equal(stream, want_ro, "in place, chunked: residual_out")
+    assert_bitwise_equal(ffn_i, want_ffn, "in place, chunked: ffn_input")
+    # --- the experimental one-launch decode rmsnorm (opt-in; same bits as the single-GPU op)
+    os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"] = "1"
+    try:
+        one = ag(x, w, **kw)
+    finally:
+        del os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"]
+    assert_bitwise_equal(one, fused["rms"], "one-launch all_gather_rmsnorm")
+    # --- FP16 shards (the gathered buffer is per dtype)
+    xh = shard_of(c["full"].half(), rank, p)
+    assert_bitwise_equal(ag(xh, w.half(), **kw), moefuse.rmsnorm(c["full"].half(), w.half(),
+                                                                 impl="triton"), "FP16 shards")
+    # --- supports_*, and workspaces that cannot run the one-shot path: same bits via torch
+    assert moefuse.supports_all_gather_rmsnorm(x, w, workspace=ws)
+    assert not moefuse.supports_all_gather_rmsnorm(x[:, :-1], w, workspace=ws)
+    plain = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu")  # no "allgather" region
+    nopeer = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", peer_access=False,
+                                        extra_regions=moefuse.allgather_regions(8, h))
+    for other in (plain, nopeer):
+        assert not moefuse.supports_all_gather_rmsnorm(x, w, workspace=other)
+        got = ag(x, w, workspace=other, impl="triton")
+        assert_bitwise_equal(got, fused["rms"], "auto on a workspace without the one-shot path")
+        with pytest.raises(RuntimeError, match="oneshot"):
+            ag(x, w, workspace=other, algorithm="oneshot", impl="triton")
+    plain.close()
+    nopeer.close()
+    # --- the device-resident generation cycles 0, 1, 2, 0, ...
+    state = ops.allgather_state(ws)
+    gen0 = int(state.agctrl[0])
+    for _ in range(4):
+        ag(x, w, algorithm="oneshot", **kw)
+    assert int(state.agctrl[0]) == (gen0 + 4) % 3 and int(state.agctrl[1]) == 0
+    # --- custom ops: opcheck, torch.compile(fullgraph)
+    e = lambda dt=BF16, shape=(m, h): torch.empty(shape, dtype=dt)  # noqa: E731
+    cases = [
+        (ops.all_gather_rmsnorm_op, (x, w, e(), ws.id, 1e-6, 0.0, "oneshot", False, "triton")),
+        (ops.all_gather_rmsnorm_fp8_op,
+         (x, w, c["scale"], e(torch.uint8), 0, ws.id, 1e-6, 0.0, "torch", False, "triton")),
+        (ops.all_gather_rmsnorm_fp4_quantize_op,
+         (x, w, c["gs"], e(torch.uint8, (m, h // 2)), e(torch.uint8, (m, h // 16)), ws.id, 1e-6,
+          0.0, "linear", "fast", "oneshot", False, "triton")),
+        (ops.all_gather_gated_residual_next_rmsnorm_op,
+         (x, res, w, c["alpha"], 1.0, c["beta"], None, e(torch.float32), e(), None, ws.id, 1e-6,
+          1e-6, 0.0, 0.0, "oneshot", False, "triton")),
+    ]  # fmt: skip
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+    def layer(x, res):
+        ro, ffn = gated(x, res, c["alpha"], c["beta"], w, workspace=ws, impl="triton")
+        n = ag(x, w, workspace=ws, impl="triton")
+        return ro, ffn, n
+
+    expected = layer(x, res)
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, res)
+    for a, b in zip(got, expected):
+        assert_bitwise_equal(a, b, "compiled == eager")
+    ws.close()
+    # --- FlashInfer call styles (moefuse.compat.flashinfer)
+    from moefuse.compat import flashinfer as fi
+
+    dual = fi.MNNVLCuteDSLAllGatherDualNormWorkspace(p, rank, 8, h, device="cpu")
+    dual.compile(post_eps=1e-6, next_eps=1e-6)
+    assert dual.check_support() and dual.fits(x) and not dual.fits(x[:, :-1])
+    assert fi.supports_all_gather_gated_residual_next_rmsnorm(dual, x, res, c["alpha"], c["beta"],
+                                                              w)  # fmt: skip
+    ro_fi, ffn_fi = fi.all_gather_gated_residual_next_rmsnorm(
+        x, res, c["alpha"], c["beta"], w, dual, post_eps=1e-6, next_eps=1e-6, impl="triton")
+    for a, b in zip((ro_fi, ffn_fi), expected[:2]):
+        assert_bitwise_equal(a, b, "FlashInfer call style == moefuse")
+    with pytest.raises(ValueError, match="'next_eps'"):
+        fi.all_gather_gated_residual_next_rmsnorm(x, res, c["alpha"], c["beta"], w, dual,
+                                                  post_eps=1e-6, next_eps=1e-5)  # fmt: skip
+    dual.destroy()
+    nq = fi.MNNVLCuteDSLAllGatherNormQuantWorkspace(p, rank, 8, h, device="cpu")
+    nq.compile(eps=1e-6)
+    q_fi, sf_fi = fi.all_gather_rmsnorm_fp4_quantize(x, w, c["gs"], nq, eps=1e-6, impl="triton")
+    q, sf = moefuse.rmsnorm_fp4_quantize(c["full"], w, c["gs"], layout="linear", impl="triton")
+    assert_bitwise_equal(q_fi, q, "FlashInfer NVFP4 packed")
+    assert_bitwise_equal(sf_fi, sf, "FlashInfer NVFP4 linear scales")
+    nq.destroy()
+    return True
+
+
+def scenario_bounded_wait(rank, p):
+    """The last rank skips one call: the others' call ends after ~timeout_s with a RuntimeError
+    naming it; later calls raise at once; a new workspace works again."""
+    import time
+
+    import torch.distributed as dist
+
+    import moefuse
+
+    h, timeout = 48, 2.0
+    c = make_case(3, p, 2, h)
+    x = shard_of(c["full"], rank, p)
+    make = lambda: moefuse.AllReduceWorkspace(  # noqa: E731
+        None, 4, h, BF16, "cpu", timeout_s=timeout, extra_regions=moefuse.allgather_regions(4, h))
+    ws = make()
+    call = lambda ws: moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws,  # noqa: E731
+                                                 algorithm="oneshot", impl="triton")
+    call(ws)
+    elapsed = None
+    if rank != p - 1:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"rank\(s\) {p - 1} \(global rank {p - 1}\)"):
+            call(ws)
+        elapsed = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="never arrived"):
+            call(ws)
+        assert time.monotonic() - t0 < timeout, "a failed workspace must not wait again"
+    dist.barrier()
+    ws.close()
+    ws = make()
+    want = moefuse.rmsnorm(c["full"], c["weight"], impl="triton")
+    assert_bitwise_equal(call(ws), want, "after re-creation")
+    ws.close()
+    return elapsed
+
+
+def test_contract_references_fallbacks_and_custom_ops():
+    assert all(run_group(2, scenario_contract))
+
+
+def test_bounded_wait_names_the_missing_rank():
+    elapsed = run_group(2, scenario_bounded_wait)
+    assert elapsed[0] is not None and elapsed[0] >= 2.0
+
+
+def test_bench_bar_lines():
+    """The benchmark's bar logic on synthetic rows (no GPU): PASS / FAIL where the issue says."""
+    from moefuse.bench.allgather import bar_checks
+
+    def row(m, us, best, bound):
+        return {"variant": "moefuse", "op": "all_gather_rmsnorm", "P": 2, "H": 4096, "M": m,
+                "us": us, "x_best_unfused": best / us, "x_nvlink_bound": bound / us,
+                "nvlink_bound_us": bound}  # fmt: skip
+
+    lines = bar_checks([row(1, 4.5, 10.0, 0.01), row(64, 8.0, 14.0, 0.6),
+                        row(4096, 120.0, 147.0, 100.0)])  # fmt: skip
+    fails = [x for x in lines if x.startswith("BAR FAIL")]
+    assert len(lines) == 7 and len(fails) == 1 and "M=64" in fails[0] and "/ 2" in fails[0]
+    lines = bar_checks([row(1, 5.5, 12.0, 0.01), row(16384, 700.0, 515.0, 300.0)])
+    fails = " ".join(x for x in lines if x.startswith("BAR FAIL"))
+    assert "<= 5.0" in fails and "NVLink" in fails and "best unfused 515.00" in fails
+
+
+def scenario_one_launch_stepped(rank, p):
+    """The one-launch decode kernel on stepped rows (H = 8192: rmsnorm's tile steps the row),
+    M = 2, against moefuse.rmsnorm and the default two-launch path."""
+    import os
+
+    import moefuse
+
+    h = 8192
+    ws = moefuse.AllReduceWorkspace(None, 2, h, BF16, "cpu", oneshot_max_tokens=1,
+                                    extra_regions=moefuse.allgather_regions(2, h))  # fmt: skip
+    c = make_case(11, p, 2, h)
+    x, w = shard_of(c["full"], rank, p), c["weight"]
+    want = moefuse.rmsnorm(c["full"], w, impl="triton")
+    os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"] = "1"
+    try:
+        one = moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton")
+    finally:
+        del os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"]
+    assert_bitwise_equal(one, want, "one launch, stepped rows")
+    assert_bitwise_equal(moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton"), want,
+                         "two launches, stepped rows")  # fmt: skip
+    ws.close()
+    return True
+
+
+def test_one_launch_decode_stepped_rows():
+    assert all(run_group(2, scenario_one_launch_stepped))
