@@ -95,7 +95,17 @@ def launch(kernel, grid, *args, **consts) -> None:
         return
     with _disable_current_modes():  # Triton's own torch calls (interpreter copies) are not ours
         compiled = kernel[grid](*args, **consts)
+    if _stream_of(args) != rec.stream:
+        rec.side_stream = True  # ordering across streams (events) is host work a plan cannot see
     rec.launches.append((kernel, compiled, grid, args, consts))
+
+
+def _stream_of(args):
+    """The current stream of the first CUDA tensor argument's device (None off CUDA)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return torch.cuda.current_stream(a.device).cuda_stream if a.is_cuda else None
+    return None
 
 
 def note_alias_check(kind: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -115,6 +125,9 @@ class _Recorder(TorchDispatchMode):
         self.allocs: list[torch.Tensor] = []
         self.alias_checks: list = []
         self.impure: str | None = None
+        self.side_stream = False
+        self.stream = (torch.cuda.current_stream().cuda_stream
+                       if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -242,6 +255,8 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
         raise _Unplannable(f"ran {rec.impure}")
     if not rec.launches:
         raise _Unplannable("launched no kernel")
+    if rec.side_stream:
+        raise _Unplannable("launched on a stream other than the caller's")
     fixed = [t for j in guard_positions for t in args[j].fastpath_tensors()]
     sources = _Sources(args, rec.allocs, fixed)
     code = _Code()

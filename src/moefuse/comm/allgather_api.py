@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from moefuse import _validate as v
+from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
 from moefuse.comm import allgather_ops as ops
 from moefuse.comm.workspace import AllReduceWorkspace
@@ -120,6 +121,7 @@ def _fused_reason(workspace, shard) -> str | None:
 
 
 # ----------------------------------------------------------------------------- rmsnorm
+@fast_op(guards=("workspace",))
 def all_gather_rmsnorm(shard, weight, *, workspace, eps: float = 1e-6, gain_center: float = 0.0,
                        out=None, algorithm: str = "auto", enable_pdl=None,
                        impl: str = "auto"):  # fmt: skip
@@ -160,6 +162,7 @@ def _check_fp8(op, shard, weight, scale, workspace, eps, gain_center, dtype, alg
     return h
 
 
+@fast_op(guards=("workspace",))
 def all_gather_rmsnorm_fp8(shard, weight, scale, *, workspace, eps: float = 1e-6,
                            gain_center: float = 0.0, dtype=torch.float8_e4m3fn, out=None,
                            algorithm: str = "auto", enable_pdl=None,
@@ -209,6 +212,7 @@ def _check_fp4(op, shard, weight, global_scale, workspace, eps, gain_center, lay
     return h
 
 
+@fast_op(guards=("workspace",))
 def all_gather_rmsnorm_fp4_quantize(shard, weight, global_scale, *, workspace, eps: float = 1e-6,
                                     gain_center: float = 0.0, layout: str = "linear",
                                     recipe: str = "fast", out=None, scale_out=None,
@@ -273,6 +277,7 @@ def _check_gated(op, branch_shard, residual, alpha, beta, next_weight, workspace
     return h
 
 
+@fast_op(guards=("workspace",))
 def all_gather_gated_residual_next_rmsnorm(branch_shard, residual, alpha, beta, next_weight, *,
                                            workspace, post_eps: float = 1e-6,
                                            next_eps: float = 1e-6, next_gain_center: float = 0.0,
