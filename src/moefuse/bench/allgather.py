@@ -110,6 +110,7 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
+    from moefuse import _fastpath as fastpath
     from moefuse.comm import allgather_ops
     from moefuse.comm.allgather_decode import ONE_LAUNCH_ENV, ONE_LAUNCH_MAX_TOKENS
     from moefuse.comm.allgather_triton import launch_allgather
@@ -156,18 +157,25 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
 
     # correctness first: the fused op equals both baselines bit for bit
     want = [t.clone() for t in nccl(0)]
+    variants = {"moefuse": fused, "nccl+op": nccl, "symm+op": symm}
     for name, fn in (("moefuse", fused), ("symm+op", symm)):
         sym.copy_(shards[0])
+        torch.cuda.synchronize(dev)
+        dist.barrier(group)  # every rank's symmetric input is written before anyone reads it
         try:
             got = fn(0)
-        except Exception as exc:  # a baseline missing from this torch build must not stop the run
+            for a, b in zip(got, want):
+                assert_bitwise_equal(a, b, f"{op} H={h} M={m}: {name} vs NCCL + single-GPU op")
+            ok = 1
+        except Exception as exc:  # a broken baseline is reported and dropped, never ours
             if name == "moefuse":
                 raise
-            print(f"rank {rank}: {name} check skipped at {op} H={h} M={m}: {exc}")
-            continue
-        for a, b in zip(got, want):
-            assert_bitwise_equal(a, b, f"{op} H={h} M={m}: {name} vs NCCL + single-GPU op")
-    variants = {"moefuse": fused, "nccl+op": nccl, "symm+op": symm}
+            print(f"rank {rank}: {name} failed its check at {op} H={h} M={m}: {str(exc)[:160]}")
+            ok = 0
+        vote = torch.tensor([ok], device=dev)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)  # drop it on every rank alike
+        if not int(vote.item()):
+            variants.pop(name)
     if op == "rmsnorm":
         variants["moefuse_gather"] = gather_only
         if allgather_ops.chunk_rows(m) < m:  # the pipeline's default against one chunk
@@ -183,6 +191,7 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         saved = os.environ.get(key) if key else None
         if key:  # read at capture time, the same on every rank
             os.environ[key] = value
+            fastpath.clear()  # recorded launch plans do not read the variable
         try:
             if name == "moefuse_1launch":  # correctness first for the variant too
                 for a, b in zip(fn(0), want):
@@ -192,6 +201,8 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
             print(f"rank {rank}: {name} failed at {op} H={h} M={m}: {exc}")
             us = float("nan")
         finally:
+            if key:
+                fastpath.clear()
             if key and saved is None:
                 os.environ.pop(key, None)
             elif key:
