@@ -415,7 +415,9 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
     for c0 in range(0, m, cap):
         mc = min(cap, m - c0)
         ws.refresh_clock()
-        grid = (max(1, min(mc, ws.max_ctas(warps))),)
+        # one CTA per SM: ~170 registers per thread (ptxas, sm_90a, H = 4096, K = 8) leave room
+        # for one 8-warp CTA, and a CTA's peer (same index on every rank) must be resident
+        grid = (max(1, min(mc, ws.num_sms)),)
         kernel[grid](
             rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
             weights.stride(0), idx.stride(0), out.stride(0),
