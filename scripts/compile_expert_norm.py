@@ -1,7 +1,8 @@
 """Offline sm_90a compile of the per-expert-norm kernels (no GPU): ptxas registers / spills.
 
 ``PYTHONPATH=src python scripts/compile_expert_norm.py [--widths 4096,7168] [--topk 8]``
-compiles ``_tp_expert_owner_kernel``, ``_tp_token_owner_kernel``, ``_tp_gathered_kernel`` and
+compiles ``_tp_expert_owner_kernel``, ``_tp_token_owner_kernel``, ``_tp_staged_kernel``,
+``_tp_gathered_kernel`` and
 ``_ep_partial_kernel`` (P = 2, BF16, PDL on, both norm orders) with Triton's CUDA backend and
 runs ptxas -arch=sm_90a on the PTX: catches GPU-only compile errors and reports registers,
 spills and 16-byte volatile loads (Lamport polls) per kernel.
@@ -41,9 +42,11 @@ def main(argv) -> int:
     for h in map(int, args.widths.split(",")):
         tile = comm_tile(h, 1)
         for kernel in (xt._tp_expert_owner_kernel, xt._tp_token_owner_kernel,
-                       xt._tp_gathered_kernel, xt._ep_partial_kernel):  # fmt: skip
-            consts = dict(P=p, K=k, B=block, NG=-(-k // block), BLOCK_H=tile.block, WBN=True,
-                          USE_PDL=True, PTX=True)  # fmt: skip
+                       xt._tp_staged_kernel, xt._tp_gathered_kernel,
+                       xt._ep_partial_kernel):  # fmt: skip
+            consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
+                          NG=-(-k // block), BLOCK_H=tile.block, WBN=True, USE_PDL=True,
+                          PTX=True)  # fmt: skip
             params = list(inspect.signature(kernel.fn).parameters)
             consts = {n: v for n, v in consts.items() if n in params}
             sig, attrs = {}, {}

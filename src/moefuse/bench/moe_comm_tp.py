@@ -6,9 +6,10 @@ Two per-rank functions that ``moefuse bench moe-comm`` (bench/moe_comm.py) can c
     python -m moefuse.bench.moe_comm_tp --world-size 2 --out DIR [--quick] [--tokens ..]
 
 * :func:`time_tp_case` — ``tp_moe_finalize_rmsnorm`` (variants ``moefuse`` = auto,
-  ``moefuse_expert_owner``, ``moefuse_token_owner``, ``moefuse_torch``) against the unfused chain
-  FlashInfer's op replaces: NCCL ``all_reduce`` of the per-expert partial rows ``[R, H]``, then
-  gather + per-expert RMSNorm + weighted sum, ``unfused_eager`` and ``unfused_compile``
+  ``moefuse_expert_owner``, ``moefuse_token_owner``, ``moefuse_staged``, ``moefuse_torch``)
+  against the unfused chain FlashInfer's op replaces: NCCL ``all_reduce`` of the per-expert
+  partial rows ``[R, H]``, then gather + per-expert RMSNorm + weighted sum, ``unfused_eager``
+  and ``unfused_compile``
   (``torch.compile`` of the local part; the NCCL call stays outside the compiled graph).
 * :func:`time_ep_case` — ``moe_finalize_rmsnorm_allreduce`` (auto, oneshot, twoshot) against
   local gather + norm + weighted sum (eager / compiled) then NCCL ``all_reduce`` of ``[M, H]``.
@@ -130,7 +131,7 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     dist.all_gather(parts, rows, group=group)
     want = ref.tp_moe_finalize_rmsnorm_from_ranks(parts, w, idx, nw, **opts)
     first = None
-    for algo in ("expert_owner", "token_owner", "torch"):
+    for algo in ("expert_owner", "token_owner", "staged", "torch"):
         got = moefuse.tp_moe_finalize_rmsnorm(rows, w, idx, nw, workspace=xws, algorithm=algo,
                                               impl="triton", **opts)  # fmt: skip
         first = got if first is None else first
@@ -155,7 +156,8 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
         return call
 
     variants = {"moefuse": fused("auto"), "moefuse_expert_owner": fused("expert_owner"),
-                "moefuse_token_owner": fused("token_owner"), "moefuse_torch": fused("torch"),
+                "moefuse_token_owner": fused("token_owner"), "moefuse_staged": fused("staged"),
+                "moefuse_torch": fused("torch"),
                 "unfused_eager": unfused(expert_norm_weighted_sum),
                 "unfused_compile": unfused(post_c)}  # fmt: skip
     times = _time_variants(harness, variants, n, group, dev, replays)

@@ -13,6 +13,9 @@ RMSNorm. Three algorithms, same bits:
 * ``_tp_token_owner_kernel`` (Lamport, larger M). Rank ``t mod P`` owns token t: every other rank
   pushes all K partial rows of t to it; the owner computes the token exactly as above (same group
   sums, same order), writes its output row and pushes the BF16 row to every peer, which copies it.
+* ``_tp_staged_kernel`` (push + flags, large M): the token-owner decomposition with plain stores
+  into single-buffered staging / gather regions and two flag barriers per CTA (as the all-reduce
+  two-shot kernel): no sentinels to poll or re-arm, one generation of memory instead of three.
 * ``_tp_gathered_kernel`` — the torch.distributed path: all ranks' rows all-gathered into
   ``[P, R, H]``, then the same per-token math locally.
 
@@ -42,7 +45,12 @@ from moefuse._device import round_to, rsqrt_fast, widen_f32
 from moefuse._runtime import interpreter_active
 from moefuse.comm import _device as D
 from moefuse.comm.tiles import comm_tile
-from moefuse.comm.triton import _oneshot_finish, _oneshot_state, launch_allreduce_fusion
+from moefuse.comm.triton import (
+    _finish,
+    _oneshot_finish,
+    _oneshot_state,
+    launch_allreduce_fusion,
+)
 
 
 # ----------------------------------------------------------------------------- per-slot math
@@ -114,10 +122,12 @@ def _push_slot(x, q, k, t64, region, rank, table_ptr, rows_off16, cols, cmask, H
 
 @triton.jit
 def _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H, deadline, clock_ptr, empty16,
-              K: tl.constexpr, P: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+              K: tl.constexpr, P: tl.constexpr, STAGED: tl.constexpr,
+              PTX: tl.constexpr):  # fmt: skip
     """FP32 rank-order sum (from +0.0) of slot (t, k): this rank's row ``own`` (FP32) in its
-    place, each peer's row polled from this rank's buffer and the slot re-armed. Returns (sum,
-    bit mask of peers that never arrived)."""
+    place, each peer's row polled from this rank's Lamport slot and the slot re-armed (or, when
+    STAGED, read from the staging region after the flag barrier). Returns (sum, bit mask of
+    peers that never arrived)."""
     acc = tl.zeros(own.shape, tl.float32)
     missing = 0
     for q in tl.static_range(P):
@@ -126,9 +136,12 @@ def _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H, deadline, clock
         else:
             s = q - (q > rank).to(tl.int32)
             ptr = mine16 + _slot_off(region, t64, k, s, H, K, P) + cols
-            bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, 16, PTX)
-            tl.store(ptr, empty16, mask=cmask)  # re-arm the slot just consumed
-            missing = missing | tl.where(pending != 0, 1 << q, 0)
+            if STAGED:  # .cg: written by a peer over NVLink, never cached in this SM's L1
+                bits = tl.load(ptr, mask=cmask, other=0, cache_modifier=".cg")
+            else:
+                bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, 16, PTX)
+                tl.store(ptr, empty16, mask=cmask)  # re-arm the slot just consumed
+                missing = missing | tl.where(pending != 0, 1 << q, 0)
             v = widen_f32(bits.to(tl.bfloat16, bitcast=True), PTX)
         acc = acc + v
     return acc, missing
@@ -138,9 +151,9 @@ def _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H, deadline, clock
 def _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, region, mine16, rank, g,
                  cols, cmask, H, Hf, R, eps, deadline, clock_ptr, empty16, j_lo, j_hi,
                  K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
-                 WBN: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+                 WBN: tl.constexpr, STAGED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """``sum_{j in [j_lo, j_hi) asc} G_j`` for token t (FP32 from +0.0), every slot's peer rows
-    polled from this rank's Lamport slots. Returns (sum, missing peers)."""
+    from this rank's Lamport slots (or staging region). Returns (sum, missing peers)."""
     out = tl.zeros(cols.shape, tl.float32)
     gsum = tl.zeros(cols.shape, tl.float32)
     missing = 0
@@ -154,7 +167,8 @@ def _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, region, mi
             if valid:
                 own = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
                 acc, miss = _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H,
-                                      deadline, clock_ptr, empty16, K, P, PTX)  # fmt: skip
+                                      deadline, clock_ptr, empty16, K, P, STAGED,
+                                      PTX)  # fmt: skip
                 missing = missing | miss
                 y = _slot_y(acc, g, cmask, Hf, eps, WBN, PTX)
                 gsum = tl.fma(y, _weight(w_ptr, w_st, t64, k), gsum)
@@ -203,7 +217,7 @@ def _tp_expert_owner_kernel(
         gsum, miss = _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, region,
                                   mine16, rank, g, cols, cmask, H, Hf, R, eps, deadline,
                                   clock_ptr, empty16, rank, rank + 1, K, B, NG, P, WBN,
-                                  PTX)  # fmt: skip
+                                  False, PTX)  # fmt: skip
         missing = missing | miss
         bits = D.scrub(D.as_bits(gsum, 32), 32)
         for q in tl.static_range(P):
@@ -272,7 +286,7 @@ def _tp_token_owner_kernel(
             t64 = t.to(tl.int64)
             out, miss = _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, region,
                                      mine16, rank, g, cols, cmask, H, Hf, R, eps, deadline,
-                                     clock_ptr, empty16, 0, NG, K, B, NG, P, WBN,
+                                     clock_ptr, empty16, 0, NG, K, B, NG, P, WBN, False,
                                      PTX)  # fmt: skip
             missing = missing | miss
             o = D.scrub(D.as_bits(round_to(out, tl.bfloat16, PTX), 16), 16)
@@ -296,6 +310,90 @@ def _tp_token_owner_kernel(
             _store_out(out_ptr, out_st, t64, bits, cols, cmask)
         i += 1
     _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+
+
+# ----------------------------------------------------------------------------- TP staged
+@triton.jit(do_not_specialize=["M", "R", "rank"])
+def _tp_staged_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr,
+    M, R, H, Hf, rank, eps, gain_center, timeout_us,
+    P: tl.constexpr, PP: tl.constexpr, NSLOT: tl.constexpr, K: tl.constexpr, B: tl.constexpr,
+    NG: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+):  # fmt: skip
+    """Token owner with push + flags instead of Lamport slots (larger M): single-buffered
+    staging ``[t, k, sender]`` and gather ``[t]`` regions, two flag barriers per CTA (phase,
+    CTA, sender; device-resident epoch), as ``comm.triton._twoshot_kernel``. Safe single
+    buffering: a peer writes call e+1 only after this rank's CTA signalled it consumed call e."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
+    if USE_PDL:
+        gdc_wait()
+    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
+    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
+    # phase 1: stage every valid slot row of tokens owned by other ranks at their owner
+    i = 0
+    while i < n_mine:
+        t = pid + i * G
+        o = t % P
+        if o != rank:
+            t64 = t.to(tl.int64)
+            for k in tl.static_range(K):
+                p, valid = _route(idx_ptr, idx_st, t64, k, R)
+                if valid:
+                    x = _load_row(rows_ptr, row_st, p, cols, cmask)
+                    _push_slot(x, o, k, t64, 0, rank, table_ptr, stage_off16, cols, cmask, H, K,
+                               P)  # fmt: skip
+        i += 1
+    missing = 0
+    if healthy:
+        D.signal_peers(table_ptr, flags_off16, pid, rank, epoch, P, PP)
+        missing = D.wait_peers(table_ptr, flags_off16, pid, rank, epoch, deadline, clock_ptr, P,
+                               PP, PTX)  # fmt: skip
+    # phase 2: owned tokens from the staged rows; output row pushed into every peer's gather
+    stage = D.peer_base(table_ptr, rank, stage_off16, 16)
+    empty16 = D.empty_row(BLOCK_H, 16)
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if t % P == rank:
+            t64 = t.to(tl.int64)
+            out, miss = _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, 0,
+                                     stage, rank, g, cols, cmask, H, Hf, R, eps, deadline,
+                                     clock_ptr, empty16, 0, NG, K, B, NG, P, WBN, True,
+                                     PTX)  # fmt: skip
+            o = D.scrub(D.as_bits(round_to(out, tl.bfloat16, PTX), 16), 16)
+            _store_out(out_ptr, out_st, t64, o, cols, cmask)
+            for q in tl.static_range(P):
+                if q != rank:
+                    dst = D.peer_base(table_ptr, q, gather_off16, 16) + t64 * H
+                    tl.store(dst + cols, o, mask=cmask)
+        i += 1
+    if healthy & (missing == 0):
+        D.signal_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, P, PP)
+        missing = D.wait_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, deadline,
+                               clock_ptr, P, PP, PTX)  # fmt: skip
+    # phase 3: copy the rows owned by other ranks from the local gather region
+    gathered = D.peer_base(table_ptr, rank, gather_off16, 16)
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if t % P != rank:
+            t64 = t.to(tl.int64)
+            bits = tl.load(gathered + t64 * H + cols, mask=cmask, other=0, cache_modifier=".cg")
+            _store_out(out_ptr, out_st, t64, bits, cols, cmask)
+        i += 1
+    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_2S, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16,
+                   USE_PDL)  # fmt: skip
+    if last:
+        tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
+        tl.store(ctrl_ptr + D.CTRL_EPOCH, epoch % D.EPOCH_WRAP + 1)
 
 
 # ----------------------------------------------------------------------------- TP gathered
@@ -383,9 +481,10 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
                                    eps: float, gain_center: float, weight_before_norm: bool,
                                    use_pdl: bool = False, gathered=None) -> None:  # fmt: skip
     """Run §3.4 on ``xws`` (:class:`moefuse.comm.expert_norm_api.ExpertNormWorkspace`) with
-    ``algorithm`` in "expert_owner" | "token_owner" | "torch" (``gathered`` [P, R, H]).
+    ``algorithm`` in "expert_owner" | "token_owner" | "staged" | "torch" (``gathered``
+    [P, R, H]).
 
-    Lamport algorithms run in chunks of at most ``xws.capacity`` tokens (one launch each; a
+    Peer algorithms run in chunks of at most ``xws.capacity`` tokens (one launch each; a
     token's math does not depend on its chunk). Nothing is validated here."""
     m, k = idx.shape
     if m == 0:
@@ -404,6 +503,20 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
             gathered, weights, idx, norm_weight, out, weights.stride(0), idx.stride(0),
             out.stride(0), m, r, h, float(h), float(eps), float(gain_center), P=p, **consts,
         )  # fmt: skip
+        return
+    if algorithm == "staged":
+        for c0 in range(0, m, xws.capacity):
+            mc = min(xws.capacity, m - c0)
+            ws.refresh_clock()
+            grid = (max(1, min(mc, ws.num_sms, ws.num_flag_slots)),)
+            _tp_staged_kernel[grid](
+                rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
+                weights.stride(0), idx.stride(0), out.stride(0),
+                ws.table, ws.offset16("flags"), ws.offset16("xn_stage"),
+                ws.offset16("xn_gather"), ws.ctrl, ws.clock, mc, r, h, float(h), ws.rank,
+                float(eps), float(gain_center), ws.timeout_us, P=p,
+                PP=triton.next_power_of_2(p), NSLOT=ws.num_flag_slots, **consts,
+            )  # fmt: skip
         return
     if algorithm == "expert_owner":
         kernel, res_off = _tp_expert_owner_kernel, ws.offset16("xn_gsum")
