@@ -23,9 +23,11 @@ All three evaluate ``out = sum_{j asc} G_j`` with ``G_j = fma chain over group j
 from the same device helpers, so a token's bits depend on (H, K, P) only — not on M, on the
 algorithm that "auto" picks for M, or on the grid (batch invariance across the path switch).
 
-EP (``moe_finalize_rmsnorm_allreduce``): ``_ep_partial_kernel`` computes this rank's BF16 partial
-(local routes, normalized, weighted; -0.0 scrubbed), then the existing all-reduce kernels of
-:mod:`moefuse.comm.triton` (pattern 0, FP32 rank-order sum, one rounding) finish it.
+EP (``moe_finalize_rmsnorm_allreduce``): ``_ep_oneshot_kernel`` computes this rank's BF16
+partial (local routes, normalized, weighted) and all-reduces it over the all-reduce workspace's
+Lamport slots in the same kernel; for two-shot and the torch path ``_ep_partial_kernel`` writes
+the partial and the existing all-reduce kernels of :mod:`moefuse.comm.triton` (pattern 0, FP32
+rank-order sum, one rounding) finish it — same bits.
 
 Invalid slots (index < 0 or >= R) are never loaded, normalized or weighted (their weight is not
 read either). Lamport conventions, generations, bounded waits and the status word are those of
@@ -49,6 +51,8 @@ from moefuse.comm.triton import (
     _finish,
     _oneshot_finish,
     _oneshot_state,
+    _push_vals,
+    _receive_sum,
     launch_allreduce_fusion,
 )
 
@@ -77,6 +81,18 @@ def _slot_y(acc, g, cmask, Hf, eps, WBN: tl.constexpr, PTX: tl.constexpr):
     """FP32 rank sum ``acc`` of a slot -> one BF16 rounding -> normalized FP32 row."""
     x = widen_f32(round_to(acc, tl.bfloat16, PTX), PTX)
     return _expert_norm(x, g, cmask, Hf, eps, WBN)
+
+
+@triton.jit
+def _prologue(nw_ptr, gain_center, H, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    """(program, programs, columns, column mask, gain ``f32(w) + gain_center``); the gain is a
+    model parameter, loaded before the grid-dependency wait (PDL)."""
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
+    if USE_PDL:
+        gdc_wait()
+    return tl.program_id(0), tl.num_programs(0), cols, cmask, g
 
 
 @triton.jit
@@ -176,6 +192,26 @@ def _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, region, mi
     return out, missing
 
 
+@triton.jit
+def _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, region, rank,
+                         table_ptr, off16, cols, cmask, H, K: tl.constexpr,
+                         P: tl.constexpr):  # fmt: skip
+    """Token-owner phase 1: every valid slot row of this CTA's tokens owned by other ranks
+    (owner ``t mod P``) into the owner's slot (never waits)."""
+    i = 0
+    while i < n_mine:
+        t = pid + i * G
+        o = t % P
+        if o != rank:
+            t64 = t.to(tl.int64)
+            for k in tl.static_range(K):
+                p, valid = _route(idx_ptr, idx_st, t64, k, R)
+                if valid:
+                    x = _load_row(rows_ptr, row_st, p, cols, cmask)
+                    _push_slot(x, o, k, t64, region, rank, table_ptr, off16, cols, cmask, H, K, P)
+        i += 1
+
+
 # ----------------------------------------------------------------------------- TP expert owner
 @triton.jit(do_not_specialize=["M", "R", "rank"])
 def _tp_expert_owner_kernel(
@@ -185,13 +221,7 @@ def _tp_expert_owner_kernel(
     P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
-    if USE_PDL:
-        gdc_wait()
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
     deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
                                                    cap, PTX)  # fmt: skip
     # phase 1: push the partial rows of slots owned by other ranks (never waits)
@@ -252,29 +282,12 @@ def _tp_token_owner_kernel(
     P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
-    if USE_PDL:
-        gdc_wait()
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
     deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
                                                    cap, PTX)  # fmt: skip
     # phase 1: push every valid slot row of tokens owned by other ranks to their owner
-    i = 0
-    while i < n_mine:
-        t = pid + i * G
-        o = t % P
-        if o != rank:
-            t64 = t.to(tl.int64)
-            for k in tl.static_range(K):
-                p, valid = _route(idx_ptr, idx_st, t64, k, R)
-                if valid:
-                    x = _load_row(rows_ptr, row_st, p, cols, cmask)
-                    _push_slot(x, o, k, t64, region, rank, table_ptr, rows_off16, cols, cmask, H,
-                               K, P)  # fmt: skip
-        i += 1
+    _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, region, rank,
+                         table_ptr, rows_off16, cols, cmask, H, K, P)  # fmt: skip
     # phase 2: owned tokens: whole token here, output row pushed to every peer
     mine16 = D.peer_base(table_ptr, rank, rows_off16, 16)
     empty16 = D.empty_row(BLOCK_H, 16)
@@ -326,31 +339,14 @@ def _tp_staged_kernel(
     staging ``[t, k, sender]`` and gather ``[t]`` regions, two flag barriers per CTA (phase,
     CTA, sender; device-resident epoch), as ``comm.triton._twoshot_kernel``. Safe single
     buffering: a peer writes call e+1 only after this rank's CTA signalled it consumed call e."""
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
-    if USE_PDL:
-        gdc_wait()
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
     deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
     epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
     healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
     # phase 1: stage every valid slot row of tokens owned by other ranks at their owner
-    i = 0
-    while i < n_mine:
-        t = pid + i * G
-        o = t % P
-        if o != rank:
-            t64 = t.to(tl.int64)
-            for k in tl.static_range(K):
-                p, valid = _route(idx_ptr, idx_st, t64, k, R)
-                if valid:
-                    x = _load_row(rows_ptr, row_st, p, cols, cmask)
-                    _push_slot(x, o, k, t64, 0, rank, table_ptr, stage_off16, cols, cmask, H, K,
-                               P)  # fmt: skip
-        i += 1
+    _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, 0, rank,
+                         table_ptr, stage_off16, cols, cmask, H, K, P)  # fmt: skip
     missing = 0
     if healthy:
         D.signal_peers(table_ptr, flags_off16, pid, rank, epoch, P, PP)
@@ -405,13 +401,7 @@ def _tp_gathered_kernel(
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """``g_ptr``: every rank's rows, contiguous ``[P, R, H]``."""
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
-    if USE_PDL:
-        gdc_wait()
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
     t = pid
     while t < M:
         t64 = t.to(tl.int64)
@@ -436,7 +426,21 @@ def _tp_gathered_kernel(
         t += G
 
 
-# ----------------------------------------------------------------------------- EP local partial
+# ----------------------------------------------------------------------------- EP
+@triton.jit
+def _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols, cmask, Hf,
+                    eps, K: tl.constexpr, WBN: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """This rank's FP32 partial of token t: fma chain over its local valid slots of y_k * w_k."""
+    acc = tl.zeros(cols.shape, tl.float32)
+    for k in tl.static_range(K):
+        p, valid = _route(idx_ptr, idx_st, t64, k, R)
+        if valid:
+            x = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
+            y = _expert_norm(x, g, cmask, Hf, eps, WBN)
+            acc = tl.fma(y, _weight(w_ptr, w_st, t64, k), acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "R"])
 def _ep_partial_kernel(
     rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
@@ -444,27 +448,57 @@ def _ep_partial_kernel(
     K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr,
     PTX: tl.constexpr,
 ):  # fmt: skip
-    """This rank's partial: ``scrub(bf16(fma chain over local valid slots of y_k * w_k)))``."""
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
-    if USE_PDL:
-        gdc_wait()
+    """This rank's partial ``scrub(bf16(...))`` into ``out`` (two-shot and torch paths)."""
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
     t = pid
     while t < M:
         t64 = t.to(tl.int64)
-        acc = tl.zeros([BLOCK_H], tl.float32)
-        for k in tl.static_range(K):
-            p, valid = _route(idx_ptr, idx_st, t64, k, R)
-            if valid:
-                x = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
-                y = _expert_norm(x, g, cmask, Hf, eps, WBN)
-                acc = tl.fma(y, _weight(w_ptr, w_st, t64, k), acc)
+        acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols,
+                              cmask, Hf, eps, K, WBN, PTX)  # fmt: skip
         _store_out(out_ptr, out_st, t64, D.as_bits(round_to(acc, tl.bfloat16, PTX), 16), cols,
                    cmask)  # fmt: skip
         t += G
+
+
+@triton.jit(do_not_specialize=["M", "R", "rank"])
+def _ep_oneshot_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
+    M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
+    P: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr,
+    USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """Partial + Lamport all-reduce in one kernel, on the all-reduce workspace's one-shot slots
+    and generation (same protocol and bits as ``comm.triton._oneshot_kernel`` pattern 0, whose
+    ``_push_vals`` / ``_receive_sum`` it uses): iteration i computes and pushes row i, then
+    receives row i-1 (its own partial kept in registers), so NVLink traffic overlaps the norms."""
+    T: tl.constexpr = out_ptr.dtype.element_ty
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
+                                                   cap, PTX)  # fmt: skip
+    mine = D.peer_base(table_ptr, rank, lam_off16, 16)
+    empty = D.empty_row(BLOCK_H, 16)
+    prev = tl.zeros([BLOCK_H], T)
+    missing = 0
+    i = 0
+    while (i <= n_mine) & (missing == 0):
+        x = prev
+        if i < n_mine:
+            t = pid + i * G
+            acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st,
+                                  t.to(tl.int64), R, g, cols, cmask, Hf, eps, K, WBN,
+                                  PTX)  # fmt: skip
+            x = round_to(acc, T, PTX)
+            _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, 16)
+        if i > 0:
+            tp = (pid + (i - 1) * G).to(tl.int64)
+            s, miss = _receive_sum(prev, tp, mine, region, rank, cols, cmask, H, deadline,
+                                   clock_ptr, empty, T, P, 16, True, 0, PTX)  # fmt: skip
+            missing = missing | miss
+            tl.store(out_ptr + tp * out_st + cols, round_to(s, T, PTX), mask=cmask)
+        prev = x
+        i += 1
+    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -544,13 +578,25 @@ def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx
                                           out, *, eps: float, gain_center: float,
                                           weight_before_norm: bool, use_pdl: bool = False,
                                           gather=None) -> None:  # fmt: skip
-    """§3.5 on the all-reduce workspace ``ws``: local partial kernel, then the all-reduce kernel of
-    ``algorithm`` ("oneshot" | "twoshot" | "torch"; ``gather(partial)`` -> [P, M, H] for torch)."""
+    """§3.5 on the all-reduce workspace ``ws``. "oneshot": one fused kernel (partial + Lamport
+    all-reduce); "twoshot" / "torch": the local partial kernel, then the all-reduce kernel of that
+    algorithm (``gather(partial)`` -> [P, M, H] for torch). Same bits."""
     m, k = idx.shape
     if m == 0:
         return
     h = norm_weight.shape[0]
     common, warps = _common(h, use_pdl)
+    if algorithm == "oneshot":
+        ws.refresh_clock()
+        grid = (max(1, min(m, ws.num_sms)),)
+        _ep_oneshot_kernel[grid](
+            rows, weights, idx, norm_weight, out, rows.stride(0), weights.stride(0),
+            idx.stride(0), out.stride(0), ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
+            m, rows.shape[0], h, float(h), ws.rank, ws.oneshot_max_tokens, float(eps),
+            float(gain_center), ws.timeout_us, P=ws.world_size, K=k,
+            WBN=bool(weight_before_norm), **common,
+        )  # fmt: skip
+        return
     partial = torch.empty((m, h), dtype=torch.bfloat16, device=out.device)
     grid = (max(1, min(m, ws.max_ctas(warps))),)
     _ep_partial_kernel[grid](
