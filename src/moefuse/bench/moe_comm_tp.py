@@ -6,7 +6,8 @@ Two per-rank functions that ``moefuse bench moe-comm`` (bench/moe_comm.py) can c
     python -m moefuse.bench.moe_comm_tp --world-size 2 --out DIR [--quick] [--tokens ..]
 
 * :func:`time_tp_case` — ``tp_moe_finalize_rmsnorm`` (variants ``moefuse`` = auto,
-  ``moefuse_expert_owner``, ``moefuse_token_owner``, ``moefuse_staged``, ``moefuse_torch``)
+  ``moefuse_expert_owner_slots``, ``moefuse_expert_owner``, ``moefuse_token_owner``,
+  ``moefuse_staged``, ``moefuse_torch``)
   against the unfused chain FlashInfer's op replaces: NCCL ``all_reduce`` of the per-expert
   partial rows ``[R, H]``, then gather + per-expert RMSNorm + weighted sum, ``unfused_eager``
   and ``unfused_compile``
@@ -131,7 +132,8 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     dist.all_gather(parts, rows, group=group)
     want = ref.tp_moe_finalize_rmsnorm_from_ranks(parts, w, idx, nw, **opts)
     first = None
-    for algo in ("expert_owner", "token_owner", "staged", "torch"):
+    slots = ("expert_owner_slots",) if m <= 64 else ()  # one launch per M*K <= SMs tokens
+    for algo in (*slots, "expert_owner", "token_owner", "staged", "torch"):
         got = moefuse.tp_moe_finalize_rmsnorm(rows, w, idx, nw, workspace=xws, algorithm=algo,
                                               impl="triton", **opts)  # fmt: skip
         first = got if first is None else first
@@ -156,6 +158,7 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
         return call
 
     variants = {"moefuse": fused("auto"), "moefuse_expert_owner": fused("expert_owner"),
+                **{f"moefuse_{a}": fused(a) for a in slots},
                 "moefuse_token_owner": fused("token_owner"), "moefuse_staged": fused("staged"),
                 "moefuse_torch": fused("torch"),
                 "unfused_eager": unfused(expert_norm_weighted_sum),
@@ -333,9 +336,12 @@ def main(argv: list[str]) -> int:
         return 2
     import torch.multiprocessing as mp
 
+    # the children unpickle the worker by its module name (this file may be running as __main__)
+    from moefuse.bench import moe_comm_tp
+
     init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.start_processes(_worker, args=(args.world_size, args, init), nprocs=args.world_size,
-                       start_method="spawn")  # fmt: skip
+    mp.start_processes(moe_comm_tp._worker, args=(args.world_size, args, init),
+                       nprocs=args.world_size, start_method="spawn")  # fmt: skip
     return 0
 
 

@@ -39,7 +39,7 @@ from moefuse.comm.expert_norm_reference import group_size
 from moefuse.comm.tiles import MAX_HIDDEN
 from moefuse.comm.workspace import ALGORITHMS, AllReduceWorkspace, _collective_device
 
-TP_ALGORITHMS = ("auto", "expert_owner", "token_owner", "staged", "torch")
+TP_ALGORITHMS = ("auto", "expert_owner_slots", "expert_owner", "token_owner", "staged", "torch")
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: ``algorithm="auto"`` of §3.4: expert owner (K/P slots normalized per rank, group sums in FP32)
 #: up to this many tokens, token owner above. FIRST GUESS (FlashInfer switches at 64/P tokens),
@@ -51,6 +51,8 @@ TOKEN_OWNER_LAMPORT_MAX_TOKENS = 1024
 #: cap of the Lamport slots of one ExpertNormWorkspace (larger M runs in chunks of the capacity)
 TP_LAMPORT_BUDGET_BYTES = 256 << 20
 TP_DEFAULT_CAPACITY = 1024
+#: tokens per launch of "expert_owner_slots" (GPU: also M*K <= SMs per launch)
+TP_SLOT_CAPACITY = 64
 
 _XREGISTRY: dict[int, ExpertNormWorkspace] = {}
 _XIDS = itertools.count(1)
@@ -78,7 +80,9 @@ class ExpertNormWorkspace:
     ``ar`` is an :class:`AllReduceWorkspace` (BF16, H) whose ``extra_regions`` hold, per rank:
     ``xn_rows`` BF16 ``[3, L, K, P-1, H]`` (partial rows received for slots this rank reduces),
     ``xn_gsum`` FP32 ``[3, L, NG, H]`` (expert-owner group sums, ``NG = ceil(K / B)``) and
-    ``xn_out`` BF16 ``[3, L, H]`` (token-owner output rows), all armed with -0.0 sentinels, and
+    ``xn_out`` BF16 ``[3, L, H]`` (token-owner output rows), ``xn_y`` FP32 ``[3, Ls, K, H]``
+    (normalized slot rows of "expert_owner_slots", Ls = ``slot_capacity``), all armed with -0.0
+    sentinels, and
     the staged algorithm's single-buffered ``xn_stage`` BF16 ``[L, K, P-1, H]`` and
     ``xn_gather`` BF16 ``[L, H]`` (with the base workspace's flags and epoch);
     ``L = capacity`` tokens per launch (more tokens run as several launches). Lifecycle as
@@ -107,11 +111,13 @@ class ExpertNormWorkspace:
         per_token = 3 * (slots + self.num_groups * h * 4 + h * 2) + slots + h * 2
         cap = max_tokens or max(1, min(TP_DEFAULT_CAPACITY, TP_LAMPORT_BUDGET_BYTES // per_token))
         self.capacity = cap
+        self.slot_capacity = min(cap, TP_SLOT_CAPACITY)
         regions = {"xn_rows": 3 * cap * k * max(1, p - 1) * h * 2,
                    "xn_gsum": 3 * cap * self.num_groups * h * 4,
                    "xn_out": 3 * cap * h * 2,
                    "xn_stage": cap * k * max(1, p - 1) * h * 2,
-                   "xn_gather": cap * h * 2}  # fmt: skip
+                   "xn_gather": cap * h * 2,
+                   "xn_y": 3 * self.slot_capacity * k * h * 4}  # fmt: skip
         self.ar = AllReduceWorkspace(group, cap, h, torch.bfloat16, device, timeout_s=timeout_s,
                                      oneshot_max_tokens=cap, peer_access=peer_access,
                                      transport=transport, extra_regions=regions)  # fmt: skip
@@ -125,10 +131,10 @@ class ExpertNormWorkspace:
         into a region before its owner armed it (the collective is stream-ordered after the
         fill on NCCL, and synchronous on gloo)."""
         local = self.ar.transport.local
-        for name in ("xn_rows", "xn_gsum", "xn_out"):  # staging regions need no sentinel
+        for name in ("xn_rows", "xn_gsum", "xn_out", "xn_y"):  # staging needs no sentinel
             off, nbytes = self.ar.regions[name]
             view = local[off : off + nbytes]
-            if name == "xn_gsum":
+            if name in ("xn_gsum", "xn_y"):
                 view.view(torch.int32).fill_(-(2**31))
             else:
                 view.view(torch.int16).fill_(-(2**15))
@@ -158,7 +164,7 @@ class ExpertNormWorkspace:
         return kernel_device_reason(self.ar.device)
 
     def choose_algorithm(self, num_tokens: int, algorithm: str = "auto") -> str:
-        """"expert_owner" | "token_owner" | "staged" | "torch" for M tokens (same answer on
+        """An algorithm of :data:`TP_ALGORITHMS` other than "auto" for M tokens (same answer on
         every rank). An explicit peer algorithm on a workspace without peer buffers raises."""
         if algorithm not in TP_ALGORITHMS:
             raise ValueError(f"moefuse.tp_moe_finalize_rmsnorm: algorithm must be one of "
@@ -173,6 +179,8 @@ class ExpertNormWorkspace:
         if algorithm != "auto":
             return algorithm
         if num_tokens <= expert_owner_max_tokens(self.world_size):
+            if num_tokens * self.top_k <= self.ar.num_sms:  # one launch, every CTA resident
+                return "expert_owner_slots"
             return "expert_owner"
         if num_tokens <= TOKEN_OWNER_LAMPORT_MAX_TOKENS:
             return "token_owner"
@@ -336,8 +344,9 @@ def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_perm
         out = sum_{groups j asc} (fma chain over group j's valid slots of y_k * w[t,k])
         output[t] = bf16(out)                                       (B = ceil(K/P) per group)
 
-    ``algorithm``: "auto" (expert owner for M <= :data:`EXPERT_OWNER_MAX_TOKENS`, Lamport token
-    owner up to :data:`TOKEN_OWNER_LAMPORT_MAX_TOKENS`, staged above), "expert_owner",
+    ``algorithm``: "auto" (expert owner for M <= :data:`EXPERT_OWNER_MAX_TOKENS` — one CTA per
+    (token, slot) while M*K <= SMs —, Lamport token owner up to
+    :data:`TOKEN_OWNER_LAMPORT_MAX_TOKENS`, staged above), "expert_owner_slots", "expert_owner",
     "token_owner" (Lamport peer stores), "staged" (token owner, push + flag barriers) or "torch"
     (all-gather of the rows + local kernel); all give the same bits. ``workspace``: an
     :class:`ExpertNormWorkspace`, or None for the process-wide one of

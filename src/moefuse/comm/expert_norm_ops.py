@@ -73,7 +73,7 @@ def _ep_execute(rows, weights, idx, norm_weight, output, ws_id, eps, gain_center
             rows, weights, idx, norm_weight, group=ws.group, world_size=ws.world_size, eps=eps,
             gain_center=gain_center, weight_before_norm=wbn))  # fmt: skip
         return
-    from moefuse.comm.expert_norm_triton import launch_moe_finalize_rmsnorm_allreduce
+    from moefuse.comm.expert_norm_ep_triton import launch_moe_finalize_rmsnorm_allreduce
     from moefuse.comm.fallback import gather_stacked
 
     algo = ws.choose_algorithm(idx.shape[0], algorithm)

@@ -4,6 +4,8 @@ TP (``tp_moe_finalize_rmsnorm``): every rank holds a partial GEMM2 row per (toke
 partials of a slot are summed in rank order (FP32, one BF16 rounding) BEFORE the per-expert
 RMSNorm. Three algorithms, same bits:
 
+* ``_tp_slot_kernel`` (Lamport, smallest M): the expert owner with one CTA per (token, slot),
+  so a token's norms run in parallel; every rank folds the K normalized rows itself.
 * ``_tp_expert_owner_kernel`` (Lamport, small M). Slot group j (``B = ceil(K/P)`` slots) belongs
   to rank j. Phase 1: every rank pushes its partial rows of the slots it does not own into the
   owner's BF16 slot ``[gen, t, k, sender]``. Phase 2: the owner polls them, sums ranks in order,
@@ -23,11 +25,8 @@ All three evaluate ``out = sum_{j asc} G_j`` with ``G_j = fma chain over group j
 from the same device helpers, so a token's bits depend on (H, K, P) only — not on M, on the
 algorithm that "auto" picks for M, or on the grid (batch invariance across the path switch).
 
-EP (``moe_finalize_rmsnorm_allreduce``): ``_ep_oneshot_kernel`` computes this rank's BF16
-partial (local routes, normalized, weighted) and all-reduces it over the all-reduce workspace's
-Lamport slots in the same kernel; for two-shot and the torch path ``_ep_partial_kernel`` writes
-the partial and the existing all-reduce kernels of :mod:`moefuse.comm.triton` (pattern 0, FP32
-rank-order sum, one rounding) finish it — same bits.
+EP (``moe_finalize_rmsnorm_allreduce``): :mod:`moefuse.comm.expert_norm_ep_triton` (it reuses
+the per-slot helpers of this module).
 
 Invalid slots (index < 0 or >= R) are never loaded, normalized or weighted (their weight is not
 read either). Lamport conventions, generations, bounded waits and the status word are those of
@@ -38,7 +37,6 @@ payload must be scrubbed and all ranks must agree bitwise.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
@@ -47,14 +45,7 @@ from moefuse._device import round_to, rsqrt_fast, widen_f32
 from moefuse._runtime import interpreter_active
 from moefuse.comm import _device as D
 from moefuse.comm.tiles import comm_tile
-from moefuse.comm.triton import (
-    _finish,
-    _oneshot_finish,
-    _oneshot_state,
-    _push_vals,
-    _receive_sum,
-    launch_allreduce_fusion,
-)
+from moefuse.comm.triton import _finish, _oneshot_finish, _oneshot_state
 
 
 # ----------------------------------------------------------------------------- per-slot math
@@ -273,6 +264,72 @@ def _tp_expert_owner_kernel(
     _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
 
 
+# ----------------------------------------------------------------------------- TP slot split
+@triton.jit(do_not_specialize=["M", "R", "rank"])
+def _tp_slot_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    table_ptr, rows_off16, y_off16, ctrl_ptr, clock_ptr,
+    M, R, H, Hf, rank, cap, cap_y, eps, gain_center, timeout_us,
+    P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
+    BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """Expert owner with one CTA per (token, slot) (small M: a token's K norms run in parallel
+    CTAs instead of one after another). CTA ``t*K + k``: on the slot group's owner it polls the
+    peers' partial rows, normalizes and stores ``y_k`` (FP32) into slot ``[gen, t, k]`` of every
+    rank; elsewhere it pushes its partial row to the owner. CTA ``t*K + K-1`` of every rank then
+    folds the K ``y_k`` from its own buffer in the canonical grouped order (fma chains, same bits
+    as the other algorithms). A CTA only waits on CTAs of lower or equal index (interpreter-safe);
+    the grid is exactly M*K (all resident on the GPU)."""
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M * K, pid,
+                                                   G, cap, PTX)  # fmt: skip
+    region_y = gen.to(tl.int64) * cap_y
+    empty16 = D.empty_row(BLOCK_H, 16)
+    missing = tl.full([], 0, tl.int32)  # a tensor: it is reassigned inside run-time branches
+    if n_mine > 0:
+        t64 = (pid // K).to(tl.int64)
+        k = pid % K
+        o = k // B
+        p, valid = _route(idx_ptr, idx_st, t64, k, R)
+        if valid:
+            if o != rank:
+                x = _load_row(rows_ptr, row_st, p, cols, cmask)
+                _push_slot(x, o, k, t64, region, rank, table_ptr, rows_off16, cols, cmask, H, K,
+                           P)  # fmt: skip
+            else:
+                own = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
+                mine16 = D.peer_base(table_ptr, rank, rows_off16, 16)
+                acc, missing = _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H,
+                                         deadline, clock_ptr, empty16, K, P, False,
+                                         PTX)  # fmt: skip
+                y = D.scrub(D.as_bits(_slot_y(acc, g, cmask, Hf, eps, WBN, PTX), 32), 32)
+                for q in tl.static_range(P):
+                    dst = D.peer_base(table_ptr, q, y_off16, 32) + ((region_y + t64) * K + k) * H
+                    tl.store(dst + cols, y, mask=cmask)
+        if (k == K - 1) & (missing == 0):
+            mine32 = D.peer_base(table_ptr, rank, y_off16, 32)
+            empty32 = D.empty_row(BLOCK_H, 32)
+            out = tl.zeros([BLOCK_H], tl.float32)
+            gsum = tl.zeros([BLOCK_H], tl.float32)
+            for kk in tl.static_range(K):
+                if kk > 0:
+                    if kk % B == 0:
+                        out = out + gsum
+                        gsum = tl.zeros([BLOCK_H], tl.float32)
+                p2, valid2 = _route(idx_ptr, idx_st, t64, kk, R)
+                if valid2 & (missing == 0):
+                    ptr = mine32 + ((region_y + t64) * K + kk) * H + cols
+                    bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, 32, PTX)
+                    tl.store(ptr, empty32, mask=cmask)
+                    missing = missing | tl.where(pending != 0, 1 << (kk // B), 0)
+                    yk = bits.to(tl.float32, bitcast=True)
+                    gsum = tl.fma(yk, _weight(w_ptr, w_st, t64, kk), gsum)
+            out = out + gsum
+            _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
+                       cmask)  # fmt: skip
+    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+
+
 # ----------------------------------------------------------------------------- TP token owner
 @triton.jit(do_not_specialize=["M", "R", "rank"])
 def _tp_token_owner_kernel(
@@ -426,81 +483,6 @@ def _tp_gathered_kernel(
         t += G
 
 
-# ----------------------------------------------------------------------------- EP
-@triton.jit
-def _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols, cmask, Hf,
-                    eps, K: tl.constexpr, WBN: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """This rank's FP32 partial of token t: fma chain over its local valid slots of y_k * w_k."""
-    acc = tl.zeros(cols.shape, tl.float32)
-    for k in tl.static_range(K):
-        p, valid = _route(idx_ptr, idx_st, t64, k, R)
-        if valid:
-            x = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
-            y = _expert_norm(x, g, cmask, Hf, eps, WBN)
-            acc = tl.fma(y, _weight(w_ptr, w_st, t64, k), acc)
-    return acc
-
-
-@triton.jit(do_not_specialize=["M", "R"])
-def _ep_partial_kernel(
-    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
-    M, R, H, Hf, eps, gain_center,
-    K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr,
-    PTX: tl.constexpr,
-):  # fmt: skip
-    """This rank's partial ``scrub(bf16(...))`` into ``out`` (two-shot and torch paths)."""
-    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    t = pid
-    while t < M:
-        t64 = t.to(tl.int64)
-        acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols,
-                              cmask, Hf, eps, K, WBN, PTX)  # fmt: skip
-        _store_out(out_ptr, out_st, t64, D.as_bits(round_to(acc, tl.bfloat16, PTX), 16), cols,
-                   cmask)  # fmt: skip
-        t += G
-
-
-@triton.jit(do_not_specialize=["M", "R", "rank"])
-def _ep_oneshot_kernel(
-    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
-    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
-    M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
-    P: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr,
-    USE_PDL: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
-    """Partial + Lamport all-reduce in one kernel, on the all-reduce workspace's one-shot slots
-    and generation (same protocol and bits as ``comm.triton._oneshot_kernel`` pattern 0, whose
-    ``_push_vals`` / ``_receive_sum`` it uses): iteration i computes and pushes row i, then
-    receives row i-1 (its own partial kept in registers), so NVLink traffic overlaps the norms."""
-    T: tl.constexpr = out_ptr.dtype.element_ty
-    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
-                                                   cap, PTX)  # fmt: skip
-    mine = D.peer_base(table_ptr, rank, lam_off16, 16)
-    empty = D.empty_row(BLOCK_H, 16)
-    prev = tl.zeros([BLOCK_H], T)
-    missing = 0
-    i = 0
-    while (i <= n_mine) & (missing == 0):
-        x = prev
-        if i < n_mine:
-            t = pid + i * G
-            acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st,
-                                  t.to(tl.int64), R, g, cols, cmask, Hf, eps, K, WBN,
-                                  PTX)  # fmt: skip
-            x = round_to(acc, T, PTX)
-            _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, 16)
-        if i > 0:
-            tp = (pid + (i - 1) * G).to(tl.int64)
-            s, miss = _receive_sum(prev, tp, mine, region, rank, cols, cmask, H, deadline,
-                                   clock_ptr, empty, T, P, 16, True, 0, PTX)  # fmt: skip
-            missing = missing | miss
-            tl.store(out_ptr + tp * out_st + cols, round_to(s, T, PTX), mask=cmask)
-        prev = x
-        i += 1
-    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
-
-
 # ----------------------------------------------------------------------------- launchers
 def _common(h: int, use_pdl: bool) -> tuple[dict, int]:
     tile = comm_tile(h, 1)
@@ -515,8 +497,8 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
                                    eps: float, gain_center: float, weight_before_norm: bool,
                                    use_pdl: bool = False, gathered=None) -> None:  # fmt: skip
     """Run §3.4 on ``xws`` (:class:`moefuse.comm.expert_norm_api.ExpertNormWorkspace`) with
-    ``algorithm`` in "expert_owner" | "token_owner" | "staged" | "torch" (``gathered``
-    [P, R, H]).
+    ``algorithm`` in "expert_owner_slots" | "expert_owner" | "token_owner" | "staged" | "torch"
+    (``gathered`` [P, R, H]).
 
     Peer algorithms run in chunks of at most ``xws.capacity`` tokens (one launch each; a
     token's math does not depend on its chunk). Nothing is validated here."""
@@ -552,6 +534,24 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
                 PP=triton.next_power_of_2(p), NSLOT=ws.num_flag_slots, **consts,
             )  # fmt: skip
         return
+    if algorithm == "expert_owner_slots":
+        # every CTA of a launch must be resident on the GPU (they wait on each other across
+        # ranks): M*K <= SMs per launch; the interpreter runs any grid
+        per = xws.slot_capacity if ws.device.type == "cpu" else \
+            min(xws.slot_capacity, ws.num_sms // k)  # fmt: skip
+        if per < 1:
+            raise RuntimeError(f"expert_owner_slots needs K <= {ws.num_sms} (SMs), got K = {k}")
+        for c0 in range(0, m, per):
+            mc = min(per, m - c0)
+            ws.refresh_clock()
+            _tp_slot_kernel[(mc * k,)](
+                rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
+                weights.stride(0), idx.stride(0), out.stride(0),
+                ws.table, ws.offset16("xn_rows"), ws.offset16("xn_y"), ws.ctrl, ws.clock,
+                mc, r, h, float(h), ws.rank, xws.capacity, xws.slot_capacity, float(eps),
+                float(gain_center), ws.timeout_us, P=p, **consts,
+            )  # fmt: skip
+        return
     if algorithm == "expert_owner":
         kernel, res_off = _tp_expert_owner_kernel, ws.offset16("xn_gsum")
     elif algorithm == "token_owner":
@@ -572,38 +572,3 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
             mc, r, h, float(h), ws.rank, cap, float(eps), float(gain_center), ws.timeout_us,
             P=p, **consts,
         )  # fmt: skip
-
-
-def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx, norm_weight,
-                                          out, *, eps: float, gain_center: float,
-                                          weight_before_norm: bool, use_pdl: bool = False,
-                                          gather=None) -> None:  # fmt: skip
-    """§3.5 on the all-reduce workspace ``ws``. "oneshot": one fused kernel (partial + Lamport
-    all-reduce); "twoshot" / "torch": the local partial kernel, then the all-reduce kernel of that
-    algorithm (``gather(partial)`` -> [P, M, H] for torch). Same bits."""
-    m, k = idx.shape
-    if m == 0:
-        return
-    h = norm_weight.shape[0]
-    common, warps = _common(h, use_pdl)
-    if algorithm == "oneshot":
-        ws.refresh_clock()
-        grid = (max(1, min(m, ws.num_sms)),)
-        _ep_oneshot_kernel[grid](
-            rows, weights, idx, norm_weight, out, rows.stride(0), weights.stride(0),
-            idx.stride(0), out.stride(0), ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
-            m, rows.shape[0], h, float(h), ws.rank, ws.oneshot_max_tokens, float(eps),
-            float(gain_center), ws.timeout_us, P=ws.world_size, K=k,
-            WBN=bool(weight_before_norm), **common,
-        )  # fmt: skip
-        return
-    partial = torch.empty((m, h), dtype=torch.bfloat16, device=out.device)
-    grid = (max(1, min(m, ws.max_ctas(warps))),)
-    _ep_partial_kernel[grid](
-        rows, weights, idx, norm_weight, partial, rows.stride(0), weights.stride(0),
-        idx.stride(0), partial.stride(0), m, rows.shape[0], h, float(h), float(eps),
-        float(gain_center), K=k, WBN=bool(weight_before_norm), **common,
-    )  # fmt: skip
-    gathered = gather(partial) if algorithm == "torch" else None
-    launch_allreduce_fusion(ws, algorithm, 0, partial, None, None, out=out, fp32_acc=True,
-                            use_pdl=use_pdl, gathered=gathered)  # fmt: skip
