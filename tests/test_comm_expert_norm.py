@@ -390,6 +390,9 @@ def scenario_api(rank, world_size):
     with pytest.raises(ValueError, match="'workspace'"):
         moefuse.moe_finalize_rmsnorm_allreduce(rws[rank], ew, eidx[rank], enw, workspace=None,
                                                eps=1e-6)  # fmt: skip
+    none = moefuse.moe_finalize_rmsnorm_allreduce(rws[rank], ew[:0], eidx[rank][:0], enw,
+                                                  workspace=cws.workspace, eps=1e-6)
+    assert none.shape == (0, 48)  # M = 0: no communication
     cws.destroy()
     return scenario_bounded_wait(rank, world_size)
 
