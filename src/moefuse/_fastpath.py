@@ -257,7 +257,8 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
         raise _Unplannable("launched no kernel")
     if rec.side_stream:
         raise _Unplannable("launched on a stream other than the caller's")
-    fixed = [t for j in guard_positions for t in args[j].fastpath_tensors()]
+    fixed = [t for j in guard_positions if args[j] is not None
+             for t in args[j].fastpath_tensors()]  # fmt: skip
     sources = _Sources(args, rec.allocs, fixed)
     code = _Code()
     launch_lines = []
@@ -371,7 +372,7 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
     params = ", ".join(f"a{j}" for j in range(nargs))
     body = code.lines
     for j in guard_positions:
-        body.append(f"if not a{j}.fastpath_ready(): return MISS")
+        body.append(f"if a{j} is None or not a{j}.fastpath_ready(): return MISS")
     for s, (kind, idx, t) in enumerate(sources.items):
         if kind == "arg":
             body.append(f"t{s} = a{idx}")

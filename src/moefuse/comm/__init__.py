@@ -54,3 +54,24 @@ __all__ += [
     "supports_all_gather_rmsnorm_fp4_quantize",
     "supports_all_gather_rmsnorm_fp8",
 ]
+
+# per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5; issue 16 part B)
+from moefuse.comm.expert_norm_api import (  # noqa: E402
+    ExpertNormWorkspace,
+    init_tp_moe_finalize_rmsnorm,
+    moe_finalize_rmsnorm_allreduce,
+    shutdown_tp_moe_finalize_rmsnorm,
+    supports_moe_finalize_rmsnorm_allreduce,
+    supports_tp_moe_finalize_rmsnorm,
+    tp_moe_finalize_rmsnorm,
+)
+
+__all__ += [
+    "ExpertNormWorkspace",
+    "init_tp_moe_finalize_rmsnorm",
+    "moe_finalize_rmsnorm_allreduce",
+    "shutdown_tp_moe_finalize_rmsnorm",
+    "supports_moe_finalize_rmsnorm_allreduce",
+    "supports_tp_moe_finalize_rmsnorm",
+    "tp_moe_finalize_rmsnorm",
+]

@@ -38,3 +38,10 @@ try:
     __all__ += [n for n in _allgather_all if n not in __all__]
 except ImportError:  # pragma: no cover
     pass
+try:
+    from moefuse.compat._expert_norm import *  # noqa: F401,F403
+    from moefuse.compat._expert_norm import __all__ as _expert_norm_all
+
+    __all__ += [n for n in _expert_norm_all if n not in __all__]
+except ImportError:  # pragma: no cover
+    pass

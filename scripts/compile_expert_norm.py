@@ -1,0 +1,88 @@
+"""Offline sm_90a compile of the per-expert-norm kernels (no GPU): ptxas registers / spills.
+
+``PYTHONPATH=src python scripts/compile_expert_norm.py [--widths 4096,7168] [--topk 8]``
+compiles ``_tp_slot_kernel``, ``_tp_expert_owner_kernel``, ``_tp_token_owner_kernel``,
+``_tp_staged_kernel``, ``_tp_gathered_kernel``, ``_ep_partial_kernel`` and ``_ep_oneshot_kernel``
+(P = 2, BF16, PDL on, weight before norm) with Triton's CUDA backend and runs ptxas
+-arch=sm_90a on the PTX: catches GPU-only compile errors and reports registers, spills and
+16-byte volatile loads (Lamport polls) per kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+TYPES = {"table_ptr": "*i64", "ctrl_ptr": "*i32", "clock_ptr": "*i32", "idx_ptr": "*i32",
+         "w_ptr": "*fp32", "eps": "fp32", "gain_center": "fp32", "Hf": "fp32"}  # fmt: skip
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(prog="compile_expert_norm")
+    parser.add_argument("--widths", default="4096,7168")
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args(argv)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moefuse.comm import expert_norm_ep_triton as xe
+    from moefuse.comm import expert_norm_triton as xt
+    from moefuse.comm.tiles import comm_tile
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    k, p = args.topk, args.world_size
+    block = -(-k // p)
+    failed = 0
+    for h in map(int, args.widths.split(",")):
+        tile = comm_tile(h, 1)
+        for kernel in (xt._tp_slot_kernel, xt._tp_expert_owner_kernel,
+                       xt._tp_token_owner_kernel, xt._tp_staged_kernel, xt._tp_gathered_kernel,
+                       xe._ep_partial_kernel, xe._ep_oneshot_kernel):  # fmt: skip
+            consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
+                          NG=-(-k // block), BLOCK_H=tile.block, WBN=True, USE_PDL=True,
+                          PTX=True)  # fmt: skip
+            params = list(inspect.signature(kernel.fn).parameters)
+            consts = {n: v for n, v in consts.items() if n in params}
+            sig, attrs = {}, {}
+            for i, name in enumerate(params):
+                if name in consts:
+                    sig[name] = "constexpr"
+                    continue
+                sig[name] = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+                if name.endswith("_ptr") or name.endswith("_st") or name == "H":
+                    if name not in ("w_ptr", "idx_ptr", "w_st", "idx_st"):
+                        attrs[(i,)] = [["tt.divisibility", 16]]
+            src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+            try:
+                ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": tile.num_warps})  # fmt: skip
+            except Exception as exc:  # report every kernel, then fail
+                print(f"H={h} {kernel.fn.__name__}: COMPILE ERROR {exc}", flush=True)
+                failed += 1
+                continue
+            ptx = ck.asm["ptx"]
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(ptx)
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                                 capture_output=True, text=True)  # fmt: skip
+            os.unlink(f.name)
+            regs = re.search(r"Used (\d+) registers", out.stderr)
+            spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+            v4 = len(re.findall(r"ld\.volatile\.global\.v4", ptx))
+            failed += out.returncode != 0
+            print(f"H={h:5d} K={k} P={p} {kernel.fn.__name__:24s} warps={tile.num_warps:2d} "
+                  f"regs={regs.group(1) if regs else '?'} "
+                  f"spills={spill.group(1) if spill else '?'} ld.volatile.v4={v4} "
+                  f"ptxas_rc={out.returncode}", flush=True)  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,458 @@
+"""Public per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5) and the TP workspace.
+
+* :func:`tp_moe_finalize_rmsnorm` (TP, §3.4): every rank holds partial GEMM2 rows ``[R, >=H]``
+  (its shard of the intermediate dimension, permuted); each valid slot's P partial rows are summed
+  in rank order (FP32, one BF16 rounding), RMS-normalized per expert, weighted and accumulated in
+  FP32 in the canonical grouped order (groups of ``ceil(K/P)`` slots, ascending: depends on K and
+  P only, never on M); output BF16 ``[M, H]`` replicated on every rank.
+* :func:`moe_finalize_rmsnorm_allreduce` (EP, §3.5): each rank normalizes, weights and sums its
+  LOCAL routes (non-local: index < 0 or >= R, never loaded), rounds to BF16, and the ``[M, H]``
+  partials are all-reduced in rank order (FP32, one rounding).
+
+Both are collective: every rank calls with the same M, in the same order, never overlapping on one
+workspace (CUDA-graph replays included). Common keywords: ``eps``, ``gain_center`` (0.0 plain,
+1.0 for ``1 + w``), ``weight_before_norm`` (norm of ``x * g``; else ``(x * r) * g``),
+``enable_pdl`` (None: where supported), ``impl`` ("auto" | "triton" | "reference", DESIGN.md).
+``output`` is written (allocated when None) and returned; it must not overlap any input.
+-0.0 results are written as +0.0 on every path (Lamport payloads cannot carry -0.0, and all
+ranks and algorithms must agree bitwise).
+
+Workspaces. §3.4 uses an :class:`ExpertNormWorkspace` (an :class:`AllReduceWorkspace` plus three
+peer regions): pass ``workspace=``, or call :func:`init_tp_moe_finalize_rmsnorm` once
+(collective, FlashInfer's style) and the op creates and keeps one per (H, K) at its first call —
+collectively, so warm every shape up before CUDA-graph capture. §3.5 takes an
+:class:`AllReduceWorkspace` (BF16, hidden H) directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from moefuse import _validate as v
+from moefuse._fastpath import fast_op
+from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
+from moefuse.comm import expert_norm_ops as ops
+from moefuse.comm.expert_norm_reference import group_size
+from moefuse.comm.tiles import MAX_HIDDEN
+from moefuse.comm.workspace import ALGORITHMS, AllReduceWorkspace, _collective_device
+
+TP_ALGORITHMS = ("auto", "expert_owner_slots", "expert_owner", "token_owner", "staged", "torch")
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: ``algorithm="auto"`` of §3.4: expert owner (K/P slots normalized per rank, group sums in FP32)
+#: up to this many tokens, token owner above. FIRST GUESS (FlashInfer switches at 64/P tokens),
+#: not measured yet: the benchmark prints both columns (bench/moe_comm_tp.py).
+EXPERT_OWNER_MAX_TOKENS = {2: 32, 4: 16, 8: 8}
+#: ... and the Lamport token owner up to this many tokens, the staged (push + flags) token owner
+#: above. FIRST GUESS, not measured yet (the benchmark has a column for each algorithm).
+TOKEN_OWNER_LAMPORT_MAX_TOKENS = 1024
+#: cap of the Lamport slots of one ExpertNormWorkspace (larger M runs in chunks of the capacity)
+TP_LAMPORT_BUDGET_BYTES = 256 << 20
+TP_DEFAULT_CAPACITY = 1024
+#: tokens per launch of "expert_owner_slots" (GPU: also M*K <= SMs per launch)
+TP_SLOT_CAPACITY = 64
+
+_XREGISTRY: dict[int, ExpertNormWorkspace] = {}
+_XIDS = itertools.count(1)
+
+
+def get_expert_norm_workspace(ws_id: int) -> ExpertNormWorkspace:
+    try:
+        return _XREGISTRY[ws_id]
+    except KeyError:
+        raise RuntimeError(f"moefuse.comm: expert-norm workspace {ws_id} is closed or unknown") \
+            from None  # fmt: skip
+
+
+def expert_owner_max_tokens(world_size: int) -> int:
+    for p in sorted(EXPERT_OWNER_MAX_TOKENS):
+        if world_size <= p:
+            return EXPERT_OWNER_MAX_TOKENS[p]
+    return EXPERT_OWNER_MAX_TOKENS[max(EXPERT_OWNER_MAX_TOKENS)]
+
+
+# ----------------------------------------------------------------------------- workspace
+class ExpertNormWorkspace:
+    """Collective workspace of :func:`tp_moe_finalize_rmsnorm` for one (H, K).
+
+    ``ar`` is an :class:`AllReduceWorkspace` (BF16, H) whose ``extra_regions`` hold, per rank:
+    ``xn_rows`` BF16 ``[3, L, K, P-1, H]`` (partial rows received for slots this rank reduces),
+    ``xn_gsum`` FP32 ``[3, L, NG, H]`` (expert-owner group sums, ``NG = ceil(K / B)``) and
+    ``xn_out`` BF16 ``[3, L, H]`` (token-owner output rows), ``xn_y`` FP32 ``[3, Ls, K, H]``
+    (normalized slot rows of "expert_owner_slots", Ls = ``slot_capacity``), all armed with -0.0
+    sentinels, and
+    the staged algorithm's single-buffered ``xn_stage`` BF16 ``[L, K, P-1, H]`` and
+    ``xn_gather`` BF16 ``[L, H]`` (with the base workspace's flags and epoch);
+    ``L = capacity`` tokens per launch (more tokens run as several launches). Lifecycle as
+    ``AllReduceWorkspace``: ``vote``, ``capture()``, ``check()``, ``close()`` (required)."""
+
+    def __init__(self, group, hidden_size: int, top_k: int, device, *,
+                 max_tokens: int | None = None, timeout_s: float | None = None,
+                 peer_access: bool | None = None, transport: str | None = None):  # fmt: skip
+        group = group if group is not None else dist.group.WORLD
+        if not isinstance(hidden_size, int) or not 1 <= hidden_size <= MAX_HIDDEN:
+            raise ValueError(f"ExpertNormWorkspace: hidden_size must be an int in [1, "
+                             f"{MAX_HIDDEN}], got {hidden_size!r}")  # fmt: skip
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"ExpertNormWorkspace: top_k must be a positive int, got {top_k!r}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"ExpertNormWorkspace: max_tokens must be a positive int, "
+                             f"got {max_tokens!r}")  # fmt: skip
+        p = dist.get_world_size(group)
+        h, k = hidden_size, top_k
+        self.world_size = p
+        self.hidden_size = h
+        self.top_k = k
+        self.group_size = group_size(k, p)
+        self.num_groups = -(-k // self.group_size)
+        slots = k * max(1, p - 1) * h * 2
+        per_token = 3 * (slots + self.num_groups * h * 4 + h * 2) + slots + h * 2
+        cap = max_tokens or max(1, min(TP_DEFAULT_CAPACITY, TP_LAMPORT_BUDGET_BYTES // per_token))
+        self.capacity = cap
+        self.slot_capacity = min(cap, TP_SLOT_CAPACITY)
+        regions = {"xn_rows": 3 * cap * k * max(1, p - 1) * h * 2,
+                   "xn_gsum": 3 * cap * self.num_groups * h * 4,
+                   "xn_out": 3 * cap * h * 2,
+                   "xn_stage": cap * k * max(1, p - 1) * h * 2,
+                   "xn_gather": cap * h * 2,
+                   "xn_y": 3 * self.slot_capacity * k * h * 4}  # fmt: skip
+        self.ar = AllReduceWorkspace(group, cap, h, torch.bfloat16, device, timeout_s=timeout_s,
+                                     oneshot_max_tokens=cap, peer_access=peer_access,
+                                     transport=transport, extra_regions=regions)  # fmt: skip
+        if self.ar.peer_access:
+            self._arm(regions)
+        self.id = next(_XIDS)
+        _XREGISTRY[self.id] = self
+
+    def _arm(self, regions) -> None:
+        """-0.0 sentinels in the new regions, then a group-wide collective so no peer can push
+        into a region before its owner armed it (the collective is stream-ordered after the
+        fill on NCCL, and synchronous on gloo)."""
+        local = self.ar.transport.local
+        for name in ("xn_rows", "xn_gsum", "xn_out", "xn_y"):  # staging needs no sentinel
+            off, nbytes = self.ar.regions[name]
+            view = local[off : off + nbytes]
+            if name in ("xn_gsum", "xn_y"):
+                view.view(torch.int32).fill_(-(2**31))
+            else:
+                view.view(torch.int16).fill_(-(2**15))
+        if self.ar.device.type == "cuda":
+            torch.cuda.synchronize(self.ar.device)
+        self.ar.vote(True)
+
+    # ------------------------------------------------------------------------- queries
+    @property
+    def device(self) -> torch.device:
+        return self.ar.device
+
+    @property
+    def rank(self) -> int:
+        return self.ar.rank
+
+    @property
+    def peer_access(self) -> bool:
+        return self.ar.peer_access
+
+    def unsupported_reason(self) -> str | None:
+        """Why the Triton kernels cannot run on this workspace (None if they can)."""
+        if self.ar.closed:
+            return "the workspace is closed"
+        if self.ar._failure is not None:
+            return f"the workspace failed: {self.ar._failure}"
+        return kernel_device_reason(self.ar.device)
+
+    def choose_algorithm(self, num_tokens: int, algorithm: str = "auto") -> str:
+        """An algorithm of :data:`TP_ALGORITHMS` other than "auto" for M tokens (same answer on
+        every rank). An explicit peer algorithm on a workspace without peer buffers raises."""
+        if algorithm not in TP_ALGORITHMS:
+            raise ValueError(f"moefuse.tp_moe_finalize_rmsnorm: algorithm must be one of "
+                             f"{TP_ALGORITHMS}, got {algorithm!r}")  # fmt: skip
+        if algorithm == "torch":
+            return "torch"
+        if not self.ar.peer_access:
+            if algorithm == "auto":
+                return "torch"
+            raise RuntimeError(f"moefuse.tp_moe_finalize_rmsnorm: algorithm={algorithm!r} needs "
+                               "peer buffers, which this workspace does not have")  # fmt: skip
+        if algorithm != "auto":
+            return algorithm
+        if num_tokens <= expert_owner_max_tokens(self.world_size):
+            if num_tokens * self.top_k <= self.ar.num_sms:  # one launch, every CTA resident
+                return "expert_owner_slots"
+            return "expert_owner"
+        if num_tokens <= TOKEN_OWNER_LAMPORT_MAX_TOKENS:
+            return "token_owner"
+        return "staged"
+
+    # ------------------------------------------------------------------------- lifecycle
+    def vote(self, local_ok: bool) -> bool:
+        return self.ar.vote(local_ok)
+
+    def check(self) -> None:
+        self.ar.check()
+
+    @contextlib.contextmanager
+    def capture(self):
+        self.ar.check()
+        yield self
+
+    def close(self) -> None:
+        _XREGISTRY.pop(getattr(self, "id", -1), None)
+        self.ar.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.ar.closed
+
+    def __repr__(self) -> str:
+        return (f"ExpertNormWorkspace(H={self.hidden_size}, K={self.top_k}, "
+                f"capacity={self.capacity}, {self.ar!r})")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- process-wide
+_TP_STATE: dict = {"group": None, "ok": False, "device": None, "options": {}, "spaces": {}}
+
+
+def init_tp_moe_finalize_rmsnorm(group=None, *, device=None, **options) -> bool:
+    """Collective, process-wide set-up of :func:`tp_moe_finalize_rmsnorm` (FlashInfer's call).
+
+    Returns the same verdict on every rank (MIN vote): False unless the group has P >= 2 ranks and
+    every rank can run the Triton kernels on ``device`` (default: the current CUDA device, else
+    CPU). Workspaces are then created per (H, K) at the first call of each shape (collective:
+    warm up before capture). ``options`` go to :class:`ExpertNormWorkspace` (``max_tokens``,
+    ``timeout_s``, ``peer_access``, ``transport``). Calling again with the same group returns the
+    first verdict; another group raises ``ValueError``."""
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    group = group if group is not None else dist.group.WORLD
+    if _TP_STATE["group"] is not None:
+        if _TP_STATE["group"] is not group:
+            raise ValueError("moefuse.init_tp_moe_finalize_rmsnorm: already initialised with "
+                             "another group; call shutdown_tp_moe_finalize_rmsnorm() first")
+        return _TP_STATE["ok"]
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
+    device = torch.device(device)
+    local = dist.get_world_size(group) >= 2 and kernel_device_reason(device) is None
+    t = torch.tensor([1 if local else 0], dtype=torch.int32,
+                     device=_collective_device(group, device))  # fmt: skip
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    _TP_STATE.update(group=group, ok=bool(t.item()), device=device, options=dict(options),
+                     spaces={})  # fmt: skip
+    return _TP_STATE["ok"]
+
+
+def shutdown_tp_moe_finalize_rmsnorm() -> None:
+    """Collective: close the process-wide workspaces and forget the group."""
+    for xws in _TP_STATE["spaces"].values():
+        xws.close()
+    _TP_STATE.update(group=None, ok=False, device=None, options={}, spaces={})
+
+
+def _process_workspace(op: str, hidden: int, top_k: int) -> ExpertNormWorkspace:
+    if _TP_STATE["group"] is None:
+        raise RuntimeError(f"moefuse.{op}: pass workspace= or call "
+                           "init_tp_moe_finalize_rmsnorm(group) first")  # fmt: skip
+    key = (hidden, top_k)
+    xws = _TP_STATE["spaces"].get(key)
+    if xws is None:
+        dev = _TP_STATE["device"]
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"moefuse.{op}: first call for H={hidden}, K={top_k} during CUDA "
+                               "graph capture; warm every shape up before capture")  # fmt: skip
+        xws = ExpertNormWorkspace(_TP_STATE["group"], hidden, top_k, dev, **_TP_STATE["options"])
+        _TP_STATE["spaces"][key] = xws
+    return xws
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_routes(op, rows, weights, idx, norm_weight, output, eps, gain_center, wbn, rows_name,
+                  w_name, idx_name) -> None:  # fmt: skip
+    v.check_tensor(op, rows_name, rows, dtypes=(torch.bfloat16,), ndims=(2,))
+    dev = rows.device
+    v.check_tensor(op, idx_name, idx, dtypes=(torch.int32,), ndims=(2,), device=dev)
+    m, k = idx.shape
+    if k < 1:
+        raise ValueError(f"moefuse.{op}: argument '{idx_name}' must have K >= 1 columns")
+    v.check_tensor(op, w_name, weights, dtypes=WEIGHT_DTYPES, shape=(m, k), device=dev)
+    v.check_tensor(op, "norm_weight", norm_weight, dtypes=(torch.bfloat16,), ndims=(1,),
+                   device=dev)  # fmt: skip
+    h = norm_weight.shape[0]
+    if h < 1 or h > MAX_HIDDEN:
+        raise ValueError(f"moefuse.{op}: argument 'norm_weight' must have 1 <= H <= {MAX_HIDDEN}"
+                         f", got {h}")  # fmt: skip
+    if rows.shape[1] < h:
+        raise ValueError(f"moefuse.{op}: argument '{rows_name}' must have at least H={h} "
+                         f"columns, got {tuple(rows.shape)}")  # fmt: skip
+    if output is not None:
+        v.check_tensor(op, "output", output, dtypes=(torch.bfloat16,), shape=(m, h), device=dev)
+        for name, t in ((rows_name, rows), (w_name, weights), (idx_name, idx),
+                        ("norm_weight", norm_weight)):  # fmt: skip
+            v.check_no_overlap(op, "output", output, name, t)
+    v.check_eps(op, "eps", eps)
+    if not isinstance(gain_center, (int, float)) or isinstance(gain_center, bool):
+        raise ValueError(f"moefuse.{op}: argument 'gain_center' must be a float, "
+                         f"got {gain_center!r}")  # fmt: skip
+    if not isinstance(wbn, bool):
+        raise ValueError(f"moefuse.{op}: argument 'weight_before_norm' must be a bool, "
+                         f"got {wbn!r}")  # fmt: skip
+
+
+def _check_tp(op, gemm2_permuted, expert_weights, idx, norm_weight, output, eps, gain_center,
+              wbn, workspace, algorithm) -> None:  # fmt: skip
+    _check_routes(op, gemm2_permuted, expert_weights, idx, norm_weight, output, eps, gain_center,
+                  wbn, "gemm2_permuted", "expert_weights",
+                  "expanded_idx_to_permuted_idx")  # fmt: skip
+    if algorithm not in TP_ALGORITHMS:
+        raise ValueError(f"moefuse.{op}: argument 'algorithm' must be one of {TP_ALGORITHMS}, "
+                         f"got {algorithm!r}")  # fmt: skip
+    if workspace is not None:
+        _check_tp_workspace(op, workspace, norm_weight.shape[0], idx.shape[1],
+                            gemm2_permuted.device)  # fmt: skip
+
+
+def _check_tp_workspace(op, workspace, hidden, top_k, device) -> None:
+    if not isinstance(workspace, ExpertNormWorkspace):
+        raise ValueError(f"moefuse.{op}: argument 'workspace' must be an ExpertNormWorkspace, "
+                         f"got {type(workspace).__name__}")  # fmt: skip
+    if (workspace.hidden_size, workspace.top_k) != (hidden, top_k):
+        raise ValueError(f"moefuse.{op}: argument 'workspace' was created for (H, K) = "
+                         f"({workspace.hidden_size}, {workspace.top_k}), got ({hidden}, "
+                         f"{top_k})")  # fmt: skip
+    if workspace.device != device:
+        raise ValueError(f"moefuse.{op}: argument 'workspace' is on {workspace.device}, the "
+                         f"tensors on {device}")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- §3.4 TP
+@fast_op(guards=("workspace",))
+def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
+                            norm_weight, output=None, *, eps: float, gain_center: float,
+                            weight_before_norm: bool, workspace=None, algorithm: str = "auto",
+                            enable_pdl=None, impl: str = "auto"):  # fmt: skip
+    """TP MoE finalize with a per-expert RMSNorm (SPEC §3.4); returns ``output``.
+
+    Shapes/dtypes: ``gemm2_permuted`` [R, >=H] BF16 (this rank's partial rows; only the first H
+    columns are read; last dim contiguous), ``expert_weights`` [M, K] BF16/FP16/FP32,
+    ``expanded_idx_to_permuted_idx`` [M, K] int32 (invalid: < 0 or >= R, rows never read),
+    ``norm_weight`` [H] BF16, ``output`` [M, H] BF16 (written; replicated). Math (per token)::
+
+        x_k = f32(bf16(sum_r f32(partial_r[idx[t,k], :H])))       rank order, FP32, one rounding
+        y_k = per-expert RMSNorm of x_k (weight_before_norm: norm of x_k * g, g = w + gain_center)
+        out = sum_{groups j asc} (fma chain over group j's valid slots of y_k * w[t,k])
+        output[t] = bf16(out)                                       (B = ceil(K/P) per group)
+
+    ``algorithm``: "auto" (expert owner for M <= :data:`EXPERT_OWNER_MAX_TOKENS` — one CTA per
+    (token, slot) while M*K <= SMs —, Lamport token owner up to
+    :data:`TOKEN_OWNER_LAMPORT_MAX_TOKENS`, staged above), "expert_owner_slots", "expert_owner",
+    "token_owner" (Lamport peer stores), "staged" (token owner, push + flag barriers) or "torch"
+    (all-gather of the rows + local kernel); all give the same bits. ``workspace``: an
+    :class:`ExpertNormWorkspace`, or None for the process-wide one of
+    :func:`init_tp_moe_finalize_rmsnorm`.
+    """
+    op = "tp_moe_finalize_rmsnorm"
+    idx = expanded_idx_to_permuted_idx
+    _check_tp(op, gemm2_permuted, expert_weights, idx, norm_weight, output, eps, gain_center,
+              weight_before_norm, workspace, algorithm)  # fmt: skip
+    m, h = idx.shape[0], norm_weight.shape[0]
+    if output is None:
+        output = torch.empty((m, h), dtype=torch.bfloat16, device=gemm2_permuted.device)
+    if m == 0:
+        return output
+    if workspace is None:
+        workspace = _process_workspace(op, h, idx.shape[1])
+        _check_tp_workspace(op, workspace, h, idx.shape[1], gemm2_permuted.device)
+    backend = choose_impl(op, impl, gemm2_permuted.device, workspace.unsupported_reason())
+    ops.tp_moe_finalize_rmsnorm_op(
+        gemm2_permuted, expert_weights, idx, norm_weight, output, workspace.id, float(eps),
+        float(gain_center), weight_before_norm, algorithm,
+        resolve_pdl(enable_pdl, gemm2_permuted.device), backend,
+    )  # fmt: skip
+    return output
+
+
+def supports_tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights,
+                                     expanded_idx_to_permuted_idx, norm_weight, output=None, *,
+                                     workspace=None) -> bool:  # fmt: skip
+    """Local answer, no side effects (combine across ranks with a MIN vote before capture): the
+    arguments are acceptable, a workspace exists (``workspace=`` or a successful
+    :func:`init_tp_moe_finalize_rmsnorm`) and the Triton kernels can run on the device."""
+    op = "tp_moe_finalize_rmsnorm"
+    if not v.accepts(_check_tp, op, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
+                     norm_weight, output, 1e-6, 0.0, True, workspace, "auto"):  # fmt: skip
+        return False
+    if workspace is None:
+        if not _TP_STATE["ok"] or _TP_STATE["device"] != gemm2_permuted.device:
+            return False
+        return kernel_device_reason(gemm2_permuted.device) is None
+    return workspace.unsupported_reason() is None
+
+
+# ----------------------------------------------------------------------------- §3.5 EP
+def _check_ep(op, routed_rows, route_weights, permuted_idx, norm_weight, output, workspace, eps,
+              gain_center, wbn, algorithm) -> None:  # fmt: skip
+    _check_routes(op, routed_rows, route_weights, permuted_idx, norm_weight, output, eps,
+                  gain_center, wbn, "routed_rows", "route_weights", "permuted_idx")  # fmt: skip
+    if not isinstance(workspace, AllReduceWorkspace):
+        raise ValueError(f"moefuse.{op}: argument 'workspace' must be an AllReduceWorkspace, "
+                         f"got {type(workspace).__name__}")  # fmt: skip
+    if workspace.dtype != torch.bfloat16 or workspace.hidden_size != norm_weight.shape[0]:
+        raise ValueError(f"moefuse.{op}: argument 'workspace' must be a BF16 workspace of hidden "
+                         f"size {norm_weight.shape[0]}, got {workspace.dtype} / "
+                         f"{workspace.hidden_size}")  # fmt: skip
+    if workspace.device != routed_rows.device:
+        raise ValueError(f"moefuse.{op}: argument 'workspace' is on {workspace.device}, the "
+                         f"tensors on {routed_rows.device}")  # fmt: skip
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"moefuse.{op}: argument 'algorithm' must be one of {ALGORITHMS}, "
+                         f"got {algorithm!r}")  # fmt: skip
+
+
+@fast_op(guards=("workspace",))
+def moe_finalize_rmsnorm_allreduce(routed_rows, route_weights, permuted_idx, norm_weight,
+                                   output=None, *, workspace, eps: float, gain_center: float = 0.0,
+                                   weight_before_norm: bool = True, algorithm: str = "auto",
+                                   enable_pdl=None, impl: str = "auto"):  # fmt: skip
+    """EP MoE finalize with a per-expert RMSNorm, then all-reduce (SPEC §3.5); returns ``output``.
+
+    ``routed_rows`` [R, >=H] BF16 (this rank's local expert rows, permuted), ``route_weights``
+    [M, K] BF16/FP16/FP32, ``permuted_idx`` [M, K] int32 (routes of other ranks are < 0 or >= R
+    here: skipped, never loaded), ``norm_weight`` [H] BF16, ``output`` [M, H] BF16 (written,
+    replicated). Per rank ``partial = scrub(bf16(fma chain over local valid slots of
+    y_k * w[t,k]))``; ``output = bf16(sum_r f32(partial_r))`` (rank order, FP32, one rounding).
+    ``workspace``: a BF16 :class:`AllReduceWorkspace` of hidden size H; ``algorithm`` is its
+    all-reduce algorithm ("auto" | "oneshot" | "twoshot" | "torch", same bits).
+    """
+    op = "moe_finalize_rmsnorm_allreduce"
+    _check_ep(op, routed_rows, route_weights, permuted_idx, norm_weight, output, workspace, eps,
+              gain_center, weight_before_norm, algorithm)  # fmt: skip
+    m, h = permuted_idx.shape[0], norm_weight.shape[0]
+    if output is None:
+        output = torch.empty((m, h), dtype=torch.bfloat16, device=routed_rows.device)
+    if m == 0:
+        return output
+    backend = choose_impl(op, impl, routed_rows.device, workspace.unsupported_reason(output))
+    ops.moe_finalize_rmsnorm_allreduce_op(
+        routed_rows, route_weights, permuted_idx, norm_weight, output, workspace.id, float(eps),
+        float(gain_center), weight_before_norm, algorithm,
+        resolve_pdl(enable_pdl, routed_rows.device), backend,
+    )  # fmt: skip
+    return output
+
+
+def supports_moe_finalize_rmsnorm_allreduce(workspace, routed_rows, route_weights, permuted_idx,
+                                            norm_weight, output) -> bool:  # fmt: skip
+    """Local answer, no side effects (FlashInfer's argument order): ``1 <= M <= max_tokens``,
+    shapes/dtypes as :func:`moe_finalize_rmsnorm_allreduce`, on the workspace device, kernels
+    runnable there. Combine across ranks with ``workspace.vote``."""
+    op = "moe_finalize_rmsnorm_allreduce"
+    if not v.accepts(_check_ep, op, routed_rows, route_weights, permuted_idx, norm_weight, output,
+                     workspace, 1e-6, 0.0, True, "auto"):  # fmt: skip
+        return False
+    if output is None or output.shape[0] < 1:
+        return False
+    return workspace.unsupported_reason(output) is None

@@ -1,0 +1,148 @@
+"""Triton kernels of ``moe_finalize_rmsnorm_allreduce`` (SPEC §3.5, EP) and their launcher.
+
+* ``_ep_oneshot_kernel`` — one kernel: this rank's partial (local routes only, each normalized
+  and weighted, fma chain from +0.0, rounded once to BF16) is pushed into the all-reduce
+  workspace's Lamport slots and summed with the peers' partials in rank order (FP32, one
+  rounding) — the protocol, slots, generation and helpers of ``comm.triton._oneshot_kernel``
+  pattern 0, so both can share a workspace.
+* ``_ep_partial_kernel`` — the partial alone (-0.0 written as +0.0); the two-shot and
+  torch.distributed paths then run the existing all-reduce kernels on it. Same bits.
+
+Non-local routes (index < 0 or >= R) are never loaded, normalized or weighted. The per-slot math
+(:func:`moefuse.comm.expert_norm_triton._expert_norm`) is shared with the TP kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moefuse._device import round_to, widen_f32
+from moefuse.comm import _device as D
+from moefuse.comm.expert_norm_triton import (
+    _common,
+    _expert_norm,
+    _load_row,
+    _prologue,
+    _route,
+    _store_out,
+    _weight,
+)
+from moefuse.comm.triton import (
+    _oneshot_finish,
+    _oneshot_state,
+    _push_vals,
+    _receive_sum,
+    launch_allreduce_fusion,
+)
+
+
+@triton.jit
+def _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols, cmask, Hf,
+                    eps, K: tl.constexpr, WBN: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """This rank's FP32 partial of token t: fma chain over its local valid slots of y_k * w_k."""
+    acc = tl.zeros(cols.shape, tl.float32)
+    for k in tl.static_range(K):
+        p, valid = _route(idx_ptr, idx_st, t64, k, R)
+        if valid:
+            x = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
+            y = _expert_norm(x, g, cmask, Hf, eps, WBN)
+            acc = tl.fma(y, _weight(w_ptr, w_st, t64, k), acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "R"])
+def _ep_partial_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    M, R, H, Hf, eps, gain_center,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+):  # fmt: skip
+    """This rank's partial ``scrub(bf16(...))`` into ``out`` (two-shot and torch paths)."""
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    t = pid
+    while t < M:
+        t64 = t.to(tl.int64)
+        acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols,
+                              cmask, Hf, eps, K, WBN, PTX)  # fmt: skip
+        _store_out(out_ptr, out_st, t64, D.as_bits(round_to(acc, tl.bfloat16, PTX), 16), cols,
+                   cmask)  # fmt: skip
+        t += G
+
+
+@triton.jit(do_not_specialize=["M", "R", "rank"])
+def _ep_oneshot_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
+    M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
+    P: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr,
+    USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """Partial + Lamport all-reduce in one kernel, on the all-reduce workspace's one-shot slots
+    and generation (same protocol and bits as ``comm.triton._oneshot_kernel`` pattern 0, whose
+    ``_push_vals`` / ``_receive_sum`` it uses): iteration i computes and pushes row i, then
+    receives row i-1 (its own partial kept in registers), so NVLink traffic overlaps the norms."""
+    T: tl.constexpr = out_ptr.dtype.element_ty
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
+                                                   cap, PTX)  # fmt: skip
+    mine = D.peer_base(table_ptr, rank, lam_off16, 16)
+    empty = D.empty_row(BLOCK_H, 16)
+    prev = tl.zeros([BLOCK_H], T)
+    missing = 0
+    i = 0
+    while (i <= n_mine) & (missing == 0):
+        x = prev
+        if i < n_mine:
+            t = pid + i * G
+            acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st,
+                                  t.to(tl.int64), R, g, cols, cmask, Hf, eps, K, WBN,
+                                  PTX)  # fmt: skip
+            x = round_to(acc, T, PTX)
+            _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, 16)
+        if i > 0:
+            tp = (pid + (i - 1) * G).to(tl.int64)
+            s, miss = _receive_sum(prev, tp, mine, region, rank, cols, cmask, H, deadline,
+                                   clock_ptr, empty, T, P, 16, True, 0, PTX)  # fmt: skip
+            missing = missing | miss
+            tl.store(out_ptr + tp * out_st + cols, round_to(s, T, PTX), mask=cmask)
+        prev = x
+        i += 1
+    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+
+
+# ----------------------------------------------------------------------------- launcher
+def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx, norm_weight,
+                                          out, *, eps: float, gain_center: float,
+                                          weight_before_norm: bool, use_pdl: bool = False,
+                                          gather=None) -> None:  # fmt: skip
+    """§3.5 on the all-reduce workspace ``ws``. "oneshot": one fused kernel (partial + Lamport
+    all-reduce); "twoshot" / "torch": the local partial kernel, then the all-reduce kernel of that
+    algorithm (``gather(partial)`` -> [P, M, H] for torch). Same bits."""
+    m, k = idx.shape
+    if m == 0:
+        return
+    h = norm_weight.shape[0]
+    common, warps = _common(h, use_pdl)
+    if algorithm == "oneshot":
+        ws.refresh_clock()
+        grid = (max(1, min(m, ws.num_sms)),)
+        _ep_oneshot_kernel[grid](
+            rows, weights, idx, norm_weight, out, rows.stride(0), weights.stride(0),
+            idx.stride(0), out.stride(0), ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
+            m, rows.shape[0], h, float(h), ws.rank, ws.oneshot_max_tokens, float(eps),
+            float(gain_center), ws.timeout_us, P=ws.world_size, K=k,
+            WBN=bool(weight_before_norm), **common,
+        )  # fmt: skip
+        return
+    partial = torch.empty((m, h), dtype=torch.bfloat16, device=out.device)
+    grid = (max(1, min(m, ws.max_ctas(warps))),)
+    _ep_partial_kernel[grid](
+        rows, weights, idx, norm_weight, partial, rows.stride(0), weights.stride(0),
+        idx.stride(0), partial.stride(0), m, rows.shape[0], h, float(h), float(eps),
+        float(gain_center), K=k, WBN=bool(weight_before_norm), **common,
+    )  # fmt: skip
+    gathered = gather(partial) if algorithm == "torch" else None
+    launch_allreduce_fusion(ws, algorithm, 0, partial, None, None, out=out, fp32_acc=True,
+                            use_pdl=use_pdl, gathered=gathered)  # fmt: skip

@@ -1,0 +1,574 @@
+"""Triton kernels of the per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5) and launchers.
+
+TP (``tp_moe_finalize_rmsnorm``): every rank holds a partial GEMM2 row per (token, slot); the P
+partials of a slot are summed in rank order (FP32, one BF16 rounding) BEFORE the per-expert
+RMSNorm. Three algorithms, same bits:
+
+* ``_tp_slot_kernel`` (Lamport, smallest M): the expert owner with one CTA per (token, slot),
+  so a token's norms run in parallel; every rank folds the K normalized rows itself.
+* ``_tp_expert_owner_kernel`` (Lamport, small M). Slot group j (``B = ceil(K/P)`` slots) belongs
+  to rank j. Phase 1: every rank pushes its partial rows of the slots it does not own into the
+  owner's BF16 slot ``[gen, t, k, sender]``. Phase 2: the owner polls them, sums ranks in order,
+  rounds, normalizes, and folds its group with FMAs into an FP32 group sum ``G_j``, which it
+  stores into slot ``[gen, t, j]`` of EVERY rank's FP32 region (its own too). Phase 3: every rank
+  polls the groups and adds them in ascending j from +0.0, rounds once, writes the output.
+* ``_tp_token_owner_kernel`` (Lamport, larger M). Rank ``t mod P`` owns token t: every other rank
+  pushes all K partial rows of t to it; the owner computes the token exactly as above (same group
+  sums, same order), writes its output row and pushes the BF16 row to every peer, which copies it.
+* ``_tp_staged_kernel`` (push + flags, large M): the token-owner decomposition with plain stores
+  into single-buffered staging / gather regions and two flag barriers per CTA (as the all-reduce
+  two-shot kernel): no sentinels to poll or re-arm, one generation of memory instead of three.
+* ``_tp_gathered_kernel`` — the torch.distributed path: all ranks' rows all-gathered into
+  ``[P, R, H]``, then the same per-token math locally.
+
+All three evaluate ``out = sum_{j asc} G_j`` with ``G_j = fma chain over group j's valid slots``
+from the same device helpers, so a token's bits depend on (H, K, P) only — not on M, on the
+algorithm that "auto" picks for M, or on the grid (batch invariance across the path switch).
+
+EP (``moe_finalize_rmsnorm_allreduce``): :mod:`moefuse.comm.expert_norm_ep_triton` (it reuses
+the per-slot helpers of this module).
+
+Invalid slots (index < 0 or >= R) are never loaded, normalized or weighted (their weight is not
+read either). Lamport conventions, generations, bounded waits and the status word are those of
+:mod:`moefuse.comm.triton` (``_oneshot_state`` / ``_oneshot_finish``, shared control words): the
+output is written with -0.0 as +0.0 on every path, because a BF16 row that travels as Lamport
+payload must be scrubbed and all ranks must agree bitwise.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from moefuse._device import round_to, rsqrt_fast, widen_f32
+from moefuse._runtime import interpreter_active
+from moefuse.comm import _device as D
+from moefuse.comm.tiles import comm_tile
+from moefuse.comm.triton import _finish, _oneshot_finish, _oneshot_state
+
+
+# ----------------------------------------------------------------------------- per-slot math
+@triton.jit
+def _expert_norm(x, g, cmask, Hf, eps, WBN: tl.constexpr):
+    """RMSNorm of one expert row ``x`` (FP32, BF16-exact values). The statistic is an FP64 sum of
+    exact squares rounded once to FP32 (same convention as ``comm._device.epilogue_row``)."""
+    if WBN:
+        z = x * g
+    else:
+        z = x
+    zd = tl.where(cmask, z, 0.0).to(tl.float64)
+    sumsq = tl.sum(zd * zd, axis=0).to(tl.float32)
+    r = rsqrt_fast(tl.math.div_rn(sumsq, Hf) + eps)
+    if WBN:
+        y = z * r
+    else:
+        y = (x * r) * g
+    return y
+
+
+@triton.jit
+def _slot_y(acc, g, cmask, Hf, eps, WBN: tl.constexpr, PTX: tl.constexpr):
+    """FP32 rank sum ``acc`` of a slot -> one BF16 rounding -> normalized FP32 row."""
+    x = widen_f32(round_to(acc, tl.bfloat16, PTX), PTX)
+    return _expert_norm(x, g, cmask, Hf, eps, WBN)
+
+
+@triton.jit
+def _prologue(nw_ptr, gain_center, H, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    """(program, programs, columns, column mask, gain ``f32(w) + gain_center``); the gain is a
+    model parameter, loaded before the grid-dependency wait (PDL)."""
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
+    if USE_PDL:
+        gdc_wait()
+    return tl.program_id(0), tl.num_programs(0), cols, cmask, g
+
+
+@triton.jit
+def _route(idx_ptr, idx_st, t64, k, R):
+    """(row index as int64, valid) of slot (t, k)."""
+    p = tl.load(idx_ptr + t64 * idx_st + k)
+    valid = (p >= 0) & (p < R)
+    return p.to(tl.int64), valid
+
+
+@triton.jit
+def _weight(w_ptr, w_st, t64, k):
+    return tl.load(w_ptr + t64 * w_st + k).to(tl.float32)
+
+
+@triton.jit
+def _load_row(rows_ptr, row_st, p64, cols, cmask):
+    return tl.load(rows_ptr + p64 * row_st + cols, mask=cmask, other=0.0)
+
+
+@triton.jit
+def _store_out(out_ptr, out_st, t64, o, cols, cmask):
+    """Store a BF16 row with -0.0 written as +0.0 (``o`` given as int16 bits)."""
+    tl.store(out_ptr + t64 * out_st + cols, D.scrub(o, 16).to(tl.bfloat16, bitcast=True),
+             mask=cmask)  # fmt: skip
+
+
+@triton.jit
+def _slot_off(region, t64, k, s, H, K: tl.constexpr, P: tl.constexpr):
+    """Element offset of BF16 row slot [gen region + t, k, sender slot s] ([3, L, K, P-1, H])."""
+    return (((region + t64) * K + k) * (P - 1) + s) * H
+
+
+@triton.jit
+def _push_slot(x, q, k, t64, region, rank, table_ptr, rows_off16, cols, cmask, H,
+               K: tl.constexpr, P: tl.constexpr):  # fmt: skip
+    """Store this rank's partial row ``x`` of slot (t, k) into its slot of rank ``q``'s buffer
+    (sender ``s`` uses slot ``s - (s > q)``; a rank never sends to itself)."""
+    s = rank - (rank > q).to(tl.int32)
+    dst = D.peer_base(table_ptr, q, rows_off16, 16) + _slot_off(region, t64, k, s, H, K, P)
+    tl.store(dst + cols, D.scrub(D.as_bits(x, 16), 16), mask=cmask)
+
+
+@triton.jit
+def _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H, deadline, clock_ptr, empty16,
+              K: tl.constexpr, P: tl.constexpr, STAGED: tl.constexpr,
+              PTX: tl.constexpr):  # fmt: skip
+    """FP32 rank-order sum (from +0.0) of slot (t, k): this rank's row ``own`` (FP32) in its
+    place, each peer's row polled from this rank's Lamport slot and the slot re-armed (or, when
+    STAGED, read from the staging region after the flag barrier). Returns (sum, bit mask of
+    peers that never arrived)."""
+    acc = tl.zeros(own.shape, tl.float32)
+    missing = 0
+    for q in tl.static_range(P):
+        if q == rank:
+            v = own
+        else:
+            s = q - (q > rank).to(tl.int32)
+            ptr = mine16 + _slot_off(region, t64, k, s, H, K, P) + cols
+            if STAGED:  # .cg: written by a peer over NVLink, never cached in this SM's L1
+                bits = tl.load(ptr, mask=cmask, other=0, cache_modifier=".cg")
+            else:
+                bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, 16, PTX)
+                tl.store(ptr, empty16, mask=cmask)  # re-arm the slot just consumed
+                missing = missing | tl.where(pending != 0, 1 << q, 0)
+            v = widen_f32(bits.to(tl.bfloat16, bitcast=True), PTX)
+        acc = acc + v
+    return acc, missing
+
+
+@triton.jit
+def _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, region, mine16, rank, g,
+                 cols, cmask, H, Hf, R, eps, deadline, clock_ptr, empty16, j_lo, j_hi,
+                 K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
+                 WBN: tl.constexpr, STAGED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """``sum_{j in [j_lo, j_hi) asc} G_j`` for token t (FP32 from +0.0), every slot's peer rows
+    from this rank's Lamport slots (or staging region). Returns (sum, missing peers)."""
+    out = tl.zeros(cols.shape, tl.float32)
+    gsum = tl.zeros(cols.shape, tl.float32)
+    missing = 0
+    for k in tl.static_range(K):
+        if k > 0:
+            if k % B == 0:  # group boundary (compile time): close the previous group
+                out = out + gsum
+                gsum = tl.zeros(cols.shape, tl.float32)
+        if (k // B >= j_lo) & (k // B < j_hi):
+            p, valid = _route(idx_ptr, idx_st, t64, k, R)
+            if valid:
+                own = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
+                acc, miss = _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H,
+                                      deadline, clock_ptr, empty16, K, P, STAGED,
+                                      PTX)  # fmt: skip
+                missing = missing | miss
+                y = _slot_y(acc, g, cmask, Hf, eps, WBN, PTX)
+                gsum = tl.fma(y, _weight(w_ptr, w_st, t64, k), gsum)
+    out = out + gsum
+    return out, missing
+
+
+@triton.jit
+def _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, region, rank,
+                         table_ptr, off16, cols, cmask, H, K: tl.constexpr,
+                         P: tl.constexpr):  # fmt: skip
+    """Token-owner phase 1: every valid slot row of this CTA's tokens owned by other ranks
+    (owner ``t mod P``) into the owner's slot (never waits)."""
+    i = 0
+    while i < n_mine:
+        t = pid + i * G
+        o = t % P
+        if o != rank:
+            t64 = t.to(tl.int64)
+            for k in tl.static_range(K):
+                p, valid = _route(idx_ptr, idx_st, t64, k, R)
+                if valid:
+                    x = _load_row(rows_ptr, row_st, p, cols, cmask)
+                    _push_slot(x, o, k, t64, region, rank, table_ptr, off16, cols, cmask, H, K, P)
+        i += 1
+
+
+# ----------------------------------------------------------------------------- TP expert owner
+@triton.jit(do_not_specialize=["M", "R", "rank"])
+def _tp_expert_owner_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    table_ptr, rows_off16, gsum_off16, ctrl_ptr, clock_ptr,
+    M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
+    P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
+    BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
+                                                   cap, PTX)  # fmt: skip
+    # phase 1: push the partial rows of slots owned by other ranks (never waits)
+    i = 0
+    while i < n_mine:
+        t64 = (pid + i * G).to(tl.int64)
+        for k in tl.static_range(K):
+            o = k // B
+            if o != rank:
+                p, valid = _route(idx_ptr, idx_st, t64, k, R)
+                if valid:
+                    x = _load_row(rows_ptr, row_st, p, cols, cmask)
+                    _push_slot(x, o, k, t64, region, rank, table_ptr, rows_off16, cols, cmask, H,
+                               K, P)  # fmt: skip
+        i += 1
+    # phase 2: the owned group's sum, published to every rank (own buffer included)
+    mine16 = D.peer_base(table_ptr, rank, rows_off16, 16)
+    empty16 = D.empty_row(BLOCK_H, 16)
+    missing = 0
+    i = 0
+    while (i < n_mine) & (missing == 0) & (rank < NG):
+        t64 = (pid + i * G).to(tl.int64)
+        gsum, miss = _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, region,
+                                  mine16, rank, g, cols, cmask, H, Hf, R, eps, deadline,
+                                  clock_ptr, empty16, rank, rank + 1, K, B, NG, P, WBN,
+                                  False, PTX)  # fmt: skip
+        missing = missing | miss
+        bits = D.scrub(D.as_bits(gsum, 32), 32)
+        for q in tl.static_range(P):
+            dst = D.peer_base(table_ptr, q, gsum_off16, 32) + ((region + t64) * NG + rank) * H
+            tl.store(dst + cols, bits, mask=cmask)
+        i += 1
+    # phase 3: every rank adds the group sums in ascending group order
+    mine32 = D.peer_base(table_ptr, rank, gsum_off16, 32)
+    empty32 = D.empty_row(BLOCK_H, 32)
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t64 = (pid + i * G).to(tl.int64)
+        out = tl.zeros([BLOCK_H], tl.float32)
+        for j in tl.static_range(NG):
+            ptr = mine32 + ((region + t64) * NG + j) * H + cols
+            bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, 32, PTX)
+            tl.store(ptr, empty32, mask=cmask)
+            missing = missing | tl.where(pending != 0, 1 << j, 0)
+            out = out + bits.to(tl.float32, bitcast=True)
+        _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
+                   cmask)  # fmt: skip
+        i += 1
+    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+
+
+# ----------------------------------------------------------------------------- TP slot split
+@triton.jit(do_not_specialize=["M", "R", "rank"])
+def _tp_slot_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    table_ptr, rows_off16, y_off16, ctrl_ptr, clock_ptr,
+    M, R, H, Hf, rank, cap, cap_y, eps, gain_center, timeout_us,
+    P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
+    BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """Expert owner with one CTA per (token, slot) (small M: a token's K norms run in parallel
+    CTAs instead of one after another). CTA ``t*K + k``: on the slot group's owner it polls the
+    peers' partial rows, normalizes and stores ``y_k`` (FP32) into slot ``[gen, t, k]`` of every
+    rank; elsewhere it pushes its partial row to the owner. CTA ``t*K + K-1`` of every rank then
+    folds the K ``y_k`` from its own buffer in the canonical grouped order (fma chains, same bits
+    as the other algorithms). A CTA only waits on CTAs of lower or equal index (interpreter-safe);
+    the grid is exactly M*K (all resident on the GPU)."""
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M * K, pid,
+                                                   G, cap, PTX)  # fmt: skip
+    region_y = gen.to(tl.int64) * cap_y
+    empty16 = D.empty_row(BLOCK_H, 16)
+    missing = tl.full([], 0, tl.int32)  # a tensor: it is reassigned inside run-time branches
+    if n_mine > 0:
+        t64 = (pid // K).to(tl.int64)
+        k = pid % K
+        o = k // B
+        p, valid = _route(idx_ptr, idx_st, t64, k, R)
+        if valid:
+            if o != rank:
+                x = _load_row(rows_ptr, row_st, p, cols, cmask)
+                _push_slot(x, o, k, t64, region, rank, table_ptr, rows_off16, cols, cmask, H, K,
+                           P)  # fmt: skip
+            else:
+                own = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
+                mine16 = D.peer_base(table_ptr, rank, rows_off16, 16)
+                acc, missing = _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H,
+                                         deadline, clock_ptr, empty16, K, P, False,
+                                         PTX)  # fmt: skip
+                y = D.scrub(D.as_bits(_slot_y(acc, g, cmask, Hf, eps, WBN, PTX), 32), 32)
+                for q in tl.static_range(P):
+                    dst = D.peer_base(table_ptr, q, y_off16, 32) + ((region_y + t64) * K + k) * H
+                    tl.store(dst + cols, y, mask=cmask)
+        if (k == K - 1) & (missing == 0):
+            mine32 = D.peer_base(table_ptr, rank, y_off16, 32)
+            empty32 = D.empty_row(BLOCK_H, 32)
+            out = tl.zeros([BLOCK_H], tl.float32)
+            gsum = tl.zeros([BLOCK_H], tl.float32)
+            for kk in tl.static_range(K):
+                if kk > 0:
+                    if kk % B == 0:
+                        out = out + gsum
+                        gsum = tl.zeros([BLOCK_H], tl.float32)
+                p2, valid2 = _route(idx_ptr, idx_st, t64, kk, R)
+                if valid2 & (missing == 0):
+                    ptr = mine32 + ((region_y + t64) * K + kk) * H + cols
+                    bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, 32, PTX)
+                    tl.store(ptr, empty32, mask=cmask)
+                    missing = missing | tl.where(pending != 0, 1 << (kk // B), 0)
+                    yk = bits.to(tl.float32, bitcast=True)
+                    gsum = tl.fma(yk, _weight(w_ptr, w_st, t64, kk), gsum)
+            out = out + gsum
+            _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
+                       cmask)  # fmt: skip
+    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+
+
+# ----------------------------------------------------------------------------- TP token owner
+@triton.jit(do_not_specialize=["M", "R", "rank"])
+def _tp_token_owner_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    table_ptr, rows_off16, res_off16, ctrl_ptr, clock_ptr,
+    M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
+    P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
+    BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
+                                                   cap, PTX)  # fmt: skip
+    # phase 1: push every valid slot row of tokens owned by other ranks to their owner
+    _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, region, rank,
+                         table_ptr, rows_off16, cols, cmask, H, K, P)  # fmt: skip
+    # phase 2: owned tokens: whole token here, output row pushed to every peer
+    mine16 = D.peer_base(table_ptr, rank, rows_off16, 16)
+    empty16 = D.empty_row(BLOCK_H, 16)
+    missing = 0
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if t % P == rank:
+            t64 = t.to(tl.int64)
+            out, miss = _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, region,
+                                     mine16, rank, g, cols, cmask, H, Hf, R, eps, deadline,
+                                     clock_ptr, empty16, 0, NG, K, B, NG, P, WBN, False,
+                                     PTX)  # fmt: skip
+            missing = missing | miss
+            o = D.scrub(D.as_bits(round_to(out, tl.bfloat16, PTX), 16), 16)
+            _store_out(out_ptr, out_st, t64, o, cols, cmask)
+            for q in tl.static_range(P):
+                if q != rank:
+                    dst = D.peer_base(table_ptr, q, res_off16, 16) + (region + t64) * H
+                    tl.store(dst + cols, o, mask=cmask)
+        i += 1
+    # phase 3: copy the rows owned by other ranks
+    mine_res = D.peer_base(table_ptr, rank, res_off16, 16)
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if t % P != rank:
+            t64 = t.to(tl.int64)
+            ptr = mine_res + (region + t64) * H + cols
+            bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, 16, PTX)
+            tl.store(ptr, empty16, mask=cmask)
+            missing = missing | tl.where(pending != 0, 1 << (t % P), 0)
+            _store_out(out_ptr, out_st, t64, bits, cols, cmask)
+        i += 1
+    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+
+
+# ----------------------------------------------------------------------------- TP staged
+@triton.jit(do_not_specialize=["M", "R", "rank"])
+def _tp_staged_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr,
+    M, R, H, Hf, rank, eps, gain_center, timeout_us,
+    P: tl.constexpr, PP: tl.constexpr, NSLOT: tl.constexpr, K: tl.constexpr, B: tl.constexpr,
+    NG: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+):  # fmt: skip
+    """Token owner with push + flags instead of Lamport slots (larger M): single-buffered
+    staging ``[t, k, sender]`` and gather ``[t]`` regions, two flag barriers per CTA (phase,
+    CTA, sender; device-resident epoch), as ``comm.triton._twoshot_kernel``. Safe single
+    buffering: a peer writes call e+1 only after this rank's CTA signalled it consumed call e."""
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
+    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
+    # phase 1: stage every valid slot row of tokens owned by other ranks at their owner
+    _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, 0, rank,
+                         table_ptr, stage_off16, cols, cmask, H, K, P)  # fmt: skip
+    missing = 0
+    if healthy:
+        D.signal_peers(table_ptr, flags_off16, pid, rank, epoch, P, PP)
+        missing = D.wait_peers(table_ptr, flags_off16, pid, rank, epoch, deadline, clock_ptr, P,
+                               PP, PTX)  # fmt: skip
+    # phase 2: owned tokens from the staged rows; output row pushed into every peer's gather
+    stage = D.peer_base(table_ptr, rank, stage_off16, 16)
+    empty16 = D.empty_row(BLOCK_H, 16)
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if t % P == rank:
+            t64 = t.to(tl.int64)
+            out, miss = _owned_token(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, 0,
+                                     stage, rank, g, cols, cmask, H, Hf, R, eps, deadline,
+                                     clock_ptr, empty16, 0, NG, K, B, NG, P, WBN, True,
+                                     PTX)  # fmt: skip
+            o = D.scrub(D.as_bits(round_to(out, tl.bfloat16, PTX), 16), 16)
+            _store_out(out_ptr, out_st, t64, o, cols, cmask)
+            for q in tl.static_range(P):
+                if q != rank:
+                    dst = D.peer_base(table_ptr, q, gather_off16, 16) + t64 * H
+                    tl.store(dst + cols, o, mask=cmask)
+        i += 1
+    if healthy & (missing == 0):
+        D.signal_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, P, PP)
+        missing = D.wait_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, deadline,
+                               clock_ptr, P, PP, PTX)  # fmt: skip
+    # phase 3: copy the rows owned by other ranks from the local gather region
+    gathered = D.peer_base(table_ptr, rank, gather_off16, 16)
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if t % P != rank:
+            t64 = t.to(tl.int64)
+            bits = tl.load(gathered + t64 * H + cols, mask=cmask, other=0, cache_modifier=".cg")
+            _store_out(out_ptr, out_st, t64, bits, cols, cmask)
+        i += 1
+    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_2S, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16,
+                   USE_PDL)  # fmt: skip
+    if last:
+        tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
+        tl.store(ctrl_ptr + D.CTRL_EPOCH, epoch % D.EPOCH_WRAP + 1)
+
+
+# ----------------------------------------------------------------------------- TP gathered
+@triton.jit(do_not_specialize=["M", "R"])
+def _tp_gathered_kernel(
+    g_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, w_st, idx_st, out_st,
+    M, R, H, Hf, eps, gain_center,
+    P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
+    BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """``g_ptr``: every rank's rows, contiguous ``[P, R, H]``."""
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    t = pid
+    while t < M:
+        t64 = t.to(tl.int64)
+        out = tl.zeros([BLOCK_H], tl.float32)
+        gsum = tl.zeros([BLOCK_H], tl.float32)
+        for k in tl.static_range(K):
+            if k > 0:
+                if k % B == 0:
+                    out = out + gsum
+                    gsum = tl.zeros([BLOCK_H], tl.float32)
+            p, valid = _route(idx_ptr, idx_st, t64, k, R)
+            if valid:
+                acc = tl.zeros([BLOCK_H], tl.float32)
+                for q in tl.static_range(P):
+                    v = _load_row(g_ptr + (q * R).to(tl.int64) * H, H, p, cols, cmask)
+                    acc = acc + widen_f32(v, PTX)
+                y = _slot_y(acc, g, cmask, Hf, eps, WBN, PTX)
+                gsum = tl.fma(y, _weight(w_ptr, w_st, t64, k), gsum)
+        out = out + gsum
+        _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
+                   cmask)  # fmt: skip
+        t += G
+
+
+# ----------------------------------------------------------------------------- launchers
+def _common(h: int, use_pdl: bool) -> tuple[dict, int]:
+    tile = comm_tile(h, 1)
+    kw = dict(BLOCK_H=tile.block, USE_PDL=bool(use_pdl), PTX=not interpreter_active(),
+              num_warps=tile.num_warps)  # fmt: skip
+    if use_pdl:
+        kw["launch_pdl"] = True
+    return kw, tile.num_warps
+
+
+def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm_weight, out, *,
+                                   eps: float, gain_center: float, weight_before_norm: bool,
+                                   use_pdl: bool = False, gathered=None) -> None:  # fmt: skip
+    """Run §3.4 on ``xws`` (:class:`moefuse.comm.expert_norm_api.ExpertNormWorkspace`) with
+    ``algorithm`` in "expert_owner_slots" | "expert_owner" | "token_owner" | "staged" | "torch"
+    (``gathered`` [P, R, H]).
+
+    Peer algorithms run in chunks of at most ``xws.capacity`` tokens (one launch each; a
+    token's math does not depend on its chunk). Nothing is validated here."""
+    m, k = idx.shape
+    if m == 0:
+        return
+    ws = xws.ar
+    h = norm_weight.shape[0]
+    p = ws.world_size
+    block = xws.group_size
+    ng = -(-k // block)
+    common, warps = _common(h, use_pdl)
+    consts = dict(K=k, B=block, NG=ng, WBN=bool(weight_before_norm), **common)
+    r = rows.shape[0]
+    if algorithm == "torch":
+        grid = (max(1, min(m, ws.max_ctas(warps))),)
+        _tp_gathered_kernel[grid](
+            gathered, weights, idx, norm_weight, out, weights.stride(0), idx.stride(0),
+            out.stride(0), m, r, h, float(h), float(eps), float(gain_center), P=p, **consts,
+        )  # fmt: skip
+        return
+    if algorithm == "staged":
+        for c0 in range(0, m, xws.capacity):
+            mc = min(xws.capacity, m - c0)
+            ws.refresh_clock()
+            grid = (max(1, min(mc, ws.num_sms, ws.num_flag_slots)),)
+            _tp_staged_kernel[grid](
+                rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
+                weights.stride(0), idx.stride(0), out.stride(0),
+                ws.table, ws.offset16("flags"), ws.offset16("xn_stage"),
+                ws.offset16("xn_gather"), ws.ctrl, ws.clock, mc, r, h, float(h), ws.rank,
+                float(eps), float(gain_center), ws.timeout_us, P=p,
+                PP=triton.next_power_of_2(p), NSLOT=ws.num_flag_slots, **consts,
+            )  # fmt: skip
+        return
+    if algorithm == "expert_owner_slots":
+        # every CTA of a launch must be resident on the GPU (they wait on each other across
+        # ranks): M*K <= SMs per launch; the interpreter runs any grid
+        per = xws.slot_capacity if ws.device.type == "cpu" else \
+            min(xws.slot_capacity, ws.num_sms // k)  # fmt: skip
+        if per < 1:
+            raise RuntimeError(f"expert_owner_slots needs K <= {ws.num_sms} (SMs), got K = {k}")
+        for c0 in range(0, m, per):
+            mc = min(per, m - c0)
+            ws.refresh_clock()
+            _tp_slot_kernel[(mc * k,)](
+                rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
+                weights.stride(0), idx.stride(0), out.stride(0),
+                ws.table, ws.offset16("xn_rows"), ws.offset16("xn_y"), ws.ctrl, ws.clock,
+                mc, r, h, float(h), ws.rank, xws.capacity, xws.slot_capacity, float(eps),
+                float(gain_center), ws.timeout_us, P=p, **consts,
+            )  # fmt: skip
+        return
+    if algorithm == "expert_owner":
+        kernel, res_off = _tp_expert_owner_kernel, ws.offset16("xn_gsum")
+    elif algorithm == "token_owner":
+        kernel, res_off = _tp_token_owner_kernel, ws.offset16("xn_out")
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}")
+    cap = xws.capacity
+    for c0 in range(0, m, cap):
+        mc = min(cap, m - c0)
+        ws.refresh_clock()
+        # one CTA per SM: ~170 registers per thread (ptxas, sm_90a, H = 4096, K = 8) leave room
+        # for one 8-warp CTA, and a CTA's peer (same index on every rank) must be resident
+        grid = (max(1, min(mc, ws.num_sms)),)
+        kernel[grid](
+            rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
+            weights.stride(0), idx.stride(0), out.stride(0),
+            ws.table, ws.offset16("xn_rows"), res_off, ws.ctrl, ws.clock,
+            mc, r, h, float(h), ws.rank, cap, float(eps), float(gain_center), ws.timeout_us,
+            P=p, **consts,
+        )  # fmt: skip
