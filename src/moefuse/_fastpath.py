@@ -398,9 +398,15 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
         else:
             body.append(f"if {overlap}: return MISS")
     if device.type == "cuda":
-        body.append(f"if {code.const(torch.cuda.current_device)}() != {device.index}: return MISS")
+        first = next((s for s, (kind, _, _) in enumerate(sources.items) if kind == "arg"), None)
+        if first is not None:  # the key's device index alone would also match another backend
+            body.append(f"if not t{first}.is_cuda: return MISS")
+        body.append(f"if {code.const(torch._C._cuda_getDevice)}() != {device.index}: return MISS")
         body.append(f"s = {code.const(torch._C._cuda_getCurrentRawStream)}({device.index})")
     else:
+        for s, (kind, _, _) in enumerate(sources.items):
+            if kind == "arg":  # the key holds the device index only: -1 is any non-CUDA device
+                body.append(f"if not t{s}.is_cpu: return MISS")
         body.append(f"_srcs = ({''.join(f't{s}, ' for s in range(len(sources.items)))})")
     body.extend(launch_lines)
     body.append(f"return {_result_expr(spec)}")
@@ -413,10 +419,10 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
 
 # ----------------------------------------------------------------------------- the decorator
 def _key_expr(name: str) -> str:
-    """The key part of one argument: a tensor's layout and device; a value that only equals its
-    own type's values as itself; numbers with their type (``True == 1 == 1.0``, and validation
-    tells bool from int)."""
-    return (f"(({name}.shape, {name}.stride(), {name}.dtype, {name}.device) "
+    """The key part of one argument: a tensor's layout and device index (-1 off CUDA: plans of
+    CPU tensors check ``is_cpu``); a value that only equals its own type's values as itself;
+    numbers with their type (``True == 1 == 1.0``, and validation tells bool from int)."""
+    return (f"(({name}.shape, {name}.stride(), {name}.dtype, {name}.get_device()) "
             f"if {name}.__class__ in _TT else {name} if {name}.__class__ in _PLAIN "
             f"else ({name}.__class__, {name}) if {name}.__class__ in _SC else _other({name}))")
 
