@@ -401,7 +401,8 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
         first = next((s for s, (kind, _, _) in enumerate(sources.items) if kind == "arg"), None)
         if first is not None:  # the key's device index alone would also match another backend
             body.append(f"if not t{first}.is_cuda: return MISS")
-        body.append(f"if {code.const(torch._C._cuda_getDevice)}() != {device.index}: return MISS")
+        getdev = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+        body.append(f"if {code.const(getdev)}() != {device.index}: return MISS")
         body.append(f"s = {code.const(torch._C._cuda_getCurrentRawStream)}({device.index})")
     else:
         for s, (kind, _, _) in enumerate(sources.items):
