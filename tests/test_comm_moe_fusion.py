@@ -1,0 +1,292 @@
+"""MoE communication fusions on CPU (SPEC §3.2, §3.3): the references against an independent
+scalar oracle, and the Triton kernels in the interpreter across 2-4 real processes (gloo group,
+shared-memory peer buffers): every algorithm against the oracle of all ranks' inputs, bitwise
+across algorithms, paths (impl="reference"), ranks and batch positions; invalid indices over
+NaN-poisoned rows; bad-input ValueErrors."""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+
+import pytest
+import torch
+
+from comm_mp import run_group
+from moefuse.comm import moe_fusion_reference as mref
+from moefuse.quant import reference as quant_ref
+from moefuse.testing import assert_bitwise_equal, assert_close, bits, expect_value_error, poison_
+
+pytestmark = pytest.mark.interpreter
+
+ALGOS = ("oneshot", "twoshot", "torch")
+FP8_SCALE = 0.0125
+NVFP4_GS = 448.0 * 6 / 6.0
+RSF = 2.5
+
+
+# ----------------------------------------------------------------------------- inputs
+def seed_of(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def finalize_case(seed, p, m, h, k, *, weights_dtype=torch.bfloat16, shared=True):
+    """Every rank's permuted rows (unused rows NaN), one index map with invalid slots (-1, -7,
+    R, R + 5), per-rank weights and shared rows, the replicated residual and gain."""
+    g = torch.Generator().manual_seed(seed)
+    r_rows = m * k + 3
+    perm = torch.randperm(r_rows, generator=g)[: m * k].to(torch.int32).view(m, k)
+    bad = [-1, -7, r_rows, r_rows + 5]
+    for t in range(m):  # one invalid slot in most tokens; token 0 fully masked when m > 2
+        if t % 3 != 2:
+            perm[t, (t + 1) % k] = bad[t % 4]
+    if m > 2:
+        perm[0, :] = -1
+    used = perm[(perm >= 0) & (perm < r_rows)].long()
+    ins, ws, shs = [], [], []
+    for _ in range(p):
+        x = torch.randn(r_rows, h, generator=g).to(torch.bfloat16)
+        keep = torch.zeros(r_rows, dtype=torch.bool)
+        keep[used] = True
+        x[~keep] = float("nan")  # never read: a read would poison the result
+        x[:, 0] = -0.0
+        ins.append(x)
+        ws.append((torch.rand(m, k, generator=g) + 0.1).to(weights_dtype))
+        shs.append(torch.randn(m, h, generator=g).to(torch.bfloat16) if shared else None)
+    residual = torch.randn(m, h, generator=g).to(torch.bfloat16)
+    weight = (torch.rand(h, generator=g) + 0.5).to(torch.bfloat16)
+    return ins, perm, ws, shs, residual, weight
+
+
+def reduction_case(seed, p, m, h, e):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(e, m, h, generator=g).to(torch.bfloat16) for _ in range(p)]
+    scales = [torch.rand(e, m, generator=g) + 0.1 for _ in range(p)]
+    toks = [torch.randn(m, h, generator=g).to(torch.bfloat16) for _ in range(p)]
+    residual = torch.randn(m, h, generator=g).to(torch.bfloat16)
+    weight = (torch.rand(h, generator=g) + 0.5).to(torch.bfloat16)
+    return xs, scales, toks, residual, weight
+
+
+def digest(*tensors) -> str:
+    sha = hashlib.sha1()
+    for t in tensors:
+        if t is not None:
+            sha.update(bits(t).numpy().tobytes())
+    return sha.hexdigest()
+
+
+# ----------------------------------------------------------------------------- references
+def _scalar_stepwise(rows, ws, rsf, shared):
+    """Element-by-element SPEC §3.3 stepwise partial (Python scalars through BF16 tensors)."""
+    bf = lambda x: float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).float())  # noqa
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+    acc = 0.0
+    for x, w in zip(rows, ws):
+        acc = bf(f32(acc + bf(f32(x * w))))
+    if rsf != 1.0:
+        acc = bf(f32(acc * rsf))
+    if shared is not None:
+        acc = bf(f32(acc + shared))
+    return acc
+
+
+def test_reference_partial_matches_scalar_oracle():
+    ins, perm, ws, shs, _, _ = finalize_case(7, 1, 4, 6, 3)
+    x, w, sh = ins[0], ws[0], shs[0]
+    got = mref.finalize_partial(x, perm, w, RSF, sh, "stepwise")
+    for t in range(4):
+        for j in range(6):
+            rows, wts = [], []
+            for k in range(3):
+                i = int(perm[t, k])
+                if 0 <= i < x.shape[0]:
+                    rows.append(float(x[i, j]))
+                    wts.append(float(w[t, k]))
+            want = _scalar_stepwise(rows, wts, RSF, float(sh[t, j]))
+            assert float(got[t, j]) == want, (t, j)
+    assert torch.isfinite(got.float()).all()
+    # fp32 mode is the deterministic finalize of SPEC §2.2
+    from moefuse.moe.reference import moe_finalize_reference
+
+    want = moe_finalize_reference(x, perm, w, routed_scaling_factor=RSF, shared_expert_output=sh)
+    assert_bitwise_equal(mref.finalize_partial(x, perm, w, RSF, sh, "fp32"), want, "fp32 partial")
+
+
+def test_reference_reduction_is_dense_finalize():
+    xs, scales, toks, res, w = reduction_case(3, 2, 3, 8, 4)
+    for acc in ("stepwise", "fp32"):
+        part = mref.reduction_partial(xs[0], scales[0], toks[0], acc)
+        rows = xs[0].permute(1, 0, 2).reshape(12, 8)
+        idx = torch.arange(12, dtype=torch.int32).view(3, 4)
+        want = mref.finalize_partial(rows, idx, scales[0].t(), 1.0, toks[0], acc)
+        assert_bitwise_equal(part, want, acc)
+
+
+# ----------------------------------------------------------------------------- kernels
+def _check(outs, want, quant, layout, what):
+    assert_bitwise_equal(outs[0], want["residual_out"], f"{what} residual_out")
+    assert_close(outs[1], want["norm_out"], "rsqrt_half", f"{what} norm_out")
+    if quant == "fp8":
+        q = quant_ref.fp8_quantize_reference(outs[1], torch.tensor([FP8_SCALE]))
+        assert_bitwise_equal(outs[2].view(torch.uint8), q.view(torch.uint8), f"{what} fp8")
+    elif quant == "nvfp4":  # interpreter: rcp_fast is the IEEE reciprocal, as the reference's
+        q, sf = quant_ref.fp4_quantize_reference(outs[1], torch.tensor([NVFP4_GS]), layout,
+                                                 recipe="fast")  # fmt: skip
+        assert_bitwise_equal(outs[2], q, f"{what} nvfp4 codes")
+        assert_bitwise_equal(outs[3], sf.reshape(outs[3].shape), f"{what} nvfp4 scales")
+
+
+def _quant_kw(quant, layout):
+    if quant == "fp8":
+        return dict(quant="fp8", scale_factor=torch.tensor([FP8_SCALE]))
+    if quant == "nvfp4":
+        return dict(quant="nvfp4", scale_factor=torch.tensor([NVFP4_GS]), layout=layout)
+    return {}
+
+
+def _finalize_call(moefuse, ws, rank, case, rows, opts, algo, impl="triton"):
+    ins, perm, wts, shs, res, w = case
+    sl = slice(*rows) if rows is not None else slice(None)
+    kw = dict(workspace=ws, algorithm=algo, impl=impl, expert_scale_factor=wts[rank][sl],
+              routed_scaling_factor=opts["rsf"], weight_bias=opts["weight_bias"],
+              accumulate=opts["accumulate"], **_quant_kw(opts["quant"], opts["layout"]))
+    if shs[rank] is not None:
+        kw["shared_expert_output"] = shs[rank][sl]
+    m = res[sl].shape[0]
+    kw["residual_out"] = poison_(torch.empty_like(res[sl]))
+    kw["norm_out"] = poison_(torch.empty_like(res[sl]))
+    return moefuse.moe_finalize_allreduce_residual_rmsnorm(ins[rank], res[sl], w, perm[sl],
+                                                           **kw)[:4] if m else None
+
+
+def _reduction_call(moefuse, ws, rank, case, rows, opts, algo, impl="triton"):
+    xs, scales, toks, res, w = case
+    sl = slice(*rows) if rows is not None else slice(None)
+    ar = poison_(torch.empty_like(res[sl]))
+    outs = moefuse.moe_allreduce_residual_rmsnorm(
+        xs[rank][:, sl].contiguous(), scales[rank][:, sl].contiguous(), toks[rank][sl], res[sl],
+        w, workspace=ws, algorithm=algo, impl=impl, weight_bias=opts["weight_bias"],
+        accumulate=opts["accumulate"], allreduce_out=ar,
+        residual_out=poison_(torch.empty_like(res[sl])),
+        norm_out=poison_(torch.empty_like(res[sl])), **_quant_kw(opts["quant"], opts["layout"]),
+    )  # fmt: skip
+    return (*outs, ar)
+
+
+def scenario(rank, world_size, cfg):
+    """For each case: every algorithm and the reference path against the oracle, bitwise equal to
+    each other; one token alone equals the same token inside the batch. Returns digests."""
+    import moefuse
+
+    digests = []
+    for h in cfg["widths"]:
+        ws = moefuse.AllReduceWorkspace(None, max(cfg["tokens"]), h, torch.bfloat16, "cpu",
+                                        timeout_s=120)  # fmt: skip
+        for m in cfg["tokens"]:
+            for i, (k, accumulate, quant) in enumerate(cfg["cases"]):
+                if quant == "nvfp4" and h % 16:
+                    continue
+                opts = dict(accumulate=accumulate, quant=quant, weight_bias=float(i % 2),
+                            layout=("swizzled_128x4", "linear", "swizzled_8x4")[i % 3],
+                            rsf=RSF if i % 2 == 0 else 1.0)  # fmt: skip
+                key = (h, m, k, accumulate, quant)
+                for op in cfg["ops"]:
+                    if op == "finalize":
+                        case = finalize_case(seed_of(*key), world_size, m, h, k,
+                                             weights_dtype=(torch.bfloat16, torch.float32)[i % 2],
+                                             shared=i % 2 == 0)  # fmt: skip
+                        ins, perm, wts, shs, res, w = case
+                        want = mref.moe_finalize_allreduce_from_ranks(
+                            ins, perm, res, w, expert_scale_factors=wts,
+                            routed_scaling_factor=opts["rsf"],
+                            shared_expert_outputs=shs if shs[0] is not None else None,
+                            weight_bias=opts["weight_bias"], accumulate=accumulate, quant=quant,
+                            scale_factor=torch.tensor([FP8_SCALE if quant == "fp8" else NVFP4_GS]),
+                            layout=opts["layout"],
+                        )  # fmt: skip
+                        call = _finalize_call
+                    else:
+                        case = reduction_case(seed_of(*key), world_size, m, h, k)
+                        xs, scales, toks, res, w = case
+                        want = mref.moe_allreduce_from_ranks(
+                            xs, scales, toks, res, w, weight_bias=opts["weight_bias"],
+                            accumulate=accumulate, quant=quant,
+                            scale_factor=torch.tensor([FP8_SCALE if quant == "fp8" else NVFP4_GS]),
+                            layout=opts["layout"],
+                        )  # fmt: skip
+                        call = _reduction_call
+                    first = None
+                    for algo in (*cfg["algorithms"], "reference"):
+                        what = f"rank {rank} {op} H={h} M={m} K={k} {opts} {algo}"
+                        impl = "reference" if algo == "reference" else "triton"
+                        outs = call(moefuse, ws, rank, case, None, opts,
+                                    "auto" if algo == "reference" else algo, impl)  # fmt: skip
+                        _check(outs, want, quant, opts["layout"], what)
+                        if op == "reduction":
+                            assert_bitwise_equal(outs[-1], want["allreduce_out"],
+                                                 f"{what} allreduce_out")  # fmt: skip
+                        if first is None:
+                            first = outs
+                        for a, b in zip(outs, first):
+                            assert_bitwise_equal(a, b, f"{what} vs {cfg['algorithms'][0]}")
+                        if m > 1 and algo != "reference" and quant is None:
+                            row = m - 2
+                            alone = call(moefuse, ws, rank, case, (row, row + 1), opts, algo)
+                            for a, b in zip(alone[:2], outs[:2]):
+                                assert_bitwise_equal(a, b[row : row + 1], f"{what} row alone")
+                    digests.append(digest(*first))
+        if cfg.get("bad_inputs"):
+            _bad_inputs(moefuse, ws, h)
+        ws.close()
+    return digests
+
+
+def _bad_inputs(moefuse, ws, h):
+    ins, perm, wts, shs, res, w = finalize_case(1, 1, 2, h, 2)
+    out = poison_(torch.empty_like(res))
+    f = moefuse.moe_finalize_allreduce_residual_rmsnorm
+    kw = dict(workspace=ws, residual_out=out)
+    expect_value_error(lambda: f(ins[0], res, w, perm.long(), **kw), "expanded_idx_to_permuted_idx",
+                       out)  # fmt: skip
+    expect_value_error(lambda: f(ins[0].float(), res, w, perm, **kw), "allreduce_in", out)
+    expect_value_error(lambda: f(ins[0], res, w, perm, expert_scale_factor=wts[0][:, :1], **kw),
+                       "expert_scale_factor", out)  # fmt: skip
+    expect_value_error(lambda: f(ins[0], res, w, perm, routed_scaling_factor=float("inf"), **kw),
+                       "routed_scaling_factor", out)  # fmt: skip
+    expect_value_error(lambda: f(ins[0], res, w, perm, quant="fp8", **kw), "scale_factor", out)
+    expect_value_error(lambda: f(ins[0], res, w, perm, accumulate="fp64", **kw), "accumulate",
+                       out)  # fmt: skip
+    expect_value_error(lambda: f(ins[0], res, w, perm, workspace=None), "workspace")
+    expect_value_error(lambda: f(ins[0], res, w, perm, norm_out=res, **kw), "norm_out", out)
+    xs, scales, toks, res2, w2 = reduction_case(1, 1, 2, h, 2)
+    g = moefuse.moe_allreduce_residual_rmsnorm
+    expect_value_error(lambda: g(xs[0], scales[0][:1], toks[0], res2, w2, workspace=ws,
+                                 residual_out=out), "scale_input", out)  # fmt: skip
+    expect_value_error(lambda: g(xs[0][:, :1], scales[0], toks[0], res2, w2, workspace=ws,
+                                 residual_out=out), "active_experts_token_input", out)  # fmt: skip
+
+
+def _ranks_agree(results):
+    for r, d in enumerate(results[1:], start=1):
+        assert d == results[0], f"rank {r} outputs differ bitwise from rank 0"
+
+
+def test_two_ranks():
+    cfg = dict(widths=(40, 48), tokens=(1, 5), ops=("finalize", "reduction"),
+               cases=((2, "stepwise", None), (3, "fp32", "fp8"), (3, "stepwise", "nvfp4"),
+                      (2, "fp32", None)),
+               algorithms=ALGOS, bad_inputs=True)  # fmt: skip
+    _ranks_agree(run_group(2, scenario, cfg))
+
+
+def test_three_ranks():
+    cfg = dict(widths=(72,), tokens=(1, 5), ops=("finalize", "reduction"),
+               cases=((3, "stepwise", None), (2, "fp32", "fp8")), algorithms=ALGOS)
+    _ranks_agree(run_group(3, scenario, cfg))
+
+
+def test_four_ranks_smallest():
+    cfg = dict(widths=(40,), tokens=(1,), ops=("finalize",), cases=((2, "stepwise", None),),
+               algorithms=ALGOS)  # fmt: skip
+    _ranks_agree(run_group(4, scenario, cfg))
