@@ -178,11 +178,13 @@ def scenario(rank, world_size, cfg):
     """For each case: every algorithm and the reference path against the oracle, bitwise equal to
     each other; one token alone equals the same token inside the batch. Returns digests."""
     import moefuse
+    from moefuse.comm.moe_fusion_ops import extra_regions
 
     digests = []
     for h in cfg["widths"]:
-        ws = moefuse.AllReduceWorkspace(None, max(cfg["tokens"]), h, torch.bfloat16, "cpu",
-                                        timeout_s=120)  # fmt: skip
+        m_cap = max(cfg["tokens"])
+        ws = moefuse.AllReduceWorkspace(None, m_cap, h, torch.bfloat16, "cpu", timeout_s=120,
+                                        extra_regions=extra_regions(m_cap, h))  # fmt: skip
         for m in cfg["tokens"]:
             for i, (k, accumulate, quant) in enumerate(cfg["cases"]):
                 if quant == "nvfp4" and h % 16:

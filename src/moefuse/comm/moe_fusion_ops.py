@@ -20,18 +20,39 @@ LAYOUT_NAMES = ("swizzled_128x4", "swizzled_8x4", "linear")
 QUANT_OF_PATTERN = {1: None, 2: "fp8", 3: "nvfp4"}
 
 
+#: optional peer region of FP32 gather rows for accumulate="fp32" two-shot
+GATHER32 = "moe_gather32"
+
+
+def extra_regions(max_tokens: int, hidden_size: int) -> dict[str, int]:
+    """``extra_regions`` for an :class:`AllReduceWorkspace` whose accumulate="fp32" two-shot
+    should hold ``max_tokens`` (without it the FP32 sums share the T-sized gather region, i.e.
+    half the tokens for BF16/FP16)."""
+    return {GATHER32: max_tokens * hidden_size * 4}
+
+
+def fp32_gather_region(ws) -> str:
+    return GATHER32 if GATHER32 in ws.regions else "gather"
+
+
+def fp32_twoshot_fits(ws, m: int) -> bool:
+    """accumulate="fp32" two-shot keeps FP32 sums in a gather region: does it hold ``m`` rows?"""
+    return m * ws.hidden_size * 4 <= ws.regions[fp32_gather_region(ws)][1]
+
+
 def resolve_algorithm(ws, m: int, algorithm: str, stepwise: bool) -> str:
     """The workspace's choice, plus the FP32-sum capacity of two-shot (``accumulate="fp32"``
     keeps FP32 sums in a gather region sized for T rows): "auto" then takes the torch path, an
     explicit "twoshot" raises."""
-    from moefuse.comm.moe_fusion_triton import fp32_twoshot_fits
-
     algo = ws.choose_algorithm(m, algorithm)
     if algo == "twoshot" and not stepwise and not fp32_twoshot_fits(ws, m):
         if algorithm == "twoshot":
-            raise RuntimeError(f"moefuse.comm: two-shot with accumulate='fp32' holds at most "
-                               f"{ws.regions['gather'][1] // (4 * ws.hidden_size)} tokens on "
-                               f"this workspace, got {m}")  # fmt: skip
+            cap = ws.regions[fp32_gather_region(ws)][1] // (4 * ws.hidden_size)
+            raise RuntimeError(
+                f"moefuse.comm: two-shot with accumulate='fp32' holds at most {cap} tokens on "
+                f"this workspace, got {m} (create it with extra_regions="
+                "moefuse.comm.moe_fusion_ops.extra_regions(max_tokens, H))"
+            )
         algo = "torch"
     return algo
 

@@ -34,6 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import fma_ftz, round_to, widen_f32
 from moefuse._runtime import interpreter_active
 from moefuse.comm import _device as D
+from moefuse.comm.moe_fusion_ops import fp32_gather_region
 from moefuse.comm.tiles import comm_tile
 from moefuse.comm.triton import (
     _finish,
@@ -268,7 +269,7 @@ def _moe_twoshot_kernel(
                     if STEPWISE:
                         dst = D.peer_base(table_ptr, q, gather_off16, BITS) + t64 * H + cols
                         tl.store(dst, D.as_bits(acc.to(T), BITS), mask=cmask)
-                    else:  # FP32 sum: the gather region viewed as int32 (host checks capacity)
+                    else:  # FP32 sum, as int32 bits (gather_off16: an FP32-sized region)
                         dst = D.peer_base(table_ptr, q, gather_off16, 32) + t64 * H + cols
                         tl.store(dst, acc.to(tl.int32, bitcast=True), mask=cmask)
             _finish_row(acc, t64, cols, cmask, res_ptr, res_st, g, H, Hf, eps, inv_scale, gs,
@@ -371,11 +372,6 @@ def _moe_gathered_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def fp32_twoshot_fits(ws, m: int) -> bool:
-    """accumulate="fp32" two-shot keeps FP32 sums in the gather region (sized for T rows)."""
-    return m * ws.hidden_size * 4 <= ws.regions["gather"][1]
-
-
 def producer_args(dense: bool, src, idx_map, weights, shared):
     """(pointer tensors, strides, K, n_rows) of the producer stage."""
     if dense:  # src [E, M, H], weights [E, M] FP32, shared = token input [M, H]
@@ -463,7 +459,8 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps), ws.num_flag_slots)),)
         _moe_twoshot_kernel[grid](
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("flags"), ws.offset16("stage"),
-            ws.offset16("gather"), ws.ctrl, ws.clock, *scalars, ws.rank, ws.chunk_cap, n_kcols,
+            ws.offset16("gather" if stepwise else fp32_gather_region(ws)), ws.ctrl, ws.clock,
+            *scalars, ws.rank, ws.chunk_cap, n_kcols,
             n_rows, float(eps), float(weight_bias), float(rsf), ws.timeout_us,
             P=ws.world_size, PP=triton.next_power_of_2(ws.world_size), NSLOT=ws.num_flag_slots,
             BITS=bits, **producer, **common,
