@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-BENCH_FAMILIES = ("norm", "moe", "quant", "allreduce")
+BENCH_FAMILIES = ("norm", "moe", "quant", "allreduce", "moe-comm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(hidden=args.hidden, tokens=args.tokens)
     if args.command == "bench":
-        module = importlib.import_module(f"moefuse.bench.{args.family}")
+        module = importlib.import_module(f"moefuse.bench.{args.family.replace('-', '_')}")
         return module.main(args.rest)
     if args.command == "env":
         from moefuse.demo import print_env
