@@ -202,11 +202,11 @@ def scenario(rank, world_size, cfg):
     from moefuse.comm.moe_fusion_ops import extra_regions
 
     digests = []
-    for h in cfg["widths"]:
-        m_cap = max(cfg["tokens"])
+    for h, tokens in cfg["shapes"]:
+        m_cap = max(tokens)
         ws = moefuse.AllReduceWorkspace(None, m_cap, h, torch.bfloat16, "cpu", timeout_s=120,
                                         extra_regions=extra_regions(m_cap, h))  # fmt: skip
-        for m in cfg["tokens"]:
+        for m in tokens:
             for i, (op, k, accumulate, quant) in enumerate(cfg["cases"]):
                 if quant == "nvfp4" and h % 16:
                     continue
@@ -237,6 +237,7 @@ def scenario(rank, world_size, cfg):
                 digests.append(digest(*first))
         if cfg.get("bad_inputs"):
             _bad_inputs(moefuse, ws, h)
+            _compat(moefuse, ws, rank, world_size, h)
         ws.close()
     return digests
 
@@ -266,14 +267,52 @@ def _bad_inputs(moefuse, ws, h):
                                  residual_out=out), "active_experts_token_input", out)  # fmt: skip
 
 
+def _compat(moefuse, ws, rank, world_size, h):
+    """FlashInfer call styles write the same bits as the moefuse ops (reference path: the
+    argument mapping is what is tested here)."""
+    from moefuse.compat import flashinfer as fi
+
+    m, k = 3, 2
+    ins, perm, wts, shs, res, w = finalize_case(11, world_size, m, h, k)
+    want = moefuse.moe_finalize_allreduce_residual_rmsnorm(
+        ins[rank], res, w, perm, workspace=ws, expert_scale_factor=wts[rank],
+        routed_scaling_factor=RSF, shared_expert_output=shs[rank], impl="reference")
+    ro, no = poison_(torch.empty_like(res)), poison_(torch.empty_like(res))
+    fi.trtllm_moe_finalize_allreduce_fusion(ins[rank], res, w, perm, no, ro, ws, False, rank,
+                                            world_size, 1e-6, shs[rank], wts[rank], RSF,
+                                            impl="reference")  # fmt: skip
+    assert_bitwise_equal(ro, want[0], "compat pattern 7 residual_out")
+    assert_bitwise_equal(no, want[1], "compat pattern 7 norm_out")
+    ro2, no2 = poison_(torch.empty_like(res)), poison_(torch.empty_like(res))
+    fi.trtllm_allreduce_fusion(ins[rank], world_size, rank, m, h, ws, False, False, True, 7,
+                               residual_in=res, residual_out=ro2, norm_out=no2, rms_gamma=w,
+                               rms_eps=1e-6, expanded_idx_to_permuted_idx=perm,
+                               expert_scale_factor=wts[rank], routed_scaling_factor=RSF,
+                               shared_expert_output=shs[rank], impl="reference")  # fmt: skip
+    assert_bitwise_equal(ro2, want[0], "compat trtllm_allreduce_fusion(7)")
+    xs, scales, toks, res, w = reduction_case(12, world_size, m, h, k)
+    want = moefuse.moe_allreduce_residual_rmsnorm(xs[rank], scales[rank], toks[rank], res, w,
+                                                  workspace=ws, impl="reference")  # fmt: skip
+    ro3, no3 = poison_(torch.empty_like(res)), poison_(torch.empty_like(res))
+    fi.trtllm_allreduce_fusion(toks[rank], world_size, rank, m, h, ws, False, False, True, 6,
+                               residual_in=res, residual_out=ro3, norm_out=no3, rms_gamma=w,
+                               rms_eps=1e-6, moe_reduction_device_num_experts=k,
+                               moe_reduction_scale_input=scales[rank].reshape(-1),
+                               moe_reduction_active_experts_token_input=xs[rank],
+                               impl="reference")  # fmt: skip
+    assert_bitwise_equal(ro3, want[0], "compat trtllm_allreduce_fusion(6) residual_out")
+    assert_bitwise_equal(no3, want[1], "compat trtllm_allreduce_fusion(6) norm_out")
+
+
 def _ranks_agree(results):
     for r, d in enumerate(results[1:], start=1):
         assert d == results[0], f"rank {r} outputs differ bitwise from rank 0"
 
 
 def test_two_ranks():
-    """H = 40 (not a power of two; NVFP4 cases skipped) and 48, M in {1, 5}, K in {2, 3}."""
-    cfg = dict(widths=(40, 48), tokens=(1, 5),
+    """H = 40 (not a power of two; NVFP4 cases skipped; M in {1, 5}) and 48 (M = 5), K in
+    {2, 3}; bad inputs; FlashInfer call styles."""
+    cfg = dict(shapes=((40, (1, 5)), (48, (5,))),
                cases=(("finalize", 2, "stepwise", None), ("reduction", 3, "fp32", None),
                       ("finalize", 3, "fp32", "fp8"), ("finalize", 3, "stepwise", "nvfp4"),
                       ("reduction", 2, "stepwise", "nvfp4")),
@@ -282,12 +321,12 @@ def test_two_ranks():
 
 
 def test_three_ranks():
-    cfg = dict(widths=(72,), tokens=(5,), cases=(("finalize", 3, "stepwise", "fp8"),),
+    cfg = dict(shapes=((72, (5,)),), cases=(("finalize", 3, "stepwise", "fp8"),),
                algorithms=ALGOS, alone=False)  # fmt: skip
     _ranks_agree(run_group(3, scenario, cfg))
 
 
 def test_four_ranks_smallest():
-    cfg = dict(widths=(40,), tokens=(1,), cases=(("finalize", 2, "stepwise", None),),
+    cfg = dict(shapes=((40, (1,)),), cases=(("finalize", 2, "stepwise", None),),
                algorithms=ALGOS)  # fmt: skip
     _ranks_agree(run_group(4, scenario, cfg))

@@ -55,13 +55,18 @@ def _partial_row(
     w_kst, sh_st, rsf,
     T: tl.constexpr, K: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr,
     HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr, PTX: tl.constexpr,
+    WAIT: tl.constexpr = False,
 ):  # fmt: skip
     """This rank's partial of token ``t`` (FP32 values of a T-rounded row; masked lanes 0).
 
     DENSE (SPEC §3.2): rows ``src[k, t]`` (``src_kst`` expert stride, ``src_st`` token stride), all
     valid. Otherwise (§3.3): row ``map[t, k]``, skipped — never loaded — when outside
     ``[0, n_rows)``. Weight ``w[t * w_tst + k * w_kst]`` when HAS_W. Index loads, then all K row
-    loads (in flight together), then the chain in ascending k."""
+    loads (in flight together), then the chain in ascending k.
+
+    WAIT: the PDL grid-dependency wait sits between the routing loads (index map, weights) and
+    the row loads — routing data is complete long before the GEMM that precedes the fusion (as
+    in :mod:`moefuse.moe.triton`), so at decode its round trip overlaps the previous kernel."""
     t64 = t.to(tl.int64)
     valids = ()
     ptrs = ()
@@ -82,6 +87,8 @@ def _partial_row(
         valids = valids + (valid,)
         ptrs = ptrs + (ptr,)
         ws = ws + (w,)
+    if WAIT:
+        gdc_wait()
     xs = ()
     for k in tl.static_range(K):
         xs = xs + (widen_f32(tl.load(ptrs[k] + cols, mask=cmask & valids[k], other=0.0), PTX),)
@@ -111,16 +118,16 @@ def _partial_row(
 
 
 @triton.jit
-def _finish_row(s, t, cols, cmask, res_ptr, res_st, g, H, Hf, eps, inv_scale, gs, rcp_gs,
-                n_kcols, arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
+def _finish_row(s, res, t, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols, arout_ptr,
+                arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
                 sf_ptr, T: tl.constexpr, BLOCK_H: tl.constexpr, PATTERN: tl.constexpr,
                 LAYOUT: tl.constexpr, WRITE_AR: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """``allreduce_out = T(s)`` (when WRITE_AR), then the shared epilogue with recipe "fast".
-    ``s`` is the rank-order sum: T-rounded (stepwise) or FP32 (rounded once with the residual)."""
+    ``s`` is the rank-order sum: T-rounded (stepwise) or FP32 (rounded once with the residual);
+    ``res`` the residual row widened to FP32."""
     t64 = t.to(tl.int64)
     if WRITE_AR:
         tl.store(arout_ptr + t64 * arout_st + cols, round_to(s, T, PTX), mask=cmask)
-    res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
     D.epilogue_row(s, res, g, t64, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                    rout_ptr, 0, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr, T,
                    BLOCK_H, PATTERN, True, LAYOUT, PTX, 0)  # fmt: skip
@@ -167,18 +174,29 @@ def _moe_oneshot_kernel(
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
     g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
-    if USE_PDL:
-        gdc_wait()
+    # row pid (grid <= M: always a real token) is produced first, its routing data read before
+    # the grid-dependency wait; then the state words (written by the previous launch) and the
+    # residual, so a CTA with one row has read every input before it starts polling
+    p0 = _partial_row(pid, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st, src_kst,
+                      map_st, w_tst, w_kst, sh_st, rsf, T, K, DENSE, HAS_W, HAS_RSF, HAS_SHARED,
+                      STEPWISE, PTX, USE_PDL)  # fmt: skip
+    res0 = widen_f32(tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0),
+                     PTX)  # fmt: skip
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
     deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
                                                    cap, PTX)  # fmt: skip
     mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
-    prev = tl.zeros([BLOCK_H], tl.float32)
+    if n_mine > 0:
+        _push_vals(p0.to(T), pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        if USE_PDL:
+            if n_mine == 1:
+                gdc_launch_dependents()
+    prev = p0
     # iteration i produces + pushes row i and receives row i - 1 (pushed by the peers one
     # iteration earlier): NVLink traffic of one row overlaps the epilogue of the previous one
-    i = 0
+    i = 1
     while (i <= n_mine) & (missing == 0):
         cur = prev
         if i < n_mine:
@@ -187,15 +205,17 @@ def _moe_oneshot_kernel(
                                src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, DENSE, HAS_W,
                                HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
             _push_vals(cur.to(T), t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
-        if i > 0:
-            t64 = (pid + (i - 1) * G).to(tl.int64)
-            s, miss = _receive_rows(prev, t64, mine, region, rank, cols, cmask, H, deadline,
-                                    clock_ptr, empty, T, P, BITS, STEPWISE, PTX)  # fmt: skip
-            missing = missing | miss
-            _finish_row(s, t64, cols, cmask, res_ptr, res_st, g, H, Hf, eps, inv_scale, gs,
-                        rcp_gs, n_kcols, arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
-                        nout_st, q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR,
-                        PTX)  # fmt: skip
+        t64 = (pid + (i - 1) * G).to(tl.int64)
+        if i == 1:
+            res = res0
+        else:
+            res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
+        s, miss = _receive_rows(prev, t64, mine, region, rank, cols, cmask, H, deadline,
+                                clock_ptr, empty, T, P, BITS, STEPWISE, PTX)  # fmt: skip
+        missing = missing | miss
+        _finish_row(s, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                    arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
+                    sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)  # fmt: skip
         prev = cur
         i += 1
     _oneshot_finish(ctrl_ptr, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, PATTERN, LAYOUT,
@@ -272,8 +292,9 @@ def _moe_twoshot_kernel(
                     else:  # FP32 sum, as int32 bits (gather_off16: an FP32-sized region)
                         dst = D.peer_base(table_ptr, q, gather_off16, 32) + t64 * H + cols
                         tl.store(dst, acc.to(tl.int32, bitcast=True), mask=cmask)
-            _finish_row(acc, t64, cols, cmask, res_ptr, res_st, g, H, Hf, eps, inv_scale, gs,
-                        rcp_gs, n_kcols, arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
+            res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
+            _finish_row(acc, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                        arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
                         nout_st, q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR,
                         PTX)  # fmt: skip
         i += 1
@@ -296,8 +317,9 @@ def _moe_twoshot_kernel(
                 src = D.peer_base(table_ptr, rank, gather_off16, 32) + t64 * H + cols
                 bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
                 s = bits.to(tl.float32, bitcast=True)
-            _finish_row(s, t64, cols, cmask, res_ptr, res_st, g, H, Hf, eps, inv_scale, gs,
-                        rcp_gs, n_kcols, arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
+            res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
+            _finish_row(s, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                        arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
                         nout_st, q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR,
                         PTX)  # fmt: skip
         i += 1
@@ -361,8 +383,9 @@ def _moe_gathered_kernel(
         for q in tl.static_range(P):
             v = widen_f32(tl.load(g_ptr + (q * M + t64) * H + cols, mask=cmask, other=0.0), PTX)
             acc = D.accumulate(acc, v, T, not STEPWISE, PTX)
-        _finish_row(acc, t64, cols, cmask, res_ptr, res_st, g, H, Hf, eps, inv_scale, gs, rcp_gs,
-                    n_kcols, arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr,
+        res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
+        _finish_row(acc, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                    arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr,
                     q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)  # fmt: skip
         t += G
     if USE_PDL:
