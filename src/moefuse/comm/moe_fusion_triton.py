@@ -53,9 +53,9 @@ _BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 def _partial_row(
     t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st, src_kst, map_st, w_tst,
     w_kst, sh_st, rsf,
-    T: tl.constexpr, K: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr, PTX: tl.constexpr,
-    WAIT: tl.constexpr = False,
+    T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr, PTX: tl.constexpr, WAIT: tl.constexpr = False,
 ):  # fmt: skip
     """This rank's partial of token ``t`` (FP32 values of a T-rounded row; masked lanes 0).
 
@@ -89,20 +89,26 @@ def _partial_row(
         ws = ws + (w,)
     if WAIT:
         gdc_wait()
-    xs = ()
-    for k in tl.static_range(K):
-        xs = xs + (widen_f32(tl.load(ptrs[k] + cols, mask=cmask & valids[k], other=0.0), PTX),)
     if HAS_SHARED:
         sh = widen_f32(tl.load(sh_ptr + t64 * sh_st + cols, mask=cmask, other=0.0), PTX)
     acc = tl.zeros(cols.shape, tl.float32)
-    for k in tl.static_range(K):
-        if STEPWISE:
-            x = xs[k]
-            if HAS_W:
-                x = widen_f32(round_to(x * ws[k], T, PTX), PTX)
-            acc = tl.where(valids[k], widen_f32(round_to(acc + x, T, PTX), PTX), acc)
-        else:
-            acc = tl.where(valids[k], fma_ftz(xs[k], ws[k], acc, PTX), acc)
+    # rows in batches of KB (all K at once when they fit in registers): the chain order is
+    # ascending k either way, so KB changes the schedule, never the bits
+    for k0 in tl.static_range(0, K, KB):
+        xs = ()
+        for j in tl.static_range(KB):
+            if k0 + j < K:
+                xs = xs + (tl.load(ptrs[k0 + j] + cols, mask=cmask & valids[k0 + j], other=0.0),)
+        for j in tl.static_range(KB):
+            if k0 + j < K:
+                k = k0 + j
+                x = widen_f32(xs[j], PTX)
+                if STEPWISE:
+                    if HAS_W:
+                        x = widen_f32(round_to(x * ws[k], T, PTX), PTX)
+                    acc = tl.where(valids[k], widen_f32(round_to(acc + x, T, PTX), PTX), acc)
+                else:
+                    acc = tl.where(valids[k], fma_ftz(x, ws[k], acc, PTX), acc)
     if STEPWISE:
         if HAS_RSF:
             acc = widen_f32(round_to(acc * rsf, T, PTX), PTX)
@@ -133,6 +139,15 @@ def _finish_row(s, res, t, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_
                    BLOCK_H, PATTERN, True, LAYOUT, PTX, 0)  # fmt: skip
 
 
+@triton.jit
+def _rank_step(acc, v, T: tl.constexpr, STEPWISE: tl.constexpr, PTX: tl.constexpr):
+    """One step of the rank-order sum: T-rounded after every add, or FP32 (rounded later)."""
+    if STEPWISE:
+        return widen_f32(round_to(acc + v, T, PTX), PTX)
+    else:
+        return acc + v
+
+
 # ----------------------------------------------------------------------------- one-shot
 @triton.jit
 def _receive_rows(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr, empty,
@@ -152,7 +167,7 @@ def _receive_rows(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_pt
             tl.store(ptr, empty, mask=cmask)
             missing = missing | tl.where(pending != 0, 1 << q, 0)
             v = widen_f32(bits.to(T, bitcast=True), PTX)
-        acc = D.accumulate(acc, v, T, not STEPWISE, PTX)
+        acc = _rank_step(acc, v, T, STEPWISE, PTX)
     return acc, missing
 
 
@@ -164,8 +179,8 @@ def _moe_oneshot_kernel(
     table_ptr, lam_off16, ctrl_ptr, clock_ptr,
     M, M_pad, H, Hf, rank, cap, n_kcols, n_rows, eps, weight_bias, rsf, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
-    LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr, K: tl.constexpr, DENSE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+    DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
     STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     T: tl.constexpr = res_ptr.dtype.element_ty
@@ -178,7 +193,7 @@ def _moe_oneshot_kernel(
     # the grid-dependency wait; then the state words (written by the previous launch) and the
     # residual, so a CTA with one row has read every input before it starts polling
     p0 = _partial_row(pid, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st, src_kst,
-                      map_st, w_tst, w_kst, sh_st, rsf, T, K, DENSE, HAS_W, HAS_RSF, HAS_SHARED,
+                      map_st, w_tst, w_kst, sh_st, rsf, T, K, KB, DENSE, HAS_W, HAS_RSF, HAS_SHARED,
                       STEPWISE, PTX, USE_PDL)  # fmt: skip
     res0 = widen_f32(tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0),
                      PTX)  # fmt: skip
@@ -202,7 +217,7 @@ def _moe_oneshot_kernel(
         if i < n_mine:
             t = pid + i * G
             cur = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st,
-                               src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, DENSE, HAS_W,
+                               src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, KB, DENSE, HAS_W,
                                HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
             _push_vals(cur.to(T), t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
         t64 = (pid + (i - 1) * G).to(tl.int64)
@@ -232,8 +247,8 @@ def _moe_twoshot_kernel(
     M, M_pad, H, Hf, rank, chunk_cap, n_kcols, n_rows, eps, weight_bias, rsf, timeout_us,
     P: tl.constexpr, PP: tl.constexpr, NSLOT: tl.constexpr, BLOCK_H: tl.constexpr,
     BITS: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-    K: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_RSF: tl.constexpr,
-    HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr,
+    K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr,
     USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     T: tl.constexpr = res_ptr.dtype.element_ty
@@ -257,7 +272,7 @@ def _moe_twoshot_kernel(
         t = pid + i * G
         o = t // chunk
         p = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st,
-                         src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, DENSE, HAS_W, HAS_RSF,
+                         src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, KB, DENSE, HAS_W, HAS_RSF,
                          HAS_SHARED, STEPWISE, PTX)  # fmt: skip
         row = (rank * chunk_cap + (t - o * chunk)).to(tl.int64)
         dst = D.peer_base(table_ptr, o, stage_off16, BITS) + row * H + cols
@@ -282,8 +297,7 @@ def _moe_twoshot_kernel(
             for q in tl.static_range(P):
                 row = (q * chunk_cap + (t - rank * chunk)).to(tl.int64)
                 bits = tl.load(stage + row * H + cols, mask=cmask, other=0, cache_modifier=".cg")
-                acc = D.accumulate(acc, widen_f32(bits.to(T, bitcast=True), PTX), T,
-                                   not STEPWISE, PTX)  # fmt: skip
+                acc = _rank_step(acc, widen_f32(bits.to(T, bitcast=True), PTX), T, STEPWISE, PTX)
             for q in tl.static_range(P):
                 if q != rank:
                     if STEPWISE:
@@ -335,8 +349,8 @@ def _moe_twoshot_kernel(
 def _moe_partial_kernel(
     src_ptr, map_ptr, w_ptr, sh_ptr, out_ptr,
     src_st, src_kst, map_st, w_tst, w_kst, sh_st, out_st, M, H, n_rows, rsf,
-    BLOCK_H: tl.constexpr, K: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr,
+    BLOCK_H: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr,
     USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """This rank's partial rows, materialised ([M, H], T) for the all-gather of the torch path."""
@@ -350,7 +364,7 @@ def _moe_partial_kernel(
     t = pid
     while t < M:
         p = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st,
-                         src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, DENSE, HAS_W, HAS_RSF,
+                         src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, KB, DENSE, HAS_W, HAS_RSF,
                          HAS_SHARED, STEPWISE, PTX)  # fmt: skip
         tl.store(out_ptr + t.to(tl.int64) * out_st + cols, p.to(T), mask=cmask)
         t += G
@@ -382,7 +396,7 @@ def _moe_gathered_kernel(
         acc = tl.zeros([BLOCK_H], tl.float32)
         for q in tl.static_range(P):
             v = widen_f32(tl.load(g_ptr + (q * M + t64) * H + cols, mask=cmask, other=0.0), PTX)
-            acc = D.accumulate(acc, v, T, not STEPWISE, PTX)
+            acc = _rank_step(acc, v, T, STEPWISE, PTX)
         res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
         _finish_row(acc, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                     arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr,
@@ -395,6 +409,16 @@ def _moe_gathered_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
+def rows_per_batch(k: int, tile) -> int:
+    """Expert rows loaded together by the producer: all K when they fit in registers next to
+    the rest of the kernel (~64 registers), else fewer (H = 8192 at 16 warps: 4). A one-CTA-
+    per-SM kernel may use 65536 / threads registers per thread (at most 255)."""
+    threads = 32 * tile.num_warps
+    per_thread = tile.block // threads  # elements of a row per thread
+    budget = min(255, 65536 // threads) - 64
+    return max(1, min(k, budget // max(1, per_thread)))
+
+
 def producer_args(dense: bool, src, idx_map, weights, shared):
     """(pointer tensors, strides, K, n_rows) of the producer stage."""
     if dense:  # src [E, M, H], weights [E, M] FP32, shared = token input [M, H]
@@ -440,8 +464,8 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
     m_pad = scale_out.shape[0] if scale_out is not None else m
     ostrides = (residual.stride(0), ao.stride(0), residual_out.stride(0), norm_out.stride(0),
                 qo.stride(0))  # fmt: skip
-    producer = dict(K=k, DENSE=bool(dense), HAS_W=has_w, HAS_RSF=has_rsf, HAS_SHARED=has_shared,
-                    STEPWISE=bool(stepwise))  # fmt: skip
+    producer = dict(K=k, KB=rows_per_batch(k, tile), DENSE=bool(dense), HAS_W=has_w,
+                    HAS_RSF=has_rsf, HAS_SHARED=has_shared, STEPWISE=bool(stepwise))  # fmt: skip
     common = dict(BLOCK_H=tile.block, PATTERN=pattern, LAYOUT=layout, KP_BLOCK=tile.kp_block,
                   WRITE_AR=allreduce_out is not None, USE_PDL=bool(use_pdl), PTX=ptx,
                   num_warps=tile.num_warps, enable_fp_fusion=False)  # fmt: skip
@@ -470,8 +494,10 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
         return
     ws.refresh_clock()
     bits = _BITS[residual.dtype]
+    # peer kernels: one CTA per SM (the register budget of rows_per_batch), so that every CTA of
+    # the grid is resident at once: CTA j waits on CTA j of the peers
     if algorithm == "oneshot":
-        grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
+        grid = (max(1, min(m, ws.num_sms)),)
         _moe_oneshot_kernel[grid](
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
             *scalars, ws.rank, ws.oneshot_max_tokens, n_kcols, n_rows, float(eps),
@@ -479,7 +505,7 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
             **producer, **common,
         )  # fmt: skip
     elif algorithm == "twoshot":
-        grid = (max(1, min(m, ws.max_ctas(tile.num_warps), ws.num_flag_slots)),)
+        grid = (max(1, min(m, ws.num_sms, ws.num_flag_slots)),)
         _moe_twoshot_kernel[grid](
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("flags"), ws.offset16("stage"),
             ws.offset16("gather" if stepwise else fp32_gather_region(ws)), ws.ctrl, ws.clock,
