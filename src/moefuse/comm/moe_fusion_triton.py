@@ -94,21 +94,20 @@ def _partial_row(
     acc = tl.zeros(cols.shape, tl.float32)
     # rows in batches of KB (all K at once when they fit in registers): the chain order is
     # ascending k either way, so KB changes the schedule, never the bits
-    for k0 in tl.static_range(0, K, KB):
+    for b in tl.static_range(K // KB):  # KB divides K (rows_per_batch)
         xs = ()
         for j in tl.static_range(KB):
-            if k0 + j < K:
-                xs = xs + (tl.load(ptrs[k0 + j] + cols, mask=cmask & valids[k0 + j], other=0.0),)
+            xs = xs + (tl.load(ptrs[b * KB + j] + cols, mask=cmask & valids[b * KB + j],
+                               other=0.0),)  # fmt: skip
         for j in tl.static_range(KB):
-            if k0 + j < K:
-                k = k0 + j
-                x = widen_f32(xs[j], PTX)
-                if STEPWISE:
-                    if HAS_W:
-                        x = widen_f32(round_to(x * ws[k], T, PTX), PTX)
-                    acc = tl.where(valids[k], widen_f32(round_to(acc + x, T, PTX), PTX), acc)
-                else:
-                    acc = tl.where(valids[k], fma_ftz(x, ws[k], acc, PTX), acc)
+            x = widen_f32(xs[j], PTX)
+            if STEPWISE:
+                if HAS_W:
+                    x = widen_f32(round_to(x * ws[b * KB + j], T, PTX), PTX)
+                acc = tl.where(valids[b * KB + j], widen_f32(round_to(acc + x, T, PTX), PTX),
+                               acc)  # fmt: skip
+            else:
+                acc = tl.where(valids[b * KB + j], fma_ftz(x, ws[b * KB + j], acc, PTX), acc)
     if STEPWISE:
         if HAS_RSF:
             acc = widen_f32(round_to(acc * rsf, T, PTX), PTX)
@@ -409,14 +408,20 @@ def _moe_gathered_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
+#: tests only: force the producer's rows per batch (must divide K), to cover batching at small H
+ROWS_PER_BATCH_OVERRIDE: int | None = None
+
+
 def rows_per_batch(k: int, tile) -> int:
     """Expert rows loaded together by the producer: all K when they fit in registers next to
     the rest of the kernel (~64 registers), else fewer (H = 8192 at 16 warps: 4). A one-CTA-
     per-SM kernel may use 65536 / threads registers per thread (at most 255)."""
+    if ROWS_PER_BATCH_OVERRIDE is not None:
+        return ROWS_PER_BATCH_OVERRIDE
     threads = 32 * tile.num_warps
     per_thread = tile.block // threads  # elements of a row per thread
-    budget = min(255, 65536 // threads) - 64
-    return max(1, min(k, budget // max(1, per_thread)))
+    budget = max(1, min(k, (min(255, 65536 // threads) - 64) // max(1, per_thread)))
+    return max(d for d in range(1, budget + 1) if k % d == 0)  # a divisor of K: no ragged batch
 
 
 def producer_args(dense: bool, src, idx_map, weights, shared):
