@@ -264,7 +264,14 @@ def _bad_inputs(moefuse, ws, h):
                        out)  # fmt: skip
     expect_value_error(lambda: f(ins[0], res, w, perm, workspace=None), "workspace")
     expect_value_error(lambda: f(ins[0], res, w, perm, norm_out=res, **kw), "norm_out", out)
+    sup = moefuse.supports_moe_finalize_allreduce_residual_rmsnorm
+    assert sup(ins[0], res, w, perm, workspace=ws, expert_scale_factor=wts[0])  # interpreter
+    assert not sup(ins[0], res, w, perm.long(), workspace=ws)
+    assert not sup(ins[0], res, w, perm, workspace=ws, quant="fp8")  # no scale_factor
     xs, scales, toks, res2, w2 = reduction_case(1, 1, 2, h, 2)
+    sup = moefuse.supports_moe_allreduce_residual_rmsnorm
+    assert sup(xs[0], scales[0], toks[0], res2, w2, workspace=ws)
+    assert not sup(xs[0], scales[0][:1], toks[0], res2, w2, workspace=ws)
     g = moefuse.moe_allreduce_residual_rmsnorm
     expect_value_error(lambda: g(xs[0], scales[0][:1], toks[0], res2, w2, workspace=ws,
                                  residual_out=out), "scale_input", out)  # fmt: skip

@@ -124,13 +124,14 @@ def scenario_full_shapes(rank, world_size):
         for k in TOP_K:
             for m in TOKENS:
                 for op in ("finalize", "reduction"):
-                    i = h + k + m
-                    opts = dict(accumulate=("stepwise", "fp32")[i % 2], weight_bias=float(k % 2),
-                                rsf=(RSF, 1.0)[m % 2])  # fmt: skip
+                    # options vary with (H, K) only: every combination is one compilation
+                    hi, ki = WIDTHS.index(h), TOP_K.index(k)
+                    opts = dict(accumulate=("stepwise", "fp32")[(hi + ki) % 2],
+                                weight_bias=float(ki % 2), rsf=(RSF, 1.0)[ki % 2])  # fmt: skip
                     seed = h * 131 + k * 17 + m
                     if op == "finalize":
                         case = finalize_case(seed, world_size, m, h, k, dev,
-                                             weights_dtype=(torch.bfloat16, torch.float32)[m % 2],
+                                             weights_dtype=(torch.bfloat16, torch.float32)[hi % 2],
                                              shared=k != 6)  # fmt: skip
                         run = call_finalize
                     else:

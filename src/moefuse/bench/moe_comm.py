@@ -122,9 +122,12 @@ def _gather(ctx, t):
     return parts
 
 
-def _rows(op, h, m, k, p, variants: dict) -> list[dict]:
+def _rows(op, h, m, k, p, variants: dict, nbytes: int) -> list[dict]:
+    """``nbytes``: the HBM bytes the fused op must move per rank (inputs read once, outputs
+    written once; peer slots and NVLink traffic not counted) -> ``GBps``."""
     return [{"op": op, "shape": f"P={p} H={h} K={k}", "P": p, "H": h, "M": m, "K": k,
-             "variant": name, "us": us, "role": role}
+             "variant": name, "us": us, "role": role, "bytes": nbytes,
+             "GBps": nbytes / (us * 1e3) if us == us else float("nan")}
             for name, (us, role) in variants.items()]  # fmt: skip
 
 
@@ -196,8 +199,9 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
                 "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
                 "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline"),
                 "(b') compile_finalize+nccl+compile": (ctx.time(chain_b2), "baseline")}
+    nbytes = (k + 3) * m * h * 2 + m * k * 8  # rows, residual, 2 outputs, map + weights
     rows_out = _rows("moe_finalize_allreduce_residual_rmsnorm", h, m, k, ctx.world_size,
-                          variants)  # fmt: skip
+                     variants, nbytes)  # fmt: skip
     _progress(ctx, rows_out)
     return rows_out
 
@@ -268,7 +272,8 @@ def _reduction_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
                 "fused_fp32": (ctx.time(fused("auto", "fp32")), "fused"),
                 "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
                 "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline")}
-    rows_out = _rows("moe_allreduce_residual_rmsnorm", h, m, e, ctx.world_size, variants)
+    nbytes = (e + 4) * m * h * 2 + e * m * 4  # experts, token, residual, 2 outputs, scales
+    rows_out = _rows("moe_allreduce_residual_rmsnorm", h, m, e, ctx.world_size, variants, nbytes)
     _progress(ctx, rows_out)
     return rows_out
 
@@ -294,7 +299,7 @@ def add_ratios(rows: list[dict]) -> None:
     """``x_best_unfused`` = best baseline µs / this row's µs, per (op, H, M)."""
     best: dict[tuple, float] = {}
     for r in rows:
-        if r["role"] == "baseline" and r["us"] == r["us"]:
+        if r.get("role") == "baseline" and r["us"] == r["us"]:
             key = (r["op"], r["H"], r["M"])
             best[key] = min(best.get(key, float("inf")), r["us"])
     for r in rows:
@@ -363,7 +368,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
     if rank == 0:
         add_ratios(rows)
         bar = bar_checks(rows, world_size)
-        harness.print_table(rows, ["op", "shape", "M", "variant", "us", "x_best_unfused",
+        harness.print_table(rows, ["op", "shape", "M", "variant", "us", "GBps", "x_best_unfused",
                                    "x_flashinfer_anchor"])  # fmt: skip
         for line in bar:
             print(line)
