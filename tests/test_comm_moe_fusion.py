@@ -30,9 +30,10 @@ def seed_of(*key) -> int:
     return zlib.crc32(repr(key).encode())
 
 
-def finalize_case(seed, p, m, h, k, *, weights_dtype=torch.bfloat16, shared=True):
+def finalize_case(seed, p, m, h, k, *, weights_dtype=torch.bfloat16, shared=True, bias=False):
     """Every rank's permuted rows (unused rows NaN), one index map with invalid slots (-1, -7,
-    R, R + 5), per-rank weights and shared rows, the replicated residual and gain."""
+    R, R + 5), per-rank weights and shared rows, the replicated residual and gain, and with
+    ``bias`` per-rank expert biases [5, H] with expert ids (some outside [0, 5))."""
     g = torch.Generator().manual_seed(seed)
     r_rows = m * k + 3
     perm = torch.randperm(r_rows, generator=g)[: m * k].to(torch.int32).view(m, k)
@@ -55,7 +56,11 @@ def finalize_case(seed, p, m, h, k, *, weights_dtype=torch.bfloat16, shared=True
         shs.append(torch.randn(m, h, generator=g).to(torch.bfloat16) if shared else None)
     residual = torch.randn(m, h, generator=g).to(torch.bfloat16)
     weight = (torch.rand(h, generator=g) + 0.5).to(torch.bfloat16)
-    return ins, perm, ws, shs, residual, weight
+    bs, eids = None, None
+    if bias:
+        bs = [torch.randn(5, h, generator=g).to(torch.bfloat16) for _ in range(p)]
+        eids = torch.randint(-1, 6, (m, k), generator=g, dtype=torch.int32)
+    return ins, perm, ws, shs, residual, weight, bs, eids
 
 
 def reduction_case(seed, p, m, h, e):
@@ -146,11 +151,14 @@ def _quant_kw(quant, layout):
 
 
 def _finalize_call(moefuse, ws, rank, case, rows, opts, algo, impl="triton"):
-    ins, perm, wts, shs, res, w = case
+    ins, perm, wts, shs, res, w, bs, eids = case
     sl = slice(*rows) if rows is not None else slice(None)
+    if bs is not None:
+        opts = dict(opts, bias=bs[rank], expert_ids=eids[sl])
     kw = dict(workspace=ws, algorithm=algo, impl=impl, expert_scale_factor=wts[rank][sl],
               routed_scaling_factor=opts["rsf"], weight_bias=opts["weight_bias"],
-              accumulate=opts["accumulate"], **_quant_kw(opts["quant"], opts["layout"]))
+              accumulate=opts["accumulate"], **_quant_kw(opts["quant"], opts["layout"]),
+              bias=opts.get("bias"), expert_ids=opts.get("expert_ids"))
     if shs[rank] is not None:
         kw["shared_expert_output"] = shs[rank][sl]
     m = res[sl].shape[0]
@@ -174,7 +182,7 @@ def _reduction_call(moefuse, ws, rank, case, rows, opts, algo, impl="triton"):
     return (*outs, ar)
 
 
-def _case_and_oracle(op, i, world_size, m, h, k, opts):
+def _case_and_oracle(op, i, world_size, m, h, k, opts, bias=False):
     """(inputs of every rank, oracle outputs, call function) of one case."""
     key = (op, h, m, k, opts["accumulate"], opts["quant"])
     sf = torch.tensor([FP8_SCALE if opts["quant"] == "fp8" else NVFP4_GS])
@@ -183,11 +191,12 @@ def _case_and_oracle(op, i, world_size, m, h, k, opts):
     if op == "finalize":
         case = finalize_case(seed_of(*key), world_size, m, h, k,
                              weights_dtype=(torch.bfloat16, torch.float32)[i % 2],
-                             shared=i % 2 == 0)  # fmt: skip
-        ins, perm, wts, shs, res, w = case
+                             shared=i % 2 == 0, bias=bias)  # fmt: skip
+        ins, perm, wts, shs, res, w, bs, eids = case
         want = mref.moe_finalize_allreduce_from_ranks(
             ins, perm, res, w, expert_scale_factors=wts, routed_scaling_factor=opts["rsf"],
-            shared_expert_outputs=shs if shs[0] is not None else None, **common,
+            shared_expert_outputs=shs if shs[0] is not None else None, biases=bs,
+            expert_ids=eids, **common,
         )  # fmt: skip
         return case, want, _finalize_call
     case = reduction_case(seed_of(*key), world_size, m, h, k)
@@ -217,7 +226,8 @@ def scenario(rank, world_size, cfg):
                 opts = dict(accumulate=accumulate, quant=quant, weight_bias=float(i % 2),
                             layout=("swizzled_128x4", "linear", "swizzled_8x4")[i % 3],
                             rsf=RSF if i % 2 == 0 else 1.0)  # fmt: skip
-                case, want, call = _case_and_oracle(op, i, world_size, m, h, k, opts)
+                bias = cfg.get("bias", False) or i % 4 in (2, 3)  # per-expert bias + ids
+                case, want, call = _case_and_oracle(op, i, world_size, m, h, k, opts, bias)
                 first = None
                 for algo in (*cfg["algorithms"], "reference"):
                     what = f"rank {rank} {op} H={h} M={m} K={k} {opts} {algo}"
@@ -248,7 +258,7 @@ def scenario(rank, world_size, cfg):
 
 
 def _bad_inputs(moefuse, ws, h):
-    ins, perm, wts, shs, res, w = finalize_case(1, 1, 2, h, 2)
+    ins, perm, wts, shs, res, w, *_ = finalize_case(1, 1, 2, h, 2)
     out = poison_(torch.empty_like(res))
     f = moefuse.moe_finalize_allreduce_residual_rmsnorm
     kw = dict(workspace=ws, residual_out=out)
@@ -264,6 +274,8 @@ def _bad_inputs(moefuse, ws, h):
                        out)  # fmt: skip
     expect_value_error(lambda: f(ins[0], res, w, perm, workspace=None), "workspace")
     expect_value_error(lambda: f(ins[0], res, w, perm, norm_out=res, **kw), "norm_out", out)
+    expect_value_error(lambda: f(ins[0], res, w, perm, bias=torch.zeros(4, h), **kw), "expert_ids",
+                       out)  # fmt: skip
     sup = moefuse.supports_moe_finalize_allreduce_residual_rmsnorm
     assert sup(ins[0], res, w, perm, workspace=ws, expert_scale_factor=wts[0])  # interpreter
     assert not sup(ins[0], res, w, perm.long(), workspace=ws)
@@ -285,7 +297,7 @@ def _compat(moefuse, ws, rank, world_size, h):
     from moefuse.compat import flashinfer as fi
 
     m, k = 3, 2
-    ins, perm, wts, shs, res, w = finalize_case(11, world_size, m, h, k)
+    ins, perm, wts, shs, res, w, *_ = finalize_case(11, world_size, m, h, k)
     want = moefuse.moe_finalize_allreduce_residual_rmsnorm(
         ins[rank], res, w, perm, workspace=ws, expert_scale_factor=wts[rank],
         routed_scaling_factor=RSF, shared_expert_output=shs[rank], impl="reference")
@@ -322,11 +334,12 @@ def _opcheck_compile(moefuse, ws, rank, world_size, h):
     from moefuse.comm import moe_fusion_ops as ops
 
     m, k = 3, 2
-    ins, perm, wts, shs, res, w = finalize_case(13, world_size, m, h, k)
+    ins, perm, wts, shs, res, w, *_ = finalize_case(13, world_size, m, h, k)
     e = lambda: torch.empty_like(res)  # noqa: E731
     torch.library.opcheck(ops.moe_finalize_allreduce_residual_rmsnorm_op,
-                          (ins[rank], perm, wts[rank], shs[rank], res, w, None, e(), e(), None,
-                           None, ws.id, RSF, 1e-6, 0.0, True, 1, 0, "auto", False, "reference"))
+                          (ins[rank], perm, wts[rank], shs[rank], None, None, res, w, None, e(),
+                           e(), None, None, ws.id, RSF, 1e-6, 0.0, True, 1, 0, "auto", False,
+                           "reference"))  # fmt: skip
     xs, scales, toks, res2, w2 = reduction_case(14, world_size, m, h, k)
     torch.library.opcheck(ops.moe_allreduce_residual_rmsnorm_op,
                           (xs[rank], scales[rank], toks[rank], res2, w2, None, e(), e(), e(),
@@ -362,9 +375,9 @@ def test_two_ranks():
 
 
 def test_three_ranks():
-    """P = 3; the expert rows loaded one at a time (rows_per_batch 1: same bits)."""
+    """P = 3; the expert rows loaded one at a time (rows_per_batch 1: same bits); expert bias."""
     cfg = dict(shapes=((72, (5,)),), cases=(("finalize", 3, "stepwise", "fp8"),),
-               algorithms=ALGOS, alone=False, rows_per_batch=1)  # fmt: skip
+               algorithms=ALGOS, alone=False, rows_per_batch=1, bias=True)  # fmt: skip
     _ranks_agree(run_group(3, scenario, cfg))
 
 

@@ -38,7 +38,7 @@ from moefuse.comm import moe_fusion_ops as ops
 from moefuse.comm.api import WEIGHT_DTYPES, _check_outputs
 from moefuse.comm.moe_fusion_reference import ACCUMULATE, QUANTS
 from moefuse.comm.workspace import ALGORITHMS, AllReduceWorkspace
-from moefuse.moe.api import SCALE_DTYPES, _check_scalar
+from moefuse.moe.api import EXPERT_ID_DTYPES, EXTRA_DTYPES, SCALE_DTYPES, _check_scalar
 from moefuse.quant.formats import LAYOUTS, scale_layout_shape
 
 PATTERN_OF_QUANT = {None: 1, "fp8": 2, "nvfp4": 3}
@@ -227,8 +227,8 @@ def supports_moe_allreduce_residual_rmsnorm(active_experts_token_input, scale_in
 
 
 # ----------------------------------------------------------------------------- §3.3
-def _check_finalize(op, allreduce_in, idx_map, expert_scale_factor, rsf, shared,
-                    residual) -> None:  # fmt: skip
+def _check_finalize(op, allreduce_in, idx_map, expert_scale_factor, rsf, shared, residual,
+                    bias=None, expert_ids=None) -> None:  # fmt: skip
     m, h = residual.shape
     dev = residual.device
     v.check_tensor(op, "allreduce_in", allreduce_in, dtypes=(residual.dtype,), ndims=(2,),
@@ -245,14 +245,24 @@ def _check_finalize(op, allreduce_in, idx_map, expert_scale_factor, rsf, shared,
     if shared is not None:
         v.check_tensor(op, "shared_expert_output", shared, dtypes=(residual.dtype,),
                        shape=(m, h), device=dev)  # fmt: skip
+    if (bias is None) != (expert_ids is None):
+        missing = "expert_ids" if expert_ids is None else "bias"
+        raise ValueError(f"moefuse.{op}: argument '{missing}' is required when the other of "
+                         "'bias' / 'expert_ids' is given")  # fmt: skip
+    if bias is not None:
+        v.check_tensor(op, "bias", bias, dtypes=EXTRA_DTYPES, ndims=(2,), device=dev)
+        v.check_tensor(op, "bias", bias, shape=(-1, h))
+        v.check_tensor(op, "expert_ids", expert_ids, dtypes=EXPERT_ID_DTYPES,
+                       shape=tuple(idx_map.shape), device=dev)  # fmt: skip
 
 
 def moe_finalize_allreduce_residual_rmsnorm(
     allreduce_in, residual, norm_weight, expanded_idx_to_permuted_idx, *, workspace,
     expert_scale_factor=None, routed_scaling_factor: float = 1.0, shared_expert_output=None,
-    eps: float = 1e-6, weight_bias: float = 0.0, accumulate: str = "stepwise", quant=None,
-    scale_factor=None, layout: str = "swizzled_128x4", algorithm: str = "auto", enable_pdl=None,
-    impl: str = "auto", residual_out=None, norm_out=None, quant_out=None, scale_out=None,
+    bias=None, expert_ids=None, eps: float = 1e-6, weight_bias: float = 0.0,
+    accumulate: str = "stepwise", quant=None, scale_factor=None, layout: str = "swizzled_128x4",
+    algorithm: str = "auto", enable_pdl=None, impl: str = "auto", residual_out=None,
+    norm_out=None, quant_out=None, scale_out=None,
 ):  # fmt: skip
     """MoE finalize + all-reduce + residual + RMSNorm (SPEC §3.3)::
 
@@ -266,7 +276,10 @@ def moe_finalize_allreduce_residual_rmsnorm(
     rows are never read unless indexed); ``expanded_idx_to_permuted_idx`` [M, K] int32;
     ``expert_scale_factor`` [M, K] FP32/BF16/FP16 or None (unweighted sum);
     ``routed_scaling_factor`` (1.0 = skipped); ``shared_expert_output`` [M, H] T or None;
-    ``residual`` [M, H]; ``norm_weight`` [H]. The partial is produced inside the all-reduce
+    ``residual`` [M, H]; ``norm_weight`` [H]; ``bias`` [E, H] (BF16/FP16/FP32) with
+    ``expert_ids`` [M, K] int32/int64 (both or neither; moefuse extension as in SPEC §2.2: the
+    bias row of the slot's expert is added to its row in FP32 before the weight, ids outside
+    [0, E) add nothing). The partial is produced inside the all-reduce
     kernel (never written to HBM on the one-shot and two-shot paths). Other arguments: module
     docstring.
     """
@@ -275,7 +288,8 @@ def moe_finalize_allreduce_residual_rmsnorm(
     _check_epilogue(op, residual, norm_weight, workspace, eps, weight_bias, accumulate, quant,
                     scale_factor, layout, algorithm)  # fmt: skip
     _check_finalize(op, allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor,
-                    routed_scaling_factor, shared_expert_output, residual)  # fmt: skip
+                    routed_scaling_factor, shared_expert_output, residual, bias,
+                    expert_ids)  # fmt: skip
     _check_quant_outputs(op, residual, quant, layout, residual_out, norm_out, quant_out,
                          scale_out)  # fmt: skip
     _check_outputs(
@@ -284,7 +298,8 @@ def moe_finalize_allreduce_residual_rmsnorm(
         [("allreduce_in", allreduce_in), ("residual", residual), ("norm_weight", norm_weight),
          ("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx),
          ("expert_scale_factor", expert_scale_factor),
-         ("shared_expert_output", shared_expert_output), ("scale_factor", scale_factor)], set(),
+         ("shared_expert_output", shared_expert_output), ("bias", bias),
+         ("expert_ids", expert_ids), ("scale_factor", scale_factor)], set(),
     )  # fmt: skip
     residual_out, norm_out, quant_out, scale_out = _allocate(
         residual, quant, layout, residual_out, norm_out, quant_out, scale_out)
@@ -292,7 +307,7 @@ def moe_finalize_allreduce_residual_rmsnorm(
         backend = _impl(op, impl, residual, workspace)
         ops.moe_finalize_allreduce_residual_rmsnorm_op(
             allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor, shared_expert_output,
-            residual, norm_weight, scale_factor, residual_out, norm_out,
+            bias, expert_ids, residual, norm_weight, scale_factor, residual_out, norm_out,
             quant_out.view(torch.uint8) if quant_out is not None else None, scale_out,
             workspace.id, float(routed_scaling_factor), float(eps), float(weight_bias),
             accumulate == "stepwise", PATTERN_OF_QUANT[quant],

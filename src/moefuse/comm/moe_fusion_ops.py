@@ -72,7 +72,8 @@ def _write(outs: dict, pattern, allreduce_out, residual_out, norm_out, quant_out
 
 def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_map, weights,
              shared, rsf, residual, weight, scale, allreduce_out, residual_out, norm_out,
-             quant_out, scale_out, layout, eps, weight_bias, use_pdl) -> None:  # fmt: skip
+             quant_out, scale_out, layout, eps, weight_bias, use_pdl, bias=None,
+             expert_ids=None) -> None:  # fmt: skip
     ws = get_workspace(ws_id)
     ws.raise_if_unusable()
     if residual.shape[0] == 0:
@@ -82,7 +83,8 @@ def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_ma
         if dense:
             part = ref.reduction_partial(src, weights, shared, accumulate)
         else:
-            part = ref.finalize_partial(src, idx_map, weights, rsf, shared, accumulate)
+            part = ref.finalize_partial(src, idx_map, weights, rsf, shared, accumulate, bias,
+                                        expert_ids)  # fmt: skip
         outs = ref.reference_from_partial(
             part, residual, weight, workspace=ws, eps=eps, weight_bias=weight_bias,
             accumulate=accumulate, quant=QUANT_OF_PATTERN[pattern], scale_factor=scale,
@@ -95,7 +97,8 @@ def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_ma
     algo = resolve_algorithm(ws, residual.shape[0], algorithm, stepwise)
     launch_moe_fusion(
         ws, algo, pattern, dense=dense, src=src, idx_map=idx_map, weights=weights, shared=shared,
-        rsf=rsf, residual=residual, weight=weight, residual_out=residual_out, norm_out=norm_out,
+        rsf=rsf, bias=bias, expert_ids=expert_ids, residual=residual, weight=weight,
+        residual_out=residual_out, norm_out=norm_out,
         allreduce_out=allreduce_out, quant_out=quant_out, scale_out=scale_out, scale=scale,
         layout=layout, eps=eps, weight_bias=weight_bias, stepwise=stepwise, use_pdl=use_pdl,
     )  # fmt: skip
@@ -137,7 +140,8 @@ def _(active_experts_token_input, scale_input, token_input, residual, weight, sc
 )
 def moe_finalize_allreduce_residual_rmsnorm_op(
     allreduce_in: Tensor, expanded_idx_to_permuted_idx: Tensor,
-    expert_scale_factor: Tensor | None, shared_expert_output: Tensor | None, residual: Tensor,
+    expert_scale_factor: Tensor | None, shared_expert_output: Tensor | None,
+    bias: Tensor | None, expert_ids: Tensor | None, residual: Tensor,
     weight: Tensor, scale: Tensor | None, residual_out: Tensor, norm_out: Tensor,
     quant_out: Tensor | None, scale_out: Tensor | None, workspace_id: int,
     routed_scaling_factor: float, eps: float, weight_bias: float, stepwise: bool, pattern: int,
@@ -145,7 +149,8 @@ def moe_finalize_allreduce_residual_rmsnorm_op(
 ) -> None:  # fmt: skip
     _execute(False, workspace_id, backend, algorithm, pattern, stepwise, src=allreduce_in,
              idx_map=expanded_idx_to_permuted_idx, weights=expert_scale_factor,
-             shared=shared_expert_output, rsf=routed_scaling_factor, residual=residual,
+             shared=shared_expert_output, rsf=routed_scaling_factor, bias=bias,
+             expert_ids=expert_ids, residual=residual,
              weight=weight, scale=scale, allreduce_out=None, residual_out=residual_out,
              norm_out=norm_out, quant_out=quant_out, scale_out=scale_out, layout=layout, eps=eps,
              weight_bias=weight_bias, use_pdl=use_pdl)  # fmt: skip
@@ -153,7 +158,8 @@ def moe_finalize_allreduce_residual_rmsnorm_op(
 
 @moe_finalize_allreduce_residual_rmsnorm_op.register_fake
 def _(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor, shared_expert_output,
-      residual, weight, scale, residual_out, norm_out, quant_out, scale_out, workspace_id,
+      bias, expert_ids, residual, weight, scale, residual_out, norm_out, quant_out, scale_out,
+      workspace_id,
       routed_scaling_factor, eps, weight_bias, stepwise, pattern, layout, algorithm, use_pdl,
       backend):  # fmt: skip
     return None

@@ -50,13 +50,16 @@ QUANTS = (None, "fp8", "nvfp4")
 
 
 # ----------------------------------------------------------------------------- partial of one rank
-def _stepwise(rows, valid, weights, rsf, shared, dtype) -> torch.Tensor:
+def _stepwise(rows, valid, weights, rsf, shared, dtype, bias_rows=None) -> torch.Tensor:
     """``rows`` [K, M, H] (any values where invalid), ``valid`` [M, K] bool, ``weights`` [M, K]
-    or None, ``shared`` [M, H] or None -> T-stepwise partial [M, H]."""
+    or None, ``shared`` [M, H] or None, ``bias_rows`` [K, M, H] FP32 (0 where no bias) or None
+    -> T-stepwise partial [M, H]."""
     k_slots, m, h = rows.shape
     acc = torch.zeros(m, h, dtype=torch.float32, device=rows.device)
     for k in range(k_slots):
         x = rows[k].float()
+        if bias_rows is not None:
+            x = x + bias_rows[k]
         if weights is not None:
             x = (x * weights[:, k : k + 1].float()).to(dtype).float()
         acc = torch.where(valid[:, k : k + 1], (acc + x).to(dtype).float(), acc)
@@ -69,8 +72,14 @@ def _stepwise(rows, valid, weights, rsf, shared, dtype) -> torch.Tensor:
 
 def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor=None,
                      routed_scaling_factor=1.0, shared_expert_output=None,
-                     accumulate="stepwise") -> torch.Tensor:  # fmt: skip
-    """One rank's MoE-finalize partial [M, H] (SPEC §3.3) from the permuted rows [R, H]."""
+                     accumulate="stepwise", bias=None,
+                     expert_ids=None) -> torch.Tensor:  # fmt: skip
+    """One rank's MoE-finalize partial [M, H] (SPEC §3.3) from the permuted rows [R, H].
+
+    ``bias`` [E, H] with ``expert_ids`` [M, K] (moefuse extension, as SPEC §2.2): the expert's
+    bias row is added to the slot's row in FP32 before the weight, not rounded in between (ids
+    outside [0, E) add nothing): stepwise ``T((f32(row) + f32(bias)) * w)``, fp32 mode
+    ``fma_ftz(f32(row) + f32(bias), w, acc)``."""
     idx = expanded_idx_to_permuted_idx
     m, k = idx.shape
     if accumulate == "fp32":
@@ -79,7 +88,7 @@ def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_fa
             w = torch.ones(m, k, dtype=torch.float32, device=allreduce_in.device)
         return moe_ref.moe_finalize_reference(
             allreduce_in, idx, w, routed_scaling_factor=float(routed_scaling_factor),
-            shared_expert_output=shared_expert_output,
+            shared_expert_output=shared_expert_output, bias=bias, expert_ids=expert_ids,
         )  # fmt: skip
     rows, valid = moe_ref.slot_rows(idx, allreduce_in.shape[0], False)
     if allreduce_in.shape[0] == 0:
@@ -87,8 +96,14 @@ def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_fa
         gathered = torch.zeros(k, m, allreduce_in.shape[1], dtype=allreduce_in.dtype)
     else:
         gathered = allreduce_in.index_select(0, rows.t().reshape(-1)).view(k, m, -1)
+    bias_rows = None
+    if bias is not None:
+        e = expert_ids.long()
+        has_b = (e >= 0) & (e < bias.shape[0])
+        b = bias.index_select(0, torch.where(has_b, e, 0).t().reshape(-1)).float()
+        bias_rows = torch.where(has_b.t().reshape(-1, 1), b, 0.0).view(k, m, -1)
     return _stepwise(gathered, valid, expert_scale_factor, float(routed_scaling_factor),
-                     shared_expert_output, allreduce_in.dtype)  # fmt: skip
+                     shared_expert_output, allreduce_in.dtype, bias_rows)  # fmt: skip
 
 
 def reduction_partial(active_experts_token_input, scale_input, token_input,
@@ -135,8 +150,8 @@ def moe_finalize_allreduce_from_ranks(allreduce_ins, expanded_idx_to_permuted_id
                                       weight, *, expert_scale_factors=None,
                                       routed_scaling_factor=1.0, shared_expert_outputs=None,
                                       eps=1e-6, weight_bias=0.0, accumulate="stepwise",
-                                      quant=None, scale_factor=None,
-                                      layout="swizzled_128x4") -> dict:  # fmt: skip
+                                      quant=None, scale_factor=None, layout="swizzled_128x4",
+                                      biases=None, expert_ids=None) -> dict:  # fmt: skip
     """SPEC §3.3 with every rank's inputs (lists in rank order; ``expanded_idx_to_permuted_idx``
     may be one tensor for all ranks or a list). See :func:`epilogue_from_partials`."""
     p = len(allreduce_ins)
@@ -145,8 +160,9 @@ def moe_finalize_allreduce_from_ranks(allreduce_ins, expanded_idx_to_permuted_id
     ws = expert_scale_factors if isinstance(expert_scale_factors, (list, tuple)) else \
         [expert_scale_factors] * p  # fmt: skip
     sh = shared_expert_outputs if shared_expert_outputs is not None else [None] * p
+    bs = biases if biases is not None else [None] * p
     partials = [finalize_partial(allreduce_ins[r], maps[r], ws[r], routed_scaling_factor, sh[r],
-                                 accumulate) for r in range(p)]  # fmt: skip
+                                 accumulate, bs[r], expert_ids) for r in range(p)]  # fmt: skip
     return epilogue_from_partials(partials, residual, weight, eps, weight_bias, accumulate, quant,
                                   scale_factor, layout)  # fmt: skip
 

@@ -51,10 +51,10 @@ _BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 # ----------------------------------------------------------------------------- producer
 @triton.jit
 def _partial_row(
-    t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st, src_kst, map_st, w_tst,
-    w_kst, sh_st, rsf,
+    t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
+    src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf,
     T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
     STEPWISE: tl.constexpr, PTX: tl.constexpr, WAIT: tl.constexpr = False,
 ):  # fmt: skip
     """This rank's partial of token ``t`` (FP32 values of a T-rounded row; masked lanes 0).
@@ -71,6 +71,8 @@ def _partial_row(
     valids = ()
     ptrs = ()
     ws = ()
+    has_bs = ()
+    bptrs = ()
     for k in tl.static_range(K):
         if DENSE:
             valid = t >= 0
@@ -84,9 +86,18 @@ def _partial_row(
             w = widen_f32(tl.load(w_ptr + t64 * w_tst + k * w_kst), PTX)
         else:
             w = tl.full([], 1.0, tl.float32)
+        if HAS_BIAS:  # expert bias row (moefuse extension, SPEC §2.2); ids outside [0, E): none
+            e = tl.load(e_ptr + t64 * e_st + k)
+            has_b = valid & (e >= 0) & (e < n_experts)
+            bptr = b_ptr + tl.where(has_b, e, 0).to(tl.int64) * b_st
+        else:
+            has_b = valid
+            bptr = ptr
         valids = valids + (valid,)
         ptrs = ptrs + (ptr,)
         ws = ws + (w,)
+        has_bs = has_bs + (has_b,)
+        bptrs = bptrs + (bptr,)
     if WAIT:
         gdc_wait()
     if HAS_SHARED:
@@ -96,11 +107,17 @@ def _partial_row(
     # ascending k either way, so KB changes the schedule, never the bits
     for b in tl.static_range(K // KB):  # KB divides K (rows_per_batch)
         xs = ()
+        bs = ()
         for j in tl.static_range(KB):
             xs = xs + (tl.load(ptrs[b * KB + j] + cols, mask=cmask & valids[b * KB + j],
                                other=0.0),)  # fmt: skip
+            if HAS_BIAS:
+                bs = bs + (tl.load(bptrs[b * KB + j] + cols, mask=cmask & has_bs[b * KB + j],
+                                   other=0.0),)  # fmt: skip
         for j in tl.static_range(KB):
             x = widen_f32(xs[j], PTX)
+            if HAS_BIAS:  # FP32 add before the weight, never rounded in between
+                x = tl.where(has_bs[b * KB + j], x + widen_f32(bs[j], PTX), x)
             if STEPWISE:
                 if HAS_W:
                     x = widen_f32(round_to(x * ws[b * KB + j], T, PTX), PTX)
@@ -170,16 +187,19 @@ def _receive_rows(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_pt
     return acc, missing
 
 
-@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows"])
+@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
 def _moe_oneshot_kernel(
-    src_ptr, map_ptr, w_ptr, sh_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr, q_ptr,
+    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
+    q_ptr,
     sf_ptr, scale_ptr,
-    src_st, src_kst, map_st, w_tst, w_kst, sh_st, res_st, arout_st, rout_st, nout_st, q_st,
+    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st, nout_st,
+    q_st,
     table_ptr, lam_off16, ctrl_ptr, clock_ptr,
-    M, M_pad, H, Hf, rank, cap, n_kcols, n_rows, eps, weight_bias, rsf, timeout_us,
+    M, M_pad, H, Hf, rank, cap, n_kcols, n_rows, n_experts, eps, weight_bias, rsf, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
-    DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     T: tl.constexpr = res_ptr.dtype.element_ty
@@ -191,8 +211,9 @@ def _moe_oneshot_kernel(
     # row pid (grid <= M: always a real token) is produced first, its routing data read before
     # the grid-dependency wait; then the state words (written by the previous launch) and the
     # residual, so a CTA with one row has read every input before it starts polling
-    p0 = _partial_row(pid, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st, src_kst,
-                      map_st, w_tst, w_kst, sh_st, rsf, T, K, KB, DENSE, HAS_W, HAS_RSF, HAS_SHARED,
+    p0 = _partial_row(pid, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows,
+                      n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf, T,
+                      K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF, HAS_SHARED,
                       STEPWISE, PTX, USE_PDL)  # fmt: skip
     res0 = widen_f32(tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0),
                      PTX)  # fmt: skip
@@ -215,8 +236,9 @@ def _moe_oneshot_kernel(
         cur = prev
         if i < n_mine:
             t = pid + i * G
-            cur = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st,
-                               src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, KB, DENSE, HAS_W,
+            cur = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr,
+                               n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
+                               b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
                                HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
             _push_vals(cur.to(T), t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
         t64 = (pid + (i - 1) * G).to(tl.int64)
@@ -237,16 +259,19 @@ def _moe_oneshot_kernel(
 
 
 # ----------------------------------------------------------------------------- two-shot
-@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows"])
+@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
 def _moe_twoshot_kernel(
-    src_ptr, map_ptr, w_ptr, sh_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr, q_ptr,
+    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
+    q_ptr,
     sf_ptr, scale_ptr,
-    src_st, src_kst, map_st, w_tst, w_kst, sh_st, res_st, arout_st, rout_st, nout_st, q_st,
+    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st, nout_st,
+    q_st,
     table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr,
-    M, M_pad, H, Hf, rank, chunk_cap, n_kcols, n_rows, eps, weight_bias, rsf, timeout_us,
+    M, M_pad, H, Hf, rank, chunk_cap, n_kcols, n_rows, n_experts, eps, weight_bias, rsf, timeout_us,
     P: tl.constexpr, PP: tl.constexpr, NSLOT: tl.constexpr, BLOCK_H: tl.constexpr,
     BITS: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
     K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr,
     USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
@@ -270,8 +295,9 @@ def _moe_twoshot_kernel(
     while i < n_mine:
         t = pid + i * G
         o = t // chunk
-        p = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st,
-                         src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, KB, DENSE, HAS_W, HAS_RSF,
+        p = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows,
+                         n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf,
+                         T, K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF,
                          HAS_SHARED, STEPWISE, PTX)  # fmt: skip
         row = (rank * chunk_cap + (t - o * chunk)).to(tl.int64)
         dst = D.peer_base(table_ptr, o, stage_off16, BITS) + row * H + cols
@@ -344,12 +370,13 @@ def _moe_twoshot_kernel(
 
 
 # ----------------------------------------------------------------------------- torch path
-@triton.jit(do_not_specialize=["M", "n_rows"])
+@triton.jit(do_not_specialize=["M", "n_rows", "n_experts"])
 def _moe_partial_kernel(
-    src_ptr, map_ptr, w_ptr, sh_ptr, out_ptr,
-    src_st, src_kst, map_st, w_tst, w_kst, sh_st, out_st, M, H, n_rows, rsf,
+    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, out_ptr,
+    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, out_st, M, H, n_rows, n_experts, rsf,
     BLOCK_H: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr,
     USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """This rank's partial rows, materialised ([M, H], T) for the all-gather of the torch path."""
@@ -362,8 +389,9 @@ def _moe_partial_kernel(
         gdc_wait()
     t = pid
     while t < M:
-        p = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, n_rows, src_st,
-                         src_kst, map_st, w_tst, w_kst, sh_st, rsf, T, K, KB, DENSE, HAS_W, HAS_RSF,
+        p = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows,
+                         n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf,
+                         T, K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF,
                          HAS_SHARED, STEPWISE, PTX)  # fmt: skip
         tl.store(out_ptr + t.to(tl.int64) * out_st + cols, p.to(T), mask=cmask)
         t += G
@@ -424,25 +452,31 @@ def rows_per_batch(k: int, tile) -> int:
     return max(d for d in range(1, budget + 1) if k % d == 0)  # a divisor of K: no ragged batch
 
 
-def producer_args(dense: bool, src, idx_map, weights, shared):
-    """(pointer tensors, strides, K, n_rows) of the producer stage."""
+def producer_args(dense: bool, src, idx_map, weights, shared, bias=None, expert_ids=None):
+    """(pointer tensors, strides, K, (n_rows, n_experts)) of the producer stage."""
     if dense:  # src [E, M, H], weights [E, M] FP32, shared = token input [M, H]
         k = src.shape[0]
         strides = (src.stride(1), src.stride(0), 0, weights.stride(1), weights.stride(0),
-                   shared.stride(0))  # fmt: skip
-        return (src, src, weights, shared), strides, k, 0
+                   shared.stride(0), 0, 0)  # fmt: skip
+        return (src, src, weights, shared, src, src), strides, k, (0, 0)
     k = idx_map.shape[1]
     w = weights if weights is not None else idx_map
     sh = shared if shared is not None else src
+    b = bias if bias is not None else src
+    e = expert_ids if expert_ids is not None else idx_map
     strides = (src.stride(0), 0, idx_map.stride(0),
                weights.stride(0) if weights is not None else 0,
                weights.stride(1) if weights is not None else 0,
-               shared.stride(0) if shared is not None else 0)  # fmt: skip
-    return (src, idx_map, w, sh), strides, k, src.shape[0]
+               shared.stride(0) if shared is not None else 0,
+               bias.stride(0) if bias is not None else 0,
+               expert_ids.stride(0) if expert_ids is not None else 0)  # fmt: skip
+    n_experts = bias.shape[0] if bias is not None else 0
+    return (src, idx_map, w, sh, b, e), strides, k, (src.shape[0], n_experts)
 
 
 def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx_map, weights,
-                      shared, rsf: float, residual, weight, residual_out, norm_out,
+                      shared, rsf: float, bias=None, expert_ids=None, residual, weight,
+                      residual_out, norm_out,
                       allreduce_out=None, quant_out=None, scale_out=None, scale=None,
                       layout: int = 0, eps: float = 1e-6, weight_bias: float = 0.0,
                       stepwise: bool = True, use_pdl: bool = False) -> None:  # fmt: skip
@@ -455,8 +489,8 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
         return
     tile = comm_tile(h, pattern)
     ptx = not interpreter_active()
-    (s_ptr, map_ptr, w_ptr, sh_ptr), pstrides, k, n_rows = producer_args(
-        dense, src, idx_map, weights, shared)
+    (s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr), pstrides, k, counts = producer_args(
+        dense, src, idx_map, weights, shared, bias, expert_ids)
     has_w = dense or weights is not None
     has_shared = dense or shared is not None
     has_rsf = (not dense) and float(rsf) != 1.0
@@ -470,13 +504,15 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
     ostrides = (residual.stride(0), ao.stride(0), residual_out.stride(0), norm_out.stride(0),
                 qo.stride(0))  # fmt: skip
     producer = dict(K=k, KB=rows_per_batch(k, tile), DENSE=bool(dense), HAS_W=has_w,
+                    HAS_BIAS=bias is not None,
                     HAS_RSF=has_rsf, HAS_SHARED=has_shared, STEPWISE=bool(stepwise))  # fmt: skip
     common = dict(BLOCK_H=tile.block, PATTERN=pattern, LAYOUT=layout, KP_BLOCK=tile.kp_block,
                   WRITE_AR=allreduce_out is not None, USE_PDL=bool(use_pdl), PTX=ptx,
                   num_warps=tile.num_warps, enable_fp_fusion=False)  # fmt: skip
     if use_pdl:
         common["launch_pdl"] = True
-    outs = (s_ptr, map_ptr, w_ptr, sh_ptr, residual, weight, ao, residual_out, norm_out, qo, so,
+    outs = (s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, residual, weight, ao, residual_out,
+            norm_out, qo, so,
             sc)  # fmt: skip
     scalars = (m, max(m_pad, m), h, float(h))
     if algorithm == "torch":
@@ -485,7 +521,8 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
         part = torch.empty_like(residual)
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
         _moe_partial_kernel[grid](
-            s_ptr, map_ptr, w_ptr, sh_ptr, part, *pstrides, part.stride(0), m, h, n_rows,
+            s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, part, *pstrides, part.stride(0), m, h,
+            *counts,
             float(rsf), BLOCK_H=tile.block, USE_PDL=bool(use_pdl), PTX=ptx,
             num_warps=tile.num_warps, enable_fp_fusion=False,
             **({"launch_pdl": True} if use_pdl else {}), **producer,
@@ -505,7 +542,7 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
         grid = (max(1, min(m, ws.num_sms)),)
         _moe_oneshot_kernel[grid](
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
-            *scalars, ws.rank, ws.oneshot_max_tokens, n_kcols, n_rows, float(eps),
+            *scalars, ws.rank, ws.oneshot_max_tokens, n_kcols, *counts, float(eps),
             float(weight_bias), float(rsf), ws.timeout_us, P=ws.world_size, BITS=bits,
             **producer, **common,
         )  # fmt: skip
@@ -515,7 +552,7 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("flags"), ws.offset16("stage"),
             ws.offset16("gather" if stepwise else fp32_gather_region(ws)), ws.ctrl, ws.clock,
             *scalars, ws.rank, ws.chunk_cap, n_kcols,
-            n_rows, float(eps), float(weight_bias), float(rsf), ws.timeout_us,
+            *counts, float(eps), float(weight_bias), float(rsf), ws.timeout_us,
             P=ws.world_size, PP=triton.next_power_of_2(ws.world_size), NSLOT=ws.num_flag_slots,
             BITS=bits, **producer, **common,
         )  # fmt: skip
