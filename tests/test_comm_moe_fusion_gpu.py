@@ -37,9 +37,11 @@ def _need(world_size):
 
 
 # ----------------------------------------------------------------------------- inputs
-def finalize_case(seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, shared=True):
+def finalize_case(seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, shared=True,
+                  bias=False):
     """All ranks' inputs (same on every rank): permuted rows with 5 padding rows, unused rows NaN,
-    one invalid slot (-1, -9, R, R + 3) in two of every three tokens, -0.0 in column 0."""
+    one invalid slot (-1, -9, R, R + 3) in two of every three tokens, -0.0 in column 0; with
+    ``bias``, per-rank expert biases [16, H] and expert ids in [-1, 17)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     r_rows = m * k + 5
     perm = torch.randperm(r_rows, generator=g, device=dev)[: m * k].to(torch.int32).view(m, k)
@@ -61,7 +63,11 @@ def finalize_case(seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, shared
                    else None)  # fmt: skip
     res = torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16)
     w = (torch.rand(h, generator=g, device=dev) + 0.5).to(torch.bfloat16)
-    return ins, perm, ws, shs, res, w
+    bs, eids = None, None
+    if bias:
+        bs = [torch.randn(16, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
+        eids = torch.randint(-1, 17, (m, k), generator=g, device=dev, dtype=torch.int32)
+    return ins, perm, ws, shs, res, w, bs, eids
 
 
 def reduction_case(seed, p, m, h, e, dev):
@@ -75,7 +81,7 @@ def reduction_case(seed, p, m, h, e, dev):
 
 
 def call_finalize(moefuse, ws, rank, case, algo, opts, rows=None, pdl=None, impl="triton"):
-    ins, perm, wts, shs, res, w = case
+    ins, perm, wts, shs, res, w, bs, eids = case
     sl = slice(*rows) if rows is not None else slice(None)
     kw = dict(workspace=ws, algorithm=algo, impl=impl, enable_pdl=pdl,
               expert_scale_factor=wts[rank][sl], routed_scaling_factor=opts["rsf"],
@@ -83,6 +89,8 @@ def call_finalize(moefuse, ws, rank, case, algo, opts, rows=None, pdl=None, impl
               **opts.get("quant_kw", {}))  # fmt: skip
     if shs[rank] is not None:
         kw["shared_expert_output"] = shs[rank][sl]
+    if bs is not None:
+        kw.update(bias=bs[rank], expert_ids=eids[sl])
     return moefuse.moe_finalize_allreduce_residual_rmsnorm(ins[rank], res[sl], w, perm[sl], **kw)
 
 
@@ -101,10 +109,11 @@ def oracle(op, case, opts):
 
     kw = dict(accumulate=opts["accumulate"], weight_bias=opts["weight_bias"])
     if op == "finalize":
-        ins, perm, wts, shs, res, w = case
+        ins, perm, wts, shs, res, w, bs, eids = case
         return mref.moe_finalize_allreduce_from_ranks(
             ins, perm, res, w, expert_scale_factors=wts, routed_scaling_factor=opts["rsf"],
-            shared_expert_outputs=shs if shs[0] is not None else None, **kw)
+            shared_expert_outputs=shs if shs[0] is not None else None, biases=bs,
+            expert_ids=eids, **kw)
     xs, scales, toks, res, w = case
     return mref.moe_allreduce_from_ranks(xs, scales, toks, res, w, **kw)
 
@@ -132,7 +141,7 @@ def scenario_full_shapes(rank, world_size):
                     if op == "finalize":
                         case = finalize_case(seed, world_size, m, h, k, dev,
                                              weights_dtype=(torch.bfloat16, torch.float32)[hi % 2],
-                                             shared=k != 6)  # fmt: skip
+                                             shared=k != 6, bias=k == 6)  # fmt: skip
                         run = call_finalize
                     else:
                         case = reduction_case(seed, world_size, m, h, k, dev)
@@ -216,7 +225,7 @@ def scenario_graph_replays(rank, world_size, replays):
     m, h, k = 64, 4096, 8
     ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev, oneshot_max_tokens=m,
                                     extra_regions=extra_regions(m, h))  # fmt: skip
-    base = finalize_case(0, world_size, m, h, k, dev)
+    base = finalize_case(0, world_size, m, h, k, dev)[:6]
     buf = [t[rank].clone() if isinstance(t, list) else t.clone() for t in base]  # static inputs
     x, perm, wt, sh, res, w = buf
     for accumulate in ("stepwise", "fp32"):
@@ -237,7 +246,7 @@ def scenario_graph_replays(rank, world_size, replays):
                     run()
             for i in range(replays):
                 case = finalize_case(1000 + i, world_size, m, h, k, dev)
-                for dst, src in zip(buf, case):
+                for dst, src in zip(buf, case[:6]):
                     dst.copy_(src[rank] if isinstance(src, list) else src)
                 ro.fill_(float("nan"))
                 graph.replay()
