@@ -97,25 +97,32 @@ def _scalar_stepwise(rows, ws, rsf, shared):
 
 
 def test_reference_partial_matches_scalar_oracle():
-    ins, perm, ws, shs, _, _ = finalize_case(7, 1, 4, 6, 3)
-    x, w, sh = ins[0], ws[0], shs[0]
-    got = mref.finalize_partial(x, perm, w, RSF, sh, "stepwise")
-    for t in range(4):
-        for j in range(6):
-            rows, wts = [], []
-            for k in range(3):
-                i = int(perm[t, k])
-                if 0 <= i < x.shape[0]:
-                    rows.append(float(x[i, j]))
-                    wts.append(float(w[t, k]))
-            want = _scalar_stepwise(rows, wts, RSF, float(sh[t, j]))
-            assert float(got[t, j]) == want, (t, j)
-    assert torch.isfinite(got.float()).all()
+    ins, perm, ws, shs, _, _, bs, eids = finalize_case(7, 1, 4, 6, 3, bias=True)
+    x, w, sh, b = ins[0], ws[0], shs[0], bs[0]
+    f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731
+    for bias in (False, True):
+        kw = dict(bias=b, expert_ids=eids) if bias else {}
+        got = mref.finalize_partial(x, perm, w, RSF, sh, "stepwise", **kw)
+        for t in range(4):
+            for j in range(6):
+                rows, wts = [], []
+                for k in range(3):
+                    i = int(perm[t, k])
+                    if 0 <= i < x.shape[0]:
+                        e = int(eids[t, k])
+                        add = float(b[e, j]) if bias and 0 <= e < b.shape[0] else 0.0
+                        rows.append(f32(float(x[i, j]) + add))  # FP32 add, not rounded to T
+                        wts.append(float(w[t, k]))
+                want = _scalar_stepwise(rows, wts, RSF, float(sh[t, j]))
+                assert float(got[t, j]) == want, (bias, t, j)
+        assert torch.isfinite(got.float()).all()
     # fp32 mode is the deterministic finalize of SPEC §2.2
     from moefuse.moe.reference import moe_finalize_reference
 
-    want = moe_finalize_reference(x, perm, w, routed_scaling_factor=RSF, shared_expert_output=sh)
-    assert_bitwise_equal(mref.finalize_partial(x, perm, w, RSF, sh, "fp32"), want, "fp32 partial")
+    want = moe_finalize_reference(x, perm, w, routed_scaling_factor=RSF, shared_expert_output=sh,
+                                  bias=b, expert_ids=eids)  # fmt: skip
+    got = mref.finalize_partial(x, perm, w, RSF, sh, "fp32", b, eids)
+    assert_bitwise_equal(got, want, "fp32 partial")
 
 
 def test_reference_reduction_is_dense_finalize():
