@@ -10,7 +10,8 @@
   launch after their last load of the previous kernel's data (their outputs are complete only at
   kernel end, which a dependent's grid-dependency wait observes).
 * NVFP4 patterns use recipe "ieee" (SPEC §3.1) and write every scale layout, padding zeroed, on
-  SM90 too. Patterns 6-11 are separate ops (SPEC §3.2-§3.3, §4.3) and raise here.
+  SM90 too. Patterns 6 / 7 (SPEC §3.2-§3.3) forward to ``moefuse.compat._moe_comm`` (MoE
+  arguments as keywords); 8-11 (§4.3) raise here.
 """
 
 from __future__ import annotations

@@ -133,6 +133,13 @@ def moe_pattern(pattern: int, *, allreduce_in, world_size, world_rank, token_num
     with ``allreduce_in`` the permuted rows)."""
     wb = 0.0 if weight_bias is None else float(weight_bias)
     eps = 1e-6 if rms_eps is None else float(rms_eps)
+    need = ("moe_reduction_device_num_experts", "moe_reduction_scale_input",
+            "moe_reduction_active_experts_token_input") if pattern == 6 else \
+        ("expanded_idx_to_permuted_idx",)  # fmt: skip
+    for name in need:
+        if moe.get(name) is None:
+            raise ValueError(f"trtllm_allreduce_fusion: argument '{name}' is required by "
+                             f"pattern {pattern}")  # fmt: skip
     if pattern == 6:
         tok = moe.pop("moe_reduction_token_input", None)
         trtllm_moe_allreduce_fusion(
