@@ -50,23 +50,19 @@ _BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 
 # ----------------------------------------------------------------------------- producer
 @triton.jit
-def _partial_row(
-    t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
-    src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf,
-    T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
-    STEPWISE: tl.constexpr, PTX: tl.constexpr, WAIT: tl.constexpr = False,
+def _slot_meta(
+    t, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st, src_kst, map_st, w_tst,
+    w_kst, b_st, e_st,
+    K: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PTX: tl.constexpr,
 ):  # fmt: skip
-    """This rank's partial of token ``t`` (FP32 values of a T-rounded row; masked lanes 0).
+    """Routing data of token ``t``'s K slots: ``(valids, row pointers, weights, bias valids,
+    bias row pointers)``, tuples of K scalars.
 
-    DENSE (SPEC §3.2): rows ``src[k, t]`` (``src_kst`` expert stride, ``src_st`` token stride), all
-    valid. Otherwise (§3.3): row ``map[t, k]``, skipped — never loaded — when outside
-    ``[0, n_rows)``. Weight ``w[t * w_tst + k * w_kst]`` when HAS_W. Index loads, then all K row
-    loads (in flight together), then the chain in ascending k.
-
-    WAIT: the PDL grid-dependency wait sits between the routing loads (index map, weights) and
-    the row loads — routing data is complete long before the GEMM that precedes the fusion (as
-    in :mod:`moefuse.moe.triton`), so at decode its round trip overlaps the previous kernel."""
+    DENSE (SPEC §3.2): rows ``src[k, t]`` (``src_kst`` expert stride, ``src_st`` token stride),
+    all valid. Otherwise (§3.3): row ``map[t, k]``, invalid — never loaded — outside
+    ``[0, n_rows)``. Weight ``w[t * w_tst + k * w_kst]`` when HAS_W (else 1). HAS_BIAS: expert
+    ``e_ptr[t, k]``'s bias row (moefuse extension, SPEC §2.2; ids outside [0, E): none)."""
     t64 = t.to(tl.int64)
     valids = ()
     ptrs = ()
@@ -86,7 +82,7 @@ def _partial_row(
             w = widen_f32(tl.load(w_ptr + t64 * w_tst + k * w_kst), PTX)
         else:
             w = tl.full([], 1.0, tl.float32)
-        if HAS_BIAS:  # expert bias row (moefuse extension, SPEC §2.2); ids outside [0, E): none
+        if HAS_BIAS:
             e = tl.load(e_ptr + t64 * e_st + k)
             has_b = valid & (e >= 0) & (e < n_experts)
             bptr = b_ptr + tl.where(has_b, e, 0).to(tl.int64) * b_st
@@ -98,13 +94,25 @@ def _partial_row(
         ws = ws + (w,)
         has_bs = has_bs + (has_b,)
         bptrs = bptrs + (bptr,)
-    if WAIT:
-        gdc_wait()
+    return valids, ptrs, ws, has_bs, bptrs
+
+
+@triton.jit
+def _partial_from_meta(
+    meta, t, cols, cmask, sh_ptr, sh_st, rsf,
+    T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """This rank's partial of token ``t`` from its routing data ``meta`` (:func:`_slot_meta`):
+    FP32 values of a T-rounded row, masked lanes 0. Rows are loaded in batches of KB (all K at
+    once when they fit in registers) and chained in ascending k: KB changes the schedule, never
+    the bits."""
+    valids, ptrs, ws, has_bs, bptrs = meta
     if HAS_SHARED:
-        sh = widen_f32(tl.load(sh_ptr + t64 * sh_st + cols, mask=cmask, other=0.0), PTX)
+        sh = widen_f32(tl.load(sh_ptr + t.to(tl.int64) * sh_st + cols, mask=cmask, other=0.0),
+                       PTX)  # fmt: skip
     acc = tl.zeros(cols.shape, tl.float32)
-    # rows in batches of KB (all K at once when they fit in registers): the chain order is
-    # ascending k either way, so KB changes the schedule, never the bits
     for b in tl.static_range(K // KB):  # KB divides K (rows_per_batch)
         xs = ()
         bs = ()
@@ -137,6 +145,21 @@ def _partial_row(
             acc = acc + sh
         acc = widen_f32(round_to(acc, T, PTX), PTX)
     return tl.where(cmask, acc, 0.0)
+
+
+@triton.jit
+def _partial_row(
+    t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
+    src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf,
+    T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """:func:`_slot_meta` then :func:`_partial_from_meta` for token ``t``."""
+    meta = _slot_meta(t, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
+                      src_kst, map_st, w_tst, w_kst, b_st, e_st, K, DENSE, HAS_W, HAS_BIAS, PTX)
+    return _partial_from_meta(meta, t, cols, cmask, sh_ptr, sh_st, rsf, T, K, KB, HAS_W, HAS_BIAS,
+                              HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
 
 
 @triton.jit
@@ -208,18 +231,23 @@ def _moe_oneshot_kernel(
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
     g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
-    # row pid (grid <= M: always a real token) is produced first, its routing data read before
-    # the grid-dependency wait; then the state words (written by the previous launch) and the
-    # residual, so a CTA with one row has read every input before it starts polling
-    p0 = _partial_row(pid, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows,
-                      n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf, T,
-                      K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF, HAS_SHARED,
-                      STEPWISE, PTX, USE_PDL)  # fmt: skip
-    res0 = widen_f32(tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0),
-                     PTX)  # fmt: skip
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    # Row pid (grid <= M: always a real token). Its routing data (index map, weights, expert
+    # ids) is read before the grid-dependency wait: routing is complete long before the GEMM
+    # that precedes the fusion (as in moefuse.moe.triton), so at decode that round trip overlaps
+    # the previous kernel. After the wait, the state words and the residual are requested
+    # together with the expert rows, so a one-row CTA pays one memory round trip before its push.
+    meta0 = _slot_meta(pid, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
+                       src_kst, map_st, w_tst, w_kst, b_st, e_st, K, DENSE, HAS_W, HAS_BIAS,
+                       PTX)  # fmt: skip
+    if USE_PDL:
+        gdc_wait()
     deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
                                                    cap, PTX)  # fmt: skip
+    res0 = widen_f32(tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0),
+                     PTX)  # fmt: skip
+    p0 = _partial_from_meta(meta0, pid, cols, cmask, sh_ptr, sh_st, rsf, T, K, KB, HAS_W,
+                            HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
+    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
     mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
