@@ -6,7 +6,8 @@ bitwise against the oracle of all ranks' inputs for M <= 2048), then times, side
 same run:
 
 * ``fused`` (algorithm "auto", accumulate "stepwise"), ``fused_fp32`` (accumulate "fp32"),
-  ``fused_oneshot`` / ``fused_twoshot`` — the moefuse fusion;
+  ``fused_oneshot`` / ``fused_twoshot``, ``fused_2ctas_per_sm`` (MOEFUSE_MOE_COMM_CTAS_PER_SM=2,
+  finalize only) — the moefuse fusion;
 * ``(a) moe_finalize+ar_norm`` — moefuse's own unfused chain: the deterministic finalize into an
   [M, H] partial, then ``allreduce_residual_rmsnorm``;
 * ``(b) moe_finalize+nccl+compile`` — the same finalize, NCCL ``all_reduce``, compiled
@@ -166,6 +167,13 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
             expert_scale_factor=wts[i % n], accumulate=acc, algorithm=algo,
             impl="triton", residual_out=ro, norm_out=no)  # fmt: skip
 
+    def two_ctas(i):  # the knob is read at launch: set it around the calls (warm-up, capture)
+        os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = "2"
+        try:
+            return fused("auto")(i)
+        finally:
+            os.environ.pop("MOEFUSE_MOE_COMM_CTAS_PER_SM")
+
     def chain_a(i):
         mf.moe_finalize(rows[i % n], maps[i % n], wts[i % n], out=part, impl="triton")
         return mf.allreduce_residual_rmsnorm(part, res[i % n], w, workspace=ws,
@@ -183,11 +191,13 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
 
     # correctness first: every algorithm bitwise equal, residual_out against the oracle
     first = None
-    for algo in ("auto", "oneshot", "twoshot", "torch"):
-        got = fused(algo)(0)
+    for name, fn in (("auto", fused("auto")), ("oneshot", fused("oneshot")),
+                     ("twoshot", fused("twoshot")), ("torch", fused("torch")),
+                     ("2 CTAs per SM", two_ctas)):  # fmt: skip
+        got = fn(0)
         first = first or tuple(t.clone() for t in got)
         for a, b in zip(got, first):
-            assert_bitwise_equal(a, b, f"finalize H={h} M={m} {algo} vs auto")
+            assert_bitwise_equal(a, b, f"finalize H={h} M={m} {name} vs auto")
     if m <= CHECK_MAX_TOKENS:
         want = mref.moe_finalize_allreduce_from_ranks(
             _gather(ctx, rows[0]), maps[0], res[0], w, expert_scale_factors=wts[0])
@@ -196,6 +206,7 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
                 "fused_fp32": (ctx.time(fused("auto", "fp32")), "fused"),
                 "fused_oneshot": (ctx.time(fused("oneshot")), "fused"),
                 "fused_twoshot": (ctx.time(fused("twoshot")), "fused"),
+                "fused_2ctas_per_sm": (ctx.time(two_ctas), "fused"),
                 "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
                 "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline"),
                 "(b') compile_finalize+nccl+compile": (ctx.time(chain_b2), "baseline")}

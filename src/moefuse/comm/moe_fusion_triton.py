@@ -26,6 +26,8 @@ FMA that is wanted (the FP32 finalize chain) is the explicit ``fma.rn.ftz``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -468,15 +470,28 @@ def _moe_gathered_kernel(
 ROWS_PER_BATCH_OVERRIDE: int | None = None
 
 
-def rows_per_batch(k: int, tile) -> int:
+def ctas_per_sm() -> int:
+    """Co-resident CTAs per SM of the peer kernels (grid cap = SMs x this; the register budget
+    of :func:`rows_per_batch` shrinks with it). MOEFUSE_MOE_COMM_CTAS_PER_SM (default 1: all K
+    rows of a token in flight at H <= 4096; 2 lets one CTA load while the other waits on NVLink
+    — not measured yet). Read at every launch: it must be the same on every rank."""
+    value = int(os.environ.get("MOEFUSE_MOE_COMM_CTAS_PER_SM", "1") or 1)
+    if value not in (1, 2, 4):
+        raise ValueError(f"MOEFUSE_MOE_COMM_CTAS_PER_SM must be 1, 2 or 4, got {value}")
+    return value
+
+
+def rows_per_batch(k: int, tile, ctas: int = 1) -> int:
     """Expert rows loaded together by the producer: all K when they fit in registers next to
-    the rest of the kernel (~64 registers), else fewer (H = 8192 at 16 warps: 4). A one-CTA-
-    per-SM kernel may use 65536 / threads registers per thread (at most 255)."""
+    the rest of the kernel (~64 registers), else fewer (H = 8192 at 16 warps: 4). With ``ctas``
+    co-resident CTAs per SM a thread may use 65536 / (threads x ctas) registers (at most 255).
+    Always a divisor of K (no ragged static batch); never changes the bits."""
     if ROWS_PER_BATCH_OVERRIDE is not None:
         return ROWS_PER_BATCH_OVERRIDE
     threads = 32 * tile.num_warps
     per_thread = tile.block // threads  # elements of a row per thread
-    budget = max(1, min(k, (min(255, 65536 // threads) - 64) // max(1, per_thread)))
+    regs = min(255, 65536 // (threads * ctas))
+    budget = max(1, min(k, (regs - 64) // max(1, per_thread)))
     return max(d for d in range(1, budget + 1) if k % d == 0)  # a divisor of K: no ragged batch
 
 
@@ -531,7 +546,8 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
     m_pad = scale_out.shape[0] if scale_out is not None else m
     ostrides = (residual.stride(0), ao.stride(0), residual_out.stride(0), norm_out.stride(0),
                 qo.stride(0))  # fmt: skip
-    producer = dict(K=k, KB=rows_per_batch(k, tile), DENSE=bool(dense), HAS_W=has_w,
+    ctas = ctas_per_sm() if algorithm in ("oneshot", "twoshot") else 1
+    producer = dict(K=k, KB=rows_per_batch(k, tile, ctas), DENSE=bool(dense), HAS_W=has_w,
                     HAS_BIAS=bias is not None,
                     HAS_RSF=has_rsf, HAS_SHARED=has_shared, STEPWISE=bool(stepwise))  # fmt: skip
     common = dict(BLOCK_H=tile.block, PATTERN=pattern, LAYOUT=layout, KP_BLOCK=tile.kp_block,
@@ -564,10 +580,12 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
         return
     ws.refresh_clock()
     bits = _BITS[residual.dtype]
-    # peer kernels: one CTA per SM (the register budget of rows_per_batch), so that every CTA of
-    # the grid is resident at once: CTA j waits on CTA j of the peers
+    if ptx:  # cap registers so that ctas CTAs per SM are resident (CTA j waits on CTA j)
+        common["maxnreg"] = min(255, 65536 // (32 * tile.num_warps * ctas)) // 8 * 8
+    # peer kernels: ctas_per_sm() CTAs per SM (the register budget of rows_per_batch), so that
+    # every CTA of the grid is resident at once: CTA j waits on CTA j of the peers
     if algorithm == "oneshot":
-        grid = (max(1, min(m, ws.num_sms)),)
+        grid = (max(1, min(m, ws.num_sms * ctas)),)
         _moe_oneshot_kernel[grid](
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
             *scalars, ws.rank, ws.oneshot_max_tokens, n_kcols, *counts, float(eps),
@@ -575,7 +593,7 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
             **producer, **common,
         )  # fmt: skip
     elif algorithm == "twoshot":
-        grid = (max(1, min(m, ws.num_sms, ws.num_flag_slots)),)
+        grid = (max(1, min(m, ws.num_sms * ctas, ws.num_flag_slots)),)
         _moe_twoshot_kernel[grid](
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("flags"), ws.offset16("stage"),
             ws.offset16("gather" if stepwise else fp32_gather_region(ws)), ws.ctrl, ws.clock,
