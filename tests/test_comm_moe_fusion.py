@@ -217,6 +217,10 @@ def scenario(rank, world_size, cfg):
     import moefuse
     from moefuse.comm.moe_fusion_ops import extra_regions
 
+    if cfg.get("ctas_per_sm"):  # another grid for the peer kernels: same bits
+        import os
+
+        os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = str(cfg["ctas_per_sm"])
     if cfg.get("rows_per_batch"):  # cover the producer's batched row loads at small H
         from moefuse.comm import moe_fusion_triton
 
@@ -382,9 +386,11 @@ def test_two_ranks():
 
 
 def test_three_ranks():
-    """P = 3; the expert rows loaded one at a time (rows_per_batch 1: same bits); expert bias."""
+    """P = 3; the expert rows loaded one at a time (rows_per_batch 1) and 2 CTAs per SM (another
+    grid): same bits; expert bias."""
     cfg = dict(shapes=((72, (5,)),), cases=(("finalize", 3, "stepwise", "fp8"),),
-               algorithms=ALGOS, alone=False, rows_per_batch=1, bias=True)  # fmt: skip
+               algorithms=ALGOS, alone=False, rows_per_batch=1, bias=True,
+               ctas_per_sm=2)  # fmt: skip
     _ranks_agree(run_group(3, scenario, cfg))
 
 
