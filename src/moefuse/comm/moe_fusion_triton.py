@@ -245,16 +245,18 @@ def _moe_oneshot_kernel(
         gdc_wait()
     deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
                                                    cap, PTX)  # fmt: skip
-    res0 = widen_f32(tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0),
-                     PTX)  # fmt: skip
+    # rows carried across iterations stay in T (exact: the partials are T-rounded; the residual
+    # is T): half the registers of FP32 — at H = 7168 (16 warps, 128 registers) that is what
+    # keeps the loop from spilling
+    res0 = tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0)
     p0 = _partial_from_meta(meta0, pid, cols, cmask, sh_ptr, sh_st, rsf, T, K, KB, HAS_W,
-                            HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
+                            HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
     mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
     if n_mine > 0:
-        _push_vals(p0.to(T), pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        _push_vals(p0, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
         if USE_PDL:
             if n_mine == 1:
                 gdc_launch_dependents()
@@ -269,15 +271,16 @@ def _moe_oneshot_kernel(
             cur = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr,
                                n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
                                b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
-                               HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
-            _push_vals(cur.to(T), t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+                               HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
+            _push_vals(cur, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
         t64 = (pid + (i - 1) * G).to(tl.int64)
         if i == 1:
-            res = res0
+            res = widen_f32(res0, PTX)
         else:
             res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
-        s, miss = _receive_rows(prev, t64, mine, region, rank, cols, cmask, H, deadline,
-                                clock_ptr, empty, T, P, BITS, STEPWISE, PTX)  # fmt: skip
+        s, miss = _receive_rows(widen_f32(prev, PTX), t64, mine, region, rank, cols, cmask, H,
+                                deadline, clock_ptr, empty, T, P, BITS, STEPWISE,
+                                PTX)  # fmt: skip
         missing = missing | miss
         _finish_row(s, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                     arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
@@ -481,17 +484,19 @@ def ctas_per_sm() -> int:
     return value
 
 
-def rows_per_batch(k: int, tile, ctas: int = 1) -> int:
+def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
     """Expert rows loaded together by the producer: all K when they fit in registers next to
-    the rest of the kernel (~64 registers), else fewer (H = 8192 at 16 warps: 4). With ``ctas``
-    co-resident CTAs per SM a thread may use 65536 / (threads x ctas) registers (at most 255).
-    Always a divisor of K (no ragged static batch); never changes the bits."""
+    the rest of the kernel (~96 registers: ptxas -v of the one-shot kernel, H = 4096, K = 8, used
+    238 of 248 with all 8 rows; scripts/compile_check_moe_comm.py), else fewer. With ``ctas``
+    co-resident CTAs per SM a thread may use 65536 / (threads x ctas) registers (at most 255); a
+    bias row doubles the registers per slot. Always a divisor of K (no ragged static batch);
+    never changes the bits."""
     if ROWS_PER_BATCH_OVERRIDE is not None:
         return ROWS_PER_BATCH_OVERRIDE
     threads = 32 * tile.num_warps
     per_thread = tile.block // threads  # elements of a row per thread
     regs = min(255, 65536 // (threads * ctas))
-    budget = max(1, min(k, (regs - 64) // max(1, per_thread)))
+    budget = max(1, min(k, (regs - 96) // max(1, per_thread * (2 if bias else 1))))
     return max(d for d in range(1, budget + 1) if k % d == 0)  # a divisor of K: no ragged batch
 
 
@@ -547,7 +552,8 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
     ostrides = (residual.stride(0), ao.stride(0), residual_out.stride(0), norm_out.stride(0),
                 qo.stride(0))  # fmt: skip
     ctas = ctas_per_sm() if algorithm in ("oneshot", "twoshot") else 1
-    producer = dict(K=k, KB=rows_per_batch(k, tile, ctas), DENSE=bool(dense), HAS_W=has_w,
+    kb = rows_per_batch(k, tile, ctas, bias is not None)
+    producer = dict(K=k, KB=kb, DENSE=bool(dense), HAS_W=has_w,
                     HAS_BIAS=bias is not None,
                     HAS_RSF=has_rsf, HAS_SHARED=has_shared, STEPWISE=bool(stepwise))  # fmt: skip
     common = dict(BLOCK_H=tile.block, PATTERN=pattern, LAYOUT=layout, KP_BLOCK=tile.kp_block,
