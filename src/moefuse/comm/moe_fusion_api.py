@@ -21,6 +21,11 @@ of the activation dtype and H), ``eps``, ``weight_bias``, ``algorithm`` ("auto" 
   ``scale_factor``: [1] FP32 tensor (or a float) — required when quantizing (FlashInfer passes
   no NVFP4 global scale for pattern 7: moefuse takes it explicitly).
 
+PDL (``enable_pdl``): as in :func:`moefuse.moe_finalize`, the one-shot kernel reads the routing
+data of its first token (index map, weights, expert ids; the §3.2 scales) before the
+grid-dependency wait — it must not be written by the immediately preceding kernel when that
+kernel lets dependents launch early (GEMM2 does not write it).
+
 Outputs (allocated when None; none may overlap an input or another output): ``residual_out`` and
 ``norm_out`` [M, H] always written, quant outputs when quantizing. Returns ``(residual_out,
 norm_out)``, plus ``quant_out`` (FP8) or ``quant_out, scale_out`` (NVFP4). Replicated outputs are
