@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-BENCH_FAMILIES = ("norm", "moe", "quant", "allreduce", "overhead", "allgather")
+BENCH_FAMILIES = ("norm", "moe", "quant", "allreduce", "overhead", "allgather", "moe-comm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(hidden=args.hidden, tokens=args.tokens, with_compile=not args.no_compile)
     if args.command == "bench":
-        module = importlib.import_module(f"moefuse.bench.{args.family}")
+        module = importlib.import_module(f"moefuse.bench.{args.family.replace('-', '_')}")
         return module.main(args.rest)
     if args.command == "env":
         from moefuse.env import main as env_main

@@ -75,3 +75,18 @@ __all__ += [
     "supports_tp_moe_finalize_rmsnorm",
     "tp_moe_finalize_rmsnorm",
 ]
+
+# MoE communication fusions (SPEC §3.2, §3.3)
+from moefuse.comm.moe_fusion_api import (  # noqa: E402
+    moe_allreduce_residual_rmsnorm,
+    moe_finalize_allreduce_residual_rmsnorm,
+    supports_moe_allreduce_residual_rmsnorm,
+    supports_moe_finalize_allreduce_residual_rmsnorm,
+)
+
+__all__ += [
+    "moe_allreduce_residual_rmsnorm",
+    "moe_finalize_allreduce_residual_rmsnorm",
+    "supports_moe_allreduce_residual_rmsnorm",
+    "supports_moe_finalize_allreduce_residual_rmsnorm",
+]

@@ -179,7 +179,7 @@ def epilogue_row(
     s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
     out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr,
     T: tl.constexpr, BLOCK_H: tl.constexpr, PATTERN: tl.constexpr, WRITE_NORM: tl.constexpr,
-    LAYOUT: tl.constexpr, PTX: tl.constexpr,
+    LAYOUT: tl.constexpr, PTX: tl.constexpr, RECIPE: tl.constexpr = 1,
 ):  # fmt: skip
     """Everything after the all-reduce for token row ``t`` (SPEC §3.1).
 
@@ -187,6 +187,8 @@ def epilogue_row(
     FP32; ``g = f32(weight) + weight_bias``. PATTERN 0 writes ``s``; otherwise
     ``h = T(s + res)`` -> residual_out, ``n = T((h * r) * g)`` with ``r`` the inverse RMS of the
     ROUNDED h -> norm_out (when WRITE_NORM), and PATTERN 2 (FP8) / 3 (NVFP4) quantize ``n``.
+    ``RECIPE``: NVFP4 output-scale recipe (1 "ieee", SPEC §3.1; the MoE fusions of SPEC §3.2-3.3
+    pass 0 "fast").
     """
     t64 = t.to(tl.int64)
     if PATTERN == 0:
@@ -207,7 +209,7 @@ def epilogue_row(
         if PATTERN == 3:
             nf = tl.where(cmask, n.to(tl.float32), 0.0)
             packed, sf = QD.nvfp4_quantize_rows(tl.reshape(nf, (1, BLOCK_H)), gs, rcp_gs,
-                                                BLOCK_H, 1, PTX)  # fmt: skip
+                                                BLOCK_H, RECIPE, PTX)  # fmt: skip
             half = tl.arange(0, BLOCK_H // 2)
             tl.store(q_ptr + t64 * q_st + half, tl.reshape(packed, (BLOCK_H // 2,)),
                      mask=half * 2 < H)  # fmt: skip

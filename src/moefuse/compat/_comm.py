@@ -10,7 +10,8 @@
   launch after their last load of the previous kernel's data (their outputs are complete only at
   kernel end, which a dependent's grid-dependency wait observes).
 * NVFP4 patterns use recipe "ieee" (SPEC §3.1) and write every scale layout, padding zeroed, on
-  SM90 too. Patterns 6-11 are separate ops (SPEC §3.2-§3.3, §4.3) and raise here.
+  SM90 too. Patterns 6 / 7 (SPEC §3.2-§3.3) forward to ``moefuse.compat._moe_comm`` (MoE
+  arguments as keywords); 8-11 (§4.3) raise here.
 """
 
 from __future__ import annotations
@@ -80,9 +81,11 @@ def trtllm_allreduce_fusion(
     weight_bias: float | None = None,
     *,
     impl: str = "auto",
+    **moe_kwargs,
 ) -> None:
     """Run FlashInfer pattern ``pattern_code`` on ``workspace_ptrs`` (an AllReduceWorkspace),
-    writing the caller's output tensors in place (FlashInfer semantics). Returns None."""
+    writing the caller's output tensors in place (FlashInfer semantics). Returns None.
+    Patterns 6 / 7 take their MoE arguments as keywords (``moefuse.compat._moe_comm``)."""
     ws = workspace_ptrs
     if not isinstance(ws, comm.AllReduceWorkspace):
         raise ValueError("trtllm_allreduce_fusion: 'workspace_ptrs' must be a moefuse "
@@ -90,6 +93,21 @@ def trtllm_allreduce_fusion(
     if world_size != ws.world_size or world_rank != ws.rank or hidden_dim != ws.hidden_size:
         raise ValueError("trtllm_allreduce_fusion: world_size / world_rank / hidden_dim do not "
                          f"match the workspace ({ws.world_size}, {ws.rank}, {ws.hidden_size})")
+    if int(pattern_code) in (AllReduceFusionPattern.kMoEReductionARResidualRMSNorm,
+                             AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm):  # fmt: skip
+        from moefuse.compat._moe_comm import moe_pattern
+
+        moe_pattern(int(pattern_code), allreduce_in=allreduce_in, world_size=world_size,
+                    world_rank=world_rank, token_num=token_num, hidden_dim=hidden_dim,
+                    workspace_ptrs=ws, launch_with_pdl=launch_with_pdl, residual_in=residual_in,
+                    residual_out=residual_out, norm_out=norm_out, quant_out=quant_out,
+                    scale_out=scale_out, rms_gamma=rms_gamma, rms_eps=rms_eps,
+                    scale_factor=scale_factor, layout_code=layout_code, weight_bias=weight_bias,
+                    impl=impl, allreduce_out=allreduce_out, use_oneshot=use_oneshot,
+                    **moe_kwargs)  # fmt: skip
+        return None
+    if moe_kwargs:
+        raise ValueError(f"trtllm_allreduce_fusion: unexpected arguments {sorted(moe_kwargs)}")
     x = allreduce_in.reshape(token_num, hidden_dim)
     algorithm = "auto" if use_oneshot is None else ("oneshot" if use_oneshot else "twoshot")
     common = dict(workspace=ws, fp32_acc=bool(fp32_acc), algorithm=algorithm,

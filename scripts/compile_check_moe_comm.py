@@ -1,0 +1,101 @@
+"""Compile the MoE communication fusion kernels (comm/moe_fusion_triton.py) for sm_90a on a
+machine without a GPU and report registers and spills (ptxas -v): compile errors and register
+pressure show up before a GPU run. Each case uses the launcher's own tile, rows per batch and
+register cap (maxnreg) for the given CTAs per SM.
+
+Run: PYTHONPATH=src python scripts/compile_check_moe_comm.py [--widths 4096,7168] [--top-k 8]
+"""
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moefuse.comm import moe_fusion_triton as mt
+from moefuse.comm.tiles import comm_tile
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+PTR = {"map_ptr": "*i32", "w_ptr": "*fp32", "e_ptr": "*i32", "q_ptr": "*u8", "sf_ptr": "*u8",
+       "scale_ptr": "*fp32", "table_ptr": "*i64", "ctrl_ptr": "*i32",
+       "clock_ptr": "*i32"}  # fmt: skip
+FLOATS = {"Hf", "eps", "weight_bias", "rsf"}
+
+
+def _signature(kernel, consts):
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in PTR:
+            sig[name] = PTR[name]
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16"
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_report(kernel, consts, num_warps, maxnreg=None):
+    src = ASTSource(fn=kernel, signature=_signature(kernel, consts), constexprs=consts)
+    options = {"num_warps": num_warps, "enable_fp_fusion": False}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    ck = triton.compile(src, target=TARGET, options=options)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ck.asm["ptx"])
+    out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                         capture_output=True, text=True)  # fmt: skip
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--widths", default="2880,4096,7168")
+    parser.add_argument("--top-k", default="2,8")
+    parser.add_argument("--ctas", default="1,2")
+    args = parser.parse_args()
+    for h in [int(x) for x in args.widths.split(",")]:
+        tile = comm_tile(h, 1)
+        for k in [int(x) for x in args.top_k.split(",")]:
+            for ctas in [int(x) for x in args.ctas.split(",")]:
+                cap = min(255, 65536 // (32 * tile.num_warps * ctas)) // 8 * 8
+                for dense, stepwise, pattern, bias in ((False, True, 1, False),
+                                                       (False, False, 3, True),
+                                                       (True, True, 2, False)):  # fmt: skip
+                    kb = mt.rows_per_batch(k, tile, ctas, bias)
+                    prod = dict(K=k, KB=kb, DENSE=dense, HAS_W=True, HAS_BIAS=bias,
+                                HAS_RSF=not dense, HAS_SHARED=True, STEPWISE=stepwise)
+                    common = dict(BLOCK_H=tile.block, PATTERN=pattern, LAYOUT=0,
+                                  KP_BLOCK=tile.kp_block, WRITE_AR=dense, USE_PDL=True, PTX=True)
+                    one = dict(P=2, BITS=16, **prod, **common)
+                    two = dict(P=2, PP=2, NSLOT=1024, BITS=16, **prod, **common)
+                    for name, kern, consts in (("oneshot", mt._moe_oneshot_kernel, one),
+                                               ("twoshot", mt._moe_twoshot_kernel, two)):
+                        regs, spill = compile_report(kern, consts, tile.num_warps, cap)
+                        print(f"H={h:5d} K={k} ctas/SM={ctas} KB={kb} {name:8s} dense={dense:d} "
+                              f"stepwise={stepwise:d} pattern={pattern} bias={bias:d}: "
+                              f"{regs} registers (cap {cap}), {spill} bytes spilled", flush=True)
+        consts = dict(BLOCK_H=tile.block, K=8, KB=mt.rows_per_batch(8, tile), DENSE=False,
+                      HAS_W=True, HAS_BIAS=False, HAS_RSF=True, HAS_SHARED=True, STEPWISE=True,
+                      USE_PDL=True, PTX=True)  # fmt: skip
+        print(f"H={h:5d} partial:", compile_report(mt._moe_partial_kernel, consts, tile.num_warps))
+        consts = dict(P=2, BLOCK_H=tile.block, PATTERN=1, LAYOUT=0, KP_BLOCK=tile.kp_block,
+                      STEPWISE=False, WRITE_AR=True, USE_PDL=True, PTX=True)  # fmt: skip
+        print(f"H={h:5d} gathered:",
+              compile_report(mt._moe_gathered_kernel, consts, tile.num_warps))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""torch.library custom ops of the MoE communication fusions (SPEC §3.2, §3.3).
+
+As in :mod:`moefuse.comm.ops`: each op writes caller-allocated outputs, returns nothing,
+``mutates_args`` names exactly the outputs, the workspace travels as its id, ``backend`` is
+"triton" or "reference" (chosen by :mod:`moefuse.comm.moe_fusion_api`, which validates
+everything first). ``pattern``: 1 norm only, 2 + FP8 (``quant_out`` as uint8 bytes), 3 + NVFP4.
+``stepwise``: True for ``accumulate="stepwise"``, False for ``"fp32"``. Launchers are imported
+lazily (TRITON_INTERPRET must be set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moefuse.comm import moe_fusion_reference as ref
+from moefuse.comm.workspace import get_workspace
+
+Tensor = torch.Tensor
+LAYOUT_NAMES = ("swizzled_128x4", "swizzled_8x4", "linear")
+QUANT_OF_PATTERN = {1: None, 2: "fp8", 3: "nvfp4"}
+
+
+#: optional peer region of FP32 gather rows for accumulate="fp32" two-shot
+GATHER32 = "moe_gather32"
+
+
+def extra_regions(max_tokens: int, hidden_size: int) -> dict[str, int]:
+    """``extra_regions`` for an :class:`AllReduceWorkspace` whose accumulate="fp32" two-shot
+    should hold ``max_tokens`` (without it the FP32 sums share the T-sized gather region, i.e.
+    half the tokens for BF16/FP16)."""
+    return {GATHER32: max_tokens * hidden_size * 4}
+
+
+def fp32_gather_region(ws) -> str:
+    return GATHER32 if GATHER32 in ws.regions else "gather"
+
+
+def fp32_twoshot_fits(ws, m: int) -> bool:
+    """accumulate="fp32" two-shot keeps FP32 sums in a gather region: does it hold ``m`` rows?"""
+    return m * ws.hidden_size * 4 <= ws.regions[fp32_gather_region(ws)][1]
+
+
+def resolve_algorithm(ws, m: int, algorithm: str, stepwise: bool) -> str:
+    """The workspace's choice, plus the FP32-sum capacity of two-shot (``accumulate="fp32"``
+    keeps FP32 sums in a gather region sized for T rows): "auto" then takes the torch path, an
+    explicit "twoshot" raises."""
+    algo = ws.choose_algorithm(m, algorithm)
+    if algo == "twoshot" and not stepwise and not fp32_twoshot_fits(ws, m):
+        if algorithm == "twoshot":
+            cap = ws.regions[fp32_gather_region(ws)][1] // (4 * ws.hidden_size)
+            raise RuntimeError(
+                f"moefuse.comm: two-shot with accumulate='fp32' holds at most {cap} tokens on "
+                f"this workspace, got {m} (create it with extra_regions="
+                "moefuse.comm.moe_fusion_ops.extra_regions(max_tokens, H))"
+            )
+        algo = "torch"
+    return algo
+
+
+def _write(outs: dict, pattern, allreduce_out, residual_out, norm_out, quant_out, scale_out):
+    # outputs may alias inputs (in place): every result is computed before anything is written
+    if allreduce_out is not None:
+        allreduce_out.copy_(outs["allreduce_out"])
+    residual_out.copy_(outs["residual_out"])
+    norm_out.copy_(outs["norm_out"])
+    if pattern == 2:
+        quant_out.copy_(outs["quant_out"].view(torch.uint8))
+    elif pattern == 3:
+        quant_out.copy_(outs["quant_out"])
+        scale_out.copy_(outs["scale_out"].reshape(scale_out.shape))
+
+
+def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_map, weights,
+             shared, rsf, residual, weight, scale, allreduce_out, residual_out, norm_out,
+             quant_out, scale_out, layout, eps, weight_bias, use_pdl, bias=None,
+             expert_ids=None) -> None:  # fmt: skip
+    ws = get_workspace(ws_id)
+    ws.raise_if_unusable()
+    if residual.shape[0] == 0:
+        return
+    accumulate = "stepwise" if stepwise else "fp32"
+    if backend == "reference":
+        if dense:
+            part = ref.reduction_partial(src, weights, shared, accumulate)
+        else:
+            part = ref.finalize_partial(src, idx_map, weights, rsf, shared, accumulate, bias,
+                                        expert_ids)  # fmt: skip
+        outs = ref.reference_from_partial(
+            part, residual, weight, workspace=ws, eps=eps, weight_bias=weight_bias,
+            accumulate=accumulate, quant=QUANT_OF_PATTERN[pattern], scale_factor=scale,
+            layout=LAYOUT_NAMES[layout],
+        )  # fmt: skip
+        _write(outs, pattern, allreduce_out, residual_out, norm_out, quant_out, scale_out)
+        return
+    from moefuse.comm.moe_fusion_triton import launch_moe_fusion
+
+    algo = resolve_algorithm(ws, residual.shape[0], algorithm, stepwise)
+    launch_moe_fusion(
+        ws, algo, pattern, dense=dense, src=src, idx_map=idx_map, weights=weights, shared=shared,
+        rsf=rsf, bias=bias, expert_ids=expert_ids, residual=residual, weight=weight,
+        residual_out=residual_out, norm_out=norm_out,
+        allreduce_out=allreduce_out, quant_out=quant_out, scale_out=scale_out, scale=scale,
+        layout=layout, eps=eps, weight_bias=weight_bias, stepwise=stepwise, use_pdl=use_pdl,
+    )  # fmt: skip
+    if ws.check_each_call and algo != "torch":
+        ws.poll_status()
+
+
+# ----------------------------------------------------------------------------- §3.2
+@torch.library.custom_op(
+    "moefuse::moe_allreduce_residual_rmsnorm",
+    mutates_args=("allreduce_out", "residual_out", "norm_out", "quant_out", "scale_out"),
+)
+def moe_allreduce_residual_rmsnorm_op(
+    active_experts_token_input: Tensor, scale_input: Tensor, token_input: Tensor,
+    residual: Tensor, weight: Tensor, scale: Tensor | None, allreduce_out: Tensor | None,
+    residual_out: Tensor, norm_out: Tensor, quant_out: Tensor | None, scale_out: Tensor | None,
+    workspace_id: int, eps: float, weight_bias: float, stepwise: bool, pattern: int, layout: int,
+    algorithm: str, use_pdl: bool, backend: str,
+) -> None:  # fmt: skip
+    _execute(True, workspace_id, backend, algorithm, pattern, stepwise,
+             src=active_experts_token_input, idx_map=None, weights=scale_input,
+             shared=token_input, rsf=1.0, residual=residual, weight=weight, scale=scale,
+             allreduce_out=allreduce_out, residual_out=residual_out, norm_out=norm_out,
+             quant_out=quant_out, scale_out=scale_out, layout=layout, eps=eps,
+             weight_bias=weight_bias, use_pdl=use_pdl)  # fmt: skip
+
+
+@moe_allreduce_residual_rmsnorm_op.register_fake
+def _(active_experts_token_input, scale_input, token_input, residual, weight, scale,
+      allreduce_out, residual_out, norm_out, quant_out, scale_out, workspace_id, eps, weight_bias,
+      stepwise, pattern, layout, algorithm, use_pdl, backend):  # fmt: skip
+    return None
+
+
+# ----------------------------------------------------------------------------- §3.3
+@torch.library.custom_op(
+    "moefuse::moe_finalize_allreduce_residual_rmsnorm",
+    mutates_args=("residual_out", "norm_out", "quant_out", "scale_out"),
+)
+def moe_finalize_allreduce_residual_rmsnorm_op(
+    allreduce_in: Tensor, expanded_idx_to_permuted_idx: Tensor,
+    expert_scale_factor: Tensor | None, shared_expert_output: Tensor | None,
+    bias: Tensor | None, expert_ids: Tensor | None, residual: Tensor,
+    weight: Tensor, scale: Tensor | None, residual_out: Tensor, norm_out: Tensor,
+    quant_out: Tensor | None, scale_out: Tensor | None, workspace_id: int,
+    routed_scaling_factor: float, eps: float, weight_bias: float, stepwise: bool, pattern: int,
+    layout: int, algorithm: str, use_pdl: bool, backend: str,
+) -> None:  # fmt: skip
+    _execute(False, workspace_id, backend, algorithm, pattern, stepwise, src=allreduce_in,
+             idx_map=expanded_idx_to_permuted_idx, weights=expert_scale_factor,
+             shared=shared_expert_output, rsf=routed_scaling_factor, bias=bias,
+             expert_ids=expert_ids, residual=residual,
+             weight=weight, scale=scale, allreduce_out=None, residual_out=residual_out,
+             norm_out=norm_out, quant_out=quant_out, scale_out=scale_out, layout=layout, eps=eps,
+             weight_bias=weight_bias, use_pdl=use_pdl)  # fmt: skip
+
+
+@moe_finalize_allreduce_residual_rmsnorm_op.register_fake
+def _(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor, shared_expert_output,
+      bias, expert_ids, residual, weight, scale, residual_out, norm_out, quant_out, scale_out,
+      workspace_id,
+      routed_scaling_factor, eps, weight_bias, stepwise, pattern, layout, algorithm, use_pdl,
+      backend):  # fmt: skip
+    return None

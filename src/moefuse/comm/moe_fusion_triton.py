@@ -1,0 +1,481 @@
+"""Triton kernels of the MoE communication fusions (SPEC §3.2, §3.3) and their launcher.
+
+Each kernel is an all-reduce kernel of :mod:`moefuse.comm.triton` with a *producer* stage in
+front: instead of loading this rank's partial row from an ``[M, H]`` input, it computes it from
+the MoE inputs (:mod:`moefuse.comm.moe_fusion_device`) — K expert rows gathered through the
+index map (finalize, §3.3) or the E_loc rows ``x[e, t]`` (reduction, §3.2), weighted, summed in
+ascending slot order, scaled, plus the shared-expert / token row. The partial never exists in
+HBM on the peer paths:
+
+* ``_moe_oneshot_kernel`` — Lamport, same slots, generations and control words as
+  ``_oneshot_kernel`` (the workspace is shared with the all-reduce fusions): iteration i produces
+  and pushes row i, then polls row i - 1 (its own partial kept in registers), sums ranks in
+  ascending order and runs the shared epilogue (:func:`moefuse.comm._device.epilogue_row`).
+* ``_moe_twoshot_kernel`` — reduce-scatter + all-gather: phase 1 produces every row and stores it
+  into its owner's staging slot ``[rank]`` (the owner's own rows locally), phase 2 sums the staged
+  rows in rank order and pushes the sum into every peer's gather buffer (FP32 bits when
+  ``accumulate="fp32"``: the sum is rounded only together with the residual), phase 3 finishes the
+  other owners' rows.
+* ``_moe_partial_kernel`` + ``_moe_gathered_kernel`` — the torch.distributed path: partials
+  written to [M, H], all-gathered, summed and finished.
+
+All three produce the same partial (same device function) and the same rank-order sum handed to
+the same epilogue, hence the same bits. FMA contraction is off (``enable_fp_fusion=False``): the
+SPEC rounds between the multiply by the routed scaling factor and the shared-expert add; the one
+FMA that is wanted (the FP32 finalize chain) is the explicit ``fma.rn.ftz``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse._device import widen_f32
+from moefuse._runtime import interpreter_active
+from moefuse.comm import _device as D
+from moefuse.comm.moe_fusion_device import (
+    _finish_row,
+    _partial_from_meta,
+    _partial_row,
+    _rank_step,
+    _slot_meta,
+)
+from moefuse.comm.moe_fusion_ops import fp32_gather_region
+from moefuse.comm.tiles import comm_tile
+from moefuse.comm.triton import (
+    _finish,
+    _oneshot_finish,
+    _oneshot_state,
+    _params,
+    _push_vals,
+    _scales,
+)
+
+_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
+
+
+# ----------------------------------------------------------------------------- one-shot
+@triton.jit
+def _receive_rows(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr, empty,
+                  T: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, STEPWISE: tl.constexpr,
+                  PTX: tl.constexpr):  # fmt: skip
+    """Rank-order sum of row ``t64`` (this rank's ``x`` in its place, peers polled from their
+    Lamport slots, each slot re-armed once consumed). Returns (sum, mask of late peers)."""
+    acc = tl.zeros(x.shape, tl.float32)
+    missing = 0
+    for q in tl.static_range(P):
+        if q == rank:
+            v = x
+        else:
+            slot = q - (q > rank).to(tl.int32)
+            ptr = mine + ((region + t64) * (P - 1) + slot) * H + cols
+            bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
+            tl.store(ptr, empty, mask=cmask)
+            missing = missing | tl.where(pending != 0, 1 << q, 0)
+            v = widen_f32(bits.to(T, bitcast=True), PTX)
+        acc = _rank_step(acc, v, T, STEPWISE, PTX)
+    return acc, missing
+
+
+@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
+def _moe_oneshot_kernel(
+    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
+    q_ptr,
+    sf_ptr, scale_ptr,
+    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st, nout_st,
+    q_st,
+    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
+    M, M_pad, H, Hf, rank, cap, n_kcols, n_rows, n_experts, eps, weight_bias, rsf, timeout_us,
+    P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
+    LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+    DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    T: tl.constexpr = res_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    # Row pid (grid <= M: always a real token). Its routing data (index map, weights, expert
+    # ids) is read before the grid-dependency wait: routing is complete long before the GEMM
+    # that precedes the fusion (as in moefuse.moe.triton), so at decode that round trip overlaps
+    # the previous kernel. After the wait, the state words and the residual are requested
+    # together with the expert rows, so a one-row CTA pays one memory round trip before its push.
+    meta0 = _slot_meta(pid, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
+                       src_kst, map_st, w_tst, w_kst, b_st, e_st, K, DENSE, HAS_W, HAS_BIAS,
+                       PTX)  # fmt: skip
+    if USE_PDL:
+        gdc_wait()
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
+                                                   cap, PTX)  # fmt: skip
+    # rows carried across iterations stay in T (exact: the partials are T-rounded; the residual
+    # is T): half the registers of FP32 — at H = 7168 (16 warps, 128 registers) that is what
+    # keeps the loop from spilling
+    res0 = tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0)
+    p0 = _partial_from_meta(meta0, pid, cols, cmask, sh_ptr, sh_st, rsf, T, K, KB, HAS_W,
+                            HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
+    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
+    empty = D.empty_row(BLOCK_H, BITS)
+    missing = 0
+    if n_mine > 0:
+        _push_vals(p0, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        if USE_PDL:
+            if n_mine == 1:
+                gdc_launch_dependents()
+    prev = p0
+    # iteration i produces + pushes row i and receives row i - 1 (pushed by the peers one
+    # iteration earlier): NVLink traffic of one row overlaps the epilogue of the previous one
+    i = 1
+    while (i <= n_mine) & (missing == 0):
+        cur = prev
+        if i < n_mine:
+            t = pid + i * G
+            cur = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr,
+                               n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
+                               b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
+                               HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
+            _push_vals(cur, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        t64 = (pid + (i - 1) * G).to(tl.int64)
+        if i == 1:
+            res = widen_f32(res0, PTX)
+        else:
+            res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
+        s, miss = _receive_rows(widen_f32(prev, PTX), t64, mine, region, rank, cols, cmask, H,
+                                deadline, clock_ptr, empty, T, P, BITS, STEPWISE,
+                                PTX)  # fmt: skip
+        missing = missing | miss
+        _finish_row(s, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                    arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
+                    sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)  # fmt: skip
+        prev = cur
+        i += 1
+    _oneshot_finish(ctrl_ptr, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, PATTERN, LAYOUT,
+                    KP_BLOCK, USE_PDL)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- two-shot
+@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
+def _moe_twoshot_kernel(
+    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
+    q_ptr,
+    sf_ptr, scale_ptr,
+    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st, nout_st,
+    q_st,
+    table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr,
+    M, M_pad, H, Hf, rank, chunk_cap, n_kcols, n_rows, n_experts, eps, weight_bias, rsf, timeout_us,
+    P: tl.constexpr, PP: tl.constexpr, NSLOT: tl.constexpr, BLOCK_H: tl.constexpr,
+    BITS: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
+    K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr,
+    USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    T: tl.constexpr = res_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    if USE_PDL:
+        gdc_wait()
+    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
+    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
+    chunk = (M + P - 1) // P
+
+    # phase 1: produce every row of this CTA and stage it at its owner (slot [rank])
+    i = 0
+    while i < n_mine:
+        t = pid + i * G
+        o = t // chunk
+        p = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows,
+                         n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf,
+                         T, K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF,
+                         HAS_SHARED, STEPWISE, PTX)  # fmt: skip
+        row = (rank * chunk_cap + (t - o * chunk)).to(tl.int64)
+        dst = D.peer_base(table_ptr, o, stage_off16, BITS) + row * H + cols
+        tl.store(dst, D.as_bits(p.to(T), BITS), mask=cmask)
+        i += 1
+    if USE_PDL:
+        gdc_launch_dependents()  # every input of the previous kernels but the residual is read
+    missing = 0
+    if healthy:
+        D.signal_peers(table_ptr, flags_off16, pid, rank, epoch, P, PP)
+        missing = D.wait_peers(table_ptr, flags_off16, pid, rank, epoch, deadline, clock_ptr,
+                               P, PP, PTX)  # fmt: skip
+
+    # phase 2: owned rows: rank-order sum of the staged partials, pushed to every peer, finished
+    stage = D.peer_base(table_ptr, rank, stage_off16, BITS)
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if t // chunk == rank:
+            t64 = t.to(tl.int64)
+            acc = tl.zeros([BLOCK_H], tl.float32)
+            for q in tl.static_range(P):
+                row = (q * chunk_cap + (t - rank * chunk)).to(tl.int64)
+                bits = tl.load(stage + row * H + cols, mask=cmask, other=0, cache_modifier=".cg")
+                acc = _rank_step(acc, widen_f32(bits.to(T, bitcast=True), PTX), T, STEPWISE, PTX)
+            for q in tl.static_range(P):
+                if q != rank:
+                    if STEPWISE:
+                        dst = D.peer_base(table_ptr, q, gather_off16, BITS) + t64 * H + cols
+                        tl.store(dst, D.as_bits(acc.to(T), BITS), mask=cmask)
+                    else:  # FP32 sum, as int32 bits (gather_off16: an FP32-sized region)
+                        dst = D.peer_base(table_ptr, q, gather_off16, 32) + t64 * H + cols
+                        tl.store(dst, acc.to(tl.int32, bitcast=True), mask=cmask)
+            res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
+            _finish_row(acc, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                        arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
+                        nout_st, q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR,
+                        PTX)  # fmt: skip
+        i += 1
+    if healthy & (missing == 0):
+        D.signal_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, P, PP)
+        missing = D.wait_peers(table_ptr, flags_off16, NSLOT + pid, rank, epoch, deadline,
+                               clock_ptr, P, PP, PTX)  # fmt: skip
+
+    # phase 3: rows owned by other ranks, from the local gather buffer
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        t = pid + i * G
+        if t // chunk != rank:
+            t64 = t.to(tl.int64)
+            if STEPWISE:
+                src = D.peer_base(table_ptr, rank, gather_off16, BITS) + t64 * H + cols
+                bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
+                s = widen_f32(bits.to(T, bitcast=True), PTX)
+            else:
+                src = D.peer_base(table_ptr, rank, gather_off16, 32) + t64 * H + cols
+                bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
+                s = bits.to(tl.float32, bitcast=True)
+            res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
+            _finish_row(s, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                        arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
+                        nout_st, q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR,
+                        PTX)  # fmt: skip
+        i += 1
+    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                   PATTERN, LAYOUT, KP_BLOCK, False)  # fmt: skip
+    if last:
+        tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
+        tl.store(ctrl_ptr + D.CTRL_EPOCH, epoch % D.EPOCH_WRAP + 1)
+
+
+# ----------------------------------------------------------------------------- torch path
+@triton.jit(do_not_specialize=["M", "n_rows", "n_experts"])
+def _moe_partial_kernel(
+    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, out_ptr,
+    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, out_st, M, H, n_rows, n_experts, rsf,
+    BLOCK_H: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """This rank's partial rows, materialised ([M, H], T) for the all-gather of the torch path."""
+    T: tl.constexpr = out_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    if USE_PDL:
+        gdc_wait()
+    t = pid
+    while t < M:
+        p = _partial_row(t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows,
+                         n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf,
+                         T, K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF,
+                         HAS_SHARED, STEPWISE, PTX)  # fmt: skip
+        tl.store(out_ptr + t.to(tl.int64) * out_st + cols, p.to(T), mask=cmask)
+        t += G
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit(do_not_specialize=["M", "M_pad"])
+def _moe_gathered_kernel(
+    g_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
+    res_st, arout_st, rout_st, nout_st, q_st, M, M_pad, H, Hf, n_kcols, eps, weight_bias,
+    P: tl.constexpr, BLOCK_H: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr,
+    KP_BLOCK: tl.constexpr, STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr,
+    USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """``g_ptr``: all ranks' partials, contiguous [P, M, H]; rank-order sum + epilogue."""
+    T: tl.constexpr = g_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    if USE_PDL:
+        gdc_wait()
+    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    t = pid
+    while t < M:
+        t64 = t.to(tl.int64)
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for q in tl.static_range(P):
+            v = widen_f32(tl.load(g_ptr + (q * M + t64) * H + cols, mask=cmask, other=0.0), PTX)
+            acc = _rank_step(acc, v, T, STEPWISE, PTX)
+        res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
+        _finish_row(acc, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                    arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr,
+                    q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)  # fmt: skip
+        t += G
+    if USE_PDL:
+        gdc_launch_dependents()
+    if PATTERN == 3:
+        D.zero_scale_rows(sf_ptr, M + pid, M_pad, G, n_kcols, LAYOUT, KP_BLOCK)
+
+
+# ----------------------------------------------------------------------------- launcher
+#: tests only: force the producer's rows per batch (must divide K), to cover batching at small H
+ROWS_PER_BATCH_OVERRIDE: int | None = None
+
+
+def ctas_per_sm() -> int:
+    """Co-resident CTAs per SM of the peer kernels (grid cap = SMs x this; the register budget
+    of :func:`rows_per_batch` shrinks with it). MOEFUSE_MOE_COMM_CTAS_PER_SM (default 1: all K
+    rows of a token in flight at H <= 4096; 2 lets one CTA load while the other waits on NVLink
+    — not measured yet). Read at every launch: it must be the same on every rank."""
+    value = int(os.environ.get("MOEFUSE_MOE_COMM_CTAS_PER_SM", "1") or 1)
+    if value not in (1, 2, 4):
+        raise ValueError(f"MOEFUSE_MOE_COMM_CTAS_PER_SM must be 1, 2 or 4, got {value}")
+    return value
+
+
+def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
+    """Expert rows loaded together by the producer: all K when they fit in registers next to
+    the rest of the kernel (~96 registers: ptxas -v of the one-shot kernel, H = 4096, K = 8, used
+    238 of 248 with all 8 rows; scripts/compile_check_moe_comm.py), else fewer. With ``ctas``
+    co-resident CTAs per SM a thread may use 65536 / (threads x ctas) registers (at most 255); a
+    bias row doubles the registers per slot. Always a divisor of K (no ragged static batch);
+    never changes the bits."""
+    if ROWS_PER_BATCH_OVERRIDE is not None:
+        return ROWS_PER_BATCH_OVERRIDE
+    threads = 32 * tile.num_warps
+    per_thread = tile.block // threads  # elements of a row per thread
+    regs = min(255, 65536 // (threads * ctas))
+    budget = max(1, min(k, (regs - 96) // max(1, per_thread * (2 if bias else 1))))
+    return max(d for d in range(1, budget + 1) if k % d == 0)  # a divisor of K: no ragged batch
+
+
+def producer_args(dense: bool, src, idx_map, weights, shared, bias=None, expert_ids=None):
+    """(pointer tensors, strides, K, (n_rows, n_experts)) of the producer stage."""
+    if dense:  # src [E, M, H], weights [E, M] FP32, shared = token input [M, H]
+        k = src.shape[0]
+        strides = (src.stride(1), src.stride(0), 0, weights.stride(1), weights.stride(0),
+                   shared.stride(0), 0, 0)  # fmt: skip
+        return (src, src, weights, shared, src, src), strides, k, (0, 0)
+    k = idx_map.shape[1]
+    w = weights if weights is not None else idx_map
+    sh = shared if shared is not None else src
+    b = bias if bias is not None else src
+    e = expert_ids if expert_ids is not None else idx_map
+    strides = (src.stride(0), 0, idx_map.stride(0),
+               weights.stride(0) if weights is not None else 0,
+               weights.stride(1) if weights is not None else 0,
+               shared.stride(0) if shared is not None else 0,
+               bias.stride(0) if bias is not None else 0,
+               expert_ids.stride(0) if expert_ids is not None else 0)  # fmt: skip
+    n_experts = bias.shape[0] if bias is not None else 0
+    return (src, idx_map, w, sh, b, e), strides, k, (src.shape[0], n_experts)
+
+
+def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx_map, weights,
+                      shared, rsf: float, bias=None, expert_ids=None, residual, weight,
+                      residual_out, norm_out,
+                      allreduce_out=None, quant_out=None, scale_out=None, scale=None,
+                      layout: int = 0, eps: float = 1e-6, weight_bias: float = 0.0,
+                      stepwise: bool = True, use_pdl: bool = False) -> None:  # fmt: skip
+    """One MoE fusion on ``ws`` with ``algorithm`` in "oneshot" | "twoshot" | "torch".
+
+    ``pattern``: 1 residual + RMSNorm, 2 + FP8, 3 + NVFP4 (recipe "fast"); ``norm_out`` is always
+    written, ``allreduce_out`` when given. Outputs are allocated and validated by the caller."""
+    m, h = residual.shape
+    if m == 0:
+        return
+    tile = comm_tile(h, pattern)
+    ptx = not interpreter_active()
+    (s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr), pstrides, k, counts = producer_args(
+        dense, src, idx_map, weights, shared, bias, expert_ids)
+    has_w = dense or weights is not None
+    has_shared = dense or shared is not None
+    has_rsf = (not dense) and float(rsf) != 1.0
+    dummy = residual
+    ao = allreduce_out if allreduce_out is not None else dummy
+    qo = quant_out.view(torch.uint8) if quant_out is not None else dummy
+    so = scale_out.view(torch.uint8) if scale_out is not None else dummy
+    sc = scale if scale is not None else dummy
+    n_kcols = scale_out.shape[-1] if (pattern == 3 and scale_out.dim() == 2) else 0
+    m_pad = scale_out.shape[0] if scale_out is not None else m
+    ostrides = (residual.stride(0), ao.stride(0), residual_out.stride(0), norm_out.stride(0),
+                qo.stride(0))  # fmt: skip
+    ctas = ctas_per_sm() if algorithm in ("oneshot", "twoshot") else 1
+    kb = rows_per_batch(k, tile, ctas, bias is not None)
+    producer = dict(K=k, KB=kb, DENSE=bool(dense), HAS_W=has_w,
+                    HAS_BIAS=bias is not None,
+                    HAS_RSF=has_rsf, HAS_SHARED=has_shared, STEPWISE=bool(stepwise))  # fmt: skip
+    common = dict(BLOCK_H=tile.block, PATTERN=pattern, LAYOUT=layout, KP_BLOCK=tile.kp_block,
+                  WRITE_AR=allreduce_out is not None, USE_PDL=bool(use_pdl), PTX=ptx,
+                  num_warps=tile.num_warps, enable_fp_fusion=False)  # fmt: skip
+    if use_pdl:
+        common["launch_pdl"] = True
+    outs = (s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, residual, weight, ao, residual_out,
+            norm_out, qo, so,
+            sc)  # fmt: skip
+    scalars = (m, max(m_pad, m), h, float(h))
+    if algorithm == "torch":
+        from moefuse.comm.fallback import gather_stacked
+
+        part = torch.empty_like(residual)
+        grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
+        _moe_partial_kernel[grid](
+            s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, part, *pstrides, part.stride(0), m, h,
+            *counts,
+            float(rsf), BLOCK_H=tile.block, USE_PDL=bool(use_pdl), PTX=ptx,
+            num_warps=tile.num_warps, enable_fp_fusion=False,
+            **({"launch_pdl": True} if use_pdl else {}), **producer,
+        )  # fmt: skip
+        gathered = gather_stacked(part, ws)
+        _moe_gathered_kernel[grid](
+            gathered, residual, weight, ao, residual_out, norm_out, qo, so, sc, *ostrides,
+            *scalars, n_kcols, float(eps), float(weight_bias), P=ws.world_size,
+            STEPWISE=bool(stepwise), **common,
+        )  # fmt: skip
+        return
+    ws.refresh_clock()
+    bits = _BITS[residual.dtype]
+    if ptx:  # cap registers so that ctas CTAs per SM are resident (CTA j waits on CTA j)
+        common["maxnreg"] = min(255, 65536 // (32 * tile.num_warps * ctas)) // 8 * 8
+    # peer kernels: ctas_per_sm() CTAs per SM (the register budget of rows_per_batch), so that
+    # every CTA of the grid is resident at once: CTA j waits on CTA j of the peers
+    if algorithm == "oneshot":
+        grid = (max(1, min(m, ws.num_sms * ctas)),)
+        _moe_oneshot_kernel[grid](
+            *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
+            *scalars, ws.rank, ws.oneshot_max_tokens, n_kcols, *counts, float(eps),
+            float(weight_bias), float(rsf), ws.timeout_us, P=ws.world_size, BITS=bits,
+            **producer, **common,
+        )  # fmt: skip
+    elif algorithm == "twoshot":
+        grid = (max(1, min(m, ws.num_sms * ctas, ws.num_flag_slots)),)
+        _moe_twoshot_kernel[grid](
+            *outs, *pstrides, *ostrides, ws.table, ws.offset16("flags"), ws.offset16("stage"),
+            ws.offset16("gather" if stepwise else fp32_gather_region(ws)), ws.ctrl, ws.clock,
+            *scalars, ws.rank, ws.chunk_cap, n_kcols,
+            *counts, float(eps), float(weight_bias), float(rsf), ws.timeout_us,
+            P=ws.world_size, PP=triton.next_power_of_2(ws.world_size), NSLOT=ws.num_flag_slots,
+            BITS=bits, **producer, **common,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}")

@@ -1,0 +1,279 @@
+"""MoE communication fusions (SPEC §3.2, §3.3) on 2 H200s (NCCL group, symmetric-memory peer
+buffers, no multicast): full shapes, both accumulate modes, invalid indices over NaN-poisoned rows,
+bitwise across one-shot / two-shot / torch.distributed / the reference path, ranks, PDL on/off and
+a token alone vs inside the batch; FP8 / NVFP4 outputs; 1,000 CUDA-graph replays with fresh data.
+
+Run: ``python -m pytest -q tests/test_comm_moe_fusion_gpu.py`` (each test spawns its own P
+processes; world sizes beyond the GPU count are skipped).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comm_mp import run_group
+from test_comm_gpu import assert_ranks_agree, checksum, same_bits, within_one_ulp
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+WORLD_SIZES = [pytest.param(2, id="p2")]
+WIDTHS = (2880, 4096, 7168)
+TOP_K = (2, 6, 8)
+TOKENS = (1, 7, 64, 200, 4096)
+ALGOS = ("oneshot", "twoshot", "torch")
+FP8_SCALE = 0.0125
+NVFP4_GS = 448.0 * 6 / 8.0
+RSF = 2.5
+
+
+def _dev(rank) -> torch.device:
+    return torch.device("cuda", rank)
+
+
+def _need(world_size):
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+
+
+# ----------------------------------------------------------------------------- inputs
+def finalize_case(seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, shared=True,
+                  bias=False):
+    """All ranks' inputs (same on every rank): permuted rows with 5 padding rows, unused rows NaN,
+    one invalid slot (-1, -9, R, R + 3) in two of every three tokens, -0.0 in column 0; with
+    ``bias``, per-rank expert biases [16, H] and expert ids in [-1, 17)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r_rows = m * k + 5
+    perm = torch.randperm(r_rows, generator=g, device=dev)[: m * k].to(torch.int32).view(m, k)
+    t = torch.arange(m, device=dev)
+    bad = torch.tensor([-1, -9, r_rows, r_rows + 3], dtype=torch.int32, device=dev)[t % 4]
+    sel = (t % 3) != 2
+    perm[t[sel], ((t + 1) % k)[sel]] = bad[sel]
+    valid = (perm >= 0) & (perm < r_rows)
+    keep = torch.zeros(r_rows, dtype=torch.bool, device=dev)
+    keep[perm[valid].long()] = True
+    ins, ws, shs = [], [], []
+    for _ in range(p):
+        x = torch.randn(r_rows, h, generator=g, device=dev).to(torch.bfloat16)
+        x[~keep] = float("nan")
+        x[:, 0] = -0.0
+        ins.append(x)
+        ws.append((torch.rand(m, k, generator=g, device=dev) + 0.1).to(weights_dtype))
+        shs.append(torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16) if shared
+                   else None)  # fmt: skip
+    res = torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16)
+    w = (torch.rand(h, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+    bs, eids = None, None
+    if bias:
+        bs = [torch.randn(16, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
+        eids = torch.randint(-1, 17, (m, k), generator=g, device=dev, dtype=torch.int32)
+    return ins, perm, ws, shs, res, w, bs, eids
+
+
+def reduction_case(seed, p, m, h, e, dev):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    xs = [torch.randn(e, m, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
+    scales = [torch.rand(e, m, generator=g, device=dev) + 0.1 for _ in range(p)]
+    toks = [torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
+    res = torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16)
+    w = (torch.rand(h, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+    return xs, scales, toks, res, w
+
+
+def call_finalize(moefuse, ws, rank, case, algo, opts, rows=None, pdl=None, impl="triton"):
+    ins, perm, wts, shs, res, w, bs, eids = case
+    sl = slice(*rows) if rows is not None else slice(None)
+    kw = dict(workspace=ws, algorithm=algo, impl=impl, enable_pdl=pdl,
+              expert_scale_factor=wts[rank][sl], routed_scaling_factor=opts["rsf"],
+              accumulate=opts["accumulate"], weight_bias=opts["weight_bias"],
+              **opts.get("quant_kw", {}))  # fmt: skip
+    if shs[rank] is not None:
+        kw["shared_expert_output"] = shs[rank][sl]
+    if bs is not None:
+        kw.update(bias=bs[rank], expert_ids=eids[sl])
+    return moefuse.moe_finalize_allreduce_residual_rmsnorm(ins[rank], res[sl], w, perm[sl], **kw)
+
+
+def call_reduction(moefuse, ws, rank, case, algo, opts, rows=None, pdl=None, impl="triton"):
+    xs, scales, toks, res, w = case
+    sl = slice(*rows) if rows is not None else slice(None)
+    return moefuse.moe_allreduce_residual_rmsnorm(
+        xs[rank][:, sl], scales[rank][:, sl], toks[rank][sl], res[sl], w, workspace=ws,
+        algorithm=algo, impl=impl, enable_pdl=pdl, accumulate=opts["accumulate"],
+        weight_bias=opts["weight_bias"], **opts.get("quant_kw", {}),
+    )  # fmt: skip
+
+
+def oracle(op, case, opts):
+    from moefuse.comm import moe_fusion_reference as mref
+
+    kw = dict(accumulate=opts["accumulate"], weight_bias=opts["weight_bias"])
+    if op == "finalize":
+        ins, perm, wts, shs, res, w, bs, eids = case
+        return mref.moe_finalize_allreduce_from_ranks(
+            ins, perm, res, w, expert_scale_factors=wts, routed_scaling_factor=opts["rsf"],
+            shared_expert_outputs=shs if shs[0] is not None else None, biases=bs,
+            expert_ids=eids, **kw)
+    xs, scales, toks, res, w = case
+    return mref.moe_allreduce_from_ranks(xs, scales, toks, res, w, **kw)
+
+
+# ----------------------------------------------------------------------------- scenarios
+def scenario_full_shapes(rank, world_size):
+    """Every (H, K, M, op): oracle (residual_out bitwise, norm_out <= 1 ulp), bitwise across
+    algorithms, the reference path, ranks; PDL off and a token alone at M in {7, 4096}."""
+    import moefuse
+    from moefuse.comm.moe_fusion_ops import extra_regions
+
+    dev = _dev(rank)
+    for h in WIDTHS:
+        ws = moefuse.AllReduceWorkspace(None, max(TOKENS), h, torch.bfloat16, dev,
+                                        oneshot_max_tokens=max(TOKENS),
+                                        extra_regions=extra_regions(max(TOKENS), h))  # fmt: skip
+        for k in TOP_K:
+            for m in TOKENS:
+                for op in ("finalize", "reduction"):
+                    # options vary with (H, K) only: every combination is one compilation
+                    hi, ki = WIDTHS.index(h), TOP_K.index(k)
+                    opts = dict(accumulate=("stepwise", "fp32")[(hi + ki) % 2],
+                                weight_bias=float(ki % 2), rsf=(RSF, 1.0)[ki % 2])  # fmt: skip
+                    seed = h * 131 + k * 17 + m
+                    if op == "finalize":
+                        case = finalize_case(seed, world_size, m, h, k, dev,
+                                             weights_dtype=(torch.bfloat16, torch.float32)[hi % 2],
+                                             shared=k != 6, bias=k == 6)  # fmt: skip
+                        run = call_finalize
+                    else:
+                        case = reduction_case(seed, world_size, m, h, k, dev)
+                        run = call_reduction
+                    want = oracle(op, case, opts)
+                    first = None
+                    for algo in (*ALGOS, "reference"):
+                        what = f"{op} H={h} K={k} M={m} {opts} {algo}"
+                        impl = "reference" if algo == "reference" else "triton"
+                        outs = run(moefuse, ws, rank, case, "auto" if impl == "reference" else algo,
+                                   opts, impl=impl)  # fmt: skip
+                        same_bits(outs[0], want["residual_out"], f"{what} residual_out")
+                        if first is None:
+                            within_one_ulp(outs[1], want["norm_out"], f"{what} norm_out")
+                            first = outs
+                        elif impl == "triton":
+                            for a, b in zip(outs, first):
+                                same_bits(a, b, f"{what} vs {ALGOS[0]}")
+                        if m in (7, 4096) and impl == "triton":
+                            off = run(moefuse, ws, rank, case, algo, opts, pdl=False)
+                            for a, b in zip(off, outs):
+                                same_bits(a, b, f"{what} PDL off")
+                            j = m // 2
+                            alone = run(moefuse, ws, rank, case, algo, opts, rows=(j, j + 1))
+                            for a, b in zip(alone, outs):
+                                same_bits(a, b[j : j + 1], f"{what} token alone")
+                    assert_ranks_agree(checksum(*first), f"{op} H={h} K={k} M={m}")
+        ws.check()
+        ws.close()
+    return True
+
+
+def scenario_quant(rank, world_size):
+    """FP8 / NVFP4 (recipe "fast", every layout): bitwise equal to the reference quantizer (with
+    the GPU's rcp.approx) applied to the kernel's own norm output; bitwise across algorithms."""
+    import moefuse
+    from moefuse.quant import reference as quant_ref
+    from moefuse.quant.triton import rcp_approx
+
+    dev = _dev(rank)
+    h, k = 4096, 8
+    ws = moefuse.AllReduceWorkspace(None, 200, h, torch.bfloat16, dev)
+    for m in (1, 200):
+        for quant, layout in (("fp8", "swizzled_128x4"), ("nvfp4", "swizzled_128x4"),
+                              ("nvfp4", "swizzled_8x4"), ("nvfp4", "linear")):  # fmt: skip
+            sf = torch.tensor([FP8_SCALE if quant == "fp8" else NVFP4_GS], device=dev)
+            opts = dict(accumulate="stepwise", weight_bias=0.0, rsf=RSF,
+                        quant_kw=dict(quant=quant, scale_factor=sf, layout=layout))  # fmt: skip
+            for op, run in (("finalize", call_finalize), ("reduction", call_reduction)):
+                case = finalize_case(m, world_size, m, h, k, dev) if op == "finalize" else \
+                    reduction_case(m, world_size, m, h, k, dev)  # fmt: skip
+                first = None
+                for algo in ALGOS:
+                    what = f"{op} M={m} {quant} {layout} {algo}"
+                    outs = run(moefuse, ws, rank, case, algo, opts)
+                    if quant == "fp8":
+                        q = quant_ref.fp8_quantize_reference(outs[1], sf)
+                        same_bits(outs[2].view(torch.uint8), q.view(torch.uint8), what)
+                    else:
+                        pk, sc = quant_ref.fp4_quantize_reference(outs[1], sf, layout, "fast",
+                                                                  rcp=rcp_approx)  # fmt: skip
+                        same_bits(outs[2], pk, f"{what} codes")
+                        same_bits(outs[3], sc.reshape(outs[3].shape), f"{what} scales")
+                    first = first or outs
+                    for a, b in zip(outs, first):
+                        same_bits(a, b, f"{what} vs {ALGOS[0]}")
+                assert_ranks_agree(checksum(*first), f"{op} M={m} {quant}")
+    ws.close()
+    return True
+
+
+def scenario_graph_replays(rank, world_size, replays):
+    """The finalize fusion captured in a CUDA graph per algorithm (PDL on), replayed with fresh
+    inputs (new rows, weights, indices with invalid slots, NaN in unused rows) copied in before
+    each replay: residual_out bitwise against the oracle every replay."""
+    import moefuse
+    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.testing import assert_bitwise_equal
+
+    dev = _dev(rank)
+    m, h, k = 64, 4096, 8
+    ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev, oneshot_max_tokens=m,
+                                    extra_regions=extra_regions(m, h))  # fmt: skip
+    base = finalize_case(0, world_size, m, h, k, dev)[:6]
+    buf = [t[rank].clone() if isinstance(t, list) else t.clone() for t in base]  # static inputs
+    x, perm, wt, sh, res, w = buf
+    for accumulate in ("stepwise", "fp32"):
+        for algo in ALGOS:
+            ro, no = torch.empty_like(res), torch.empty_like(res)
+            run = lambda: moefuse.moe_finalize_allreduce_residual_rmsnorm(  # noqa: E731
+                x, res, w, perm, workspace=ws, expert_scale_factor=wt, routed_scaling_factor=RSF,
+                shared_expert_output=sh, accumulate=accumulate, algorithm=algo, impl="triton",
+                residual_out=ro, norm_out=no)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run()  # compile outside capture
+            torch.cuda.current_stream().wait_stream(stream)
+            with ws.capture():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+            for i in range(replays):
+                case = finalize_case(1000 + i, world_size, m, h, k, dev)
+                for dst, src in zip(buf, case[:6]):
+                    dst.copy_(src[rank] if isinstance(src, list) else src)
+                ro.fill_(float("nan"))
+                graph.replay()
+                want = oracle("finalize", case, dict(accumulate=accumulate, weight_bias=0.0,
+                                                     rsf=RSF))  # fmt: skip
+                assert_bitwise_equal(ro, want["residual_out"], f"{algo} {accumulate} replay {i}")
+            del graph
+    ws.check()
+    ws.close()
+    return True
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_full_shapes_every_algorithm(world_size):
+    _need(world_size)
+    assert all(run_group(world_size, scenario_full_shapes, backend="nccl", timeout_s=1200))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_quant_outputs(world_size):
+    _need(world_size)
+    assert all(run_group(world_size, scenario_quant, backend="nccl", timeout_s=600))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_graph_replays_fresh_data(world_size):
+    _need(world_size)
+    assert all(run_group(world_size, scenario_graph_replays, 1000, backend="nccl",
+                         timeout_s=1200))  # fmt: skip
