@@ -137,17 +137,39 @@ class _Recorder(TorchDispatchMode):
             self.impure = str(func)
         return out
 
+    def _count_launch(self, *args):
+        self.triton_launches += 1
+
     def __enter__(self):
         _local.rec = self
         _dispatch._own_modes[0] += 1
+        # Triton's launch hook counts every launch on the GPU, so a launch that bypassed
+        # :func:`launch` (and would be missing from the plan) is noticed (the interpreter calls no
+        # hook: there the count stays 0)
+        self.triton_launches = 0
+        self._hooks = _launch_hooks()
+        if self._hooks is not None:
+            self._hooks.add(self._count_launch)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            if self._hooks is not None:
+                self._hooks.remove(self._count_launch)
             _dispatch._own_modes[0] -= 1
             _local.rec = None
+
+
+def _launch_hooks():
+    """Triton's chain of launch-enter hooks (None without triton or where it is not a chain)."""
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - depends on the installation
+        return None
+    hooks = knobs.runtime.launch_enter_hook
+    return hooks if hasattr(hooks, "add") and hasattr(hooks, "remove") else None
 
 
 class _Slow:
@@ -255,6 +277,8 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
         raise _Unplannable(f"ran {rec.impure}")
     if not rec.launches:
         raise _Unplannable("launched no kernel")
+    if rec.triton_launches > len(rec.launches):
+        raise _Unplannable("a Triton kernel was launched without moefuse._fastpath.launch")
     if rec.side_stream:
         raise _Unplannable("launched on a stream other than the caller's")
     fixed = [t for j in guard_positions if args[j] is not None

@@ -9,8 +9,8 @@ then times, side by side in one run:
   buffer, then the single-GPU kernel, PDL between them; from 2048 tokens pipelined in chunks);
   ``moefuse_gather``: its all-gather launch alone (rmsnorm rows only: where the time goes);
   ``moefuse_nochunk``: the fused op with the pipeline off (rmsnorm rows, where it is on);
-  ``moefuse_1launch``: the experimental one-launch decode kernel (rmsnorm, M <= 64; checked
-  bitwise first, NaN if it fails);
+  ``moefuse_2launch``: the two-launch path (gather, then rmsnorm) where the default is the
+  one-launch decode kernel (rmsnorm, M <= 64; checked bitwise first, NaN if it fails);
 * ``nccl+op``: NCCL ``all_gather_into_tensor`` into [P, M, H/P], re-layout to [M, H]
   (``permute`` + contiguous copy), then the moefuse single-GPU op;
 * ``symm+op``: PyTorch symmetric memory ``torch.ops.symm_mem._low_contention_all_gather``
@@ -180,22 +180,22 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         variants["moefuse_gather"] = gather_only
         if allgather_ops.chunk_rows(m) < m:  # the pipeline's default against one chunk
             variants["moefuse_nochunk"] = fused
-        if m <= ONE_LAUNCH_MAX_TOKENS:  # the experimental one-launch decode kernel
-            variants["moefuse_1launch"] = fused
+        if m <= ONE_LAUNCH_MAX_TOKENS:  # the default is one launch here: time two as well
+            variants["moefuse_2launch"] = fused
     times = {}
     for name, fn in variants.items():
         dist.barrier(group=group)
         torch.cuda.synchronize(dev)
-        env = {"moefuse_nochunk": (CHUNK_ENV, "0"), "moefuse_1launch": (ONE_LAUNCH_ENV, "1")}
+        env = {"moefuse_nochunk": (CHUNK_ENV, "0"), "moefuse_2launch": (ONE_LAUNCH_ENV, "0")}
         key, value = env.get(name, (None, None))
         saved = os.environ.get(key) if key else None
         if key:  # read at capture time, the same on every rank
             os.environ[key] = value
             fastpath.clear()  # recorded launch plans do not read the variable
         try:
-            if name == "moefuse_1launch":  # correctness first for the variant too
+            if name == "moefuse_2launch":  # correctness first for the variant too
                 for a, b in zip(fn(0), want):
-                    assert_bitwise_equal(a, b, f"{op} H={h} M={m}: one-launch vs NCCL + op")
+                    assert_bitwise_equal(a, b, f"{op} H={h} M={m}: two launches vs NCCL + op")
             us = harness.graph_time_us(fn, calls=max(20, n), replays=replays)
         except Exception as exc:
             print(f"rank {rank}: {name} failed at {op} H={h} M={m}: {exc}")

@@ -1,5 +1,9 @@
-"""One-launch decode variant of :func:`moefuse.all_gather_rmsnorm` (EXPERIMENTAL, opt-in with
-``MOEFUSE_ALLGATHER_ONE_LAUNCH=1``, the same on every rank; never measured on a GPU yet).
+"""One-launch decode variant of :func:`moefuse.all_gather_rmsnorm`: the default at
+M <= ONE_LAUNCH_MAX_TOKENS (``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` turns it off, the same on every
+rank). MEASURED on 2 x H200 (bench allgather, 2026-11-30, bench/results/allgather-h200-p2.json):
+one launch vs two at H = 4096: M = 1 3.39 / 3.97 us, M = 8 4.30 / 5.10, M = 64 4.64 / 5.72;
+H = 8192: 4.04 / 4.49, 4.92 / 5.72, 6.54 / 7.22 — bitwise equal to NCCL + rmsnorm in every case
+(the benchmark checks before it times).
 
 The default fused path is two launches (gather, then ``moefuse.rmsnorm``'s kernel). At decode
 sizes the second launch and its grid-dependency wait are a visible part of the latency, so this
@@ -26,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moefuse._fastpath import launch
 from moefuse.comm import allgather_triton as AG
 from moefuse.comm.workspace import CTRL_STATUS
 from moefuse.norm import tiles
@@ -93,8 +98,8 @@ def _ag_rmsnorm_kernel(
 
 def one_launch_tile(width: int, m: int):
     """The single-GPU rmsnorm tile for this width when the one-launch variant can run it at M
-    tokens (opt-in by environment), else None."""
-    if os.environ.get(ONE_LAUNCH_ENV, "0") in ("", "0") or m > ONE_LAUNCH_MAX_TOKENS:
+    tokens (unless the environment turns it off), else None."""
+    if os.environ.get(ONE_LAUNCH_ENV, "1") in ("", "0") or m > ONE_LAUNCH_MAX_TOKENS:
         return None
     tile = row_tile(width, RMSNORM_POLICY)
     if nt._persistent(tile) or (tile.num_chunks > 1 and not tile.stepped):
@@ -118,7 +123,7 @@ def launch_ag_rmsnorm(ws, state, shard: torch.Tensor, weight: torch.Tensor, gath
     consts.pop("maxnreg", None)
     ws.refresh_clock()
     grid = (triton.cdiv(n_rows, tile.rows),)
-    _ag_rmsnorm_kernel[grid](
+    launch(_ag_rmsnorm_kernel, grid,
         shard, shard.stride(0), gathered, weight, out,
         n_rows, width, float(width), 1, x_st, x_sh, o_st, o_sh, float(eps), float(gain_center),
         ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, s,

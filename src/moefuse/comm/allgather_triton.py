@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.comm import _device as D
 from moefuse.comm.tiles import next_pow2
@@ -196,7 +197,7 @@ def launch_allgather(ws, state, shard: torch.Tensor, gathered: torch.Tensor,
     # CTAs one after another, CTA j of every rank pushes before it waits on CTA j of the peers
     ctas = max(1, min(m, ws.max_ctas(warps)))
     extra = {"launch_pdl": True} if use_pdl else {}
-    _allgather_kernel[(ctas,)](
+    launch(_allgather_kernel, (ctas,),
         shard, shard.stride(0), gathered, gathered.stride(0), ws.table, ws.offset16("allgather"),
         state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, m, s, ws.hidden_size, ws.rank, ws.max_tokens,
         ws.timeout_us, P=ws.world_size, BLOCK_S=block, USE_PDL=bool(use_pdl),

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from moefuse._device import round_to, widen_f32
+from moefuse._fastpath import launch
 from moefuse.comm import _device as D
 from moefuse.comm.expert_norm_triton import (
     _common,
@@ -85,8 +86,8 @@ def _ep_oneshot_kernel(
     receives row i-1 (its own partial kept in registers), so NVLink traffic overlaps the norms."""
     T: tl.constexpr = out_ptr.dtype.element_ty
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
-                                                   cap, PTX)  # fmt: skip
+    deadline, gen, n_mine, region = _oneshot_state(
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     mine = D.peer_base(table_ptr, rank, lam_off16, 16)
     empty = D.empty_row(BLOCK_H, 16)
     prev = tl.zeros([BLOCK_H], T)
@@ -109,7 +110,8 @@ def _ep_oneshot_kernel(
             tl.store(out_ptr + tp * out_st + cols, round_to(s, T, PTX), mask=cmask)
         prev = x
         i += 1
-    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+                    0, 16, USE_PDL, PTX)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -128,7 +130,7 @@ def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx
     if algorithm == "oneshot":
         ws.refresh_clock()
         grid = (max(1, min(m, ws.num_sms)),)
-        _ep_oneshot_kernel[grid](
+        launch(_ep_oneshot_kernel, grid,
             rows, weights, idx, norm_weight, out, rows.stride(0), weights.stride(0),
             idx.stride(0), out.stride(0), ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
             m, rows.shape[0], h, float(h), ws.rank, ws.oneshot_max_tokens, float(eps),
@@ -138,7 +140,7 @@ def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx
         return
     partial = torch.empty((m, h), dtype=torch.bfloat16, device=out.device)
     grid = (max(1, min(m, ws.max_ctas(warps))),)
-    _ep_partial_kernel[grid](
+    launch(_ep_partial_kernel, grid,
         rows, weights, idx, norm_weight, partial, rows.stride(0), weights.stride(0),
         idx.stride(0), partial.stride(0), m, rows.shape[0], h, float(h), float(eps),
         float(gain_center), K=k, WBN=bool(weight_before_norm), **common,

@@ -42,6 +42,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from moefuse._device import round_to, rsqrt_fast, widen_f32
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.comm import _device as D
 from moefuse.comm.tiles import comm_tile
@@ -213,8 +214,8 @@ def _tp_expert_owner_kernel(
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
-                                                   cap, PTX)  # fmt: skip
+    deadline, gen, n_mine, region = _oneshot_state(
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     # phase 1: push the partial rows of slots owned by other ranks (never waits)
     i = 0
     while i < n_mine:
@@ -261,7 +262,8 @@ def _tp_expert_owner_kernel(
         _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
                    cmask)  # fmt: skip
         i += 1
-    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+                    0, 16, USE_PDL, PTX)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- TP slot split
@@ -281,8 +283,8 @@ def _tp_slot_kernel(
     as the other algorithms). A CTA only waits on CTAs of lower or equal index (interpreter-safe);
     the grid is exactly M*K (all resident on the GPU)."""
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M * K, pid,
-                                                   G, cap, PTX)  # fmt: skip
+    deadline, gen, n_mine, region = _oneshot_state(
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M * K, pid, G, cap, P, PTX)  # fmt: skip
     region_y = gen.to(tl.int64) * cap_y
     empty16 = D.empty_row(BLOCK_H, 16)
     missing = tl.full([], 0, tl.int32)  # a tensor: it is reassigned inside run-time branches
@@ -327,7 +329,8 @@ def _tp_slot_kernel(
             out = out + gsum
             _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
                        cmask)  # fmt: skip
-    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+                    0, 16, USE_PDL, PTX)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- TP token owner
@@ -340,8 +343,8 @@ def _tp_token_owner_kernel(
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
-                                                   cap, PTX)  # fmt: skip
+    deadline, gen, n_mine, region = _oneshot_state(
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     # phase 1: push every valid slot row of tokens owned by other ranks to their owner
     _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, region, rank,
                          table_ptr, rows_off16, cols, cmask, H, K, P)  # fmt: skip
@@ -379,7 +382,8 @@ def _tp_token_owner_kernel(
             missing = missing | tl.where(pending != 0, 1 << (t % P), 0)
             _store_out(out_ptr, out_st, t64, bits, cols, cmask)
         i += 1
-    _oneshot_finish(ctrl_ptr, gen, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16, USE_PDL)
+    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+                    0, 16, USE_PDL, PTX)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- TP staged
@@ -442,8 +446,8 @@ def _tp_staged_kernel(
             bits = tl.load(gathered + t64 * H + cols, mask=cmask, other=0, cache_modifier=".cg")
             _store_out(out_ptr, out_st, t64, bits, cols, cmask)
         i += 1
-    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_2S, missing, ctrl_ptr, M, M, 0, pid, G, 0, 0, 16,
-                   USE_PDL)  # fmt: skip
+    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, ctrl_ptr, M, M, 0, pid, G,
+                   P, 0, 0, 16, USE_PDL, PTX)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
         tl.store(ctrl_ptr + D.CTRL_EPOCH, epoch % D.EPOCH_WRAP + 1)
@@ -515,7 +519,7 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
     r = rows.shape[0]
     if algorithm == "torch":
         grid = (max(1, min(m, ws.max_ctas(warps))),)
-        _tp_gathered_kernel[grid](
+        launch(_tp_gathered_kernel, grid,
             gathered, weights, idx, norm_weight, out, weights.stride(0), idx.stride(0),
             out.stride(0), m, r, h, float(h), float(eps), float(gain_center), P=p, **consts,
         )  # fmt: skip
@@ -525,7 +529,7 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
             mc = min(xws.capacity, m - c0)
             ws.refresh_clock()
             grid = (max(1, min(mc, ws.num_sms, ws.num_flag_slots)),)
-            _tp_staged_kernel[grid](
+            launch(_tp_staged_kernel, grid,
                 rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
                 weights.stride(0), idx.stride(0), out.stride(0),
                 ws.table, ws.offset16("flags"), ws.offset16("xn_stage"),
@@ -544,7 +548,7 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
         for c0 in range(0, m, per):
             mc = min(per, m - c0)
             ws.refresh_clock()
-            _tp_slot_kernel[(mc * k,)](
+            launch(_tp_slot_kernel, (mc * k,),
                 rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
                 weights.stride(0), idx.stride(0), out.stride(0),
                 ws.table, ws.offset16("xn_rows"), ws.offset16("xn_y"), ws.ctrl, ws.clock,
@@ -565,7 +569,7 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
         # one CTA per SM: ~170 registers per thread (ptxas, sm_90a, H = 4096, K = 8) leave room
         # for one 8-warp CTA, and a CTA's peer (same index on every rank) must be resident
         grid = (max(1, min(mc, ws.num_sms)),)
-        kernel[grid](
+        launch(kernel, grid,
             rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
             weights.stride(0), idx.stride(0), out.stride(0),
             ws.table, ws.offset16("xn_rows"), res_off, ws.ctrl, ws.clock,

@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import widen_f32
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.comm import _device as D
 from moefuse.comm.moe_fusion_device import (
@@ -112,8 +113,8 @@ def _moe_oneshot_kernel(
                        PTX)  # fmt: skip
     if USE_PDL:
         gdc_wait()
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, clock_ptr, timeout_us, M, pid, G,
-                                                   cap, PTX)  # fmt: skip
+    deadline, gen, n_mine, region = _oneshot_state(
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     # rows carried across iterations stay in T (exact: the partials are T-rounded; the residual
     # is T): half the registers of FP32 — at H = 7168 (16 warps, 128 registers) that is what
     # keeps the loop from spilling
@@ -156,8 +157,8 @@ def _moe_oneshot_kernel(
                     sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)  # fmt: skip
         prev = cur
         i += 1
-    _oneshot_finish(ctrl_ptr, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, PATTERN, LAYOUT,
-                    KP_BLOCK, USE_PDL)  # fmt: skip
+    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, P,
+                    PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- two-shot
@@ -264,8 +265,8 @@ def _moe_twoshot_kernel(
                         nout_st, q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR,
                         PTX)  # fmt: skip
         i += 1
-    last = _finish(ctrl_ptr, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-                   PATTERN, LAYOUT, KP_BLOCK, False)  # fmt: skip
+    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols,
+                   pid, G, P, PATTERN, LAYOUT, KP_BLOCK, False, PTX)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
         tl.store(ctrl_ptr + D.CTRL_EPOCH, epoch % D.EPOCH_WRAP + 1)
@@ -439,7 +440,7 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
 
         part = torch.empty_like(residual)
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
-        _moe_partial_kernel[grid](
+        launch(_moe_partial_kernel, grid,
             s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, part, *pstrides, part.stride(0), m, h,
             *counts,
             float(rsf), BLOCK_H=tile.block, USE_PDL=bool(use_pdl), PTX=ptx,
@@ -447,7 +448,7 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
             **({"launch_pdl": True} if use_pdl else {}), **producer,
         )  # fmt: skip
         gathered = gather_stacked(part, ws)
-        _moe_gathered_kernel[grid](
+        launch(_moe_gathered_kernel, grid,
             gathered, residual, weight, ao, residual_out, norm_out, qo, so, sc, *ostrides,
             *scalars, n_kcols, float(eps), float(weight_bias), P=ws.world_size,
             STEPWISE=bool(stepwise), **common,
@@ -461,7 +462,7 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
     # every CTA of the grid is resident at once: CTA j waits on CTA j of the peers
     if algorithm == "oneshot":
         grid = (max(1, min(m, ws.num_sms * ctas)),)
-        _moe_oneshot_kernel[grid](
+        launch(_moe_oneshot_kernel, grid,
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
             *scalars, ws.rank, ws.oneshot_max_tokens, n_kcols, *counts, float(eps),
             float(weight_bias), float(rsf), ws.timeout_us, P=ws.world_size, BITS=bits,
@@ -469,7 +470,7 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
         )  # fmt: skip
     elif algorithm == "twoshot":
         grid = (max(1, min(m, ws.num_sms * ctas, ws.num_flag_slots)),)
-        _moe_twoshot_kernel[grid](
+        launch(_moe_twoshot_kernel, grid,
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("flags"), ws.offset16("stage"),
             ws.offset16("gather" if stepwise else fp32_gather_region(ws)), ws.ctrl, ws.clock,
             *scalars, ws.rank, ws.chunk_cap, n_kcols,
