@@ -43,12 +43,15 @@ from moefuse.comm.workspace import ALGORITHMS, AllReduceWorkspace, _collective_d
 TP_ALGORITHMS = ("auto", "expert_owner_slots", "expert_owner", "token_owner", "staged", "torch")
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: ``algorithm="auto"`` of §3.4: expert owner (K/P slots normalized per rank, group sums in FP32)
-#: up to this many tokens, token owner above. FIRST GUESS (FlashInfer switches at 64/P tokens),
-#: not measured yet: the benchmark prints both columns (bench/moe_comm_tp.py).
-EXPERT_OWNER_MAX_TOKENS = {2: 32, 4: 16, 8: 8}
-#: ... and the Lamport token owner up to this many tokens, the staged (push + flags) token owner
-#: above. FIRST GUESS, not measured yet (the benchmark has a column for each algorithm).
-TOKEN_OWNER_LAMPORT_MAX_TOKENS = 1024
+#: up to this many tokens, the Lamport token owner above. MEASURED at P = 2 on 2 x H200
+#: (bench/results/moe-comm-tp-h200-p2.json, H = 4096, K = 8, us): M = 1 expert_owner 11.98,
+#: expert_owner_slots 12.94, token_owner 17.21, staged 19.41; M = 64 18.82 / 68.28 / 22.60 / 27.06;
+#: M = 2048 450.7 / - / 388.0 / 528.2. P = 4 and 8: first guesses (FlashInfer switches at 64/P).
+EXPERT_OWNER_MAX_TOKENS = {2: 64, 4: 16, 8: 8}
+#: ... and the Lamport token owner up to this many tokens (chunked to the workspace capacity), the
+#: staged (push + flags) token owner above: staged was the slowest peer algorithm at every M
+#: measured (above), so it is only chosen past the largest M of the benchmark.
+TOKEN_OWNER_LAMPORT_MAX_TOKENS = 16384
 #: cap of the Lamport slots of one ExpertNormWorkspace (larger M runs in chunks of the capacity)
 TP_LAMPORT_BUDGET_BYTES = 256 << 20
 TP_DEFAULT_CAPACITY = 1024
@@ -180,9 +183,7 @@ class ExpertNormWorkspace:
         if algorithm != "auto":
             return algorithm
         if num_tokens <= expert_owner_max_tokens(self.world_size):
-            if num_tokens * self.top_k <= self.ar.num_sms:  # one launch, every CTA resident
-                return "expert_owner_slots"
-            return "expert_owner"
+            return "expert_owner"  # faster than "expert_owner_slots" at every M measured
         if num_tokens <= TOKEN_OWNER_LAMPORT_MAX_TOKENS:
             return "token_owner"
         return "staged"
@@ -346,8 +347,8 @@ def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_perm
         out = sum_{groups j asc} (fma chain over group j's valid slots of y_k * w[t,k])
         output[t] = bf16(out)                                       (B = ceil(K/P) per group)
 
-    ``algorithm``: "auto" (expert owner for M <= :data:`EXPERT_OWNER_MAX_TOKENS` — one CTA per
-    (token, slot) while M*K <= SMs —, Lamport token owner up to
+    ``algorithm``: "auto" (expert owner for M <= :data:`EXPERT_OWNER_MAX_TOKENS`, Lamport token
+    owner up to
     :data:`TOKEN_OWNER_LAMPORT_MAX_TOKENS`, staged above), "expert_owner_slots", "expert_owner",
     "token_owner" (Lamport peer stores), "staged" (token owner, push + flag barriers) or "torch"
     (all-gather of the rows + local kernel); all give the same bits. ``workspace``: an
