@@ -144,7 +144,7 @@ def main(argv) -> int:
         return 2
     import torch.multiprocessing as mp
 
-    from moefuse.bench.allreduce import _free_port
+    from moefuse.bench.ranks import free_port as _free_port
 
     init = f"tcp://127.0.0.1:{_free_port()}"
     mp.start_processes(worker, args=(2, init, args.out), nprocs=2, start_method="spawn")

@@ -282,7 +282,8 @@ def main(argv) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if args.tokens == ",".join(map(str, TOKENS)):
             args.tokens, args.hidden = "1,5,17", "48,64"
-    from moefuse.bench.allreduce import NO_MULTICAST, _free_port
+    from moefuse.bench.ranks import NO_MULTICAST
+    from moefuse.bench.ranks import free_port as _free_port
 
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)

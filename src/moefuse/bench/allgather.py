@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
+
+from moefuse.bench import ranks
 
 TOKENS = [1, 8, 64, 512, 4096, 16384]
 WIDTHS = [4096, 8192]
 OPS = ("rmsnorm", "fp8", "fp4", "gated")
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+NO_MULTICAST = ranks.NO_MULTICAST
 BASELINES = ("nccl+op", "symm+op")
 PEER_COPY_BYTES = 256 << 20
 CHUNK_ENV = "MOEFUSE_ALLGATHER_CHUNK_ROWS"
@@ -216,27 +216,15 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
 
 # ----------------------------------------------------------------------------- worker
 def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
-    for key, value in NO_MULTICAST.items():
-        os.environ.setdefault(key, value)
+    dev = ranks.init_rank(rank, world_size, init_method)
     import torch.distributed as dist
 
     import moefuse
     from moefuse.bench import harness
 
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    if init_method is None:
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("nccl", init_method=init_method, rank=rank,
-                                world_size=world_size)  # fmt: skip
     group = dist.group.WORLD
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", local)
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
-        ([1, 64, 4096] if args.quick else TOKENS)  # fmt: skip
-    widths = [int(h) for h in args.hidden.split(",")] if args.hidden else \
-        ([4096] if args.quick else WIDTHS)  # fmt: skip
+    tokens, widths = ranks.token_and_width_lists(args, TOKENS, WIDTHS, [1, 64, 4096])
     ops = [o for o in args.ops.split(",") if o] if args.ops else list(OPS)
     bad = [o for o in ops if o not in OPS]
     if bad:
@@ -313,16 +301,6 @@ def bar_checks(rows: list[dict]) -> list[str]:
     return out
 
 
-def _spawned(index: int, world_size: int, args, init_method: str) -> None:
-    _worker(index, world_size, args, init_method)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moefuse bench allgather")
     parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
@@ -333,17 +311,4 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hidden", default="", help="comma-separated H values")
     parser.add_argument("--ops", default="", help=f"comma-separated subset of {OPS}")
     args = parser.parse_args(argv)
-    for key, value in NO_MULTICAST.items():
-        os.environ.setdefault(key, value)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
-        return 0
-    if torch.cuda.device_count() < args.world_size:
-        print(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
-        return 2
-    import torch.multiprocessing as mp
-
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.start_processes(_spawned, args=(args.world_size, args, init), nprocs=args.world_size,
-                       start_method="spawn")  # fmt: skip
-    return 0
+    return ranks.run_ranks(_worker, args)

@@ -32,19 +32,19 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from moefuse.bench import ranks
 
 TOKENS = [1, 8, 64, 512, 2048, 16384]
 WIDTHS = [4096, 7168]
 TOP_K = 8
 EPS = 1e-6
 CHECK_MAX_TOKENS = 2048
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+NO_MULTICAST = ranks.NO_MULTICAST
 #: issue 16's anchors on 2 x H200, H = 4096, K = 8 (µs at M = 1 / 8 / 64 / 512 / 2048)
 FLASHINFER_ANCHORS = {
     "moe_finalize_allreduce_residual_rmsnorm": {1: 6.9, 8: 7.1, 64: 23.5, 512: 255.0, 2048: 999.0},
@@ -347,27 +347,16 @@ def bar_checks(rows: list[dict], world_size: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- worker
 def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
-    for key, value in NO_MULTICAST.items():
-        os.environ.setdefault(key, value)
+    dev = ranks.init_rank(rank, world_size, init_method)
     import torch.distributed as dist
 
     import moefuse
     from moefuse.bench import harness
 
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    if init_method is None:
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("nccl", init_method=init_method, rank=rank,
-                                world_size=world_size)  # fmt: skip
     group = dist.group.WORLD
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
-        ([1, 64, 2048] if args.quick else TOKENS)  # fmt: skip
-    widths = [int(h) for h in args.hidden.split(",")] if args.hidden else \
-        ([4096] if args.quick else WIDTHS)  # fmt: skip
-    ctx = Ctx(rank=rank, world_size=world_size, group=group, device=torch.device("cuda", local),
+    tokens, widths = ranks.token_and_width_lists(args, TOKENS, WIDTHS, [1, 64, 2048])
+    ctx = Ctx(rank=rank, world_size=world_size, group=group, device=dev,
               tokens=tokens, widths=widths, top_k=args.top_k, replays=8 if args.quick else 15,
               harness=harness, moefuse=moefuse,
               norm_c=harness.compile_baseline(residual_rmsnorm),
@@ -398,16 +387,6 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
     dist.destroy_process_group()
 
 
-def _spawned(index: int, world_size: int, args, init_method: str) -> None:
-    _worker(index, world_size, args, init_method)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moefuse bench moe-comm")
     parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
@@ -418,17 +397,4 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hidden", default="", help="comma-separated H values")
     parser.add_argument("--top-k", type=int, default=TOP_K)
     args = parser.parse_args(argv)
-    for key, value in NO_MULTICAST.items():
-        os.environ.setdefault(key, value)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
-        return 0
-    if torch.cuda.device_count() < args.world_size:
-        print(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
-        return 2
-    import torch.multiprocessing as mp
-
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.start_processes(_spawned, args=(args.world_size, args, init), nprocs=args.world_size,
-                       start_method="spawn")  # fmt: skip
-    return 0
+    return ranks.run_ranks(_worker, args)

@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 from pathlib import Path
 
 import torch
 
+from moefuse.bench import ranks
+
 TOKENS = [1, 8, 64, 512, 2048, 16384]
 WIDTHS = [4096, 7168]
 EPS = 1e-6
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+NO_MULTICAST = ranks.NO_MULTICAST
 UNFUSED = ("unfused_eager", "unfused_compile")
 
 
@@ -253,27 +252,15 @@ def bar_checks(rows: list[dict]) -> list[str]:
 
 
 def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
-    for key, value in NO_MULTICAST.items():
-        os.environ.setdefault(key, value)
+    dev = ranks.init_rank(rank, world_size, init_method)
     import torch.distributed as dist
 
     import moefuse
     from moefuse.bench import harness
 
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    if init_method is None:
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("nccl", init_method=init_method, rank=rank,
-                                world_size=world_size)  # fmt: skip
     group = dist.group.WORLD
     rank = dist.get_rank()
-    dev = torch.device("cuda", local)
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
-        ([1, 64, 2048] if args.quick else TOKENS)  # fmt: skip
-    widths = [int(h) for h in args.hidden.split(",")] if args.hidden else \
-        ([4096] if args.quick else WIDTHS)  # fmt: skip
+    tokens, widths = ranks.token_and_width_lists(args, TOKENS, WIDTHS, [1, 64, 2048])
     replays = 8 if args.quick else 15
     post_c = harness.compile_baseline(expert_norm_weighted_sum)
     rows = []
@@ -309,12 +296,6 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m moefuse.bench.moe_comm_tp")
     parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
@@ -326,23 +307,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tp-only", action="store_true", help="skip the EP op")
     args = parser.parse_args(argv)
     args.argv = list(argv)
-    for key, value in NO_MULTICAST.items():
-        os.environ.setdefault(key, value)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
-        return 0
-    if torch.cuda.device_count() < args.world_size:
-        print(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
-        return 2
-    import torch.multiprocessing as mp
-
     # the children unpickle the worker by its module name (this file may be running as __main__)
     from moefuse.bench import moe_comm_tp
 
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.start_processes(moe_comm_tp._worker, args=(args.world_size, args, init),
-                       nprocs=args.world_size, start_method="spawn")  # fmt: skip
-    return 0
+    return ranks.run_ranks(moe_comm_tp._worker, args)
 
 
 if __name__ == "__main__":

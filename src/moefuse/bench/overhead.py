@@ -256,11 +256,11 @@ def main(argv: list[str]) -> int:
     if args.world_size >= 2 and torch.cuda.device_count() >= args.world_size:
         import torch.multiprocessing as mp
 
-        from moefuse.bench.allreduce import _free_port
+        from moefuse.bench.ranks import free_port
 
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         procs = [ctx.Process(target=_worker, args=(r, args.world_size, args, init, queue))
                  for r in range(args.world_size)]  # fmt: skip
         for p in procs:
