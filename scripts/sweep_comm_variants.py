@@ -47,14 +47,19 @@ TARGET_US = {1: 4.0, 8: 5.2 / 1.15, 64: 6.6 / 1.15, 512: 19.5 / 1.15}
 
 @contextlib.contextmanager
 def variant_env(env: dict):
+    """Set the variant's knobs; launch plans recorded them, so they are dropped on both sides."""
+    from moefuse import _fastpath
+
     saved = {k: os.environ.pop(k) for k in KEYS if k in os.environ}
     os.environ.update(env)
+    _fastpath.clear()
     try:
         yield
     finally:
         for k in KEYS:
             os.environ.pop(k, None)
         os.environ.update(saved)
+        _fastpath.clear()
 
 
 def make_inputs(m, h, rank, dev, seed):

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moefuse import _fastpath as fastpath
 from moefuse.bench import ranks
 
 TOKENS = [1, 8, 64, 512, 2048, 16384]
@@ -167,12 +168,14 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
             expert_scale_factor=wts[i % n], accumulate=acc, algorithm=algo,
             impl="triton", residual_out=ro, norm_out=no)  # fmt: skip
 
-    def two_ctas(i):  # the knob is read at launch: set it around the calls (warm-up, capture)
-        os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = "2"
+    def two_ctas(i):  # the knob is read at launch: set it around the calls (warm-up, capture);
+        os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = "2"  # launch plans recorded the default
+        fastpath.clear()
         try:
             return fused("auto")(i)
         finally:
             os.environ.pop("MOEFUSE_MOE_COMM_CTAS_PER_SM")
+            fastpath.clear()
 
     def chain_a(i):
         mf.moe_finalize(rows[i % n], maps[i % n], wts[i % n], out=part, impl="triton")
