@@ -313,9 +313,12 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _launch_line(code: _Code, kernel, compiled, grid, kargs, consts, located) -> str:
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    if located and kargs and isinstance(kargs[0], torch.Tensor) and kargs[0].device.type != "cuda":
+    types = {a.device.type for a in kargs if isinstance(a, torch.Tensor)}
+    if types == {"cuda"}:
+        return _cuda_launch(code, kernel, compiled, grid, kargs, consts, located)
+    if types == {"cpu"}:  # Triton's interpreter (TRITON_INTERPRET=1)
         return _interpreted_launch(code, kernel, grid, kargs, consts, located)
-    return _cuda_launch(code, kernel, compiled, grid, kargs, consts, located)
+    raise _Unplannable(f"kernel arguments on devices {sorted(types)}")
 
 
 def _cuda_launch(code: _Code, kernel, compiled, grid, kargs, consts, located) -> str:
@@ -525,6 +528,10 @@ def {fn.__name__}({", ".join(decl)}):
             plan = _Slow(str(why))
             logger.debug("moefuse.%s: this signature stays on the slow path: %s",
                          fn.__name__, why)  # fmt: skip
+        except Exception as exc:  # a plan is an optimisation: never fail the user's call for it
+            plan = _Slow(f"plan building failed: {type(exc).__name__}: {exc}")
+            logger.warning("moefuse.%s: %s (this signature stays on the slow path)",
+                           fn.__name__, plan.why)  # fmt: skip
         if len(plans) >= MAX_KEYS_PER_OP:
             plans.clear()
         plans.setdefault(key, []).append(plan)
