@@ -134,14 +134,19 @@ def _rows(op, h, m, k, p, variants: dict, nbytes: int) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- §3.3
-def finalize_cases(ctx: Ctx) -> list[dict]:
+def _over_shapes(ctx: Ctx, case) -> list[dict]:
+    """Rows of ``case(ctx, ws, h, m)`` for every width (one workspace each) and token count."""
     out = []
     for h in ctx.widths:
         ws = ctx.workspace(h)
         for m in ctx.tokens:
-            out += _finalize_case(ctx, ws, h, m)
+            out += case(ctx, ws, h, m)
         ws.check()
     return out
+
+
+def finalize_cases(ctx: Ctx) -> list[dict]:
+    return _over_shapes(ctx, _finalize_case)
 
 
 def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
@@ -222,13 +227,7 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
 
 # ----------------------------------------------------------------------------- §3.2
 def reduction_cases(ctx: Ctx) -> list[dict]:
-    out = []
-    for h in ctx.widths:
-        ws = ctx.workspace(h)
-        for m in ctx.tokens:
-            out += _reduction_case(ctx, ws, h, m)
-        ws.check()
-    return out
+    return _over_shapes(ctx, _reduction_case)
 
 
 def _reduction_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
