@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
 # One call on 2 x H200 for the communication fusions and the clients: each step writes under
 # $W and the whole folder is re-packed into $OUT/all.tgz after every step (8 files come back).
-# Steps: `bash scripts/final_gpu_run.sh moe-comm moe-comm-tp tp-example` (default: all).
+# Steps: `bash scripts/final_gpu_run.sh moe-comm moe-comm-tp tp-example` (default: all); t-* steps
+# run GPU test files; two lists can run at once: `(bash $0 t-fastpath &); bash $0 t-moe-comm`.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 W=/tmp/w; mkdir -p $W
-pack() { tar czf $OUT/all.tgz -C $W . ; }
+pack() { tar czf $OUT/${PACK:-all}.tgz -C $W . ; }
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout $limit "$@" > $W/$name.log 2>&1; echo "rc=$?" >> $W/$name.log; grep -v "Warning\|warn(\|enable(name)\|return func" $W/$name.log | tail -30; pack; }
 want() { [ -z "$STEPS" ] || [[ " $STEPS " == *" $1 "* ]]; }
 STEPS="$*"
+T="python -m pytest -q -p no:cacheprovider"
+want t-fastpath && step t-fastpath 300 $T tests/test_fastpath_gpu.py
+want t-single && step t-single 400 $T tests/test_norm_gpu.py tests/test_moe_gpu.py tests/test_quant_gpu.py
+want t-hf && step t-hf 300 $T tests/test_integrations_transformers_gpu.py
+want t-moe-comm && step t-moe-comm 400 $T tests/test_comm_moe_fusion_gpu.py
+want t-expert-norm && step t-expert-norm 300 $T tests/test_comm_expert_norm_gpu.py
+want t-allgather && step t-allgather 300 $T tests/test_comm_allgather_gpu.py
+want t-comm && step t-comm 300 $T tests/test_comm_gpu.py tests/test_comm_faults_gpu.py
+want overhead && step overhead 200 python -m moefuse bench overhead --world-size 2 --save --out $W
+want pdl-moe && step pdl-moe 150 python -m moefuse bench moe --quick --no-compile --no-layer --save --out $W/pdl
+want pdl-norm && step pdl-norm 200 python -m moefuse bench norm --quick --save --out $W/pdl
+want env && step env 60 python -m moefuse env
+want demo && step demo 120 python -m moefuse demo
 want moe-comm && step moe-comm 140 python -m moefuse bench moe-comm --world-size 2 --save --out $W --tokens 1,8,64,512,2048 --hidden 4096
 want moe-comm-tp && step moe-comm-tp 80 python -m moefuse.bench.moe_comm_tp --world-size 2 --quick --out $W
 want tp-example && step tp-example 45 torchrun --nproc-per-node 2 examples/tp_moe_layer.py --out $W

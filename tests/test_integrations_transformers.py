@@ -134,6 +134,35 @@ def test_experts_function_matches_grouped_mm():
     assert_bitwise_equal(got_ep, want_ep, "sentinel slot skipped")
 
 
+@pytest.mark.parametrize("ep", [False, True])
+@torch.no_grad()
+def test_decode_experts_by_slot_equal_the_plan_path(ep, monkeypatch):
+    """T * K <= GATHER_MAX_ROWS takes the slot-order decode path (no sort, no permute): bitwise
+    equal to the routing-plan path it replaces, with an expert-parallel sentinel skipped."""
+    from moefuse.integrations import _experts as ex
+
+    model = build("qwen3_moe", 4).to(torch.bfloat16)
+    experts = model.model.layers[0].mlp.experts
+    experts.__dict__["_moefuse_impl"] = "triton"
+    experts._is_expert_parallel = ep
+    g = torch.Generator().manual_seed(9)
+    for tokens, k in ((1, 3), (2, 4), (1, 8)):
+        x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, 8, (tokens, k), generator=g)
+        if ep:
+            idx[0, 1] = 8  # held by another rank
+        w = torch.rand(tokens, k, generator=g).to(torch.bfloat16)
+        calls = []
+        monkeypatch.setattr(ex, "expert_plan", lambda *a, f=ex.expert_plan: calls.append(1) or f(*a))
+        got = ex.moefuse_experts_forward(experts, x, idx, w)
+        assert not calls, "the decode path built a routing plan"
+        monkeypatch.setattr(ex, "GATHER_MAX_ROWS", 0)
+        want = ex.moefuse_experts_forward(experts, x, idx, w)
+        monkeypatch.setattr(ex, "GATHER_MAX_ROWS", 8)
+        assert calls, "the plan path was not taken"
+        assert_bitwise_equal(got, want, f"T={tokens} K={k} ep={ep}")
+
+
 def test_unpatch_restores_and_bad_input():
     model = build("mixtral", 0, layers=3).to(torch.bfloat16)
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))

@@ -29,17 +29,43 @@ def cuda_copies(kind, seed, hidden=128):
     return copy.deepcopy(bf16).float(), bf16, patched, ids.cuda()
 
 
+def logits_and_routing(model, ids):
+    """(logits [B, T, V], routed [B, T] bool: for each token, the sorted top-k expert ids of every
+    MoE layer, as one tuple per token). A pre-hook on every experts module (the modules holding
+    ``gate_up_proj``) reads the ``top_k_index`` [B*T, K] it is called with."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        seen.append(index.sort(-1).values.reshape(*ids.shape, -1).cpu())
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+               if hasattr(m, "gate_up_proj") and not isinstance(m, torch.nn.Linear)]  # fmt: skip
+    try:
+        logits = model(ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen, "no experts module was called"
+    return logits, torch.cat(seen, -1)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
 def test_logits_gpu(kind):
-    """Tolerance row vs unpatched; bitwise run to run; closer to the FP32 copy (median token
-    error summed over 4 seeds, so one seed's routing flip does not decide)."""
+    """Tolerance row vs unpatched on every token routed to the same experts in both models (a
+    near-tie between two experts may flip with any BF16 rounding difference, and then the token
+    takes another expert: at most 2 such tokens of 48 per seed); bitwise run to run; closer to
+    the FP32 copy (median token error summed over 4 seeds, so one seed's flip does not decide)."""
     e_patched = e_unpatched = 0.0
     for seed in range(4):
         fp32, bf16, patched, ids = cuda_copies(kind, seed)
-        want32, unpatched = fp32(ids).logits, bf16(ids).logits
-        got = patched(ids).logits
-        assert_close(got, unpatched, "bf16_model_logits", f"{kind} seed {seed}")
+        want32 = fp32(ids).logits
+        unpatched, route_unpatched = logits_and_routing(bf16, ids)
+        got, route_patched = logits_and_routing(patched, ids)
+        same = (route_unpatched == route_patched).all(-1).to(got.device)
+        assert int((~same).sum()) <= 2, (kind, seed, int((~same).sum()))
+        assert_close(got[same], unpatched[same], "bf16_model_logits", f"{kind} seed {seed}")
         assert_bitwise_equal(patched(ids).logits, got, f"{kind} seed {seed}: run to run")
         e_patched += float(token_error(got, want32).median())
         e_unpatched += float(token_error(unpatched, want32).median())

@@ -218,7 +218,8 @@ def _chain_variant(sets, k, pdl):
 
 
 def bench_chain(device, tokens, h, k) -> list[dict]:
-    """moefuse permute (the producer) -> moefuse finalize, PDL on vs off."""
+    """moefuse permute (the producer) -> moefuse finalize, PDL on, off and the default
+    (``enable_pdl=None``: the measured table in ``moefuse.moe.tiles``)."""
     rows_out = []
     for m in tokens:
         nbytes = 2 * finalize_bytes(m, k, h)  # permute writes R rows; finalize reads them back
@@ -228,10 +229,15 @@ def bench_chain(device, tokens, h, k) -> list[dict]:
             x = torch.randn(m, h, device=device).bfloat16()
             sets.append((x, rows, plan, w, torch.empty(m, h, dtype=torch.bfloat16, device=device)))
         on, off = _time(_chain_variant(sets, k, True)), _time(_chain_variant(sets, k, False))
+        default = _time(_chain_variant(sets, k, None))
         shape = f"K={k} H={h}"
         rows_out.append(_row("permute->finalize", shape, m, "PDL on", on, nbytes,
                              {"x_vs_PDL off": (off / on) if on and off else None}))  # fmt: skip
         rows_out.append(_row("permute->finalize", shape, m, "PDL off", off, nbytes))
+        best = min(on, off) if on and off else None
+        rows_out.append(_row("permute->finalize", shape, m, "PDL default", default, nbytes,
+                             {"x_vs_best of on/off": best / default if best and default
+                              else None}))  # fmt: skip
     return rows_out
 
 
@@ -268,6 +274,11 @@ def check_bars(rows: list[dict], k: int) -> list[dict]:
     by = {(r["op"], r["shape"], r["M"], r["variant"]): r for r in rows}
     bars = []
     for (op, shape, m, variant), r in by.items():
+        if op == "permute->finalize" and variant == "PDL default" \
+                and r.get("x_vs_best of on/off") is not None:  # fmt: skip
+            value = r["x_vs_best of on/off"]
+            bars.append({"bar": f"{shape} M={m}: PDL default >= faster of on/off (2% noise)",
+                         "value": value, "ok": value >= 0.98})  # fmt: skip
         if op != "finalize" or variant != "moefuse" or r["us"] is None:
             continue
         if shape == f"K={k} H=4096" and m >= 2048:
@@ -301,7 +312,7 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
             r["of_ceiling"] = r["tbs"] / ceiling
     harness.print_table(rows, ["op", "shape", "M", "variant", "us", "tbs", "of_ceiling",
                                "x_vs_torch.compile", "x_vs_torch eager", "x_vs_scatter-add",
-                               "x_vs_PDL off"])  # fmt: skip
+                               "x_vs_PDL off", "x_vs_best of on/off"])  # fmt: skip
     bars = check_bars(rows, k)
     for b in bars:
         print(f"{'PASS' if b['ok'] else 'FAIL'}  {b['bar']}  ({b['value']:.3g})")

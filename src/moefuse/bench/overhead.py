@@ -164,10 +164,25 @@ def _measure(cases, calls, repeats, rank0=True) -> list[dict]:
     rows = []
     times = per_call_us([fn for _, _, fn in cases], calls, repeats)
     for (op, impl, _), us in zip(cases, times):
-        rows.append({"op": op, "impl": impl, "us_per_call": us})
+        row = {"op": op, "impl": impl, "us_per_call": us}
+        if impl == "moefuse":
+            row["launch_plan"] = _plan_state(op)
+        rows.append(row)
         if rank0:
-            print(f"{op:34s} {impl:10s} {us:8.2f} us/call", flush=True)
+            print(f"{op:34s} {impl:10s} {us:8.2f} us/call  {row.get('launch_plan', '')}",
+                  flush=True)  # fmt: skip
     return rows
+
+
+def _plan_state(op: str) -> str:
+    """Whether the timed calls replayed an eager launch plan ("replayed"), or why not."""
+    import moefuse
+    from moefuse import _fastpath
+
+    fn = getattr(moefuse, op.split("(")[0])
+    if _fastpath.plan_count(fn):
+        return "replayed"
+    return "slow path: " + "; ".join(_fastpath.refusals(fn) or ["no plan recorded"])
 
 
 def add_ratios(rows: list[dict]) -> list[str]:
