@@ -28,7 +28,7 @@ import os
 import torch
 
 from moefuse.bench import ranks
-from moefuse.bench.allgather import knobs, peer_copy_gbps
+from moefuse.bench.allgather import peer_copy_gbps, time_variant
 
 FUSED = "MOEFUSE_ALLGATHER_LARGE"
 #: moefuse variants: the knobs each sets (read at capture; the same on every rank)
@@ -54,8 +54,9 @@ def variant_env(name: str, h: int, world_size: int) -> dict[str, str]:
 
 
 def check_bitwise(moefuse, ws, group, h, m, seed, env) -> None:
-    """Fresh shards (``seed``), poisoned output: the op under ``env`` equals NCCL all_gather +
-    moefuse.rmsnorm bit for bit (AssertionError naming the first differing element)."""
+    """Fresh shards (``seed``), poisoned output: the op (under the knobs ``env``, which the
+    caller has set) equals NCCL all_gather + moefuse.rmsnorm bit for bit (AssertionError naming
+    the first differing element and the knobs)."""
     import torch.distributed as dist
 
     from moefuse.testing import assert_bitwise_equal, poison_
@@ -68,9 +69,8 @@ def check_bitwise(moefuse, ws, group, h, m, seed, env) -> None:
     parts = torch.empty(p, m, h // p, dtype=torch.bfloat16, device=dev)
     dist.all_gather_into_tensor(parts, shard, group=group)
     want = moefuse.rmsnorm(parts.permute(1, 0, 2).reshape(m, h), w)
-    with knobs(env):
-        got = moefuse.all_gather_rmsnorm(shard, w, workspace=ws, impl="triton",
-                                         out=poison_(torch.empty_like(want)))  # fmt: skip
+    got = moefuse.all_gather_rmsnorm(shard, w, workspace=ws, impl="triton",
+                                     out=poison_(torch.empty_like(want)))  # fmt: skip
     assert_bitwise_equal(got, want, f"H={h} M={m} {env}")
     ws.check()
 
@@ -104,23 +104,16 @@ def time_case(moefuse, harness, ws, group, h, m, replays) -> dict[str, float]:
         dist.all_gather_into_tensor(parts, shards[i % n], group=group)
         moefuse.rmsnorm(parts.permute(1, 0, 2).reshape(m, h), w, out=out)
 
-    runs = [(name, fused, variant_env(name, h, p)) for name in VARIANTS]
-    runs += [("gather", gather, {}), ("nccl+rmsnorm", nccl, {})]
-    times = {}
-    for k, (name, fn, env) in enumerate(runs):
-        dist.barrier(group=group)
-        torch.cuda.synchronize(dev)
-        try:
-            if fn is fused:
-                check_bitwise(moefuse, ws, group, h, m, 1000 + k, env)
-            with knobs(env):
-                us = harness.graph_time_us(fn, calls=max(20, n), replays=replays)
-        except Exception as exc:  # reported; the other variants still run
-            print(f"rank {rank}: {name} failed at H={h} M={m}: {str(exc)[:300]}", flush=True)
-            us = float("nan")
-        t = torch.tensor([us], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        times[name] = float(t.item())
+    def check(name, seed):
+        env = variant_env(name, h, p)
+        return lambda: check_bitwise(moefuse, ws, group, h, m, seed, env)
+
+    runs = [(name, fused, variant_env(name, h, p), check(name, 1000 + k))
+            for k, name in enumerate(VARIANTS)]  # fmt: skip
+    runs += [("gather", gather, {}, None), ("nccl+rmsnorm", nccl, {}, None)]
+    times = {name: time_variant(harness, fn, env, group, f"{name} at H={h} M={m}",
+                                calls=max(20, n), replays=replays, check=chk)
+             for name, fn, env, chk in runs}  # fmt: skip
     ws.check()
     return times
 

@@ -212,24 +212,56 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         else:  # the default is one launch here: time two as well
             env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
         variants.update({name: fused for name in env})
-    times = {}
-    for name, fn in variants.items():
-        dist.barrier(group=group)
-        torch.cuda.synchronize(dev)
-        try:
-            with knobs(env.get(name, {})):  # read at capture time, the same on every rank
-                if name in env:  # correctness first for the variant too
-                    for a, b in zip(fn(0), want):
-                        assert_bitwise_equal(a, b, f"{op} H={h} M={m}: {name} vs NCCL + op")
-                us = harness.graph_time_us(fn, calls=max(20, n), replays=replays)
-        except Exception as exc:
-            print(f"rank {rank}: {name} failed at {op} H={h} M={m}: {exc}")
-            us = float("nan")
-        t = torch.tensor([us], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        times[name] = float(t.item())
+    def check(name, fn):
+        def run():  # correctness first for the knob variants too
+            for a, b in zip(fn(0), want):
+                assert_bitwise_equal(a, b, f"{op} H={h} M={m}: {name} vs NCCL + op")
+
+        return run if name in env else None
+
+    times = {name: time_variant(harness, fn, env.get(name, {}), group, f"{name} at {op} H={h} "
+                                f"M={m}", calls=max(20, n), replays=replays, check=check(name, fn))
+             for name, fn in variants.items()}  # fmt: skip
     ws.check()
     return times
+
+
+def time_variant(harness, fn, env: dict, group, label: str, *, calls: int, replays: int,
+                 check=None) -> float:  # fmt: skip
+    """Max over the ranks of the median µs per call of ``fn(i)`` in CUDA-graph replays, under the
+    knobs ``env`` (read at capture, the same on every rank), ``check()`` first (a failure on any
+    rank skips the timing on every rank); NaN (and a printed line naming ``label``) when either
+    fails, so the other variants still run."""
+    import torch.distributed as dist
+
+    dev = torch.cuda.current_device()
+    us = float("nan")
+    dist.barrier(group=group)
+    torch.cuda.synchronize()
+    with knobs(env):
+        ok = check is None or _attempt(check, label, group)
+        vote = torch.tensor([int(ok)], device=dev)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+        timed = []
+        if int(vote.item()) and _attempt(
+                lambda: timed.append(harness.graph_time_us(fn, calls=calls, replays=replays)),
+                label, group):  # fmt: skip
+            us = timed[0]
+    t = torch.tensor([us], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _attempt(fn, label: str, group) -> bool:
+    """Run ``fn()``; False (and a printed line naming ``label`` and this rank) when it raises."""
+    import torch.distributed as dist
+
+    try:
+        fn()
+        return True
+    except Exception as exc:
+        print(f"rank {dist.get_rank(group)}: {label} failed: {str(exc)[:300]}", flush=True)
+        return False
 
 
 # ----------------------------------------------------------------------------- worker

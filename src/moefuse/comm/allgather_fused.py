@@ -11,7 +11,8 @@ the norm visible at large M. Here every CTA of one persistent grid does both, ti
 * prologue: push the fragments of its first ``lookahead`` tiles (``push_rows`` of
   :mod:`moefuse.comm.allgather_decode`: Lamport stores into every peer's slot, own fragment into
   the local gathered rows);
-* iteration i: push tile i + lookahead, receive tile i (poll, re-arm, decode into the gathered
+* iteration i: push tile i + lookahead (one-row tiles: from registers loaded one iteration
+  earlier, then load the next one), receive tile i (poll, re-arm, decode into the gathered
   rows, CTA barrier), then norm tile i with the single-GPU kernel's row functions and
   constexprs (``norm_tile``; stepped rows unrolled / looped exactly as ``moefuse.rmsnorm`` does
   at this M), so the output is bitwise ``moefuse.rmsnorm`` of the gathered rows.
@@ -97,12 +98,23 @@ def _ag_rmsnorm_persistent_kernel(
         # into the space left; its own gdc_wait orders it after this whole grid
         gdc_launch_dependents()
     empty = tl.zeros([BLOCK_S], tl.int16)
+    # one-row tiles: the shard fragment of the next tile to push is loaded one iteration early,
+    # so its HBM latency overlaps the poll and the norm instead of delaying them
+    x_nx = _prefetch(shard_ptr, s_st, pid + lookahead * G, lookahead < n_mine, scols, scm,
+                     ROWS)  # fmt: skip
     missing = 0
     i = 0
     while (i < n_mine) & (missing == 0):
         if i + lookahead < n_mine:
-            _push_tile(shard_ptr, s_st, x_ptr, x_st, pid + (i + lookahead) * G, n_rows, scols,
-                       scm, table_ptr, ag_off16, region, rank, S, H, ROWS, P)  # fmt: skip
+            t_push = pid + (i + lookahead) * G
+            if ROWS == 1:
+                AG.store_fragment(x_nx, x_ptr, x_st, t_push, scols, scm, table_ptr, ag_off16,
+                                  region, rank, rank * S, H, P)  # fmt: skip
+                x_nx = _prefetch(shard_ptr, s_st, t_push + G, i + lookahead + 1 < n_mine, scols,
+                                 scm, ROWS)  # fmt: skip
+            else:
+                _push_tile(shard_ptr, s_st, x_ptr, x_st, t_push, n_rows, scols, scm, table_ptr,
+                           ag_off16, region, rank, S, H, ROWS, P)  # fmt: skip
         t = pid + i * G
         first = t * ROWS
         missing = dec.receive_rows(x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first), scols,
@@ -113,6 +125,16 @@ def _ag_rmsnorm_persistent_kernel(
                       UNROLL)  # fmt: skip
         i += 1
     AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
+
+
+@triton.jit
+def _prefetch(shard_ptr, s_st, t, valid, scols, scm, ROWS: tl.constexpr):
+    """Shard fragment of one-row tile ``t`` when ``valid`` (else nothing is read); a dummy for
+    tiles of several rows (pushed row by row by :func:`_push_tile`)."""
+    if ROWS == 1:
+        return AG.load_fragment(shard_ptr, s_st, t, scols, scm & valid)
+    else:
+        return tl.zeros([1], tl.float32)
 
 
 @triton.jit

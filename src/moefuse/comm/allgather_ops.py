@@ -10,6 +10,9 @@ The Triton backend is two launches on the stream: the column all-gather into thi
 workspace's ``"allgather"`` region; or NCCL/gloo for ``algorithm="torch"``), then the
 single-GPU op's own launcher on the gathered rows. With PDL the norm kernel is scheduled while
 the all-gather waits on NVLink and loads its parameters before its grid-dependency wait.
+``all_gather_rmsnorm`` runs one kernel instead: the decode kernel at M <= 64
+(:mod:`moefuse.comm.allgather_decode`) and the persistent gather + norm kernel above
+(:mod:`moefuse.comm.allgather_fused`; ``MOEFUSE_ALLGATHER_LARGE=chunked`` keeps two launches).
 """
 
 from __future__ import annotations
