@@ -46,10 +46,12 @@ def variant_env(name: str, h: int, world_size: int) -> dict[str, str]:
     """The knobs of moefuse variant ``name`` at width ``h``."""
     env = dict(VARIANTS[name])
     if name == "fused_2xcta":
-        from moefuse.comm.allgather_fused import CTAS_PER_SM_ENV, fused_tile
+        from moefuse.comm.allgather_fused import CTAS_PER_SM_ENV
         from moefuse.comm.tiles import resident_ctas_per_sm
+        from moefuse.norm.tiles import RMSNORM_POLICY, row_tile
 
-        env[CTAS_PER_SM_ENV] = str(2 * resident_ctas_per_sm(fused_tile(h).num_warps))
+        warps = row_tile(h, RMSNORM_POLICY).num_warps
+        env[CTAS_PER_SM_ENV] = str(2 * resident_ctas_per_sm(warps))
     return env
 
 

@@ -459,6 +459,10 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows):
                     assert_bitwise_equal(got, want, f"P={p} H={h} M={m} c={center} {algo}")
         ws.check()
         assert len(launches) == 2 * len(ms), launches  # the one-shot calls ran the new kernel
+        os.environ["MOEFUSE_ALLGATHER_LARGE"] = "chunked"  # the old two-launch path, same bits
+        got = moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton", algorithm="oneshot")
+        assert_bitwise_equal(got, moefuse.rmsnorm(c["full"], w, 1e-6, impl="triton"), "chunked")
+        assert len(launches) == 2 * len(ms), launches
         return int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
     finally:
         ws.close()
@@ -474,3 +478,21 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows):
 def test_fused_persistent_kernel_bitwise(p, h, ms, grid, lookahead, loop_min_rows):
     gens = run_group(p, scenario_fused_large, h, ms, grid, lookahead, loop_min_rows)
     assert len(set(gens)) == 1
+
+
+def test_fused_knobs_raise_clear_errors(monkeypatch):
+    from moefuse.comm import allgather_fused as fused
+
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_LARGE", "persistent")
+    with pytest.raises(ValueError, match="MOEFUSE_ALLGATHER_LARGE must be one of"):
+        fused.large_mode()
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_LARGE", "chunked")
+    assert fused.fused_tile(4096, 4096) is None
+    monkeypatch.delenv("MOEFUSE_ALLGATHER_LARGE")
+    assert fused.fused_tile(4096, 64) is None  # decode range: two launches unless set explicitly
+    assert fused.fused_tile(4096, 65).rows == 1 and fused.fused_tile(8192, 65).stepped
+    assert fused.fused_tile(20000, 4096) is None  # chunked rmsnorm tile: the two-launch path
+    for value, why in (("0", ">= 1"), ("two", "an integer")):
+        monkeypatch.setenv("MOEFUSE_ALLGATHER_LOOKAHEAD", value)
+        with pytest.raises(ValueError, match=f"MOEFUSE_ALLGATHER_LOOKAHEAD must be {why}"):
+            fused._env_int(fused.LOOKAHEAD_ENV, fused.LOOKAHEAD, 1)

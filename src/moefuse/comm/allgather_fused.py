@@ -29,7 +29,9 @@ stops, ORs the missing ranks into the status word, and later launches skip commu
 Knobs (read at launch; the same on every rank):
 
 * ``MOEFUSE_ALLGATHER_LARGE`` = ``fused`` (default) | ``chunked`` (the old two-launch path, with
-  its chunk pipeline from :data:`moefuse.comm.allgather_ops.CHUNK_MIN_TOKENS` tokens);
+  its chunk pipeline from :data:`moefuse.comm.allgather_ops.CHUNK_MIN_TOKENS` tokens); the
+  persistent kernel runs above the decode range (M > 64), and at M <= 64 when the decode kernel
+  cannot run only if the variable is set to ``fused`` explicitly (tests);
 * ``MOEFUSE_ALLGATHER_LOOKAHEAD`` (default :data:`LOOKAHEAD`): tiles pushed ahead of the one
   being received (>= 1; a run-time argument, no recompilation);
 * ``MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM`` (default: ``resident_ctas_per_sm(num_warps)``, the
@@ -169,10 +171,15 @@ def large_mode() -> str:
     return mode
 
 
-def fused_tile(width: int):
-    """The single-GPU rmsnorm tile for rows of ``width`` when the persistent kernel runs it
-    (mode "fused"; one-pass tiles without the persistent loop, or stepped rows), else None."""
+def fused_tile(width: int, m: int | None = None):
+    """The single-GPU rmsnorm tile for rows of ``width`` when the persistent kernel runs it at
+    ``m`` tokens, else None: mode "fused", M above the decode range (at M <= 64 only when
+    MOEFUSE_ALLGATHER_LARGE=fused is set explicitly: ``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` alone
+    still means two launches there), and a one-pass tile without the persistent loop or
+    stepped rows."""
     if large_mode() != "fused":
+        return None
+    if m is not None and m <= dec.ONE_LAUNCH_MAX_TOKENS and not os.environ.get(LARGE_ENV):
         return None
     tile = row_tile(width, RMSNORM_POLICY)
     if nt._persistent(tile) or (tile.num_chunks > 1 and not tile.stepped):

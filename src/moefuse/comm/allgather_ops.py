@@ -235,7 +235,7 @@ def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_
             dec.launch_ag_rmsnorm(ws, state, shard, weight, gathered, out, eps, gain_center,
                                   use_pdl, tile)  # fmt: skip
             return True
-        tile = fused.fused_tile(gathered.shape[1])
+        tile = fused.fused_tile(gathered.shape[1], shard.shape[0])
         if tile is None:
             return False
         fused.launch_ag_rmsnorm_persistent(ws, state, shard, weight, gathered, out, eps,
