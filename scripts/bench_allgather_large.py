@@ -42,7 +42,7 @@ VARIANTS = {
 }
 
 
-def variant_env(name: str, h: int, world_size: int) -> dict[str, str]:
+def variant_env(name: str, h: int) -> dict[str, str]:
     """The knobs of moefuse variant ``name`` at width ``h``."""
     env = dict(VARIANTS[name])
     if name == "fused_2xcta":
@@ -107,16 +107,19 @@ def time_case(moefuse, harness, ws, group, h, m, replays) -> dict[str, float]:
         moefuse.rmsnorm(parts.permute(1, 0, 2).reshape(m, h), w, out=out)
 
     def check(name, seed):
-        env = variant_env(name, h, p)
+        env = variant_env(name, h)
         return lambda: check_bitwise(moefuse, ws, group, h, m, seed, env)
 
-    runs = [(name, fused, variant_env(name, h, p), check(name, 1000 + k))
+    runs = [(name, fused, variant_env(name, h), check(name, 1000 + k))
             for k, name in enumerate(VARIANTS)]  # fmt: skip
     runs += [("gather", gather, {}, None), ("nccl+rmsnorm", nccl, {}, None)]
     times = {name: time_variant(harness, fn, env, group, f"{name} at H={h} M={m}",
                                 calls=max(20, n), replays=replays, check=chk)
              for name, fn, env, chk in runs}  # fmt: skip
-    ws.check()
+    try:
+        ws.check()
+    except RuntimeError as exc:  # a wait expired during a timed replay: say so, keep the run
+        print(f"rank {rank}: H={h} M={m}: {exc}", flush=True)
     return times
 
 
@@ -133,19 +136,22 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
     bw = peer_copy_gbps(group, dev, harness)
     rows = []
     for h in widths:
-        # (a 15 s bound on every wait: a hung variant costs 15 s and fails the later ones)
-        ws = moefuse.AllReduceWorkspace(group, max(tokens), h, torch.bfloat16, dev,
-                                        oneshot_max_tokens=1, timeout_s=15,
-                                        extra_regions=moefuse.allgather_regions(max(tokens), h))
         for m in tokens:
-            times = time_case(moefuse, harness, ws, group, h, m, args.replays)
+            # one workspace per case, waits bounded at 15 s: a hung variant costs 15 s and fails
+            # the later variants of its case only
+            ws = moefuse.AllReduceWorkspace(group, m, h, torch.bfloat16, dev,
+                                            oneshot_max_tokens=1, timeout_s=15,
+                                            extra_regions=moefuse.allgather_regions(m, h))
+            try:
+                times = time_case(moefuse, harness, ws, group, h, m, args.replays)
+            finally:
+                ws.close()
             bound = (world_size - 1) * m * h * 2 / world_size / (bw * 1e9) * 1e6
             rows.append({"P": world_size, "H": h, "M": m, "bound_us": bound, "us": times,
                          "x_bound": {k: bound / v for k, v in times.items()}})  # fmt: skip
             if rank == 0:
                 print(f"H={h} M={m} bound={bound:.1f} " + " ".join(
                     f"{k}={v:.1f}" for k, v in times.items()), flush=True)  # fmt: skip
-        ws.close()
     if rank == 0:
         print_table(rows, bw)
         os.makedirs(args.out, exist_ok=True)
