@@ -74,9 +74,10 @@ def norm_consts(h: int, unroll: bool) -> tuple[dict, int]:
 
 def report(tag: str, kernel, consts: dict, warps: int) -> None:
     r = compile_report(kernel, consts, warps)
+    fit = fused.fits_per_sm(r["regs"], warps)
     print(f"{tag}: {r['regs']} registers, {r['spill']} bytes spilled, {r['v4_polls']} v4 polls, "
-          f"{r['v4_stores']} v4 stores, {warps} warps (fits {fused.fits_per_sm(r['regs'], warps)} "
-          f"CTAs/SM, peer kernels launch {resident_ctas_per_sm(warps)})", flush=True)  # fmt: skip
+          f"{r['v4_stores']} v4 stores, {warps} warps (fits {fit} CTAs/SM; the persistent "
+          f"kernel launches {min(fit, resident_ctas_per_sm(warps))})", flush=True)  # fmt: skip
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ Knobs (read at launch; the same on every rank):
   being received (>= 1; a run-time argument, no recompilation);
 * ``MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM`` (default: ``resident_ctas_per_sm(num_warps)``, the
   conservative count of the other peer kernels) and ``MOEFUSE_ALLGATHER_FUSED_GRID`` (a cap on
-  the grid; tests use it to give each CTA several tiles). A value above the default is capped
+  the grid; tests use it to give each CTA several tiles). Either way the CTAs per SM are capped
   at what the compiled kernel's registers and shared memory allow (:func:`fits_per_sm`): a grid
   beyond the co-resident count could deadlock.
 """
@@ -189,28 +189,40 @@ def fused_tile(width: int, m: int | None = None):
 
 def fits_per_sm(regs: int, warps: int, shared: int = 0, smem_per_sm: int = 228 << 10) -> int:
     """CTAs of ``warps`` warps at ``regs`` registers per thread and ``shared`` bytes of shared
-    memory that fit one sm_90 SM (64K registers allocated per warp in units of 256, 64 warps)."""
+    memory that fit one sm_90 SM (64K registers allocated per warp in units of 256, 64 warps,
+    228 KiB of shared memory with 1 KiB reserved per CTA)."""
     per_warp = -(-max(1, regs) * 32 // 256) * 256
-    by_smem = smem_per_sm // shared if shared else 64
+    by_smem = smem_per_sm // (shared + 1024)
     return max(1, min(65536 // (per_warp * warps), 64 // warps, by_smem))
 
 
-def _compiled_fit(args, grid, consts) -> int:
+_FITS: dict[tuple, int] = {}
+
+
+def _compiled_fit(args, consts) -> int:
     """CTAs per SM of the compiled persistent kernel for these arguments (compiles it if
-    needed; the GPU only)."""
-    ck = _ag_rmsnorm_persistent_kernel.warmup(*args, grid=grid, **consts)
-    ck._init_handles()
-    return fits_per_sm(ck.n_regs, consts["num_warps"], ck.metadata.shared)
+    needed; the GPU only), cached per device, constexprs and 16-divisibility of the arguments
+    (what selects the compiled variant)."""
+    dev = torch.cuda.current_device()
+    spec = tuple(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor)
+                 else (a % 16 == 0 if isinstance(a, int) else None) for a in args)  # fmt: skip
+    key = (dev, spec, tuple(sorted(consts.items())))
+    fit = _FITS.get(key)
+    if fit is None:
+        ck = _ag_rmsnorm_persistent_kernel.warmup(*args, grid=(1,), **consts)
+        ck._init_handles()
+        fit = _FITS[key] = fits_per_sm(ck.n_regs, consts["num_warps"], ck.metadata.shared)
+    return fit
 
 
 def fused_grid(ws, tile, n_tiles: int, fit=None) -> int:
     """CTAs of the persistent launch: min(row tiles, SMs x CTAs per SM [, the grid cap]). A
-    function of the workspace (MIN-reduced SM count), the width and M: the same on every rank.
-    ``fit()``: CTAs per SM the compiled kernel allows, asked only when the environment raises
-    the default (a grid beyond the co-resident count could deadlock)."""
-    default = resident_ctas_per_sm(tile.num_warps)
-    per_sm = _env_int(CTAS_PER_SM_ENV, default, 1)
-    if per_sm > default and fit is not None:
+    function of the workspace (MIN-reduced SM count), the width, M and the compiled kernel: the
+    same on every rank. ``fit()``: CTAs per SM the compiled kernel's registers and shared memory
+    allow (a grid beyond the co-resident count could deadlock; H = 16384 needs 216 registers
+    at 8 warps: 1 CTA per SM, not the default 2)."""
+    per_sm = _env_int(CTAS_PER_SM_ENV, resident_ctas_per_sm(tile.num_warps), 1)
+    if fit is not None:
         per_sm = min(per_sm, fit())
     ctas = min(n_tiles, ws.num_sms * per_sm)
     cap = _env_int(GRID_ENV, 0, 0)
@@ -235,7 +247,7 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, weight: torch.T
             ws.offset16("allgather"), state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, s, ws.rank,
             ws.max_tokens, ws.timeout_us, lookahead)  # fmt: skip
     consts.update(P=ws.world_size, BLOCK_S=block_s)
-    fit = None if interpreter_active() else (lambda: _compiled_fit(args, (1,), consts))
+    fit = None if interpreter_active() else (lambda: _compiled_fit(args, consts))
     grid = (fused_grid(ws, tile, tile.grid(m)[0], fit),)
     # (nt._launch: a launch that compiles stepped rows also compiles the other UNROLL mode)
     nt._launch(_ag_rmsnorm_persistent_kernel, grid, args, consts, tile)
