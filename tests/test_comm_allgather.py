@@ -130,8 +130,9 @@ def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full, chunk):
 
     import moefuse
 
-    if chunk:
+    if chunk:  # the chunk pipeline of the two-launch path (rmsnorm: not the persistent kernel)
         os.environ["MOEFUSE_ALLGATHER_CHUNK_ROWS"] = str(chunk)
+        os.environ["MOEFUSE_ALLGATHER_LARGE"] = "chunked"
     ops = ALL_OPS if full else ("rms", "gated")
     ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60,
                                     extra_regions=moefuse.allgather_regions(8, h))  # fmt: skip
@@ -413,3 +414,85 @@ def scenario_one_launch_stepped(rank, p):
 
 def test_one_launch_decode_stepped_rows():
     assert all(run_group(2, scenario_one_launch_stepped))
+
+
+# ----------------------------------------------------------------------------- persistent kernel
+def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows):
+    """The persistent gather + rmsnorm kernel (comm/allgather_fused.py) forced at small M: decode
+    kernel off, ``grid`` CTAs (several tiles each), ``lookahead`` tiles pushed ahead; rmsnorm and
+    gemma_rmsnorm bitwise against moefuse.rmsnorm of the full rows and against the torch
+    algorithm, over enough calls to wrap the generations. ``loop_min_rows`` (stepped widths):
+    the row count from which both the single-GPU op and the fused kernel loop over the steps."""
+    import os
+
+    import moefuse
+    from moefuse.comm import allgather_fused
+    from moefuse.norm import tiles
+
+    launches = []
+    real = allgather_fused.launch_ag_rmsnorm_persistent
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return real(*args, **kwargs)
+
+    allgather_fused.launch_ag_rmsnorm_persistent = counted
+    if loop_min_rows:
+        tiles.RMSNORM_LOOP_MIN_ROWS = loop_min_rows
+    os.environ.update({"MOEFUSE_ALLGATHER_ONE_LAUNCH": "0", "MOEFUSE_ALLGATHER_LARGE": "fused",
+                       "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
+                       "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead)})  # fmt: skip
+    cap = max(ms)
+    ws = moefuse.AllReduceWorkspace(None, cap, h, BF16, "cpu", timeout_s=60,
+                                    extra_regions=moefuse.allgather_regions(cap, h))  # fmt: skip
+    try:
+        for i, m in enumerate(ms):
+            c = make_case(200 + i, p, m, h)
+            x, w = shard_of(c["full"], rank, p), c["weight"]
+            for center in (0.0, 1.0):
+                single = moefuse.gemma_rmsnorm if center else moefuse.rmsnorm
+                want = single(c["full"], w, 1e-6, impl="triton")
+                for algo in ("oneshot", "torch"):
+                    out = poison_(torch.empty(m, h, dtype=BF16))
+                    got = moefuse.all_gather_rmsnorm(x, w, workspace=ws, gain_center=center,
+                                                     algorithm=algo, impl="triton", out=out)
+                    assert_bitwise_equal(got, want, f"P={p} H={h} M={m} c={center} {algo}")
+        ws.check()
+        assert len(launches) == 2 * len(ms), launches  # the one-shot calls ran the new kernel
+        os.environ["MOEFUSE_ALLGATHER_LARGE"] = "chunked"  # the old two-launch path, same bits
+        got = moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton", algorithm="oneshot")
+        assert_bitwise_equal(got, moefuse.rmsnorm(c["full"], w, 1e-6, impl="triton"), "chunked")
+        assert len(launches) == 2 * len(ms), launches
+        return int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
+    finally:
+        ws.close()
+
+
+@pytest.mark.parametrize("p,h,ms,grid,lookahead,loop_min_rows", [
+    (2, 96, (77, 5, 33), 2, 1, 0),  # 16-row masked tiles: 5 tiles over 2 CTAs, then 1, then 3
+    (3, 48, (70, 3), 2, 3, 0),  # 32-row tiles; lookahead beyond a CTA's last tile
+    (2, 2400, (7,), 3, 2, 0),  # one masked row per tile, 3 CTAs
+    (3, 7680, (5,), 2, 1, 0),  # stepped rows (2 x 4096, masked), unrolled
+    (2, 7680, (5,), 2, 2, 4),  # stepped rows, looped (the single-GPU mode from 4 rows here)
+])  # fmt: skip
+def test_fused_persistent_kernel_bitwise(p, h, ms, grid, lookahead, loop_min_rows):
+    gens = run_group(p, scenario_fused_large, h, ms, grid, lookahead, loop_min_rows)
+    assert len(set(gens)) == 1
+
+
+def test_fused_knobs_raise_clear_errors(monkeypatch):
+    from moefuse.comm import allgather_fused as fused
+
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_LARGE", "persistent")
+    with pytest.raises(ValueError, match="MOEFUSE_ALLGATHER_LARGE must be one of"):
+        fused.large_mode()
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_LARGE", "chunked")
+    assert fused.fused_tile(4096, 4096) is None
+    monkeypatch.delenv("MOEFUSE_ALLGATHER_LARGE")
+    assert fused.fused_tile(4096, 64) is None  # decode range: two launches unless set explicitly
+    assert fused.fused_tile(4096, 65).rows == 1 and fused.fused_tile(8192, 65).stepped
+    assert fused.fused_tile(20000, 4096) is None  # chunked rmsnorm tile: the two-launch path
+    for value, why in (("0", ">= 1"), ("two", "an integer")):
+        monkeypatch.setenv("MOEFUSE_ALLGATHER_LOOKAHEAD", value)
+        with pytest.raises(ValueError, match=f"MOEFUSE_ALLGATHER_LOOKAHEAD must be {why}"):
+            fused._env_int(fused.LOOKAHEAD_ENV, fused.LOOKAHEAD, 1)

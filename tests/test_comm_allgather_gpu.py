@@ -232,16 +232,18 @@ def scenario_graph_replays(rank, _, replays):
     return True
 
 
-def scenario_bounded_wait(rank, _):
+def scenario_bounded_wait(rank, _, m=4):
+    """Rank 1 skips a call: rank 0's waits give up after the timeout and name rank 1; a new
+    workspace works. ``m`` = 4: the decode kernel; 300: the persistent kernel."""
     import torch.distributed as dist
 
     import moefuse
 
     dev = torch.device("cuda", rank)
     h, timeout = 4096, 3.0
-    c = make_case(5, 4, h, dev)
+    c = make_case(5, m, h, dev)
     x = shard_of(c["full"], rank)
-    ws = make_ws(moefuse, 4, h, dev, timeout_s=timeout)
+    ws = make_ws(moefuse, m, h, dev, timeout_s=timeout)
     call = lambda: moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws,  # noqa: E731
                                               algorithm="oneshot", impl="triton")
     call()
@@ -255,7 +257,7 @@ def scenario_bounded_wait(rank, _):
         elapsed = time.monotonic() - t0
     dist.barrier()
     ws.close()
-    ws = make_ws(moefuse, 4, h, dev, timeout_s=timeout)
+    ws = make_ws(moefuse, m, h, dev, timeout_s=timeout)
     same_bits(call(), moefuse.rmsnorm(c["full"], c["weight"]), "after re-creation")
     ws.check()
     ws.close()
@@ -267,22 +269,39 @@ def scenario_one_launch(rank, _):
     bitwise equal to moefuse.rmsnorm on the full rows, eager (PDL on / off) and in a replayed
     CUDA graph. Separate from the default path's tests: a failure here only says the variant
     must stay off."""
+    return one_kernel_checks(rank, {"MOEFUSE_ALLGATHER_ONE_LAUNCH": "1"}, (1, 7, 64), "one launch")
+
+
+def scenario_persistent(rank, _, env):
+    """The persistent gather + rmsnorm kernel (comm/allgather_fused.py, the default above
+    M = 64) under the knobs ``env``: bitwise equal to moefuse.rmsnorm eager (PDL on / off) and
+    in replayed CUDA graphs, at token counts that are not multiples of anything."""
+    return one_kernel_checks(rank, {"MOEFUSE_ALLGATHER_LARGE": "fused", **env}, (65, 1000, 4097),
+                             f"persistent {env}")  # fmt: skip
+
+
+def one_kernel_checks(rank, env, tokens, label):
+    """all_gather_rmsnorm with the knobs ``env`` at every width and M in ``tokens`` against
+    moefuse.rmsnorm of the full rows: eager with PDL on and off, then 5 replays of a captured
+    call with fresh shards."""
     import os
 
     import moefuse
+    from moefuse import _fastpath
 
     dev = torch.device("cuda", rank)
-    os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"] = "1"
+    os.environ.update(env)
+    _fastpath.clear()
     for h in WIDTHS:
-        ws = make_ws(moefuse, 64, h, dev)
-        for m in (1, 7, 64):
+        ws = make_ws(moefuse, max(tokens), h, dev)
+        for m in tokens:
             c = make_case(m + h, m, h, dev)
             x = shard_of(c["full"], rank)
             want = moefuse.rmsnorm(c["full"], c["weight"])
             for pdl in (True, False):
                 got = moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws, impl="triton",
                                                  algorithm="oneshot", enable_pdl=pdl)
-                same_bits(got, want, f"one launch H={h} M={m} pdl={pdl}")
+                same_bits(got, want, f"{label} H={h} M={m} pdl={pdl}")
             out = torch.empty_like(want)
             run = lambda: moefuse.all_gather_rmsnorm(  # noqa: E731
                 x, c["weight"], workspace=ws, impl="triton", algorithm="oneshot", out=out)
@@ -297,7 +316,7 @@ def scenario_one_launch(rank, _):
                 out.fill_(float("nan"))
                 graph.replay()
                 same_bits(out, moefuse.rmsnorm(c_i["full"], c["weight"]),
-                          f"one launch H={h} M={m} replay {i}")
+                          f"{label} H={h} M={m} replay {i}")
             del graph
         ws.check()
         ws.close()
@@ -315,12 +334,23 @@ def test_graph_replays_fresh_data():
     assert all(run_group(P, scenario_graph_replays, 50, backend="nccl", timeout_s=600))
 
 
-def test_bounded_wait():
+@pytest.mark.parametrize("m", [4, 300])
+def test_bounded_wait(m):
     _need()
-    elapsed = run_group(P, scenario_bounded_wait, backend="nccl", timeout_s=300)
+    elapsed = run_group(P, scenario_bounded_wait, m, backend="nccl", timeout_s=300)
     assert elapsed[0] is not None and elapsed[0] >= 3.0
 
 
 def test_one_launch_decode_variant_bitwise():
     _need()
     assert all(run_group(P, scenario_one_launch, backend="nccl", timeout_s=300))
+
+
+@pytest.mark.parametrize("env", [
+    {},  # the defaults
+    {"MOEFUSE_ALLGATHER_LOOKAHEAD": "1", "MOEFUSE_ALLGATHER_FUSED_GRID": "7"},  # many tiles/CTA
+    {"MOEFUSE_ALLGATHER_LOOKAHEAD": "4", "MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM": "8"},  # capped
+])  # fmt: skip
+def test_persistent_kernel_bitwise(env):
+    _need()
+    assert all(run_group(P, scenario_persistent, env, backend="nccl", timeout_s=400))

@@ -6,9 +6,12 @@ baselines give the same bits (the baselines ARE the definition: gather, then the
 then times, side by side in one run:
 
 * ``moefuse``: the fused op (algorithm="auto": Lamport all-gather over NVLink into a local
-  buffer, then the single-GPU kernel, PDL between them; from 2048 tokens pipelined in chunks);
+  buffer, then the single-GPU kernel, PDL between them; from 2048 tokens pipelined in chunks;
+  rmsnorm above the decode range: one persistent gather + norm kernel, comm/allgather_fused.py);
   ``moefuse_gather``: its all-gather launch alone (rmsnorm rows only: where the time goes);
-  ``moefuse_nochunk``: the fused op with the pipeline off (rmsnorm rows, where it is on);
+  ``moefuse_chunked``: rmsnorm above the decode range on the two-launch path with its chunk
+  pipeline (MOEFUSE_ALLGATHER_LARGE=chunked); ``moefuse_nochunk``: the same with the pipeline
+  off (where it would be on);
   ``moefuse_2launch``: the two-launch path (gather, then rmsnorm) where the default is the
   one-launch decode kernel (rmsnorm, M <= 64; checked bitwise first, NaN if it fails);
 * ``nccl+op``: NCCL ``all_gather_into_tensor`` into [P, M, H/P], re-layout to [M, H]
@@ -34,6 +37,7 @@ with ``--save`` (``--out`` another directory).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -47,6 +51,7 @@ NO_MULTICAST = ranks.NO_MULTICAST
 BASELINES = ("nccl+op", "symm+op")
 PEER_COPY_BYTES = 256 << 20
 CHUNK_ENV = "MOEFUSE_ALLGATHER_CHUNK_ROWS"
+LARGE_ENV = "MOEFUSE_ALLGATHER_LARGE"
 
 
 # ----------------------------------------------------------------------------- peer bandwidth
@@ -76,6 +81,28 @@ def peer_copy_gbps(group, dev, harness) -> float:
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     dist.barrier(group=group)
     return PEER_COPY_BYTES / (float(t.item()) * 1e-6) / 1e9
+
+
+@contextlib.contextmanager
+def knobs(env: dict[str, str]):
+    """Set the environment knobs ``env`` (same on every rank) for the block, then restore them;
+    eager launch plans are dropped around it (recorded plans do not read the environment)."""
+    from moefuse import _fastpath as fastpath
+
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    if env:
+        fastpath.clear()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if env:
+            fastpath.clear()
 
 
 # ----------------------------------------------------------------------------- one case
@@ -110,7 +137,6 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    from moefuse import _fastpath as fastpath
     from moefuse.comm import allgather_ops
     from moefuse.comm.allgather_decode import ONE_LAUNCH_ENV, ONE_LAUNCH_MAX_TOKENS
     from moefuse.comm.allgather_triton import launch_allgather
@@ -176,42 +202,66 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)  # drop it on every rank alike
         if not int(vote.item()):
             variants.pop(name)
+    env = {}  # variants of the rmsnorm op that differ from the default by knobs
     if op == "rmsnorm":
         variants["moefuse_gather"] = gather_only
-        if allgather_ops.chunk_rows(m) < m:  # the pipeline's default against one chunk
-            variants["moefuse_nochunk"] = fused
-        if m <= ONE_LAUNCH_MAX_TOKENS:  # the default is one launch here: time two as well
-            variants["moefuse_2launch"] = fused
-    times = {}
-    for name, fn in variants.items():
-        dist.barrier(group=group)
-        torch.cuda.synchronize(dev)
-        env = {"moefuse_nochunk": (CHUNK_ENV, "0"), "moefuse_2launch": (ONE_LAUNCH_ENV, "0")}
-        key, value = env.get(name, (None, None))
-        saved = os.environ.get(key) if key else None
-        if key:  # read at capture time, the same on every rank
-            os.environ[key] = value
-            fastpath.clear()  # recorded launch plans do not read the variable
-        try:
-            if name == "moefuse_2launch":  # correctness first for the variant too
-                for a, b in zip(fn(0), want):
-                    assert_bitwise_equal(a, b, f"{op} H={h} M={m}: two launches vs NCCL + op")
-            us = harness.graph_time_us(fn, calls=max(20, n), replays=replays)
-        except Exception as exc:
-            print(f"rank {rank}: {name} failed at {op} H={h} M={m}: {exc}")
-            us = float("nan")
-        finally:
-            if key:
-                fastpath.clear()
-            if key and saved is None:
-                os.environ.pop(key, None)
-            elif key:
-                os.environ[key] = saved
-        t = torch.tensor([us], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        times[name] = float(t.item())
+        if m > ONE_LAUNCH_MAX_TOKENS:  # the default is the persistent kernel: the old paths too
+            env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
+            if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
+                env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
+        else:  # the default is one launch here: time two as well
+            env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
+        variants.update({name: fused for name in env})
+    def check(name, fn):
+        def run():  # correctness first for the knob variants too
+            for a, b in zip(fn(0), want):
+                assert_bitwise_equal(a, b, f"{op} H={h} M={m}: {name} vs NCCL + op")
+
+        return run if name in env else None
+
+    times = {name: time_variant(harness, fn, env.get(name, {}), group, f"{name} at {op} H={h} "
+                                f"M={m}", calls=max(20, n), replays=replays, check=check(name, fn))
+             for name, fn in variants.items()}  # fmt: skip
     ws.check()
     return times
+
+
+def time_variant(harness, fn, env: dict, group, label: str, *, calls: int, replays: int,
+                 check=None) -> float:  # fmt: skip
+    """Max over the ranks of the median µs per call of ``fn(i)`` in CUDA-graph replays, under the
+    knobs ``env`` (read at capture, the same on every rank), ``check()`` first (a failure on any
+    rank skips the timing on every rank); NaN (and a printed line naming ``label``) when either
+    fails, so the other variants still run."""
+    import torch.distributed as dist
+
+    dev = torch.cuda.current_device()
+    us = float("nan")
+    dist.barrier(group=group)
+    torch.cuda.synchronize()
+    with knobs(env):
+        ok = check is None or _attempt(check, label, group)
+        vote = torch.tensor([int(ok)], device=dev)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+        timed = []
+        if int(vote.item()) and _attempt(
+                lambda: timed.append(harness.graph_time_us(fn, calls=calls, replays=replays)),
+                label, group):  # fmt: skip
+            us = timed[0]
+    t = torch.tensor([us], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _attempt(fn, label: str, group) -> bool:
+    """Run ``fn()``; False (and a printed line naming ``label`` and this rank) when it raises."""
+    import torch.distributed as dist
+
+    try:
+        fn()
+        return True
+    except Exception as exc:
+        print(f"rank {dist.get_rank(group)}: {label} failed: {str(exc)[:300]}", flush=True)
+        return False
 
 
 # ----------------------------------------------------------------------------- worker

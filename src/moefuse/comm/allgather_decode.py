@@ -64,36 +64,70 @@ def _ag_rmsnorm_kernel(
     scm = scols < S
     first = pid * ROWS
     n_mine = tl.where(healthy, tl.minimum(ROWS, n_rows - first), 0)
-    j = 0
-    while j < n_mine:  # (while: the interpreter cannot range over a loaded value)
-        AG.push_row(shard_ptr, s_st, x_ptr, x_st, first + j, scols, scm, table_ptr, ag_off16,
-                    region, rank, rank * S, H, P)  # fmt: skip
-        j += 1
+    push_rows(shard_ptr, s_st, x_ptr, x_st, first, n_mine, scols, scm, table_ptr, ag_off16,
+              region, rank, S, H, P)  # fmt: skip
     if USE_PDL:
         gdc_launch_dependents()  # every input of this launch is read
     empty = tl.zeros([BLOCK_S], tl.int16)
+    missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S, H,
+                           deadline, clock_ptr, empty, P, PTX)  # fmt: skip
+    # --- the single-GPU rmsnorm of the tile (moefuse.norm.triton._rmsnorm_kernel, no gate)
+    norm_tile(pid, x_ptr, w_ptr, out_ptr, n_rows, H, Hf, HEADS, x_st, x_sh, o_st, o_sh, eps,
+              gain_center, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED,
+              UNROLL)  # fmt: skip
+    AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
+
+
+@triton.jit
+def push_rows(shard_ptr, s_st, x_ptr, x_st, first, n, scols, scm, table_ptr, ag_off16, region,
+              rank, S, H, P: tl.constexpr):  # fmt: skip
+    """Push rows ``first .. first + n - 1`` of this rank's shard (``AG.push_row``: every peer's
+    slot, and this rank's gathered rows ``x_ptr``)."""
+    j = 0
+    while j < n:  # (while: the interpreter cannot range over a loaded value)
+        AG.push_row(shard_ptr, s_st, x_ptr, x_st, first + j, scols, scm, table_ptr, ag_off16,
+                    region, rank, rank * S, H, P)  # fmt: skip
+        j += 1
+
+
+@triton.jit
+def receive_rows(x_ptr, x_st, first, n, scols, scm, mine, region, rank, S, H, deadline,
+                 clock_ptr, empty, P: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Receive rows ``first .. first + n - 1`` from every peer into the gathered rows
+    (``AG.receive_row``; stops at the first expired wait), then a CTA barrier so that every
+    thread sees every gathered word. Returns the bit mask of peers that did not deliver."""
     missing = 0
     j = 0
-    while (j < n_mine) & (missing == 0):
+    while (j < n) & (missing == 0):
         missing = missing | AG.receive_row(x_ptr, x_st, first + j, scols, scm, mine, region, rank,
                                            S, H, deadline, clock_ptr, empty, P, PTX)  # fmt: skip
         j += 1
     tl.debug_barrier()  # the gathered rows, written by every thread, are visible to all of them
-    # --- the single-GPU rmsnorm of the tile (moefuse.norm.triton._rmsnorm_kernel, no gate)
+    return missing
+
+
+@triton.jit
+def norm_tile(t, x_ptr, w_ptr, out_ptr, n_rows, H, Hf, HEADS, x_st, x_sh, o_st, o_sh, eps,
+              gain_center, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+              MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
+              STEPPED: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+    """Row tile ``t`` of ``moefuse.norm.triton._rmsnorm_kernel`` (no gate, no PDL) on the
+    gathered rows ``x_ptr``: the single-GPU kernel's own row functions with its constexprs, so
+    the same reduction tree. Stepped rows (ROWS = 1): ``_norm_stepped`` unrolled or looped as
+    ``UNROLL`` says; one-pass tiles: ``_rms_load`` + ``_rms_tile``."""
     if STEPPED:
-        nt._norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, nt._row_base(pid, HEADS, x_st, x_sh), 0,
-                         nt._row_base(pid, HEADS, o_st, o_sh), H, Hf, eps, gain_center, x_ptr,
+        nt._norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, nt._row_base(t, HEADS, x_st, x_sh), 0,
+                         nt._row_base(t, HEADS, o_st, o_sh), H, Hf, eps, gain_center, x_ptr,
                          BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, False, False, "evict_first",
                          nt._no_aux, nt._st_cast)  # fmt: skip
     else:
         cols = tl.arange(0, BLOCK)
         w = nt._ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
-        rows, mask = nt._tile_rows(pid, cols, n_rows, H, ROWS)
+        rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
         x, g = nt._rms_load(x_ptr, x_ptr, rows, cols, mask, HEADS, x_st, x_sh, 0, 0, MASKED,
                             EVICT_FIRST, False)  # fmt: skip
         nt._rms_tile(x.to(tl.float32), g.to(tl.float32), w, rows, cols, mask, out_ptr, HEADS,
                      o_st, o_sh, Hf, eps, MASKED, False, PTX)  # fmt: skip
-    AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
 
 
 def one_launch_tile(width: int, m: int):

@@ -10,6 +10,9 @@ The Triton backend is two launches on the stream: the column all-gather into thi
 workspace's ``"allgather"`` region; or NCCL/gloo for ``algorithm="torch"``), then the
 single-GPU op's own launcher on the gathered rows. With PDL the norm kernel is scheduled while
 the all-gather waits on NVLink and loads its parameters before its grid-dependency wait.
+``all_gather_rmsnorm`` runs one kernel instead: the decode kernel at M <= 64
+(:mod:`moefuse.comm.allgather_decode`) and the persistent gather + norm kernel above
+(:mod:`moefuse.comm.allgather_fused`; ``MOEFUSE_ALLGATHER_LARGE=chunked`` keeps two launches).
 """
 
 from __future__ import annotations
@@ -165,8 +168,9 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     gathers wait for this call's norms (the communication stream waits for the caller's stream
     at entry), and all gather launches stay ordered (generations).
     The ops are batch-invariant, so per-chunk launches give the same bits as one launch.
-    ``one_launch(ws, state, gathered)``, when given, may run gather + op as one kernel (returns
-    False when it cannot; :mod:`moefuse.comm.allgather_decode`)."""
+    ``one_launch(ws, state, gathered, unchunked)``, when given, may run gather + op as one
+    kernel (returns False when it cannot; ``unchunked``: the two-launch path would run one
+    chunk): :mod:`moefuse.comm.allgather_decode`, :mod:`moefuse.comm.allgather_fused`."""
     ws = get_workspace(ws_id)
     ws.raise_if_unusable()
     m = shard.shape[0]
@@ -181,7 +185,7 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     state = allgather_state(ws)
     gathered = state.gathered(shard.dtype, m)
     step = chunk_rows(m, row_multiple)
-    if step >= m and one_launch is not None and one_launch(ws, state, gathered):
+    if one_launch is not None and one_launch(ws, state, gathered, step >= m):
         pass
     elif step >= m:
         launch_allgather(ws, state, shard, gathered, use_pdl)
@@ -220,14 +224,22 @@ def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_
     def reference(x):
         out.copy_(ref.norm_ref.rmsnorm_reference(x, weight, eps, gain_center))
 
-    def one_launch(ws, state, gathered):
+    def one_launch(ws, state, gathered, unchunked):
+        # decode range: one program per tile; above it (or with the decode kernel off): the
+        # persistent kernel unless MOEFUSE_ALLGATHER_LARGE=chunked
         from moefuse.comm import allgather_decode as dec
+        from moefuse.comm import allgather_fused as fused
 
-        tile = dec.one_launch_tile(gathered.shape[1], shard.shape[0])
+        tile = dec.one_launch_tile(gathered.shape[1], shard.shape[0]) if unchunked else None
+        if tile is not None:
+            dec.launch_ag_rmsnorm(ws, state, shard, weight, gathered, out, eps, gain_center,
+                                  use_pdl, tile)  # fmt: skip
+            return True
+        tile = fused.fused_tile(gathered.shape[1], shard.shape[0])
         if tile is None:
             return False
-        dec.launch_ag_rmsnorm(ws, state, shard, weight, gathered, out, eps, gain_center, use_pdl,
-                              tile)  # fmt: skip
+        fused.launch_ag_rmsnorm_persistent(ws, state, shard, weight, gathered, out, eps,
+                                           gain_center, use_pdl, tile)  # fmt: skip
         return True
 
     _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,

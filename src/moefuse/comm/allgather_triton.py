@@ -130,8 +130,21 @@ def push_row(shard_ptr, s_st, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, 
              own, H, P: tl.constexpr):  # fmt: skip
     """Row ``t`` of this rank's shard: encoded into its columns of every peer's slot, and as is
     into this rank's gathered row."""
+    x = load_fragment(shard_ptr, s_st, t, cols, cm)
+    store_fragment(x, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank, own, H, P)
+
+
+@triton.jit
+def load_fragment(shard_ptr, s_st, t, cols, cm):
+    """Row ``t`` of this rank's shard (masked columns ``cm``; an all-false mask reads nothing)."""
+    return tl.load(shard_ptr + t.to(tl.int64) * s_st + cols, mask=cm, other=0.0)
+
+
+@triton.jit
+def store_fragment(x, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank, own, H,
+                   P: tl.constexpr):  # fmt: skip
+    """The push of :func:`push_row` for a fragment ``x`` already loaded from shard row ``t``."""
     t64 = t.to(tl.int64)
-    x = tl.load(shard_ptr + t64 * s_st + cols, mask=cm, other=0.0)
     enc = _encode(x)
     dst = (region + t64) * H + own + cols
     for q in tl.static_range(P):

@@ -1,0 +1,104 @@
+"""Compile the all-gather + rmsnorm kernels (comm/allgather_triton.py, allgather_decode.py,
+allgather_fused.py) for sm_90a on a machine without a GPU and report registers and spills
+(ptxas -v), with the launchers' own constexprs (the single-GPU rmsnorm tile of the width, both
+stepped modes where the rows are stepped), and the CTAs per SM those registers allow.
+
+Run: PYTHONPATH=src python scripts/compile_check_allgather.py [--widths 4096,7168,8192] [--p 2,4]
+"""
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moefuse.comm import allgather_decode as dec
+from moefuse.comm import allgather_fused as fused
+from moefuse.comm import allgather_triton as AG
+from moefuse.comm.tiles import resident_ctas_per_sm
+from moefuse.norm import tiles
+from moefuse.norm import triton as nt
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+TYPES = {"table_ptr": "*i64", "agctrl_ptr": "*i32", "status_ptr": "*i32", "clock_ptr": "*i32",
+         "eps": "fp32", "gain_center": "fp32", "Hf": "fp32"}  # fmt: skip
+#: integer arguments the JIT sees as multiples of 16 at H = 4096 / 8192, P = 2 (strides, widths,
+#: region offset and capacity); pointers are 16-byte aligned
+DIVISIBLE = {"s_st", "x_st", "o_st", "g_st", "H", "S", "cap", "ag_off16"}
+
+
+def compile_report(kernel, consts: dict, num_warps: int) -> dict:
+    """ptxas -v of ``kernel`` for sm_90a with the launch's specialisation: registers, spilled
+    bytes, and counts of 16-byte volatile polls / global stores in the PTX."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+        if sig[name].startswith("*") or name in DIVISIBLE:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        err = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                             capture_output=True, text=True).stderr  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", err)
+    spill = re.search(r"(\d+) bytes spill stores", err)
+    return {"regs": int(regs.group(1)) if regs else -1,
+            "spill": int(spill.group(1)) if spill else -1,
+            "v4_polls": len(re.findall(r"ld\.volatile\.global\.v4", ptx)),
+            "v4_stores": len(re.findall(r"st\.global\.v4", ptx))}  # fmt: skip
+
+
+def norm_consts(h: int, unroll: bool) -> tuple[dict, int]:
+    """The persistent kernel's constexprs at width ``h`` (rows stepped: ``unroll`` mode), warps."""
+    tile = fused.fused_tile(h)
+    rows = 1 if unroll else tiles.RMSNORM_LOOP_MIN_ROWS
+    consts = nt._row_consts(tile, h, rows, unroll if tile.stepped else None,
+                            tiles.RMSNORM_LOOP_MIN_ROWS, True)  # fmt: skip
+    warps = consts.pop("num_warps")
+    for key in ("PERSISTENT", "PREFETCH", "maxnreg", "launch_pdl"):
+        consts.pop(key, None)
+    return consts, warps
+
+
+def report(tag: str, kernel, consts: dict, warps: int) -> None:
+    r = compile_report(kernel, consts, warps)
+    fit = fused.fits_per_sm(r["regs"], warps)
+    print(f"{tag}: {r['regs']} registers, {r['spill']} bytes spilled, {r['v4_polls']} v4 polls, "
+          f"{r['v4_stores']} v4 stores, {warps} warps (fits {fit} CTAs/SM; the persistent "
+          f"kernel launches {min(fit, resident_ctas_per_sm(warps))})", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--widths", default="4096,7168,8192")
+    parser.add_argument("--p", default="2,4")
+    args = parser.parse_args()
+    for h in [int(x) for x in args.widths.split(",")]:
+        for p in [int(x) for x in args.p.split(",")]:
+            block_s, gw = AG.allgather_tile(h // p)
+            report(f"H={h:5d} P={p} gather           ", AG._allgather_kernel,
+                   dict(P=p, BLOCK_S=block_s, USE_PDL=True, PTX=True), gw)  # fmt: skip
+            for unroll in (True, False) if fused.fused_tile(h).stepped else (True,):
+                consts, warps = norm_consts(h, unroll)
+                report(f"H={h:5d} P={p} persistent {'unroll' if unroll else 'loop  '}",
+                       fused._ag_rmsnorm_persistent_kernel, {**consts, "P": p, "BLOCK_S": block_s},
+                       warps)  # fmt: skip
+            consts, warps = norm_consts(h, True)
+            report(f"H={h:5d} P={p} decode           ", dec._ag_rmsnorm_kernel,
+                   {**consts, "P": p, "BLOCK_S": block_s}, warps)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

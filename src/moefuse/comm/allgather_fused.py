@@ -1,0 +1,253 @@
+"""Persistent one-launch :func:`moefuse.all_gather_rmsnorm` for M above the decode range
+(issue 17, large M): NVLink pushes and the norm overlap inside one kernel.
+
+PREDICTED, NOT MEASURED (notes/comm-allgather.md "Large M, one persistent kernel").
+
+The chunked pipeline (gather chunk c+1 on a communication stream while chunk c is normed) left
+the norm visible at large M. Here every CTA of one persistent grid does both, tile by tile:
+
+* grid ``G`` = co-resident CTAs (the workspace's MIN-reduced SM count x CTAs per SM; identical on
+  every rank), CTA ``pid`` owns the single-GPU rmsnorm's row tiles ``pid, pid + G, ...``;
+* prologue: push the fragments of its first ``lookahead`` tiles (``push_rows`` of
+  :mod:`moefuse.comm.allgather_decode`: Lamport stores into every peer's slot, own fragment into
+  the local gathered rows);
+* iteration i: push tile i + lookahead (one-row tiles: from registers loaded one iteration
+  earlier, then load the next one), receive tile i (poll, re-arm, decode into the gathered
+  rows, CTA barrier), then norm tile i with the single-GPU kernel's row functions and
+  constexprs (``norm_tile``; stepped rows unrolled / looped exactly as ``moefuse.rmsnorm`` does
+  at this M), so the output is bitwise ``moefuse.rmsnorm`` of the gathered rows.
+
+No deadlock: CTA j of rank r only waits for tiles of its own list, which CTA j of every peer
+pushes ``lookahead`` iterations (or the prologue) before it waits for anything of that tile or a
+later one; by induction every awaited fragment is pushed by a CTA that is not itself blocked on
+this CTA. This needs every CTA of the grid to be resident on every rank (the grid never
+exceeds the co-resident count); in the interpreter, which runs CTAs one after another, CTA j of
+every rank runs at the same time as CTA j of the peers. Waits are bounded as in the all-gather
+kernel (prelude / poll / finish of :mod:`moefuse.comm.allgather_triton`): a CTA that gives up
+stops, ORs the missing ranks into the status word, and later launches skip communication.
+
+Knobs (read at launch; the same on every rank):
+
+* ``MOEFUSE_ALLGATHER_LARGE`` = ``fused`` (default) | ``chunked`` (the old two-launch path, with
+  its chunk pipeline from :data:`moefuse.comm.allgather_ops.CHUNK_MIN_TOKENS` tokens); the
+  persistent kernel runs above the decode range (M > 64), and at M <= 64 when the decode kernel
+  cannot run only if the variable is set to ``fused`` explicitly (tests);
+* ``MOEFUSE_ALLGATHER_LOOKAHEAD`` (default :data:`LOOKAHEAD`): tiles pushed ahead of the one
+  being received (>= 1; a run-time argument, no recompilation);
+* ``MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM`` (default: ``resident_ctas_per_sm(num_warps)``, the
+  conservative count of the other peer kernels) and ``MOEFUSE_ALLGATHER_FUSED_GRID`` (a cap on
+  the grid; tests use it to give each CTA several tiles). Either way the CTAs per SM are capped
+  at what the compiled kernel's registers and shared memory allow (:func:`fits_per_sm`): a grid
+  beyond the co-resident count could deadlock.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse._runtime import interpreter_active
+from moefuse.comm import allgather_decode as dec
+from moefuse.comm import allgather_triton as AG
+from moefuse.comm.tiles import resident_ctas_per_sm
+from moefuse.comm.workspace import CTRL_STATUS
+from moefuse.norm import tiles
+from moefuse.norm import triton as nt
+from moefuse.norm.tiles import RMSNORM_POLICY, row_tile
+
+LARGE_ENV = "MOEFUSE_ALLGATHER_LARGE"
+LARGE_MODES = ("fused", "chunked")
+LOOKAHEAD_ENV = "MOEFUSE_ALLGATHER_LOOKAHEAD"
+CTAS_PER_SM_ENV = "MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM"
+GRID_ENV = "MOEFUSE_ALLGATHER_FUSED_GRID"
+#: tiles pushed ahead of the tile being received. FIRST GUESS, not measured: 264 CTAs x 4 KB
+#: fragments (H = 4096, P = 2) x 2 tiles = 2 MiB in flight, ~5 us of NVLink at 370 GB/s
+LOOKAHEAD = 2
+
+
+@triton.jit(do_not_specialize=["n_rows", "rank", "lookahead"])
+def _ag_rmsnorm_persistent_kernel(
+    shard_ptr, s_st, x_ptr, w_ptr, out_ptr,
+    n_rows, H, Hf, x_st, o_st, eps, gain_center,
+    table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, S, rank, cap, timeout_us, lookahead,
+    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    STEPPED: tl.constexpr, UNROLL: tl.constexpr,
+    P: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    if USE_PDL:
+        gdc_wait()  # the shard is the previous kernel's output
+    deadline, gen, healthy, region, mine = AG.prelude(table_ptr, ag_off16, agctrl_ptr,
+                                                      status_ptr, clock_ptr, rank, cap,
+                                                      timeout_us, PTX)  # fmt: skip
+    scols = tl.arange(0, BLOCK_S)
+    scm = scols < S
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    n_mine = tl.where(healthy, (n_tiles - pid + G - 1) // G, 0)
+    k = 0
+    while k < tl.minimum(lookahead, n_mine):  # prologue: the first `lookahead` tiles' fragments
+        _push_tile(shard_ptr, s_st, x_ptr, x_st, pid + k * G, n_rows, scols, scm, table_ptr,
+                   ag_off16, region, rank, S, H, ROWS, P)  # fmt: skip
+        k += 1
+    if USE_PDL:
+        # every CTA is resident (grid <= co-resident count): the next kernel may be scheduled
+        # into the space left; its own gdc_wait orders it after this whole grid
+        gdc_launch_dependents()
+    empty = tl.zeros([BLOCK_S], tl.int16)
+    # one-row tiles: the shard fragment of the next tile to push is loaded one iteration early,
+    # so its HBM latency overlaps the poll and the norm instead of delaying them
+    x_nx = _prefetch(shard_ptr, s_st, pid + lookahead * G, lookahead < n_mine, scols, scm,
+                     ROWS)  # fmt: skip
+    missing = 0
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        if i + lookahead < n_mine:
+            t_push = pid + (i + lookahead) * G
+            if ROWS == 1:
+                AG.store_fragment(x_nx, x_ptr, x_st, t_push, scols, scm, table_ptr, ag_off16,
+                                  region, rank, rank * S, H, P)  # fmt: skip
+                x_nx = _prefetch(shard_ptr, s_st, t_push + G, i + lookahead + 1 < n_mine, scols,
+                                 scm, ROWS)  # fmt: skip
+            else:
+                _push_tile(shard_ptr, s_st, x_ptr, x_st, t_push, n_rows, scols, scm, table_ptr,
+                           ag_off16, region, rank, S, H, ROWS, P)  # fmt: skip
+        t = pid + i * G
+        first = t * ROWS
+        missing = dec.receive_rows(x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first), scols,
+                                   scm, mine, region, rank, S, H, deadline, clock_ptr, empty, P,
+                                   PTX)  # fmt: skip
+        dec.norm_tile(t, x_ptr, w_ptr, out_ptr, n_rows, H, Hf, 1, x_st, 0, o_st, 0, eps,
+                      gain_center, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED,
+                      UNROLL)  # fmt: skip
+        i += 1
+    AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
+
+
+@triton.jit
+def _prefetch(shard_ptr, s_st, t, valid, scols, scm, ROWS: tl.constexpr):
+    """Shard fragment of one-row tile ``t`` when ``valid`` (else nothing is read); a dummy for
+    tiles of several rows (pushed row by row by :func:`_push_tile`)."""
+    if ROWS == 1:
+        return AG.load_fragment(shard_ptr, s_st, t, scols, scm & valid)
+    else:
+        return tl.zeros([1], tl.float32)
+
+
+@triton.jit
+def _push_tile(shard_ptr, s_st, x_ptr, x_st, t, n_rows, scols, scm, table_ptr, ag_off16, region,
+               rank, S, H, ROWS: tl.constexpr, P: tl.constexpr):  # fmt: skip
+    """Push this rank's fragments of the rows of norm tile ``t`` (clipped to ``n_rows``)."""
+    first = t * ROWS
+    dec.push_rows(shard_ptr, s_st, x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first), scols,
+                  scm, table_ptr, ag_off16, region, rank, S, H, P)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- host side
+def _env_int(name: str, default: int, minimum: int) -> int:
+    """Integer knob ``name`` (``default`` when unset); ValueError naming it when invalid."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def large_mode() -> str:
+    """``MOEFUSE_ALLGATHER_LARGE``: "fused" (default) or "chunked"; ValueError otherwise."""
+    mode = os.environ.get(LARGE_ENV, "") or "fused"
+    if mode not in LARGE_MODES:
+        raise ValueError(f"{LARGE_ENV} must be one of {LARGE_MODES}, got {mode!r}")
+    return mode
+
+
+def fused_tile(width: int, m: int | None = None):
+    """The single-GPU rmsnorm tile for rows of ``width`` when the persistent kernel runs it at
+    ``m`` tokens, else None: mode "fused", M above the decode range (at M <= 64 only when
+    MOEFUSE_ALLGATHER_LARGE=fused is set explicitly: ``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` alone
+    still means two launches there), and a one-pass tile without the persistent loop or
+    stepped rows."""
+    if large_mode() != "fused":
+        return None
+    if m is not None and m <= dec.ONE_LAUNCH_MAX_TOKENS and not os.environ.get(LARGE_ENV):
+        return None
+    tile = row_tile(width, RMSNORM_POLICY)
+    if nt._persistent(tile) or (tile.num_chunks > 1 and not tile.stepped):
+        return None
+    return tile
+
+
+def fits_per_sm(regs: int, warps: int, shared: int = 0, smem_per_sm: int = 228 << 10) -> int:
+    """CTAs of ``warps`` warps at ``regs`` registers per thread and ``shared`` bytes of shared
+    memory that fit one sm_90 SM (64K registers allocated per warp in units of 256, 64 warps,
+    228 KiB of shared memory with 1 KiB reserved per CTA)."""
+    per_warp = -(-max(1, regs) * 32 // 256) * 256
+    by_smem = smem_per_sm // (shared + 1024)
+    return max(1, min(65536 // (per_warp * warps), 64 // warps, by_smem))
+
+
+_FITS: dict[tuple, int] = {}
+
+
+def _compiled_fit(args, consts) -> int:
+    """CTAs per SM of the compiled persistent kernel for these arguments (compiles it if
+    needed; the GPU only), cached per device, constexprs and 16-divisibility of the arguments
+    (what selects the compiled variant)."""
+    dev = torch.cuda.current_device()
+    spec = tuple(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor)
+                 else (a % 16 == 0 if isinstance(a, int) else None) for a in args)  # fmt: skip
+    key = (dev, spec, tuple(sorted(consts.items())))
+    fit = _FITS.get(key)
+    if fit is None:
+        ck = _ag_rmsnorm_persistent_kernel.warmup(*args, grid=(1,), **consts)
+        ck._init_handles()
+        fit = _FITS[key] = fits_per_sm(ck.n_regs, consts["num_warps"], ck.metadata.shared)
+    return fit
+
+
+def fused_grid(ws, tile, n_tiles: int, fit=None) -> int:
+    """CTAs of the persistent launch: min(row tiles, SMs x CTAs per SM [, the grid cap]). A
+    function of the workspace (MIN-reduced SM count), the width, M and the compiled kernel: the
+    same on every rank. ``fit()``: CTAs per SM the compiled kernel's registers and shared memory
+    allow (a grid beyond the co-resident count could deadlock; H = 16384 needs 216 registers
+    at 8 warps: 1 CTA per SM, not the default 2)."""
+    per_sm = _env_int(CTAS_PER_SM_ENV, resident_ctas_per_sm(tile.num_warps), 1)
+    if fit is not None:
+        per_sm = min(per_sm, fit())
+    ctas = min(n_tiles, ws.num_sms * per_sm)
+    cap = _env_int(GRID_ENV, 0, 0)
+    return max(1, min(ctas, cap) if cap else ctas)
+
+
+def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, weight: torch.Tensor,
+                                 gathered: torch.Tensor, out: torch.Tensor, eps: float,
+                                 gain_center: float, use_pdl: bool, tile) -> None:  # fmt: skip
+    """Gather + rmsnorm of M rows in one persistent launch (``tile`` from :func:`fused_tile`).
+    ``gathered`` [M, H] rows contiguous, ``out`` [M, H]; collective (same M on every rank)."""
+    m, s = shard.shape
+    width = gathered.shape[1]
+    block_s, _ = AG.allgather_tile(s)
+    lookahead = _env_int(LOOKAHEAD_ENV, LOOKAHEAD, 1)
+    consts = nt._row_consts(tile, width, m, None, tiles.RMSNORM_LOOP_MIN_ROWS, use_pdl)
+    for key in ("PERSISTENT", "PREFETCH", "maxnreg"):
+        consts.pop(key, None)
+    ws.refresh_clock()
+    args = (shard, shard.stride(0), gathered, weight, out, m, width, float(width),
+            gathered.stride(0), out.stride(0), float(eps), float(gain_center), ws.table,
+            ws.offset16("allgather"), state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, s, ws.rank,
+            ws.max_tokens, ws.timeout_us, lookahead)  # fmt: skip
+    consts.update(P=ws.world_size, BLOCK_S=block_s)
+    fit = None if interpreter_active() else (lambda: _compiled_fit(args, consts))
+    grid = (fused_grid(ws, tile, tile.grid(m)[0], fit),)
+    # (nt._launch: a launch that compiles stepped rows also compiles the other UNROLL mode)
+    nt._launch(_ag_rmsnorm_persistent_kernel, grid, args, consts, tile)
