@@ -11,7 +11,7 @@ Per H in --hidden and M in --tokens (default 4096,8192 x 512,4096,16384):
 (a) every moefuse variant below is checked bit for bit against NCCL all_gather + moefuse.rmsnorm
     on fresh random shards with poisoned outputs (a failing variant is reported and not timed);
 (b) median µs of CUDA-graph replays (max over ranks; shards rotate over sets larger than L2):
-    ``fused`` (the default: persistent kernel), ``fused_la1`` / ``fused_la4`` (lookahead 1 / 4
+    ``fused`` (the default: persistent kernel), ``fused_la2`` / ``fused_la4`` (lookahead 2 / 4
     tiles), ``fused_2xcta`` (twice the default CTAs per SM, capped at what the compiled kernel
     fits), ``chunked`` (two launches + 4-chunk stream pipeline), ``nochunk`` (two launches),
     ``gather`` (the all-gather launch alone), ``nccl+rmsnorm``; and the NVLink bound (bytes each
@@ -34,7 +34,7 @@ FUSED = "MOEFUSE_ALLGATHER_LARGE"
 #: moefuse variants: the knobs each sets (read at capture; the same on every rank)
 VARIANTS = {
     "fused": {FUSED: "fused"},
-    "fused_la1": {FUSED: "fused", "MOEFUSE_ALLGATHER_LOOKAHEAD": "1"},
+    "fused_la2": {FUSED: "fused", "MOEFUSE_ALLGATHER_LOOKAHEAD": "2"},
     "fused_la4": {FUSED: "fused", "MOEFUSE_ALLGATHER_LOOKAHEAD": "4"},
     "fused_2xcta": {FUSED: "fused"},  # + MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM, per width below
     "chunked": {FUSED: "chunked"},

@@ -130,6 +130,24 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _command_line() -> str:
+    """How this process was started: ``python -m moefuse ...`` for the CLI (whose argv[0] is
+    moefuse's ``__main__``), a module's or script's own path otherwise (repo-relative)."""
+    prog = sys.argv[0] if sys.argv else ""
+    args = " ".join(sys.argv[1:])
+    if prog.endswith(("moefuse/__main__.py", "-c")) or not prog:
+        return f"python -m moefuse {args}".strip()
+    path = Path(prog).resolve()
+    try:
+        shown = str(path.relative_to(Path.cwd()))
+    except ValueError:
+        shown = path.name
+    if "/src/moefuse/" in f"/{shown}" or shown.startswith("src/moefuse/"):
+        module = shown.removeprefix("src/").removesuffix(".py").replace("/", ".")
+        return f"python -m {module} {args}".strip()
+    return f"python {shown} {args}".strip()
+
+
 def run_metadata() -> dict:
     import triton
 
@@ -140,7 +158,7 @@ def run_metadata() -> dict:
         "capability": list(torch.cuda.get_device_capability(0)) if props else [],
         "gpu_count": torch.cuda.device_count(),
         "commit": git_commit(),
-        "command": "python -m moefuse " + " ".join(sys.argv[1:]),
+        "command": _command_line(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
