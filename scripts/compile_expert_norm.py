@@ -1,8 +1,9 @@
 """Offline sm_90a compile of the per-expert-norm kernels (no GPU): ptxas registers / spills.
 
 ``PYTHONPATH=src python scripts/compile_expert_norm.py [--widths 4096,7168] [--topk 8]``
-compiles ``_tp_slot_kernel``, ``_tp_expert_owner_kernel``, ``_tp_token_owner_kernel``,
-``_tp_staged_kernel``, ``_tp_gathered_kernel``, ``_ep_partial_kernel`` and ``_ep_oneshot_kernel``
+compiles ``_tp_slot_oneshot_kernel``, ``_tp_slot_kernel``, ``_tp_expert_owner_kernel``,
+``_tp_token_owner_kernel``, ``_tp_staged_kernel``, ``_tp_gathered_kernel``,
+``_ep_partial_kernel`` and ``_ep_oneshot_kernel``
 (P = 2, BF16, PDL on, weight before norm) with Triton's CUDA backend and runs ptxas
 -arch=sm_90a on the PTX: catches GPU-only compile errors and reports registers, spills and
 16-byte volatile loads (Lamport polls) per kernel.
@@ -42,8 +43,9 @@ def main(argv) -> int:
     failed = 0
     for h in map(int, args.widths.split(",")):
         tile = comm_tile(h, 1)
-        for kernel in (xt._tp_slot_kernel, xt._tp_expert_owner_kernel,
-                       xt._tp_token_owner_kernel, xt._tp_staged_kernel, xt._tp_gathered_kernel,
+        for kernel in (xt._tp_slot_oneshot_kernel, xt._tp_slot_kernel,
+                       xt._tp_expert_owner_kernel, xt._tp_token_owner_kernel,
+                       xt._tp_staged_kernel, xt._tp_gathered_kernel,
                        xe._ep_partial_kernel, xe._ep_oneshot_kernel):  # fmt: skip
             consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
                           NG=-(-k // block), BLOCK_H=tile.block, WBN=True, USE_PDL=True,

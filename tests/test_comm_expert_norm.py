@@ -18,7 +18,8 @@ from moefuse.testing import assert_bitwise_equal, bits, poison_
 
 pytestmark = pytest.mark.interpreter
 BF16 = torch.bfloat16
-TP_ALGOS = ("expert_owner_slots", "expert_owner", "token_owner", "staged", "torch")
+TP_ALGOS = ("slot_oneshot", "expert_owner_slots", "expert_owner", "token_owner", "staged",
+            "torch")
 EP_ALGOS = ("oneshot", "twoshot", "torch")
 
 
@@ -215,7 +216,10 @@ def scenario_tp(rank, world_size, cases, capacity):
                                                   impl="reference", **opts)  # fmt: skip
         exp = ref.tp_moe_finalize_rmsnorm_from_ranks(partials, weights, idx, nw, **opts)
         assert_bitwise_equal(ref_out, exp, f"{what} impl=reference")
-        if m > 1:  # auto runs one token with the expert owner; the batch matched token owner
+        # auto runs one token (and these small batches) with "slot_oneshot"; the batch matched
+        # every other decomposition bitwise above
+        assert xws.choose_algorithm(1) == "slot_oneshot", xws.choose_algorithm(1)
+        if m > 1:
             t = m // 2 + 1
             alone = moefuse.tp_moe_finalize_rmsnorm(rows, weights[t : t + 1], idx[t : t + 1], nw,
                                                     workspace=xws, impl="triton", **opts)
@@ -402,19 +406,21 @@ def test_api_contract_compat_opcheck_compile_bounded_wait():
 
 
 def scenario_bounded_wait(rank, world_size):
-    """The last rank skips a call: the others raise after ~timeout_s naming it."""
+    """The last rank skips a call: the others raise after ~timeout_s naming it (the expert owner
+    and the decode path "slot_oneshot", each on a fresh workspace)."""
     import torch.distributed as dist
 
     import moefuse
 
     h, k, m = 40, 2, 2
     partials, weights, idx, nw = make_tp_case(13, world_size, m, h, k)
-    xws = moefuse.ExpertNormWorkspace(None, h, k, "cpu", timeout_s=2.0)
     opts = dict(eps=1e-6, gain_center=0.0, weight_before_norm=False)
-    if rank != world_size - 1:
-        with pytest.raises(RuntimeError, match=rf"rank\(s\) {world_size - 1} "):
-            moefuse.tp_moe_finalize_rmsnorm(partials[rank], weights, idx, nw, workspace=xws,
-                                            algorithm="expert_owner", impl="triton", **opts)
-    dist.barrier()
-    xws.close()
+    for algo in ("expert_owner", "slot_oneshot"):
+        xws = moefuse.ExpertNormWorkspace(None, h, k, "cpu", timeout_s=2.0)
+        if rank != world_size - 1:
+            with pytest.raises(RuntimeError, match=rf"rank\(s\) {world_size - 1} "):
+                moefuse.tp_moe_finalize_rmsnorm(partials[rank], weights, idx, nw, workspace=xws,
+                                                algorithm=algo, impl="triton", **opts)
+        dist.barrier()
+        xws.close()
     return True

@@ -6,8 +6,8 @@ Two per-rank functions that ``moefuse bench moe-comm`` (bench/moe_comm.py) can c
     python -m moefuse.bench.moe_comm_tp --world-size 2 --out DIR [--quick] [--tokens ..]
 
 * :func:`time_tp_case` — ``tp_moe_finalize_rmsnorm`` (variants ``moefuse`` = auto,
-  ``moefuse_expert_owner_slots``, ``moefuse_expert_owner``, ``moefuse_token_owner``,
-  ``moefuse_staged``, ``moefuse_torch``)
+  ``moefuse_slot_oneshot``, ``moefuse_expert_owner_slots``, ``moefuse_expert_owner``,
+  ``moefuse_token_owner``, ``moefuse_staged``, ``moefuse_torch``)
   against the unfused chain FlashInfer's op replaces: NCCL ``all_reduce`` of the per-expert
   partial rows ``[R, H]``, then gather + per-expert RMSNorm + weighted sum, ``unfused_eager``
   and ``unfused_compile``
@@ -132,7 +132,7 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     want = ref.tp_moe_finalize_rmsnorm_from_ranks(parts, w, idx, nw, **opts)
     first = None
     slots = ("expert_owner_slots",) if m <= 64 else ()  # one launch per M*K <= SMs tokens
-    for algo in (*slots, "expert_owner", "token_owner", "staged", "torch"):
+    for algo in ("slot_oneshot", *slots, "expert_owner", "token_owner", "staged", "torch"):
         got = moefuse.tp_moe_finalize_rmsnorm(rows, w, idx, nw, workspace=xws, algorithm=algo,
                                               impl="triton", **opts)  # fmt: skip
         first = got if first is None else first
@@ -156,7 +156,8 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
         return call
 
-    variants = {"moefuse": fused("auto"), "moefuse_expert_owner": fused("expert_owner"),
+    variants = {"moefuse": fused("auto"), "moefuse_slot_oneshot": fused("slot_oneshot"),
+                "moefuse_expert_owner": fused("expert_owner"),
                 **{f"moefuse_{a}": fused(a) for a in slots},
                 "moefuse_token_owner": fused("token_owner"), "moefuse_staged": fused("staged"),
                 "moefuse_torch": fused("torch"),
@@ -260,7 +261,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
 
     group = dist.group.WORLD
     rank = dist.get_rank()
-    tokens, widths = ranks.token_and_width_lists(args, TOKENS, WIDTHS, [1, 64, 2048])
+    tokens, widths = ranks.token_and_width_lists(args, TOKENS, WIDTHS, [1, 8, 64, 2048])
     replays = 8 if args.quick else 15
     post_c = harness.compile_baseline(expert_norm_weighted_sum)
     rows = []
@@ -300,7 +301,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m moefuse.bench.moe_comm_tp")
     parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
     parser.add_argument("--out", default="bench/results", help="directory of the JSON")
-    parser.add_argument("--quick", action="store_true", help="M in {1, 64, 2048}, H = 4096")
+    parser.add_argument("--quick", action="store_true", help="M in {1, 8, 64, 2048}, H = 4096")
     parser.add_argument("--tokens", default="", help="comma-separated M values")
     parser.add_argument("--hidden", default="", help="comma-separated H values")
     parser.add_argument("--topk", type=int, default=8)

@@ -40,7 +40,8 @@ from moefuse.comm.expert_norm_reference import group_size
 from moefuse.comm.tiles import MAX_HIDDEN
 from moefuse.comm.workspace import ALGORITHMS, AllReduceWorkspace, _collective_device
 
-TP_ALGORITHMS = ("auto", "expert_owner_slots", "expert_owner", "token_owner", "staged", "torch")
+TP_ALGORITHMS = ("auto", "slot_oneshot", "expert_owner_slots", "expert_owner", "token_owner",
+                 "staged", "torch")
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: ``algorithm="auto"`` of §3.4: expert owner (K/P slots normalized per rank, group sums in FP32)
 #: up to this many tokens, the Lamport token owner above. MEASURED at P = 2 on 2 x H200
@@ -48,6 +49,13 @@ WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: expert_owner_slots 12.94, token_owner 17.21, staged 19.41; M = 64 18.82 / 68.28 / 22.60 / 27.06;
 #: M = 2048 450.7 / - / 388.0 / 528.2. P = 4 and 8: first guesses (FlashInfer switches at 64/P).
 EXPERT_OWNER_MAX_TOKENS = {2: 64, 4: 16, 8: 8}
+#: ``algorithm="auto"`` takes "slot_oneshot" (one CTA per (token, slot) row, one NVLink hop, the
+#: token folded locally) while M * K <= this many rows, by world size (P = 2: M <= 16 at K = 8,
+#: one row per CTA on a 132-SM H200; larger P: every rank sends (P-1) copies of each row, so the
+#: cap keeps ~1 MiB out per rank). PREDICTED, NOT MEASURED (notes/comm-expert-norm.md): ~5.5 us
+#: at M = 1 and ~7 us at M = 8 (P = 2, H = 4096, K = 8) against 12 us for the expert owner,
+#: whose single CTA per token runs the K slots' dependent loads, polls and norms one by one.
+SLOT_ONESHOT_MAX_ROWS = {2: 128, 4: 32, 8: 16}
 #: ... and the Lamport token owner up to this many tokens (chunked to the workspace capacity), the
 #: staged (push + flags) token owner above: staged was the slowest peer algorithm at every M
 #: measured (above), so it is only chosen past the largest M of the benchmark.
@@ -70,11 +78,20 @@ def get_expert_norm_workspace(ws_id: int) -> ExpertNormWorkspace:
             from None  # fmt: skip
 
 
-def expert_owner_max_tokens(world_size: int) -> int:
-    for p in sorted(EXPERT_OWNER_MAX_TOKENS):
+def _by_world_size(table: dict[int, int], world_size: int) -> int:
+    """The entry of the smallest tabulated P >= ``world_size`` (the largest P's past the table)."""
+    for p in sorted(table):
         if world_size <= p:
-            return EXPERT_OWNER_MAX_TOKENS[p]
-    return EXPERT_OWNER_MAX_TOKENS[max(EXPERT_OWNER_MAX_TOKENS)]
+            return table[p]
+    return table[max(table)]
+
+
+def expert_owner_max_tokens(world_size: int) -> int:
+    return _by_world_size(EXPERT_OWNER_MAX_TOKENS, world_size)
+
+
+def slot_oneshot_max_rows(world_size: int) -> int:
+    return _by_world_size(SLOT_ONESHOT_MAX_ROWS, world_size)
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -86,7 +103,9 @@ class ExpertNormWorkspace:
     ``xn_gsum`` FP32 ``[3, L, NG, H]`` (expert-owner group sums, ``NG = ceil(K / B)``) and
     ``xn_out`` BF16 ``[3, L, H]`` (token-owner output rows), ``xn_y`` FP32 ``[3, Ls, K, H]``
     (normalized slot rows of "expert_owner_slots", Ls = ``slot_capacity``), all armed with -0.0
-    sentinels, and
+    sentinels, "slot_oneshot"'s local BF16 ``xn_xdec [Ls, K, H]`` (rank-summed rows), FP32
+    ``xn_rdec [Ls, K]`` (their reciprocal RMS) and int32 ``xn_cnt [Ls]`` (per-token arrival words,
+    zero between calls), and
     the staged algorithm's single-buffered ``xn_stage`` BF16 ``[L, K, P-1, H]`` and
     ``xn_gather`` BF16 ``[L, H]`` (with the base workspace's flags and epoch);
     ``L = capacity`` tokens per launch (more tokens run as several launches). Lifecycle as
@@ -121,7 +140,10 @@ class ExpertNormWorkspace:
                    "xn_out": 3 * cap * h * 2,
                    "xn_stage": cap * k * max(1, p - 1) * h * 2,
                    "xn_gather": cap * h * 2,
-                   "xn_y": 3 * self.slot_capacity * k * h * 4}  # fmt: skip
+                   "xn_y": 3 * self.slot_capacity * k * h * 4,
+                   "xn_xdec": self.slot_capacity * k * h * 2,
+                   "xn_rdec": self.slot_capacity * k * 4,
+                   "xn_cnt": self.slot_capacity * 4}  # fmt: skip
         self.ar = AllReduceWorkspace(group, cap, h, torch.bfloat16, device, timeout_s=timeout_s,
                                      oneshot_max_tokens=cap, peer_access=peer_access,
                                      transport=transport, extra_regions=regions)  # fmt: skip
@@ -180,8 +202,13 @@ class ExpertNormWorkspace:
                 return "torch"
             raise RuntimeError(f"moefuse.tp_moe_finalize_rmsnorm: algorithm={algorithm!r} needs "
                                "peer buffers, which this workspace does not have")  # fmt: skip
+        if algorithm == "slot_oneshot" and self.top_k >= 1 << 16:  # 16-bit arrival counts
+            raise ValueError(f"moefuse.tp_moe_finalize_rmsnorm: algorithm='slot_oneshot' needs "
+                             f"top_k < 65536, got {self.top_k}")  # fmt: skip
         if algorithm != "auto":
             return algorithm
+        if num_tokens * self.top_k <= slot_oneshot_max_rows(self.world_size):
+            return "slot_oneshot"
         if num_tokens <= expert_owner_max_tokens(self.world_size):
             return "expert_owner"  # faster than "expert_owner_slots" at every M measured
         if num_tokens <= TOKEN_OWNER_LAMPORT_MAX_TOKENS:
@@ -347,9 +374,11 @@ def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_perm
         out = sum_{groups j asc} (fma chain over group j's valid slots of y_k * w[t,k])
         output[t] = bf16(out)                                       (B = ceil(K/P) per group)
 
-    ``algorithm``: "auto" (expert owner for M <= :data:`EXPERT_OWNER_MAX_TOKENS`, Lamport token
-    owner up to
-    :data:`TOKEN_OWNER_LAMPORT_MAX_TOKENS`, staged above), "expert_owner_slots", "expert_owner",
+    ``algorithm``: "auto" ("slot_oneshot" while M * K <= :data:`SLOT_ONESHOT_MAX_ROWS`[P], expert
+    owner for M <= :data:`EXPERT_OWNER_MAX_TOKENS`, Lamport token owner up to
+    :data:`TOKEN_OWNER_LAMPORT_MAX_TOKENS`, staged above), "slot_oneshot" (one CTA per (token,
+    slot) row, one-shot push to every peer, token folded locally), "expert_owner_slots",
+    "expert_owner",
     "token_owner" (Lamport peer stores), "staged" (token owner, push + flag barriers) or "torch"
     (all-gather of the rows + local kernel); all give the same bits. ``workspace``: an
     :class:`ExpertNormWorkspace`, or None for the process-wide one of

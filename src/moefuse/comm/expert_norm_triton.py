@@ -4,6 +4,10 @@ TP (``tp_moe_finalize_rmsnorm``): every rank holds a partial GEMM2 row per (toke
 partials of a slot are summed in rank order (FP32, one BF16 rounding) BEFORE the per-expert
 RMSNorm. Three algorithms, same bits:
 
+* ``_tp_slot_oneshot_kernel`` (Lamport, decode): one CTA per (token, slot) row on EVERY rank;
+  each rank pushes every partial row to every peer (one hop), sums, rounds and normalizes each
+  row itself, and the CTA that completes a token's K rows folds them (no second hop, no CTA
+  waiting on another CTA of its launch).
 * ``_tp_slot_kernel`` (Lamport, smallest M): the expert owner with one CTA per (token, slot),
   so a token's norms run in parallel; every rank folds the K normalized rows itself.
 * ``_tp_expert_owner_kernel`` (Lamport, small M). Slot group j (``B = ceil(K/P)`` slots) belongs
@@ -51,21 +55,34 @@ from moefuse.comm.triton import _finish, _oneshot_finish, _oneshot_state
 
 # ----------------------------------------------------------------------------- per-slot math
 @triton.jit
-def _expert_norm(x, g, cmask, Hf, eps, WBN: tl.constexpr):
-    """RMSNorm of one expert row ``x`` (FP32, BF16-exact values). The statistic is an FP64 sum of
-    exact squares rounded once to FP32 (same convention as ``comm._device.epilogue_row``)."""
+def _norm_rstd(x, g, cmask, Hf, eps, WBN: tl.constexpr):
+    """Reciprocal RMS of one expert row ``x`` (FP32, BF16-exact values; of ``x * g`` when WBN).
+    The statistic is an FP64 sum of exact squares rounded once to FP32 (same convention as
+    ``comm._device.epilogue_row``)."""
     if WBN:
         z = x * g
     else:
         z = x
     zd = tl.where(cmask, z, 0.0).to(tl.float64)
     sumsq = tl.sum(zd * zd, axis=0).to(tl.float32)
-    r = rsqrt_fast(tl.math.div_rn(sumsq, Hf) + eps)
+    return rsqrt_fast(tl.math.div_rn(sumsq, Hf) + eps)
+
+
+@triton.jit
+def _norm_apply(x, g, r, WBN: tl.constexpr):
+    """The normalized row from ``x`` and its :func:`_norm_rstd` ``r`` (products only: nothing
+    for the compiler to contract, so a row rebuilt from (x, r) elsewhere has the same bits)."""
     if WBN:
-        y = z * r
+        y = (x * g) * r
     else:
         y = (x * r) * g
     return y
+
+
+@triton.jit
+def _expert_norm(x, g, cmask, Hf, eps, WBN: tl.constexpr):
+    """RMSNorm of one expert row ``x`` (FP32, BF16-exact values)."""
+    return _norm_apply(x, g, _norm_rstd(x, g, cmask, Hf, eps, WBN), WBN)
 
 
 @triton.jit
@@ -333,6 +350,130 @@ def _tp_slot_kernel(
                     0, 16, USE_PDL, PTX)  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- TP slot one-shot
+@triton.jit
+def _close_group(out, gsum, k: tl.constexpr, B: tl.constexpr):
+    """Canonical grouping before slot ``k``: at a group boundary (``k % B == 0``, k > 0) the open
+    group sum joins ``out`` and a new group starts from +0.0. Compile-time condition."""
+    if (k > 0) & (k % B == 0):
+        out = out + gsum
+        gsum = tl.zeros_like(gsum)
+    return out, gsum
+
+
+@triton.jit
+def _fold_local(x_tok, r_tok, g, w_ptr, w_st, idx_ptr, idx_st, t64, R, cols, cmask, H,
+                K: tl.constexpr, B: tl.constexpr, WBN: tl.constexpr,
+                PTX: tl.constexpr):  # fmt: skip
+    """``sum_{j asc} G_j`` of token t from its K rank-summed BF16 rows at ``x_tok`` (``[K, H]``)
+    and their FP32 reciprocal RMS at ``r_tok`` (``[K]``), both local and written by other CTAs of
+    this launch (read through L2 with ``.cg``); ``y_k`` is rebuilt with :func:`_norm_apply` (the
+    same products as :func:`_expert_norm`: same bits, half the bytes of FP32 rows). Branch-free:
+    the K row loads are independent (all in flight at once); an invalid slot's row, statistic and
+    weight are masked off and its FMA is not applied (``where``): the other algorithms' chain."""
+    out = tl.zeros(cols.shape, tl.float32)
+    gsum = tl.zeros(cols.shape, tl.float32)
+    for k in tl.static_range(K):
+        out, gsum = _close_group(out, gsum, k, B)
+        _, valid = _route(idx_ptr, idx_st, t64, k, R)
+        w = tl.load(w_ptr + t64 * w_st + k, mask=valid, other=0.0).to(tl.float32)
+        r = tl.load(r_tok + k, mask=valid, other=0, cache_modifier=".cg")
+        xk = tl.load(x_tok + k * H + cols, mask=cmask & valid, other=0, cache_modifier=".cg")
+        yk = _norm_apply(widen_f32(xk.to(tl.bfloat16, bitcast=True), PTX), g,
+                         r.to(tl.float32, bitcast=True), WBN)  # fmt: skip
+        gsum = tl.where(valid, tl.fma(yk, w, gsum), gsum)
+    return out + gsum
+
+
+@triton.jit
+def _arrive_token(cnt_ptr, missing, K: tl.constexpr):
+    """One (token, slot) row of this CTA is done (its normalized row stored, or ``missing``):
+    count it in the token's arrival word (acq_rel, GPU scope, after a CTA barrier so every
+    thread's row stores are part of the release). True in the CTA that completes the token's K
+    rows without a timeout; that CTA resets the word for the next call (nothing else touches it
+    until this launch ends). A timed-out row adds 2^16, so no CTA folds a token with a hole."""
+    tl.debug_barrier()
+    inc = tl.where(missing != 0, 65537, 1)
+    new = tl.atomic_add(cnt_ptr, inc, sem="acq_rel", scope="gpu") + inc
+    done = (new & 0xFFFF) == K
+    if done:
+        tl.store(cnt_ptr, 0)
+    return done & ((new >> 16) == 0)
+
+
+@triton.jit(do_not_specialize=["M", "R", "rank"])
+def _tp_slot_oneshot_kernel(
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    table_ptr, rows_off16, x_off16, r_off16, cnt_off16, ctrl_ptr, clock_ptr,
+    M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
+    P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
+    BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """Decode path: one-shot all-to-all per (token, slot) row, ONE NVLink hop. Row ``r = t*K + k``
+    belongs to CTA ``r mod G``. Phase 1: every rank pushes its partial row of each of its valid
+    rows into slot ``[gen, t, k, sender]`` of every peer (never waits). Phase 2: per row, poll
+    the P-1 peer rows, sum in rank order (own row in its place), round once, store the BF16 sum
+    ``x_k`` and its reciprocal RMS locally (``xn_xdec [t, k]``, ``xn_rdec [t, k]``) and count
+    the row in the token's arrival word; the CTA
+    that completes a token folds its K rows in the canonical grouped order and writes the output
+    (every rank computes every token itself: no second hop). No CTA waits on another CTA of its
+    launch; CTA ``j`` waits only on CTA ``j`` of the peers, which pushes before it polls."""
+    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    n_rows = M * K
+    # this CTA's first row is loaded with the control words (decode: its only row)
+    t0 = (pid // K).to(tl.int64)
+    p0, valid0 = _route(idx_ptr, idx_st, t0, pid % K, R)
+    x0 = tl.load(rows_ptr + p0 * row_st + cols, mask=cmask & valid0 & (pid < n_rows), other=0.0)
+    deadline, gen, n_mine, region = _oneshot_state(
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, n_rows, pid, G, cap, P, PTX)  # fmt: skip
+    i = 0
+    while i < n_mine:
+        r = pid + i * G
+        t64 = (r // K).to(tl.int64)
+        p, valid = _route(idx_ptr, idx_st, t64, r % K, R)
+        if valid:
+            if i == 0:
+                x = x0
+            else:
+                x = _load_row(rows_ptr, row_st, p, cols, cmask)
+            for q in tl.static_range(P):
+                if q != rank:
+                    _push_slot(x, q, r % K, t64, region, rank, table_ptr, rows_off16, cols,
+                               cmask, H, K, P)  # fmt: skip
+        i += 1
+    mine16 = D.peer_base(table_ptr, rank, rows_off16, 16)
+    xdec = D.peer_base(table_ptr, rank, x_off16, 16)
+    rdec = D.peer_base(table_ptr, rank, r_off16, 32)
+    cnt = D.peer_base(table_ptr, rank, cnt_off16, 32)
+    empty16 = D.empty_row(BLOCK_H, 16)
+    missing = tl.full([], 0, tl.int32)  # a tensor: it is reassigned inside run-time branches
+    i = 0
+    while (i < n_mine) & (missing == 0):
+        r = pid + i * G
+        t64 = (r // K).to(tl.int64)
+        k = r % K
+        p, valid = _route(idx_ptr, idx_st, t64, k, R)
+        if valid:
+            if i == 0:
+                own = widen_f32(x0, PTX)
+            else:
+                own = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
+            acc, missing = _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H, deadline,
+                                     clock_ptr, empty16, K, P, False, PTX)  # fmt: skip
+            xb = round_to(acc, tl.bfloat16, PTX)
+            rstd = _norm_rstd(widen_f32(xb, PTX), g, cmask, Hf, eps, WBN)
+            tl.store(xdec + (t64 * K + k) * H + cols, D.as_bits(xb, 16), mask=cmask)
+            tl.store(rdec + t64 * K + k, D.as_bits(rstd, 32))
+        if _arrive_token(cnt + t64, missing, K):
+            out = _fold_local(xdec + t64 * K * H, rdec + t64 * K, g, w_ptr, w_st, idx_ptr,
+                              idx_st, t64, R, cols, cmask, H, K, B, WBN, PTX)  # fmt: skip
+            _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16),
+                       cols, cmask)  # fmt: skip
+        i += 1
+    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+                    0, 16, USE_PDL, PTX)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- TP token owner
 @triton.jit(do_not_specialize=["M", "R", "rank"])
 def _tp_token_owner_kernel(
@@ -501,7 +642,8 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
                                    eps: float, gain_center: float, weight_before_norm: bool,
                                    use_pdl: bool = False, gathered=None) -> None:  # fmt: skip
     """Run §3.4 on ``xws`` (:class:`moefuse.comm.expert_norm_api.ExpertNormWorkspace`) with
-    ``algorithm`` in "expert_owner_slots" | "expert_owner" | "token_owner" | "staged" | "torch"
+    ``algorithm`` in "slot_oneshot" | "expert_owner_slots" | "expert_owner" | "token_owner" |
+    "staged" | "torch"
     (``gathered`` [P, R, H]).
 
     Peer algorithms run in chunks of at most ``xws.capacity`` tokens (one launch each; a
@@ -556,6 +698,10 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
                 float(gain_center), ws.timeout_us, P=p, **consts,
             )  # fmt: skip
         return
+    if algorithm == "slot_oneshot":
+        _launch_slot_oneshot(xws, rows, weights, idx, norm_weight, out, eps, gain_center, p,
+                             consts)  # fmt: skip
+        return
     if algorithm == "expert_owner":
         kernel, res_off = _tp_expert_owner_kernel, ws.offset16("xn_gsum")
     elif algorithm == "token_owner":
@@ -575,4 +721,27 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
             ws.table, ws.offset16("xn_rows"), res_off, ws.ctrl, ws.clock,
             mc, r, h, float(h), ws.rank, cap, float(eps), float(gain_center), ws.timeout_us,
             P=p, **consts,
+        )  # fmt: skip
+
+
+def _launch_slot_oneshot(xws, rows, weights, idx, norm_weight, out, eps, gain_center, p,
+                         consts) -> None:  # fmt: skip
+    """"slot_oneshot": chunks of ``xws.slot_capacity`` tokens (the size of the local ``xn_xdec``
+    rows); one CTA per (token, slot) row up to one CTA per SM (CTA j waits on CTA j of the peers,
+    which must be resident; the interpreter runs CTAs one after another, 2 "SMs" on the CPU)."""
+    ws = xws.ar
+    m, k = idx.shape
+    r = rows.shape[0]
+    h = norm_weight.shape[0]
+    for c0 in range(0, m, xws.slot_capacity):
+        mc = min(xws.slot_capacity, m - c0)
+        ws.refresh_clock()
+        grid = (max(1, min(mc * k, ws.num_sms)),)
+        launch(_tp_slot_oneshot_kernel, grid,
+            rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
+            weights.stride(0), idx.stride(0), out.stride(0),
+            ws.table, ws.offset16("xn_rows"), ws.offset16("xn_xdec"), ws.offset16("xn_rdec"),
+            ws.offset16("xn_cnt"),
+            ws.ctrl, ws.clock, mc, r, h, float(h), ws.rank, xws.capacity, float(eps),
+            float(gain_center), ws.timeout_us, P=p, **consts,
         )  # fmt: skip
