@@ -232,32 +232,41 @@ def _moe_split_kernel(
         gdc_wait()
     deadline, gen, n_mine, region = _oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, grp, R, cap, P, PTX)  # fmt: skip
+    # the first row's slice (and, in the epilogue CTA, its residual) is requested together with
+    # the state words, outside the row loop (whose trip count waits for them): one memory round
+    # trip before the push, as in _moe_oneshot_kernel
+    res0 = tl.load(res_ptr + grp.to(tl.int64) * res_st + cols, mask=cmask & epi, other=0.0)
+    p0 = _partial_from_meta(meta0, grp, wcols, wmask, sh_ptr, sh_st, rsf, T, K, KB, HAS_W,
+                            HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
     own = D.peer_base(table_ptr, rank, own_off16, BITS)
+    if n_mine > 0:
+        _push_vals(p0, grp, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        _push_own(p0, grp, wcols, wmask, table_ptr, own_off16, rank, H, BITS)
+        if USE_PDL:
+            if n_mine == 1:
+                gdc_launch_dependents()
+    mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
-    i = 0
+    # iteration i produces + pushes slice c of row i; the epilogue CTA then finishes row i - 1
+    i = 1
     while (i <= n_mine) & (missing == 0):
         if i < n_mine:
             t = grp + i * R
-            if i == 0:
-                p = _partial_from_meta(meta0, t, wcols, wmask, sh_ptr, sh_st, rsf, T, K, KB,
-                                       HAS_W, HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE,
-                                       PTX).to(T)  # fmt: skip
-            else:
-                p = _partial_row(t, wcols, wmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr,
-                                 n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
-                                 b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
-                                 HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
+            p = _partial_row(t, wcols, wmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr,
+                             n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
+                             b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
+                             HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
             _push_vals(p, t, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS)
             _push_own(p, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS)
-            if USE_PDL:
-                if n_mine == 1:
-                    gdc_launch_dependents()
-        if epi & (i > 0):
+        if epi:
             t64 = (grp + (i - 1) * R).to(tl.int64)
-            res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
+            if i == 1:
+                res = widen_f32(res0, PTX)
+            else:
+                res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0),
+                                PTX)  # fmt: skip
             s, miss = _receive_rows(res, t64, mine, region, rank, cols, cmask, H, deadline,
                                     clock_ptr, empty, T, P, BITS, STEPWISE, PTX, own + t64 * H,
                                     True)  # fmt: skip
