@@ -538,7 +538,7 @@ def _launch_split(ws, tile, k, has_bias, outs, pstrides, ostrides, scalars, tail
     """``_moe_split_kernel``: R row groups x C CTAs, R = min(M, capacity // C). Every CTA of the
     grid must be resident (a group's epilogue CTA waits on its producers, and on the peers' CTAs
     of the same group): the grid is capped by :func:`ctas_per_sm` CTAs per SM with a matching
-    register cap (default 1 CTA per SM, 248 registers: no spill at H = 4096, K = 8, C >= 4;
+    register cap (default 1 CTA per SM, 248 registers: no spill at H = 4096, K = 8, C = 2-16;
     scripts/compile_check_moe_comm.py)."""
     m = scalars[0]
     resident = ctas_per_sm()
