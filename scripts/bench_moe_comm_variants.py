@@ -8,7 +8,8 @@ replays (inputs rotating over sets larger than L2, max over ranks) time:
 * ``fused`` / ``fused_fp32`` — the current kernel (MOEFUSE_MOE_COMM_VARIANT=fused);
 * ``split`` / ``split_fp32`` — the column-split one-shot (default CTAs per row), plus
   ``split_c4`` / ``split_c16`` at M <= 8 (MOEFUSE_MOE_COMM_SPLIT_CTAS) and ``split_2ctas`` at
-  M <= 64 (MOEFUSE_MOE_COMM_CTAS_PER_SM=2);
+  M <= 64 (MOEFUSE_MOE_COMM_CTAS_PER_SM=2); ``fused_2ctas`` at M >= 64 (the current kernel at
+  2 CTAs per SM);
 * ``twokernel`` / ``twokernel_fp32`` — partial kernel + pass-through one-shot;
 * ``chain`` — moefuse's unfused chain: ``moe_finalize`` + ``allreduce_residual_rmsnorm``.
 
@@ -56,6 +57,9 @@ def variants_for(m: int) -> list[tuple[str, str, dict]]:
         out += [(f"split_c{c}", "stepwise", {"MOEFUSE_MOE_COMM_VARIANT": "split",
                                              "MOEFUSE_MOE_COMM_SPLIT_CTAS": str(c)})
                 for c in SPLIT_SWEEP]  # fmt: skip
+    if m >= 64:  # the fused kernel at 2 CTAs per SM (128 registers, fewer rows in flight)
+        out.append(("fused_2ctas", "stepwise", {"MOEFUSE_MOE_COMM_VARIANT": "fused",
+                                                "MOEFUSE_MOE_COMM_CTAS_PER_SM": "2"}))
     if m <= 64:  # 2 CTAs per SM: twice the CTAs per row at M = 64, a 128-register cap
         out.append(("split_2ctas", "stepwise", {"MOEFUSE_MOE_COMM_VARIANT": "split",
                                                 "MOEFUSE_MOE_COMM_CTAS_PER_SM": "2"}))
@@ -180,8 +184,8 @@ def table(results: dict[int, dict[str, float]]) -> str:
 
 
 def _order(name: str) -> tuple:
-    base = [v[0] for v in VARIANTS] + [f"split_c{c}" for c in SPLIT_SWEEP] + ["split_2ctas",
-                                                                              "chain"]
+    base = [v[0] for v in VARIANTS] + [f"split_c{c}" for c in SPLIT_SWEEP] + [
+        "split_2ctas", "fused_2ctas", "chain"]
     return (base.index(name) if name in base else len(base), name)
 
 
