@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moefuse.comm import moe_fusion_triton as mt
-from moefuse.comm.tiles import comm_tile
+from moefuse.comm.tiles import CommTile, comm_tile
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -60,14 +60,49 @@ def compile_report(kernel, consts, num_warps, maxnreg=None):
     return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
 
 
+def _variants(h, tile, top_ks, resident) -> None:
+    """The one-shot variants at the launcher's register cap for ``resident`` co-resident CTAs
+    per SM: the column-split kernel for each CTAs-per-row count, and the two-kernel variant's
+    pass-through one-shot (K = 1, no valid slot, partial as the shared term)."""
+    cap = min(255, 65536 // (32 * tile.num_warps * resident)) // 8 * 8
+    common = dict(P=2, BITS=16, BLOCK_H=tile.block, LAYOUT=0, KP_BLOCK=tile.kp_block,
+                  WRITE_AR=False, USE_PDL=True, PTX=True)  # fmt: skip
+    for k in top_ks:
+        for c in (2, 4, 8, 16):
+            if tile.block // c < 32:
+                continue
+            width = CommTile(block=tile.block // c, num_warps=tile.num_warps, kp_block=1)
+            for stepwise, pattern, bias in ((True, 1, False), (False, 3, True)):
+                kb = mt.rows_per_batch(k, width, resident, bias)
+                consts = dict(K=k, KB=kb, DENSE=False, HAS_W=True, HAS_BIAS=bias, HAS_RSF=True,
+                              HAS_SHARED=True, STEPWISE=stepwise, PATTERN=pattern, C=c,
+                              BLOCK_W=tile.block // c, **common)  # fmt: skip
+                regs, spill = compile_report(mt._moe_split_kernel, consts, tile.num_warps, cap)
+                print(f"H={h:5d} K={k} split C={c:2d} KB={kb} stepwise={stepwise:d} "
+                      f"pattern={pattern} bias={bias:d}: {regs} registers (cap {cap}), "
+                      f"{spill} bytes spilled", flush=True)
+    for stepwise in (True, False):
+        consts = dict(K=1, KB=1, DENSE=False, HAS_W=False, HAS_BIAS=False, HAS_RSF=False,
+                      HAS_SHARED=True, STEPWISE=stepwise, PATTERN=1, **common)  # fmt: skip
+        regs, spill = compile_report(mt._moe_oneshot_kernel, consts, tile.num_warps, cap)
+        print(f"H={h:5d} twokernel pass-through one-shot stepwise={stepwise:d}: {regs} registers "
+              f"(cap {cap}), {spill} bytes spilled", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--widths", default="2880,4096,7168")
     parser.add_argument("--top-k", default="2,8")
     parser.add_argument("--ctas", default="1,2")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="only the split and two-kernel one-shot variants")
     args = parser.parse_args()
     for h in [int(x) for x in args.widths.split(",")]:
         tile = comm_tile(h, 1)
+        if args.variants_only:
+            for ctas in [int(x) for x in args.ctas.split(",")]:
+                _variants(h, tile, [int(x) for x in args.top_k.split(",")], ctas)
+            continue
         for k in [int(x) for x in args.top_k.split(",")]:
             for ctas in [int(x) for x in args.ctas.split(",")]:
                 cap = min(255, 65536 // (32 * tile.num_warps * ctas)) // 8 * 8
@@ -87,6 +122,8 @@ def main() -> None:
                         print(f"H={h:5d} K={k} ctas/SM={ctas} KB={kb} {name:8s} dense={dense:d} "
                               f"stepwise={stepwise:d} pattern={pattern} bias={bias:d}: "
                               f"{regs} registers (cap {cap}), {spill} bytes spilled", flush=True)
+        for ctas in [int(x) for x in args.ctas.split(",")]:
+            _variants(h, tile, [int(x) for x in args.top_k.split(",")], ctas)
         consts = dict(BLOCK_H=tile.block, K=8, KB=mt.rows_per_batch(8, tile), DENSE=False,
                       HAS_W=True, HAS_BIAS=False, HAS_RSF=True, HAS_SHARED=True, STEPWISE=True,
                       USE_PDL=True, PTX=True)  # fmt: skip

@@ -6,6 +6,7 @@ NaN-poisoned rows; bad-input ValueErrors."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import zlib
 
@@ -211,15 +212,40 @@ def _case_and_oracle(op, i, world_size, m, h, k, opts, bias=False):
     return case, mref.moe_allreduce_from_ranks(xs, scales, toks, res, w, **common), _reduction_call
 
 
+@contextlib.contextmanager
+def _variant(algo: str):
+    """``"oneshot/split"``: algorithm "oneshot" with MOEFUSE_MOE_COMM_VARIANT=split around the
+    call (launch plans dropped on entry and exit: they record the knob). Yields the algorithm."""
+    import os
+
+    from moefuse import _fastpath
+
+    base, _, variant = algo.partition("/")
+    if not variant:
+        yield base
+        return
+    os.environ["MOEFUSE_MOE_COMM_VARIANT"] = variant
+    _fastpath.clear()
+    try:
+        yield base
+    finally:
+        os.environ.pop("MOEFUSE_MOE_COMM_VARIANT")
+        _fastpath.clear()
+
+
 def scenario(rank, world_size, cfg):
     """For each case: every algorithm and the reference path against the oracle, bitwise equal to
-    each other; one token alone equals the same token inside the batch. Returns digests."""
+    each other; one token alone equals the same token inside the batch. Returns digests.
+    ``algorithms`` may name one-shot variants ("oneshot/split", "oneshot/twokernel");
+    ``split_ctas`` sets the split variant's CTAs per row."""
+    import os
+
     import moefuse
     from moefuse.comm.moe_fusion_ops import extra_regions
 
+    if cfg.get("split_ctas"):  # several CTAs per row even at a tiny H
+        os.environ["MOEFUSE_MOE_COMM_SPLIT_CTAS"] = str(cfg["split_ctas"])
     if cfg.get("ctas_per_sm"):  # another grid for the peer kernels: same bits
-        import os
-
         os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = str(cfg["ctas_per_sm"])
     if cfg.get("rows_per_batch"):  # cover the producer's batched row loads at small H
         from moefuse.comm import moe_fusion_triton
@@ -243,8 +269,8 @@ def scenario(rank, world_size, cfg):
                 for algo in (*cfg["algorithms"], "reference"):
                     what = f"rank {rank} {op} H={h} M={m} K={k} {opts} {algo}"
                     impl = "reference" if algo == "reference" else "triton"
-                    outs = call(moefuse, ws, rank, case, None, opts,
-                                "auto" if algo == "reference" else algo, impl)  # fmt: skip
+                    with _variant("auto" if algo == "reference" else algo) as base:
+                        outs = call(moefuse, ws, rank, case, None, opts, base, impl)
                     _check(outs, want, quant, opts["layout"], what)
                     if op == "reduction":
                         assert_bitwise_equal(outs[-1], want["allreduce_out"],
@@ -256,7 +282,8 @@ def scenario(rank, world_size, cfg):
                     # batch invariance on the first algorithm (the others equal it bitwise)
                     if m > 1 and algo == cfg["algorithms"][0] and cfg.get("alone", True):
                         row = m - 2
-                        alone = call(moefuse, ws, rank, case, (row, row + 1), opts, algo)
+                        with _variant(algo) as base:
+                            alone = call(moefuse, ws, rank, case, (row, row + 1), opts, base)
                         for a, b in zip(alone[:2], outs[:2]):
                             assert_bitwise_equal(a, b[row : row + 1], f"{what} row alone")
                 digests.append(digest(*first))
@@ -391,6 +418,28 @@ def test_three_ranks():
     cfg = dict(shapes=((72, (5,)),), cases=(("finalize", 3, "stepwise", "fp8"),),
                algorithms=ALGOS, alone=False, rows_per_batch=1, bias=True,
                ctas_per_sm=2)  # fmt: skip
+    _ranks_agree(run_group(3, scenario, cfg))
+
+
+def test_two_ranks_oneshot_variants():
+    """The column-split one-shot (4 CTAs per row, 2 row groups: rows loop) and the two-kernel
+    one-shot against the oracle and bitwise equal to the fused one-shot and the torch path:
+    both ops, stepwise / fp32, FP8 / NVFP4, bias, a token alone vs in the batch."""
+    cfg = dict(shapes=((40, (1, 5)), (48, (5,))),
+               cases=(("finalize", 2, "stepwise", None), ("finalize", 3, "fp32", "fp8"),
+                      ("finalize", 3, "stepwise", "nvfp4"), ("reduction", 2, "fp32", None)),
+               algorithms=("oneshot", "oneshot/split", "oneshot/twokernel", "torch"),
+               split_ctas=4)  # fmt: skip
+    _ranks_agree(run_group(2, scenario, cfg))
+
+
+def test_three_ranks_oneshot_variants():
+    """P = 3: split (2 CTAs per row, rows loaded one at a time, bias) and two-kernel variants
+    bitwise equal to the fused one-shot."""
+    cfg = dict(shapes=((72, (5,)),), cases=(("finalize", 3, "stepwise", "fp8"),
+                                            ("finalize", 2, "fp32", None)),
+               algorithms=("oneshot", "oneshot/split", "oneshot/twokernel"), alone=False,
+               rows_per_batch=1, bias=True, split_ctas=2)  # fmt: skip
     _ranks_agree(run_group(3, scenario, cfg))
 
 

@@ -1,7 +1,8 @@
 """MoE communication fusions (SPEC §3.2, §3.3) on 2 H200s (NCCL group, symmetric-memory peer
 buffers, no multicast): full shapes, both accumulate modes, invalid indices over NaN-poisoned rows,
 bitwise across one-shot / two-shot / torch.distributed / the reference path, ranks, PDL on/off and
-a token alone vs inside the batch; FP8 / NVFP4 outputs; 1,000 CUDA-graph replays with fresh data.
+a token alone vs inside the batch; FP8 / NVFP4 outputs; 1,000 CUDA-graph replays with fresh data;
+the one-shot variants "split" and "twokernel" (MOEFUSE_MOE_COMM_VARIANT) bitwise against fused.
 
 Run: ``python -m pytest -q tests/test_comm_moe_fusion_gpu.py`` (each test spawns its own P
 processes; world sizes beyond the GPU count are skipped).
@@ -259,7 +260,126 @@ def scenario_graph_replays(rank, world_size, replays):
     return True
 
 
+def _with_variant(variant, fn):
+    """``fn()`` with MOEFUSE_MOE_COMM_VARIANT=variant (launch plans dropped around it)."""
+    import os
+
+    from moefuse import _fastpath
+
+    os.environ["MOEFUSE_MOE_COMM_VARIANT"] = variant
+    _fastpath.clear()
+    try:
+        return fn()
+    finally:
+        os.environ.pop("MOEFUSE_MOE_COMM_VARIANT")
+        _fastpath.clear()
+
+
+VARIANT_TOKENS = (1, 7, 64, 200, 2048)
+VARIANT_WIDTHS = (4096, 7168)
+
+
+def scenario_oneshot_variants(rank, world_size):
+    """The one-shot variants "split" (column-split producer; M <= 256) and "twokernel" bitwise
+    equal to the fused one-shot (all outputs, PDL on and off, a token alone) and residual_out to
+    the oracle, at H in {4096, 7168}, K = 8, both ops, both accumulate modes (bias for fp32),
+    FP8 at M = 64; then 200 CUDA-graph replays of each with fresh data (own-row and peer-slot
+    re-arming across calls and generations)."""
+    import moefuse
+    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.testing import assert_bitwise_equal
+
+    dev = _dev(rank)
+    k = 8
+    sf = torch.tensor([FP8_SCALE], device=dev)
+    for h in VARIANT_WIDTHS:
+        cap = max(VARIANT_TOKENS)
+        ws = moefuse.AllReduceWorkspace(None, cap, h, torch.bfloat16, dev, oneshot_max_tokens=cap,
+                                        extra_regions=extra_regions(cap, h))  # fmt: skip
+        for m in VARIANT_TOKENS:
+            for op, acc in (("finalize", "stepwise"), ("finalize", "fp32"),
+                            ("reduction", "stepwise")):  # fmt: skip
+                opts = dict(accumulate=acc, weight_bias=0.0, rsf=RSF)
+                if m == 64:
+                    opts["quant_kw"] = dict(quant="fp8", scale_factor=sf)
+                seed = h + 7 * m + len(acc)
+                if op == "finalize":
+                    case = finalize_case(seed, world_size, m, h, k, dev, bias=acc == "fp32")
+                    run = call_finalize
+                else:
+                    case = reduction_case(seed, world_size, m, h, k, dev)
+                    run = call_reduction
+                base = _with_variant("fused", lambda: run(moefuse, ws, rank, case, "oneshot",
+                                                          opts))  # fmt: skip
+                want = oracle(op, case, opts)
+                same_bits(base[0], want["residual_out"], f"{op} H={h} M={m} {acc} fused")
+                for variant in ("split", "twokernel"):
+                    what = f"{op} H={h} M={m} {acc} {variant}"
+                    for pdl in (None, False):
+                        got = _with_variant(variant, lambda: run(moefuse, ws, rank, case,
+                                                                 "oneshot", opts, pdl=pdl))
+                        for a, b in zip(got, base):
+                            same_bits(a, b, f"{what} pdl={pdl} vs fused")
+                    if m in (7, 200):
+                        j = m // 2
+                        alone = _with_variant(variant, lambda: run(moefuse, ws, rank, case,
+                                                                   "oneshot", opts,
+                                                                   rows=(j, j + 1)))
+                        for a, b in zip(alone, base):
+                            same_bits(a, b[j : j + 1], f"{what} token alone")
+                assert_ranks_agree(checksum(*base), f"{op} H={h} M={m} {acc}")
+        ws.check()
+        ws.close()
+    if dev.type != "cuda":  # (a CPU dry run of the scenario stops here)
+        return True
+    m, h = 8, 4096
+    ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev, oneshot_max_tokens=m)
+    buf = [t[rank].clone() if isinstance(t, list) else t.clone()
+           for t in finalize_case(0, world_size, m, h, k, dev)[:6]]  # fmt: skip
+    x, perm, wt, sh, res, w = buf
+    for variant in ("split", "twokernel"):
+        ro, no = torch.empty_like(res), torch.empty_like(res)
+
+        def once():
+            return moefuse.moe_finalize_allreduce_residual_rmsnorm(
+                x, res, w, perm, workspace=ws, expert_scale_factor=wt, routed_scaling_factor=RSF,
+                shared_expert_output=sh, algorithm="oneshot", impl="triton", residual_out=ro,
+                norm_out=no)  # fmt: skip
+
+        def capture():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                once()  # compile outside capture
+            torch.cuda.current_stream().wait_stream(stream)
+            with ws.capture():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    once()
+            return graph
+
+        graph = _with_variant(variant, capture)
+        for i in range(200):
+            case = finalize_case(2000 + i, world_size, m, h, k, dev)
+            for dst, src in zip(buf, case[:6]):
+                dst.copy_(src[rank] if isinstance(src, list) else src)
+            ro.fill_(float("nan"))
+            graph.replay()
+            want = oracle("finalize", case, dict(accumulate="stepwise", weight_bias=0.0, rsf=RSF))
+            assert_bitwise_equal(ro, want["residual_out"], f"{variant} replay {i}")
+        del graph
+    ws.check()
+    ws.close()
+    return True
+
+
 # ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_oneshot_variants(world_size):
+    _need(world_size)
+    assert all(run_group(world_size, scenario_oneshot_variants, backend="nccl", timeout_s=900))
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_full_shapes_every_algorithm(world_size):
     _need(world_size)

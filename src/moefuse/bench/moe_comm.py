@@ -7,7 +7,8 @@ same run:
 
 * ``fused`` (algorithm "auto", accumulate "stepwise"), ``fused_fp32`` (accumulate "fp32"),
   ``fused_oneshot`` / ``fused_twoshot``, ``fused_2ctas_per_sm`` (MOEFUSE_MOE_COMM_CTAS_PER_SM=2,
-  finalize only) — the moefuse fusion;
+  finalize only), ``fused_split[_fp32]`` / ``fused_twokernel[_fp32]`` (one-shot with
+  MOEFUSE_MOE_COMM_VARIANT=split / twokernel, finalize only) — the moefuse fusion;
 * ``(a) moe_finalize+ar_norm`` — moefuse's own unfused chain: the deterministic finalize into an
   [M, H] partial, then ``allreduce_residual_rmsnorm``;
 * ``(b) moe_finalize+nccl+compile`` — the same finalize, NCCL ``all_reduce``, compiled
@@ -116,6 +117,28 @@ class Ctx:
             ws.close()
 
 
+def with_env(env: dict[str, str], fn):
+    """``fn`` with the knobs ``env`` set around every call (warm-up and capture alike): the
+    launchers read them at launch, and launch plans record what they saw, so the plans are
+    dropped on entry and on exit (else a variant would replay the default's launches)."""
+
+    def call(i):
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        fastpath.clear()
+        try:
+            return fn(i)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            fastpath.clear()
+
+    return call
+
+
 def _gather(ctx, t):
     import torch.distributed as dist
 
@@ -173,14 +196,11 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
             expert_scale_factor=wts[i % n], accumulate=acc, algorithm=algo,
             impl="triton", residual_out=ro, norm_out=no)  # fmt: skip
 
-    def two_ctas(i):  # the knob is read at launch: set it around the calls (warm-up, capture);
-        os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = "2"  # launch plans recorded the default
-        fastpath.clear()
-        try:
-            return fused("auto")(i)
-        finally:
-            os.environ.pop("MOEFUSE_MOE_COMM_CTAS_PER_SM")
-            fastpath.clear()
+    two_ctas = with_env({"MOEFUSE_MOE_COMM_CTAS_PER_SM": "2"}, fused("auto"))
+    split, split_fp32, two_k, two_k_fp32 = (
+        with_env({"MOEFUSE_MOE_COMM_VARIANT": v}, fused("oneshot", acc))
+        for v, acc in (("split", "stepwise"), ("split", "fp32"), ("twokernel", "stepwise"),
+                       ("twokernel", "fp32")))  # fmt: skip
 
     def chain_a(i):
         mf.moe_finalize(rows[i % n], maps[i % n], wts[i % n], out=part, impl="triton")
@@ -201,7 +221,8 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
     first = None
     for name, fn in (("auto", fused("auto")), ("oneshot", fused("oneshot")),
                      ("twoshot", fused("twoshot")), ("torch", fused("torch")),
-                     ("2 CTAs per SM", two_ctas)):  # fmt: skip
+                     ("2 CTAs per SM", two_ctas), ("split", split),
+                     ("twokernel", two_k)):  # fmt: skip
         got = fn(0)
         first = first or tuple(t.clone() for t in got)
         for a, b in zip(got, first):
@@ -215,6 +236,10 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
                 "fused_oneshot": (ctx.time(fused("oneshot")), "fused"),
                 "fused_twoshot": (ctx.time(fused("twoshot")), "fused"),
                 "fused_2ctas_per_sm": (ctx.time(two_ctas), "fused"),
+                "fused_split": (ctx.time(split), "fused"),
+                "fused_split_fp32": (ctx.time(split_fp32), "fused"),
+                "fused_twokernel": (ctx.time(two_k), "fused"),
+                "fused_twokernel_fp32": (ctx.time(two_k_fp32), "fused"),
                 "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
                 "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline"),
                 "(b') compile_finalize+nccl+compile": (ctx.time(chain_b2), "baseline")}

@@ -11,6 +11,11 @@ HBM on the peer paths:
   ``_oneshot_kernel`` (the workspace is shared with the all-reduce fusions): iteration i produces
   and pushes row i, then polls row i - 1 (its own partial kept in registers), sums ranks in
   ascending order and runs the shared epilogue (:func:`moefuse.comm._device.epilogue_row`).
+* ``_moe_split_kernel`` — the one-shot with a column-split producer (decode; variant "split" of
+  :func:`oneshot_variant`): C CTAs per row each produce and push 1/C of the row (into the peers'
+  Lamport slots and a local Lamport row), the row's last CTA polls every rank's whole row and
+  runs the epilogue. Variant "twokernel": ``_moe_partial_kernel`` into a scratch, then a one-shot
+  all-reduce of it (large M).
 * ``_moe_twoshot_kernel`` — reduce-scatter + all-gather: phase 1 produces every row and stores it
   into its owner's staging slot ``[rank]`` (the owner's own rows locally), phase 2 sums the staged
   rows in rank order and pushes the sum into every peer's gather buffer (FP32 bits when
@@ -46,7 +51,7 @@ from moefuse.comm.moe_fusion_device import (
     _slot_meta,
 )
 from moefuse.comm.moe_fusion_ops import fp32_gather_region
-from moefuse.comm.tiles import comm_tile
+from moefuse.comm.tiles import CommTile, comm_tile, resident_ctas_per_sm
 from moefuse.comm.triton import (
     _finish,
     _oneshot_finish,
@@ -63,14 +68,25 @@ _BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 @triton.jit
 def _receive_rows(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr, empty,
                   T: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, STEPWISE: tl.constexpr,
-                  PTX: tl.constexpr):  # fmt: skip
+                  PTX: tl.constexpr, own_ptr=None, OWN_SLOT: tl.constexpr = False):  # fmt: skip
     """Rank-order sum of row ``t64`` (this rank's ``x`` in its place, peers polled from their
-    Lamport slots, each slot re-armed once consumed). Returns (sum, mask of late peers)."""
-    acc = tl.zeros(x.shape, tl.float32)
+    Lamport slots, each slot re-armed once consumed). Returns (sum, mask of late peers).
+
+    OWN_SLOT (column-split kernel): this rank's partial is not in registers but polled, like a
+    peer's, from its local Lamport row ``own_ptr`` (``x`` unused); a late local row sets bit
+    ``rank``. The scrubbed -0.0 of that row cannot change the sum (the running sum starts at +0
+    and is never -0: ``a + (-0) == a + (+0)`` for every other ``a``)."""
+    acc = tl.zeros(cols.shape, tl.float32)
     missing = 0
     for q in tl.static_range(P):
         if q == rank:
-            v = x
+            if OWN_SLOT:
+                bits, pending = D.poll_row(own_ptr + cols, cmask, deadline, clock_ptr, BITS, PTX)
+                tl.store(own_ptr + cols, empty, mask=cmask)
+                missing = missing | tl.where(pending != 0, 1 << q, 0)
+                v = widen_f32(bits.to(T, bitcast=True), PTX)
+            else:
+                v = x
         else:
             slot = q - (q > rank).to(tl.int32)
             ptr = mine + ((region + t64) * (P - 1) + slot) * H + cols
@@ -159,6 +175,108 @@ def _moe_oneshot_kernel(
         i += 1
     _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, P,
                     PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- one-shot, split
+@triton.jit
+def _push_own(x, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS: tl.constexpr):
+    """Store columns ``wcols`` of this rank's partial row ``t`` (``x``, -0.0 scrubbed) into the
+    local Lamport row ``t`` of region ``own_off16``, where the row's epilogue CTA polls it."""
+    bits = D.scrub(D.as_bits(x, BITS), BITS)
+    dst = D.peer_base(table_ptr, rank, own_off16, BITS) + t.to(tl.int64) * H + wcols
+    tl.store(dst, bits, mask=wmask)
+
+
+@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
+def _moe_split_kernel(
+    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
+    q_ptr,
+    sf_ptr, scale_ptr,
+    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st, nout_st,
+    q_st,
+    table_ptr, lam_off16, own_off16, ctrl_ptr, clock_ptr,
+    M, M_pad, H, Hf, rank, cap, n_kcols, n_rows, n_experts, eps, weight_bias, rsf, timeout_us,
+    P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
+    LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+    DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+    C: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """One-shot with a column-split producer (decode): C CTAs per row group. CTA ``c`` of group
+    ``grp`` produces columns ``[c * BLOCK_W, (c + 1) * BLOCK_W)`` of this rank's partial of rows
+    ``grp, grp + R, ...`` (R = grid / C groups; same producer function, elementwise in columns,
+    hence the same bits) and pushes that slice into every peer's Lamport slot and into the
+    local Lamport row (region ``own_off16``). The group's last CTA (``c == C - 1``) is also the
+    epilogue CTA: one iteration behind its own production it polls the whole row of every rank,
+    its own included, and runs the shared epilogue over the full row (the same reduction tree as
+    ``_moe_oneshot_kernel``). Producers never wait, so the only waits are on the peers' CTAs of
+    the same group and on this launch's producers of lower index (Triton's interpreter runs CTAs
+    in index order: they have finished). Same slots, generations and control words as the
+    other one-shot kernels."""
+    T: tl.constexpr = res_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    R = tl.num_programs(0) // C
+    grp = pid // C
+    c = pid % C
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    wcols = c * BLOCK_W + tl.arange(0, BLOCK_W)
+    wmask = wcols < H
+    epi = c == C - 1
+    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    meta0 = _slot_meta(grp, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
+                       src_kst, map_st, w_tst, w_kst, b_st, e_st, K, DENSE, HAS_W, HAS_BIAS,
+                       PTX)  # fmt: skip
+    if USE_PDL:
+        gdc_wait()
+    deadline, gen, n_mine, region = _oneshot_state(
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, grp, R, cap, P, PTX)  # fmt: skip
+    # the first row's slice (and, in the epilogue CTA, its residual) is requested together with
+    # the state words, outside the row loop (whose trip count waits for them): one memory round
+    # trip before the push, as in _moe_oneshot_kernel
+    res0 = tl.load(res_ptr + grp.to(tl.int64) * res_st + cols, mask=cmask & epi, other=0.0)
+    p0 = _partial_from_meta(meta0, grp, wcols, wmask, sh_ptr, sh_st, rsf, T, K, KB, HAS_W,
+                            HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
+    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    own = D.peer_base(table_ptr, rank, own_off16, BITS)
+    if n_mine > 0:
+        _push_vals(p0, grp, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        _push_own(p0, grp, wcols, wmask, table_ptr, own_off16, rank, H, BITS)
+        if USE_PDL:
+            if n_mine == 1:
+                gdc_launch_dependents()
+    mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
+    empty = D.empty_row(BLOCK_H, BITS)
+    missing = 0
+    # iteration i produces + pushes slice c of row i; the epilogue CTA then finishes row i - 1
+    i = 1
+    while (i <= n_mine) & (missing == 0):
+        if i < n_mine:
+            t = grp + i * R
+            p = _partial_row(t, wcols, wmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr,
+                             n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
+                             b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
+                             HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
+            _push_vals(p, t, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+            _push_own(p, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS)
+        if epi:
+            t64 = (grp + (i - 1) * R).to(tl.int64)
+            if i == 1:
+                res = widen_f32(res0, PTX)
+            else:
+                res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0),
+                                PTX)  # fmt: skip
+            s, miss = _receive_rows(res, t64, mine, region, rank, cols, cmask, H, deadline,
+                                    clock_ptr, empty, T, P, BITS, STEPWISE, PTX, own + t64 * H,
+                                    True)  # fmt: skip
+            missing = missing | miss
+            _finish_row(s, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
+                        arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
+                        sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)  # fmt: skip
+        i += 1
+    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid,
+                    tl.num_programs(0), P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- two-shot
@@ -370,6 +488,129 @@ def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
     return max(d for d in range(1, budget + 1) if k % d == 0)  # a divisor of K: no ragged batch
 
 
+#: one-shot variants (MOEFUSE_MOE_COMM_VARIANT; all give the same bits):
+#: "fused" — ``_moe_oneshot_kernel``, one CTA produces, pushes and finishes a row;
+#: "split" — ``_moe_split_kernel``, C CTAs per row produce column slices (decode);
+#: "twokernel" — ``_moe_partial_kernel`` into an [M, H] scratch, then ``_moe_oneshot_kernel``
+#: with a pass-through producer (large M: the unfused chain's structure, the MoE semantics).
+ONESHOT_VARIANTS = ("fused", "split", "twokernel")
+#: "auto" (the variable unset): (up to M tokens, variant). NOT MEASURED yet: the split and
+#: two-kernel variants are predicted to win at M <= 64 and M >= 512 (notes/comm-moe.md); this
+#: table changes only once `scripts/bench_moe_comm_variants.py` has timed them on 2 x H200.
+AUTO_ONESHOT_VARIANTS: tuple[tuple[int | None, str], ...] = ((None, "fused"),)
+#: most CTAs per row of the split variant (default); MOEFUSE_MOE_COMM_SPLIT_CTAS overrides
+SPLIT_MAX_CTAS = 8
+
+
+def oneshot_variant(m: int, ws) -> str:
+    """The one-shot variant for ``m`` tokens: MOEFUSE_MOE_COMM_VARIANT ("auto" / unset: the
+    :data:`AUTO_ONESHOT_VARIANTS` table). "split" needs the workspace's "lamport_own" rows
+    (``ws.own_slot_tokens``) and falls back to "fused" above them. Read at every launch: it
+    must be the same on every rank (launch plans record it: ``moefuse._fastpath.clear()`` after
+    changing it)."""
+    name = os.environ.get("MOEFUSE_MOE_COMM_VARIANT", "auto") or "auto"
+    if name == "auto":
+        name = next(v for limit, v in AUTO_ONESHOT_VARIANTS if limit is None or m <= limit)
+    if name not in ONESHOT_VARIANTS:
+        raise ValueError(f"MOEFUSE_MOE_COMM_VARIANT must be 'auto' or one of {ONESHOT_VARIANTS}, "
+                         f"got {name!r}")  # fmt: skip
+    if name == "split" and m > getattr(ws, "own_slot_tokens", 0):
+        return "fused"
+    return name
+
+
+def split_ctas(m: int, tile, capacity: int) -> int:
+    """CTAs per row of the split variant: MOEFUSE_MOE_COMM_SPLIT_CTAS (a power of two that
+    divides the tile), else the largest power of two <= SPLIT_MAX_CTAS with at least one warp's
+    worth of columns per slice and ``m`` rows x C CTAs <= ``capacity`` (all resident)."""
+    env = int(os.environ.get("MOEFUSE_MOE_COMM_SPLIT_CTAS", "0") or 0)
+    if env:
+        if env & (env - 1) or tile.block % env:
+            raise ValueError("MOEFUSE_MOE_COMM_SPLIT_CTAS must be a power of two dividing the "
+                             f"row tile ({tile.block}), got {env}")  # fmt: skip
+        return env
+    c = max(1, min(SPLIT_MAX_CTAS, tile.block // (32 * tile.num_warps), capacity // max(1, m)))
+    return 1 << (c.bit_length() - 1)
+
+
+def _launch_split(ws, tile, k, has_bias, outs, pstrides, ostrides, scalars, tail, producer,
+                  consts) -> None:  # fmt: skip
+    """``_moe_split_kernel``: R row groups x C CTAs, R = min(M, capacity // C). Every CTA of the
+    grid must be resident (a group's epilogue CTA waits on its producers, and on the peers' CTAs
+    of the same group): the grid is capped by :func:`ctas_per_sm` CTAs per SM with a matching
+    register cap (default 1 CTA per SM, 248 registers: no spill at H = 4096, K = 8, C = 2-16;
+    scripts/compile_check_moe_comm.py)."""
+    m = scalars[0]
+    resident = ctas_per_sm()
+    capacity = ws.num_sms * resident
+    c = split_ctas(m, tile, capacity)
+    if c > capacity and consts["PTX"]:  # (the interpreter runs CTAs one after another)
+        raise ValueError(f"MOEFUSE_MOE_COMM_SPLIT_CTAS={c} exceeds the {capacity} co-resident "
+                         "CTAs of this GPU: the row's epilogue CTA would wait on CTAs that "
+                         "cannot start")  # fmt: skip
+    groups = max(1, min(m, capacity // c))
+    width = CommTile(block=tile.block // c, num_warps=tile.num_warps, kp_block=1)
+    producer = dict(producer, KB=rows_per_batch(k, width, resident, has_bias))
+    if consts["PTX"]:
+        consts = dict(consts, maxnreg=min(255, 65536 // (32 * tile.num_warps * resident)) // 8 * 8)
+    launch(_moe_split_kernel, (groups * c,),
+        *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.offset16("lamport_own"),
+        ws.ctrl, ws.clock, *scalars, ws.rank, ws.oneshot_max_tokens, *tail, C=c,
+        BLOCK_W=tile.block // c, **producer, **consts,
+    )  # fmt: skip
+
+
+def _launch_two_kernels(ws, tile, residual, stepwise, use_pdl, ptx, outs, pptrs, pstrides,
+                        ostrides, scalars, n_kcols, counts, rsf, producer, consts,
+                        epilogue) -> None:  # fmt: skip
+    """The "twokernel" variant: this rank's partials into an [M, H] scratch
+    (``_moe_partial_kernel``, as the torch path), then a one-shot all-reduce of them with the
+    same rank-order sum and epilogue as the fused kernel, hence the same bits:
+
+    * stepwise, no quantization or FP8, no ``allreduce_out``: the Section 3.1 one-shot launcher
+      (``launch_allreduce_fusion``, FP32_ACC off; it picks its measured prefetch pipeline at
+      large M). Its sum is the same T-rounded rank-order chain from +0 with the rows unscrubbed
+      locally / scrubbed from peers as here, its epilogue the same ``epilogue_row`` (recipe only
+      matters for NVFP4; its contraction can only fuse the FP64 squares, which are exact);
+    * otherwise: ``_moe_oneshot_kernel`` with a pass-through producer — K = 1 slot that is never
+      valid (``n_rows`` = 0) and the partial as the "shared" term, so it computes
+      ``T(+0 + p) = p`` exactly (no FMA, no rounding of a T value). It runs the co-resident CTA
+      count of the Section 3.1 kernels (2 per SM at H = 4096, 128 registers: 56-72 bytes
+      spilled; its producer holds one row)."""
+    m, h = residual.shape
+    part = torch.empty_like(residual)
+    grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
+    launch(_moe_partial_kernel, grid,
+        *pptrs, part, *pstrides, part.stride(0), m, h, *counts, rsf, BLOCK_H=tile.block,
+        USE_PDL=bool(use_pdl), PTX=ptx, num_warps=tile.num_warps, enable_fp_fusion=False,
+        **({"launch_pdl": True} if use_pdl else {}), **producer,
+    )  # fmt: skip
+    _, weight, _, residual_out, norm_out, qo, _, sc = outs[6:]
+    pattern = consts["PATTERN"]
+    if stepwise and pattern in (1, 2) and not consts["WRITE_AR"]:
+        from moefuse.comm.triton import launch_allreduce_fusion
+
+        launch_allreduce_fusion(ws, "oneshot", pattern, part, residual, weight,
+                                residual_out=residual_out, norm_out=norm_out,
+                                quant_out=qo if pattern == 2 else None,
+                                scale=sc if pattern == 2 else None, eps=epilogue[0],
+                                weight_bias=epilogue[1], fp32_acc=False,
+                                use_pdl=use_pdl)  # fmt: skip
+        return
+    never = torch.empty(1, dtype=torch.int32, device=residual.device)  # index of no valid slot
+    passthrough = dict(K=1, KB=1, DENSE=False, HAS_W=False, HAS_BIAS=False, HAS_RSF=False,
+                       HAS_SHARED=True, STEPWISE=bool(stepwise))  # fmt: skip
+    resident = resident_ctas_per_sm(tile.num_warps)
+    if ptx:
+        consts = dict(consts, maxnreg=min(255, 65536 // (32 * tile.num_warps * resident)) // 8 * 8)
+    strides = (part.stride(0), 0, 0, 0, 0, part.stride(0), 0, 0)
+    launch(_moe_oneshot_kernel, (max(1, min(m, ws.num_sms * resident)),),
+        part, never, part, part, part, never, *outs[6:], *strides, *ostrides, ws.table,
+        ws.offset16("lamport"), ws.ctrl, ws.clock, *scalars, ws.rank, ws.oneshot_max_tokens,
+        n_kcols, 0, 0, *epilogue, 1.0, ws.timeout_us, **passthrough, **consts,
+    )  # fmt: skip
+
+
 def producer_args(dense: bool, src, idx_map, weights, shared, bias=None, expert_ids=None):
     """(pointer tensors, strides, K, (n_rows, n_experts)) of the producer stage."""
     if dense:  # src [E, M, H], weights [E, M] FP32, shared = token input [M, H]
@@ -461,12 +702,23 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
     # peer kernels: ctas_per_sm() CTAs per SM (the register budget of rows_per_batch), so that
     # every CTA of the grid is resident at once: CTA j waits on CTA j of the peers
     if algorithm == "oneshot":
+        variant = oneshot_variant(m, ws)
+        peer = dict(P=ws.world_size, BITS=bits)
+        tail = (n_kcols, *counts, float(eps), float(weight_bias), float(rsf), ws.timeout_us)
+        if variant == "split":
+            _launch_split(ws, tile, k, bias is not None, outs, pstrides, ostrides, scalars, tail,
+                          producer, dict(common, **peer))  # fmt: skip
+            return
+        if variant == "twokernel":
+            _launch_two_kernels(ws, tile, residual, stepwise, use_pdl, ptx, outs,
+                                (s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr), pstrides, ostrides,
+                                scalars, n_kcols, counts, float(rsf), producer,
+                                dict(common, **peer), (float(eps), float(weight_bias)))
+            return
         grid = (max(1, min(m, ws.num_sms * ctas)),)
         launch(_moe_oneshot_kernel, grid,
             *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
-            *scalars, ws.rank, ws.oneshot_max_tokens, n_kcols, *counts, float(eps),
-            float(weight_bias), float(rsf), ws.timeout_us, P=ws.world_size, BITS=bits,
-            **producer, **common,
+            *scalars, ws.rank, ws.oneshot_max_tokens, *tail, **peer, **producer, **common,
         )  # fmt: skip
     elif algorithm == "twoshot":
         grid = (max(1, min(m, ws.num_sms * ctas, ws.num_flag_slots)),)

@@ -44,6 +44,8 @@ Memory of one rank (one peer-visible byte buffer, every region 256-byte aligned)
     lamport T     [3 generations, L tokens, P-1 peers, H]      one-shot slots (-0.0 sentinels)
     stage   T     [P senders, ceil(max_tokens / P), H]         two-shot reduce-scatter input
     gather  T     [max_tokens, H]                              two-shot all-gather output
+    lamport_own T [min(L, OWN_SLOT_TOKENS), H]                 the MoE column-split one-shot's
+                                                               local partial rows (-0.0 sentinels)
 
 plus, local to the rank, the int32 control block (``ctrl``: Lamport generation, CTA arrival
 counters, two-shot epoch, status word — all advanced by the kernels themselves, so CUDA-graph
@@ -94,6 +96,9 @@ ONESHOT_MAX_BYTES: dict[int, int | None] = {2: None, 4: 1 << 20, 8: 512 << 10}
 #: cap of the default Lamport capacity: 3 generations x (P-1) slots x L tokens x H x elem bytes
 LAMPORT_BUDGET_BYTES = 768 << 20
 NUM_FLAG_SLOTS = 1024
+#: token capacity of the "lamport_own" region (the column-split MoE one-shot kernel, used at
+#: decode: moefuse.comm.moe_fusion_triton.oneshot_variant); 512 KiB per 1K columns of BF16
+OWN_SLOT_TOKENS = 256
 CTRL_WORDS = 16
 CTRL_GEN, CTRL_ARRIVE_1S, CTRL_EPOCH, CTRL_ARRIVE_2S, CTRL_STATUS = range(5)
 #: int32 words 8-9 of ctrl: int64 distance from ctrl to the host status block (faults.CTRL_HOST64)
@@ -205,6 +210,7 @@ class AllReduceWorkspace:
             oneshot_max_tokens = min(auto_tokens, budget_tokens)
         self.oneshot_max_tokens = int(max(1, min(max_tokens, oneshot_max_tokens)))
         self.chunk_cap = (max_tokens + p - 1) // p
+        self.own_slot_tokens = min(self.oneshot_max_tokens, OWN_SLOT_TOKENS)
         self.num_flag_slots = NUM_FLAG_SLOTS
         sizes = [
             ("faults", faults.FAULTS_REGION_BYTES),  # first: kernels address it at offset 0
@@ -212,6 +218,7 @@ class AllReduceWorkspace:
             ("lamport", 3 * self.oneshot_max_tokens * (p - 1) * h * elem),
             ("stage", p * self.chunk_cap * h * elem),
             ("gather", max_tokens * h * elem),
+            ("lamport_own", self.own_slot_tokens * h * elem),
         ]
         for name, nbytes in (extra_regions or {}).items():
             if any(name == n for n, _ in sizes) or int(nbytes) < 0:
@@ -285,12 +292,14 @@ class AllReduceWorkspace:
         return obj[0]
 
     def _init_buffer(self, local: torch.Tensor) -> None:
-        off, nbytes = self.regions["lamport"]
-        view = local[off : off + nbytes]
-        if self.dtype == torch.float32:
-            view.view(torch.int32).fill_(-(2**31))
-        else:
-            view.view(torch.int16).fill_(-(2**15))
+        """Lamport regions ("lamport", "lamport_own") start as -0.0 sentinels ("empty")."""
+        for name in ("lamport", "lamport_own"):
+            off, nbytes = self.regions[name]
+            view = local[off : off + nbytes]
+            if self.dtype == torch.float32:
+                view.view(torch.int32).fill_(-(2**31))
+            else:
+                view.view(torch.int16).fill_(-(2**15))
 
     def _make_transport(self):
         """Allocate and exchange the peer buffers; None (on every rank) if every transport fails.
