@@ -7,8 +7,9 @@ same run:
 
 * ``fused`` (algorithm "auto", accumulate "stepwise"), ``fused_fp32`` (accumulate "fp32"),
   ``fused_oneshot`` / ``fused_twoshot``, ``fused_2ctas_per_sm`` (MOEFUSE_MOE_COMM_CTAS_PER_SM=2,
-  finalize only), ``fused_split[_fp32]`` / ``fused_twokernel[_fp32]`` (one-shot with
-  MOEFUSE_MOE_COMM_VARIANT=split / twokernel, finalize only) — the moefuse fusion;
+  finalize only), ``fused_split[_fp32]`` / ``fused_single_cta_rows`` (one-shot with
+  MOEFUSE_MOE_COMM_VARIANT=split / fused, finalize only: auto takes split up to 64 tokens)
+  — the moefuse fusion;
 * ``(a) moe_finalize+ar_norm`` — moefuse's own unfused chain: the deterministic finalize into an
   [M, H] partial, then ``allreduce_residual_rmsnorm``;
 * ``(b) moe_finalize+nccl+compile`` — the same finalize, NCCL ``all_reduce``, compiled
@@ -197,10 +198,11 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
             impl="triton", residual_out=ro, norm_out=no)  # fmt: skip
 
     two_ctas = with_env({"MOEFUSE_MOE_COMM_CTAS_PER_SM": "2"}, fused("auto"))
-    split, split_fp32, two_k, two_k_fp32 = (
+    # one-shot variants by name (the two-kernel variant never won: scripts/
+    # bench_moe_comm_variants.py times it); "fused" is the auto choice above 64 tokens
+    single, split, split_fp32 = (
         with_env({"MOEFUSE_MOE_COMM_VARIANT": v}, fused("oneshot", acc))
-        for v, acc in (("split", "stepwise"), ("split", "fp32"), ("twokernel", "stepwise"),
-                       ("twokernel", "fp32")))  # fmt: skip
+        for v, acc in (("fused", "stepwise"), ("split", "stepwise"), ("split", "fp32")))
 
     def chain_a(i):
         mf.moe_finalize(rows[i % n], maps[i % n], wts[i % n], out=part, impl="triton")
@@ -222,7 +224,7 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
     for name, fn in (("auto", fused("auto")), ("oneshot", fused("oneshot")),
                      ("twoshot", fused("twoshot")), ("torch", fused("torch")),
                      ("2 CTAs per SM", two_ctas), ("split", split),
-                     ("twokernel", two_k)):  # fmt: skip
+                     ("single-CTA rows", single)):  # fmt: skip
         got = fn(0)
         first = first or tuple(t.clone() for t in got)
         for a, b in zip(got, first):
@@ -238,8 +240,7 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
                 "fused_2ctas_per_sm": (ctx.time(two_ctas), "fused"),
                 "fused_split": (ctx.time(split), "fused"),
                 "fused_split_fp32": (ctx.time(split_fp32), "fused"),
-                "fused_twokernel": (ctx.time(two_k), "fused"),
-                "fused_twokernel_fp32": (ctx.time(two_k_fp32), "fused"),
+                "fused_single_cta_rows": (ctx.time(single), "fused"),
                 "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
                 "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline"),
                 "(b') compile_finalize+nccl+compile": (ctx.time(chain_b2), "baseline")}

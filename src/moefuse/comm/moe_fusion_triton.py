@@ -461,15 +461,31 @@ def _moe_gathered_kernel(
 ROWS_PER_BATCH_OVERRIDE: int | None = None
 
 
-def ctas_per_sm() -> int:
+#: the fused one-shot kernel runs 2 CTAs per SM from this many tokens at widths up to
+#: TWO_CTAS_MAX_WIDTH. MEASURED on 2 x H200 (scripts/bench_moe_comm_variants.py,
+#: bench/results/moe-comm-variants-h200-p2.json; P = 2, H = 4096, K = 8, µs 1 vs 2 CTAs per SM):
+#: M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one CTA loads a
+#: token's K rows while the other waits on NVLink, despite the register cap's spills. Wider
+#: rows were not measured (16 warps at H = 7168: a 64-register cap, 0.4-1.2 KB spilled) and keep 1.
+TWO_CTAS_MIN_TOKENS = 65
+TWO_CTAS_MAX_WIDTH = 4096
+
+
+def ctas_per_sm(m: int | None = None, h: int | None = None) -> int:
     """Co-resident CTAs per SM of the peer kernels (grid cap = SMs x this; the register budget
-    of :func:`rows_per_batch` shrinks with it). MOEFUSE_MOE_COMM_CTAS_PER_SM (default 1: all K
-    rows of a token in flight at H <= 4096; 2 lets one CTA load while the other waits on NVLink
-    — not measured yet). Read at every launch: it must be the same on every rank."""
-    value = int(os.environ.get("MOEFUSE_MOE_COMM_CTAS_PER_SM", "1") or 1)
-    if value not in (1, 2, 4):
-        raise ValueError(f"MOEFUSE_MOE_COMM_CTAS_PER_SM must be 1, 2 or 4, got {value}")
-    return value
+    of :func:`rows_per_batch` shrinks with it). MOEFUSE_MOE_COMM_CTAS_PER_SM (1, 2 or 4) when
+    set; else, for the fused one-shot kernel (``m`` tokens of width ``h`` given), 2 where the
+    table above measured it faster, and 1 (all K rows of a token in flight). Read at every
+    launch: it must be the same on every rank."""
+    env = os.environ.get("MOEFUSE_MOE_COMM_CTAS_PER_SM", "")
+    if env:
+        value = int(env)
+        if value not in (1, 2, 4):
+            raise ValueError(f"MOEFUSE_MOE_COMM_CTAS_PER_SM must be 1, 2 or 4, got {value}")
+        return value
+    if m is not None and h is not None and m >= TWO_CTAS_MIN_TOKENS and h <= TWO_CTAS_MAX_WIDTH:
+        return 2
+    return 1
 
 
 def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
@@ -494,10 +510,12 @@ def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
 #: "twokernel" — ``_moe_partial_kernel`` into an [M, H] scratch, then ``_moe_oneshot_kernel``
 #: with a pass-through producer (large M: the unfused chain's structure, the MoE semantics).
 ONESHOT_VARIANTS = ("fused", "split", "twokernel")
-#: "auto" (the variable unset): (up to M tokens, variant). NOT MEASURED yet: the split and
-#: two-kernel variants are predicted to win at M <= 64 and M >= 512 (notes/comm-moe.md); this
-#: table changes only once `scripts/bench_moe_comm_variants.py` has timed them on 2 x H200.
-AUTO_ONESHOT_VARIANTS: tuple[tuple[int | None, str], ...] = ((None, "fused"),)
+#: "auto" (the variable unset): (up to M tokens, variant). MEASURED on 2 x H200
+#: (scripts/bench_moe_comm_variants.py, bench/results/moe-comm-variants-h200-p2.json; P = 2,
+#: H = 4096, K = 8, stepwise, µs fused / split / two kernels): M = 1 6.49 / 4.90 / 7.25,
+#: M = 8 7.48 / 5.31 / 8.18, M = 64 8.65 / 7.58 / 11.39; M = 512 fused at 2 CTAs per SM 24.61
+#: against two kernels 36.26, M = 2048 84.02 against 114.99. Two kernels never won.
+AUTO_ONESHOT_VARIANTS: tuple[tuple[int | None, str], ...] = ((64, "split"), (None, "fused"))
 #: most CTAs per row of the split variant (default); MOEFUSE_MOE_COMM_SPLIT_CTAS overrides
 SPLIT_MAX_CTAS = 8
 
@@ -662,7 +680,8 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
     m_pad = scale_out.shape[0] if scale_out is not None else m
     ostrides = (residual.stride(0), ao.stride(0), residual_out.stride(0), norm_out.stride(0),
                 qo.stride(0))  # fmt: skip
-    ctas = ctas_per_sm() if algorithm in ("oneshot", "twoshot") else 1
+    ctas = (ctas_per_sm(m, h) if algorithm == "oneshot" and oneshot_variant(m, ws) == "fused"
+            else ctas_per_sm() if algorithm in ("oneshot", "twoshot") else 1)  # fmt: skip
     kb = rows_per_batch(k, tile, ctas, bias is not None)
     producer = dict(K=k, KB=kb, DENSE=bool(dense), HAS_W=has_w,
                     HAS_BIAS=bias is not None,
