@@ -153,7 +153,8 @@ def test_decode_experts_by_slot_equal_the_plan_path(ep, monkeypatch):
             idx[0, 1] = 8  # held by another rank
         w = torch.rand(tokens, k, generator=g).to(torch.bfloat16)
         calls = []
-        monkeypatch.setattr(ex, "expert_plan", lambda *a, f=ex.expert_plan: calls.append(1) or f(*a))
+        plan_fn = ex.expert_plan
+        monkeypatch.setattr(ex, "expert_plan", lambda *a: calls.append(1) or plan_fn(*a))
         got = ex.moefuse_experts_forward(experts, x, idx, w)
         assert not calls, "the decode path built a routing plan"
         monkeypatch.setattr(ex, "GATHER_MAX_ROWS", 0)
