@@ -146,6 +146,7 @@ def test_decode_experts_by_slot_equal_the_plan_path(ep, monkeypatch):
     experts.__dict__["_moefuse_impl"] = "triton"
     experts._is_expert_parallel = ep
     g = torch.Generator().manual_seed(9)
+    plan_fn = ex.expert_plan
     for tokens, k in ((1, 3), (2, 4), (1, 8)):
         x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
         idx = torch.randint(0, 8, (tokens, k), generator=g)
@@ -153,7 +154,6 @@ def test_decode_experts_by_slot_equal_the_plan_path(ep, monkeypatch):
             idx[0, 1] = 8  # held by another rank
         w = torch.rand(tokens, k, generator=g).to(torch.bfloat16)
         calls = []
-        plan_fn = ex.expert_plan
         monkeypatch.setattr(ex, "expert_plan", lambda *a: calls.append(1) or plan_fn(*a))
         got = ex.moefuse_experts_forward(experts, x, idx, w)
         assert not calls, "the decode path built a routing plan"
