@@ -45,12 +45,20 @@ FAMILIES: tuple[Family, ...] = (
     # finalize: "moefuse"; the layer pipeline: "deterministic finalize" against the scatter-add
     # (atomics) finalize; permute -> finalize: PDL on against off (no baseline: not summarised)
     Family("moe", "moefuse.bench.moe",
-           ours=("moefuse", "deterministic finalize", "PDL on"), not_baselines=("PDL off",)),
+           ours=("moefuse", "deterministic finalize", "PDL on"),
+           not_baselines=("PDL off", "PDL default")),
     # host µs per eager call; F.rms_norm (op "rms_norm", impl "torch") is rmsnorm's baseline
     Family("overhead", "moefuse.bench.overhead", quick=False, optional_world_size=True,
            op_aliases=(("rms_norm", "rmsnorm"),)),
     Family("allreduce", "moefuse.bench.allreduce", min_gpus=2, multi_rank=True),
-    Family("moe-comm", "moefuse.bench.moe_comm", min_gpus=2, multi_rank=True),
+    # §3.2 / §3.3: "fused" (algorithm and variant "auto") against the unfused chains (a), (b),
+    # (b'); the other fused_* rows are our own algorithms and variants, not baselines. The
+    # §3.4 / §3.5 file (moe-comm-tp-*): "moefuse" against the unfused chains
+    Family("moe-comm", "moefuse.bench.moe_comm", min_gpus=2, multi_rank=True,
+           ours=("fused", "moefuse"),
+           not_baselines=("fused_fp32", "fused_oneshot", "fused_twoshot", "fused_2ctas_per_sm",
+                          "fused_split", "fused_split_fp32", "fused_single_cta_rows",
+                          "fused_twokernel", "fused_twokernel_fp32")),
     Family("allgather", "moefuse.bench.allgather", min_gpus=2, multi_rank=True),
 )
 

@@ -64,10 +64,11 @@ LARGE_MODES = ("fused", "chunked")
 LOOKAHEAD_ENV = "MOEFUSE_ALLGATHER_LOOKAHEAD"
 CTAS_PER_SM_ENV = "MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM"
 GRID_ENV = "MOEFUSE_ALLGATHER_FUSED_GRID"
-#: tiles pushed ahead of the tile being received. MEASURED on 2 x H200 (scripts/
-#: bench_allgather_large.py, bench/results/allgather_large-h200-p2.json): lookahead 1 was as fast
-#: or faster than 2 in 6 of 6 cases (H = 4096 M = 4096: 58.8 vs 61.7 us; H = 8192 M = 4096:
-#: 102.9 vs 106.8), 4 the slowest everywhere: one tile ahead per CTA already keeps ~1 MiB in flight
+#: tiles pushed ahead of the tile being received. MEASURED on 2 x H200
+#: (scripts/bench_allgather_large.py, bench/results/sweeps/allgather_large-h200-p2.json):
+#: lookahead 1 was as fast or faster than 2 in 6 of 6 cases (H = 4096 M = 4096: 58.8 vs
+#: 61.7 us; H = 8192 M = 4096: 102.9 vs 106.8), 4 the slowest everywhere: one tile ahead per
+#: CTA already keeps ~1 MiB in flight
 LOOKAHEAD = 1
 
 

@@ -463,8 +463,8 @@ ROWS_PER_BATCH_OVERRIDE: int | None = None
 
 #: the fused one-shot kernel runs 2 CTAs per SM from this many tokens at widths up to
 #: TWO_CTAS_MAX_WIDTH. MEASURED on 2 x H200 (scripts/bench_moe_comm_variants.py,
-#: bench/results/moe-comm-variants-h200-p2.json; P = 2, H = 4096, K = 8, µs 1 vs 2 CTAs per SM):
-#: M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one CTA loads a
+#: bench/results/sweeps/moe-comm-variants-h200-p2.json; P = 2, H = 4096, K = 8, µs 1 vs 2
+#: CTAs per SM): M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one CTA loads a
 #: token's K rows while the other waits on NVLink, despite the register cap's spills. Wider
 #: rows were not measured (16 warps at H = 7168: a 64-register cap, 0.4-1.2 KB spilled) and keep 1.
 TWO_CTAS_MIN_TOKENS = 65
@@ -511,8 +511,8 @@ def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
 #: with a pass-through producer (large M: the unfused chain's structure, the MoE semantics).
 ONESHOT_VARIANTS = ("fused", "split", "twokernel")
 #: "auto" (the variable unset): (up to M tokens, variant). MEASURED on 2 x H200
-#: (scripts/bench_moe_comm_variants.py, bench/results/moe-comm-variants-h200-p2.json; P = 2,
-#: H = 4096, K = 8, stepwise, µs fused / split / two kernels): M = 1 6.49 / 4.90 / 7.25,
+#: (scripts/bench_moe_comm_variants.py, bench/results/sweeps/moe-comm-variants-h200-p2.json;
+#: P = 2, H = 4096, K = 8, stepwise, µs fused / split / two kernels): M = 1 6.49 / 4.90 / 7.25,
 #: M = 8 7.48 / 5.31 / 8.18, M = 64 8.65 / 7.58 / 11.39; M = 512 fused at 2 CTAs per SM 24.61
 #: against two kernels 36.26, M = 2048 84.02 against 114.99. Two kernels never won.
 AUTO_ONESHOT_VARIANTS: tuple[tuple[int | None, str], ...] = ((64, "split"), (None, "fused"))
