@@ -464,9 +464,10 @@ ROWS_PER_BATCH_OVERRIDE: int | None = None
 #: the fused one-shot kernel runs 2 CTAs per SM from this many tokens at widths up to
 #: TWO_CTAS_MAX_WIDTH. MEASURED on 2 x H200 (scripts/bench_moe_comm_variants.py,
 #: bench/results/sweeps/moe-comm-variants-h200-p2.json; P = 2, H = 4096, K = 8, µs 1 vs 2
-#: CTAs per SM): M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one CTA loads a
-#: token's K rows while the other waits on NVLink, despite the register cap's spills. Wider
-#: rows were not measured (16 warps at H = 7168: a 64-register cap, 0.4-1.2 KB spilled) and keep 1.
+#: CTAs per SM): M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one
+#: CTA loads a token's K rows while the other waits on NVLink, despite the register cap's
+#: spills. Wider rows were not measured (16 warps at H = 7168: a 64-register cap, 0.4-1.2 KB
+#: spilled) and keep 1.
 TWO_CTAS_MIN_TOKENS = 65
 TWO_CTAS_MAX_WIDTH = 4096
 
