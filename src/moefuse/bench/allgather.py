@@ -37,8 +37,6 @@ with ``--save`` (``--out`` another directory).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 
 import torch
 
@@ -81,28 +79,6 @@ def peer_copy_gbps(group, dev, harness) -> float:
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     dist.barrier(group=group)
     return PEER_COPY_BYTES / (float(t.item()) * 1e-6) / 1e9
-
-
-@contextlib.contextmanager
-def knobs(env: dict[str, str]):
-    """Set the environment knobs ``env`` (same on every rank) for the block, then restore them;
-    eager launch plans are dropped around it (recorded plans do not read the environment)."""
-    from moefuse import _fastpath as fastpath
-
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    if env:
-        fastpath.clear()
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if env:
-            fastpath.clear()
 
 
 # ----------------------------------------------------------------------------- one case
@@ -238,7 +214,7 @@ def time_variant(harness, fn, env: dict, group, label: str, *, calls: int, repla
     us = float("nan")
     dist.barrier(group=group)
     torch.cuda.synchronize()
-    with knobs(env):
+    with harness.knobs(env):
         ok = check is None or _attempt(check, label, group)
         vote = torch.tensor([int(ok)], device=dev)
         dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)

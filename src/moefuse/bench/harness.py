@@ -9,6 +9,7 @@ the copy engines, well below what SM kernels reach).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -252,3 +253,25 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.3g}"
     return "-" if v is None else str(v)
+
+
+@contextlib.contextmanager
+def knobs(env: dict[str, str]):
+    """Set the environment knobs ``env`` (same on every rank) for the block, then restore them;
+    eager launch plans are dropped around it (recorded plans do not read the environment)."""
+    from moefuse import _fastpath as fastpath
+
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    if env:
+        fastpath.clear()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if env:
+            fastpath.clear()

@@ -33,13 +33,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from moefuse import _fastpath as fastpath
 from moefuse.bench import ranks
 
 TOKENS = [1, 8, 64, 512, 2048, 16384]
@@ -123,19 +121,11 @@ def with_env(env: dict[str, str], fn):
     launchers read them at launch, and launch plans record what they saw, so the plans are
     dropped on entry and on exit (else a variant would replay the default's launches)."""
 
+    from moefuse.bench import harness
+
     def call(i):
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
-        fastpath.clear()
-        try:
+        with harness.knobs(env):
             return fn(i)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            fastpath.clear()
 
     return call
 
