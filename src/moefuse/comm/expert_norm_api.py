@@ -52,9 +52,10 @@ EXPERT_OWNER_MAX_TOKENS = {2: 64, 4: 16, 8: 8}
 #: ``algorithm="auto"`` takes "slot_oneshot" (one CTA per (token, slot) row, one NVLink hop, the
 #: token folded locally) while M * K <= this many rows, by world size (P = 2: M <= 16 at K = 8,
 #: one row per CTA on a 132-SM H200; larger P: every rank sends (P-1) copies of each row, so the
-#: cap keeps ~1 MiB out per rank). PREDICTED, NOT MEASURED (notes/comm-expert-norm.md): ~5.5 us
-#: at M = 1 and ~7 us at M = 8 (P = 2, H = 4096, K = 8) against 12 us for the expert owner,
-#: whose single CTA per token runs the K slots' dependent loads, polls and norms one by one.
+#: cap keeps ~1 MiB out per rank). MEASURED at P = 2 (bench/results/moe-comm-tp-h200-p2.json,
+#: H = 4096, K = 8, us slot_oneshot / expert_owner): M = 1 7.96 / 12.42, M = 8 9.39 / 12.82,
+#: M = 64 35.28 / 19.17 — the expert owner's single CTA per token runs the K slots' dependent
+#: loads, polls and norms one by one, which costs at decode only. P = 4 and 8: first guesses.
 SLOT_ONESHOT_MAX_ROWS = {2: 128, 4: 32, 8: 16}
 #: ... and the Lamport token owner up to this many tokens (chunked to the workspace capacity), the
 #: staged (push + flags) token owner above: staged was the slowest peer algorithm at every M
