@@ -118,3 +118,35 @@ def test_direct_custom_op_is_still_a_custom_op():
     x, w = _rand(2, H), _rand(H)
     out = torch.empty_like(x)
     torch.library.opcheck(ops.rmsnorm_op, (x, w, out, 1e-6, 0.0, False))
+
+
+@pytest.mark.parametrize("guard", ["dynamo", "python"])
+def test_layout_guard_misses_on_any_layout_change(guard, monkeypatch):
+    """The plan's first line (the tensors' layout check: dynamo's C++ guard, or the exact Python
+    comparison where that class is missing) passes only the recorded dtype, shape, strides and
+    type; another weight dtype, a strided view or a Parameter records a new plan with the
+    custom-op bits."""
+    if guard == "python":
+        import torch._C._dynamo.guards as guards
+
+        monkeypatch.delattr(guards, "TensorGuards")
+    fp.clear()
+    x, w = _rand(3, H), _rand(H)
+    check = fp._layout_check([x, w])
+    assert (type(getattr(check, "__self__", None)).__name__ == "TensorGuards") == (
+        guard == "dynamo")  # fmt: skip
+    assert check(x, w) and check(_rand(3, H), _rand(H))
+    assert not check(x, w.float()) and not check(_rand(4, H), w) and not check(x, _rand(H, 2)[:, 0])
+    moefuse.rmsnorm(x, w, impl="triton")
+    variants = [
+        (x, w.float()),                                  # weight dtype
+        (_rand(3, 2 * H)[:, :H], w),                     # row stride 2H, same shape
+        (x, torch.nn.Parameter(w.clone(), requires_grad=False)),  # another tensor type
+    ]
+    for n, (xi, wi) in enumerate(variants, start=2):
+        want = _slow(lambda: moefuse.rmsnorm(xi, wi, impl="triton"))  # reads xi only
+        got = moefuse.rmsnorm(xi, wi, impl="triton")
+        assert torch.equal(got, want), (guard, n)
+        assert fp.plan_count(moefuse.rmsnorm) == n, (guard, n, fp.refusals(moefuse.rmsnorm))
+    # keys: the first argument's shape (3, H) in all, the tensors' types (the Parameter) apart
+    assert len(moefuse.rmsnorm._moefuse_plans) == 2
