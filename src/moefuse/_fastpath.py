@@ -400,8 +400,7 @@ def _alloc_expr(code: _Code, t: torch.Tensor, sources: _Sources) -> str:
                 and a.device == t.device and a.dtype == t.dtype and a.is_contiguous():  # fmt: skip
             return f"_empty_like(a{idx})"
     if t.is_contiguous() and t.numel() * t.element_size() <= TEMPLATE_MAX_BYTES:
-        with _disable_current_modes():
-            template = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        template = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         return f"_empty_like({code.const(template)})"
     return (f"_empty({tuple(t.shape)}, {t.stride()}, dtype={code.const(t.dtype)}, "
             f"device={code.const(t.device)})")
@@ -411,11 +410,12 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
               guard_positions, device: torch.device):  # fmt: skip
     params = ", ".join(f"a{j}" for j in range(nargs))
     body = code.lines
-    positions = [idx for kind, idx, _ in sources.items if kind == "arg"]
-    if positions:  # the key holds only the first argument's shape: the rest of the layouts here
-        check = _layout_check([sources.items[s][2] for s in range(len(positions))])
-        body.insert(0, f"if not {code.const(check)}({''.join(f'a{j}, ' for j in positions)}): "
-                       "return MISS")  # fmt: skip
+    arg_tensors = [(idx, t) for kind, idx, t in sources.items if kind == "arg"]
+    if arg_tensors:  # the key holds only the first argument's shape and the tensors' types:
+        # their layouts, devices (type and index) and dispatch keys are checked here
+        check = _layout_check([t for _, t in arg_tensors])
+        body.insert(0, f"if not {code.const(check)}({''.join(f'a{j}, ' for j, _ in arg_tensors)}"
+                       "): return MISS")  # fmt: skip
     for j in guard_positions:
         body.append(f"if a{j} is None or not a{j}.fastpath_ready(): return MISS")
     for s, (kind, idx, t) in enumerate(sources.items):
@@ -443,16 +443,10 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
         else:
             body.append(f"if {overlap}: return MISS")
     if device.type == "cuda":
-        first = next((s for s, (kind, _, _) in enumerate(sources.items) if kind == "arg"), None)
-        if first is not None:  # the key's device index alone would also match another backend
-            body.append(f"if not t{first}.is_cuda: return MISS")
         getdev = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
         body.append(f"if {code.const(getdev)}() != {device.index}: return MISS")
         body.append(f"s = {code.const(torch._C._cuda_getCurrentRawStream)}({device.index})")
     else:
-        for s, (kind, _, _) in enumerate(sources.items):
-            if kind == "arg":  # the key holds the device index only: -1 is any non-CUDA device
-                body.append(f"if not t{s}.is_cpu: return MISS")
         body.append(f"_srcs = ({''.join(f't{s}, ' for s in range(len(sources.items)))})")
     body.extend(launch_lines)
     body.append(f"return {_result_expr(spec)}")
