@@ -36,8 +36,6 @@ with ``--save`` (``--out`` another directory).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from moefuse.bench import ranks
@@ -328,13 +326,7 @@ def bar_checks(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moefuse bench allgather")
-    parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
-    parser.add_argument("--save", action="store_true", help="write JSON + PNG under --out")
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--quick", action="store_true", help="M in {1, 64, 4096}, H = 4096")
-    parser.add_argument("--tokens", default="", help="comma-separated M values")
-    parser.add_argument("--hidden", default="", help="comma-separated H values")
+    parser = ranks.rank_parser("moefuse bench allgather", "M in {1, 64, 4096}, H = 4096")
     parser.add_argument("--ops", default="", help=f"comma-separated subset of {OPS}")
     args = parser.parse_args(argv)
     return ranks.run_ranks(_worker, args)

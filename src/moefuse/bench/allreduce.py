@@ -26,8 +26,6 @@ performance bar (anchors from ../shared/measurements/h200-baselines.md) and writ
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from moefuse.bench import ranks
@@ -231,12 +229,6 @@ def bar_checks(rows: list[dict], world_size: int) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moefuse bench allreduce")
-    parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
-    parser.add_argument("--save", action="store_true", help="write JSON + PNG under --out")
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--quick", action="store_true", help="M in {1, 64, 2048}, H = 4096")
-    parser.add_argument("--tokens", default="", help="comma-separated M values")
-    parser.add_argument("--hidden", default="", help="comma-separated H values")
+    parser = ranks.rank_parser("moefuse bench allreduce", "M in {1, 64, 2048}, H = 4096")
     args = parser.parse_args(argv)
     return ranks.run_ranks(_worker, args)

@@ -31,7 +31,6 @@ larger than L2, max over ranks. Bytes per call and rank: K*M*H*2 (expert rows) +
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -406,13 +405,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moefuse bench moe-comm")
-    parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
-    parser.add_argument("--save", action="store_true", help="write JSON + PNG under --out")
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--quick", action="store_true", help="M in {1, 64, 2048}, H = 4096")
-    parser.add_argument("--tokens", default="", help="comma-separated M values")
-    parser.add_argument("--hidden", default="", help="comma-separated H values")
+    parser = ranks.rank_parser("moefuse bench moe-comm", "M in {1, 64, 2048}, H = 4096")
     parser.add_argument("--top-k", type=int, default=TOP_K)
     args = parser.parse_args(argv)
     return ranks.run_ranks(_worker, args)

@@ -25,7 +25,6 @@ Returns one dict per variant: op, variant, M, H, K, P, us, tbs, x_best_unfused.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -298,12 +297,8 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moefuse.bench.moe_comm_tp")
-    parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
-    parser.add_argument("--out", default="bench/results", help="directory of the JSON")
-    parser.add_argument("--quick", action="store_true", help="M in {1, 8, 64, 2048}, H = 4096")
-    parser.add_argument("--tokens", default="", help="comma-separated M values")
-    parser.add_argument("--hidden", default="", help="comma-separated H values")
+    parser = ranks.rank_parser("python -m moefuse.bench.moe_comm_tp",
+                               "M in {1, 8, 64, 2048}, H = 4096", save=False)  # fmt: skip
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--tp-only", action="store_true", help="skip the EP op")
     args = parser.parse_args(argv)

@@ -8,6 +8,7 @@ in place; the worker calls :func:`init_rank` first. NVLink multicast stays off e
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 
@@ -20,6 +21,21 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 def no_multicast() -> None:
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
+
+
+def rank_parser(prog: str, quick_help: str, *, save: bool = True) -> argparse.ArgumentParser:
+    """The arguments every multi-GPU benchmark takes (``--world-size``, ``--save``, ``--out``,
+    ``--quick``, ``--tokens``, ``--hidden``, read by :func:`run_ranks` and
+    :func:`token_and_width_lists`); a benchmark adds its own after these."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--world-size", type=int, default=2, help="GPUs / processes (spawned)")
+    if save:
+        parser.add_argument("--save", action="store_true", help="write JSON + PNG under --out")
+    parser.add_argument("--out", default="bench/results", help="results directory")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--tokens", default="", help="comma-separated M values")
+    parser.add_argument("--hidden", default="", help="comma-separated H values")
+    return parser
 
 
 def token_and_width_lists(args, tokens, widths, quick_tokens) -> tuple[list[int], list[int]]:

@@ -10,7 +10,8 @@ Which variant is moefuse and which are baselines: by default ``"moefuse"`` is ou
 variant whose name does not start with ``moefuse`` and is not a ceiling (``sm_copy``) is a
 baseline (``moefuse_nopdl``, ``moefuse_rot_out``, ... are our own variants, not baselines). A
 family overrides that below, and a JSON file can override it for itself with
-``meta["ours"]`` / ``meta["baselines"]`` (lists of variant names).
+``meta["ours"]`` / ``meta["baselines"]`` (lists of variant names) or per row with ``"role"``
+(``"baseline"`` marks the baselines of that row's case).
 """
 
 from __future__ import annotations
@@ -51,14 +52,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("overhead", "moefuse.bench.overhead", quick=False, optional_world_size=True,
            op_aliases=(("rms_norm", "rmsnorm"),)),
     Family("allreduce", "moefuse.bench.allreduce", min_gpus=2, multi_rank=True),
-    # §3.2 / §3.3: "fused" (algorithm and variant "auto") against the unfused chains (a), (b),
-    # (b'); the other fused_* rows are our own algorithms and variants, not baselines. The
-    # §3.4 / §3.5 file (moe-comm-tp-*): "moefuse" against the unfused chains
+    # §3.2 / §3.3: "fused" (algorithm and variant "auto"); its rows carry "role" ("fused" |
+    # "baseline": the unfused chains), which names the baselines. The §3.4 / §3.5 file
+    # (moe-comm-tp-*): "moefuse" against the unfused chains (the naming rule)
     Family("moe-comm", "moefuse.bench.moe_comm", min_gpus=2, multi_rank=True,
-           ours=("fused", "moefuse"),
-           not_baselines=("fused_fp32", "fused_oneshot", "fused_twoshot", "fused_2ctas_per_sm",
-                          "fused_split", "fused_split_fp32", "fused_single_cta_rows",
-                          "fused_twokernel", "fused_twokernel_fp32")),
+           ours=("fused", "moefuse")),
     Family("allgather", "moefuse.bench.allgather", min_gpus=2, multi_rank=True),
 )
 

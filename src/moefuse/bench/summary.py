@@ -64,6 +64,7 @@ def cases_of(family_name: str, meta: dict, rows: list[dict]) -> list[Case]:
     fam = family_of(family_name)
     aliases = dict(fam.op_aliases) if fam else {}
     groups: dict[tuple, dict[str, float]] = {}
+    declared: dict[tuple, set[str]] = {}  # baselines of rows that carry "role": "baseline"
     for r in rows:
         variant, us = _row_fields(r)
         if variant is None or us is None:
@@ -71,9 +72,15 @@ def cases_of(family_name: str, meta: dict, rows: list[dict]) -> list[Case]:
         op = str(r.get("op", ""))
         key = (aliases.get(op, op), str(r.get("shape", "")), r.get("M"))
         groups.setdefault(key, {})[str(variant)] = us
+        if "role" in r:
+            declared.setdefault(key, set())
+            if r["role"] == "baseline":
+                declared[key].add(str(variant))
     out = []
     for (op, shape, m), times in groups.items():
         ours, baselines = roles(fam, meta, set(times))
+        if (op, shape, m) in declared:  # the rows say which are baselines (moe-comm)
+            baselines = declared[(op, shape, m)]
         if ours is None or not baselines:
             continue
         best = min(baselines, key=lambda v: (times[v], v))
