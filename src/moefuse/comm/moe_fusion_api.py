@@ -44,7 +44,7 @@ from moefuse.comm import moe_fusion_ops as ops
 from moefuse.comm.api import WEIGHT_DTYPES, _check_outputs
 from moefuse.comm.moe_fusion_reference import ACCUMULATE, QUANTS
 from moefuse.comm.workspace import ALGORITHMS, AllReduceWorkspace
-from moefuse.moe.api import EXPERT_ID_DTYPES, EXTRA_DTYPES, SCALE_DTYPES, _check_scalar
+from moefuse.moe.api import SCALE_DTYPES, _check_scalar, check_expert_bias
 from moefuse.quant.formats import LAYOUTS, scale_layout_shape
 
 PATTERN_OF_QUANT = {None: 1, "fp8": 2, "nvfp4": 3}
@@ -252,15 +252,7 @@ def _check_finalize(op, allreduce_in, idx_map, expert_scale_factor, rsf, shared,
     if shared is not None:
         v.check_tensor(op, "shared_expert_output", shared, dtypes=(residual.dtype,),
                        shape=(m, h), device=dev)  # fmt: skip
-    if (bias is None) != (expert_ids is None):
-        missing = "expert_ids" if expert_ids is None else "bias"
-        raise ValueError(f"moefuse.{op}: argument '{missing}' is required when the other of "
-                         "'bias' / 'expert_ids' is given")  # fmt: skip
-    if bias is not None:
-        v.check_tensor(op, "bias", bias, dtypes=EXTRA_DTYPES, ndims=(2,), device=dev)
-        v.check_tensor(op, "bias", bias, shape=(-1, h))
-        v.check_tensor(op, "expert_ids", expert_ids, dtypes=EXPERT_ID_DTYPES,
-                       shape=tuple(idx_map.shape), device=dev)  # fmt: skip
+    check_expert_bias(op, bias, expert_ids, h, tuple(idx_map.shape), dev)
 
 
 @fast_op(guards=("workspace",))

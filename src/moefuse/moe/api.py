@@ -30,6 +30,20 @@ MAX_PROGRAMS = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------- validation
+def check_expert_bias(op, bias, expert_ids, hidden: int, ids_shape: tuple, device) -> None:
+    """``bias`` [E, H] and ``expert_ids`` (``ids_shape``, the routing map's) come together: both
+    or neither, the dtypes of :data:`EXTRA_DTYPES` / :data:`EXPERT_ID_DTYPES`, on ``device``."""
+    if (bias is None) != (expert_ids is None):
+        missing = "expert_ids" if expert_ids is None else "bias"
+        raise ValueError(f"moefuse.{op}: argument '{missing}' is required when the other of "
+                         "'bias' / 'expert_ids' is given")  # fmt: skip
+    if bias is not None:
+        v.check_tensor(op, "bias", bias, dtypes=EXTRA_DTYPES, ndims=(2,), device=device)
+        v.check_tensor(op, "bias", bias, shape=(-1, hidden))
+        v.check_tensor(op, "expert_ids", expert_ids, dtypes=EXPERT_ID_DTYPES, shape=ids_shape,
+                       device=device)  # fmt: skip
+
+
 def _check_scalar(op: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"moefuse.{op}: argument '{name}' must be a finite float, got {value!r}")
@@ -53,15 +67,7 @@ def _check_finalize(
             f"moefuse.{op}: argument 'permuted_input' needs at least M*K = {m * top_k} rows when "
             f"input_is_expanded=True, got {n_rows}"
         )
-    if (bias is None) != (expert_ids is None):
-        missing = "expert_ids" if expert_ids is None else "bias"
-        raise ValueError(f"moefuse.{op}: argument '{missing}' is required when the other of "
-                         "'bias' / 'expert_ids' is given")  # fmt: skip
-    if bias is not None:
-        v.check_tensor(op, "bias", bias, dtypes=EXTRA_DTYPES, ndims=(2,), device=dev)
-        v.check_tensor(op, "bias", bias, shape=(-1, hidden))
-        v.check_tensor(op, "expert_ids", expert_ids, dtypes=EXPERT_ID_DTYPES, shape=(m, top_k),
-                       device=dev)  # fmt: skip
+    check_expert_bias(op, bias, expert_ids, hidden, (m, top_k), dev)
     _check_scalar(op, "routed_scaling_factor", rsf)
     if shared is not None:
         v.check_tensor(op, "shared_expert_output", shared, dtypes=EXTRA_DTYPES,
