@@ -48,6 +48,7 @@ def main(argv) -> int:
                        xt._tp_staged_kernel, xt._tp_gathered_kernel,
                        xe._ep_partial_kernel, xe._ep_oneshot_kernel):  # fmt: skip
             consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
+                          KPOW=triton.next_power_of_2(k),
                           NG=-(-k // block), BLOCK_H=tile.block, WBN=True, USE_PDL=True,
                           PTX=True)  # fmt: skip
             params = list(inspect.signature(kernel.fn).parameters)

@@ -362,21 +362,34 @@ def _close_group(out, gsum, k: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _fold_local(x_tok, r_tok, g, w_ptr, w_st, idx_ptr, idx_st, t64, R, cols, cmask, H,
-                K: tl.constexpr, B: tl.constexpr, WBN: tl.constexpr,
-                PTX: tl.constexpr):  # fmt: skip
+def _token_routes(idx_ptr, idx_st, w_ptr, w_st, t64, R, KP: tl.constexpr, K: tl.constexpr):
+    """(slot indices ``0..KP-1``, valid mask, weight bits as int32) of token t's K slots: one
+    vector load each, so the fold needs no routing round trip of its own (and a decode launch
+    issues them before its grid-dependency wait). Weights of invalid slots are not read."""
+    ks = tl.arange(0, KP)
+    p = tl.load(idx_ptr + t64 * idx_st + ks, mask=ks < K, other=-1)
+    valid = (ks < K) & (p >= 0) & (p < R)
+    w = tl.load(w_ptr + t64 * w_st + ks, mask=valid, other=0.0).to(tl.float32)
+    return ks, valid, w.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _fold_local(x_tok, r_tok, g, ks, kvalid, kwbits, cols, cmask, H, K: tl.constexpr,
+                B: tl.constexpr, WBN: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """``sum_{j asc} G_j`` of token t from its K rank-summed BF16 rows at ``x_tok`` (``[K, H]``)
     and their FP32 reciprocal RMS at ``r_tok`` (``[K]``), both local and written by other CTAs of
     this launch (read through L2 with ``.cg``); ``y_k`` is rebuilt with :func:`_norm_apply` (the
-    same products as :func:`_expert_norm`: same bits, half the bytes of FP32 rows). Branch-free:
-    the K row loads are independent (all in flight at once); an invalid slot's row, statistic and
-    weight are masked off and its FMA is not applied (``where``): the other algorithms' chain."""
+    same products as :func:`_expert_norm`: same bits, half the bytes of FP32 rows). The slots'
+    validity and weights come from :func:`_token_routes` (slot k's entries picked out of the
+    vectors exactly: integer sums with one non-zero term). Branch-free: the K row loads are
+    independent (all in flight at once); an invalid slot's row, statistic and weight are masked
+    off and its FMA is not applied (``where``): the other algorithms' chain."""
     out = tl.zeros(cols.shape, tl.float32)
     gsum = tl.zeros(cols.shape, tl.float32)
     for k in tl.static_range(K):
         out, gsum = _close_group(out, gsum, k, B)
-        _, valid = _route(idx_ptr, idx_st, t64, k, R)
-        w = tl.load(w_ptr + t64 * w_st + k, mask=valid, other=0.0).to(tl.float32)
+        valid = tl.sum(tl.where((ks == k) & kvalid, 1, 0), axis=0) != 0
+        w = tl.sum(tl.where(ks == k, kwbits, 0), axis=0).to(tl.float32, bitcast=True)
         r = tl.load(r_tok + k, mask=valid, other=0, cache_modifier=".cg")
         xk = tl.load(x_tok + k * H + cols, mask=cmask & valid, other=0, cache_modifier=".cg")
         yk = _norm_apply(widen_f32(xk.to(tl.bfloat16, bitcast=True), PTX), g,
@@ -389,16 +402,17 @@ def _fold_local(x_tok, r_tok, g, w_ptr, w_st, idx_ptr, idx_st, t64, R, cols, cma
 def _arrive_token(cnt_ptr, missing, K: tl.constexpr):
     """One (token, slot) row of this CTA is done (its normalized row stored, or ``missing``):
     count it in the token's arrival word (acq_rel, GPU scope, after a CTA barrier so every
-    thread's row stores are part of the release). True in the CTA that completes the token's K
-    rows without a timeout; that CTA resets the word for the next call (nothing else touches it
-    until this launch ends). A timed-out row adds 2^16, so no CTA folds a token with a hole."""
+    thread's row stores are part of the release). Returns (``last``: this CTA brought the count
+    to K, ``fold``: ``last`` and no row timed out). The last CTA resets the word for the next
+    call (nothing else touches it until this launch ends). A timed-out row adds 2^16, so no CTA
+    folds a token with a hole."""
     tl.debug_barrier()
     inc = tl.where(missing != 0, 65537, 1)
     new = tl.atomic_add(cnt_ptr, inc, sem="acq_rel", scope="gpu") + inc
     done = (new & 0xFFFF) == K
     if done:
         tl.store(cnt_ptr, 0)
-    return done & ((new >> 16) == 0)
+    return done, done & ((new >> 16) == 0)
 
 
 @triton.jit(do_not_specialize=["M", "R", "rank"])
@@ -408,6 +422,7 @@ def _tp_slot_oneshot_kernel(
     M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
     P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+    KPOW: tl.constexpr,
 ):  # fmt: skip
     """Decode path: one-shot all-to-all per (token, slot) row, ONE NVLink hop. Row ``r = t*K + k``
     belongs to CTA ``r mod G``. Phase 1: every rank pushes its partial row of each of its valid
@@ -418,11 +433,21 @@ def _tp_slot_oneshot_kernel(
     that completes a token folds its K rows in the canonical grouped order and writes the output
     (every rank computes every token itself: no second hop). No CTA waits on another CTA of its
     launch; CTA ``j`` waits only on CTA ``j`` of the peers, which pushes before it polls."""
-    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
     n_rows = M * K
-    # this CTA's first row is loaded with the control words (decode: its only row)
+    # The first row's token routing (index map, weights) is read before the grid-dependency
+    # wait, as moe_finalize and the §3.3 fusion do (routing is complete long before the GEMM
+    # that precedes this op): at decode neither the row load nor the fold waits for a routing
+    # round trip. The row itself (GEMM2's output) and the control words come after the wait.
     t0 = (pid // K).to(tl.int64)
     p0, valid0 = _route(idx_ptr, idx_st, t0, pid % K, R)
+    ks, kvalid0, kw0 = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t0, R, KPOW, K)
+    if USE_PDL:
+        gdc_wait()
     x0 = tl.load(rows_ptr + p0 * row_st + cols, mask=cmask & valid0 & (pid < n_rows), other=0.0)
     deadline, gen, n_mine, region = _oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, n_rows, pid, G, cap, P, PTX)  # fmt: skip
@@ -430,7 +455,10 @@ def _tp_slot_oneshot_kernel(
     while i < n_mine:
         r = pid + i * G
         t64 = (r // K).to(tl.int64)
-        p, valid = _route(idx_ptr, idx_st, t64, r % K, R)
+        if i == 0:
+            p, valid = p0, valid0
+        else:
+            p, valid = _route(idx_ptr, idx_st, t64, r % K, R)
         if valid:
             if i == 0:
                 x = x0
@@ -447,12 +475,16 @@ def _tp_slot_oneshot_kernel(
     cnt = D.peer_base(table_ptr, rank, cnt_off16, 32)
     empty16 = D.empty_row(BLOCK_H, 16)
     missing = tl.full([], 0, tl.int32)  # a tensor: it is reassigned inside run-time branches
+    completed = pid < 0  # this CTA brought a token's count to K (a tensor, as above)
     i = 0
     while (i < n_mine) & (missing == 0):
         r = pid + i * G
         t64 = (r // K).to(tl.int64)
         k = r % K
-        p, valid = _route(idx_ptr, idx_st, t64, k, R)
+        if i == 0:
+            p, valid = p0, valid0
+        else:
+            p, valid = _route(idx_ptr, idx_st, t64, k, R)
         if valid:
             if i == 0:
                 own = widen_f32(x0, PTX)
@@ -464,14 +496,24 @@ def _tp_slot_oneshot_kernel(
             rstd = _norm_rstd(widen_f32(xb, PTX), g, cmask, Hf, eps, WBN)
             tl.store(xdec + (t64 * K + k) * H + cols, D.as_bits(xb, 16), mask=cmask)
             tl.store(rdec + t64 * K + k, D.as_bits(rstd, 32))
-        if _arrive_token(cnt + t64, missing, K):
-            out = _fold_local(xdec + t64 * K * H, rdec + t64 * K, g, w_ptr, w_st, idx_ptr,
-                              idx_st, t64, R, cols, cmask, H, K, B, WBN, PTX)  # fmt: skip
+        last, fold = _arrive_token(cnt + t64, missing, K)
+        completed = completed | last
+        if fold:
+            kvalid, kw = kvalid0, kw0
+            if t64 != t0:
+                _, kvalid, kw = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t64, R, KPOW, K)
+            out = _fold_local(xdec + t64 * K * H, rdec + t64 * K, g, ks, kvalid, kw, cols, cmask,
+                              H, K, B, WBN, PTX)  # fmt: skip
             _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16),
                        cols, cmask)  # fmt: skip
         i += 1
+    # One token (decode): every CTA has a row of it (G <= K rows), so the CTA that completes the
+    # token's count is the last to have read the control words: it alone advances the
+    # generation, without the launch-wide arrival atomic. Otherwise every CTA arrives.
+    one_token = M == 1
     _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
-                    0, 16, USE_PDL, PTX)  # fmt: skip
+                    0, 16, USE_PDL, PTX, completed | (M != 1),
+                    tl.where(one_token, 1, 0))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- TP token owner
@@ -743,5 +785,5 @@ def _launch_slot_oneshot(xws, rows, weights, idx, norm_weight, out, eps, gain_ce
             ws.table, ws.offset16("xn_rows"), ws.offset16("xn_xdec"), ws.offset16("xn_rdec"),
             ws.offset16("xn_cnt"),
             ws.ctrl, ws.clock, mc, r, h, float(h), ws.rank, xws.capacity, float(eps),
-            float(gain_center), ws.timeout_us, P=p, **consts,
+            float(gain_center), ws.timeout_us, P=p, KPOW=triton.next_power_of_2(k), **consts,
         )  # fmt: skip

@@ -63,30 +63,56 @@ def _slot_meta(
 
 
 @triton.jit
-def _partial_from_meta(
-    meta, t, cols, cmask, sh_ptr, sh_st, rsf,
+def _load_batch(meta, b: tl.constexpr, cols, cmask, KB: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Rows (and bias rows) of batch ``b`` of the routing data ``meta``: KB independent loads,
+    invalid slots never read. Returns ``(rows, bias rows)``, tuples of KB raw T values."""
+    valids, ptrs, ws, has_bs, bptrs = meta
+    xs = ()
+    bs = ()
+    for j in tl.static_range(KB):
+        xs = xs + (tl.load(ptrs[b * KB + j] + cols, mask=cmask & valids[b * KB + j],
+                           other=0.0),)  # fmt: skip
+        if HAS_BIAS:
+            bs = bs + (tl.load(bptrs[b * KB + j] + cols, mask=cmask & has_bs[b * KB + j],
+                               other=0.0),)  # fmt: skip
+    return xs, bs
+
+
+@triton.jit
+def _first_loads(meta, t, cols, cmask, sh_ptr, sh_st, KB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_SHARED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """The loads a partial starts with — the first batch of rows and the shared-expert row — as
+    a value for :func:`_partial_from_first`. A kernel issues them before its control-word
+    round trip (whose CTA-wide reduction is a barrier no later load can pass), so that a decode
+    CTA waits for one memory round trip before its push instead of two."""
+    xs, bs = _load_batch(meta, 0, cols, cmask, KB, HAS_BIAS)
+    if HAS_SHARED:
+        sh = widen_f32(tl.load(sh_ptr + t.to(tl.int64) * sh_st + cols, mask=cmask, other=0.0),
+                       PTX)  # fmt: skip
+    else:
+        sh = tl.zeros(cols.shape, tl.float32)
+    return xs, bs, sh
+
+
+@triton.jit
+def _partial_from_first(
+    meta, first, cols, cmask, rsf,
     T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, HAS_W: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
     STEPWISE: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
-    """This rank's partial of token ``t`` from its routing data ``meta`` (:func:`_slot_meta`):
-    FP32 values of a T-rounded row, masked lanes 0. Rows are loaded in batches of KB (all K at
-    once when they fit in registers) and chained in ascending k: KB changes the schedule, never
-    the bits."""
+    """This rank's partial of a token from its routing data ``meta`` (:func:`_slot_meta`) and
+    its :func:`_first_loads`: FP32 values of a T-rounded row, masked lanes 0. Rows are loaded in
+    batches of KB (all K at once when they fit in registers) and chained in ascending k: KB and
+    where the first batch was loaded change the schedule, never the bits."""
     valids, ptrs, ws, has_bs, bptrs = meta
-    if HAS_SHARED:
-        sh = widen_f32(tl.load(sh_ptr + t.to(tl.int64) * sh_st + cols, mask=cmask, other=0.0),
-                       PTX)  # fmt: skip
-    acc = tl.zeros(cols.shape, tl.float32)
+    xs0, bs0, sh = first
+    acc = tl.zeros(sh.shape, tl.float32)
     for b in tl.static_range(K // KB):  # KB divides K (rows_per_batch)
-        xs = ()
-        bs = ()
-        for j in tl.static_range(KB):
-            xs = xs + (tl.load(ptrs[b * KB + j] + cols, mask=cmask & valids[b * KB + j],
-                               other=0.0),)  # fmt: skip
-            if HAS_BIAS:
-                bs = bs + (tl.load(bptrs[b * KB + j] + cols, mask=cmask & has_bs[b * KB + j],
-                                   other=0.0),)  # fmt: skip
+        if b == 0:
+            xs, bs = xs0, bs0
+        else:
+            xs, bs = _load_batch(meta, b, cols, cmask, KB, HAS_BIAS)
         for j in tl.static_range(KB):
             x = widen_f32(xs[j], PTX)
             if HAS_BIAS:  # FP32 add before the weight, never rounded in between
@@ -110,6 +136,19 @@ def _partial_from_meta(
             acc = acc + sh
         acc = widen_f32(round_to(acc, T, PTX), PTX)
     return tl.where(cmask, acc, 0.0)
+
+
+@triton.jit
+def _partial_from_meta(
+    meta, t, cols, cmask, sh_ptr, sh_st, rsf,
+    T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """:func:`_first_loads` then :func:`_partial_from_first` for token ``t``."""
+    first = _first_loads(meta, t, cols, cmask, sh_ptr, sh_st, KB, HAS_BIAS, HAS_SHARED, PTX)
+    return _partial_from_first(meta, first, cols, cmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
+                               HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
 
 
 @triton.jit

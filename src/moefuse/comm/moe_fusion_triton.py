@@ -45,7 +45,8 @@ from moefuse._runtime import interpreter_active
 from moefuse.comm import _device as D
 from moefuse.comm.moe_fusion_device import (
     _finish_row,
-    _partial_from_meta,
+    _first_loads,
+    _partial_from_first,
     _partial_row,
     _rank_step,
     _slot_meta,
@@ -129,14 +130,18 @@ def _moe_oneshot_kernel(
                        PTX)  # fmt: skip
     if USE_PDL:
         gdc_wait()
-    deadline, gen, n_mine, region = _oneshot_state(
-        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
+    # the first row's expert rows, shared row and residual are requested before the state words:
+    # their CTA-wide reduction is a barrier that no later load passes, so a decode CTA waits for
+    # one memory round trip before its push, not two
+    first0 = _first_loads(meta0, pid, cols, cmask, sh_ptr, sh_st, KB, HAS_BIAS, HAS_SHARED, PTX)
     # rows carried across iterations stay in T (exact: the partials are T-rounded; the residual
     # is T): half the registers of FP32 — at H = 7168 (16 warps, 128 registers) that is what
     # keeps the loop from spilling
     res0 = tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0)
-    p0 = _partial_from_meta(meta0, pid, cols, cmask, sh_ptr, sh_st, rsf, T, K, KB, HAS_W,
-                            HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
+    deadline, gen, n_mine, region = _oneshot_state(
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
+    p0 = _partial_from_first(meta0, first0, cols, cmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
+                             HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
     mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
     empty = D.empty_row(BLOCK_H, BITS)
@@ -230,14 +235,16 @@ def _moe_split_kernel(
                        PTX)  # fmt: skip
     if USE_PDL:
         gdc_wait()
+    # the first row's slice (and, in the epilogue CTA, its residual) is requested before the
+    # state words (their CTA-wide reduction is a barrier no later load passes) and outside the
+    # row loop (whose trip count waits for them): one memory round trip before the push, as in
+    # _moe_oneshot_kernel
+    first0 = _first_loads(meta0, grp, wcols, wmask, sh_ptr, sh_st, KB, HAS_BIAS, HAS_SHARED, PTX)
+    res0 = tl.load(res_ptr + grp.to(tl.int64) * res_st + cols, mask=cmask & epi, other=0.0)
     deadline, gen, n_mine, region = _oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, grp, R, cap, P, PTX)  # fmt: skip
-    # the first row's slice (and, in the epilogue CTA, its residual) is requested together with
-    # the state words, outside the row loop (whose trip count waits for them): one memory round
-    # trip before the push, as in _moe_oneshot_kernel
-    res0 = tl.load(res_ptr + grp.to(tl.int64) * res_st + cols, mask=cmask & epi, other=0.0)
-    p0 = _partial_from_meta(meta0, grp, wcols, wmask, sh_ptr, sh_st, rsf, T, K, KB, HAS_W,
-                            HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
+    p0 = _partial_from_first(meta0, first0, wcols, wmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
+                             HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
     own = D.peer_base(table_ptr, rank, own_off16, BITS)
     if n_mine > 0:
@@ -275,8 +282,11 @@ def _moe_split_kernel(
                         arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
                         sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)  # fmt: skip
         i += 1
+    # only the R epilogue CTAs arrive: one that finishes has polled its group's own rows, so
+    # every producer of the group has read the state words; at R = 1 (decode) no atomic at all
     _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid,
-                    tl.num_programs(0), P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
+                    tl.num_programs(0), P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX, epi,
+                    R)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- two-shot
@@ -517,8 +527,12 @@ ONESHOT_VARIANTS = ("fused", "split", "twokernel")
 #: M = 8 7.48 / 5.31 / 8.18, M = 64 8.65 / 7.58 / 11.39; M = 512 fused at 2 CTAs per SM 24.61
 #: against two kernels 36.26, M = 2048 84.02 against 114.99. Two kernels never won.
 AUTO_ONESHOT_VARIANTS: tuple[tuple[int | None, str], ...] = ((64, "split"), (None, "fused"))
-#: most CTAs per row of the split variant (default); MOEFUSE_MOE_COMM_SPLIT_CTAS overrides
+#: most CTAs per row of the split variant (default); MOEFUSE_MOE_COMM_SPLIT_CTAS overrides.
+#: MEASURED (2 x H200, P = 2, H = 4096, K = 8, two runs of scripts/bench_moe_comm_variants.py,
+#: session 9): one token, 16 CTAs 4.70 / 4.34 µs against 8 CTAs 5.07 / 4.47; at 8 tokens the
+#: two counts traded places (5.52 / 5.49 against 5.40 / 5.58), so 16 only for a single token
 SPLIT_MAX_CTAS = 8
+SPLIT_MAX_CTAS_ONE_TOKEN = 16
 
 
 def oneshot_variant(m: int, ws) -> str:
@@ -541,14 +555,16 @@ def oneshot_variant(m: int, ws) -> str:
 def split_ctas(m: int, tile, capacity: int) -> int:
     """CTAs per row of the split variant: MOEFUSE_MOE_COMM_SPLIT_CTAS (a power of two that
     divides the tile), else the largest power of two <= SPLIT_MAX_CTAS with at least one warp's
-    worth of columns per slice and ``m`` rows x C CTAs <= ``capacity`` (all resident)."""
+    worth of columns per slice and ``m`` rows x C CTAs <= ``capacity`` (all resident); the
+    bound is SPLIT_MAX_CTAS_ONE_TOKEN for a single token."""
     env = int(os.environ.get("MOEFUSE_MOE_COMM_SPLIT_CTAS", "0") or 0)
     if env:
         if env & (env - 1) or tile.block % env:
             raise ValueError("MOEFUSE_MOE_COMM_SPLIT_CTAS must be a power of two dividing the "
                              f"row tile ({tile.block}), got {env}")  # fmt: skip
         return env
-    c = max(1, min(SPLIT_MAX_CTAS, tile.block // (32 * tile.num_warps), capacity // max(1, m)))
+    most = SPLIT_MAX_CTAS_ONE_TOKEN if m == 1 else SPLIT_MAX_CTAS
+    c = max(1, min(most, tile.block // (32 * tile.num_warps), capacity // max(1, m)))
     return 1 << (c.bit_length() - 1)
 
 

@@ -70,23 +70,29 @@ def _scales(scale_ptr, PATTERN: tl.constexpr, PTX: tl.constexpr):
 @triton.jit
 def _finish(ctrl_ptr, table_ptr, rank, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
             P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-            USE_PDL: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+            USE_PDL: tl.constexpr, PTX: tl.constexpr, arrive=True, n_arrive=0):  # fmt: skip
     """Common tail: PDL trigger, fault record on timeout, scale padding rows, CTA arrival count.
 
     A timed-out CTA records the missing ranks (device status word, host status block) and tells
     the peers that this rank gave up (:func:`moefuse.comm._device.give_up`).
-    Returns True in the one CTA that arrives last (it then advances the device-resident state)."""
+    Returns True in the one CTA that arrives last (it then advances the device-resident state).
+
+    By default every CTA arrives (``n_arrive`` 0 means G). A kernel whose CTAs are known to have
+    read the state words once a subset of them finishes passes ``arrive`` (this CTA counts) and
+    ``n_arrive`` (how many count); with one arrival there is no atomic at all: its round trip to
+    L2 is on the critical path of a decode launch."""
     if USE_PDL:
         gdc_launch_dependents()
     if missing != 0:
         D.give_up(ctrl_ptr, table_ptr, rank, missing, P, PTX)
     if PATTERN == 3:
         D.zero_scale_rows(sf_ptr, M + pid, M_pad, G, n_kcols, LAYOUT, KP_BLOCK)
-    if G == 1:  # decode: skip the atomic's round trip to L2 on the critical path
-        last = pid == 0
-    else:
+    if n_arrive == 0:
+        n_arrive = G
+    last = arrive & (n_arrive == 1)
+    if arrive & (n_arrive > 1):
         old = tl.atomic_add(ctrl_ptr + arrive_idx, 1, sem="acq_rel", scope="gpu")
-        last = old == G - 1
+        last = old == n_arrive - 1
     return last
 
 
@@ -108,10 +114,13 @@ def _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, 
 @triton.jit
 def _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
                     P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr,
-                    KP_BLOCK: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """:func:`_finish`; the CTA that arrives last resets the counter and advances the generation."""
+                    KP_BLOCK: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+                    arrive=True, n_arrive=0):  # fmt: skip
+    """:func:`_finish` (``arrive`` / ``n_arrive`` as there); the CTA that arrives last resets the
+    counter and advances the generation."""
     last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad,
-                   n_kcols, pid, G, P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
+                   n_kcols, pid, G, P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX, arrive,
+                   n_arrive)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_1S, 0)
         tl.store(ctrl_ptr + D.CTRL_GEN, (gen + 1) % 3)
@@ -187,12 +196,11 @@ def _oneshot_kernel(
     if USE_PDL:
         gdc_wait()
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr,
-                                                   timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
-
     # The first row's activations stay in registers: a CTA with one row has then read all of the
     # previous kernel's data before it starts waiting, and lets dependents launch (PDL) early.
-    # (Masked by pid < M, not by the status word, so these loads do not wait for the ctrl loads.)
+    # They are requested before the control words (masked by pid < M, not by the status word):
+    # the control words' CTA-wide reduction is a barrier that no later load passes, so a decode
+    # CTA waits for one memory round trip before its push, not two.
     first = cmask & (pid < M)
     x0 = tl.load(x_ptr + pid.to(tl.int64) * x_st + cols, mask=first, other=0.0)
     if PATTERN != 0:
@@ -200,6 +208,8 @@ def _oneshot_kernel(
         res0 = res0.to(tl.float32)
     else:
         res0 = tl.zeros([BLOCK_H], tl.float32)
+    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr,
+                                                   timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
 
     # Iteration i pushes row i and receives row i - 1: the peers pushed row i - 1 one iteration
     # earlier, so NVLink traffic of one row overlaps the local epilogue of the previous one.
