@@ -496,3 +496,87 @@ def test_fused_knobs_raise_clear_errors(monkeypatch):
         monkeypatch.setenv("MOEFUSE_ALLGATHER_LOOKAHEAD", value)
         with pytest.raises(ValueError, match=f"MOEFUSE_ALLGATHER_LOOKAHEAD must be {why}"):
             fused._env_int(fused.LOOKAHEAD_ENV, fused.LOOKAHEAD, 1)
+
+
+# ----------------------------------------------------------------------------- FP8 / NVFP4 one launch
+def scenario_fused_quant(rank, p, h, ms, grid, lookahead, decode, cases):
+    """all_gather_rmsnorm_fp8 / _fp4_quantize on the one-launch kernels (issue 17e): the decode
+    kernel at M <= 64 when ``decode``, else the persistent kernel forced (grid cap ``grid``: several
+    tiles per CTA, ``lookahead`` tiles ahead); outputs poisoned first, bitwise against the single-GPU
+    op on the full rows, and the fused launcher counted (not the two-launch fallback). ``cases``:
+    ("fp8", dtype code 0 / 1) and ("fp4", layout)."""
+    import os
+
+    import moefuse
+    from moefuse.comm import allgather_decode, allgather_fused
+
+    counts = {"decode": 0, "persistent": 0}
+
+    def counting(module, name, key):
+        real = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            counts[key] += 1
+            return real(*args, **kwargs)
+
+        setattr(module, name, counted)
+
+    counting(allgather_decode, "launch_ag_rmsnorm", "decode")
+    counting(allgather_fused, "launch_ag_rmsnorm_persistent", "persistent")
+    os.environ.update({"MOEFUSE_ALLGATHER_ONE_LAUNCH": "1" if decode else "0",
+                       "MOEFUSE_ALLGATHER_LARGE": "fused",
+                       "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
+                       "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead)})  # fmt: skip
+    cap = max(ms)
+    ws = moefuse.AllReduceWorkspace(None, cap, h, BF16, "cpu", timeout_s=60,
+                                    extra_regions=moefuse.allgather_regions(cap, h))  # fmt: skip
+    fp8_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
+    want_counts = {"decode": 0, "persistent": 0}
+    try:
+        for i, m in enumerate(ms):
+            c = make_case(300 + i, p, m, h)
+            x, w = shard_of(c["full"], rank, p), c["weight"]
+            what = f"P={p} H={h} M={m}"
+            for kind, arg in cases:
+                want_counts["decode" if decode and m <= 64 else "persistent"] += 1
+                if kind == "fp8":
+                    dt = fp8_dtypes[arg]
+                    want = moefuse.rmsnorm_quant(c["full"], w, c["scale"], dtype=dt,
+                                                 impl="triton")  # fmt: skip
+                    out = poison_(torch.empty(m, h, dtype=torch.uint8)).view(dt)
+                    got = moefuse.all_gather_rmsnorm_fp8(x, w, c["scale"], workspace=ws, out=out,
+                                                         algorithm="oneshot", impl="triton")
+                    assert got is out
+                    assert_bitwise_equal(got.view(torch.uint8), want.view(torch.uint8),
+                                         f"{what} fp8 {dt}")  # fmt: skip
+                else:
+                    want_q, want_sf = moefuse.rmsnorm_fp4_quantize(c["full"], w, c["gs"],
+                                                                   layout=arg, impl="triton")
+                    q = poison_(torch.empty_like(want_q))
+                    sf = poison_(torch.empty_like(want_sf))
+                    got_q, got_sf = moefuse.all_gather_rmsnorm_fp4_quantize(
+                        x, w, c["gs"], workspace=ws, layout=arg, out=q, scale_out=sf,
+                        algorithm="oneshot", impl="triton")  # fmt: skip
+                    assert got_q is q and got_sf is sf
+                    assert_bitwise_equal(got_q, want_q, f"{what} fp4 {arg} packed")
+                    assert_bitwise_equal(got_sf, want_sf, f"{what} fp4 {arg} scales")
+        ws.check()
+        assert counts == want_counts, (counts, want_counts)  # the one-launch kernels ran
+        return int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
+    finally:
+        ws.close()
+
+
+@pytest.mark.parametrize("p,h,ms,grid,lookahead,decode,cases", [
+    # persistent: 16-row masked tiles (H = 96), 5 tiles over 2 CTAs; swizzled scales pad to 128
+    # rows = 8 tiles, of which 3 only write zero scale bytes
+    (2, 96, (70,), 2, 1, False, (("fp8", 0), ("fp4", "swizzled_128x4"))),
+    (3, 48, (33,), 2, 2, False, (("fp8", 1), ("fp4", "linear"))),  # 32-row tiles
+    (2, 2400, (5,), 3, 2, False, (("fp8", 0), ("fp4", "swizzled_8x4"))),  # one masked row / tile
+    # the one-launch decode kernel (one program per tile; padding tiles of the scale layout too)
+    (2, 96, (1, 33), 0, 1, True, (("fp8", 0), ("fp4", "swizzled_128x4"))),
+    (3, 2400, (5,), 0, 1, True, (("fp8", 1), ("fp4", "linear"))),
+])  # fmt: skip
+def test_fused_quant_kernels_bitwise(p, h, ms, grid, lookahead, decode, cases):
+    gens = run_group(p, scenario_fused_quant, h, ms, grid, lookahead, decode, cases)
+    assert len(set(gens)) == 1

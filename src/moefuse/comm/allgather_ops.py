@@ -225,22 +225,11 @@ def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_
         out.copy_(ref.norm_ref.rmsnorm_reference(x, weight, eps, gain_center))
 
     def one_launch(ws, state, gathered, unchunked):
-        # decode range: one program per tile; above it (or with the decode kernel off): the
-        # persistent kernel unless MOEFUSE_ALLGATHER_LARGE=chunked
         from moefuse.comm import allgather_decode as dec
         from moefuse.comm import allgather_fused as fused
 
-        tile = dec.one_launch_tile(gathered.shape[1], shard.shape[0]) if unchunked else None
-        if tile is not None:
-            dec.launch_ag_rmsnorm(ws, state, shard, weight, gathered, out, eps, gain_center,
-                                  use_pdl, tile)  # fmt: skip
-            return True
-        tile = fused.fused_tile(gathered.shape[1], shard.shape[0])
-        if tile is None:
-            return False
-        fused.launch_ag_rmsnorm_persistent(ws, state, shard, weight, gathered, out, eps,
-                                           gain_center, use_pdl, tile)  # fmt: skip
-        return True
+        ep = dec.Epilogue(dec.RMSNORM, weight, out, eps, gain_center)
+        return fused.run_one_launch(ws, state, shard, gathered, ep, use_pdl, unchunked)
 
     _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,
              one_launch=one_launch)
@@ -267,7 +256,15 @@ def all_gather_rmsnorm_fp8_op(shard: Tensor, weight: Tensor, scale: Tensor, out:
         q = ref.quant_ref.rmsnorm_quant_reference(x, weight, scale, eps, dtype, gain_center)
         out.copy_(q.view(torch.uint8))
 
-    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference)
+    def one_launch(ws, state, gathered, unchunked):
+        from moefuse.comm import allgather_decode as dec
+        from moefuse.comm import allgather_fused as fused
+
+        ep = dec.Epilogue(dec.FP8, weight, out, eps, gain_center, aux=scale, fmt=fmt)
+        return fused.run_one_launch(ws, state, shard, gathered, ep, use_pdl, unchunked)
+
+    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,
+             one_launch=one_launch)
 
 
 @all_gather_rmsnorm_fp8_op.register_fake
@@ -304,7 +301,16 @@ def all_gather_rmsnorm_fp4_quantize_op(shard: Tensor, weight: Tensor, global_sca
         packed.copy_(p)
         scales.copy_(sf.reshape(scales.shape))
 
-    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, tile)
+    def one_launch(ws, state, gathered, unchunked):
+        from moefuse.comm import allgather_decode as dec
+        from moefuse.comm import allgather_fused as fused
+
+        ep = dec.Epilogue(dec.FP4, weight, packed, eps, gain_center, aux=global_scale,
+                          scales=scales, layout=layout, recipe=recipe)  # fmt: skip
+        return fused.run_one_launch(ws, state, shard, gathered, ep, use_pdl, unchunked)
+
+    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, tile,
+             one_launch)
 
 
 @all_gather_rmsnorm_fp4_quantize_op.register_fake
