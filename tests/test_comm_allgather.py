@@ -498,13 +498,13 @@ def test_fused_knobs_raise_clear_errors(monkeypatch):
             fused._env_int(fused.LOOKAHEAD_ENV, fused.LOOKAHEAD, 1)
 
 
-# ----------------------------------------------------------------------------- FP8 / NVFP4 one launch
+# --------------------------------------------------------------------- FP8 / NVFP4 one launch
 def scenario_fused_quant(rank, p, h, ms, grid, lookahead, decode, cases):
-    """all_gather_rmsnorm_fp8 / _fp4_quantize on the one-launch kernels (issue 17e): the decode
-    kernel at M <= 64 when ``decode``, else the persistent kernel forced (grid cap ``grid``: several
-    tiles per CTA, ``lookahead`` tiles ahead); outputs poisoned first, bitwise against the single-GPU
-    op on the full rows, and the fused launcher counted (not the two-launch fallback). ``cases``:
-    ("fp8", dtype code 0 / 1) and ("fp4", layout)."""
+    """all_gather_rmsnorm_fp8 / _fp4_quantize on the one-launch kernels (issue 17e): the
+    decode kernel at M <= 64 when ``decode``, else the persistent kernel forced (grid cap
+    ``grid``: several tiles per CTA, ``lookahead`` tiles ahead); outputs poisoned first, bitwise
+    against the single-GPU op on the full rows, and the fused launcher counted (not the
+    two-launch fallback). ``cases``: ("fp8", dtype code 0 / 1) and ("fp4", layout)."""
     import os
 
     import moefuse
