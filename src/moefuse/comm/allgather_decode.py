@@ -34,9 +34,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._fastpath import launch
 from moefuse.comm import allgather_triton as AG
 from moefuse.comm.workspace import CTRL_STATUS
+from moefuse.norm import gated as gd
 from moefuse.norm import tiles
 from moefuse.norm import triton as nt
-from moefuse.norm.tiles import RMSNORM_POLICY, row_tile
+from moefuse.norm.tiles import GATED_POLICY, RMSNORM_POLICY, row_tile
 from moefuse.quant import fused as qf
 from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 
@@ -44,22 +45,26 @@ ONE_LAUNCH_ENV = "MOEFUSE_ALLGATHER_ONE_LAUNCH"
 #: largest M of the one-launch variant (programs = tiles <= 64: all resident on every rank)
 ONE_LAUNCH_MAX_TOKENS = 64
 #: the single-GPU op a fused launch ends with (host ints; OP_* the kernels' constexprs)
-RMSNORM, FP8, FP4 = 0, 1, 2
+RMSNORM, FP8, FP4, GATED = 0, 1, 2, 3
 OP_FP8: tl.constexpr = tl.constexpr(FP8)
 OP_FP4: tl.constexpr = tl.constexpr(FP4)
+OP_GATED: tl.constexpr = tl.constexpr(GATED)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_norm", "rank"])
 def _ag_rmsnorm_kernel(
     shard_ptr, s_st, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr,
+    res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr,
     n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center,
+    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
     table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, S, rank, cap, timeout_us,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
     STEPPED: tl.constexpr, UNROLL: tl.constexpr,
     P: tl.constexpr, BLOCK_S: tl.constexpr,
     OP: tl.constexpr = 0, FMT: tl.constexpr = 0, LAYOUT: tl.constexpr = 0,
-    RECIPE: tl.constexpr = 0,
+    RECIPE: tl.constexpr = 0, ALPHA_MODE: tl.constexpr = 0, HAS_POST_WEIGHT: tl.constexpr = False,
+    HAS_ROUTER: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -82,9 +87,11 @@ def _ag_rmsnorm_kernel(
     missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S, H,
                            deadline, clock_ptr, empty, P, PTX)  # fmt: skip
     # --- the single-GPU op's row tile (OP: rmsnorm, rmsnorm_quant or rmsnorm_fp4_quantize)
-    norm_tile(pid, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, n_rows, n_norm, H, Hf, KB, n_kcols,
-              HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, BLOCK, NUM_CHUNKS, ROWS, MASKED,
-              EVICT_FIRST, PTX, STEPPED, UNROLL, OP, FMT, LAYOUT, RECIPE)  # fmt: skip
+    norm_tile(pid, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr,
+              ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh,
+              eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc, BLOCK,
+              NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL, OP, FMT, LAYOUT, RECIPE,
+              ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER)  # fmt: skip
     AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
 
 
@@ -117,12 +124,14 @@ def receive_rows(x_ptr, x_st, first, n, scols, scm, mine, region, rank, S, H, de
 
 
 @triton.jit
-def norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, n_rows, n_norm, H, Hf, KB, n_kcols,
-              HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, BLOCK: tl.constexpr,
-              NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-              EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, STEPPED: tl.constexpr,
-              UNROLL: tl.constexpr, OP: tl.constexpr, FMT: tl.constexpr, LAYOUT: tl.constexpr,
-              RECIPE: tl.constexpr):  # fmt: skip
+def norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr,
+              ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh,
+              eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
+              BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+              MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
+              STEPPED: tl.constexpr, UNROLL: tl.constexpr, OP: tl.constexpr, FMT: tl.constexpr,
+              LAYOUT: tl.constexpr, RECIPE: tl.constexpr, ALPHA_MODE: tl.constexpr,
+              HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr):  # fmt: skip
     """Row tile ``t`` of the single-GPU op ``OP`` (no PDL) on the gathered rows ``x_ptr``: that
     kernel's own row functions with its constexprs, so the same reduction tree and bits.
 
@@ -135,8 +144,34 @@ def norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, n_rows, n_norm, H, Hf, 
     * OP_FP4 (``_rmsnorm_fp4_kernel``, one tile per program): ``_fp4_tile``; tiles cover the
       layout's ``n_norm`` padded rows (``KB`` blocks per row, ``n_kcols`` scale columns);
       ``aux_ptr``: the global scale, ``out_ptr``: packed codes (row stride ``o_st``),
-      ``sf_ptr``: the scale bytes."""
-    if OP == OP_FP8:
+      ``sf_ptr``: the scale bytes.
+    * OP_GATED (``moefuse.norm.gated._gated_residual_next_kernel``): the gathered rows are the
+      branch; ``res_ptr`` the FP32 residual (row stride ``r_st``), ``w_ptr`` / ``eps`` /
+      ``gain_center`` the next norm's, ``out_ptr`` ffn_input, ``ro_ptr`` residual_out,
+      ``rt_ptr`` the FP32 router output (HAS_ROUTER); stepped rows ``_next_stepped``, one-pass
+      tiles ``_add_load`` + ``_gated_next_tile``."""
+    if OP == OP_GATED:
+        if STEPPED:
+            gd._next_stepped(x_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, out_ptr,
+                             rt_ptr, t.to(tl.int64), H, Hf, x_st, r_st, ro_st, o_st, rt_st,
+                             alpha_scalar, post_eps, eps, gain_center, post_gc, BLOCK, NUM_CHUNKS,
+                             UNROLL, MASKED, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, PTX,
+                             False)  # fmt: skip
+        else:
+            cols = tl.arange(0, BLOCK)
+            pm = cols < H
+            nw = nt._ld(w_ptr + cols, pm, MASKED, False)[None, :] + gain_center
+            pw = 1.0
+            if HAS_POST_WEIGHT:
+                pw = nt._ld(pw_ptr + cols, pm, MASKED, False)[None, :] + post_gc
+            rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
+            br, rr = nt._add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED,
+                                  EVICT_FIRST)  # fmt: skip
+            gd._gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm,
+                                mask, alpha_ptr, beta_ptr, ro_ptr, out_ptr, rt_ptr, ro_st, o_st,
+                                rt_st, alpha_scalar, Hf, post_eps, eps, ALPHA_MODE, MASKED,
+                                HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
+    elif OP == OP_FP8:
         cols = tl.arange(0, BLOCK)
         w = nt._ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         inv = tl.math.div_rn(1.0, tl.load(aux_ptr).to(tl.float32))
@@ -172,25 +207,29 @@ def op_tile(op: int, width: int):
         return qf.quant_row_tile(width)
     if op == FP4:
         return qf.quant_fp4_row_tile(width)
+    if op == GATED:
+        return row_tile(width, GATED_POLICY)
     return row_tile(width, RMSNORM_POLICY)
 
 
 def _loop_min_rows(op: int, tile, width: int) -> int:
-    """Row count from which the single-GPU op runs stepped rows looped (rmsnorm only steps)."""
+    """Row count from which the single-GPU op runs stepped rows looped."""
+    if op == GATED:
+        return tiles.STEP_LOOP_MIN_ROWS
     return qf.fp8_loop_min_rows(tile, width) if op == FP8 else tiles.RMSNORM_LOOP_MIN_ROWS
 
 
 def fusable(op: int, tile) -> bool:
-    """Whether ``norm_tile`` runs the single-GPU op's ``tile``: one-pass tiles, and rmsnorm's
-    stepped rows; not the two-pass chunked rows (> 16384 columns). FP8 one-pass tiles are
-    persistent in the single-GPU kernel: its loop runs the same per-tile code (``_fp8_tile``)
-    with the same tile and warps, so the loop changes no bit; rmsnorm's own persistent loop is
-    not used by its policy and stays excluded."""
+    """Whether ``norm_tile`` runs the single-GPU op's ``tile``: one-pass tiles, and the stepped
+    rows of rmsnorm and the gated op; not the two-pass chunked rows (> 16384 columns). FP8
+    one-pass tiles are persistent in the single-GPU kernel: its loop runs the same per-tile
+    code (``_fp8_tile``) with the same tile and warps, so the loop changes no bit; the other
+    ops' policies never choose their persistent loops, which stay excluded."""
     if tile.stepped:
-        return op == RMSNORM
+        return op in (RMSNORM, GATED)
     if tile.num_chunks > 1:
         return False
-    return op != RMSNORM or not nt._persistent(tile)
+    return op == FP8 or not nt._persistent(tile)
 
 
 def one_launch_tile(width: int, m: int, op: int = 0):
@@ -223,6 +262,9 @@ class Epilogue:
     fmt: int = 0
     layout: str = "linear"
     recipe: str = "fast"
+    #: the gated op (``out`` = ffn_input, ``weight`` / ``eps`` / ``gain_center`` the next norm's):
+    #: its stream tensors and parameters
+    gated: GatedArgs | None = None
 
     def rows_and_blocks(self, m: int, width: int) -> tuple[int, int, int]:
         """(rows the norm tiles cover, NVFP4 blocks per row, scale columns): the layout's padded
@@ -233,10 +275,25 @@ class Epilogue:
         return rows_p, width // 16, n_kcols
 
     def pointers(self) -> tuple:
-        """(w_ptr, out_ptr, aux_ptr, sf_ptr); unused ones carry the weight."""
-        w = self.weight
-        return (w, self.out, self.aux if self.aux is not None else w,
-                self.scales if self.scales is not None else w)
+        """The kernels' pointer arguments from ``w_ptr`` to ``rt_ptr``; unused ones carry the
+        weight."""
+        w, g = self.weight, self.gated
+        ops = (w, self.out, self.aux if self.aux is not None else w,
+               self.scales if self.scales is not None else w)  # fmt: skip
+        if g is None:
+            return ops + (w,) * 6
+        return ops + (g.residual, g.alpha if g.alpha is not None else g.beta, g.beta,
+                      g.post_weight if g.post_weight is not None else w, g.residual_out,
+                      g.router_input if g.router_input is not None else g.residual_out)
+
+    def gated_scalars(self) -> tuple:
+        """(r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc) of the kernels."""
+        g = self.gated
+        if g is None:
+            return (0, 0, 0, 1.0, 0.0, 0.0)
+        rt = g.router_input if g.router_input is not None else g.residual_out
+        return (g.residual.stride(0), g.residual_out.stride(0), rt.stride(0),
+                float(g.alpha_scalar), float(g.post_eps), float(g.post_gain_center))
 
     def consts(self, tile, width: int, m: int, use_pdl: bool) -> dict:
         """The single-GPU launcher's constexprs and warps for ``tile`` at M rows (without its
@@ -247,9 +304,32 @@ class Epilogue:
             consts.pop(key, None)
         consts.update(OP=self.op, FMT=self.fmt, LAYOUT=LAYOUTS[self.layout],
                       RECIPE=RECIPES[self.recipe])  # fmt: skip
-        if self.op != RMSNORM:
+        if self.op in (FP8, FP4):
             consts["EVICT_FIRST"] = qf._evict(tile)
+        g = self.gated
+        if g is not None:
+            consts.update(ALPHA_MODE=2 if g.alpha is not None else
+                          (0 if g.alpha_scalar == 1.0 else 1),
+                          HAS_POST_WEIGHT=g.post_weight is not None,
+                          HAS_ROUTER=g.router_input is not None)  # fmt: skip
         return consts
+
+
+@dataclass(frozen=True)
+class GatedArgs:
+    """The stream side of ``gated_residual_next_rmsnorm`` (see its launcher): residual [M, H]
+    FP32, alpha [H] FP32 or None (then ``alpha_scalar``), beta [H], post weight or None,
+    residual_out (may be residual), FP32 router output or None."""
+
+    residual: torch.Tensor
+    alpha: torch.Tensor | None
+    alpha_scalar: float
+    beta: torch.Tensor
+    post_weight: torch.Tensor | None
+    residual_out: torch.Tensor
+    router_input: torch.Tensor | None
+    post_eps: float
+    post_gain_center: float
 
 
 def launch_ag_rmsnorm(ws, state, shard: torch.Tensor, gathered: torch.Tensor, ep: Epilogue,
@@ -267,7 +347,7 @@ def launch_ag_rmsnorm(ws, state, shard: torch.Tensor, gathered: torch.Tensor, ep
     launch(_ag_rmsnorm_kernel, grid,
         shard, shard.stride(0), gathered, *ep.pointers(),
         n_rows, n_norm, width, float(width), kb, n_kcols, 1, x_st, x_sh, o_st, 0, float(ep.eps),
-        float(ep.gain_center),
+        float(ep.gain_center), *ep.gated_scalars(),
         ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, s,
         ws.rank, ws.max_tokens, ws.timeout_us, P=ws.world_size, BLOCK_S=block_s, **consts,
     )  # fmt: skip

@@ -73,14 +73,17 @@ LOOKAHEAD = 1
 @triton.jit(do_not_specialize=["n_rows", "n_norm", "rank", "lookahead"])
 def _ag_rmsnorm_persistent_kernel(
     shard_ptr, s_st, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr,
+    res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr,
     n_rows, n_norm, H, Hf, KB, n_kcols, x_st, o_st, eps, gain_center,
+    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
     table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, S, rank, cap, timeout_us, lookahead,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
     STEPPED: tl.constexpr, UNROLL: tl.constexpr,
     P: tl.constexpr, BLOCK_S: tl.constexpr,
     OP: tl.constexpr = 0, FMT: tl.constexpr = 0, LAYOUT: tl.constexpr = 0,
-    RECIPE: tl.constexpr = 0,
+    RECIPE: tl.constexpr = 0, ALPHA_MODE: tl.constexpr = 0, HAS_POST_WEIGHT: tl.constexpr = False,
+    HAS_ROUTER: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -128,10 +131,12 @@ def _ag_rmsnorm_persistent_kernel(
             missing = dec.receive_rows(x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first),
                                        scols, scm, mine, region, rank, S, H, deadline, clock_ptr,
                                        empty, P, PTX)  # fmt: skip
-        dec.norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, n_rows, n_norm, H, Hf, KB,
-                      n_kcols, 1, x_st, 0, o_st, 0, eps, gain_center, BLOCK, NUM_CHUNKS, ROWS,
-                      MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL, OP, FMT, LAYOUT,
-                      RECIPE)  # fmt: skip
+        dec.norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr,
+                      pw_ptr, ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, 1, x_st, 0,
+                      o_st, 0, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
+                      post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL,
+                      OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT,
+                      HAS_ROUTER)  # fmt: skip
         i += 1
     AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
 
@@ -248,8 +253,9 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
     ws.refresh_clock()
     args = (shard, shard.stride(0), gathered, *ep.pointers(), m, n_norm, width, float(width), kb,
             n_kcols, gathered.stride(0), ep.out.stride(0), float(ep.eps), float(ep.gain_center),
-            ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, s,
-            ws.rank, ws.max_tokens, ws.timeout_us, lookahead)  # fmt: skip
+            *ep.gated_scalars(), ws.table, ws.offset16("allgather"), state.agctrl,
+            ws.ctrl[CTRL_STATUS:], ws.clock, s, ws.rank, ws.max_tokens, ws.timeout_us,
+            lookahead)  # fmt: skip
     consts.update(P=ws.world_size, BLOCK_S=block_s)
     fit = None if interpreter_active() else (lambda: _compiled_fit(args, consts))
     grid = (fused_grid(ws, tile, triton.cdiv(n_norm, tile.rows), fit),)

@@ -352,7 +352,17 @@ def all_gather_gated_residual_next_rmsnorm_op(
         if router_input is not None:
             router_input.copy_(router)
 
-    _execute(workspace_id, branch_shard, algorithm, backend, use_pdl, run_rows, reference)
+    def one_launch(ws, state, gathered, unchunked):
+        from moefuse.comm import allgather_decode as dec
+        from moefuse.comm import allgather_fused as fused
+
+        g = dec.GatedArgs(residual, alpha, alpha_scalar, beta, post_weight, residual_out,
+                          router_input, post_eps, post_gain_center)  # fmt: skip
+        ep = dec.Epilogue(dec.GATED, next_weight, ffn_input, next_eps, next_gain_center, gated=g)
+        return fused.run_one_launch(ws, state, branch_shard, gathered, ep, use_pdl, unchunked)
+
+    _execute(workspace_id, branch_shard, algorithm, backend, use_pdl, run_rows, reference,
+             one_launch=one_launch)
 
 
 @all_gather_gated_residual_next_rmsnorm_op.register_fake
