@@ -2,10 +2,11 @@
 allgather_fused.py) for sm_90a on a machine without a GPU and report registers and spills
 (ptxas -v), with the launchers' own constexprs (the single-GPU op's tile of the width, both
 stepped modes where the rows are stepped), and the CTAs per SM those registers allow. Ops
-(``--ops``): rmsnorm, fp8 (E4M3), fp4 (linear and swizzled_128x4 scales).
+(``--ops``): rmsnorm, fp8 (E4M3), fp4 (linear and swizzled_128x4 scales), gated (tensor alpha,
+post weight, router output).
 
 Run: PYTHONPATH=src python scripts/compile_check_allgather.py [--widths 4096,7168,8192] [--p 2,4]
-     [--ops rmsnorm,fp8,fp4]
+     [--ops rmsnorm,fp8,fp4,fp4_swz,gated]
 """
 
 import argparse
@@ -28,10 +29,12 @@ from moefuse.norm import tiles
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TYPES = {"table_ptr": "*i64", "agctrl_ptr": "*i32", "status_ptr": "*i32", "clock_ptr": "*i32",
-         "eps": "fp32", "gain_center": "fp32", "Hf": "fp32"}  # fmt: skip
+         "eps": "fp32", "gain_center": "fp32", "Hf": "fp32", "alpha_scalar": "fp32",
+         "post_eps": "fp32", "post_gc": "fp32"}  # fmt: skip
 #: integer arguments the JIT sees as multiples of 16 at H = 4096 / 8192, P = 2 (strides, widths,
 #: region offset and capacity); pointers are 16-byte aligned
-DIVISIBLE = {"s_st", "x_st", "o_st", "g_st", "H", "S", "cap", "ag_off16"}
+DIVISIBLE = {"s_st", "x_st", "o_st", "g_st", "H", "S", "cap", "ag_off16", "r_st", "ro_st",
+             "rt_st"}  # fmt: skip
 
 
 #: pointer types of the fused kernels' op arguments (rmsnorm: the weight's type everywhere)
@@ -39,9 +42,14 @@ OP_TYPES = {
     dec.RMSNORM: {},
     dec.FP8: {"out_ptr": "*u8", "aux_ptr": "*fp32"},
     dec.FP4: {"out_ptr": "*u8", "aux_ptr": "*fp32", "sf_ptr": "*u8"},
+    dec.GATED: {"res_ptr": "*fp32", "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "ro_ptr": "*fp32",
+                "rt_ptr": "*fp32"},
 }
 OPS = {"rmsnorm": (dec.RMSNORM, "linear"), "fp8": (dec.FP8, "linear"),
-       "fp4": (dec.FP4, "linear"), "fp4_swz": (dec.FP4, "swizzled_128x4")}  # fmt: skip
+       "fp4": (dec.FP4, "linear"), "fp4_swz": (dec.FP4, "swizzled_128x4"),
+       "gated": (dec.GATED, "linear")}  # fmt: skip
+#: the gated op compiles with its heaviest options: tensor alpha, post weight, router output
+GATED_CONSTS = {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True}
 
 
 def compile_report(kernel, consts: dict, num_warps: int, types: dict | None = None) -> dict:
@@ -82,6 +90,8 @@ def norm_consts(h: int, unroll: bool, op: int = dec.RMSNORM,
     consts = ep.consts(tile, h, rows, True)
     if tile.stepped:
         consts["UNROLL"] = unroll
+    if op == dec.GATED:
+        consts.update(GATED_CONSTS)
     warps = consts.pop("num_warps")
     consts.pop("launch_pdl", None)
     return consts, warps
@@ -99,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--widths", default="4096,7168,8192")
     parser.add_argument("--p", default="2,4")
-    parser.add_argument("--ops", default="rmsnorm,fp8,fp4,fp4_swz")
+    parser.add_argument("--ops", default=",".join(OPS))
     args = parser.parse_args()
     for h in [int(x) for x in args.widths.split(",")]:
         for p in [int(x) for x in args.p.split(",")]:
