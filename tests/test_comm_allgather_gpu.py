@@ -281,9 +281,16 @@ def scenario_persistent(rank, _, env):
 
 
 def op_outputs(moefuse, op, x, c, ws, *, pdl=None, outs=None):
-    """``op`` ("rmsnorm", "fp8", "fp4", "fp4_swz") on shard ``x`` (into ``outs`` when given):
-    its outputs as a tuple (FP8 as bytes)."""
+    """``op`` ("rmsnorm", "fp8", "fp4", "fp4_swz", "gated") on shard ``x`` (into ``outs`` when
+    given): its outputs as a tuple (FP8 as bytes; gated: residual_out, ffn_input, router)."""
     kw = dict(workspace=ws, impl="triton", algorithm="oneshot", enable_pdl=pdl)
+    if op == "gated":  # tensor alpha, post weight, FP32 router output
+        m, h = c["residual"].shape
+        outs = outs or (None, None, torch.empty(m, h, device=x.device))
+        ro, ffn = moefuse.all_gather_gated_residual_next_rmsnorm(
+            x, c["residual"], c["alpha"], c["beta"], c["weight"], post_weight=c["post_weight"],
+            residual_out=outs[0], ffn_input=outs[1], router_input=outs[2], **kw)  # fmt: skip
+        return ro, ffn, outs[2]
     outs = outs or (None, None)
     if op == "rmsnorm":
         return (moefuse.all_gather_rmsnorm(x, c["weight"], out=outs[0], **kw),)
@@ -298,6 +305,13 @@ def op_outputs(moefuse, op, x, c, ws, *, pdl=None, outs=None):
 
 def op_reference(moefuse, op, full, c):
     """The single-GPU op of ``op`` on the full rows (the definition)."""
+    if op == "gated":
+        router = torch.empty(full.shape, device=full.device)
+        ro, ffn = moefuse.gated_residual_next_rmsnorm(full, c["residual"], c["weight"],
+                                                      c["alpha"], c["beta"],
+                                                      post_weight=c["post_weight"],
+                                                      router_input=router)  # fmt: skip
+        return ro, ffn, router
     if op == "rmsnorm":
         return (moefuse.rmsnorm(full, c["weight"]),)
     if op == "fp8":
@@ -351,9 +365,10 @@ def one_kernel_checks(rank, env, tokens, label, op="rmsnorm"):
 
 
 def scenario_quant_one_launch(rank, _, op):
-    """all_gather_rmsnorm_fp8 / _fp4_quantize on their one-launch kernels (issue 17e): the
-    decode kernel at M in {1, 7, 64}, the persistent kernel at M in {1000, 4096} (defaults) and
-    at 65 / 4097 with many tiles per CTA; the launchers are counted (no two-launch fallback)."""
+    """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on their one-launch
+    kernels (issue 17e): the decode kernel at M in {1, 7, 64}, the persistent kernel at M in
+    {1000, 4096} (defaults) and at 65 / 4097 with many tiles per CTA; the launchers are counted
+    (no two-launch fallback)."""
     from moefuse.comm import allgather_decode, allgather_fused
 
     counts = {"decode": 0, "persistent": 0}
@@ -409,7 +424,7 @@ def test_persistent_kernel_bitwise(env):
     assert all(run_group(P, scenario_persistent, env, backend="nccl", timeout_s=400))
 
 
-@pytest.mark.parametrize("op", ["fp8", "fp4", "fp4_swz"])
+@pytest.mark.parametrize("op", ["fp8", "fp4", "fp4_swz", "gated"])
 def test_quant_one_launch_kernels_bitwise(op):
     _need()
     assert all(run_group(P, scenario_quant_one_launch, op, backend="nccl", timeout_s=500))

@@ -7,15 +7,14 @@ then times, side by side in one run:
 
 * ``moefuse``: the fused op (algorithm="auto": Lamport all-gather over NVLink into a local
   buffer, then the single-GPU kernel, PDL between them; from 2048 tokens pipelined in chunks;
-  rmsnorm / fp8 / fp4: one kernel instead, the decode kernel at M <= 64 and one persistent gather
-  + norm kernel above, comm/allgather_decode.py / allgather_fused.py);
+  every op: one kernel instead, the decode kernel at M <= 64 and one persistent gather + norm
+  kernel above, comm/allgather_decode.py / allgather_fused.py);
   ``moefuse_gather``: its all-gather launch alone (rmsnorm rows only: where the time goes);
-  ``moefuse_chunked``: rmsnorm / fp8 / fp4 above the decode range on the two-launch path with
-  its chunk pipeline (MOEFUSE_ALLGATHER_LARGE=chunked); ``moefuse_nochunk``: the same with the
+  ``moefuse_chunked``: the op above the decode range on the two-launch path with its chunk
+  pipeline (MOEFUSE_ALLGATHER_LARGE=chunked); ``moefuse_nochunk``: the same with the
   pipeline off (where it would be on);
   ``moefuse_2launch``: the two-launch path (gather, then the single-GPU op) where the default is
-  the one-launch decode kernel (rmsnorm / fp8 / fp4, M <= 64; checked bitwise first, NaN if it
-  fails);
+  the one-launch decode kernel (M <= 64; checked bitwise first, NaN if it fails);
 * ``nccl+op``: NCCL ``all_gather_into_tensor`` into [P, M, H/P], re-layout to [M, H]
   (``permute`` + contiguous copy), then the moefuse single-GPU op;
 * ``symm+op``: PyTorch symmetric memory ``torch.ops.symm_mem._low_contention_all_gather``
@@ -47,7 +46,7 @@ WIDTHS = [4096, 8192]
 OPS = ("rmsnorm", "fp8", "fp4", "gated")
 #: ops whose default is one kernel (decode at M <= 64, persistent above): the bench also times
 #: their two-launch paths (moefuse_2launch / moefuse_chunked / moefuse_nochunk)
-ONE_LAUNCH_OPS = ("rmsnorm", "fp8", "fp4")
+ONE_LAUNCH_OPS = ("rmsnorm", "fp8", "fp4", "gated")
 NO_MULTICAST = ranks.NO_MULTICAST
 BASELINES = ("nccl+op", "symm+op")
 PEER_COPY_BYTES = 256 << 20
