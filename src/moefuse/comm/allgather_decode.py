@@ -1,24 +1,28 @@
-"""One-launch decode variant of :func:`moefuse.all_gather_rmsnorm`: the default at
-M <= ONE_LAUNCH_MAX_TOKENS (``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` turns it off, the same on every
-rank). MEASURED on 2 x H200 (bench allgather, 2026-11-30, bench/results/allgather-h200-p2.json):
-one launch vs two at H = 4096: M = 1 3.39 / 3.97 us, M = 8 4.30 / 5.10, M = 64 4.64 / 5.72;
-H = 8192: 4.04 / 4.49, 4.92 / 5.72, 6.54 / 7.22 — bitwise equal to NCCL + rmsnorm in every case
-(the benchmark checks before it times).
+"""One-launch decode kernel of the all-gather + norm ops (``all_gather_rmsnorm``, ``_fp8``,
+``_fp4_quantize``, ``all_gather_gated_residual_next_rmsnorm``): the default at
+M <= ONE_LAUNCH_MAX_TOKENS (``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` turns it off for every op, the
+same on every rank). MEASURED for rmsnorm on 2 x H200 (bench allgather, 2026-11-30,
+bench/results/allgather-h200-p2.json): one launch vs two at H = 4096: M = 1 3.39 / 3.97 us,
+M = 8 4.30 / 5.10, M = 64 4.64 / 5.72; H = 8192: 4.04 / 4.49, 4.92 / 5.72, 6.54 / 7.22 — bitwise
+equal to NCCL + rmsnorm in every case (the benchmark checks before it times). The FP8, NVFP4
+and gated ops (issue 17e) are NOT MEASURED on a GPU yet.
 
-The default fused path is two launches (gather, then ``moefuse.rmsnorm``'s kernel). At decode
-sizes the second launch and its grid-dependency wait are a visible part of the latency, so this
-kernel does both in one program per norm tile: program ``pid`` gathers the rows of its own
-tile (push its fragments, poll the peers' ones, all through
-:mod:`moefuse.comm.allgather_triton`'s helpers), a CTA barrier makes them visible to every
-thread, and then it runs the SAME device code as ``moefuse.norm.triton._rmsnorm_kernel`` on
-those rows — same tile (``row_tile(H, RMSNORM_POLICY)``), same constexprs, same ``num_warps``,
-rows re-read from the gathered buffer with the same addressing — so the reduction tree, and the
-bits, are the single-GPU kernel's. The GPU tests compare the two bitwise; only where they pass
-should this become the default for small M.
+The two-launch path is the gather, then the single-GPU op's kernel. At decode sizes the second
+launch and its grid-dependency wait are a visible part of the latency, so this kernel does both
+in one program per norm tile: program ``pid`` gathers the rows of its own tile (push its
+fragments, poll the peers' ones, all through :mod:`moefuse.comm.allgather_triton`'s helpers), a
+CTA barrier makes them visible to every thread, and then it runs the SAME device code as the
+single-GPU kernel on those rows (``norm_tile``, constexpr ``OP``: ``_rmsnorm_kernel``'s,
+``_rmsnorm_fp8_kernel``'s, ``_rmsnorm_fp4_kernel``'s or ``_gated_residual_next_kernel``'s row
+functions) — same tile (the op's own tile policy, :func:`op_tile`), same constexprs, same
+``num_warps``, rows re-read from the gathered buffer with the same addressing — so the
+reduction tree, and the bits, are the single-GPU kernel's.
 
 Eligible launches: one-shot, M <= :data:`ONE_LAUNCH_MAX_TOKENS` (one program per tile, all
-co-resident: no cross-rank wait on an unscheduled program), tiles the single-GPU kernel runs
-straight-line (stepped rows unrolled, or one-pass tiles without the persistent loop).
+co-resident: no cross-rank wait on an unscheduled program), tiles :func:`fusable` accepts
+(stepped rows unrolled, or one-pass tiles; not the two-pass chunked rows). NVFP4: the programs
+cover the scale layout's padded rows; those of padding rows only gather nothing and write zero
+scale bytes, as the single-GPU kernel's.
 """
 
 from __future__ import annotations

@@ -1,21 +1,25 @@
-"""Persistent one-launch :func:`moefuse.all_gather_rmsnorm` for M above the decode range
-(issue 17, large M): NVLink pushes and the norm overlap inside one kernel.
+"""Persistent one-launch all-gather + norm ops for M above the decode range (issue 17, large M;
+``all_gather_rmsnorm``, and since issue 17e ``_fp8``, ``_fp4_quantize`` and the gated op: the
+``OP`` constexpr of ``norm_tile``): NVLink pushes and the norm overlap inside one kernel.
 
-PREDICTED, NOT MEASURED (notes/comm-allgather.md "Large M, one persistent kernel").
+rmsnorm MEASURED (notes/comm-allgather.md "Measured: the persistent kernel"); the other ops
+PREDICTED, NOT MEASURED (notes/comm-allgather.md "Issue 17e").
 
 The chunked pipeline (gather chunk c+1 on a communication stream while chunk c is normed) left
 the norm visible at large M. Here every CTA of one persistent grid does both, tile by tile:
 
 * grid ``G`` = co-resident CTAs (the workspace's MIN-reduced SM count x CTAs per SM; identical on
-  every rank), CTA ``pid`` owns the single-GPU rmsnorm's row tiles ``pid, pid + G, ...``;
+  every rank), CTA ``pid`` owns the single-GPU op's row tiles ``pid, pid + G, ...`` (NVFP4:
+  tiles over the scale layout's padded rows; those of padding rows only gather nothing and
+  write zero scale bytes);
 * prologue: push the fragments of its first ``lookahead`` tiles (``push_rows`` of
   :mod:`moefuse.comm.allgather_decode`: Lamport stores into every peer's slot, own fragment into
   the local gathered rows);
 * iteration i: push tile i + lookahead (one-row tiles: from registers loaded one iteration
   earlier, then load the next one), receive tile i (poll, re-arm, decode into the gathered
   rows, CTA barrier), then norm tile i with the single-GPU kernel's row functions and
-  constexprs (``norm_tile``; stepped rows unrolled / looped exactly as ``moefuse.rmsnorm`` does
-  at this M), so the output is bitwise ``moefuse.rmsnorm`` of the gathered rows.
+  constexprs (``norm_tile``; stepped rows unrolled / looped exactly as the single-GPU op does
+  at this M), so the output is bitwise the single-GPU op of the gathered rows.
 
 No deadlock: CTA j of rank r only waits for tiles of its own list, which CTA j of every peer
 pushes ``lookahead`` iterations (or the prologue) before it waits for anything of that tile or a

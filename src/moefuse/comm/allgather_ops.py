@@ -10,9 +10,11 @@ The Triton backend is two launches on the stream: the column all-gather into thi
 workspace's ``"allgather"`` region; or NCCL/gloo for ``algorithm="torch"``), then the
 single-GPU op's own launcher on the gathered rows. With PDL the norm kernel is scheduled while
 the all-gather waits on NVLink and loads its parameters before its grid-dependency wait.
-``all_gather_rmsnorm`` runs one kernel instead: the decode kernel at M <= 64
+Every op runs one kernel instead where its single-GPU tile allows
+(:func:`moefuse.comm.allgather_fused.run_one_launch`): the decode kernel at M <= 64
 (:mod:`moefuse.comm.allgather_decode`) and the persistent gather + norm kernel above
-(:mod:`moefuse.comm.allgather_fused`; ``MOEFUSE_ALLGATHER_LARGE=chunked`` keeps two launches).
+(:mod:`moefuse.comm.allgather_fused`; ``MOEFUSE_ALLGATHER_LARGE=chunked`` keeps two launches,
+``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` two launches at decode sizes).
 """
 
 from __future__ import annotations
