@@ -86,11 +86,13 @@ def _ag_rmsnorm_kernel(
     push_rows(shard_ptr, s_st, x_ptr, x_st, first, n_mine, scols, scm, table_ptr, ag_off16,
               region, rank, S, H, P)  # fmt: skip
     if USE_PDL:
-        gdc_launch_dependents()  # every input of this launch is read
+        # the next kernel may be scheduled now; its own gdc_wait orders its reads and writes
+        # after this whole grid (so the residual / weights read below are safe)
+        gdc_launch_dependents()
     empty = tl.zeros([BLOCK_S], tl.int16)
     missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S, H,
                            deadline, clock_ptr, empty, P, PTX)  # fmt: skip
-    # --- the single-GPU op's row tile (OP: rmsnorm, rmsnorm_quant or rmsnorm_fp4_quantize)
+    # --- the single-GPU op's row tile (OP: rmsnorm, rmsnorm_quant, rmsnorm_fp4_quantize, gated)
     norm_tile(pid, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr,
               ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh,
               eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc, BLOCK,
