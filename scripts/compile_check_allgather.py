@@ -1,9 +1,12 @@
-"""Compile the all-gather + rmsnorm kernels (comm/allgather_triton.py, allgather_decode.py,
+"""Compile the all-gather + norm kernels (comm/allgather_triton.py, allgather_decode.py,
 allgather_fused.py) for sm_90a on a machine without a GPU and report registers and spills
-(ptxas -v), with the launchers' own constexprs (the single-GPU rmsnorm tile of the width, both
-stepped modes where the rows are stepped), and the CTAs per SM those registers allow.
+(ptxas -v), with the launchers' own constexprs (the single-GPU op's tile of the width, both
+stepped modes where the rows are stepped), and the CTAs per SM those registers allow. Ops
+(``--ops``): rmsnorm, fp8 (E4M3), fp4 (linear and swizzled_128x4 scales), gated (tensor alpha,
+post weight, router output).
 
 Run: PYTHONPATH=src python scripts/compile_check_allgather.py [--widths 4096,7168,8192] [--p 2,4]
+     [--ops rmsnorm,fp8,fp4,fp4_swz,gated]
 """
 
 import argparse
@@ -22,26 +25,43 @@ from moefuse.comm import allgather_fused as fused
 from moefuse.comm import allgather_triton as AG
 from moefuse.comm.tiles import resident_ctas_per_sm
 from moefuse.norm import tiles
-from moefuse.norm import triton as nt
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TYPES = {"table_ptr": "*i64", "agctrl_ptr": "*i32", "status_ptr": "*i32", "clock_ptr": "*i32",
-         "eps": "fp32", "gain_center": "fp32", "Hf": "fp32"}  # fmt: skip
+         "eps": "fp32", "gain_center": "fp32", "Hf": "fp32", "alpha_scalar": "fp32",
+         "post_eps": "fp32", "post_gc": "fp32"}  # fmt: skip
 #: integer arguments the JIT sees as multiples of 16 at H = 4096 / 8192, P = 2 (strides, widths,
 #: region offset and capacity); pointers are 16-byte aligned
-DIVISIBLE = {"s_st", "x_st", "o_st", "g_st", "H", "S", "cap", "ag_off16"}
+DIVISIBLE = {"s_st", "x_st", "o_st", "g_st", "H", "S", "cap", "ag_off16", "r_st", "ro_st",
+             "rt_st"}  # fmt: skip
 
 
-def compile_report(kernel, consts: dict, num_warps: int) -> dict:
+#: pointer types of the fused kernels' op arguments (rmsnorm: the weight's type everywhere)
+OP_TYPES = {
+    dec.RMSNORM: {},
+    dec.FP8: {"out_ptr": "*u8", "aux_ptr": "*fp32"},
+    dec.FP4: {"out_ptr": "*u8", "aux_ptr": "*fp32", "sf_ptr": "*u8"},
+    dec.GATED: {"res_ptr": "*fp32", "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "ro_ptr": "*fp32",
+                "rt_ptr": "*fp32"},
+}
+OPS = {"rmsnorm": (dec.RMSNORM, "linear"), "fp8": (dec.FP8, "linear"),
+       "fp4": (dec.FP4, "linear"), "fp4_swz": (dec.FP4, "swizzled_128x4"),
+       "gated": (dec.GATED, "linear")}  # fmt: skip
+#: the gated op compiles with its heaviest options: tensor alpha, post weight, router output
+GATED_CONSTS = {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True}
+
+
+def compile_report(kernel, consts: dict, num_warps: int, types: dict | None = None) -> dict:
     """ptxas -v of ``kernel`` for sm_90a with the launch's specialisation: registers, spilled
     bytes, and counts of 16-byte volatile polls / global stores in the PTX."""
     sig, attrs = {}, {}
+    types = {**TYPES, **(types or {})}
     for i, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in consts:
             sig[name] = "constexpr"
             continue
-        sig[name] = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+        sig[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
         if sig[name].startswith("*") or name in DIVISIBLE:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -60,20 +80,25 @@ def compile_report(kernel, consts: dict, num_warps: int) -> dict:
             "v4_stores": len(re.findall(r"st\.global\.v4", ptx))}  # fmt: skip
 
 
-def norm_consts(h: int, unroll: bool) -> tuple[dict, int]:
-    """The persistent kernel's constexprs at width ``h`` (rows stepped: ``unroll`` mode), warps."""
-    tile = fused.fused_tile(h)
+def norm_consts(h: int, unroll: bool, op: int = dec.RMSNORM,
+                layout: str = "linear") -> tuple[dict, int]:  # fmt: skip
+    """The fused kernels' constexprs for op ``op`` at width ``h`` (the launchers' own:
+    ``Epilogue.consts``; rows stepped: ``unroll`` mode), and warps."""
+    tile = dec.op_tile(op, h)
     rows = 1 if unroll else tiles.RMSNORM_LOOP_MIN_ROWS
-    consts = nt._row_consts(tile, h, rows, unroll if tile.stepped else None,
-                            tiles.RMSNORM_LOOP_MIN_ROWS, True)  # fmt: skip
+    ep = dec.Epilogue(op, None, None, 1e-6, 0.0, layout=layout)
+    consts = ep.consts(tile, h, rows, True)
+    if tile.stepped:
+        consts["UNROLL"] = unroll
+    if op == dec.GATED:
+        consts.update(GATED_CONSTS)
     warps = consts.pop("num_warps")
-    for key in ("PERSISTENT", "PREFETCH", "maxnreg", "launch_pdl"):
-        consts.pop(key, None)
+    consts.pop("launch_pdl", None)
     return consts, warps
 
 
-def report(tag: str, kernel, consts: dict, warps: int) -> None:
-    r = compile_report(kernel, consts, warps)
+def report(tag: str, kernel, consts: dict, warps: int, op: int = dec.RMSNORM) -> None:
+    r = compile_report(kernel, consts, warps, OP_TYPES[op])
     fit = fused.fits_per_sm(r["regs"], warps)
     print(f"{tag}: {r['regs']} registers, {r['spill']} bytes spilled, {r['v4_polls']} v4 polls, "
           f"{r['v4_stores']} v4 stores, {warps} warps (fits {fit} CTAs/SM; the persistent "
@@ -84,20 +109,27 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--widths", default="4096,7168,8192")
     parser.add_argument("--p", default="2,4")
+    parser.add_argument("--ops", default=",".join(OPS))
     args = parser.parse_args()
     for h in [int(x) for x in args.widths.split(",")]:
         for p in [int(x) for x in args.p.split(",")]:
             block_s, gw = AG.allgather_tile(h // p)
-            report(f"H={h:5d} P={p} gather           ", AG._allgather_kernel,
+            report(f"H={h:5d} P={p} gather                   ", AG._allgather_kernel,
                    dict(P=p, BLOCK_S=block_s, USE_PDL=True, PTX=True), gw)  # fmt: skip
-            for unroll in (True, False) if fused.fused_tile(h).stepped else (True,):
-                consts, warps = norm_consts(h, unroll)
-                report(f"H={h:5d} P={p} persistent {'unroll' if unroll else 'loop  '}",
-                       fused._ag_rmsnorm_persistent_kernel, {**consts, "P": p, "BLOCK_S": block_s},
-                       warps)  # fmt: skip
-            consts, warps = norm_consts(h, True)
-            report(f"H={h:5d} P={p} decode           ", dec._ag_rmsnorm_kernel,
-                   {**consts, "P": p, "BLOCK_S": block_s}, warps)  # fmt: skip
+            for name in args.ops.split(","):
+                op, layout = OPS[name]
+                if not dec.fusable(op, dec.op_tile(op, h)):
+                    print(f"H={h:5d} P={p} {name}: two launches (tile not fusable)")
+                    continue
+                for unroll in (True, False) if dec.op_tile(op, h).stepped else (True,):
+                    consts, warps = norm_consts(h, unroll, op, layout)
+                    mode = "unroll" if unroll else "loop  "
+                    report(f"H={h:5d} P={p} {name:7s} persistent {mode}",
+                           fused._ag_rmsnorm_persistent_kernel,
+                           {**consts, "P": p, "BLOCK_S": block_s}, warps, op)  # fmt: skip
+                consts, warps = norm_consts(h, True, op, layout)
+                report(f"H={h:5d} P={p} {name:7s} decode           ", dec._ag_rmsnorm_kernel,
+                       {**consts, "P": p, "BLOCK_S": block_s}, warps, op)  # fmt: skip
 
 
 if __name__ == "__main__":

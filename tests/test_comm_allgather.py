@@ -496,3 +496,119 @@ def test_fused_knobs_raise_clear_errors(monkeypatch):
         monkeypatch.setenv("MOEFUSE_ALLGATHER_LOOKAHEAD", value)
         with pytest.raises(ValueError, match=f"MOEFUSE_ALLGATHER_LOOKAHEAD must be {why}"):
             fused._env_int(fused.LOOKAHEAD_ENV, fused.LOOKAHEAD, 1)
+
+
+# --------------------------------------------------------------------- FP8 / NVFP4 one launch
+def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_rows=0):
+    """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on the one-launch
+    kernels (issue 17e): the decode kernel at M <= 64 when ``decode``, else the persistent
+    kernel forced (grid cap ``grid``: several tiles per CTA, ``lookahead`` tiles ahead); outputs
+    poisoned first, bitwise against the single-GPU op on the full rows, and the fused launcher
+    counted (not the two-launch fallback). ``cases``: ("fp8", dtype code 0 / 1), ("fp4",
+    layout), ("gated", "tensor" | "scalar"). ``loop_min_rows``: the gated op's stepped rows
+    loop from this many rows (single-GPU op and fused kernel alike)."""
+    import os
+
+    import moefuse
+    from moefuse.comm import allgather_decode, allgather_fused
+    from moefuse.norm import tiles
+
+    if loop_min_rows:
+        tiles.STEP_LOOP_MIN_ROWS = loop_min_rows
+
+    counts = {"decode": 0, "persistent": 0}
+
+    def counting(module, name, key):
+        real = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            counts[key] += 1
+            return real(*args, **kwargs)
+
+        setattr(module, name, counted)
+
+    counting(allgather_decode, "launch_ag_rmsnorm", "decode")
+    counting(allgather_fused, "launch_ag_rmsnorm_persistent", "persistent")
+    os.environ.update({"MOEFUSE_ALLGATHER_ONE_LAUNCH": "1" if decode else "0",
+                       "MOEFUSE_ALLGATHER_LARGE": "fused",
+                       "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
+                       "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead)})  # fmt: skip
+    cap = max(ms)
+    ws = moefuse.AllReduceWorkspace(None, cap, h, BF16, "cpu", timeout_s=60,
+                                    extra_regions=moefuse.allgather_regions(cap, h))  # fmt: skip
+    fp8_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
+    want_counts = {"decode": 0, "persistent": 0}
+    try:
+        for i, m in enumerate(ms):
+            c = make_case(300 + i, p, m, h)
+            x, w = shard_of(c["full"], rank, p), c["weight"]
+            what = f"P={p} H={h} M={m}"
+            for kind, arg in cases:
+                want_counts["decode" if decode and m <= 64 else "persistent"] += 1
+                if kind == "fp8":
+                    dt = fp8_dtypes[arg]
+                    want = moefuse.rmsnorm_quant(c["full"], w, c["scale"], dtype=dt,
+                                                 impl="triton")  # fmt: skip
+                    out = poison_(torch.empty(m, h, dtype=torch.uint8)).view(dt)
+                    got = moefuse.all_gather_rmsnorm_fp8(x, w, c["scale"], workspace=ws, out=out,
+                                                         algorithm="oneshot", impl="triton")
+                    assert got is out
+                    assert_bitwise_equal(got.view(torch.uint8), want.view(torch.uint8),
+                                         f"{what} fp8 {dt}")  # fmt: skip
+                elif kind == "gated":  # "tensor": alpha tensor, post weight, router output;
+                    # "scalar": scalar alpha, Gemma next gain, in place (residual_out = residual)
+                    tensor = arg == "tensor"
+                    kw = dict(post_weight=c["post_weight"] if tensor else None,
+                              next_gain_center=0.0 if tensor else 1.0)  # fmt: skip
+                    alpha = c["alpha"] if tensor else 0.75
+                    router_want = torch.empty(m, h) if tensor else None
+                    want = moefuse.gated_residual_next_rmsnorm(
+                        c["full"], c["residual"], w, alpha, c["beta"], 1e-5, 1e-6,
+                        router_input=router_want, impl="triton", **kw)  # fmt: skip
+                    stream = c["residual"].clone()
+                    ro = stream if not tensor else poison_(torch.empty(m, h))
+                    router = poison_(torch.empty(m, h)) if tensor else None
+                    ffn = poison_(torch.empty(m, h, dtype=BF16))
+                    got = moefuse.all_gather_gated_residual_next_rmsnorm(
+                        x, stream, alpha, c["beta"], w, workspace=ws, post_eps=1e-5,
+                        next_eps=1e-6, residual_out=ro, ffn_input=ffn, router_input=router,
+                        algorithm="oneshot", impl="triton", **kw)  # fmt: skip
+                    assert got[0] is ro and got[1] is ffn
+                    assert_bitwise_equal(ro, want[0], f"{what} gated {arg} residual_out")
+                    assert_bitwise_equal(ffn, want[1], f"{what} gated {arg} ffn_input")
+                    if tensor:
+                        assert_bitwise_equal(router, router_want, f"{what} gated router")
+                else:
+                    want_q, want_sf = moefuse.rmsnorm_fp4_quantize(c["full"], w, c["gs"],
+                                                                   layout=arg, impl="triton")
+                    q = poison_(torch.empty_like(want_q))
+                    sf = poison_(torch.empty_like(want_sf))
+                    got_q, got_sf = moefuse.all_gather_rmsnorm_fp4_quantize(
+                        x, w, c["gs"], workspace=ws, layout=arg, out=q, scale_out=sf,
+                        algorithm="oneshot", impl="triton")  # fmt: skip
+                    assert got_q is q and got_sf is sf
+                    assert_bitwise_equal(got_q, want_q, f"{what} fp4 {arg} packed")
+                    assert_bitwise_equal(got_sf, want_sf, f"{what} fp4 {arg} scales")
+        ws.check()
+        assert counts == want_counts, (counts, want_counts)  # the one-launch kernels ran
+        return int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
+    finally:
+        ws.close()
+
+
+@pytest.mark.parametrize("p,h,ms,grid,lookahead,decode,cases,loop_min_rows", [
+    # persistent: 16-row masked tiles (H = 96), 5 tiles over 2 CTAs; swizzled scales pad to 128
+    # rows = 8 tiles, of which 3 only write zero scale bytes
+    (2, 96, (70,), 2, 1, False, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "tensor")), 0),
+    (3, 48, (33,), 2, 2, False, (("fp8", 1), ("fp4", "linear"), ("gated", "scalar")), 0),
+    # one masked row per tile; the gated op's rows are stepped (2 x 2048), looped from 4 rows
+    (2, 2400, (5,), 3, 2, False, (("fp8", 0), ("fp4", "swizzled_8x4"), ("gated", "tensor")), 4),
+    # the one-launch decode kernel (one program per tile; padding tiles of the scale layout too;
+    # the gated op's stepped rows unrolled at H = 2400)
+    (2, 96, (1, 33), 0, 1, True, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "scalar")), 0),
+    (3, 2400, (5,), 0, 1, True, (("fp8", 1), ("fp4", "linear"), ("gated", "tensor")), 0),
+])  # fmt: skip
+def test_fused_ops_one_launch_kernels_bitwise(p, h, ms, grid, lookahead, decode, cases,
+                                              loop_min_rows):  # fmt: skip
+    gens = run_group(p, scenario_fused_ops, h, ms, grid, lookahead, decode, cases, loop_min_rows)
+    assert len(set(gens)) == 1

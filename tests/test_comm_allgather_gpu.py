@@ -280,10 +280,50 @@ def scenario_persistent(rank, _, env):
                              f"persistent {env}")  # fmt: skip
 
 
-def one_kernel_checks(rank, env, tokens, label):
-    """all_gather_rmsnorm with the knobs ``env`` at every width and M in ``tokens`` against
-    moefuse.rmsnorm of the full rows: eager with PDL on and off, then 5 replays of a captured
-    call with fresh shards."""
+def op_outputs(moefuse, op, x, c, ws, *, pdl=None, outs=None):
+    """``op`` ("rmsnorm", "fp8", "fp4", "fp4_swz", "gated") on shard ``x`` (into ``outs`` when
+    given): its outputs as a tuple (FP8 as bytes; gated: residual_out, ffn_input, router)."""
+    kw = dict(workspace=ws, impl="triton", algorithm="oneshot", enable_pdl=pdl)
+    if op == "gated":  # tensor alpha, post weight, FP32 router output
+        m, h = c["residual"].shape
+        outs = outs or (None, None, torch.empty(m, h, device=x.device))
+        ro, ffn = moefuse.all_gather_gated_residual_next_rmsnorm(
+            x, c["residual"], c["alpha"], c["beta"], c["weight"], post_weight=c["post_weight"],
+            residual_out=outs[0], ffn_input=outs[1], router_input=outs[2], **kw)  # fmt: skip
+        return ro, ffn, outs[2]
+    outs = outs or (None, None)
+    if op == "rmsnorm":
+        return (moefuse.all_gather_rmsnorm(x, c["weight"], out=outs[0], **kw),)
+    if op == "fp8":
+        out = outs[0].view(torch.float8_e4m3fn) if outs[0] is not None else None
+        return (moefuse.all_gather_rmsnorm_fp8(x, c["weight"], c["scale"], out=out,
+                                               **kw).view(torch.uint8),)  # fmt: skip
+    layout = "swizzled_128x4" if op == "fp4_swz" else "linear"
+    return tuple(moefuse.all_gather_rmsnorm_fp4_quantize(x, c["weight"], c["gs"], layout=layout,
+                                                         out=outs[0], scale_out=outs[1], **kw))
+
+
+def op_reference(moefuse, op, full, c):
+    """The single-GPU op of ``op`` on the full rows (the definition)."""
+    if op == "gated":
+        router = torch.empty(full.shape, device=full.device)
+        ro, ffn = moefuse.gated_residual_next_rmsnorm(full, c["residual"], c["weight"],
+                                                      c["alpha"], c["beta"],
+                                                      post_weight=c["post_weight"],
+                                                      router_input=router)  # fmt: skip
+        return ro, ffn, router
+    if op == "rmsnorm":
+        return (moefuse.rmsnorm(full, c["weight"]),)
+    if op == "fp8":
+        return (moefuse.rmsnorm_quant(full, c["weight"], c["scale"]).view(torch.uint8),)
+    layout = "swizzled_128x4" if op == "fp4_swz" else "linear"
+    return tuple(moefuse.rmsnorm_fp4_quantize(full, c["weight"], c["gs"], layout=layout))
+
+
+def one_kernel_checks(rank, env, tokens, label, op="rmsnorm"):
+    """The all-gather op ``op`` (see :func:`op_outputs`) with the knobs ``env`` at every width
+    and M in ``tokens`` against the single-GPU op on the full rows: eager with PDL on and off,
+    then 5 replays of a captured call with fresh shards (outputs poisoned before each)."""
     import os
 
     import moefuse
@@ -297,14 +337,13 @@ def one_kernel_checks(rank, env, tokens, label):
         for m in tokens:
             c = make_case(m + h, m, h, dev)
             x = shard_of(c["full"], rank)
-            want = moefuse.rmsnorm(c["full"], c["weight"])
+            want = op_reference(moefuse, op, c["full"], c)
             for pdl in (True, False):
-                got = moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws, impl="triton",
-                                                 algorithm="oneshot", enable_pdl=pdl)
-                same_bits(got, want, f"{label} H={h} M={m} pdl={pdl}")
-            out = torch.empty_like(want)
-            run = lambda: moefuse.all_gather_rmsnorm(  # noqa: E731
-                x, c["weight"], workspace=ws, impl="triton", algorithm="oneshot", out=out)
+                got = op_outputs(moefuse, op, x, c, ws, pdl=pdl)
+                for j, (a, b) in enumerate(zip(got, want)):
+                    same_bits(a, b, f"{label} {op} H={h} M={m} pdl={pdl} output {j}")
+            outs = tuple(torch.empty_like(t) for t in want)
+            run = lambda: op_outputs(moefuse, op, x, c, ws, outs=outs)  # noqa: E731
             run()
             with ws.capture():
                 graph = torch.cuda.CUDAGraph()
@@ -313,13 +352,42 @@ def one_kernel_checks(rank, env, tokens, label):
             for i in range(5):
                 c_i = make_case(7000 + i, m, h, dev)
                 x.copy_(shard_of(c_i["full"], rank))
-                out.fill_(float("nan"))
+                for t in outs:
+                    t.view(torch.uint8).fill_(0xFF)  # (NaN patterns in every dtype)
                 graph.replay()
-                same_bits(out, moefuse.rmsnorm(c_i["full"], c["weight"]),
-                          f"{label} H={h} M={m} replay {i}")
+                want_i = op_reference(moefuse, op, c_i["full"], c)
+                for j, (a, b) in enumerate(zip(outs, want_i)):
+                    same_bits(a, b, f"{label} {op} H={h} M={m} replay {i} output {j}")
             del graph
         ws.check()
         ws.close()
+    return True
+
+
+def scenario_quant_one_launch(rank, _, op):
+    """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on their one-launch
+    kernels (issue 17e): the decode kernel at M in {1, 7, 64}, the persistent kernel at M in
+    {1000, 4096} (defaults) and at 65 / 4097 with many tiles per CTA; the launchers are counted
+    (no two-launch fallback)."""
+    from moefuse.comm import allgather_decode, allgather_fused
+
+    counts = {"decode": 0, "persistent": 0}
+    for module, name, key in ((allgather_decode, "launch_ag_rmsnorm", "decode"),
+                              (allgather_fused, "launch_ag_rmsnorm_persistent", "persistent")):
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, _key=key, **kwargs):
+            counts[_key] += 1
+            return _real(*args, **kwargs)
+
+        setattr(module, name, counted)
+    one_kernel_checks(rank, {}, (1, 7, 64, 1000, 4096), "defaults", op)
+    assert counts["decode"] > 0 and counts["persistent"] > 0, counts
+    n = dict(counts)
+    one_kernel_checks(rank, {"MOEFUSE_ALLGATHER_LARGE": "fused", "MOEFUSE_ALLGATHER_FUSED_GRID":
+                             "7", "MOEFUSE_ALLGATHER_ONE_LAUNCH": "0"}, (65, 4097),
+                      "persistent grid 7", op)  # fmt: skip
+    assert counts["decode"] == n["decode"] and counts["persistent"] > n["persistent"], counts
     return True
 
 
@@ -354,3 +422,9 @@ def test_one_launch_decode_variant_bitwise():
 def test_persistent_kernel_bitwise(env):
     _need()
     assert all(run_group(P, scenario_persistent, env, backend="nccl", timeout_s=400))
+
+
+@pytest.mark.parametrize("op", ["fp8", "fp4", "fp4_swz", "gated"])
+def test_quant_one_launch_kernels_bitwise(op):
+    _need()
+    assert all(run_group(P, scenario_quant_one_launch, op, backend="nccl", timeout_s=500))

@@ -7,13 +7,14 @@ then times, side by side in one run:
 
 * ``moefuse``: the fused op (algorithm="auto": Lamport all-gather over NVLink into a local
   buffer, then the single-GPU kernel, PDL between them; from 2048 tokens pipelined in chunks;
-  rmsnorm above the decode range: one persistent gather + norm kernel, comm/allgather_fused.py);
+  every op: one kernel instead, the decode kernel at M <= 64 and one persistent gather + norm
+  kernel above, comm/allgather_decode.py / allgather_fused.py);
   ``moefuse_gather``: its all-gather launch alone (rmsnorm rows only: where the time goes);
-  ``moefuse_chunked``: rmsnorm above the decode range on the two-launch path with its chunk
-  pipeline (MOEFUSE_ALLGATHER_LARGE=chunked); ``moefuse_nochunk``: the same with the pipeline
-  off (where it would be on);
-  ``moefuse_2launch``: the two-launch path (gather, then rmsnorm) where the default is the
-  one-launch decode kernel (rmsnorm, M <= 64; checked bitwise first, NaN if it fails);
+  ``moefuse_chunked``: the op above the decode range on the two-launch path with its chunk
+  pipeline (MOEFUSE_ALLGATHER_LARGE=chunked); ``moefuse_nochunk``: the same with the
+  pipeline off (where it would be on);
+  ``moefuse_2launch``: the two-launch path (gather, then the single-GPU op) where the default is
+  the one-launch decode kernel (M <= 64; checked bitwise first, NaN if it fails);
 * ``nccl+op``: NCCL ``all_gather_into_tensor`` into [P, M, H/P], re-layout to [M, H]
   (``permute`` + contiguous copy), then the moefuse single-GPU op;
 * ``symm+op``: PyTorch symmetric memory ``torch.ops.symm_mem._low_contention_all_gather``
@@ -43,6 +44,9 @@ from moefuse.bench import ranks
 TOKENS = [1, 8, 64, 512, 4096, 16384]
 WIDTHS = [4096, 8192]
 OPS = ("rmsnorm", "fp8", "fp4", "gated")
+#: ops whose default is one kernel (decode at M <= 64, persistent above): the bench also times
+#: their two-launch paths (moefuse_2launch / moefuse_chunked / moefuse_nochunk)
+ONE_LAUNCH_OPS = ("rmsnorm", "fp8", "fp4", "gated")
 NO_MULTICAST = ranks.NO_MULTICAST
 BASELINES = ("nccl+op", "symm+op")
 PEER_COPY_BYTES = 256 << 20
@@ -176,9 +180,10 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)  # drop it on every rank alike
         if not int(vote.item()):
             variants.pop(name)
-    env = {}  # variants of the rmsnorm op that differ from the default by knobs
+    env = {}  # variants of the one-launch ops that differ from the default by knobs
     if op == "rmsnorm":
         variants["moefuse_gather"] = gather_only
+    if op in ONE_LAUNCH_OPS:
         if m > ONE_LAUNCH_MAX_TOKENS:  # the default is the persistent kernel: the old paths too
             env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
             if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk

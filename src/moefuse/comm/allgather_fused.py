@@ -1,21 +1,25 @@
-"""Persistent one-launch :func:`moefuse.all_gather_rmsnorm` for M above the decode range
-(issue 17, large M): NVLink pushes and the norm overlap inside one kernel.
+"""Persistent one-launch all-gather + norm ops for M above the decode range (issue 17, large M;
+``all_gather_rmsnorm``, and since issue 17e ``_fp8``, ``_fp4_quantize`` and the gated op: the
+``OP`` constexpr of ``norm_tile``): NVLink pushes and the norm overlap inside one kernel.
 
-PREDICTED, NOT MEASURED (notes/comm-allgather.md "Large M, one persistent kernel").
+rmsnorm MEASURED (notes/comm-allgather.md "Measured: the persistent kernel"); the other ops
+PREDICTED, NOT MEASURED (notes/comm-allgather.md "Issue 17e").
 
 The chunked pipeline (gather chunk c+1 on a communication stream while chunk c is normed) left
 the norm visible at large M. Here every CTA of one persistent grid does both, tile by tile:
 
 * grid ``G`` = co-resident CTAs (the workspace's MIN-reduced SM count x CTAs per SM; identical on
-  every rank), CTA ``pid`` owns the single-GPU rmsnorm's row tiles ``pid, pid + G, ...``;
+  every rank), CTA ``pid`` owns the single-GPU op's row tiles ``pid, pid + G, ...`` (NVFP4:
+  tiles over the scale layout's padded rows; those of padding rows only gather nothing and
+  write zero scale bytes);
 * prologue: push the fragments of its first ``lookahead`` tiles (``push_rows`` of
   :mod:`moefuse.comm.allgather_decode`: Lamport stores into every peer's slot, own fragment into
   the local gathered rows);
 * iteration i: push tile i + lookahead (one-row tiles: from registers loaded one iteration
   earlier, then load the next one), receive tile i (poll, re-arm, decode into the gathered
   rows, CTA barrier), then norm tile i with the single-GPU kernel's row functions and
-  constexprs (``norm_tile``; stepped rows unrolled / looped exactly as ``moefuse.rmsnorm`` does
-  at this M), so the output is bitwise ``moefuse.rmsnorm`` of the gathered rows.
+  constexprs (``norm_tile``; stepped rows unrolled / looped exactly as the single-GPU op does
+  at this M), so the output is bitwise the single-GPU op of the gathered rows.
 
 No deadlock: CTA j of rank r only waits for tiles of its own list, which CTA j of every peer
 pushes ``lookahead`` iterations (or the prologue) before it waits for anything of that tile or a
@@ -55,9 +59,7 @@ from moefuse.comm import allgather_decode as dec
 from moefuse.comm import allgather_triton as AG
 from moefuse.comm.tiles import resident_ctas_per_sm
 from moefuse.comm.workspace import CTRL_STATUS
-from moefuse.norm import tiles
 from moefuse.norm import triton as nt
-from moefuse.norm.tiles import RMSNORM_POLICY, row_tile
 
 LARGE_ENV = "MOEFUSE_ALLGATHER_LARGE"
 LARGE_MODES = ("fused", "chunked")
@@ -72,15 +74,20 @@ GRID_ENV = "MOEFUSE_ALLGATHER_FUSED_GRID"
 LOOKAHEAD = 1
 
 
-@triton.jit(do_not_specialize=["n_rows", "rank", "lookahead"])
+@triton.jit(do_not_specialize=["n_rows", "n_norm", "rank", "lookahead"])
 def _ag_rmsnorm_persistent_kernel(
-    shard_ptr, s_st, x_ptr, w_ptr, out_ptr,
-    n_rows, H, Hf, x_st, o_st, eps, gain_center,
+    shard_ptr, s_st, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr,
+    res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr,
+    n_rows, n_norm, H, Hf, KB, n_kcols, x_st, o_st, eps, gain_center,
+    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
     table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, S, rank, cap, timeout_us, lookahead,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
     STEPPED: tl.constexpr, UNROLL: tl.constexpr,
     P: tl.constexpr, BLOCK_S: tl.constexpr,
+    OP: tl.constexpr = 0, FMT: tl.constexpr = 0, LAYOUT: tl.constexpr = 0,
+    RECIPE: tl.constexpr = 0, ALPHA_MODE: tl.constexpr = 0, HAS_POST_WEIGHT: tl.constexpr = False,
+    HAS_ROUTER: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -91,10 +98,12 @@ def _ag_rmsnorm_persistent_kernel(
                                                       timeout_us, PTX)  # fmt: skip
     scols = tl.arange(0, BLOCK_S)
     scm = scols < S
-    n_tiles = tl.cdiv(n_rows, ROWS)
-    n_mine = tl.where(healthy, (n_tiles - pid + G - 1) // G, 0)
+    # norm tiles cover n_norm rows (NVFP4: the layout's padded rows, whose tiles only write zero
+    # scale bytes); the gathered ones are the first cdiv(n_rows, ROWS): this CTA's first n_gat
+    n_mine = tl.where(healthy, (tl.cdiv(n_norm, ROWS) - pid + G - 1) // G, 0)
+    n_gat = tl.minimum(n_mine, (tl.cdiv(n_rows, ROWS) - pid + G - 1) // G)
     k = 0
-    while k < tl.minimum(lookahead, n_mine):  # prologue: the first `lookahead` tiles' fragments
+    while k < tl.minimum(lookahead, n_gat):  # prologue: the first `lookahead` tiles' fragments
         _push_tile(shard_ptr, s_st, x_ptr, x_st, pid + k * G, n_rows, scols, scm, table_ptr,
                    ag_off16, region, rank, S, H, ROWS, P)  # fmt: skip
         k += 1
@@ -105,29 +114,33 @@ def _ag_rmsnorm_persistent_kernel(
     empty = tl.zeros([BLOCK_S], tl.int16)
     # one-row tiles: the shard fragment of the next tile to push is loaded one iteration early,
     # so its HBM latency overlaps the poll and the norm instead of delaying them
-    x_nx = _prefetch(shard_ptr, s_st, pid + lookahead * G, lookahead < n_mine, scols, scm,
+    x_nx = _prefetch(shard_ptr, s_st, pid + lookahead * G, lookahead < n_gat, scols, scm,
                      ROWS)  # fmt: skip
     missing = 0
     i = 0
     while (i < n_mine) & (missing == 0):
-        if i + lookahead < n_mine:
+        if i + lookahead < n_gat:
             t_push = pid + (i + lookahead) * G
             if ROWS == 1:
                 AG.store_fragment(x_nx, x_ptr, x_st, t_push, scols, scm, table_ptr, ag_off16,
                                   region, rank, rank * S, H, P)  # fmt: skip
-                x_nx = _prefetch(shard_ptr, s_st, t_push + G, i + lookahead + 1 < n_mine, scols,
+                x_nx = _prefetch(shard_ptr, s_st, t_push + G, i + lookahead + 1 < n_gat, scols,
                                  scm, ROWS)  # fmt: skip
             else:
                 _push_tile(shard_ptr, s_st, x_ptr, x_st, t_push, n_rows, scols, scm, table_ptr,
                            ag_off16, region, rank, S, H, ROWS, P)  # fmt: skip
         t = pid + i * G
         first = t * ROWS
-        missing = dec.receive_rows(x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first), scols,
-                                   scm, mine, region, rank, S, H, deadline, clock_ptr, empty, P,
-                                   PTX)  # fmt: skip
-        dec.norm_tile(t, x_ptr, w_ptr, out_ptr, n_rows, H, Hf, 1, x_st, 0, o_st, 0, eps,
-                      gain_center, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED,
-                      UNROLL)  # fmt: skip
+        if i < n_gat:
+            missing = dec.receive_rows(x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first),
+                                       scols, scm, mine, region, rank, S, H, deadline, clock_ptr,
+                                       empty, P, PTX)  # fmt: skip
+        dec.norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr,
+                      pw_ptr, ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, 1, x_st, 0,
+                      o_st, 0, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
+                      post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL,
+                      OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT,
+                      HAS_ROUTER)  # fmt: skip
         i += 1
     AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
 
@@ -174,20 +187,18 @@ def large_mode() -> str:
     return mode
 
 
-def fused_tile(width: int, m: int | None = None):
-    """The single-GPU rmsnorm tile for rows of ``width`` when the persistent kernel runs it at
+def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
+    """The single-GPU op's tile for rows of ``width`` when the persistent kernel runs it at
     ``m`` tokens, else None: mode "fused", M above the decode range (at M <= 64 only when
     MOEFUSE_ALLGATHER_LARGE=fused is set explicitly: ``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` alone
-    still means two launches there), and a one-pass tile without the persistent loop or
-    stepped rows."""
+    still means two launches there), and a tile ``norm_tile`` can run (:func:`dec.fusable`:
+    not the two-pass chunked rows)."""
     if large_mode() != "fused":
         return None
     if m is not None and m <= dec.ONE_LAUNCH_MAX_TOKENS and not os.environ.get(LARGE_ENV):
         return None
-    tile = row_tile(width, RMSNORM_POLICY)
-    if nt._persistent(tile) or (tile.num_chunks > 1 and not tile.stepped):
-        return None
-    return tile
+    tile = dec.op_tile(op, width)
+    return tile if dec.fusable(op, tile) else None
 
 
 def fits_per_sm(regs: int, warps: int, shared: int = 0, smem_per_sm: int = 228 << 10) -> int:
@@ -232,25 +243,43 @@ def fused_grid(ws, tile, n_tiles: int, fit=None) -> int:
     return max(1, min(ctas, cap) if cap else ctas)
 
 
-def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, weight: torch.Tensor,
-                                 gathered: torch.Tensor, out: torch.Tensor, eps: float,
-                                 gain_center: float, use_pdl: bool, tile) -> None:  # fmt: skip
-    """Gather + rmsnorm of M rows in one persistent launch (``tile`` from :func:`fused_tile`).
-    ``gathered`` [M, H] rows contiguous, ``out`` [M, H]; collective (same M on every rank)."""
+def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch.Tensor,
+                                 ep: dec.Epilogue, use_pdl: bool, tile) -> None:  # fmt: skip
+    """Gather + the op of ``ep`` over M rows in one persistent launch (``tile`` from
+    :func:`fused_tile`). ``gathered`` [M, H] rows contiguous; collective (same M on every
+    rank)."""
     m, s = shard.shape
     width = gathered.shape[1]
     block_s, _ = AG.allgather_tile(s)
     lookahead = _env_int(LOOKAHEAD_ENV, LOOKAHEAD, 1)
-    consts = nt._row_consts(tile, width, m, None, tiles.RMSNORM_LOOP_MIN_ROWS, use_pdl)
-    for key in ("PERSISTENT", "PREFETCH", "maxnreg"):
-        consts.pop(key, None)
+    n_norm, kb, n_kcols = ep.rows_and_blocks(m, width)
+    consts = ep.consts(tile, width, m, use_pdl)
     ws.refresh_clock()
-    args = (shard, shard.stride(0), gathered, weight, out, m, width, float(width),
-            gathered.stride(0), out.stride(0), float(eps), float(gain_center), ws.table,
-            ws.offset16("allgather"), state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, s, ws.rank,
-            ws.max_tokens, ws.timeout_us, lookahead)  # fmt: skip
+    args = (shard, shard.stride(0), gathered, *ep.pointers(), m, n_norm, width, float(width), kb,
+            n_kcols, gathered.stride(0), ep.out.stride(0), float(ep.eps), float(ep.gain_center),
+            *ep.gated_scalars(), ws.table, ws.offset16("allgather"), state.agctrl,
+            ws.ctrl[CTRL_STATUS:], ws.clock, s, ws.rank, ws.max_tokens, ws.timeout_us,
+            lookahead)  # fmt: skip
     consts.update(P=ws.world_size, BLOCK_S=block_s)
     fit = None if interpreter_active() else (lambda: _compiled_fit(args, consts))
-    grid = (fused_grid(ws, tile, tile.grid(m)[0], fit),)
+    grid = (fused_grid(ws, tile, triton.cdiv(n_norm, tile.rows), fit),)
     # (nt._launch: a launch that compiles stepped rows also compiles the other UNROLL mode)
     nt._launch(_ag_rmsnorm_persistent_kernel, grid, args, consts, tile)
+
+
+def run_one_launch(ws, state, shard: torch.Tensor, gathered: torch.Tensor, ep: dec.Epilogue,
+                   use_pdl: bool, unchunked: bool) -> bool:  # fmt: skip
+    """Gather + the op of ``ep`` as one kernel when one can run it (else False: the caller
+    runs the two-launch path): the decode kernel at M <= 64 (``unchunked``: the two-launch path
+    would run one chunk), the persistent kernel above it unless MOEFUSE_ALLGATHER_LARGE=chunked.
+    The choice is a function of M, H, the op and the environment: the same on every rank."""
+    m, width = gathered.shape
+    tile = dec.one_launch_tile(width, m, ep.op) if unchunked else None
+    if tile is not None:
+        dec.launch_ag_rmsnorm(ws, state, shard, gathered, ep, use_pdl, tile)
+        return True
+    tile = fused_tile(width, m, ep.op)
+    if tile is None:
+        return False
+    launch_ag_rmsnorm_persistent(ws, state, shard, gathered, ep, use_pdl, tile)
+    return True

@@ -10,9 +10,11 @@ The Triton backend is two launches on the stream: the column all-gather into thi
 workspace's ``"allgather"`` region; or NCCL/gloo for ``algorithm="torch"``), then the
 single-GPU op's own launcher on the gathered rows. With PDL the norm kernel is scheduled while
 the all-gather waits on NVLink and loads its parameters before its grid-dependency wait.
-``all_gather_rmsnorm`` runs one kernel instead: the decode kernel at M <= 64
+Every op runs one kernel instead where its single-GPU tile allows
+(:func:`moefuse.comm.allgather_fused.run_one_launch`): the decode kernel at M <= 64
 (:mod:`moefuse.comm.allgather_decode`) and the persistent gather + norm kernel above
-(:mod:`moefuse.comm.allgather_fused`; ``MOEFUSE_ALLGATHER_LARGE=chunked`` keeps two launches).
+(:mod:`moefuse.comm.allgather_fused`; ``MOEFUSE_ALLGATHER_LARGE=chunked`` keeps two launches,
+``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` two launches at decode sizes).
 """
 
 from __future__ import annotations
@@ -225,22 +227,11 @@ def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_
         out.copy_(ref.norm_ref.rmsnorm_reference(x, weight, eps, gain_center))
 
     def one_launch(ws, state, gathered, unchunked):
-        # decode range: one program per tile; above it (or with the decode kernel off): the
-        # persistent kernel unless MOEFUSE_ALLGATHER_LARGE=chunked
         from moefuse.comm import allgather_decode as dec
         from moefuse.comm import allgather_fused as fused
 
-        tile = dec.one_launch_tile(gathered.shape[1], shard.shape[0]) if unchunked else None
-        if tile is not None:
-            dec.launch_ag_rmsnorm(ws, state, shard, weight, gathered, out, eps, gain_center,
-                                  use_pdl, tile)  # fmt: skip
-            return True
-        tile = fused.fused_tile(gathered.shape[1], shard.shape[0])
-        if tile is None:
-            return False
-        fused.launch_ag_rmsnorm_persistent(ws, state, shard, weight, gathered, out, eps,
-                                           gain_center, use_pdl, tile)  # fmt: skip
-        return True
+        ep = dec.Epilogue(dec.RMSNORM, weight, out, eps, gain_center)
+        return fused.run_one_launch(ws, state, shard, gathered, ep, use_pdl, unchunked)
 
     _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,
              one_launch=one_launch)
@@ -267,7 +258,15 @@ def all_gather_rmsnorm_fp8_op(shard: Tensor, weight: Tensor, scale: Tensor, out:
         q = ref.quant_ref.rmsnorm_quant_reference(x, weight, scale, eps, dtype, gain_center)
         out.copy_(q.view(torch.uint8))
 
-    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference)
+    def one_launch(ws, state, gathered, unchunked):
+        from moefuse.comm import allgather_decode as dec
+        from moefuse.comm import allgather_fused as fused
+
+        ep = dec.Epilogue(dec.FP8, weight, out, eps, gain_center, aux=scale, fmt=fmt)
+        return fused.run_one_launch(ws, state, shard, gathered, ep, use_pdl, unchunked)
+
+    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,
+             one_launch=one_launch)
 
 
 @all_gather_rmsnorm_fp8_op.register_fake
@@ -304,7 +303,16 @@ def all_gather_rmsnorm_fp4_quantize_op(shard: Tensor, weight: Tensor, global_sca
         packed.copy_(p)
         scales.copy_(sf.reshape(scales.shape))
 
-    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, tile)
+    def one_launch(ws, state, gathered, unchunked):
+        from moefuse.comm import allgather_decode as dec
+        from moefuse.comm import allgather_fused as fused
+
+        ep = dec.Epilogue(dec.FP4, weight, packed, eps, gain_center, aux=global_scale,
+                          scales=scales, layout=layout, recipe=recipe)  # fmt: skip
+        return fused.run_one_launch(ws, state, shard, gathered, ep, use_pdl, unchunked)
+
+    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, tile,
+             one_launch)
 
 
 @all_gather_rmsnorm_fp4_quantize_op.register_fake
@@ -346,7 +354,17 @@ def all_gather_gated_residual_next_rmsnorm_op(
         if router_input is not None:
             router_input.copy_(router)
 
-    _execute(workspace_id, branch_shard, algorithm, backend, use_pdl, run_rows, reference)
+    def one_launch(ws, state, gathered, unchunked):
+        from moefuse.comm import allgather_decode as dec
+        from moefuse.comm import allgather_fused as fused
+
+        g = dec.GatedArgs(residual, alpha, alpha_scalar, beta, post_weight, residual_out,
+                          router_input, post_eps, post_gain_center)  # fmt: skip
+        ep = dec.Epilogue(dec.GATED, next_weight, ffn_input, next_eps, next_gain_center, gated=g)
+        return fused.run_one_launch(ws, state, branch_shard, gathered, ep, use_pdl, unchunked)
+
+    _execute(workspace_id, branch_shard, algorithm, backend, use_pdl, run_rows, reference,
+             one_launch=one_launch)
 
 
 @all_gather_gated_residual_next_rmsnorm_op.register_fake

@@ -479,6 +479,15 @@ def _rmsnorm_fp4_kernel(
                           n_rows_padded, H, Hf, KB, n_kcols, x_st, r_st, p_st, y_st, eps,
                           gain_center, BLOCK, ROWS, HAS_RESIDUAL, HAS_NORM_OUT, RECIPE, LAYOUT,
                           EVICT_FIRST, PTX, USE_PDL, PREFETCH)  # fmt: skip
+    elif NUM_CHUNKS == 1:
+        # parameters before the grid-dependency wait; activations and every store after it
+        cols = tl.arange(0, BLOCK)
+        w = _ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
+        if USE_PDL:
+            gdc_wait()
+        _fp4_tile(pid, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_padded, H,
+                  Hf, KB, n_kcols, x_st, r_st, p_st, y_st, eps, BLOCK, ROWS, HAS_RESIDUAL,
+                  HAS_NORM_OUT, RECIPE, LAYOUT, EVICT_FIRST, PTX, USE_PDL, MASKED)  # fmt: skip
     else:
         rows = pid * ROWS + tl.arange(0, ROWS)
         live_rows = (rows < n_rows)[:, None]
@@ -487,17 +496,10 @@ def _rmsnorm_fp4_kernel(
         r_row = r64 * r_st
         p_row = r64 * p_st
         y_row = r64 * y_st
-        if NUM_CHUNKS == 1:
-            # parameters before the grid-dependency wait; activations and every store after it
-            cols = tl.arange(0, BLOCK)
-            w = _ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
         # padding block columns [KB, n_kcols) of every row this program owns (fewer than 4)
-        kpad = KB + tl.arange(0, 4)
-        pad_off = D.scale_offset(r64, kpad[None, :].to(tl.int64), n_kcols, LAYOUT)
-        pad_mask = (rows < n_rows_padded)[:, None] & (kpad < n_kcols)[None, :]
-        tl.store(s_ptr + pad_off, tl.zeros((ROWS, 4), dtype=tl.uint8), mask=pad_mask)
+        _fp4_pad_scales(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, ROWS, LAYOUT)
         if pid * ROWS >= n_rows:
             # a program of padding rows only (e.g. rows M..127 of SWIZZLED_128x4): zero scale bytes,
             # no loads, no math
@@ -507,20 +509,6 @@ def _rmsnorm_fp4_kernel(
                 off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
                 tl.store(s_ptr + off, tl.zeros((ROWS, BLOCK // 16), dtype=tl.uint8),
                          mask=smask_rows & (ks < KB)[None, :])  # fmt: skip
-        elif NUM_CHUNKS == 1:
-            mask = live_rows & (cols < H)[None, :]
-            gs = tl.load(gs_ptr).to(tl.float32)
-            h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL,
-                        EVICT_FIRST, PTX)  # fmt: skip
-            if USE_PDL:
-                gdc_launch_dependents()
-            if HAS_RESIDUAL:
-                _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
-            # r = 0 on padding rows: y = 0 there even when eps = 0 makes rsqrt(0) infinite
-            r = tl.where(live_rows, _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None], 0.0)
-            _fp4_epilogue((h * r) * w, gs, rcp_fast(gs, PTX), rows, live_rows, 0, p_ptr, p_row,
-                          s_ptr, y_ptr, y_row, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE, LAYOUT,
-                          HAS_NORM_OUT, PTX, MASKED)  # fmt: skip
         else:
             gs = tl.load(gs_ptr).to(tl.float32)
             acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -545,6 +533,45 @@ def _rmsnorm_fp4_kernel(
                               HAS_NORM_OUT, PTX)  # fmt: skip
             if USE_PDL:
                 gdc_launch_dependents()
+
+
+@triton.jit
+def _fp4_tile(t, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_padded, H, Hf,
+              KB, n_kcols, x_st, r_st, p_st, y_st, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, HAS_NORM_OUT: tl.constexpr, RECIPE: tl.constexpr,
+              LAYOUT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
+              USE_PDL: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One-pass row tile ``t`` of ``_rmsnorm_fp4_kernel`` (one tile per program), after the
+    grid-dependency wait; ``w`` = f32(weight) + gain_center [1, BLOCK]. Zeroes the padding block
+    columns of its rows, then either zero scale bytes (a tile of padding rows only) or norm +
+    NVFP4 of the tile. Also the tile of the fused all-gather kernels (comm/allgather_decode.py):
+    one piece of code, so the same bits."""
+    rows = t * ROWS + tl.arange(0, ROWS)
+    live_rows = (rows < n_rows)[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    _fp4_pad_scales(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, ROWS, LAYOUT)
+    if t * ROWS >= n_rows:
+        # a tile of padding rows only (e.g. rows M..127 of SWIZZLED_128x4): zero scale bytes, no
+        # loads, no math
+        ks = tl.arange(0, BLOCK // 16)
+        off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
+        tl.store(s_ptr + off, tl.zeros((ROWS, BLOCK // 16), dtype=tl.uint8),
+                 mask=(rows < n_rows_padded)[:, None] & (ks < KB)[None, :])  # fmt: skip
+    else:
+        cols = tl.arange(0, BLOCK)
+        mask = live_rows & (cols < H)[None, :]
+        gs = tl.load(gs_ptr).to(tl.float32)
+        h = _load_h(x_ptr, res_ptr, r64 * x_st, r64 * r_st, cols, mask, MASKED, HAS_RESIDUAL,
+                    EVICT_FIRST, PTX)  # fmt: skip
+        if USE_PDL:
+            gdc_launch_dependents()
+        if HAS_RESIDUAL:
+            _st(res_ptr + r64 * r_st + cols[None, :], h, mask, MASKED, PTX)
+        # r = 0 on padding rows: y = 0 there even when eps = 0 makes rsqrt(0) infinite
+        r = tl.where(live_rows, _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None], 0.0)
+        _fp4_epilogue((h * r) * w, gs, rcp_fast(gs, PTX), rows, live_rows, 0, p_ptr, r64 * p_st,
+                      s_ptr, y_ptr, r64 * y_st, H, KB, n_kcols, n_rows_padded, BLOCK, RECIPE,
+                      LAYOUT, HAS_NORM_OUT, PTX, MASKED)  # fmt: skip
 
 
 def launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, norm_out,
