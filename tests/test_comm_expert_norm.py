@@ -106,19 +106,24 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, e - 7).clamp_min(2.0**-133)
 
 
-def assert_tp_close(out, partials, weights, idx, norm_weight, opts, what):
-    """The kernel's rsqrt (and the FP32 vs FP64 statistic) may move each normalized row by a
-    few FP32 ulp: allow one BF16 ulp of the result plus 2^-20 of the sum of |y_k w_k| (a bound on
-    what the FP32 error of the terms can do under cancellation). NaN never passes."""
-    exp = ref.tp_moe_finalize_rmsnorm_from_ranks(partials, weights, idx, norm_weight, **opts)
+def _weighted_magnitude(rows, weights, idx, norm_weight, opts):
+    """``sum_k |y_k w_k|`` per token and column over the valid slots of one rank's rows."""
     h = norm_weight.shape[0]
-    valid, x = ref._slot_rows(partials, idx, h)
+    valid, x = ref._slot_rows(rows, idx, h)
     y = torch.zeros_like(x)
     if valid.any():
         y[valid] = ref.expert_norm(x[valid], norm_weight, opts["eps"], opts["gain_center"],
                                    opts["weight_before_norm"]).abs()  # fmt: skip
     w = torch.where(valid, weights.float(), 0.0).abs()
-    mag = (y * w[..., None]).sum(1)
+    return (y * w[..., None]).sum(1)
+
+
+def assert_tp_close(out, partials, weights, idx, norm_weight, opts, what):
+    """The kernel's rsqrt (and the FP32 vs FP64 statistic) may move each normalized row by a
+    few FP32 ulp: allow one BF16 ulp of the result plus 2^-20 of the sum of |y_k w_k| (a bound on
+    what the FP32 error of the terms can do under cancellation). NaN never passes."""
+    exp = ref.tp_moe_finalize_rmsnorm_from_ranks(partials, weights, idx, norm_weight, **opts)
+    mag = _weighted_magnitude(partials, weights, idx, norm_weight, opts)
     diff = (out.float() - exp.float()).abs()
     assert not out.isnan().any(), f"{what}: NaN in the output (an invalid row or weight was read)"
     bad = diff > _bf16_ulp(exp) + mag * 2.0**-20
@@ -127,16 +132,29 @@ def assert_tp_close(out, partials, weights, idx, norm_weight, opts, what):
 
 
 def assert_ep_close(out, rows, weights, idxs, norm_weight, opts, what):
-    """Per rank the partial is rounded to BF16 after the rsqrt: allow one BF16 ulp of each rank's
-    partial plus one of the result."""
+    """Per rank the partial is rounded to BF16 after the rsqrt. With P'_r the kernel's FP32
+    partial, |P'_r - P_r| <= eps_r = 2^-20 sum_k |y_k w_k| (as for TP: the kernel's rsqrt moves
+    each normalized row by a few FP32 ulp, and cancellation between a rank's slots keeps the
+    absolute error), so its BF16 partial is off by at most 2 ulp(p_r) + eps_r (two: the
+    rounding may cross into the next binade), and the rounded rank sum by that total plus one
+    ulp of the larger of the result and the expected value (round-to-nearest on both sides).
+    A skipped or doubled slot is off by far more."""
     exp = ref.moe_finalize_rmsnorm_allreduce_from_ranks(rows, [weights] * len(rows), idxs,
                                                         norm_weight, **opts)  # fmt: skip
     parts = [ref.ep_local_partial(r, weights, i, norm_weight, **opts) for r, i in zip(rows, idxs)]
-    allow = _bf16_ulp(exp) + sum(_bf16_ulp(p) + 0 * p.float() for p in parts)
     assert not out.isnan().any(), f"{what}: NaN in the output (a non-local row was read)"
+    larger = torch.maximum(out.float().abs(), exp.float().abs())
+    allow = _bf16_ulp(larger) + sum(2 * _bf16_ulp(p) for p in parts)
+    allow = allow + sum(_weighted_magnitude([r], weights, i, norm_weight, opts) * 2.0**-20
+                        for r, i in zip(rows, idxs))  # fmt: skip
     diff = (out.float() - exp.float()).abs()
     bad = diff > allow
-    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, max diff {diff.max()}"
+    if bad.any():
+        where = bad.nonzero()[:4].tolist()
+        detail = [(t, c, float(out[t, c]), float(exp[t, c]), [float(p[t, c]) for p in parts],
+                   float(allow[t, c])) for t, c in where]  # fmt: skip
+        raise AssertionError(f"{what}: {int(bad.sum())} elements off, max diff {diff.max()}; "
+                             f"(token, column, out, expected, rank partials, allowed): {detail}")
 
 
 # ----------------------------------------------------------------------------- references
