@@ -367,7 +367,8 @@ def one_kernel_checks(rank, env, tokens, label, op="rmsnorm"):
 def scenario_quant_one_launch(rank, _, op):
     """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on their one-launch
     kernels (issue 17e): the decode kernel at M in {1, 7, 64}, the persistent kernel at M in
-    {1000, 4096} (defaults) and at 65 / 4097 with many tiles per CTA; the launchers are counted
+    {300, 1000, 4096} (defaults: the gated op at 300 only) and at 65 / 4097 with many tiles per
+    CTA; the launchers are counted
     (no two-launch fallback)."""
     from moefuse.comm import allgather_decode, allgather_fused
 
@@ -381,7 +382,8 @@ def scenario_quant_one_launch(rank, _, op):
             return _real(*args, **kwargs)
 
         setattr(module, name, counted)
-    one_kernel_checks(rank, {}, (1, 7, 64, 1000, 4096), "defaults", op)
+    # (M = 300: the gated op's persistent range by default ends at 512 tokens)
+    one_kernel_checks(rank, {}, (1, 7, 64, 300, 1000, 4096), "defaults", op)
     assert counts["decode"] > 0 and counts["persistent"] > 0, counts
     n = dict(counts)
     one_kernel_checks(rank, {"MOEFUSE_ALLGATHER_LARGE": "fused", "MOEFUSE_ALLGATHER_FUSED_GRID":

@@ -238,10 +238,25 @@ def fusable(op: int, tile) -> bool:
     return op == FP8 or not nt._persistent(tile)
 
 
+#: NVFP4 rows wider than this run two launches at up to FP4_WIDE_TWO_LAUNCH_MAX_TOKENS tokens
+#: unless MOEFUSE_ALLGATHER_ONE_LAUNCH is set. MEASURED (2 x H200, P = 2, `bench allgather`,
+#: session 9, bench/results/allgather-h200-p2.json), µs one launch / two launches: H = 8192
+#: M = 1 5.71 / 5.29, M = 8 6.40 / 6.11, M = 64 7.62 / 7.82; H = 4096 one launch wins at every
+#: M (3.75 / 4.13 at M = 1). The NVFP4 tile is 4 warps wide, so one CTA gathers a whole
+#: 8192-column row with 128 threads, where the gather kernel of two launches has its own tile.
+FP4_ONE_LAUNCH_MAX_WIDTH = 4096
+FP4_WIDE_TWO_LAUNCH_MAX_TOKENS = 8
+
+
 def one_launch_tile(width: int, m: int, op: int = 0):
     """The single-GPU op's tile for this width when the one-launch variant can run it at M
-    tokens (unless the environment turns it off), else None."""
-    if os.environ.get(ONE_LAUNCH_ENV, "1") in ("", "0") or m > ONE_LAUNCH_MAX_TOKENS:
+    tokens (unless the environment turns it off, or the measured NVFP4 exception applies),
+    else None."""
+    setting = os.environ.get(ONE_LAUNCH_ENV)
+    if setting in ("", "0") or m > ONE_LAUNCH_MAX_TOKENS:
+        return None
+    if (setting is None and op == FP4 and width > FP4_ONE_LAUNCH_MAX_WIDTH
+            and m <= FP4_WIDE_TWO_LAUNCH_MAX_TOKENS):  # fmt: skip
         return None
     tile = op_tile(op, width)
     if not fusable(op, tile):

@@ -187,15 +187,29 @@ def large_mode() -> str:
     return mode
 
 
+#: The gated op takes the persistent kernel up to this many tokens, the two-launch chunk
+#: pipeline above (unless MOEFUSE_ALLGATHER_LARGE is set). MEASURED (2 x H200, P = 2,
+#: `bench allgather`, session 9), µs persistent / chunked: H = 4096 M = 512 18.16 / 17.83,
+#: 4096 123.3 / 102.8, 16384 473.0 / 360.5; H = 8192 M = 512 31.8 / 33.4, 4096 204.7 / 199.3,
+#: 16384 798.8 / 685.0. Its rows move 7-9 x the payload through HBM (FP32 residual in and out,
+#: router output), and the persistent grid (one 16-warp CTA per SM) keeps too little of it in
+#: flight; the other ops' persistent kernels win at every M measured.
+GATED_PERSISTENT_MAX_TOKENS = 512
+
+
 def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
     """The single-GPU op's tile for rows of ``width`` when the persistent kernel runs it at
     ``m`` tokens, else None: mode "fused", M above the decode range (at M <= 64 only when
     MOEFUSE_ALLGATHER_LARGE=fused is set explicitly: ``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` alone
     still means two launches there), and a tile ``norm_tile`` can run (:func:`dec.fusable`:
-    not the two-pass chunked rows)."""
+    not the two-pass chunked rows); the gated op above GATED_PERSISTENT_MAX_TOKENS only when
+    the variable is set."""
     if large_mode() != "fused":
         return None
     if m is not None and m <= dec.ONE_LAUNCH_MAX_TOKENS and not os.environ.get(LARGE_ENV):
+        return None
+    if (op == dec.GATED and m is not None and m > GATED_PERSISTENT_MAX_TOKENS
+            and not os.environ.get(LARGE_ENV)):  # fmt: skip
         return None
     tile = dec.op_tile(op, width)
     return tile if dec.fusable(op, tile) else None
