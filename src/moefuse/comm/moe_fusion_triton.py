@@ -476,10 +476,13 @@ ROWS_PER_BATCH_OVERRIDE: int | None = None
 #: bench/results/sweeps/moe-comm-variants-h200-p2.json; P = 2, H = 4096, K = 8, µs 1 vs 2
 #: CTAs per SM): M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one
 #: CTA loads a token's K rows while the other waits on NVLink, despite the register cap's
-#: spills. Wider rows were not measured (16 warps at H = 7168: a 64-register cap, 0.4-1.2 KB
-#: spilled) and keep 1.
+#: spills. Wider rows (16 warps at H = 7168: a 64-register cap, 0.4-1.2 KB spilled) MEASURED in
+#: session 9 (`bench moe-comm --hidden 7168`, bench/results/moe-comm-h200-p2.json, §3.3, µs 1 vs
+#: 2 CTAs per SM): M = 64 11.53 vs 12.01, 512 44.35 vs 47.05, 2048 160.57 vs 147.97, 16384
+#: 1231.61 vs 1093.49 (the unfused chain: 159.53 / 1168.79): 2 from WIDE_TWO_CTAS_MIN_TOKENS.
 TWO_CTAS_MIN_TOKENS = 65
 TWO_CTAS_MAX_WIDTH = 4096
+WIDE_TWO_CTAS_MIN_TOKENS = 2048
 
 
 def ctas_per_sm(m: int | None = None, h: int | None = None) -> int:
@@ -494,8 +497,10 @@ def ctas_per_sm(m: int | None = None, h: int | None = None) -> int:
         if value not in (1, 2, 4):
             raise ValueError(f"MOEFUSE_MOE_COMM_CTAS_PER_SM must be 1, 2 or 4, got {value}")
         return value
-    if m is not None and h is not None and m >= TWO_CTAS_MIN_TOKENS and h <= TWO_CTAS_MAX_WIDTH:
-        return 2
+    if m is not None and h is not None:
+        first = TWO_CTAS_MIN_TOKENS if h <= TWO_CTAS_MAX_WIDTH else WIDE_TWO_CTAS_MIN_TOKENS
+        if m >= first:
+            return 2
     return 1
 
 
