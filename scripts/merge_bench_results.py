@@ -26,8 +26,9 @@ BARS = {
 }
 
 
-def merge(family: str, paths: list[Path]) -> tuple[list[dict], dict]:
-    """(rows of every run, metadata: the first run's, with each run's under "runs")."""
+def merge(family: str, paths: list[Path], note: str = "") -> tuple[list[dict], dict]:
+    """(rows of every run, metadata: the first run's, with each run's under "runs" and
+    ``note`` — say there which rows of which run were left out, if any — under "merge_note")."""
     runs = [json.loads(p.read_text()) for p in paths]
     rows = [r for run in runs for r in run["rows"]]
     worlds = {run["meta"].get("world_size") for run in runs}
@@ -39,6 +40,8 @@ def merge(family: str, paths: list[Path]) -> tuple[list[dict], dict]:
                     for run in runs]  # fmt: skip
     meta["command"] = " ; ".join(run["meta"].get("command", "?") for run in runs)
     meta["bar"] = BARS[family](rows, worlds.pop())
+    if note:
+        meta["merge_note"] = note
     return rows, meta
 
 
@@ -46,9 +49,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=sorted(BARS), required=True)
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--note", default="", help="how the inputs were chosen (kept in meta)")
     parser.add_argument("inputs", nargs="+", type=Path)
     args = parser.parse_args()
-    rows, meta = merge(args.family, args.inputs)
+    rows, meta = merge(args.family, args.inputs, args.note)
     # named after the GPU the runs measured (harness.gpu_slug's rule), not this machine's
     slug = meta["gpu"].lower().replace("nvidia", "").strip().replace(" ", "-")
     out = Path(args.out)

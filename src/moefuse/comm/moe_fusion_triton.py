@@ -480,17 +480,20 @@ ROWS_PER_BATCH_OVERRIDE: int | None = None
 #: session 9 (`bench moe-comm --hidden 7168`, bench/results/moe-comm-h200-p2.json, §3.3, µs 1 vs
 #: 2 CTAs per SM): M = 64 11.53 vs 12.01, 512 44.35 vs 47.05, 2048 160.57 vs 147.97, 16384
 #: 1231.61 vs 1093.49 (the unfused chain: 159.53 / 1168.79): 2 from WIDE_TWO_CTAS_MIN_TOKENS.
+#: Not for the §3.2 reduction (dense rows): at 2 CTAs, M = 2048 / 16384, stepwise 174.04 /
+#: 1312.92 against 174.94 / 1325.94 at 1, and accumulate="fp32" 173.84 / 1346.84 against
+#: 155.51 / 1210.22.
 TWO_CTAS_MIN_TOKENS = 65
 TWO_CTAS_MAX_WIDTH = 4096
 WIDE_TWO_CTAS_MIN_TOKENS = 2048
 
 
-def ctas_per_sm(m: int | None = None, h: int | None = None) -> int:
+def ctas_per_sm(m: int | None = None, h: int | None = None, dense: bool = False) -> int:
     """Co-resident CTAs per SM of the peer kernels (grid cap = SMs x this; the register budget
     of :func:`rows_per_batch` shrinks with it). MOEFUSE_MOE_COMM_CTAS_PER_SM (1, 2 or 4) when
-    set; else, for the fused one-shot kernel (``m`` tokens of width ``h`` given), 2 where the
-    table above measured it faster, and 1 (all K rows of a token in flight). Read at every
-    launch: it must be the same on every rank."""
+    set; else, for the fused one-shot kernel (``m`` tokens of width ``h`` given; ``dense``: the
+    §3.2 reduction), 2 where the table above measured it faster, and 1 (all K rows of a token
+    in flight). Read at every launch: it must be the same on every rank."""
     env = os.environ.get("MOEFUSE_MOE_COMM_CTAS_PER_SM", "")
     if env:
         value = int(env)
@@ -498,8 +501,11 @@ def ctas_per_sm(m: int | None = None, h: int | None = None) -> int:
             raise ValueError(f"MOEFUSE_MOE_COMM_CTAS_PER_SM must be 1, 2 or 4, got {value}")
         return value
     if m is not None and h is not None:
-        first = TWO_CTAS_MIN_TOKENS if h <= TWO_CTAS_MAX_WIDTH else WIDE_TWO_CTAS_MIN_TOKENS
-        if m >= first:
+        if h <= TWO_CTAS_MAX_WIDTH:
+            first = TWO_CTAS_MIN_TOKENS
+        else:  # the §3.2 reduction measured no faster with 2 (below): it keeps 1 there
+            first = WIDE_TWO_CTAS_MIN_TOKENS if not dense else None
+        if first is not None and m >= first:
             return 2
     return 1
 
@@ -702,7 +708,8 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
     m_pad = scale_out.shape[0] if scale_out is not None else m
     ostrides = (residual.stride(0), ao.stride(0), residual_out.stride(0), norm_out.stride(0),
                 qo.stride(0))  # fmt: skip
-    ctas = (ctas_per_sm(m, h) if algorithm == "oneshot" and oneshot_variant(m, ws) == "fused"
+    ctas = (ctas_per_sm(m, h, bool(dense)) if algorithm == "oneshot"
+            and oneshot_variant(m, ws) == "fused"
             else ctas_per_sm() if algorithm in ("oneshot", "twoshot") else 1)  # fmt: skip
     kb = rows_per_batch(k, tile, ctas, bias is not None)
     producer = dict(K=k, KB=kb, DENSE=bool(dense), HAS_W=has_w,
