@@ -379,6 +379,17 @@ def _st_maybe(ptrs, v, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _fp4_zero_scale_rows(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, BLOCK: tl.constexpr,
+                         ROWS: tl.constexpr, LAYOUT: tl.constexpr):  # fmt: skip
+    """Zero scale bytes for a tile of padding rows only (e.g. rows M..127 of SWIZZLED_128x4):
+    its first KB block columns of the rows below ``n_rows_padded``."""
+    ks = tl.arange(0, BLOCK // 16)
+    off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
+    tl.store(s_ptr + off, tl.zeros((ROWS, BLOCK // 16), dtype=tl.uint8),
+             mask=(rows < n_rows_padded)[:, None] & (ks < KB)[None, :])
+
+
+@triton.jit
 def _fp4_pad_scales(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, ROWS: tl.constexpr,
                     LAYOUT: tl.constexpr):  # fmt: skip
     """Zero the padding block columns [KB, n_kcols) of ``rows`` (fewer than 4)."""
@@ -435,11 +446,8 @@ def _rmsnorm_fp4_rows(x_ptr, res_ptr, w_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, pid, n
                     gdc_launch_dependents()
         _fp4_pad_scales(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, ROWS, LAYOUT)
         if t * ROWS >= n_rows:
-            # a tile of padding rows only (e.g. rows M..127 of SWIZZLED_128x4): zero scale bytes
-            ks = tl.arange(0, BLOCK // 16)
-            off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
-            tl.store(s_ptr + off, tl.zeros((ROWS, BLOCK // 16), dtype=tl.uint8),
-                     mask=(rows < n_rows_padded)[:, None] & (ks < KB)[None, :])  # fmt: skip
+            _fp4_zero_scale_rows(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, BLOCK, ROWS,
+                                 LAYOUT)  # fmt: skip
         else:
             if not PREFETCH:
                 h = _load_h(x_ptr, res_ptr, r64 * x_st, r64 * r_st, cols, mask, True,
@@ -550,13 +558,8 @@ def _fp4_tile(t, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_
     live_rows = (rows < n_rows)[:, None]
     r64 = rows.to(tl.int64)[:, None]
     _fp4_pad_scales(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, ROWS, LAYOUT)
-    if t * ROWS >= n_rows:
-        # a tile of padding rows only (e.g. rows M..127 of SWIZZLED_128x4): zero scale bytes, no
-        # loads, no math
-        ks = tl.arange(0, BLOCK // 16)
-        off = D.scale_offset(r64, ks[None, :].to(tl.int64), n_kcols, LAYOUT)
-        tl.store(s_ptr + off, tl.zeros((ROWS, BLOCK // 16), dtype=tl.uint8),
-                 mask=(rows < n_rows_padded)[:, None] & (ks < KB)[None, :])  # fmt: skip
+    if t * ROWS >= n_rows:  # no loads, no math
+        _fp4_zero_scale_rows(s_ptr, rows, r64, KB, n_kcols, n_rows_padded, BLOCK, ROWS, LAYOUT)
     else:
         cols = tl.arange(0, BLOCK)
         mask = live_rows & (cols < H)[None, :]
