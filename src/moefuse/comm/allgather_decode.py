@@ -5,7 +5,9 @@ same on every rank). MEASURED for rmsnorm on 2 x H200 (bench allgather, 2026-11-
 bench/results/allgather-h200-p2.json): one launch vs two at H = 4096: M = 1 3.39 / 3.97 us,
 M = 8 4.30 / 5.10, M = 64 4.64 / 5.72; H = 8192: 4.04 / 4.49, 4.92 / 5.72, 6.54 / 7.22 — bitwise
 equal to NCCL + rmsnorm in every case (the benchmark checks before it times). The FP8, NVFP4
-and gated ops (issue 17e) are NOT MEASURED on a GPU yet.
+and gated ops (issue 17e, session 9, same benchmark): one launch vs two at H = 4096, M = 1:
+3.79 / 4.15, 3.75 / 4.13, 4.10 / 4.63 us, and faster at every M <= 64 except NVFP4 rows wider
+than 4096 at M <= 8 (:data:`FP4_ONE_LAUNCH_MAX_WIDTH`).
 
 The two-launch path is the gather, then the single-GPU op's kernel. At decode sizes the second
 launch and its grid-dependency wait are a visible part of the latency, so this kernel does both
