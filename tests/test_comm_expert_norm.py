@@ -201,6 +201,15 @@ def _tp_opts(i):
     return dict(eps=1e-6, gain_center=float(i % 2), weight_before_norm=i % 3 != 1)
 
 
+def _generation(ws) -> int:
+    """The workspace's Lamport generation word (0, 1, 2, 0, ...: one step per one-shot launch,
+    advanced by the launch's last CTA; a launch that skipped it would reuse the slot region of
+    the previous call, which only a race between ranks would reveal)."""
+    from moefuse.comm.workspace import CTRL_GEN
+
+    return int(ws.ctrl[CTRL_GEN])
+
+
 def scenario_tp(rank, world_size, cases, capacity):
     """Each (H, K, M): every algorithm against the oracle, bitwise equal to each other; the
     reference path; the middle token alone equals itself inside the batch (auto picks the other
@@ -224,9 +233,13 @@ def scenario_tp(rank, world_size, cases, capacity):
         first = None
         for algo in TP_ALGOS:
             out = poison_(torch.empty(m, h, dtype=BF16))
+            gen = _generation(xws.ar)
             got = moefuse.tp_moe_finalize_rmsnorm(rows, weights, idx, nw, out, workspace=xws,
                                                   algorithm=algo, impl="triton", **opts)
             assert got is out
+            if algo == "slot_oneshot":  # one generation per launch (chunks of slot_capacity)
+                launches = -(-m // xws.slot_capacity)
+                assert _generation(xws.ar) == (gen + launches) % 3, (what, gen, launches)
             assert_tp_close(out, partials, weights, idx, nw, opts, f"{what} {algo}")
             first = out if first is None else first
             assert_bitwise_equal(out, first, f"{what} {algo} vs {TP_ALGOS[0]}")

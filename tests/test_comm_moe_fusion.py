@@ -15,6 +15,7 @@ import torch
 
 from comm_mp import run_group
 from moefuse.comm import moe_fusion_reference as mref
+from moefuse.comm.workspace import CTRL_GEN
 from moefuse.quant import reference as quant_ref
 from moefuse.testing import assert_bitwise_equal, assert_close, bits, expect_value_error, poison_
 
@@ -269,8 +270,11 @@ def scenario(rank, world_size, cfg):
                 for algo in (*cfg["algorithms"], "reference"):
                     what = f"rank {rank} {op} H={h} M={m} K={k} {opts} {algo}"
                     impl = "reference" if algo == "reference" else "triton"
+                    gen = int(ws.ctrl[CTRL_GEN])
                     with _variant("auto" if algo == "reference" else algo) as base:
                         outs = call(moefuse, ws, rank, case, None, opts, base, impl)
+                    if algo.startswith("oneshot"):  # one Lamport generation per one-shot call
+                        assert int(ws.ctrl[CTRL_GEN]) == (gen + 1) % 3, f"{what} generation"
                     _check(outs, want, quant, opts["layout"], what)
                     if op == "reduction":
                         assert_bitwise_equal(outs[-1], want["allreduce_out"],
