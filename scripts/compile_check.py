@@ -13,20 +13,14 @@ Run: PYTHONPATH=src python scripts/compile_check.py [--widths 4096,8192] [--only
 import argparse
 import dataclasses
 import inspect
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
+from _ptxas import TARGET, ptxas_report
 from triton.compiler import ASTSource
 
 from moefuse.norm import gated, tiles
 from moefuse.norm import triton as nt
 
-TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 FP32_PTRS = {"res_ptr_gated", "alpha_ptr", "beta_ptr", "out_ptr_gated", "rout_ptr", "router_ptr",
              "a_ptr", "be_ptr"}  # fmt: skip
 
@@ -63,13 +57,8 @@ def compile_report(kernel, consts, num_warps, fp32_ptrs=(), maxnreg=None):
     if maxnreg:
         options["maxnreg"] = maxnreg
     ck = triton.compile(src, target=TARGET, options=options)
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ck.asm["ptx"])
-    out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                         capture_output=True, text=True)  # fmt: skip
-    regs = re.search(r"Used (\d+) registers", out.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
-    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
+    report = ptxas_report(ck.asm["ptx"])
+    return report.regs, report.spills
 
 
 def main() -> None:

@@ -11,13 +11,10 @@ Run: PYTHONPATH=src python scripts/compile_check_allgather.py [--widths 4096,716
 
 import argparse
 import inspect
-import os
 import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
+from _ptxas import TARGET, ptxas_report
 from triton.compiler import ASTSource
 
 from moefuse.comm import allgather_decode as dec
@@ -26,8 +23,6 @@ from moefuse.comm import allgather_triton as AG
 from moefuse.comm.tiles import resident_ctas_per_sm
 from moefuse.norm import tiles
 
-TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TYPES = {"table_ptr": "*i64", "agctrl_ptr": "*i32", "status_ptr": "*i32", "clock_ptr": "*i32",
          "eps": "fp32", "gain_center": "fp32", "Hf": "fp32", "alpha_scalar": "fp32",
          "post_eps": "fp32", "post_gc": "fp32"}  # fmt: skip
@@ -66,16 +61,8 @@ def compile_report(kernel, consts: dict, num_warps: int, types: dict | None = No
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ptx"]
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        err = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                             capture_output=True, text=True).stderr  # fmt: skip
-    regs = re.search(r"Used (\d+) registers", err)
-    spill = re.search(r"(\d+) bytes spill stores", err)
-    return {"regs": int(regs.group(1)) if regs else -1,
-            "spill": int(spill.group(1)) if spill else -1,
+    report = ptxas_report(ptx)
+    return {"regs": report.regs, "spill": report.spills,
             "v4_polls": len(re.findall(r"ld\.volatile\.global\.v4", ptx)),
             "v4_stores": len(re.findall(r"st\.global\.v4", ptx))}  # fmt: skip
 

@@ -8,20 +8,14 @@ Run: PYTHONPATH=src python scripts/compile_check_moe_comm.py [--widths 4096,7168
 
 import argparse
 import inspect
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
+from _ptxas import TARGET, ptxas_report
 from triton.compiler import ASTSource
 
 from moefuse.comm import moe_fusion_triton as mt
 from moefuse.comm.tiles import CommTile, comm_tile
 
-TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 PTR = {"map_ptr": "*i32", "w_ptr": "*fp32", "e_ptr": "*i32", "q_ptr": "*u8", "sf_ptr": "*u8",
        "scale_ptr": "*fp32", "table_ptr": "*i64", "ctrl_ptr": "*i32",
        "clock_ptr": "*i32"}  # fmt: skip
@@ -50,14 +44,8 @@ def compile_report(kernel, consts, num_warps, maxnreg=None):
     if maxnreg:
         options["maxnreg"] = maxnreg
     ck = triton.compile(src, target=TARGET, options=options)
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ck.asm["ptx"])
-    out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                         capture_output=True, text=True)  # fmt: skip
-    os.unlink(f.name)
-    regs = re.search(r"Used (\d+) registers", out.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
-    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
+    report = ptxas_report(ck.asm["ptx"])
+    return report.regs, report.spills
 
 
 def _variants(h, tile, top_ks, resident) -> None:

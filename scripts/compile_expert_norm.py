@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 TYPES = {"table_ptr": "*i64", "ctrl_ptr": "*i32", "clock_ptr": "*i32", "idx_ptr": "*i32",
          "w_ptr": "*fp32", "eps": "fp32", "gain_center": "fp32", "Hf": "fp32"}  # fmt: skip
@@ -30,14 +27,13 @@ def main(argv) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     import triton
-    from triton.backends.compiler import GPUTarget
+    from _ptxas import TARGET, ptxas_report
     from triton.compiler import ASTSource
 
     from moefuse.comm import expert_norm_ep_triton as xe
     from moefuse.comm import expert_norm_triton as xt
     from moefuse.comm.tiles import comm_tile
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     k, p = args.topk, args.world_size
     block = -(-k // p)
     failed = 0
@@ -64,26 +60,19 @@ def main(argv) -> int:
                         attrs[(i,)] = [["tt.divisibility", 16]]
             src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
             try:
-                ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                ck = triton.compile(src, target=TARGET,
                                     options={"num_warps": tile.num_warps})  # fmt: skip
             except Exception as exc:  # report every kernel, then fail
                 print(f"H={h} {kernel.fn.__name__}: COMPILE ERROR {exc}", flush=True)
                 failed += 1
                 continue
             ptx = ck.asm["ptx"]
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(ptx)
-            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                                 capture_output=True, text=True)  # fmt: skip
-            os.unlink(f.name)
-            regs = re.search(r"Used (\d+) registers", out.stderr)
-            spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+            report = ptxas_report(ptx)
             v4 = len(re.findall(r"ld\.volatile\.global\.v4", ptx))
-            failed += out.returncode != 0
+            failed += report.returncode != 0
             print(f"H={h:5d} K={k} P={p} {kernel.fn.__name__:24s} warps={tile.num_warps:2d} "
-                  f"regs={regs.group(1) if regs else '?'} "
-                  f"spills={spill.group(1) if spill else '?'} ld.volatile.v4={v4} "
-                  f"ptxas_rc={out.returncode}", flush=True)  # fmt: skip
+                  f"regs={report.regs} spills={report.spills} ld.volatile.v4={v4} "
+                  f"ptxas_rc={report.returncode}", flush=True)  # fmt: skip
     return 1 if failed else 0
 
 

@@ -204,17 +204,14 @@ def compile_only(widths, dump=None) -> None:
     """Every variant's one-shot kernel for sm_90a (P = 2, BF16, pattern 1): registers, spills."""
     import inspect
     import re
-    import subprocess
-    import tempfile
 
     import triton
-    from triton.backends.compiler import GPUTarget
+    from _ptxas import TARGET, ptxas_report
     from triton.compiler import ASTSource
 
     from moefuse.comm import triton as ct
     from moefuse.comm.tiles import comm_tile
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     types = {"q_ptr": "*u8", "sf_ptr": "*u8", "scale_ptr": "*fp32", "table_ptr": "*i64",
              "ctrl_ptr": "*i32", "clock_ptr": "*i32", "eps": "fp32", "weight_bias": "fp32",
              "Hf": "fp32"}  # fmt: skip
@@ -245,24 +242,17 @@ def compile_only(widths, dump=None) -> None:
                 if p.endswith("_ptr") or p.endswith("_st") or p in ("H", "cap"):
                     attrs[(i,)] = [["tt.divisibility", 16]]  # as the launcher's specialization
             ck = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                                target=TARGET, options={"num_warps": warps})
             ptx = ck.asm["ptx"]
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(ptx)
-            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                                 capture_output=True, text=True)  # fmt: skip
-            os.unlink(f.name)
-            regs = re.search(r"Used (\d+) registers", out.stderr)
-            spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+            report = ptxas_report(ptx)
             v4 = len(re.findall(r"ld\.volatile\.global\.v4", ptx))
             if dump:  # PTX and TTGIR of each variant, to diff or read offline
                 for ext, text in (("ptx", ptx), ("ttgir", ck.asm["ttgir"])):
                     with open(os.path.join(dump, f"{name}-{h}.{ext}"), "w") as f:
                         f.write(text)
             print(f"H={h:5d} {name:9s} kernel={kernel.fn.__name__:24s} warps={warps:2d} "
-                  f"probe={var.probe:3d} regs={regs.group(1) if regs else '?'} "
-                  f"spills={spill.group(1) if spill else '?'} ld.volatile.v4={v4} "
-                  f"ptxas_rc={out.returncode}", flush=True)  # fmt: skip
+                  f"probe={var.probe:3d} regs={report.regs} spills={report.spills} "
+                  f"ld.volatile.v4={v4} ptxas_rc={report.returncode}", flush=True)  # fmt: skip
 
 
 def main(argv) -> int:

@@ -1,0 +1,47 @@
+"""ptxas on the PTX of a Triton kernel compiled for sm_90a, for the offline compile checks (no
+GPU needed): registers per thread, bytes spilled, ptxas's exit status.
+
+Shared by scripts/compile_check*.py, compile_expert_norm.py and sweep_comm_variants.py (run as
+``python scripts/<name>.py``: this folder is then first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+#: the H100 / H200 target every check compiles for
+TARGET = GPUTarget("cuda", 90, 32)
+#: the ptxas that ships with Triton's NVIDIA backend
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+@dataclass(frozen=True)
+class PtxasReport:
+    """``regs``: registers per thread (-1 when ptxas did not say); ``spills``: bytes of spill
+    stores (-1 likewise); ``returncode``: ptxas's exit status; ``log``: its stderr."""
+
+    regs: int
+    spills: int
+    returncode: int
+    log: str
+
+
+def ptxas_report(ptx: str) -> PtxasReport:
+    """Assemble ``ptx`` for sm_90a with ``ptxas -v`` (output discarded) and read its report."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                             capture_output=True, text=True)  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    return PtxasReport(int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1,
+                       out.returncode, out.stderr)  # fmt: skip
