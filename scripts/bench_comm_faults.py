@@ -35,22 +35,15 @@ TIMEOUT_S = 2.0
 
 
 def _graph(moefuse, ws, m, dev):
+    from moefuse.testing import capture_graph
+
     x = torch.randn(m, H, device=dev).to(torch.bfloat16)
     res = torch.randn_like(x)
     w = torch.ones(H, dtype=torch.bfloat16, device=dev)
     ro, no = torch.empty_like(x), torch.empty_like(x)
     run = lambda: moefuse.allreduce_residual_rmsnorm(  # noqa: E731
         x, res, w, workspace=ws, algorithm="oneshot", impl="triton", residual_out=ro, norm_out=no)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    with ws.capture():
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-    return graph
+    return capture_graph(run, ws)
 
 
 def _replay_us(graph, dist, replays=200, repeats=7) -> float:

@@ -53,11 +53,10 @@ def main() -> int:
     parser.add_argument("inputs", nargs="+", type=Path)
     args = parser.parse_args()
     rows, meta = merge(args.family, args.inputs, args.note)
-    # named after the GPU the runs measured (harness.gpu_slug's rule), not this machine's
-    slug = meta["gpu"].lower().replace("nvidia", "").strip().replace(" ", "-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{args.family}-{slug}-p{meta['world_size']}"
+    # named after the GPU the runs measured, not this machine's
+    stem = out / f"{args.family}-{harness.gpu_slug(meta['gpu'])}-p{meta['world_size']}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     harness.plot_rows(rows, stem.with_suffix(".png"),
                       title=f"moefuse {args.family} on {meta['gpu']}")  # fmt: skip

@@ -173,6 +173,7 @@ def scenario_graph_replays(rank, _, replays):
     generation wraps many times): every replay bitwise equal to the single-GPU ops on the new
     full rows."""
     import moefuse
+    from moefuse.testing import capture_graph
 
     dev = torch.device("cuda", rank)
     h = 4096
@@ -198,15 +199,7 @@ def scenario_graph_replays(rank, _, replays):
                 x, res, c["alpha"], c["beta"], c["weight"], residual_out=outs[4],
                 ffn_input=outs[5], **kw)  # fmt: skip
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()  # compile and allocate the gathered buffer outside capture
-        torch.cuda.current_stream().wait_stream(stream)
-        with ws.capture():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
+        graph = capture_graph(run, ws)  # (the warm-up also allocates the gathered buffer)
         for i in range(replays):
             c_i = make_case(1000 + i, m, h, dev)
             x.copy_(shard_of(c_i["full"], rank))

@@ -206,6 +206,7 @@ def scenario_graph_replays(rank, world_size, replays):
     equal to an eager PDL-off call on the same inputs, and within tolerance of the oracle every
     100th replay."""
     import moefuse
+    from moefuse.testing import capture_graph
 
     dev = torch.device("cuda", rank)
     m, h, k = REPLAY
@@ -225,15 +226,7 @@ def scenario_graph_replays(rank, world_size, replays):
                 enable_pdl=pdl, **opts)) for a in EP_ALGOS]  # fmt: skip
     for name, run in runs:
         out = torch.empty(m, h, dtype=BF16, device=dev)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run(o=out)  # compile outside capture
-        torch.cuda.current_stream().wait_stream(stream)
-        with xws.capture(), ews.capture():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run(o=out)
+        graph = capture_graph(lambda: run(o=out), xws, ews)
         for i in range(replays):
             if name.startswith("tp"):
                 parts, w, idx, _ = tp_case(100 + i, world_size, m, h, k, dev)

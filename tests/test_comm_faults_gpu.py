@@ -183,6 +183,7 @@ def scenario_graph_replays(rank, world_size, replays):
     each replay the eager torch.distributed path runs on the same inputs. Mismatching elements
     are counted on the device (no sync per replay) and must be zero."""
     import moefuse
+    from moefuse.testing import capture_graph
 
     dev = torch.device("cuda", rank)
     ws = moefuse.AllReduceWorkspace(None, M, H, torch.bfloat16, dev, oneshot_max_tokens=M)
@@ -194,15 +195,7 @@ def scenario_graph_replays(rank, world_size, replays):
         ro, no = torch.empty_like(x), torch.empty_like(x)
         run = lambda: moefuse.allreduce_residual_rmsnorm(  # noqa: E731
             x, res, w, workspace=ws, algorithm=algo, impl="triton", residual_out=ro, norm_out=no)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()  # compile outside capture
-        torch.cuda.current_stream().wait_stream(stream)
-        with ws.capture():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
+        graph = capture_graph(run, ws)
         g = torch.Generator(device=dev).manual_seed(77 + rank)
         bad = torch.zeros((), dtype=torch.int64, device=dev)
         for _ in range(replays):

@@ -216,7 +216,7 @@ def scenario_graph_replays(rank, world_size, replays):
     on residual_out and equal to an eager PDL-off call on norm_out."""
     import moefuse
     from moefuse.comm import reference as ref
-    from moefuse.testing import assert_bitwise_equal
+    from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)
     m, h = SMALL
@@ -228,15 +228,7 @@ def scenario_graph_replays(rank, world_size, replays):
         ro, no = torch.empty_like(x), torch.empty_like(x)
         run = lambda: moefuse.allreduce_residual_rmsnorm(  # noqa: E731
             x, res, w, workspace=ws, algorithm=algo, impl="triton", residual_out=ro, norm_out=no)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()  # compile outside capture
-        torch.cuda.current_stream().wait_stream(stream)
-        with ws.capture():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
+        graph = capture_graph(run, ws)
         for i in range(replays):
             parts, r_i, _ = make_case(1000 + i, world_size, m, h, torch.bfloat16, dev)
             x.copy_(parts[rank])

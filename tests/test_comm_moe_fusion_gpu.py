@@ -220,7 +220,7 @@ def scenario_graph_replays(rank, world_size, replays):
     each replay: residual_out bitwise against the oracle every replay."""
     import moefuse
     from moefuse.comm.moe_fusion_ops import extra_regions
-    from moefuse.testing import assert_bitwise_equal
+    from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)
     m, h, k = 64, 4096, 8
@@ -236,15 +236,7 @@ def scenario_graph_replays(rank, world_size, replays):
                 x, res, w, perm, workspace=ws, expert_scale_factor=wt, routed_scaling_factor=RSF,
                 shared_expert_output=sh, accumulate=accumulate, algorithm=algo, impl="triton",
                 residual_out=ro, norm_out=no)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                run()  # compile outside capture
-            torch.cuda.current_stream().wait_stream(stream)
-            with ws.capture():
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    run()
+            graph = capture_graph(run, ws)
             for i in range(replays):
                 case = finalize_case(1000 + i, world_size, m, h, k, dev)
                 for dst, src in zip(buf, case[:6]):
@@ -287,7 +279,7 @@ def scenario_oneshot_variants(rank, world_size):
     re-arming across calls and generations)."""
     import moefuse
     from moefuse.comm.moe_fusion_ops import extra_regions
-    from moefuse.testing import assert_bitwise_equal
+    from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)
     k = 8
@@ -346,19 +338,7 @@ def scenario_oneshot_variants(rank, world_size):
                 shared_expert_output=sh, algorithm="oneshot", impl="triton", residual_out=ro,
                 norm_out=no)  # fmt: skip
 
-        def capture():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                once()  # compile outside capture
-            torch.cuda.current_stream().wait_stream(stream)
-            with ws.capture():
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    once()
-            return graph
-
-        graph = _with_variant(variant, capture)
+        graph = _with_variant(variant, lambda: capture_graph(once, ws))
         for i in range(200):
             case = finalize_case(2000 + i, world_size, m, h, k, dev)
             for dst, src in zip(buf, case[:6]):

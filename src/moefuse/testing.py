@@ -6,6 +6,7 @@ Every comparison names a row of :data:`TOLERANCES`; each row says why it is what
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,25 @@ def expect_value_error(fn, argument: str, *untouched: torch.Tensor) -> None:
         assert_bitwise_equal(_raw_bits(t), b, f"{argument}: nothing written")
 
 
+def capture_graph(fn, *workspaces) -> torch.cuda.CUDAGraph:
+    """``fn()`` once on a side stream (it compiles, records its launch plan and allocates
+    outside the capture), then captured into a CUDA graph inside every workspace's
+    ``capture()`` context (the communication ops' capture bookkeeping). Returns the graph, not
+    replayed yet."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with contextlib.ExitStack() as contexts:
+        for ws in workspaces:
+            contexts.enter_context(ws.capture())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    return graph
+
+
 def run_eager_pdl_and_graph(run, make_outputs, replays: int = 4) -> list:
     """Run ``run(outputs, pdl)`` three ways on the GPU and return the three output tuples: eagerly
     with PDL on, eagerly with PDL off, and as a CUDA-graph replay (captured after a warm-up on a
@@ -166,14 +186,7 @@ def run_eager_pdl_and_graph(run, make_outputs, replays: int = 4) -> list:
         run(outs, pdl)
         results.append(outs)
     outs = make_outputs()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(outs, True)  # warm-up (compiles) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(outs, True)
+    graph = capture_graph(lambda: run(outs, True))
     for _ in range(replays):
         for o in outs:
             poison_(o)

@@ -169,8 +169,10 @@ def run_metadata() -> dict:
     }
 
 
-def gpu_slug() -> str:
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+def gpu_slug(name: str | None = None) -> str:
+    """File-name form of a GPU name ("NVIDIA H200" -> "h200"); by default this machine's GPU."""
+    if name is None:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return name.lower().replace("nvidia", "").strip().replace(" ", "-")
 
 
