@@ -78,14 +78,39 @@ def as_bits(x, BITS: tl.constexpr):
 
 
 @triton.jit
-def peer_base(table_ptr, q, off16, BITS: tl.constexpr):
-    """Integer-typed pointer to region ``off16`` (16-byte units) of rank ``q``'s buffer.
+def table_dists(table_ptr, P: tl.constexpr):
+    """Every rank's table entry (a tuple of P scalars), for :func:`peer_base` ``dists=``. The
+    table never changes during a workspace's life, so a decode kernel reads it before its
+    grid-dependency wait: the push and the state words then wait for no table round trip (each
+    was an L2 round trip on the critical path, issued after a CTA barrier)."""
+    dists = ()
+    for q in tl.static_range(P):
+        dists = dists + (tl.load(table_ptr + q),)
+    return dists
+
+
+@triton.jit
+def pick(dists, q):
+    """Entry ``q`` (a run-time or compile-time rank) of :func:`table_dists`' tuple."""
+    d = dists[0]
+    for j in tl.static_range(1, len(dists)):
+        d = tl.where(q == j, dists[j], d)
+    return d
+
+
+@triton.jit
+def peer_base(table_ptr, q, off16, BITS: tl.constexpr, dists=None):
+    """Integer-typed pointer to region ``off16`` (16-byte units) of rank ``q``'s buffer; the
+    table entry from ``dists`` (:func:`table_dists`) when given, else loaded here.
 
     Table entries are distances from the table itself in 16-byte units: pointer arithmetic on the
     (aligned) table argument keeps Triton's alignment analysis, so peer rows are moved with 16-byte
     vector loads and stores; an integer cast to a pointer would lose it (scalar 2-byte accesses).
     """
-    d = tl.load(table_ptr + q) + off16
+    if dists is None:
+        d = tl.load(table_ptr + q) + off16
+    else:
+        d = pick(dists, q) + off16
     if BITS == 16:
         return table_ptr.to(tl.pointer_type(tl.int16)) + d * 8
     else:
@@ -298,18 +323,23 @@ def give_up(ctrl_ptr, table_ptr, rank, missing, P: tl.constexpr, PTX: tl.constex
 
 
 @triton.jit
-def healthy(ctrl_ptr, table_ptr, rank, P: tl.constexpr, PTX: tl.constexpr):
+def healthy(ctrl_ptr, table_ptr, rank, P: tl.constexpr, PTX: tl.constexpr, dists=None):
     """True when this rank may take part in a call: no fault recorded here (device status word)
     and no peer has announced that it gave up (this rank's faults region). A peer that gave up is
     recorded as FAULT_GAVE_UP, so the host raises naming it.
 
     Both words go through ONE reduction, whose result every thread of the CTA shares: a plain
     scalar load is executed by every warp, and warps that read before and after another CTA's
-    atomic_or would disagree about the row count and then diverge around barriers."""
+    atomic_or would disagree about the row count and then diverge around barriers.
+    ``dists``: the table entries read early (:func:`table_dists`), else loaded here."""
     ranks = tl.arange(0, MAX_RANKS)
     rmask = ranks < P
     status = tl.load(ctrl_ptr + CTRL_STATUS + ranks * 0, mask=ranks == 0, other=0, volatile=True)
-    mine = flag_ptrs(table_ptr, rank + ranks * 0, rmask, FAULTS_OFF16, ranks)
+    if dists is None:
+        mine = flag_ptrs(table_ptr, rank + ranks * 0, rmask, FAULTS_OFF16, ranks)
+    else:
+        d = pick(dists, rank) + FAULTS_OFF16
+        mine = table_ptr.to(tl.pointer_type(tl.int32)) + d * 4 + ranks
     seen = tl.load(mine, mask=rmask, other=0, volatile=True)
     # bits 0..P-1: peers that gave up; bit 31 (P <= 31): "the status word is set". Disjoint
     # bits, so the int32 sum is their OR (an int64 variant cost 40 registers in the prefetch

@@ -137,11 +137,13 @@ def _slot_off(region, t64, k, s, H, K: tl.constexpr, P: tl.constexpr):
 
 @triton.jit
 def _push_slot(x, q, k, t64, region, rank, table_ptr, rows_off16, cols, cmask, H,
-               K: tl.constexpr, P: tl.constexpr):  # fmt: skip
+               K: tl.constexpr, P: tl.constexpr, dists=None):  # fmt: skip
     """Store this rank's partial row ``x`` of slot (t, k) into its slot of rank ``q``'s buffer
-    (sender ``s`` uses slot ``s - (s > q)``; a rank never sends to itself)."""
+    (sender ``s`` uses slot ``s - (s > q)``; a rank never sends to itself). ``dists``: the
+    table entries read early (``D.table_dists``)."""
     s = rank - (rank > q).to(tl.int32)
-    dst = D.peer_base(table_ptr, q, rows_off16, 16) + _slot_off(region, t64, k, s, H, K, P)
+    dst = D.peer_base(table_ptr, q, rows_off16, 16, dists) + _slot_off(region, t64, k, s, H, K,
+                                                                       P)  # fmt: skip
     tl.store(dst + cols, D.scrub(D.as_bits(x, 16), 16), mask=cmask)
 
 
@@ -446,11 +448,13 @@ def _tp_slot_oneshot_kernel(
     t0 = (pid // K).to(tl.int64)
     p0, valid0 = _route(idx_ptr, idx_st, t0, pid % K, R)
     ks, kvalid0, kw0 = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t0, R, KPOW, K)
+    dists = D.table_dists(table_ptr, P)  # constant workspace metadata, as the routing
     if USE_PDL:
         gdc_wait()
     x0 = tl.load(rows_ptr + p0 * row_st + cols, mask=cmask & valid0 & (pid < n_rows), other=0.0)
     deadline, gen, n_mine, region = _oneshot_state(
-        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, n_rows, pid, G, cap, P, PTX)  # fmt: skip
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, n_rows, pid, G, cap, P, PTX,
+        dists)  # fmt: skip
     i = 0
     while i < n_mine:
         r = pid + i * G
@@ -467,12 +471,12 @@ def _tp_slot_oneshot_kernel(
             for q in tl.static_range(P):
                 if q != rank:
                     _push_slot(x, q, r % K, t64, region, rank, table_ptr, rows_off16, cols,
-                               cmask, H, K, P)  # fmt: skip
+                               cmask, H, K, P, dists)  # fmt: skip
         i += 1
-    mine16 = D.peer_base(table_ptr, rank, rows_off16, 16)
-    xdec = D.peer_base(table_ptr, rank, x_off16, 16)
-    rdec = D.peer_base(table_ptr, rank, r_off16, 32)
-    cnt = D.peer_base(table_ptr, rank, cnt_off16, 32)
+    mine16 = D.peer_base(table_ptr, rank, rows_off16, 16, dists)
+    xdec = D.peer_base(table_ptr, rank, x_off16, 16, dists)
+    rdec = D.peer_base(table_ptr, rank, r_off16, 32, dists)
+    cnt = D.peer_base(table_ptr, rank, cnt_off16, 32, dists)
     empty16 = D.empty_row(BLOCK_H, 16)
     missing = tl.full([], 0, tl.int32)  # a tensor: it is reassigned inside run-time branches
     completed = pid < 0  # this CTA brought a token's count to K (a tensor, as above)

@@ -128,6 +128,7 @@ def _moe_oneshot_kernel(
     meta0 = _slot_meta(pid, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
                        src_kst, map_st, w_tst, w_kst, b_st, e_st, K, DENSE, HAS_W, HAS_BIAS,
                        PTX)  # fmt: skip
+    dists = D.table_dists(table_ptr, P)  # constant workspace metadata: before the wait
     if USE_PDL:
         gdc_wait()
     # the first row's expert rows, shared row and residual are requested before the state words:
@@ -139,15 +140,16 @@ def _moe_oneshot_kernel(
     # keeps the loop from spilling
     res0 = tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0)
     deadline, gen, n_mine, region = _oneshot_state(
-        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX,
+        dists)  # fmt: skip
     p0 = _partial_from_first(meta0, first0, cols, cmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
                              HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
+    mine = D.peer_base(table_ptr, rank, lam_off16, BITS, dists)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
     if n_mine > 0:
-        _push_vals(p0, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        _push_vals(p0, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
         if USE_PDL:
             if n_mine == 1:
                 gdc_launch_dependents()
@@ -163,7 +165,8 @@ def _moe_oneshot_kernel(
                                n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
                                b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
                                HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-            _push_vals(cur, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+            _push_vals(cur, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS,
+                       dists)  # fmt: skip
         t64 = (pid + (i - 1) * G).to(tl.int64)
         if i == 1:
             res = widen_f32(res0, PTX)
@@ -184,11 +187,12 @@ def _moe_oneshot_kernel(
 
 # ----------------------------------------------------------------------------- one-shot, split
 @triton.jit
-def _push_own(x, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS: tl.constexpr):
+def _push_own(x, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS: tl.constexpr,
+              dists=None):  # fmt: skip
     """Store columns ``wcols`` of this rank's partial row ``t`` (``x``, -0.0 scrubbed) into the
     local Lamport row ``t`` of region ``own_off16``, where the row's epilogue CTA polls it."""
     bits = D.scrub(D.as_bits(x, BITS), BITS)
-    dst = D.peer_base(table_ptr, rank, own_off16, BITS) + t.to(tl.int64) * H + wcols
+    dst = D.peer_base(table_ptr, rank, own_off16, BITS, dists) + t.to(tl.int64) * H + wcols
     tl.store(dst, bits, mask=wmask)
 
 
@@ -233,6 +237,7 @@ def _moe_split_kernel(
     meta0 = _slot_meta(grp, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
                        src_kst, map_st, w_tst, w_kst, b_st, e_st, K, DENSE, HAS_W, HAS_BIAS,
                        PTX)  # fmt: skip
+    dists = D.table_dists(table_ptr, P)  # constant workspace metadata: before the wait
     if USE_PDL:
         gdc_wait()
     # the first row's slice (and, in the epilogue CTA, its residual) is requested before the
@@ -242,18 +247,19 @@ def _moe_split_kernel(
     first0 = _first_loads(meta0, grp, wcols, wmask, sh_ptr, sh_st, KB, HAS_BIAS, HAS_SHARED, PTX)
     res0 = tl.load(res_ptr + grp.to(tl.int64) * res_st + cols, mask=cmask & epi, other=0.0)
     deadline, gen, n_mine, region = _oneshot_state(
-        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, grp, R, cap, P, PTX)  # fmt: skip
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, grp, R, cap, P, PTX,
+        dists)  # fmt: skip
     p0 = _partial_from_first(meta0, first0, wcols, wmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
                              HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    own = D.peer_base(table_ptr, rank, own_off16, BITS)
+    own = D.peer_base(table_ptr, rank, own_off16, BITS, dists)
     if n_mine > 0:
-        _push_vals(p0, grp, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS)
-        _push_own(p0, grp, wcols, wmask, table_ptr, own_off16, rank, H, BITS)
+        _push_vals(p0, grp, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
+        _push_own(p0, grp, wcols, wmask, table_ptr, own_off16, rank, H, BITS, dists)
         if USE_PDL:
             if n_mine == 1:
                 gdc_launch_dependents()
-    mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
+    mine = D.peer_base(table_ptr, rank, lam_off16, BITS, dists)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
     # iteration i produces + pushes slice c of row i; the epilogue CTA then finishes row i - 1
@@ -265,8 +271,9 @@ def _moe_split_kernel(
                              n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
                              b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
                              HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-            _push_vals(p, t, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS)
-            _push_own(p, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS)
+            _push_vals(p, t, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS,
+                       dists)  # fmt: skip
+            _push_own(p, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS, dists)
         if epi:
             t64 = (grp + (i - 1) * R).to(tl.int64)
             if i == 1:

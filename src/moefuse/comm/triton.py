@@ -99,13 +99,13 @@ def _finish(ctrl_ptr, table_ptr, rank, arrive_idx, missing, sf_ptr, M, M_pad, n_
 # ----------------------------------------------------------------------------- one-shot
 @triton.jit
 def _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap,
-                   P: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+                   P: tl.constexpr, PTX: tl.constexpr, dists=None):  # fmt: skip
     """(deadline of every wait, Lamport generation, this CTA's row count — rows pid, pid + G, ...;
     0 once the workspace has failed or a peer gave up —, element offset of the generation's slot
     region)."""
     deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
     gen = tl.load(ctrl_ptr + D.CTRL_GEN)
-    healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX)
+    healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX, dists)
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
     region = gen.to(tl.int64) * cap
     return deadline, gen, n_mine, region
@@ -128,7 +128,7 @@ def _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n
 
 @triton.jit
 def _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
-               P: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+               P: tl.constexpr, BITS: tl.constexpr, dists=None):  # fmt: skip
     """Store row ``t`` of this rank, already in registers as ``x`` (-0.0 scrubbed), into its
     slot of every peer's buffer.
 
@@ -140,15 +140,16 @@ def _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
         if q != rank:
             slot = rank - (rank > q).to(tl.int32)
             off = ((region + t64) * (P - 1) + slot) * H
-            tl.store(D.peer_base(table_ptr, q, lam_off16, BITS) + off + cols, bits, mask=cmask)
+            tl.store(D.peer_base(table_ptr, q, lam_off16, BITS, dists) + off + cols, bits,
+                     mask=cmask)  # fmt: skip
 
 
 @triton.jit
 def _push_row(x_ptr, x_st, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
-              P: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+              P: tl.constexpr, BITS: tl.constexpr, dists=None):  # fmt: skip
     """Load row ``t`` of this rank's input and push it (:func:`_push_vals`)."""
     x = tl.load(x_ptr + t.to(tl.int64) * x_st + cols, mask=cmask, other=0.0)
-    _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+    _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
 
 
 @triton.jit
@@ -193,11 +194,13 @@ def _oneshot_kernel(
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
     g = _params(w_ptr, cols, cmask, weight_bias, PATTERN)
+    dists = D.table_dists(table_ptr, P)  # constant workspace metadata: before the wait
     if USE_PDL:
         gdc_wait()
     inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
     deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr,
-                                                   timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
+                                                   timeout_us, M, pid, G, cap, P, PTX,
+                                                   dists)  # fmt: skip
 
     # The first row's activations stay in registers: a CTA with one row has then read all of the
     # previous kernel's data before it starts waiting, and lets dependents launch (PDL) early.
@@ -215,14 +218,14 @@ def _oneshot_kernel(
 
     # Iteration i pushes row i and receives row i - 1: the peers pushed row i - 1 one iteration
     # earlier, so NVLink traffic of one row overlaps the local epilogue of the previous one.
-    mine = D.peer_base(table_ptr, rank, lam_off16, BITS)
+    mine = D.peer_base(table_ptr, rank, lam_off16, BITS, dists)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
     i = 0
     while (i <= n_mine) & (missing == 0):
         if i < n_mine:
             _push_row(x_ptr, x_st, pid + i * G, cols, cmask, table_ptr, lam_off16, region, rank,
-                      H, P, BITS)  # fmt: skip
+                      H, P, BITS, dists)  # fmt: skip
             if USE_PDL:
                 if n_mine == 1:
                     gdc_launch_dependents()
