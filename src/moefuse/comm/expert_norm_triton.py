@@ -364,34 +364,37 @@ def _close_group(out, gsum, k: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _token_routes(idx_ptr, idx_st, w_ptr, w_st, t64, R, KP: tl.constexpr, K: tl.constexpr):
-    """(slot indices ``0..KP-1``, valid mask, weight bits as int32) of token t's K slots: one
-    vector load each, so the fold needs no routing round trip of its own (and a decode launch
-    issues them before its grid-dependency wait). Weights of invalid slots are not read."""
-    ks = tl.arange(0, KP)
-    p = tl.load(idx_ptr + t64 * idx_st + ks, mask=ks < K, other=-1)
-    valid = (ks < K) & (p >= 0) & (p < R)
-    w = tl.load(w_ptr + t64 * w_st + ks, mask=valid, other=0.0).to(tl.float32)
-    return ks, valid, w.to(tl.int32, bitcast=True)
+def _token_routes(idx_ptr, idx_st, w_ptr, w_st, t64, R, K: tl.constexpr):
+    """(valid flags, weights as FP32) of token t's K slots, as two tuples of K scalars: the fold
+    picks slot k's entries by position, with no cross-thread reduction (and a decode launch
+    issues the 2K independent loads before its grid-dependency wait, so the fold needs no
+    routing round trip of its own). Weights of invalid slots are not read."""
+    valids = ()
+    weights = ()
+    for k in tl.static_range(K):
+        p = tl.load(idx_ptr + t64 * idx_st + k)
+        valid = (p >= 0) & (p < R)
+        valids = valids + (valid,)
+        weights = weights + (tl.load(w_ptr + t64 * w_st + k, mask=valid, other=0.0).to(tl.float32),)
+    return valids, weights
 
 
 @triton.jit
-def _fold_local(x_tok, r_tok, g, ks, kvalid, kwbits, cols, cmask, H, K: tl.constexpr,
+def _fold_local(x_tok, r_tok, g, valids, weights, cols, cmask, H, K: tl.constexpr,
                 B: tl.constexpr, WBN: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """``sum_{j asc} G_j`` of token t from its K rank-summed BF16 rows at ``x_tok`` (``[K, H]``)
     and their FP32 reciprocal RMS at ``r_tok`` (``[K]``), both local and written by other CTAs of
     this launch (read through L2 with ``.cg``); ``y_k`` is rebuilt with :func:`_norm_apply` (the
     same products as :func:`_expert_norm`: same bits, half the bytes of FP32 rows). The slots'
-    validity and weights come from :func:`_token_routes` (slot k's entries picked out of the
-    vectors exactly: integer sums with one non-zero term). Branch-free: the K row loads are
+    validity and weights are :func:`_token_routes`' tuples. Branch-free: the K row loads are
     independent (all in flight at once); an invalid slot's row, statistic and weight are masked
     off and its FMA is not applied (``where``): the other algorithms' chain."""
     out = tl.zeros(cols.shape, tl.float32)
     gsum = tl.zeros(cols.shape, tl.float32)
     for k in tl.static_range(K):
         out, gsum = _close_group(out, gsum, k, B)
-        valid = tl.sum(tl.where((ks == k) & kvalid, 1, 0), axis=0) != 0
-        w = tl.sum(tl.where(ks == k, kwbits, 0), axis=0).to(tl.float32, bitcast=True)
+        valid = valids[k]
+        w = weights[k]
         r = tl.load(r_tok + k, mask=valid, other=0, cache_modifier=".cg")
         xk = tl.load(x_tok + k * H + cols, mask=cmask & valid, other=0, cache_modifier=".cg")
         yk = _norm_apply(widen_f32(xk.to(tl.bfloat16, bitcast=True), PTX), g,
@@ -424,7 +427,6 @@ def _tp_slot_oneshot_kernel(
     M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
     P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
-    KPOW: tl.constexpr,
 ):  # fmt: skip
     """Decode path: one-shot all-to-all per (token, slot) row, ONE NVLink hop. Row ``r = t*K + k``
     belongs to CTA ``r mod G``. Phase 1: every rank pushes its partial row of each of its valid
@@ -447,7 +449,7 @@ def _tp_slot_oneshot_kernel(
     # round trip. The row itself (GEMM2's output) and the control words come after the wait.
     t0 = (pid // K).to(tl.int64)
     p0, valid0 = _route(idx_ptr, idx_st, t0, pid % K, R)
-    ks, kvalid0, kw0 = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t0, R, KPOW, K)
+    valids0, weights0 = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t0, R, K)
     dists = D.table_dists(table_ptr, P)  # constant workspace metadata, as the routing
     if USE_PDL:
         gdc_wait()
@@ -503,10 +505,10 @@ def _tp_slot_oneshot_kernel(
         last, fold = _arrive_token(cnt + t64, missing, K)
         completed = completed | last
         if fold:
-            kvalid, kw = kvalid0, kw0
+            valids, weights = valids0, weights0
             if t64 != t0:
-                _, kvalid, kw = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t64, R, KPOW, K)
-            out = _fold_local(xdec + t64 * K * H, rdec + t64 * K, g, ks, kvalid, kw, cols, cmask,
+                valids, weights = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t64, R, K)
+            out = _fold_local(xdec + t64 * K * H, rdec + t64 * K, g, valids, weights, cols, cmask,
                               H, K, B, WBN, PTX)  # fmt: skip
             _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16),
                        cols, cmask)  # fmt: skip
@@ -772,7 +774,7 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
 
 def _launch_slot_oneshot(xws, rows, weights, idx, norm_weight, out, eps, gain_center, p,
                          consts) -> None:  # fmt: skip
-    """"slot_oneshot": chunks of ``xws.slot_capacity`` tokens (the size of the local ``xn_xdec``
+    """Algorithm "slot_oneshot": chunks of ``xws.slot_capacity`` tokens (the local ``xn_xdec``
     rows); one CTA per (token, slot) row up to one CTA per SM (CTA j waits on CTA j of the peers,
     which must be resident; the interpreter runs CTAs one after another, 2 "SMs" on the CPU)."""
     ws = xws.ar
@@ -789,5 +791,5 @@ def _launch_slot_oneshot(xws, rows, weights, idx, norm_weight, out, eps, gain_ce
             ws.table, ws.offset16("xn_rows"), ws.offset16("xn_xdec"), ws.offset16("xn_rdec"),
             ws.offset16("xn_cnt"),
             ws.ctrl, ws.clock, mc, r, h, float(h), ws.rank, xws.capacity, float(eps),
-            float(gain_center), ws.timeout_us, P=p, KPOW=triton.next_power_of_2(k), **consts,
+            float(gain_center), ws.timeout_us, P=p, **consts,
         )  # fmt: skip
