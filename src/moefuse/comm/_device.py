@@ -338,8 +338,7 @@ def healthy(ctrl_ptr, table_ptr, rank, P: tl.constexpr, PTX: tl.constexpr, dists
     if dists is None:
         mine = flag_ptrs(table_ptr, rank + ranks * 0, rmask, FAULTS_OFF16, ranks)
     else:
-        d = pick(dists, rank) + FAULTS_OFF16
-        mine = table_ptr.to(tl.pointer_type(tl.int32)) + d * 4 + ranks
+        mine = peer_base(table_ptr, rank, FAULTS_OFF16, 32, dists) + ranks
     seen = tl.load(mine, mask=rmask, other=0, volatile=True)
     # bits 0..P-1: peers that gave up; bit 31 (P <= 31): "the status word is set". Disjoint
     # bits, so the int32 sum is their OR (an int64 variant cost 40 registers in the prefetch
