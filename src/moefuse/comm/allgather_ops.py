@@ -155,7 +155,7 @@ def _comm_stream(device: torch.device):
 
 
 def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: bool, run_rows,
-             reference, row_multiple: int = 1, one_launch=None) -> None:  # fmt: skip
+             reference, row_multiple: int = 1, epilogue=None) -> None:  # fmt: skip
     """Gather, then the single-GPU op.
 
     ``run_rows(x, a, b, pdl)`` launches the single-GPU kernel on the gathered rows ``x`` (rows
@@ -170,9 +170,9 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     gathers wait for this call's norms (the communication stream waits for the caller's stream
     at entry), and all gather launches stay ordered (generations).
     The ops are batch-invariant, so per-chunk launches give the same bits as one launch.
-    ``one_launch(ws, state, gathered, unchunked)``, when given, may run gather + op as one
-    kernel (returns False when it cannot; ``unchunked``: the two-launch path would run one
-    chunk): :mod:`moefuse.comm.allgather_decode`, :mod:`moefuse.comm.allgather_fused`."""
+    ``epilogue(dec)``, when given, describes the op as a
+    :class:`moefuse.comm.allgather_decode.Epilogue` (``dec`` is that module), so that gather +
+    op may run as one kernel (:func:`_run_one_launch`)."""
     ws = get_workspace(ws_id)
     ws.raise_if_unusable()
     m = shard.shape[0]
@@ -187,7 +187,8 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     state = allgather_state(ws)
     gathered = state.gathered(shard.dtype, m)
     step = chunk_rows(m, row_multiple)
-    if one_launch is not None and one_launch(ws, state, gathered, step >= m):
+    if epilogue is not None and _run_one_launch(ws, state, shard, gathered, epilogue, use_pdl,
+                                                step >= m):  # fmt: skip
         pass
     elif step >= m:
         launch_allgather(ws, state, shard, gathered, use_pdl)
@@ -213,6 +214,17 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
         ws.poll_status()
 
 
+def _run_one_launch(ws, state, shard: Tensor, gathered: Tensor, epilogue, use_pdl: bool,
+                    unchunked: bool) -> bool:  # fmt: skip
+    """Gather + the op of ``epilogue`` as one kernel where one can run it
+    (:func:`moefuse.comm.allgather_fused.run_one_launch`; False: the caller runs two launches).
+    ``unchunked``: the two-launch path would run one chunk."""
+    from moefuse.comm import allgather_decode as dec
+    from moefuse.comm import allgather_fused as fused
+
+    return fused.run_one_launch(ws, state, shard, gathered, epilogue(dec), use_pdl, unchunked)
+
+
 # ----------------------------------------------------------------------------- ops
 @torch.library.custom_op("moefuse::all_gather_rmsnorm", mutates_args=("out",))
 def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_id: int,
@@ -226,15 +238,11 @@ def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_
     def reference(x):
         out.copy_(ref.norm_ref.rmsnorm_reference(x, weight, eps, gain_center))
 
-    def one_launch(ws, state, gathered, unchunked):
-        from moefuse.comm import allgather_decode as dec
-        from moefuse.comm import allgather_fused as fused
-
-        ep = dec.Epilogue(dec.RMSNORM, weight, out, eps, gain_center)
-        return fused.run_one_launch(ws, state, shard, gathered, ep, use_pdl, unchunked)
+    def epilogue(dec):
+        return dec.Epilogue(dec.RMSNORM, weight, out, eps, gain_center)
 
     _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,
-             one_launch=one_launch)
+             epilogue=epilogue)
 
 
 @all_gather_rmsnorm_op.register_fake
@@ -258,15 +266,11 @@ def all_gather_rmsnorm_fp8_op(shard: Tensor, weight: Tensor, scale: Tensor, out:
         q = ref.quant_ref.rmsnorm_quant_reference(x, weight, scale, eps, dtype, gain_center)
         out.copy_(q.view(torch.uint8))
 
-    def one_launch(ws, state, gathered, unchunked):
-        from moefuse.comm import allgather_decode as dec
-        from moefuse.comm import allgather_fused as fused
-
-        ep = dec.Epilogue(dec.FP8, weight, out, eps, gain_center, aux=scale, fmt=fmt)
-        return fused.run_one_launch(ws, state, shard, gathered, ep, use_pdl, unchunked)
+    def epilogue(dec):
+        return dec.Epilogue(dec.FP8, weight, out, eps, gain_center, aux=scale, fmt=fmt)
 
     _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,
-             one_launch=one_launch)
+             epilogue=epilogue)
 
 
 @all_gather_rmsnorm_fp8_op.register_fake
@@ -303,16 +307,12 @@ def all_gather_rmsnorm_fp4_quantize_op(shard: Tensor, weight: Tensor, global_sca
         packed.copy_(p)
         scales.copy_(sf.reshape(scales.shape))
 
-    def one_launch(ws, state, gathered, unchunked):
-        from moefuse.comm import allgather_decode as dec
-        from moefuse.comm import allgather_fused as fused
-
-        ep = dec.Epilogue(dec.FP4, weight, packed, eps, gain_center, aux=global_scale,
-                          scales=scales, layout=layout, recipe=recipe)  # fmt: skip
-        return fused.run_one_launch(ws, state, shard, gathered, ep, use_pdl, unchunked)
+    def epilogue(dec):
+        return dec.Epilogue(dec.FP4, weight, packed, eps, gain_center, aux=global_scale,
+                            scales=scales, layout=layout, recipe=recipe)  # fmt: skip
 
     _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, tile,
-             one_launch)
+             epilogue)
 
 
 @all_gather_rmsnorm_fp4_quantize_op.register_fake
@@ -354,17 +354,13 @@ def all_gather_gated_residual_next_rmsnorm_op(
         if router_input is not None:
             router_input.copy_(router)
 
-    def one_launch(ws, state, gathered, unchunked):
-        from moefuse.comm import allgather_decode as dec
-        from moefuse.comm import allgather_fused as fused
-
+    def epilogue(dec):
         g = dec.GatedArgs(residual, alpha, alpha_scalar, beta, post_weight, residual_out,
                           router_input, post_eps, post_gain_center)  # fmt: skip
-        ep = dec.Epilogue(dec.GATED, next_weight, ffn_input, next_eps, next_gain_center, gated=g)
-        return fused.run_one_launch(ws, state, branch_shard, gathered, ep, use_pdl, unchunked)
+        return dec.Epilogue(dec.GATED, next_weight, ffn_input, next_eps, next_gain_center, gated=g)
 
     _execute(workspace_id, branch_shard, algorithm, backend, use_pdl, run_rows, reference,
-             one_launch=one_launch)
+             epilogue=epilogue)
 
 
 @all_gather_gated_residual_next_rmsnorm_op.register_fake
