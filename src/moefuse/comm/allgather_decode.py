@@ -270,7 +270,7 @@ def one_launch_tile(width: int, m: int, op: int = 0):
 
 @dataclass(frozen=True)
 class Epilogue:
-    """The single-GPU op a one-launch all-gather ends with (``op``: RMSNORM, FP8, FP4), its
+    """The single-GPU op a one-launch all-gather ends with (``op``: RMSNORM, FP8, FP4, GATED), its
     outputs and parameters. ``out``: rmsnorm rows / FP8 bytes (uint8) / NVFP4 packed codes;
     ``aux``: the FP8 scale / NVFP4 global scale; ``scales``: the NVFP4 scale bytes (the layout's
     padded ``[rows, cols]``)."""

@@ -507,14 +507,12 @@ def ctas_per_sm(m: int | None = None, h: int | None = None, dense: bool = False)
         if value not in (1, 2, 4):
             raise ValueError(f"MOEFUSE_MOE_COMM_CTAS_PER_SM must be 1, 2 or 4, got {value}")
         return value
-    if m is not None and h is not None:
-        if h <= TWO_CTAS_MAX_WIDTH:
-            first = TWO_CTAS_MIN_TOKENS
-        else:  # the §3.2 reduction measured no faster with 2 (below): it keeps 1 there
-            first = WIDE_TWO_CTAS_MIN_TOKENS if not dense else None
-        if first is not None and m >= first:
-            return 2
-    return 1
+    if m is None or h is None:
+        return 1
+    if h <= TWO_CTAS_MAX_WIDTH:
+        return 2 if m >= TWO_CTAS_MIN_TOKENS else 1
+    # wider rows: the §3.2 reduction (dense) measured no faster with 2 (above): it keeps 1
+    return 2 if not dense and m >= WIDE_TWO_CTAS_MIN_TOKENS else 1
 
 
 def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
