@@ -44,9 +44,6 @@ from moefuse.bench import ranks
 TOKENS = [1, 8, 64, 512, 4096, 16384]
 WIDTHS = [4096, 8192]
 OPS = ("rmsnorm", "fp8", "fp4", "gated")
-#: ops whose default is one kernel (decode at M <= 64, persistent above): the bench also times
-#: their two-launch paths (moefuse_2launch / moefuse_chunked / moefuse_nochunk)
-ONE_LAUNCH_OPS = ("rmsnorm", "fp8", "fp4", "gated")
 NO_MULTICAST = ranks.NO_MULTICAST
 BASELINES = ("nccl+op", "symm+op")
 PEER_COPY_BYTES = 256 << 20
@@ -180,17 +177,19 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)  # drop it on every rank alike
         if not int(vote.item()):
             variants.pop(name)
-    env = {}  # variants of the one-launch ops that differ from the default by knobs
     if op == "rmsnorm":
         variants["moefuse_gather"] = gather_only
-    if op in ONE_LAUNCH_OPS:
-        if m > ONE_LAUNCH_MAX_TOKENS:  # the default is the persistent kernel: the old paths too
-            env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
-            if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
-                env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
-        else:  # the default is one launch here: time two as well
-            env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
-        variants.update({name: fused for name in env})
+    # every op's default is one kernel (decode at M <= 64, persistent above): its two-launch
+    # paths too, as variants that differ from the default by knobs
+    env = {}
+    if m > ONE_LAUNCH_MAX_TOKENS:  # the default is the persistent kernel: the old paths too
+        env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
+        if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
+            env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
+    else:  # the default is one launch here: time two as well
+        env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
+    variants.update({name: fused for name in env})
+
     def check(name, fn):
         def run():  # correctness first for the knob variants too
             for a, b in zip(fn(0), want):
