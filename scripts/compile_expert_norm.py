@@ -1,6 +1,7 @@
 """Offline sm_90a compile of the per-expert-norm kernels (no GPU): ptxas registers / spills.
 
 ``PYTHONPATH=src python scripts/compile_expert_norm.py [--widths 4096,7168] [--topk 8]``
+(``--only NAME``: the kernels whose name contains NAME)
 compiles ``_tp_slot_oneshot_kernel``, ``_tp_slot_kernel``, ``_tp_expert_owner_kernel``,
 ``_tp_token_owner_kernel``, ``_tp_staged_kernel``, ``_tp_gathered_kernel``,
 ``_ep_partial_kernel`` and ``_ep_oneshot_kernel``
@@ -25,6 +26,7 @@ def main(argv) -> int:
     parser.add_argument("--widths", default="4096,7168")
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--only", default="", help="compile kernels whose name contains this")
     args = parser.parse_args(argv)
     import triton
     from _ptxas import TARGET, ptxas_report
@@ -43,6 +45,8 @@ def main(argv) -> int:
                        xt._tp_expert_owner_kernel, xt._tp_token_owner_kernel,
                        xt._tp_staged_kernel, xt._tp_gathered_kernel,
                        xe._ep_partial_kernel, xe._ep_oneshot_kernel):  # fmt: skip
+            if args.only not in kernel.fn.__name__:
+                continue
             consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
                           KPOW=triton.next_power_of_2(k),
                           NG=-(-k // block), BLOCK_H=tile.block, WBN=True, USE_PDL=True,

@@ -12,8 +12,12 @@ Backends (chosen by :class:`moefuse.comm.AllReduceWorkspace` from the device typ
 * :class:`SharedMemoryTransport` (CPU): one file per rank in a shared-memory directory, mapped
   ``MAP_SHARED`` by every process of the group. The Triton interpreter dereferences raw addresses,
   so the same kernels that run on the GPU run across real processes on CPU tensors.
+* :class:`LoopbackTransport` (CUDA or CPU, tests and benchmarks only): every rank is a thread of
+  ONE process (``moefuse.testing_ranks``), so an ordinary tensor per rank is already addressable
+  by every rank; several ranks may share one GPU. Only picked by an explicit
+  ``transport="loopback"``, never by "auto".
 
-Both expose ``local`` (this rank's buffer as a uint8 tensor), ``peer_addrs`` (the address, valid in
+All expose ``local`` (this rank's buffer as a uint8 tensor), ``peer_addrs`` (the address, valid in
 this process, of every rank's buffer; index = rank in the group) and an idempotent ``close()``.
 Neither ever hands a shared buffer to a kernel as a tensor argument: Triton's interpreter copies
 tensor arguments back after a launch, which would race with peers writing the same bytes.
@@ -387,25 +391,82 @@ class CudaIpcTransport(_Barrier):
         self._free()
 
 
+class LoopbackTransport(_Barrier):
+    """Per-rank buffers of ranks that are threads of one process, for tests and benchmarks on
+    ONE device (several ranks on one GPU, or on CPU under the Triton interpreter).
+
+    Each rank allocates an ordinary zero-filled tensor on ``device`` (``init`` applied) and
+    publishes ``(pid, address)`` with ``all_gather_object``: all ranks live in this process, so
+    the addresses are valid as they are (no mapping). Construction fails on every rank alike
+    when the ranks are not all in one process. ``close()`` frees this rank's buffer after the
+    barrier, so no peer still writes into it. Never chosen by "auto": ranks on one device only
+    make progress when every rank's kernels can be resident at once (the workspace gives each
+    rank ``1/P`` of the SMs, see ``AllReduceWorkspace``), which real deployments do not need.
+    """
+
+    kind = "loopback"
+
+    def __init__(self, group, nbytes: int, device: torch.device, init=None, vote=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.nbytes = int(nbytes)
+        self.device = device
+        try:
+            self.local = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+            error = None
+        except Exception as exc:  # out of memory
+            error = exc
+        _agree(vote, error, lambda: None)
+        if init is not None:
+            init(self.local)
+        if device.type == "cuda":  # peers' kernels run on other streams: the fill must be done
+            torch.cuda.synchronize(device)
+        infos = [None] * self.world_size
+        dist.all_gather_object(infos, (os.getpid(), self.local.data_ptr()), group=group)
+        if any(pid != os.getpid() for pid, _ in infos):
+            self.local = None
+            raise RuntimeError("loopback transport: the ranks are not threads of one process "
+                               f"(pids {sorted({pid for pid, _ in infos})})")  # fmt: skip
+        self.peer_addrs = [addr for _, addr in infos]
+        if any(a % ALIGN for a in self.peer_addrs):
+            raise RuntimeError("loopback buffers are not 16-byte aligned")
+        dist.barrier(group=group)
+        self._closed = False
+
+    def close(self, barrier=None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.peer_addrs = []
+        (barrier or self._barrier)()  # every rank stopped using the buffers before any is freed
+        self.local = None
+
+
 #: CUDA transports in the order "auto" tries them
 CUDA_TRANSPORTS = ("symm_mem", "cuda_ipc")
+#: the test transport (ranks as threads of one process); only ever by explicit request
+LOOPBACK = "loopback"
 
 
 def cuda_transport_order(requested: str) -> tuple[str, ...]:
-    """The CUDA transports to try, in order, for ``requested`` ("auto", "symm_mem" or
-    "cuda_ipc"); ValueError otherwise."""
+    """The CUDA transports to try, in order, for ``requested`` ("auto", "symm_mem", "cuda_ipc"
+    or "loopback"); ValueError otherwise. "auto" never includes "loopback"."""
     if requested == "auto":
         return CUDA_TRANSPORTS
-    if requested in CUDA_TRANSPORTS:
+    if requested in CUDA_TRANSPORTS or requested == LOOPBACK:
         return (requested,)
-    raise ValueError(f"transport must be 'auto' or one of {CUDA_TRANSPORTS}, got {requested!r}")
+    raise ValueError(f"transport must be 'auto' or one of {(*CUDA_TRANSPORTS, LOOPBACK)}, got "
+                     f"{requested!r}")  # fmt: skip
 
 
 def make_transport(kind: str, group, nbytes: int, device, init=None, vote=None):
-    """Transport ``kind`` ("shm" for a CPU device, else one of ``CUDA_TRANSPORTS``)."""
+    """Transport ``kind`` ("shm" for a CPU device, "loopback" for threads of one process on any
+    device, else one of ``CUDA_TRANSPORTS``)."""
     if kind == "shm":
         return SharedMemoryTransport(group, nbytes, init, vote)
-    cls = {"symm_mem": SymmetricMemoryTransport, "cuda_ipc": CudaIpcTransport}[kind]
+    cls = {"symm_mem": SymmetricMemoryTransport, "cuda_ipc": CudaIpcTransport,
+           LOOPBACK: LoopbackTransport}[kind]  # fmt: skip
     return cls(group, nbytes, device, init, vote)
 
 

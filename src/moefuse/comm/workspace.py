@@ -58,10 +58,13 @@ Backends: CUDA tensors use torch symmetric memory over NVLink P2P with multicast
 where that is missing or fails, device buffers shared with CUDA IPC handles (``transport=``
 "auto" tries them in that order; "symm_mem" / "cuda_ipc" pick one; the MOEFUSE_COMM_TRANSPORT
 variable sets the default); a ``cpu`` device uses shared-memory files between processes (gloo
-group) so the same Triton kernels run in the interpreter across real processes. Groups that
-span hosts or lack peer access get a workspace without peer buffers (``peer_access`` False):
-every call then takes the torch.distributed path (all-gather + local rank-order sum), which
-gives the same bits.
+group) so the same Triton kernels run in the interpreter across real processes. For tests and
+benchmarks on ONE device, ``transport="loopback"`` (never chosen by "auto") runs the ranks as
+threads of one process (:mod:`moefuse.testing_ranks`): plain per-rank tensors, and on CUDA each
+rank gets ``1/P`` of the SMs, so the persistent grids of all ranks fit on the GPU at once.
+Groups that span hosts or lack peer access get a workspace without peer buffers (``peer_access``
+False): every call then takes the torch.distributed path (all-gather + local rank-order sum),
+which gives the same bits.
 """
 
 from __future__ import annotations
@@ -149,7 +152,8 @@ class AllReduceWorkspace:
     size, within a 768 MiB budget),
     ``peer_access`` (None = detect; False forces the torch.distributed path),
     ``transport`` (CUDA peer buffers: "auto" = symmetric memory, else CUDA IPC; "symm_mem" or
-    "cuda_ipc" forces one; None = the MOEFUSE_COMM_TRANSPORT variable, else "auto"; the same on
+    "cuda_ipc" forces one; "loopback": ranks are threads of one process, CUDA or CPU, tests and
+    benchmarks only; None = the MOEFUSE_COMM_TRANSPORT variable, else "auto"; the same on
     every rank),
     ``extra_regions`` (name -> bytes: more peer-visible regions, zero-filled, appended to the
     layout for other communication ops; ``offset16(name)`` addresses them).
@@ -179,6 +183,8 @@ class AllReduceWorkspace:
             self._transport_order = tp.cuda_transport_order(transport)
         except ValueError as exc:
             raise ValueError(f"AllReduceWorkspace: {exc}") from None
+        #: ranks are threads of one process, possibly sharing one device (tests, benchmarks)
+        self.loopback = self._transport_order == (tp.LOOPBACK,)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -268,12 +274,17 @@ class AllReduceWorkspace:
         if self.device.type != "cuda":
             return CPU_SMS
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if self.loopback:
+            # the ranks' kernels share the GPU and spin on each other: sized to 1/P of the SMs,
+            # every rank's persistent grid is resident at once (else the waits run out)
+            sms = max(1, sms // self.world_size)
         t = torch.tensor([sms], dtype=torch.int32, device=self._coll_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
     def _detect_peer_access(self) -> bool:
-        """Same host for every rank and, on CUDA, P2P access to every peer's device."""
+        """Same host for every rank and, on CUDA, P2P access to every peer's device (ranks on the
+        same device, as loopback ranks may be, need none)."""
         index = self.device.index if self.device.type == "cuda" else -1
         infos = [None] * self.world_size
         dist.all_gather_object(infos, (socket.gethostname(), index), group=self.group)
@@ -309,7 +320,8 @@ class AllReduceWorkspace:
         allocation and mapping), so the ranks always agree on the transport or on none."""
         from moefuse._runtime import log_once
 
-        kinds = self._transport_order if self.device.type == "cuda" else ("shm",)
+        kinds = self._transport_order if self.device.type == "cuda" or self.loopback else \
+            ("shm",)  # fmt: skip
         for i, kind in enumerate(kinds):
             try:
                 return tp.make_transport(kind, self.group, self.buffer_bytes, self.device,

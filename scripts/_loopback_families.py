@@ -1,0 +1,286 @@
+"""Op families of scripts/loopback_gpu_check.py: per family the workspace, random inputs on the
+device, one call of one rank, and the check of rank 0's outputs against the reference of ALL
+ranks' inputs (plus the bit-level helpers they share). Imported by the script after it has set
+the environment; ``BF16`` is set by the script once torch is imported."""
+
+from __future__ import annotations
+
+import os
+
+BF16 = None  # torch.bfloat16 (set by loopback_gpu_check.main)
+P = 2
+K = int(os.environ.get("LOOPBACK_TOPK", "8"))  # top-k of the MoE families (tests vary it)
+RSF = 2.5
+
+
+# ----------------------------------------------------------------------------- helpers
+def raw(t):
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().contiguous().view(ints[t.element_size()])
+
+
+def same_bits(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(raw(a), raw(b))
+
+
+def max_ulp(a, b) -> int:
+    """Largest distance in units in the last place of BF16/FP16 ``a`` vs ``b`` (NaN: 1 << 30)."""
+    import torch
+
+    if a.shape != b.shape:
+        return 1 << 30
+    if a.numel() == 0:
+        return 0
+    if not bool(torch.isfinite(a.float()).all()):
+        return 1 << 30
+
+    def ordered(t):
+        i = raw(t.to(a.dtype)).to(torch.int32)
+        return torch.where(i < 0, -(i & 0x7FFF), i & 0x7FFF)
+
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+def checksum(*tensors) -> int:
+    """Position-weighted integer checksum of the bits (compared across ranks on the host)."""
+    import torch
+
+    total = 0
+    for t in tensors:
+        b = raw(t).reshape(-1).long()
+        pos = torch.arange(b.numel(), device=b.device) % 1000003 + 1
+        total = (total * 1000033 + int((b * pos).sum())) % (1 << 61)
+    return total
+
+
+def record(family, op, algo, m, h, ok, detail="", sums=None, status=None) -> dict:
+    return dict(family=family, op=op, algo=algo, M=m, H=h,
+                status=status or ("PASS" if ok else "FAIL"), detail=detail, checksum=sums)
+
+
+def gen(seed, dev):
+    import torch
+
+    return torch.Generator(device=dev).manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- families
+class AllReduceNorm:
+    """``allreduce_residual_rmsnorm`` one-shot / two-shot."""
+
+    name, op, algos = "ar_norm", "allreduce_residual_rmsnorm", ("oneshot", "twoshot")
+
+    @staticmethod
+    def workspace(moefuse, m_cap, h, dev, timeout_s):
+        return moefuse.AllReduceWorkspace(None, m_cap, h, BF16, dev, timeout_s=timeout_s,
+                                          oneshot_max_tokens=m_cap)  # fmt: skip
+
+    @staticmethod
+    def inputs(seed, m, h, dev):
+        import torch
+
+        g = gen(seed, dev)
+        parts = []
+        for r in range(P):
+            x = (torch.randn(m, h, generator=g, device=dev) * (0.5 + r)).to(BF16)
+            x[:, 0] = -0.0  # the sum must be +0.0 there
+            parts.append(x)
+        res = torch.randn(m, h, generator=g, device=dev).to(BF16)
+        w = (torch.rand(h, generator=g, device=dev) + 0.5).to(BF16)
+        return parts, res, w
+
+    @staticmethod
+    def call(moefuse, ws, rank, case, algo, pdl=None):
+        parts, res, w = case
+        return moefuse.allreduce_residual_rmsnorm(parts[rank], res, w, workspace=ws,
+                                                  algorithm=algo, impl="triton", enable_pdl=pdl)
+
+    @staticmethod
+    def check(case, outs):
+        from moefuse.comm import reference as ref
+
+        parts, res, w = case
+        h_ref, n_ref = ref.allreduce_residual_rmsnorm_from_partials(parts, res, w, 1e-6, 0.0)
+        ulp = max_ulp(outs[1], n_ref)
+        ok = same_bits(outs[0], h_ref) and ulp <= 1
+        return ok, f"residual_out bitwise={same_bits(outs[0], h_ref)} norm_out ulp={ulp}"
+
+
+class MoeFinalize:
+    """``moe_finalize_allreduce_residual_rmsnorm`` (K = 8, shared expert, stepwise) one-shot /
+    two-shot."""
+
+    name, op, algos = "moe_finalize", "moe_finalize_allreduce_residual_rmsnorm", \
+        ("oneshot", "twoshot")  # fmt: skip
+
+    @staticmethod
+    def workspace(moefuse, m_cap, h, dev, timeout_s):
+        from moefuse.comm.moe_fusion_ops import extra_regions
+
+        return moefuse.AllReduceWorkspace(None, m_cap, h, BF16, dev, timeout_s=timeout_s,
+                                          oneshot_max_tokens=m_cap,
+                                          extra_regions=extra_regions(m_cap, h))  # fmt: skip
+
+    @staticmethod
+    def inputs(seed, m, h, dev):
+        """Permuted rows with 5 padding rows (NaN where unused), one invalid slot in two of every
+        three tokens, -0.0 in column 0 (as tests/test_comm_moe_fusion_gpu.py)."""
+        import torch
+
+        g = gen(seed, dev)
+        r_rows = m * K + 5
+        perm = torch.randperm(r_rows, generator=g, device=dev)[: m * K].to(torch.int32)
+        perm = perm.view(m, K)
+        t = torch.arange(m, device=dev)
+        bad = torch.tensor([-1, -9, r_rows, r_rows + 3], dtype=torch.int32, device=dev)[t % 4]
+        sel = (t % 3) != 2
+        perm[t[sel], ((t + 1) % K)[sel]] = bad[sel]
+        valid = (perm >= 0) & (perm < r_rows)
+        keep = torch.zeros(r_rows, dtype=torch.bool, device=dev)
+        keep[perm[valid].long()] = True
+        ins, wts, shs = [], [], []
+        for _ in range(P):
+            x = torch.randn(r_rows, h, generator=g, device=dev).to(BF16)
+            x[~keep] = float("nan")
+            x[:, 0] = -0.0
+            ins.append(x)
+            wts.append((torch.rand(m, K, generator=g, device=dev) + 0.1).to(BF16))
+            shs.append(torch.randn(m, h, generator=g, device=dev).to(BF16))
+        res = torch.randn(m, h, generator=g, device=dev).to(BF16)
+        w = (torch.rand(h, generator=g, device=dev) + 0.5).to(BF16)
+        return ins, perm, wts, shs, res, w
+
+    @staticmethod
+    def call(moefuse, ws, rank, case, algo, pdl=None):
+        ins, perm, wts, shs, res, w = case
+        return moefuse.moe_finalize_allreduce_residual_rmsnorm(
+            ins[rank], res, w, perm, workspace=ws, expert_scale_factor=wts[rank],
+            routed_scaling_factor=RSF, shared_expert_output=shs[rank], algorithm=algo,
+            impl="triton", enable_pdl=pdl)  # fmt: skip
+
+    @staticmethod
+    def check(case, outs):
+        from moefuse.comm import moe_fusion_reference as mref
+
+        ins, perm, wts, shs, res, w = case
+        want = mref.moe_finalize_allreduce_from_ranks(
+            ins, perm, res, w, expert_scale_factors=wts, routed_scaling_factor=RSF,
+            shared_expert_outputs=shs)  # fmt: skip
+        bitwise = same_bits(outs[0], want["residual_out"])
+        ulp = max_ulp(outs[1], want["norm_out"])
+        return bitwise and ulp <= 1, f"residual_out bitwise={bitwise} norm_out ulp={ulp}"
+
+
+class AllGatherNorm:
+    """``all_gather_rmsnorm`` one-shot: bitwise equal to ``moefuse.rmsnorm`` of the full rows."""
+
+    name, op, algos = "allgather_norm", "all_gather_rmsnorm", ("oneshot",)
+
+    @staticmethod
+    def workspace(moefuse, m_cap, h, dev, timeout_s):
+        ws = moefuse.AllReduceWorkspace(None, m_cap, h, BF16, dev, timeout_s=timeout_s,
+                                        oneshot_max_tokens=1,
+                                        extra_regions=moefuse.allgather_regions(m_cap, h))
+        moefuse.prepare_allgather(ws, BF16)  # (outside any capture)
+        return ws
+
+    @staticmethod
+    def inputs(seed, m, h, dev):
+        import torch
+
+        g = gen(seed, dev)
+        full = torch.randn(m, h, generator=g, device=dev).to(BF16)
+        full[0, :3] = -0.0
+        w = (torch.rand(h, generator=g, device=dev) + 0.5).to(BF16)
+        s = h // P
+        shards = [full[:, r * s : (r + 1) * s].contiguous() for r in range(P)]
+        return full, shards, w
+
+    @staticmethod
+    def call(moefuse, ws, rank, case, algo, pdl=None):
+        full, shards, w = case
+        return (moefuse.all_gather_rmsnorm(shards[rank], w, workspace=ws, algorithm=algo,
+                                           impl="triton", enable_pdl=pdl),)  # fmt: skip
+
+    @staticmethod
+    def check(case, outs):
+        import moefuse
+
+        full, shards, w = case
+        want = moefuse.rmsnorm(full, w, 1e-6)
+        ok = same_bits(outs[0], want)
+        return ok, f"bitwise vs rmsnorm(full)={ok} (ulp={max_ulp(outs[0], want)})"
+
+
+class TpFinalize:
+    """``tp_moe_finalize_rmsnorm`` (K = 8, FP32 weights, ~10 % invalid slots)."""
+
+    name, op = "tp_finalize", "tp_moe_finalize_rmsnorm"
+    algos = ("slot_oneshot", "expert_owner_slots", "expert_owner", "token_owner", "staged")
+    opts = dict(eps=1e-6, gain_center=0.0, weight_before_norm=True)
+
+    @staticmethod
+    def workspace(moefuse, m_cap, h, dev, timeout_s):
+        return moefuse.ExpertNormWorkspace(None, h, K, dev, timeout_s=timeout_s)
+
+    @staticmethod
+    def inputs(seed, m, h, dev):
+        import torch
+
+        g = gen(seed, dev)
+        r = m * K + 3
+        perm = torch.randperm(r, generator=g, device=dev)[: m * K].view(m, K).to(torch.int32)
+        inv = torch.rand(m, K, generator=g, device=dev) < 0.1
+        idx = torch.where(inv, torch.full_like(perm, -1), perm)
+        valid = idx >= 0
+        parts = []
+        for q in range(P):
+            rows = torch.full((r, h), float("nan"), dtype=BF16, device=dev)
+            vals = torch.randn(int(valid.sum()), h, generator=g, device=dev) * (0.5 + q)
+            vals[:, 0] = -0.0
+            rows[idx[valid].long()] = vals.to(BF16)
+            parts.append(rows)
+        w = torch.rand(m, K, generator=g, device=dev)
+        w[~valid] = float("nan")
+        nw = (torch.rand(h, generator=g, device=dev) + 0.5).to(BF16)
+        return parts, w, idx, nw
+
+    @classmethod
+    def call(cls, moefuse, ws, rank, case, algo, pdl=None):
+        parts, w, idx, nw = case
+        return (moefuse.tp_moe_finalize_rmsnorm(parts[rank], w, idx, nw, workspace=ws,
+                                                algorithm=algo, impl="triton", enable_pdl=pdl,
+                                                **cls.opts),)  # fmt: skip
+
+    @classmethod
+    def check(cls, case, outs):
+        import torch
+
+        from moefuse.comm import expert_norm_reference as ref
+
+        parts, w, idx, nw = case
+        exp = ref.tp_moe_finalize_rmsnorm_from_ranks(parts, w, idx, nw, **cls.opts)
+        out = outs[0]
+        if out.isnan().any():
+            return False, "NaN in the output (an invalid row or weight was read)"
+        diff = (out.float() - exp.float()).abs()
+        e = torch.floor(torch.log2(exp.float().abs().clamp_min(2.0**-126)))
+        ulp = torch.pow(2.0, e - 7).clamp_min(2.0**-133)
+        try:  # sum_k |y_k w_k| over the valid slots (the cancellation bound of SPEC §3.4)
+            valid, x = ref._slot_rows(parts, idx, nw.shape[0])
+            y = torch.zeros_like(x)
+            y[valid] = ref.expert_norm(x[valid], nw, cls.opts["eps"], cls.opts["gain_center"],
+                                       cls.opts["weight_before_norm"]).abs()  # fmt: skip
+            mag = (y * torch.where(valid, w.float(), 0.0).abs()[..., None]).sum(1)
+            bound, how = ulp + mag * 2.0**-20, "1 ulp + 2^-20 sum|y w|"
+        except Exception as exc:  # the reference's private helpers changed: 2 ulp only
+            bound, how = 2 * ulp, f"2 ulp (magnitude helper unavailable: {exc})"
+        bad = int((diff > bound).sum())
+        return bad == 0, f"{bad} elements outside {how}; max |diff| {float(diff.max()):.3g}"
+
+
+FAMILIES = {f.name: f for f in (AllReduceNorm, MoeFinalize, AllGatherNorm, TpFinalize)}

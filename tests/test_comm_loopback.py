@@ -1,0 +1,82 @@
+"""Loopback ranks on CPU: P ranks as P threads of this process (``moefuse.testing_ranks``) with
+``transport="loopback"`` peer buffers, the real Triton kernels in the interpreter. The same
+scenarios and checks as the multi-process tests (tests/test_comm.py, test_comm_moe_fusion.py):
+residual_out bitwise and norm_out within 1 ulp of the reference of all ranks' inputs, bitwise
+across algorithms and ranks. The GPU counterpart is scripts/loopback_gpu_check.py (one GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moefuse.comm import transport as tp
+from moefuse.testing_ranks import run_loopback_ranks
+from test_comm import _assert_ranks_agree, scenario_patterns
+
+pytestmark = pytest.mark.interpreter
+
+
+def test_loopback_is_only_picked_explicitly():
+    assert tp.LOOPBACK not in tp.cuda_transport_order("auto")
+    assert tp.cuda_transport_order("loopback") == ("loopback",)
+
+
+def scenario_norm(rank, world_size, cfg):
+    """The workspace really is a loopback one (distinct per-rank buffers of this process), then
+    test_comm's pattern scenario (oracle, bitwise across algorithms)."""
+    import moefuse
+
+    ws = moefuse.AllReduceWorkspace(None, 4, 64, torch.bfloat16, "cpu", timeout_s=60)
+    assert ws.loopback and ws.transport.kind == "loopback" and ws.peer_access
+    addrs = ws.transport.peer_addrs
+    assert len(set(addrs)) == world_size and addrs[rank] == ws.transport.local.data_ptr()
+    ws.close()
+    return scenario_patterns(rank, world_size, cfg)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_allreduce_residual_rmsnorm_loopback_ranks(world_size):
+    cfg = dict(dtypes=(torch.bfloat16,), widths=(64, 200), tokens=(1, 5), patterns=("norm",),
+               algorithms=("oneshot", "twoshot", "torch"), batch_invariance=world_size == 2)
+    _assert_ranks_agree(run_loopback_ranks(scenario_norm, world_size, "cpu", cfg))
+
+
+def test_moe_finalize_loopback_ranks():
+    from test_comm_moe_fusion import scenario as moe_scenario
+
+    cfg = dict(shapes=((40, (1, 5)),), cases=(("finalize", 2, "stepwise", None),),
+               algorithms=("oneshot", "twoshot", "torch"), alone=False)  # fmt: skip
+    _assert_ranks_agree(run_loopback_ranks(moe_scenario, 2, "cpu", cfg))
+
+
+def _fail_on_rank_one(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one gives up")
+    dist.barrier()  # woken by the runner when rank 1 fails
+    return rank
+
+
+def test_runner_reports_the_failing_rank():
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 ---.*rank one gives up"):
+        run_loopback_ranks(_fail_on_rank_one, 2, "cpu", timeout_s=60)
+    # the process is left clean: the next run works
+    assert run_loopback_ranks(lambda r, p: (r, p), 3, "cpu") == [(0, 3), (1, 3), (2, 3)]
+
+
+def _loopback_across_processes(rank, world_size):
+    import moefuse
+
+    ws = moefuse.AllReduceWorkspace(None, 4, 64, torch.bfloat16, "cpu", transport="loopback")
+    out = (ws.loopback, ws.peer_access)
+    ws.close()
+    return out
+
+
+def test_loopback_refuses_ranks_in_separate_processes():
+    """Addresses of another process are not valid here: the transport fails on every rank alike
+    and the workspace takes the torch.distributed path."""
+    from comm_mp import run_group
+
+    assert run_group(2, _loopback_across_processes) == [(True, False), (True, False)]
