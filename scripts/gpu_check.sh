@@ -2,7 +2,7 @@
 # One device call: every GPU test suite, spread over the GPUs present, logs under ${OUT:-out}.
 # Usage (repo root, on an H200 machine): bash scripts/gpu_check.sh [--bench]
 #   single-GPU suites run in parallel, one per GPU; then the communication suite for every world
-#   size the machine has; with --bench the benchmarks follow (JSON + PNG under $OUT/results).
+#   size the machine has (one GPU: the loopback suite, two ranks on it); with --bench the benchmarks follow (JSON + PNG under $OUT/results).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -24,6 +24,10 @@ for s in "${suites[@]}"; do name=$(basename "$s" .py); echo "$name: $(tail -1 "$
 if (( gpus >= 2 )); then
   python3 -m pytest -q -p no:cacheprovider tests/test_comm_gpu.py > "$OUT/test_comm_gpu.log" 2>&1
   echo "test_comm_gpu: $(tail -1 "$OUT/test_comm_gpu.log")"
+else  # one GPU: the communication kernels as two loopback ranks on it
+  python3 -m pytest -q -p no:cacheprovider tests/test_comm_loopback_gpu.py \
+    > "$OUT/test_comm_loopback_gpu.log" 2>&1
+  echo "test_comm_loopback_gpu: $(tail -1 "$OUT/test_comm_loopback_gpu.log")"
 fi
 if [[ "${1:-}" == "--bench" ]]; then
   for fam in norm moe quant; do
