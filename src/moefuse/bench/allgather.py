@@ -17,15 +17,18 @@ then times, side by side in one run:
   the one-launch decode kernel (M <= 64; checked bitwise first, NaN if it fails);
 * ``nccl+op``: NCCL ``all_gather_into_tensor`` into [P, M, H/P], re-layout to [M, H]
   (``permute`` + contiguous copy), then the moefuse single-GPU op;
-* ``symm+op``: PyTorch symmetric memory ``torch.ops.symm_mem._low_contention_all_gather``
-  (peer loads, no multicast), the same re-layout and op: checked bitwise, but NaN in the
-  timings (it cannot be graph-captured: :data:`UNCAPTURABLE`).
+* ``symm+op``: a PyTorch symmetric-memory all-gather (no multicast): every rank's shards live
+  in one ``symm_mem`` allocation; per call a ``barrier()`` of the handle, then one SM copy
+  kernel per rank reading that rank's shard through its peer mapping into ``[P, M, H/P]``; the
+  same re-layout and op. (torch's ``_low_contention_all_gather`` cannot be graph-captured:
+  it leaves side-stream work unjoined.) The inputs never change during a run, so the second
+  barrier a reused buffer needs is not paid: that can only flatter this baseline.
 
 Ops (``--ops``): ``rmsnorm`` (-> moefuse.rmsnorm), ``fp8`` (-> rmsnorm_quant), ``fp4``
 (-> rmsnorm_fp4_quantize, linear scales), ``gated`` (-> gated_residual_next_rmsnorm, tensor
 alpha). Each figure is the max over ranks of the median per-call time of CUDA-graph replays
-(``harness.graph_time_us``; shards rotate over sets larger than L2; the symmetric-memory input
-is one buffer, which can only flatter that baseline).
+(``harness.graph_time_us``; every variant's shards, the symmetric-memory ones included, rotate
+over sets larger than L2).
 
 NVLink bound: the bytes each rank must receive, ``(P-1)/P * M * H * 2``, over the peer-copy
 bandwidth measured in the same run (``peer_copy_GBps``: every rank at once pushes a 256 MiB
@@ -46,12 +49,13 @@ WIDTHS = [4096, 8192]
 OPS = ("rmsnorm", "fp8", "fp4", "gated")
 NO_MULTICAST = ranks.NO_MULTICAST
 BASELINES = ("nccl+op", "symm+op")
-#: variants checked for correctness but never captured: torch's low-contention all-gather leaves
-#: side-stream work unjoined, so its capture always failed ("capturing stream has unjoined work",
-#: every case of the session 8-9 runs), and each failed capture stayed registered with the CUDA
+#: variants checked for correctness but never captured (name -> why). Until session 11 the
+#: symm+op baseline used torch's _low_contention_all_gather, whose capture always failed
+#: ("capturing stream has unjoined work"); each failed capture stayed registered with the CUDA
 #: caching allocator, whose exit-time assertion (captures_underway.empty()) then ended the
-#: benchmark with SIGABRT after it had written its results. Their rows are NaN, as before.
-UNCAPTURABLE = {"symm+op": "torch's _low_contention_all_gather cannot be graph-captured"}
+#: benchmark with SIGABRT. harness.graph_time_us now releases a failed capture; a variant known
+#: not to capture belongs here instead.
+UNCAPTURABLE: dict[str, str] = {}
 _NOTED: set[str] = set()  # variants whose "not timed" line was printed
 PEER_COPY_BYTES = 256 << 20
 CHUNK_ENV = "MOEFUSE_ALLGATHER_CHUNK_ROWS"
@@ -119,6 +123,7 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
+    from moefuse.bench._copy import sm_copy
     from moefuse.comm import allgather_ops
     from moefuse.comm.allgather_decode import ONE_LAUNCH_ENV, ONE_LAUNCH_MAX_TOKENS
     from moefuse.comm.allgather_triton import launch_allgather
@@ -141,18 +146,22 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
              q4=torch.empty(m, h // 2, dtype=torch.uint8, device=dev),
              sf4=torch.empty(m, h // 16, dtype=torch.uint8, device=dev))  # fmt: skip
     stacked = torch.empty(p, m, s, dtype=bf, device=dev)
-    sym = symm_mem.empty((m, s), dtype=bf, device=dev)
-    sym.copy_(shards[0])
-    symm_mem.rendezvous(sym, group.group_name)
-    gname = group.group_name
+    # the symmetric-memory baseline's inputs: every rotation set already in one symmetric
+    # allocation (as if the GEMM had written there), read by the peers through their mappings
+    sym = symm_mem.empty((n, m, s), dtype=bf, device=dev)
+    sym.copy_(torch.stack(shards))
+    hdl = symm_mem.rendezvous(sym, group.group_name)
+    views = [sym if q == rank else hdl.get_remote_tensor(q, sym.size(), bf) for q in range(p)]
 
     def nccl(i):
         dist.all_gather_into_tensor(stacked, shards[i % n], group=group)
         return _single(moefuse, op, stacked.permute(1, 0, 2).reshape(m, h), c)
 
     def symm(i):
-        out = torch.ops.symm_mem._low_contention_all_gather(sym, gname)
-        return _single(moefuse, op, out.view(p, m, s).permute(1, 0, 2).reshape(m, h), c)
+        hdl.barrier(channel=0)  # every rank's set is complete before anyone reads it
+        for q in range(p):  # peer loads by an SM copy kernel, this rank's own set locally
+            sm_copy(views[q][i % n], stacked[q])
+        return _single(moefuse, op, stacked.permute(1, 0, 2).reshape(m, h), c)
 
     def fused(i):
         return _fused(moefuse, op, shards[i % n], c, ws)
@@ -166,10 +175,9 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
     # correctness first: the fused op equals both baselines bit for bit
     want = [t.clone() for t in nccl(0)]
     variants = {"moefuse": fused, "nccl+op": nccl, "symm+op": symm}
+    torch.cuda.synchronize(dev)
+    dist.barrier(group)  # every rank's symmetric input is written before anyone reads it
     for name, fn in (("moefuse", fused), ("symm+op", symm)):
-        sym.copy_(shards[0])
-        torch.cuda.synchronize(dev)
-        dist.barrier(group)  # every rank's symmetric input is written before anyone reads it
         try:
             got = fn(0)
             for a, b in zip(got, want):
@@ -310,9 +318,9 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
             print(line)
         meta = harness.run_metadata()
         meta.update(world_size=world_size, peer_copy_GBps=bw, bar=bar,
-                    note="symm+op is not timed (torch's low-contention all-gather cannot be "
-                         "graph-captured); moefuse_gather = the fused op's all-gather launch "
-                         "alone", not_timed=dict(UNCAPTURABLE))  # fmt: skip
+                    note="symm+op = handle barrier + per-rank SM copies through the peer "
+                         "mappings (inputs preloaded); moefuse_gather = the fused op's "
+                         "all-gather launch alone", not_timed=dict(UNCAPTURABLE))  # fmt: skip
         if args.save:
             paths = harness.save_results("allgather", rows, meta, args.out,
                                          suffix=f"-p{world_size}")  # fmt: skip
