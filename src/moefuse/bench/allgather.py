@@ -20,8 +20,9 @@ then times, side by side in one run:
 * ``symm+op``: a PyTorch symmetric-memory all-gather (no multicast): every rank's shards live
   in one ``symm_mem`` allocation; per call a ``barrier()`` of the handle, then one SM copy
   kernel per rank reading that rank's shard through its peer mapping into ``[P, M, H/P]``; the
-  same re-layout and op. (torch's ``_low_contention_all_gather`` cannot be graph-captured:
-  it leaves side-stream work unjoined.) The inputs never change during a run, so the second
+  same re-layout and op. (torch's ``_low_contention_all_gather``, used until session 11, cannot
+  be graph-captured: it leaves side-stream work unjoined, and every failed capture ended the
+  benchmark with SIGABRT at exit.) The inputs never change during a run, so the second
   barrier a reused buffer needs is not paid: that can only flatter this baseline.
 
 Ops (``--ops``): ``rmsnorm`` (-> moefuse.rmsnorm), ``fp8`` (-> rmsnorm_quant), ``fp4``
@@ -49,14 +50,6 @@ WIDTHS = [4096, 8192]
 OPS = ("rmsnorm", "fp8", "fp4", "gated")
 NO_MULTICAST = ranks.NO_MULTICAST
 BASELINES = ("nccl+op", "symm+op")
-#: variants checked for correctness but never captured (name -> why). Until session 11 the
-#: symm+op baseline used torch's _low_contention_all_gather, whose capture always failed
-#: ("capturing stream has unjoined work"); each failed capture stayed registered with the CUDA
-#: caching allocator, whose exit-time assertion (captures_underway.empty()) then ended the
-#: benchmark with SIGABRT. harness.graph_time_us now releases a failed capture; a variant known
-#: not to capture belongs here instead.
-UNCAPTURABLE: dict[str, str] = {}
-_NOTED: set[str] = set()  # variants whose "not timed" line was printed
 PEER_COPY_BYTES = 256 << 20
 CHUNK_ENV = "MOEFUSE_ALLGATHER_CHUNK_ROWS"
 LARGE_ENV = "MOEFUSE_ALLGATHER_LARGE"
@@ -212,17 +205,9 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
 
         return run if name in env else None
 
-    times = {}
-    for name, fn in variants.items():
-        if name in UNCAPTURABLE:
-            times[name] = float("nan")
-            if rank == 0 and name not in _NOTED:
-                _NOTED.add(name)
-                print(f"{name}: checked, not timed ({UNCAPTURABLE[name]})", flush=True)
-            continue
-        times[name] = time_variant(harness, fn, env.get(name, {}), group,
-                                   f"{name} at {op} H={h} M={m}", calls=max(20, n),
-                                   replays=replays, check=check(name, fn))  # fmt: skip
+    times = {name: time_variant(harness, fn, env.get(name, {}), group, f"{name} at {op} H={h} "
+                                f"M={m}", calls=max(20, n), replays=replays, check=check(name, fn))
+             for name, fn in variants.items()}  # fmt: skip
     ws.check()
     return times
 
@@ -320,7 +305,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
         meta.update(world_size=world_size, peer_copy_GBps=bw, bar=bar,
                     note="symm+op = handle barrier + per-rank SM copies through the peer "
                          "mappings (inputs preloaded); moefuse_gather = the fused op's "
-                         "all-gather launch alone", not_timed=dict(UNCAPTURABLE))  # fmt: skip
+                         "all-gather launch alone")  # fmt: skip
         if args.save:
             paths = harness.save_results("allgather", rows, meta, args.out,
                                          suffix=f"-p{world_size}")  # fmt: skip
