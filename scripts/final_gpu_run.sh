@@ -18,6 +18,7 @@ want t-moe-comm && step t-moe-comm 400 $T tests/test_comm_moe_fusion_gpu.py
 want t-expert-norm && step t-expert-norm 300 $T tests/test_comm_expert_norm_gpu.py
 want t-allgather && step t-allgather 300 $T tests/test_comm_allgather_gpu.py
 want t-comm && step t-comm 300 $T tests/test_comm_gpu.py tests/test_comm_faults_gpu.py
+want t-loopback && step t-loopback 200 $T tests/test_comm_loopback_gpu.py
 want overhead && step overhead 200 python -m moefuse bench overhead --world-size 2 --save --out $W
 want pdl-moe && step pdl-moe 150 python -m moefuse bench moe --quick --no-compile --no-layer --save --out $W/pdl
 want pdl-norm && step pdl-norm 200 python -m moefuse bench norm --quick --save --out $W/pdl
