@@ -80,3 +80,23 @@ def test_loopback_refuses_ranks_in_separate_processes():
     from comm_mp import run_group
 
     assert run_group(2, _loopback_across_processes) == [(True, False), (True, False)]
+
+
+def test_gpu_check_script_dry_run(tmp_path):
+    """scripts/loopback_gpu_check.py itself (what a one-GPU session runs) in its interpreter mode:
+    every family at H = 64, M = 1, so the script cannot rot between GPU sessions."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
+    cmd = [sys.executable, os.path.join(root, "scripts", "loopback_gpu_check.py"), "--out",
+           str(tmp_path), "--device", "cpu", "--hidden", "64", "--tokens", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "loopback_gpu_check.json").read_text())
+    assert report["summary"]["FAIL"] == 0 and report["summary"]["SKIP"] == 0, report["summary"]
+    ops = {case["op"] for case in report["cases"] if case["status"] == "PASS"}
+    assert len(ops) == 4, ops  # every family ran
