@@ -57,14 +57,44 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-class _Barrier:
-    """``dist.barrier`` over the transport's group (the default collective step of close())."""
+class _PeerBuffers:
+    """What every transport shares: the last step of its collective construction
+    (:meth:`_publish`) and its collective, idempotent :meth:`close`. Subclasses set ``group``
+    and say how to let go of their buffers (:meth:`_unmap`, :meth:`_free`)."""
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def _publish(self, addrs, what: str) -> None:
+        """Every rank's buffer address (index = rank), checked against the kernels' 16-byte
+        alignment, then a barrier: no rank touches a peer's buffer before every rank has set its
+        own up."""
+        self.peer_addrs = list(addrs)
+        if any(a % ALIGN for a in self.peer_addrs):
+            raise RuntimeError(f"{what} are not 16-byte aligned")
+        dist.barrier(group=self.group)
+        self._closed = False
 
-class SharedMemoryTransport(_Barrier):
+    def close(self, barrier=None) -> None:
+        """Collective. This rank stops using the peers' buffers (:meth:`_unmap`), then
+        ``barrier`` (default ``dist.barrier``; if it raises, nothing of this rank is released: a
+        peer may still write into it), then this rank's own buffer goes (:meth:`_free`)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.peer_addrs = []
+        self._unmap()
+        (barrier or self._barrier)()
+        self._free()
+
+    def _unmap(self) -> None:
+        """Drop this process's mappings of the peers' buffers (before the closing barrier)."""
+
+    def _free(self) -> None:
+        """Release this rank's buffer (after the closing barrier)."""
+
+
+class SharedMemoryTransport(_PeerBuffers):
     """Per-rank buffers in shared-memory files; collective over a gloo ``group``.
 
     Construction: every rank creates and zero-fills its file, the names are exchanged with
@@ -100,25 +130,14 @@ class SharedMemoryTransport(_Barrier):
             else:
                 st = torch.UntypedStorage.from_file(path, True, self.nbytes)
                 self._maps.append(torch.empty(0, dtype=torch.uint8).set_(st))
-        self.peer_addrs = [m.data_ptr() for m in self._maps]
-        if any(a % ALIGN for a in self.peer_addrs):
-            raise RuntimeError("shared-memory mapping is not 16-byte aligned")
-        dist.barrier(group=group)
+        self._publish([m.data_ptr() for m in self._maps], "shared-memory mappings")
         # every rank has mapped every file: the names can go now (the mappings stay valid), so a
         # crashed process never leaves a file behind
         self._unlink()
-        self._closed = False
 
-    def close(self, barrier=None) -> None:
-        """``barrier``: the collective step (default ``dist.barrier``); if it raises, nothing is
-        released (a peer may still write into these buffers)."""
-        if self._closed:
-            return
-        self._closed = True
-        (barrier or self._barrier)()
+    def _free(self) -> None:
         self._maps = []
         self.local = None
-        self.peer_addrs = []
         self._unlink()
 
     def _unlink(self) -> None:
@@ -136,7 +155,7 @@ def needs_group_enable(enable) -> bool:
     return enable is not None and getattr(enable, "__deprecated__", None) is None
 
 
-class SymmetricMemoryTransport(_Barrier):
+class SymmetricMemoryTransport(_PeerBuffers):
     """Per-rank buffers from torch symmetric memory over NVLink P2P, multicast disabled.
 
     ``init(local)`` fills this rank's buffer (e.g. Lamport sentinels) before the rendezvous
@@ -171,20 +190,11 @@ class SymmetricMemoryTransport(_Barrier):
             init(self.local)
         torch.cuda.synchronize(device)
         self._handle = symm_mem.rendezvous(self.local, name)
-        self.peer_addrs = [int(p) for p in self._handle.buffer_ptrs]
-        if any(a % ALIGN for a in self.peer_addrs):
-            raise RuntimeError("symmetric-memory buffers are not 16-byte aligned")
-        dist.barrier(group=group)
-        self._closed = False
+        self._publish([int(p) for p in self._handle.buffer_ptrs], "symmetric-memory buffers")
 
-    def close(self, barrier=None) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        (barrier or self._barrier)()
+    def _free(self) -> None:
         self._handle = None
         self.local = None
-        self.peer_addrs = []
 
 
 class _CudaRuntime:
@@ -301,7 +311,7 @@ class _DeviceBytes:
                                          "version": 3}  # fmt: skip
 
 
-class CudaIpcTransport(_Barrier):
+class CudaIpcTransport(_PeerBuffers):
     """Per-rank device buffers shared with CUDA IPC (same host, P2P access between the devices).
 
     Each rank ``cudaMalloc``s its own buffer (outside PyTorch's caching allocator, so the IPC
@@ -353,13 +363,9 @@ class CudaIpcTransport(_Barrier):
         except Exception as exc:  # e.g. no P2P between two of the devices
             error = exc
         _agree(vote, error, self._release)
-        self.peer_addrs = addrs
-        if any(a % ALIGN for a in self.peer_addrs):
-            raise RuntimeError("CUDA IPC buffers are not 16-byte aligned")
-        dist.barrier(group=group)
-        self._closed = False
+        self._publish(addrs, "CUDA IPC buffers")
 
-    def _close_mappings(self) -> None:
+    def _unmap(self) -> None:
         with torch.cuda.device(self.device):
             if self._opened:
                 self._rt.set_device(self.device.index)
@@ -377,21 +383,12 @@ class CudaIpcTransport(_Barrier):
 
     def _release(self) -> None:
         """Failure during set-up: every rank runs this after the same vote."""
-        self._close_mappings()
+        self._unmap()
         dist.barrier(group=self.group)
         self._free()
 
-    def close(self, barrier=None) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.peer_addrs = []
-        self._close_mappings()  # this rank stops using the peers' buffers ...
-        (barrier or self._barrier)()  # ... before any rank frees its own
-        self._free()
 
-
-class LoopbackTransport(_Barrier):
+class LoopbackTransport(_PeerBuffers):
     """Per-rank buffers of ranks that are threads of one process, for tests and benchmarks on
     ONE device (several ranks on one GPU, or on CPU under the Triton interpreter).
 
@@ -428,18 +425,9 @@ class LoopbackTransport(_Barrier):
             self.local = None
             raise RuntimeError("loopback transport: the ranks are not threads of one process "
                                f"(pids {sorted({pid for pid, _ in infos})})")  # fmt: skip
-        self.peer_addrs = [addr for _, addr in infos]
-        if any(a % ALIGN for a in self.peer_addrs):
-            raise RuntimeError("loopback buffers are not 16-byte aligned")
-        dist.barrier(group=group)
-        self._closed = False
+        self._publish([addr for _, addr in infos], "loopback buffers")
 
-    def close(self, barrier=None) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.peer_addrs = []
-        (barrier or self._barrier)()  # every rank stopped using the buffers before any is freed
+    def _free(self) -> None:
         self.local = None
 
 
