@@ -15,10 +15,9 @@ RSF = 2.5
 
 # ----------------------------------------------------------------------------- helpers
 def raw(t):
-    import torch
+    from moefuse.testing import _raw_bits
 
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.detach().contiguous().view(ints[t.element_size()])
+    return _raw_bits(t)
 
 
 def same_bits(a, b) -> bool:
@@ -31,18 +30,15 @@ def max_ulp(a, b) -> int:
     """Largest distance in units in the last place of BF16/FP16 ``a`` vs ``b`` (NaN: 1 << 30)."""
     import torch
 
+    from moefuse.testing import ulp_distance
+
     if a.shape != b.shape:
         return 1 << 30
     if a.numel() == 0:
         return 0
     if not bool(torch.isfinite(a.float()).all()):
         return 1 << 30
-
-    def ordered(t):
-        i = raw(t.to(a.dtype)).to(torch.int32)
-        return torch.where(i < 0, -(i & 0x7FFF), i & 0x7FFF)
-
-    return int((ordered(a) - ordered(b)).abs().max())
+    return int(ulp_distance(a, b.to(a.dtype)).max())
 
 
 def checksum(*tensors) -> int:
@@ -127,32 +123,10 @@ class MoeFinalize:
 
     @staticmethod
     def inputs(seed, m, h, dev):
-        """Permuted rows with 5 padding rows (NaN where unused), one invalid slot in two of every
-        three tokens, -0.0 in column 0 (as tests/test_comm_moe_fusion_gpu.py)."""
-        import torch
+        """The GPU tests' inputs (``moefuse.testing.moe_finalize_case``), without bias."""
+        from moefuse.testing import moe_finalize_case
 
-        g = gen(seed, dev)
-        r_rows = m * K + 5
-        perm = torch.randperm(r_rows, generator=g, device=dev)[: m * K].to(torch.int32)
-        perm = perm.view(m, K)
-        t = torch.arange(m, device=dev)
-        bad = torch.tensor([-1, -9, r_rows, r_rows + 3], dtype=torch.int32, device=dev)[t % 4]
-        sel = (t % 3) != 2
-        perm[t[sel], ((t + 1) % K)[sel]] = bad[sel]
-        valid = (perm >= 0) & (perm < r_rows)
-        keep = torch.zeros(r_rows, dtype=torch.bool, device=dev)
-        keep[perm[valid].long()] = True
-        ins, wts, shs = [], [], []
-        for _ in range(P):
-            x = torch.randn(r_rows, h, generator=g, device=dev).to(BF16)
-            x[~keep] = float("nan")
-            x[:, 0] = -0.0
-            ins.append(x)
-            wts.append((torch.rand(m, K, generator=g, device=dev) + 0.1).to(BF16))
-            shs.append(torch.randn(m, h, generator=g, device=dev).to(BF16))
-        res = torch.randn(m, h, generator=g, device=dev).to(BF16)
-        w = (torch.rand(h, generator=g, device=dev) + 0.5).to(BF16)
-        return ins, perm, wts, shs, res, w
+        return moe_finalize_case(seed, P, m, h, K, dev)[:6]
 
     @staticmethod
     def call(moefuse, ws, rank, case, algo, pdl=None):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from comm_mp import run_group
+from moefuse.testing import moe_finalize_case as finalize_case
 from test_comm_gpu import assert_ranks_agree, checksum, same_bits, within_one_ulp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
@@ -38,39 +39,6 @@ def _need(world_size):
 
 
 # ----------------------------------------------------------------------------- inputs
-def finalize_case(seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, shared=True,
-                  bias=False):
-    """All ranks' inputs (same on every rank): permuted rows with 5 padding rows, unused rows NaN,
-    one invalid slot (-1, -9, R, R + 3) in two of every three tokens, -0.0 in column 0; with
-    ``bias``, per-rank expert biases [16, H] and expert ids in [-1, 17)."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    r_rows = m * k + 5
-    perm = torch.randperm(r_rows, generator=g, device=dev)[: m * k].to(torch.int32).view(m, k)
-    t = torch.arange(m, device=dev)
-    bad = torch.tensor([-1, -9, r_rows, r_rows + 3], dtype=torch.int32, device=dev)[t % 4]
-    sel = (t % 3) != 2
-    perm[t[sel], ((t + 1) % k)[sel]] = bad[sel]
-    valid = (perm >= 0) & (perm < r_rows)
-    keep = torch.zeros(r_rows, dtype=torch.bool, device=dev)
-    keep[perm[valid].long()] = True
-    ins, ws, shs = [], [], []
-    for _ in range(p):
-        x = torch.randn(r_rows, h, generator=g, device=dev).to(torch.bfloat16)
-        x[~keep] = float("nan")
-        x[:, 0] = -0.0
-        ins.append(x)
-        ws.append((torch.rand(m, k, generator=g, device=dev) + 0.1).to(weights_dtype))
-        shs.append(torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16) if shared
-                   else None)  # fmt: skip
-    res = torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16)
-    w = (torch.rand(h, generator=g, device=dev) + 0.5).to(torch.bfloat16)
-    bs, eids = None, None
-    if bias:
-        bs = [torch.randn(16, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
-        eids = torch.randint(-1, 17, (m, k), generator=g, device=dev, dtype=torch.int32)
-    return ins, perm, ws, shs, res, w, bs, eids
-
-
 def reduction_case(seed, p, m, h, e, dev):
     g = torch.Generator(device=dev).manual_seed(seed)
     xs = [torch.randn(e, m, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]

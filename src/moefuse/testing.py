@@ -1,4 +1,5 @@
-"""Tolerance table and comparison helpers shared by tests, the demo and the benchmarks.
+"""Tolerance table and comparison helpers shared by tests, the demo and the benchmarks (and the
+random MoE-fusion inputs the GPU tests and scripts/loopback_gpu_check.py share).
 
 Every comparison names a row of :data:`TOLERANCES`; each row says why it is what it is
 (``../SPEC.md`` §5 is the source). Comparisons are bitwise wherever the math is exact.
@@ -213,3 +214,39 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 def poisoned_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return poison_(torch.empty_like(t, dtype=dtype))
+
+
+def moe_finalize_case(seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, shared=True,
+                  bias=False):
+    """Random inputs of ``moe_finalize_allreduce_residual_rmsnorm`` for ALL ``p`` ranks (the
+    same on every rank, from ``seed``): ``(rows, idx, expert_scales, shared_outputs, residual,
+    norm_weight, biases, expert_ids)``, per-rank lists where ranks differ. Permuted rows with 5
+    padding rows, unused rows NaN, one invalid slot (-1, -9, R, R + 3) in two of every three
+    tokens, -0.0 in column 0; with ``bias``, per-rank expert biases [16, H] and expert ids in
+    [-1, 17)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r_rows = m * k + 5
+    perm = torch.randperm(r_rows, generator=g, device=dev)[: m * k].to(torch.int32).view(m, k)
+    t = torch.arange(m, device=dev)
+    bad = torch.tensor([-1, -9, r_rows, r_rows + 3], dtype=torch.int32, device=dev)[t % 4]
+    sel = (t % 3) != 2
+    perm[t[sel], ((t + 1) % k)[sel]] = bad[sel]
+    valid = (perm >= 0) & (perm < r_rows)
+    keep = torch.zeros(r_rows, dtype=torch.bool, device=dev)
+    keep[perm[valid].long()] = True
+    ins, ws, shs = [], [], []
+    for _ in range(p):
+        x = torch.randn(r_rows, h, generator=g, device=dev).to(torch.bfloat16)
+        x[~keep] = float("nan")
+        x[:, 0] = -0.0
+        ins.append(x)
+        ws.append((torch.rand(m, k, generator=g, device=dev) + 0.1).to(weights_dtype))
+        shs.append(torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16) if shared
+                   else None)  # fmt: skip
+    res = torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16)
+    w = (torch.rand(h, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+    bs, eids = None, None
+    if bias:
+        bs = [torch.randn(16, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
+        eids = torch.randint(-1, 17, (m, k), generator=g, device=dev, dtype=torch.int32)
+    return ins, perm, ws, shs, res, w, bs, eids
