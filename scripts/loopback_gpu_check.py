@@ -52,7 +52,7 @@ import traceback
 import _loopback_families as fams
 
 P = 2
-FAMILY_NAMES = ("ar_norm", "moe_finalize", "allgather_norm", "tp_finalize")
+FAMILY_NAMES = tuple(fams.FAMILIES)
 CAPTURE_LOCK = threading.Lock()
 T0 = time.monotonic()
 VERBOSE = [False]
@@ -88,8 +88,6 @@ def _watchdog() -> None:
                 print("\n".join(lines), flush=True)
 
 
-
-
 # ----------------------------------------------------------------------------- scenarios (ranks)
 def scenario_check(rank, world_size, fam_name, widths, tokens, deadline, timeout_s, pdl):
     """One family on this rank: per H a workspace, per M every algorithm, checked. The ranks agree
@@ -106,12 +104,12 @@ def scenario_check(rank, world_size, fam_name, widths, tokens, deadline, timeout
             ws = fam.workspace(moefuse, max(tokens), h, dev, timeout_s)
         except Exception as exc:
             records.append(fams.record(fam.name, fam.op, "*", 0, h, False,
-                                  f"workspace creation: {type(exc).__name__}: {exc}"))
+                                       f"workspace creation: {type(exc).__name__}: {exc}"))
             continue
         for m in tokens:
             if not ws.vote(time.monotonic() < deadline):
                 records += [fams.record(fam.name, fam.op, a, m, h, False, "time budget spent",
-                                   status="SKIP") for a in fam.algos]  # fmt: skip
+                                        status="SKIP") for a in fam.algos]  # fmt: skip
                 continue
             crashed, algo = None, "inputs"
             try:
@@ -131,14 +129,14 @@ def scenario_check(rank, world_size, fam_name, widths, tokens, deadline, timeout
                     elif not all(fams.same_bits(a, b) for a, b in zip(outs, first)):
                         ok, detail = False, f"{detail}; differs bitwise from {fam.algos[0]}"
                     records.append(fams.record(fam.name, fam.op, algo, m, h, ok, detail,
-                                          fams.checksum(*outs)))  # fmt: skip
+                                               fams.checksum(*outs)))  # fmt: skip
             except Exception as exc:
                 crashed = f"{type(exc).__name__}: {exc}"
                 records.append(fams.record(fam.name, fam.op, algo, m, h, False,
-                                      crashed + "\n" + traceback.format_exc(limit=6)))
+                                           crashed + "\n" + traceback.format_exc(limit=6)))
             if not ws.vote(crashed is None):
                 records.append(fams.record(fam.name, fam.op, "*", m, h, False,
-                                      "a rank raised: the rest of this H is not run"))
+                                           "a rank raised: the rest of this H is not run"))
                 break
         try:
             ws.check()
