@@ -82,9 +82,9 @@ def test_loopback_refuses_ranks_in_separate_processes():
     assert run_group(2, _loopback_across_processes) == [(True, False), (True, False)]
 
 
-def test_gpu_check_script_dry_run(tmp_path):
-    """scripts/loopback_gpu_check.py itself (what a one-GPU session runs) in its interpreter mode:
-    every family at H = 64, M = 1, so the script cannot rot between GPU sessions."""
+def run_check_script(out_dir, *options, timeout_s: float = 300.0) -> None:
+    """scripts/loopback_gpu_check.py with ``options`` in a fresh process: exit status 0, no case
+    failed or skipped, every family's op passed (used by the GPU file too)."""
     import json
     import os
     import subprocess
@@ -92,11 +92,19 @@ def test_gpu_check_script_dry_run(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
+    env.pop("TRITON_INTERPRET", None)  # the script sets it itself for --device cpu
     cmd = [sys.executable, os.path.join(root, "scripts", "loopback_gpu_check.py"), "--out",
-           str(tmp_path), "--device", "cpu", "--hidden", "64", "--tokens", "1"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "loopback_gpu_check.json").read_text())
-    assert report["summary"]["FAIL"] == 0 and report["summary"]["SKIP"] == 0, report["summary"]
+           str(out_dir), *options]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out_dir / "loopback_gpu_check.json").read_text())
+    summary = report.get("summary", {})
+    assert summary.get("FAIL") == 0 and summary.get("SKIP") == 0, summary
     ops = {case["op"] for case in report["cases"] if case["status"] == "PASS"}
     assert len(ops) == 4, ops  # every family ran
+
+
+def test_gpu_check_script_dry_run(tmp_path):
+    """scripts/loopback_gpu_check.py itself (what a one-GPU session runs) in its interpreter mode:
+    every family at H = 64, M = 1, so the script cannot rot between GPU sessions."""
+    run_check_script(tmp_path, "--device", "cpu", "--hidden", "64", "--tokens", "1")

@@ -6,30 +6,14 @@ Where two GPUs are lent, tests/test_comm_*_gpu.py run the same ops on real peers
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-pytestmark = pytest.mark.gpu
+from test_comm_loopback import run_check_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["pdl_off", "pdl_on"])
 def test_loopback_gpu_check(tmp_path, pdl):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "loopback_gpu_check.py"), "--out",
-           str(tmp_path), "--quick", "--no-timing", "--budget-s", "240"]  # fmt: skip
-    if pdl:
-        cmd.append("--pdl")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
-    report = json.loads((tmp_path / "loopback_gpu_check.json").read_text())
-    summary = report.get("summary", {})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert summary.get("FAIL") == 0 and summary.get("SKIP") == 0, summary
-    ops = {case["op"] for case in report["cases"] if case["status"] == "PASS"}
-    assert len(ops) == 4, ops  # every family ran
+    options = ["--quick", "--no-timing", "--budget-s", "240"] + (["--pdl"] if pdl else [])
+    run_check_script(tmp_path, *options, timeout_s=420)
