@@ -157,6 +157,40 @@ def expect_value_error(fn, argument: str, *untouched: torch.Tensor) -> None:
         assert_bitwise_equal(_raw_bits(t), b, f"{argument}: nothing written")
 
 
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph):
+    """``torch.cuda.graph(graph)`` that, when the capture raises, undoes what it left behind
+    (:func:`_release_failed_capture`) before the exception goes on, so the process can carry on
+    and exit cleanly."""
+    before = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph):
+            yield graph
+    except Exception:
+        _release_failed_capture(graph, before)
+        raise
+
+
+def _release_failed_capture(graph, stream) -> None:
+    """Undo what a capture that raised left behind, so the caller can go on: the caching
+    allocator still counts the capture as underway when ``capture_end`` raised before telling it
+    (it then asserts at process exit: SIGABRT after the results were written), and
+    ``torch.cuda.graph`` skips restoring the current stream when ``capture_end`` raises. Each
+    step is best effort (private allocator calls, skipped where absent). The pool is released
+    only when ending its allocation succeeded here, i.e. capture_end had not: a capture that did
+    end belongs to the graph, which releases its pool itself."""
+    device = torch.cuda.current_device()
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    try:
+        if end is not None and release is not None:
+            end(device, graph.pool())
+            release(device, graph.pool())
+    except Exception:  # "not currently recording": capture_end got that far itself
+        pass
+    torch.cuda.set_stream(stream)
+
+
 def capture_graph(fn, *workspaces) -> torch.cuda.CUDAGraph:
     """``fn()`` once on a side stream (it compiles, records its launch plan and allocates
     outside the capture), then captured into a CUDA graph inside every workspace's
@@ -171,7 +205,7 @@ def capture_graph(fn, *workspaces) -> torch.cuda.CUDAGraph:
         for ws in workspaces:
             contexts.enter_context(ws.capture())
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             fn()
     return graph
 

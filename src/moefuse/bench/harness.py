@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from moefuse.testing import graph_capture
+
 L2_BYTES_DEFAULT = 60 * 1024 * 1024
 
 
@@ -54,14 +56,9 @@ def graph_time_us(
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    before = torch.cuda.current_stream()
-    try:
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fn(i)
-    except Exception:
-        _release_failed_capture(graph, before)
-        raise
+    with graph_capture(graph):  # a capture that fails costs this call, not the process
+        for i in range(calls):
+            fn(i)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -75,26 +72,6 @@ def graph_time_us(
         times.append(start.elapsed_time(end) * 1e3 / calls)
     del graph
     return statistics.median(times)
-
-
-def _release_failed_capture(graph, stream) -> None:
-    """Undo what a capture that raised left behind, so the caller can go on: the caching
-    allocator still counts the capture as underway when ``capture_end`` raised before telling it
-    (it then asserts at process exit: SIGABRT after the results were written), and
-    ``torch.cuda.graph`` skips restoring the current stream when ``capture_end`` raises. Each
-    step is best effort (private allocator calls, skipped where absent). The pool is released
-    only when ending its allocation succeeded here, i.e. capture_end had not: a capture that did
-    end belongs to the graph, which releases its pool itself."""
-    device = torch.cuda.current_device()
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    release = getattr(torch._C, "_cuda_releasePool", None)
-    try:
-        if end is not None and release is not None:
-            end(device, graph.pool())
-            release(device, graph.pool())
-    except Exception:  # "not currently recording": capture_end got that far itself
-        pass
-    torch.cuda.set_stream(stream)
 
 
 def compile_baseline(fn: Callable) -> Callable:
