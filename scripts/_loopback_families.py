@@ -150,9 +150,12 @@ class MoeFinalize:
 
 
 class AllGatherNorm:
-    """``all_gather_rmsnorm`` one-shot: bitwise equal to ``moefuse.rmsnorm`` of the full rows."""
+    """``all_gather_rmsnorm`` one-shot: bitwise equal to ``moefuse.rmsnorm`` of the full rows.
+    Subclasses: the other all-gather ops (``OP`` as in ``moefuse.bench.allgather``), each
+    bitwise equal to its single-GPU op on the full rows."""
 
     name, op, algos = "allgather_norm", "all_gather_rmsnorm", ("oneshot",)
+    OP = "rmsnorm"
 
     @staticmethod
     def workspace(moefuse, m_cap, h, dev, timeout_s):
@@ -166,28 +169,56 @@ class AllGatherNorm:
     def inputs(seed, m, h, dev):
         import torch
 
+        from moefuse.bench.allgather import case_tensors
+
         g = gen(seed, dev)
         full = torch.randn(m, h, generator=g, device=dev).to(BF16)
         full[0, :3] = -0.0
-        w = (torch.rand(h, generator=g, device=dev) + 0.5).to(BF16)
         s = h // P
         shards = [full[:, r * s : (r + 1) * s].contiguous() for r in range(P)]
-        return full, shards, w
+        # one set of replicated parameters and outputs per rank (each rank writes its own)
+        return full, shards, [case_tensors(m, h, dev) for _ in range(P)]
 
-    @staticmethod
-    def call(moefuse, ws, rank, case, algo, pdl=None):
-        full, shards, w = case
-        return (moefuse.all_gather_rmsnorm(shards[rank], w, workspace=ws, algorithm=algo,
-                                           impl="triton", enable_pdl=pdl),)  # fmt: skip
+    @classmethod
+    def call(cls, moefuse, ws, rank, case, algo, pdl=None):
+        from moefuse.bench.allgather import fused_op
 
-    @staticmethod
-    def check(case, outs):
+        full, shards, per_rank = case
+        if algo != "oneshot":
+            raise ValueError(f"{cls.op}: algorithm {algo!r} is not timed here")
+        # (outputs in the rank's preallocated buffers: the next call overwrites them)
+        return fused_op(moefuse, cls.OP, shards[rank], per_rank[rank], ws, enable_pdl=pdl)
+
+    @classmethod
+    def check(cls, case, outs):
         import moefuse
+        from moefuse.bench.allgather import case_tensors, single_op
 
-        full, shards, w = case
-        want = moefuse.rmsnorm(full, w, 1e-6)
-        ok = same_bits(outs[0], want)
-        return ok, f"bitwise vs rmsnorm(full)={ok} (ulp={max_ulp(outs[0], want)})"
+        full, shards, per_rank = case
+        c = case_tensors(full.shape[0], full.shape[1], full.device)
+        want = single_op(moefuse, cls.OP, full, c)
+        ok = all(same_bits(a, b) for a, b in zip(outs, want))
+        diffs = [int((raw(a) != raw(b)).sum()) for a, b in zip(outs, want)]
+        return ok, f"bitwise vs {cls.OP} on the full rows={ok} (differing elements {diffs})"
+
+
+class AllGatherFp8(AllGatherNorm):
+    """``all_gather_rmsnorm_fp8`` (E4M3 codes) vs ``rmsnorm_quant`` of the full rows."""
+
+    name, op, OP = "allgather_fp8", "all_gather_rmsnorm_fp8", "fp8"
+
+
+class AllGatherFp4(AllGatherNorm):
+    """``all_gather_rmsnorm_fp4_quantize`` (linear scales) vs ``rmsnorm_fp4_quantize``."""
+
+    name, op, OP = "allgather_fp4", "all_gather_rmsnorm_fp4_quantize", "fp4"
+
+
+class AllGatherGated(AllGatherNorm):
+    """``all_gather_gated_residual_next_rmsnorm`` (tensor alpha, beta, FP32 residual) vs
+    ``gated_residual_next_rmsnorm`` of the full branch rows: ffn_input and residual_out."""
+
+    name, op, OP = "allgather_gated", "all_gather_gated_residual_next_rmsnorm", "gated"
 
 
 class TpFinalize:
@@ -257,4 +288,5 @@ class TpFinalize:
         return bad == 0, f"{bad} elements outside {how}; max |diff| {float(diff.max()):.3g}"
 
 
-FAMILIES = {f.name: f for f in (AllReduceNorm, MoeFinalize, AllGatherNorm, TpFinalize)}
+FAMILIES = {f.name: f for f in (AllReduceNorm, MoeFinalize, AllGatherNorm, AllGatherFp8,
+                                AllGatherFp4, AllGatherGated, TpFinalize)}

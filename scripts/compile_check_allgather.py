@@ -17,6 +17,7 @@ import triton
 from _ptxas import TARGET, ptxas_report
 from triton.compiler import ASTSource
 
+from moefuse.bench import harness
 from moefuse.comm import allgather_decode as dec
 from moefuse.comm import allgather_fused as fused
 from moefuse.comm import allgather_triton as AG
@@ -117,6 +118,14 @@ def main() -> None:
                 consts, warps = norm_consts(h, True, op, layout)
                 report(f"H={h:5d} P={p} {name:7s} decode           ", dec._ag_rmsnorm_kernel,
                        {**consts, "P": p, "BLOCK_S": block_s}, warps, op)  # fmt: skip
+                for mode in ("early", "slots"):  # the other decode modes, where eligible
+                    with harness.knobs({dec.DECODE_ENV: mode}):
+                        early, slots = dec.decode_mode(op, dec.op_tile(op, h))
+                    if early:
+                        report(f"H={h:5d} P={p} {name:7s} decode {mode:10s}",
+                               dec._ag_rmsnorm_kernel, {**consts, "P": p, "BLOCK_S": block_s,
+                                                        "EARLY": True, "FROM_SLOTS": slots},
+                               warps, op)  # fmt: skip
 
 
 if __name__ == "__main__":

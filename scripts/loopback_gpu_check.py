@@ -6,13 +6,19 @@ one CUDA stream each, ``transport="loopback"``; see ``moefuse.testing_ranks``).
    * ``allreduce_residual_rmsnorm`` one-shot / two-shot: residual_out bitwise, norm_out <= 1 ulp
      (rsqrt.approx, the ``rsqrt_half`` row of moefuse.testing), bitwise across algorithms;
    * ``moe_finalize_allreduce_residual_rmsnorm`` (K = 8) one-shot / two-shot: the same checks;
-   * ``all_gather_rmsnorm`` one-shot: bitwise equal to ``moefuse.rmsnorm`` of the full rows;
+   * ``all_gather_rmsnorm``, ``_fp8``, ``_fp4_quantize`` (linear scales) and
+     ``all_gather_gated_residual_next_rmsnorm`` one-shot: bitwise equal to the single-GPU op
+     (``rmsnorm``, ``rmsnorm_quant``, ``rmsnorm_fp4_quantize``, ``gated_residual_next_rmsnorm``)
+     on the full rows;
    * ``tp_moe_finalize_rmsnorm`` (K = 8) every peer algorithm: within the SPEC §3.4 bound
      (1 BF16 ulp + 2^-20 sum_k |y_k w_k|) of the reference, bitwise across algorithms;
    and for every case the outputs' checksums are compared across the two ranks.
 2. Optionally (default on) CUDA-graph timings: each rank captures its own graph of ``--inner``
    calls (captures serialized by a lock), both ranks replay concurrently on their own streams;
-   median microseconds per call, per rank and the max over ranks.
+   median microseconds per call, per rank and the max over ranks. ``--variants
+   'NAME:KEY=VAL,...;...'`` times each case again under those environment knobs (same on both
+   ranks) and ``--rounds N`` repeats the whole set N times, alternating, for A/B of kernel
+   variants (e.g. ``--variants "late:MOEFUSE_ALLGATHER_DECODE=late" --rounds 3``).
 
 Both ranks share the GPU: every rank's workspace uses half of the SMs, so the timings are rough
 (A/B between variants on the same machine, not absolute NVLink numbers). A bounded-wait timeout
@@ -245,6 +251,23 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
     return rows
 
 
+def parse_variants(text: str) -> list[tuple[str, dict]]:
+    """``--variants``: [('default', {}), (NAME, {KEY: VAL}), ...]; ValueError when malformed."""
+    out = [("default", {})]
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        name, _, pairs = item.partition(":")
+        knobs = {}
+        for pair in filter(None, pairs.split(",")):
+            key, eq, value = pair.partition("=")
+            if not eq or not key:
+                raise ValueError(f"--variants: {pair!r} in {item!r} is not KEY=VAL")
+            knobs[key.strip()] = value.strip()
+        if not name or not knobs:
+            raise ValueError(f"--variants: {item!r} needs NAME:KEY=VAL[,KEY=VAL]")
+        out.append((name.strip(), knobs))
+    return out
+
+
 def _current_device():
     import torch
 
@@ -271,6 +294,13 @@ def main() -> int:
                         help="launch with PDL (default off: see the module docstring)")
     parser.add_argument("--tp-algos", default="auto",
                         help="comma-separated tp_moe_finalize_rmsnorm algorithms to time")
+    parser.add_argument("--variants", default="",
+                        help="timing variants 'NAME:KEY=VAL,KEY=VAL;NAME2:...' (environment "
+                             "knobs set around each timing, same on both ranks; the default "
+                             "variant 'default' is always timed first)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timing rounds; each round times every variant once, in order, so "
+                             "variants alternate (A B A B) and drift shows")
     parser.add_argument("--inner", type=int, default=10, help="calls per captured graph")
     parser.add_argument("--replays", type=int, default=50, help="timed replays per case")
     parser.add_argument("--reserve-mib", type=int, default=1024,
@@ -328,6 +358,7 @@ def main() -> int:
         torch.cuda.set_device(0)
     print(f"env: {json.dumps(env)}", flush=True)
     import moefuse  # noqa: F401  (import errors show here, before any thread starts)
+    from moefuse.bench import harness
     from moefuse.testing_ranks import run_loopback_ranks
 
     dev = "cuda:0" if args.device == "cuda" else "cpu"
@@ -387,37 +418,43 @@ def main() -> int:
         plan = [("ar_norm", h, [m for m in tokens if m in (1, 64, 300)] or tokens[:1],
                  fams.AllReduceNorm.algos) for h in widths]  # fmt: skip
         small = [m for m in tokens if m in (1, 8, 64)] or tokens[:1]
-        plan += [("moe_finalize", h_big, small, fams.MoeFinalize.algos),
-                 ("allgather_norm", h_big, small, fams.AllGatherNorm.algos),
-                 ("tp_finalize", h_big, small, tuple(args.tp_algos.split(",")))]  # fmt: skip
-        for name, h, ms, algos in plan:
+        plan += [("moe_finalize", h_big, small, fams.MoeFinalize.algos)]
+        plan += [(name, h, small, ("oneshot",)) for name in fams.FAMILIES
+                 if name.startswith("allgather") for h in widths]  # fmt: skip
+        plan += [("tp_finalize", h_big, small, tuple(args.tp_algos.split(",")))]
+        variants = parse_variants(args.variants)
+        plan = [(r, v, entry) for entry in plan for r in range(args.rounds) for v in variants]
+        for rnd, (variant, knobs), (name, h, ms, algos) in plan:
             if name not in families:
                 continue
             if time.monotonic() > timing_deadline:
-                result["timing"].append(dict(family=name, H=h, status="SKIP"))
+                result["timing"].append(dict(family=name, H=h, variant=variant, status="SKIP"))
                 continue
-            per_rank = run(scenario_time, name, h, ms, algos, timing_deadline, args.timeout_s,
-                           args.pdl, args.inner, args.replays,
-                           bound_s=max(60.0, timing_deadline - time.monotonic()
-                                       + 4 * args.timeout_s))  # fmt: skip
-            if per_rank is None:
-                save()
-                continue
-            for i, row in enumerate(per_rank[0]):
-                ranks = [p[i] for p in per_rank]
-                if all("median_us" in r for r in ranks):
-                    row["median_us_per_rank"] = [round(r["median_us"], 2) for r in ranks]
-                    row["median_us"] = round(max(r["median_us"] for r in ranks), 2)
-                    row["min_us"] = round(max(r["min_us"] for r in ranks), 2)
-                if any(r["status"] == "FAIL" for r in ranks):
-                    row["status"] = "FAIL"
-                    row["detail"] = "; ".join(r.get("detail", "") for r in ranks)
-                result["timing"].append(row)
-                us = f"{row['median_us']:9.2f} us (max over ranks; per rank " \
-                     f"{row['median_us_per_rank']})" if "median_us" in row else \
-                    row.get("detail", "")  # fmt: skip
-                print(f"TIME {row['status']:4s} {name:16s} {row['algo']:18s} M={row['M']:<4d} "
-                      f"H={row['H']:<5d} {us}", flush=True)  # fmt: skip
+            with harness.knobs(knobs):
+                per_rank = run(scenario_time, name, h, ms, algos, timing_deadline, args.timeout_s,
+                               args.pdl, args.inner, args.replays,
+                               bound_s=max(60.0, timing_deadline - time.monotonic()
+                                           + 4 * args.timeout_s))  # fmt: skip
+                if per_rank is None:
+                    save()
+                    continue
+                for i, row in enumerate(per_rank[0]):
+                    ranks = [p[i] for p in per_rank]
+                    if all("median_us" in r for r in ranks):
+                        row["median_us_per_rank"] = [round(r["median_us"], 2) for r in ranks]
+                        row["median_us"] = round(max(r["median_us"] for r in ranks), 2)
+                        row["min_us"] = round(max(r["min_us"] for r in ranks), 2)
+                    if any(r["status"] == "FAIL" for r in ranks):
+                        row["status"] = "FAIL"
+                        row["detail"] = "; ".join(r.get("detail", "") for r in ranks)
+                    row.update(variant=variant, round=rnd)
+                    result["timing"].append(row)
+                    us = f"{row['median_us']:9.2f} us (max over ranks; per rank " \
+                         f"{row['median_us_per_rank']})" if "median_us" in row else \
+                        row.get("detail", "")  # fmt: skip
+                    print(f"TIME {row['status']:4s} {name:16s} {variant:12s} {row['algo']:18s} "
+                          f"M={row['M']:<4d} "
+                          f"H={row['H']:<5d} {us}", flush=True)  # fmt: skip
             save()
 
     # ------------------------------------------------------------------ summary

@@ -499,14 +499,17 @@ def test_fused_knobs_raise_clear_errors(monkeypatch):
 
 
 # --------------------------------------------------------------------- FP8 / NVFP4 one launch
-def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_rows=0):
+def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_rows=0,
+                       decode_mode=""):  # fmt: skip
     """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on the one-launch
     kernels (issue 17e): the decode kernel at M <= 64 when ``decode``, else the persistent
     kernel forced (grid cap ``grid``: several tiles per CTA, ``lookahead`` tiles ahead); outputs
     poisoned first, bitwise against the single-GPU op on the full rows, and the fused launcher
     counted (not the two-launch fallback). ``cases``: ("fp8", dtype code 0 / 1), ("fp4",
     layout), ("gated", "tensor" | "scalar"). ``loop_min_rows``: the gated op's stepped rows
-    loop from this many rows (single-GPU op and fused kernel alike)."""
+    loop from this many rows (single-GPU op and fused kernel alike). ``decode_mode``: the
+    decode kernel's mode for every op (``allgather_decode.decode_mode``; "" = each op's
+    default)."""
     import os
 
     import moefuse
@@ -530,6 +533,7 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
     counting(allgather_decode, "launch_ag_rmsnorm", "decode")
     counting(allgather_fused, "launch_ag_rmsnorm_persistent", "persistent")
     os.environ.update({"MOEFUSE_ALLGATHER_ONE_LAUNCH": "1" if decode else "0",
+                       "MOEFUSE_ALLGATHER_DECODE": decode_mode,
                        "MOEFUSE_ALLGATHER_LARGE": "fused",
                        "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
                        "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead)})  # fmt: skip
@@ -596,19 +600,28 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
         ws.close()
 
 
-@pytest.mark.parametrize("p,h,ms,grid,lookahead,decode,cases,loop_min_rows", [
+@pytest.mark.parametrize("p,h,ms,grid,lookahead,decode,cases,loop_min_rows,decode_mode", [
     # persistent: 16-row masked tiles (H = 96), 5 tiles over 2 CTAs; swizzled scales pad to 128
     # rows = 8 tiles, of which 3 only write zero scale bytes
-    (2, 96, (70,), 2, 1, False, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "tensor")), 0),
-    (3, 48, (33,), 2, 2, False, (("fp8", 1), ("fp4", "linear"), ("gated", "scalar")), 0),
+    (2, 96, (70,), 2, 1, False, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "tensor")), 0,
+     ""),
+    (3, 48, (33,), 2, 2, False, (("fp8", 1), ("fp4", "linear"), ("gated", "scalar")), 0, ""),
     # one masked row per tile; the gated op's rows are stepped (2 x 2048), looped from 4 rows
-    (2, 2400, (5,), 3, 2, False, (("fp8", 0), ("fp4", "swizzled_8x4"), ("gated", "tensor")), 4),
+    (2, 2400, (5,), 3, 2, False, (("fp8", 0), ("fp4", "swizzled_8x4"), ("gated", "tensor")), 4,
+     ""),
     # the one-launch decode kernel (one program per tile; padding tiles of the scale layout too;
-    # the gated op's stepped rows unrolled at H = 2400)
-    (2, 96, (1, 33), 0, 1, True, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "scalar")), 0),
-    (3, 2400, (5,), 0, 1, True, (("fp8", 1), ("fp4", "linear"), ("gated", "tensor")), 0),
+    # the gated op's stepped rows unrolled at H = 2400), each op's default mode, then every op
+    # in the modes "early" (parameters before the wait) and "slots" (tile read from the slots)
+    (2, 96, (1, 33), 0, 1, True, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "scalar")), 0,
+     ""),
+    (3, 2400, (5,), 0, 1, True, (("fp8", 1), ("fp4", "linear"), ("gated", "tensor")), 0, ""),
+    (2, 96, (1, 33), 0, 1, True, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "tensor")), 0,
+     "early"),
+    (3, 2400, (5,), 0, 1, True, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "scalar")), 0,
+     "slots"),
 ])  # fmt: skip
 def test_fused_ops_one_launch_kernels_bitwise(p, h, ms, grid, lookahead, decode, cases,
-                                              loop_min_rows):  # fmt: skip
-    gens = run_group(p, scenario_fused_ops, h, ms, grid, lookahead, decode, cases, loop_min_rows)
+                                              loop_min_rows, decode_mode):  # fmt: skip
+    gens = run_group(p, scenario_fused_ops, h, ms, grid, lookahead, decode, cases, loop_min_rows,
+                     decode_mode)  # fmt: skip
     assert len(set(gens)) == 1

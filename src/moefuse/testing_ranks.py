@@ -244,7 +244,10 @@ def _thread_safe_interpreter():
       ``tl.num_programs`` read) become per-thread properties;
     * ``_patch_lang`` scopes are restored only once no launch runs on any thread (a launch that
       ended would otherwise restore ``triton.language`` under a launch still running), in
-      reverse order of patching.
+      reverse order of patching;
+    * a function's first rewrite (``InterpretedFunction.rewrite``: parse, one AST transformer
+      shared by all functions, ``compile``) runs under a lock: two threads rewriting at once
+      failed now and then with ``SystemError: AST constructor recursion depth mismatch``.
     """
     from triton.runtime import interpreter as interp
 
@@ -280,13 +283,25 @@ def _thread_safe_interpreter():
         return property(lambda self: getattr(local, name, None),
                         lambda self, value: setattr(local, name, value))  # fmt: skip
 
+    rewrite = interp.InterpretedFunction.rewrite
+    rewrite_lock = threading.Lock()
+
+    def locked_rewrite(self):
+        done = self.rewritten_fn.get(self.fn)
+        if done is not None:
+            return done
+        with rewrite_lock:
+            return rewrite(self)
+
     builder_cls.grid_idx = per_thread("grid_idx")
     builder_cls.grid_dim = per_thread("grid_dim")
     interp._patch_lang = deferred_patch_lang
     interp.GridExecutor.__call__ = counted_call
+    interp.InterpretedFunction.rewrite = locked_rewrite
     try:
         yield
     finally:
+        interp.InterpretedFunction.rewrite = rewrite
         interp.GridExecutor.__call__ = call
         interp._patch_lang = patch_lang
         del builder_cls.grid_idx, builder_cls.grid_dim

@@ -15,6 +15,9 @@ then times, side by side in one run:
   pipeline off (where it would be on);
   ``moefuse_2launch``: the two-launch path (gather, then the single-GPU op) where the default is
   the one-launch decode kernel (M <= 64; checked bitwise first, NaN if it fails);
+  ``moefuse_late`` / ``_early`` / ``_slots``: the decode kernel in its modes other than the
+  op's default (``MOEFUSE_ALLGATHER_DECODE``: parameters loaded after / before the wait for the
+  peers; ``slots`` also reads the tile straight from the slots), checked bitwise first;
 * ``nccl+op``: NCCL ``all_gather_into_tensor`` into [P, M, H/P], re-layout to [M, H]
   (``permute`` + contiguous copy), then the moefuse single-GPU op;
 * ``symm+op``: a PyTorch symmetric-memory all-gather (no multicast): every rank's shards live
@@ -85,20 +88,41 @@ def peer_copy_gbps(group, dev, harness) -> float:
 
 
 # ----------------------------------------------------------------------------- one case
-def _single(moefuse, op, full, c):
-    """The single-GPU op on full rows (the definition of the fused op), outputs as a tuple."""
+def case_tensors(m: int, h: int, dev) -> dict:
+    """The replicated inputs (same on every rank: a fixed seed) and preallocated outputs of one
+    case of every op: ``w`` next-norm weight, ``res`` FP32 residual, ``alpha`` / ``beta`` the
+    gated op's, ``scale`` (FP8) / ``gs`` (NVFP4 global scale), and the outputs ``out`` (BF16),
+    ``ro`` (FP32), ``out8``, ``q4`` / ``sf4`` (linear NVFP4 codes and scales)."""
+    bf = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(4321)
+    return dict(w=(torch.rand(h, generator=g, device=dev) + 0.5).to(bf),
+                res=torch.randn(m, h, generator=g, device=dev),
+                alpha=torch.rand(h, generator=g, device=dev) + 0.5,
+                beta=torch.randn(h, generator=g, device=dev),
+                scale=torch.tensor([0.0125], device=dev),
+                gs=torch.tensor([448.0 * 6 / 5], device=dev),
+                out=torch.empty(m, h, dtype=bf, device=dev), ro=torch.empty(m, h, device=dev),
+                out8=torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
+                q4=torch.empty(m, h // 2, dtype=torch.uint8, device=dev),
+                sf4=torch.empty(m, h // 16, dtype=torch.uint8, device=dev))  # fmt: skip
+
+
+def single_op(moefuse, op, full, c):
+    """The single-GPU op's Triton kernel on full rows (the definition of the fused op; on a CPU
+    tensor the interpreter, not the reference), outputs as a tuple."""
     if op == "rmsnorm":
-        return (moefuse.rmsnorm(full, c["w"]),)
+        return (moefuse.rmsnorm(full, c["w"], impl="triton"),)
     if op == "fp8":
-        return (moefuse.rmsnorm_quant(full, c["w"], c["scale"]).view(torch.uint8),)
+        return (moefuse.rmsnorm_quant(full, c["w"], c["scale"], impl="triton").view(torch.uint8),)
     if op == "fp4":
-        return moefuse.rmsnorm_fp4_quantize(full, c["w"], c["gs"], layout="linear")
+        return moefuse.rmsnorm_fp4_quantize(full, c["w"], c["gs"], layout="linear", impl="triton")
     return moefuse.gated_residual_next_rmsnorm(full, c["res"], c["w"], c["alpha"], c["beta"],
-                                               residual_out=c["ro"])  # fmt: skip
+                                               residual_out=c["ro"], impl="triton")  # fmt: skip
 
 
-def _fused(moefuse, op, shard, c, ws):
-    kw = dict(workspace=ws, impl="triton")
+def fused_op(moefuse, op, shard, c, ws, enable_pdl=None):
+    """The fused op on this rank's ``shard`` (outputs into ``c``'s buffers), as a tuple."""
+    kw = dict(workspace=ws, impl="triton", enable_pdl=enable_pdl)
     if op == "rmsnorm":
         return (moefuse.all_gather_rmsnorm(shard, c["w"], out=c["out"], **kw),)
     if op == "fp8":
@@ -118,7 +142,15 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
 
     from moefuse.bench._copy import sm_copy
     from moefuse.comm import allgather_ops
-    from moefuse.comm.allgather_decode import ONE_LAUNCH_ENV, ONE_LAUNCH_MAX_TOKENS
+    from moefuse.comm.allgather_decode import (
+        DECODE_ENV,
+        DECODE_MODES,
+        ONE_LAUNCH_ENV,
+        ONE_LAUNCH_MAX_TOKENS,
+        OP_CODES,
+        decode_mode,
+        one_launch_tile,
+    )
     from moefuse.comm.allgather_triton import launch_allgather
     from moefuse.testing import assert_bitwise_equal
 
@@ -128,16 +160,7 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
     n = harness.rotation_sets(4 * m * h * 2)
     g = torch.Generator(device=dev).manual_seed(1234 + rank)
     shards = [torch.randn(m, s, generator=g, device=dev).to(bf) for _ in range(n)]
-    g = torch.Generator(device=dev).manual_seed(4321)  # replicated tensors: same on every rank
-    c = dict(w=(torch.rand(h, generator=g, device=dev) + 0.5).to(bf),
-             res=torch.randn(m, h, generator=g, device=dev),
-             alpha=torch.rand(h, generator=g, device=dev) + 0.5,
-             beta=torch.randn(h, generator=g, device=dev),
-             scale=torch.tensor([0.0125], device=dev), gs=torch.tensor([448.0 * 6 / 5], device=dev),
-             out=torch.empty(m, h, dtype=bf, device=dev), ro=torch.empty(m, h, device=dev),
-             out8=torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
-             q4=torch.empty(m, h // 2, dtype=torch.uint8, device=dev),
-             sf4=torch.empty(m, h // 16, dtype=torch.uint8, device=dev))  # fmt: skip
+    c = case_tensors(m, h, dev)
     stacked = torch.empty(p, m, s, dtype=bf, device=dev)
     # the symmetric-memory baseline's inputs: every rotation set already in one symmetric
     # allocation (as if the GEMM had written there), read by the peers through their mappings
@@ -148,16 +171,16 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
 
     def nccl(i):
         dist.all_gather_into_tensor(stacked, shards[i % n], group=group)
-        return _single(moefuse, op, stacked.permute(1, 0, 2).reshape(m, h), c)
+        return single_op(moefuse, op, stacked.permute(1, 0, 2).reshape(m, h), c)
 
     def symm(i):
         hdl.barrier(channel=0)  # every rank's set is complete before anyone reads it
         for q in range(p):  # peer loads by an SM copy kernel, this rank's own set locally
             sm_copy(views[q][i % n], stacked[q])
-        return _single(moefuse, op, stacked.permute(1, 0, 2).reshape(m, h), c)
+        return single_op(moefuse, op, stacked.permute(1, 0, 2).reshape(m, h), c)
 
     def fused(i):
-        return _fused(moefuse, op, shards[i % n], c, ws)
+        return fused_op(moefuse, op, shards[i % n], c, ws)
 
     state = allgather_ops.allgather_state(ws)
     gathered = state.gathered(bf, m)
@@ -194,8 +217,15 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
         if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
             env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
-    else:  # the default is one launch here: time two as well
+    else:  # the default is one launch here: time two as well, and its other decode modes
         env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
+        tile = one_launch_tile(h, m, OP_CODES[op])
+        if tile is not None:
+            default = decode_mode(OP_CODES[op], tile)
+            for mode in DECODE_MODES:
+                with harness.knobs({DECODE_ENV: mode}):
+                    if decode_mode(OP_CODES[op], tile) != default:
+                        env[f"moefuse_{mode}"] = {DECODE_ENV: mode}
     variants.update({name: fused for name in env})
 
     def check(name, fn):

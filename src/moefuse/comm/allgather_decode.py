@@ -20,6 +20,24 @@ functions) — same tile (the op's own tile policy, :func:`op_tile`), same const
 ``num_warps``, rows re-read from the gathered buffer with the same addressing — so the
 reduction tree, and the bits, are the single-GPU kernel's.
 
+Three modes (:func:`decode_mode`; ``MOEFUSE_ALLGATHER_DECODE=late|early|slots`` forces one):
+``late`` = the above (:func:`norm_tile`: the op's parameters are loaded after the wait, with
+the rows); ``early`` = the parameters (and the gated op's residual) loaded before the wait for
+the peers, the rows from the gathered buffer after it; ``slots`` = parameters early, and every
+rank (this one too) pushes its fragment into this rank's slot, where the program polls the
+rows in the op's own tile, straight into registers: no gathered round trip, no CTA barrier
+(:func:`norm_tile_early`; the values and tile shape are those of the single-GPU kernel's loads,
+so the tree is the same: the tests check the bits). MEASURED on one H200 as two loopback ranks
+(session 12, scripts/loopback_gpu_check.py, PDL on, per case the median over 3 alternating
+rounds of the faster rank's median; notes/comm-allgather.md has the tables), µs late -> slots:
+FP8 H = 4096, M = 1 / 8 / 64: 3.93 -> 3.23, 4.43 -> 4.05, 5.31 -> 4.64; H = 8192: 4.74 ->
+4.33, 5.25 -> 4.62, 6.58 -> 6.20; rmsnorm H = 4096 (one-pass tile): 0.2-0.5 µs less; ``early``
+alone did not beat ``late`` for FP8. NVFP4: all modes within the noise (``late`` kept). The
+gated op at H = 8192: late 4.82 / 5.68 / 8.42, early 5.30 / 5.98 / 8.46, slots 5.26 / 5.97 /
+8.84 (``late`` kept). Defaults: :data:`DECODE_DEFAULT`. Loopback "links" run at L2 speed; on
+NVLink the wait is longer, which may favour hoisting the parameters more: ``bench allgather``
+times every mode beside the default (``moefuse_late`` / ``_early`` / ``_slots``).
+
 Eligible launches: one-shot, M <= :data:`ONE_LAUNCH_MAX_TOKENS` (one program per tile, all
 co-resident: no cross-rank wait on an unscheduled program), tiles :func:`fusable` accepts
 (stepped rows unrolled, or one-pass tiles; not the two-pass chunked rows). NVFP4: the programs
@@ -52,6 +70,13 @@ ONE_LAUNCH_ENV = "MOEFUSE_ALLGATHER_ONE_LAUNCH"
 ONE_LAUNCH_MAX_TOKENS = 64
 #: the single-GPU op a fused launch ends with (host ints; OP_* the kernels' constexprs)
 RMSNORM, FP8, FP4, GATED = 0, 1, 2, 3
+#: the benchmark's op names (moefuse.bench.allgather) -> the ops above
+OP_CODES = {"rmsnorm": RMSNORM, "fp8": FP8, "fp4": FP4, "gated": GATED}
+DECODE_ENV = "MOEFUSE_ALLGATHER_DECODE"
+DECODE_MODES = ("late", "early", "slots")
+#: the decode kernel's mode per op (see :func:`decode_mode` and the module docstring: measured
+#: on one H200 as two loopback ranks, session 12)
+DECODE_DEFAULT = {RMSNORM: "slots", FP8: "slots", FP4: "late", GATED: "late"}
 OP_FP8: tl.constexpr = tl.constexpr(FP8)
 OP_FP4: tl.constexpr = tl.constexpr(FP4)
 OP_GATED: tl.constexpr = tl.constexpr(GATED)
@@ -70,13 +95,15 @@ def _ag_rmsnorm_kernel(
     P: tl.constexpr, BLOCK_S: tl.constexpr,
     OP: tl.constexpr = 0, FMT: tl.constexpr = 0, LAYOUT: tl.constexpr = 0,
     RECIPE: tl.constexpr = 0, ALPHA_MODE: tl.constexpr = 0, HAS_POST_WEIGHT: tl.constexpr = False,
-    HAS_ROUTER: tl.constexpr = False,
+    HAS_ROUTER: tl.constexpr = False, EARLY: tl.constexpr = False,
+    FROM_SLOTS: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     if USE_PDL:
         gdc_wait()
-    # --- gather the rows of this program's tile into x_ptr (the gathered buffer)
+    # --- gather the rows of this program's tile into x_ptr (the gathered buffer), or with
+    # FROM_SLOTS into every rank's slot of this rank (read back as a register tile below)
     deadline, gen, healthy, region, mine = AG.prelude(table_ptr, ag_off16, agctrl_ptr,
                                                       status_ptr, clock_ptr, rank, cap,
                                                       timeout_us, PTX)  # fmt: skip
@@ -86,32 +113,121 @@ def _ag_rmsnorm_kernel(
     # (NVFP4 tiles of padding rows only, pid * ROWS >= n_rows, gather nothing)
     n_mine = tl.where(healthy, tl.maximum(tl.minimum(ROWS, n_rows - first), 0), 0)
     push_rows(shard_ptr, s_st, x_ptr, x_st, first, n_mine, scols, scm, table_ptr, ag_off16,
-              region, rank, S, H, P)  # fmt: skip
+              region, rank, S, H, P, FROM_SLOTS)  # fmt: skip
     if USE_PDL:
         # the next kernel may be scheduled now; its own gdc_wait orders its reads and writes
         # after this whole grid (so the residual / weights read below are safe)
         gdc_launch_dependents()
     empty = tl.zeros([BLOCK_S], tl.int16)
-    missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S, H,
-                           deadline, clock_ptr, empty, P, PTX)  # fmt: skip
-    # --- the single-GPU op's row tile (OP: rmsnorm, rmsnorm_quant, rmsnorm_fp4_quantize, gated)
-    norm_tile(pid, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr,
-              ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh,
-              eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc, BLOCK,
-              NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL, OP, FMT, LAYOUT, RECIPE,
-              ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER)  # fmt: skip
+    if EARLY:
+        # --- the op's parameters first, then its tile (from the slots, or the gathered rows)
+        missing = norm_tile_early(pid, n_mine, first, scols, scm, empty, mine, region, rank, S,
+                                  deadline, clock_ptr, x_ptr, x_st, w_ptr, out_ptr, aux_ptr,
+                                  sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr,
+                                  n_rows, n_norm, H, Hf, KB, n_kcols, o_st, o_sh, eps,
+                                  gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
+                                  post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, OP,
+                                  FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER,
+                                  P, FROM_SLOTS)  # fmt: skip
+    else:
+        missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S, H,
+                               deadline, clock_ptr, empty, P, PTX)  # fmt: skip
+        # --- the single-GPU op's row tile (OP: rmsnorm, rmsnorm_quant, rmsnorm_fp4_quantize,
+        # gated)
+        norm_tile(pid, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr,
+                  pw_ptr, ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh,
+                  o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
+                  post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL, OP,
+                  FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER)  # fmt: skip
     AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
 
 
 @triton.jit
+def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, deadline,
+                    clock_ptr, x_ptr, x_st, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr,
+                    beta_ptr, pw_ptr, ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, o_st,
+                    o_sh, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
+                    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+                    MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
+                    OP: tl.constexpr, FMT: tl.constexpr, LAYOUT: tl.constexpr,
+                    RECIPE: tl.constexpr, ALPHA_MODE: tl.constexpr,
+                    HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr, P: tl.constexpr,
+                    FROM_SLOTS: tl.constexpr):  # fmt: skip
+    """Row tile ``t`` of the single-GPU op ``OP`` (as :func:`norm_tile`: the same row code, so
+    the same tree and bits) with the op's parameters (and the gated op's residual) loaded
+    BEFORE the wait for the peers, so that their latency hides behind it; :func:`norm_tile`
+    loads them after. One-pass tiles of rmsnorm, FP8 and NVFP4, and the gated op's unrolled
+    stepped rows (``gd._next_unrolled_row``). The rows come from the gathered buffer after
+    :func:`receive_rows`, or with ``FROM_SLOTS`` straight from this rank's slot
+    (``AG.receive_tile`` / ``AG.receive_steps``: polled in the op's own tile, no gathered
+    round trip, no CTA barrier). Returns the bit mask of the peers that did not deliver."""
+    T: tl.constexpr = x_ptr.dtype.element_ty
+    live = n_mine > 0
+    if OP == OP_GATED:  # stepped rows, unrolled (ROWS = 1): BLOCK = STEP, NUM_CHUNKS = STEPS
+        row = t.to(tl.int64)
+        nws = nt._step_params(w_ptr, H, gain_center, BLOCK, NUM_CHUNKS, MASKED, True)
+        pws = nt._step_params(pw_ptr, H, post_gc, BLOCK, NUM_CHUNKS, MASKED, HAS_POST_WEIGHT)
+        als = nt._step_params(alpha_ptr, H, 0.0, BLOCK, NUM_CHUNKS, MASKED, ALPHA_MODE == 2)
+        bes = nt._step_params(beta_ptr, H, 0.0, BLOCK, NUM_CHUNKS, MASKED, True)
+        rs = ()
+        for k in tl.static_range(NUM_CHUNKS):
+            cols, cm = nt._step_cols(k, H, BLOCK)
+            rs = rs + (nt._ldp(res_ptr + row * r_st + cols, cm, MASKED, "evict_first"),)
+        if FROM_SLOTS:
+            bs, missing = AG.receive_steps(mine, region, row, live, S, H, deadline, clock_ptr, T,
+                                           BLOCK, NUM_CHUNKS, MASKED, P, PTX)  # fmt: skip
+        else:
+            missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S,
+                                   H, deadline, clock_ptr, empty, P, PTX)  # fmt: skip
+            bs = ()
+            for k in tl.static_range(NUM_CHUNKS):
+                cols, cm = nt._step_cols(k, H, BLOCK)
+                bs = bs + (nt._ldp(x_ptr + row * x_st + cols, cm, MASKED, "evict_first"),)
+        gd._next_unrolled_row(bs, rs, nws, pws, als, bes, ro_ptr, out_ptr, rt_ptr, row * ro_st,
+                              row * o_st, row * rt_st, H, Hf, alpha_scalar, post_eps, eps,
+                              BLOCK, NUM_CHUNKS, MASKED, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER,
+                              PTX)  # fmt: skip
+    else:
+        cols = tl.arange(0, BLOCK)
+        rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
+        if OP == OP_FP4:
+            w = qf._ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
+        else:
+            w = nt._ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+        inv = 1.0
+        if OP == OP_FP8:
+            inv = tl.math.div_rn(1.0, tl.load(aux_ptr).to(tl.float32))
+        if FROM_SLOTS:
+            x, missing = AG.receive_tile(mine, region, rows, cols, mask, live, S, H, deadline,
+                                         clock_ptr, T, MASKED, P, PTX)  # fmt: skip
+        else:
+            missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S,
+                                   H, deadline, clock_ptr, empty, P, PTX)  # fmt: skip
+            x = nt._ld_raw(x_ptr + (rows * x_st)[:, None] + cols[None, :], mask, MASKED,
+                           EVICT_FIRST)  # fmt: skip
+        if OP == OP_FP8:
+            qf._fp8_tile(qf._widen_h(x, x, False), w, inv, rows, cols, mask, x_ptr, out_ptr, 1,
+                         0, 0, o_st, o_sh, Hf, eps, MASKED, False, FMT, PTX, False)  # fmt: skip
+        elif OP == OP_FP4:
+            qf._fp4_tile(t, w, x_ptr, x_ptr, aux_ptr, out_ptr, sf_ptr, x_ptr, n_rows, n_norm, H,
+                         Hf, KB, n_kcols, 0, 0, o_st, 0, eps, BLOCK, ROWS, False, False, RECIPE,
+                         LAYOUT, EVICT_FIRST, PTX, False, MASKED, x, True)  # fmt: skip
+        else:
+            xf = x.to(tl.float32)
+            nt._rms_tile(xf, xf, w, rows, cols, mask, out_ptr, 1, o_st, o_sh, Hf, eps, MASKED,
+                         False, PTX)  # fmt: skip
+    return missing
+
+
+@triton.jit
 def push_rows(shard_ptr, s_st, x_ptr, x_st, first, n, scols, scm, table_ptr, ag_off16, region,
-              rank, S, H, P: tl.constexpr):  # fmt: skip
+              rank, S, H, P: tl.constexpr, OWN_SLOT: tl.constexpr = False):  # fmt: skip
     """Push rows ``first .. first + n - 1`` of this rank's shard (``AG.push_row``: every peer's
-    slot, and this rank's gathered rows ``x_ptr``)."""
+    slot, and this rank's gathered rows ``x_ptr``, or with ``OWN_SLOT`` its own slot)."""
     j = 0
     while j < n:  # (while: the interpreter cannot range over a loaded value)
         AG.push_row(shard_ptr, s_st, x_ptr, x_st, first + j, scols, scm, table_ptr, ag_off16,
-                    region, rank, rank * S, H, P)  # fmt: skip
+                    region, rank, rank * S, H, P, OWN_SLOT)  # fmt: skip
         j += 1
 
 
@@ -268,6 +384,20 @@ def one_launch_tile(width: int, m: int, op: int = 0):
     return tile
 
 
+def decode_mode(op: int, tile) -> tuple[bool, bool]:
+    """``(EARLY, FROM_SLOTS)`` of the decode kernel for ``op`` on ``tile``
+    (:func:`norm_tile_early`): eligible are one-pass tiles of rmsnorm, FP8 and NVFP4 and the
+    gated op's stepped rows (unrolled: :func:`one_launch_tile` never gives the decode kernel
+    looped rows). ``MOEFUSE_ALLGATHER_DECODE`` = ``late`` | ``early`` | ``slots`` (the same on
+    every rank) forces a mode where eligible; unset, :data:`DECODE_DEFAULT` decides per op."""
+    setting = os.environ.get(DECODE_ENV, "")
+    if setting not in ("", *DECODE_MODES):
+        raise ValueError(f"{DECODE_ENV} must be one of {DECODE_MODES}, got {setting!r}")
+    eligible = (op == GATED) if tile.stepped else op in (RMSNORM, FP8, FP4)
+    mode = (setting or DECODE_DEFAULT.get(op, "late")) if eligible else "late"
+    return mode != "late", mode == "slots"
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """The single-GPU op a one-launch all-gather ends with (``op``: RMSNORM, FP8, FP4, GATED), its
@@ -365,6 +495,7 @@ def launch_ag_rmsnorm(ws, state, shard: torch.Tensor, gathered: torch.Tensor, ep
     n_norm, kb, n_kcols = ep.rows_and_blocks(m, width)
     block_s, _ = AG.allgather_tile(s)
     consts = ep.consts(tile, width, n_rows, use_pdl)
+    consts["EARLY"], consts["FROM_SLOTS"] = decode_mode(ep.op, tile)
     ws.refresh_clock()
     grid = (triton.cdiv(n_norm, tile.rows),)
     launch(_ag_rmsnorm_kernel, grid,

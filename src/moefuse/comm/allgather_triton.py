@@ -127,11 +127,12 @@ def prelude(table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, rank, cap, t
 
 @triton.jit
 def push_row(shard_ptr, s_st, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank,
-             own, H, P: tl.constexpr):  # fmt: skip
+             own, H, P: tl.constexpr, OWN_SLOT: tl.constexpr = False):  # fmt: skip
     """Row ``t`` of this rank's shard: encoded into its columns of every peer's slot, and as is
-    into this rank's gathered row."""
+    into this rank's gathered row (``OWN_SLOT``: encoded into its own slot instead)."""
     x = load_fragment(shard_ptr, s_st, t, cols, cm)
-    store_fragment(x, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank, own, H, P)
+    store_fragment(x, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank, own, H, P,
+                   OWN_SLOT)  # fmt: skip
 
 
 @triton.jit
@@ -142,15 +143,21 @@ def load_fragment(shard_ptr, s_st, t, cols, cm):
 
 @triton.jit
 def store_fragment(x, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank, own, H,
-                   P: tl.constexpr):  # fmt: skip
-    """The push of :func:`push_row` for a fragment ``x`` already loaded from shard row ``t``."""
+                   P: tl.constexpr, OWN_SLOT: tl.constexpr = False):  # fmt: skip
+    """The push of :func:`push_row` for a fragment ``x`` already loaded from shard row ``t``.
+    ``OWN_SLOT``: this rank's fragment goes encoded into its own slot too (where
+    :func:`receive_tile` reads the whole row), instead of as is into the gathered row."""
     t64 = t.to(tl.int64)
     enc = _encode(x)
     dst = (region + t64) * H + own + cols
-    for q in tl.static_range(P):
-        if q != rank:
+    if OWN_SLOT:
+        for q in tl.static_range(P):
             tl.store(D.peer_base(table_ptr, q, ag_off16, 16) + dst, enc, mask=cm)
-    tl.store(gath_ptr + t64 * g_st + own + cols, x, mask=cm)
+    else:
+        for q in tl.static_range(P):
+            if q != rank:
+                tl.store(D.peer_base(table_ptr, q, ag_off16, 16) + dst, enc, mask=cm)
+        tl.store(gath_ptr + t64 * g_st + own + cols, x, mask=cm)
 
 
 @triton.jit
@@ -170,6 +177,90 @@ def receive_row(gath_ptr, g_st, t, cols, cm, mine, region, rank, S, H, deadline,
             val = (w ^ tl.full(w.shape, -1, tl.int16)).to(T, bitcast=True)
             tl.store(gath_ptr + t64 * g_st + q * S + cols, val, mask=cm)
     return missing
+
+
+@triton.jit
+def _load_words(ptrs, valids, N: tl.constexpr):
+    """One volatile load of each of the N word tensors ``ptrs[k]`` (one shape; masks
+    ``valids[k]``; masked words read as 1, i.e. not empty). Returns ``(words, any word empty)``:
+    the empty flags are OR-ed element-wise first, so a round costs one CTA-wide reduction."""
+    w = tl.load(ptrs[0], mask=valids[0], other=1, volatile=True)
+    ws = (w,)
+    empty = w == 0
+    for k in tl.static_range(1, N):
+        w = tl.load(ptrs[k], mask=valids[k], other=1, volatile=True)
+        ws = ws + (w,)
+        empty = empty | (w == 0)
+    return ws, tl.max(tl.max(empty.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _receive_words(ptrs, valids, owners, T: tl.constexpr, N: tl.constexpr, deadline, clock_ptr,
+                   MASKED: tl.constexpr, P: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Poll the N word tensors of this rank's slot (``ptrs``, masks ``valids``, owning rank of
+    every word ``owners``) until no word is empty, or the deadline; all N are loaded together
+    each round. Re-arms them, decodes them to dtype T (masked words 0 when ``MASKED``).
+    Returns ``(values, bit mask of the ranks whose words did not arrive in time)``."""
+    ws, pending = _load_words(ptrs, valids, N)
+    expired = pending * 0
+    while (pending != 0) & (expired == 0):
+        ws, pending = _load_words(ptrs, valids, N)
+        expired = (D.now_ns(clock_ptr, PTX) > deadline).to(tl.int32)
+    missing = 0
+    xs = ()
+    for k in tl.static_range(N):
+        w = ws[k]
+        tl.store(ptrs[k], tl.zeros(w.shape, tl.int16), mask=valids[k])  # re-arm
+        if pending != 0:  # timed out: name the ranks whose words are still empty
+            for q in tl.static_range(P):
+                late = ((w == 0) & (owners[k] == q)).to(tl.int32)
+                late = tl.max(tl.max(late, axis=1), axis=0)
+                missing = missing | tl.where(late != 0, 1 << q, 0)
+        x = (w ^ tl.full(w.shape, -1, tl.int16)).to(T, bitcast=True)
+        if MASKED:
+            x = tl.where(valids[k], x, tl.zeros(x.shape, T))
+        xs = xs + (x,)
+    return xs, missing
+
+
+@triton.jit
+def receive_tile(mine, region, rows, cols, mask, live, S, H, deadline, clock_ptr,
+                 T: tl.constexpr, MASKED: tl.constexpr, P: tl.constexpr,
+                 PTX: tl.constexpr):  # fmt: skip
+    """The rows ``rows`` x columns ``cols`` of the gathered rows as a register tile of dtype T,
+    read straight from this rank's slot, where every rank (this one included: ``OWN_SLOT``)
+    stored its fragment: poll until no word is empty (or the deadline), re-arm, decode. Masked
+    elements (``MASKED``) read as 0, as the single-GPU kernels' masked loads; ``live`` False
+    (workspace unhealthy, or a tile of padding rows) waits for nothing and reads nothing.
+    Returns ``(tile, bit mask of the peers whose words did not arrive in time)``."""
+    ptr = mine + (region + rows.to(tl.int64))[:, None] * H + cols[None, :]
+    xs, missing = _receive_words((ptr,), (mask & live,), ((cols // S)[None, :],), T, 1,
+                                 deadline, clock_ptr, MASKED, P, PTX)  # fmt: skip
+    return xs[0], missing
+
+
+@triton.jit
+def receive_steps(mine, region, row, live, S, H, deadline, clock_ptr, T: tl.constexpr,
+                  STEP: tl.constexpr, STEPS: tl.constexpr, MASKED: tl.constexpr, P: tl.constexpr,
+                  PTX: tl.constexpr):  # fmt: skip
+    """:func:`receive_tile` for a stepped row (``norm.triton`` layout: STEPS steps of [1, STEP]
+    columns): the steps of gathered row ``row`` as a tuple of FP32 tensors, the values of the
+    single-GPU kernels' ``_ldp`` step loads, all polled together."""
+    base = mine + (region + row.to(tl.int64)) * H
+    ptrs = ()
+    valids = ()
+    owners = ()
+    for k in tl.static_range(STEPS):
+        cols = k * STEP + tl.arange(0, STEP)[None, :]
+        ptrs = ptrs + (base + cols,)
+        valids = valids + ((cols < H) & live,)
+        owners = owners + (cols // S,)
+    xs, missing = _receive_words(ptrs, valids, owners, T, STEPS, deadline, clock_ptr, MASKED, P,
+                                 PTX)  # fmt: skip
+    fs = ()
+    for k in tl.static_range(STEPS):
+        fs = fs + (xs[k].to(tl.float32),)
+    return fs, missing
 
 
 @triton.jit

@@ -191,6 +191,33 @@ def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, 
 
 
 @triton.jit
+def _next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr, ro_row, f_row,
+                       rt_row, H, Hf, alpha_scalar, post_eps, next_eps, STEP: tl.constexpr,
+                       STEPS: tl.constexpr, MASKED: tl.constexpr, ALPHA_MODE: tl.constexpr,
+                       HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
+                       PTX: tl.constexpr):  # fmt: skip
+    """The math and stores of an unrolled stepped row of _gated_residual_next_kernel from its
+    steps in registers: branch ``bs`` and residual ``rs`` (FP32 tuples), parameters ``nws`` /
+    ``pws`` / ``als`` / ``bes`` (``_step_params``). Also run by the fused all-gather decode
+    kernel on branch steps read from its slots (comm/allgather_decode.py): the same bits."""
+    acc2 = tl.zeros([1, STEP], dtype=tl.float32)
+    bws, ss1 = _weighted_sumsq(bs, pws, STEP, STEPS, HAS_POST_WEIGHT)
+    r1 = _inv_rms(ss1, Hf, post_eps)
+    ros = ()
+    for k in tl.static_range(STEPS):
+        cols, cm = _step_cols(k, H, STEP)
+        ro = _stream_update(rs[k], bws[k], als[k], bes[k], alpha_scalar, r1, ALPHA_MODE)
+        _st(rout_ptr + ro_row + cols, ro, cm, MASKED, PTX)
+        ros = ros + (ro,)
+        acc2 = tl.fma(ro, ro, acc2)
+    r2 = _inv_rms(tl.sum(acc2, axis=1)[:, None], Hf, next_eps)
+    for k in tl.static_range(STEPS):
+        cols, cm = _step_cols(k, H, STEP)
+        _store_ffn(ffn_ptr + f_row + cols, router_ptr + rt_row + cols, (ros[k] * r2) * nws[k],
+                   cm, MASKED, HAS_ROUTER, PTX)  # fmt: skip
+
+
+@triton.jit
 def _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr,
                   router_ptr, row, H, Hf, b_st, r_st, ro_st, f_st, rt_st, alpha_scalar, post_eps,
                   next_eps, ngc, pgc, STEP: tl.constexpr, STEPS: tl.constexpr,
@@ -216,20 +243,9 @@ def _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr,
         bs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
         if USE_PDL:
             gdc_launch_dependents()
-        bws, ss1 = _weighted_sumsq(bs, pws, STEP, STEPS, HAS_POST_WEIGHT)
-        r1 = _inv_rms(ss1, Hf, post_eps)
-        ros = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            ro = _stream_update(rs[k], bws[k], als[k], bes[k], alpha_scalar, r1, ALPHA_MODE)
-            _st(rout_ptr + ro_row + cols, ro, cm, MASKED, PTX)
-            ros = ros + (ro,)
-            acc2 = tl.fma(ro, ro, acc2)
-        r2 = _inv_rms(tl.sum(acc2, axis=1)[:, None], Hf, next_eps)
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            _store_ffn(ffn_ptr + f_row + cols, router_ptr + rt_row + cols, (ros[k] * r2) * nws[k],
-                       cm, MASKED, HAS_ROUTER, PTX)  # fmt: skip
+        _next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr, ro_row,
+                           f_row, rt_row, H, Hf, alpha_scalar, post_eps, next_eps, STEP, STEPS,
+                           MASKED, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
     else:
         if USE_PDL:
             gdc_wait()

@@ -548,12 +548,14 @@ def _fp4_tile(t, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_
               KB, n_kcols, x_st, r_st, p_st, y_st, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr, HAS_NORM_OUT: tl.constexpr, RECIPE: tl.constexpr,
               LAYOUT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
-              USE_PDL: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+              USE_PDL: tl.constexpr, MASKED: tl.constexpr, x_in=None,
+              GIVEN_X: tl.constexpr = False):  # fmt: skip
     """One-pass row tile ``t`` of ``_rmsnorm_fp4_kernel`` (one tile per program), after the
     grid-dependency wait; ``w`` = f32(weight) + gain_center [1, BLOCK]. Zeroes the padding block
     columns of its rows, then either zero scale bytes (a tile of padding rows only) or norm +
     NVFP4 of the tile. Also the tile of the fused all-gather kernels (comm/allgather_decode.py):
-    one piece of code, so the same bits."""
+    one piece of code, so the same bits. ``GIVEN_X``: the tile's input rows are ``x_in``
+    [ROWS, BLOCK] (stored dtype, masked elements 0; no residual) instead of loads of ``x_ptr``."""
     rows = t * ROWS + tl.arange(0, ROWS)
     live_rows = (rows < n_rows)[:, None]
     r64 = rows.to(tl.int64)[:, None]
@@ -564,8 +566,11 @@ def _fp4_tile(t, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_
         cols = tl.arange(0, BLOCK)
         mask = live_rows & (cols < H)[None, :]
         gs = tl.load(gs_ptr).to(tl.float32)
-        h = _load_h(x_ptr, res_ptr, r64 * x_st, r64 * r_st, cols, mask, MASKED, HAS_RESIDUAL,
-                    EVICT_FIRST, PTX)  # fmt: skip
+        if GIVEN_X:
+            h = x_in.to(tl.float32)
+        else:
+            h = _load_h(x_ptr, res_ptr, r64 * x_st, r64 * r_st, cols, mask, MASKED, HAS_RESIDUAL,
+                        EVICT_FIRST, PTX)  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
         if HAS_RESIDUAL:
