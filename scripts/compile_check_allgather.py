@@ -53,7 +53,11 @@ def compile_report(kernel, consts: dict, num_warps: int, types: dict | None = No
     bytes, and counts of 16-byte volatile polls / global stores in the PTX."""
     sig, attrs = {}, {}
     types = {**TYPES, **(types or {})}
-    for i, name in enumerate(inspect.signature(kernel.fn).parameters):
+    params = inspect.signature(kernel.fn).parameters
+    # constexprs the caller leaves out take their defaults, as at a launch (not run-time ints)
+    consts = {**{name: p.default for name, p in params.items()
+                 if "constexpr" in str(p.annotation) and p.default is not p.empty}, **consts}
+    for i, name in enumerate(params):
         if name in consts:
             sig[name] = "constexpr"
             continue
@@ -115,6 +119,13 @@ def main() -> None:
                     report(f"H={h:5d} P={p} {name:7s} persistent {mode}",
                            fused._ag_rmsnorm_persistent_kernel,
                            {**consts, "P": p, "BLOCK_S": block_s}, warps, op)  # fmt: skip
+                    with harness.knobs({fused.PERSISTENT_ENV: "slots"}):
+                        slots = fused.persistent_from_slots(op, dec.op_tile(op, h))
+                    if slots:  # the tiles polled straight from the slots
+                        report(f"H={h:5d} P={p} {name:7s} persistent slots ",
+                               fused._ag_rmsnorm_persistent_kernel,
+                               {**consts, "P": p, "BLOCK_S": block_s, "FROM_SLOTS": True}, warps,
+                               op)  # fmt: skip
                 consts, warps = norm_consts(h, True, op, layout)
                 report(f"H={h:5d} P={p} {name:7s} decode           ", dec._ag_rmsnorm_kernel,
                        {**consts, "P": p, "BLOCK_S": block_s}, warps, op)  # fmt: skip

@@ -419,7 +419,7 @@ def main() -> int:
                  fams.AllReduceNorm.algos) for h in widths]  # fmt: skip
         small = [m for m in tokens if m in (1, 8, 64)] or tokens[:1]
         plan += [("moe_finalize", h_big, small, fams.MoeFinalize.algos)]
-        plan += [(name, h, small, ("oneshot",)) for name in fams.FAMILIES
+        plan += [(name, h, tokens, ("oneshot",)) for name in fams.FAMILIES
                  if name.startswith("allgather") for h in widths]  # fmt: skip
         plan += [("tp_finalize", h_big, small, tuple(args.tp_algos.split(",")))]
         variants = parse_variants(args.variants)

@@ -417,12 +417,14 @@ def test_one_launch_decode_stepped_rows():
 
 
 # ----------------------------------------------------------------------------- persistent kernel
-def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows):
+def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""):
     """The persistent gather + rmsnorm kernel (comm/allgather_fused.py) forced at small M: decode
     kernel off, ``grid`` CTAs (several tiles each), ``lookahead`` tiles pushed ahead; rmsnorm and
     gemma_rmsnorm bitwise against moefuse.rmsnorm of the full rows and against the torch
     algorithm, over enough calls to wrap the generations. ``loop_min_rows`` (stepped widths):
-    the row count from which both the single-GPU op and the fused kernel loop over the steps."""
+    the row count from which both the single-GPU op and the fused kernel loop over the steps.
+    ``mode``: MOEFUSE_ALLGATHER_PERSISTENT ("" = the default: one-pass rmsnorm tiles are read
+    from the slots)."""
     import os
 
     import moefuse
@@ -441,7 +443,8 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows):
         tiles.RMSNORM_LOOP_MIN_ROWS = loop_min_rows
     os.environ.update({"MOEFUSE_ALLGATHER_ONE_LAUNCH": "0", "MOEFUSE_ALLGATHER_LARGE": "fused",
                        "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
-                       "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead)})  # fmt: skip
+                       "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead),
+                       "MOEFUSE_ALLGATHER_PERSISTENT": mode})  # fmt: skip
     cap = max(ms)
     ws = moefuse.AllReduceWorkspace(None, cap, h, BF16, "cpu", timeout_s=60,
                                     extra_regions=moefuse.allgather_regions(cap, h))  # fmt: skip
@@ -468,15 +471,15 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows):
         ws.close()
 
 
-@pytest.mark.parametrize("p,h,ms,grid,lookahead,loop_min_rows", [
-    (2, 96, (77, 5, 33), 2, 1, 0),  # 16-row masked tiles: 5 tiles over 2 CTAs, then 1, then 3
-    (3, 48, (70, 3), 2, 3, 0),  # 32-row tiles; lookahead beyond a CTA's last tile
-    (2, 2400, (7,), 3, 2, 0),  # one masked row per tile, 3 CTAs
-    (3, 7680, (5,), 2, 1, 0),  # stepped rows (2 x 4096, masked), unrolled
-    (2, 7680, (5,), 2, 2, 4),  # stepped rows, looped (the single-GPU mode from 4 rows here)
+@pytest.mark.parametrize("p,h,ms,grid,lookahead,loop_min_rows,mode", [
+    (2, 96, (77, 5, 33), 2, 1, 0, ""),  # 16-row masked tiles: 5 tiles over 2 CTAs, then 1, 3
+    (3, 48, (70, 3), 2, 3, 0, "gathered"),  # 32-row tiles; lookahead beyond a CTA's last tile
+    (2, 2400, (7,), 3, 2, 0, ""),  # one masked row per tile, 3 CTAs
+    (3, 7680, (5,), 2, 1, 0, ""),  # stepped rows (2 x 4096, masked), unrolled
+    (2, 7680, (5,), 2, 2, 4, ""),  # stepped rows, looped (the single-GPU mode from 4 rows here)
 ])  # fmt: skip
-def test_fused_persistent_kernel_bitwise(p, h, ms, grid, lookahead, loop_min_rows):
-    gens = run_group(p, scenario_fused_large, h, ms, grid, lookahead, loop_min_rows)
+def test_fused_persistent_kernel_bitwise(p, h, ms, grid, lookahead, loop_min_rows, mode):
+    gens = run_group(p, scenario_fused_large, h, ms, grid, lookahead, loop_min_rows, mode)
     assert len(set(gens)) == 1
 
 
@@ -498,6 +501,35 @@ def test_fused_knobs_raise_clear_errors(monkeypatch):
             fused._env_int(fused.LOOKAHEAD_ENV, fused.LOOKAHEAD, 1)
 
 
+def test_decode_and_persistent_modes(monkeypatch):
+    """The modes of the one-launch kernels: defaults per op and width, knob overrides where the
+    tile is eligible, clear errors naming the variable."""
+    from moefuse.comm import allgather_decode as dec
+    from moefuse.comm import allgather_fused as fused
+
+    for op, want in ((dec.RMSNORM, (True, True)), (dec.FP8, (True, True)),
+                     (dec.FP4, (False, False)), (dec.GATED, (False, False))):  # fmt: skip
+        assert dec.decode_mode(op, dec.op_tile(op, 4096)) == want, op
+    assert dec.decode_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192)) == (False, False)
+    assert fused.persistent_from_slots(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 4096))
+    assert fused.persistent_from_slots(dec.FP8, dec.op_tile(dec.FP8, 4096))
+    assert not fused.persistent_from_slots(dec.FP8, dec.op_tile(dec.FP8, 8192))
+    assert not fused.persistent_from_slots(dec.FP4, dec.op_tile(dec.FP4, 4096))
+    assert not fused.persistent_from_slots(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192))  # stepped
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_DECODE", "early")
+    assert dec.decode_mode(dec.GATED, dec.op_tile(dec.GATED, 4096)) == (True, False)
+    assert dec.decode_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192)) == (False, False)
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_PERSISTENT", "slots")
+    assert fused.persistent_from_slots(dec.FP4, dec.op_tile(dec.FP4, 4096))
+    assert not fused.persistent_from_slots(dec.GATED, dec.op_tile(dec.GATED, 4096))
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_DECODE", "fast")
+    with pytest.raises(ValueError, match="MOEFUSE_ALLGATHER_DECODE must be one of"):
+        dec.decode_mode(dec.FP8, dec.op_tile(dec.FP8, 4096))
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_PERSISTENT", "fast")
+    with pytest.raises(ValueError, match="MOEFUSE_ALLGATHER_PERSISTENT must be one of"):
+        fused.persistent_from_slots(dec.FP8, dec.op_tile(dec.FP8, 4096))
+
+
 # --------------------------------------------------------------------- FP8 / NVFP4 one launch
 def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_rows=0,
                        decode_mode=""):  # fmt: skip
@@ -509,7 +541,7 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
     layout), ("gated", "tensor" | "scalar"). ``loop_min_rows``: the gated op's stepped rows
     loop from this many rows (single-GPU op and fused kernel alike). ``decode_mode``: the
     decode kernel's mode for every op (``allgather_decode.decode_mode``; "" = each op's
-    default)."""
+    default); "slots" / "late" also put the persistent kernel in its slots / gathered mode."""
     import os
 
     import moefuse
@@ -534,6 +566,8 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
     counting(allgather_fused, "launch_ag_rmsnorm_persistent", "persistent")
     os.environ.update({"MOEFUSE_ALLGATHER_ONE_LAUNCH": "1" if decode else "0",
                        "MOEFUSE_ALLGATHER_DECODE": decode_mode,
+                       "MOEFUSE_ALLGATHER_PERSISTENT": {"slots": "slots", "late": "gathered"}.get(
+                           decode_mode, ""),
                        "MOEFUSE_ALLGATHER_LARGE": "fused",
                        "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
                        "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead)})  # fmt: skip
@@ -605,10 +639,14 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
     # rows = 8 tiles, of which 3 only write zero scale bytes
     (2, 96, (70,), 2, 1, False, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "tensor")), 0,
      ""),
-    (3, 48, (33,), 2, 2, False, (("fp8", 1), ("fp4", "linear"), ("gated", "scalar")), 0, ""),
+    (3, 48, (33,), 2, 2, False, (("fp8", 1), ("fp4", "linear"), ("gated", "scalar")), 0,
+     "late"),
     # one masked row per tile; the gated op's rows are stepped (2 x 2048), looped from 4 rows
     (2, 2400, (5,), 3, 2, False, (("fp8", 0), ("fp4", "swizzled_8x4"), ("gated", "tensor")), 4,
      ""),
+    # the persistent kernel reading its one-pass tiles straight from the slots
+    (3, 96, (70,), 2, 1, False, (("fp8", 1), ("fp4", "swizzled_128x4"), ("gated", "tensor")), 0,
+     "slots"),
     # the one-launch decode kernel (one program per tile; padding tiles of the scale layout too;
     # the gated op's stepped rows unrolled at H = 2400), each op's default mode, then every op
     # in the modes "early" (parameters before the wait) and "slots" (tile read from the slots)

@@ -18,6 +18,8 @@ then times, side by side in one run:
   ``moefuse_late`` / ``_early`` / ``_slots``: the decode kernel in its modes other than the
   op's default (``MOEFUSE_ALLGATHER_DECODE``: parameters loaded after / before the wait for the
   peers; ``slots`` also reads the tile straight from the slots), checked bitwise first;
+  ``moefuse_gathered`` / ``_slots`` above the decode range: the persistent kernel in its other
+  mode (``MOEFUSE_ALLGATHER_PERSISTENT``), checked bitwise first;
 * ``nccl+op``: NCCL ``all_gather_into_tensor`` into [P, M, H/P], re-layout to [M, H]
   (``permute`` + contiguous copy), then the moefuse single-GPU op;
 * ``symm+op``: a PyTorch symmetric-memory all-gather (no multicast): every rank's shards live
@@ -151,6 +153,12 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         decode_mode,
         one_launch_tile,
     )
+    from moefuse.comm.allgather_fused import (
+        PERSISTENT_ENV,
+        PERSISTENT_MODES,
+        fused_tile,
+        persistent_from_slots,
+    )
     from moefuse.comm.allgather_triton import launch_allgather
     from moefuse.testing import assert_bitwise_equal
 
@@ -217,6 +225,13 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
         if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
             env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
+        tile = fused_tile(h, m, OP_CODES[op])
+        if tile is not None:  # the persistent kernel's other mode (rows gathered / from slots)
+            default = persistent_from_slots(OP_CODES[op], tile)
+            for mode in PERSISTENT_MODES:
+                with harness.knobs({PERSISTENT_ENV: mode}):
+                    if persistent_from_slots(OP_CODES[op], tile) != default:
+                        env[f"moefuse_{mode}"] = {PERSISTENT_ENV: mode}
     else:  # the default is one launch here: time two as well, and its other decode modes
         env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
         tile = one_launch_tile(h, m, OP_CODES[op])

@@ -190,13 +190,7 @@ def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, 
     else:
         cols = tl.arange(0, BLOCK)
         rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
-        if OP == OP_FP4:
-            w = qf._ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
-        else:
-            w = nt._ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
-        inv = 1.0
-        if OP == OP_FP8:
-            inv = tl.math.div_rn(1.0, tl.load(aux_ptr).to(tl.float32))
+        w, inv = one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED, PTX, OP)
         if FROM_SLOTS:
             x, missing = AG.receive_tile(mine, region, rows, cols, mask, live, S, H, deadline,
                                          clock_ptr, T, MASKED, P, PTX)  # fmt: skip
@@ -205,18 +199,53 @@ def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, 
                                    H, deadline, clock_ptr, empty, P, PTX)  # fmt: skip
             x = nt._ld_raw(x_ptr + (rows * x_st)[:, None] + cols[None, :], mask, MASKED,
                            EVICT_FIRST)  # fmt: skip
-        if OP == OP_FP8:
-            qf._fp8_tile(qf._widen_h(x, x, False), w, inv, rows, cols, mask, x_ptr, out_ptr, 1,
-                         0, 0, o_st, o_sh, Hf, eps, MASKED, False, FMT, PTX, False)  # fmt: skip
-        elif OP == OP_FP4:
-            qf._fp4_tile(t, w, x_ptr, x_ptr, aux_ptr, out_ptr, sf_ptr, x_ptr, n_rows, n_norm, H,
-                         Hf, KB, n_kcols, 0, 0, o_st, 0, eps, BLOCK, ROWS, False, False, RECIPE,
-                         LAYOUT, EVICT_FIRST, PTX, False, MASKED, x, True)  # fmt: skip
-        else:
-            xf = x.to(tl.float32)
-            nt._rms_tile(xf, xf, w, rows, cols, mask, out_ptr, 1, o_st, o_sh, Hf, eps, MASKED,
-                         False, PTX)  # fmt: skip
+        one_pass_tile(x, w, inv, t, rows, cols, mask, x_ptr, out_ptr, aux_ptr, sf_ptr, n_rows,
+                      n_norm, H, Hf, KB, n_kcols, o_st, o_sh, eps, BLOCK, ROWS, MASKED,
+                      EVICT_FIRST, PTX, OP, FMT, LAYOUT, RECIPE)  # fmt: skip
     return missing
+
+
+@triton.jit
+def one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK: tl.constexpr,
+                    MASKED: tl.constexpr, PTX: tl.constexpr, OP: tl.constexpr,
+                    LOAD: tl.constexpr = True):  # fmt: skip
+    """The parameters of a one-pass tile of op ``OP`` (rmsnorm, FP8, NVFP4), loaded as the
+    single-GPU kernels load them: ``(f32(weight) + gain_center [1, BLOCK], 1 / FP8 scale or
+    1.0)``; constants without loads unless ``LOAD`` (unused loads are not removed by the
+    compiler: they would cost registers)."""
+    w = tl.full([1, BLOCK], 1.0, tl.float32)
+    inv = tl.full([], 1.0, tl.float32)
+    if LOAD:
+        if OP == OP_FP4:
+            w = qf._ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
+        else:
+            w = nt._ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+        if OP == OP_FP8:
+            inv = tl.math.div_rn(1.0, tl.load(aux_ptr).to(tl.float32))
+    return w, inv
+
+
+@triton.jit
+def one_pass_tile(x, w, inv, t, rows, cols, mask, x_ptr, out_ptr, aux_ptr, sf_ptr, n_rows,
+                  n_norm, H, Hf, KB, n_kcols, o_st, o_sh, eps, BLOCK: tl.constexpr,
+                  ROWS: tl.constexpr, MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr,
+                  PTX: tl.constexpr, OP: tl.constexpr, FMT: tl.constexpr, LAYOUT: tl.constexpr,
+                  RECIPE: tl.constexpr):  # fmt: skip
+    """The single-GPU op ``OP``'s one-pass tile ``t`` on its rows ``x`` [ROWS, BLOCK] (stored
+    dtype, masked elements 0) with the parameters of :func:`one_pass_params`: the row code of
+    ``_rmsnorm_kernel`` (``_rms_tile``), ``_rmsnorm_fp8_kernel`` (``_fp8_tile``) or
+    ``_rmsnorm_fp4_kernel`` (``_fp4_tile`` with the rows given), so the same tree and bits."""
+    if OP == OP_FP8:
+        qf._fp8_tile(qf._widen_h(x, x, False), w, inv, rows, cols, mask, x_ptr, out_ptr, 1, 0, 0,
+                     o_st, o_sh, Hf, eps, MASKED, False, FMT, PTX, False)  # fmt: skip
+    elif OP == OP_FP4:
+        qf._fp4_tile(t, w, x_ptr, x_ptr, aux_ptr, out_ptr, sf_ptr, x_ptr, n_rows, n_norm, H, Hf,
+                     KB, n_kcols, 0, 0, o_st, 0, eps, BLOCK, ROWS, False, False, RECIPE, LAYOUT,
+                     EVICT_FIRST, PTX, False, MASKED, x, True)  # fmt: skip
+    else:
+        xf = x.to(tl.float32)
+        nt._rms_tile(xf, xf, w, rows, cols, mask, out_ptr, 1, o_st, o_sh, Hf, eps, MASKED, False,
+                     PTX)  # fmt: skip
 
 
 @triton.jit

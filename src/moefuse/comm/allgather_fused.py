@@ -21,7 +21,13 @@ the norm visible at large M. Here every CTA of one persistent grid does both, ti
   earlier, then load the next one), receive tile i (poll, re-arm, decode into the gathered
   rows, CTA barrier), then norm tile i with the single-GPU kernel's row functions and
   constexprs (``norm_tile``; stepped rows unrolled / looped exactly as the single-GPU op does
-  at this M), so the output is bitwise the single-GPU op of the gathered rows.
+  at this M), so the output is bitwise the single-GPU op of the gathered rows;
+* or, mode "slots" (``MOEFUSE_ALLGATHER_PERSISTENT``, default per op and width:
+  :data:`PERSISTENT_SLOTS_MAX_BLOCK`; one-pass tiles only): every rank pushes into this
+  rank's slot too, and iteration i polls tile i straight from the slot in the op's own tile
+  (``AG.receive_tile``) and runs the op's one-pass row code on it in registers
+  (``dec.one_pass_tile``), with the parameters loaded once per CTA (NVFP4: per tile): no
+  gathered store, CTA barrier or re-read.
 
 No deadlock: CTA j of rank r only waits for tiles of its own list, which CTA j of every peer
 pushes ``lookahead`` iterations (or the prologue) before it waits for anything of that tile or a
@@ -68,6 +74,21 @@ LARGE_MODES = ("fused", "chunked")
 LOOKAHEAD_ENV = "MOEFUSE_ALLGATHER_LOOKAHEAD"
 CTAS_PER_SM_ENV = "MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM"
 GRID_ENV = "MOEFUSE_ALLGATHER_FUSED_GRID"
+PERSISTENT_ENV = "MOEFUSE_ALLGATHER_PERSISTENT"
+PERSISTENT_MODES = ("gathered", "slots")
+#: the persistent kernel reads its tiles from the slots by default for these ops up to this
+#: tile width (:func:`persistent_from_slots`). MEASURED on one H200 as two loopback ranks
+#: (session 12, scripts/loopback_gpu_check.py, 2 alternating rounds, µs gathered -> slots at
+#: M = 512 / 4096 / 16384): rmsnorm H = 4096 12.7 -> 10.1, 98.5 -> 74.1, 385.5 -> 279.6 (PDL
+#: on), H = 2880 10.3 -> 10.6, 74.9 -> 70.2, 285.8 -> 264.5; FP8 (PDL off) H = 2880 11.9 ->
+#: 11.3, 88.5 -> 83.4, 339.6 -> 316.0, H = 4096 12.5 -> 11.5, 92.5 -> 78.9, 355.7 -> 297.0,
+#: but H = 7168 151.5 -> 161.3 and 590.9 -> 631.5 and H = 8192 160.1 -> 161.7 and 626.6 ->
+#: 630.8 at M = 4096 / 16384 (its 8192-column tile keeps 32 weights per thread for the whole
+#: loop: 128 registers against 109-113); NVFP4 (weights reloaded per tile) slower at H = 4096:
+#: 72.9 -> 81.2, 276.9 -> 319.2. Stepped rows (rmsnorm 6145-8192) are not eligible. Loopback
+#: ranks move the "NVLink" bytes through the same HBM, so these favour saved HBM traffic more
+#: than 2 x H200 would: the 2-GPU bench (``moefuse_gathered`` / ``_slots`` columns) decides.
+PERSISTENT_SLOTS_MAX_BLOCK = {dec.RMSNORM: 8192, dec.FP8: 4096}
 #: tiles pushed ahead of the tile being received. MEASURED on 2 x H200
 #: (scripts/bench_allgather_large.py, bench/results/sweeps/allgather_large-h200-p2.json):
 #: lookahead 1 was as fast or faster than 2 in 6 of 6 cases (H = 4096 M = 4096: 58.8 vs
@@ -89,10 +110,16 @@ def _ag_rmsnorm_persistent_kernel(
     P: tl.constexpr, BLOCK_S: tl.constexpr,
     OP: tl.constexpr = 0, FMT: tl.constexpr = 0, LAYOUT: tl.constexpr = 0,
     RECIPE: tl.constexpr = 0, ALPHA_MODE: tl.constexpr = 0, HAS_POST_WEIGHT: tl.constexpr = False,
-    HAS_ROUTER: tl.constexpr = False,
+    HAS_ROUTER: tl.constexpr = False, FROM_SLOTS: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    # FROM_SLOTS (one-pass tiles): the parameters once per CTA, constant over the launch (bound
+    # outside any constexpr `if`: a name bound inside one is not seen in the loop below);
+    # NVFP4 reloads them per tile instead (its 4-warp tile would hold 32-64 weights per thread)
+    cols = tl.arange(0, BLOCK)
+    w, inv = dec.one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED, PTX, OP,
+                                 FROM_SLOTS and OP != dec.OP_FP4)  # fmt: skip
     if USE_PDL:
         gdc_wait()  # the shard is the previous kernel's output
     deadline, gen, healthy, region, mine = AG.prelude(table_ptr, ag_off16, agctrl_ptr,
@@ -107,7 +134,7 @@ def _ag_rmsnorm_persistent_kernel(
     k = 0
     while k < tl.minimum(lookahead, n_gat):  # prologue: the first `lookahead` tiles' fragments
         _push_tile(shard_ptr, s_st, x_ptr, x_st, pid + k * G, n_rows, scols, scm, table_ptr,
-                   ag_off16, region, rank, S, H, ROWS, P)  # fmt: skip
+                   ag_off16, region, rank, S, H, ROWS, P, FROM_SLOTS)  # fmt: skip
         k += 1
     if USE_PDL:
         # every CTA is resident (grid <= co-resident count): the next kernel may be scheduled
@@ -125,24 +152,37 @@ def _ag_rmsnorm_persistent_kernel(
             t_push = pid + (i + lookahead) * G
             if ROWS == 1:
                 AG.store_fragment(x_nx, x_ptr, x_st, t_push, scols, scm, table_ptr, ag_off16,
-                                  region, rank, rank * S, H, P)  # fmt: skip
+                                  region, rank, rank * S, H, P, FROM_SLOTS)  # fmt: skip
                 x_nx = _prefetch(shard_ptr, s_st, t_push + G, i + lookahead + 1 < n_gat, scols,
                                  scm, ROWS)  # fmt: skip
             else:
                 _push_tile(shard_ptr, s_st, x_ptr, x_st, t_push, n_rows, scols, scm, table_ptr,
-                           ag_off16, region, rank, S, H, ROWS, P)  # fmt: skip
+                           ag_off16, region, rank, S, H, ROWS, P, FROM_SLOTS)  # fmt: skip
         t = pid + i * G
         first = t * ROWS
-        if i < n_gat:
-            missing = dec.receive_rows(x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first),
-                                       scols, scm, mine, region, rank, S, H, deadline, clock_ptr,
-                                       empty, P, PTX)  # fmt: skip
-        dec.norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr,
-                      pw_ptr, ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, 1, x_st, 0,
-                      o_st, 0, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
-                      post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL,
-                      OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT,
-                      HAS_ROUTER)  # fmt: skip
+        if FROM_SLOTS:  # the tile polled straight from the slots (decode "slots" mode)
+            rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
+            wt, invt = dec.one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED,
+                                           PTX, OP, OP == dec.OP_FP4)  # fmt: skip
+            x, missing = AG.receive_tile(mine, region, rows, cols, mask, i < n_gat, S, H,
+                                         deadline, clock_ptr, x_ptr.dtype.element_ty, MASKED, P,
+                                         PTX)  # fmt: skip
+            if OP != dec.OP_FP4:
+                wt, invt = w, inv
+            dec.one_pass_tile(x, wt, invt, t, rows, cols, mask, x_ptr, out_ptr, aux_ptr, sf_ptr,
+                              n_rows, n_norm, H, Hf, KB, n_kcols, o_st, 0, eps, BLOCK, ROWS,
+                              MASKED, EVICT_FIRST, PTX, OP, FMT, LAYOUT, RECIPE)  # fmt: skip
+        else:
+            if i < n_gat:
+                missing = dec.receive_rows(x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first),
+                                           scols, scm, mine, region, rank, S, H, deadline,
+                                           clock_ptr, empty, P, PTX)  # fmt: skip
+            dec.norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr,
+                          beta_ptr, pw_ptr, ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, 1,
+                          x_st, 0, o_st, 0, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar,
+                          post_eps, post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX,
+                          STEPPED, UNROLL, OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT,
+                          HAS_ROUTER)  # fmt: skip
         i += 1
     AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
 
@@ -159,11 +199,12 @@ def _prefetch(shard_ptr, s_st, t, valid, scols, scm, ROWS: tl.constexpr):
 
 @triton.jit
 def _push_tile(shard_ptr, s_st, x_ptr, x_st, t, n_rows, scols, scm, table_ptr, ag_off16, region,
-               rank, S, H, ROWS: tl.constexpr, P: tl.constexpr):  # fmt: skip
+               rank, S, H, ROWS: tl.constexpr, P: tl.constexpr,
+               OWN_SLOT: tl.constexpr = False):  # fmt: skip
     """Push this rank's fragments of the rows of norm tile ``t`` (clipped to ``n_rows``)."""
     first = t * ROWS
     dec.push_rows(shard_ptr, s_st, x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first), scols,
-                  scm, table_ptr, ag_off16, region, rank, S, H, P)  # fmt: skip
+                  scm, table_ptr, ag_off16, region, rank, S, H, P, OWN_SLOT)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- host side
@@ -215,6 +256,23 @@ def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
         return None
     tile = dec.op_tile(op, width)
     return tile if dec.fusable(op, tile) else None
+
+
+def persistent_from_slots(op: int, tile) -> bool:
+    """Whether the persistent kernel polls its tiles straight from the slots (the decode
+    kernel's "slots" mode, with the parameters loaded once per CTA): one-pass tiles of rmsnorm,
+    FP8 and NVFP4, as ``MOEFUSE_ALLGATHER_PERSISTENT=gathered|slots`` says, else per
+    :data:`PERSISTENT_SLOTS_MAX_BLOCK` (the same on every rank). NVFP4 reloads its parameters per
+    tile (held for the whole loop, its 4-warp tiles' 32-64 weights per thread took 146
+    registers at H = 4096 on sm_90a, 3 CTAs per SM instead of 4, and spilled at 7168 / 8192)."""
+    setting = os.environ.get(PERSISTENT_ENV, "")
+    if setting not in ("", *PERSISTENT_MODES):
+        raise ValueError(f"{PERSISTENT_ENV} must be one of {PERSISTENT_MODES}, got {setting!r}")
+    if tile.stepped or op not in (dec.RMSNORM, dec.FP8, dec.FP4):
+        return False
+    if setting:
+        return setting == "slots"
+    return tile.block <= PERSISTENT_SLOTS_MAX_BLOCK.get(op, 0)
 
 
 def fits_per_sm(regs: int, warps: int, shared: int = 0, smem_per_sm: int = 228 << 10) -> int:
@@ -270,6 +328,7 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
     lookahead = _env_int(LOOKAHEAD_ENV, LOOKAHEAD, 1)
     n_norm, kb, n_kcols = ep.rows_and_blocks(m, width)
     consts = ep.consts(tile, width, m, use_pdl)
+    consts["FROM_SLOTS"] = persistent_from_slots(ep.op, tile)
     ws.refresh_clock()
     args = (shard, shard.stride(0), gathered, *ep.pointers(), m, n_norm, width, float(width), kb,
             n_kcols, gathered.stride(0), ep.out.stride(0), float(ep.eps), float(ep.gain_center),
