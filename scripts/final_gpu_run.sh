@@ -28,7 +28,7 @@ want ag-large && step ag-large 240 python scripts/bench_allgather_large.py --out
 want moe-variants && step moe-variants 210 python scripts/bench_moe_comm_variants.py --out $W
 want tp-quick && step tp-quick 170 python -m moefuse.bench.moe_comm_tp --world-size 2 --quick --out $W
 want t-moe-variants && step t-moe-variants 400 $T tests/test_comm_moe_fusion_gpu.py -k variants
-want allgather-all && step allgather-all 300 python -m moefuse bench allgather --world-size 2 --save --out $W
+want allgather-all && step allgather-all 560 python -m moefuse bench allgather --world-size 2 --save --out $W
 want moe-comm-wide && step moe-comm-wide 300 python -m moefuse bench moe-comm --world-size 2 --save --out $W --tokens 1,8,64,512,2048,16384 --hidden 4096,7168
 want moe-comm && step moe-comm 185 python -m moefuse bench moe-comm --world-size 2 --save --out $W --tokens 1,8,64,512,2048 --hidden 4096
 want moe-comm-tp && step moe-comm-tp 80 python -m moefuse.bench.moe_comm_tp --world-size 2 --quick --out $W
