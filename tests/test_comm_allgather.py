@@ -389,7 +389,8 @@ def test_bench_bar_lines():
 
 def scenario_one_launch_stepped(rank, p):
     """The one-launch decode kernel on stepped rows (H = 8192: rmsnorm's tile steps the row),
-    M = 2, against moefuse.rmsnorm and the default two-launch path."""
+    M = 2, in every decode mode (late, early, slots), against moefuse.rmsnorm and the default
+    two-launch path."""
     import os
 
     import moefuse
@@ -402,10 +403,12 @@ def scenario_one_launch_stepped(rank, p):
     want = moefuse.rmsnorm(c["full"], w, impl="triton")
     os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"] = "1"
     try:
-        one = moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton")
+        for mode in ("late", "early", "slots"):
+            os.environ["MOEFUSE_ALLGATHER_DECODE"] = mode
+            one = moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton")
+            assert_bitwise_equal(one, want, f"one launch, stepped rows, {mode}")
     finally:
-        del os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"]
-    assert_bitwise_equal(one, want, "one launch, stepped rows")
+        del os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"], os.environ["MOEFUSE_ALLGATHER_DECODE"]
     assert_bitwise_equal(moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton"), want,
                          "two launches, stepped rows")  # fmt: skip
     ws.close()
@@ -518,7 +521,10 @@ def test_decode_and_persistent_modes(monkeypatch):
     assert not fused.persistent_from_slots(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192))  # stepped
     monkeypatch.setenv("MOEFUSE_ALLGATHER_DECODE", "early")
     assert dec.decode_mode(dec.GATED, dec.op_tile(dec.GATED, 4096)) == (True, False)
-    assert dec.decode_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192)) == (False, False)
+    assert dec.decode_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192)) == (True, False)
+    chunked = dec.op_tile(dec.RMSNORM, 20000)  # two-pass rows: never a one-launch mode
+    assert dec.decode_mode(dec.RMSNORM, chunked) == (False, False)
+    assert not fused.persistent_from_slots(dec.RMSNORM, chunked)
     monkeypatch.setenv("MOEFUSE_ALLGATHER_PERSISTENT", "slots")
     assert fused.persistent_from_slots(dec.FP4, dec.op_tile(dec.FP4, 4096))
     assert not fused.persistent_from_slots(dec.GATED, dec.op_tile(dec.GATED, 4096))

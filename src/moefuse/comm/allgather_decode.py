@@ -77,6 +77,9 @@ DECODE_MODES = ("late", "early", "slots")
 #: the decode kernel's mode per op (see :func:`decode_mode` and the module docstring: measured
 #: on one H200 as two loopback ranks, session 12)
 DECODE_DEFAULT = {RMSNORM: "slots", FP8: "slots", FP4: "late", GATED: "late"}
+#: the same for stepped rows (rmsnorm 6145-8192 columns, the gated op)
+DECODE_DEFAULT_STEPPED = {RMSNORM: "late", GATED: "late"}
+OP_RMSNORM: tl.constexpr = tl.constexpr(RMSNORM)
 OP_FP8: tl.constexpr = tl.constexpr(FP8)
 OP_FP4: tl.constexpr = tl.constexpr(FP4)
 OP_GATED: tl.constexpr = tl.constexpr(GATED)
@@ -128,7 +131,7 @@ def _ag_rmsnorm_kernel(
                                   gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
                                   post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, OP,
                                   FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER,
-                                  P, FROM_SLOTS)  # fmt: skip
+                                  P, FROM_SLOTS, STEPPED)  # fmt: skip
     else:
         missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S, H,
                                deadline, clock_ptr, empty, P, PTX)  # fmt: skip
@@ -152,18 +155,27 @@ def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, 
                     OP: tl.constexpr, FMT: tl.constexpr, LAYOUT: tl.constexpr,
                     RECIPE: tl.constexpr, ALPHA_MODE: tl.constexpr,
                     HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr, P: tl.constexpr,
-                    FROM_SLOTS: tl.constexpr):  # fmt: skip
+                    FROM_SLOTS: tl.constexpr, STEPPED: tl.constexpr):  # fmt: skip
     """Row tile ``t`` of the single-GPU op ``OP`` (as :func:`norm_tile`: the same row code, so
     the same tree and bits) with the op's parameters (and the gated op's residual) loaded
     BEFORE the wait for the peers, so that their latency hides behind it; :func:`norm_tile`
-    loads them after. One-pass tiles of rmsnorm, FP8 and NVFP4, and the gated op's unrolled
-    stepped rows (``gd._next_unrolled_row``). The rows come from the gathered buffer after
+    loads them after. One-pass tiles of rmsnorm, FP8 and NVFP4, and the unrolled stepped rows
+    of rmsnorm (``nt._norm_unrolled_row``) and the gated op (``gd._next_unrolled_row``). The
+    rows come from the gathered buffer after
     :func:`receive_rows`, or with ``FROM_SLOTS`` straight from this rank's slot
     (``AG.receive_tile`` / ``AG.receive_steps``: polled in the op's own tile, no gathered
     round trip, no CTA barrier). Returns the bit mask of the peers that did not deliver."""
     T: tl.constexpr = x_ptr.dtype.element_ty
     live = n_mine > 0
-    if OP == OP_GATED:  # stepped rows, unrolled (ROWS = 1): BLOCK = STEP, NUM_CHUNKS = STEPS
+    if OP == OP_RMSNORM and STEPPED:  # unrolled (ROWS = 1): BLOCK = STEP, NUM_CHUNKS = STEPS
+        row = t.to(tl.int64)
+        ws = nt._step_params(w_ptr, H, gain_center, BLOCK, NUM_CHUNKS, MASKED, True)
+        vs, missing = _stepped_rows(row, live, n_mine, first, scols, scm, empty, mine, region,
+                                    rank, S, H, deadline, clock_ptr, x_ptr, x_st, T, BLOCK,
+                                    NUM_CHUNKS, MASKED, P, PTX, FROM_SLOTS)  # fmt: skip
+        nt._norm_unrolled_row(vs, ws, out_ptr, row * o_st, H, Hf, eps, aux_ptr, BLOCK,
+                              NUM_CHUNKS, MASKED, PTX, nt._no_aux, nt._st_cast)  # fmt: skip
+    elif OP == OP_GATED:  # stepped rows, unrolled (ROWS = 1): BLOCK = STEP, NUM_CHUNKS = STEPS
         row = t.to(tl.int64)
         nws = nt._step_params(w_ptr, H, gain_center, BLOCK, NUM_CHUNKS, MASKED, True)
         pws = nt._step_params(pw_ptr, H, post_gc, BLOCK, NUM_CHUNKS, MASKED, HAS_POST_WEIGHT)
@@ -173,16 +185,9 @@ def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, 
         for k in tl.static_range(NUM_CHUNKS):
             cols, cm = nt._step_cols(k, H, BLOCK)
             rs = rs + (nt._ldp(res_ptr + row * r_st + cols, cm, MASKED, "evict_first"),)
-        if FROM_SLOTS:
-            bs, missing = AG.receive_steps(mine, region, row, live, S, H, deadline, clock_ptr, T,
-                                           BLOCK, NUM_CHUNKS, MASKED, P, PTX)  # fmt: skip
-        else:
-            missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S,
-                                   H, deadline, clock_ptr, empty, P, PTX)  # fmt: skip
-            bs = ()
-            for k in tl.static_range(NUM_CHUNKS):
-                cols, cm = nt._step_cols(k, H, BLOCK)
-                bs = bs + (nt._ldp(x_ptr + row * x_st + cols, cm, MASKED, "evict_first"),)
+        bs, missing = _stepped_rows(row, live, n_mine, first, scols, scm, empty, mine, region,
+                                    rank, S, H, deadline, clock_ptr, x_ptr, x_st, T, BLOCK,
+                                    NUM_CHUNKS, MASKED, P, PTX, FROM_SLOTS)  # fmt: skip
         gd._next_unrolled_row(bs, rs, nws, pws, als, bes, ro_ptr, out_ptr, rt_ptr, row * ro_st,
                               row * o_st, row * rt_st, H, Hf, alpha_scalar, post_eps, eps,
                               BLOCK, NUM_CHUNKS, MASKED, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER,
@@ -203,6 +208,27 @@ def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, 
                       n_norm, H, Hf, KB, n_kcols, o_st, o_sh, eps, BLOCK, ROWS, MASKED,
                       EVICT_FIRST, PTX, OP, FMT, LAYOUT, RECIPE)  # fmt: skip
     return missing
+
+
+@triton.jit
+def _stepped_rows(row, live, n_mine, first, scols, scm, empty, mine, region, rank, S, H, deadline,
+                  clock_ptr, x_ptr, x_st, T: tl.constexpr, STEP: tl.constexpr,
+                  STEPS: tl.constexpr, MASKED: tl.constexpr, P: tl.constexpr, PTX: tl.constexpr,
+                  FROM_SLOTS: tl.constexpr):  # fmt: skip
+    """Gathered row ``row`` as its STEPS FP32 [1, STEP] steps (the values of the single-GPU
+    stepped kernels' ``_ldp`` loads), straight from the slots (``AG.receive_steps``) or from
+    the gathered buffer after :func:`receive_rows`; and the bit mask of late peers."""
+    if FROM_SLOTS:
+        vs, missing = AG.receive_steps(mine, region, row, live, S, H, deadline, clock_ptr, T,
+                                       STEP, STEPS, MASKED, P, PTX)  # fmt: skip
+    else:
+        missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S, H,
+                               deadline, clock_ptr, empty, P, PTX)  # fmt: skip
+        vs = ()
+        for k in tl.static_range(STEPS):
+            cols, cm = nt._step_cols(k, H, STEP)
+            vs = vs + (nt._ldp(x_ptr + row * x_st + cols, cm, MASKED, "evict_first"),)
+    return vs, missing
 
 
 @triton.jit
@@ -416,14 +442,19 @@ def one_launch_tile(width: int, m: int, op: int = 0):
 def decode_mode(op: int, tile) -> tuple[bool, bool]:
     """``(EARLY, FROM_SLOTS)`` of the decode kernel for ``op`` on ``tile``
     (:func:`norm_tile_early`): eligible are one-pass tiles of rmsnorm, FP8 and NVFP4 and the
-    gated op's stepped rows (unrolled: :func:`one_launch_tile` never gives the decode kernel
-    looped rows). ``MOEFUSE_ALLGATHER_DECODE`` = ``late`` | ``early`` | ``slots`` (the same on
-    every rank) forces a mode where eligible; unset, :data:`DECODE_DEFAULT` decides per op."""
+    stepped rows of rmsnorm and the gated op (unrolled: :func:`one_launch_tile` never gives the
+    decode kernel looped rows). ``MOEFUSE_ALLGATHER_DECODE`` = ``late`` | ``early`` | ``slots``
+    (the same on every rank) forces a mode where eligible; unset, :data:`DECODE_DEFAULT` /
+    :data:`DECODE_DEFAULT_STEPPED` decide per op."""
     setting = os.environ.get(DECODE_ENV, "")
     if setting not in ("", *DECODE_MODES):
         raise ValueError(f"{DECODE_ENV} must be one of {DECODE_MODES}, got {setting!r}")
-    eligible = (op == GATED) if tile.stepped else op in (RMSNORM, FP8, FP4)
-    mode = (setting or DECODE_DEFAULT.get(op, "late")) if eligible else "late"
+    if tile.stepped:
+        eligible = op in (RMSNORM, GATED)
+    else:  # one-pass tiles (two-pass chunked rows never run one launch)
+        eligible = tile.num_chunks == 1 and op in (RMSNORM, FP8, FP4)
+    defaults = DECODE_DEFAULT_STEPPED if tile.stepped else DECODE_DEFAULT
+    mode = (setting or defaults.get(op, "late")) if eligible else "late"
     return mode != "late", mode == "slots"
 
 

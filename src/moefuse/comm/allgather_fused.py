@@ -268,7 +268,7 @@ def persistent_from_slots(op: int, tile) -> bool:
     setting = os.environ.get(PERSISTENT_ENV, "")
     if setting not in ("", *PERSISTENT_MODES):
         raise ValueError(f"{PERSISTENT_ENV} must be one of {PERSISTENT_MODES}, got {setting!r}")
-    if tile.stepped or op not in (dec.RMSNORM, dec.FP8, dec.FP4):
+    if tile.stepped or tile.num_chunks > 1 or op not in (dec.RMSNORM, dec.FP8, dec.FP4):
         return False
     if setting:
         return setting == "slots"

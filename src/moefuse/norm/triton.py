@@ -203,6 +203,21 @@ def _st_cast(ptrs, y, aux, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP: tl.constexpr,
+                       STEPS: tl.constexpr, MASKED: tl.constexpr, PTX: tl.constexpr,
+                       AUX: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
+    """The statistic and outputs of an unrolled stepped row from its FP32 steps ``vs`` and
+    weights ``ws`` (``_step_params``): ``_norm_stepped``'s code, also run by the fused
+    all-gather decode kernel on steps read from its slots (comm/allgather_decode.py)."""
+    aux = AUX(aux_ptr)
+    _, ss = _weighted_sumsq(vs, ws, STEP, STEPS, False)
+    r = _inv_rms(ss, Hf, eps)
+    for k in tl.static_range(STEPS):
+        cols, cm = _step_cols(k, H, STEP)
+        OUT(out_ptr + o_row + cols, (vs[k] * r) * ws[k], aux, cm, MASKED, PTX)
+
+
+@triton.jit
 def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps, gc, aux_ptr,
                   STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
                   MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
@@ -233,12 +248,8 @@ def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, ep
             for k in tl.static_range(STEPS):
                 cols, cm = _step_cols(k, H, STEP)
                 _st(res_ptr + r_row + cols, vs[k], cm, MASKED, PTX)
-        aux = AUX(aux_ptr)
-        _, ss = _weighted_sumsq(vs, ws, STEP, STEPS, False)
-        r = _inv_rms(ss, Hf, eps)
-        for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
-            OUT(out_ptr + o_row + cols, (vs[k] * r) * ws[k], aux, cm, MASKED, PTX)
+        _norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP, STEPS, MASKED, PTX,
+                           AUX, OUT)  # fmt: skip
     else:
         if USE_PDL:
             gdc_wait()
