@@ -364,9 +364,12 @@ def test_contract_references_fallbacks_and_custom_ops():
     assert all(run_group(2, scenario_contract))
 
 
-def test_bounded_wait_names_the_missing_rank():
-    elapsed = run_group(2, scenario_bounded_wait)
-    assert elapsed[0] is not None and elapsed[0] >= 2.0
+@pytest.mark.parametrize("p", [2, 3])
+def test_bounded_wait_names_the_missing_rank(p):
+    # (the decode kernel's default "slots" mode: the late rank is named from the owners of the
+    # words still empty; at P = 3 the rank that did arrive must not be named)
+    elapsed = run_group(p, scenario_bounded_wait)
+    assert all(e is not None and e >= 2.0 for e in elapsed[:-1])
 
 
 def test_bench_bar_lines():
