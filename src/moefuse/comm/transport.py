@@ -59,8 +59,14 @@ def _shm_dir() -> str:
 
 class _PeerBuffers:
     """What every transport shares: the last step of its collective construction
-    (:meth:`_publish`) and its collective, idempotent :meth:`close`. Subclasses set ``group``
-    and say how to let go of their buffers (:meth:`_unmap`, :meth:`_free`)."""
+    (:meth:`_publish`) and its collective, idempotent :meth:`close`. Subclasses call
+    ``__init__`` first and say how to let go of their buffers (:meth:`_unmap`, :meth:`_free`)."""
+
+    def __init__(self, group, nbytes: int):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.nbytes = int(nbytes)
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -105,10 +111,7 @@ class SharedMemoryTransport(_PeerBuffers):
     kind = "shm"
 
     def __init__(self, group, nbytes: int, init=None, vote=None):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.nbytes = int(nbytes)
+        super().__init__(group, nbytes)
         tag = uuid.uuid4().hex[:12]
         self._path = os.path.join(_shm_dir(), f"moefuse-comm-{os.getpid()}-{tag}-r{self.rank}")
         try:
@@ -168,10 +171,7 @@ class SymmetricMemoryTransport(_PeerBuffers):
         disable_multicast_env()
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.nbytes = int(nbytes)
+        super().__init__(group, nbytes)
         name = group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if needs_group_enable(enable):
@@ -325,10 +325,7 @@ class CudaIpcTransport(_PeerBuffers):
     kind = "cuda_ipc"
 
     def __init__(self, group, nbytes: int, device: torch.device, init=None, vote=None):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.nbytes = int(nbytes)
+        super().__init__(group, nbytes)
         self.device = device
         self._ptr = None
         self._opened: list[int] = []
@@ -404,10 +401,7 @@ class LoopbackTransport(_PeerBuffers):
     kind = "loopback"
 
     def __init__(self, group, nbytes: int, device: torch.device, init=None, vote=None):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.nbytes = int(nbytes)
+        super().__init__(group, nbytes)
         self.device = device
         try:
             self.local = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
