@@ -225,22 +225,13 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
         if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
             env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
-        tile = fused_tile(h, m, OP_CODES[op])
-        if tile is not None:  # the persistent kernel's other mode (rows gathered / from slots)
-            default = persistent_from_slots(OP_CODES[op], tile)
-            for mode in PERSISTENT_MODES:
-                with harness.knobs({PERSISTENT_ENV: mode}):
-                    if persistent_from_slots(OP_CODES[op], tile) != default:
-                        env[f"moefuse_{mode}"] = {PERSISTENT_ENV: mode}
+        # the persistent kernel's other mode (rows gathered / from slots)
+        env.update(_other_modes(harness, PERSISTENT_ENV, PERSISTENT_MODES, persistent_from_slots,
+                                OP_CODES[op], fused_tile(h, m, OP_CODES[op])))  # fmt: skip
     else:  # the default is one launch here: time two as well, and its other decode modes
         env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
-        tile = one_launch_tile(h, m, OP_CODES[op])
-        if tile is not None:
-            default = decode_mode(OP_CODES[op], tile)
-            for mode in DECODE_MODES:
-                with harness.knobs({DECODE_ENV: mode}):
-                    if decode_mode(OP_CODES[op], tile) != default:
-                        env[f"moefuse_{mode}"] = {DECODE_ENV: mode}
+        env.update(_other_modes(harness, DECODE_ENV, DECODE_MODES, decode_mode, OP_CODES[op],
+                                one_launch_tile(h, m, OP_CODES[op])))  # fmt: skip
     variants.update({name: fused for name in env})
 
     def check(name, fn):
@@ -255,6 +246,21 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
              for name, fn in variants.items()}  # fmt: skip
     ws.check()
     return times
+
+
+def _other_modes(harness, name: str, modes: tuple, choose, op: int, tile) -> dict:
+    """``{"moefuse_<mode>": {name: mode}}`` for every value of the knob ``name`` under which
+    ``choose(op, tile)`` (the kernel's mode decision) differs from its default; none without a
+    tile (the kernel does not run this case)."""
+    if tile is None:
+        return {}
+    default = choose(op, tile)
+    out = {}
+    for mode in modes:
+        with harness.knobs({name: mode}):
+            if choose(op, tile) != default:
+                out[f"moefuse_{mode}"] = {name: mode}
+    return out
 
 
 def time_variant(harness, fn, env: dict, group, label: str, *, calls: int, replays: int,

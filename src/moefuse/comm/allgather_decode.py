@@ -439,6 +439,20 @@ def one_launch_tile(width: int, m: int, op: int = 0):
     return tile
 
 
+def env_choice(name: str, choices: tuple) -> str:
+    """Knob ``name``: one of ``choices``, or "" when unset; ValueError naming it otherwise."""
+    setting = os.environ.get(name, "")
+    if setting not in ("", *choices):
+        raise ValueError(f"{name} must be one of {choices}, got {setting!r}")
+    return setting
+
+
+def one_pass_in_registers(op: int, tile) -> bool:
+    """Whether ``tile`` is a one-pass tile whose row code :func:`one_pass_tile` runs on rows
+    in registers (rmsnorm, FP8, NVFP4; not stepped, not the two-pass chunked rows)."""
+    return not tile.stepped and tile.num_chunks == 1 and op in (RMSNORM, FP8, FP4)
+
+
 def decode_mode(op: int, tile) -> tuple[bool, bool]:
     """``(EARLY, FROM_SLOTS)`` of the decode kernel for ``op`` on ``tile``
     (:func:`norm_tile_early`): eligible are one-pass tiles of rmsnorm, FP8 and NVFP4 and the
@@ -446,13 +460,8 @@ def decode_mode(op: int, tile) -> tuple[bool, bool]:
     decode kernel looped rows). ``MOEFUSE_ALLGATHER_DECODE`` = ``late`` | ``early`` | ``slots``
     (the same on every rank) forces a mode where eligible; unset, :data:`DECODE_DEFAULT` /
     :data:`DECODE_DEFAULT_STEPPED` decide per op."""
-    setting = os.environ.get(DECODE_ENV, "")
-    if setting not in ("", *DECODE_MODES):
-        raise ValueError(f"{DECODE_ENV} must be one of {DECODE_MODES}, got {setting!r}")
-    if tile.stepped:
-        eligible = op in (RMSNORM, GATED)
-    else:  # one-pass tiles (two-pass chunked rows never run one launch)
-        eligible = tile.num_chunks == 1 and op in (RMSNORM, FP8, FP4)
+    setting = env_choice(DECODE_ENV, DECODE_MODES)
+    eligible = op in (RMSNORM, GATED) if tile.stepped else one_pass_in_registers(op, tile)
     defaults = DECODE_DEFAULT_STEPPED if tile.stepped else DECODE_DEFAULT
     mode = (setting or defaults.get(op, "late")) if eligible else "late"
     return mode != "late", mode == "slots"

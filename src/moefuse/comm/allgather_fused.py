@@ -224,10 +224,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 def large_mode() -> str:
     """``MOEFUSE_ALLGATHER_LARGE``: "fused" (default) or "chunked"; ValueError otherwise."""
-    mode = os.environ.get(LARGE_ENV, "") or "fused"
-    if mode not in LARGE_MODES:
-        raise ValueError(f"{LARGE_ENV} must be one of {LARGE_MODES}, got {mode!r}")
-    return mode
+    return dec.env_choice(LARGE_ENV, LARGE_MODES) or "fused"
 
 
 #: The gated op takes the persistent kernel up to this many tokens, the two-launch chunk
@@ -265,10 +262,8 @@ def persistent_from_slots(op: int, tile) -> bool:
     :data:`PERSISTENT_SLOTS_MAX_BLOCK` (the same on every rank). NVFP4 reloads its parameters per
     tile (held for the whole loop, its 4-warp tiles' 32-64 weights per thread took 146
     registers at H = 4096 on sm_90a, 3 CTAs per SM instead of 4, and spilled at 7168 / 8192)."""
-    setting = os.environ.get(PERSISTENT_ENV, "")
-    if setting not in ("", *PERSISTENT_MODES):
-        raise ValueError(f"{PERSISTENT_ENV} must be one of {PERSISTENT_MODES}, got {setting!r}")
-    if tile.stepped or tile.num_chunks > 1 or op not in (dec.RMSNORM, dec.FP8, dec.FP4):
+    setting = dec.env_choice(PERSISTENT_ENV, PERSISTENT_MODES)
+    if not dec.one_pass_in_registers(op, tile):
         return False
     if setting:
         return setting == "slots"
