@@ -119,13 +119,16 @@ def main() -> None:
                     report(f"H={h:5d} P={p} {name:7s} persistent {mode}",
                            fused._ag_rmsnorm_persistent_kernel,
                            {**consts, "P": p, "BLOCK_S": block_s}, warps, op)  # fmt: skip
-                    with harness.knobs({fused.PERSISTENT_ENV: "slots"}):
-                        slots = fused.persistent_from_slots(op, dec.op_tile(op, h))
-                    if slots:  # the tiles polled straight from the slots
-                        report(f"H={h:5d} P={p} {name:7s} persistent slots ",
-                               fused._ag_rmsnorm_persistent_kernel,
-                               {**consts, "P": p, "BLOCK_S": block_s, "FROM_SLOTS": True}, warps,
-                               op)  # fmt: skip
+                    if not unroll:
+                        continue
+                    for pmode in ("early", "slots"):  # the other persistent modes, if eligible
+                        with harness.knobs({fused.PERSISTENT_ENV: pmode}):
+                            early, slots = fused.persistent_mode(op, dec.op_tile(op, h))
+                        if early or slots:
+                            report(f"H={h:5d} P={p} {name:7s} persistent {pmode:6s}",
+                                   fused._ag_rmsnorm_persistent_kernel,
+                                   {**consts, "P": p, "BLOCK_S": block_s, "EARLY": early,
+                                    "FROM_SLOTS": slots}, warps, op)  # fmt: skip
                 consts, warps = norm_consts(h, True, op, layout)
                 report(f"H={h:5d} P={p} {name:7s} decode           ", dec._ag_rmsnorm_kernel,
                        {**consts, "P": p, "BLOCK_S": block_s}, warps, op)  # fmt: skip

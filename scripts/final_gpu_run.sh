@@ -34,6 +34,7 @@ want moe-comm && step moe-comm 185 python -m moefuse bench moe-comm --world-size
 want moe-comm-tp && step moe-comm-tp 80 python -m moefuse.bench.moe_comm_tp --world-size 2 --quick --out $W
 want tp-example && step tp-example 45 torchrun --nproc-per-node 2 examples/tp_moe_layer.py --out $W
 want ag-modes && step ag-modes 300 python -m moefuse bench allgather --world-size 2 --out $W/modes --ops fp8,gated,rmsnorm,fp4 --tokens 1,8,4096 --hidden 4096,8192
+want ag-gated && step ag-gated 300 python -m moefuse bench allgather --world-size 2 --out $W/gated --ops gated --tokens 512,4096,16384 --hidden 4096,8192
 want allgather && step allgather 110 python -m moefuse bench allgather --world-size 2 --save --out $W --ops rmsnorm
 want diag-decode && step diag-decode 150 python scripts/diag_decode.py --out $W
 want hf-moe && step hf-moe 70 python -m moefuse.bench.hf_moe --out $W --tokens 1 16 256 2048 8192 --decode-repeats 1

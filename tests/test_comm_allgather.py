@@ -483,6 +483,10 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""
     (2, 2400, (7,), 3, 2, 0, ""),  # one masked row per tile, 3 CTAs
     (3, 7680, (5,), 2, 1, 0, ""),  # stepped rows (2 x 4096, masked), unrolled
     (2, 7680, (5,), 2, 2, 4, ""),  # stepped rows, looped (the single-GPU mode from 4 rows here)
+    # stepped rows unrolled in the kernel against the single-GPU op's looped ones: parameters
+    # before the poll, rows gathered ("early") or read from the slots
+    (2, 7680, (5,), 2, 1, 4, "early"),
+    (3, 7680, (4,), 2, 2, 4, "slots"),
 ])  # fmt: skip
 def test_fused_persistent_kernel_bitwise(p, h, ms, grid, lookahead, loop_min_rows, mode):
     gens = run_group(p, scenario_fused_large, h, ms, grid, lookahead, loop_min_rows, mode)
@@ -517,26 +521,34 @@ def test_decode_and_persistent_modes(monkeypatch):
                      (dec.FP4, (False, False)), (dec.GATED, (False, False))):  # fmt: skip
         assert dec.decode_mode(op, dec.op_tile(op, 4096)) == want, op
     assert dec.decode_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192)) == (False, False)
-    assert fused.persistent_from_slots(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 4096))
-    assert fused.persistent_from_slots(dec.FP8, dec.op_tile(dec.FP8, 4096))
-    assert not fused.persistent_from_slots(dec.FP8, dec.op_tile(dec.FP8, 8192))
-    assert not fused.persistent_from_slots(dec.FP4, dec.op_tile(dec.FP4, 4096))
-    assert not fused.persistent_from_slots(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192))  # stepped
+    assert fused.persistent_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 4096)) == (False, True)
+    assert fused.persistent_mode(dec.FP8, dec.op_tile(dec.FP8, 4096)) == (False, True)
+    assert fused.persistent_mode(dec.FP8, dec.op_tile(dec.FP8, 8192)) == (False, False)
+    assert fused.persistent_mode(dec.FP4, dec.op_tile(dec.FP4, 4096)) == (False, False)
+    for op, h in ((dec.RMSNORM, 8192), (dec.GATED, 4096)):  # stepped rows: the table's mode
+        mode = fused.PERSISTENT_DEFAULT[op]
+        assert fused.persistent_mode(op, dec.op_tile(op, h)) == (mode != "gathered",
+                                                                 mode == "slots"), op
     monkeypatch.setenv("MOEFUSE_ALLGATHER_DECODE", "early")
     assert dec.decode_mode(dec.GATED, dec.op_tile(dec.GATED, 4096)) == (True, False)
     assert dec.decode_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192)) == (True, False)
     chunked = dec.op_tile(dec.RMSNORM, 20000)  # two-pass rows: never a one-launch mode
     assert dec.decode_mode(dec.RMSNORM, chunked) == (False, False)
-    assert not fused.persistent_from_slots(dec.RMSNORM, chunked)
+    assert fused.persistent_mode(dec.RMSNORM, chunked) == (False, False)
     monkeypatch.setenv("MOEFUSE_ALLGATHER_PERSISTENT", "slots")
-    assert fused.persistent_from_slots(dec.FP4, dec.op_tile(dec.FP4, 4096))
-    assert not fused.persistent_from_slots(dec.GATED, dec.op_tile(dec.GATED, 4096))
+    assert fused.persistent_mode(dec.FP4, dec.op_tile(dec.FP4, 4096)) == (False, True)
+    assert fused.persistent_mode(dec.GATED, dec.op_tile(dec.GATED, 4096)) == (True, True)
+    assert fused.persistent_mode(dec.GATED, dec.op_tile(dec.GATED, 2048)) == (False, False)
+    assert fused.persistent_mode(dec.GATED, dec.op_tile(dec.GATED, 16384)) == (False, False)
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_PERSISTENT", "early")
+    assert fused.persistent_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192)) == (True, False)
+    assert fused.persistent_mode(dec.FP8, dec.op_tile(dec.FP8, 4096)) == (True, False)
     monkeypatch.setenv("MOEFUSE_ALLGATHER_DECODE", "fast")
     with pytest.raises(ValueError, match="MOEFUSE_ALLGATHER_DECODE must be one of"):
         dec.decode_mode(dec.FP8, dec.op_tile(dec.FP8, 4096))
     monkeypatch.setenv("MOEFUSE_ALLGATHER_PERSISTENT", "fast")
     with pytest.raises(ValueError, match="MOEFUSE_ALLGATHER_PERSISTENT must be one of"):
-        fused.persistent_from_slots(dec.FP8, dec.op_tile(dec.FP8, 4096))
+        fused.persistent_mode(dec.FP8, dec.op_tile(dec.FP8, 4096))
 
 
 # --------------------------------------------------------------------- FP8 / NVFP4 one launch
@@ -575,8 +587,8 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
     counting(allgather_fused, "launch_ag_rmsnorm_persistent", "persistent")
     os.environ.update({"MOEFUSE_ALLGATHER_ONE_LAUNCH": "1" if decode else "0",
                        "MOEFUSE_ALLGATHER_DECODE": decode_mode,
-                       "MOEFUSE_ALLGATHER_PERSISTENT": {"slots": "slots", "late": "gathered"}.get(
-                           decode_mode, ""),
+                       "MOEFUSE_ALLGATHER_PERSISTENT": {"slots": "slots", "late": "gathered",
+                                                        "early": "early"}.get(decode_mode, ""),
                        "MOEFUSE_ALLGATHER_LARGE": "fused",
                        "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
                        "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead)})  # fmt: skip
@@ -656,6 +668,10 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
     # the persistent kernel reading its one-pass tiles straight from the slots
     (3, 96, (70,), 2, 1, False, (("fp8", 1), ("fp4", "swizzled_128x4"), ("gated", "tensor")), 0,
      "slots"),
+    # ... and the gated op's stepped rows (unrolled, against the single-GPU op's looped rows)
+    # with the residual and parameters before the poll, rows gathered / from the slots
+    (2, 2400, (5,), 3, 2, False, (("gated", "tensor"), ("fp8", 0)), 4, "early"),
+    (3, 2400, (5,), 2, 1, False, (("gated", "scalar"),), 4, "slots"),
     # the one-launch decode kernel (one program per tile; padding tiles of the scale layout too;
     # the gated op's stepped rows unrolled at H = 2400), each op's default mode, then every op
     # in the modes "early" (parameters before the wait) and "slots" (tile read from the slots)

@@ -82,9 +82,11 @@ def test_loopback_refuses_ranks_in_separate_processes():
     assert run_group(2, _loopback_across_processes) == [(True, False), (True, False)]
 
 
-def run_check_script(out_dir, *options, timeout_s: float = 300.0) -> None:
+def run_check_script(out_dir, *options, timeout_s: float = 300.0,
+                     families: tuple | None = None) -> None:  # fmt: skip
     """scripts/loopback_gpu_check.py with ``options`` in a fresh process: exit status 0, no case
-    failed or skipped, every family's op passed (used by the GPU file too)."""
+    failed or skipped, the op of every family (or of ``families``, the names the options pass
+    with ``--families``) passed (used by the GPU file too)."""
     import json
     import os
     import subprocess
@@ -96,7 +98,10 @@ def run_check_script(out_dir, *options, timeout_s: float = 300.0) -> None:
     cmd = [sys.executable, os.path.join(root, "scripts", "loopback_gpu_check.py"), "--out",
            str(out_dir), *options]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    failed = [line for line in proc.stdout.splitlines()
+              if line.startswith(("FAIL", "     ", "HANG", "ERROR"))]  # fmt: skip
+    assert proc.returncode == 0, ("\n".join(failed[:60]) + "\n...\n" + proc.stdout[-3000:]
+                                  + proc.stderr[-3000:])  # fmt: skip
     report = json.loads((out_dir / "loopback_gpu_check.json").read_text())
     summary = report.get("summary", {})
     assert summary.get("FAIL") == 0 and summary.get("SKIP") == 0, summary
@@ -106,7 +111,8 @@ def run_check_script(out_dir, *options, timeout_s: float = 300.0) -> None:
         import _loopback_families as fams
     finally:
         sys.path.pop(0)
-    assert ops == {f.op for f in fams.FAMILIES.values()}, ops  # every family ran
+    named = fams.FAMILIES if families is None else {n: fams.FAMILIES[n] for n in families}
+    assert ops == {f.op for f in named.values()}, ops  # every family ran
 
 
 def test_gpu_check_script_dry_run(tmp_path):

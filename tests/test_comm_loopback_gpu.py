@@ -17,3 +17,13 @@ pytestmark = pytest.mark.gpu
 def test_loopback_gpu_check(tmp_path, pdl):
     options = ["--quick", "--no-timing", "--budget-s", "240"] + (["--pdl"] if pdl else [])
     run_check_script(tmp_path, *options, timeout_s=420)
+
+
+def test_loopback_gpu_check_allgather_persistent(tmp_path):
+    """Every all-gather op above the decode range (the persistent kernel in each op's default
+    mode: one-pass tiles from the slots or gathered, stepped rows early / slots, the gated op at
+    two CTAs per SM) at a 2-step and a 4-step width, bitwise against the single-GPU op."""
+    families = ("allgather_norm", "allgather_fp8", "allgather_fp4", "allgather_gated")
+    run_check_script(tmp_path, "--no-timing", "--budget-s", "240", "--families",
+                     ",".join(families), "--tokens", "65,300,1000", "--hidden", "4096,8192",
+                     timeout_s=420, families=families)  # fmt: skip

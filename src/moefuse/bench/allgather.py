@@ -157,7 +157,7 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         PERSISTENT_ENV,
         PERSISTENT_MODES,
         fused_tile,
-        persistent_from_slots,
+        persistent_mode,
     )
     from moefuse.comm.allgather_triton import launch_allgather
     from moefuse.testing import assert_bitwise_equal
@@ -225,8 +225,8 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
         if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
             env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
-        # the persistent kernel's other mode (rows gathered / from slots)
-        env.update(_other_modes(harness, PERSISTENT_ENV, PERSISTENT_MODES, persistent_from_slots,
+        # the persistent kernel's other modes (rows gathered / parameters early / from slots)
+        env.update(_other_modes(harness, PERSISTENT_ENV, PERSISTENT_MODES, persistent_mode,
                                 OP_CODES[op], fused_tile(h, m, OP_CODES[op])))  # fmt: skip
     else:  # the default is one launch here: time two as well, and its other decode modes
         env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}

@@ -4,8 +4,14 @@
 
 MEASURED for every op (notes/comm-allgather.md "Measured: the persistent kernel" and
 "Measured: every op on its one-launch kernels"): rmsnorm, FP8 and NVFP4 0.75-0.94 x the NVLink
-bound at M >= 4096, ahead of the chunk pipeline everywhere; the gated op is not (above
-:data:`GATED_PERSISTENT_MAX_TOKENS` it keeps the chunk pipeline).
+bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's kernel of session 9
+(one 16-warp CTA per SM, rows gathered) lost to the chunk pipeline above 512 tokens on 2 x H200
+(123.3 / 473.0 against 102.8 / 360.5 µs at H = 4096, M = 4096 / 16384). Session 13 runs it at
+two CTAs per SM (H <= 4096) or with the residual and parameters requested before the poll (H >
+4096): 0.70-0.71 and 0.77-0.80 of its old time in loopback (see :data:`PERSISTENT_DEFAULT`),
+which, applied to the 2 x H200 figures, puts it 7-18 % ahead of the chunk pipeline at M = 4096 /
+16384: a PREDICTION, so it is now the default at every M and ``bench allgather`` times
+``moefuse_chunked`` beside it (the next 2-GPU run confirms or reverts).
 
 The chunked pipeline (gather chunk c+1 on a communication stream while chunk c is normed) left
 the norm visible at large M. Here every CTA of one persistent grid does both, tile by tile:
@@ -23,11 +29,14 @@ the norm visible at large M. Here every CTA of one persistent grid does both, ti
   constexprs (``norm_tile``; stepped rows unrolled / looped exactly as the single-GPU op does
   at this M), so the output is bitwise the single-GPU op of the gathered rows;
 * or, mode "slots" (``MOEFUSE_ALLGATHER_PERSISTENT``, default per op and width:
-  :data:`PERSISTENT_SLOTS_MAX_BLOCK`; one-pass tiles only): every rank pushes into this
-  rank's slot too, and iteration i polls tile i straight from the slot in the op's own tile
-  (``AG.receive_tile``) and runs the op's one-pass row code on it in registers
-  (``dec.one_pass_tile``), with the parameters loaded once per CTA (NVFP4: per tile): no
-  gathered store, CTA barrier or re-read.
+  :func:`persistent_mode`): every rank pushes into this rank's slot too, and iteration i polls
+  tile i straight from the slot in the op's own tile (``AG.receive_tile``) and runs the op's
+  one-pass row code on it in registers (``dec.one_pass_tile``), with the parameters loaded once
+  per CTA (NVFP4: per tile): no gathered store, CTA barrier or re-read; stepped rows (rmsnorm
+  6145-8192 columns, the gated op) run the decode kernel's row code
+  (``dec.norm_tile_early``: the steps polled from the slots, ``AG.receive_steps``);
+* or, mode "early": the decode kernel's row code with the rows gathered: the op's parameters
+  and the gated op's FP32 residual are requested before the poll, so their latency overlaps it.
 
 No deadlock: CTA j of rank r only waits for tiles of its own list, which CTA j of every peer
 pushes ``lookahead`` iterations (or the prologue) before it waits for anything of that tile or a
@@ -46,8 +55,11 @@ Knobs (read at launch; the same on every rank):
   cannot run only if the variable is set to ``fused`` explicitly (tests);
 * ``MOEFUSE_ALLGATHER_LOOKAHEAD`` (default :data:`LOOKAHEAD`): tiles pushed ahead of the one
   being received (>= 1; a run-time argument, no recompilation);
-* ``MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM`` (default: ``resident_ctas_per_sm(num_warps)``, the
-  conservative count of the other peer kernels) and ``MOEFUSE_ALLGATHER_FUSED_GRID`` (a cap on
+* ``MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM`` (default: :data:`FUSED_CTAS_PER_SM` for the op, else
+  ``resident_ctas_per_sm(num_warps)``, the conservative count of the other peer kernels),
+  ``MOEFUSE_ALLGATHER_FUSED_MAXNREG`` (a register cap for experiments; 0 = none),
+  ``MOEFUSE_ALLGATHER_FUSED_UNROLL`` (0 / 1: stepped rows looped / unrolled; default
+  :func:`persistent_unroll`) and ``MOEFUSE_ALLGATHER_FUSED_GRID`` (a cap on
   the grid; tests use it to give each CTA several tiles). Either way the CTAs per SM are capped
   at what the compiled kernel's registers and shared memory allow (:func:`fits_per_sm`): a grid
   beyond the co-resident count could deadlock.
@@ -62,22 +74,25 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.comm import allgather_decode as dec
 from moefuse.comm import allgather_triton as AG
 from moefuse.comm.tiles import resident_ctas_per_sm
 from moefuse.comm.workspace import CTRL_STATUS
 from moefuse.norm import triton as nt
+from moefuse.norm.tiles import STEP_UNROLL_MAX_STEPS
 
 LARGE_ENV = "MOEFUSE_ALLGATHER_LARGE"
 LARGE_MODES = ("fused", "chunked")
 LOOKAHEAD_ENV = "MOEFUSE_ALLGATHER_LOOKAHEAD"
 CTAS_PER_SM_ENV = "MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM"
+MAXNREG_ENV = "MOEFUSE_ALLGATHER_FUSED_MAXNREG"
 GRID_ENV = "MOEFUSE_ALLGATHER_FUSED_GRID"
 PERSISTENT_ENV = "MOEFUSE_ALLGATHER_PERSISTENT"
-PERSISTENT_MODES = ("gathered", "slots")
+PERSISTENT_MODES = ("gathered", "early", "slots")
 #: the persistent kernel reads its tiles from the slots by default for these ops up to this
-#: tile width (:func:`persistent_from_slots`). MEASURED on one H200 as two loopback ranks
+#: tile width (:func:`persistent_mode`). MEASURED on one H200 as two loopback ranks
 #: (session 12, scripts/loopback_gpu_check.py, 2 alternating rounds, µs gathered -> slots at
 #: M = 512 / 4096 / 16384): rmsnorm H = 4096 12.7 -> 10.1, 98.5 -> 74.1, 385.5 -> 279.6 (PDL
 #: on), H = 2880 10.3 -> 10.6, 74.9 -> 70.2, 285.8 -> 264.5; FP8 (PDL off) H = 2880 11.9 ->
@@ -89,6 +104,29 @@ PERSISTENT_MODES = ("gathered", "slots")
 #: ranks move the "NVLink" bytes through the same HBM, so these favour saved HBM traffic more
 #: than 2 x H200 would: the 2-GPU bench (``moefuse_gathered`` / ``_slots`` columns) decides.
 PERSISTENT_SLOTS_MAX_BLOCK = {dec.RMSNORM: 8192, dec.FP8: 4096}
+#: the persistent kernel's mode for stepped rows (rmsnorm 6145-8192 columns, the gated op;
+#: :func:`persistent_mode`). MEASURED on one H200 as two loopback ranks (session 13, PDL off,
+#: 2 alternating rounds, notes/comm-allgather.md "Session 13"), µs gathered / early / slots:
+#: rmsnorm H = 8192 M = 4096 170.4 / 167.1 / 163.4, M = 16384 662.0 / 650.1 / 630.2; the gated
+#: op (tensor alpha) at H = 8192, M = 512 / 4096 / 16384: gathered at 1 CTA per SM 53.5 / 399 /
+#: 1607, at 2 CTAs per SM (looped rows) 42.5 / 343.6 / 1390, early (unrolled rows, 1 CTA per
+#: SM: 116-128 registers) 43.5 / 318 / 1242; at H = 4096 gathered at 2 CTAs per SM wins: 23.0 /
+#: 162.7 / 656 against early 27.4 / 193 / 749 (and 32.4 / 234 / 921 at 1 CTA per SM). Capping
+#: early at 64 registers to fit 2 CTAs spilled (80 / 244 bytes): 26.3 / 187 / 745 at H = 4096,
+#: 2.3 x slower at 8192. So the gated op runs early from GATED_EARLY_MIN_STEPS steps. Mid M
+#: (call 3), µs default / unrolled at 1 CTA per SM / early / slots: H = 4096 M = 128 7.73 /
+#: 7.84 / 7.98 / 7.40, M = 300 15.07 / 14.94 / 15.24 / 14.57, M = 512 23.08 / 28.06 / 27.2 /
+#: 25.9 (the old kernel 8.86 / 18.0 / 32.6); H = 7168 (early) M = 128 / 300 / 512 / 4096 10.28 /
+#: 24.98 / 39.97 / 290 against gathered at 2 CTAs per SM 12.5 / 32.4 / 51.7 / 375 and slots
+#: 11.1 / 25.1 / 39.9 / 295; H = 8192 early 11.1 / 28.3 / 44.4 / 322, slots 11.05 / 27.2 /
+#: 43.2 / 335 (slots' 0.3-1 µs at M <= 512 is not worth a second rule).
+PERSISTENT_DEFAULT = {dec.RMSNORM: "slots", dec.GATED: "gathered"}
+GATED_EARLY_MIN_STEPS = 3
+#: CTAs per SM of the persistent kernel per op (default: ``resident_ctas_per_sm``), capped by
+#: what the compiled kernel fits (:func:`fits_per_sm`): the gated op's gathered rows, looped
+#: (64 registers at 16 warps), run 2 per SM (measurements above)
+FUSED_CTAS_PER_SM = {dec.GATED: 2}
+UNROLL_ENV = "MOEFUSE_ALLGATHER_FUSED_UNROLL"
 #: tiles pushed ahead of the tile being received. MEASURED on 2 x H200
 #: (scripts/bench_allgather_large.py, bench/results/sweeps/allgather_large-h200-p2.json):
 #: lookahead 1 was as fast or faster than 2 in 6 of 6 cases (H = 4096 M = 4096: 58.8 vs
@@ -111,15 +149,17 @@ def _ag_rmsnorm_persistent_kernel(
     OP: tl.constexpr = 0, FMT: tl.constexpr = 0, LAYOUT: tl.constexpr = 0,
     RECIPE: tl.constexpr = 0, ALPHA_MODE: tl.constexpr = 0, HAS_POST_WEIGHT: tl.constexpr = False,
     HAS_ROUTER: tl.constexpr = False, FROM_SLOTS: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    # FROM_SLOTS (one-pass tiles): the parameters once per CTA, constant over the launch (bound
-    # outside any constexpr `if`: a name bound inside one is not seen in the loop below);
+    # one-pass FROM_SLOTS (not EARLY): the parameters once per CTA, constant over the launch
+    # (bound outside any constexpr `if`: a name bound inside one is not seen in the loop below);
     # NVFP4 reloads them per tile instead (its 4-warp tile would hold 32-64 weights per thread)
+    IN_LOOP: tl.constexpr = FROM_SLOTS and not EARLY
     cols = tl.arange(0, BLOCK)
     w, inv = dec.one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED, PTX, OP,
-                                 FROM_SLOTS and OP != dec.OP_FP4)  # fmt: skip
+                                 IN_LOOP and OP != dec.OP_FP4)  # fmt: skip
     if USE_PDL:
         gdc_wait()  # the shard is the previous kernel's output
     deadline, gen, healthy, region, mine = AG.prelude(table_ptr, ag_off16, agctrl_ptr,
@@ -160,7 +200,18 @@ def _ag_rmsnorm_persistent_kernel(
                            ag_off16, region, rank, S, H, ROWS, P, FROM_SLOTS)  # fmt: skip
         t = pid + i * G
         first = t * ROWS
-        if FROM_SLOTS:  # the tile polled straight from the slots (decode "slots" mode)
+        if EARLY:  # the decode kernel's tile code: parameters (and residual) before the poll
+            n_t = tl.where(i < n_gat, tl.minimum(ROWS, n_rows - first), 0)
+            missing = dec.norm_tile_early(t, n_t, first, scols, scm, empty, mine, region, rank,
+                                          S, deadline, clock_ptr, x_ptr, x_st, w_ptr, out_ptr,
+                                          aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr,
+                                          ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols,
+                                          o_st, 0, eps, gain_center, r_st, ro_st, rt_st,
+                                          alpha_scalar, post_eps, post_gc, BLOCK, NUM_CHUNKS,
+                                          ROWS, MASKED, EVICT_FIRST, PTX, OP, FMT, LAYOUT, RECIPE,
+                                          ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, P, FROM_SLOTS,
+                                          STEPPED)  # fmt: skip
+        elif FROM_SLOTS:  # the tile polled straight from the slots (decode "slots" mode)
             rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
             wt, invt = dec.one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED,
                                            PTX, OP, OP == dec.OP_FP4)  # fmt: skip
@@ -227,47 +278,49 @@ def large_mode() -> str:
     return dec.env_choice(LARGE_ENV, LARGE_MODES) or "fused"
 
 
-#: The gated op takes the persistent kernel up to this many tokens, the two-launch chunk
-#: pipeline above (unless MOEFUSE_ALLGATHER_LARGE is set). MEASURED (2 x H200, P = 2,
-#: `bench allgather`, session 9), µs persistent / chunked: H = 4096 M = 512 18.16 / 17.83,
-#: 4096 123.3 / 102.8, 16384 473.0 / 360.5; H = 8192 M = 512 31.8 / 33.4, 4096 204.7 / 199.3,
-#: 16384 798.8 / 685.0. Its rows move 7-9 x the payload through HBM (FP32 residual in and out,
-#: router output), and the persistent grid (one 16-warp CTA per SM) keeps too little of it in
-#: flight; the other ops' persistent kernels win at every M measured.
-GATED_PERSISTENT_MAX_TOKENS = 512
-
-
 def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
     """The single-GPU op's tile for rows of ``width`` when the persistent kernel runs it at
     ``m`` tokens, else None: mode "fused", M above the decode range (at M <= 64 only when
     MOEFUSE_ALLGATHER_LARGE=fused is set explicitly: ``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` alone
     still means two launches there), and a tile ``norm_tile`` can run (:func:`dec.fusable`:
-    not the two-pass chunked rows); the gated op above GATED_PERSISTENT_MAX_TOKENS only when
-    the variable is set."""
+    not the two-pass chunked rows)."""
     if large_mode() != "fused":
         return None
     if m is not None and m <= dec.ONE_LAUNCH_MAX_TOKENS and not os.environ.get(LARGE_ENV):
-        return None
-    if (op == dec.GATED and m is not None and m > GATED_PERSISTENT_MAX_TOKENS
-            and not os.environ.get(LARGE_ENV)):  # fmt: skip
         return None
     tile = dec.op_tile(op, width)
     return tile if dec.fusable(op, tile) else None
 
 
-def persistent_from_slots(op: int, tile) -> bool:
-    """Whether the persistent kernel polls its tiles straight from the slots (the decode
-    kernel's "slots" mode, with the parameters loaded once per CTA): one-pass tiles of rmsnorm,
-    FP8 and NVFP4, as ``MOEFUSE_ALLGATHER_PERSISTENT=gathered|slots`` says, else per
-    :data:`PERSISTENT_SLOTS_MAX_BLOCK` (the same on every rank). NVFP4 reloads its parameters per
-    tile (held for the whole loop, its 4-warp tiles' 32-64 weights per thread took 146
-    registers at H = 4096 on sm_90a, 3 CTAs per SM instead of 4, and spilled at 7168 / 8192)."""
+def persistent_mode(op: int, tile) -> tuple[bool, bool]:
+    """``(EARLY, FROM_SLOTS)`` of the persistent kernel for ``op`` on ``tile``;
+    ``MOEFUSE_ALLGATHER_PERSISTENT`` = ``gathered`` | ``early`` | ``slots`` forces one where
+    eligible (the same on every rank), else :data:`PERSISTENT_DEFAULT` /
+    :data:`PERSISTENT_SLOTS_MAX_BLOCK` decide.
+
+    * one-pass tiles of rmsnorm, FP8 and NVFP4: ``slots`` polls each tile straight from the
+      slots with the parameters loaded once per CTA (NVFP4: per tile; held for the whole loop,
+      its 4-warp tiles' 32-64 weights per thread took 146 registers at H = 4096 on sm_90a, 3
+      CTAs per SM instead of 4, and spilled at 7168 / 8192); ``early`` runs the decode kernel's
+      tile code (:func:`dec.norm_tile_early`: parameters per tile, rows gathered);
+    * stepped rows of rmsnorm and the gated op that can be unrolled (at most
+      ``STEP_UNROLL_MAX_STEPS`` steps): ``early`` / ``slots`` run
+      :func:`dec.norm_tile_early` per row: the parameters and the gated op's FP32 residual
+      requested before the poll, the row from the gathered buffer or straight from the slots.
+      The unrolled row code gives the bits of the looped one (the tests compare with the
+      single-GPU op, which loops at these M);
+    * anything else: ``gathered``."""
     setting = dec.env_choice(PERSISTENT_ENV, PERSISTENT_MODES)
-    if not dec.one_pass_in_registers(op, tile):
-        return False
-    if setting:
-        return setting == "slots"
-    return tile.block <= PERSISTENT_SLOTS_MAX_BLOCK.get(op, 0)
+    if dec.one_pass_in_registers(op, tile):
+        mode = setting or ("slots" if tile.block <= PERSISTENT_SLOTS_MAX_BLOCK.get(op, 0)
+                           else "gathered")  # fmt: skip
+        return mode == "early", mode == "slots"
+    if tile.stepped and op in (dec.RMSNORM, dec.GATED) and tile.num_chunks <= STEP_UNROLL_MAX_STEPS:
+        mode = setting or PERSISTENT_DEFAULT.get(op, "gathered")
+        if not setting and op == dec.GATED and tile.num_chunks >= GATED_EARLY_MIN_STEPS:
+            mode = "early"
+        return mode != "gathered", mode == "slots"
+    return False, False
 
 
 def fits_per_sm(regs: int, warps: int, shared: int = 0, smem_per_sm: int = 228 << 10) -> int:
@@ -298,13 +351,29 @@ def _compiled_fit(args, consts) -> int:
     return fit
 
 
-def fused_grid(ws, tile, n_tiles: int, fit=None) -> int:
+def persistent_unroll(op: int, tile, unroll: bool) -> bool:
+    """UNROLL of the persistent kernel's gathered stepped rows: the gated op's rows loop (64
+    registers, 2 CTAs per SM, against 116-128 unrolled: 1) whatever the single-GPU op's choice
+    ``unroll`` at this M (the same bits); ``MOEFUSE_ALLGATHER_FUSED_UNROLL`` = 0 / 1 forces it
+    (where the rows can be unrolled)."""
+    raw = os.environ.get(UNROLL_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{UNROLL_ENV} must be 0 or 1, got {raw!r}")
+    if not tile.stepped:
+        return unroll
+    if raw:
+        return raw == "1" and tile.num_chunks <= STEP_UNROLL_MAX_STEPS
+    return False if op == dec.GATED else unroll
+
+
+def fused_grid(ws, tile, n_tiles: int, fit=None, op: int = dec.RMSNORM) -> int:
     """CTAs of the persistent launch: min(row tiles, SMs x CTAs per SM [, the grid cap]). A
     function of the workspace (MIN-reduced SM count), the width, M and the compiled kernel: the
     same on every rank. ``fit()``: CTAs per SM the compiled kernel's registers and shared memory
     allow (a grid beyond the co-resident count could deadlock; H = 16384 needs 216 registers
     at 8 warps: 1 CTA per SM, not the default 2)."""
-    per_sm = _env_int(CTAS_PER_SM_ENV, resident_ctas_per_sm(tile.num_warps), 1)
+    per_sm = _env_int(CTAS_PER_SM_ENV, FUSED_CTAS_PER_SM.get(op) or
+                      resident_ctas_per_sm(tile.num_warps), 1)  # fmt: skip
     if fit is not None:
         per_sm = min(per_sm, fit())
     ctas = min(n_tiles, ws.num_sms * per_sm)
@@ -323,7 +392,9 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
     lookahead = _env_int(LOOKAHEAD_ENV, LOOKAHEAD, 1)
     n_norm, kb, n_kcols = ep.rows_and_blocks(m, width)
     consts = ep.consts(tile, width, m, use_pdl)
-    consts["FROM_SLOTS"] = persistent_from_slots(ep.op, tile)
+    consts["EARLY"], consts["FROM_SLOTS"] = persistent_mode(ep.op, tile)
+    if "UNROLL" in consts:
+        consts["UNROLL"] = persistent_unroll(ep.op, tile, consts["UNROLL"])
     ws.refresh_clock()
     args = (shard, shard.stride(0), gathered, *ep.pointers(), m, n_norm, width, float(width), kb,
             n_kcols, gathered.stride(0), ep.out.stride(0), float(ep.eps), float(ep.gain_center),
@@ -331,10 +402,15 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
             ws.ctrl[CTRL_STATUS:], ws.clock, s, ws.rank, ws.max_tokens, ws.timeout_us,
             lookahead)  # fmt: skip
     consts.update(P=ws.world_size, BLOCK_S=block_s)
+    maxnreg = _env_int(MAXNREG_ENV, 0, 0)
+    if maxnreg and not interpreter_active():
+        consts["maxnreg"] = maxnreg
     fit = None if interpreter_active() else (lambda: _compiled_fit(args, consts))
-    grid = (fused_grid(ws, tile, triton.cdiv(n_norm, tile.rows), fit),)
-    # (nt._launch: a launch that compiles stepped rows also compiles the other UNROLL mode)
-    nt._launch(_ag_rmsnorm_persistent_kernel, grid, args, consts, tile)
+    grid = (fused_grid(ws, tile, triton.cdiv(n_norm, tile.rows), fit, ep.op),)
+    if consts["EARLY"] or ep.op == dec.GATED:  # rows unrolled (EARLY) / looped whatever M
+        launch(_ag_rmsnorm_persistent_kernel, grid, *args, **consts)
+    else:  # (nt._launch: a launch that compiles stepped rows also compiles the other UNROLL mode)
+        nt._launch(_ag_rmsnorm_persistent_kernel, grid, args, consts, tile)
 
 
 def run_one_launch(ws, state, shard: torch.Tensor, gathered: torch.Tensor, ep: dec.Epilogue,
