@@ -29,8 +29,6 @@ def main(argv) -> int:
     parser.add_argument("--only", default="", help="compile kernels whose name contains this")
     args = parser.parse_args(argv)
     import triton
-    from _ptxas import TARGET, ptxas_report
-    from triton.compiler import ASTSource
 
     from moefuse.comm import expert_norm_ep_triton as xe
     from moefuse.comm import expert_norm_triton as xt
@@ -47,37 +45,52 @@ def main(argv) -> int:
                        xe._ep_partial_kernel, xe._ep_oneshot_kernel):  # fmt: skip
             if args.only not in kernel.fn.__name__:
                 continue
-            consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
-                          KPOW=triton.next_power_of_2(k),
-                          NG=-(-k // block), BLOCK_H=tile.block, WBN=True, USE_PDL=True,
-                          PTX=True)  # fmt: skip
-            params = list(inspect.signature(kernel.fn).parameters)
-            consts = {n: v for n, v in consts.items() if n in params}
-            sig, attrs = {}, {}
-            for i, name in enumerate(params):
-                if name in consts:
-                    sig[name] = "constexpr"
-                    continue
-                sig[name] = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-                if name.endswith("_ptr") or name.endswith("_st") or name == "H":
-                    if name not in ("w_ptr", "idx_ptr", "w_st", "idx_st"):
-                        attrs[(i,)] = [["tt.divisibility", 16]]
-            src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-            try:
-                ck = triton.compile(src, target=TARGET,
-                                    options={"num_warps": tile.num_warps})  # fmt: skip
-            except Exception as exc:  # report every kernel, then fail
-                print(f"H={h} {kernel.fn.__name__}: COMPILE ERROR {exc}", flush=True)
-                failed += 1
-                continue
-            ptx = ck.asm["ptx"]
-            report = ptxas_report(ptx)
-            v4 = len(re.findall(r"ld\.volatile\.global\.v4", ptx))
-            failed += report.returncode != 0
-            print(f"H={h:5d} K={k} P={p} {kernel.fn.__name__:24s} warps={tile.num_warps:2d} "
-                  f"regs={report.regs} spills={report.spills} ld.volatile.v4={v4} "
-                  f"ptxas_rc={report.returncode}", flush=True)  # fmt: skip
+            split = kernel is xt._tp_slot_oneshot_kernel  # and its split-fold decode variant
+            for extra in ({}, {"SPLIT_FOLD": True, "KP": triton.next_power_of_2(k)})[:1 + split]:
+                failed += compile_one(kernel, h, k, p, block, tile, extra)
     return 1 if failed else 0
+
+
+def compile_one(kernel, h, k, p, block, tile, extra) -> int:
+    """Compile ``kernel`` (constexprs + ``extra``) and print its ptxas report; 1 on failure."""
+    import triton
+    from _ptxas import TARGET, ptxas_report
+    from triton.compiler import ASTSource
+
+    consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
+                  KPOW=triton.next_power_of_2(k),
+                  NG=-(-k // block), BLOCK_H=tile.block, WBN=True, USE_PDL=True,
+                  PTX=True, **extra)  # fmt: skip
+    signature = inspect.signature(kernel.fn).parameters
+    params = list(signature)
+    consts = {n: v for n, v in consts.items() if n in params}
+    # constexprs left out take their defaults, as at a launch (not run-time ints)
+    consts = {**{n: q.default for n, q in signature.items()
+                 if "constexpr" in str(q.annotation) and q.default is not q.empty}, **consts}
+    sig, attrs = {}, {}
+    for i, name in enumerate(params):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+        if name.endswith("_ptr") or name.endswith("_st") or name == "H":
+            if name not in ("w_ptr", "idx_ptr", "w_st", "idx_st"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    try:
+        ck = triton.compile(src, target=TARGET,
+                            options={"num_warps": tile.num_warps})  # fmt: skip
+    except Exception as exc:  # reported; main() goes on with the next kernel
+        print(f"H={h} {kernel.fn.__name__} {extra}: COMPILE ERROR {exc}", flush=True)
+        return 1
+    ptx = ck.asm["ptx"]
+    report = ptxas_report(ptx)
+    v4 = len(re.findall(r"ld\.volatile\.global\.v4", ptx))
+    print(f"H={h:5d} K={k} P={p} {kernel.fn.__name__:24s} warps={tile.num_warps:2d} "
+          f"regs={report.regs} spills={report.spills} ld.volatile.v4={v4} "
+          f"ptxas_rc={report.returncode} {'split fold' if extra else ''}",
+          flush=True)  # fmt: skip
+    return int(report.returncode != 0)
 
 
 if __name__ == "__main__":

@@ -455,3 +455,21 @@ def scenario_bounded_wait(rank, world_size):
         dist.barrier()
         xws.close()
     return True
+
+
+def test_split_fold_choice(monkeypatch):
+    """slot_oneshot's split fold: only when every CTA has one row, never in the interpreter (a
+    CTA there cannot wait for a later one); the knob turns it off, and a bad value names it."""
+    from moefuse.comm import expert_norm_triton as xt
+
+    monkeypatch.setattr(xt, "interpreter_active", lambda: False)
+    assert xt.split_fold(8, 8) and xt.split_fold(64, 132)
+    assert not xt.split_fold(200, 132)  # some CTA has two rows: one CTA folds each token
+    monkeypatch.setenv("MOEFUSE_TP_SPLIT_FOLD", "0")
+    assert not xt.split_fold(8, 8)
+    monkeypatch.setenv("MOEFUSE_TP_SPLIT_FOLD", "yes")
+    with pytest.raises(ValueError, match="MOEFUSE_TP_SPLIT_FOLD must be 0 or 1"):
+        xt.split_fold(8, 8)
+    monkeypatch.setenv("MOEFUSE_TP_SPLIT_FOLD", "1")
+    monkeypatch.setattr(xt, "interpreter_active", lambda: True)
+    assert not xt.split_fold(8, 8)

@@ -7,7 +7,8 @@ Two per-rank functions that ``moefuse bench moe-comm`` (bench/moe_comm.py) can c
 
 * :func:`time_tp_case` — ``tp_moe_finalize_rmsnorm`` (variants ``moefuse`` = auto,
   ``moefuse_slot_oneshot``, ``moefuse_expert_owner_slots``, ``moefuse_expert_owner``,
-  ``moefuse_token_owner``, ``moefuse_staged``, ``moefuse_torch``)
+  ``moefuse_token_owner``, ``moefuse_staged``, ``moefuse_torch``; ``moefuse_slot_oneshot_fold1``:
+  slot_oneshot with ``MOEFUSE_TP_SPLIT_FOLD=0``, one CTA folding each token)
   against the unfused chain FlashInfer's op replaces: NCCL ``all_reduce`` of the per-expert
   partial rows ``[R, H]``, then gather + per-expert RMSNorm + weighted sum, ``unfused_eager``
   and ``unfused_compile``
@@ -110,6 +111,7 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     import moefuse
     from moefuse.bench import harness
     from moefuse.comm import expert_norm_reference as ref
+    from moefuse.comm.expert_norm_triton import SPLIT_FOLD_ENV
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -134,9 +136,14 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     for algo in ("slot_oneshot", *slots, "expert_owner", "token_owner", "staged", "torch"):
         got = moefuse.tp_moe_finalize_rmsnorm(rows, w, idx, nw, workspace=xws, algorithm=algo,
                                               impl="triton", **opts)  # fmt: skip
-        first = got if first is None else first
+        first = got.clone() if first is None else first
         if not torch.equal(got.view(torch.int16), first.view(torch.int16)):
             raise AssertionError(f"TP M={m} H={h} K={k}: {algo} differs bitwise")
+    with harness.knobs({SPLIT_FOLD_ENV: "0"}):  # slot_oneshot's fold in one CTA: the same bits
+        got = moefuse.tp_moe_finalize_rmsnorm(rows, w, idx, nw, workspace=xws,
+                                              algorithm="slot_oneshot", impl="triton", **opts)
+        if not torch.equal(got.view(torch.int16), first.view(torch.int16)):
+            raise AssertionError(f"TP M={m} H={h} K={k}: slot_oneshot folded by one CTA differs")
     err = (first.float() - want.float()).abs().max().item()
     if not err <= 2.0**-6 * max(1.0, want.float().abs().max().item()):
         raise AssertionError(f"TP M={m} H={h} K={k}: max |fused - oracle| = {err}")
@@ -163,6 +170,9 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
                 "unfused_eager": unfused(expert_norm_weighted_sum),
                 "unfused_compile": unfused(post_c)}  # fmt: skip
     times = _time_variants(harness, variants, n, group, dev, replays)
+    with harness.knobs({SPLIT_FOLD_ENV: "0"}):  # slot_oneshot with one folding CTA per token
+        times.update(_time_variants(harness, {"moefuse_slot_oneshot_fold1":
+                                              fused("slot_oneshot")}, n, group, dev, replays))
     xws.check()
     auto = xws.choose_algorithm(m)
     if own:

@@ -6,8 +6,9 @@ RMSNorm. Three algorithms, same bits:
 
 * ``_tp_slot_oneshot_kernel`` (Lamport, decode): one CTA per (token, slot) row on EVERY rank;
   each rank pushes every partial row to every peer (one hop), sums, rounds and normalizes each
-  row itself, and the CTA that completes a token's K rows folds them (no second hop, no CTA
-  waiting on another CTA of its launch).
+  row itself, and the CTA that completes a token's K rows folds them (no second hop); or, when
+  every CTA has one row (:func:`split_fold`), the token's K CTAs wait for each other and fold a
+  column slice each.
 * ``_tp_slot_kernel`` (Lamport, smallest M): the expert owner with one CTA per (token, slot),
   so a token's norms run in parallel; every rank folds the K normalized rows itself.
 * ``_tp_expert_owner_kernel`` (Lamport, small M). Slot group j (``B = ceil(K/P)`` slots) belongs
@@ -40,6 +41,8 @@ payload must be scrubbed and all ranks must agree bitwise.
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -410,14 +413,48 @@ def _arrive_token(cnt_ptr, missing, K: tl.constexpr):
     thread's row stores are part of the release). Returns (``last``: this CTA brought the count
     to K, ``fold``: ``last`` and no row timed out). The last CTA resets the word for the next
     call (nothing else touches it until this launch ends). A timed-out row adds 2^16, so no CTA
-    folds a token with a hole."""
+    folds a token with a hole. Also returns the word as this arrival left it (for
+    :func:`_await_token`)."""
     tl.debug_barrier()
     inc = tl.where(missing != 0, 65537, 1)
     new = tl.atomic_add(cnt_ptr, inc, sem="acq_rel", scope="gpu") + inc
     done = (new & 0xFFFF) == K
     if done:
         tl.store(cnt_ptr, 0)
-    return done, done & ((new >> 16) == 0)
+    return done, done & ((new >> 16) == 0), new
+
+
+@triton.jit
+def _await_token(cnt_ptr, seen, deadline, clock_ptr, K: tl.constexpr, PTX: tl.constexpr):
+    """Spin (acquire, GPU scope) until every CTA of the token has arrived: the arrival word reads
+    K in its low half, or 0 (the last CTA reset it after bringing it to K; this CTA has arrived,
+    so 0 cannot mean "nobody yet"), starting from ``seen`` (the value this CTA's own arrival
+    produced); bounded by ``deadline``. Returns the word last read (its high half counts rows
+    that timed out; 0 also when the deadline passed first, see the caller)."""
+    c = seen
+    while ((c & 0xFFFF) != K) & (c != 0) & (D.now_ns(clock_ptr, PTX) < deadline):
+        c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    return tl.where(((c & 0xFFFF) == K) | (c == 0), c, 1 << 16)
+
+
+@triton.jit
+def _fold_slices(xdec, rdec, nw_ptr, gain_center, out_ptr, out_st, t64, k, valids, weights, H,
+                 K: tl.constexpr, KP: tl.constexpr, B: tl.constexpr, WBN: tl.constexpr,
+                 BLOCK_H: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Slot ``k``'s share of token t's fold: column slices ``k, k + K, ...`` of the KP slices of
+    ``BLOCK_H // KP`` columns (:func:`_fold_local` on each: per column the same FMA chain over
+    the K rows, so the same bits as one CTA folding the whole row)."""
+    FW: tl.constexpr = BLOCK_H // KP
+    sl = k
+    while sl < KP:
+        cols = sl * FW + tl.arange(0, FW)
+        cmask = cols < H
+        g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
+        out = _fold_local(xdec + t64 * K * H, rdec + t64 * K, g, valids, weights, cols, cmask, H,
+                          K, B, WBN, PTX)  # fmt: skip
+        _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
+                   cmask)  # fmt: skip
+        sl += K
 
 
 @triton.jit(do_not_specialize=["M", "R", "rank"])
@@ -427,6 +464,7 @@ def _tp_slot_oneshot_kernel(
     M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
     P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+    SPLIT_FOLD: tl.constexpr = False, KP: tl.constexpr = 8,
 ):  # fmt: skip
     """Decode path: one-shot all-to-all per (token, slot) row, ONE NVLink hop. Row ``r = t*K + k``
     belongs to CTA ``r mod G``. Phase 1: every rank pushes its partial row of each of its valid
@@ -502,9 +540,14 @@ def _tp_slot_oneshot_kernel(
             rstd = _norm_rstd(widen_f32(xb, PTX), g, cmask, Hf, eps, WBN)
             tl.store(xdec + (t64 * K + k) * H + cols, D.as_bits(xb, 16), mask=cmask)
             tl.store(rdec + t64 * K + k, D.as_bits(rstd, 32))
-        last, fold = _arrive_token(cnt + t64, missing, K)
+        last, fold, seen = _arrive_token(cnt + t64, missing, K)
         completed = completed | last
-        if fold:
+        if SPLIT_FOLD:  # one row per CTA (M * K <= grid): the token's K CTAs fold a slice each
+            c = _await_token(cnt + t64, seen, deadline, clock_ptr, K, PTX)
+            if (c >> 16) == 0:
+                _fold_slices(xdec, rdec, nw_ptr, gain_center, out_ptr, out_st, t64, k, valids0,
+                             weights0, H, K, KP, B, WBN, BLOCK_H, PTX)  # fmt: skip
+        elif fold:
             valids, weights = valids0, weights0
             if t64 != t0:
                 valids, weights = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t64, R, K)
@@ -785,11 +828,34 @@ def _launch_slot_oneshot(xws, rows, weights, idx, norm_weight, out, eps, gain_ce
         mc = min(xws.slot_capacity, m - c0)
         ws.refresh_clock()
         grid = (max(1, min(mc * k, ws.num_sms)),)
+        split = split_fold(mc * k, grid[0])  # (the same on every rank: M, K, SMs, environment)
         launch(_tp_slot_oneshot_kernel, grid,
             rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
             weights.stride(0), idx.stride(0), out.stride(0),
             ws.table, ws.offset16("xn_rows"), ws.offset16("xn_xdec"), ws.offset16("xn_rdec"),
             ws.offset16("xn_cnt"),
             ws.ctrl, ws.clock, mc, r, h, float(h), ws.rank, xws.capacity, float(eps),
-            float(gain_center), ws.timeout_us, P=p, **consts,
+            float(gain_center), ws.timeout_us, P=p, SPLIT_FOLD=split,
+            KP=triton.next_power_of_2(k), **consts,
         )  # fmt: skip
+
+
+SPLIT_FOLD_ENV = "MOEFUSE_TP_SPLIT_FOLD"
+
+
+def split_fold(n_rows: int, grid: int) -> bool:
+    """Whether slot_oneshot's CTAs fold their token together (each a column slice, after
+    waiting for the token's K rows: :func:`_await_token`) instead of the last CTA folding the
+    whole row: only when every CTA has one row (``n_rows <= grid``: a token's K CTAs are all
+    resident) and on the GPU (the interpreter runs CTAs one after another, so a CTA cannot wait
+    for a later one); ``MOEFUSE_TP_SPLIT_FOLD=0`` (the same on every rank) turns it off.
+
+    MEASURED on one H200 as two loopback ranks (session 13, PDL on, 4 alternating rounds,
+    notes/comm-expert-norm.md "Split fold"), µs one folding CTA -> split fold, K = 8: H = 4096
+    M = 1 6.97-9.43 -> 5.35-5.58, M = 8 7.51-8.43 -> 6.83-7.04; H = 7168 M = 1 8.90-9.26 ->
+    6.99-7.40, M = 8 9.80-10.13 -> 9.74-9.89. The hop it shortens (one CTA reading the K
+    normalized rows, 64 KiB at H = 4096, from L2) is local on 2 x H200 as well."""
+    setting = os.environ.get(SPLIT_FOLD_ENV, "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{SPLIT_FOLD_ENV} must be 0 or 1, got {setting!r}")
+    return setting != "0" and n_rows <= grid and not interpreter_active()
