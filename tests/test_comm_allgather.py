@@ -494,6 +494,7 @@ def test_fused_persistent_kernel_bitwise(p, h, ms, grid, lookahead, loop_min_row
 
 
 def test_fused_knobs_raise_clear_errors(monkeypatch):
+    from moefuse.comm import allgather_decode as dec
     from moefuse.comm import allgather_fused as fused
 
     monkeypatch.setenv("MOEFUSE_ALLGATHER_LARGE", "persistent")
@@ -505,6 +506,20 @@ def test_fused_knobs_raise_clear_errors(monkeypatch):
     assert fused.fused_tile(4096, 64) is None  # decode range: two launches unless set explicitly
     assert fused.fused_tile(4096, 65).rows == 1 and fused.fused_tile(8192, 65).stepped
     assert fused.fused_tile(20000, 4096) is None  # chunked rmsnorm tile: the two-launch path
+    # the gated op: persistent at every M on stepped rows, the chunk pipeline above 512 tokens
+    # on its one-pass tiles (<= 2048 columns)
+    assert fused.fused_tile(4096, 16384, dec.GATED).stepped
+    assert fused.fused_tile(2048, 512, dec.GATED) is not None
+    assert fused.fused_tile(2048, 513, dec.GATED) is None
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_FUSED_UNROLL", "yes")
+    with pytest.raises(ValueError, match="MOEFUSE_ALLGATHER_FUSED_UNROLL must be 0 or 1"):
+        fused.persistent_unroll(dec.GATED, dec.op_tile(dec.GATED, 4096), True)
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_FUSED_UNROLL", "1")
+    assert fused.persistent_unroll(dec.GATED, dec.op_tile(dec.GATED, 4096), False)
+    assert not fused.persistent_unroll(dec.GATED, dec.op_tile(dec.GATED, 16384), False)  # 8 steps
+    monkeypatch.delenv("MOEFUSE_ALLGATHER_FUSED_UNROLL")
+    assert not fused.persistent_unroll(dec.GATED, dec.op_tile(dec.GATED, 4096), True)  # looped
+    assert fused.persistent_unroll(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192), True)
     for value, why in (("0", ">= 1"), ("two", "an integer")):
         monkeypatch.setenv("MOEFUSE_ALLGATHER_LOOKAHEAD", value)
         with pytest.raises(ValueError, match=f"MOEFUSE_ALLGATHER_LOOKAHEAD must be {why}"):

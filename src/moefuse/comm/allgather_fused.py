@@ -122,9 +122,10 @@ PERSISTENT_SLOTS_MAX_BLOCK = {dec.RMSNORM: 8192, dec.FP8: 4096}
 #: 43.2 / 335 (slots' 0.3-1 µs at M <= 512 is not worth a second rule).
 PERSISTENT_DEFAULT = {dec.RMSNORM: "slots", dec.GATED: "gathered"}
 GATED_EARLY_MIN_STEPS = 3
-#: CTAs per SM of the persistent kernel per op (default: ``resident_ctas_per_sm``), capped by
-#: what the compiled kernel fits (:func:`fits_per_sm`): the gated op's gathered rows, looped
-#: (64 registers at 16 warps), run 2 per SM (measurements above)
+#: CTAs per SM of the persistent kernel per op on stepped rows (default, and on one-pass
+#: tiles: ``resident_ctas_per_sm``), capped by what the compiled kernel fits
+#: (:func:`fits_per_sm`): the gated op's gathered rows, looped (64 registers at 16 warps), run 2
+#: per SM (measurements above)
 FUSED_CTAS_PER_SM = {dec.GATED: 2}
 UNROLL_ENV = "MOEFUSE_ALLGATHER_FUSED_UNROLL"
 #: tiles pushed ahead of the tile being received. MEASURED on 2 x H200
@@ -283,13 +284,23 @@ def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
     ``m`` tokens, else None: mode "fused", M above the decode range (at M <= 64 only when
     MOEFUSE_ALLGATHER_LARGE=fused is set explicitly: ``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` alone
     still means two launches there), and a tile ``norm_tile`` can run (:func:`dec.fusable`:
-    not the two-pass chunked rows)."""
+    not the two-pass chunked rows; the gated op's one-pass tiles only up to
+    :data:`GATED_ONE_PASS_PERSISTENT_MAX_TOKENS` unless the variable is set)."""
     if large_mode() != "fused":
         return None
     if m is not None and m <= dec.ONE_LAUNCH_MAX_TOKENS and not os.environ.get(LARGE_ENV):
         return None
     tile = dec.op_tile(op, width)
+    if (op == dec.GATED and not tile.stepped and m is not None
+            and m > GATED_ONE_PASS_PERSISTENT_MAX_TOKENS and not os.environ.get(LARGE_ENV)):
+        return None  # fmt: skip
     return tile if dec.fusable(op, tile) else None
+
+
+#: the gated op's one-pass tiles (rows up to 2048 columns) keep the chunk pipeline above this
+#: many tokens, as every gated width did before session 13 (its persistent kernel was measured
+#: only on stepped rows: module docstring)
+GATED_ONE_PASS_PERSISTENT_MAX_TOKENS = 512
 
 
 def persistent_mode(op: int, tile) -> tuple[bool, bool]:
@@ -372,8 +383,8 @@ def fused_grid(ws, tile, n_tiles: int, fit=None, op: int = dec.RMSNORM) -> int:
     same on every rank. ``fit()``: CTAs per SM the compiled kernel's registers and shared memory
     allow (a grid beyond the co-resident count could deadlock; H = 16384 needs 216 registers
     at 8 warps: 1 CTA per SM, not the default 2)."""
-    per_sm = _env_int(CTAS_PER_SM_ENV, FUSED_CTAS_PER_SM.get(op) or
-                      resident_ctas_per_sm(tile.num_warps), 1)  # fmt: skip
+    default = FUSED_CTAS_PER_SM.get(op) if tile.stepped else None
+    per_sm = _env_int(CTAS_PER_SM_ENV, default or resident_ctas_per_sm(tile.num_warps), 1)
     if fit is not None:
         per_sm = min(per_sm, fit())
     ctas = min(n_tiles, ws.num_sms * per_sm)
