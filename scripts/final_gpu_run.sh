@@ -3,6 +3,10 @@
 # $W and the whole folder is re-packed into $OUT/all.tgz after every step (8 files come back).
 # Steps: `bash scripts/final_gpu_run.sh moe-comm moe-comm-tp tp-example` (default: all); t-* steps
 # run GPU test files; two lists can run at once: `(bash $0 t-fastpath &); bash $0 t-moe-comm`.
+# First 2-GPU calls after session 13 (they decide its loopback-measured defaults; each < 10 min):
+#   bash scripts/final_gpu_run.sh t-allgather tp-quick      (tests of the new paths; tp split fold)
+#   bash scripts/final_gpu_run.sh ag-gated t-expert-norm    (gated persistent vs moefuse_chunked)
+#   bash scripts/final_gpu_run.sh ag-modes                  (decode / persistent modes per op)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 W=/tmp/w; mkdir -p $W
