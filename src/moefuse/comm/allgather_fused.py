@@ -10,8 +10,10 @@ bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's kerne
 two CTAs per SM (H <= 4096) or with the residual and parameters requested before the poll (H >
 4096): 0.70-0.71 and 0.77-0.80 of its old time in loopback (see :data:`PERSISTENT_DEFAULT`),
 which, applied to the 2 x H200 figures, puts it 7-18 % ahead of the chunk pipeline at M = 4096 /
-16384: a PREDICTION, so it is now the default at every M and ``bench allgather`` times
-``moefuse_chunked`` beside it (the next 2-GPU run confirms or reverts).
+16384: a PREDICTION, so it is now the default at every M for the gated op's stepped rows
+(> 2048 columns; :data:`GATED_ONE_PASS_PERSISTENT_MAX_TOKENS` for the narrower ones) and
+``bench allgather`` times ``moefuse_chunked`` beside it (the next 2-GPU run confirms or
+reverts).
 
 The chunked pipeline (gather chunk c+1 on a communication stream while chunk c is normed) left
 the norm visible at large M. Here every CTA of one persistent grid does both, tile by tile:
