@@ -288,5 +288,68 @@ class TpFinalize:
         return bad == 0, f"{bad} elements outside {how}; max |diff| {float(diff.max()):.3g}"
 
 
+class EpFinalize:
+    """``moe_finalize_rmsnorm_allreduce`` (EP, K = 8: slot k is local on rank k mod P, ~10 %
+    invalid slots; non-local routes are -1 on each rank): one-shot / two-shot, bitwise equal to
+    the reference of every rank's rows (the partials and the rank-order sum are exact there)."""
+
+    name, op, algos = "ep_finalize", "moe_finalize_rmsnorm_allreduce", ("oneshot", "twoshot")
+    opts = dict(eps=1e-6, gain_center=0.0, weight_before_norm=True)
+
+    @staticmethod
+    def workspace(moefuse, m_cap, h, dev, timeout_s):
+        return moefuse.AllReduceWorkspace(None, m_cap, h, BF16, dev, timeout_s=timeout_s,
+                                          oneshot_max_tokens=m_cap)  # fmt: skip
+
+    @staticmethod
+    def inputs(seed, m, h, dev):
+        import torch
+
+        parts, w, idx, nw = TpFinalize.inputs(seed, m, h, dev)
+        slot = torch.arange(K, device=dev).expand(m, K)
+        idxs = [torch.where(slot % P == q, idx, -1).to(torch.int32) for q in range(P)]
+        return parts, w, idxs, nw
+
+    @classmethod
+    def call(cls, moefuse, ws, rank, case, algo, pdl=None):
+        parts, w, idxs, nw = case
+        return (moefuse.moe_finalize_rmsnorm_allreduce(parts[rank], w, idxs[rank], nw,
+                                                       workspace=ws, algorithm=algo,
+                                                       impl="triton", enable_pdl=pdl,
+                                                       **cls.opts),)  # fmt: skip
+
+    @classmethod
+    def check(cls, case, outs):
+        """Within the tolerance of tests/test_comm_expert_norm.py ``assert_ep_close``: 1 ulp of
+        the result + 2 ulp of each rank's BF16 partial + 2^-20 sum_k |y_k w_k| per rank (the
+        kernel's rsqrt against the reference's)."""
+        import torch
+
+        from moefuse.comm import expert_norm_reference as ref
+
+        parts, w, idxs, nw = case
+        exp = ref.moe_finalize_rmsnorm_allreduce_from_ranks(parts, [w] * P, idxs, nw, **cls.opts)
+        out = outs[0]
+        if out.isnan().any():
+            return False, "NaN in the output (a non-local row or weight was read)"
+
+        def ulp(t):
+            e = torch.floor(torch.log2(t.float().abs().clamp_min(2.0**-126)))
+            return torch.pow(2.0, e - 7)
+
+        allow = ulp(torch.maximum(out.float().abs(), exp.float().abs()))
+        for rows, idx in zip(parts, idxs):
+            allow = allow + 2 * ulp(ref.ep_local_partial(rows, w, idx, nw, **cls.opts))
+            valid, x = ref._slot_rows([rows], idx, nw.shape[0])
+            y = torch.zeros_like(x)
+            y[valid] = ref.expert_norm(x[valid], nw, cls.opts["eps"], cls.opts["gain_center"],
+                                       cls.opts["weight_before_norm"]).abs()  # fmt: skip
+            allow = allow + (y * torch.where(valid, w.float(), 0.0).abs()[..., None]).sum(1) \
+                * 2.0**-20  # fmt: skip
+        diff = (out.float() - exp.float()).abs()
+        bad = int((diff > allow).sum())
+        return bad == 0, f"{bad} elements outside the EP bound; max |diff| {float(diff.max()):.3g}"
+
+
 FAMILIES = {f.name: f for f in (AllReduceNorm, MoeFinalize, AllGatherNorm, AllGatherFp8,
-                                AllGatherFp4, AllGatherGated, TpFinalize)}
+                                AllGatherFp4, AllGatherGated, TpFinalize, EpFinalize)}

@@ -12,6 +12,8 @@ one CUDA stream each, ``transport="loopback"``; see ``moefuse.testing_ranks``).
      on the full rows;
    * ``tp_moe_finalize_rmsnorm`` (K = 8) every peer algorithm: within the SPEC §3.4 bound
      (1 BF16 ulp + 2^-20 sum_k |y_k w_k|) of the reference, bitwise across algorithms;
+   * ``moe_finalize_rmsnorm_allreduce`` (EP, K = 8, slot k local on rank k mod P) one-shot /
+     two-shot: within the EP bound of tests/test_comm_expert_norm.py, bitwise across algorithms;
    and for every case the outputs' checksums are compared across the two ranks.
 2. Optionally (default on) CUDA-graph timings: each rank captures its own graph of ``--inner``
    calls (captures serialized by a lock), both ranks replay concurrently on their own streams;
@@ -422,6 +424,7 @@ def main() -> int:
         plan += [(name, h, tokens, ("oneshot",)) for name in fams.FAMILIES
                  if name.startswith("allgather") for h in widths]  # fmt: skip
         plan += [("tp_finalize", h_big, small, tuple(args.tp_algos.split(",")))]
+        plan += [("ep_finalize", h_big, small, ("oneshot",))]
         variants = parse_variants(args.variants)
         plan = [(r, v, entry) for entry in plan for r in range(args.rounds) for v in variants]
         for rnd, (variant, knobs), (name, h, ms, algos) in plan:

@@ -297,8 +297,11 @@ def test_four_ranks_smallest():
 # ----------------------------------------------------------------------------- EP scenario
 def scenario_ep(rank, world_size, cases):
     import hashlib
+    import itertools
+    import os
 
     import moefuse
+    from moefuse import _fastpath as fastpath
 
     digests = []
     for i, (h, k, m) in enumerate(cases):
@@ -308,14 +311,19 @@ def scenario_ep(rank, world_size, cases):
         opts = _tp_opts(i)
         what = f"rank {rank} P={world_size} H={h} K={k} M={m} {opts}"
         first = None
-        for algo in EP_ALGOS:
+        # every algorithm with the K rows requested slot by slot and all first (PREFETCH)
+        for algo, prefetch in itertools.product(EP_ALGOS, ("0", "1")):
+            os.environ["MOEFUSE_EP_PREFETCH_ROWS"] = prefetch
+            fastpath.clear()  # recorded launch plans do not read the environment
             out = poison_(torch.empty(m, h, dtype=BF16))
             moefuse.moe_finalize_rmsnorm_allreduce(rows[rank], weights, idxs[rank], nw, out,
                                                    workspace=ws, algorithm=algo, impl="triton",
                                                    **opts)  # fmt: skip
-            assert_ep_close(out, rows, weights, idxs, nw, opts, f"{what} {algo}")
+            assert_ep_close(out, rows, weights, idxs, nw, opts, f"{what} {algo} pf={prefetch}")
             first = out if first is None else first
-            assert_bitwise_equal(out, first, f"{what} {algo} vs {EP_ALGOS[0]}")
+            assert_bitwise_equal(out, first, f"{what} {algo} pf={prefetch} vs {EP_ALGOS[0]}")
+        os.environ.pop("MOEFUSE_EP_PREFETCH_ROWS")
+        fastpath.clear()
         ref_out = moefuse.moe_finalize_rmsnorm_allreduce(rows[rank], weights, idxs[rank], nw,
                                                          workspace=ws, impl="reference", **opts)
         exp = ref.moe_finalize_rmsnorm_allreduce_from_ranks(rows, [weights] * world_size, idxs,
@@ -473,3 +481,18 @@ def test_split_fold_choice(monkeypatch):
     monkeypatch.setenv("MOEFUSE_TP_SPLIT_FOLD", "1")
     monkeypatch.setattr(xt, "interpreter_active", lambda: True)
     assert not xt.split_fold(8, 8)
+
+
+def test_ep_prefetch_choice(monkeypatch):
+    """The EP kernels request a token's K rows first when every CTA has one token; the knob
+    forces it either way, and a bad value names it."""
+    from moefuse.comm import expert_norm_ep_triton as xe
+
+    assert xe.prefetch_rows(8, 8) and not xe.prefetch_rows(200, 132)
+    monkeypatch.setenv("MOEFUSE_EP_PREFETCH_ROWS", "0")
+    assert not xe.prefetch_rows(1, 132)
+    monkeypatch.setenv("MOEFUSE_EP_PREFETCH_ROWS", "1")
+    assert xe.prefetch_rows(200, 132)
+    monkeypatch.setenv("MOEFUSE_EP_PREFETCH_ROWS", "on")
+    with pytest.raises(ValueError, match="MOEFUSE_EP_PREFETCH_ROWS must be 0 or 1"):
+        xe.prefetch_rows(1, 1)

@@ -1,7 +1,8 @@
 """Communication kernels on ONE GPU: scripts/loopback_gpu_check.py (two loopback ranks as threads
 of one process, half the SMs each) run as a subprocess, correctness only. Every family of that
-script at H = 4096, M = 1 and 64: all-reduce + norm, the §3.3 MoE fusion, every all-gather op and
-every tp algorithm, bitwise against the references, across algorithms and across the ranks.
+script at H = 4096, M = 1 and 64: all-reduce + norm, the §3.3 MoE fusion, every all-gather op,
+every tp algorithm and the EP op, against the references (bitwise, or within the SPEC bound),
+bitwise across algorithms and across the ranks.
 Where two GPUs are lent, tests/test_comm_*_gpu.py run the same ops on real peers."""
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ Non-local routes (index < 0 or >= R) are never loaded, normalized or weighted. T
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -24,11 +26,9 @@ from moefuse.comm import _device as D
 from moefuse.comm.expert_norm_triton import (
     _common,
     _expert_norm,
-    _load_row,
     _prologue,
     _route,
     _store_out,
-    _weight,
 )
 from moefuse.comm.triton import (
     _oneshot_finish,
@@ -41,15 +41,35 @@ from moefuse.comm.triton import (
 
 @triton.jit
 def _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols, cmask, Hf,
-                    eps, K: tl.constexpr, WBN: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """This rank's FP32 partial of token t: fma chain over its local valid slots of y_k * w_k."""
-    acc = tl.zeros(cols.shape, tl.float32)
+                    eps, K: tl.constexpr, WBN: tl.constexpr, PTX: tl.constexpr,
+                    PREFETCH: tl.constexpr = False):  # fmt: skip
+    """This rank's FP32 partial of token t: fma chain over its local valid slots of y_k * w_k.
+    ``PREFETCH``: the K slots' rows and weights are requested first (masked: a non-local slot's
+    row and weight are never read), so their memory latency overlaps instead of adding up slot
+    by slot (more registers: 191 against 106 for the one-shot kernel at H = 4096, sm_90a);
+    then each local slot is normalized and folded in slot order. Same values, same chain."""
+    if not PREFETCH:
+        acc = tl.zeros(cols.shape, tl.float32)
+        for k in tl.static_range(K):
+            p, valid = _route(idx_ptr, idx_st, t64, k, R)
+            if valid:
+                x = widen_f32(tl.load(rows_ptr + p * row_st + cols, mask=cmask, other=0.0), PTX)
+                y = _expert_norm(x, g, cmask, Hf, eps, WBN)
+                acc = tl.fma(y, tl.load(w_ptr + t64 * w_st + k).to(tl.float32), acc)
+        return acc
+    valids = ()
+    xs = ()
+    ws = ()
     for k in tl.static_range(K):
         p, valid = _route(idx_ptr, idx_st, t64, k, R)
-        if valid:
-            x = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
-            y = _expert_norm(x, g, cmask, Hf, eps, WBN)
-            acc = tl.fma(y, _weight(w_ptr, w_st, t64, k), acc)
+        valids = valids + (valid,)
+        xs = xs + (tl.load(rows_ptr + p * row_st + cols, mask=cmask & valid, other=0.0),)
+        ws = ws + (tl.load(w_ptr + t64 * w_st + k, mask=valid, other=0.0).to(tl.float32),)
+    acc = tl.zeros(cols.shape, tl.float32)
+    for k in tl.static_range(K):
+        if valids[k]:
+            y = _expert_norm(widen_f32(xs[k], PTX), g, cmask, Hf, eps, WBN)
+            acc = tl.fma(y, ws[k], acc)
     return acc
 
 
@@ -58,7 +78,7 @@ def _ep_partial_kernel(
     rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
     M, R, H, Hf, eps, gain_center,
     K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """This rank's partial ``scrub(bf16(...))`` into ``out`` (two-shot and torch paths)."""
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
@@ -66,7 +86,7 @@ def _ep_partial_kernel(
     while t < M:
         t64 = t.to(tl.int64)
         acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols,
-                              cmask, Hf, eps, K, WBN, PTX)  # fmt: skip
+                              cmask, Hf, eps, K, WBN, PTX, PREFETCH)  # fmt: skip
         _store_out(out_ptr, out_st, t64, D.as_bits(round_to(acc, tl.bfloat16, PTX), 16), cols,
                    cmask)  # fmt: skip
         t += G
@@ -78,7 +98,7 @@ def _ep_oneshot_kernel(
     table_ptr, lam_off16, ctrl_ptr, clock_ptr,
     M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
     P: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr,
-    USE_PDL: tl.constexpr, PTX: tl.constexpr,
+    USE_PDL: tl.constexpr, PTX: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """Partial + Lamport all-reduce in one kernel, on the all-reduce workspace's one-shot slots
     and generation (same protocol and bits as ``comm.triton._oneshot_kernel`` pattern 0, whose
@@ -99,7 +119,7 @@ def _ep_oneshot_kernel(
             t = pid + i * G
             acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st,
                                   t.to(tl.int64), R, g, cols, cmask, Hf, eps, K, WBN,
-                                  PTX)  # fmt: skip
+                                  PTX, PREFETCH)  # fmt: skip
             x = round_to(acc, T, PTX)
             _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, 16)
         if i > 0:
@@ -135,7 +155,7 @@ def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx
             idx.stride(0), out.stride(0), ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
             m, rows.shape[0], h, float(h), ws.rank, ws.oneshot_max_tokens, float(eps),
             float(gain_center), ws.timeout_us, P=ws.world_size, K=k,
-            WBN=bool(weight_before_norm), **common,
+            WBN=bool(weight_before_norm), PREFETCH=prefetch_rows(m, grid[0]), **common,
         )  # fmt: skip
         return
     partial = torch.empty((m, h), dtype=torch.bfloat16, device=out.device)
@@ -143,8 +163,30 @@ def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx
     launch(_ep_partial_kernel, grid,
         rows, weights, idx, norm_weight, partial, rows.stride(0), weights.stride(0),
         idx.stride(0), partial.stride(0), m, rows.shape[0], h, float(h), float(eps),
-        float(gain_center), K=k, WBN=bool(weight_before_norm), **common,
+        float(gain_center), K=k, WBN=bool(weight_before_norm),
+        PREFETCH=prefetch_rows(m, grid[0]), **common,
     )  # fmt: skip
     gathered = gather(partial) if algorithm == "torch" else None
     launch_allreduce_fusion(ws, algorithm, 0, partial, None, None, out=out, fp32_acc=True,
                             use_pdl=use_pdl, gathered=gathered)  # fmt: skip
+
+
+PREFETCH_ENV = "MOEFUSE_EP_PREFETCH_ROWS"
+
+
+def prefetch_rows(m: int, grid: int) -> bool:
+    """Whether the EP kernels request a token's K rows before normalizing any (``PREFETCH`` of
+    :func:`_ep_partial_row`): when every CTA has one token (``m <= grid``: latency-bound, one
+    token per SM) unless ``MOEFUSE_EP_PREFETCH_ROWS=0``; ``=1`` forces it at any M (the same on
+    every rank). Larger M keep the lighter kernel (106 registers instead of 191 at H = 4096: two
+    CTAs per SM instead of one; at H = 7168 the prefetching one-shot spills 76 bytes).
+
+    MEASURED on one H200 as two loopback ranks (session 13, PDL on, 3 alternating rounds,
+    notes/comm-expert-norm.md "EP rows first"), µs per rank, rows first / slot by slot, P = 2,
+    K = 8 (4 local): H = 4096 M = 1 5.37-5.43 / 8.99-9.19, M = 8 6.23-6.48 / 7.16-10.59, M = 64
+    7.0-7.1 / 7.95-8.01; H = 7168 M = 1 7.68-7.88 / 8.12-8.25, M = 8 8.39-8.42 / 8.65-8.92,
+    M = 64 9.34-9.56 / 9.31-9.59 (equal)."""
+    setting = os.environ.get(PREFETCH_ENV, "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got {setting!r}")
+    return setting == "1" or (setting == "" and m <= grid)
