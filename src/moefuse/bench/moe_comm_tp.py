@@ -8,7 +8,8 @@ Two per-rank functions that ``moefuse bench moe-comm`` (bench/moe_comm.py) can c
 * :func:`time_tp_case` — ``tp_moe_finalize_rmsnorm`` (variants ``moefuse`` = auto,
   ``moefuse_slot_oneshot``, ``moefuse_expert_owner_slots``, ``moefuse_expert_owner``,
   ``moefuse_token_owner``, ``moefuse_staged``, ``moefuse_torch``; ``moefuse_slot_oneshot_fold1``:
-  slot_oneshot with ``MOEFUSE_TP_SPLIT_FOLD=0``, one CTA folding each token)
+  slot_oneshot with ``MOEFUSE_TP_SPLIT_FOLD=0``, one CTA folding each token; the EP op's
+  ``moefuse_oneshot_slotwise``: ``MOEFUSE_EP_PREFETCH_ROWS=0``)
   against the unfused chain FlashInfer's op replaces: NCCL ``all_reduce`` of the per-expert
   partial rows ``[R, H]``, then gather + per-expert RMSNorm + weighted sum, ``unfused_eager``
   and ``unfused_compile``
@@ -190,6 +191,7 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
     import moefuse
     from moefuse.bench import harness
+    from moefuse.comm.expert_norm_ep_triton import PREFETCH_ENV
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -239,6 +241,15 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
                 "unfused_eager": unfused(expert_norm_weighted_sum),
                 "unfused_compile": unfused(pre_c)}  # fmt: skip
     times = _time_variants(harness, variants, n, group, dev, replays)
+    outs = {}
+    for setting in ("0", "1"):  # the one-shot kernel loading slot by slot / all rows first
+        with harness.knobs({PREFETCH_ENV: setting}):
+            outs[setting] = fused("oneshot")(0).clone()
+    if not torch.equal(outs["0"].view(torch.int16), outs["1"].view(torch.int16)):
+        raise AssertionError(f"EP M={m} H={h} K={k}: rows first vs slot by slot differ bitwise")
+    with harness.knobs({PREFETCH_ENV: "0"}):
+        times.update(_time_variants(harness, {"moefuse_oneshot_slotwise": fused("oneshot")}, n,
+                                    group, dev, replays))  # fmt: skip
     ws.check()
     if own:
         ws.close()
