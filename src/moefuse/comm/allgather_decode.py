@@ -56,6 +56,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._fastpath import launch
+from moefuse._runtime import env_choice
 from moefuse.comm import allgather_triton as AG
 from moefuse.comm.workspace import CTRL_STATUS
 from moefuse.norm import gated as gd
@@ -437,14 +438,6 @@ def one_launch_tile(width: int, m: int, op: int = 0):
     if tile.stepped and not nt._unroll(tile, m, None, _loop_min_rows(op, tile, width)):
         return None
     return tile
-
-
-def env_choice(name: str, choices: tuple) -> str:
-    """Knob ``name``: one of ``choices``, or "" when unset; ValueError naming it otherwise."""
-    setting = os.environ.get(name, "")
-    if setting not in ("", *choices):
-        raise ValueError(f"{name} must be one of {choices}, got {setting!r}")
-    return setting
 
 
 def one_pass_in_registers(op: int, tile) -> bool:

@@ -77,7 +77,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._fastpath import launch
-from moefuse._runtime import interpreter_active
+from moefuse._runtime import env_choice, env_switch, interpreter_active
 from moefuse.comm import allgather_decode as dec
 from moefuse.comm import allgather_triton as AG
 from moefuse.comm.tiles import resident_ctas_per_sm
@@ -278,7 +278,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 def large_mode() -> str:
     """``MOEFUSE_ALLGATHER_LARGE``: "fused" (default) or "chunked"; ValueError otherwise."""
-    return dec.env_choice(LARGE_ENV, LARGE_MODES) or "fused"
+    return env_choice(LARGE_ENV, LARGE_MODES) or "fused"
 
 
 def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
@@ -323,7 +323,7 @@ def persistent_mode(op: int, tile) -> tuple[bool, bool]:
       The unrolled row code gives the bits of the looped one (the tests compare with the
       single-GPU op, which loops at these M);
     * anything else: ``gathered``."""
-    setting = dec.env_choice(PERSISTENT_ENV, PERSISTENT_MODES)
+    setting = env_choice(PERSISTENT_ENV, PERSISTENT_MODES)
     if dec.one_pass_in_registers(op, tile):
         mode = setting or ("slots" if tile.block <= PERSISTENT_SLOTS_MAX_BLOCK.get(op, 0)
                            else "gathered")  # fmt: skip
@@ -369,9 +369,7 @@ def persistent_unroll(op: int, tile, unroll: bool) -> bool:
     registers, 2 CTAs per SM, against 116-128 unrolled: 1) whatever the single-GPU op's choice
     ``unroll`` at this M (the same bits); ``MOEFUSE_ALLGATHER_FUSED_UNROLL`` = 0 / 1 forces it
     (where the rows can be unrolled)."""
-    raw = os.environ.get(UNROLL_ENV, "")
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{UNROLL_ENV} must be 0 or 1, got {raw!r}")
+    raw = env_switch(UNROLL_ENV)
     if not tile.stepped:
         return unroll
     if raw:
@@ -406,8 +404,7 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
     n_norm, kb, n_kcols = ep.rows_and_blocks(m, width)
     consts = ep.consts(tile, width, m, use_pdl)
     consts["EARLY"], consts["FROM_SLOTS"] = persistent_mode(ep.op, tile)
-    if "UNROLL" in consts:
-        consts["UNROLL"] = persistent_unroll(ep.op, tile, consts["UNROLL"])
+    consts["UNROLL"] = persistent_unroll(ep.op, tile, consts["UNROLL"])
     ws.refresh_clock()
     args = (shard, shard.stride(0), gathered, *ep.pointers(), m, n_norm, width, float(width), kb,
             n_kcols, gathered.stride(0), ep.out.stride(0), float(ep.eps), float(ep.gain_center),

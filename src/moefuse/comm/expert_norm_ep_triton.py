@@ -14,21 +14,22 @@ Non-local routes (index < 0 or >= R) are never loaded, normalized or weighted. T
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
+from moefuse._runtime import env_switch
 from moefuse.comm import _device as D
 from moefuse.comm.expert_norm_triton import (
     _common,
     _expert_norm,
+    _load_row,
     _prologue,
     _route,
     _store_out,
+    _weight,
 )
 from moefuse.comm.triton import (
     _oneshot_finish,
@@ -53,9 +54,9 @@ def _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, c
         for k in tl.static_range(K):
             p, valid = _route(idx_ptr, idx_st, t64, k, R)
             if valid:
-                x = widen_f32(tl.load(rows_ptr + p * row_st + cols, mask=cmask, other=0.0), PTX)
+                x = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
                 y = _expert_norm(x, g, cmask, Hf, eps, WBN)
-                acc = tl.fma(y, tl.load(w_ptr + t64 * w_st + k).to(tl.float32), acc)
+                acc = tl.fma(y, _weight(w_ptr, w_st, t64, k), acc)
         return acc
     valids = ()
     xs = ()
@@ -186,7 +187,5 @@ def prefetch_rows(m: int, grid: int) -> bool:
     K = 8 (4 local): H = 4096 M = 1 5.37-5.43 / 8.99-9.19, M = 8 6.23-6.48 / 7.16-10.59, M = 64
     7.0-7.1 / 7.95-8.01; H = 7168 M = 1 7.68-7.88 / 8.12-8.25, M = 8 8.39-8.42 / 8.65-8.92,
     M = 64 9.34-9.56 / 9.31-9.59 (equal)."""
-    setting = os.environ.get(PREFETCH_ENV, "")
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got {setting!r}")
+    setting = env_switch(PREFETCH_ENV)
     return setting == "1" or (setting == "" and m <= grid)
