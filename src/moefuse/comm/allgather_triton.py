@@ -61,6 +61,12 @@ def _encode(x):
 
 
 @triton.jit
+def _decode(w, T: tl.constexpr):
+    """The values of dtype T that :func:`_encode` turned into the words ``w``."""
+    return (w ^ tl.full(w.shape, -1, tl.int16)).to(T, bitcast=True)
+
+
+@triton.jit
 def _poll_fragment(ptr, cm, deadline, clock_ptr, PTX: tl.constexpr):
     """Volatile-load a peer fragment until no word is the empty pattern 0 (or the deadline
     passes). Returns ``(stored words, pending)``; ``pending != 0`` means the wait timed out."""
@@ -174,7 +180,7 @@ def receive_row(gath_ptr, g_st, t, cols, cm, mine, region, rank, S, H, deadline,
             w, pending = _poll_fragment(ptr, cm, deadline, clock_ptr, PTX)
             tl.store(ptr, empty, mask=cm)  # re-arm the fragment just consumed
             missing = missing | tl.where(pending != 0, 1 << q, 0)
-            val = (w ^ tl.full(w.shape, -1, tl.int16)).to(T, bitcast=True)
+            val = _decode(w, T)
             tl.store(gath_ptr + t64 * g_st + q * S + cols, val, mask=cm)
     return missing
 
@@ -216,7 +222,7 @@ def _receive_words(ptrs, valids, owners, T: tl.constexpr, N: tl.constexpr, deadl
                 late = ((w == 0) & (owners[k] == q)).to(tl.int32)
                 late = tl.max(tl.max(late, axis=1), axis=0)
                 missing = missing | tl.where(late != 0, 1 << q, 0)
-        x = (w ^ tl.full(w.shape, -1, tl.int16)).to(T, bitcast=True)
+        x = _decode(w, T)
         if MASKED:
             x = tl.where(valids[k], x, tl.zeros(x.shape, T))
         xs = xs + (x,)
