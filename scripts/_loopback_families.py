@@ -295,11 +295,7 @@ class EpFinalize:
 
     name, op, algos = "ep_finalize", "moe_finalize_rmsnorm_allreduce", ("oneshot", "twoshot")
     opts = dict(eps=1e-6, gain_center=0.0, weight_before_norm=True)
-
-    @staticmethod
-    def workspace(moefuse, m_cap, h, dev, timeout_s):
-        return moefuse.AllReduceWorkspace(None, m_cap, h, BF16, dev, timeout_s=timeout_s,
-                                          oneshot_max_tokens=m_cap)  # fmt: skip
+    workspace = staticmethod(AllReduceNorm.workspace)  # the EP op runs on that workspace
 
     @staticmethod
     def inputs(seed, m, h, dev):

@@ -7,6 +7,7 @@ Shared by scripts/compile_check*.py, compile_expert_norm.py and sweep_comm_varia
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -20,6 +21,15 @@ from triton.backends.compiler import GPUTarget
 TARGET = GPUTarget("cuda", 90, 32)
 #: the ptxas that ships with Triton's NVIDIA backend
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def with_constexpr_defaults(kernel, consts: dict) -> dict:
+    """``consts`` plus every constexpr parameter of ``kernel`` it leaves out, at its default, as
+    at a launch (else an offline compile would take it as a run-time int and compile both sides
+    of every ``if`` on it)."""
+    params = inspect.signature(kernel.fn).parameters
+    return {**{name: p.default for name, p in params.items()
+               if "constexpr" in str(p.annotation) and p.default is not p.empty}, **consts}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import inspect
 import re
 
 import triton
-from _ptxas import TARGET, ptxas_report
+from _ptxas import TARGET, ptxas_report, with_constexpr_defaults
 from triton.compiler import ASTSource
 
 from moefuse.bench import harness
@@ -54,9 +54,7 @@ def compile_report(kernel, consts: dict, num_warps: int, types: dict | None = No
     sig, attrs = {}, {}
     types = {**TYPES, **(types or {})}
     params = inspect.signature(kernel.fn).parameters
-    # constexprs the caller leaves out take their defaults, as at a launch (not run-time ints)
-    consts = {**{name: p.default for name, p in params.items()
-                 if "constexpr" in str(p.annotation) and p.default is not p.empty}, **consts}
+    consts = with_constexpr_defaults(kernel, consts)
     for i, name in enumerate(params):
         if name in consts:
             sig[name] = "constexpr"
@@ -92,9 +90,11 @@ def norm_consts(h: int, unroll: bool, op: int = dec.RMSNORM,
 def report(tag: str, kernel, consts: dict, warps: int, op: int = dec.RMSNORM) -> None:
     r = compile_report(kernel, consts, warps, OP_TYPES[op])
     fit = fused.fits_per_sm(r["regs"], warps)
+    per_sm = (fused.FUSED_CTAS_PER_SM.get(op) if consts.get("STEPPED") else None) or \
+        resident_ctas_per_sm(warps)  # fused_grid's default  # fmt: skip
     print(f"{tag}: {r['regs']} registers, {r['spill']} bytes spilled, {r['v4_polls']} v4 polls, "
           f"{r['v4_stores']} v4 stores, {warps} warps (fits {fit} CTAs/SM; the persistent "
-          f"kernel launches {min(fit, resident_ctas_per_sm(warps))})", flush=True)  # fmt: skip
+          f"kernel launches {min(fit, per_sm)})", flush=True)  # fmt: skip
 
 
 def main() -> None:

@@ -54,19 +54,15 @@ def main(argv) -> int:
 def compile_one(kernel, h, k, p, block, tile, extra) -> int:
     """Compile ``kernel`` (constexprs + ``extra``) and print its ptxas report; 1 on failure."""
     import triton
-    from _ptxas import TARGET, ptxas_report
+    from _ptxas import TARGET, ptxas_report, with_constexpr_defaults
     from triton.compiler import ASTSource
 
     consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
                   KPOW=triton.next_power_of_2(k),
                   NG=-(-k // block), BLOCK_H=tile.block, WBN=True, USE_PDL=True,
                   PTX=True, **extra)  # fmt: skip
-    signature = inspect.signature(kernel.fn).parameters
-    params = list(signature)
-    consts = {n: v for n, v in consts.items() if n in params}
-    # constexprs left out take their defaults, as at a launch (not run-time ints)
-    consts = {**{n: q.default for n, q in signature.items()
-                 if "constexpr" in str(q.annotation) and q.default is not q.empty}, **consts}
+    params = list(inspect.signature(kernel.fn).parameters)
+    consts = with_constexpr_defaults(kernel, {n: v for n, v in consts.items() if n in params})
     sig, attrs = {}, {}
     for i, name in enumerate(params):
         if name in consts:
