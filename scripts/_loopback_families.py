@@ -64,6 +64,22 @@ def gen(seed, dev):
     return torch.Generator(device=dev).manual_seed(seed)
 
 
+_SCRATCH: dict = {}
+
+
+def _scratch(like):
+    """A per-thread [M, H] scratch for the timing-only unfused chains (allocated once per
+    shape, outside graph capture's first call)."""
+    import threading
+
+    import torch
+
+    key = (threading.get_ident(), tuple(like.shape), like.dtype, like.device)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty_like(like)
+    return _SCRATCH[key]
+
+
 # ----------------------------------------------------------------------------- families
 class AllReduceNorm:
     """``allreduce_residual_rmsnorm`` one-shot / two-shot."""
@@ -130,11 +146,21 @@ class MoeFinalize:
 
     @staticmethod
     def call(moefuse, ws, rank, case, algo, pdl=None):
+        """``algo``: a fused algorithm, ``ALGO_fp32`` (accumulate="fp32") or, for timing only,
+        "chain" (``moe_finalize`` into a scratch, then ``allreduce_residual_rmsnorm``: the
+        bench's unfused chain (a); other bits)."""
         ins, perm, wts, shs, res, w = case
+        if algo == "chain":
+            part = _scratch(res)
+            moefuse.moe_finalize(ins[rank], perm, wts[rank], out=part, routed_scaling_factor=RSF,
+                                 shared_expert_output=shs[rank], impl="triton", enable_pdl=pdl)
+            return moefuse.allreduce_residual_rmsnorm(part, res, w, workspace=ws, impl="triton",
+                                                      enable_pdl=pdl)  # fmt: skip
+        algo, _, acc = algo.partition("_")
         return moefuse.moe_finalize_allreduce_residual_rmsnorm(
             ins[rank], res, w, perm, workspace=ws, expert_scale_factor=wts[rank],
             routed_scaling_factor=RSF, shared_expert_output=shs[rank], algorithm=algo,
-            impl="triton", enable_pdl=pdl)  # fmt: skip
+            accumulate=acc or "stepwise", impl="triton", enable_pdl=pdl)  # fmt: skip
 
     @staticmethod
     def check(case, outs):
@@ -144,6 +170,59 @@ class MoeFinalize:
         want = mref.moe_finalize_allreduce_from_ranks(
             ins, perm, res, w, expert_scale_factors=wts, routed_scaling_factor=RSF,
             shared_expert_outputs=shs)  # fmt: skip
+        bitwise = same_bits(outs[0], want["residual_out"])
+        ulp = max_ulp(outs[1], want["norm_out"])
+        return bitwise and ulp <= 1, f"residual_out bitwise={bitwise} norm_out ulp={ulp}"
+
+
+class MoeReduce:
+    """``moe_allreduce_residual_rmsnorm`` (SPEC §3.2: E_loc = K dense expert rows per token,
+    FP32 scales [E_loc, M], token input; stepwise) one-shot / two-shot, as the bench's
+    ``reduction_cases``. Timing-only "chain": ``moe_finalize`` of the rows viewed as
+    [E_loc * M, H] through map[t, e] = e * M + t, then ``allreduce_residual_rmsnorm`` (the
+    bench's chain (a))."""
+
+    name, op, algos = "moe_reduce", "moe_allreduce_residual_rmsnorm", ("oneshot", "twoshot")
+    workspace = staticmethod(MoeFinalize.workspace)
+
+    @staticmethod
+    def inputs(seed, m, h, dev):
+        import torch
+
+        g = gen(seed, dev)
+        xs = [torch.randn(K, m, h, generator=g, device=dev).to(BF16) for _ in range(P)]
+        scs = [torch.rand(K, m, generator=g, device=dev) for _ in range(P)]
+        toks = [torch.randn(m, h, generator=g, device=dev).to(BF16) for _ in range(P)]
+        res = torch.randn(m, h, generator=g, device=dev).to(BF16)
+        w = (torch.rand(h, generator=g, device=dev) + 0.5).to(BF16)
+        idx = (torch.arange(K, device=dev)[None, :] * m
+               + torch.arange(m, device=dev)[:, None]).to(torch.int32)  # fmt: skip
+        scs_t = [s.t().contiguous() for s in scs]
+        return xs, scs, toks, res, w, idx, scs_t
+
+    @staticmethod
+    def call(moefuse, ws, rank, case, algo, pdl=None):
+        """``algo`` as :meth:`MoeFinalize.call`."""
+        xs, scs, toks, res, w, idx, scs_t = case
+        if algo == "chain":
+            m, h = res.shape
+            part = _scratch(res)
+            moefuse.moe_finalize(xs[rank].view(K * m, h), idx, scs_t[rank], out=part,
+                                 shared_expert_output=toks[rank], impl="triton",
+                                 enable_pdl=pdl)  # fmt: skip
+            return moefuse.allreduce_residual_rmsnorm(part, res, w, workspace=ws, impl="triton",
+                                                      enable_pdl=pdl)  # fmt: skip
+        algo, _, acc = algo.partition("_")
+        return moefuse.moe_allreduce_residual_rmsnorm(
+            xs[rank], scs[rank], toks[rank], res, w, workspace=ws, algorithm=algo,
+            accumulate=acc or "stepwise", impl="triton", enable_pdl=pdl)  # fmt: skip
+
+    @staticmethod
+    def check(case, outs):
+        from moefuse.comm import moe_fusion_reference as mref
+
+        xs, scs, toks, res, w, _, _ = case
+        want = mref.moe_allreduce_from_ranks(xs, scs, toks, res, w)
         bitwise = same_bits(outs[0], want["residual_out"])
         ulp = max_ulp(outs[1], want["norm_out"])
         return bitwise and ulp <= 1, f"residual_out bitwise={bitwise} norm_out ulp={ulp}"
@@ -347,5 +426,5 @@ class EpFinalize:
         return bad == 0, f"{bad} elements outside the EP bound; max |diff| {float(diff.max()):.3g}"
 
 
-FAMILIES = {f.name: f for f in (AllReduceNorm, MoeFinalize, AllGatherNorm, AllGatherFp8,
+FAMILIES = {f.name: f for f in (AllReduceNorm, MoeFinalize, MoeReduce, AllGatherNorm, AllGatherFp8,
                                 AllGatherFp4, AllGatherGated, TpFinalize, EpFinalize)}

@@ -7,6 +7,9 @@
 #   bash scripts/final_gpu_run.sh t-allgather tp-quick      (tests of the new paths; tp split fold)
 #   bash scripts/final_gpu_run.sh ag-gated t-expert-norm    (gated persistent vs moefuse_chunked)
 #   bash scripts/final_gpu_run.sh ag-modes                  (decode / persistent modes per op)
+#   bash scripts/final_gpu_run.sh moe-comm-large t-moe-comm (session 15: §3.2 "auto" = two-shot at
+#     2 CTAs per SM for H > 4096, M >= 2048, against fused_oneshot, fused_twoshot_1cta_per_sm and
+#     chain (a); §3.3 fused_twoshot against its one-shot default, predicted ~12 % faster)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 W=/tmp/w; mkdir -p $W
@@ -34,6 +37,7 @@ want tp-quick && step tp-quick 170 python -m moefuse.bench.moe_comm_tp --world-s
 want t-moe-variants && step t-moe-variants 400 $T tests/test_comm_moe_fusion_gpu.py -k variants
 want allgather-all && step allgather-all 560 python -m moefuse bench allgather --world-size 2 --save --out $W
 want moe-comm-wide && step moe-comm-wide 300 python -m moefuse bench moe-comm --world-size 2 --save --out $W --tokens 1,8,64,512,2048,16384 --hidden 4096,7168
+want moe-comm-large && step moe-comm-large 300 python -m moefuse bench moe-comm --world-size 2 --out $W/large --tokens 2048,16384 --hidden 7168,4096
 want moe-comm && step moe-comm 185 python -m moefuse bench moe-comm --world-size 2 --save --out $W --tokens 1,8,64,512,2048 --hidden 4096
 want moe-comm-tp && step moe-comm-tp 80 python -m moefuse.bench.moe_comm_tp --world-size 2 --quick --out $W
 want tp-example && step tp-example 45 torchrun --nproc-per-node 2 examples/tp_moe_layer.py --out $W

@@ -5,7 +5,8 @@ one CUDA stream each, ``transport="loopback"``; see ``moefuse.testing_ranks``).
    against the reference of ALL ranks' inputs, computed on the GPU:
    * ``allreduce_residual_rmsnorm`` one-shot / two-shot: residual_out bitwise, norm_out <= 1 ulp
      (rsqrt.approx, the ``rsqrt_half`` row of moefuse.testing), bitwise across algorithms;
-   * ``moe_finalize_allreduce_residual_rmsnorm`` (K = 8) one-shot / two-shot: the same checks;
+   * ``moe_finalize_allreduce_residual_rmsnorm`` (K = 8) and ``moe_allreduce_residual_rmsnorm``
+     (E_loc = 8 dense rows) one-shot / two-shot: the same checks;
    * ``all_gather_rmsnorm``, ``_fp8``, ``_fp4_quantize`` (linear scales) and
      ``all_gather_gated_residual_next_rmsnorm`` one-shot: bitwise equal to the single-GPU op
      (``rmsnorm``, ``rmsnorm_quant``, ``rmsnorm_fp4_quantize``, ``gated_residual_next_rmsnorm``)
@@ -22,8 +23,9 @@ one CUDA stream each, ``transport="loopback"``; see ``moefuse.testing_ranks``).
    ranks) and ``--rounds N`` repeats the whole set N times, alternating, for A/B of kernel
    variants (e.g. ``--variants "late:MOEFUSE_ALLGATHER_DECODE=late" --rounds 3``).
 
-Both ranks share the GPU: every rank's workspace uses half of the SMs, so the timings are rough
-(A/B between variants on the same machine, not absolute NVLink numbers). A bounded-wait timeout
+Both ranks share the GPU: every rank's workspace uses half of the SMs less one (slack: at exactly
+half, 2-CTA-per-SM grids could time out), so the timings are rough (A/B between variants on the
+same machine, not absolute NVLink numbers). A bounded-wait timeout
 in loopback can also mean that the two ranks' grids did not fit on the GPU together. For that
 reason PDL is off by default (``--pdl`` turns it on; one H200 run with it saw no stall): the
 one-shot kernels let the next kernel of their stream launch before they wait for the peers,
@@ -296,6 +298,17 @@ def main() -> int:
                         help="launch with PDL (default off: see the module docstring)")
     parser.add_argument("--tp-algos", default="auto",
                         help="comma-separated tp_moe_finalize_rmsnorm algorithms to time")
+    parser.add_argument("--moe-tokens", default="",
+                        help="comma-separated M of the MoE fusions' timings (default: those of "
+                             "--tokens in {1, 8, 64})")
+    parser.add_argument("--moe-hidden", default="",
+                        help="comma-separated H of the MoE fusions' timings (default: the "
+                             "largest of --hidden)")
+    parser.add_argument("--moe-algos", default="",
+                        help="comma-separated algorithms of the MoE fusions' timings: oneshot, "
+                             "twoshot, auto, ALGO_fp32 (accumulate='fp32') and 'chain' (the "
+                             "unfused moe_finalize + allreduce_residual_rmsnorm); default "
+                             "oneshot,twoshot")
     parser.add_argument("--variants", default="",
                         help="timing variants 'NAME:KEY=VAL,KEY=VAL;NAME2:...' (environment "
                              "knobs set around each timing, same on both ranks; the default "
@@ -420,7 +433,11 @@ def main() -> int:
         plan = [("ar_norm", h, [m for m in tokens if m in (1, 64, 300)] or tokens[:1],
                  fams.AllReduceNorm.algos) for h in widths]  # fmt: skip
         small = [m for m in tokens if m in (1, 8, 64)] or tokens[:1]
-        plan += [("moe_finalize", h_big, small, fams.MoeFinalize.algos)]
+        moe_ms = [int(t) for t in args.moe_tokens.split(",")] if args.moe_tokens else small
+        moe_hs = [int(v) for v in args.moe_hidden.split(",")] if args.moe_hidden else [h_big]
+        plan += [(name, h, moe_ms,
+                  tuple(args.moe_algos.split(",")) if args.moe_algos else fams.FAMILIES[name].algos)
+                 for name in ("moe_finalize", "moe_reduce") for h in moe_hs]  # fmt: skip
         plan += [(name, h, tokens, ("oneshot",)) for name in fams.FAMILIES
                  if name.startswith("allgather") for h in widths]  # fmt: skip
         plan += [("tp_finalize", h_big, small, tuple(args.tp_algos.split(",")))]

@@ -248,6 +248,13 @@ def scenario(rank, world_size, cfg):
         os.environ["MOEFUSE_MOE_COMM_SPLIT_CTAS"] = str(cfg["split_ctas"])
     if cfg.get("ctas_per_sm"):  # another grid for the peer kernels: same bits
         os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = str(cfg["ctas_per_sm"])
+    if cfg.get("wide_from"):  # the wide-row rules at a tiny H: §3.2 auto two-shot, 2 CTAs
+        from moefuse.comm import moe_fusion_ops, moe_fusion_triton
+
+        width, tokens = cfg["wide_from"]
+        moe_fusion_ops.DENSE_TWOSHOT_MIN_WIDTH = width
+        moe_fusion_ops.DENSE_TWOSHOT_MIN_TOKENS = tokens
+        moe_fusion_triton.TWOSHOT_TWO_CTAS_MIN_TOKENS = tokens
     if cfg.get("rows_per_batch"):  # cover the producer's batched row loads at small H
         from moefuse.comm import moe_fusion_triton
 
@@ -275,6 +282,11 @@ def scenario(rank, world_size, cfg):
                         outs = call(moefuse, ws, rank, case, None, opts, base, impl)
                     if algo.startswith("oneshot"):  # one Lamport generation per one-shot call
                         assert int(ws.ctrl[CTRL_GEN]) == (gen + 1) % 3, f"{what} generation"
+                    if algo == "auto" and cfg.get("wide_from"):  # two-shot keeps the generation
+                        twoshot = (op == "reduction" and accumulate == "stepwise"
+                                   and h >= cfg["wide_from"][0] and m >= cfg["wide_from"][1])
+                        moved = int(ws.ctrl[CTRL_GEN]) != gen
+                        assert moved != twoshot, f"{what}: auto took two-shot? {not moved}"
                     _check(outs, want, quant, opts["layout"], what)
                     if op == "reduction":
                         assert_bitwise_equal(outs[-1], want["allreduce_out"],
@@ -445,6 +457,43 @@ def test_three_ranks_oneshot_variants():
                algorithms=("oneshot", "oneshot/split", "oneshot/twokernel"), alone=False,
                rows_per_batch=1, bias=True, split_ctas=2)  # fmt: skip
     _ranks_agree(run_group(3, scenario, cfg))
+
+
+def test_two_ranks_wide_rows_auto():
+    """The wide-row rules at H = 40 (thresholds lowered to H >= 33, M >= 5): "auto" of the §3.2
+    reduction (stepwise) takes two-shot at M = 5 and one-shot at M = 1 (seen from the Lamport
+    generation), fp32 and §3.3 keep one-shot; the two-shot runs 2 CTAs per SM; all bitwise
+    equal to the explicit algorithms and the oracle."""
+    cfg = dict(shapes=((40, (1, 5)),),
+               cases=(("reduction", 3, "stepwise", None), ("reduction", 2, "fp32", "fp8"),
+                      ("finalize", 2, "stepwise", None)),
+               algorithms=("auto", "oneshot", "twoshot"), wide_from=(33, 5))  # fmt: skip
+    _ranks_agree(run_group(2, scenario, cfg))
+
+
+def test_wide_row_choices(monkeypatch):
+    """The rules behind "auto" and the grid, as measured (moe_fusion_ops / moe_fusion_triton):
+    §3.2 stepwise takes two-shot from H = 4097 and M = 2048 (not fp32, not §3.3, not narrower or
+    fewer); two-shot runs 2 CTAs per SM from 2048 tokens at any width; the one-shot keeps its
+    table; MOEFUSE_MOE_COMM_CTAS_PER_SM overrides every kernel."""
+    from moefuse.comm.moe_fusion_ops import prefers_twoshot
+    from moefuse.comm.moe_fusion_triton import ctas_per_sm
+
+    assert prefers_twoshot(2048, 7168, dense=True, stepwise=True)
+    assert prefers_twoshot(16384, 4097, dense=True, stepwise=True)
+    assert not prefers_twoshot(2047, 7168, dense=True, stepwise=True)
+    assert not prefers_twoshot(2048, 4096, dense=True, stepwise=True)
+    assert not prefers_twoshot(2048, 7168, dense=True, stepwise=False)
+    assert not prefers_twoshot(2048, 7168, dense=False, stepwise=True)
+    assert ctas_per_sm(2048, 7168, True, "twoshot") == 2
+    assert ctas_per_sm(2048, 2880, False, "twoshot") == 2
+    assert ctas_per_sm(2047, 7168, True, "twoshot") == 1
+    assert ctas_per_sm(2048, 7168, True, "oneshot") == 1  # §3.2 one-shot: measured no faster
+    assert ctas_per_sm(2048, 7168, False, "oneshot") == 2
+    assert ctas_per_sm(64, 4096, False, "oneshot") == 1
+    assert ctas_per_sm(65, 4096, True, "oneshot") == 2
+    monkeypatch.setenv("MOEFUSE_MOE_COMM_CTAS_PER_SM", "1")
+    assert ctas_per_sm(16384, 7168, True, "twoshot") == 1
 
 
 def test_four_ranks_smallest():

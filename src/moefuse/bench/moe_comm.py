@@ -6,9 +6,11 @@ bitwise against the oracle of all ranks' inputs for M <= 2048), then times, side
 same run:
 
 * ``fused`` (algorithm "auto", accumulate "stepwise"), ``fused_fp32`` (accumulate "fp32"),
-  ``fused_oneshot`` / ``fused_twoshot``, ``fused_2ctas_per_sm`` (MOEFUSE_MOE_COMM_CTAS_PER_SM=2,
-  finalize only), ``fused_split[_fp32]`` / ``fused_single_cta_rows`` (one-shot with
-  MOEFUSE_MOE_COMM_VARIANT=split / fused, finalize only: auto takes split up to 64 tokens)
+  ``fused_oneshot`` / ``fused_twoshot``, ``fused_twoshot_1cta_per_sm`` (two-shot with
+  MOEFUSE_MOE_COMM_CTAS_PER_SM=1: the A/B of its 2-CTA default from 2048 tokens),
+  ``fused_2ctas_per_sm`` (MOEFUSE_MOE_COMM_CTAS_PER_SM=2, finalize only),
+  ``fused_split[_fp32]`` / ``fused_single_cta_rows`` (one-shot with MOEFUSE_MOE_COMM_VARIANT=
+  split / fused, finalize only: auto takes split up to 64 tokens)
   — the moefuse fusion;
 * ``(a) moe_finalize+ar_norm`` — moefuse's own unfused chain: the deterministic finalize into an
   [M, H] partial, then ``allreduce_residual_rmsnorm``;
@@ -187,6 +189,7 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
             impl="triton", residual_out=ro, norm_out=no)  # fmt: skip
 
     two_ctas = with_env({"MOEFUSE_MOE_COMM_CTAS_PER_SM": "2"}, fused("auto"))
+    twoshot_one_cta = with_env({"MOEFUSE_MOE_COMM_CTAS_PER_SM": "1"}, fused("twoshot"))
     # one-shot variants by name (the two-kernel variant never won: scripts/
     # bench_moe_comm_variants.py times it); "fused" is the auto choice above 64 tokens
     single, split, split_fp32 = (
@@ -227,6 +230,7 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
                 "fused_oneshot": (ctx.time(fused("oneshot")), "fused"),
                 "fused_twoshot": (ctx.time(fused("twoshot")), "fused"),
                 "fused_2ctas_per_sm": (ctx.time(two_ctas), "fused"),
+                "fused_twoshot_1cta_per_sm": (ctx.time(twoshot_one_cta), "fused"),
                 "fused_split": (ctx.time(split), "fused"),
                 "fused_split_fp32": (ctx.time(split_fp32), "fused"),
                 "fused_single_cta_rows": (ctx.time(single), "fused"),
@@ -296,8 +300,13 @@ def _reduction_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
         want = mref.moe_allreduce_from_ranks(_gather(ctx, xs[0]), _gather(ctx, scs[0]),
                                              _gather(ctx, toks[0]), res[0], w)
         assert_bitwise_equal(first[0], want["residual_out"], f"reduction H={h} M={m}")
+    one_cta = {"MOEFUSE_MOE_COMM_CTAS_PER_SM": "1"}
     variants = {"fused": (ctx.time(fused("auto")), "fused"),
                 "fused_fp32": (ctx.time(fused("auto", "fp32")), "fused"),
+                "fused_oneshot": (ctx.time(fused("oneshot")), "fused"),
+                "fused_twoshot": (ctx.time(fused("twoshot")), "fused"),
+                "fused_twoshot_1cta_per_sm": (ctx.time(with_env(one_cta, fused("twoshot"))),
+                                              "fused"),
                 "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
                 "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline")}
     nbytes = (e + 4) * m * h * 2 + e * m * 4  # experts, token, residual, 2 outputs, scales

@@ -10,7 +10,10 @@ residual-added, RMS-normalized and optionally quantized — in one kernel on the
 Math: :mod:`moefuse.comm.moe_fusion_reference` (the docstring there is the contract). Common
 keyword arguments, as in :mod:`moefuse.comm.api`: ``workspace`` (an :class:`AllReduceWorkspace`
 of the activation dtype and H), ``eps``, ``weight_bias``, ``algorithm`` ("auto" | "oneshot" |
-"twoshot" | "torch": same bits), ``enable_pdl``, ``impl`` ("auto" | "triton" | "reference"), and:
+"twoshot" | "torch": same bits; "auto" is the workspace's choice, except that the §3.2 reduction
+with accumulate="stepwise" takes two-shot for H > 4096 from 2048 tokens:
+:func:`moefuse.comm.moe_fusion_ops.prefers_twoshot`), ``enable_pdl``, ``impl`` ("auto" |
+"triton" | "reference"), and:
 
 * ``accumulate`` — "stepwise" (default: T-rounding after every step, FlashInfer's default
   backend) or "fp32" (the deterministic FP32 FMA finalize of SPEC §2.2 per rank, FP32 rank sum,

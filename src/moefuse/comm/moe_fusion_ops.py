@@ -40,11 +40,37 @@ def fp32_twoshot_fits(ws, m: int) -> bool:
     return m * ws.hidden_size * 4 <= ws.regions[fp32_gather_region(ws)][1]
 
 
-def resolve_algorithm(ws, m: int, algorithm: str, stepwise: bool) -> str:
-    """The workspace's choice, plus the FP32-sum capacity of two-shot (``accumulate="fp32"``
-    keeps FP32 sums in a gather region sized for T rows): "auto" then takes the torch path, an
-    explicit "twoshot" raises."""
+#: "auto" of the §3.2 reduction (dense expert rows, stepwise) takes two-shot instead of one-shot
+#: for rows wider than DENSE_TWOSHOT_MIN_WIDTH from DENSE_TWOSHOT_MIN_TOKENS tokens. MEASURED
+#: on 2 x H200 (session 9, bench/results/moe-comm-h200-p2.json, H = 7168, K = 8, µs at M = 2048
+#: / 16384): the one-shot 174.94 / 1325.94 lost to the unfused chain (a) 167.47 / 1195.84 (0.96 /
+#: 0.90 x). MEASURED in loopback only (2 rank threads on one H200, 66 SMs each; sessions 14-15,
+#: notes/comm-moe.md "Session 15"): one-shot 327-346 / 2570, two-shot at 1 CTA per SM 269-276 /
+#: 1999-2005, at 2 CTAs per SM (:func:`moefuse.comm.moe_fusion_triton.ctas_per_sm`) 226-227 /
+#: 1728, chain (a) 256-277 / 1967-1972. Loopback over-charges the one-shot (§3.3, chain time /
+#: one-shot time: 0.85 there, 1.06-1.08 on 2 GPUs) but matched chain / two-shot (§3.3 at 1 CTA
+#: per SM: 0.99 there, 1.02 on 2 GPUs), so two-shot at 2 CTAs is PREDICTED ~1.1 x the chain on
+#: 2 GPUs (to confirm: `bench moe-comm --world-size 2 --hidden 7168`, fused vs fused_oneshot).
+#: accumulate="fp32" keeps the one-shot (155.51 / 1210.22 on 2 GPUs; its two-shot unmeasured).
+DENSE_TWOSHOT_MIN_WIDTH = 4097
+DENSE_TWOSHOT_MIN_TOKENS = 2048
+
+
+def prefers_twoshot(m: int, h: int, dense: bool, stepwise: bool) -> bool:
+    """Does "auto" take two-shot where one-shot also fits (the table above)?"""
+    return dense and stepwise and h >= DENSE_TWOSHOT_MIN_WIDTH and m >= DENSE_TWOSHOT_MIN_TOKENS
+
+
+def resolve_algorithm(ws, m: int, algorithm: str, stepwise: bool, dense: bool = False) -> str:
+    """The workspace's choice (:meth:`AllReduceWorkspace.choose_algorithm`), then two-shot for
+    the wide §3.2 reduction (:func:`prefers_twoshot`), plus the FP32-sum capacity of two-shot
+    (``accumulate="fp32"`` keeps FP32 sums in a gather region sized for T rows): "auto" then
+    takes the torch path, an explicit "twoshot" raises. Same answer on every rank for the same
+    M."""
     algo = ws.choose_algorithm(m, algorithm)
+    if algorithm == "auto" and algo == "oneshot" and prefers_twoshot(m, ws.hidden_size, dense,
+                                                                     stepwise):  # fmt: skip
+        algo = "twoshot"
     if algo == "twoshot" and not stepwise and not fp32_twoshot_fits(ws, m):
         if algorithm == "twoshot":
             cap = ws.regions[fp32_gather_region(ws)][1] // (4 * ws.hidden_size)
@@ -94,7 +120,7 @@ def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_ma
         return
     from moefuse.comm.moe_fusion_triton import launch_moe_fusion
 
-    algo = resolve_algorithm(ws, residual.shape[0], algorithm, stepwise)
+    algo = resolve_algorithm(ws, residual.shape[0], algorithm, stepwise, bool(dense))
     launch_moe_fusion(
         ws, algo, pattern, dense=dense, src=src, idx_map=idx_map, weights=weights, shared=shared,
         rsf=rsf, bias=bias, expert_ids=expert_ids, residual=residual, weight=weight,

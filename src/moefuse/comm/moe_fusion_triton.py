@@ -493,14 +493,25 @@ ROWS_PER_BATCH_OVERRIDE: int | None = None
 TWO_CTAS_MIN_TOKENS = 65
 TWO_CTAS_MAX_WIDTH = 4096
 WIDE_TWO_CTAS_MIN_TOKENS = 2048
+#: the two-shot kernel runs 2 CTAs per SM from this many tokens, at every width and for both
+#: ops. MEASURED in loopback only (2 rank threads on one H200, 66 SMs each; sessions 14-15,
+#: notes/comm-moe.md "Session 15"; K = 8, stepwise, µs at 1 vs 2 CTAs per SM): §3.2 H = 7168
+#: M = 2048 269-276 vs 226-227, M = 16384 1999-2005 vs 1728; H = 4096 M = 2048 194 vs 146;
+#: §3.3 H = 7168 M = 2048 252 vs 215, M = 16384 1941 vs 1643; H = 4096 M = 2048 194 vs 138 —
+#: as for the one-shot, one CTA loads rows while the other waits on its peer. ptxas at 2 CTAs
+#: (scripts/compile_check_moe_comm.py): H = 7168 dense 216 B spilled (32 B at 1), H = 4096 80 B.
+#: Not yet timed on 2 GPUs (first on the list of notes/comm-moe.md).
+TWOSHOT_TWO_CTAS_MIN_TOKENS = 2048
 
 
-def ctas_per_sm(m: int | None = None, h: int | None = None, dense: bool = False) -> int:
+def ctas_per_sm(m: int | None = None, h: int | None = None, dense: bool = False,
+                algorithm: str = "oneshot") -> int:
     """Co-resident CTAs per SM of the peer kernels (grid cap = SMs x this; the register budget
     of :func:`rows_per_batch` shrinks with it). MOEFUSE_MOE_COMM_CTAS_PER_SM (1, 2 or 4) when
-    set; else, for the fused one-shot kernel (``m`` tokens of width ``h`` given; ``dense``: the
-    §3.2 reduction), 2 where the table above measured it faster, and 1 (all K rows of a token
-    in flight). Read at every launch: it must be the same on every rank."""
+    set; else (``m`` tokens of width ``h`` given; ``dense``: the §3.2 reduction) 2 where the
+    tables above measured it faster — the fused one-shot kernel (``algorithm`` "oneshot") and
+    the two-shot kernel ("twoshot") — and 1 (all K rows of a token in flight). Read at every
+    launch: it must be the same on every rank."""
     env = os.environ.get("MOEFUSE_MOE_COMM_CTAS_PER_SM", "")
     if env:
         value = int(env)
@@ -509,6 +520,8 @@ def ctas_per_sm(m: int | None = None, h: int | None = None, dense: bool = False)
         return value
     if m is None or h is None:
         return 1
+    if algorithm == "twoshot":
+        return 2 if m >= TWOSHOT_TWO_CTAS_MIN_TOKENS else 1
     if h <= TWO_CTAS_MAX_WIDTH:
         return 2 if m >= TWO_CTAS_MIN_TOKENS else 1
     # wider rows: the §3.2 reduction (dense) measured no faster with 2 (above): it keeps 1
@@ -713,9 +726,10 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
     m_pad = scale_out.shape[0] if scale_out is not None else m
     ostrides = (residual.stride(0), ao.stride(0), residual_out.stride(0), norm_out.stride(0),
                 qo.stride(0))  # fmt: skip
-    ctas = (ctas_per_sm(m, h, bool(dense)) if algorithm == "oneshot"
-            and oneshot_variant(m, ws) == "fused"
-            else ctas_per_sm() if algorithm in ("oneshot", "twoshot") else 1)  # fmt: skip
+    fused_peer = algorithm == "twoshot" or (algorithm == "oneshot"
+                                            and oneshot_variant(m, ws) == "fused")  # fmt: skip
+    ctas = (ctas_per_sm(m, h, bool(dense), algorithm) if fused_peer
+            else ctas_per_sm() if algorithm == "oneshot" else 1)  # fmt: skip
     kb = rows_per_batch(k, tile, ctas, bias is not None)
     producer = dict(K=k, KB=kb, DENSE=bool(dense), HAS_W=has_w,
                     HAS_BIAS=bias is not None,
