@@ -1,8 +1,8 @@
 """Communication kernels on ONE GPU: scripts/loopback_gpu_check.py (two loopback ranks as threads
-of one process, half the SMs each) run as a subprocess, correctness only. Every family of that
-script at H = 4096, M = 1 and 64: all-reduce + norm, the §3.3 MoE fusion, every all-gather op,
-every tp algorithm and the EP op, against the references (bitwise, or within the SPEC bound),
-bitwise across algorithms and across the ranks.
+of one process, half the SMs less one each) run as a subprocess, correctness only. Every family
+of that script at H = 4096, M = 1 and 64: all-reduce + norm, the §3.2 / §3.3 MoE fusions, every
+all-gather op, every tp algorithm and the EP op, against the references (bitwise, or within the
+SPEC bound), bitwise across algorithms and across the ranks; then larger shapes per family.
 Where two GPUs are lent, tests/test_comm_*_gpu.py run the same ops on real peers."""
 
 from __future__ import annotations
@@ -27,4 +27,15 @@ def test_loopback_gpu_check_allgather_persistent(tmp_path):
     families = ("allgather_norm", "allgather_fp8", "allgather_fp4", "allgather_gated")
     run_check_script(tmp_path, "--no-timing", "--budget-s", "240", "--families",
                      ",".join(families), "--tokens", "65,300,1000", "--hidden", "4096,8192",
+                     timeout_s=420, families=families)  # fmt: skip
+
+
+def test_loopback_gpu_check_moe_large(tmp_path):
+    """The §3.2 and §3.3 MoE fusions from 2048 tokens, where the two-shot runs 2 CTAs per SM and
+    §3.2 "auto" takes it at H > 4096, and the one-shot grids fill both ranks' SMs: one-shot and
+    two-shot at H 7168 / 2880, M 2048 / 2049 / 4097, against the oracle of both ranks' inputs
+    and bitwise equal to each other."""
+    families = ("moe_reduce", "moe_finalize")
+    run_check_script(tmp_path, "--no-timing", "--budget-s", "240", "--families",
+                     ",".join(families), "--tokens", "2048,2049,4097", "--hidden", "7168,2880",
                      timeout_s=420, families=families)  # fmt: skip
