@@ -220,6 +220,47 @@ def scenario_graph_replays(rank, world_size, replays):
     return True
 
 
+def scenario_graph_replays_wide(rank, world_size, replays):
+    """The §3.2 reduction at H = 7168, M = 2048 in a CUDA graph per algorithm ("auto" takes the
+    two-shot at 2 CTAs per SM there; the one-shot for comparison), replayed with fresh inputs
+    copied in before each replay: residual_out bitwise against the oracle, norm_out bitwise
+    across the two algorithms, every replay."""
+    import moefuse
+    from moefuse.comm.moe_fusion_ops import resolve_algorithm
+    from moefuse.testing import assert_bitwise_equal, capture_graph
+
+    dev = _dev(rank)
+    m, h, e = 2048, 7168, 8
+    ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev, oneshot_max_tokens=m)
+    assert resolve_algorithm(ws, m, "auto", stepwise=True, dense=True) == "twoshot"
+    base = reduction_case(0, world_size, m, h, e, dev)
+    buf = [t[rank].clone() if isinstance(t, list) else t.clone() for t in base]
+    x, sc, tok, res, w = buf
+    outs, graphs = {}, {}
+    for algo in ("auto", "oneshot"):
+        outs[algo] = (torch.empty_like(res), torch.empty_like(res))
+        run = lambda a=algo: moefuse.moe_allreduce_residual_rmsnorm(  # noqa: E731
+            x, sc, tok, res, w, workspace=ws, algorithm=a, impl="triton",
+            residual_out=outs[a][0], norm_out=outs[a][1])
+        graphs[algo] = capture_graph(run, ws)
+    for i in range(replays):
+        case = reduction_case(3000 + i, world_size, m, h, e, dev)
+        for dst, src in zip(buf, case):
+            dst.copy_(src[rank] if isinstance(src, list) else src)
+        for algo, graph in graphs.items():
+            outs[algo][0].fill_(float("nan"))
+            outs[algo][1].fill_(float("nan"))
+            graph.replay()
+        want = oracle("reduction", case, dict(accumulate="stepwise", weight_bias=0.0))
+        assert_bitwise_equal(outs["auto"][0], want["residual_out"], f"auto replay {i}")
+        for a, b in zip(outs["auto"], outs["oneshot"]):
+            assert_bitwise_equal(a, b, f"auto vs oneshot replay {i}")
+    del graphs
+    ws.check()
+    ws.close()
+    return True
+
+
 def _with_variant(variant, fn):
     """``fn()`` with MOEFUSE_MOE_COMM_VARIANT=variant (launch plans dropped around it)."""
     import os
@@ -345,3 +386,10 @@ def test_graph_replays_fresh_data(world_size):
     _need(world_size)
     assert all(run_group(world_size, scenario_graph_replays, 1000, backend="nccl",
                          timeout_s=1200))  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_graph_replays_wide_reduction(world_size):
+    _need(world_size)
+    assert all(run_group(world_size, scenario_graph_replays_wide, 50, backend="nccl",
+                         timeout_s=900))  # fmt: skip
