@@ -80,6 +80,20 @@ def _scratch(like):
     return _SCRATCH[key]
 
 
+def _fused_options(algo: str) -> dict:
+    """``algorithm`` / ``accumulate`` of a fused MoE op from a family algorithm name: "ALGO" or
+    "ALGO_fp32"."""
+    algorithm, _, acc = algo.partition("_")
+    return dict(algorithm=algorithm, accumulate=acc or "stepwise")
+
+
+def _chain_norm(moefuse, ws, part, res, w, pdl):
+    """The unfused chains' second step: ``allreduce_residual_rmsnorm`` of the finalized
+    partial (the bench's chain (a))."""
+    return moefuse.allreduce_residual_rmsnorm(part, res, w, workspace=ws, impl="triton",
+                                              enable_pdl=pdl)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- families
 class AllReduceNorm:
     """``allreduce_residual_rmsnorm`` one-shot / two-shot."""
@@ -154,13 +168,11 @@ class MoeFinalize:
             part = _scratch(res)
             moefuse.moe_finalize(ins[rank], perm, wts[rank], out=part, routed_scaling_factor=RSF,
                                  shared_expert_output=shs[rank], impl="triton", enable_pdl=pdl)
-            return moefuse.allreduce_residual_rmsnorm(part, res, w, workspace=ws, impl="triton",
-                                                      enable_pdl=pdl)  # fmt: skip
-        algo, _, acc = algo.partition("_")
+            return _chain_norm(moefuse, ws, part, res, w, pdl)
         return moefuse.moe_finalize_allreduce_residual_rmsnorm(
             ins[rank], res, w, perm, workspace=ws, expert_scale_factor=wts[rank],
-            routed_scaling_factor=RSF, shared_expert_output=shs[rank], algorithm=algo,
-            accumulate=acc or "stepwise", impl="triton", enable_pdl=pdl)  # fmt: skip
+            routed_scaling_factor=RSF, shared_expert_output=shs[rank], impl="triton",
+            enable_pdl=pdl, **_fused_options(algo))  # fmt: skip
 
     @staticmethod
     def check(case, outs):
@@ -187,14 +199,13 @@ class MoeReduce:
 
     @staticmethod
     def inputs(seed, m, h, dev):
+        """The GPU tests' inputs (``moefuse.testing.moe_reduction_case``), plus the chain's
+        map and [M, E] scales."""
         import torch
 
-        g = gen(seed, dev)
-        xs = [torch.randn(K, m, h, generator=g, device=dev).to(BF16) for _ in range(P)]
-        scs = [torch.rand(K, m, generator=g, device=dev) for _ in range(P)]
-        toks = [torch.randn(m, h, generator=g, device=dev).to(BF16) for _ in range(P)]
-        res = torch.randn(m, h, generator=g, device=dev).to(BF16)
-        w = (torch.rand(h, generator=g, device=dev) + 0.5).to(BF16)
+        from moefuse.testing import moe_reduction_case
+
+        xs, scs, toks, res, w = moe_reduction_case(seed, P, m, h, K, dev)
         idx = (torch.arange(K, device=dev)[None, :] * m
                + torch.arange(m, device=dev)[:, None]).to(torch.int32)  # fmt: skip
         scs_t = [s.t().contiguous() for s in scs]
@@ -210,12 +221,10 @@ class MoeReduce:
             moefuse.moe_finalize(xs[rank].view(K * m, h), idx, scs_t[rank], out=part,
                                  shared_expert_output=toks[rank], impl="triton",
                                  enable_pdl=pdl)  # fmt: skip
-            return moefuse.allreduce_residual_rmsnorm(part, res, w, workspace=ws, impl="triton",
-                                                      enable_pdl=pdl)  # fmt: skip
-        algo, _, acc = algo.partition("_")
+            return _chain_norm(moefuse, ws, part, res, w, pdl)
         return moefuse.moe_allreduce_residual_rmsnorm(
-            xs[rank], scs[rank], toks[rank], res, w, workspace=ws, algorithm=algo,
-            accumulate=acc or "stepwise", impl="triton", enable_pdl=pdl)  # fmt: skip
+            xs[rank], scs[rank], toks[rank], res, w, workspace=ws, impl="triton", enable_pdl=pdl,
+            **_fused_options(algo))  # fmt: skip
 
     @staticmethod
     def check(case, outs):

@@ -17,7 +17,14 @@ from comm_mp import run_group
 from moefuse.comm import moe_fusion_reference as mref
 from moefuse.comm.workspace import CTRL_GEN
 from moefuse.quant import reference as quant_ref
-from moefuse.testing import assert_bitwise_equal, assert_close, bits, expect_value_error, poison_
+from moefuse.testing import (
+    assert_bitwise_equal,
+    assert_close,
+    bits,
+    expect_value_error,
+    moe_reduction_case,
+    poison_,
+)
 
 pytestmark = pytest.mark.interpreter
 
@@ -63,16 +70,6 @@ def finalize_case(seed, p, m, h, k, *, weights_dtype=torch.bfloat16, shared=True
         bs = [torch.randn(5, h, generator=g).to(torch.bfloat16) for _ in range(p)]
         eids = torch.randint(-1, 6, (m, k), generator=g, dtype=torch.int32)
     return ins, perm, ws, shs, residual, weight, bs, eids
-
-
-def reduction_case(seed, p, m, h, e):
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(e, m, h, generator=g).to(torch.bfloat16) for _ in range(p)]
-    scales = [torch.rand(e, m, generator=g) + 0.1 for _ in range(p)]
-    toks = [torch.randn(m, h, generator=g).to(torch.bfloat16) for _ in range(p)]
-    residual = torch.randn(m, h, generator=g).to(torch.bfloat16)
-    weight = (torch.rand(h, generator=g) + 0.5).to(torch.bfloat16)
-    return xs, scales, toks, residual, weight
 
 
 def digest(*tensors) -> str:
@@ -128,7 +125,7 @@ def test_reference_partial_matches_scalar_oracle():
 
 
 def test_reference_reduction_is_dense_finalize():
-    xs, scales, toks, res, w = reduction_case(3, 2, 3, 8, 4)
+    xs, scales, toks, res, w = moe_reduction_case(3, 2, 3, 8, 4, "cpu")
     for acc in ("stepwise", "fp32"):
         part = mref.reduction_partial(xs[0], scales[0], toks[0], acc)
         rows = xs[0].permute(1, 0, 2).reshape(12, 8)
@@ -208,7 +205,7 @@ def _case_and_oracle(op, i, world_size, m, h, k, opts, bias=False):
             expert_ids=eids, **common,
         )  # fmt: skip
         return case, want, _finalize_call
-    case = reduction_case(seed_of(*key), world_size, m, h, k)
+    case = moe_reduction_case(seed_of(*key), world_size, m, h, k, "cpu")
     xs, scales, toks, res, w = case
     return case, mref.moe_allreduce_from_ranks(xs, scales, toks, res, w, **common), _reduction_call
 
@@ -334,7 +331,7 @@ def _bad_inputs(moefuse, ws, h):
     assert sup(ins[0], res, w, perm, workspace=ws, expert_scale_factor=wts[0])  # interpreter
     assert not sup(ins[0], res, w, perm.long(), workspace=ws)
     assert not sup(ins[0], res, w, perm, workspace=ws, quant="fp8")  # no scale_factor
-    xs, scales, toks, res2, w2 = reduction_case(1, 1, 2, h, 2)
+    xs, scales, toks, res2, w2 = moe_reduction_case(1, 1, 2, h, 2, "cpu")
     sup = moefuse.supports_moe_allreduce_residual_rmsnorm
     assert sup(xs[0], scales[0], toks[0], res2, w2, workspace=ws)
     assert not sup(xs[0], scales[0][:1], toks[0], res2, w2, workspace=ws)
@@ -368,7 +365,7 @@ def _compat(moefuse, ws, rank, world_size, h):
                                expert_scale_factor=wts[rank], routed_scaling_factor=RSF,
                                shared_expert_output=shs[rank], impl="reference")  # fmt: skip
     assert_bitwise_equal(ro2, want[0], "compat trtllm_allreduce_fusion(7)")
-    xs, scales, toks, res, w = reduction_case(12, world_size, m, h, k)
+    xs, scales, toks, res, w = moe_reduction_case(12, world_size, m, h, k, "cpu")
     want = moefuse.moe_allreduce_residual_rmsnorm(xs[rank], scales[rank], toks[rank], res, w,
                                                   workspace=ws, impl="reference")  # fmt: skip
     ro3, no3 = poison_(torch.empty_like(res)), poison_(torch.empty_like(res))
@@ -394,7 +391,7 @@ def _opcheck_compile(moefuse, ws, rank, world_size, h):
                           (ins[rank], perm, wts[rank], shs[rank], None, None, res, w, None, e(),
                            e(), None, None, ws.id, RSF, 1e-6, 0.0, True, 1, 0, "auto", False,
                            "reference"))  # fmt: skip
-    xs, scales, toks, res2, w2 = reduction_case(14, world_size, m, h, k)
+    xs, scales, toks, res2, w2 = moe_reduction_case(14, world_size, m, h, k, "cpu")
     torch.library.opcheck(ops.moe_allreduce_residual_rmsnorm_op,
                           (xs[rank], scales[rank], toks[rank], res2, w2, None, e(), e(), e(),
                            None, None, ws.id, 1e-6, 0.0, False, 1, 0, "auto", False,

@@ -15,6 +15,7 @@ import torch
 
 from comm_mp import run_group
 from moefuse.testing import moe_finalize_case as finalize_case
+from moefuse.testing import moe_reduction_case as reduction_case
 from test_comm_gpu import assert_ranks_agree, checksum, same_bits, within_one_ulp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
@@ -39,16 +40,6 @@ def _need(world_size):
 
 
 # ----------------------------------------------------------------------------- inputs
-def reduction_case(seed, p, m, h, e, dev):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    xs = [torch.randn(e, m, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
-    scales = [torch.rand(e, m, generator=g, device=dev) + 0.1 for _ in range(p)]
-    toks = [torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
-    res = torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16)
-    w = (torch.rand(h, generator=g, device=dev) + 0.5).to(torch.bfloat16)
-    return xs, scales, toks, res, w
-
-
 def call_finalize(moefuse, ws, rank, case, algo, opts, rows=None, pdl=None, impl="triton"):
     ins, perm, wts, shs, res, w, bs, eids = case
     sl = slice(*rows) if rows is not None else slice(None)

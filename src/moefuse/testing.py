@@ -250,6 +250,20 @@ def poisoned_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     return poison_(torch.empty_like(t, dtype=dtype))
 
 
+def moe_reduction_case(seed, p, m, h, e, dev):
+    """Random inputs of ``moe_allreduce_residual_rmsnorm`` (SPEC §3.2) for ALL ``p`` ranks (the
+    same on every rank, from ``seed``): ``(expert_rows, scales, token_inputs, residual,
+    norm_weight)``; per-rank lists of BF16 [E, M, H] rows, FP32 [E, M] scales in [0.1, 1.1) and
+    BF16 [M, H] token inputs, then the shared BF16 [M, H] residual and [H] weight in [0.5, 1.5)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    xs = [torch.randn(e, m, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
+    scales = [torch.rand(e, m, generator=g, device=dev) + 0.1 for _ in range(p)]
+    toks = [torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16) for _ in range(p)]
+    res = torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16)
+    w = (torch.rand(h, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+    return xs, scales, toks, res, w
+
+
 def moe_finalize_case(seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, shared=True,
                   bias=False):
     """Random inputs of ``moe_finalize_allreduce_residual_rmsnorm`` for ALL ``p`` ranks (the

@@ -117,6 +117,10 @@ class Ctx:
             ws.close()
 
 
+#: the peer kernels at 1 CTA per SM: the A/B of the two-shot's 2-CTA default from 2048 tokens
+ONE_CTA_PER_SM = {"MOEFUSE_MOE_COMM_CTAS_PER_SM": "1"}
+
+
 def with_env(env: dict[str, str], fn):
     """``fn`` with the knobs ``env`` set around every call (warm-up and capture alike): the
     launchers read them at launch, and launch plans record what they saw, so the plans are
@@ -189,7 +193,7 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
             impl="triton", residual_out=ro, norm_out=no)  # fmt: skip
 
     two_ctas = with_env({"MOEFUSE_MOE_COMM_CTAS_PER_SM": "2"}, fused("auto"))
-    twoshot_one_cta = with_env({"MOEFUSE_MOE_COMM_CTAS_PER_SM": "1"}, fused("twoshot"))
+    twoshot_one_cta = with_env(ONE_CTA_PER_SM, fused("twoshot"))
     # one-shot variants by name (the two-kernel variant never won: scripts/
     # bench_moe_comm_variants.py times it); "fused" is the auto choice above 64 tokens
     single, split, split_fp32 = (
@@ -300,13 +304,12 @@ def _reduction_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
         want = mref.moe_allreduce_from_ranks(_gather(ctx, xs[0]), _gather(ctx, scs[0]),
                                              _gather(ctx, toks[0]), res[0], w)
         assert_bitwise_equal(first[0], want["residual_out"], f"reduction H={h} M={m}")
-    one_cta = {"MOEFUSE_MOE_COMM_CTAS_PER_SM": "1"}
     variants = {"fused": (ctx.time(fused("auto")), "fused"),
                 "fused_fp32": (ctx.time(fused("auto", "fp32")), "fused"),
                 "fused_oneshot": (ctx.time(fused("oneshot")), "fused"),
                 "fused_twoshot": (ctx.time(fused("twoshot")), "fused"),
-                "fused_twoshot_1cta_per_sm": (ctx.time(with_env(one_cta, fused("twoshot"))),
-                                              "fused"),
+                "fused_twoshot_1cta_per_sm": (ctx.time(with_env(ONE_CTA_PER_SM,
+                                                                fused("twoshot"))), "fused"),
                 "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
                 "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline")}
     nbytes = (e + 4) * m * h * 2 + e * m * 4  # experts, token, residual, 2 outputs, scales
