@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import moefuse
+from moefuse.bench.harness import run_metadata
 from moefuse.integrations._experts import grouped_linear
 from moefuse.moe.routing import route_topk, sort_by_expert
 
@@ -241,7 +242,8 @@ def run(args) -> dict:
     fused_name = ("moe_finalize_allreduce_residual_rmsnorm"
                   if hasattr(moefuse, "moe_finalize_allreduce_residual_rmsnorm")
                   else "moe_finalize + allreduce_residual_rmsnorm")  # fmt: skip
-    result = {"world_size": world, "device": str(device), "fused": fused_name,
+    meta = {**run_metadata(), "world_size": world} if device.type == "cuda" else {}
+    result = {"meta": meta, "world_size": world, "device": str(device), "fused": fused_name,
               "sharding": "TP of the expert intermediate dim", "hidden": args.hidden,
               "experts": args.experts, "top_k": args.topk, "inter": args.inter,
               "rows": rows}  # fmt: skip

@@ -181,3 +181,21 @@ def test_bench_all_runs_the_plan_then_the_summary(monkeypatch, tmp_path, capsys)
     status = {r["label"]: r["status"] for r in runs}
     assert status == {"norm": "ok", "quant": "failed (exit 3)", "allreduce P=2": "skipped"}
     assert "2.00 x compile" in (tmp_path / "SUMMARY.md").read_text()
+
+
+def test_tp_moe_layer_example_file(tmp_path):
+    # examples/tp_moe_layer.py writes <part>_fused_us / <part>_unfused_us per token count
+    rows = [{"phase": "decode", "tokens": 1, "epilogue_fused_us": 12.0, "epilogue_unfused_us": 42.0,
+             "layer_fused_us": 200.0, "layer_unfused_us": 250.0, "timing": "graph"},
+            {"phase": "prefill", "tokens": 512, "epilogue_fused_us": 40.0,
+             "epilogue_unfused_us": 240.0, "layer_fused_us": 1000.0, "layer_unfused_us": 900.0}]
+    (tmp_path / "tp_moe_layer-h200-p2.json").write_text(json.dumps(
+        {"world_size": 2, "hidden": 4096, "experts": 128, "top_k": 8, "rows": rows}))
+    (res,) = summary.load(tmp_path)
+    got = {(c.op, c.m): (c.best, round(c.speedup, 3)) for c in res.cases}
+    assert got == {("tp_moe_layer epilogue", 1): ("unfused", 3.5),
+                   ("tp_moe_layer layer", 1): ("unfused", 1.25),
+                   ("tp_moe_layer epilogue", 512): ("unfused", 6.0),
+                   ("tp_moe_layer layer", 512): ("unfused", 0.9)}  # fmt: skip
+    assert {c.shape for c in res.cases} == {"P=2 H=4096 E=128 K=8"}
+    assert "x 2" in summary.overview_table([res])  # world size from the file's own fields

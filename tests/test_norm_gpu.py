@@ -140,11 +140,21 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
                 )  # fmt: skip
                 for got, exp in zip(other, res[0]):
                     assert_bitwise_equal(got, exp, f"unroll={unroll} {m}x{width}")
-        i = m - 1  # batch invariance: the row alone (another launch mode at large M)
-        alone = moefuse.gated_residual_next_rmsnorm(b[i : i + 1], r[i : i + 1], nw, alpha, be,
-                                                    impl="triton", **kw)  # fmt: skip
-        for got, exp in zip(alone, (ro, ffn)):
+        i = m - 1  # batch invariance: the row alone (another launch mode at large M), with the
+        # same outputs asked for: on one-pass tiles (<= 2048 columns) ffn_input's last bit can
+        # depend on whether router_input is written (docs/determinism.md, "router_input")
+        rt_alone = poison_(torch.empty_like(r[i : i + 1]))
+        alone = moefuse.gated_residual_next_rmsnorm(
+            b[i : i + 1], r[i : i + 1], nw, alpha, be, router_input=rt_alone, impl="triton", **kw
+        )
+        for got, exp in zip((*alone, rt_alone), (ro, ffn, router)):
             assert_bitwise_equal(got, exp[i : i + 1], f"gated_next row alone {m}x{width}")
+        plain = moefuse.gated_residual_next_rmsnorm(b, r, nw, alpha, be, impl="triton", **kw)
+        plain_alone = moefuse.gated_residual_next_rmsnorm(b[i : i + 1], r[i : i + 1], nw, alpha,
+                                                          be, impl="triton", **kw)  # fmt: skip
+        for got, exp in zip(plain_alone, plain):
+            assert_bitwise_equal(got, exp[i : i + 1], f"gated_next (no router) alone {m}x{width}")
+        assert_bitwise_equal(plain[0], ro, "residual_out with / without router_input")
         exp_ro, _, _ = ref.gated_residual_next_rmsnorm_reference(
             b, r, nw, alpha, be, 1e-6, 1e-6, 0.0, pw, 1.0
         )

@@ -88,6 +88,30 @@ def cases_of(family_name: str, meta: dict, rows: list[dict]) -> list[Case]:
     return out
 
 
+#: examples/tp_moe_layer.py's rows: ``<part>_fused_us`` against ``<part>_unfused_us`` per token
+#: count, for the MoE epilogue alone and for the whole layer
+_EXAMPLE_PARTS = ("epilogue", "layer")
+
+
+def _example_rows(data: dict) -> tuple[dict, list[dict]]:
+    """(meta, rows) of a results file written by examples/tp_moe_layer.py, in the families'
+    format: variant "moefuse" (the fused epilogue) against "unfused" per (part, shape, M). Files
+    written before the example kept a ``meta`` block carry only its top-level fields."""
+    meta = dict(data.get("meta") or {})
+    meta.setdefault("world_size", data.get("world_size"))
+    shape = f"P={data.get('world_size')} H={data.get('hidden')} E={data.get('experts')} " \
+            f"K={data.get('top_k')}"
+    rows = []
+    for r in data["rows"]:
+        for part in _EXAMPLE_PARTS:
+            for variant, kind in (("moefuse", "fused"), ("unfused", "unfused")):
+                us = r.get(f"{part}_{kind}_us")
+                if us is not None:
+                    rows.append({"op": f"tp_moe_layer {part}", "shape": shape,
+                                 "M": r.get("tokens"), "variant": variant, "us": us})  # fmt: skip
+    return meta, rows
+
+
 def load(results_dir: str | Path) -> list[Result]:
     """Every benchmark results file under ``results_dir`` (files without ``rows`` are skipped),
     in the registry's family order."""
@@ -102,8 +126,10 @@ def load(results_dir: str | Path) -> list[Result]:
             continue
         fam = family_of(path.stem)
         name = fam.name if fam else path.stem
-        meta = data.get("meta") or {}
-        results.append(Result(path, name, meta, cases_of(name, meta, data["rows"])))
+        meta, rows = data.get("meta") or {}, data["rows"]
+        if any(f"{_EXAMPLE_PARTS[0]}_fused_us" in r for r in rows if isinstance(r, dict)):
+            meta, rows = _example_rows(data)
+        results.append(Result(path, name, meta, cases_of(name, meta, rows)))
     results.sort(key=lambda r: (order.get(r.family, len(order)), r.path.name))
     return results
 
