@@ -9,8 +9,8 @@ For each op and width, on fresh random rows (M rows), it counts rows whose bits 
   router : (gated_next only) router_input is not requested (the kernel's other variant),
   rerun  : the same call is repeated (a race would show here).
 Nothing is timed. First result (notes/norm.md, "Session 16"): roll, alone and rerun never
-differ; gated_next's ffn_input differs with and without router_input on one-pass tiles (<= 2048
-columns), the exception docs/determinism.md states.
+differed; gated_next's ffn_input differed with and without router_input on one-pass tiles
+(<= 2048 columns) until the router kernel stored residual_out last; 0 rows since.
 Run: PYTHONPATH=src python scripts/probe_batch_invariance.py [--widths 64,128] [--tokens 16384]
 [--rounds 3] [--alone 64]; prints one line per case and a total (CPU: TRITON_INTERPRET=1, small
 --tokens).

@@ -140,9 +140,8 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
                 )  # fmt: skip
                 for got, exp in zip(other, res[0]):
                     assert_bitwise_equal(got, exp, f"unroll={unroll} {m}x{width}")
-        i = m - 1  # batch invariance: the row alone (another launch mode at large M), with the
-        # same outputs asked for: on one-pass tiles (<= 2048 columns) ffn_input's last bit can
-        # depend on whether router_input is written (docs/determinism.md, "router_input")
+        i = m - 1  # batch invariance: the row alone (another launch mode at large M), with and
+        # without router_input, against the batch with it and without it
         rt_alone = poison_(torch.empty_like(r[i : i + 1]))
         alone = moefuse.gated_residual_next_rmsnorm(
             b[i : i + 1], r[i : i + 1], nw, alpha, be, router_input=rt_alone, impl="triton", **kw
@@ -155,6 +154,7 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
         for got, exp in zip(plain_alone, plain):
             assert_bitwise_equal(got, exp[i : i + 1], f"gated_next (no router) alone {m}x{width}")
         assert_bitwise_equal(plain[0], ro, "residual_out with / without router_input")
+        assert_bitwise_equal(plain[1], ffn, "ffn_input with / without router_input")
         exp_ro, _, _ = ref.gated_residual_next_rmsnorm_reference(
             b, r, nw, alpha, be, 1e-6, 1e-6, 0.0, pw, 1.0
         )

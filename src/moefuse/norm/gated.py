@@ -97,7 +97,8 @@ def _gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_pt
                      next_eps, ALPHA_MODE: tl.constexpr, MASKED: tl.constexpr,
                      HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
                      PTX: tl.constexpr):  # fmt: skip
-    """One-pass tile of _gated_residual_next_kernel from the FP32 branch and stream."""
+    """One-pass tile of _gated_residual_next_kernel from the FP32 branch and stream (the
+    comment at the router row says why its stores come in that order)."""
     r64 = rows.to(tl.int64)[:, None]
     if HAS_POST_WEIGHT:
         b = b * pw
@@ -107,11 +108,31 @@ def _gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_pt
         a = _ld(alpha_ptr + cols, pmask, MASKED, False)[None, :]
     be = _ld(beta_ptr + cols, pmask, MASKED, False)[None, :]
     ro = _stream_update(res, b, a, be, alpha_scalar, r1, ALPHA_MODE)
-    _st(rout_ptr + r64 * ro_st + cols[None, :], ro, mask, MASKED, PTX)
+    ro_ptrs = rout_ptr + r64 * ro_st + cols[None, :]
+    if not HAS_ROUTER:  # with a router row, residual_out is stored last (see below)
+        _st(ro_ptrs, ro, mask, MASKED, PTX)
     # padded / masked-off columns hold ro = 0 (b = res = 0 there): they add nothing
     r2 = tl.broadcast_to(_inv_rms(tl.sum(ro * ro, axis=1)[:, None], Hf, next_eps), ro.shape)
-    _store_ffn(ffn_ptr + r64 * f_st + cols[None, :], router_ptr + r64 * rt_st + cols[None, :],
-               (ro * r2) * nw, mask, MASKED, HAS_ROUTER, PTX)  # fmt: skip
+    ffn_ptrs = ffn_ptr + r64 * f_st + cols[None, :]
+    router_ptrs = router_ptr + r64 * rt_st + cols[None, :]
+    y = (ro * r2) * nw
+    if HAS_ROUTER:
+        # ffn_input rounded from the stored router row, re-read by the CTA after a barrier, so
+        # ffn_input == cast(router_input) whatever layouts Triton picks. The order of the stores
+        # keeps ffn_input's bits independent of HAS_ROUTER: Triton chooses each tensor's
+        # register layout from the memory operations around it, and the layout fixes the order
+        # of a row sum. With residual_out stored first here too (before 2026-12-02) this kernel
+        # summed residual_out^2 with 4 columns per thread and the one without a router row
+        # with 8, and ffn_input differed by an ulp in up to 3.9 % of the rows at 2048 columns
+        # (H200, scripts/probe_batch_invariance.py). Stored last, it leaves both kernels the
+        # same layouts and one sum each (scripts/audit_reduce_trees.py, tests/test_reduce_trees.py),
+        # at no cost (0.88-1.005 x the old router kernel, notes/norm.md, session 16).
+        _st(router_ptrs, y, mask, MASKED, PTX)
+        tl.debug_barrier()
+        _st(ffn_ptrs, _ld(router_ptrs, mask, MASKED, False), mask, MASKED, PTX)
+        _st(ro_ptrs, ro, mask, MASKED, PTX)
+    else:
+        _st(ffn_ptrs, y, mask, MASKED, PTX)
 
 
 # ----------------------------------------------------------------------------- stepped rows
