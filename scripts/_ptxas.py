@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 #: the H100 / H200 target every check compiles for
 TARGET = GPUTarget("cuda", 90, 32)
@@ -30,6 +31,22 @@ def with_constexpr_defaults(kernel, consts: dict) -> dict:
     params = inspect.signature(kernel.fn).parameters
     return {**{name: p.default for name, p in params.items()
                if "constexpr" in str(p.annotation) and p.default is not p.empty}, **consts}
+
+
+def specialised_source(kernel, consts: dict, types: dict, divisible) -> ASTSource:
+    """``kernel``'s source as a launch would compile it: ``consts`` as constexprs, the other
+    arguments typed from ``types`` (pointers default to BF16, the rest to i32), and the
+    divisibility-by-16 attribute on each argument for which ``divisible(name, type)`` is true,
+    as the JIT's specialisation gives it (it changes vector widths and register layouts)."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+        if divisible(name, sig[name]):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,8 @@ import re
 import sys
 
 import triton
-from _ptxas import TARGET, with_constexpr_defaults
+from _ptxas import TARGET, specialised_source, with_constexpr_defaults
 from compile_check_allgather import DIVISIBLE, OP_TYPES, TYPES, norm_consts
-from triton.compiler import ASTSource
 
 from moefuse.comm import allgather_decode as dec
 from moefuse.comm import allgather_fused as fused
@@ -60,15 +59,8 @@ def ttgir(kernel, consts: dict, num_warps: int, types: dict, ints: dict[str, int
     params = inspect.signature(kernel.fn).parameters
     consts = {**{k: v for k, v in EQUAL_TO_ONE.items() if k in params}, **consts}
     consts = with_constexpr_defaults(kernel, {k: v for k, v in consts.items() if k in params})
-    sig, attrs = {}, {}
-    for i, name in enumerate(params):
-        if name in consts:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-        if sig[name].startswith("*") or ints.get(name, 1) % 16 == 0:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = specialised_source(kernel, consts, types,
+                             lambda name, t: t.startswith("*") or ints.get(name, 1) % 16 == 0)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ttgir"]
 
 

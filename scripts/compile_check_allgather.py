@@ -10,12 +10,10 @@ Run: PYTHONPATH=src python scripts/compile_check_allgather.py [--widths 4096,716
 """
 
 import argparse
-import inspect
 import re
 
 import triton
-from _ptxas import TARGET, ptxas_report, with_constexpr_defaults
-from triton.compiler import ASTSource
+from _ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
 
 from moefuse.bench import harness
 from moefuse.comm import allgather_decode as dec
@@ -51,18 +49,9 @@ GATED_CONSTS = {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True}
 def compile_report(kernel, consts: dict, num_warps: int, types: dict | None = None) -> dict:
     """ptxas -v of ``kernel`` for sm_90a with the launch's specialisation: registers, spilled
     bytes, and counts of 16-byte volatile polls / global stores in the PTX."""
-    sig, attrs = {}, {}
-    types = {**TYPES, **(types or {})}
-    params = inspect.signature(kernel.fn).parameters
-    consts = with_constexpr_defaults(kernel, consts)
-    for i, name in enumerate(params):
-        if name in consts:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-        if sig[name].startswith("*") or name in DIVISIBLE:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = specialised_source(kernel, with_constexpr_defaults(kernel, consts),
+                             {**TYPES, **(types or {})},
+                             lambda name, t: t.startswith("*") or name in DIVISIBLE)  # fmt: skip
     ptx = triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ptx"]
     report = ptxas_report(ptx)
     return {"regs": report.regs, "spill": report.spills,

@@ -54,8 +54,7 @@ def main(argv) -> int:
 def compile_one(kernel, h, k, p, block, tile, extra) -> int:
     """Compile ``kernel`` (constexprs + ``extra``) and print its ptxas report; 1 on failure."""
     import triton
-    from _ptxas import TARGET, ptxas_report, with_constexpr_defaults
-    from triton.compiler import ASTSource
+    from _ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
 
     consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
                   KPOW=triton.next_power_of_2(k),
@@ -63,16 +62,11 @@ def compile_one(kernel, h, k, p, block, tile, extra) -> int:
                   PTX=True, **extra)  # fmt: skip
     params = list(inspect.signature(kernel.fn).parameters)
     consts = with_constexpr_defaults(kernel, {n: v for n, v in consts.items() if n in params})
-    sig, attrs = {}, {}
-    for i, name in enumerate(params):
-        if name in consts:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-        if name.endswith("_ptr") or name.endswith("_st") or name == "H":
-            if name not in ("w_ptr", "idx_ptr", "w_st", "idx_st"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = specialised_source(
+        kernel, consts, TYPES,
+        lambda name, _: ((name.endswith(("_ptr", "_st")) or name == "H")
+                         and name not in ("w_ptr", "idx_ptr", "w_st", "idx_st")),
+    )  # fmt: skip
     try:
         ck = triton.compile(src, target=TARGET,
                             options={"num_warps": tile.num_warps})  # fmt: skip

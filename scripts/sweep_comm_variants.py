@@ -202,12 +202,10 @@ def worker(rank, world_size, args, init_method) -> None:
 # ----------------------------------------------------------------------------- offline compile
 def compile_only(widths, dump=None) -> None:
     """Every variant's one-shot kernel for sm_90a (P = 2, BF16, pattern 1): registers, spills."""
-    import inspect
     import re
 
     import triton
-    from _ptxas import TARGET, ptxas_report
-    from triton.compiler import ASTSource
+    from _ptxas import TARGET, ptxas_report, specialised_source
 
     from moefuse.comm import triton as ct
     from moefuse.comm.tiles import comm_tile
@@ -232,17 +230,11 @@ def compile_only(widths, dump=None) -> None:
             consts = dict(P=2, BLOCK_H=tile.block, BITS=16, PATTERN=1, WRITE_NORM=True, LAYOUT=0,
                           KP_BLOCK=tile.kp_block, FP32_ACC=True, USE_PDL=True, PTX=True,
                           PROBE=var.probe)  # fmt: skip
-            params = list(inspect.signature(kernel.fn).parameters)
-            sig, attrs = {}, {}
-            for i, p in enumerate(params):
-                if p in consts:
-                    sig[p] = "constexpr"
-                    continue
-                sig[p] = types.get(p, "*bf16" if p.endswith("_ptr") else "i32")
-                if p.endswith("_ptr") or p.endswith("_st") or p in ("H", "cap"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]  # as the launcher's specialization
-            ck = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                                target=TARGET, options={"num_warps": warps})
+            src = specialised_source(  # as the launcher's specialization
+                kernel, consts, types,
+                lambda name, _: name.endswith(("_ptr", "_st")) or name in ("H", "cap"),
+            )  # fmt: skip
+            ck = triton.compile(src, target=TARGET, options={"num_warps": warps})
             ptx = ck.asm["ptx"]
             report = ptxas_report(ptx)
             v4 = len(re.findall(r"ld\.volatile\.global\.v4", ptx))
