@@ -116,23 +116,18 @@ def _gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_pt
     ffn_ptrs = ffn_ptr + r64 * f_st + cols[None, :]
     router_ptrs = router_ptr + r64 * rt_st + cols[None, :]
     y = (ro * r2) * nw
+    # With HAS_ROUTER, _store_ffn rounds ffn_input from the stored router row, and residual_out
+    # is stored last: that order keeps ffn_input's bits independent of HAS_ROUTER. Triton picks
+    # each tensor's register layout from the memory operations around it, and the layout fixes
+    # the order of a row sum. With residual_out stored first here too (before 2026-12-02) this
+    # kernel summed residual_out^2 with 4 columns per thread and the one without a router row
+    # with 8, and ffn_input differed by an ulp in up to 3.9 % of the rows at 2048 columns (H200,
+    # scripts/probe_batch_invariance.py). Stored last, it leaves both kernels the same layouts
+    # and one sum each (scripts/audit_reduce_trees.py, tests/test_reduce_trees.py), at no cost
+    # (0.88-1.005 x the old router kernel, notes/norm.md, session 16).
+    _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED, HAS_ROUTER, PTX)
     if HAS_ROUTER:
-        # ffn_input rounded from the stored router row, re-read by the CTA after a barrier, so
-        # ffn_input == cast(router_input) whatever layouts Triton picks. The order of the stores
-        # keeps ffn_input's bits independent of HAS_ROUTER: Triton chooses each tensor's
-        # register layout from the memory operations around it, and the layout fixes the order
-        # of a row sum. With residual_out stored first here too (before 2026-12-02) this kernel
-        # summed residual_out^2 with 4 columns per thread and the one without a router row
-        # with 8, and ffn_input differed by an ulp in up to 3.9 % of the rows at 2048 columns
-        # (H200, scripts/probe_batch_invariance.py). Stored last, it leaves both kernels the
-        # same layouts and one sum each (scripts/audit_reduce_trees.py, tests/test_reduce_trees.py),
-        # at no cost (0.88-1.005 x the old router kernel, notes/norm.md, session 16).
-        _st(router_ptrs, y, mask, MASKED, PTX)
-        tl.debug_barrier()
-        _st(ffn_ptrs, _ld(router_ptrs, mask, MASKED, False), mask, MASKED, PTX)
         _st(ro_ptrs, ro, mask, MASKED, PTX)
-    else:
-        _st(ffn_ptrs, y, mask, MASKED, PTX)
 
 
 # ----------------------------------------------------------------------------- stepped rows
