@@ -150,3 +150,21 @@ def test_layout_guard_misses_on_any_layout_change(guard, monkeypatch):
         assert fp.plan_count(moefuse.rmsnorm) == n, (guard, n, fp.refusals(moefuse.rmsnorm))
     # keys: the first argument's shape (3, H) in all, the tensors' types (the Parameter) apart
     assert len(moefuse.rmsnorm._moefuse_plans) == 2
+
+
+def test_first_call_error_carries_no_plan_cache_context():
+    """An error raised by a signature's first call is the op's own: no KeyError of the plan
+    cache chained before it."""
+    fp.clear()
+    x, w = _rand(2, H), _rand(H + 1)
+    with pytest.raises(ValueError) as info:
+        moefuse.rmsnorm(x, w, impl="triton")
+    assert info.value.__context__ is None and info.value.__cause__ is None
+
+
+def test_refused_signature_is_not_recorded_again():
+    fp.clear()
+    x, w = _rand(2, H), _rand(H)
+    for _ in range(4):
+        moefuse.rmsnorm(x, w, impl="reference")
+    assert len(fp.refusals(moefuse.rmsnorm)) == 1

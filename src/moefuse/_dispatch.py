@@ -10,20 +10,31 @@ tracing (:func:`tracing_active`). Same function, same kernel, same bits either w
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch._library.custom_ops import CustomOpDef
 
 _is_compiling = torch.compiler.is_compiling
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 
-#: dispatch modes of moefuse's own that do not count as tracing (the fast path's launch recorder)
-_own_modes = [0]
+
+class _OwnModes(threading.local):
+    """How many of this thread's active dispatch modes are moefuse's own and do not count as
+    tracing (the fast path's launch recorder). Per thread, as torch's dispatch-mode stack is:
+    a count shared by threads (ranks as threads of one process) loses updates and then
+    misjudges every other thread."""
+
+    depth = 0
+
+
+_own_modes = _OwnModes()
 
 
 def tracing_active() -> bool:
     """True under torch.compile / export tracing or while a foreign dispatch mode is active
     (FakeTensorMode, FlopCounterMode, ...): then calls must go through the dispatcher."""
-    return _is_compiling() or _dispatch_depth() > _own_modes[0]
+    return _is_compiling() or _dispatch_depth() > _own_modes.depth
 
 
 class DirectCustomOp(CustomOpDef):

@@ -145,15 +145,19 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _count_launch(self, *args):
-        self.triton_launches += 1
+        # Triton's hook is process-wide: count only this thread's launches (ranks running as
+        # threads of one process launch concurrently, and their kernels are not this call's)
+        if threading.get_ident() == self._thread:
+            self.triton_launches += 1
 
     def __enter__(self):
         _local.rec = self
-        _dispatch._own_modes[0] += 1
+        _dispatch._own_modes.depth += 1
         # Triton's launch hook counts every launch on the GPU, so a launch that bypassed
         # :func:`launch` (and would be missing from the plan) is noticed (the interpreter calls no
         # hook: there the count stays 0)
         self.triton_launches = 0
+        self._thread = threading.get_ident()
         self._hooks = _launch_hooks()
         if self._hooks is not None:
             self._hooks.add(self._count_launch)
@@ -165,7 +169,7 @@ class _Recorder(TorchDispatchMode):
         finally:
             if self._hooks is not None:
                 self._hooks.remove(self._count_launch)
-            _dispatch._own_modes[0] -= 1
+            _dispatch._own_modes.depth -= 1
             _local.rec = None
 
 
@@ -290,6 +294,9 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
         raise _Unplannable("launched on a stream other than the caller's")
     fixed = [t for j in guard_positions if args[j] is not None
              for t in args[j].fastpath_tensors()]  # fmt: skip
+    # guards whose calls do host work around the launches (a CPU workspace: clock, status poll)
+    hooked = tuple(j for j in guard_positions
+                   if args[j] is not None and getattr(args[j], "fastpath_host_work", False))
     sources = _Sources(args, rec.allocs, fixed)
     code = _Code()
     launch_lines = []
@@ -310,7 +317,7 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
               for kind, a, b in rec.alias_checks]  # fmt: skip
     spec = _result_spec(result, sources)
     return _assemble(code, sources, launch_lines, checks, spec, len(args), guard_positions,
-                     next(iter(devices)))  # fmt: skip
+                     next(iter(devices)), hooked)  # fmt: skip
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -407,7 +414,7 @@ def _alloc_expr(code: _Code, t: torch.Tensor, sources: _Sources) -> str:
 
 
 def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs: int,
-              guard_positions, device: torch.device):  # fmt: skip
+              guard_positions, device: torch.device, hooked=()):  # fmt: skip
     params = ", ".join(f"a{j}" for j in range(nargs))
     body = code.lines
     arg_tensors = [(idx, t) for kind, idx, t in sources.items if kind == "arg"]
@@ -448,7 +455,9 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
         body.append(f"s = {code.const(torch._C._cuda_getCurrentRawStream)}({device.index})")
     else:
         body.append(f"_srcs = ({''.join(f't{s}, ' for s in range(len(sources.items)))})")
+    body.extend(f"a{j}.fastpath_before()" for j in hooked)
     body.extend(launch_lines)
+    body.extend(f"a{j}.fastpath_after()" for j in hooked)
     body.append(f"return {_result_expr(spec)}")
     src = f"def plan({params}):\n" + "".join(f"    {line}\n" for line in body)
     exec(compile(src, "<moefuse plan>", "exec"), code.env)  # noqa: S102 - generated above
@@ -514,8 +523,11 @@ def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
 
     ``guards`` names arguments whose ``fastpath_ready()`` must be True for a replay (for example a
     communication workspace, which checks its health there); their ``fastpath_tensors()`` are
-    tensors whose addresses stay fixed while that holds (kernels may get them). The wrapper has
-    ``fn``'s signature.
+    tensors whose addresses stay fixed while that holds (kernels may get them). A guard whose
+    ``fastpath_host_work`` is True has host work of its own around every call, done without
+    torch ops (so the recorder does not see it): the plan calls its ``fastpath_before()`` before
+    the launches and ``fastpath_after()`` after them (a CPU workspace refreshes its clock word
+    and polls its status word). The wrapper has ``fn``'s signature.
     """
     if fn is None:
         return lambda f: fast_op(f, guards=guards)
@@ -550,19 +562,18 @@ def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
                     + [_key_expr(p.name, p.default is not p.empty) for p in params])
     src = f"""
 def {fn.__name__}({", ".join(decl)}):
-    if _ON[0] and _local.rec is None and not _compiling() and _depth() <= _own[0]:
+    if _ON[0] and _local.rec is None and not _compiling() and _depth() <= _own.depth:
         try:
-            key = ({key},)
-            plans = _plans[key]
-        except KeyError:
-            return _record(key, ({args},), lambda: _fn({calls}))
+            plans = _plans.get(key := ({key},))
         except TypeError:
             return _fn({calls})
+        if plans is None:
+            return _record(key, ({args},), lambda: _fn({calls}))
         for plan in plans:
             result = plan({args})
             if result is not _MISS:
                 return result
-        if len(plans) < _MAXP:
+        if plans.__class__ is list and len(plans) < _MAXP:
             return _record(key, ({args},), lambda: _fn({calls}))
     return _fn({calls})
 """
@@ -583,7 +594,9 @@ def {fn.__name__}({", ".join(decl)}):
                            fn.__name__, plan.why)  # fmt: skip
         if len(plans) >= MAX_KEYS_PER_OP:
             plans.clear()
-        plans.setdefault(key, []).append(plan)
+        kept = plans.get(key, [])
+        # a refused signature is closed (a tuple): it is not recorded again on later calls
+        plans[key] = (*kept, plan) if isinstance(plan, _Slow) else [*kept, plan]
         return result
 
     env["_record"] = record

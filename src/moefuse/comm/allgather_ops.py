@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from moefuse._dispatch import custom_op
 from moefuse.comm import allgather_reference as ref
 from moefuse.comm.workspace import get_workspace
 
@@ -54,6 +55,10 @@ class AllGatherState:
         self.buffers: dict[torch.dtype, Tensor] = {}
         self._ws = weakref.ref(ws)
 
+    def tensors(self) -> list[Tensor]:
+        """What the kernels get (fixed addresses: launch plans may hold them)."""
+        return [self.agctrl, *self.buffers.values()]
+
     def gathered(self, dtype: torch.dtype, m: int) -> Tensor:
         buf = self.buffers.get(dtype)
         if buf is None:
@@ -62,9 +67,6 @@ class AllGatherState:
             buf = torch.empty((ws.max_tokens, ws.hidden_size), dtype=dtype, device=ws.device)
             self.buffers[dtype] = buf
         return buf[:m]
-
-
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _refuse_in_capture(what: str) -> None:
@@ -85,13 +87,13 @@ def region_reason(ws) -> str | None:
     return None
 
 
+def _new_state(ws) -> AllGatherState:
+    _refuse_in_capture("create the all-gather state")
+    return AllGatherState(ws)
+
+
 def allgather_state(ws) -> AllGatherState:
-    state = _STATES.get(ws)
-    if state is None:
-        _refuse_in_capture("create the all-gather state")
-        state = AllGatherState(ws)
-        _STATES[ws] = state
-    return state
+    return ws.attachment("allgather", _new_state)
 
 
 def prepare_allgather(ws, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -226,7 +228,7 @@ def _run_one_launch(ws, state, shard: Tensor, gathered: Tensor, epilogue, use_pd
 
 
 # ----------------------------------------------------------------------------- ops
-@torch.library.custom_op("moefuse::all_gather_rmsnorm", mutates_args=("out",))
+@custom_op("moefuse::all_gather_rmsnorm", mutates_args=("out",))
 def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_id: int,
                           eps: float, gain_center: float, algorithm: str, use_pdl: bool,
                           backend: str) -> None:  # fmt: skip
@@ -250,7 +252,7 @@ def _(shard, weight, out, workspace_id, eps, gain_center, algorithm, use_pdl, ba
     return None
 
 
-@torch.library.custom_op("moefuse::all_gather_rmsnorm_fp8", mutates_args=("out",))
+@custom_op("moefuse::all_gather_rmsnorm_fp8", mutates_args=("out",))
 def all_gather_rmsnorm_fp8_op(shard: Tensor, weight: Tensor, scale: Tensor, out: Tensor,
                               fmt: int, workspace_id: int, eps: float, gain_center: float,
                               algorithm: str, use_pdl: bool, backend: str) -> None:  # fmt: skip
@@ -283,7 +285,7 @@ def _(shard, weight, scale, out, fmt, workspace_id, eps, gain_center, algorithm,
 _SCALE_ROW_TILE = {"swizzled_128x4": 128, "swizzled_8x4": 8, "linear": 1}
 
 
-@torch.library.custom_op("moefuse::all_gather_rmsnorm_fp4_quantize",
+@custom_op("moefuse::all_gather_rmsnorm_fp4_quantize",
                          mutates_args=("packed", "scales"))  # fmt: skip
 def all_gather_rmsnorm_fp4_quantize_op(shard: Tensor, weight: Tensor, global_scale: Tensor,
                                        packed: Tensor, scales: Tensor, workspace_id: int,
@@ -321,7 +323,7 @@ def _(shard, weight, global_scale, packed, scales, workspace_id, eps, gain_cente
     return None
 
 
-@torch.library.custom_op(
+@custom_op(
     "moefuse::all_gather_gated_residual_next_rmsnorm",
     mutates_args=("residual_out", "ffn_input", "router_input"),
 )

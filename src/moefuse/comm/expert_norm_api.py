@@ -182,6 +182,23 @@ class ExpertNormWorkspace:
     def peer_access(self) -> bool:
         return self.ar.peer_access
 
+    # launch plans (moefuse._fastpath): the base workspace's health, tensors and host work
+    def fastpath_ready(self) -> bool:
+        return self.ar.fastpath_ready()
+
+    def fastpath_tensors(self) -> list[torch.Tensor]:
+        return self.ar.fastpath_tensors()
+
+    @property
+    def fastpath_host_work(self) -> bool:
+        return self.ar.fastpath_host_work
+
+    def fastpath_before(self) -> None:
+        self.ar.fastpath_before()
+
+    def fastpath_after(self) -> None:
+        self.ar.fastpath_after()
+
     def unsupported_reason(self) -> str | None:
         """Why the Triton kernels cannot run on this workspace (None if they can)."""
         if self.ar.closed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from moefuse._dispatch import custom_op
 from moefuse.comm import expert_norm_reference as ref
 
 Tensor = torch.Tensor
@@ -44,7 +45,7 @@ def _tp_execute(rows, weights, idx, norm_weight, output, ws_id, eps, gain_center
         xws.ar.poll_status()
 
 
-@torch.library.custom_op("moefuse::tp_moe_finalize_rmsnorm", mutates_args=("output",))
+@custom_op("moefuse::tp_moe_finalize_rmsnorm", mutates_args=("output",))
 def tp_moe_finalize_rmsnorm_op(
     gemm2_permuted: Tensor, expert_weights: Tensor, idx: Tensor, norm_weight: Tensor,
     output: Tensor, workspace_id: int, eps: float, gain_center: float, weight_before_norm: bool,
@@ -85,7 +86,7 @@ def _ep_execute(rows, weights, idx, norm_weight, output, ws_id, eps, gain_center
         ws.poll_status()
 
 
-@torch.library.custom_op("moefuse::moe_finalize_rmsnorm_allreduce", mutates_args=("output",))
+@custom_op("moefuse::moe_finalize_rmsnorm_allreduce", mutates_args=("output",))
 def moe_finalize_rmsnorm_allreduce_op(
     routed_rows: Tensor, route_weights: Tensor, permuted_idx: Tensor, norm_weight: Tensor,
     output: Tensor, workspace_id: int, eps: float, gain_center: float, weight_before_norm: bool,

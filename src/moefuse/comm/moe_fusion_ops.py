@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from moefuse._dispatch import custom_op
 from moefuse.comm import moe_fusion_reference as ref
 from moefuse.comm.workspace import get_workspace
 
@@ -133,7 +134,7 @@ def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_ma
 
 
 # ----------------------------------------------------------------------------- §3.2
-@torch.library.custom_op(
+@custom_op(
     "moefuse::moe_allreduce_residual_rmsnorm",
     mutates_args=("allreduce_out", "residual_out", "norm_out", "quant_out", "scale_out"),
 )
@@ -160,7 +161,7 @@ def _(active_experts_token_input, scale_input, token_input, residual, weight, sc
 
 
 # ----------------------------------------------------------------------------- §3.3
-@torch.library.custom_op(
+@custom_op(
     "moefuse::moe_finalize_allreduce_residual_rmsnorm",
     mutates_args=("residual_out", "norm_out", "quant_out", "scale_out"),
 )

@@ -479,7 +479,8 @@ class CpuClock:
         self.resolution_us = int(period_s * 1e6)
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.tensor[0] = time.monotonic_ns()
+        self._word = self.tensor.numpy()  # ticks write here: no torch op per launch
+        self._word[0] = time.monotonic_ns()
         self._thread = threading.Thread(target=self._run, name="moefuse-comm-clock", daemon=True)
         self._thread.start()
 
@@ -496,8 +497,8 @@ class CpuClock:
         """
         with self._lock:
             now = time.monotonic_ns()
-            if now > int(self.tensor[0]):
-                self.tensor[0] = now
+            if now > int(self._word[0]):
+                self._word[0] = now
 
     def stop(self) -> None:
         self._stop.set()

@@ -200,6 +200,7 @@ class AllReduceWorkspace:
             raise ValueError("AllReduceWorkspace: timeout_s must be in (0, 2000]")
         self._coll_device = _collective_device(group, device)
         self._closed = False
+        self._attachments: dict[str, object] = {}
         self._failure: str | None = None
         self._ok = False  # True while open and not failed (one flag for the per-call check)
         self._leaked = None  # transport kept alive when a failed close() could not agree
@@ -250,6 +251,7 @@ class AllReduceWorkspace:
             self.table[:p] = torch.tensor(dist16, dtype=torch.int64)
         self.ctrl = torch.zeros(CTRL_WORDS, dtype=torch.int32, device=device)
         self.ctrl[CTRL_EPOCH] = 1
+        self._ctrl_host = self.ctrl.numpy() if device.type == "cpu" else None
         self.host_status = faults.HostStatus(device, self.ctrl)
         self._status_view = self.host_status.view
         self._uid = self._agree_uid()
@@ -423,11 +425,35 @@ class AllReduceWorkspace:
         Only while it is open and healthy (the same host status load as :meth:`raise_if_failed`,
         which replays skip), and never on the CPU backend, whose calls do host work after the
         launch (the status poll and the interpreter clock)."""
-        return self._ok and self._status_view[0] == 0 and not self.check_each_call
+        return self._ok and self._status_view[0] == 0
+
+    @property
+    def fastpath_host_work(self) -> bool:
+        """True on the CPU backend: every call refreshes the clock word before its launches and
+        polls the status word after them (:meth:`fastpath_before` / :meth:`fastpath_after`, done
+        without torch ops, so a recorded plan repeats them)."""
+        return self.check_each_call
+
+    def fastpath_before(self) -> None:
+        self.refresh_clock()
+
+    def fastpath_after(self) -> None:
+        self.poll_status()
 
     def fastpath_tensors(self) -> list[torch.Tensor]:
-        """Tensors of this workspace that kernels get and that live as long as it does."""
-        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+        """Tensors of this workspace that kernels get and that live as long as it does: its own
+        and those of the state that communication families keep on it (:meth:`attachment`)."""
+        own = [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+        return own + [t for state in self._attachments.values() for t in state.tensors()]
+
+    def attachment(self, name: str, create):
+        """The state a communication family keeps on this workspace under ``name`` (created by
+        ``create(self)`` on first use; it lives and dies with the workspace). Its ``tensors()``
+        join :meth:`fastpath_tensors`: their addresses are fixed once created."""
+        state = self._attachments.get(name)
+        if state is None:
+            state = self._attachments[name] = create(self)
+        return state
 
     # ------------------------------------------------------------------------- faults
     def raise_if_failed(self) -> None:
@@ -451,7 +477,7 @@ class AllReduceWorkspace:
         wait, including kernels that record their timeouts only there (not through
         ``moefuse.comm._device.give_up``), so :meth:`check` sees those as well."""
         if self._failure is None and self.peer_access and not self._closed:
-            status = int(self.ctrl[CTRL_STATUS].item())
+            status = self._device_status()
             if status and self._status_view[0] == 0:
                 self._failure = faults.describe(
                     [0] * self.world_size, status, rank=self.rank, group=self._group_name(),
@@ -459,6 +485,13 @@ class AllReduceWorkspace:
                 )  # fmt: skip
                 self._ok = False
         self.raise_if_failed()
+
+    def _device_status(self) -> int:
+        """The device status word: a plain load of the CPU tensor's memory (no torch op, so a
+        launch plan's recorder sees a pure call), a synchronizing read on CUDA."""
+        if self.device.type == "cpu":
+            return int(self._ctrl_host[CTRL_STATUS])
+        return int(self.ctrl[CTRL_STATUS].item())
 
     def failed(self) -> str | None:
         """The failure message, or None while healthy. No device sync: call it once per serving
