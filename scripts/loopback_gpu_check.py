@@ -132,6 +132,10 @@ def scenario_check(rank, world_size, fam_name, widths, tokens, deadline, timeout
                     trace(rank, f"{fam.op} {algo} M={m} H={h}: call", in_call=True)
                     outs = fam.call(moefuse, ws, rank, case, algo, pdl)
                     trace(rank, f"{fam.op} {algo} M={m} H={h}: launched")
+                    # settle the call before any host work: the kernel has finished (so this
+                    # rank's checks cannot stall a peer's kernel, see moefuse.testing_ranks)
+                    # and a timed-out wait is reported as the fault it is, not as wrong bits
+                    ws.check()
                     ok, detail = fam.check(case, outs)
                     trace(rank, f"{fam.op} {algo} M={m} H={h}: checked, ok={ok}")
                     if first is None:
@@ -154,6 +158,41 @@ def scenario_check(rank, world_size, fam_name, widths, tokens, deadline, timeout
             records.append(fams.record(fam.name, fam.op, "*", 0, h, False, f"ws.check(): {exc}"))
         ws.close()
     return records
+
+
+def scenario_stress(rank, world_size, fam_name, rounds, widths, tokens, timeout_s, pdl):
+    """``rounds`` times: a fresh workspace, its first call (algorithms, M and H in turn), the
+    fault check, the bitwise / bound check, close. Returns per outcome the count and the first
+    details: a call must never return wrong outputs without a fault, nor time out."""
+    import torch.distributed as dist
+
+    import moefuse
+
+    fam = fams.FAMILIES[fam_name]
+    dev = _current_device()
+    counts = {"pass": 0, "wrong": 0, "fault": 0}
+    details: list[str] = []
+    for i in range(rounds):
+        algo, m, h = fam.algos[i % len(fam.algos)], tokens[i % len(tokens)], \
+            widths[(i // len(tokens)) % len(widths)]  # fmt: skip
+        ws = fam.workspace(moefuse, m, h, dev, timeout_s)
+        try:
+            case = fam.inputs(7919 * i + m, m, h, dev)
+            dist.barrier()
+            outs = fam.call(moefuse, ws, rank, case, algo, pdl)
+            try:
+                ws.check()
+            except RuntimeError as exc:
+                counts["fault"] += 1
+                details.append(f"round {i} {algo} M={m} H={h}: fault: {exc}")
+                continue
+            ok, detail = fam.check(case, outs)
+            counts["pass" if ok else "wrong"] += 1
+            if not ok:
+                details.append(f"round {i} {algo} M={m} H={h}: {detail}")
+        finally:
+            ws.close()
+    return dict(family=fam.name, op=fam.op, rounds=rounds, **counts, details=details[:5])
 
 
 def scenario_time(rank, world_size, fam_name, h, tokens, algos, deadline, timeout_s, pdl, inner,
@@ -321,6 +360,9 @@ def main() -> int:
     parser.add_argument("--reserve-mib", type=int, default=1024,
                         help="caching-allocator reserve per rank (run_loopback_ranks)")
     parser.add_argument("--verbose", action="store_true", help="trace every call of every rank")
+    parser.add_argument("--stress", type=int, default=0,
+                        help="per family, this many rounds of: fresh workspace, first call, "
+                        "fault check, bitwise check, close (instead of the correctness sweep)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: dry run of this script in the Triton interpreter")
     args = parser.parse_args()
@@ -404,8 +446,30 @@ def main() -> int:
             print(f"ERROR in {fn.__name__}{fn_args[:1]}:\n{exc}", flush=True)
             return None
 
+    # ------------------------------------------------------------------ stress
+    result["stress"] = []
+    for name in families if args.stress else ():
+        t0 = time.monotonic()
+        per_rank = run(scenario_stress, name, args.stress, widths, tokens, args.timeout_s,
+                       args.pdl, bound_s=args.stress * (4 * args.timeout_s + 10) + 60)
+        if per_rank is None:
+            save()
+            continue
+        row = dict(per_rank[0], seconds=round(time.monotonic() - t0, 1))
+        for rank, other in enumerate(per_rank[1:], start=1):
+            for k in ("wrong", "fault"):
+                row[k] = max(row[k], other[k])
+            row["details"] += [f"rank {rank}: {d}" for d in other["details"]]
+        result["stress"].append(row)
+        status = "PASS" if row["wrong"] == 0 and row["fault"] == 0 else "FAIL"
+        result["cases"].append(fams.record(name, row["op"], "stress", 0, 0, status == "PASS",
+                                           "; ".join(row["details"][:3])))  # fmt: skip
+        print(f"STRESS {status} {row['op']:40s} {row['rounds']} rounds: {row['pass']} pass, "
+              f"{row['wrong']} wrong, {row['fault']} faults ({row['seconds']} s)", flush=True)
+        save()
+
     # ------------------------------------------------------------------ correctness
-    for name in families:
+    for name in families if not args.stress else ():
         t0 = time.monotonic()
         per_rank = run(scenario_check, name, widths, tokens, deadline, args.timeout_s, args.pdl,
                        bound_s=max(60.0, deadline - time.monotonic() + 4 * args.timeout_s))

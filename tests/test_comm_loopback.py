@@ -119,3 +119,59 @@ def test_gpu_check_script_dry_run(tmp_path):
     """scripts/loopback_gpu_check.py itself (what a one-GPU session runs) in its interpreter mode:
     every family at H = 64, M = 1, so the script cannot rot between GPU sessions."""
     run_check_script(tmp_path, "--device", "cpu", "--hidden", "64", "--tokens", "1")
+
+
+def test_first_call_stress_in_the_interpreter(tmp_path):
+    """The stress check of every family (fresh workspace, first call, fault check, bitwise check,
+    close; algorithms, M and H in turn) at interpreter sizes: no wrong result, no timeout.
+    On one GPU the same script runs it with ``--stress 200`` (test_comm_loopback_gpu.py)."""
+    run_check_script(tmp_path, "--device", "cpu", "--stress", "6", "--hidden", "64,96",
+                     "--tokens", "1,3", timeout_s=400)  # fmt: skip
+
+
+def test_compile_lock_hands_a_cached_kernel_to_a_waiting_rank():
+    """The loopback runner's serialized Triton compile: a rank waiting for the compile lock
+    takes the kernel another rank has put in the cache, even while that rank holds the lock
+    again (loading another module can wait for the device, i.e. for that rank's running
+    communication kernel, which waits for this rank: a stall until the bounded wait ran out,
+    seen as wrong outputs of a timed-out kernel). Processes on separate GPUs share no lock."""
+    import threading
+
+    pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    from moefuse.testing_ranks import _serialized_triton_compile
+
+    class Fake:
+        def __init__(self):
+            self.device_caches = {0: ({}, None, None, None, None)}
+
+    fake = Fake()
+    compiled_once = threading.Event()
+    release = threading.Event()
+
+    def original(self, key, signature, device, *rest, **kwargs):
+        self.device_caches[device][0][key] = f"kernel {key}"
+        compiled_once.set()
+        release.wait(5)  # the first rank keeps the lock (as a module load would)
+        return self.device_caches[device][0][key]
+
+    got = {}
+    real = JITFunction._do_compile
+    JITFunction._do_compile = original
+    try:
+        with _serialized_triton_compile():
+            do_compile = JITFunction._do_compile
+            first = threading.Thread(target=lambda: do_compile(fake, "k", None, 0))
+            first.start()
+            compiled_once.wait(5)
+            waiter = threading.Thread(target=lambda: got.setdefault("k", do_compile(
+                fake, "k", None, 0)))  # fmt: skip
+            waiter.start()
+            waiter.join(2)
+            assert not waiter.is_alive() and got["k"] == "kernel k"  # did not wait for the lock
+            release.set()
+            first.join(5)
+    finally:
+        release.set()
+        JITFunction._do_compile = real

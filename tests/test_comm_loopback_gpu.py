@@ -3,7 +3,12 @@ of one process, half the SMs less one each) run as a subprocess, correctness onl
 of that script at H = 4096, M = 1 and 64: all-reduce + norm, the §3.2 / §3.3 MoE fusions, every
 all-gather op, every tp algorithm and the EP op, against the references (bitwise, or within the
 SPEC bound), bitwise across algorithms and across the ranks; then larger shapes per family.
-Where two GPUs are lent, tests/test_comm_*_gpu.py run the same ops on real peers."""
+Where two GPUs are lent, tests/test_comm_*_gpu.py run the same ops on real peers.
+
+Every call is settled (the rank's device synchronized, the workspace's fault word read) before
+the checks: a bounded wait that ran out is reported as the fault it is. The first-call stress
+check (a fresh workspace per call, 200 rounds per family) and the repeated runs of this file
+are ``bash scripts/comm_trust_check.sh``."""
 
 from __future__ import annotations
 

@@ -115,6 +115,14 @@ def _stream_of(args):
     return None
 
 
+def note_impure(why: str) -> None:
+    """The call being recorded does work a plan cannot repeat, which the dispatch mode may not
+    see (a torch.distributed collective: a threaded group runs it on another rank's thread)."""
+    rec = _local.rec
+    if rec is not None and rec.impure is None:
+        rec.impure = why
+
+
 def note_alias_check(kind: str, a: torch.Tensor, b: torch.Tensor) -> None:
     """``_validate`` reports each aliasing check: "disjoint" or "exact_or_disjoint"."""
     rec = _local.rec

@@ -194,7 +194,15 @@ def _serialized_triton_compile():
     Measured on H200 (Triton 3.6, CUDA 13): without the load under the lock, the second rank
     found the kernel in the cache while the first was still loading it, loaded it again after
     the first had launched, and ``cuModuleLoadData`` waited for the first rank's kernel, which
-    waited for the second rank (until the bounded wait ran out)."""
+    waited for the second rank (until the bounded wait ran out).
+
+    A rank waiting for the lock polls the cache: with a plain wait, the first rank could launch
+    the kernel both needed, then take the lock again to compile and load another kernel (a
+    reference check, say) while the second rank still waited for it; that load waits for the
+    first rank's running kernel, which waits for the second rank: both stall until the
+    kernel's bounded wait runs out, and the call's outputs are those of a timed-out kernel
+    (garbage, with the fault recorded in the workspace). Separate processes share no lock and
+    no context, so they cannot stall this way."""
     try:
         from triton.compiler.compiler import CompiledKernel
         from triton.runtime.jit import JITFunction
@@ -214,18 +222,31 @@ def _serialized_triton_compile():
         with lock:
             return init_handles(self)
 
+    def cached(self, key, device):
+        try:
+            return self.device_caches[device][0].get(key)
+        except Exception:  # a cache layout this wrapper does not know: just compile
+            return None
+
     def _do_compile(self, key, signature, device, *rest, **kwargs):
-        with lock:
-            try:
-                cached = self.device_caches[device][0].get(key)
-            except Exception:  # a cache layout this wrapper does not know: just compile
-                cached = None
-            if cached is not None:
-                return cached
+        # While waiting for the lock, take the kernel as soon as another rank has put it in the
+        # cache (compiled and loaded). Waiting for the lock itself could last until a bounded
+        # wait runs out: the holder may be loading another module, which waits for the device,
+        # i.e. for the holder's own communication kernel, which waits for this rank's launch.
+        while not lock.acquire(timeout=0.005):
+            kernel = cached(self, key, device)
+            if kernel is not None:
+                return kernel
+        try:
+            kernel = cached(self, key, device)
+            if kernel is not None:
+                return kernel
             kernel = original(self, key, signature, device, *rest, **kwargs)
             if isinstance(kernel, CompiledKernel):  # (not a future of async compilation)
                 kernel._init_handles()  # load now, under the lock
             return kernel
+        finally:
+            lock.release()
 
     JITFunction._do_compile = _do_compile
     CompiledKernel._init_handles = _init_handles

@@ -50,58 +50,29 @@ def per_call_us(fns: list, calls: int, repeats: int) -> list[float]:
 
 
 def single_gpu_cases(dev: torch.device) -> list[tuple[str, str, object]]:
-    """(op, impl, fn) for every single-GPU public op and its baselines, at M = 1, BF16."""
+    """(op, impl, fn) for every single-GPU public op (:func:`moefuse.bench.op_calls.
+    single_gpu_calls`) and its baselines, at M = 1, BF16."""
     import torch.nn.functional as F
 
-    import moefuse
+    from moefuse.bench.op_calls import single_gpu_calls
 
     bf = torch.bfloat16
     x = torch.randn(1, H, device=dev, dtype=bf)
     r = torch.randn_like(x)
     w = torch.randn(H, device=dev, dtype=bf)
-    out = torch.empty_like(x)
-    res32 = torch.randn(1, H, device=dev)
-    alpha, beta = torch.rand(H, device=dev), torch.rand(H, device=dev)
-    ro, ffn = torch.empty_like(res32), torch.empty_like(x)
-    heads = torch.randn(1, HEADS, HEAD_DIM, device=dev, dtype=bf)
-    gate = torch.randn_like(heads)
-    scale = torch.tensor([0.05], device=dev)
-    gscale = torch.tensor([448.0 * 6 / 3.0], device=dev)
-    q8 = torch.empty(1, H, device=dev, dtype=torch.float8_e4m3fn)
     rows, plan, weights = _moe_inputs(dev)
-    xp = torch.empty(plan.permuted_idx_to_expanded_idx.shape[0], H, device=dev, dtype=bf)
-    packed, scales = moefuse.fp4_quantize(x, gscale)
-    cases = [
-        ("rms_norm", "torch", lambda: F.rms_norm(x, (H,), w, 1e-6)),
-        ("rmsnorm", "moefuse", lambda: moefuse.rmsnorm(x, w)),
-        ("rmsnorm(out=)", "moefuse", lambda: moefuse.rmsnorm(x, w, out=out)),
-        ("gemma_rmsnorm", "moefuse", lambda: moefuse.gemma_rmsnorm(x, w)),
-        ("fused_add_rmsnorm", "moefuse", lambda: moefuse.fused_add_rmsnorm(x, r, w)),
-        ("fused_add_rmsnorm", "torch", lambda: _torch_fused_add(F, x, r, w)),
-        ("gemma_fused_add_rmsnorm", "moefuse", lambda: moefuse.gemma_fused_add_rmsnorm(x, r, w)),
-        ("gated_residual_rmsnorm", "moefuse",
-         lambda: moefuse.gated_residual_rmsnorm(x, res32, w, alpha, beta)),
-        ("gated_residual_next_rmsnorm", "moefuse",
-         lambda: moefuse.gated_residual_next_rmsnorm(x, res32, w, alpha, beta, residual_out=ro,
-                                                     ffn_input=ffn)),
-        ("rmsnorm_sigmoid_gate", "moefuse", lambda: moefuse.rmsnorm_sigmoid_gate(heads, gate)),
-        ("moe_finalize", "moefuse",
-         lambda: moefuse.moe_finalize(rows, plan.expanded_idx_to_permuted_idx, weights)),
-        ("moe_finalize", "torch", lambda: _torch_finalize(rows, plan, weights)),
-        ("moe_permute", "moefuse",
-         lambda: moefuse.moe_permute(x, plan.permuted_idx_to_expanded_idx, TOP_K, out=xp)),
-        ("fp8_quantize", "moefuse", lambda: moefuse.fp8_quantize(x, scale)),
-        ("fp8_quantize_per_token", "moefuse", lambda: moefuse.fp8_quantize_per_token(x)),
-        ("fp8_dequantize", "moefuse", lambda: moefuse.fp8_dequantize(q8, scale)),
-        ("fp4_quantize", "moefuse", lambda: moefuse.fp4_quantize(x, gscale)),
-        ("fp4_dequantize", "moefuse", lambda: moefuse.fp4_dequantize(packed, scales, gscale)),
-        ("rmsnorm_quant", "moefuse", lambda: moefuse.rmsnorm_quant(x, w, scale)),
-        ("fused_add_rmsnorm_quant", "moefuse",
-         lambda: moefuse.fused_add_rmsnorm_quant(x, r, w, scale)),
-        ("rmsnorm_fp4_quantize", "moefuse", lambda: moefuse.rmsnorm_fp4_quantize(x, w, gscale)),
-        ("fused_add_rmsnorm_fp4_quantize", "moefuse",
-         lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gscale)),
-    ]  # fmt: skip
+    baselines = {
+        "rmsnorm": ("rms_norm", lambda: F.rms_norm(x, (H,), w, 1e-6)),
+        "fused_add_rmsnorm": ("fused_add_rmsnorm", lambda: _torch_fused_add(F, x, r, w)),
+        "moe_finalize": ("moe_finalize", lambda: _torch_finalize(rows, plan, weights)),
+    }
+    calls, _ = single_gpu_calls(dev, m=1, h=H)
+    cases = []
+    for name, label, fn in calls:
+        if name in baselines and label == name:
+            base_op, base_fn = baselines.pop(name)
+            cases.append((base_op, "torch", base_fn))
+        cases.append((label, "moefuse", fn))
     return cases + _flashinfer_cases(x, r, w)
 
 
@@ -135,29 +106,31 @@ def _flashinfer_cases(x, r, w) -> list:
     ]
 
 
-def comm_cases(dev: torch.device, group) -> list[tuple[str, str, object]]:
+def comm_cases(dev: torch.device, group) -> tuple[list[tuple[str, str, object]], object]:
+    """(op, impl, fn) for every public communication op at M = 1 (:func:`moefuse.bench.
+    op_calls.comm_calls`) and NCCL's all-reduce where the group is NCCL; and ``close()``."""
     import torch.distributed as dist
 
-    import moefuse
+    from moefuse.bench.op_calls import comm_calls
 
-    bf = torch.bfloat16
-    ws = moefuse.AllReduceWorkspace(group, 64, H, bf, dev)
-    x = torch.randn(1, H, device=dev, dtype=bf)
-    r = torch.randn_like(x)
-    w = torch.randn(H, device=dev, dtype=bf)
-    ro, no = torch.empty_like(x), torch.empty_like(x)
-    scale = torch.tensor([0.05], device=dev)
-    cases = [
-        ("allreduce", "moefuse", lambda: moefuse.allreduce(x, workspace=ws)),
-        ("allreduce_residual_rmsnorm", "moefuse",
-         lambda: moefuse.allreduce_residual_rmsnorm(x, r, w, workspace=ws, residual_out=ro,
-                                                    norm_out=no)),
-        ("allreduce_residual_rmsnorm_fp8", "moefuse",
-         lambda: moefuse.allreduce_residual_rmsnorm_fp8(x, r, w, scale, workspace=ws,
-                                                        residual_out=ro)),
-        ("all_reduce", "nccl", lambda: dist.all_reduce(x, group=group)),
-    ]  # fmt: skip
-    return cases, ws
+    calls, _, close = comm_calls(dev, group, m=1, h=H)
+    cases = [(name, "moefuse", fn) for name, fn in calls]
+    if "nccl" in str(dist.get_backend(group)).lower():
+        x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
+        cases.append(("all_reduce", "nccl", lambda: dist.all_reduce(x, group=group)))
+    return cases, close
+
+
+def _loopback_rank(rank: int, world_size: int, calls: int, repeats: int) -> list[dict]:
+    """One loopback rank (a thread; :mod:`moefuse.testing_ranks`): every communication op's
+    host µs per eager call, both ranks calling in lockstep on one GPU."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cases, close = comm_cases(dev, None)
+    rows = _measure(cases, calls, repeats, rank0=rank == 0)
+    close()
+    for r in rows:
+        r.update(P=world_size, ranks="loopback")
+    return rows
 
 
 def _measure(cases, calls, repeats, rank0=True) -> list[dict]:
@@ -190,8 +163,16 @@ def add_ratios(rows: list[dict]) -> list[str]:
     base = next((r["us_per_call"] for r in rows if r["op"] == "rms_norm"), None)
     fi = {r["op"]: r["us_per_call"] for r in rows if r["impl"] == "flashinfer"}
     lines = []
+    ar = {r.get("ranks"): r["us_per_call"] for r in rows
+          if r["op"] == "allreduce_residual_rmsnorm" and r["impl"] == "moefuse"}  # fmt: skip
     for r in rows:
-        if r["impl"] != "moefuse" or base is None:
+        if r["impl"] == "moefuse" and r.get("ranks") in ar:  # communication ops: same run
+            r["x_allreduce_residual_rmsnorm"] = x = r["us_per_call"] / ar[r["ranks"]]
+            ok = x <= 1.5 and r.get("launch_plan") == "replayed"
+            lines.append(f"{'PASS' if ok else 'FAIL'} {r['op']} [{r['ranks']}]: "
+                         f"{r['us_per_call']:.2f} us = {x:.2f} x allreduce_residual_rmsnorm "
+                         f"(bar <= 1.5, replayed: {r.get('launch_plan')})")  # fmt: skip
+        if r["impl"] != "moefuse" or base is None or r.get("ranks") == "loopback":
             continue
         r["x_rms_norm"] = r["us_per_call"] / base
         op = r["op"].split("(")[0]
@@ -241,12 +222,12 @@ def _worker(rank: int, world_size: int, args, init: str | None, queue=None) -> N
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world_size)
     dev = torch.device("cuda", rank)
-    cases, ws = comm_cases(dev, dist.group.WORLD)
+    cases, close = comm_cases(dev, dist.group.WORLD)
     rows = _measure(cases, args.calls, args.repeats, rank0=rank == 0)
     for r in rows:
         r["op"] = f"{r['op']} (P={world_size})" if r["impl"] != "moefuse" else r["op"]
-        r["P"] = world_size
-    ws.close()
+        r.update(P=world_size, ranks="gpus")
+    close()
     dist.destroy_process_group()
     if rank == 0 and queue is not None:
         queue.put(rows)
@@ -258,8 +239,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--world-size", type=int, default=0,
-                        help="also time the communication ops on P GPUs (0: skip)")  # fmt: skip
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="time the communication ops on P GPUs (default: every GPU there "
+                        "when there are two or more; on one GPU two loopback ranks; 0: skip)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench overhead needs a CUDA GPU (host time of eager calls on the real launcher)")
@@ -268,7 +250,15 @@ def main(argv: list[str]) -> int:
 
     dev = torch.device("cuda", 0)
     rows = _measure(single_gpu_cases(dev), args.calls, args.repeats)
-    if args.world_size >= 2 and torch.cuda.device_count() >= args.world_size:
+    world = torch.cuda.device_count() if args.world_size is None else args.world_size
+    if world == 1 or (world >= 2 and torch.cuda.device_count() < world):
+        from moefuse.testing_ranks import run_loopback_ranks
+
+        print("communication ops on two loopback ranks (threads of this process, one GPU): "
+              "host time with two ranks sharing one Python process")  # fmt: skip
+        rows += run_loopback_ranks(_loopback_rank, 2, dev, args.calls, args.repeats,
+                                   timeout_s=1200)[0]  # fmt: skip
+    elif world >= 2:
         import torch.multiprocessing as mp
 
         from moefuse.bench.ranks import free_port

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moefuse._fastpath import note_impure
 from moefuse.norm import reference as norm_ref
 from moefuse.quant import reference as quant_ref
 
@@ -25,6 +26,7 @@ def gather_columns(shard: torch.Tensor, workspace, out: torch.Tensor | None = No
     p = workspace.world_size
     stacked = torch.empty((p, m, s), dtype=x.dtype, device=x.device)
     backend = str(dist.get_backend(workspace.group)).lower()
+    note_impure("a torch.distributed all-gather")
     if x.is_cuda and "nccl" in backend:
         dist.all_gather_into_tensor(stacked, x, group=workspace.group)
     else:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moefuse._fastpath import note_impure
+
 
 def gather_stacked(input: torch.Tensor, workspace) -> torch.Tensor:
     """All-gather ``input`` [M, H] of every rank into a new contiguous ``[P, M, H]`` tensor."""
@@ -20,6 +22,7 @@ def gather_stacked(input: torch.Tensor, workspace) -> torch.Tensor:
     p = workspace.world_size
     out = torch.empty((p, *x.shape), dtype=x.dtype, device=x.device)
     backend = str(dist.get_backend(workspace.group)).lower()
+    note_impure("a torch.distributed all-gather")
     if x.is_cuda and "nccl" in backend:
         dist.all_gather_into_tensor(out, x, group=workspace.group)
     else:
