@@ -240,7 +240,7 @@ def save(rows, ceiling, args) -> None:
     meta.update(copy_ceiling_tbs=ceiling, peak_tbs=PEAK_TBS, routing_sets=ROUTING_SETS,
                 floor="bytes of gate+up+down of the distinct routed experts / 4.8 TB/s; "
                 "x_floor_copy: the same bytes over the copy ceiling measured in this run",
-                baselines="transformers.integrations.moe grouped_mm / batched_mm experts "
+                baseline_note="transformers.integrations.moe grouped_mm / batched_mm experts "
                 "functions and moefuse's composed path, same inputs")  # fmt: skip
     try:
         import transformers
