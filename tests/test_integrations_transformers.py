@@ -134,13 +134,44 @@ def test_experts_function_matches_grouped_mm():
     assert_bitwise_equal(got_ep, want_ep, "sentinel slot skipped")
 
 
+@torch.no_grad()
+def test_supported_modules_run_the_fused_op(monkeypatch):
+    """Qwen3-MoE / Mixtral experts (SiLU, concatenated gate|up) run ``moefuse.moe_experts`` with
+    the module's weights, bit for bit; a non-SiLU activation takes the composed path."""
+    import moefuse
+    from moefuse.integrations import _experts as ex
+
+    fused = ex.moe_experts
+    calls = []
+    monkeypatch.setattr(ex, "moe_experts", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    for kind in ("qwen3_moe", "mixtral"):
+        experts = build(kind, 4).to(torch.bfloat16).model.layers[0].mlp.experts
+        experts.__dict__["_moefuse_impl"] = "triton"
+        g = torch.Generator().manual_seed(11)
+        x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, experts.gate_up_proj.shape[0], (5, 2), generator=g)
+        w = torch.rand(5, 2, generator=g)
+        calls.clear()
+        got = ex.moefuse_experts_forward(experts, x, idx, w)
+        assert calls, f"{kind}: the fused op was not called"
+        want = moefuse.moe_experts(x, experts.gate_up_proj, experts.down_proj, idx, w,
+                                   impl="triton")  # fmt: skip
+        assert_bitwise_equal(got, want, kind)
+        experts.config.hidden_act = "gelu"
+        calls.clear()
+        ex.moefuse_experts_forward(experts, x, idx, w)
+        assert not calls, f"{kind}: gelu ran the SiLU kernels"
+
+
 @pytest.mark.parametrize("ep", [False, True])
 @torch.no_grad()
 def test_decode_experts_by_slot_equal_the_plan_path(ep, monkeypatch):
-    """T * K <= GATHER_MAX_ROWS takes the slot-order decode path (no sort, no permute): bitwise
-    equal to the routing-plan path it replaces, with an expert-parallel sentinel skipped."""
+    """The composed path (``FUSED = False``): T * K <= GATHER_MAX_ROWS takes the slot-order
+    decode path (no sort, no permute), bitwise equal to the routing-plan path it replaces, with
+    an expert-parallel sentinel skipped."""
     from moefuse.integrations import _experts as ex
 
+    monkeypatch.setattr(ex, "FUSED", False)
     model = build("qwen3_moe", 4).to(torch.bfloat16)
     experts = model.model.layers[0].mlp.experts
     experts.__dict__["_moefuse_impl"] = "triton"

@@ -6,7 +6,8 @@ import argparse
 import importlib
 import sys
 
-BENCH_FAMILIES = ("norm", "moe", "quant", "allreduce", "overhead", "allgather", "moe-comm")
+BENCH_FAMILIES = ("norm", "moe", "moe-experts", "quant", "allreduce", "overhead", "allgather",
+                  "moe-comm")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("moe", "moefuse.bench.moe",
            ours=("moefuse", "deterministic finalize", "PDL on"),
            not_baselines=("PDL off", "PDL default")),
+    # fused routed experts against transformers' grouped_mm / batched_mm experts functions and
+    # moefuse's composed path ("moefuse_composed", one of ours: not a baseline of the summary)
+    Family("moe-experts", "moefuse.bench.moe_experts", not_baselines=("moefuse_composed",)),
     # host µs per eager call; F.rms_norm (op "rms_norm", impl "torch") is rmsnorm's baseline
     Family("overhead", "moefuse.bench.overhead", quick=False, optional_world_size=True,
            op_aliases=(("rms_norm", "rmsnorm"),)),

@@ -1,5 +1,9 @@
 """The ``"moefuse"`` experts implementation for transformers' ``use_experts_implementation`` hook.
 
+Modules with SiLU-gated, concatenated gate|up weights (either storage) and no biases run
+:func:`moefuse.moe_experts`: the fused Triton kernels, every routed expert's weights read once,
+batch-invariant bits (see :func:`_fused_layout`). Other layouts take the composed path below.
+
 Called as ``fn(self, hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``
 with the weights of a transformers experts module: ``self.gate_up_proj`` [E, 2I, H] (gate rows
 then up rows), ``self.down_proj`` [E, H, I], ``self._apply_gate`` (activation of the gate half
@@ -19,9 +23,9 @@ skipped by the finalize. The grouped GEMMs use ``torch._grouped_mm`` on CUDA whe
 once per dtype/device by :func:`moefuse.moe.layer.grouped_mm_available`), else a loop-free
 gather + ``bmm`` (CPU CI; memory ``T*K*N*Kd`` elements, fine for small models only).
 
-Modules whose layout this path does not cover (biases, transposed or interleaved gate/up weights,
-no gate, a post-expert norm, FP32 activations, autograd) run transformers' own ``"grouped_mm"``
-function instead, announced once through the ``moefuse`` logger.
+Modules whose layout the composed path does not cover (biases, transposed or interleaved gate/up
+weights, no gate, a post-expert norm, FP32 activations, autograd) run transformers' own
+``"grouped_mm"`` function instead, announced once through the ``moefuse`` logger.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from moefuse._runtime import log_once
 from moefuse.moe.api import moe_finalize, moe_permute
+from moefuse.moe.experts import moe_experts
 from moefuse.moe.layer import _grouped_mm_torch, grouped_mm_available
 from moefuse.moe.routing import RoutingPlan
 
@@ -149,10 +154,30 @@ def _experts_by_slot(self, x, top_k_index, top_k_weights, impl, expert_parallel:
                         shared_expert_output=self.__dict__.get(SHARED_ATTR))  # fmt: skip
 
 
-def _unsupported_reason(module, hidden_states: torch.Tensor) -> str | None:
+#: modules whose layout :func:`moefuse.moe_experts` covers run it (the fused kernels, one op);
+#: False keeps the composed path below (plan, permute, GEMMs, finalize) for them too
+FUSED = True
+
+
+def _fused_layout(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+    """``moe_experts`` computes this module's experts: SiLU-gated concatenated gate|up weights
+    (either storage) with transformers' default gate (``act(gate) * up``), no biases or
+    post-expert norm, BF16/FP16, no autograd."""
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    gate = getattr(type(module), "_apply_gate", None)
+    return (
+        FUSED
+        and act in ("silu", "swish")
+        and (gate is None or getattr(gate, "__name__", "") == "_default_apply_gate")
+        and top_k_index.dim() == 2
+        and _unsupported_reason(module, hidden_states, allow_transposed=True) is None
+    )
+
+
+def _unsupported_reason(module, hidden_states: torch.Tensor, allow_transposed=False) -> str | None:
     if getattr(module, "has_bias", False):
         return "expert biases"
-    if getattr(module, "is_transposed", False):
+    if getattr(module, "is_transposed", False) and not allow_transposed:
         return "transposed expert weights"
     if not getattr(module, "is_concatenated", True):
         return "interleaved gate/up weights"
@@ -182,6 +207,14 @@ def moefuse_experts_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """The registered experts function (module docstring); returns a fresh [T, H] tensor."""
+    if _fused_layout(self, hidden_states, top_k_index):
+        x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
+        return moe_experts(
+            x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
+            transposed=bool(getattr(self, "is_transposed", False)),
+            shared_expert_output=self.__dict__.get(SHARED_ATTR),
+            impl=self.__dict__.get(IMPL_ATTR, "auto"),
+        )  # fmt: skip
     reason = _unsupported_reason(self, hidden_states)
     if reason is not None:
         return _fallback(self, hidden_states, top_k_index, top_k_weights, reason)

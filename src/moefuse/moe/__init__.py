@@ -1,5 +1,6 @@
-"""The MoE finalize family (SPEC §2): the deterministic finalize, its scatter-add baseline, the
-routing helpers that build a finalize's inputs, and a whole-layer pipeline for benchmarks."""
+"""The MoE family: the deterministic finalize (SPEC §2), its scatter-add baseline, the fused routed
+experts (gate|up, activation, down and finalize at transformers' weight layouts), the routing
+helpers that build a finalize's inputs, and a whole-layer pipeline for benchmarks."""
 
 from moefuse.moe.api import (
     moe_finalize,
@@ -9,6 +10,7 @@ from moefuse.moe.api import (
     supports_moe_finalize_scatter_add,
     supports_moe_permute,
 )
+from moefuse.moe.experts import moe_experts, supports_moe_experts
 from moefuse.moe.layer import MoEWeights, moe_layer
 from moefuse.moe.routing import RoutingPlan, route_topk, sort_by_expert
 
@@ -19,6 +21,8 @@ __all__ = [
     "supports_moe_finalize_scatter_add",
     "moe_permute",
     "supports_moe_permute",
+    "moe_experts",
+    "supports_moe_experts",
     "route_topk",
     "sort_by_expert",
     "RoutingPlan",

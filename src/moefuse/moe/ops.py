@@ -76,3 +76,31 @@ def moe_permute_op(
 @moe_permute_op.register_fake
 def _(input, permuted_idx_to_expanded_idx, top_k, out, use_pdl):
     return None
+
+
+@custom_op("moefuse::moe_experts", mutates_args=("out",))
+def moe_experts_op(
+    hidden_states: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    out: Tensor,
+    bias: Tensor | None,
+    shared_expert_output: Tensor | None,
+    routed_scaling_factor: float,
+    transposed: bool,
+    use_pdl: bool,
+) -> None:
+    from moefuse.moe.experts_triton import launch_moe_experts
+
+    launch_moe_experts(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, out, bias,
+        shared_expert_output, routed_scaling_factor, transposed, use_pdl,
+    )  # fmt: skip
+
+
+@moe_experts_op.register_fake
+def _(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, out, bias,
+      shared_expert_output, routed_scaling_factor, transposed, use_pdl):  # fmt: skip
+    return None

@@ -189,3 +189,64 @@ def moe_permute_reference(
     rows = valid.nonzero().squeeze(1)
     out[rows] = input.index_select(0, e[rows] // top_k)
     return out
+
+
+def moe_experts_reference(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    transposed: bool = False,
+    bias: torch.Tensor | None = None,
+    shared_expert_output: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> torch.Tensor:
+    """The routed experts of an MoE layer, new ``[T, H]`` tensor. Per valid slot (t, k), i.e.
+    expert ``e = top_k_index[t, k]`` in [0, E) (other ids are expert-parallel sentinels and
+    contribute nothing)::
+
+        g = W_gate[e] x_t,  u = W_up[e] x_t        # exact products, FP32 results
+        a = cast(silu(g) * u)                      # FP32 math, one rounding to the input dtype
+        y = W_down[e] a                            # exact products, FP32 result (not rounded)
+        out[t] = finalize(y of t's slots)          # moe_finalize_reference, expanded rows:
+                                                   # ascending k, fma_ftz, bias[e] before the
+                                                   # weight, * routed_scaling_factor, + shared,
+                                                   # one rounding
+
+    ``gate_up_proj`` [E, 2I, H] holds the gate rows then the up rows, ``down_proj`` [E, H, I];
+    with ``transposed=True`` they are [E, H, 2I] and [E, I, H]. The products are summed in FP64
+    and rounded once to FP32 (the kernels sum in FP32 MMA order: a few FP32 ulps apart, which can
+    move ``a`` by one ulp of its dtype). A loop over the distinct experts (host reads): the oracle
+    and the CPU path, not a fast path.
+    """
+    if activation != "silu":
+        raise ValueError(f"moefuse.moe_experts: argument 'activation' must be 'silu', got "
+                         f"{activation!r}")  # fmt: skip
+    w_gu = gate_up_proj.transpose(1, 2) if transposed else gate_up_proj  # [E, 2I, H]
+    w_d = down_proj.transpose(1, 2) if transposed else down_proj  # [E, H, I]
+    tokens, top_k = top_k_index.shape
+    experts, two_i, hidden = w_gu.shape
+    inter = two_i // 2
+    ids = top_k_index.long()
+    valid = (ids >= 0) & (ids < experts)
+    y = torch.zeros(tokens * top_k, hidden, dtype=torch.float32, device=hidden_states.device)
+    flat_ids = ids.reshape(-1)
+    flat_valid = valid.reshape(-1)
+    for e in torch.unique(flat_ids[flat_valid]).tolist():
+        slots = (flat_valid & (flat_ids == e)).nonzero().squeeze(1)
+        x = hidden_states.index_select(0, slots // top_k).double()
+        h = (x @ w_gu[e].double().T).float()
+        g, u = h[:, :inter], h[:, inter:]
+        a = (g * torch.sigmoid(g) * u).to(hidden_states.dtype)
+        y[slots] = (a.double() @ w_d[e].double().T).float()
+    slot_map = torch.arange(tokens * top_k, dtype=torch.int32, device=hidden_states.device)
+    slot_map = torch.where(flat_valid, slot_map, -1).view(tokens, top_k)
+    return moe_finalize_reference(
+        y, slot_map, top_k_weights, bias=bias,
+        expert_ids=top_k_index if bias is not None else None,
+        routed_scaling_factor=routed_scaling_factor, shared_expert_output=shared_expert_output,
+        input_is_expanded=True, out_dtype=hidden_states.dtype,
+    )  # fmt: skip

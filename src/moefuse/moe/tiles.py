@@ -44,3 +44,41 @@ def finalize_tile(hidden: int) -> tuple[int, int]:
 def vec_width(hidden: int, *row_strides: int) -> int:
     """8 when H and every row stride are multiples of 8 elements (16-byte vectors), else 1."""
     return 8 if hidden % 8 == 0 and all(s % 8 == 0 for s in row_strides) else 1
+
+
+# ----------------------------------------------------------------------------- routed experts
+#: Tiles of the fused experts kernels (moefuse.moe.experts_triton). A program of the gate|up
+#: kernel computes ``BN_GATE_UP`` gate rows and the same ``BN_GATE_UP`` up rows of one expert for
+#: the tokens routed to it; a down program ``BN_DOWN`` rows of H. ``BK`` is the step of the
+#: reduction loop (over H, then over I), fixed so that every output element sums its products in
+#: one order: k16 MMA steps, ascending, in FP32, whatever the token count.
+EXPERTS_BN_GATE_UP = 32
+EXPERTS_BN_DOWN = 64
+EXPERTS_BK = 128
+EXPERTS_WARPS = 4
+EXPERTS_STAGES = 4
+#: token columns of one program: a multiple of 16 (the MMA's n8 blocks, two per 16 columns).
+#: A column's result is a chain of m16n8k16 MMAs over k whatever the number of columns, so the
+#: width may follow the expected load per expert (more columns: each weight tile is read once for
+#: more tokens); the GPU tests check that a token's bits do not depend on it.
+EXPERTS_TOKEN_TILES = (16, 32, 64, 128)
+#: experts up to this many (the plan kernel's per-expert histogram is one block)
+EXPERTS_MAX = 4096
+
+
+def experts_tile(hidden: int, inter: int) -> dict:
+    """Tile of the fused experts kernels for hidden size ``hidden`` and expert width ``inter``:
+    ``{"bn_gate_up", "bn_down", "bk", "warps", "stages"}`` (a function of the widths only)."""
+    return {"bn_gate_up": EXPERTS_BN_GATE_UP, "bn_down": EXPERTS_BN_DOWN, "bk": EXPERTS_BK,
+            "warps": EXPERTS_WARPS, "stages": EXPERTS_STAGES}  # fmt: skip
+
+
+def experts_token_tile(slots: int, experts: int) -> int:
+    """Token columns per program for ``slots`` = T*K routed slots over ``experts`` experts: room
+    for about 1.5x the mean load per expert plus 4 (random routing's busiest experts), rounded up
+    to :data:`EXPERTS_TOKEN_TILES`. Experts with more tokens take several programs."""
+    want = (3 * slots) // (2 * max(1, experts)) + 4
+    for width in EXPERTS_TOKEN_TILES:
+        if want <= width:
+            return width
+    return EXPERTS_TOKEN_TILES[-1]

@@ -1,0 +1,191 @@
+"""Public op of the fused routed experts: ``moe_experts`` and ``supports_moe_experts``.
+
+The whole routed-expert computation of an MoE layer at transformers' weight layouts — gate|up
+GEMM, gated activation, down GEMM and the deterministic weighted top-k sum — in Triton kernels
+that read each routed expert's weights once per token tile and never copy them
+(:mod:`moefuse.moe.experts_triton`). Validation raises ``ValueError`` naming the argument before
+anything is written; ``impl`` follows DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moefuse import _validate as v
+from moefuse._fastpath import fast_op
+from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
+from moefuse.moe import ops
+from moefuse.moe import reference as ref
+from moefuse.moe.api import (
+    EXTRA_DTYPES,
+    HALF,
+    MAX_PROGRAMS,
+    SCALE_DTYPES,
+    _check_scalar,
+    check_expert_bias,
+)
+from moefuse.moe.tiles import EXPERTS_MAX, experts_tile, experts_token_tile
+
+ACTIVATIONS = ("silu",)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_experts(op, x, gate_up, down, idx, weights, activation, transposed, bias, shared,
+                   rsf, out) -> tuple[int, int, int, int, int]:  # fmt: skip
+    """Validate; returns (T, H, E, I, K)."""
+    v.check_tensor(op, "hidden_states", x, dtypes=HALF, ndims=(2,))
+    dev = x.device
+    tokens, hidden = x.shape
+    if not isinstance(transposed, bool):
+        raise ValueError(f"moefuse.{op}: argument 'transposed' must be a bool")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moefuse.{op}: argument 'activation' must be one of {ACTIVATIONS}, "
+                         f"got {activation!r}")  # fmt: skip
+    v.check_tensor(op, "gate_up_proj", gate_up, dtypes=(x.dtype,), ndims=(3,), device=dev)
+    experts = gate_up.shape[0]
+    two_i = gate_up.shape[2] if transposed else gate_up.shape[1]
+    if two_i < 2 or two_i % 2:
+        raise ValueError(f"moefuse.{op}: argument 'gate_up_proj' must hold 2*I >= 2 gate and up "
+                         f"rows, got shape {tuple(gate_up.shape)} "
+                         f"(transposed={transposed})")  # fmt: skip
+    inter = two_i // 2
+    layout = "[E, H, 2I]" if transposed else "[E, 2I, H]"
+    want = (experts, hidden, two_i) if transposed else (experts, two_i, hidden)
+    if tuple(gate_up.shape) != want:
+        raise ValueError(f"moefuse.{op}: argument 'gate_up_proj' must be {layout} = {want} for "
+                         f"hidden_states of width {hidden}, "
+                         f"got {tuple(gate_up.shape)}")  # fmt: skip
+    want = (experts, inter, hidden) if transposed else (experts, hidden, inter)
+    v.check_tensor(op, "down_proj", down, dtypes=(x.dtype,), shape=want, device=dev)
+    v.check_tensor(op, "top_k_index", idx, dtypes=INDEX_DTYPES, ndims=(2,), device=dev,
+                   last_dim_contiguous=False)  # fmt: skip
+    if idx.shape[0] != tokens or idx.shape[1] < 1:
+        raise ValueError(f"moefuse.{op}: argument 'top_k_index' must be [T, K] = [{tokens}, K >= 1]"
+                         f", got {tuple(idx.shape)}")  # fmt: skip
+    top_k = idx.shape[1]
+    v.check_tensor(op, "top_k_weights", weights, dtypes=SCALE_DTYPES, shape=(tokens, top_k),
+                   device=dev)  # fmt: skip
+    check_expert_bias(op, bias, idx if bias is not None else None, hidden, (tokens, top_k), dev)
+    if bias is not None and bias.shape[0] != experts:
+        raise ValueError(f"moefuse.{op}: argument 'bias' must be [E, H] = [{experts}, {hidden}], "
+                         f"got {tuple(bias.shape)}")  # fmt: skip
+    _check_scalar(op, "routed_scaling_factor", rsf)
+    if shared is not None:
+        v.check_tensor(op, "shared_expert_output", shared, dtypes=EXTRA_DTYPES,
+                       shape=(tokens, hidden), device=dev)  # fmt: skip
+    if out is not None:
+        v.check_tensor(op, "out", out, dtypes=(x.dtype,), shape=(tokens, hidden), device=dev)
+        for name, t in (("hidden_states", x), ("gate_up_proj", gate_up), ("down_proj", down),
+                        ("top_k_index", idx), ("top_k_weights", weights), ("bias", bias),
+                        ("shared_expert_output", shared)):  # fmt: skip
+            if t is not None:
+                v.check_no_overlap(op, "out", out, name, t)
+    return tokens, hidden, experts, inter, top_k
+
+
+def _kernel_reason(x, tokens, hidden, experts, inter, top_k) -> str | None:
+    reason = kernel_device_reason(x.device)
+    if reason is not None:
+        return reason
+    if experts > EXPERTS_MAX:
+        return f"{experts} experts exceed the plan kernel's {EXPERTS_MAX}"
+    tile = experts_tile(hidden, inter)
+    slots = tokens * top_k
+    items = min(experts, slots) + slots // experts_token_tile(slots, experts)
+    if items > MAX_PROGRAMS or max(inter // tile["bn_gate_up"], hidden // tile["bn_down"]) >= 65535:
+        return f"T*K = {slots} slots at H = {hidden}, I = {inter} exceed one launch grid"
+    return None
+
+
+@fast_op
+def moe_experts(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    transposed: bool = False,
+    bias: torch.Tensor | None = None,
+    shared_expert_output: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    out: torch.Tensor | None = None,
+    enable_pdl: bool | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Routed experts of an MoE layer with a deterministic, batch-invariant result. Per token t
+    and valid slot k (expert ``e = top_k_index[t, k]`` in [0, E); other ids are expert-parallel
+    sentinels: skipped, their weights never read)::
+
+        g, u = W_gate[e] x_t, W_up[e] x_t          # FP32 accumulation of BF16/FP16 products
+        a    = cast(silu(g) * u)                   # FP32 math, rounded once (the down operand)
+        y    = W_down[e] a                         # FP32, not rounded
+        acc  = +0.0; for k ascending: acc = fma.rn.ftz.f32(y + f32(bias[e]), f32(w[t, k]), acc)
+        out[t] = cast(acc * routed_scaling_factor + f32(shared_expert_output[t]))   # one rounding
+
+    (the finalize of :func:`moefuse.moe_finalize`; the multiply is skipped when the factor is
+    1.0). Layouts and names are transformers' experts modules: ``gate_up_proj`` [E, 2I, H] (gate
+    rows first, then up rows), ``down_proj`` [E, H, I]; ``transposed=True`` takes [E, H, 2I] and
+    [E, I, H] (``is_transposed`` modules). ``hidden_states`` [T, H] BF16/FP16 (rows may be
+    strided), weights of the same dtype, ``top_k_index`` [T, K] int32/int64, ``top_k_weights``
+    [T, K] FP32/BF16/FP16, ``bias`` [E, H] (the down projection's, added before the routing
+    weight), ``shared_expert_output`` [T, H], ``out`` [T, H] (allocated when None; must not alias
+    an input). ``activation``: ``"silu"``.
+
+    Determinism: each output element's products are summed in a fixed order (ascending k16 MMA
+    steps of a fixed tile, FP32) whatever T, the other tokens or the launch, so a token's output
+    bits do not depend on the batch it came in; the kernels read every routed expert's weights
+    once per token tile (module :mod:`moefuse.moe.experts_triton`). ``impl="reference"`` runs
+    :func:`moefuse.moe.reference.moe_experts_reference` (same formula, FP64 products: a few FP32
+    ulps apart before the roundings). Returns ``out``.
+    """
+    op = "moe_experts"
+    tokens, hidden, experts, inter, top_k = _check_experts(
+        op, hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation,
+        transposed, bias, shared_expert_output, routed_scaling_factor, out,
+    )  # fmt: skip
+    if out is None:
+        out = torch.empty(tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+    if tokens == 0 or hidden == 0:
+        return out
+    rsf = float(routed_scaling_factor)
+    reason = _kernel_reason(hidden_states, tokens, hidden, experts, inter, top_k)
+    if choose_impl(op, impl, hidden_states.device, reason) == "reference":
+        out.copy_(ref.moe_experts_reference(
+            hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights,
+            activation=activation, transposed=transposed, bias=bias,
+            shared_expert_output=shared_expert_output, routed_scaling_factor=rsf,
+        ))  # fmt: skip
+        return out
+    use_pdl = resolve_pdl(enable_pdl, hidden_states.device)
+    ops.moe_experts_op(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, out, bias,
+        shared_expert_output, rsf, transposed, use_pdl,
+    )  # fmt: skip
+    return out
+
+
+def supports_moe_experts(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    transposed: bool = False,
+    bias: torch.Tensor | None = None,
+    shared_expert_output: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> bool:
+    """True when the Triton kernels can run these arguments on their device (no side effects)."""
+    args = ("moe_experts", hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights,
+            activation, transposed, bias, shared_expert_output, routed_scaling_factor,
+            out)  # fmt: skip
+    try:
+        dims = _check_experts(*args)
+    except ValueError:
+        return False
+    return _kernel_reason(hidden_states, *dims) is None

@@ -1,0 +1,331 @@
+"""Triton kernels of the fused routed experts (:func:`moefuse.moe.experts.moe_experts`).
+
+Four launches, no weight copy, every routed expert's weights read once per token tile:
+
+1. ``_experts_plan_kernel`` — the routing plan from ``top_k_index`` alone. Slot ``s = t*K + k``
+   is valid when its expert id lies in [0, E). Each program ranks its slots against all slots
+   (key ``id * T*K + s``, unique), so ``sorted_slots`` lists the valid slots by expert, ascending
+   slot within an expert; program 0 also counts the slots per expert (``tl.histogram``) and writes
+   one *work item* ``(expert, first sorted slot, slots)`` per tile of at most ``BT`` tokens of an
+   expert, then ``expert = -1`` for the unused items of the static item count. ``slot_map[t, k]``
+   is ``s`` or -1 (the finalize's validity mask).
+2. ``_experts_gate_up_kernel`` — grid (item, tile of I): streams the item's expert's gate rows and
+   the matching up rows once ([BN, H] each) and multiplies them with the item's tokens (gathered
+   rows of ``hidden_states``): ``g, u = W_gate x, W_up x`` in FP32 (tensor-core MMAs, k16 steps in
+   ascending k), ``act = cast(silu(g) * u)`` (FP32 math, one rounding to the activation dtype,
+   as the down GEMM's operand) stored per slot: ``act[s, :]``.
+3. ``_experts_down_kernel`` — grid (item, tile of H): ``y[s, :] = W_down act[s]`` in FP32, stored
+   unrounded per slot.
+4. the deterministic finalize (:func:`moefuse.moe.triton.launch_moe_finalize`, expanded rows,
+   FP32 input): ``out[t] = cast(((Σ_k ascending fma_ftz(y[t*K+k] + bias, w[t,k], acc)) * rsf) +
+   shared)`` — one rounding.
+
+Batch invariance: the weights are the MMA's M operand and the tokens its N operand (16, 32, 64 or
+128 columns: tiles of 16). Each output element is a chain of m16n8k16 MMAs over the reduction
+dimension in ascending k-steps of a fixed ``BK`` — the same chain whatever the other columns hold,
+how many there are, and which column a token occupies; masked columns are zeros and never mix with
+others. So a token's ``act``, ``y`` and output bits depend on its own row, its experts and the
+weights only (GPU tests: a token alone, in batches of 64 and 256, at every token-tile width).
+
+Interpreter: ``tl.dot`` there multiplies BF16 bit patterns as integers, so off the PTX path both
+operands are widened to FP32 first (exact) and the product is an IEEE FP32 matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse._device import round_to, widen_f32
+from moefuse._fastpath import launch
+from moefuse._runtime import interpreter_active
+from moefuse.moe.tiles import experts_tile, experts_token_tile, next_pow2
+from moefuse.moe.triton import launch_moe_finalize
+
+#: slots ranked per plan program, and slots compared per step of its loop
+PLAN_SLOTS = 32
+PLAN_CHUNK = 128
+#: int32 fields of one work item: expert (-1 = unused), first sorted slot, slot count
+ITEM_FIELDS = 3
+
+
+def _pdl_kwargs(use_pdl: bool) -> dict:
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+# launch metadata (evaluated only under a profiler hook): weight bytes of the whole grid, unused
+# items included (an upper bound of what the launch reads)
+def _gemm_metadata(grid, kernel, args):
+    rows = args["BN"] * (2 if "gate_up" in kernel.name else 1)
+    return {"name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
+            "bytes": grid[0] * grid[1] * rows * args["KDIM"] * 2}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- plan
+@triton.jit
+def _load_experts(idx_ptr, s, s_in, top_k, st0, st1, n_experts):
+    """``(expert, valid)`` of slots ``s`` (int32); the expert is ``n_experts`` for invalid slots
+    (outside [0, E): sentinels) and ``n_experts + 1`` where ``s_in`` is False."""
+    t = s // top_k
+    k = s - t * top_k
+    ids = tl.load(idx_ptr + t.to(tl.int64) * st0 + k * st1, mask=s_in, other=-1).to(tl.int64)
+    valid = s_in & (ids >= 0) & (ids < n_experts)
+    e = tl.where(valid, ids, tl.where(s_in, n_experts, n_experts + 1)).to(tl.int32)
+    return e, valid
+
+
+@triton.jit(do_not_specialize=["n_slots", "n_experts", "n_items"])
+def _experts_plan_kernel(
+    idx_ptr, items_ptr, sorted_ptr, slot_map_ptr,
+    n_slots, top_k, n_experts, n_items, idx_st0, idx_st1,
+    BS: tl.constexpr, BC: tl.constexpr, EP: tl.constexpr, BT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Routing plan (module docstring, step 1) for this program's ``BS`` slots. Integer work
+    only: every program reads all T*K expert ids, so the grid cannot change the plan.
+
+    A slot's sorted position is the number of valid slots before it in (expert, slot) order; its
+    expert's first sorted position, slot count and first work item come from a histogram of all
+    ids. The slot at offset j of its expert with j % BT == 0 heads a work item and writes it."""
+    pid = tl.program_id(0)
+    if USE_PDL:
+        gdc_wait()  # top_k_index may come from the kernel before
+    mine = pid * BS + tl.arange(0, BS)
+    m_in = mine < n_slots
+    e_m, v_m = _load_experts(idx_ptr, mine, m_in, top_k, idx_st0, idx_st1, n_experts)
+    less = tl.zeros([BS, BC], dtype=tl.int32)
+    counts = tl.zeros([EP], dtype=tl.int32)
+    c0 = 0
+    while c0 < n_slots:
+        cs = c0 + tl.arange(0, BC)
+        e_c, v_c = _load_experts(idx_ptr, cs, cs < n_slots, top_k, idx_st0, idx_st1, n_experts)
+        before = (e_c[None, :] < e_m[:, None]) | (
+            (e_c[None, :] == e_m[:, None]) & (cs[None, :] < mine[:, None])
+        )
+        less += before.to(tl.int32)
+        counts += tl.histogram(tl.where(v_c, e_c, 0), EP, mask=v_c)
+        c0 += BC
+    pos = tl.sum(less, axis=1)
+    tiles = (counts + BT - 1) // BT
+    first_item = tl.cumsum(tiles, 0) - tiles
+    starts = tl.cumsum(counts, 0) - counts
+    mine_e = tl.arange(0, EP)[None, :] == e_m[:, None]  # [BS, EP] one-hot of each slot's expert
+    start_m = tl.sum(tl.where(mine_e, starts[None, :], 0), axis=1)
+    count_m = tl.sum(tl.where(mine_e, counts[None, :], 0), axis=1)
+    item_m = tl.sum(tl.where(mine_e, first_item[None, :], 0), axis=1)
+    j = pos - start_m
+    head = v_m & (j % BT == 0)
+    rec = items_ptr + (item_m + j // BT) * 3
+    tl.store(rec, e_m, mask=head)
+    tl.store(rec + 1, pos, mask=head)
+    tl.store(rec + 2, tl.minimum(count_m - j, BT), mask=head)
+    tl.store(sorted_ptr + pos, mine, mask=v_m)
+    tl.store(slot_map_ptr + mine, tl.where(v_m, mine, -1), mask=m_in)
+    if pid == 0:  # the static item count's unused tail
+        i0 = tl.sum(tiles, 0)
+        while i0 < n_items:
+            ii = i0 + tl.arange(0, BS)
+            tl.store(items_ptr + ii * 3, tl.full([BS], -1, tl.int32), mask=ii < n_items)
+            i0 += BS
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+# ----------------------------------------------------------------------------- GEMMs
+@triton.jit
+def _item_tokens(items_ptr, sorted_ptr, top_k, BT: tl.constexpr):
+    """``(expert, slots [BT], columns in use [BT] bool, token rows [BT] int64)`` of this
+    program's work item (``expert`` -1 for an unused item)."""
+    rec = items_ptr + tl.program_id(0) * 3  # ITEM_FIELDS
+    e = tl.load(rec)
+    start = tl.load(rec + 1)
+    rows = tl.load(rec + 2)
+    r = tl.arange(0, BT)
+    r_in = (r < rows) & (e >= 0)
+    s = tl.load(sorted_ptr + start + r, mask=r_in, other=0)
+    return e, s, r_in, (s // top_k).to(tl.int64)
+
+
+@triton.jit
+def _mma(w, xt, acc, PTX: tl.constexpr):
+    """``acc + w @ xt`` with FP32 accumulation (interpreter: widened operands, module docstring)."""
+    if PTX:
+        return tl.dot(w, xt, acc)
+    else:
+        return tl.dot(widen_f32(w, PTX), widen_f32(xt, PTX), acc, input_precision="ieee")
+
+
+@triton.jit(launch_metadata=_gemm_metadata)
+def _experts_gate_up_kernel(
+    x_ptr, w_ptr, items_ptr, sorted_ptr, act_ptr,
+    top_k, x_st, w_st_e, w_st_n, w_st_k, act_st,
+    KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, STAGES: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """act[s, n] = cast(silu(gate_n . x_t) * (up_n . x_t)) for the item's slots s (token t) and
+    this program's BN rows n of I = ``INTER``. ``KDIM`` = H (the reduction). The widths are
+    compile-time constants (one build per model shape: static trip counts, no column masks when
+    aligned)."""
+    if USE_PDL:
+        gdc_wait()  # the plan
+    e, s, r_in, tok = _item_tokens(items_ptr, sorted_ptr, top_k, BT)
+    if e >= 0:
+        # one [2*BN, BK] weight tile per step: BN gate rows, then the BN up rows that pair with
+        # them (rows n and INTER + n): a 64-row MMA operand for BN = 32
+        r = tl.arange(0, 2 * BN)
+        n = tl.program_id(1) * BN + r % BN
+        n_in = n < INTER
+        rows = (n + (r // BN) * INTER).to(tl.int64)
+        w_rows = w_ptr + e.to(tl.int64) * w_st_e + rows[:, None] * w_st_n
+        acc = tl.zeros([2 * BN, BT], dtype=tl.float32)
+        for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
+            kk = k0 + tl.arange(0, BK)
+            k_in = kk < KDIM
+            w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :],
+                        other=0.0)  # fmt: skip
+            xt = tl.load(x_ptr + tok[None, :] * x_st + kk[:, None],
+                         mask=r_in[None, :] & k_in[:, None], other=0.0)  # fmt: skip
+            acc = _mma(w, xt, acc, PTX)
+        if USE_PDL:
+            gdc_launch_dependents()
+        g, u = tl.split(tl.permute(tl.reshape(acc, [2, BN, BT]), (1, 2, 0)))
+        act = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, FP32
+        n_out = tl.program_id(1) * BN + tl.arange(0, BN)
+        ptrs = act_ptr + s.to(tl.int64)[None, :] * act_st + n_out[:, None]
+        tl.store(ptrs, round_to(act, act_ptr.dtype.element_ty, PTX),
+                 mask=(n_out < INTER)[:, None] & r_in[None, :])  # fmt: skip
+
+
+@triton.jit(launch_metadata=_gemm_metadata)
+def _experts_down_kernel(
+    act_ptr, w_ptr, items_ptr, sorted_ptr, y_ptr,
+    top_k, act_st, w_st_e, w_st_n, w_st_k, y_st,
+    KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """y[s, h] = down_h . act[s] (FP32, unrounded) for the item's slots s and this program's BN
+    rows h of H. ``KDIM`` = I (the reduction)."""
+    if USE_PDL:
+        gdc_wait()  # act from the gate|up kernel
+    e, s, r_in, tok = _item_tokens(items_ptr, sorted_ptr, top_k, BT)
+    if e >= 0:
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_in = n < H
+        w_rows = w_ptr + e.to(tl.int64) * w_st_e + n.to(tl.int64)[:, None] * w_st_n
+        s64 = s.to(tl.int64)
+        acc = tl.zeros([BN, BT], dtype=tl.float32)
+        for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
+            kk = k0 + tl.arange(0, BK)
+            k_in = kk < KDIM
+            w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :],
+                        other=0.0)  # fmt: skip
+            at = tl.load(act_ptr + s64[None, :] * act_st + kk[:, None],
+                         mask=r_in[None, :] & k_in[:, None], other=0.0)  # fmt: skip
+            acc = _mma(w, at, acc, PTX)
+        if USE_PDL:
+            gdc_launch_dependents()
+        tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc,
+                 mask=n_in[:, None] & r_in[None, :])  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- launcher
+def _weight_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """(expert, output row, reduction) strides of a [E, N, Kd] weight ([E, Kd, N] transposed)."""
+    if transposed:
+        return w.stride(0), w.stride(2), w.stride(1)
+    return w.stride(0), w.stride(1), w.stride(2)
+
+
+def experts_item_count(slots: int, experts: int, token_tile: int) -> int:
+    """Static upper bound of the plan's work items: sum_e cdiv(c_e, BT) <= D + (T*K - D) // BT
+    with D = min(E, T*K) experts in use."""
+    used = min(experts, slots)
+    return used + (slots - used) // token_tile
+
+
+def experts_plan_buffers(tokens: int, top_k: int, n_items: int, device):
+    """``(items [n_items * 3], sorted_slots [T*K], slot_map [T, K])`` int32, uninitialised."""
+    return (torch.empty(n_items * ITEM_FIELDS, dtype=torch.int32, device=device),
+            torch.empty(tokens * top_k, dtype=torch.int32, device=device),
+            torch.empty(tokens, top_k, dtype=torch.int32, device=device))  # fmt: skip
+
+
+def launch_experts_plan(
+    top_k_index: torch.Tensor,
+    experts: int,
+    token_tile: int,
+    items: torch.Tensor,
+    sorted_slots: torch.Tensor,
+    slot_map: torch.Tensor,
+    use_pdl: bool,
+) -> None:
+    """Writes the routing plan of ``top_k_index`` [T, K] (module docstring, step 1): ``items``
+    (``n_items`` records of expert, first sorted slot, slots; expert -1 when unused),
+    ``sorted_slots`` (valid slots by expert; the tail past the valid count is not written) and
+    ``slot_map`` [T, K] (s or -1)."""
+    slots = top_k_index.numel()
+    launch(_experts_plan_kernel, (triton.cdiv(slots, PLAN_SLOTS),),
+        top_k_index, items, sorted_slots, slot_map,
+        slots, top_k_index.shape[1], experts, items.numel() // ITEM_FIELDS,
+        top_k_index.stride(0), top_k_index.stride(1),
+        BS=PLAN_SLOTS, BC=PLAN_CHUNK, EP=max(16, next_pow2(experts)), BT=token_tile,
+        USE_PDL=use_pdl, num_warps=4, **_pdl_kwargs(use_pdl),
+    )  # fmt: skip
+
+
+def launch_moe_experts(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    shared_expert_output: torch.Tensor | None,
+    routed_scaling_factor: float,
+    transposed: bool,
+    use_pdl: bool,
+    *,
+    tile: dict | None = None,
+    token_tile: int | None = None,
+) -> None:
+    """Writes ``out`` [T, H] (module docstring). ``tile`` / ``token_tile`` override the policy
+    of :mod:`moefuse.moe.tiles` (benchmarks and the invariance tests only)."""
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    experts = gate_up_proj.shape[0]
+    inter = down_proj.shape[1] if transposed else down_proj.shape[2]
+    slots = tokens * top_k
+    if tokens == 0 or hidden == 0:
+        return
+    cfg = dict(experts_tile(hidden, inter), **(tile or {}))
+    bt = token_tile or experts_token_tile(slots, experts)
+    n_items = experts_item_count(slots, experts, bt)
+    dev = hidden_states.device
+    items, sorted_slots, slot_map = experts_plan_buffers(tokens, top_k, n_items, dev)
+    act = torch.empty(slots, inter, dtype=hidden_states.dtype, device=dev)
+    y = torch.empty(slots, hidden, dtype=torch.float32, device=dev)
+    ptx = not interpreter_active()
+    pdl = _pdl_kwargs(use_pdl)
+    launch_experts_plan(top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl)
+    launch(_experts_gate_up_kernel, (n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
+        hidden_states, gate_up_proj, items, sorted_slots, act,
+        top_k, hidden_states.stride(0), *_weight_strides(gate_up_proj, transposed),
+        act.stride(0),
+        KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BK=cfg["bk"], BT=bt, STAGES=cfg["stages"],
+        PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
+    )  # fmt: skip
+    launch(_experts_down_kernel, (n_items, triton.cdiv(hidden, cfg["bn_down"])),
+        act, down_proj, items, sorted_slots, y,
+        top_k, act.stride(0), *_weight_strides(down_proj, transposed), y.stride(0),
+        KDIM=inter, H=hidden, BN=cfg["bn_down"], BK=cfg["bk"], BT=bt, STAGES=cfg["stages"],
+        PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
+    )  # fmt: skip
+    launch_moe_finalize(
+        y, slot_map, top_k_weights, out, bias, top_k_index if bias is not None else None,
+        routed_scaling_factor, shared_expert_output, True, use_pdl,
+    )  # fmt: skip

@@ -1,0 +1,166 @@
+"""Fused routed experts on CPU: the Triton kernels in the interpreter against the reference at
+small and odd widths, K = 1..8, expert-parallel sentinels, both weight storages and the
+extensions; the routing plan kernel against a Python model; bad input; custom op, fake,
+torch.compile and launch plans."""
+
+import pytest
+import torch
+
+import moefuse
+from moefuse import _fastpath
+from moefuse.moe import reference as ref
+from moefuse.moe.experts_triton import (
+    experts_item_count,
+    experts_plan_buffers,
+    launch_experts_plan,
+    launch_moe_experts,
+)
+from moefuse.testing import assert_bitwise_equal, bits, expect_value_error, poison_
+
+pytestmark = pytest.mark.interpreter
+
+
+def case(tokens, hidden, inter, experts, top_k, *, dtype=torch.bfloat16, seed=0,
+         sentinels=False, index_dtype=torch.int64):  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    gu = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
+    dn = (torch.randn(experts, hidden, inter, generator=g) * inter**-0.5).to(dtype)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    if sentinels:
+        idx[::2, -1] = experts + 3  # expert-parallel sentinel (held elsewhere)
+        idx[1::3, 0] = -1
+    w = torch.rand(tokens, top_k, generator=g)
+    return x, gu, dn, idx.to(index_dtype), w
+
+
+def rel_err(got, want):
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", [
+    (1, 16, 16, 4, 1), (3, 40, 24, 6, 2), (5, 33, 17, 8, 3), (17, 64, 40, 8, 8), (2, 24, 8, 5, 5),
+])  # fmt: skip
+def test_kernels_match_reference(tokens, hidden, inter, experts, top_k):
+    for sentinels, dtype in ((False, torch.bfloat16), (True, torch.float16)):
+        x, gu, dn, idx, w = case(tokens, hidden, inter, experts, top_k, dtype=dtype,
+                                 sentinels=sentinels and top_k > 1,
+                                 seed=tokens + top_k)  # fmt: skip
+        out = poison_(torch.empty(tokens, hidden, dtype=dtype))
+        got = moefuse.moe_experts(x, gu, dn, idx, w, out=out, impl="triton")
+        assert got is out
+        want = ref.moe_experts_reference(x, gu, dn, idx, w)
+        assert torch.isfinite(got.float()).all()
+        assert rel_err(got, want) < 1e-2, rel_err(got, want)
+
+
+def test_extensions_transposed_and_token_tiles():
+    x, gu, dn, idx, w = case(12, 48, 24, 6, 3, sentinels=True, seed=3, index_dtype=torch.int32)
+    g = torch.Generator().manual_seed(4)
+    kw = dict(bias=torch.randn(6, 48, generator=g).to(torch.bfloat16),
+              shared_expert_output=torch.randn(12, 48, generator=g).to(torch.bfloat16),
+              routed_scaling_factor=2.5)  # fmt: skip
+    got = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton", **kw)
+    want = ref.moe_experts_reference(x, gu, dn, idx, w, **kw)
+    assert rel_err(got, want) < 1e-2
+    gu_t, dn_t = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
+    tr = moefuse.moe_experts(x, gu_t, dn_t, idx, w, transposed=True, impl="triton", **kw)
+    assert_bitwise_equal(tr, got, "transposed storage")
+    assert_bitwise_equal(ref.moe_experts_reference(x, gu_t, dn_t, idx, w, transposed=True, **kw),
+                         want, "transposed reference")  # fmt: skip
+    for bt in (16, 32):  # the interpreter's FP32 matmul has its own order: compare to reference
+        out = poison_(torch.empty_like(got))
+        launch_moe_experts(x, gu, dn, idx, w, out, kw["bias"], kw["shared_expert_output"], 2.5,
+                           False, False, token_tile=bt)  # fmt: skip
+        assert rel_err(out, want) < 1e-2
+
+
+def _plan_model(idx, experts, bt):
+    flat = idx.reshape(-1).tolist()
+    valid = [0 <= e < experts for e in flat]
+    order = sorted((e, s) for s, e in enumerate(flat) if valid[s])
+    items = []
+    pos = 0
+    for e in sorted({e for e, _ in order}):
+        c = sum(1 for ee, _ in order if ee == e)
+        for j in range(0, c, bt):
+            items.append((e, pos + j, min(bt, c - j)))
+        pos += c
+    return items, [s for _, s in order], [s if valid[s] else -1 for s in range(len(flat))]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,bt", [(1, 8, 128, 16), (70, 4, 5, 16),
+                                                     (9, 3, 300, 32), (40, 2, 3, 16)])
+def test_plan_kernel(tokens, top_k, experts, bt):
+    """Items (expert, first sorted slot, slots), sorted slots and the slot map against a Python
+    model, with duplicates, sentinels, a transposed (strided) index and the -1 tail."""
+    g = torch.Generator().manual_seed(tokens)
+    idx = torch.randint(-2, experts + 2, (top_k, tokens), generator=g).t()  # strided view
+    items, sorted_slots, slot_map = experts_plan_buffers(
+        tokens, top_k, experts_item_count(tokens * top_k, experts, bt), torch.device("cpu"))
+    for t in (items, sorted_slots, slot_map):
+        t.fill_(-7)
+    launch_experts_plan(idx, experts, bt, items, sorted_slots, slot_map, False)
+    want_items, want_sorted, want_map = _plan_model(idx, experts, bt)
+    got = items.view(-1, 3).tolist()
+    assert [tuple(r) for r in got[: len(want_items)]] == want_items
+    assert all(r[0] == -1 for r in got[len(want_items):])
+    assert sorted_slots[: len(want_sorted)].tolist() == want_sorted
+    assert slot_map.reshape(-1).tolist() == want_map
+
+
+def test_bad_inputs_raise_and_write_nothing():
+    x, gu, dn, idx, w = case(3, 16, 8, 4, 2)
+    out = poison_(torch.empty(3, 16, dtype=torch.bfloat16))
+
+    def call(**change):
+        args = dict(hidden_states=x, gate_up_proj=gu, down_proj=dn, top_k_index=idx,
+                    top_k_weights=w, out=out, impl="triton")  # fmt: skip
+        args.update(change)
+        return lambda: moefuse.moe_experts(**args)
+
+    for name, change in (
+        ("hidden_states", dict(hidden_states=x.float())),
+        ("gate_up_proj", dict(gate_up_proj=gu[:, :-1])),
+        ("gate_up_proj", dict(gate_up_proj=gu.half())),
+        ("gate_up_proj", dict(gate_up_proj=gu[..., :-1])),
+        ("down_proj", dict(down_proj=dn[..., :-1])),
+        ("top_k_index", dict(top_k_index=idx.float())),
+        ("top_k_index", dict(top_k_index=idx[:2])),
+        ("top_k_weights", dict(top_k_weights=w[:, :1])),
+        ("activation", dict(activation="gelu")),
+        ("transposed", dict(transposed=1)),
+        ("bias", dict(bias=torch.zeros(3, 16, dtype=torch.bfloat16))),
+        ("shared_expert_output", dict(shared_expert_output=torch.zeros(2, 16))),
+        ("routed_scaling_factor", dict(routed_scaling_factor=float("inf"))),
+        ("out", dict(out=torch.empty(3, 16))),
+        ("out", dict(out=x)),
+    ):
+        expect_value_error(call(**change), name, out)
+    with pytest.raises(ValueError, match="impl"):
+        moefuse.moe_experts(x, gu, dn, idx, w, impl="cuda")
+    assert not moefuse.supports_moe_experts(x, gu, dn, idx.float(), w)
+    assert moefuse.supports_moe_experts(x, gu, dn, idx, w)  # the interpreter runs the kernels
+    empty = moefuse.moe_experts(x[:0], gu, dn, idx[:0], w[:0], impl="triton")
+    assert empty.shape == (0, 16)
+
+
+def test_custom_op_compile_and_plans():
+    from moefuse.moe import ops
+
+    x, gu, dn, idx, w = case(4, 16, 8, 4, 2, seed=8)
+    bias = torch.randn(4, 16).to(torch.bfloat16)
+    out = torch.empty(4, 16, dtype=torch.bfloat16)
+    torch.library.opcheck(ops.moe_experts_op, (x, gu, dn, idx, w, out, bias, None, 0.5, False,
+                                               False))  # fmt: skip
+    eager = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton")
+    again = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton")
+    assert _fastpath.plan_count(moefuse.moe_experts) == 1, _fastpath.refusals(moefuse.moe_experts)
+    assert_bitwise_equal(again, eager, "launch plan replay")
+
+    def f(x, idx, w):
+        return moefuse.moe_experts(x, gu, dn, idx, w, impl="triton") * 1
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, idx, w)
+    assert_bitwise_equal(got, eager, "torch.compile(fullgraph=True)")
+    assert bits(moefuse.moe_experts(x, gu, dn, idx, w, impl="reference")).shape == (4, 16)
