@@ -98,6 +98,9 @@ def single_gpu_calls(dev, *, m: int = 1, h: int = 4096, impl: str = "auto"):
     packed, scales = moefuse.fp4_quantize(torch.randn(m, h, generator=g, device=dev).to(bf),
                                           gscale, impl=impl)  # fmt: skip
     e2p, p2e = plan.expanded_idx_to_permuted_idx, plan.permuted_idx_to_expanded_idx
+    inter = 64  # routed experts: transformers' layouts, E experts of width I
+    gate_up = (torch.randn(NUM_EXPERTS, 2 * inter, h, generator=g, device=dev) * h**-0.5).to(bf)
+    down = (torch.randn(NUM_EXPERTS, h, inter, generator=g, device=dev) * inter**-0.5).to(bf)
     kw = dict(impl=impl)
     calls = [
         ("rmsnorm", "rmsnorm", lambda: moefuse.rmsnorm(x, w, **kw)),
@@ -117,6 +120,8 @@ def single_gpu_calls(dev, *, m: int = 1, h: int = 4096, impl: str = "auto"):
         ("moe_finalize", "moe_finalize", lambda: moefuse.moe_finalize(rows, e2p, weights, **kw)),
         ("moe_finalize_scatter_add", "moe_finalize_scatter_add",
          lambda: moefuse.moe_finalize_scatter_add(rows, p2e, weights, **kw)),
+        ("moe_experts", "moe_experts",
+         lambda: moefuse.moe_experts(x, gate_up, down, ids, weights, **kw)),
         ("moe_permute", "moe_permute",
          lambda: moefuse.moe_permute(x, p2e, TOP_K, out=xp, **kw)),
         ("fp8_quantize", "fp8_quantize", lambda: moefuse.fp8_quantize(x, scale, **kw)),
