@@ -69,3 +69,22 @@ def test_env_on_gpu():
         assert all(r["auto"] == "triton" for r in info["families"]), info["families"]
     if n >= 2 and all(v for row in info["peer_access"] for v in row if v is not None):
         assert "peer kernels" in info["comm"]["path"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without GPU")
+@pytest.mark.parametrize("family", ["norm", "quant", "moe", "moe-experts", "allreduce", "overhead"])
+def test_bench_without_gpu_says_what_is_missing(family, capsys):
+    from moefuse.cli import main
+
+    assert main(["bench", family]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"moefuse bench {family}: needs ")
+    assert "GPU" in out[0]
+
+
+def test_bench_summary_outside_the_repository(tmp_path, monkeypatch, capsys):
+    from moefuse.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "summary"]) == 2
+    assert "pass --dir" in capsys.readouterr().out

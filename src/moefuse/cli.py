@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(hidden=args.hidden, tokens=args.tokens, with_compile=not args.no_compile)
     if args.command == "bench":
+        missing = _bench_requirement(args.family, args.rest)
+        if missing:
+            print(f"moefuse bench {args.family}: {missing}")
+            return 2
         module = importlib.import_module(f"moefuse.bench.{args.family.replace('-', '_')}")
         return module.main(args.rest)
     if args.command == "env":
@@ -39,6 +43,24 @@ def main(argv: list[str] | None = None) -> int:
 
         return env_main(["--json"] if args.json else [])
     return 2
+
+
+def _bench_requirement(family: str, rest: list[str]) -> str | None:
+    """What this machine lacks for ``bench family`` (None: it can run; help texts always can)."""
+    if family in ("all", "summary") or {"-h", "--help"} & set(rest):
+        return None
+    import torch
+
+    from moefuse.bench.registry import FAMILIES
+
+    need = next((f.min_gpus for f in FAMILIES if f.name == family), 1)
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have >= need:
+        return None
+    if have == 0:
+        what = "a CUDA GPU" if need == 1 else f"{need} CUDA GPUs"
+        return f"needs {what}; none is visible here"
+    return f"needs {need} CUDA GPUs; {have} visible here"
 
 
 if __name__ == "__main__":

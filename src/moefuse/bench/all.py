@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moefuse.bench.registry import FAMILIES, Family, missing_reason
+from moefuse.bench.summary import first_paragraph
 
 #: NVLink multicast stays off for every multi-GPU run (the machines' NVLS is not usable)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -140,7 +141,7 @@ def run_command(cmd: list[str], log_path: Path, progress: _Progress, label: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moefuse bench all", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="moefuse bench all", description=first_paragraph(__doc__))
     parser.add_argument("--out", default="bench/results", help="results directory")
     parser.add_argument("--quick", action="store_true", help="pass --quick to the families")
     parser.add_argument("--only", default="", help="comma-separated families (default: all)")

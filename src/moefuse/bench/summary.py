@@ -309,14 +309,23 @@ def _rel(results_dir: Path, base: Path) -> str:
         return results_dir.resolve().as_posix() + "/"
 
 
+def first_paragraph(doc: str) -> str:
+    """A module docstring's first paragraph as one line (argparse descriptions)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moefuse bench summary", description=__doc__.split(
-        "\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(prog="moefuse bench summary",
+                                     description=first_paragraph(__doc__))  # fmt: skip
     parser.add_argument("--dir", default="bench/results", help="results directory")
     parser.add_argument("--readme", default=None,
                         help="file whose marked block receives the overview table "
                         "(default: README.md when it has the markers)")  # fmt: skip
     args = parser.parse_args(argv)
+    if not Path(args.dir).is_dir():
+        print(f"moefuse bench summary: no results directory {args.dir!r} here; run it from the "
+              "repository root or pass --dir with the path of bench/results")  # fmt: skip
+        return 2
     readme = args.readme
     # the README's table describes the committed results: only they update it by default
     default_dir = Path(args.dir).resolve() == Path("bench/results").resolve()
