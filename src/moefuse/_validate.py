@@ -83,7 +83,8 @@ def check_rows_addressable(op: str, name: str, t: torch.Tensor) -> None:
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
-    start = t.data_ptr()
+    # meta tensors have no memory (data_ptr() is 0 for all of them): their place in the storage
+    start = t.storage_offset() * t.element_size() if t.is_meta else t.data_ptr()
     extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
     return start, start + extent * t.element_size()
 
@@ -91,6 +92,8 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when the memory spans of ``a`` and ``b`` intersect (conservative for strided views)."""
     if tracing():
+        return False
+    if (a.is_meta or b.is_meta) and not _same_storage(a, b):
         return False
     a0, a1 = _byte_span(a)
     b0, b1 = _byte_span(b)
@@ -101,12 +104,18 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when ``a`` and ``b`` are the same elements (same pointer, shape and strides)."""
     if tracing():
         return a is b
+    if (a.is_meta or b.is_meta) and not _same_storage(a, b):
+        return False
     return (
-        a.data_ptr() == b.data_ptr()
+        _byte_span(a)[0] == _byte_span(b)[0]
         and a.shape == b.shape
         and a.stride() == b.stride()
         and a.dtype == b.dtype
     )
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
 def check_no_overlap(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
@@ -128,7 +137,7 @@ def check_alias_exact_or_disjoint(
 
 
 def check_eps(op: str, name: str, eps) -> None:
-    if not isinstance(eps, (int, float)) or eps < 0 or eps != eps:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0 or eps != eps:
         raise ValueError(
             f"moefuse.{op}: argument '{name}' must be a non-negative float, got {eps!r}"
         )
