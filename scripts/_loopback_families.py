@@ -313,7 +313,7 @@ class TpFinalize:
     """``tp_moe_finalize_rmsnorm`` (K = 8, FP32 weights, ~10 % invalid slots)."""
 
     name, op = "tp_finalize", "tp_moe_finalize_rmsnorm"
-    algos = ("slot_oneshot", "expert_owner_slots", "expert_owner", "token_owner", "staged")
+    algos = ("slot_oneshot", "expert_owner", "token_owner", "staged")
     opts = dict(eps=1e-6, gain_center=0.0, weight_before_norm=True)
 
     @staticmethod

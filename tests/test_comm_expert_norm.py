@@ -18,8 +18,7 @@ from moefuse.testing import assert_bitwise_equal, bits, poison_
 
 pytestmark = pytest.mark.interpreter
 BF16 = torch.bfloat16
-TP_ALGOS = ("slot_oneshot", "expert_owner_slots", "expert_owner", "token_owner", "staged",
-            "torch")
+TP_ALGOS = ("slot_oneshot", "expert_owner", "token_owner", "staged", "torch")
 EP_ALGOS = ("oneshot", "twoshot", "torch")
 
 

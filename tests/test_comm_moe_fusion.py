@@ -234,7 +234,7 @@ def _variant(algo: str):
 def scenario(rank, world_size, cfg):
     """For each case: every algorithm and the reference path against the oracle, bitwise equal to
     each other; one token alone equals the same token inside the batch. Returns digests.
-    ``algorithms`` may name one-shot variants ("oneshot/split", "oneshot/twokernel");
+    ``algorithms`` may name one-shot variants ("oneshot/split");
     ``split_ctas`` sets the split variant's CTAs per row."""
     import os
 
@@ -435,23 +435,23 @@ def test_three_ranks():
 
 
 def test_two_ranks_oneshot_variants():
-    """The column-split one-shot (4 CTAs per row, 2 row groups: rows loop) and the two-kernel
-    one-shot against the oracle and bitwise equal to the fused one-shot and the torch path:
+    """The column-split one-shot (4 CTAs per row, 2 row groups: rows loop) against the oracle
+    and bitwise equal to the fused one-shot and the torch path:
     both ops, stepwise / fp32, FP8 / NVFP4, bias, a token alone vs in the batch."""
     cfg = dict(shapes=((40, (1, 5)), (48, (5,))),
                cases=(("finalize", 2, "stepwise", None), ("finalize", 3, "fp32", "fp8"),
                       ("finalize", 3, "stepwise", "nvfp4"), ("reduction", 2, "fp32", None)),
-               algorithms=("oneshot", "oneshot/split", "oneshot/twokernel", "torch"),
+               algorithms=("oneshot", "oneshot/split", "torch"),
                split_ctas=4)  # fmt: skip
     _ranks_agree(run_group(2, scenario, cfg))
 
 
 def test_three_ranks_oneshot_variants():
-    """P = 3: split (2 CTAs per row, rows loaded one at a time, bias) and two-kernel variants
-    bitwise equal to the fused one-shot."""
+    """P = 3: split (2 CTAs per row, rows loaded one at a time, bias) bitwise equal to the fused
+    one-shot."""
     cfg = dict(shapes=((72, (5,)),), cases=(("finalize", 3, "stepwise", "fp8"),
                                             ("finalize", 2, "fp32", None)),
-               algorithms=("oneshot", "oneshot/split", "oneshot/twokernel"), alone=False,
+               algorithms=("oneshot", "oneshot/split"), alone=False,
                rows_per_batch=1, bias=True, split_ctas=2)  # fmt: skip
     _ranks_agree(run_group(3, scenario, cfg))
 

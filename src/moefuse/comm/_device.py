@@ -175,16 +175,6 @@ def poll_row(ptr, cmask, deadline, clock_ptr, BITS: tl.constexpr, PTX: tl.conste
 
 
 @triton.jit
-def poll_probe(row_ptr, H, deadline, clock_ptr, PROBE: tl.constexpr, BITS: tl.constexpr,
-               PTX: tl.constexpr):  # fmt: skip
-    """Cheap pre-wait of the probe variant: spin on the first PROBE elements of the Lamport row at
-    ``row_ptr`` (a few L2 sectors instead of the whole row) until none is the sentinel or the
-    deadline passes. Only a hint: :func:`poll_row` still checks every element afterwards."""
-    pc = tl.arange(0, PROBE)
-    poll_row(row_ptr + pc, pc < H, deadline, clock_ptr, BITS, PTX)
-
-
-@triton.jit
 def scrub(bits, BITS: tl.constexpr):
     """-0.0 -> +0.0 in the payload (numerically the same; a -0.0 would look like "not arrived")."""
     return tl.where(bits == sentinel(BITS), tl.zeros_like(bits), bits)

@@ -40,14 +40,14 @@ from moefuse.comm.expert_norm_reference import group_size
 from moefuse.comm.tiles import MAX_HIDDEN
 from moefuse.comm.workspace import ALGORITHMS, AllReduceWorkspace, _collective_device
 
-TP_ALGORITHMS = ("auto", "slot_oneshot", "expert_owner_slots", "expert_owner", "token_owner",
-                 "staged", "torch")
+TP_ALGORITHMS = ("auto", "slot_oneshot", "expert_owner", "token_owner", "staged", "torch")
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: ``algorithm="auto"`` of §3.4: expert owner (K/P slots normalized per rank, group sums in FP32)
 #: up to this many tokens, the Lamport token owner above. MEASURED at P = 2 on 2 x H200
 #: (bench/results/moe-comm-tp-h200-p2.json, H = 4096, K = 8, us): M = 1 expert_owner 11.98,
-#: expert_owner_slots 12.94, token_owner 17.21, staged 19.41; M = 64 18.82 / 68.28 / 22.60 / 27.06;
-#: M = 2048 450.7 / - / 388.0 / 528.2. P = 4 and 8: first guesses (FlashInfer switches at 64/P).
+#: token_owner 17.21, staged 19.41; M = 64 18.82 / 22.60 / 27.06; M = 2048 450.7 / 388.0 /
+#: 528.2 (a one-CTA-per-(token, slot) expert owner, deleted, lost to expert_owner at every M
+#: measured: M = 1 12.94, M = 64 68.28). P = 4 and 8: first guesses (FlashInfer switches at 64/P).
 EXPERT_OWNER_MAX_TOKENS = {2: 64, 4: 16, 8: 8}
 #: ``algorithm="auto"`` takes "slot_oneshot" (one CTA per (token, slot) row, one NVLink hop, the
 #: token folded locally) while M * K <= this many rows, by world size (P = 2: M <= 16 at K = 8,
@@ -64,7 +64,7 @@ TOKEN_OWNER_LAMPORT_MAX_TOKENS = 16384
 #: cap of the Lamport slots of one ExpertNormWorkspace (larger M runs in chunks of the capacity)
 TP_LAMPORT_BUDGET_BYTES = 256 << 20
 TP_DEFAULT_CAPACITY = 1024
-#: tokens per launch of "expert_owner_slots" (GPU: also M*K <= SMs per launch)
+#: tokens per launch of "slot_oneshot" (its local ``xn_xdec`` / ``xn_rdec`` / ``xn_cnt`` rows)
 TP_SLOT_CAPACITY = 64
 
 _XREGISTRY: dict[int, ExpertNormWorkspace] = {}
@@ -102,9 +102,9 @@ class ExpertNormWorkspace:
     ``ar`` is an :class:`AllReduceWorkspace` (BF16, H) whose ``extra_regions`` hold, per rank:
     ``xn_rows`` BF16 ``[3, L, K, P-1, H]`` (partial rows received for slots this rank reduces),
     ``xn_gsum`` FP32 ``[3, L, NG, H]`` (expert-owner group sums, ``NG = ceil(K / B)``) and
-    ``xn_out`` BF16 ``[3, L, H]`` (token-owner output rows), ``xn_y`` FP32 ``[3, Ls, K, H]``
-    (normalized slot rows of "expert_owner_slots", Ls = ``slot_capacity``), all armed with -0.0
-    sentinels, "slot_oneshot"'s local BF16 ``xn_xdec [Ls, K, H]`` (rank-summed rows), FP32
+    ``xn_out`` BF16 ``[3, L, H]`` (token-owner output rows), all armed with -0.0
+    sentinels, "slot_oneshot"'s local BF16 ``xn_xdec [Ls, K, H]`` (rank-summed rows,
+    Ls = ``slot_capacity``), FP32
     ``xn_rdec [Ls, K]`` (their reciprocal RMS) and int32 ``xn_cnt [Ls]`` (per-token arrival words,
     zero between calls), and
     the staged algorithm's single-buffered ``xn_stage`` BF16 ``[L, K, P-1, H]`` and
@@ -141,7 +141,6 @@ class ExpertNormWorkspace:
                    "xn_out": 3 * cap * h * 2,
                    "xn_stage": cap * k * max(1, p - 1) * h * 2,
                    "xn_gather": cap * h * 2,
-                   "xn_y": 3 * self.slot_capacity * k * h * 4,
                    "xn_xdec": self.slot_capacity * k * h * 2,
                    "xn_rdec": self.slot_capacity * k * 4,
                    "xn_cnt": self.slot_capacity * 4}  # fmt: skip
@@ -158,10 +157,10 @@ class ExpertNormWorkspace:
         into a region before its owner armed it (the collective is stream-ordered after the
         fill on NCCL, and synchronous on gloo)."""
         local = self.ar.transport.local
-        for name in ("xn_rows", "xn_gsum", "xn_out", "xn_y"):  # staging needs no sentinel
+        for name in ("xn_rows", "xn_gsum", "xn_out"):  # staging needs no sentinel
             off, nbytes = self.ar.regions[name]
             view = local[off : off + nbytes]
-            if name in ("xn_gsum", "xn_y"):
+            if name == "xn_gsum":
                 view.view(torch.int32).fill_(-(2**31))
             else:
                 view.view(torch.int16).fill_(-(2**15))
@@ -228,7 +227,7 @@ class ExpertNormWorkspace:
         if num_tokens * self.top_k <= slot_oneshot_max_rows(self.world_size):
             return "slot_oneshot"
         if num_tokens <= expert_owner_max_tokens(self.world_size):
-            return "expert_owner"  # faster than "expert_owner_slots" at every M measured
+            return "expert_owner"
         if num_tokens <= TOKEN_OWNER_LAMPORT_MAX_TOKENS:
             return "token_owner"
         return "staged"
@@ -395,8 +394,7 @@ def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_perm
     ``algorithm``: "auto" ("slot_oneshot" while M * K <= :data:`SLOT_ONESHOT_MAX_ROWS`[P], expert
     owner for M <= :data:`EXPERT_OWNER_MAX_TOKENS`, Lamport token owner up to
     :data:`TOKEN_OWNER_LAMPORT_MAX_TOKENS`, staged above), "slot_oneshot" (one CTA per (token,
-    slot) row, one-shot push to every peer, token folded locally), "expert_owner_slots",
-    "expert_owner",
+    slot) row, one-shot push to every peer, token folded locally), "expert_owner",
     "token_owner" (Lamport peer stores), "staged" (token owner, push + flag barriers) or "torch"
     (all-gather of the rows + local kernel); all give the same bits. ``workspace``: an
     :class:`ExpertNormWorkspace`, or None for the process-wide one of

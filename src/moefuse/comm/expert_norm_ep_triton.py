@@ -126,7 +126,7 @@ def _ep_oneshot_kernel(
         if i > 0:
             tp = (pid + (i - 1) * G).to(tl.int64)
             s, miss = _receive_sum(prev, tp, mine, region, rank, cols, cmask, H, deadline,
-                                   clock_ptr, empty, T, P, 16, True, 0, PTX)  # fmt: skip
+                                   clock_ptr, empty, T, P, 16, True, PTX)  # fmt: skip
             missing = missing | miss
             tl.store(out_ptr + tp * out_st + cols, round_to(s, T, PTX), mask=cmask)
         prev = x

@@ -14,8 +14,7 @@ HBM on the peer paths:
 * ``_moe_split_kernel`` — the one-shot with a column-split producer (decode; variant "split" of
   :func:`oneshot_variant`): C CTAs per row each produce and push 1/C of the row (into the peers'
   Lamport slots and a local Lamport row), the row's last CTA polls every rank's whole row and
-  runs the epilogue. Variant "twokernel": ``_moe_partial_kernel`` into a scratch, then a one-shot
-  all-reduce of it (large M).
+  runs the epilogue.
 * ``_moe_twoshot_kernel`` — reduce-scatter + all-gather: phase 1 produces every row and stores it
   into its owner's staging slot ``[rank]`` (the owner's own rows locally), phase 2 sums the staged
   rows in rank order and pushes the sum into every peer's gather buffer (FP32 bits when
@@ -52,7 +51,7 @@ from moefuse.comm.moe_fusion_device import (
     _slot_meta,
 )
 from moefuse.comm.moe_fusion_ops import fp32_gather_region
-from moefuse.comm.tiles import CommTile, comm_tile, resident_ctas_per_sm
+from moefuse.comm.tiles import CommTile, comm_tile
 from moefuse.comm.triton import (
     _finish,
     _oneshot_finish,
@@ -546,10 +545,10 @@ def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
 
 #: one-shot variants (MOEFUSE_MOE_COMM_VARIANT; all give the same bits):
 #: "fused" — ``_moe_oneshot_kernel``, one CTA produces, pushes and finishes a row;
-#: "split" — ``_moe_split_kernel``, C CTAs per row produce column slices (decode);
-#: "twokernel" — ``_moe_partial_kernel`` into an [M, H] scratch, then ``_moe_oneshot_kernel``
-#: with a pass-through producer (large M: the unfused chain's structure, the MoE semantics).
-ONESHOT_VARIANTS = ("fused", "split", "twokernel")
+#: "split" — ``_moe_split_kernel``, C CTAs per row produce column slices (decode).
+#: (A third variant, partial kernel + one-shot all-reduce of the partial, was deleted: it never
+#: won, bench/results/sweeps/moe-comm-variants-h200-p2.json, numbers below.)
+ONESHOT_VARIANTS = ("fused", "split")
 #: "auto" (the variable unset): (up to M tokens, variant). MEASURED on 2 x H200
 #: (scripts/bench_moe_comm_variants.py, bench/results/sweeps/moe-comm-variants-h200-p2.json;
 #: P = 2, H = 4096, K = 8, stepwise, µs fused / split / two kernels): M = 1 6.49 / 4.90 / 7.25,
@@ -621,57 +620,6 @@ def _launch_split(ws, tile, k, has_bias, outs, pstrides, ostrides, scalars, tail
         *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.offset16("lamport_own"),
         ws.ctrl, ws.clock, *scalars, ws.rank, ws.oneshot_max_tokens, *tail, C=c,
         BLOCK_W=tile.block // c, **producer, **consts,
-    )  # fmt: skip
-
-
-def _launch_two_kernels(ws, tile, residual, stepwise, use_pdl, ptx, outs, pptrs, pstrides,
-                        ostrides, scalars, n_kcols, counts, rsf, producer, consts,
-                        epilogue) -> None:  # fmt: skip
-    """The "twokernel" variant: this rank's partials into an [M, H] scratch
-    (``_moe_partial_kernel``, as the torch path), then a one-shot all-reduce of them with the
-    same rank-order sum and epilogue as the fused kernel, hence the same bits:
-
-    * stepwise, no quantization or FP8, no ``allreduce_out``: the Section 3.1 one-shot launcher
-      (``launch_allreduce_fusion``, FP32_ACC off; it picks its measured prefetch pipeline at
-      large M). Its sum is the same T-rounded rank-order chain from +0 with the rows unscrubbed
-      locally / scrubbed from peers as here, its epilogue the same ``epilogue_row`` (recipe only
-      matters for NVFP4; its contraction can only fuse the FP64 squares, which are exact);
-    * otherwise: ``_moe_oneshot_kernel`` with a pass-through producer — K = 1 slot that is never
-      valid (``n_rows`` = 0) and the partial as the "shared" term, so it computes
-      ``T(+0 + p) = p`` exactly (no FMA, no rounding of a T value). It runs the co-resident CTA
-      count of the Section 3.1 kernels (2 per SM at H = 4096, 128 registers: 56-72 bytes
-      spilled; its producer holds one row)."""
-    m, h = residual.shape
-    part = torch.empty_like(residual)
-    grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
-    launch(_moe_partial_kernel, grid,
-        *pptrs, part, *pstrides, part.stride(0), m, h, *counts, rsf, BLOCK_H=tile.block,
-        USE_PDL=bool(use_pdl), PTX=ptx, num_warps=tile.num_warps, enable_fp_fusion=False,
-        **({"launch_pdl": True} if use_pdl else {}), **producer,
-    )  # fmt: skip
-    _, weight, _, residual_out, norm_out, qo, _, sc = outs[6:]
-    pattern = consts["PATTERN"]
-    if stepwise and pattern in (1, 2) and not consts["WRITE_AR"]:
-        from moefuse.comm.triton import launch_allreduce_fusion
-
-        launch_allreduce_fusion(ws, "oneshot", pattern, part, residual, weight,
-                                residual_out=residual_out, norm_out=norm_out,
-                                quant_out=qo if pattern == 2 else None,
-                                scale=sc if pattern == 2 else None, eps=epilogue[0],
-                                weight_bias=epilogue[1], fp32_acc=False,
-                                use_pdl=use_pdl)  # fmt: skip
-        return
-    never = torch.empty(1, dtype=torch.int32, device=residual.device)  # index of no valid slot
-    passthrough = dict(K=1, KB=1, DENSE=False, HAS_W=False, HAS_BIAS=False, HAS_RSF=False,
-                       HAS_SHARED=True, STEPWISE=bool(stepwise))  # fmt: skip
-    resident = resident_ctas_per_sm(tile.num_warps)
-    if ptx:
-        consts = dict(consts, maxnreg=min(255, 65536 // (32 * tile.num_warps * resident)) // 8 * 8)
-    strides = (part.stride(0), 0, 0, 0, 0, part.stride(0), 0, 0)
-    launch(_moe_oneshot_kernel, (max(1, min(m, ws.num_sms * resident)),),
-        part, never, part, part, part, never, *outs[6:], *strides, *ostrides, ws.table,
-        ws.offset16("lamport"), ws.ctrl, ws.clock, *scalars, ws.rank, ws.oneshot_max_tokens,
-        n_kcols, 0, 0, *epilogue, 1.0, ws.timeout_us, **passthrough, **consts,
     )  # fmt: skip
 
 
@@ -775,12 +723,6 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
         if variant == "split":
             _launch_split(ws, tile, k, bias is not None, outs, pstrides, ostrides, scalars, tail,
                           producer, dict(common, **peer))  # fmt: skip
-            return
-        if variant == "twokernel":
-            _launch_two_kernels(ws, tile, residual, stepwise, use_pdl, ptx, outs,
-                                (s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr), pstrides, ostrides,
-                                scalars, n_kcols, counts, float(rsf), producer,
-                                dict(common, **peer), (float(eps), float(weight_bias)))
             return
         grid = (max(1, min(m, ws.num_sms * ctas)),)
         launch(_moe_oneshot_kernel, grid,

@@ -155,7 +155,7 @@ def _push_row(x_ptr, x_st, t, cols, cmask, table_ptr, lam_off16, region, rank, H
 @triton.jit
 def _receive_sum(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr, empty,
                  T: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, FP32_ACC: tl.constexpr,
-                 PROBE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+                 PTX: tl.constexpr):  # fmt: skip
     """Row ``t64`` summed over ranks in ascending order (this rank's ``x`` in its place, each
     peer's row polled from its slot of this rank's buffer, then the slot re-armed), rounded to
     ``T``. Returns (sum as FP32, bit mask of the peers whose row did not arrive in time)."""
@@ -167,8 +167,6 @@ def _receive_sum(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr
         else:
             slot = q - (q > rank).to(tl.int32)
             row = mine + ((region + t64) * (P - 1) + slot) * H
-            if PROBE > 0:
-                D.poll_probe(row, H, deadline, clock_ptr, PROBE, BITS, PTX)
             ptr = row + cols
             bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
             tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
@@ -186,7 +184,7 @@ def _oneshot_kernel(
     M, M_pad, H, Hf, rank, cap, n_kcols, eps, weight_bias, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr, PROBE: tl.constexpr,
+    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     T: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -242,7 +240,7 @@ def _oneshot_kernel(
                 else:
                     res = res0
             s, miss = _receive_sum(x, t, mine, region, rank, cols, cmask, H, deadline,
-                                   clock_ptr, empty, T, P, BITS, FP32_ACC, PROBE, PTX)  # fmt: skip
+                                   clock_ptr, empty, T, P, BITS, FP32_ACC, PTX)  # fmt: skip
             missing = missing | miss
             D.epilogue_row(s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                            out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
@@ -275,7 +273,7 @@ def _oneshot_prefetch_kernel(
     M, M_pad, H, Hf, rank, cap, n_kcols, eps, weight_bias, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr, PROBE: tl.constexpr,
+    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """``_oneshot_kernel`` with a software pipeline over this CTA's rows (same slots, same
     generation protocol, same bits). Rows ``a`` (current), ``b`` (next), ``c`` (after next) live
@@ -313,7 +311,7 @@ def _oneshot_prefetch_kernel(
         xc, rc = _load_row(x_ptr, res_ptr, x_st, res_st, t + 2 * G, M, cols, cmask, PATTERN)
         t64 = t.to(tl.int64)
         s, miss = _receive_sum(xa, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr,
-                               empty, T, P, BITS, FP32_ACC, PROBE, PTX)  # fmt: skip
+                               empty, T, P, BITS, FP32_ACC, PTX)  # fmt: skip
         missing = missing | miss
         D.epilogue_row(s, ra.to(tl.float32), g, t64, cols, cmask, H, Hf, eps, inv_scale, gs,
                        rcp_gs, n_kcols, out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st,
@@ -537,7 +535,7 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
             x, res, w, o, ro, no, qo, so, sc, x.stride(0), *strides,
             ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock, *scalars, ws.rank,
             ws.oneshot_max_tokens, n_kcols, float(eps), float(weight_bias), timeout_us,
-            P=ws.world_size, BITS=bits, PROBE=var.probe, **common,
+            P=ws.world_size, BITS=bits, **common,
         )  # fmt: skip
     elif algorithm == "twoshot":
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps), ws.num_flag_slots)),)
