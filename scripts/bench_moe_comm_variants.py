@@ -105,7 +105,7 @@ def check(mf, ws, m, rank, world, group, dev) -> list[str]:
     import torch.distributed as dist
 
     from moefuse.bench.moe_comm import with_env
-    from moefuse.comm import moe_fusion_reference as mref
+    from moefuse.comm.moe_reduction import reference as mref
     from moefuse.testing import poison_
 
     x = make_inputs(m, 1, rank, 7000 + m, dev)

@@ -1,4 +1,4 @@
-"""Compile the MoE communication fusion kernels (comm/moe_fusion_triton.py) for sm_90a on a
+"""Compile the MoE communication fusion kernels (comm/moe_reduction/kernels.py) for sm_90a on a
 machine without a GPU and report registers and spills (ptxas -v): compile errors and register
 pressure show up before a GPU run. Each case uses the launcher's own tile, rows per batch and
 register cap (maxnreg) for the given CTAs per SM.
@@ -13,7 +13,7 @@ import triton
 from _ptxas import TARGET, ptxas_report
 from triton.compiler import ASTSource
 
-from moefuse.comm import moe_fusion_triton as mt
+from moefuse.comm.moe_reduction import kernels as mt
 from moefuse.comm.tiles import CommTile, comm_tile
 
 PTR = {"map_ptr": "*i32", "w_ptr": "*fp32", "e_ptr": "*i32", "q_ptr": "*u8", "sf_ptr": "*u8",

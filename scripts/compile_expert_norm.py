@@ -30,8 +30,8 @@ def main(argv) -> int:
     args = parser.parse_args(argv)
     import triton
 
-    from moefuse.comm import expert_norm_ep_triton as xe
-    from moefuse.comm import expert_norm_triton as xt
+    from moefuse.comm.expert_norm import ep_kernels as xe
+    from moefuse.comm.expert_norm import tp_kernels as xt
     from moefuse.comm.tiles import comm_tile
 
     k, p = args.topk, args.world_size

@@ -81,7 +81,7 @@ def check_case(moefuse, ws, group, m, h, names, seed) -> list[str]:
     default's residual_out equals the oracle's)."""
     import torch.distributed as dist
 
-    from moefuse.comm import reference as ref
+    from moefuse.comm.all_reduce import reference as ref
 
     rank = dist.get_rank(group)
     x, res, w = make_inputs(m, h, rank, ws.device, seed)
@@ -203,7 +203,7 @@ def compile_only(widths, dump=None) -> None:
     import triton
     from _ptxas import TARGET, ptxas_report, specialised_source
 
-    from moefuse.comm import triton as ct
+    from moefuse.comm.all_reduce import kernels as ct
     from moefuse.comm.tiles import comm_tile
 
     types = {"q_ptr": "*u8", "sf_ptr": "*u8", "scale_ptr": "*fp32", "table_ptr": "*i64",

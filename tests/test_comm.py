@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from comm_mp import run_group
-from moefuse.comm import reference as ref
+from moefuse.comm.all_reduce import reference as ref
 from moefuse.quant import reference as quant_ref
 from moefuse.testing import assert_bitwise_equal, assert_close, bits, poison_
 

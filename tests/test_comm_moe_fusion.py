@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from comm_mp import run_group
-from moefuse.comm import moe_fusion_reference as mref
+from moefuse.comm.moe_reduction import reference as mref
 from moefuse.comm.workspace import CTRL_GEN
 from moefuse.quant import reference as quant_ref
 from moefuse.testing import (
@@ -239,21 +239,22 @@ def scenario(rank, world_size, cfg):
     import os
 
     import moefuse
-    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.comm.moe_reduction.ops import extra_regions
 
     if cfg.get("split_ctas"):  # several CTAs per row even at a tiny H
         os.environ["MOEFUSE_MOE_COMM_SPLIT_CTAS"] = str(cfg["split_ctas"])
     if cfg.get("ctas_per_sm"):  # another grid for the peer kernels: same bits
         os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = str(cfg["ctas_per_sm"])
     if cfg.get("wide_from"):  # the wide-row rules at a tiny H: §3.2 auto two-shot, 2 CTAs
-        from moefuse.comm import moe_fusion_ops, moe_fusion_triton
+        from moefuse.comm.moe_reduction import kernels as moe_fusion_triton
+        from moefuse.comm.moe_reduction import ops as moe_fusion_ops
 
         width, tokens = cfg["wide_from"]
         moe_fusion_ops.DENSE_TWOSHOT_MIN_WIDTH = width
         moe_fusion_ops.DENSE_TWOSHOT_MIN_TOKENS = tokens
         moe_fusion_triton.TWOSHOT_TWO_CTAS_MIN_TOKENS = tokens
     if cfg.get("rows_per_batch"):  # cover the producer's batched row loads at small H
-        from moefuse.comm import moe_fusion_triton
+        from moefuse.comm.moe_reduction import kernels as moe_fusion_triton
 
         moe_fusion_triton.ROWS_PER_BATCH_OVERRIDE = cfg["rows_per_batch"]
     digests = []
@@ -382,7 +383,7 @@ def _compat(moefuse, ws, rank, world_size, h):
 def _opcheck_compile(moefuse, ws, rank, world_size, h):
     """Both custom ops pass torch.library.opcheck (schema, fake tensors, mutation) and run under
     torch.compile(fullgraph=True) with the same bits as eager (reference backend: cheap)."""
-    from moefuse.comm import moe_fusion_ops as ops
+    from moefuse.comm.moe_reduction import ops
 
     m, k = 3, 2
     ins, perm, wts, shs, res, w, *_ = finalize_case(13, world_size, m, h, k)
@@ -473,8 +474,8 @@ def test_wide_row_choices(monkeypatch):
     §3.2 stepwise takes two-shot from H = 4097 and M = 2048 (not fp32, not §3.3, not narrower or
     fewer); two-shot runs 2 CTAs per SM from 2048 tokens at any width; the one-shot keeps its
     table; MOEFUSE_MOE_COMM_CTAS_PER_SM overrides every kernel."""
-    from moefuse.comm.moe_fusion_ops import prefers_twoshot
-    from moefuse.comm.moe_fusion_triton import ctas_per_sm
+    from moefuse.comm.moe_reduction.kernels import ctas_per_sm
+    from moefuse.comm.moe_reduction.ops import prefers_twoshot
 
     assert prefers_twoshot(2048, 7168, dense=True, stepwise=True)
     assert prefers_twoshot(16384, 4097, dense=True, stepwise=True)

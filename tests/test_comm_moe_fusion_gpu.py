@@ -65,7 +65,7 @@ def call_reduction(moefuse, ws, rank, case, algo, opts, rows=None, pdl=None, imp
 
 
 def oracle(op, case, opts):
-    from moefuse.comm import moe_fusion_reference as mref
+    from moefuse.comm.moe_reduction import reference as mref
 
     kw = dict(accumulate=opts["accumulate"], weight_bias=opts["weight_bias"])
     if op == "finalize":
@@ -83,7 +83,7 @@ def scenario_full_shapes(rank, world_size):
     """Every (H, K, M, op): oracle (residual_out bitwise, norm_out <= 1 ulp), bitwise across
     algorithms, the reference path, ranks; PDL off and a token alone at M in {7, 4096}."""
     import moefuse
-    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.comm.moe_reduction.ops import extra_regions
 
     dev = _dev(rank)
     for h in WIDTHS:
@@ -178,7 +178,7 @@ def scenario_graph_replays(rank, world_size, replays):
     inputs (new rows, weights, indices with invalid slots, NaN in unused rows) copied in before
     each replay: residual_out bitwise against the oracle every replay."""
     import moefuse
-    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.comm.moe_reduction.ops import extra_regions
     from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)
@@ -217,7 +217,7 @@ def scenario_graph_replays_wide(rank, world_size, replays):
     copied in before each replay: residual_out bitwise against the oracle, norm_out bitwise
     across the two algorithms, every replay."""
     import moefuse
-    from moefuse.comm.moe_fusion_ops import resolve_algorithm
+    from moefuse.comm.moe_reduction.ops import resolve_algorithm
     from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)
@@ -278,7 +278,7 @@ def scenario_oneshot_variants(rank, world_size):
     FP8 at M = 64; then 200 CUDA-graph replays of each with fresh data (own-row and peer-slot
     re-arming across calls and generations)."""
     import moefuse
-    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.comm.moe_reduction.ops import extra_regions
     from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)

@@ -111,8 +111,8 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
     import moefuse
     from moefuse.bench import harness
-    from moefuse.comm import expert_norm_reference as ref
-    from moefuse.comm.expert_norm_triton import SPLIT_FOLD_ENV
+    from moefuse.comm.expert_norm import reference as ref
+    from moefuse.comm.expert_norm.tp_kernels import SPLIT_FOLD_ENV
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -189,7 +189,7 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
     import moefuse
     from moefuse.bench import harness
-    from moefuse.comm.expert_norm_ep_triton import PREFETCH_ENV
+    from moefuse.comm.expert_norm.ep_kernels import PREFETCH_ENV
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -28,14 +28,14 @@ All three evaluate ``out = sum_{j asc} G_j`` with ``G_j = fma chain over group j
 from the same device helpers, so a token's bits depend on (H, K, P) only — not on M, on the
 algorithm that "auto" picks for M, or on the grid (batch invariance across the path switch).
 
-EP (``moe_finalize_rmsnorm_allreduce``): :mod:`moefuse.comm.expert_norm_ep_triton` (it reuses
+EP (``moe_finalize_rmsnorm_allreduce``): :mod:`moefuse.comm.expert_norm.ep_kernels` (it reuses
 the per-slot helpers of this module).
 
 Invalid slots (index < 0 or >= R) are never loaded, normalized or weighted (their weight is not
 read either). Lamport conventions, generations, bounded waits and the status word are those of
-:mod:`moefuse.comm.triton` (``_oneshot_state`` / ``_oneshot_finish``, shared control words): the
-output is written with -0.0 as +0.0 on every path, because a BF16 row that travels as Lamport
-payload must be scrubbed and all ranks must agree bitwise.
+:mod:`moefuse.comm.device` (:func:`oneshot_state` / :func:`oneshot_finish`, shared control
+words): the output is written with -0.0 as +0.0 on every path, because a BF16 row that travels as
+Lamport payload must be scrubbed and all ranks must agree bitwise.
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ from triton.language.extra.cuda import gdc_wait
 from moefuse._device import round_to, rsqrt_fast, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import env_switch, interpreter_active
-from moefuse.comm import _device as D
+from moefuse.comm import device as D
 from moefuse.comm.tiles import comm_tile
-from moefuse.comm.triton import _finish, _oneshot_finish, _oneshot_state
 
 
 # ----------------------------------------------------------------------------- per-slot math
@@ -57,7 +56,7 @@ from moefuse.comm.triton import _finish, _oneshot_finish, _oneshot_state
 def _norm_rstd(x, g, cmask, Hf, eps, WBN: tl.constexpr):
     """Reciprocal RMS of one expert row ``x`` (FP32, BF16-exact values; of ``x * g`` when WBN).
     The statistic is an FP64 sum of exact squares rounded once to FP32 (same convention as
-    ``comm._device.epilogue_row``)."""
+    ``moefuse.comm.device.epilogue_row``)."""
     if WBN:
         z = x * g
     else:
@@ -232,7 +231,7 @@ def _tp_expert_owner_kernel(
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     # phase 1: push the partial rows of slots owned by other ranks (never waits)
     i = 0
@@ -280,7 +279,7 @@ def _tp_expert_owner_kernel(
         _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
                    cmask)  # fmt: skip
         i += 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
                     0, 16, USE_PDL, PTX)  # fmt: skip
 
 
@@ -421,7 +420,7 @@ def _tp_slot_oneshot_kernel(
     if USE_PDL:
         gdc_wait()
     x0 = tl.load(rows_ptr + p0 * row_st + cols, mask=cmask & valid0 & (pid < n_rows), other=0.0)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, n_rows, pid, G, cap, P, PTX,
         dists)  # fmt: skip
     i = 0
@@ -489,7 +488,7 @@ def _tp_slot_oneshot_kernel(
     # token's count is the last to have read the control words: it alone advances the
     # generation, without the launch-wide arrival atomic. Otherwise every CTA arrives.
     one_token = M == 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
                     0, 16, USE_PDL, PTX, completed | (M != 1),
                     tl.where(one_token, 1, 0))  # fmt: skip
 
@@ -504,7 +503,7 @@ def _tp_token_owner_kernel(
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     # phase 1: push every valid slot row of tokens owned by other ranks to their owner
     _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, region, rank,
@@ -543,7 +542,7 @@ def _tp_token_owner_kernel(
             missing = missing | tl.where(pending != 0, 1 << (t % P), 0)
             _store_out(out_ptr, out_st, t64, bits, cols, cmask)
         i += 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
                     0, 16, USE_PDL, PTX)  # fmt: skip
 
 
@@ -607,7 +606,7 @@ def _tp_staged_kernel(
             bits = tl.load(gathered + t64 * H + cols, mask=cmask, other=0, cache_modifier=".cg")
             _store_out(out_ptr, out_st, t64, bits, cols, cmask)
         i += 1
-    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, ctrl_ptr, M, M, 0, pid, G,
+    last = D.finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, ctrl_ptr, M, M, 0, pid, G,
                    P, 0, 0, 16, USE_PDL, PTX)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
@@ -661,7 +660,7 @@ def _common(h: int, use_pdl: bool) -> tuple[dict, int]:
 def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm_weight, out, *,
                                    eps: float, gain_center: float, weight_before_norm: bool,
                                    use_pdl: bool = False, gathered=None) -> None:  # fmt: skip
-    """Run §3.4 on ``xws`` (:class:`moefuse.comm.expert_norm_api.ExpertNormWorkspace`) with
+    """Run §3.4 on ``xws`` (:class:`moefuse.comm.expert_norm.api.ExpertNormWorkspace`) with
     ``algorithm`` in "slot_oneshot" | "expert_owner" | "token_owner" | "staged" | "torch"
     (``gathered`` [P, R, H]).
 

@@ -1,16 +1,16 @@
 """Triton kernels of the MoE communication fusions (SPEC §3.2, §3.3) and their launcher.
 
-Each kernel is an all-reduce kernel of :mod:`moefuse.comm.triton` with a *producer* stage in
-front: instead of loading this rank's partial row from an ``[M, H]`` input, it computes it from
-the MoE inputs (:mod:`moefuse.comm.moe_fusion_device`) — K expert rows gathered through the
-index map (finalize, §3.3) or the E_loc rows ``x[e, t]`` (reduction, §3.2), weighted, summed in
+Each kernel is an all-reduce kernel of :mod:`moefuse.comm.all_reduce.kernels` with a *producer*
+stage in front: instead of loading this rank's partial row from an ``[M, H]`` input, it computes it
+from the MoE inputs (:mod:`moefuse.comm.moe_reduction.producer`) — K expert rows gathered through
+the index map (finalize, §3.3) or the E_loc rows ``x[e, t]`` (reduction, §3.2), weighted, summed in
 ascending slot order, scaled, plus the shared-expert / token row. The partial never exists in
 HBM on the peer paths:
 
 * ``_moe_oneshot_kernel`` — Lamport, same slots, generations and control words as
   ``_oneshot_kernel`` (the workspace is shared with the all-reduce fusions): iteration i produces
   and pushes row i, then polls row i - 1 (its own partial kept in registers), sums ranks in
-  ascending order and runs the shared epilogue (:func:`moefuse.comm._device.epilogue_row`).
+  ascending order and runs the shared epilogue (:func:`moefuse.comm.device.epilogue_row`).
 * ``_moe_split_kernel`` — the one-shot with a column-split producer (decode; variant "split" of
   :func:`oneshot_variant`): C CTAs per row each produce and push 1/C of the row (into the peers'
   Lamport slots and a local Lamport row), the row's last CTA polls every rank's whole row and
@@ -41,8 +41,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
-from moefuse.comm import _device as D
-from moefuse.comm.moe_fusion_device import (
+from moefuse.comm import device as D
+from moefuse.comm.moe_reduction.producer import (
     _finish_row,
     _first_loads,
     _partial_from_first,
@@ -50,16 +50,8 @@ from moefuse.comm.moe_fusion_device import (
     _rank_step,
     _slot_meta,
 )
-from moefuse.comm.moe_fusion_ops import fp32_gather_region
+from moefuse.comm.moe_reduction.workspace import fp32_gather_region
 from moefuse.comm.tiles import CommTile, comm_tile
-from moefuse.comm.triton import (
-    _finish,
-    _oneshot_finish,
-    _oneshot_state,
-    _params,
-    _push_vals,
-    _scales,
-)
 
 _BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 
@@ -118,7 +110,7 @@ def _moe_oneshot_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(gw_ptr, cols, cmask, weight_bias, PATTERN)
     # Row pid (grid <= M: always a real token). Its routing data (index map, weights, expert
     # ids) is read before the grid-dependency wait: routing is complete long before the GEMM
     # that precedes the fusion (as in moefuse.moe.triton), so at decode that round trip overlaps
@@ -138,17 +130,17 @@ def _moe_oneshot_kernel(
     # is T): half the registers of FP32 — at H = 7168 (16 warps, 128 registers) that is what
     # keeps the loop from spilling
     res0 = tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX,
         dists)  # fmt: skip
     p0 = _partial_from_first(meta0, first0, cols, cmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
                              HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     mine = D.peer_base(table_ptr, rank, lam_off16, BITS, dists)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
     if n_mine > 0:
-        _push_vals(p0, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
+        D.push_vals(p0, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
         if USE_PDL:
             if n_mine == 1:
                 gdc_launch_dependents()
@@ -164,7 +156,7 @@ def _moe_oneshot_kernel(
                                n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
                                b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
                                HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-            _push_vals(cur, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS,
+            D.push_vals(cur, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS,
                        dists)  # fmt: skip
         t64 = (pid + (i - 1) * G).to(tl.int64)
         if i == 1:
@@ -180,7 +172,7 @@ def _moe_oneshot_kernel(
                     sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)  # fmt: skip
         prev = cur
         i += 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, P,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, P,
                     PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
 
 
@@ -232,7 +224,7 @@ def _moe_split_kernel(
     wcols = c * BLOCK_W + tl.arange(0, BLOCK_W)
     wmask = wcols < H
     epi = c == C - 1
-    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(gw_ptr, cols, cmask, weight_bias, PATTERN)
     meta0 = _slot_meta(grp, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
                        src_kst, map_st, w_tst, w_kst, b_st, e_st, K, DENSE, HAS_W, HAS_BIAS,
                        PTX)  # fmt: skip
@@ -245,15 +237,15 @@ def _moe_split_kernel(
     # _moe_oneshot_kernel
     first0 = _first_loads(meta0, grp, wcols, wmask, sh_ptr, sh_st, KB, HAS_BIAS, HAS_SHARED, PTX)
     res0 = tl.load(res_ptr + grp.to(tl.int64) * res_st + cols, mask=cmask & epi, other=0.0)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, grp, R, cap, P, PTX,
         dists)  # fmt: skip
     p0 = _partial_from_first(meta0, first0, wcols, wmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
                              HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     own = D.peer_base(table_ptr, rank, own_off16, BITS, dists)
     if n_mine > 0:
-        _push_vals(p0, grp, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
+        D.push_vals(p0, grp, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
         _push_own(p0, grp, wcols, wmask, table_ptr, own_off16, rank, H, BITS, dists)
         if USE_PDL:
             if n_mine == 1:
@@ -270,7 +262,7 @@ def _moe_split_kernel(
                              n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
                              b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
                              HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-            _push_vals(p, t, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS,
+            D.push_vals(p, t, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS,
                        dists)  # fmt: skip
             _push_own(p, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS, dists)
         if epi:
@@ -290,7 +282,7 @@ def _moe_split_kernel(
         i += 1
     # only the R epilogue CTAs arrive: one that finishes has polled its group's own rows, so
     # every producer of the group has read the state words; at R = 1 (decode) no atomic at all
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid,
                     tl.num_programs(0), P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX, epi,
                     R)  # fmt: skip
 
@@ -317,10 +309,10 @@ def _moe_twoshot_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(gw_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
     epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
     healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
@@ -399,7 +391,7 @@ def _moe_twoshot_kernel(
                         nout_st, q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR,
                         PTX)  # fmt: skip
         i += 1
-    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols,
+    last = D.finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols,
                    pid, G, P, PATTERN, LAYOUT, KP_BLOCK, False, PTX)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
@@ -450,10 +442,10 @@ def _moe_gathered_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(gw_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     t = pid
     while t < M:
         t64 = t.to(tl.int64)
