@@ -127,7 +127,7 @@ class AllReduceNorm:
 
     @staticmethod
     def check(case, outs):
-        from moefuse.comm import reference as ref
+        from moefuse.comm.all_reduce import reference as ref
 
         parts, res, w = case
         h_ref, n_ref = ref.allreduce_residual_rmsnorm_from_partials(parts, res, w, 1e-6, 0.0)
@@ -145,7 +145,7 @@ class MoeFinalize:
 
     @staticmethod
     def workspace(moefuse, m_cap, h, dev, timeout_s):
-        from moefuse.comm.moe_fusion_ops import extra_regions
+        from moefuse.comm.moe_reduction.ops import extra_regions
 
         return moefuse.AllReduceWorkspace(None, m_cap, h, BF16, dev, timeout_s=timeout_s,
                                           oneshot_max_tokens=m_cap,
@@ -176,7 +176,7 @@ class MoeFinalize:
 
     @staticmethod
     def check(case, outs):
-        from moefuse.comm import moe_fusion_reference as mref
+        from moefuse.comm.moe_reduction import reference as mref
 
         ins, perm, wts, shs, res, w = case
         want = mref.moe_finalize_allreduce_from_ranks(
@@ -228,7 +228,7 @@ class MoeReduce:
 
     @staticmethod
     def check(case, outs):
-        from moefuse.comm import moe_fusion_reference as mref
+        from moefuse.comm.moe_reduction import reference as mref
 
         xs, scs, toks, res, w, _, _ = case
         want = mref.moe_allreduce_from_ranks(xs, scs, toks, res, w)
@@ -313,7 +313,7 @@ class TpFinalize:
     """``tp_moe_finalize_rmsnorm`` (K = 8, FP32 weights, ~10 % invalid slots)."""
 
     name, op = "tp_finalize", "tp_moe_finalize_rmsnorm"
-    algos = ("slot_oneshot", "expert_owner_slots", "expert_owner", "token_owner", "staged")
+    algos = ("slot_oneshot", "expert_owner", "token_owner", "staged")
     opts = dict(eps=1e-6, gain_center=0.0, weight_before_norm=True)
 
     @staticmethod
@@ -353,7 +353,7 @@ class TpFinalize:
     def check(cls, case, outs):
         import torch
 
-        from moefuse.comm import expert_norm_reference as ref
+        from moefuse.comm.expert_norm import reference as ref
 
         parts, w, idx, nw = case
         exp = ref.tp_moe_finalize_rmsnorm_from_ranks(parts, w, idx, nw, **cls.opts)
@@ -409,7 +409,7 @@ class EpFinalize:
         kernel's rsqrt against the reference's)."""
         import torch
 
-        from moefuse.comm import expert_norm_reference as ref
+        from moefuse.comm.expert_norm import reference as ref
 
         parts, w, idxs, nw = case
         exp = ref.moe_finalize_rmsnorm_allreduce_from_ranks(parts, [w] * P, idxs, nw, **cls.opts)

@@ -31,9 +31,9 @@ import triton
 from _ptxas import TARGET, specialised_source, with_constexpr_defaults
 from compile_check_allgather import DIVISIBLE, OP_TYPES, TYPES, norm_consts
 
-from moefuse.comm import allgather_decode as dec
-from moefuse.comm import allgather_fused as fused
-from moefuse.comm import allgather_triton as AG
+from moefuse.comm.all_gather import decode as dec
+from moefuse.comm.all_gather import kernels as AG
+from moefuse.comm.all_gather import persistent as fused
 from moefuse.norm import gated, tiles
 from moefuse.norm import triton as nt
 

@@ -1,5 +1,5 @@
 """all_gather_rmsnorm at large M on P GPUs (issue 17's NVLink bar): the persistent gather + norm
-kernel (comm/allgather_fused.py) against the old paths, bitwise first.
+kernel (comm/all_gather/persistent.py) against the old paths, bitwise first.
 
 Run (2 x H200, < 4 minutes)::
 
@@ -46,7 +46,7 @@ def variant_env(name: str, h: int) -> dict[str, str]:
     """The knobs of moefuse variant ``name`` at width ``h``."""
     env = dict(VARIANTS[name])
     if name == "fused_2xcta":
-        from moefuse.comm.allgather_fused import CTAS_PER_SM_ENV
+        from moefuse.comm.all_gather.persistent import CTAS_PER_SM_ENV
         from moefuse.comm.tiles import resident_ctas_per_sm
         from moefuse.norm.tiles import RMSNORM_POLICY, row_tile
 
@@ -81,8 +81,8 @@ def time_case(moefuse, harness, ws, group, h, m, replays) -> dict[str, float]:
     """Median µs (max over ranks) of every variant at [M, H]; NaN for a variant that failed."""
     import torch.distributed as dist
 
-    from moefuse.comm import allgather_ops
-    from moefuse.comm.allgather_triton import launch_allgather
+    from moefuse.comm.all_gather import ops as allgather_ops
+    from moefuse.comm.all_gather.kernels import launch_allgather
 
     dev, p, rank = ws.device, dist.get_world_size(group), dist.get_rank(group)
     bf = torch.bfloat16

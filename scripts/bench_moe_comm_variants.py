@@ -10,7 +10,6 @@ replays (inputs rotating over sets larger than L2, max over ranks) time:
   ``split_c4`` / ``split_c16`` at M <= 8 (MOEFUSE_MOE_COMM_SPLIT_CTAS) and ``split_2ctas`` at
   M <= 64 (MOEFUSE_MOE_COMM_CTAS_PER_SM=2); ``fused_2ctas`` at M >= 64 (the current kernel at
   2 CTAs per SM);
-* ``twokernel`` / ``twokernel_fp32`` — partial kernel + pass-through one-shot;
 * ``chain`` — moefuse's unfused chain: ``moe_finalize`` + ``allreduce_residual_rmsnorm``.
 
 Run (repo root, 2 GPUs; ~1-3 minutes, mostly Triton compiles):
@@ -39,8 +38,6 @@ VARIANTS = (
     ("fused_fp32", "fp32", {"MOEFUSE_MOE_COMM_VARIANT": "fused"}),
     ("split", "stepwise", {"MOEFUSE_MOE_COMM_VARIANT": "split"}),
     ("split_fp32", "fp32", {"MOEFUSE_MOE_COMM_VARIANT": "split"}),
-    ("twokernel", "stepwise", {"MOEFUSE_MOE_COMM_VARIANT": "twokernel"}),
-    ("twokernel_fp32", "fp32", {"MOEFUSE_MOE_COMM_VARIANT": "twokernel"}),
 )
 #: CTAs-per-row sweep of the split variant at decode (M <= SWEEP_MAX_TOKENS)
 SPLIT_SWEEP = (4, 16)
@@ -108,7 +105,7 @@ def check(mf, ws, m, rank, world, group, dev) -> list[str]:
     import torch.distributed as dist
 
     from moefuse.bench.moe_comm import with_env
-    from moefuse.comm import moe_fusion_reference as mref
+    from moefuse.comm.moe_reduction import reference as mref
     from moefuse.testing import poison_
 
     x = make_inputs(m, 1, rank, 7000 + m, dev)

@@ -1,5 +1,5 @@
-"""Compile the all-gather + norm kernels (comm/allgather_triton.py, allgather_decode.py,
-allgather_fused.py) for sm_90a on a machine without a GPU and report registers and spills
+"""Compile the all-gather + norm kernels (comm/all_gather/kernels.py, all_gather/decode.py,
+all_gather/persistent.py) for sm_90a on a machine without a GPU and report registers and spills
 (ptxas -v), with the launchers' own constexprs (the single-GPU op's tile of the width, both
 stepped modes where the rows are stepped), and the CTAs per SM those registers allow. Ops
 (``--ops``): rmsnorm, fp8 (E4M3), fp4 (linear and swizzled_128x4 scales), gated (tensor alpha,
@@ -16,9 +16,9 @@ import triton
 from _ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
 
 from moefuse.bench import harness
-from moefuse.comm import allgather_decode as dec
-from moefuse.comm import allgather_fused as fused
-from moefuse.comm import allgather_triton as AG
+from moefuse.comm.all_gather import decode as dec
+from moefuse.comm.all_gather import kernels as AG
+from moefuse.comm.all_gather import persistent as fused
 from moefuse.comm.tiles import resident_ctas_per_sm
 from moefuse.norm import tiles
 

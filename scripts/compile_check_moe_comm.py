@@ -1,4 +1,4 @@
-"""Compile the MoE communication fusion kernels (comm/moe_fusion_triton.py) for sm_90a on a
+"""Compile the MoE communication fusion kernels (comm/moe_reduction/kernels.py) for sm_90a on a
 machine without a GPU and report registers and spills (ptxas -v): compile errors and register
 pressure show up before a GPU run. Each case uses the launcher's own tile, rows per batch and
 register cap (maxnreg) for the given CTAs per SM.
@@ -13,7 +13,7 @@ import triton
 from _ptxas import TARGET, ptxas_report
 from triton.compiler import ASTSource
 
-from moefuse.comm import moe_fusion_triton as mt
+from moefuse.comm.moe_reduction import kernels as mt
 from moefuse.comm.tiles import CommTile, comm_tile
 
 PTR = {"map_ptr": "*i32", "w_ptr": "*fp32", "e_ptr": "*i32", "q_ptr": "*u8", "sf_ptr": "*u8",
@@ -50,8 +50,7 @@ def compile_report(kernel, consts, num_warps, maxnreg=None):
 
 def _variants(h, tile, top_ks, resident) -> None:
     """The one-shot variants at the launcher's register cap for ``resident`` co-resident CTAs
-    per SM: the column-split kernel for each CTAs-per-row count, and the two-kernel variant's
-    pass-through one-shot (K = 1, no valid slot, partial as the shared term)."""
+    per SM: the column-split kernel for each CTAs-per-row count."""
     cap = min(255, 65536 // (32 * tile.num_warps * resident)) // 8 * 8
     common = dict(P=2, BITS=16, BLOCK_H=tile.block, LAYOUT=0, KP_BLOCK=tile.kp_block,
                   WRITE_AR=False, USE_PDL=True, PTX=True)  # fmt: skip
@@ -69,12 +68,6 @@ def _variants(h, tile, top_ks, resident) -> None:
                 print(f"H={h:5d} K={k} split C={c:2d} KB={kb} stepwise={stepwise:d} "
                       f"pattern={pattern} bias={bias:d}: {regs} registers (cap {cap}), "
                       f"{spill} bytes spilled", flush=True)
-    for stepwise in (True, False):
-        consts = dict(K=1, KB=1, DENSE=False, HAS_W=False, HAS_BIAS=False, HAS_RSF=False,
-                      HAS_SHARED=True, STEPWISE=stepwise, PATTERN=1, **common)  # fmt: skip
-        regs, spill = compile_report(mt._moe_oneshot_kernel, consts, tile.num_warps, cap)
-        print(f"H={h:5d} twokernel pass-through one-shot stepwise={stepwise:d}: {regs} registers "
-              f"(cap {cap}), {spill} bytes spilled", flush=True)
 
 
 def main() -> None:
@@ -83,7 +76,7 @@ def main() -> None:
     parser.add_argument("--top-k", default="2,8")
     parser.add_argument("--ctas", default="1,2")
     parser.add_argument("--variants-only", action="store_true",
-                        help="only the split and two-kernel one-shot variants")
+                        help="only the split one-shot variant")
     args = parser.parse_args()
     for h in [int(x) for x in args.widths.split(",")]:
         tile = comm_tile(h, 1)

@@ -2,7 +2,7 @@
 
 ``PYTHONPATH=src python scripts/compile_expert_norm.py [--widths 4096,7168] [--topk 8]``
 (``--only NAME``: the kernels whose name contains NAME)
-compiles ``_tp_slot_oneshot_kernel``, ``_tp_slot_kernel``, ``_tp_expert_owner_kernel``,
+compiles ``_tp_slot_oneshot_kernel``, ``_tp_expert_owner_kernel``,
 ``_tp_token_owner_kernel``, ``_tp_staged_kernel``, ``_tp_gathered_kernel``,
 ``_ep_partial_kernel`` and ``_ep_oneshot_kernel``
 (P = 2, BF16, PDL on, weight before norm) with Triton's CUDA backend and runs ptxas
@@ -30,8 +30,8 @@ def main(argv) -> int:
     args = parser.parse_args(argv)
     import triton
 
-    from moefuse.comm import expert_norm_ep_triton as xe
-    from moefuse.comm import expert_norm_triton as xt
+    from moefuse.comm.expert_norm import ep_kernels as xe
+    from moefuse.comm.expert_norm import tp_kernels as xt
     from moefuse.comm.tiles import comm_tile
 
     k, p = args.topk, args.world_size
@@ -39,9 +39,8 @@ def main(argv) -> int:
     failed = 0
     for h in map(int, args.widths.split(",")):
         tile = comm_tile(h, 1)
-        for kernel in (xt._tp_slot_oneshot_kernel, xt._tp_slot_kernel,
-                       xt._tp_expert_owner_kernel, xt._tp_token_owner_kernel,
-                       xt._tp_staged_kernel, xt._tp_gathered_kernel,
+        for kernel in (xt._tp_slot_oneshot_kernel, xt._tp_expert_owner_kernel,
+                       xt._tp_token_owner_kernel, xt._tp_staged_kernel, xt._tp_gathered_kernel,
                        xe._ep_partial_kernel, xe._ep_oneshot_kernel):  # fmt: skip
             if args.only not in kernel.fn.__name__:
                 continue

@@ -22,19 +22,15 @@ import time
 
 import torch
 
-KEYS = ("MOEFUSE_COMM_ONESHOT_PREFETCH", "MOEFUSE_COMM_POLL_PROBE", "MOEFUSE_COMM_ROWS_PER_CTA",
-        "MOEFUSE_COMM_ONESHOT_WARPS")  # fmt: skip
-PF, PROBE, ROWS, WARPS = KEYS
+KEYS = ("MOEFUSE_COMM_ONESHOT_PREFETCH", "MOEFUSE_COMM_ROWS_PER_CTA", "MOEFUSE_COMM_ONESHOT_WARPS")
+PF, ROWS, WARPS = KEYS
 #: name -> environment (moefuse.comm.tiles.OneshotVariant); "default" must stay first
 VARIANTS = {
     "default": {},
     "prefetch": {PF: "1"},
-    "probe64": {PROBE: "64"},
-    "pf+probe": {PF: "1", PROBE: "64"},
     "pf+r2": {PF: "1", ROWS: "2"},
     "pf+r4": {PF: "1", ROWS: "4"},
     "pf+r8": {PF: "1", ROWS: "8"},
-    "pf+probe+r4": {PF: "1", PROBE: "64", ROWS: "4"},
     "pf+w4": {PF: "1", WARPS: "4"},  # H <= 4096 only (235 registers; spills at 7168)
     "pf+r3": {PF: "1", ROWS: "3"},
     "pf+r6": {PF: "1", ROWS: "6"},
@@ -85,7 +81,7 @@ def check_case(moefuse, ws, group, m, h, names, seed) -> list[str]:
     default's residual_out equals the oracle's)."""
     import torch.distributed as dist
 
-    from moefuse.comm import reference as ref
+    from moefuse.comm.all_reduce import reference as ref
 
     rank = dist.get_rank(group)
     x, res, w = make_inputs(m, h, rank, ws.device, seed)
@@ -207,7 +203,7 @@ def compile_only(widths, dump=None) -> None:
     import triton
     from _ptxas import TARGET, ptxas_report, specialised_source
 
-    from moefuse.comm import triton as ct
+    from moefuse.comm.all_reduce import kernels as ct
     from moefuse.comm.tiles import comm_tile
 
     types = {"q_ptr": "*u8", "sf_ptr": "*u8", "scale_ptr": "*fp32", "table_ptr": "*i64",
@@ -223,13 +219,13 @@ def compile_only(widths, dump=None) -> None:
                 var = oneshot_variant()
             kernel = ct._oneshot_prefetch_kernel if var.prefetch else ct._oneshot_kernel
             warps = var.num_warps or tile.num_warps
-            key = (h, kernel.fn.__name__, var.probe, warps)
+            key = (h, kernel.fn.__name__, warps)
             if key in seen:
                 continue
             seen.add(key)
             consts = dict(P=2, BLOCK_H=tile.block, BITS=16, PATTERN=1, WRITE_NORM=True, LAYOUT=0,
-                          KP_BLOCK=tile.kp_block, FP32_ACC=True, USE_PDL=True, PTX=True,
-                          PROBE=var.probe)  # fmt: skip
+                          KP_BLOCK=tile.kp_block, FP32_ACC=True, USE_PDL=True,
+                          PTX=True)  # fmt: skip
             src = specialised_source(  # as the launcher's specialization
                 kernel, consts, types,
                 lambda name, _: name.endswith(("_ptr", "_st")) or name in ("H", "cap"),
@@ -243,7 +239,7 @@ def compile_only(widths, dump=None) -> None:
                     with open(os.path.join(dump, f"{name}-{h}.{ext}"), "w") as f:
                         f.write(text)
             print(f"H={h:5d} {name:9s} kernel={kernel.fn.__name__:24s} warps={warps:2d} "
-                  f"probe={var.probe:3d} regs={report.regs} spills={report.spills} "
+                  f"regs={report.regs} spills={report.spills} "
                   f"ld.volatile.v4={v4} ptxas_rc={report.returncode}", flush=True)  # fmt: skip
 
 

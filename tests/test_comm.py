@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from comm_mp import run_group
-from moefuse.comm import reference as ref
+from moefuse.comm.all_reduce import reference as ref
 from moefuse.quant import reference as quant_ref
 from moefuse.testing import assert_bitwise_equal, assert_close, bits, poison_
 
@@ -234,8 +234,7 @@ def test_eight_ranks_basic_pattern():
 #: MOEFUSE_COMM_* settings of the experimental one-shot variants (tiles.OneshotVariant)
 VARIANTS = {
     "prefetch": {"MOEFUSE_COMM_ONESHOT_PREFETCH": "1"},
-    "probe": {"MOEFUSE_COMM_POLL_PROBE": "64"},  # wider than H = 48: masked probe lanes
-    "persistent": {"MOEFUSE_COMM_ONESHOT_PREFETCH": "1", "MOEFUSE_COMM_POLL_PROBE": "16",
+    "persistent": {"MOEFUSE_COMM_ONESHOT_PREFETCH": "1",
                    "MOEFUSE_COMM_ROWS_PER_CTA": "4", "MOEFUSE_COMM_ONESHOT_WARPS": "2"},
 }  # fmt: skip
 

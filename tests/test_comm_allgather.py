@@ -161,7 +161,7 @@ def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full, chunk):
             for i in range(3):
                 assert_bitwise_equal(alone["gated"][i], batch["gated"][i][3:4],
                                      f"row alone: gated[{i}]")  # fmt: skip
-        return int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
+        return int(moefuse.comm.all_gather.ops.allgather_state(ws).agctrl[0])
     finally:
         ws.close()
 
@@ -180,7 +180,7 @@ def scenario_contract(rank, p):
     """Validation, the references, workspaces without the region or without peers, generation
     wrap, opcheck and torch.compile."""
     import moefuse
-    from moefuse.comm import allgather_ops as ops
+    from moefuse.comm.all_gather import ops
     from moefuse.testing import assert_close, expect_value_error
 
     h, m = 64, 3
@@ -424,9 +424,9 @@ def test_one_launch_decode_stepped_rows():
 
 # ----------------------------------------------------------------------------- persistent kernel
 def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""):
-    """The persistent gather + rmsnorm kernel (comm/allgather_fused.py) forced at small M: decode
-    kernel off, ``grid`` CTAs (several tiles each), ``lookahead`` tiles pushed ahead; rmsnorm and
-    gemma_rmsnorm bitwise against moefuse.rmsnorm of the full rows and against the torch
+    """The persistent gather + rmsnorm kernel (comm/all_gather/persistent.py) forced at small M:
+    decode kernel off, ``grid`` CTAs (several tiles each), ``lookahead`` tiles pushed ahead;
+    rmsnorm and gemma_rmsnorm bitwise against moefuse.rmsnorm of the full rows and against the torch
     algorithm, over enough calls to wrap the generations. ``loop_min_rows`` (stepped widths):
     the row count from which both the single-GPU op and the fused kernel loop over the steps.
     ``mode``: MOEFUSE_ALLGATHER_PERSISTENT ("" = the default: one-pass rmsnorm tiles are read
@@ -434,7 +434,7 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""
     import os
 
     import moefuse
-    from moefuse.comm import allgather_fused
+    from moefuse.comm.all_gather import persistent as allgather_fused
     from moefuse.norm import tiles
 
     launches = []
@@ -472,7 +472,7 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""
         got = moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton", algorithm="oneshot")
         assert_bitwise_equal(got, moefuse.rmsnorm(c["full"], w, 1e-6, impl="triton"), "chunked")
         assert len(launches) == 2 * len(ms), launches
-        return int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
+        return int(moefuse.comm.all_gather.ops.allgather_state(ws).agctrl[0])
     finally:
         ws.close()
 
@@ -494,8 +494,8 @@ def test_fused_persistent_kernel_bitwise(p, h, ms, grid, lookahead, loop_min_row
 
 
 def test_fused_knobs_raise_clear_errors(monkeypatch):
-    from moefuse.comm import allgather_decode as dec
-    from moefuse.comm import allgather_fused as fused
+    from moefuse.comm.all_gather import decode as dec
+    from moefuse.comm.all_gather import persistent as fused
 
     monkeypatch.setenv("MOEFUSE_ALLGATHER_LARGE", "persistent")
     with pytest.raises(ValueError, match="MOEFUSE_ALLGATHER_LARGE must be one of"):
@@ -529,8 +529,8 @@ def test_fused_knobs_raise_clear_errors(monkeypatch):
 def test_decode_and_persistent_modes(monkeypatch):
     """The modes of the one-launch kernels: defaults per op and width, knob overrides where the
     tile is eligible, clear errors naming the variable."""
-    from moefuse.comm import allgather_decode as dec
-    from moefuse.comm import allgather_fused as fused
+    from moefuse.comm.all_gather import decode as dec
+    from moefuse.comm.all_gather import persistent as fused
 
     for op, want in ((dec.RMSNORM, (True, True)), (dec.FP8, (True, True)),
                      (dec.FP4, (False, False)), (dec.GATED, (False, False))):  # fmt: skip
@@ -581,7 +581,8 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
     import os
 
     import moefuse
-    from moefuse.comm import allgather_decode, allgather_fused
+    from moefuse.comm.all_gather import decode as allgather_decode
+    from moefuse.comm.all_gather import persistent as allgather_fused
     from moefuse.norm import tiles
 
     if loop_min_rows:
@@ -665,7 +666,7 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
                     assert_bitwise_equal(got_sf, want_sf, f"{what} fp4 {arg} scales")
         ws.check()
         assert counts == want_counts, (counts, want_counts)  # the one-launch kernels ran
-        return int(moefuse.comm.allgather_ops.allgather_state(ws).agctrl[0])
+        return int(moefuse.comm.all_gather.ops.allgather_state(ws).agctrl[0])
     finally:
         ws.close()
 

@@ -266,7 +266,7 @@ def scenario_one_launch(rank, _):
 
 
 def scenario_persistent(rank, _, env):
-    """The persistent gather + rmsnorm kernel (comm/allgather_fused.py, the default above
+    """The persistent gather + rmsnorm kernel (comm/all_gather/persistent.py, the default above
     M = 64) under the knobs ``env``: bitwise equal to moefuse.rmsnorm eager (PDL on / off) and
     in replayed CUDA graphs, at token counts that are not multiples of anything."""
     return one_kernel_checks(rank, {"MOEFUSE_ALLGATHER_LARGE": "fused", **env}, (65, 1000, 4097),
@@ -363,7 +363,8 @@ def scenario_quant_one_launch(rank, _, op):
     {300, 1000, 4096} (defaults: the gated op at 300 only) and at 65 / 4097 with many tiles per
     CTA; the launchers are counted
     (no two-launch fallback)."""
-    from moefuse.comm import allgather_decode, allgather_fused
+    from moefuse.comm.all_gather import decode as allgather_decode
+    from moefuse.comm.all_gather import persistent as allgather_fused
 
     counts = {"decode": 0, "persistent": 0}
     for module, name, key in ((allgather_decode, "launch_ag_rmsnorm", "decode"),

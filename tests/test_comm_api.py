@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from comm_mp import run_group
-from moefuse.comm import reference as ref
+from moefuse.comm.all_reduce import reference as ref
 from moefuse.testing import assert_bitwise_equal, bits, poison_
 from test_comm import make_case
 
@@ -197,7 +197,7 @@ def scenario_bounded_wait(rank, world_size, algo):
 
 def scenario_opcheck_compile(rank, world_size):
     import moefuse
-    from moefuse.comm import ops
+    from moefuse.comm.all_reduce import ops
 
     h = 48
     ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60)

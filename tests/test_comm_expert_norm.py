@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from comm_mp import run_group
-from moefuse.comm import expert_norm_reference as ref
+from moefuse.comm.expert_norm import reference as ref
 from moefuse.testing import assert_bitwise_equal, bits, poison_
 
 pytestmark = pytest.mark.interpreter
 BF16 = torch.bfloat16
-TP_ALGOS = ("slot_oneshot", "expert_owner_slots", "expert_owner", "token_owner", "staged",
-            "torch")
+TP_ALGOS = ("slot_oneshot", "expert_owner", "token_owner", "staged", "torch")
 EP_ALGOS = ("oneshot", "twoshot", "torch")
 
 
@@ -346,7 +345,7 @@ def scenario_api(rank, world_size):
     import torch.distributed as dist
 
     import moefuse
-    from moefuse.comm import expert_norm_ops as xops
+    from moefuse.comm.expert_norm import ops as xops
     from moefuse.compat import flashinfer as fi
 
     h, k, m = 40, 3, 3
@@ -468,7 +467,7 @@ def scenario_bounded_wait(rank, world_size):
 def test_split_fold_choice(monkeypatch):
     """slot_oneshot's split fold: only when every CTA has one row, never in the interpreter (a
     CTA there cannot wait for a later one); the knob turns it off, and a bad value names it."""
-    from moefuse.comm import expert_norm_triton as xt
+    from moefuse.comm.expert_norm import tp_kernels as xt
 
     monkeypatch.setattr(xt, "interpreter_active", lambda: False)
     assert xt.split_fold(8, 8) and xt.split_fold(64, 132)
@@ -486,7 +485,7 @@ def test_split_fold_choice(monkeypatch):
 def test_ep_prefetch_choice(monkeypatch):
     """The EP kernels request a token's K rows first when every CTA has one token; the knob
     forces it either way, and a bad value names it."""
-    from moefuse.comm import expert_norm_ep_triton as xe
+    from moefuse.comm.expert_norm import ep_kernels as xe
 
     assert xe.prefetch_rows(8, 8) and not xe.prefetch_rows(200, 132)
     monkeypatch.setenv("MOEFUSE_EP_PREFETCH_ROWS", "0")

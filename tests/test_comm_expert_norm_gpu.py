@@ -24,8 +24,7 @@ BF16 = torch.bfloat16
 WIDTHS = (2880, 4096, 7168)
 TOPKS = (2, 6, 8)
 TOKENS = (1, 7, 64, 200, 4096)
-TP_ALGOS = ("slot_oneshot", "expert_owner_slots", "expert_owner", "token_owner", "staged",
-            "torch")
+TP_ALGOS = ("slot_oneshot", "expert_owner", "token_owner", "staged", "torch")
 EP_ALGOS = ("oneshot", "twoshot", "torch")
 REPLAY = (64, 4096, 8)  # (M, H, K) of the graph-replay scenario
 

@@ -24,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-from moefuse.comm import reference as ref
+from moefuse.comm.all_reduce import reference as ref
 from moefuse.testing import assert_bitwise_equal
 
 pytestmark = pytest.mark.interpreter

@@ -56,7 +56,7 @@ def call(moefuse, ws, rank, index, algo, *, check=True):
     """Call number ``index`` on ``ws``; with ``check``, as a serving step would: sync, then
     ``ws.raise_if_failed()`` (a failed step raises instead of handing out its outputs), then
     residual_out bitwise against the reference of the same call."""
-    from moefuse.comm import reference as ref
+    from moefuse.comm.all_reduce import reference as ref
     from moefuse.testing import assert_bitwise_equal
 
     parts, res, w = make_case(index, P, ws.device)

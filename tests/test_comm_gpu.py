@@ -126,7 +126,7 @@ def scenario_full_shapes(rank, world_size):
     """Pattern 1 at every (dtype, H, M): oracle, bitwise across algorithms / ranks / PDL off /
     the row alone; allreduce-only at a few shapes."""
     import moefuse
-    from moefuse.comm import reference as ref
+    from moefuse.comm.all_reduce import reference as ref
 
     dev = _dev(rank)
     for dtype in DTYPES:
@@ -215,7 +215,7 @@ def scenario_graph_replays(rank, world_size, replays):
     fresh inputs (with -0.0) copied in before each replay: every replay bitwise against the oracle
     on residual_out and equal to an eager PDL-off call on norm_out."""
     import moefuse
-    from moefuse.comm import reference as ref
+    from moefuse.comm.all_reduce import reference as ref
     from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from comm_mp import run_group
-from moefuse.comm import moe_fusion_reference as mref
+from moefuse.comm.moe_reduction import reference as mref
 from moefuse.comm.workspace import CTRL_GEN
 from moefuse.quant import reference as quant_ref
 from moefuse.testing import (
@@ -234,26 +234,27 @@ def _variant(algo: str):
 def scenario(rank, world_size, cfg):
     """For each case: every algorithm and the reference path against the oracle, bitwise equal to
     each other; one token alone equals the same token inside the batch. Returns digests.
-    ``algorithms`` may name one-shot variants ("oneshot/split", "oneshot/twokernel");
+    ``algorithms`` may name one-shot variants ("oneshot/split");
     ``split_ctas`` sets the split variant's CTAs per row."""
     import os
 
     import moefuse
-    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.comm.moe_reduction.ops import extra_regions
 
     if cfg.get("split_ctas"):  # several CTAs per row even at a tiny H
         os.environ["MOEFUSE_MOE_COMM_SPLIT_CTAS"] = str(cfg["split_ctas"])
     if cfg.get("ctas_per_sm"):  # another grid for the peer kernels: same bits
         os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = str(cfg["ctas_per_sm"])
     if cfg.get("wide_from"):  # the wide-row rules at a tiny H: §3.2 auto two-shot, 2 CTAs
-        from moefuse.comm import moe_fusion_ops, moe_fusion_triton
+        from moefuse.comm.moe_reduction import kernels as moe_fusion_triton
+        from moefuse.comm.moe_reduction import ops as moe_fusion_ops
 
         width, tokens = cfg["wide_from"]
         moe_fusion_ops.DENSE_TWOSHOT_MIN_WIDTH = width
         moe_fusion_ops.DENSE_TWOSHOT_MIN_TOKENS = tokens
         moe_fusion_triton.TWOSHOT_TWO_CTAS_MIN_TOKENS = tokens
     if cfg.get("rows_per_batch"):  # cover the producer's batched row loads at small H
-        from moefuse.comm import moe_fusion_triton
+        from moefuse.comm.moe_reduction import kernels as moe_fusion_triton
 
         moe_fusion_triton.ROWS_PER_BATCH_OVERRIDE = cfg["rows_per_batch"]
     digests = []
@@ -382,7 +383,7 @@ def _compat(moefuse, ws, rank, world_size, h):
 def _opcheck_compile(moefuse, ws, rank, world_size, h):
     """Both custom ops pass torch.library.opcheck (schema, fake tensors, mutation) and run under
     torch.compile(fullgraph=True) with the same bits as eager (reference backend: cheap)."""
-    from moefuse.comm import moe_fusion_ops as ops
+    from moefuse.comm.moe_reduction import ops
 
     m, k = 3, 2
     ins, perm, wts, shs, res, w, *_ = finalize_case(13, world_size, m, h, k)
@@ -435,23 +436,23 @@ def test_three_ranks():
 
 
 def test_two_ranks_oneshot_variants():
-    """The column-split one-shot (4 CTAs per row, 2 row groups: rows loop) and the two-kernel
-    one-shot against the oracle and bitwise equal to the fused one-shot and the torch path:
+    """The column-split one-shot (4 CTAs per row, 2 row groups: rows loop) against the oracle
+    and bitwise equal to the fused one-shot and the torch path:
     both ops, stepwise / fp32, FP8 / NVFP4, bias, a token alone vs in the batch."""
     cfg = dict(shapes=((40, (1, 5)), (48, (5,))),
                cases=(("finalize", 2, "stepwise", None), ("finalize", 3, "fp32", "fp8"),
                       ("finalize", 3, "stepwise", "nvfp4"), ("reduction", 2, "fp32", None)),
-               algorithms=("oneshot", "oneshot/split", "oneshot/twokernel", "torch"),
+               algorithms=("oneshot", "oneshot/split", "torch"),
                split_ctas=4)  # fmt: skip
     _ranks_agree(run_group(2, scenario, cfg))
 
 
 def test_three_ranks_oneshot_variants():
-    """P = 3: split (2 CTAs per row, rows loaded one at a time, bias) and two-kernel variants
-    bitwise equal to the fused one-shot."""
+    """P = 3: split (2 CTAs per row, rows loaded one at a time, bias) bitwise equal to the fused
+    one-shot."""
     cfg = dict(shapes=((72, (5,)),), cases=(("finalize", 3, "stepwise", "fp8"),
                                             ("finalize", 2, "fp32", None)),
-               algorithms=("oneshot", "oneshot/split", "oneshot/twokernel"), alone=False,
+               algorithms=("oneshot", "oneshot/split"), alone=False,
                rows_per_batch=1, bias=True, split_ctas=2)  # fmt: skip
     _ranks_agree(run_group(3, scenario, cfg))
 
@@ -473,8 +474,8 @@ def test_wide_row_choices(monkeypatch):
     §3.2 stepwise takes two-shot from H = 4097 and M = 2048 (not fp32, not §3.3, not narrower or
     fewer); two-shot runs 2 CTAs per SM from 2048 tokens at any width; the one-shot keeps its
     table; MOEFUSE_MOE_COMM_CTAS_PER_SM overrides every kernel."""
-    from moefuse.comm.moe_fusion_ops import prefers_twoshot
-    from moefuse.comm.moe_fusion_triton import ctas_per_sm
+    from moefuse.comm.moe_reduction.kernels import ctas_per_sm
+    from moefuse.comm.moe_reduction.ops import prefers_twoshot
 
     assert prefers_twoshot(2048, 7168, dense=True, stepwise=True)
     assert prefers_twoshot(16384, 4097, dense=True, stepwise=True)

@@ -2,7 +2,7 @@
 buffers, no multicast): full shapes, both accumulate modes, invalid indices over NaN-poisoned rows,
 bitwise across one-shot / two-shot / torch.distributed / the reference path, ranks, PDL on/off and
 a token alone vs inside the batch; FP8 / NVFP4 outputs; 1,000 CUDA-graph replays with fresh data;
-the one-shot variants "split" and "twokernel" (MOEFUSE_MOE_COMM_VARIANT) bitwise against fused.
+the one-shot variant "split" (MOEFUSE_MOE_COMM_VARIANT) bitwise against fused.
 
 Run: ``python -m pytest -q tests/test_comm_moe_fusion_gpu.py`` (each test spawns its own P
 processes; world sizes beyond the GPU count are skipped).
@@ -65,7 +65,7 @@ def call_reduction(moefuse, ws, rank, case, algo, opts, rows=None, pdl=None, imp
 
 
 def oracle(op, case, opts):
-    from moefuse.comm import moe_fusion_reference as mref
+    from moefuse.comm.moe_reduction import reference as mref
 
     kw = dict(accumulate=opts["accumulate"], weight_bias=opts["weight_bias"])
     if op == "finalize":
@@ -83,7 +83,7 @@ def scenario_full_shapes(rank, world_size):
     """Every (H, K, M, op): oracle (residual_out bitwise, norm_out <= 1 ulp), bitwise across
     algorithms, the reference path, ranks; PDL off and a token alone at M in {7, 4096}."""
     import moefuse
-    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.comm.moe_reduction.ops import extra_regions
 
     dev = _dev(rank)
     for h in WIDTHS:
@@ -178,7 +178,7 @@ def scenario_graph_replays(rank, world_size, replays):
     inputs (new rows, weights, indices with invalid slots, NaN in unused rows) copied in before
     each replay: residual_out bitwise against the oracle every replay."""
     import moefuse
-    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.comm.moe_reduction.ops import extra_regions
     from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)
@@ -217,7 +217,7 @@ def scenario_graph_replays_wide(rank, world_size, replays):
     copied in before each replay: residual_out bitwise against the oracle, norm_out bitwise
     across the two algorithms, every replay."""
     import moefuse
-    from moefuse.comm.moe_fusion_ops import resolve_algorithm
+    from moefuse.comm.moe_reduction.ops import resolve_algorithm
     from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)
@@ -272,13 +272,13 @@ VARIANT_WIDTHS = (4096, 7168)
 
 
 def scenario_oneshot_variants(rank, world_size):
-    """The one-shot variants "split" (column-split producer; M <= 256) and "twokernel" bitwise
+    """The one-shot variant "split" (column-split producer; M <= 256) bitwise
     equal to the fused one-shot (all outputs, PDL on and off, a token alone) and residual_out to
     the oracle, at H in {4096, 7168}, K = 8, both ops, both accumulate modes (bias for fp32),
     FP8 at M = 64; then 200 CUDA-graph replays of each with fresh data (own-row and peer-slot
     re-arming across calls and generations)."""
     import moefuse
-    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.comm.moe_reduction.ops import extra_regions
     from moefuse.testing import assert_bitwise_equal, capture_graph
 
     dev = _dev(rank)
@@ -305,7 +305,7 @@ def scenario_oneshot_variants(rank, world_size):
                                                           opts))  # fmt: skip
                 want = oracle(op, case, opts)
                 same_bits(base[0], want["residual_out"], f"{op} H={h} M={m} {acc} fused")
-                for variant in ("split", "twokernel"):
+                for variant in ("split",):
                     what = f"{op} H={h} M={m} {acc} {variant}"
                     for pdl in (None, False):
                         got = _with_variant(variant, lambda: run(moefuse, ws, rank, case,
@@ -329,7 +329,7 @@ def scenario_oneshot_variants(rank, world_size):
     buf = [t[rank].clone() if isinstance(t, list) else t.clone()
            for t in finalize_case(0, world_size, m, h, k, dev)[:6]]  # fmt: skip
     x, perm, wt, sh, res, w = buf
-    for variant in ("split", "twokernel"):
+    for variant in ("split",):
         ro, no = torch.empty_like(res), torch.empty_like(res)
 
         def once():

@@ -136,6 +136,23 @@ def check_alias_exact_or_disjoint(
         )
 
 
+def check_outputs(op: str, outs, inputs, in_place) -> None:
+    """``outs``/``inputs``: (name, tensor or None). ``in_place``: (out name, input name) pairs that
+    may be the very same memory. Every pair of outputs must be disjoint; an output and an input
+    must be disjoint unless listed (then exactly the same memory or disjoint)."""
+    outs = [(n, t) for n, t in outs if t is not None]
+    for i, (name_a, a) in enumerate(outs):
+        for name_b, b in outs[i + 1 :]:
+            check_no_overlap(op, name_a, a, name_b, b)
+        for name_i, t in inputs:
+            if t is None:
+                continue
+            if (name_a, name_i) in in_place:
+                check_alias_exact_or_disjoint(op, name_a, a, name_i, t)
+            else:
+                check_no_overlap(op, name_a, a, name_i, t)
+
+
 def check_eps(op: str, name: str, eps) -> None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0 or eps != eps:
         raise ValueError(

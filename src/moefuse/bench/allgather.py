@@ -8,7 +8,7 @@ then times, side by side in one run:
 * ``moefuse``: the fused op (algorithm="auto": Lamport all-gather over NVLink into a local
   buffer, then the single-GPU kernel, PDL between them; from 2048 tokens pipelined in chunks;
   every op: one kernel instead, the decode kernel at M <= 64 and one persistent gather + norm
-  kernel above, comm/allgather_decode.py / allgather_fused.py);
+  kernel above, comm/all_gather/decode.py / all_gather/persistent.py);
   ``moefuse_gather``: its all-gather launch alone (rmsnorm rows only: where the time goes);
   ``moefuse_chunked``: the op above the decode range on the two-launch path with its chunk
   pipeline (MOEFUSE_ALLGATHER_LARGE=chunked); ``moefuse_nochunk``: the same with the
@@ -143,8 +143,8 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
     import torch.distributed._symmetric_memory as symm_mem
 
     from moefuse.bench._copy import sm_copy
-    from moefuse.comm import allgather_ops
-    from moefuse.comm.allgather_decode import (
+    from moefuse.comm.all_gather import ops as allgather_ops
+    from moefuse.comm.all_gather.decode import (
         DECODE_ENV,
         DECODE_MODES,
         ONE_LAUNCH_ENV,
@@ -153,13 +153,13 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
         decode_mode,
         one_launch_tile,
     )
-    from moefuse.comm.allgather_fused import (
+    from moefuse.comm.all_gather.kernels import launch_allgather
+    from moefuse.comm.all_gather.persistent import (
         PERSISTENT_ENV,
         PERSISTENT_MODES,
         fused_tile,
         persistent_mode,
     )
-    from moefuse.comm.allgather_triton import launch_allgather
     from moefuse.testing import assert_bitwise_equal
 
     dev, bf = ws.device, torch.bfloat16

@@ -53,7 +53,7 @@ def _check(moefuse, ws, x, res, w, group) -> None:
     """Every algorithm against the oracle of all ranks' partials; bitwise across algorithms."""
     import torch.distributed as dist
 
-    from moefuse.comm import reference as ref
+    from moefuse.comm.all_reduce import reference as ref
     from moefuse.testing import assert_bitwise_equal, assert_close
 
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]

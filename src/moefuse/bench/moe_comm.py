@@ -89,7 +89,7 @@ class Ctx:
     def workspace(self, h: int):
         """One AllReduceWorkspace per H (one-shot capacity for every M), shared by providers."""
         if h not in self._workspaces:
-            from moefuse.comm.moe_fusion_ops import extra_regions
+            from moefuse.comm.moe_reduction.ops import extra_regions
 
             m = max(self.tokens)
             self._workspaces[h] = self.moefuse.AllReduceWorkspace(
@@ -171,7 +171,7 @@ def finalize_cases(ctx: Ctx) -> list[dict]:
 def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
     import torch.distributed as dist
 
-    from moefuse.comm import moe_fusion_reference as mref
+    from moefuse.comm.moe_reduction import reference as mref
     from moefuse.testing import assert_bitwise_equal
 
     mf, k, dev, bf = ctx.moefuse, ctx.top_k, ctx.device, torch.bfloat16
@@ -256,7 +256,7 @@ def reduction_cases(ctx: Ctx) -> list[dict]:
 def _reduction_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
     import torch.distributed as dist
 
-    from moefuse.comm import moe_fusion_reference as mref
+    from moefuse.comm.moe_reduction import reference as mref
     from moefuse.testing import assert_bitwise_equal
 
     mf, e, dev, bf = ctx.moefuse, ctx.top_k, ctx.device, torch.bfloat16

@@ -6,7 +6,7 @@ Two per-rank functions that ``moefuse bench moe-comm`` (bench/moe_comm.py) can c
     python -m moefuse.bench.moe_comm_tp --world-size 2 --out DIR [--quick] [--tokens ..]
 
 * :func:`time_tp_case` — ``tp_moe_finalize_rmsnorm`` (variants ``moefuse`` = auto,
-  ``moefuse_slot_oneshot``, ``moefuse_expert_owner_slots``, ``moefuse_expert_owner``,
+  ``moefuse_slot_oneshot``, ``moefuse_expert_owner``,
   ``moefuse_token_owner``, ``moefuse_staged``, ``moefuse_torch``; ``moefuse_slot_oneshot_fold1``:
   slot_oneshot with ``MOEFUSE_TP_SPLIT_FOLD=0``, one CTA folding each token; the EP op's
   ``moefuse_oneshot_slotwise``: ``MOEFUSE_EP_PREFETCH_ROWS=0``)
@@ -111,8 +111,8 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
     import moefuse
     from moefuse.bench import harness
-    from moefuse.comm import expert_norm_reference as ref
-    from moefuse.comm.expert_norm_triton import SPLIT_FOLD_ENV
+    from moefuse.comm.expert_norm import reference as ref
+    from moefuse.comm.expert_norm.tp_kernels import SPLIT_FOLD_ENV
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -133,8 +133,7 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     dist.all_gather(parts, rows, group=group)
     want = ref.tp_moe_finalize_rmsnorm_from_ranks(parts, w, idx, nw, **opts)
     first = None
-    slots = ("expert_owner_slots",) if m <= 64 else ()  # one launch per M*K <= SMs tokens
-    for algo in ("slot_oneshot", *slots, "expert_owner", "token_owner", "staged", "torch"):
+    for algo in ("slot_oneshot", "expert_owner", "token_owner", "staged", "torch"):
         got = moefuse.tp_moe_finalize_rmsnorm(rows, w, idx, nw, workspace=xws, algorithm=algo,
                                               impl="triton", **opts)  # fmt: skip
         first = got if first is None else first
@@ -165,7 +164,6 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
     variants = {"moefuse": fused("auto"), "moefuse_slot_oneshot": fused("slot_oneshot"),
                 "moefuse_expert_owner": fused("expert_owner"),
-                **{f"moefuse_{a}": fused(a) for a in slots},
                 "moefuse_token_owner": fused("token_owner"), "moefuse_staged": fused("staged"),
                 "moefuse_torch": fused("torch"),
                 "unfused_eager": unfused(expert_norm_weighted_sum),
@@ -191,7 +189,7 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
     import moefuse
     from moefuse.bench import harness
-    from moefuse.comm.expert_norm_ep_triton import PREFETCH_ENV
+    from moefuse.comm.expert_norm.ep_kernels import PREFETCH_ENV
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -150,7 +150,7 @@ def comm_calls(dev, group, *, m: int = 1, h: int = 4096, impl: str = "auto",
     import torch.distributed as dist
 
     import moefuse
-    from moefuse.comm.moe_fusion_ops import extra_regions
+    from moefuse.comm.moe_reduction.ops import extra_regions
 
     bf, f32 = torch.bfloat16, torch.float32
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -1,7 +1,17 @@
-"""Communication fusions (SPEC §3): the peer-memory workspace and the all-reduce + residual +
-RMSNorm (+ FP8 / NVFP4) family, one function per FlashInfer pattern."""
+"""Communication fusions: the peer-memory workspace and four families of collective ops.
 
-from moefuse.comm.api import (
+The shared core (``workspace``, ``transport``, ``faults``, ``fallback``, ``tiles`` and the
+device functions of ``device``) serves four families, each with ``api`` / ``ops`` / kernels /
+``reference`` faces, none importing another:
+
+* ``all_reduce`` — all-reduce, + residual + RMSNorm, + FP8 / NVFP4 quantization;
+* ``all_gather`` — all-gather + RMSNorm (+ FP8 / NVFP4, gated residual next norm);
+* ``moe_reduction`` — MoE reduction / MoE finalize + all-reduce + residual + RMSNorm (+ quant);
+* ``expert_norm`` — MoE finalize with a per-expert RMSNorm, tensor- and expert-parallel.
+
+This package exports the public names only."""
+
+from moefuse.comm.all_reduce.api import (
     allreduce,
     allreduce_residual_rmsnorm,
     allreduce_residual_rmsnorm_fp8,
@@ -29,8 +39,7 @@ __all__ = [
     "supports_allreduce_residual_rmsnorm_nvfp4",
 ]
 
-# all-gather + norm fusions (SPEC §3.6, §3.7; issue 17)
-from moefuse.comm.allgather_api import (  # noqa: E402
+from moefuse.comm.all_gather.api import (  # noqa: E402
     all_gather_gated_residual_next_rmsnorm,
     all_gather_rmsnorm,
     all_gather_rmsnorm_fp4_quantize,
@@ -40,7 +49,7 @@ from moefuse.comm.allgather_api import (  # noqa: E402
     supports_all_gather_rmsnorm_fp4_quantize,
     supports_all_gather_rmsnorm_fp8,
 )
-from moefuse.comm.allgather_ops import allgather_regions, prepare_allgather  # noqa: E402
+from moefuse.comm.all_gather.ops import allgather_regions, prepare_allgather  # noqa: E402
 
 __all__ += [
     "all_gather_gated_residual_next_rmsnorm",
@@ -55,8 +64,7 @@ __all__ += [
     "supports_all_gather_rmsnorm_fp8",
 ]
 
-# per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5; issue 16 part B)
-from moefuse.comm.expert_norm_api import (  # noqa: E402
+from moefuse.comm.expert_norm.api import (  # noqa: E402
     ExpertNormWorkspace,
     init_tp_moe_finalize_rmsnorm,
     moe_finalize_rmsnorm_allreduce,
@@ -76,8 +84,7 @@ __all__ += [
     "tp_moe_finalize_rmsnorm",
 ]
 
-# MoE communication fusions (SPEC §3.2, §3.3)
-from moefuse.comm.moe_fusion_api import (  # noqa: E402
+from moefuse.comm.moe_reduction.api import (  # noqa: E402
     moe_allreduce_residual_rmsnorm,
     moe_finalize_allreduce_residual_rmsnorm,
     supports_moe_allreduce_residual_rmsnorm,
@@ -90,3 +97,11 @@ __all__ += [
     "supports_moe_allreduce_residual_rmsnorm",
     "supports_moe_finalize_allreduce_residual_rmsnorm",
 ]
+
+# the expert-parallel expert-norm op all-reduces its normed partial rows with the all-reduce
+# family's launcher; families do not import each other, so it is handed over here
+from moefuse.comm.all_reduce.kernels import launch_allreduce_fusion as _launch_ar  # noqa: E402
+from moefuse.comm.expert_norm import ep_kernels as _ep  # noqa: E402
+
+_ep.ALLREDUCE[0] = _launch_ar
+del _ep, _launch_ar

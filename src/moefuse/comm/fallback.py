@@ -4,8 +4,9 @@ peer buffers, and as the third algorithm the tests compare bit for bit.
 NCCL's ``all_reduce`` sums in an order of its own choosing (ring/tree, channel split), so its bits
 differ from the peer algorithms'. This path therefore all-gathers the partials (exact: no
 arithmetic) and sums them locally in ascending rank order from +0.0 inside the same epilogue
-kernel the peer algorithms use (``moefuse.comm.triton._gathered_kernel``) — identical bits,
-at the cost of moving (P-1)/P more data than a reduce-scatter based all-reduce for P > 2.
+kernel the peer algorithms use (``moefuse.comm.all_reduce.kernels._gathered_kernel``) —
+identical bits, at the cost of moving (P-1)/P more data than a reduce-scatter based all-reduce for
+P > 2.
 """
 
 from __future__ import annotations
@@ -28,3 +29,11 @@ def gather_stacked(input: torch.Tensor, workspace) -> torch.Tensor:
     else:
         dist.all_gather(list(out.unbind(0)), x, group=workspace.group)
     return out
+
+
+def gather_partials(input: torch.Tensor, workspace) -> list[torch.Tensor]:
+    """Every rank's ``input`` in rank order, via ``torch.distributed.all_gather``."""
+    x = input.contiguous()
+    parts = [torch.empty_like(x) for _ in range(workspace.world_size)]
+    dist.all_gather(parts, x, group=workspace.group)
+    return parts

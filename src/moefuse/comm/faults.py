@@ -1,7 +1,7 @@
 """Fault status of a communication workspace that the host reads without a device sync.
 
 Every bounded wait of a communication kernel ends at a deadline. A CTA whose wait expires records
-the ranks it waited for (``moefuse.comm._device.record_fault``) in two places:
+the ranks it waited for (``moefuse.comm.device.record_fault``) in two places:
 
 * the device status word ``ctrl[CTRL_STATUS]`` (later launches of this rank do nothing: CUDA
   graph replays included), and
@@ -31,7 +31,7 @@ import torch
 
 #: largest world size: status masks are int32 bit sets, bit 31 is used by the device check
 MAX_RANKS = 31
-#: lanes of the device-side fault vectors (``moefuse.comm._device.MAX_RANKS``)
+#: lanes of the device-side fault vectors (``moefuse.comm.device.MAX_RANKS``)
 FAULT_LANES = 32
 #: int64 index (in ctrl viewed as int64) of the distance from ctrl to the host block, int32 units
 CTRL_HOST64 = 4

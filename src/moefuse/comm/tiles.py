@@ -54,20 +54,18 @@ def resident_ctas_per_sm(num_warps: int) -> int:
 class OneshotVariant:
     """Experimental one-shot variants (2026-11-29, notes/comm.md "Mid-size one-shot"). All give
     the same bits as the default (same rank-order sum, same epilogue); only scheduling differs.
+    (A probe poll, spinning on a slot's first elements before the whole row, was deleted: it
+    lost at every size, notes/gpu-logs/comm-variants-p2-2026-11-29.log.)
 
     * ``prefetch`` (MOEFUSE_COMM_ONESHOT_PREFETCH=1): ``_oneshot_prefetch_kernel`` — every row's
       input and residual are loaded once, two rows ahead, so the push of row i+1 and the
       epilogue of row i never wait on a load issued after the poll.
-    * ``probe`` (MOEFUSE_COMM_POLL_PROBE=N, power of two >= 16; 0 = off): spin on the first N
-      elements of a peer slot before checking the whole row (~64x less L2 spin traffic while a
-      wave of rows is still in flight over NVLink; one extra L2 round trip once it lands).
     * ``rows_per_cta`` (MOEFUSE_COMM_ROWS_PER_CTA=R, default 1): grid = ceil(M / R) capped by
       the co-resident CTA count — fewer, persistent CTAs (deeper per-CTA pipeline in prefetch).
     * ``num_warps`` (MOEFUSE_COMM_ONESHOT_WARPS, 0 = the tile's): warps of the one-shot kernels.
     """
 
     prefetch: bool = False
-    probe: int = 0
     rows_per_cta: int = 1
     num_warps: int = 0
 
@@ -81,8 +79,8 @@ class OneshotVariant:
 PREFETCH_MIN_TOKENS = 384
 PREFETCH_ROWS_PER_CTA = ((1024, 4), (None, 8))  # (up to M tokens, rows per CTA)
 
-_VARIANT_ENV = ("MOEFUSE_COMM_ONESHOT_PREFETCH", "MOEFUSE_COMM_POLL_PROBE",
-                "MOEFUSE_COMM_ROWS_PER_CTA", "MOEFUSE_COMM_ONESHOT_WARPS")  # fmt: skip
+_VARIANT_ENV = ("MOEFUSE_COMM_ONESHOT_PREFETCH", "MOEFUSE_COMM_ROWS_PER_CTA",
+                "MOEFUSE_COMM_ONESHOT_WARPS")  # fmt: skip
 
 
 def default_oneshot_variant(m_tokens: int) -> OneshotVariant:
@@ -100,15 +98,11 @@ def oneshot_variant(m_tokens: int = 1) -> OneshotVariant:
     env = os.environ.get
     if not any(env(name) for name in _VARIANT_ENV):
         return default_oneshot_variant(m_tokens)
-    probe = int(env("MOEFUSE_COMM_POLL_PROBE", "0") or 0)
-    if probe and (probe < 16 or probe & (probe - 1)):
-        raise ValueError(f"MOEFUSE_COMM_POLL_PROBE must be 0 or a power of two >= 16, got {probe}")
     warps = int(env("MOEFUSE_COMM_ONESHOT_WARPS", "0") or 0)
     if warps and warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"MOEFUSE_COMM_ONESHOT_WARPS must be a power of two <= 32, got {warps}")
     return OneshotVariant(
         prefetch=env("MOEFUSE_COMM_ONESHOT_PREFETCH", "0") not in ("", "0"),
-        probe=probe,
         rows_per_cta=max(1, int(env("MOEFUSE_COMM_ROWS_PER_CTA", "1") or 1)),
         num_warps=warps,
     )

@@ -83,6 +83,8 @@ from moefuse.comm import transport as tp
 from moefuse.comm.tiles import MAX_HIDDEN, comm_tile, resident_ctas_per_sm
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: dtypes of the norm weights of every family
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALGORITHMS = ("auto", "oneshot", "twoshot", "torch")
 
 #: Crossovers of ``algorithm="auto"``: the largest payload ``M * H * elem`` (bytes per rank) for
@@ -100,7 +102,7 @@ ONESHOT_MAX_BYTES: dict[int, int | None] = {2: None, 4: 1 << 20, 8: 512 << 10}
 LAMPORT_BUDGET_BYTES = 768 << 20
 NUM_FLAG_SLOTS = 1024
 #: token capacity of the "lamport_own" region (the column-split MoE one-shot kernel, used at
-#: decode: moefuse.comm.moe_fusion_triton.oneshot_variant); 512 KiB per 1K columns of BF16
+#: decode: moefuse.comm.moe_reduction.kernels.oneshot_variant); 512 KiB per 1K columns of BF16
 OWN_SLOT_TOKENS = 256
 CTRL_WORDS = 16
 CTRL_GEN, CTRL_ARRIVE_1S, CTRL_EPOCH, CTRL_ARRIVE_2S, CTRL_STATUS = range(5)
@@ -243,7 +245,7 @@ class AllReduceWorkspace:
         self.transport = self._make_transport() if self.vote(want_peers) else None
         self.peer_access = self.transport is not None
         # the table holds each rank's buffer as a distance from the table itself, in 16-byte units
-        # (kernels index peer memory from the aligned table argument; see comm/_device.py)
+        # (kernels index peer memory from the aligned table argument; see comm/device.py)
         self.table = torch.zeros(max(p, 2), dtype=torch.int64, device=device)
         if self.peer_access:
             here = self.table.data_ptr()
@@ -475,7 +477,7 @@ class AllReduceWorkspace:
         """:meth:`raise_if_failed`, after also reading the device status word (a sync on CUDA;
         free on CPU, where ops call it after every launch). That word is set by every timed-out
         wait, including kernels that record their timeouts only there (not through
-        ``moefuse.comm._device.give_up``), so :meth:`check` sees those as well."""
+        ``moefuse.comm.device.give_up``), so :meth:`check` sees those as well."""
         if self._failure is None and self.peer_access and not self._closed:
             status = self._device_status()
             if status and self._status_view[0] == 0:

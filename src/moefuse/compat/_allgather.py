@@ -75,7 +75,7 @@ class _AllGatherWorkspace:
     def check_support(self) -> bool:
         """True when the fused peer-memory path can run here (collective vote of all ranks)."""
         ws = self.workspace
-        ok = ws.peer_access and comm.allgather_ops.region_reason(ws) is None
+        ok = ws.peer_access and comm.all_gather.ops.region_reason(ws) is None
         return ws.vote(ok)
 
     def fits(self, shard: torch.Tensor) -> bool:

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from moefuse.comm import AllReduceWorkspace
-from moefuse.comm import expert_norm_api as api
-from moefuse.comm.expert_norm_api import (
+from moefuse.comm.expert_norm import api
+from moefuse.comm.expert_norm.api import (
     init_tp_moe_finalize_rmsnorm,
     supports_tp_moe_finalize_rmsnorm,
     tp_moe_finalize_rmsnorm,

@@ -215,7 +215,7 @@ def _next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr
     """The math and stores of an unrolled stepped row of _gated_residual_next_kernel from its
     steps in registers: branch ``bs`` and residual ``rs`` (FP32 tuples), parameters ``nws`` /
     ``pws`` / ``als`` / ``bes`` (``_step_params``). Also run by the fused all-gather decode
-    kernel on branch steps read from its slots (comm/allgather_decode.py): the same bits."""
+    kernel on branch steps read from its slots (comm/all_gather/decode.py): the same bits."""
     acc2 = tl.zeros([1, STEP], dtype=tl.float32)
     bws, ss1 = _weighted_sumsq(bs, pws, STEP, STEPS, HAS_POST_WEIGHT)
     r1 = _inv_rms(ss1, Hf, post_eps)

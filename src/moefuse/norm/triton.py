@@ -208,7 +208,7 @@ def _norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP: tl.con
                        AUX: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
     """The statistic and outputs of an unrolled stepped row from its FP32 steps ``vs`` and
     weights ``ws`` (``_step_params``): ``_norm_stepped``'s code, also run by the fused
-    all-gather decode kernel on steps read from its slots (comm/allgather_decode.py)."""
+    all-gather decode kernel on steps read from its slots (comm/all_gather/decode.py)."""
     aux = AUX(aux_ptr)
     _, ss = _weighted_sumsq(vs, ws, STEP, STEPS, False)
     r = _inv_rms(ss, Hf, eps)

@@ -553,7 +553,7 @@ def _fp4_tile(t, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_
     """One-pass row tile ``t`` of ``_rmsnorm_fp4_kernel`` (one tile per program), after the
     grid-dependency wait; ``w`` = f32(weight) + gain_center [1, BLOCK]. Zeroes the padding block
     columns of its rows, then either zero scale bytes (a tile of padding rows only) or norm +
-    NVFP4 of the tile. Also the tile of the fused all-gather kernels (comm/allgather_decode.py):
+    NVFP4 of the tile. Also the tile of the fused all-gather kernels (comm/all_gather/decode.py):
     one piece of code, so the same bits. ``GIVEN_X``: the tile's input rows are ``x_in``
     [ROWS, BLOCK] (stored dtype, masked elements 0; no residual) instead of loads of ``x_ptr``."""
     rows = t * ROWS + tl.arange(0, ROWS)

@@ -1,6 +1,6 @@
 """Triton kernels of the all-reduce fusions (SPEC §3.0, §3.1) and their launcher.
 
-Three algorithms, one epilogue (:func:`moefuse.comm._device.epilogue_row`), same bits:
+Three algorithms, one epilogue (:func:`moefuse.comm.device.epilogue_row`), same bits:
 
 * ``_oneshot_kernel`` — Lamport. Every CTA pushes its token rows (payload -0.0 scrubbed to +0.0)
   into its slot ``[gen, t, sender]`` of every peer's buffer with plain 16-byte stores and, one row
@@ -24,7 +24,7 @@ Three algorithms, one epilogue (:func:`moefuse.comm._device.epilogue_row`), same
 Every wait is bounded (``timeout_us``): a CTA that gives up records the missing ranks (device
 status word + the host status block the host reads before every call, no sync) and tells the
 peers it gave up; a later launch on this rank, or on a peer that sees the notice, does nothing
-(``moefuse.comm._device.healthy``; see ``moefuse.comm.faults``).
+(``moefuse.comm.device.healthy``; see ``moefuse.comm.faults``).
 Token counts are run-time arguments (``do_not_specialize``), tiles depend on H only.
 """
 
@@ -35,147 +35,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import rcp_fast, round_to
+from moefuse._device import round_to
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
-from moefuse.comm import _device as D
+from moefuse.comm import device as D
 from moefuse.comm.tiles import comm_tile, oneshot_variant
-
-
-# ----------------------------------------------------------------------------- shared prologue
-@triton.jit
-def _params(w_ptr, cols, cmask, weight_bias, PATTERN: tl.constexpr):
-    """Gain ``f32(w) + weight_bias`` (model parameters: loaded before the grid-dependency wait)."""
-    if PATTERN != 0:
-        g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + weight_bias
-    else:
-        g = tl.zeros(cols.shape, tl.float32)
-    return g
-
-
-@triton.jit
-def _scales(scale_ptr, PATTERN: tl.constexpr, PTX: tl.constexpr):
-    """``(1/scale, gs, rcp_fast(gs))`` from the [1] FP32 scale (IEEE 1/scale for FP8, SPEC §3.1)."""
-    one = tl.full([], 1.0, tl.float32)
-    if PATTERN == 2:
-        sc = tl.load(scale_ptr).to(tl.float32)
-        return tl.math.div_rn(one, sc), one, one
-    elif PATTERN == 3:
-        gs = tl.load(scale_ptr).to(tl.float32)
-        return one, gs, rcp_fast(gs, PTX)
-    else:
-        return one, one, one
-
-
-@triton.jit
-def _finish(ctrl_ptr, table_ptr, rank, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-            P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-            USE_PDL: tl.constexpr, PTX: tl.constexpr, arrive=True, n_arrive=0):  # fmt: skip
-    """Common tail: PDL trigger, fault record on timeout, scale padding rows, CTA arrival count.
-
-    A timed-out CTA records the missing ranks (device status word, host status block) and tells
-    the peers that this rank gave up (:func:`moefuse.comm._device.give_up`).
-    Returns True in the one CTA that arrives last (it then advances the device-resident state).
-
-    By default every CTA arrives (``n_arrive`` 0 means G). A kernel whose CTAs are known to have
-    read the state words once a subset of them finishes passes ``arrive`` (this CTA counts) and
-    ``n_arrive`` (how many count); with one arrival there is no atomic at all: its round trip to
-    L2 is on the critical path of a decode launch."""
-    if USE_PDL:
-        gdc_launch_dependents()
-    if missing != 0:
-        D.give_up(ctrl_ptr, table_ptr, rank, missing, P, PTX)
-    if PATTERN == 3:
-        D.zero_scale_rows(sf_ptr, M + pid, M_pad, G, n_kcols, LAYOUT, KP_BLOCK)
-    if n_arrive == 0:
-        n_arrive = G
-    last = arrive & (n_arrive == 1)
-    if arrive & (n_arrive > 1):
-        old = tl.atomic_add(ctrl_ptr + arrive_idx, 1, sem="acq_rel", scope="gpu")
-        last = old == n_arrive - 1
-    return last
-
-
-# ----------------------------------------------------------------------------- one-shot
-@triton.jit
-def _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap,
-                   P: tl.constexpr, PTX: tl.constexpr, dists=None):  # fmt: skip
-    """(deadline of every wait, Lamport generation, this CTA's row count — rows pid, pid + G, ...;
-    0 once the workspace has failed or a peer gave up —, element offset of the generation's slot
-    region)."""
-    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
-    gen = tl.load(ctrl_ptr + D.CTRL_GEN)
-    healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX, dists)
-    n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
-    region = gen.to(tl.int64) * cap
-    return deadline, gen, n_mine, region
-
-
-@triton.jit
-def _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-                    P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr,
-                    KP_BLOCK: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
-                    arrive=True, n_arrive=0):  # fmt: skip
-    """:func:`_finish` (``arrive`` / ``n_arrive`` as there); the CTA that arrives last resets the
-    counter and advances the generation."""
-    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad,
-                   n_kcols, pid, G, P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX, arrive,
-                   n_arrive)  # fmt: skip
-    if last:
-        tl.store(ctrl_ptr + D.CTRL_ARRIVE_1S, 0)
-        tl.store(ctrl_ptr + D.CTRL_GEN, (gen + 1) % 3)
-
-
-@triton.jit
-def _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
-               P: tl.constexpr, BITS: tl.constexpr, dists=None):  # fmt: skip
-    """Store row ``t`` of this rank, already in registers as ``x`` (-0.0 scrubbed), into its
-    slot of every peer's buffer.
-
-    Slots hold only the P-1 peers of the receiving rank (a rank reads its own row from its own
-    input): sender ``s`` uses slot ``s - (s > q)`` at receiver ``q``."""
-    t64 = t.to(tl.int64)
-    bits = D.scrub(D.as_bits(x, BITS), BITS)
-    for q in tl.static_range(P):
-        if q != rank:
-            slot = rank - (rank > q).to(tl.int32)
-            off = ((region + t64) * (P - 1) + slot) * H
-            tl.store(D.peer_base(table_ptr, q, lam_off16, BITS, dists) + off + cols, bits,
-                     mask=cmask)  # fmt: skip
 
 
 @triton.jit
 def _push_row(x_ptr, x_st, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
               P: tl.constexpr, BITS: tl.constexpr, dists=None):  # fmt: skip
-    """Load row ``t`` of this rank's input and push it (:func:`_push_vals`)."""
+    """Load row ``t`` of this rank's input and push it (:func:`moefuse.comm.device.push_vals`)."""
     x = tl.load(x_ptr + t.to(tl.int64) * x_st + cols, mask=cmask, other=0.0)
-    _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
-
-
-@triton.jit
-def _receive_sum(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr, empty,
-                 T: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, FP32_ACC: tl.constexpr,
-                 PROBE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """Row ``t64`` summed over ranks in ascending order (this rank's ``x`` in its place, each
-    peer's row polled from its slot of this rank's buffer, then the slot re-armed), rounded to
-    ``T``. Returns (sum as FP32, bit mask of the peers whose row did not arrive in time)."""
-    acc = tl.zeros(x.shape, tl.float32)
-    missing = 0
-    for q in tl.static_range(P):
-        if q == rank:
-            v = x.to(tl.float32)
-        else:
-            slot = q - (q > rank).to(tl.int32)
-            row = mine + ((region + t64) * (P - 1) + slot) * H
-            if PROBE > 0:
-                D.poll_probe(row, H, deadline, clock_ptr, PROBE, BITS, PTX)
-            ptr = row + cols
-            bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
-            tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
-            missing = missing | tl.where(pending != 0, 1 << q, 0)
-            v = bits.to(T, bitcast=True).to(tl.float32)
-        acc = D.accumulate(acc, v, T, FP32_ACC, PTX)
-    return round_to(acc, T, PTX).to(tl.float32), missing
+    D.push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
 
 
 @triton.jit(do_not_specialize=["M", "M_pad", "rank"])
@@ -186,19 +58,19 @@ def _oneshot_kernel(
     M, M_pad, H, Hf, rank, cap, n_kcols, eps, weight_bias, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr, PROBE: tl.constexpr,
+    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     T: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(w_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(w_ptr, cols, cmask, weight_bias, PATTERN)
     dists = D.table_dists(table_ptr, P)  # constant workspace metadata: before the wait
     if USE_PDL:
         gdc_wait()
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr,
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
+    deadline, gen, n_mine, region = D.oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr,
                                                    timeout_us, M, pid, G, cap, P, PTX,
                                                    dists)  # fmt: skip
 
@@ -207,7 +79,7 @@ def _oneshot_kernel(
     # (Masked by pid < M, not by the status word. They still issue after the control words'
     # CTA-wide reduction, a barrier; requesting them before it measured no different on
     # 2 x H200 at M = 1 / 8 / 64 — 3.79 / 4.47 / 5.82 against 3.75 / 4.63 / 5.94 µs, session 9 —
-    # unlike the MoE fusions' expert rows: moefuse.comm.moe_fusion_device._first_loads.)
+    # unlike the MoE fusions' expert rows: moefuse.comm.moe_reduction.producer._first_loads.)
     first = cmask & (pid < M)
     x0 = tl.load(x_ptr + pid.to(tl.int64) * x_st + cols, mask=first, other=0.0)
     if PATTERN != 0:
@@ -241,14 +113,14 @@ def _oneshot_kernel(
                     res = res.to(tl.float32)
                 else:
                     res = res0
-            s, miss = _receive_sum(x, t, mine, region, rank, cols, cmask, H, deadline,
-                                   clock_ptr, empty, T, P, BITS, FP32_ACC, PROBE, PTX)  # fmt: skip
+            s, miss = D.receive_sum(x, t, mine, region, rank, cols, cmask, H, deadline,
+                                   clock_ptr, empty, T, P, BITS, FP32_ACC, PTX)  # fmt: skip
             missing = missing | miss
             D.epilogue_row(s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                            out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
                            sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
         i += 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
                     P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
 
 
@@ -275,7 +147,7 @@ def _oneshot_prefetch_kernel(
     M, M_pad, H, Hf, rank, cap, n_kcols, eps, weight_bias, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr, PROBE: tl.constexpr,
+    FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """``_oneshot_kernel`` with a software pipeline over this CTA's rows (same slots, same
     generation protocol, same bits). Rows ``a`` (current), ``b`` (next), ``c`` (after next) live
@@ -287,17 +159,17 @@ def _oneshot_prefetch_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(w_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(w_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
     # rows pid and pid + G: issued with the control-word loads, not behind them
     xa, ra = _load_row(x_ptr, res_ptr, x_st, res_st, pid, M, cols, cmask, PATTERN)
     xb, rb = _load_row(x_ptr, res_ptr, x_st, res_st, pid + G, M, cols, cmask, PATTERN)
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
-    deadline, gen, n_mine, region = _oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr,
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
+    deadline, gen, n_mine, region = D.oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr,
                                                    timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     if n_mine > 0:
-        _push_vals(xa, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+        D.push_vals(xa, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
         if USE_PDL:
             if n_mine == 1:  # every input of the previous kernel is in registers
                 gdc_launch_dependents()
@@ -309,18 +181,18 @@ def _oneshot_prefetch_kernel(
     while (i < n_mine) & (missing == 0):
         t = pid + i * G
         if i + 1 < n_mine:
-            _push_vals(xb, t + G, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
+            D.push_vals(xb, t + G, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS)
         xc, rc = _load_row(x_ptr, res_ptr, x_st, res_st, t + 2 * G, M, cols, cmask, PATTERN)
         t64 = t.to(tl.int64)
-        s, miss = _receive_sum(xa, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr,
-                               empty, T, P, BITS, FP32_ACC, PROBE, PTX)  # fmt: skip
+        s, miss = D.receive_sum(xa, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr,
+                               empty, T, P, BITS, FP32_ACC, PTX)  # fmt: skip
         missing = missing | miss
         D.epilogue_row(s, ra.to(tl.float32), g, t64, cols, cmask, H, Hf, eps, inv_scale, gs,
                        rcp_gs, n_kcols, out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st,
                        q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)
         xa, ra, xb, rb = xb, rb, xc, rc
         i += 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
                     P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
 
 
@@ -340,10 +212,10 @@ def _twoshot_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(w_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(w_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
     epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
     healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX)
@@ -423,7 +295,7 @@ def _twoshot_kernel(
                            n_kcols, out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr,
                            q_st, sf_ptr, T, BLOCK_H, PATTERN, WRITE_NORM, LAYOUT, PTX)  # fmt: skip
         i += 1
-    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad,
+    last = D.finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad,
                    n_kcols, pid, G, P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
@@ -446,10 +318,10 @@ def _gathered_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(w_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(w_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     t = pid
     while t < M:
         t64 = t.to(tl.int64)
@@ -537,7 +409,7 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
             x, res, w, o, ro, no, qo, so, sc, x.stride(0), *strides,
             ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock, *scalars, ws.rank,
             ws.oneshot_max_tokens, n_kcols, float(eps), float(weight_bias), timeout_us,
-            P=ws.world_size, BITS=bits, PROBE=var.probe, **common,
+            P=ws.world_size, BITS=bits, **common,
         )  # fmt: skip
     elif algorithm == "twoshot":
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps), ws.num_flag_slots)),)

@@ -1,8 +1,8 @@
 """torch.library custom ops of the MoE communication fusions (SPEC §3.2, §3.3).
 
-As in :mod:`moefuse.comm.ops`: each op writes caller-allocated outputs, returns nothing,
+As in :mod:`moefuse.comm.all_reduce.ops`: each op writes caller-allocated outputs, returns nothing,
 ``mutates_args`` names exactly the outputs, the workspace travels as its id, ``backend`` is
-"triton" or "reference" (chosen by :mod:`moefuse.comm.moe_fusion_api`, which validates
+"triton" or "reference" (chosen by :mod:`moefuse.comm.moe_reduction.api`, which validates
 everything first). ``pattern``: 1 norm only, 2 + FP8 (``quant_out`` as uint8 bytes), 3 + NVFP4.
 ``stepwise``: True for ``accumulate="stepwise"``, False for ``"fp32"``. Launchers are imported
 lazily (TRITON_INTERPRET must be set before triton is imported).
@@ -13,32 +13,18 @@ from __future__ import annotations
 import torch
 
 from moefuse._dispatch import custom_op
-from moefuse.comm import moe_fusion_reference as ref
+from moefuse.comm.moe_reduction import reference as ref
+from moefuse.comm.moe_reduction.workspace import (  # noqa: F401 (extra_regions: public here too)
+    GATHER32,
+    extra_regions,
+    fp32_gather_region,
+    fp32_twoshot_fits,
+)
 from moefuse.comm.workspace import get_workspace
 
 Tensor = torch.Tensor
 LAYOUT_NAMES = ("swizzled_128x4", "swizzled_8x4", "linear")
 QUANT_OF_PATTERN = {1: None, 2: "fp8", 3: "nvfp4"}
-
-
-#: optional peer region of FP32 gather rows for accumulate="fp32" two-shot
-GATHER32 = "moe_gather32"
-
-
-def extra_regions(max_tokens: int, hidden_size: int) -> dict[str, int]:
-    """``extra_regions`` for an :class:`AllReduceWorkspace` whose accumulate="fp32" two-shot
-    should hold ``max_tokens`` (without it the FP32 sums share the T-sized gather region, i.e.
-    half the tokens for BF16/FP16)."""
-    return {GATHER32: max_tokens * hidden_size * 4}
-
-
-def fp32_gather_region(ws) -> str:
-    return GATHER32 if GATHER32 in ws.regions else "gather"
-
-
-def fp32_twoshot_fits(ws, m: int) -> bool:
-    """accumulate="fp32" two-shot keeps FP32 sums in a gather region: does it hold ``m`` rows?"""
-    return m * ws.hidden_size * 4 <= ws.regions[fp32_gather_region(ws)][1]
 
 
 #: "auto" of the §3.2 reduction (dense expert rows, stepwise) takes two-shot instead of one-shot
@@ -47,7 +33,7 @@ def fp32_twoshot_fits(ws, m: int) -> bool:
 #: / 16384): the one-shot 174.94 / 1325.94 lost to the unfused chain (a) 167.47 / 1195.84 (0.96 /
 #: 0.90 x). MEASURED in loopback only (2 rank threads on one H200, 66 SMs each; sessions 14-15,
 #: notes/comm-moe.md "Session 15"): one-shot 327-346 / 2570, two-shot at 1 CTA per SM 269-276 /
-#: 1999-2005, at 2 CTAs per SM (:func:`moefuse.comm.moe_fusion_triton.ctas_per_sm`) 226-227 /
+#: 1999-2005, at 2 CTAs per SM (:func:`moefuse.comm.moe_reduction.kernels.ctas_per_sm`) 226-227 /
 #: 1728, chain (a) 256-277 / 1967-1972. Loopback over-charges the one-shot (§3.3, chain time /
 #: one-shot time: 0.85 there, 1.06-1.08 on 2 GPUs) but matched chain / two-shot (§3.3 at 1 CTA
 #: per SM: 0.99 there, 1.02 on 2 GPUs), so two-shot at 2 CTAs is PREDICTED ~1.1 x the chain on
@@ -78,7 +64,7 @@ def resolve_algorithm(ws, m: int, algorithm: str, stepwise: bool, dense: bool = 
             raise RuntimeError(
                 f"moefuse.comm: two-shot with accumulate='fp32' holds at most {cap} tokens on "
                 f"this workspace, got {m} (create it with extra_regions="
-                "moefuse.comm.moe_fusion_ops.extra_regions(max_tokens, H))"
+                "moefuse.comm.moe_reduction.ops.extra_regions(max_tokens, H))"
             )
         algo = "torch"
     return algo
@@ -119,7 +105,7 @@ def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_ma
         )  # fmt: skip
         _write(outs, pattern, allreduce_out, residual_out, norm_out, quant_out, scale_out)
         return
-    from moefuse.comm.moe_fusion_triton import launch_moe_fusion
+    from moefuse.comm.moe_reduction.kernels import launch_moe_fusion
 
     algo = resolve_algorithm(ws, residual.shape[0], algorithm, stepwise, bool(dense))
     launch_moe_fusion(

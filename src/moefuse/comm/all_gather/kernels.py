@@ -3,7 +3,7 @@
 Each rank holds ``shard`` [M, S] (its columns ``[rank*S, (rank+1)*S)`` of every token row,
 S = H / P). ``_allgather_kernel`` assembles the full rows ``[M, H]`` in this rank's local
 ``gathered`` buffer; the caller then runs the unchanged single-GPU kernel of the op on it
-(:mod:`moefuse.comm.allgather_ops`). Running the very kernel the single-GPU op runs is what
+(:mod:`moefuse.comm.all_gather.ops`). Running the very kernel the single-GPU op runs is what
 makes the fused ops bitwise equal to "all-gather, then the single-GPU op": the row reduction
 tree, tile and launch policy are that kernel's, chosen from H exactly as for a local call.
 
@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
-from moefuse.comm import _device as D
+from moefuse.comm import device as D
 from moefuse.comm.tiles import next_pow2
 from moefuse.comm.workspace import CTRL_STATUS
 
@@ -295,7 +295,7 @@ def launch_allgather(ws, state, shard: torch.Tensor, gathered: torch.Tensor,
                      use_pdl: bool = False) -> None:  # fmt: skip
     """All-gather the column shards of every rank into ``gathered`` [M, H] (rank order).
 
-    ``state``: the workspace's :class:`moefuse.comm.allgather_ops.AllGatherState` (``agctrl``
+    ``state``: the workspace's :class:`moefuse.comm.all_gather.ops.AllGatherState` (``agctrl``
     control words). ``shard`` [M, S] BF16/FP16, last dim contiguous; ``gathered`` [M, H] of the
     same dtype, rows contiguous. Collective: every rank launches it with the same M."""
     m, s = shard.shape

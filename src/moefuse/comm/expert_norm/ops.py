@@ -1,8 +1,8 @@
 """torch.library custom ops of the per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5).
 
-Same conventions as :mod:`moefuse.comm.ops`: each op writes the caller-allocated ``output`` and
-returns nothing (``mutates_args=("output",)``); the workspace travels as its integer id;
-``backend`` ("triton" | "reference") was chosen by :mod:`moefuse.comm.expert_norm_api`, and both
+Same conventions as :mod:`moefuse.comm.all_reduce.ops`: each op writes the caller-allocated
+``output`` and returns nothing (``mutates_args=("output",)``); the workspace travels as its integer
+id; ``backend`` ("triton" | "reference") was chosen by :mod:`moefuse.comm.expert_norm.api`, and both
 run inside the op, so torch.compile sees one opaque collective. The launchers are imported lazily
 (TRITON_INTERPRET must be set before triton is imported).
 """
@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from moefuse._dispatch import custom_op
-from moefuse.comm import expert_norm_reference as ref
+from moefuse.comm.expert_norm import reference as ref
 
 Tensor = torch.Tensor
 
 
 def _tp_execute(rows, weights, idx, norm_weight, output, ws_id, eps, gain_center, wbn, algorithm,
                 use_pdl, backend) -> None:  # fmt: skip
-    from moefuse.comm.expert_norm_api import get_expert_norm_workspace
+    from moefuse.comm.expert_norm.workspace import get_expert_norm_workspace
 
     xws = get_expert_norm_workspace(ws_id)
     xws.ar.raise_if_unusable()
@@ -30,7 +30,7 @@ def _tp_execute(rows, weights, idx, norm_weight, output, ws_id, eps, gain_center
             rows, weights, idx, norm_weight, group=xws.ar.group, world_size=xws.world_size,
             eps=eps, gain_center=gain_center, weight_before_norm=wbn))  # fmt: skip
         return
-    from moefuse.comm.expert_norm_triton import launch_tp_moe_finalize_rmsnorm
+    from moefuse.comm.expert_norm.tp_kernels import launch_tp_moe_finalize_rmsnorm
 
     algo = xws.choose_algorithm(idx.shape[0], algorithm)
     gathered = None
@@ -74,7 +74,7 @@ def _ep_execute(rows, weights, idx, norm_weight, output, ws_id, eps, gain_center
             rows, weights, idx, norm_weight, group=ws.group, world_size=ws.world_size, eps=eps,
             gain_center=gain_center, weight_before_norm=wbn))  # fmt: skip
         return
-    from moefuse.comm.expert_norm_ep_triton import launch_moe_finalize_rmsnorm_allreduce
+    from moefuse.comm.expert_norm.ep_kernels import launch_moe_finalize_rmsnorm_allreduce
     from moefuse.comm.fallback import gather_stacked
 
     algo = ws.choose_algorithm(idx.shape[0], algorithm)

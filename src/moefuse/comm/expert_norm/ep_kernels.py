@@ -9,7 +9,7 @@
   torch.distributed paths then run the existing all-reduce kernels on it. Same bits.
 
 Non-local routes (index < 0 or >= R) are never loaded, normalized or weighted. The per-slot math
-(:func:`moefuse.comm.expert_norm_triton._expert_norm`) is shared with the TP kernels.
+(:func:`moefuse.comm.expert_norm.tp_kernels._expert_norm`) is shared with the TP kernels.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import triton.language as tl
 from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import env_switch
-from moefuse.comm import _device as D
-from moefuse.comm.expert_norm_triton import (
+from moefuse.comm import device as D
+from moefuse.comm.expert_norm.tp_kernels import (
     _common,
     _expert_norm,
     _load_row,
@@ -31,13 +31,12 @@ from moefuse.comm.expert_norm_triton import (
     _store_out,
     _weight,
 )
-from moefuse.comm.triton import (
-    _oneshot_finish,
-    _oneshot_state,
-    _push_vals,
-    _receive_sum,
-    launch_allreduce_fusion,
-)
+
+#: The all-reduce launcher (``moefuse.comm.all_reduce.kernels.launch_allreduce_fusion``) that
+#: the two-shot and torch.distributed paths run on the locally normed partial rows. A family
+#: never imports another one, so ``moefuse/comm/__init__.py``, which imports every family,
+#: installs it here (it runs before any module of ``moefuse.comm`` can be used).
+ALLREDUCE: list = [None]
 
 
 @triton.jit
@@ -103,11 +102,11 @@ def _ep_oneshot_kernel(
 ):  # fmt: skip
     """Partial + Lamport all-reduce in one kernel, on the all-reduce workspace's one-shot slots
     and generation (same protocol and bits as ``comm.triton._oneshot_kernel`` pattern 0, whose
-    ``_push_vals`` / ``_receive_sum`` it uses): iteration i computes and pushes row i, then
+    ``D.push_vals`` / ``D.receive_sum`` it uses): iteration i computes and pushes row i, then
     receives row i-1 (its own partial kept in registers), so NVLink traffic overlaps the norms."""
     T: tl.constexpr = out_ptr.dtype.element_ty
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     mine = D.peer_base(table_ptr, rank, lam_off16, 16)
     empty = D.empty_row(BLOCK_H, 16)
@@ -122,16 +121,16 @@ def _ep_oneshot_kernel(
                                   t.to(tl.int64), R, g, cols, cmask, Hf, eps, K, WBN,
                                   PTX, PREFETCH)  # fmt: skip
             x = round_to(acc, T, PTX)
-            _push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, 16)
+            D.push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, 16)
         if i > 0:
             tp = (pid + (i - 1) * G).to(tl.int64)
-            s, miss = _receive_sum(prev, tp, mine, region, rank, cols, cmask, H, deadline,
-                                   clock_ptr, empty, T, P, 16, True, 0, PTX)  # fmt: skip
+            s, miss = D.receive_sum(prev, tp, mine, region, rank, cols, cmask, H, deadline,
+                                   clock_ptr, empty, T, P, 16, True, PTX)  # fmt: skip
             missing = missing | miss
             tl.store(out_ptr + tp * out_st + cols, round_to(s, T, PTX), mask=cmask)
         prev = x
         i += 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
                     0, 16, USE_PDL, PTX)  # fmt: skip
 
 
@@ -168,8 +167,8 @@ def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx
         PREFETCH=prefetch_rows(m, grid[0]), **common,
     )  # fmt: skip
     gathered = gather(partial) if algorithm == "torch" else None
-    launch_allreduce_fusion(ws, algorithm, 0, partial, None, None, out=out, fp32_acc=True,
-                            use_pdl=use_pdl, gathered=gathered)  # fmt: skip
+    ALLREDUCE[0](ws, algorithm, 0, partial, None, None, out=out, fp32_acc=True, use_pdl=use_pdl,
+                 gathered=gathered)  # fmt: skip
 
 
 PREFETCH_ENV = "MOEFUSE_EP_PREFETCH_ROWS"

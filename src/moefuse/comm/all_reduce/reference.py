@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from moefuse.comm.fallback import gather_partials  # noqa: F401 (also public here)
 from moefuse.norm import reference as norm_ref
 from moefuse.quant import reference as quant_ref
 
@@ -80,16 +81,6 @@ def allreduce_residual_rmsnorm_nvfp4_from_partials(
 
 
 # ----------------------------------------------------------------------------- collective
-def gather_partials(input: torch.Tensor, workspace) -> list[torch.Tensor]:
-    """Every rank's ``input`` in rank order, via ``torch.distributed.all_gather``."""
-    import torch.distributed as dist
-
-    x = input.contiguous()
-    parts = [torch.empty_like(x) for _ in range(workspace.world_size)]
-    dist.all_gather(parts, x, group=workspace.group)
-    return parts
-
-
 def allreduce_reference(input, *, workspace, fp32_acc: bool = True) -> torch.Tensor:
     return allreduce_from_partials(gather_partials(input, workspace), fp32_acc)
 

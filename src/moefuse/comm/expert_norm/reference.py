@@ -1,6 +1,6 @@
 """PyTorch reference of the per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5) — the oracle.
 
-Two layers, like :mod:`moefuse.comm.reference`:
+Two layers, like :mod:`moefuse.comm.all_reduce.reference`:
 
 * ``*_from_ranks(...)`` is the math given every rank's inputs (lists in rank order): the tests'
   oracle, runnable in one process on CPU.

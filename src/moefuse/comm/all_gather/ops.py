@@ -2,18 +2,18 @@
 
 Each op writes caller-allocated outputs and returns nothing; ``mutates_args`` names exactly the
 outputs. The workspace travels as its integer id. ``backend`` ("triton" | "reference") and
-``algorithm`` ("auto" | "oneshot" | "torch") are decided by :mod:`moefuse.comm.allgather_api`;
+``algorithm`` ("auto" | "oneshot" | "torch") are decided by :mod:`moefuse.comm.all_gather.api`;
 both backends run inside the op, so torch.compile sees one opaque collective either way.
 
 The Triton backend is two launches on the stream: the column all-gather into this rank's
-``gathered`` buffer (:func:`moefuse.comm.allgather_triton.launch_allgather`, Lamport over the
+``gathered`` buffer (:func:`moefuse.comm.all_gather.kernels.launch_allgather`, Lamport over the
 workspace's ``"allgather"`` region; or NCCL/gloo for ``algorithm="torch"``), then the
 single-GPU op's own launcher on the gathered rows. With PDL the norm kernel is scheduled while
 the all-gather waits on NVLink and loads its parameters before its grid-dependency wait.
 Every op runs one kernel instead where its single-GPU tile allows
-(:func:`moefuse.comm.allgather_fused.run_one_launch`): the decode kernel at M <= 64
-(:mod:`moefuse.comm.allgather_decode`) and the persistent gather + norm kernel above
-(:mod:`moefuse.comm.allgather_fused`; ``MOEFUSE_ALLGATHER_LARGE=chunked`` keeps two launches,
+(:func:`moefuse.comm.all_gather.persistent.run_one_launch`): the decode kernel at M <= 64
+(:mod:`moefuse.comm.all_gather.decode`) and the persistent gather + norm kernel above
+(:mod:`moefuse.comm.all_gather.persistent`; ``MOEFUSE_ALLGATHER_LARGE=chunked`` keeps two launches,
 ``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` two launches at decode sizes).
 """
 
@@ -25,13 +25,13 @@ import weakref
 import torch
 
 from moefuse._dispatch import custom_op
-from moefuse.comm import allgather_reference as ref
+from moefuse.comm.all_gather import reference as ref
 from moefuse.comm.workspace import get_workspace
 
 Tensor = torch.Tensor
 ALGORITHMS = ("auto", "oneshot", "torch")
 REGION = "allgather"
-#: Lamport generations of the region (see moefuse.comm.allgather_triton)
+#: Lamport generations of the region (see moefuse.comm.all_gather.kernels)
 GENERATIONS = 3
 
 
@@ -49,7 +49,7 @@ class AllGatherState:
     (first eager call, or :func:`prepare_allgather`); a graph replays with the same buffers."""
 
     def __init__(self, ws):
-        from moefuse.comm.allgather_triton import AG_CTRL_WORDS
+        from moefuse.comm.all_gather.kernels import AG_CTRL_WORDS
 
         self.agctrl = torch.zeros(AG_CTRL_WORDS, dtype=torch.int32, device=ws.device)
         self.buffers: dict[torch.dtype, Tensor] = {}
@@ -173,7 +173,7 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     at entry), and all gather launches stay ordered (generations).
     The ops are batch-invariant, so per-chunk launches give the same bits as one launch.
     ``epilogue(dec)``, when given, describes the op as a
-    :class:`moefuse.comm.allgather_decode.Epilogue` (``dec`` is that module), so that gather +
+    :class:`moefuse.comm.all_gather.decode.Epilogue` (``dec`` is that module), so that gather +
     op may run as one kernel (:func:`_run_one_launch`)."""
     ws = get_workspace(ws_id)
     ws.raise_if_unusable()
@@ -184,7 +184,7 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     if choose_algorithm(ws, m, algorithm) == "torch":
         run_rows(ref.gather_columns(shard, ws), 0, m, use_pdl)
         return
-    from moefuse.comm.allgather_triton import launch_allgather
+    from moefuse.comm.all_gather.kernels import launch_allgather
 
     state = allgather_state(ws)
     gathered = state.gathered(shard.dtype, m)
@@ -219,10 +219,11 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
 def _run_one_launch(ws, state, shard: Tensor, gathered: Tensor, epilogue, use_pdl: bool,
                     unchunked: bool) -> bool:  # fmt: skip
     """Gather + the op of ``epilogue`` as one kernel where one can run it
-    (:func:`moefuse.comm.allgather_fused.run_one_launch`; False: the caller runs two launches).
+    (:func:`moefuse.comm.all_gather.persistent.run_one_launch`; False: the caller runs two
+    launches).
     ``unchunked``: the two-launch path would run one chunk."""
-    from moefuse.comm import allgather_decode as dec
-    from moefuse.comm import allgather_fused as fused
+    from moefuse.comm.all_gather import decode as dec
+    from moefuse.comm.all_gather import persistent as fused
 
     return fused.run_one_launch(ws, state, shard, gathered, epilogue(dec), use_pdl, unchunked)
 

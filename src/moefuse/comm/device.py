@@ -1,5 +1,10 @@
-"""Triton device helpers of the communication kernels: peer addressing, bounded waits, and the
-per-row epilogue (residual add, RMSNorm, quantization) that every all-reduce algorithm shares.
+"""Triton device functions that every communication family uses (public: the all-reduce,
+MoE-reduction, expert-norm and all-gather kernels call them): peer addressing, peer loads and
+stores, control words, epochs and generations, bounded waits and the fault record, the kernel
+prologue and tail of the one-shot algorithms (:func:`oneshot_state`, :func:`oneshot_finish`,
+:func:`finish`), the Lamport push and rank-order receive (:func:`push_vals`,
+:func:`receive_sum`), and the per-row epilogue (residual add, RMSNorm, quantization) that every
+all-reduce algorithm shares.
 
 Sharing one epilogue is what makes the algorithms agree bit for bit: each of them produces the
 same T-rounded sum ``s`` of a row (FP32 rank-order sum from +0.0, one rounding) and hands it to
@@ -18,9 +23,9 @@ row and vectorize it.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
+from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
 
-from moefuse._device import round_to, rsqrt_fast
+from moefuse._device import rcp_fast, round_to, rsqrt_fast
 from moefuse.quant import device as QD
 
 # Control-block words (int32, local to a rank; see moefuse.comm.workspace for their lifecycle).
@@ -172,16 +177,6 @@ def poll_row(ptr, cmask, deadline, clock_ptr, BITS: tl.constexpr, PTX: tl.conste
         pending = tl.max((v == SENT).to(tl.int32), axis=0)
         expired = (now_ns(clock_ptr, PTX) > deadline).to(tl.int32)
     return v, pending
-
-
-@triton.jit
-def poll_probe(row_ptr, H, deadline, clock_ptr, PROBE: tl.constexpr, BITS: tl.constexpr,
-               PTX: tl.constexpr):  # fmt: skip
-    """Cheap pre-wait of the probe variant: spin on the first PROBE elements of the Lamport row at
-    ``row_ptr`` (a few L2 sectors instead of the whole row) until none is the sentinel or the
-    deadline passes. Only a hint: :func:`poll_row` still checks every element afterwards."""
-    pc = tl.arange(0, PROBE)
-    poll_row(row_ptr + pc, pc < H, deadline, clock_ptr, BITS, PTX)
 
 
 @triton.jit
@@ -349,3 +344,129 @@ def healthy(ctrl_ptr, table_ptr, rank, P: tl.constexpr, PTX: tl.constexpr, dists
     if left != 0:
         record_fault(ctrl_ptr, left, FAULT_GAVE_UP, PTX)
     return both == 0
+
+
+# ------------------------------------------------------------------ kernel prologue and tail
+# (shared by the one-shot kernels of every family: all-reduce, MoE reduction, expert norm)
+@triton.jit
+def load_gain(w_ptr, cols, cmask, weight_bias, PATTERN: tl.constexpr):
+    """Gain ``f32(w) + weight_bias`` (model parameters: loaded before the grid-dependency wait)."""
+    if PATTERN != 0:
+        g = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + weight_bias
+    else:
+        g = tl.zeros(cols.shape, tl.float32)
+    return g
+
+
+@triton.jit
+def quant_scales(scale_ptr, PATTERN: tl.constexpr, PTX: tl.constexpr):
+    """``(1/scale, gs, rcp_fast(gs))`` from the [1] FP32 scale (IEEE 1/scale for FP8, SPEC §3.1)."""
+    one = tl.full([], 1.0, tl.float32)
+    if PATTERN == 2:
+        sc = tl.load(scale_ptr).to(tl.float32)
+        return tl.math.div_rn(one, sc), one, one
+    elif PATTERN == 3:
+        gs = tl.load(scale_ptr).to(tl.float32)
+        return one, gs, rcp_fast(gs, PTX)
+    else:
+        return one, one, one
+
+
+@triton.jit
+def finish(ctrl_ptr, table_ptr, rank, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+            P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
+            USE_PDL: tl.constexpr, PTX: tl.constexpr, arrive=True, n_arrive=0):  # fmt: skip
+    """Common tail: PDL trigger, fault record on timeout, scale padding rows, CTA arrival count.
+
+    A timed-out CTA records the missing ranks (device status word, host status block) and tells
+    the peers that this rank gave up (:func:`give_up`).
+    Returns True in the one CTA that arrives last (it then advances the device-resident state).
+
+    By default every CTA arrives (``n_arrive`` 0 means G). A kernel whose CTAs are known to have
+    read the state words once a subset of them finishes passes ``arrive`` (this CTA counts) and
+    ``n_arrive`` (how many count); with one arrival there is no atomic at all: its round trip to
+    L2 is on the critical path of a decode launch."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    if missing != 0:
+        give_up(ctrl_ptr, table_ptr, rank, missing, P, PTX)
+    if PATTERN == 3:
+        zero_scale_rows(sf_ptr, M + pid, M_pad, G, n_kcols, LAYOUT, KP_BLOCK)
+    if n_arrive == 0:
+        n_arrive = G
+    last = arrive & (n_arrive == 1)
+    if arrive & (n_arrive > 1):
+        old = tl.atomic_add(ctrl_ptr + arrive_idx, 1, sem="acq_rel", scope="gpu")
+        last = old == n_arrive - 1
+    return last
+
+
+@triton.jit
+def oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap,
+                   P: tl.constexpr, PTX: tl.constexpr, dists=None):  # fmt: skip
+    """(deadline of every wait, Lamport generation, this CTA's row count — rows pid, pid + G, ...;
+    0 once the workspace has failed or a peer gave up —, element offset of the generation's slot
+    region)."""
+    deadline = now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    gen = tl.load(ctrl_ptr + CTRL_GEN)
+    ok = healthy(ctrl_ptr, table_ptr, rank, P, PTX, dists)
+    n_mine = tl.where(ok, (M - pid + G - 1) // G, 0)
+    region = gen.to(tl.int64) * cap
+    return deadline, gen, n_mine, region
+
+
+@triton.jit
+def oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
+                    P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr,
+                    KP_BLOCK: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
+                    arrive=True, n_arrive=0):  # fmt: skip
+    """:func:`finish` (``arrive`` / ``n_arrive`` as there); the CTA that arrives last resets the
+    counter and advances the generation."""
+    last = finish(ctrl_ptr, table_ptr, rank, CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad,
+                   n_kcols, pid, G, P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX, arrive,
+                   n_arrive)  # fmt: skip
+    if last:
+        tl.store(ctrl_ptr + CTRL_ARRIVE_1S, 0)
+        tl.store(ctrl_ptr + CTRL_GEN, (gen + 1) % 3)
+
+
+@triton.jit
+def push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
+               P: tl.constexpr, BITS: tl.constexpr, dists=None):  # fmt: skip
+    """Store row ``t`` of this rank, already in registers as ``x`` (-0.0 scrubbed), into its
+    slot of every peer's buffer.
+
+    Slots hold only the P-1 peers of the receiving rank (a rank reads its own row from its own
+    input): sender ``s`` uses slot ``s - (s > q)`` at receiver ``q``."""
+    t64 = t.to(tl.int64)
+    bits = scrub(as_bits(x, BITS), BITS)
+    for q in tl.static_range(P):
+        if q != rank:
+            slot = rank - (rank > q).to(tl.int32)
+            off = ((region + t64) * (P - 1) + slot) * H
+            tl.store(peer_base(table_ptr, q, lam_off16, BITS, dists) + off + cols, bits,
+                     mask=cmask)  # fmt: skip
+
+
+@triton.jit
+def receive_sum(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr, empty,
+                 T: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, FP32_ACC: tl.constexpr,
+                 PTX: tl.constexpr):  # fmt: skip
+    """Row ``t64`` summed over ranks in ascending order (this rank's ``x`` in its place, each
+    peer's row polled from its slot of this rank's buffer, then the slot re-armed), rounded to
+    ``T``. Returns (sum as FP32, bit mask of the peers whose row did not arrive in time)."""
+    acc = tl.zeros(x.shape, tl.float32)
+    missing = 0
+    for q in tl.static_range(P):
+        if q == rank:
+            v = x.to(tl.float32)
+        else:
+            slot = q - (q > rank).to(tl.int32)
+            row = mine + ((region + t64) * (P - 1) + slot) * H
+            ptr = row + cols
+            bits, pending = poll_row(ptr, cmask, deadline, clock_ptr, BITS, PTX)
+            tl.store(ptr, empty, mask=cmask)  # re-arm the slot just consumed
+            missing = missing | tl.where(pending != 0, 1 << q, 0)
+            v = bits.to(T, bitcast=True).to(tl.float32)
+        acc = accumulate(acc, v, T, FP32_ACC, PTX)
+    return round_to(acc, T, PTX).to(tl.float32), missing

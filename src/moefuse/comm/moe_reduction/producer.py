@@ -1,5 +1,5 @@
 """Device functions of the MoE communication fusions (SPEC §3.2, §3.3), shared by the kernels
-of :mod:`moefuse.comm.moe_fusion_triton`: the producer stage (this rank's MoE partial row, from
+of :mod:`moefuse.comm.moe_reduction.kernels`: the producer stage (this rank's MoE partial row, from
 the permuted GEMM2 rows through the index map or from the dense expert rows), the rank-order
 step and the epilogue wrapper. One copy of each: every algorithm computes the same bits.
 
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from moefuse._device import fma_ftz, round_to, widen_f32
-from moefuse.comm import _device as D
+from moefuse.comm import device as D
 
 
 # ----------------------------------------------------------------------------- producer

@@ -9,8 +9,6 @@ RMSNorm. Three algorithms, same bits:
   row itself, and the CTA that completes a token's K rows folds them (no second hop); or, when
   every CTA has one row (:func:`split_fold`), the token's K CTAs wait for each other and fold a
   column slice each.
-* ``_tp_slot_kernel`` (Lamport, smallest M): the expert owner with one CTA per (token, slot),
-  so a token's norms run in parallel; every rank folds the K normalized rows itself.
 * ``_tp_expert_owner_kernel`` (Lamport, small M). Slot group j (``B = ceil(K/P)`` slots) belongs
   to rank j. Phase 1: every rank pushes its partial rows of the slots it does not own into the
   owner's BF16 slot ``[gen, t, k, sender]``. Phase 2: the owner polls them, sums ranks in order,
@@ -30,14 +28,14 @@ All three evaluate ``out = sum_{j asc} G_j`` with ``G_j = fma chain over group j
 from the same device helpers, so a token's bits depend on (H, K, P) only — not on M, on the
 algorithm that "auto" picks for M, or on the grid (batch invariance across the path switch).
 
-EP (``moe_finalize_rmsnorm_allreduce``): :mod:`moefuse.comm.expert_norm_ep_triton` (it reuses
+EP (``moe_finalize_rmsnorm_allreduce``): :mod:`moefuse.comm.expert_norm.ep_kernels` (it reuses
 the per-slot helpers of this module).
 
 Invalid slots (index < 0 or >= R) are never loaded, normalized or weighted (their weight is not
 read either). Lamport conventions, generations, bounded waits and the status word are those of
-:mod:`moefuse.comm.triton` (``_oneshot_state`` / ``_oneshot_finish``, shared control words): the
-output is written with -0.0 as +0.0 on every path, because a BF16 row that travels as Lamport
-payload must be scrubbed and all ranks must agree bitwise.
+:mod:`moefuse.comm.device` (:func:`oneshot_state` / :func:`oneshot_finish`, shared control
+words): the output is written with -0.0 as +0.0 on every path, because a BF16 row that travels as
+Lamport payload must be scrubbed and all ranks must agree bitwise.
 """
 
 from __future__ import annotations
@@ -49,9 +47,8 @@ from triton.language.extra.cuda import gdc_wait
 from moefuse._device import round_to, rsqrt_fast, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import env_switch, interpreter_active
-from moefuse.comm import _device as D
+from moefuse.comm import device as D
 from moefuse.comm.tiles import comm_tile
-from moefuse.comm.triton import _finish, _oneshot_finish, _oneshot_state
 
 
 # ----------------------------------------------------------------------------- per-slot math
@@ -59,7 +56,7 @@ from moefuse.comm.triton import _finish, _oneshot_finish, _oneshot_state
 def _norm_rstd(x, g, cmask, Hf, eps, WBN: tl.constexpr):
     """Reciprocal RMS of one expert row ``x`` (FP32, BF16-exact values; of ``x * g`` when WBN).
     The statistic is an FP64 sum of exact squares rounded once to FP32 (same convention as
-    ``comm._device.epilogue_row``)."""
+    ``moefuse.comm.device.epilogue_row``)."""
     if WBN:
         z = x * g
     else:
@@ -234,7 +231,7 @@ def _tp_expert_owner_kernel(
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     # phase 1: push the partial rows of slots owned by other ranks (never waits)
     i = 0
@@ -282,74 +279,7 @@ def _tp_expert_owner_kernel(
         _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
                    cmask)  # fmt: skip
         i += 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
-                    0, 16, USE_PDL, PTX)  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- TP slot split
-@triton.jit(do_not_specialize=["M", "R", "rank"])
-def _tp_slot_kernel(
-    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
-    table_ptr, rows_off16, y_off16, ctrl_ptr, clock_ptr,
-    M, R, H, Hf, rank, cap, cap_y, eps, gain_center, timeout_us,
-    P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
-    BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
-    """Expert owner with one CTA per (token, slot) (small M: a token's K norms run in parallel
-    CTAs instead of one after another). CTA ``t*K + k``: on the slot group's owner it polls the
-    peers' partial rows, normalizes and stores ``y_k`` (FP32) into slot ``[gen, t, k]`` of every
-    rank; elsewhere it pushes its partial row to the owner. CTA ``t*K + K-1`` of every rank then
-    folds the K ``y_k`` from its own buffer in the canonical grouped order (fma chains, same bits
-    as the other algorithms). A CTA only waits on CTAs of lower or equal index (interpreter-safe);
-    the grid is exactly M*K (all resident on the GPU)."""
-    pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(
-        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M * K, pid, G, cap, P, PTX)  # fmt: skip
-    region_y = gen.to(tl.int64) * cap_y
-    empty16 = D.empty_row(BLOCK_H, 16)
-    missing = tl.full([], 0, tl.int32)  # a tensor: it is reassigned inside run-time branches
-    if n_mine > 0:
-        t64 = (pid // K).to(tl.int64)
-        k = pid % K
-        o = k // B
-        p, valid = _route(idx_ptr, idx_st, t64, k, R)
-        if valid:
-            if o != rank:
-                x = _load_row(rows_ptr, row_st, p, cols, cmask)
-                _push_slot(x, o, k, t64, region, rank, table_ptr, rows_off16, cols, cmask, H, K,
-                           P)  # fmt: skip
-            else:
-                own = widen_f32(_load_row(rows_ptr, row_st, p, cols, cmask), PTX)
-                mine16 = D.peer_base(table_ptr, rank, rows_off16, 16)
-                acc, missing = _slot_sum(own, k, t64, region, mine16, rank, cols, cmask, H,
-                                         deadline, clock_ptr, empty16, K, P, False,
-                                         PTX)  # fmt: skip
-                y = D.scrub(D.as_bits(_slot_y(acc, g, cmask, Hf, eps, WBN, PTX), 32), 32)
-                for q in tl.static_range(P):
-                    dst = D.peer_base(table_ptr, q, y_off16, 32) + ((region_y + t64) * K + k) * H
-                    tl.store(dst + cols, y, mask=cmask)
-        if (k == K - 1) & (missing == 0):
-            mine32 = D.peer_base(table_ptr, rank, y_off16, 32)
-            empty32 = D.empty_row(BLOCK_H, 32)
-            out = tl.zeros([BLOCK_H], tl.float32)
-            gsum = tl.zeros([BLOCK_H], tl.float32)
-            for kk in tl.static_range(K):
-                if kk > 0:
-                    if kk % B == 0:
-                        out = out + gsum
-                        gsum = tl.zeros([BLOCK_H], tl.float32)
-                p2, valid2 = _route(idx_ptr, idx_st, t64, kk, R)
-                if valid2 & (missing == 0):
-                    ptr = mine32 + ((region_y + t64) * K + kk) * H + cols
-                    bits, pending = D.poll_row(ptr, cmask, deadline, clock_ptr, 32, PTX)
-                    tl.store(ptr, empty32, mask=cmask)
-                    missing = missing | tl.where(pending != 0, 1 << (kk // B), 0)
-                    yk = bits.to(tl.float32, bitcast=True)
-                    gsum = tl.fma(yk, _weight(w_ptr, w_st, t64, kk), gsum)
-            out = out + gsum
-            _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
-                       cmask)  # fmt: skip
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
                     0, 16, USE_PDL, PTX)  # fmt: skip
 
 
@@ -490,7 +420,7 @@ def _tp_slot_oneshot_kernel(
     if USE_PDL:
         gdc_wait()
     x0 = tl.load(rows_ptr + p0 * row_st + cols, mask=cmask & valid0 & (pid < n_rows), other=0.0)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, n_rows, pid, G, cap, P, PTX,
         dists)  # fmt: skip
     i = 0
@@ -558,7 +488,7 @@ def _tp_slot_oneshot_kernel(
     # token's count is the last to have read the control words: it alone advances the
     # generation, without the launch-wide arrival atomic. Otherwise every CTA arrives.
     one_token = M == 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
                     0, 16, USE_PDL, PTX, completed | (M != 1),
                     tl.where(one_token, 1, 0))  # fmt: skip
 
@@ -573,7 +503,7 @@ def _tp_token_owner_kernel(
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
     # phase 1: push every valid slot row of tokens owned by other ranks to their owner
     _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, region, rank,
@@ -612,7 +542,7 @@ def _tp_token_owner_kernel(
             missing = missing | tl.where(pending != 0, 1 << (t % P), 0)
             _store_out(out_ptr, out_st, t64, bits, cols, cmask)
         i += 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
                     0, 16, USE_PDL, PTX)  # fmt: skip
 
 
@@ -676,7 +606,7 @@ def _tp_staged_kernel(
             bits = tl.load(gathered + t64 * H + cols, mask=cmask, other=0, cache_modifier=".cg")
             _store_out(out_ptr, out_st, t64, bits, cols, cmask)
         i += 1
-    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, ctrl_ptr, M, M, 0, pid, G,
+    last = D.finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, ctrl_ptr, M, M, 0, pid, G,
                    P, 0, 0, 16, USE_PDL, PTX)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
@@ -730,9 +660,8 @@ def _common(h: int, use_pdl: bool) -> tuple[dict, int]:
 def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm_weight, out, *,
                                    eps: float, gain_center: float, weight_before_norm: bool,
                                    use_pdl: bool = False, gathered=None) -> None:  # fmt: skip
-    """Run §3.4 on ``xws`` (:class:`moefuse.comm.expert_norm_api.ExpertNormWorkspace`) with
-    ``algorithm`` in "slot_oneshot" | "expert_owner_slots" | "expert_owner" | "token_owner" |
-    "staged" | "torch"
+    """Run §3.4 on ``xws`` (:class:`moefuse.comm.expert_norm.api.ExpertNormWorkspace`) with
+    ``algorithm`` in "slot_oneshot" | "expert_owner" | "token_owner" | "staged" | "torch"
     (``gathered`` [P, R, H]).
 
     Peer algorithms run in chunks of at most ``xws.capacity`` tokens (one launch each; a
@@ -767,24 +696,6 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
                 ws.offset16("xn_gather"), ws.ctrl, ws.clock, mc, r, h, float(h), ws.rank,
                 float(eps), float(gain_center), ws.timeout_us, P=p,
                 PP=triton.next_power_of_2(p), NSLOT=ws.num_flag_slots, **consts,
-            )  # fmt: skip
-        return
-    if algorithm == "expert_owner_slots":
-        # every CTA of a launch must be resident on the GPU (they wait on each other across
-        # ranks): M*K <= SMs per launch; the interpreter runs any grid
-        per = xws.slot_capacity if ws.device.type == "cpu" else \
-            min(xws.slot_capacity, ws.num_sms // k)  # fmt: skip
-        if per < 1:
-            raise RuntimeError(f"expert_owner_slots needs K <= {ws.num_sms} (SMs), got K = {k}")
-        for c0 in range(0, m, per):
-            mc = min(per, m - c0)
-            ws.refresh_clock()
-            launch(_tp_slot_kernel, (mc * k,),
-                rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
-                weights.stride(0), idx.stride(0), out.stride(0),
-                ws.table, ws.offset16("xn_rows"), ws.offset16("xn_y"), ws.ctrl, ws.clock,
-                mc, r, h, float(h), ws.rank, xws.capacity, xws.slot_capacity, float(eps),
-                float(gain_center), ws.timeout_us, P=p, **consts,
             )  # fmt: skip
         return
     if algorithm == "slot_oneshot":

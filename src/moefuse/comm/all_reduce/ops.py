@@ -3,9 +3,9 @@
 Each op writes caller-allocated outputs and returns nothing; ``mutates_args`` names exactly the
 outputs. The workspace travels as its integer id (custom-op schemas cannot carry Python objects;
 the peer buffers it owns are internal state, like NCCL's). ``backend`` is "triton" or "reference"
-(chosen by :mod:`moefuse.comm.api`): both run inside the op, so torch.compile sees one opaque
-collective either way. Validation happens in the api before these are called; the launchers are
-imported lazily (TRITON_INTERPRET must be set before triton is imported).
+(chosen by :mod:`moefuse.comm.all_reduce.api`): both run inside the op, so torch.compile sees
+one opaque collective either way. Validation happens in the api before these are called; the
+launchers are imported lazily (TRITON_INTERPRET must be set before triton is imported).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moefuse._dispatch import custom_op
-from moefuse.comm import reference as ref
+from moefuse.comm.all_reduce import reference as ref
 from moefuse.comm.workspace import get_workspace
 
 Tensor = torch.Tensor
@@ -34,7 +34,7 @@ def _execute(pattern: int, ws_id: int, backend: str, algorithm: str, x: Tensor, 
             scale, layout, eps, weight_bias, fp32_acc,
         )  # fmt: skip
         return
-    from moefuse.comm.triton import launch_allreduce_fusion
+    from moefuse.comm.all_reduce.kernels import launch_allreduce_fusion
 
     algo = ws.choose_algorithm(x.shape[0], algorithm)
     gathered = None

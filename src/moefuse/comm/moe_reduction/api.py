@@ -7,12 +7,12 @@ residual-added, RMS-normalized and optionally quantized — in one kernel on the
   ``trtllm_moe_finalize_allreduce_fusion`` (pattern 7): finalize from the permuted GEMM2 rows
   through ``expanded_idx_to_permuted_idx``.
 
-Math: :mod:`moefuse.comm.moe_fusion_reference` (the docstring there is the contract). Common
-keyword arguments, as in :mod:`moefuse.comm.api`: ``workspace`` (an :class:`AllReduceWorkspace`
-of the activation dtype and H), ``eps``, ``weight_bias``, ``algorithm`` ("auto" | "oneshot" |
-"twoshot" | "torch": same bits; "auto" is the workspace's choice, except that the §3.2 reduction
-with accumulate="stepwise" takes two-shot for H > 4096 from 2048 tokens:
-:func:`moefuse.comm.moe_fusion_ops.prefers_twoshot`), ``enable_pdl``, ``impl`` ("auto" |
+Math: :mod:`moefuse.comm.moe_reduction.reference` (the docstring there is the contract). Common
+keyword arguments, as in :mod:`moefuse.comm.all_reduce.api`: ``workspace`` (an
+:class:`AllReduceWorkspace` of the activation dtype and H), ``eps``, ``weight_bias``, ``algorithm``
+("auto" | "oneshot" | "twoshot" | "torch": same bits; "auto" is the workspace's choice, except that
+the §3.2 reduction with accumulate="stepwise" takes two-shot for H > 4096 from 2048 tokens:
+:func:`moefuse.comm.moe_reduction.ops.prefers_twoshot`), ``enable_pdl``, ``impl`` ("auto" |
 "triton" | "reference"), and:
 
 * ``accumulate`` — "stepwise" (default: T-rounding after every step, FlashInfer's default
@@ -43,10 +43,9 @@ import torch
 from moefuse import _validate as v
 from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, resolve_pdl
-from moefuse.comm import moe_fusion_ops as ops
-from moefuse.comm.api import WEIGHT_DTYPES, _check_outputs
-from moefuse.comm.moe_fusion_reference import ACCUMULATE, QUANTS
-from moefuse.comm.workspace import ALGORITHMS, AllReduceWorkspace
+from moefuse.comm.moe_reduction import ops
+from moefuse.comm.moe_reduction.reference import ACCUMULATE, QUANTS
+from moefuse.comm.workspace import ALGORITHMS, WEIGHT_DTYPES, AllReduceWorkspace
 from moefuse.moe.api import SCALE_DTYPES, _check_scalar, check_expert_bias
 from moefuse.quant.formats import LAYOUTS, scale_layout_shape
 
@@ -201,7 +200,7 @@ def moe_allreduce_residual_rmsnorm(
                        shape=residual.shape, device=residual.device)  # fmt: skip
     _check_quant_outputs(op, residual, quant, layout, residual_out, norm_out, quant_out,
                          scale_out)  # fmt: skip
-    _check_outputs(
+    v.check_outputs(
         op, [("allreduce_out", allreduce_out), ("residual_out", residual_out),
              ("norm_out", norm_out), ("quant_out", quant_out), ("scale_out", scale_out)],
         [("active_experts_token_input", active_experts_token_input),
@@ -295,7 +294,7 @@ def moe_finalize_allreduce_residual_rmsnorm(
                     expert_ids)  # fmt: skip
     _check_quant_outputs(op, residual, quant, layout, residual_out, norm_out, quant_out,
                          scale_out)  # fmt: skip
-    _check_outputs(
+    v.check_outputs(
         op, [("residual_out", residual_out), ("norm_out", norm_out), ("quant_out", quant_out),
              ("scale_out", scale_out)],
         [("allreduce_in", allreduce_in), ("residual", residual), ("norm_weight", norm_weight),

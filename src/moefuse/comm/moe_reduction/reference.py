@@ -2,7 +2,7 @@
 path.
 
 Both ops are "a per-rank MoE partial row, all-reduced, then the §3.1 epilogue". Two layers, as in
-:mod:`moefuse.comm.reference`:
+:mod:`moefuse.comm.all_reduce.reference`:
 
 * ``*_from_ranks(...)`` take every rank's MoE inputs as lists in rank order (all in one process):
   the tests' oracle;
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moefuse.comm import reference as comm_ref
+from moefuse.comm.fallback import gather_partials
 from moefuse.moe import reference as moe_ref
 from moefuse.norm import reference as norm_ref
 from moefuse.quant import reference as quant_ref
@@ -181,5 +181,5 @@ def moe_allreduce_from_ranks(active_experts_token_inputs, scale_inputs, token_in
 # ----------------------------------------------------------------------------- collective
 def reference_from_partial(partial, residual, weight, *, workspace, **kw) -> dict:
     """This rank's ``partial`` all-gathered (torch.distributed), then the epilogue."""
-    return epilogue_from_partials(comm_ref.gather_partials(partial, workspace), residual, weight,
+    return epilogue_from_partials(gather_partials(partial, workspace), residual, weight,
                                   **kw)  # fmt: skip

@@ -12,7 +12,7 @@ than 4096 at M <= 8 (:data:`FP4_ONE_LAUNCH_MAX_WIDTH`).
 The two-launch path is the gather, then the single-GPU op's kernel. At decode sizes the second
 launch and its grid-dependency wait are a visible part of the latency, so this kernel does both
 in one program per norm tile: program ``pid`` gathers the rows of its own tile (push its
-fragments, poll the peers' ones, all through :mod:`moefuse.comm.allgather_triton`'s helpers), a
+fragments, poll the peers' ones, all through :mod:`moefuse.comm.all_gather.kernels`'s helpers), a
 CTA barrier makes them visible to every thread, and then it runs the SAME device code as the
 single-GPU kernel on those rows (``norm_tile``, constexpr ``OP``: ``_rmsnorm_kernel``'s,
 ``_rmsnorm_fp8_kernel``'s, ``_rmsnorm_fp4_kernel``'s or ``_gated_residual_next_kernel``'s row
@@ -57,7 +57,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._fastpath import launch
 from moefuse._runtime import env_choice
-from moefuse.comm import allgather_triton as AG
+from moefuse.comm.all_gather import kernels as AG
 from moefuse.comm.workspace import CTRL_STATUS
 from moefuse.norm import gated as gd
 from moefuse.norm import tiles

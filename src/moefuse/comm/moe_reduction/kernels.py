@@ -1,21 +1,20 @@
 """Triton kernels of the MoE communication fusions (SPEC §3.2, §3.3) and their launcher.
 
-Each kernel is an all-reduce kernel of :mod:`moefuse.comm.triton` with a *producer* stage in
-front: instead of loading this rank's partial row from an ``[M, H]`` input, it computes it from
-the MoE inputs (:mod:`moefuse.comm.moe_fusion_device`) — K expert rows gathered through the
-index map (finalize, §3.3) or the E_loc rows ``x[e, t]`` (reduction, §3.2), weighted, summed in
+Each kernel is an all-reduce kernel of :mod:`moefuse.comm.all_reduce.kernels` with a *producer*
+stage in front: instead of loading this rank's partial row from an ``[M, H]`` input, it computes it
+from the MoE inputs (:mod:`moefuse.comm.moe_reduction.producer`) — K expert rows gathered through
+the index map (finalize, §3.3) or the E_loc rows ``x[e, t]`` (reduction, §3.2), weighted, summed in
 ascending slot order, scaled, plus the shared-expert / token row. The partial never exists in
 HBM on the peer paths:
 
 * ``_moe_oneshot_kernel`` — Lamport, same slots, generations and control words as
   ``_oneshot_kernel`` (the workspace is shared with the all-reduce fusions): iteration i produces
   and pushes row i, then polls row i - 1 (its own partial kept in registers), sums ranks in
-  ascending order and runs the shared epilogue (:func:`moefuse.comm._device.epilogue_row`).
+  ascending order and runs the shared epilogue (:func:`moefuse.comm.device.epilogue_row`).
 * ``_moe_split_kernel`` — the one-shot with a column-split producer (decode; variant "split" of
   :func:`oneshot_variant`): C CTAs per row each produce and push 1/C of the row (into the peers'
   Lamport slots and a local Lamport row), the row's last CTA polls every rank's whole row and
-  runs the epilogue. Variant "twokernel": ``_moe_partial_kernel`` into a scratch, then a one-shot
-  all-reduce of it (large M).
+  runs the epilogue.
 * ``_moe_twoshot_kernel`` — reduce-scatter + all-gather: phase 1 produces every row and stores it
   into its owner's staging slot ``[rank]`` (the owner's own rows locally), phase 2 sums the staged
   rows in rank order and pushes the sum into every peer's gather buffer (FP32 bits when
@@ -42,8 +41,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
-from moefuse.comm import _device as D
-from moefuse.comm.moe_fusion_device import (
+from moefuse.comm import device as D
+from moefuse.comm.moe_reduction.producer import (
     _finish_row,
     _first_loads,
     _partial_from_first,
@@ -51,16 +50,8 @@ from moefuse.comm.moe_fusion_device import (
     _rank_step,
     _slot_meta,
 )
-from moefuse.comm.moe_fusion_ops import fp32_gather_region
-from moefuse.comm.tiles import CommTile, comm_tile, resident_ctas_per_sm
-from moefuse.comm.triton import (
-    _finish,
-    _oneshot_finish,
-    _oneshot_state,
-    _params,
-    _push_vals,
-    _scales,
-)
+from moefuse.comm.moe_reduction.workspace import fp32_gather_region
+from moefuse.comm.tiles import CommTile, comm_tile
 
 _BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 
@@ -119,7 +110,7 @@ def _moe_oneshot_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(gw_ptr, cols, cmask, weight_bias, PATTERN)
     # Row pid (grid <= M: always a real token). Its routing data (index map, weights, expert
     # ids) is read before the grid-dependency wait: routing is complete long before the GEMM
     # that precedes the fusion (as in moefuse.moe.triton), so at decode that round trip overlaps
@@ -139,17 +130,17 @@ def _moe_oneshot_kernel(
     # is T): half the registers of FP32 — at H = 7168 (16 warps, 128 registers) that is what
     # keeps the loop from spilling
     res0 = tl.load(res_ptr + pid.to(tl.int64) * res_st + cols, mask=cmask, other=0.0)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX,
         dists)  # fmt: skip
     p0 = _partial_from_first(meta0, first0, cols, cmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
                              HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     mine = D.peer_base(table_ptr, rank, lam_off16, BITS, dists)
     empty = D.empty_row(BLOCK_H, BITS)
     missing = 0
     if n_mine > 0:
-        _push_vals(p0, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
+        D.push_vals(p0, pid, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
         if USE_PDL:
             if n_mine == 1:
                 gdc_launch_dependents()
@@ -165,7 +156,7 @@ def _moe_oneshot_kernel(
                                n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
                                b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
                                HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-            _push_vals(cur, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS,
+            D.push_vals(cur, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS,
                        dists)  # fmt: skip
         t64 = (pid + (i - 1) * G).to(tl.int64)
         if i == 1:
@@ -181,7 +172,7 @@ def _moe_oneshot_kernel(
                     sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)  # fmt: skip
         prev = cur
         i += 1
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, P,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G, P,
                     PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX)  # fmt: skip
 
 
@@ -233,7 +224,7 @@ def _moe_split_kernel(
     wcols = c * BLOCK_W + tl.arange(0, BLOCK_W)
     wmask = wcols < H
     epi = c == C - 1
-    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(gw_ptr, cols, cmask, weight_bias, PATTERN)
     meta0 = _slot_meta(grp, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
                        src_kst, map_st, w_tst, w_kst, b_st, e_st, K, DENSE, HAS_W, HAS_BIAS,
                        PTX)  # fmt: skip
@@ -246,15 +237,15 @@ def _moe_split_kernel(
     # _moe_oneshot_kernel
     first0 = _first_loads(meta0, grp, wcols, wmask, sh_ptr, sh_st, KB, HAS_BIAS, HAS_SHARED, PTX)
     res0 = tl.load(res_ptr + grp.to(tl.int64) * res_st + cols, mask=cmask & epi, other=0.0)
-    deadline, gen, n_mine, region = _oneshot_state(
+    deadline, gen, n_mine, region = D.oneshot_state(
         ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, grp, R, cap, P, PTX,
         dists)  # fmt: skip
     p0 = _partial_from_first(meta0, first0, wcols, wmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
                              HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     own = D.peer_base(table_ptr, rank, own_off16, BITS, dists)
     if n_mine > 0:
-        _push_vals(p0, grp, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
+        D.push_vals(p0, grp, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
         _push_own(p0, grp, wcols, wmask, table_ptr, own_off16, rank, H, BITS, dists)
         if USE_PDL:
             if n_mine == 1:
@@ -271,7 +262,7 @@ def _moe_split_kernel(
                              n_rows, n_experts, src_st, src_kst, map_st, w_tst, w_kst, sh_st,
                              b_st, e_st, rsf, T, K, KB, DENSE, HAS_W, HAS_BIAS,
                              HAS_RSF, HAS_SHARED, STEPWISE, PTX).to(T)  # fmt: skip
-            _push_vals(p, t, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS,
+            D.push_vals(p, t, wcols, wmask, table_ptr, lam_off16, region, rank, H, P, BITS,
                        dists)  # fmt: skip
             _push_own(p, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS, dists)
         if epi:
@@ -291,7 +282,7 @@ def _moe_split_kernel(
         i += 1
     # only the R epilogue CTAs arrive: one that finishes has polled its group's own rows, so
     # every producer of the group has read the state words; at R = 1 (decode) no atomic at all
-    _oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid,
+    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid,
                     tl.num_programs(0), P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX, epi,
                     R)  # fmt: skip
 
@@ -318,10 +309,10 @@ def _moe_twoshot_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(gw_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
     epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
     healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
@@ -400,7 +391,7 @@ def _moe_twoshot_kernel(
                         nout_st, q_ptr, q_st, sf_ptr, T, BLOCK_H, PATTERN, LAYOUT, WRITE_AR,
                         PTX)  # fmt: skip
         i += 1
-    last = _finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols,
+    last = D.finish(ctrl_ptr, table_ptr, rank, D.CTRL_ARRIVE_2S, missing, sf_ptr, M, M_pad, n_kcols,
                    pid, G, P, PATTERN, LAYOUT, KP_BLOCK, False, PTX)  # fmt: skip
     if last:
         tl.store(ctrl_ptr + D.CTRL_ARRIVE_2S, 0)
@@ -451,10 +442,10 @@ def _moe_gathered_kernel(
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    g = _params(gw_ptr, cols, cmask, weight_bias, PATTERN)
+    g = D.load_gain(gw_ptr, cols, cmask, weight_bias, PATTERN)
     if USE_PDL:
         gdc_wait()
-    inv_scale, gs, rcp_gs = _scales(scale_ptr, PATTERN, PTX)
+    inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
     t = pid
     while t < M:
         t64 = t.to(tl.int64)
@@ -546,10 +537,10 @@ def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
 
 #: one-shot variants (MOEFUSE_MOE_COMM_VARIANT; all give the same bits):
 #: "fused" — ``_moe_oneshot_kernel``, one CTA produces, pushes and finishes a row;
-#: "split" — ``_moe_split_kernel``, C CTAs per row produce column slices (decode);
-#: "twokernel" — ``_moe_partial_kernel`` into an [M, H] scratch, then ``_moe_oneshot_kernel``
-#: with a pass-through producer (large M: the unfused chain's structure, the MoE semantics).
-ONESHOT_VARIANTS = ("fused", "split", "twokernel")
+#: "split" — ``_moe_split_kernel``, C CTAs per row produce column slices (decode).
+#: (A third variant, partial kernel + one-shot all-reduce of the partial, was deleted: it never
+#: won, bench/results/sweeps/moe-comm-variants-h200-p2.json, numbers below.)
+ONESHOT_VARIANTS = ("fused", "split")
 #: "auto" (the variable unset): (up to M tokens, variant). MEASURED on 2 x H200
 #: (scripts/bench_moe_comm_variants.py, bench/results/sweeps/moe-comm-variants-h200-p2.json;
 #: P = 2, H = 4096, K = 8, stepwise, µs fused / split / two kernels): M = 1 6.49 / 4.90 / 7.25,
@@ -621,57 +612,6 @@ def _launch_split(ws, tile, k, has_bias, outs, pstrides, ostrides, scalars, tail
         *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.offset16("lamport_own"),
         ws.ctrl, ws.clock, *scalars, ws.rank, ws.oneshot_max_tokens, *tail, C=c,
         BLOCK_W=tile.block // c, **producer, **consts,
-    )  # fmt: skip
-
-
-def _launch_two_kernels(ws, tile, residual, stepwise, use_pdl, ptx, outs, pptrs, pstrides,
-                        ostrides, scalars, n_kcols, counts, rsf, producer, consts,
-                        epilogue) -> None:  # fmt: skip
-    """The "twokernel" variant: this rank's partials into an [M, H] scratch
-    (``_moe_partial_kernel``, as the torch path), then a one-shot all-reduce of them with the
-    same rank-order sum and epilogue as the fused kernel, hence the same bits:
-
-    * stepwise, no quantization or FP8, no ``allreduce_out``: the Section 3.1 one-shot launcher
-      (``launch_allreduce_fusion``, FP32_ACC off; it picks its measured prefetch pipeline at
-      large M). Its sum is the same T-rounded rank-order chain from +0 with the rows unscrubbed
-      locally / scrubbed from peers as here, its epilogue the same ``epilogue_row`` (recipe only
-      matters for NVFP4; its contraction can only fuse the FP64 squares, which are exact);
-    * otherwise: ``_moe_oneshot_kernel`` with a pass-through producer — K = 1 slot that is never
-      valid (``n_rows`` = 0) and the partial as the "shared" term, so it computes
-      ``T(+0 + p) = p`` exactly (no FMA, no rounding of a T value). It runs the co-resident CTA
-      count of the Section 3.1 kernels (2 per SM at H = 4096, 128 registers: 56-72 bytes
-      spilled; its producer holds one row)."""
-    m, h = residual.shape
-    part = torch.empty_like(residual)
-    grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
-    launch(_moe_partial_kernel, grid,
-        *pptrs, part, *pstrides, part.stride(0), m, h, *counts, rsf, BLOCK_H=tile.block,
-        USE_PDL=bool(use_pdl), PTX=ptx, num_warps=tile.num_warps, enable_fp_fusion=False,
-        **({"launch_pdl": True} if use_pdl else {}), **producer,
-    )  # fmt: skip
-    _, weight, _, residual_out, norm_out, qo, _, sc = outs[6:]
-    pattern = consts["PATTERN"]
-    if stepwise and pattern in (1, 2) and not consts["WRITE_AR"]:
-        from moefuse.comm.triton import launch_allreduce_fusion
-
-        launch_allreduce_fusion(ws, "oneshot", pattern, part, residual, weight,
-                                residual_out=residual_out, norm_out=norm_out,
-                                quant_out=qo if pattern == 2 else None,
-                                scale=sc if pattern == 2 else None, eps=epilogue[0],
-                                weight_bias=epilogue[1], fp32_acc=False,
-                                use_pdl=use_pdl)  # fmt: skip
-        return
-    never = torch.empty(1, dtype=torch.int32, device=residual.device)  # index of no valid slot
-    passthrough = dict(K=1, KB=1, DENSE=False, HAS_W=False, HAS_BIAS=False, HAS_RSF=False,
-                       HAS_SHARED=True, STEPWISE=bool(stepwise))  # fmt: skip
-    resident = resident_ctas_per_sm(tile.num_warps)
-    if ptx:
-        consts = dict(consts, maxnreg=min(255, 65536 // (32 * tile.num_warps * resident)) // 8 * 8)
-    strides = (part.stride(0), 0, 0, 0, 0, part.stride(0), 0, 0)
-    launch(_moe_oneshot_kernel, (max(1, min(m, ws.num_sms * resident)),),
-        part, never, part, part, part, never, *outs[6:], *strides, *ostrides, ws.table,
-        ws.offset16("lamport"), ws.ctrl, ws.clock, *scalars, ws.rank, ws.oneshot_max_tokens,
-        n_kcols, 0, 0, *epilogue, 1.0, ws.timeout_us, **passthrough, **consts,
     )  # fmt: skip
 
 
@@ -775,12 +715,6 @@ def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx
         if variant == "split":
             _launch_split(ws, tile, k, bias is not None, outs, pstrides, ostrides, scalars, tail,
                           producer, dict(common, **peer))  # fmt: skip
-            return
-        if variant == "twokernel":
-            _launch_two_kernels(ws, tile, residual, stepwise, use_pdl, ptx, outs,
-                                (s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr), pstrides, ostrides,
-                                scalars, n_kcols, counts, float(rsf), producer,
-                                dict(common, **peer), (float(eps), float(weight_bias)))
             return
         grid = (max(1, min(m, ws.num_sms * ctas)),)
         launch(_moe_oneshot_kernel, grid,

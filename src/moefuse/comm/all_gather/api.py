@@ -30,7 +30,7 @@ import torch
 from moefuse import _validate as v
 from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
-from moefuse.comm import allgather_ops as ops
+from moefuse.comm.all_gather import ops
 from moefuse.comm.workspace import AllReduceWorkspace
 from moefuse.quant import formats as F
 

@@ -12,8 +12,8 @@ the same M, in the same order. Common keyword arguments:
   that cannot run raises ``RuntimeError``.
 * ``enable_pdl`` — None: programmatic dependent launch where the device supports it.
 * ``impl`` — "auto" | "triton" | "reference" (DESIGN.md): "reference" all-gathers with
-  torch.distributed and runs :mod:`moefuse.comm.reference`; "triton" runs the kernels (on CPU
-  tensors under TRITON_INTERPRET=1 too, across processes) or raises saying why.
+  torch.distributed and runs :mod:`moefuse.comm.all_reduce.reference`; "triton" runs the
+  kernels (on CPU tensors under TRITON_INTERPRET=1 too, across processes) or raises saying why.
 * optional outputs (``residual_out``, ``norm_out``, ...): allocated when None. ``residual_out``
   may be ``residual`` and ``norm_out`` may be ``input`` (in place); otherwise outputs must not
   overlap inputs or each other.
@@ -30,11 +30,9 @@ import torch
 from moefuse import _validate as v
 from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, resolve_pdl
-from moefuse.comm import ops
-from moefuse.comm.workspace import ALGORITHMS, DTYPES, AllReduceWorkspace
+from moefuse.comm.all_reduce import ops
+from moefuse.comm.workspace import ALGORITHMS, DTYPES, WEIGHT_DTYPES, AllReduceWorkspace
 from moefuse.quant.formats import LAYOUTS, scale_layout_shape
-
-WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -70,22 +68,6 @@ def _check_norm_inputs(op, input, residual, weight, eps, weight_bias) -> None:
                          f"got {weight_bias!r}")  # fmt: skip
 
 
-def _check_outputs(op, outs, inputs, in_place) -> None:
-    """``outs``/``inputs``: (name, tensor or None). ``in_place``: (out name, input name) pairs that
-    may be the very same memory."""
-    outs = [(n, t) for n, t in outs if t is not None]
-    for i, (name_a, a) in enumerate(outs):
-        for name_b, b in outs[i + 1 :]:
-            v.check_no_overlap(op, name_a, a, name_b, b)
-        for name_i, t in inputs:
-            if t is None:
-                continue
-            if (name_a, name_i) in in_place:
-                v.check_alias_exact_or_disjoint(op, name_a, a, name_i, t)
-            else:
-                v.check_no_overlap(op, name_a, a, name_i, t)
-
-
 def _out(op, name, t, shape, dtype, device) -> None:
     if t is not None:
         v.check_tensor(op, name, t, dtypes=(dtype,), shape=shape, device=device)
@@ -110,7 +92,7 @@ def allreduce(input, *, workspace, out=None, fp32_acc: bool = True, algorithm: s
     op = "allreduce"
     _check_common(op, input, workspace, fp32_acc, algorithm)
     _out(op, "out", out, input.shape, input.dtype, input.device)
-    _check_outputs(op, [("out", out)], [("input", input)], {("out", "input")})
+    v.check_outputs(op, [("out", out)], [("input", input)], {("out", "input")})
     if out is None:
         out = torch.empty_like(input)
     if input.shape[0] == 0:
@@ -144,7 +126,7 @@ def allreduce_residual_rmsnorm(input, residual, weight, *, workspace, eps: float
     _check_norm_inputs(op, input, residual, weight, eps, weight_bias)
     for name, t in (("residual_out", residual_out), ("norm_out", norm_out)):
         _out(op, name, t, input.shape, input.dtype, input.device)
-    _check_outputs(
+    v.check_outputs(
         op, [("residual_out", residual_out), ("norm_out", norm_out)],
         [("input", input), ("residual", residual), ("weight", weight)],
         {("residual_out", "residual"), ("norm_out", "input")},
@@ -179,7 +161,7 @@ def _fp8(op, input, residual, weight, scale, workspace, eps, weight_bias, fp32_a
     if want_norm:
         _out(op, "norm_out", norm_out, input.shape, input.dtype, input.device)
     _out(op, "quant_out", quant_out, input.shape, torch.float8_e4m3fn, input.device)
-    _check_outputs(
+    v.check_outputs(
         op, [("residual_out", residual_out), ("norm_out", norm_out), ("quant_out", quant_out)],
         [("input", input), ("residual", residual), ("weight", weight), ("scale", scale)],
         {("residual_out", "residual"), ("norm_out", "input")},
@@ -254,7 +236,7 @@ def _nvfp4(op, input, residual, weight, global_scale, workspace, layout, eps, we
     for name, t in (("quant_out", quant_out), ("scale_out", scale_out)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"moefuse.{op}: argument '{name}' must be contiguous")
-    _check_outputs(
+    v.check_outputs(
         op, [("residual_out", residual_out), ("norm_out", norm_out), ("quant_out", quant_out),
              ("scale_out", scale_out)],
         [("input", input), ("residual", residual), ("weight", weight),

@@ -23,7 +23,7 @@ the norm visible at large M. Here every CTA of one persistent grid does both, ti
   tiles over the scale layout's padded rows; those of padding rows only gather nothing and
   write zero scale bytes);
 * prologue: push the fragments of its first ``lookahead`` tiles (``push_rows`` of
-  :mod:`moefuse.comm.allgather_decode`: Lamport stores into every peer's slot, own fragment into
+  :mod:`moefuse.comm.all_gather.decode`: Lamport stores into every peer's slot, own fragment into
   the local gathered rows);
 * iteration i: push tile i + lookahead (one-row tiles: from registers loaded one iteration
   earlier, then load the next one), receive tile i (poll, re-arm, decode into the gathered
@@ -46,13 +46,13 @@ later one; by induction every awaited fragment is pushed by a CTA that is not it
 this CTA. This needs every CTA of the grid to be resident on every rank (the grid never
 exceeds the co-resident count); in the interpreter, which runs CTAs one after another, CTA j of
 every rank runs at the same time as CTA j of the peers. Waits are bounded as in the all-gather
-kernel (prelude / poll / finish of :mod:`moefuse.comm.allgather_triton`): a CTA that gives up
+kernel (prelude / poll / finish of :mod:`moefuse.comm.all_gather.kernels`): a CTA that gives up
 stops, ORs the missing ranks into the status word, and later launches skip communication.
 
 Knobs (read at launch; the same on every rank):
 
 * ``MOEFUSE_ALLGATHER_LARGE`` = ``fused`` (default) | ``chunked`` (the old two-launch path, with
-  its chunk pipeline from :data:`moefuse.comm.allgather_ops.CHUNK_MIN_TOKENS` tokens); the
+  its chunk pipeline from :data:`moefuse.comm.all_gather.ops.CHUNK_MIN_TOKENS` tokens); the
   persistent kernel runs above the decode range (M > 64), and at M <= 64 when the decode kernel
   cannot run only if the variable is set to ``fused`` explicitly (tests);
 * ``MOEFUSE_ALLGATHER_LOOKAHEAD`` (default :data:`LOOKAHEAD`): tiles pushed ahead of the one
@@ -78,8 +78,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._fastpath import launch
 from moefuse._runtime import env_choice, env_switch, interpreter_active
-from moefuse.comm import allgather_decode as dec
-from moefuse.comm import allgather_triton as AG
+from moefuse.comm.all_gather import decode as dec
+from moefuse.comm.all_gather import kernels as AG
 from moefuse.comm.tiles import resident_ctas_per_sm
 from moefuse.comm.workspace import CTRL_STATUS
 from moefuse.norm import triton as nt

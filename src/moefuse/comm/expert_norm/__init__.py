@@ -1,0 +1,7 @@
+"""The expert-norm family: the MoE finalize with a per-expert RMSNorm, tensor-parallel
+(``moefuse.tp_moe_finalize_rmsnorm``: the partial rows are summed over ranks before the norm) and
+expert-parallel (``moefuse.moe_finalize_rmsnorm_allreduce``: normed locally, then all-reduced).
+
+Faces: ``api``, ``workspace`` (:class:`ExpertNormWorkspace` and its registry), ``ops``,
+``tp_kernels``, ``ep_kernels``, ``reference``. It imports only the shared core of
+:mod:`moefuse.comm`, never another family."""
