@@ -99,9 +99,16 @@ __all__ += [
 ]
 
 # the expert-parallel expert-norm op all-reduces its normed partial rows with the all-reduce
-# family's launcher; families do not import each other, so it is handed over here
-from moefuse.comm.all_reduce.kernels import launch_allreduce_fusion as _launch_ar  # noqa: E402
-from moefuse.comm.expert_norm import ep_kernels as _ep  # noqa: E402
+# family's launcher; families do not import each other, so it is handed over here, imported on
+# first use (the kernel module imports Triton)
+from moefuse.comm import expert_norm as _expert_norm  # noqa: E402
 
-_ep.ALLREDUCE[0] = _launch_ar
-del _ep, _launch_ar
+
+def _launch_allreduce(*args, **kwargs):
+    from moefuse.comm.all_reduce.kernels import launch_allreduce_fusion
+
+    return launch_allreduce_fusion(*args, **kwargs)
+
+
+_expert_norm.ALLREDUCE[0] = _launch_allreduce
+del _expert_norm

@@ -22,6 +22,7 @@ from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import env_switch
 from moefuse.comm import device as D
+from moefuse.comm.expert_norm import ALLREDUCE
 from moefuse.comm.expert_norm.tp_kernels import (
     _common,
     _expert_norm,
@@ -31,12 +32,6 @@ from moefuse.comm.expert_norm.tp_kernels import (
     _store_out,
     _weight,
 )
-
-#: The all-reduce launcher (``moefuse.comm.all_reduce.kernels.launch_allreduce_fusion``) that
-#: the two-shot and torch.distributed paths run on the locally normed partial rows. A family
-#: never imports another one, so ``moefuse/comm/__init__.py``, which imports every family,
-#: installs it here (it runs before any module of ``moefuse.comm`` can be used).
-ALLREDUCE: list = [None]
 
 
 @triton.jit
