@@ -124,9 +124,12 @@ def comm_cases(dev: torch.device, group) -> tuple[list[tuple[str, str, object]],
 def _loopback_rank(rank: int, world_size: int, calls: int, repeats: int) -> list[dict]:
     """One loopback rank (a thread; :mod:`moefuse.testing_ranks`): every communication op's
     host µs per eager call, both ranks calling in lockstep on one GPU."""
+    import torch.distributed as dist
+
     dev = torch.device("cuda", torch.cuda.current_device())
     cases, close = comm_cases(dev, None)
     rows = _measure(cases, calls, repeats, rank0=rank == 0)
+    dist.barrier()  # closing drops every launch plan: not before both ranks have read theirs
     close()
     for r in rows:
         r.update(P=world_size, ranks="loopback")
