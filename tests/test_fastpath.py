@@ -168,3 +168,14 @@ def test_refused_signature_is_not_recorded_again():
     for _ in range(4):
         moefuse.rmsnorm(x, w, impl="reference")
     assert len(fp.refusals(moefuse.rmsnorm)) == 1
+
+
+def test_forget_drops_only_the_plans_holding_an_object():
+    fp.clear()
+    x, w = _rand(2, H), _rand(H)
+    moefuse.rmsnorm(x, w, impl="triton")
+    marker = object()
+    fp.forget(marker)
+    assert fp.plan_count(moefuse.rmsnorm) == 1
+    fp.forget(torch.Tensor)  # the tensors' type is part of every key of this signature
+    assert fp.plan_count(moefuse.rmsnorm) == 0

@@ -81,6 +81,18 @@ def clear() -> None:
         cache.clear()
 
 
+def forget(obj) -> None:
+    """Drop the plans whose signature holds ``obj`` (a workspace being closed: its plans hold
+    its tensors); the other plans stay."""
+
+    def holds(part) -> bool:
+        return part is obj or (part.__class__ is tuple and any(p is obj for p in part))
+
+    for cache in _caches:
+        for key in [k for k in cache if any(holds(part) for part in k)]:
+            cache.pop(key, None)
+
+
 def refusals(op_fn) -> list[str]:
     """Why signatures of a decorated op were left on the slow path (diagnostics, tests)."""
     return [p.why for plans in op_fn._moefuse_plans.values() for p in plans

@@ -543,7 +543,7 @@ class AllReduceWorkspace:
         self._closed = True
         from moefuse import _fastpath
 
-        _fastpath.clear()  # launch plans hold this workspace (their key) and its tensors
+        _fastpath.forget(self)  # its launch plans hold it (their key) and its tensors
         self._ok = False
         _REGISTRY.pop(getattr(self, "id", -1), None)
         if self.device.type == "cuda":  # every wait is bounded: this ends within timeout_s

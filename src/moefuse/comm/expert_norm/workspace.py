@@ -220,7 +220,10 @@ class ExpertNormWorkspace:
         yield self
 
     def close(self) -> None:
+        from moefuse import _fastpath
+
         _XREGISTRY.pop(getattr(self, "id", -1), None)
+        _fastpath.forget(self)  # its launch plans hold it (their key) and the base's tensors
         self.ar.close()
 
     @property
