@@ -270,8 +270,8 @@ def run(args, device) -> list[dict]:
     shipped = shipped.to(torch.bfloat16).eval()
     patched = copy.deepcopy(shipped)
     report = patch(patched)
-    variants = [Variant("shipped", shipped, args, device),
-                Variant("patched", patched, args, device)]  # fmt: skip
+    models = {"shipped": shipped, "patched": patched}
+    variants = [Variant(name, models[name], args, device) for name in args.variants]
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator()
                            .manual_seed(1)).to(device)  # fmt: skip
     rows: list[dict] = []
@@ -299,8 +299,9 @@ def run(args, device) -> list[dict]:
                     row, seq = v.generate_rate(prompt, config)
                     tokens[v.name] = seq[:, prompt.shape[1] :]
                     rows.append(row)
-                agree = _agree(tokens["shipped"], tokens["patched"])
-                rows[-1].update({f"vs_shipped_{k}": x for k, x in agree.items()})
+                if len(variants) == 2:
+                    agree = _agree(tokens["shipped"], tokens["patched"])
+                    rows[-1].update({f"vs_shipped_{k}": x for k, x in agree.items()})
             elif stage == "prefill":
                 rows += [v.prefill(t) for t in args.prefill for v in variants]
         except Exception as exc:  # a stage that fails is reported; the others still run

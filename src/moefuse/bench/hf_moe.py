@@ -177,6 +177,8 @@ def parse_args(argv=None):
     c.add_argument("--prefill", type=int, nargs="*", default=[512, 2048])
     c.add_argument("--replays", type=int, default=40, help="graph replays per timing sample")
     c.add_argument("--samples", type=int, default=7)
+    c.add_argument("--variants", nargs="+", default=["shipped", "patched"],
+                   choices=["shipped", "patched"])  # fmt: skip
     c.add_argument("--skip", nargs="*", default=[], help="stages to skip: step profile fp32 "
                    "generate prefill")  # fmt: skip
     args = p.parse_args(argv)
