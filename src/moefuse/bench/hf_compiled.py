@@ -254,6 +254,7 @@ def _agree(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"equal_fraction": float(eq.float().mean()), "common_prefix": prefix}
 
 
+@torch.no_grad()  # as generate: the patched modules run their original forwards under autograd
 def run(args, device) -> list[dict]:
     """Every stage for both variants (module docstring); ``save(rows)`` after each stage."""
     import torch._dynamo
@@ -286,9 +287,12 @@ def run(args, device) -> list[dict]:
             elif stage == "profile" and device.type == "cuda":
                 for v in variants:
                     kernels = profile_step(v.graph)
+                    ours = [k for k in kernels if k["kernel"].endswith("_kernel")]
                     rows.append({"op": "step profile", "variant": v.name, "kernels": kernels[:40],
                                  "us_total": sum(k["us"] for k in kernels),
-                                 "launches": sum(k["launches"] for k in kernels)})  # fmt: skip
+                                 "launches": sum(k["launches"] for k in kernels),
+                                 "moefuse_us": sum(k["us"] for k in ours),
+                                 "moefuse_launches": sum(k["launches"] for k in ours)})  # fmt: skip
             elif stage == "fp32":
                 rows += fp32_closeness(args, shipped, variants, prompt, tokens)
             elif stage == "generate":
@@ -369,7 +373,8 @@ def print_summary(rows: list[dict]) -> None:
     for r in rows:
         if "kernels" in r:
             print(f"\n{r['variant']}: {r['us_total']:.1f} us of kernels, "
-                  f"{r['launches']:.0f} launches per step")  # fmt: skip
+                  f"{r['launches']:.0f} launches per step; moefuse's (names *_kernel): "
+                  f"{r['moefuse_us']:.1f} us, {r['moefuse_launches']:.0f} launches")  # fmt: skip
             print_table(r["kernels"][:14], ["us", "launches", "kernel"])
 
 
