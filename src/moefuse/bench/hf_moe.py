@@ -2,6 +2,8 @@
 
     python -m moefuse.bench.hf_moe --out DIR          # one GPU (H200: the perf bar)
     python -m moefuse.bench.hf_moe --smoke --out DIR  # tiny shapes on CPU (checks the script)
+    python -m moefuse.bench.hf_moe --compiled --out DIR  # torch.compile + CUDA graphs instead
+                                                         # (moefuse.bench.hf_compiled)
 
 1. Sparse-MoE block (``Qwen3MoeSparseMoeBlock``, router + experts), Qwen3-MoE shapes H = 2048,
    E = 128, K = 8, I = 768, BF16, random weights: µs per block call in EAGER mode (host time
@@ -166,6 +168,19 @@ def parse_args(argv=None):
     p.add_argument("--long", type=int, default=40)
     p.add_argument("--decode-repeats", type=int, default=3)
     p.add_argument("--skip-decode", action="store_true")
+    c = p.add_argument_group("--compiled (moefuse.bench.hf_compiled)")
+    c.add_argument("--compiled", action="store_true", help="compiled model, shipped vs patched")
+    c.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    c.add_argument("--new", type=int, default=64, help="greedy tokens per generate")
+    c.add_argument("--cache-len", type=int, default=128, help="static cache of the step")
+    c.add_argument("--teacher", type=int, default=32, help="teacher-forced steps vs FP32")
+    c.add_argument("--prefill", type=int, nargs="*", default=[512, 2048])
+    c.add_argument("--replays", type=int, default=40, help="graph replays per timing sample")
+    c.add_argument("--samples", type=int, default=7)
+    c.add_argument("--variants", nargs="+", default=["shipped", "patched"],
+                   choices=["shipped", "patched"])  # fmt: skip
+    c.add_argument("--skip", nargs="*", default=[], help="stages to skip: step profile fp32 "
+                   "generate prefill")  # fmt: skip
     args = p.parse_args(argv)
     shapes = dict(hidden=2048, experts=128, topk=8, inter=768, dense_inter=6144, heads=32,
                   kv_heads=4, head_dim=128, vocab=151936)  # fmt: skip
@@ -174,6 +189,8 @@ def parse_args(argv=None):
                       kv_heads=2, head_dim=16, vocab=256)  # fmt: skip
         args.tokens, args.calls, args.repeats = [1, 16, 40], 2, 1
         args.layers, args.short, args.long, args.decode_repeats = 2, 2, 4, 1
+        args.new, args.teacher, args.prefill, args.replays, args.samples = 6, 4, [24], 2, 1
+        args.cache_len = 32
     for key, value in shapes.items():
         setattr(args, key, value)
     return args
@@ -181,6 +198,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.compiled:
+        from moefuse.bench import hf_compiled
+
+        args.repeats = min(args.repeats, 3)
+        return hf_compiled.main(args)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     rows = bench_block(args, device)
     print_table(rows, ["variant", "M", "us", "x_best_transformers", "x_grouped_mm",

@@ -55,11 +55,12 @@ _ARANGES: dict[tuple, torch.Tensor] = {}
 def _arange(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``torch.arange(n)`` kept per (n, device, dtype): one launch less per call at decode. Never
     written (read-only operands), so sharing it across calls and graphs is safe. Not cached
-    while a CUDA graph is being captured (the tensor would live in the graph's private pool) or
-    while torch.compile traces."""
-    if (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or (
-        torch.compiler.is_compiling()
-    ):
+    while torch.compile traces (the arange is then a graph node, which inductor folds into its
+    consumers; the capture query below would break the graph) or while a CUDA graph is being
+    captured (the tensor would live in the graph's private pool)."""
+    if torch.compiler.is_compiling():
+        return torch.arange(n, device=device, dtype=dtype)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.arange(n, device=device, dtype=dtype)
     key = (n, device, dtype)
     t = _ARANGES.get(key)

@@ -81,10 +81,16 @@ def _grouped_mm_torch(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -
     return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets[1:])
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def grouped_mm_available(dtype: torch.dtype, device: torch.device) -> bool:
     """True when ``torch._grouped_mm`` runs for ``dtype`` on ``device`` and matches per-expert
-    matmuls on a small probe (including an empty group)."""
+    matmuls on a small probe (including an empty group); probed once per (dtype, device). A
+    constant while torch.compile traces (the probe runs eagerly then, outside the graph)."""
+    return _probe_grouped_mm(dtype, device)
+
+
+@functools.cache
+def _probe_grouped_mm(dtype: torch.dtype, device: torch.device) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:

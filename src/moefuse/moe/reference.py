@@ -185,10 +185,11 @@ def moe_permute_reference(
     m, h = input.shape
     e = permuted_idx_to_expanded_idx.long()
     valid = (e >= 0) & (e < m * top_k)
-    out = torch.zeros(e.shape[0], h, dtype=input.dtype, device=input.device)
-    rows = valid.nonzero().squeeze(1)
-    out[rows] = input.index_select(0, e[rows] // top_k)
-    return out
+    if m == 0:
+        return torch.zeros(e.shape[0], h, dtype=input.dtype, device=input.device)
+    # static shapes (no nonzero): torch.compile traces it without a graph break
+    rows = input.index_select(0, e.clamp(0, m * top_k - 1) // top_k)
+    return torch.where(valid[:, None], rows, torch.zeros((), dtype=input.dtype))
 
 
 def moe_experts_reference(

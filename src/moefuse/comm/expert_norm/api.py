@@ -101,9 +101,14 @@ def _process_workspace(op: str, hidden: int, top_k: int) -> ExpertNormWorkspace:
     xws = _TP_STATE["spaces"].get(key)
     if xws is None:
         dev = _TP_STATE["device"]
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # a trace cannot create it (collectives): dynamo then runs the frame eagerly (or fails
+        # under fullgraph=True); once made, traced calls only look it up
+        if torch.compiler.is_compiling() or (
+            dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        ):
             raise RuntimeError(f"moefuse.{op}: first call for H={hidden}, K={top_k} during CUDA "
-                               "graph capture; warm every shape up before capture")  # fmt: skip
+                               "graph capture or torch.compile tracing; warm every shape up "
+                               "eagerly first")  # fmt: skip
         xws = ExpertNormWorkspace(_TP_STATE["group"], hidden, top_k, dev, **_TP_STATE["options"])
         _TP_STATE["spaces"][key] = xws
     return xws

@@ -1,0 +1,404 @@
+"""transformers' Qwen3-MoE COMPILED (torch.compile + CUDA graphs), shipped vs moefuse-patched.
+
+    python -m moefuse.bench.hf_moe --compiled --out DIR          # one GPU
+    python -m moefuse.bench.hf_moe --compiled --smoke --out DIR  # tiny, CPU, aot_eager
+
+The issue's model: Qwen3-30B-A3B block shapes (H 2048, 128 experts, top-8, expert width 768,
+32 query / 4 KV heads of 128), ``--layers`` layers, vocabulary 151936, random weights from the
+config, BF16, batch 1. "shipped" is the model as transformers builds it (``grouped_mm``
+experts); "patched" is a deep copy after ``moefuse.integrations.transformers.patch``. Per variant:
+
+1. ``step``: the compiled forward (``torch.compile(model, dynamic=False)``, inductor default
+   mode) of ONE decode token against a static KV cache (prompt prefilled eagerly, max length
+   ``--cache-len``), called eagerly, then captured in a CUDA graph: ``graph_bits_equal`` says
+   whether replays give the eager compiled call's logits bit for bit; ``us`` is the median µs of
+   a replay (``--replays`` replays per sample between two events, median of samples).
+2. ``profile``: kernels of one replayed step (torch.profiler): name, launches and µs per step.
+3. ``fp32``: teacher-forced closeness of the compiled step to an FP32 evaluation (a float copy
+   of the same weights, eager): the FP32 model's greedy continuation of the prompt is fed one
+   token at a time to the captured step (its inputs updated in place); per step, the RMS of the
+   logits' difference from the FP32 logits (median over steps) and whether the argmax agrees.
+4. ``generate``: ``generate(..., cache_implementation="static")`` (transformers compiles the
+   decode step with mode="reduce-overhead": CUDA graphs), ``--new`` greedy tokens; decode
+   tokens / s = (new - 1) / (t(new) - t(1)) (the prefill, eager, cancels out), medians of
+   ``--repeats``; greedy-token agreement with the other variant and with the FP32 model.
+5. ``prefill``: the compiled forward over ``--prefill`` tokens (no cache, ``logits_to_keep=1``
+   as generate's prefill), captured and replayed like the step.
+
+Every compile is counted: dynamo's ``graph_break`` counter and graph count per stage and variant
+(``graph_breaks``, ``graphs``). Writes ``hf_moe-<gpu>-compiled.json`` and ``.png`` after every
+stage (a run cut short keeps what it measured) and prints the table with the ratios.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from moefuse.bench.harness import print_table, run_metadata, save_results
+
+VARIANTS = ("shipped", "patched")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Counted:
+    """Graph breaks and graphs dynamo counted while the ``with`` block ran."""
+
+    def __enter__(self):
+        from torch._dynamo.utils import counters
+
+        self._c = counters
+        self._breaks = sum(counters["graph_break"].values())
+        self._graphs = counters["stats"]["unique_graphs"]
+        return self
+
+    def __exit__(self, *exc):
+        self.breaks = sum(self._c["graph_break"].values()) - self._breaks
+        self.graphs = self._c["stats"]["unique_graphs"] - self._graphs
+        self.reasons = sorted(self._c["graph_break"])[:10]
+
+
+def capture(fn, device):
+    """(graph, output) of ``fn()`` captured in a CUDA graph after two warm calls on a side stream;
+    on CPU (smoke) no graph: (None, fn())."""
+    if device.type != "cuda":
+        return None, fn()
+    from moefuse.testing import graph_capture
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        out = fn()
+    return graph, out
+
+
+def replay_us(graph, fn, device, replays: int, samples: int) -> float:
+    """Median µs of one replay (``replays`` back to back between two events); CPU: eager calls."""
+    if graph is None:
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            fn()
+        return (time.perf_counter() - t0) / replays * 1e6
+    graph.replay()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays)
+    return statistics.median(times)
+
+
+def profile_step(graph, replays: int = 3) -> list[dict]:
+    """Kernels of ``replays`` graph replays: name, launches and µs per step (largest first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            k = kernels.setdefault(ev.name, [0, 0.0])
+            k[0] += 1
+            k[1] += ev.device_time
+    rows = [{"kernel": name[:90], "launches": n / replays, "us": t / replays}
+            for name, (n, t) in kernels.items()]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+class Variant:
+    """One model (shipped or patched), its compiled forward and its decode-step inputs."""
+
+    def __init__(self, name, model, args, device):
+        self.name, self.model, self.args, self.device = name, model, args, device
+        self.compiled = torch.compile(model, dynamic=False, backend=args.backend)
+        self.rows: dict[str, dict] = {}
+
+    def decode_inputs(self, prompt):
+        """Static cache holding ``prompt`` (eager prefill) and the next token's step inputs."""
+        from transformers import StaticCache
+
+        n = prompt.shape[1]
+        cache = StaticCache(config=self.model.config, max_cache_len=self.args.cache_len)
+        pos = torch.arange(n, device=self.device)
+        logits = self.model(input_ids=prompt, past_key_values=cache, cache_position=pos,
+                            use_cache=True, logits_to_keep=1).logits  # fmt: skip
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        # transformers' static cache layers may keep a device counter of the tokens written (the
+        # next write position); it is set back before every step so that every call writes the
+        # same slot and sees the same cache (one _foreach_copy_ kernel, captured with the step)
+        self.counters = [
+            layer.cumulative_length
+            for layer in getattr(cache, "layers", [])
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+        ]
+        self.start = [c.clone() for c in self.counters]
+        where = torch.tensor([n], device=self.device)
+        return dict(input_ids=nxt, past_key_values=cache, cache_position=where,
+                    position_ids=where[None].clone(), use_cache=True)  # fmt: skip
+
+    def run_step(self):
+        if self.counters:
+            torch._foreach_copy_(self.counters, self.start)
+        return self.compiled(**self.kw)
+
+    def step(self, prompt) -> dict:
+        self.kw = self.decode_inputs(prompt)
+        with Counted() as c:
+            eager = [self.run_step().logits.clone() for _ in range(3)]
+        self.graph, self.out = capture(self.run_step, self.device)
+        graph_same = None
+        if self.graph is not None:
+            self.out.logits.fill_(float("nan"))
+            self.graph.replay()
+            _sync(self.device)
+            graph_same = torch.equal(self.out.logits.view(torch.int16), eager[0].view(torch.int16))
+        same = all(torch.equal(e.view(torch.int16), eager[0].view(torch.int16)) for e in eager)
+        us = replay_us(self.graph, self.run_step, self.device, self.args.replays,
+                       self.args.samples)  # fmt: skip
+        return {"op": "compiled decode step", "variant": self.name, "M": 1, "us": us,
+                "graph_bits_equal": graph_same, "eager_runs_equal": bool(same),
+                "graph_breaks": c.breaks, "graphs": c.graphs,
+                "break_reasons": c.reasons}  # fmt: skip
+
+    def teacher_forced(self, tokens) -> list[torch.Tensor]:
+        """Logits [V] of the captured step fed ``tokens`` one by one from the step's position."""
+        kw, out = self.kw, []
+        pos = int(kw["cache_position"][0])
+        for i, tok in enumerate(tokens):
+            kw["input_ids"].fill_(int(tok))
+            for t in (kw["cache_position"], kw["position_ids"], *self.start):
+                t.fill_(pos + i)
+            if self.graph is not None:
+                self.graph.replay()
+                logits = self.out.logits
+            else:
+                logits = self.run_step().logits
+            out.append(logits[0, -1].float().clone())
+        return out
+
+    def generate(self, prompt, n: int, compile_config=None, **kw):
+        return self.model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None,
+                                   cache_implementation="static", compile_config=compile_config,
+                                   **kw)  # fmt: skip
+
+    def generate_rate(self, prompt, compile_config) -> tuple[dict, torch.Tensor]:
+        args = self.args
+        with Counted() as c:
+            tokens = self.generate(prompt, args.new, compile_config)  # compiles, records graphs
+        times = {}
+        for n in (1, args.new):
+            self.generate(prompt, n, compile_config)
+            samples = []
+            for _ in range(args.repeats):
+                _sync(self.device)
+                t0 = time.perf_counter()
+                tokens_n = self.generate(prompt, n, compile_config)
+                _sync(self.device)
+                samples.append(time.perf_counter() - t0)
+            times[n] = statistics.median(samples)
+        row = {"op": "compiled generate", "variant": self.name, "new_tokens": args.new,
+               "tok_s": (args.new - 1) / (times[args.new] - times[1]),
+               "tok_s_with_prefill": args.new / times[args.new],
+               "same_tokens_as_first_run": bool(torch.equal(tokens_n, tokens)),
+               "graph_breaks": c.breaks, "graphs": c.graphs,
+               "break_reasons": c.reasons}  # fmt: skip
+        return row, tokens
+
+    def prefill(self, tokens: int) -> dict:
+        g = torch.Generator().manual_seed(tokens)
+        ids = torch.randint(0, self.args.vocab, (1, tokens), generator=g).to(self.device)
+
+        def run():
+            return self.compiled(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+        with Counted() as c:
+            run()
+        graph, _ = capture(run, self.device)
+        us = replay_us(graph, run, self.device, max(1, self.args.replays // 4), self.args.samples)
+        del graph
+        return {
+            "op": "compiled prefill",
+            "variant": self.name,
+            "M": tokens,
+            "us": us,
+            "graph_breaks": c.breaks,
+            "graphs": c.graphs,
+            "break_reasons": c.reasons,
+        }
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor) -> dict:
+    eq = (a == b).flatten()
+    prefix = int((~eq).nonzero()[0, 0]) if (~eq).any() else eq.numel()
+    return {"equal_fraction": float(eq.float().mean()), "common_prefix": prefix}
+
+
+@torch.no_grad()  # as generate: the patched modules run their original forwards under autograd
+def run(args, device) -> list[dict]:
+    """Every stage for both variants (module docstring); ``save(rows)`` after each stage."""
+    import torch._dynamo
+    from transformers import CompileConfig, Qwen3MoeForCausalLM
+
+    from moefuse.bench.hf_moe import qwen3_config
+    from moefuse.integrations.transformers import patch
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    torch.manual_seed(0)
+    with torch.device(device):
+        shipped = Qwen3MoeForCausalLM(qwen3_config(args, args.layers))
+    shipped = shipped.to(torch.bfloat16).eval()
+    patched = copy.deepcopy(shipped)
+    report = patch(patched)
+    models = {"shipped": shipped, "patched": patched}
+    variants = [Variant(name, models[name], args, device) for name in args.variants]
+    prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator()
+                           .manual_seed(1)).to(device)  # fmt: skip
+    rows: list[dict] = []
+    stages = [s for s in ("step", "profile", "generate", "prefill", "fp32")
+              if s not in args.skip]  # fmt: skip
+    tokens: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        t0 = time.perf_counter()
+        try:
+            if stage == "step":
+                rows += [v.step(prompt) for v in variants]
+            elif stage == "profile" and device.type == "cuda":
+                for v in variants:
+                    kernels = profile_step(v.graph)
+                    ours = [k for k in kernels if k["kernel"].endswith("_kernel")]
+                    rows.append({"op": "step profile", "variant": v.name, "kernels": kernels[:40],
+                                 "us_total": sum(k["us"] for k in kernels),
+                                 "launches": sum(k["launches"] for k in kernels),
+                                 "moefuse_us": sum(k["us"] for k in ours),
+                                 "moefuse_launches": sum(k["launches"] for k in ours)})  # fmt: skip
+            elif stage == "fp32":
+                rows += fp32_closeness(args, shipped, variants, prompt, tokens)
+            elif stage == "generate":
+                config = CompileConfig(backend=args.backend)
+                if device.type != "cuda":
+                    config.mode, config._compile_all_devices = None, True
+                for v in variants:
+                    row, seq = v.generate_rate(prompt, config)
+                    tokens[v.name] = seq[:, prompt.shape[1] :]
+                    rows.append(row)
+                if len(variants) == 2:
+                    agree = _agree(tokens["shipped"], tokens["patched"])
+                    rows[-1].update({f"vs_shipped_{k}": x for k, x in agree.items()})
+            elif stage == "prefill":
+                rows += [v.prefill(t) for t in args.prefill for v in variants]
+        except Exception as exc:  # a stage that fails is reported; the others still run
+            rows.append({"op": f"{stage} FAILED", "variant": "-",
+                         "error": f"{type(exc).__name__}: {exc}"[:2000]})  # fmt: skip
+            print(f"stage {stage} failed: {type(exc).__name__}: {exc}", flush=True)
+        print(f"stage {stage}: {time.perf_counter() - t0:.1f} s", flush=True)
+        for r in rows:  # greedy tokens of the compiled generate vs the FP32 model's
+            if r["op"] == "compiled generate" and {"fp32_generate", r["variant"]} <= set(tokens):
+                agree = _agree(tokens[r["variant"]], tokens["fp32_generate"])
+                r.update({f"vs_fp32_{k}": x for k, x in agree.items()})
+        ratios(rows)
+        args.save(rows, report)
+    return rows
+
+
+@torch.no_grad()
+def fp32_closeness(args, shipped, variants, prompt, tokens) -> list[dict]:
+    """Teacher-forced closeness of each variant's compiled step to the FP32 model (docstring)."""
+    fp32 = copy.deepcopy(shipped).float()
+    fp32.set_experts_implementation("eager")  # the per-expert loop: FP32 matmuls, no grouped_mm
+    n = min(args.teacher, args.new - 1)
+    want = fp32.generate(prompt, max_new_tokens=args.new, min_new_tokens=args.new,
+                         do_sample=False, pad_token_id=0, eos_token_id=None,
+                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    tokens["fp32_generate"] = want.sequences[:, prompt.shape[1] :]
+    cont = want.sequences[0, prompt.shape[1] :]
+    ref = [lg[0].float() for lg in want.logits]  # ref[i]: logits after the prompt + cont[:i]
+    del fp32
+    rows = []
+    for v in variants:
+        # the step's cache holds the prompt; its first token was the variant's own argmax after
+        # the prompt: restart from the FP32 continuation's first token at the same position
+        v.kw["cache_position"].fill_(prompt.shape[1])
+        got = v.teacher_forced(cont[:n])
+        err = [float(((g - r) ** 2).mean().sqrt() / (r**2).mean().sqrt())
+               for g, r in zip(got, ref[1:n + 1])]  # fmt: skip
+        argmax = [int(g.argmax()) == int(r.argmax()) for g, r in zip(got, ref[1 : n + 1])]
+        rows.append({"op": "fp32 closeness", "variant": v.name, "steps": len(err),
+                     "rel_rms_logit_err_median": statistics.median(err),
+                     "rel_rms_logit_err_max": max(err),
+                     "argmax_agrees_fraction": sum(argmax) / len(argmax)})  # fmt: skip
+    return rows
+
+
+def ratios(rows: list[dict]) -> None:
+    """``x_shipped`` on every patched row (time ratios for µs, rate ratios for tokens / s)."""
+    base = {(r["op"], r.get("M")): r for r in rows if r.get("variant") == "shipped"}
+    for r in rows:
+        b = base.get((r["op"], r.get("M")))
+        if r.get("variant") != "patched" or b is None:
+            continue
+        if "us" in r and "us" in b:
+            r["x_shipped"] = b["us"] / r["us"]
+        if "tok_s" in r:
+            r["x_shipped"] = r["tok_s"] / b["tok_s"]
+
+
+def print_summary(rows: list[dict]) -> None:
+    table = [r for r in rows if "kernels" not in r]
+    print_table(table, ["op", "variant", "M", "us", "tok_s", "x_shipped", "graph_breaks",
+                        "graphs", "graph_bits_equal", "rel_rms_logit_err_median",
+                        "argmax_agrees_fraction", "vs_shipped_equal_fraction",
+                        "vs_fp32_equal_fraction", "error"])  # fmt: skip
+    for r in rows:
+        if "kernels" in r:
+            print(f"\n{r['variant']}: {r['us_total']:.1f} us of kernels, "
+                  f"{r['launches']:.0f} launches per step; moefuse's (names *_kernel): "
+                  f"{r['moefuse_us']:.1f} us, {r['moefuse_launches']:.0f} launches")  # fmt: skip
+            print_table(r["kernels"][:14], ["us", "launches", "kernel"])
+
+
+def main(args) -> dict:
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    args.backend = "aot_eager" if device.type != "cuda" else "inductor"
+    meta = run_metadata()
+    meta["command"] = "python -m moefuse.bench.hf_moe --compiled"
+    meta["method"] = __doc__.split("\n\n", 2)[2].strip()
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    paths = {}
+
+    def save(rows, report):
+        meta["patched"] = report
+        paths["json"], paths["png"] = save_results("hf_moe", rows, meta, args.out,
+                                                   suffix="-compiled")  # fmt: skip
+
+    args.save = save
+    rows = run(args, device)
+    print_summary(rows)
+    print(f"wrote {paths['json']}" + (f" and {paths['png']}" if paths["png"] else ""))
+    return {"rows": rows, "json": str(paths["json"])}

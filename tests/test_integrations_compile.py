@@ -1,0 +1,95 @@
+"""Patched transformers models under ``torch.compile(fullgraph=True)`` on CPU (Triton kernels in
+the interpreter, ``impl="triton"``: the custom-op path a GPU traces; ``aot_eager`` backend, which
+needs no C++ compiler). A graph break anywhere fails ``fullgraph=True``. Checks, per model: a
+compiled prefill (the routing-plan experts path, the fused residual norms and their next-norm
+hand-off, the shared-expert finalize of DeepSeek-V3) has the patched model's eager logits bit for
+bit and its graph holds the moefuse ops; a static-cache ``generate`` whose decode steps run
+compiled (the slot-order experts path, one token) gives the eager static-cache tokens, with no
+graph break counted by dynamo. The GPU file does the same with inductor and CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers", reason="transformers is not installed "
+                         "(pip install moefuse[transformers])")  # fmt: skip
+
+from torch._dynamo.utils import counters  # noqa: E402
+
+from moefuse.integrations import transformers as mt  # noqa: E402
+from moefuse.testing import assert_bitwise_equal  # noqa: E402
+from test_integrations_transformers import VOCAB, build  # noqa: E402
+
+pytestmark = pytest.mark.interpreter
+KINDS = ("qwen3_moe", "mixtral", "deepseek_v3")
+GEN = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+class GraphRecorder:
+    """``backend``: a torch.compile backend (a plain function: transformers deep-copies its
+    CompileConfig) running ``aot_eager`` and keeping the op names of every graph it gets."""
+
+    def __init__(self):
+        self.targets: list[set[str]] = []
+
+        def backend(gm, example_inputs):
+            from torch._dynamo.backends.common import aot_autograd
+
+            self.targets.append({str(n.target) for n in gm.graph.nodes
+                                 if n.op == "call_function"})  # fmt: skip
+            return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+        self.backend = backend
+
+    def ops_seen(self) -> set[str]:
+        """``moefuse.<name>.default`` targets -> names."""
+        return {t.split(".")[1] for ts in self.targets for t in ts if t.startswith("moefuse.")}
+
+
+def patched(kind: str):
+    model = build(kind, 1).to(torch.bfloat16)
+    report = mt.patch(model, impl="triton")
+    assert report["fused_layers"] == 2, report
+    return model
+
+
+def _breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_compiled_prefill_fullgraph_equals_eager(kind):
+    model = patched(kind)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    eager = model(ids).logits
+    counters.clear()
+    rec = GraphRecorder()
+    got = torch.compile(model, fullgraph=True, backend=rec.backend)(ids).logits
+    assert _breaks() == 0, dict(counters["graph_break"])
+    assert len(rec.targets) == 1, "one graph"
+    want = {"rmsnorm", "fused_add_rmsnorm", "moe_finalize", "moe_permute"}
+    assert want <= rec.ops_seen(), rec.ops_seen()
+    assert_bitwise_equal(got, eager, f"{kind}: compiled prefill")
+
+
+@pytest.mark.parametrize("kind", KINDS[:2])
+@torch.no_grad()
+def test_static_cache_generate_compiled_fullgraph(kind):
+    """``generate(cache_implementation="static")`` compiles the decode step (prefill runs eager);
+    ``CompileConfig(fullgraph=True)`` makes a graph break an error."""
+    model = patched(kind)
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    want = model.generate(prompt, cache_implementation="static", disable_compile=True, **GEN)
+    rec = GraphRecorder()
+    config = tf.CompileConfig(fullgraph=True, backend=rec.backend, mode=None)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    counters.clear()
+    got = model.generate(prompt, cache_implementation="static", compile_config=config, **GEN)
+    assert rec.targets, "generate did not compile the decode step"
+    assert _breaks() == 0, dict(counters["graph_break"])
+    # the decode step: slot-order experts (no permute), fused norms with the next-norm hand-off
+    assert {"rmsnorm", "fused_add_rmsnorm", "moe_finalize"} <= rec.ops_seen(), rec.ops_seen()
+    assert "moe_permute" not in rec.ops_seen()
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
