@@ -60,6 +60,8 @@ def every_op(t: dict, impl: str) -> dict:
                                                t["scales"], impl=impl)  # fmt: skip
     out["moe_finalize_scatter_add"] = moefuse.moe_finalize_scatter_add(
         xp, plan.permuted_idx_to_expanded_idx, t["scales"], impl=impl)  # fmt: skip
+    out["moe_experts"] = moefuse.moe_experts(x, t["w13"], t["w2"], t["ids"], t["scales"],
+                                             impl=impl)  # fmt: skip
     layer_w = moefuse.MoEWeights(t["logits"].new_ones(E, H).to(BF16), t["w13"], t["w2"])
     out["moe_layer"] = moefuse.moe_layer(x, layer_w, K, impl=impl)
     s, gs = t["scale"], t["gs"]

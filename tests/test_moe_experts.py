@@ -151,8 +151,9 @@ def test_custom_op_compile_and_plans():
     x, gu, dn, idx, w = case(4, 16, 8, 4, 2, seed=8)
     bias = torch.randn(4, 16).to(torch.bfloat16)
     out = torch.empty(4, 16, dtype=torch.bfloat16)
-    torch.library.opcheck(ops.moe_experts_op, (x, gu, dn, idx, w, out, bias, None, 0.5, False,
-                                               False))  # fmt: skip
+    for backend in ("triton", "reference"):
+        torch.library.opcheck(ops.moe_experts_op, (x, gu, dn, idx, w, out, bias, None, 0.5,
+                                                   False, False, backend))  # fmt: skip
     eager = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton")
     again = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton")
     assert _fastpath.plan_count(moefuse.moe_experts) == 1, _fastpath.refusals(moefuse.moe_experts)

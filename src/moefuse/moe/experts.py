@@ -15,7 +15,6 @@ from moefuse import _validate as v
 from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
 from moefuse.moe import ops
-from moefuse.moe import reference as ref
 from moefuse.moe.api import (
     EXTRA_DTYPES,
     HALF,
@@ -151,17 +150,11 @@ def moe_experts(
         return out
     rsf = float(routed_scaling_factor)
     reason = _kernel_reason(hidden_states, tokens, hidden, experts, inter, top_k)
-    if choose_impl(op, impl, hidden_states.device, reason) == "reference":
-        out.copy_(ref.moe_experts_reference(
-            hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights,
-            activation=activation, transposed=transposed, bias=bias,
-            shared_expert_output=shared_expert_output, routed_scaling_factor=rsf,
-        ))  # fmt: skip
-        return out
-    use_pdl = resolve_pdl(enable_pdl, hidden_states.device)
+    backend = choose_impl(op, impl, hidden_states.device, reason)
+    use_pdl = backend == "triton" and resolve_pdl(enable_pdl, hidden_states.device)
     ops.moe_experts_op(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, out, bias,
-        shared_expert_output, rsf, transposed, use_pdl,
+        shared_expert_output, rsf, transposed, use_pdl, backend,
     )  # fmt: skip
     return out
 

@@ -91,7 +91,19 @@ def moe_experts_op(
     routed_scaling_factor: float,
     transposed: bool,
     use_pdl: bool,
+    backend: str,
 ) -> None:
+    """``backend`` "reference" runs :func:`moefuse.moe.reference.moe_experts_reference` inside
+    the op: its loop over the distinct experts reads ids on the host, which a trace cannot do."""
+    if backend == "reference":
+        from moefuse.moe.reference import moe_experts_reference
+
+        out.copy_(moe_experts_reference(
+            hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights,
+            transposed=transposed, bias=bias, shared_expert_output=shared_expert_output,
+            routed_scaling_factor=routed_scaling_factor,
+        ))  # fmt: skip
+        return
     from moefuse.moe.experts_triton import launch_moe_experts
 
     launch_moe_experts(
@@ -102,5 +114,5 @@ def moe_experts_op(
 
 @moe_experts_op.register_fake
 def _(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, out, bias,
-      shared_expert_output, routed_scaling_factor, transposed, use_pdl):  # fmt: skip
+      shared_expert_output, routed_scaling_factor, transposed, use_pdl, backend):  # fmt: skip
     return None
