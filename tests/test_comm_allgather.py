@@ -335,11 +335,17 @@ def scenario_bounded_wait(rank, p):
     h, timeout = 48, 2.0
     c = make_case(3, p, 2, h)
     x = shard_of(c["full"], rank, p)
-    make = lambda: moefuse.AllReduceWorkspace(  # noqa: E731
-        None, 4, h, BF16, "cpu", timeout_s=timeout, extra_regions=moefuse.allgather_regions(4, h))
-    ws = make()
+    make = lambda t=timeout: moefuse.AllReduceWorkspace(  # noqa: E731
+        None, 4, h, BF16, "cpu", timeout_s=t, extra_regions=moefuse.allgather_regions(4, h))
     call = lambda ws: moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws,  # noqa: E731
                                                  algorithm="oneshot", impl="triton")
+    # a first call on a generous workspace: each process's first interpretation of the kernels
+    # can take longer than the 2 s bound on a loaded 2-core machine
+    ws = make(120.0)
+    call(ws)
+    ws.close()
+    ws = make()
+    dist.barrier()
     call(ws)
     elapsed = None
     if rank != p - 1:
