@@ -251,7 +251,7 @@ def receive_steps(mine, region, row, live, S, H, deadline, clock_ptr, T: tl.cons
                   PTX: tl.constexpr):  # fmt: skip
     """:func:`receive_tile` for a stepped row (``norm.triton`` layout: STEPS steps of [1, STEP]
     columns): the steps of gathered row ``row`` as a tuple of FP32 tensors, the values of the
-    single-GPU kernels' ``_ldp`` step loads, all polled together."""
+    single-GPU kernels' ``ldp`` step loads, all polled together."""
     base = mine + (region + row.to(tl.int64)) * H
     ptrs = ()
     valids = ()

@@ -215,7 +215,7 @@ def _ag_rmsnorm_persistent_kernel(
                                           ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, P, FROM_SLOTS,
                                           STEPPED)  # fmt: skip
         elif FROM_SLOTS:  # the tile polled straight from the slots (decode "slots" mode)
-            rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
+            rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
             wt, invt = dec.one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED,
                                            PTX, OP, OP == dec.OP_FP4)  # fmt: skip
             x, missing = AG.receive_tile(mine, region, rows, cols, mask, i < n_gat, S, H,
