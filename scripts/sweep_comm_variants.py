@@ -1,4 +1,5 @@
-"""Sweep the experimental one-shot variants (notes/comm.md "Mid-size one-shot", 2026-11-29) of
+"""Sweep the experimental one-shot variants (notes/comm-all-reduce.md "Mid-size one-shot",
+2026-11-29) of
 ``allreduce_residual_rmsnorm`` on 2 GPUs: per (H, M), every variant is first checked bitwise
 against the default kernel on fresh random data containing -0.0 (three calls each, so the Lamport
 generations cycle), then timed like ``moefuse bench allreduce`` (CUDA-graph replays, inputs

@@ -43,9 +43,9 @@ def test_family_overrides_and_formats(tmp_path):
                                        "scatter-add finalize": 3.0})  # fmt: skip
     rows += _rows("permute->finalize", "K=8", 1, **{"PDL on": 2.0, "PDL off": 1.0})
     _write(tmp_path / "moe-h200.json", rows)
-    # moe-comm is not taken for moe; the file may name its baselines itself
+    # moe-reduction is not taken for moe; the file may name its baselines itself
     rows = _rows("moe_finalize_allreduce", "P=2", 8, moefuse=2.0, moefuse_unfused=4.0, nccl=8.0)
-    _write(tmp_path / "moe-comm-h200-p2.json", rows, baselines=["moefuse_unfused", "nccl"])
+    _write(tmp_path / "moe-reduction-h200-p2.json", rows, baselines=["moefuse_unfused", "nccl"])
     # overhead: impl / us_per_call, no M; F.rms_norm's row ("rms_norm") is rmsnorm's baseline
     _write(tmp_path / "overhead-h200.json",
            [{"op": "rmsnorm", "impl": "moefuse", "us_per_call": 5.0},
@@ -56,14 +56,14 @@ def test_family_overrides_and_formats(tmp_path):
             {"op": "moe_permute", "impl": "moefuse", "us_per_call": 6.0}])  # fmt: skip
     (tmp_path / "bench-all-h200.json").write_text(json.dumps({"runs": []}))  # not a result
     by_family = {r.family: r for r in summary.load(tmp_path)}
-    assert list(by_family) == ["moe", "overhead", "moe-comm"]  # registry order
+    assert list(by_family) == ["moe", "overhead", "moe-reduction"]  # registry order
     (layer,) = by_family["moe"].cases
     assert (layer.op, layer.best, layer.speedup) == ("layer", "scatter-add finalize", 1.5)
-    (mc,) = by_family["moe-comm"].cases
+    (mc,) = by_family["moe-reduction"].cases
     assert (mc.best, mc.speedup) == ("moefuse_unfused", 2.0)
     got = {(c.op, c.m, c.best, c.speedup) for c in by_family["overhead"].cases}
     assert got == {("rmsnorm", None, "torch", 0.8), ("moe_finalize", None, "torch", 2.0)}
-    assert registry.family_of("moe-comm-h200-p2").name == "moe-comm"
+    assert registry.family_of("moe-reduction-h200-p2").name == "moe-reduction"
     assert registry.family_of("moe-h200").name == "moe"
     assert registry.family_of("other-h200") is None
 

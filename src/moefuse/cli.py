@@ -7,7 +7,7 @@ import importlib
 import sys
 
 BENCH_FAMILIES = ("norm", "moe", "moe-experts", "quant", "allreduce", "overhead", "allgather",
-                  "moe-comm")
+                  "moe-reduction", "expert-norm")
 
 
 def main(argv: list[str] | None = None) -> int:

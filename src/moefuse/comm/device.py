@@ -201,14 +201,14 @@ def epilogue_row(
     T: tl.constexpr, BLOCK_H: tl.constexpr, PATTERN: tl.constexpr, WRITE_NORM: tl.constexpr,
     LAYOUT: tl.constexpr, PTX: tl.constexpr, RECIPE: tl.constexpr = 1,
 ):  # fmt: skip
-    """Everything after the all-reduce for token row ``t`` (SPEC §3.1).
+    """Everything after the all-reduce for token row ``t`` (the SPEC's all-reduce fusion).
 
     ``s``: FP32 values of the T-rounded sum (masked lanes 0); ``res``: the residual row widened to
     FP32; ``g = f32(weight) + weight_bias``. PATTERN 0 writes ``s``; otherwise
     ``h = T(s + res)`` -> residual_out, ``n = T((h * r) * g)`` with ``r`` the inverse RMS of the
     ROUNDED h -> norm_out (when WRITE_NORM), and PATTERN 2 (FP8) / 3 (NVFP4) quantize ``n``.
-    ``RECIPE``: NVFP4 output-scale recipe (1 "ieee", SPEC §3.1; the MoE fusions of SPEC §3.2-3.3
-    pass 0 "fast").
+    ``RECIPE``: NVFP4 output-scale recipe (1 "ieee", the SPEC's all-reduce fusion; the MoE-reduction
+    and MoE-finalize fusions pass 0 "fast").
     """
     t64 = t.to(tl.int64)
     if PATTERN == 0:
@@ -360,7 +360,8 @@ def load_gain(w_ptr, cols, cmask, weight_bias, PATTERN: tl.constexpr):
 
 @triton.jit
 def quant_scales(scale_ptr, PATTERN: tl.constexpr, PTX: tl.constexpr):
-    """``(1/scale, gs, rcp_fast(gs))`` from the [1] FP32 scale (IEEE 1/scale for FP8, SPEC §3.1)."""
+    """``(1/scale, gs, rcp_fast(gs))`` from the [1] FP32 scale (IEEE 1/scale for FP8, the SPEC's
+    all-reduce fusion)."""
     one = tl.full([], 1.0, tl.float32)
     if PATTERN == 2:
         sc = tl.load(scale_ptr).to(tl.float32)

@@ -52,7 +52,8 @@ def resident_ctas_per_sm(num_warps: int) -> int:
 
 @dataclass(frozen=True)
 class OneshotVariant:
-    """Experimental one-shot variants (2026-11-29, notes/comm.md "Mid-size one-shot"). All give
+    """Experimental one-shot variants (2026-11-29, notes/comm-all-reduce.md "Mid-size one-shot").
+    All give
     the same bits as the default (same rank-order sum, same epilogue); only scheduling differs.
     (A probe poll, spinning on a slot's first elements before the whole row, was deleted: it
     lost at every size, notes/gpu-logs/comm-variants-p2-2026-11-29.log.)

@@ -281,9 +281,9 @@ class AllReduceWorkspace:
         if self.loopback:
             # the ranks' kernels share the GPU and spin on each other: sized to 1/P of the SMs
             # less one, every rank's persistent grid is resident at once (else the waits run
-            # out). MEASURED (H200, session 15, notes/comm-moe.md): at exactly 66 of 132 SMs
-            # the §3.3 one-shot at 2 CTAs per SM (H = 7168) timed out in 2 of 2 runs (M = 4097
-            # then 2049); at 65 or 60 every case passed
+            # out). MEASURED (H200, session 15, notes/comm-moe-reduction.md): at exactly 66 of 132
+            # SMs the MoE-finalize one-shot at 2 CTAs per SM (H = 7168) timed out in 2 of 2 runs (M
+            # = 4097 then 2049); at 65 or 60 every case passed
             sms = max(1, sms // self.world_size - 1)
         t = torch.tensor([sms], dtype=torch.int32, device=self._coll_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)

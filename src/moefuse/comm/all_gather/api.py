@@ -1,6 +1,7 @@
-"""Public all-gather + norm fusions (SPEC §3.6, §3.7): after a column-sharded projection each of
-the P ranks holds ``shard`` [M, S], its columns ``[rank*S, (rank+1)*S)`` of every token row
-(H = P * S). Each op gathers the rows (in rank order) and applies a single-GPU op to them:
+"""Public all-gather + norm fusions (SPEC: all_gather_gated_residual_next_rmsnorm,
+all_gather_rmsnorm_fp4_quantize): after a column-sharded projection each of the P ranks holds
+``shard`` [M, S], its columns ``[rank*S, (rank+1)*S)`` of every token row (H = P * S). Each op
+gathers the rows (in rank order) and applies a single-GPU op to them:
 
 * :func:`all_gather_rmsnorm` -> :func:`moefuse.rmsnorm` (BF16/FP16 out; ``gain_center`` 1.0 =
   Gemma),
@@ -168,7 +169,7 @@ def all_gather_rmsnorm_fp8(shard, weight, scale, *, workspace, eps: float = 1e-6
                            algorithm: str = "auto", enable_pdl=None,
                            impl: str = "auto"):  # fmt: skip
     """``out = rmsnorm_quant(concat_r shard_r, weight, scale, eps)``: FP8 (E4M3 or E5M2,
-    ``dtype``) of the unrounded FP32 norm output times ``1/scale`` (SPEC §1.1, §4.1).
+    ``dtype``) of the unrounded FP32 norm output times ``1/scale`` (SPEC: rmsnorm, FP8 E4M3).
 
     ``scale`` [1] FP32 (dequantization scale); ``out`` [M, H] FP8. Returns ``out``."""
     op = "all_gather_rmsnorm_fp8"
@@ -218,10 +219,10 @@ def all_gather_rmsnorm_fp4_quantize(shard, weight, global_scale, *, workspace, e
                                     recipe: str = "fast", out=None, scale_out=None,
                                     algorithm: str = "auto", enable_pdl=None,
                                     impl: str = "auto"):  # fmt: skip
-    """``rmsnorm_fp4_quantize(concat_r shard_r, weight, global_scale, eps)`` (SPEC §3.7): the norm
-    output rounded to the shard dtype, then NVFP4 (recipe "fast" by default, as FlashInfer's
-    all-gather kernel). H % 16 == 0. ``layout`` "linear" (SPEC default) | "swizzled_128x4" |
-    "swizzled_8x4"; padding scale bytes are written as 0.
+    """``rmsnorm_fp4_quantize(concat_r shard_r, weight, global_scale, eps)`` (the SPEC's
+    all_gather_rmsnorm_fp4_quantize): the norm output rounded to the shard dtype, then NVFP4 (recipe
+    "fast" by default, as FlashInfer's all-gather kernel). H % 16 == 0. ``layout`` "linear" (SPEC
+    default) | "swizzled_128x4" | "swizzled_8x4"; padding scale bytes are written as 0.
 
     Returns ``(out uint8 [M, H/2], scale_out uint8 scale_layout_shape(M, H/16, layout))``."""
     op = "all_gather_rmsnorm_fp4_quantize"
@@ -286,7 +287,7 @@ def all_gather_gated_residual_next_rmsnorm(branch_shard, residual, alpha, beta, 
                                            algorithm: str = "auto", enable_pdl=None,
                                            impl: str = "auto"):  # fmt: skip
     """``gated_residual_next_rmsnorm(concat_r branch_shard_r, residual, next_weight, alpha, beta)``
-    (SPEC §3.6 on §1.4)::
+    (SPEC: all_gather_gated_residual_next_rmsnorm on gated_residual_next_rmsnorm)::
 
         b = f32(branch) [* (f32(post_weight) + post_gain_center)]
         residual_out = alpha * residual + (beta * b) * rsqrt(mean(b^2) + post_eps)

@@ -2,7 +2,7 @@
 ``all_gather_rmsnorm``, and since issue 17e ``_fp8``, ``_fp4_quantize`` and the gated op: the
 ``OP`` constexpr of ``norm_tile``): NVLink pushes and the norm overlap inside one kernel.
 
-MEASURED for every op (notes/comm-allgather.md "Measured: the persistent kernel" and
+MEASURED for every op (notes/comm-all-gather.md "Measured: the persistent kernel" and
 "Measured: every op on its one-launch kernels"): rmsnorm, FP8 and NVFP4 0.75-0.94 x the NVLink
 bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's kernel of session 9
 (one 16-warp CTA per SM, rows gathered) lost to the chunk pipeline above 512 tokens on 2 x H200
@@ -108,7 +108,7 @@ PERSISTENT_MODES = ("gathered", "early", "slots")
 PERSISTENT_SLOTS_MAX_BLOCK = {dec.RMSNORM: 8192, dec.FP8: 4096}
 #: the persistent kernel's mode for stepped rows (rmsnorm 6145-8192 columns, the gated op;
 #: :func:`persistent_mode`). MEASURED on one H200 as two loopback ranks (session 13, PDL off,
-#: 2 alternating rounds, notes/comm-allgather.md "Session 13"), µs gathered / early / slots:
+#: 2 alternating rounds, notes/comm-all-gather.md "Session 13"), µs gathered / early / slots:
 #: rmsnorm H = 8192 M = 4096 170.4 / 167.1 / 163.4, M = 16384 662.0 / 650.1 / 630.2; the gated
 #: op (tensor alpha) at H = 8192, M = 512 / 4096 / 16384: gathered at 1 CTA per SM 53.5 / 399 /
 #: 1607, at 2 CTAs per SM (looped rows) 42.5 / 343.6 / 1390, early (unrolled rows, 1 CTA per

@@ -1,10 +1,11 @@
-"""References of the all-gather + norm fusions (SPEC §3.6, §3.7), and the column all-gather of
-the torch.distributed path.
+"""References of the all-gather + norm fusions (SPEC: all_gather_gated_residual_next_rmsnorm,
+all_gather_rmsnorm_fp4_quantize), and the column all-gather of the torch.distributed path.
 
 Each reference gathers the column shards with torch.distributed (exact: no arithmetic) and runs
 the single-GPU op's reference on the full rows, which is the definition of these ops: "concat
-the shards in rank order along dim 1, then §1.4 / §1.1 / §3.7". Collective: every rank calls
-them with the same M. Runs on CPU (gloo) and on GPU (NCCL).
+the shards in rank order along dim 1, then gated_residual_next_rmsnorm / rmsnorm /
+rmsnorm_fp4_quantize". Collective: every rank calls them with the same M. Runs on CPU (gloo) and on
+GPU (NCCL).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""Public all-reduce fusions (SPEC §3.1), one function per FlashInfer pattern.
+"""Public all-reduce fusions (the SPEC's all-reduce fusion), one function per FlashInfer pattern.
 
 Every op is collective over ``workspace`` (an :class:`AllReduceWorkspace`): all ranks call it with
 the same M, in the same order. Common keyword arguments:
 
 * ``eps`` (1e-6), ``weight_bias`` (0.0 plain RMSNorm, 1.0 Gemma ``1 + w``),
 * ``fp32_acc`` — True: FP32 running sum over ranks, one rounding; False: rounded to the
-  activation dtype after every add (SPEC §3.1). Ranks are summed in ascending order from +0.0.
+  activation dtype after every add (the SPEC's all-reduce fusion). Ranks are summed in ascending
+order from +0.0.
 * ``algorithm`` — "auto" (by payload size, ``moefuse.comm.workspace.ONESHOT_MAX_BYTES``),
   "oneshot" (Lamport), "twoshot" (reduce-scatter + all-gather) or "torch" (all-gather with
   torch.distributed + local rank-order sum). All give the same bits; an explicit peer algorithm
@@ -269,8 +270,8 @@ def allreduce_residual_rmsnorm_nvfp4(input, residual, weight, global_scale, *, w
                                      impl="auto", residual_out=None, quant_out=None,
                                      scale_out=None):  # fmt: skip
     """As :func:`allreduce_residual_rmsnorm`, then NVFP4 of the ROUNDED norm output (pattern
-    kARResidualRMSNormFP4Quant; SPEC §4.2 recipe "ieee", ``gs = global_scale`` [1] FP32, H % 16
-    == 0). ``layout``: "swizzled_128x4" | "swizzled_8x4" | "linear"; padding scale bytes are
+    kARResidualRMSNormFP4Quant; the SPEC's NVFP4 recipe "ieee", ``gs = global_scale`` [1] FP32, H %
+    16 == 0). ``layout``: "swizzled_128x4" | "swizzled_8x4" | "linear"; padding scale bytes are
     written as 0. Returns ``(residual_out, quant_out [M, H/2] uint8, scale_out uint8)`` with
     ``scale_out`` shaped ``moefuse.quant.formats.scale_layout_shape(M, H/16, layout)``."""
     return _nvfp4("allreduce_residual_rmsnorm_nvfp4", input, residual, weight, global_scale,

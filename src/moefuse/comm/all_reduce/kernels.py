@@ -1,4 +1,5 @@
-"""Triton kernels of the all-reduce fusions (SPEC §3.0, §3.1) and their launcher.
+"""Triton kernels of the all-reduce fusions (SPEC: the common model and the all-reduce fusion) and
+their launcher.
 
 Three algorithms, one epilogue (:func:`moefuse.comm.device.epilogue_row`), same bits:
 

@@ -1,9 +1,11 @@
-"""PyTorch reference of the all-reduce fusions (SPEC §3.1) — the oracle and the CPU path.
+"""PyTorch reference of the all-reduce fusions (the SPEC's all-reduce fusion) — the oracle and the
+CPU path.
 
 Two layers:
 
-* ``*_from_partials(partials, ...)`` is the math of SPEC §3.1 given every rank's partial input
-  (a list in rank order): the tests' oracle, and what the kernels must reproduce bit for bit on
+* ``*_from_partials(partials, ...)`` is the math of the SPEC's all-reduce fusion given every rank's
+  partial input (a list in rank order): the tests' oracle, and what the kernels must reproduce bit
+  for bit on
   ``residual_out`` (and on ``allreduce_out``).
 * ``*_reference(input, ..., workspace=...)`` has the public op's signature: it all-gathers the
   partials over ``workspace.group`` with plain ``torch.distributed`` and applies the math. It is

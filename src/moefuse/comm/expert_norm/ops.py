@@ -1,4 +1,5 @@
-"""torch.library custom ops of the per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5).
+"""torch.library custom ops of the per-expert-norm MoE finalize fusions (SPEC:
+tp_moe_finalize_rmsnorm, moe_finalize_rmsnorm_allreduce).
 
 Same conventions as :mod:`moefuse.comm.all_reduce.ops`: each op writes the caller-allocated
 ``output`` and returns nothing (``mutates_args=("output",)``); the workspace travels as its integer

@@ -1,4 +1,5 @@
-"""PyTorch reference of the per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5) — the oracle.
+"""PyTorch reference of the per-expert-norm MoE finalize fusions (SPEC: tp_moe_finalize_rmsnorm,
+moe_finalize_rmsnorm_allreduce) — the oracle.
 
 Two layers, like :mod:`moefuse.comm.all_reduce.reference`:
 
@@ -8,7 +9,8 @@ Two layers, like :mod:`moefuse.comm.all_reduce.reference`:
   needs with plain ``torch.distributed`` and applies the math (the ``impl="reference"`` path; it
   never touches peer buffers).
 
-TP (§3.4), per token t, slot k valid (``0 <= idx[t, k] < R``; invalid rows are never read)::
+TP (tp_moe_finalize_rmsnorm), per token t, slot k valid (``0 <= idx[t, k] < R``; invalid rows are
+never read)::
 
     x_k = f32(bf16(sum_r f32(partial_r[idx[t, k], :H])))        FP32 rank order from +0.0
     g   = f32(norm_weight) + gain_center
@@ -21,7 +23,8 @@ with groups of ``B = ceil(K / P)`` slots (:func:`group_size`): the association d
 only, never on M. Each ``acc + y*w`` is one fused multiply-add (single rounding), emulated here in
 FP64 (the product of two FP32 values is exact there).
 
-EP (§3.5), per rank, local slots only (non-local slots are invalid here and skipped)::
+EP (moe_finalize_rmsnorm_allreduce), per rank, local slots only (non-local slots are invalid here
+and skipped)::
 
     partial_r[t] = scrub(bf16(sum_{k asc, valid} y_k * f32(w[t, k])))     FP32 fma chain from +0.0
     output[t]    = bf16(sum_{r asc} f32(partial_r[t]))                     FP32 from +0.0
@@ -39,7 +42,7 @@ from moefuse.norm import reference as norm_ref
 
 
 def group_size(top_k: int, world_size: int) -> int:
-    """The canonical slot group size ``B = ceil(K / P)`` (SPEC §3.4)."""
+    """The canonical slot group size ``B = ceil(K / P)`` (the SPEC's tp_moe_finalize_rmsnorm)."""
     return -(-top_k // world_size)
 
 
@@ -98,7 +101,7 @@ def _slot_rows(rows_of_rank: Sequence[torch.Tensor], idx: torch.Tensor, hidden: 
     return valid, x
 
 
-# ----------------------------------------------------------------------------- §3.4 TP
+# --------------------------------------------------------------------- tp_moe_finalize_rmsnorm (TP)
 def tp_moe_finalize_rmsnorm_from_ranks(
     partials: Sequence[torch.Tensor], expert_weights: torch.Tensor, idx: torch.Tensor,
     norm_weight: torch.Tensor, *, eps: float, gain_center: float, weight_before_norm: bool,
@@ -117,7 +120,7 @@ def tp_moe_finalize_rmsnorm_from_ranks(
     return scrub_neg_zero(out.to(torch.bfloat16))
 
 
-# ----------------------------------------------------------------------------- §3.5 EP
+# -------------------------------------------------------------- moe_finalize_rmsnorm_allreduce (EP)
 def ep_local_partial(routed_rows: torch.Tensor, route_weights: torch.Tensor, idx: torch.Tensor,
                      norm_weight: torch.Tensor, *, eps: float, gain_center: float,
                      weight_before_norm: bool) -> torch.Tensor:  # fmt: skip
@@ -161,7 +164,8 @@ def _gather(t: torch.Tensor, group, world_size: int) -> list[torch.Tensor]:
 def tp_moe_finalize_rmsnorm_reference(gemm2_permuted, expert_weights, idx, norm_weight, *, group,
                                       world_size, eps, gain_center,
                                       weight_before_norm) -> torch.Tensor:  # fmt: skip
-    """All-gathers every rank's rows (first H columns) and applies the §3.4 math."""
+    """All-gathers every rank's rows (first H columns) and applies the tp_moe_finalize_rmsnorm
+    math."""
     h = norm_weight.shape[0]
     partials = _gather(gemm2_permuted[:, :h], group, world_size)
     return tp_moe_finalize_rmsnorm_from_ranks(

@@ -17,9 +17,9 @@ from moefuse.comm.tiles import MAX_HIDDEN
 from moefuse.comm.workspace import AllReduceWorkspace
 
 TP_ALGORITHMS = ("auto", "slot_oneshot", "expert_owner", "token_owner", "staged", "torch")
-#: ``algorithm="auto"`` of §3.4: expert owner (K/P slots normalized per rank, group sums in FP32)
-#: up to this many tokens, the Lamport token owner above. MEASURED at P = 2 on 2 x H200
-#: (bench/results/moe-comm-tp-h200-p2.json, H = 4096, K = 8, us): M = 1 expert_owner 11.98,
+#: ``algorithm="auto"`` of tp_moe_finalize_rmsnorm: expert owner (K/P slots normalized per rank,
+#: group sums in FP32) up to this many tokens, the Lamport token owner above. MEASURED at P = 2 on 2
+#: x H200 (bench/results/expert-norm-h200-p2.json, H = 4096, K = 8, us): M = 1 expert_owner 11.98,
 #: token_owner 17.21, staged 19.41; M = 64 18.82 / 22.60 / 27.06; M = 2048 450.7 / 388.0 /
 #: 528.2 (a one-CTA-per-(token, slot) expert owner, deleted, lost to expert_owner at every M
 #: measured: M = 1 12.94, M = 64 68.28). P = 4 and 8: first guesses (FlashInfer switches at 64/P).
@@ -27,7 +27,7 @@ EXPERT_OWNER_MAX_TOKENS = {2: 64, 4: 16, 8: 8}
 #: ``algorithm="auto"`` takes "slot_oneshot" (one CTA per (token, slot) row, one NVLink hop, the
 #: token folded locally) while M * K <= this many rows, by world size (P = 2: M <= 16 at K = 8,
 #: one row per CTA on a 132-SM H200; larger P: every rank sends (P-1) copies of each row, so the
-#: cap keeps ~1 MiB out per rank). MEASURED at P = 2 (bench/results/moe-comm-tp-h200-p2.json,
+#: cap keeps ~1 MiB out per rank). MEASURED at P = 2 (bench/results/expert-norm-h200-p2.json,
 #: H = 4096, K = 8, us slot_oneshot / expert_owner): M = 1 7.96 / 12.42, M = 8 9.39 / 12.82,
 #: M = 64 35.28 / 19.17 — the expert owner's single CTA per token runs the K slots' dependent
 #: loads, polls and norms one by one, which costs at decode only. P = 4 and 8: first guesses.

@@ -1,4 +1,5 @@
-"""torch.library custom ops of the MoE communication fusions (SPEC §3.2, §3.3).
+"""torch.library custom ops of the MoE-reduction fusions (SPEC: the MoE-reduction and
+MoE-finalize all-reduce fusions).
 
 As in :mod:`moefuse.comm.all_reduce.ops`: each op writes caller-allocated outputs, returns nothing,
 ``mutates_args`` names exactly the outputs, the workspace travels as its id, ``backend`` is
@@ -27,18 +28,19 @@ LAYOUT_NAMES = ("swizzled_128x4", "swizzled_8x4", "linear")
 QUANT_OF_PATTERN = {1: None, 2: "fp8", 3: "nvfp4"}
 
 
-#: "auto" of the §3.2 reduction (dense expert rows, stepwise) takes two-shot instead of one-shot
+#: "auto" of the MoE reduction (dense expert rows, stepwise) takes two-shot instead of one-shot
 #: for rows wider than DENSE_TWOSHOT_MIN_WIDTH from DENSE_TWOSHOT_MIN_TOKENS tokens. MEASURED
-#: on 2 x H200 (session 9, bench/results/moe-comm-h200-p2.json, H = 7168, K = 8, µs at M = 2048
+#: on 2 x H200 (session 9, bench/results/moe-reduction-h200-p2.json, H = 7168, K = 8, µs at M = 2048
 #: / 16384): the one-shot 174.94 / 1325.94 lost to the unfused chain (a) 167.47 / 1195.84 (0.96 /
 #: 0.90 x). MEASURED in loopback only (2 rank threads on one H200, 66 SMs each; sessions 14-15,
-#: notes/comm-moe.md "Session 15"): one-shot 327-346 / 2570, two-shot at 1 CTA per SM 269-276 /
-#: 1999-2005, at 2 CTAs per SM (:func:`moefuse.comm.moe_reduction.kernels.ctas_per_sm`) 226-227 /
-#: 1728, chain (a) 256-277 / 1967-1972. Loopback over-charges the one-shot (§3.3, chain time /
-#: one-shot time: 0.85 there, 1.06-1.08 on 2 GPUs) but matched chain / two-shot (§3.3 at 1 CTA
-#: per SM: 0.99 there, 1.02 on 2 GPUs), so two-shot at 2 CTAs is PREDICTED ~1.1 x the chain on
-#: 2 GPUs (to confirm: `bench moe-comm --world-size 2 --hidden 7168`, fused vs fused_oneshot).
-#: accumulate="fp32" keeps the one-shot (155.51 / 1210.22 on 2 GPUs; its two-shot unmeasured).
+#: notes/comm-moe-reduction.md "Session 15"): one-shot 327-346 / 2570, two-shot at 1 CTA per SM
+#: 269-276 / 1999-2005, at 2 CTAs per SM (:func:`moefuse.comm.moe_reduction.kernels.ctas_per_sm`)
+#: 226-227 / 1728, chain (a) 256-277 / 1967-1972. Loopback over-charges the one-shot (MoE finalize,
+#: chain time / one-shot time: 0.85 there, 1.06-1.08 on 2 GPUs) but matched chain / two-shot (MoE
+#: finalize at 1 CTA per SM: 0.99 there, 1.02 on 2 GPUs), so two-shot at 2 CTAs is PREDICTED ~1.1 x
+#: the chain on 2 GPUs (to confirm: `bench moe-reduction --world-size 2 --hidden 7168`, fused vs
+#: fused_oneshot). accumulate="fp32" keeps the one-shot (155.51 / 1210.22 on 2 GPUs; its two-shot
+#: unmeasured).
 DENSE_TWOSHOT_MIN_WIDTH = 4097
 DENSE_TWOSHOT_MIN_TOKENS = 2048
 
@@ -50,7 +52,7 @@ def prefers_twoshot(m: int, h: int, dense: bool, stepwise: bool) -> bool:
 
 def resolve_algorithm(ws, m: int, algorithm: str, stepwise: bool, dense: bool = False) -> str:
     """The workspace's choice (:meth:`AllReduceWorkspace.choose_algorithm`), then two-shot for
-    the wide §3.2 reduction (:func:`prefers_twoshot`), plus the FP32-sum capacity of two-shot
+    the wide MoE reduction (:func:`prefers_twoshot`), plus the FP32-sum capacity of two-shot
     (``accumulate="fp32"`` keeps FP32 sums in a gather region sized for T rows): "auto" then
     takes the torch path, an explicit "twoshot" raises. Same answer on every rank for the same
     M."""
@@ -105,10 +107,10 @@ def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_ma
         )  # fmt: skip
         _write(outs, pattern, allreduce_out, residual_out, norm_out, quant_out, scale_out)
         return
-    from moefuse.comm.moe_reduction.kernels import launch_moe_fusion
+    from moefuse.comm.moe_reduction.kernels import launch_moe_reduction
 
     algo = resolve_algorithm(ws, residual.shape[0], algorithm, stepwise, bool(dense))
-    launch_moe_fusion(
+    launch_moe_reduction(
         ws, algo, pattern, dense=dense, src=src, idx_map=idx_map, weights=weights, shared=shared,
         rsf=rsf, bias=bias, expert_ids=expert_ids, residual=residual, weight=weight,
         residual_out=residual_out, norm_out=norm_out,
@@ -119,7 +121,7 @@ def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_ma
         ws.poll_status()
 
 
-# ----------------------------------------------------------------------------- §3.2
+# ----------------------------------------------------------------------------- MoE reduction
 @custom_op(
     "moefuse::moe_allreduce_residual_rmsnorm",
     mutates_args=("allreduce_out", "residual_out", "norm_out", "quant_out", "scale_out"),
@@ -146,7 +148,7 @@ def _(active_experts_token_input, scale_input, token_input, residual, weight, sc
     return None
 
 
-# ----------------------------------------------------------------------------- §3.3
+# ----------------------------------------------------------------------------- MoE finalize
 @custom_op(
     "moefuse::moe_finalize_allreduce_residual_rmsnorm",
     mutates_args=("residual_out", "norm_out", "quant_out", "scale_out"),

@@ -1,8 +1,8 @@
-"""PyTorch reference of the MoE communication fusions (SPEC §3.2, §3.3) — the oracle and the CPU
-path.
+"""PyTorch reference of the MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize
+all-reduce fusions) — the oracle and the CPU path.
 
-Both ops are "a per-rank MoE partial row, all-reduced, then the §3.1 epilogue". Two layers, as in
-:mod:`moefuse.comm.all_reduce.reference`:
+Both ops are "a per-rank MoE partial row, all-reduced, then the all-reduce fusion's epilogue". Two
+layers, as in :mod:`moefuse.comm.all_reduce.reference`:
 
 * ``*_from_ranks(...)`` take every rank's MoE inputs as lists in rank order (all in one process):
   the tests' oracle;
@@ -18,7 +18,8 @@ TRT-LLM / FlashInfer semantics, T-rounding after every step)::
     if rsf != 1: acc = T(f32(acc) * rsf)
     if shared:   acc = T(f32(acc) + f32(shared[t]))
 
-``accumulate="fp32"`` (the MNNVL CuTe-DSL contract): the deterministic finalize of SPEC §2.2 —
+``accumulate="fp32"`` (the MNNVL CuTe-DSL contract): the deterministic finalize of the SPEC's
+moe_finalize —
 ``acc = fma_ftz(f32(row_k), f32(w_k), acc)`` in FP32, ``* rsf``, ``+ f32(shared)``, one rounding
 (exactly :func:`moefuse.moe.reference.moe_finalize_reference`).
 
@@ -30,7 +31,7 @@ All-reduce and epilogue::
     FP8:   quant_out = e4m3(f32(norm_out) * (1/scale))          (IEEE 1/scale)
     NVFP4: quant_out, scale_out = nvfp4(norm_out, gs = scale, recipe "fast", layout)
 
-For §3.2 (MoE reduction) the "rows" of token t are ``x[e, t]`` for every local expert e (all valid),
+For the MoE reduction the "rows" of token t are ``x[e, t]`` for every local expert e (all valid),
 the weights ``scale[e, t]`` and the "shared" term is the token input; rsf = 1.
 """
 
@@ -74,11 +75,12 @@ def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_fa
                      routed_scaling_factor=1.0, shared_expert_output=None,
                      accumulate="stepwise", bias=None,
                      expert_ids=None) -> torch.Tensor:  # fmt: skip
-    """One rank's MoE-finalize partial [M, H] (SPEC §3.3) from the permuted rows [R, H].
+    """One rank's MoE-finalize partial [M, H] (the SPEC's MoE-finalize fusion) from the permuted
+    rows [R, H].
 
-    ``bias`` [E, H] with ``expert_ids`` [M, K] (moefuse extension, as SPEC §2.2): the expert's
-    bias row is added to the slot's row in FP32 before the weight, not rounded in between (ids
-    outside [0, E) add nothing): stepwise ``T((f32(row) + f32(bias)) * w)``, fp32 mode
+    ``bias`` [E, H] with ``expert_ids`` [M, K] (moefuse extension, as the SPEC's moe_finalize): the
+    expert's bias row is added to the slot's row in FP32 before the weight, not rounded in between
+    (ids outside [0, E) add nothing): stepwise ``T((f32(row) + f32(bias)) * w)``, fp32 mode
     ``fma_ftz(f32(row) + f32(bias), w, acc)``."""
     idx = expanded_idx_to_permuted_idx
     m, k = idx.shape
@@ -108,8 +110,8 @@ def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_fa
 
 def reduction_partial(active_experts_token_input, scale_input, token_input,
                       accumulate="stepwise") -> torch.Tensor:  # fmt: skip
-    """One rank's MoE-reduction partial [M, H] (SPEC §3.2): experts [E, M, H], FP32 scales
-    [E, M], token input [M, H]."""
+    """One rank's MoE-reduction partial [M, H] (the SPEC's MoE-reduction fusion): experts [E, M, H],
+    FP32 scales [E, M], token input [M, H]."""
     x = active_experts_token_input
     e, m, h = x.shape
     w = scale_input.reshape(e, m).t()  # [M, E]
@@ -152,8 +154,9 @@ def moe_finalize_allreduce_from_ranks(allreduce_ins, expanded_idx_to_permuted_id
                                       eps=1e-6, weight_bias=0.0, accumulate="stepwise",
                                       quant=None, scale_factor=None, layout="swizzled_128x4",
                                       biases=None, expert_ids=None) -> dict:  # fmt: skip
-    """SPEC §3.3 with every rank's inputs (lists in rank order; ``expanded_idx_to_permuted_idx``
-    may be one tensor for all ranks or a list). See :func:`epilogue_from_partials`."""
+    """The SPEC's MoE-finalize fusion with every rank's inputs (lists in rank order;
+    ``expanded_idx_to_permuted_idx`` may be one tensor for all ranks or a list). See
+    :func:`epilogue_from_partials`."""
     p = len(allreduce_ins)
     maps = expanded_idx_to_permuted_idx
     maps = maps if isinstance(maps, (list, tuple)) else [maps] * p
@@ -171,7 +174,7 @@ def moe_allreduce_from_ranks(active_experts_token_inputs, scale_inputs, token_in
                              weight, *, eps=1e-6, weight_bias=0.0, accumulate="stepwise",
                              quant=None, scale_factor=None,
                              layout="swizzled_128x4") -> dict:  # fmt: skip
-    """SPEC §3.2 with every rank's inputs (lists in rank order)."""
+    """The SPEC's MoE-reduction fusion with every rank's inputs (lists in rank order)."""
     partials = [reduction_partial(x, s, t, accumulate)
                 for x, s, t in zip(active_experts_token_inputs, scale_inputs, token_inputs)]
     return epilogue_from_partials(partials, residual, weight, eps, weight_bias, accumulate, quant,
