@@ -66,7 +66,7 @@ def _replay_us(graph, dist, replays=200, repeats=7) -> float:
 
 
 def worker(rank, world_size, init, out_dir):
-    from moefuse.bench.allreduce import NO_MULTICAST
+    from moefuse.bench.all_reduce import NO_MULTICAST
 
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)

@@ -35,15 +35,15 @@ want ag-large && step ag-large 240 python scripts/bench_allgather_large.py --out
 want moe-variants && step moe-variants 210 python scripts/bench_moe_reduction_variants.py --out $W
 want tp-quick && step tp-quick 170 python -m moefuse bench expert-norm --world-size 2 --quick --save --out $W
 want t-moe-variants && step t-moe-variants 400 $T tests/test_comm_moe_reduction_gpu.py -k variants
-want allgather-all && step allgather-all 560 python -m moefuse bench allgather --world-size 2 --save --out $W
+want allgather-all && step allgather-all 560 python -m moefuse bench all-gather --world-size 2 --save --out $W
 want moe-reduction-wide && step moe-reduction-wide 300 python -m moefuse bench moe-reduction --world-size 2 --save --out $W --tokens 1,8,64,512,2048,16384 --hidden 4096,7168
 want moe-reduction-large && step moe-reduction-large 300 python -m moefuse bench moe-reduction --world-size 2 --out $W/large --tokens 2048,16384 --hidden 7168,4096
 want moe-reduction && step moe-reduction 185 python -m moefuse bench moe-reduction --world-size 2 --save --out $W --tokens 1,8,64,512,2048 --hidden 4096
 want expert-norm && step expert-norm 80 python -m moefuse bench expert-norm --world-size 2 --quick --save --out $W
 want tp-example && step tp-example 45 torchrun --nproc-per-node 2 examples/tp_moe_layer.py --out $W
-want ag-modes && step ag-modes 300 python -m moefuse bench allgather --world-size 2 --out $W/modes --ops fp8,gated,rmsnorm,fp4 --tokens 1,8,4096 --hidden 4096,8192
-want ag-gated && step ag-gated 300 python -m moefuse bench allgather --world-size 2 --out $W/gated --ops gated --tokens 512,4096,16384 --hidden 4096,8192
-want allgather && step allgather 110 python -m moefuse bench allgather --world-size 2 --save --out $W --ops rmsnorm
+want ag-modes && step ag-modes 300 python -m moefuse bench all-gather --world-size 2 --out $W/modes --ops fp8,gated,rmsnorm,fp4 --tokens 1,8,4096 --hidden 4096,8192
+want ag-gated && step ag-gated 300 python -m moefuse bench all-gather --world-size 2 --out $W/gated --ops gated --tokens 512,4096,16384 --hidden 4096,8192
+want allgather && step allgather 110 python -m moefuse bench all-gather --world-size 2 --save --out $W --ops rmsnorm
 want diag-decode && step diag-decode 150 python scripts/diag_decode.py --out $W
 want hf-moe && step hf-moe 70 python -m moefuse.bench.hf_moe --out $W --tokens 1 16 256 2048 8192 --decode-repeats 1
 exit 0

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-BENCH_FAMILIES = ("norm", "moe", "moe-experts", "quant", "allreduce", "overhead", "allgather",
+BENCH_FAMILIES = ("norm", "moe", "moe-experts", "quant", "all-reduce", "overhead", "all-gather",
                   "moe-reduction", "expert-norm")
 
 

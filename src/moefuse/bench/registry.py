@@ -54,7 +54,7 @@ FAMILIES: tuple[Family, ...] = (
     # host µs per eager call; F.rms_norm (op "rms_norm", impl "torch") is rmsnorm's baseline
     Family("overhead", "moefuse.bench.overhead", quick=False, optional_world_size=True,
            op_aliases=(("rms_norm", "rmsnorm"),)),
-    Family("allreduce", "moefuse.bench.allreduce", min_gpus=2, multi_rank=True),
+    Family("all-reduce", "moefuse.bench.all_reduce", min_gpus=2, multi_rank=True),
     # MoE-reduction and MoE-finalize all-reduce fusions: "fused" (algorithm and variant
     # "auto"); its rows carry "role" ("fused" | "baseline": the unfused chains), which names the
     # baselines
@@ -63,7 +63,7 @@ FAMILIES: tuple[Family, ...] = (
     # per-expert-norm finalize (tp_moe_finalize_rmsnorm, moe_finalize_rmsnorm_allreduce):
     # "moefuse" against the unfused chains (the naming rule)
     Family("expert-norm", "moefuse.bench.expert_norm", min_gpus=2, multi_rank=True),
-    Family("allgather", "moefuse.bench.allgather", min_gpus=2, multi_rank=True),
+    Family("all-gather", "moefuse.bench.all_gather", min_gpus=2, multi_rank=True),
 )
 
 

@@ -90,7 +90,7 @@ ALGORITHMS = ("auto", "oneshot", "twoshot", "torch")
 #: Crossovers of ``algorithm="auto"``: the largest payload ``M * H * elem`` (bytes per rank) for
 #: which one-shot is chosen, per world size (None: always, up to the Lamport capacity); above it
 #: two-shot runs.
-#: * P = 2 MEASURED on 2 x H200 (2026-11-29, bench/results/allreduce-h200-p2.json, commit
+#: * P = 2 MEASURED on 2 x H200 (2026-11-29, bench/results/all-reduce-h200-p2.json, commit
 #:   2b8b3b71ed35): one-shot beats two-shot at every M and H measured, e.g. H = 4096: 3.4 vs 8.0 us
 #:   (M = 1), 18.7 vs 24.7 (M = 512), 390 vs 470 (M = 16384); H = 7168: 668 vs 819 at M = 16384.
 #: * P = 4 and 8: NOT YET MEASURED (the 4- and 8-GPU machines were not lent); first guess from

@@ -1,8 +1,8 @@
 """One-launch decode kernel of the all-gather + norm ops (``all_gather_rmsnorm``, ``_fp8``,
 ``_fp4_quantize``, ``all_gather_gated_residual_next_rmsnorm``): the default at
 M <= ONE_LAUNCH_MAX_TOKENS (``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` turns it off for every op, the
-same on every rank). MEASURED for rmsnorm on 2 x H200 (bench allgather, 2026-11-30,
-bench/results/allgather-h200-p2.json): one launch vs two at H = 4096: M = 1 3.39 / 3.97 us,
+same on every rank). MEASURED for rmsnorm on 2 x H200 (bench all-gather, 2026-11-30,
+bench/results/all-gather-h200-p2.json): one launch vs two at H = 4096: M = 1 3.39 / 3.97 us,
 M = 8 4.30 / 5.10, M = 64 4.64 / 5.72; H = 8192: 4.04 / 4.49, 4.92 / 5.72, 6.54 / 7.22 — bitwise
 equal to NCCL + rmsnorm in every case (the benchmark checks before it times). The FP8, NVFP4
 and gated ops (issue 17e, session 9, same benchmark): one launch vs two at H = 4096, M = 1:
@@ -35,7 +35,7 @@ FP8 H = 4096, M = 1 / 8 / 64: 3.93 -> 3.23, 4.43 -> 4.05, 5.31 -> 4.64; H = 8192
 alone did not beat ``late`` for FP8. NVFP4: all modes within the noise (``late`` kept). The
 gated op at H = 8192: late 4.82 / 5.68 / 8.42, early 5.30 / 5.98 / 8.46, slots 5.26 / 5.97 /
 8.84 (``late`` kept). Defaults: :data:`DECODE_DEFAULT`. Loopback "links" run at L2 speed; on
-NVLink the wait is longer, which may favour hoisting the parameters more: ``bench allgather``
+NVLink the wait is longer, which may favour hoisting the parameters more: ``bench all-gather``
 times every mode beside the default (``moefuse_late`` / ``_early`` / ``_slots``).
 
 Eligible launches: one-shot, M <= :data:`ONE_LAUNCH_MAX_TOKENS` (one program per tile, all
@@ -71,7 +71,7 @@ ONE_LAUNCH_ENV = "MOEFUSE_ALLGATHER_ONE_LAUNCH"
 ONE_LAUNCH_MAX_TOKENS = 64
 #: the single-GPU op a fused launch ends with (host ints; OP_* the kernels' constexprs)
 RMSNORM, FP8, FP4, GATED = 0, 1, 2, 3
-#: the benchmark's op names (moefuse.bench.allgather) -> the ops above
+#: the benchmark's op names (moefuse.bench.all_gather) -> the ops above
 OP_CODES = {"rmsnorm": RMSNORM, "fp8": FP8, "fp4": FP4, "gated": GATED}
 DECODE_ENV = "MOEFUSE_ALLGATHER_DECODE"
 DECODE_MODES = ("late", "early", "slots")
@@ -413,8 +413,8 @@ def fusable(op: int, tile) -> bool:
 
 
 #: NVFP4 rows wider than this run two launches at up to FP4_WIDE_TWO_LAUNCH_MAX_TOKENS tokens
-#: unless MOEFUSE_ALLGATHER_ONE_LAUNCH is set. MEASURED (2 x H200, P = 2, `bench allgather`,
-#: session 9, bench/results/allgather-h200-p2.json), µs one launch / two launches: H = 8192
+#: unless MOEFUSE_ALLGATHER_ONE_LAUNCH is set. MEASURED (2 x H200, P = 2, `bench all-gather`,
+#: session 9, bench/results/all-gather-h200-p2.json), µs one launch / two launches: H = 8192
 #: M = 1 5.71 / 5.29, M = 8 6.40 / 6.11, M = 64 7.62 / 7.82; H = 4096 one launch wins at every
 #: M (3.75 / 4.13 at M = 1). The NVFP4 tile is 4 warps wide, so one CTA gathers a whole
 #: 8192-column row with 128 threads, where the gather kernel of two launches has its own tile.

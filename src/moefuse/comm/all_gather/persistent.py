@@ -12,7 +12,7 @@ two CTAs per SM (H <= 4096) or with the residual and parameters requested before
 which, applied to the 2 x H200 figures, puts it 7-18 % ahead of the chunk pipeline at M = 4096 /
 16384: a PREDICTION, so it is now the default at every M for the gated op's stepped rows
 (> 2048 columns; :data:`GATED_ONE_PASS_PERSISTENT_MAX_TOKENS` for the narrower ones) and
-``bench allgather`` times ``moefuse_chunked`` beside it (the next 2-GPU run confirms or
+``bench all-gather`` times ``moefuse_chunked`` beside it (the next 2-GPU run confirms or
 reverts).
 
 The chunked pipeline (gather chunk c+1 on a communication stream while chunk c is normed) left
