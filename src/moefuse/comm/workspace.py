@@ -210,35 +210,7 @@ class AllReduceWorkspace:
         # call is up to date and the failing call itself raises
         self.check_each_call = device.type == "cpu"
 
-        elem = torch.empty(0, dtype=dtype).element_size()
-        p, h = self.world_size, hidden_size
-        if oneshot_max_tokens is None:
-            limit = oneshot_max_bytes(p)
-            auto_tokens = max_tokens if limit is None else -(-limit // (h * elem))
-            budget_tokens = LAMPORT_BUDGET_BYTES // (3 * (p - 1) * h * elem)
-            oneshot_max_tokens = min(auto_tokens, budget_tokens)
-        self.oneshot_max_tokens = int(max(1, min(max_tokens, oneshot_max_tokens)))
-        self.chunk_cap = (max_tokens + p - 1) // p
-        self.own_slot_tokens = min(self.oneshot_max_tokens, OWN_SLOT_TOKENS)
-        self.num_flag_slots = NUM_FLAG_SLOTS
-        sizes = [
-            ("faults", faults.FAULTS_REGION_BYTES),  # first: kernels address it at offset 0
-            ("flags", 2 * NUM_FLAG_SLOTS * p * 4),
-            ("lamport", 3 * self.oneshot_max_tokens * (p - 1) * h * elem),
-            ("stage", p * self.chunk_cap * h * elem),
-            ("gather", max_tokens * h * elem),
-            ("lamport_own", self.own_slot_tokens * h * elem),
-        ]
-        for name, nbytes in (extra_regions or {}).items():
-            if any(name == n for n, _ in sizes) or int(nbytes) < 0:
-                raise ValueError(f"AllReduceWorkspace: bad extra region {name!r}: {nbytes!r}")
-            sizes.append((name, int(nbytes)))
-        self.regions: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for name, nbytes in sizes:
-            self.regions[name] = (offset, nbytes)
-            offset = _align(offset + nbytes)
-        self.buffer_bytes = offset
+        self._layout(oneshot_max_tokens, extra_regions)
 
         self.num_sms = self._min_sm_count()
         want_peers = self._detect_peer_access() if peer_access is None else bool(peer_access)
@@ -246,6 +218,7 @@ class AllReduceWorkspace:
         self.peer_access = self.transport is not None
         # the table holds each rank's buffer as a distance from the table itself, in 16-byte units
         # (kernels index peer memory from the aligned table argument; see comm/device.py)
+        p = self.world_size
         self.table = torch.zeros(max(p, 2), dtype=torch.int64, device=device)
         if self.peer_access:
             here = self.table.data_ptr()
@@ -266,6 +239,39 @@ class AllReduceWorkspace:
         self.id = next(_IDS)
         _REGISTRY[self.id] = self
         self._ok = True
+
+    def _layout(self, oneshot_max_tokens: int | None, extra_regions: dict[str, int] | None) -> None:
+        """Token capacities and the peer buffer's regions (``self.regions``: name -> (offset,
+        bytes), each 16-byte aligned; ``self.buffer_bytes``), from the sizes set so far."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        p, h = self.world_size, self.hidden_size
+        if oneshot_max_tokens is None:
+            limit = oneshot_max_bytes(p)
+            auto_tokens = self.max_tokens if limit is None else -(-limit // (h * elem))
+            budget_tokens = LAMPORT_BUDGET_BYTES // (3 * (p - 1) * h * elem)
+            oneshot_max_tokens = min(auto_tokens, budget_tokens)
+        self.oneshot_max_tokens = int(max(1, min(self.max_tokens, oneshot_max_tokens)))
+        self.chunk_cap = (self.max_tokens + p - 1) // p
+        self.own_slot_tokens = min(self.oneshot_max_tokens, OWN_SLOT_TOKENS)
+        self.num_flag_slots = NUM_FLAG_SLOTS
+        sizes = [
+            ("faults", faults.FAULTS_REGION_BYTES),  # first: kernels address it at offset 0
+            ("flags", 2 * NUM_FLAG_SLOTS * p * 4),
+            ("lamport", 3 * self.oneshot_max_tokens * (p - 1) * h * elem),
+            ("stage", p * self.chunk_cap * h * elem),
+            ("gather", self.max_tokens * h * elem),
+            ("lamport_own", self.own_slot_tokens * h * elem),
+        ]
+        for name, nbytes in (extra_regions or {}).items():
+            if any(name == n for n, _ in sizes) or int(nbytes) < 0:
+                raise ValueError(f"AllReduceWorkspace: bad extra region {name!r}: {nbytes!r}")
+            sizes.append((name, int(nbytes)))
+        self.regions: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, nbytes in sizes:
+            self.regions[name] = (offset, nbytes)
+            offset = _align(offset + nbytes)
+        self.buffer_bytes = offset
 
     def refresh_clock(self) -> None:
         """CPU backend: set the clock word to now before a launch (see ``CpuClock.tick``); the

@@ -289,6 +289,37 @@ def _moe_split_kernel(
 
 
 # ----------------------------------------------------------------------------- two-shot
+@triton.jit
+def _push_sum(acc, table_ptr, rank, gather_off16, t64, H, cols, cmask, T: tl.constexpr,
+              BITS: tl.constexpr, P: tl.constexpr, STEPWISE: tl.constexpr):  # fmt: skip
+    """Two-shot phase 2: push an owned row's sum into every peer's gather buffer (stepwise: in
+    the activation dtype; else the FP32 sum as int32 bits, into an FP32-sized region)."""
+    for q in tl.static_range(P):
+        if q != rank:
+            if STEPWISE:
+                dst = D.peer_base(table_ptr, q, gather_off16, BITS) + t64 * H + cols
+                tl.store(dst, D.as_bits(acc.to(T), BITS), mask=cmask)
+            else:
+                dst = D.peer_base(table_ptr, q, gather_off16, 32) + t64 * H + cols
+                tl.store(dst, acc.to(tl.int32, bitcast=True), mask=cmask)
+
+
+@triton.jit
+def _gathered_sum(table_ptr, rank, gather_off16, t64, H, cols, cmask, T: tl.constexpr,
+                  BITS: tl.constexpr, STEPWISE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Two-shot phase 3: row ``t64``'s all-reduced sum from this rank's gather buffer, as FP32
+    (stepwise: the activation dtype's bits; else the FP32 sum's bits)."""
+    if STEPWISE:
+        src = D.peer_base(table_ptr, rank, gather_off16, BITS) + t64 * H + cols
+        bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
+        s = widen_f32(bits.to(T, bitcast=True), PTX)
+    else:
+        src = D.peer_base(table_ptr, rank, gather_off16, 32) + t64 * H + cols
+        bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
+        s = bits.to(tl.float32, bitcast=True)
+    return s
+
+
 @triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
 def _moe_twoshot_kernel(
     src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
@@ -353,14 +384,8 @@ def _moe_twoshot_kernel(
                 row = (q * chunk_cap + (t - rank * chunk)).to(tl.int64)
                 bits = tl.load(stage + row * H + cols, mask=cmask, other=0, cache_modifier=".cg")
                 acc = _rank_step(acc, widen_f32(bits.to(T, bitcast=True), PTX), T, STEPWISE, PTX)
-            for q in tl.static_range(P):
-                if q != rank:
-                    if STEPWISE:
-                        dst = D.peer_base(table_ptr, q, gather_off16, BITS) + t64 * H + cols
-                        tl.store(dst, D.as_bits(acc.to(T), BITS), mask=cmask)
-                    else:  # FP32 sum, as int32 bits (gather_off16: an FP32-sized region)
-                        dst = D.peer_base(table_ptr, q, gather_off16, 32) + t64 * H + cols
-                        tl.store(dst, acc.to(tl.int32, bitcast=True), mask=cmask)
+            _push_sum(acc, table_ptr, rank, gather_off16, t64, H, cols, cmask, T, BITS, P,
+                      STEPWISE)  # fmt: skip
             res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
             _finish_row(acc, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                         arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
@@ -378,14 +403,8 @@ def _moe_twoshot_kernel(
         t = pid + i * G
         if t // chunk != rank:
             t64 = t.to(tl.int64)
-            if STEPWISE:
-                src = D.peer_base(table_ptr, rank, gather_off16, BITS) + t64 * H + cols
-                bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
-                s = widen_f32(bits.to(T, bitcast=True), PTX)
-            else:
-                src = D.peer_base(table_ptr, rank, gather_off16, 32) + t64 * H + cols
-                bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
-                s = bits.to(tl.float32, bitcast=True)
+            s = _gathered_sum(table_ptr, rank, gather_off16, t64, H, cols, cmask, T, BITS,
+                              STEPWISE, PTX)  # fmt: skip
             res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
             _finish_row(s, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                         arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
