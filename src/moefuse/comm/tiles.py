@@ -80,8 +80,11 @@ class OneshotVariant:
 PREFETCH_MIN_TOKENS = 384
 PREFETCH_ROWS_PER_CTA = ((1024, 4), (None, 8))  # (up to M tokens, rows per CTA)
 
-_VARIANT_ENV = ("MOEFUSE_COMM_ONESHOT_PREFETCH", "MOEFUSE_COMM_ROWS_PER_CTA",
-                "MOEFUSE_COMM_ONESHOT_WARPS")  # fmt: skip
+_VARIANT_ENV = (
+    "MOEFUSE_COMM_ONESHOT_PREFETCH",
+    "MOEFUSE_COMM_ROWS_PER_CTA",
+    "MOEFUSE_COMM_ONESHOT_WARPS",
+)
 
 
 def default_oneshot_variant(m_tokens: int) -> OneshotVariant:

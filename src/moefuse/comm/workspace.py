@@ -161,20 +161,33 @@ class AllReduceWorkspace:
     layout for other communication ops; ``offset16(name)`` addresses them).
     """
 
-    def __init__(self, group, max_tokens: int, hidden_size: int, dtype: torch.dtype, device, *,
-                 timeout_s: float | None = None, oneshot_max_tokens: int | None = None,
-                 peer_access: bool | None = None, transport: str | None = None,
-                 extra_regions: dict[str, int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        group,
+        max_tokens: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device,
+        *,
+        timeout_s: float | None = None,
+        oneshot_max_tokens: int | None = None,
+        peer_access: bool | None = None,
+        transport: str | None = None,
+        extra_regions: dict[str, int] | None = None,
+    ):
         group = group if group is not None else dist.group.WORLD
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"AllReduceWorkspace: max_tokens must be a positive int, "
-                             f"got {max_tokens!r}")  # fmt: skip
+            raise ValueError(
+                f"AllReduceWorkspace: max_tokens must be a positive int, got {max_tokens!r}"
+            )
         if not isinstance(hidden_size, int) or not 1 <= hidden_size <= MAX_HIDDEN:
-            raise ValueError(f"AllReduceWorkspace: hidden_size must be an int in [1, {MAX_HIDDEN}]"
-                             f", got {hidden_size!r}")  # fmt: skip
+            raise ValueError(
+                f"AllReduceWorkspace: hidden_size must be an int in [1, {MAX_HIDDEN}]"
+                f", got {hidden_size!r}"
+            )
         if dtype not in DTYPES:
             raise ValueError(f"AllReduceWorkspace: dtype must be one of {DTYPES}, got {dtype}")
         if device.type not in ("cuda", "cpu"):
@@ -191,8 +204,10 @@ class AllReduceWorkspace:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         if not 2 <= self.world_size <= faults.MAX_RANKS:
-            raise ValueError(f"AllReduceWorkspace: the group must have 2 to {faults.MAX_RANKS} "
-                             f"ranks, got {self.world_size}")  # fmt: skip
+            raise ValueError(
+                f"AllReduceWorkspace: the group must have 2 to {faults.MAX_RANKS} "
+                f"ranks, got {self.world_size}"
+            )
         self.max_tokens = max_tokens
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -333,17 +348,21 @@ class AllReduceWorkspace:
         allocation and mapping), so the ranks always agree on the transport or on none."""
         from moefuse._runtime import log_once
 
-        kinds = self._transport_order if self.device.type == "cuda" or self.loopback else \
-            ("shm",)  # fmt: skip
+        kinds = self._transport_order if self.device.type == "cuda" or self.loopback else ("shm",)
         for i, kind in enumerate(kinds):
             try:
-                return tp.make_transport(kind, self.group, self.buffer_bytes, self.device,
-                                         self._init_buffer, self.vote)  # fmt: skip
+                return tp.make_transport(
+                    kind, self.group, self.buffer_bytes, self.device, self._init_buffer, self.vote
+                )
             except Exception as exc:  # surfaced once; the next transport, or the torch path
-                then = f"trying {kinds[i + 1]}" if i + 1 < len(kinds) else \
-                    "using the torch.distributed path"  # fmt: skip
-                log_once(f"AllReduceWorkspace:{kind}", f"{kind} peer buffers unavailable ({exc}); "
-                         f"{then}")  # fmt: skip
+                then = (
+                    f"trying {kinds[i + 1]}"
+                    if i + 1 < len(kinds)
+                    else "using the torch.distributed path"
+                )
+                log_once(
+                    f"AllReduceWorkspace:{kind}", f"{kind} peer buffers unavailable ({exc}); {then}"
+                )
         return None
 
     # ------------------------------------------------------------------------- queries
@@ -389,19 +408,24 @@ class AllReduceWorkspace:
         cannot run raises (it never falls back silently). Same answer on every rank for the same M.
         """
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"moefuse.comm: algorithm must be one of {ALGORITHMS}, "
-                             f"got {algorithm!r}")  # fmt: skip
+            raise ValueError(
+                f"moefuse.comm: algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
+            )
         if algorithm == "torch":
             return "torch"
         if not self.peer_access:
             if algorithm == "auto":
                 return "torch"
-            raise RuntimeError(f"moefuse.comm: algorithm={algorithm!r} needs peer buffers, which "
-                               "this workspace does not have (peer_access is False)")  # fmt: skip
+            raise RuntimeError(
+                f"moefuse.comm: algorithm={algorithm!r} needs peer buffers, which "
+                "this workspace does not have (peer_access is False)"
+            )
         fits_oneshot = num_tokens <= self.oneshot_max_tokens
         if algorithm == "oneshot" and not fits_oneshot:
-            raise RuntimeError(f"moefuse.comm: one-shot holds at most {self.oneshot_max_tokens} "
-                               f"tokens, got {num_tokens}")  # fmt: skip
+            raise RuntimeError(
+                f"moefuse.comm: one-shot holds at most {self.oneshot_max_tokens} "
+                f"tokens, got {num_tokens}"
+            )
         if algorithm != "auto":
             return algorithm
         elem = torch.empty(0, dtype=self.dtype).element_size()
@@ -488,9 +512,13 @@ class AllReduceWorkspace:
             status = self._device_status()
             if status and self._status_view[0] == 0:
                 self._failure = faults.describe(
-                    [0] * self.world_size, status, rank=self.rank, group=self._group_name(),
-                    timeout_s=self.timeout_s, global_rank=self.global_rank,
-                )  # fmt: skip
+                    [0] * self.world_size,
+                    status,
+                    rank=self.rank,
+                    group=self._group_name(),
+                    timeout_s=self.timeout_s,
+                    global_rank=self.global_rank,
+                )
                 self._ok = False
         self.raise_if_failed()
 
@@ -508,9 +536,13 @@ class AllReduceWorkspace:
         and re-create the workspace."""
         if self._failure is None and self._status_view[0] != 0:
             self._failure = faults.describe(
-                self.host_status.codes(self.world_size), self._status_view[0], rank=self.rank,
-                group=self._group_name(), timeout_s=self.timeout_s, global_rank=self.global_rank,
-            )  # fmt: skip
+                self.host_status.codes(self.world_size),
+                self._status_view[0],
+                rank=self.rank,
+                group=self._group_name(),
+                timeout_s=self.timeout_s,
+                global_rank=self.global_rank,
+            )
             self._ok = False
         return self._failure
 
@@ -568,7 +600,9 @@ class AllReduceWorkspace:
             self._leaked = self.transport
             logging.getLogger("moefuse").warning(
                 "moefuse.AllReduceWorkspace.close(): %s; the peer buffers are kept (not freed) "
-                "because a peer may still write into them", exc)
+                "because a peer may still write into them",
+                exc,
+            )
         self.transport = None
         if self._clock is not None:
             self._clock.stop()
@@ -583,9 +617,11 @@ class AllReduceWorkspace:
             key = f"moefuse/comm/{self._uid}/close/{next(steps)}"
             arrived = faults.bounded_barrier(store, key, self.world_size, timeout_s)
             if arrived < self.world_size:
-                raise TimeoutError(f"only {arrived} of {self.world_size} ranks of group "
-                                   f"{self._group_name()!r} reached close() within "
-                                   f"{timeout_s:g} s")  # fmt: skip
+                raise TimeoutError(
+                    f"only {arrived} of {self.world_size} ranks of group "
+                    f"{self._group_name()!r} reached close() within "
+                    f"{timeout_s:g} s"
+                )
 
         return barrier
 
@@ -595,6 +631,8 @@ class AllReduceWorkspace:
 
     def __repr__(self) -> str:
         kind = self.transport.kind if self.transport is not None else "torch.distributed only"
-        return (f"AllReduceWorkspace(rank={self.rank}/{self.world_size}, max_tokens="
-                f"{self.max_tokens}, hidden_size={self.hidden_size}, dtype={self.dtype}, "
-                f"device={self.device}, backend={kind}, closed={self._closed})")  # fmt: skip
+        return (
+            f"AllReduceWorkspace(rank={self.rank}/{self.world_size}, max_tokens="
+            f"{self.max_tokens}, hidden_size={self.hidden_size}, dtype={self.dtype}, "
+            f"device={self.device}, backend={kind}, closed={self._closed})"
+        )

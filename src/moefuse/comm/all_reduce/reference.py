@@ -71,9 +71,15 @@ def allreduce_residual_rmsnorm_fp8_from_partials(
 
 
 def allreduce_residual_rmsnorm_nvfp4_from_partials(
-    partials, residual, weight, global_scale, layout="swizzled_128x4", eps=1e-6, weight_bias=0.0,
+    partials,
+    residual,
+    weight,
+    global_scale,
+    layout="swizzled_128x4",
+    eps=1e-6,
+    weight_bias=0.0,
     fp32_acc=True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(residual_out, norm_out, packed [M, H/2] uint8, scales uint8)`` (recipe "ieee")."""
     h, n = allreduce_residual_rmsnorm_from_partials(
         partials, residual, weight, eps, weight_bias, fp32_acc
@@ -104,10 +110,24 @@ def allreduce_residual_rmsnorm_fp8_reference(
 
 
 def allreduce_residual_rmsnorm_nvfp4_reference(
-    input, residual, weight, global_scale, *, workspace, layout="swizzled_128x4", eps=1e-6,
-    weight_bias=0.0, fp32_acc=True,
-):  # fmt: skip
+    input,
+    residual,
+    weight,
+    global_scale,
+    *,
+    workspace,
+    layout="swizzled_128x4",
+    eps=1e-6,
+    weight_bias=0.0,
+    fp32_acc=True,
+):
     return allreduce_residual_rmsnorm_nvfp4_from_partials(
-        gather_partials(input, workspace), residual, weight, global_scale, layout, eps,
-        weight_bias, fp32_acc,
-    )  # fmt: skip
+        gather_partials(input, workspace),
+        residual,
+        weight,
+        global_scale,
+        layout,
+        eps,
+        weight_bias,
+        fp32_acc,
+    )

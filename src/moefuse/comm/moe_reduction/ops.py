@@ -57,8 +57,11 @@ def resolve_algorithm(ws, m: int, algorithm: str, stepwise: bool, dense: bool = 
     takes the torch path, an explicit "twoshot" raises. Same answer on every rank for the same
     M."""
     algo = ws.choose_algorithm(m, algorithm)
-    if algorithm == "auto" and algo == "oneshot" and prefers_twoshot(m, ws.hidden_size, dense,
-                                                                     stepwise):  # fmt: skip
+    if (
+        algorithm == "auto"
+        and algo == "oneshot"
+        and prefers_twoshot(m, ws.hidden_size, dense, stepwise)
+    ):
         algo = "twoshot"
     if algo == "twoshot" and not stepwise and not fp32_twoshot_fits(ws, m):
         if algorithm == "twoshot":
@@ -85,10 +88,34 @@ def _write(outs: dict, pattern, allreduce_out, residual_out, norm_out, quant_out
         scale_out.copy_(outs["scale_out"].reshape(scale_out.shape))
 
 
-def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_map, weights,
-             shared, rsf, residual, weight, scale, allreduce_out, residual_out, norm_out,
-             quant_out, scale_out, layout, eps, weight_bias, use_pdl, bias=None,
-             expert_ids=None) -> None:  # fmt: skip
+def _execute(
+    dense,
+    ws_id,
+    backend,
+    algorithm,
+    pattern,
+    stepwise,
+    *,
+    src,
+    idx_map,
+    weights,
+    shared,
+    rsf,
+    residual,
+    weight,
+    scale,
+    allreduce_out,
+    residual_out,
+    norm_out,
+    quant_out,
+    scale_out,
+    layout,
+    eps,
+    weight_bias,
+    use_pdl,
+    bias=None,
+    expert_ids=None,
+) -> None:
     ws = get_workspace(ws_id)
     ws.raise_if_unusable()
     if residual.shape[0] == 0:
@@ -98,25 +125,52 @@ def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_ma
         if dense:
             part = ref.reduction_partial(src, weights, shared, accumulate)
         else:
-            part = ref.finalize_partial(src, idx_map, weights, rsf, shared, accumulate, bias,
-                                        expert_ids)  # fmt: skip
+            part = ref.finalize_partial(
+                src, idx_map, weights, rsf, shared, accumulate, bias, expert_ids
+            )
         outs = ref.reference_from_partial(
-            part, residual, weight, workspace=ws, eps=eps, weight_bias=weight_bias,
-            accumulate=accumulate, quant=QUANT_OF_PATTERN[pattern], scale_factor=scale,
+            part,
+            residual,
+            weight,
+            workspace=ws,
+            eps=eps,
+            weight_bias=weight_bias,
+            accumulate=accumulate,
+            quant=QUANT_OF_PATTERN[pattern],
+            scale_factor=scale,
             layout=LAYOUT_NAMES[layout],
-        )  # fmt: skip
+        )
         _write(outs, pattern, allreduce_out, residual_out, norm_out, quant_out, scale_out)
         return
     from moefuse.comm.moe_reduction.kernels import launch_moe_reduction
 
     algo = resolve_algorithm(ws, residual.shape[0], algorithm, stepwise, bool(dense))
     launch_moe_reduction(
-        ws, algo, pattern, dense=dense, src=src, idx_map=idx_map, weights=weights, shared=shared,
-        rsf=rsf, bias=bias, expert_ids=expert_ids, residual=residual, weight=weight,
-        residual_out=residual_out, norm_out=norm_out,
-        allreduce_out=allreduce_out, quant_out=quant_out, scale_out=scale_out, scale=scale,
-        layout=layout, eps=eps, weight_bias=weight_bias, stepwise=stepwise, use_pdl=use_pdl,
-    )  # fmt: skip
+        ws,
+        algo,
+        pattern,
+        dense=dense,
+        src=src,
+        idx_map=idx_map,
+        weights=weights,
+        shared=shared,
+        rsf=rsf,
+        bias=bias,
+        expert_ids=expert_ids,
+        residual=residual,
+        weight=weight,
+        residual_out=residual_out,
+        norm_out=norm_out,
+        allreduce_out=allreduce_out,
+        quant_out=quant_out,
+        scale_out=scale_out,
+        scale=scale,
+        layout=layout,
+        eps=eps,
+        weight_bias=weight_bias,
+        stepwise=stepwise,
+        use_pdl=use_pdl,
+    )
     if ws.check_each_call and algo != "torch":
         ws.poll_status()
 
@@ -127,24 +181,77 @@ def _execute(dense, ws_id, backend, algorithm, pattern, stepwise, *, src, idx_ma
     mutates_args=("allreduce_out", "residual_out", "norm_out", "quant_out", "scale_out"),
 )
 def moe_allreduce_residual_rmsnorm_op(
-    active_experts_token_input: Tensor, scale_input: Tensor, token_input: Tensor,
-    residual: Tensor, weight: Tensor, scale: Tensor | None, allreduce_out: Tensor | None,
-    residual_out: Tensor, norm_out: Tensor, quant_out: Tensor | None, scale_out: Tensor | None,
-    workspace_id: int, eps: float, weight_bias: float, stepwise: bool, pattern: int, layout: int,
-    algorithm: str, use_pdl: bool, backend: str,
-) -> None:  # fmt: skip
-    _execute(True, workspace_id, backend, algorithm, pattern, stepwise,
-             src=active_experts_token_input, idx_map=None, weights=scale_input,
-             shared=token_input, rsf=1.0, residual=residual, weight=weight, scale=scale,
-             allreduce_out=allreduce_out, residual_out=residual_out, norm_out=norm_out,
-             quant_out=quant_out, scale_out=scale_out, layout=layout, eps=eps,
-             weight_bias=weight_bias, use_pdl=use_pdl)  # fmt: skip
+    active_experts_token_input: Tensor,
+    scale_input: Tensor,
+    token_input: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    scale: Tensor | None,
+    allreduce_out: Tensor | None,
+    residual_out: Tensor,
+    norm_out: Tensor,
+    quant_out: Tensor | None,
+    scale_out: Tensor | None,
+    workspace_id: int,
+    eps: float,
+    weight_bias: float,
+    stepwise: bool,
+    pattern: int,
+    layout: int,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
+    _execute(
+        True,
+        workspace_id,
+        backend,
+        algorithm,
+        pattern,
+        stepwise,
+        src=active_experts_token_input,
+        idx_map=None,
+        weights=scale_input,
+        shared=token_input,
+        rsf=1.0,
+        residual=residual,
+        weight=weight,
+        scale=scale,
+        allreduce_out=allreduce_out,
+        residual_out=residual_out,
+        norm_out=norm_out,
+        quant_out=quant_out,
+        scale_out=scale_out,
+        layout=layout,
+        eps=eps,
+        weight_bias=weight_bias,
+        use_pdl=use_pdl,
+    )
 
 
 @moe_allreduce_residual_rmsnorm_op.register_fake
-def _(active_experts_token_input, scale_input, token_input, residual, weight, scale,
-      allreduce_out, residual_out, norm_out, quant_out, scale_out, workspace_id, eps, weight_bias,
-      stepwise, pattern, layout, algorithm, use_pdl, backend):  # fmt: skip
+def _(
+    active_experts_token_input,
+    scale_input,
+    token_input,
+    residual,
+    weight,
+    scale,
+    allreduce_out,
+    residual_out,
+    norm_out,
+    quant_out,
+    scale_out,
+    workspace_id,
+    eps,
+    weight_bias,
+    stepwise,
+    pattern,
+    layout,
+    algorithm,
+    use_pdl,
+    backend,
+):
     return None
 
 
@@ -154,27 +261,83 @@ def _(active_experts_token_input, scale_input, token_input, residual, weight, sc
     mutates_args=("residual_out", "norm_out", "quant_out", "scale_out"),
 )
 def moe_finalize_allreduce_residual_rmsnorm_op(
-    allreduce_in: Tensor, expanded_idx_to_permuted_idx: Tensor,
-    expert_scale_factor: Tensor | None, shared_expert_output: Tensor | None,
-    bias: Tensor | None, expert_ids: Tensor | None, residual: Tensor,
-    weight: Tensor, scale: Tensor | None, residual_out: Tensor, norm_out: Tensor,
-    quant_out: Tensor | None, scale_out: Tensor | None, workspace_id: int,
-    routed_scaling_factor: float, eps: float, weight_bias: float, stepwise: bool, pattern: int,
-    layout: int, algorithm: str, use_pdl: bool, backend: str,
-) -> None:  # fmt: skip
-    _execute(False, workspace_id, backend, algorithm, pattern, stepwise, src=allreduce_in,
-             idx_map=expanded_idx_to_permuted_idx, weights=expert_scale_factor,
-             shared=shared_expert_output, rsf=routed_scaling_factor, bias=bias,
-             expert_ids=expert_ids, residual=residual,
-             weight=weight, scale=scale, allreduce_out=None, residual_out=residual_out,
-             norm_out=norm_out, quant_out=quant_out, scale_out=scale_out, layout=layout, eps=eps,
-             weight_bias=weight_bias, use_pdl=use_pdl)  # fmt: skip
+    allreduce_in: Tensor,
+    expanded_idx_to_permuted_idx: Tensor,
+    expert_scale_factor: Tensor | None,
+    shared_expert_output: Tensor | None,
+    bias: Tensor | None,
+    expert_ids: Tensor | None,
+    residual: Tensor,
+    weight: Tensor,
+    scale: Tensor | None,
+    residual_out: Tensor,
+    norm_out: Tensor,
+    quant_out: Tensor | None,
+    scale_out: Tensor | None,
+    workspace_id: int,
+    routed_scaling_factor: float,
+    eps: float,
+    weight_bias: float,
+    stepwise: bool,
+    pattern: int,
+    layout: int,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
+    _execute(
+        False,
+        workspace_id,
+        backend,
+        algorithm,
+        pattern,
+        stepwise,
+        src=allreduce_in,
+        idx_map=expanded_idx_to_permuted_idx,
+        weights=expert_scale_factor,
+        shared=shared_expert_output,
+        rsf=routed_scaling_factor,
+        bias=bias,
+        expert_ids=expert_ids,
+        residual=residual,
+        weight=weight,
+        scale=scale,
+        allreduce_out=None,
+        residual_out=residual_out,
+        norm_out=norm_out,
+        quant_out=quant_out,
+        scale_out=scale_out,
+        layout=layout,
+        eps=eps,
+        weight_bias=weight_bias,
+        use_pdl=use_pdl,
+    )
 
 
 @moe_finalize_allreduce_residual_rmsnorm_op.register_fake
-def _(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor, shared_expert_output,
-      bias, expert_ids, residual, weight, scale, residual_out, norm_out, quant_out, scale_out,
-      workspace_id,
-      routed_scaling_factor, eps, weight_bias, stepwise, pattern, layout, algorithm, use_pdl,
-      backend):  # fmt: skip
+def _(
+    allreduce_in,
+    expanded_idx_to_permuted_idx,
+    expert_scale_factor,
+    shared_expert_output,
+    bias,
+    expert_ids,
+    residual,
+    weight,
+    scale,
+    residual_out,
+    norm_out,
+    quant_out,
+    scale_out,
+    workspace_id,
+    routed_scaling_factor,
+    eps,
+    weight_bias,
+    stepwise,
+    pattern,
+    layout,
+    algorithm,
+    use_pdl,
+    backend,
+):
     return None

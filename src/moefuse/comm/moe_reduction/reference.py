@@ -71,10 +71,16 @@ def _stepwise(rows, valid, weights, rsf, shared, dtype, bias_rows=None) -> torch
     return acc.to(dtype)
 
 
-def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor=None,
-                     routed_scaling_factor=1.0, shared_expert_output=None,
-                     accumulate="stepwise", bias=None,
-                     expert_ids=None) -> torch.Tensor:  # fmt: skip
+def finalize_partial(
+    allreduce_in,
+    expanded_idx_to_permuted_idx,
+    expert_scale_factor=None,
+    routed_scaling_factor=1.0,
+    shared_expert_output=None,
+    accumulate="stepwise",
+    bias=None,
+    expert_ids=None,
+) -> torch.Tensor:
     """One rank's MoE-finalize partial [M, H] (the SPEC's MoE-finalize fusion) from the permuted
     rows [R, H].
 
@@ -89,9 +95,14 @@ def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_fa
         if w is None:
             w = torch.ones(m, k, dtype=torch.float32, device=allreduce_in.device)
         return moe_ref.moe_finalize_reference(
-            allreduce_in, idx, w, routed_scaling_factor=float(routed_scaling_factor),
-            shared_expert_output=shared_expert_output, bias=bias, expert_ids=expert_ids,
-        )  # fmt: skip
+            allreduce_in,
+            idx,
+            w,
+            routed_scaling_factor=float(routed_scaling_factor),
+            shared_expert_output=shared_expert_output,
+            bias=bias,
+            expert_ids=expert_ids,
+        )
     rows, valid = moe_ref.slot_rows(idx, allreduce_in.shape[0], False)
     if allreduce_in.shape[0] == 0:
         valid = torch.zeros_like(valid)
@@ -104,12 +115,20 @@ def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_fa
         has_b = (e >= 0) & (e < bias.shape[0])
         b = bias.index_select(0, torch.where(has_b, e, 0).t().reshape(-1)).float()
         bias_rows = torch.where(has_b.t().reshape(-1, 1), b, 0.0).view(k, m, -1)
-    return _stepwise(gathered, valid, expert_scale_factor, float(routed_scaling_factor),
-                     shared_expert_output, allreduce_in.dtype, bias_rows)  # fmt: skip
+    return _stepwise(
+        gathered,
+        valid,
+        expert_scale_factor,
+        float(routed_scaling_factor),
+        shared_expert_output,
+        allreduce_in.dtype,
+        bias_rows,
+    )
 
 
-def reduction_partial(active_experts_token_input, scale_input, token_input,
-                      accumulate="stepwise") -> torch.Tensor:  # fmt: skip
+def reduction_partial(
+    active_experts_token_input, scale_input, token_input, accumulate="stepwise"
+) -> torch.Tensor:
     """One rank's MoE-reduction partial [M, H] (the SPEC's MoE-reduction fusion): experts [E, M, H],
     FP32 scales [E, M], token input [M, H]."""
     x = active_experts_token_input
@@ -124,9 +143,17 @@ def reduction_partial(active_experts_token_input, scale_input, token_input,
 
 
 # ------------------------------------------------------------------------- all-reduce + epilogue
-def epilogue_from_partials(partials: Sequence[torch.Tensor], residual, weight, eps=1e-6,
-                           weight_bias=0.0, accumulate="stepwise", quant=None, scale_factor=None,
-                           layout="swizzled_128x4") -> dict:  # fmt: skip
+def epilogue_from_partials(
+    partials: Sequence[torch.Tensor],
+    residual,
+    weight,
+    eps=1e-6,
+    weight_bias=0.0,
+    accumulate="stepwise",
+    quant=None,
+    scale_factor=None,
+    layout="swizzled_128x4",
+) -> dict:
     """Rank-order sum of the partials and the epilogue. Returns a dict with ``allreduce_out``,
     ``residual_out``, ``norm_out`` and, when quantizing, ``quant_out`` (FP8: float8_e4m3fn; NVFP4:
     packed uint8 [M, H/2]) and ``scale_out`` (NVFP4)."""
@@ -148,41 +175,80 @@ def epilogue_from_partials(partials: Sequence[torch.Tensor], residual, weight, e
     return out
 
 
-def moe_finalize_allreduce_from_ranks(allreduce_ins, expanded_idx_to_permuted_idx, residual,
-                                      weight, *, expert_scale_factors=None,
-                                      routed_scaling_factor=1.0, shared_expert_outputs=None,
-                                      eps=1e-6, weight_bias=0.0, accumulate="stepwise",
-                                      quant=None, scale_factor=None, layout="swizzled_128x4",
-                                      biases=None, expert_ids=None) -> dict:  # fmt: skip
+def moe_finalize_allreduce_from_ranks(
+    allreduce_ins,
+    expanded_idx_to_permuted_idx,
+    residual,
+    weight,
+    *,
+    expert_scale_factors=None,
+    routed_scaling_factor=1.0,
+    shared_expert_outputs=None,
+    eps=1e-6,
+    weight_bias=0.0,
+    accumulate="stepwise",
+    quant=None,
+    scale_factor=None,
+    layout="swizzled_128x4",
+    biases=None,
+    expert_ids=None,
+) -> dict:
     """The SPEC's MoE-finalize fusion with every rank's inputs (lists in rank order;
     ``expanded_idx_to_permuted_idx`` may be one tensor for all ranks or a list). See
     :func:`epilogue_from_partials`."""
     p = len(allreduce_ins)
     maps = expanded_idx_to_permuted_idx
     maps = maps if isinstance(maps, (list, tuple)) else [maps] * p
-    ws = expert_scale_factors if isinstance(expert_scale_factors, (list, tuple)) else \
-        [expert_scale_factors] * p  # fmt: skip
+    ws = (
+        expert_scale_factors
+        if isinstance(expert_scale_factors, (list, tuple))
+        else [expert_scale_factors] * p
+    )
     sh = shared_expert_outputs if shared_expert_outputs is not None else [None] * p
     bs = biases if biases is not None else [None] * p
-    partials = [finalize_partial(allreduce_ins[r], maps[r], ws[r], routed_scaling_factor, sh[r],
-                                 accumulate, bs[r], expert_ids) for r in range(p)]  # fmt: skip
-    return epilogue_from_partials(partials, residual, weight, eps, weight_bias, accumulate, quant,
-                                  scale_factor, layout)  # fmt: skip
+    partials = [
+        finalize_partial(
+            allreduce_ins[r],
+            maps[r],
+            ws[r],
+            routed_scaling_factor,
+            sh[r],
+            accumulate,
+            bs[r],
+            expert_ids,
+        )
+        for r in range(p)
+    ]
+    return epilogue_from_partials(
+        partials, residual, weight, eps, weight_bias, accumulate, quant, scale_factor, layout
+    )
 
 
-def moe_allreduce_from_ranks(active_experts_token_inputs, scale_inputs, token_inputs, residual,
-                             weight, *, eps=1e-6, weight_bias=0.0, accumulate="stepwise",
-                             quant=None, scale_factor=None,
-                             layout="swizzled_128x4") -> dict:  # fmt: skip
+def moe_allreduce_from_ranks(
+    active_experts_token_inputs,
+    scale_inputs,
+    token_inputs,
+    residual,
+    weight,
+    *,
+    eps=1e-6,
+    weight_bias=0.0,
+    accumulate="stepwise",
+    quant=None,
+    scale_factor=None,
+    layout="swizzled_128x4",
+) -> dict:
     """The SPEC's MoE-reduction fusion with every rank's inputs (lists in rank order)."""
-    partials = [reduction_partial(x, s, t, accumulate)
-                for x, s, t in zip(active_experts_token_inputs, scale_inputs, token_inputs)]
-    return epilogue_from_partials(partials, residual, weight, eps, weight_bias, accumulate, quant,
-                                  scale_factor, layout)  # fmt: skip
+    partials = [
+        reduction_partial(x, s, t, accumulate)
+        for x, s, t in zip(active_experts_token_inputs, scale_inputs, token_inputs)
+    ]
+    return epilogue_from_partials(
+        partials, residual, weight, eps, weight_bias, accumulate, quant, scale_factor, layout
+    )
 
 
 # ----------------------------------------------------------------------------- collective
 def reference_from_partial(partial, residual, weight, *, workspace, **kw) -> dict:
     """This rank's ``partial`` all-gathered (torch.distributed), then the epilogue."""
-    return epilogue_from_partials(gather_partials(partial, workspace), residual, weight,
-                                  **kw)  # fmt: skip
+    return epilogue_from_partials(gather_partials(partial, workspace), residual, weight, **kw)
