@@ -239,7 +239,7 @@ class MoeReduce:
 
 class AllGatherNorm:
     """``all_gather_rmsnorm`` one-shot: bitwise equal to ``moefuse.rmsnorm`` of the full rows.
-    Subclasses: the other all-gather ops (``OP`` as in ``moefuse.bench.allgather``), each
+    Subclasses: the other all-gather ops (``OP`` as in ``moefuse.bench.all_gather``), each
     bitwise equal to its single-GPU op on the full rows."""
 
     name, op, algos = "allgather_norm", "all_gather_rmsnorm", ("oneshot",)
@@ -257,7 +257,7 @@ class AllGatherNorm:
     def inputs(seed, m, h, dev):
         import torch
 
-        from moefuse.bench.allgather import case_tensors
+        from moefuse.bench.all_gather import case_tensors
 
         g = gen(seed, dev)
         full = torch.randn(m, h, generator=g, device=dev).to(BF16)
@@ -269,7 +269,7 @@ class AllGatherNorm:
 
     @classmethod
     def call(cls, moefuse, ws, rank, case, algo, pdl=None):
-        from moefuse.bench.allgather import fused_op
+        from moefuse.bench.all_gather import fused_op
 
         full, shards, per_rank = case
         if algo != "oneshot":
@@ -280,7 +280,7 @@ class AllGatherNorm:
     @classmethod
     def check(cls, case, outs):
         import moefuse
-        from moefuse.bench.allgather import case_tensors, single_op
+        from moefuse.bench.all_gather import case_tensors, single_op
 
         full, shards, per_rank = case
         c = case_tensors(full.shape[0], full.shape[1], full.device)

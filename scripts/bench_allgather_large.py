@@ -28,7 +28,7 @@ import os
 import torch
 
 from moefuse.bench import ranks
-from moefuse.bench.allgather import peer_copy_gbps, time_variant
+from moefuse.bench.all_gather import peer_copy_gbps, time_variant
 
 FUSED = "MOEFUSE_ALLGATHER_LARGE"
 #: moefuse variants: the knobs each sets (read at capture; the same on every rank)

@@ -4,8 +4,8 @@ Per rank, on a workspace with H = 4096 (BF16):
 1. ``ws.raise_if_failed()`` and ``ws.failed()`` on a healthy workspace: ns per call (the check
    every op makes before it launches; target well under 1 us);
 2. CUDA-graph replay time of ``allreduce_residual_rmsnorm`` (one-shot, M = 1 / 64 / 512): median
-   us per replay over the ranks' max, to compare with notes/comm.md (3.3 / 6.0 / 17.3 us before
-   the fault check was added to the kernels);
+   us per replay over the ranks' max, to compare with notes/comm-all-reduce.md (3.3 / 6.0 / 17.3 us
+   before the fault check was added to the kernels);
 3. detection latency: rank 1 skips one replay; rank 0 polls ``ws.failed()`` in a Python loop
    WITHOUT any sync and records when the fault appears (expected ~timeout_s after the replay;
    the loop must see it while nothing synchronized the stream).
@@ -66,7 +66,7 @@ def _replay_us(graph, dist, replays=200, repeats=7) -> float:
 
 
 def worker(rank, world_size, init, out_dir):
-    from moefuse.bench.allreduce import NO_MULTICAST
+    from moefuse.bench.all_reduce import NO_MULTICAST
 
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)

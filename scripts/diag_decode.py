@@ -1,8 +1,8 @@
-"""Where a decode call of the MoE communication fusions spends its time (2 GPUs, P = 2).
+"""Where a decode call of the MoE-reduction fusions spends its time (2 GPUs, P = 2).
 
-At one token the §3.3 fusion (`moe_finalize_allreduce_residual_rmsnorm`) took 4.34-4.47 µs
-in session 9 against 3.75 µs for the §3.1 all-reduce + residual + RMSNorm alone, and
-`tp_moe_finalize_rmsnorm` 7.1-7.4 µs (notes/comm-moe.md, notes/comm-expert-norm.md). This
+At one token the MoE finalize fusion (`moe_finalize_allreduce_residual_rmsnorm`) took 4.34-4.47 µs
+in session 9 against 3.75 µs for the all-reduce fusion all-reduce + residual + RMSNorm alone, and
+`tp_moe_finalize_rmsnorm` 7.1-7.4 µs (notes/comm-moe-reduction.md, notes/comm-expert-norm.md). This
 times, in one run, the variants that isolate each suspect (CUDA-graph replays of 20 calls, max
 over ranks, median of the replays); every row differs from ``split`` in one respect:
 
@@ -13,7 +13,7 @@ over ranks, median of the replays); every row differs from ``split`` in one resp
   (K = 1: one expert row to load); ``split_nopdl``: ``enable_pdl=False`` (the routing data is
   read after the previous call completes); ``split_c8``: 8 CTAs per row instead of 16;
   ``fused``: one CTA per row; ``split_fp32``: accumulate="fp32";
-* ``reduction``: the §3.2 fusion (dense rows: no index map to read);
+* ``reduction``: the MoE reduction fusion (dense rows: no index map to read);
 * ``tp`` / ``tp_hot`` / ``tp_k1``: ``tp_moe_finalize_rmsnorm`` (slot_oneshot) likewise.
 
 Read: split - split_hot = HBM latency of the inputs; split - split_k1 = the other 7 rows;
@@ -55,7 +55,7 @@ def _inputs(k: int, n: int, rank: int, dev) -> dict:
 def _cases(mf, ws, xws, rank, dev) -> dict:
     """name -> ``fn(i)`` (input set ``i``), each one knob away from ``split``."""
     from moefuse.bench import harness
-    from moefuse.bench.moe_comm import with_env
+    from moefuse.bench.moe_reduction import with_env
 
     n = harness.rotation_sets((K + 3) * M * H * 2, cap=32)
     cold, hot, one = _inputs(K, n, rank, dev), _inputs(K, 1, rank, dev), _inputs(1, n, rank, dev)
@@ -113,7 +113,7 @@ def _cases(mf, ws, xws, rank, dev) -> dict:
 def worker(rank: int, world_size: int, args, init_method) -> None:
     dev = ranks.init_rank(rank, world_size, init_method)
     import torch.distributed as dist
-    from bench_moe_comm_variants import timed
+    from bench_moe_reduction_variants import timed
 
     import moefuse
     from moefuse.bench import harness

@@ -34,7 +34,7 @@ if [[ "${1:-}" == "--bench" ]]; then
     python3 -m moefuse bench "$fam" --save --out "$OUT/results" > "$OUT/bench_$fam.log" 2>&1
   done
   for p in 2 4 8; do
-    (( gpus >= p )) && python3 -m moefuse bench allreduce --world-size "$p" --save \
+    (( gpus >= p )) && python3 -m moefuse bench all-reduce --world-size "$p" --save \
       --out "$OUT/results" > "$OUT/bench_allreduce_p$p.log" 2>&1
   done
   grep -hE "BAR|PASS|FAIL" "$OUT"/bench_*.log | tail -40

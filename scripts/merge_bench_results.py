@@ -1,8 +1,8 @@
 """Merge the JSON files of several runs of one multi-GPU benchmark into one results file.
 
-A full sweep of ``bench allgather`` or ``bench moe-comm`` can outlast one 10-minute device call;
-it then runs as one call per width (``--hidden``), each with ``--save --out DIR_i``. This joins
-their rows into ``<out>/<family>-<gpu>-p<P>.json`` with the PNG beside it, recomputes the bar
+A full sweep of ``bench all-gather`` or ``bench moe-reduction`` can outlast one 10-minute device
+call; it then runs as one call per width (``--hidden``), each with ``--save --out DIR_i``. This
+joins their rows into ``<out>/<family>-<gpu>-p<P>.json`` with the PNG beside it, recomputes the bar
 lines of the whole table with the benchmark's own ``bar_checks``, and keeps every run's
 metadata (commit, command, peer-copy bandwidth) under ``meta["runs"]``.
 
@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from moefuse.bench import allgather, harness, moe_comm  # noqa: E402
+from moefuse.bench import all_gather, harness, moe_reduction  # noqa: E402
 
 BARS = {
-    "allgather": lambda rows, p: allgather.bar_checks(rows),
-    "moe-comm": lambda rows, p: moe_comm.bar_checks(rows, p),
+    "all-gather": lambda rows, p: all_gather.bar_checks(rows),
+    "moe-reduction": lambda rows, p: moe_reduction.bar_checks(rows, p),
 }
 
 

@@ -1,7 +1,8 @@
-"""Sweep the experimental one-shot variants (notes/comm.md "Mid-size one-shot", 2026-11-29) of
+"""Sweep the experimental one-shot variants (notes/comm-all-reduce.md "Mid-size one-shot",
+2026-11-29) of
 ``allreduce_residual_rmsnorm`` on 2 GPUs: per (H, M), every variant is first checked bitwise
 against the default kernel on fresh random data containing -0.0 (three calls each, so the Lamport
-generations cycle), then timed like ``moefuse bench allreduce`` (CUDA-graph replays, inputs
+generations cycle), then timed like ``moefuse bench all-reduce`` (CUDA-graph replays, inputs
 rotated over sets larger than L2, max over ranks of the median). One line per (H, M).
 
 GPU (2 x H200, ~2-3 min with a cold Triton cache):
@@ -145,7 +146,7 @@ def time_case(moefuse, harness, ws, group, m, h, names, replays) -> dict[str, fl
 
 
 def worker(rank, world_size, args, init_method) -> None:
-    from moefuse.bench.allreduce import NO_MULTICAST
+    from moefuse.bench.all_reduce import NO_MULTICAST
 
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)

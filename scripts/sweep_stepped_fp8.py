@@ -1,5 +1,5 @@
 """H200 sweep: stepped FP8 rows (quant/fused.py ``_rmsnorm_fp8_kernel`` with STEPPED: the norm's
-``_norm_stepped`` with the FP8 output hooks) against the one-pass tile and torch.compile, for
+``norm_stepped`` with the FP8 output hooks) against the one-pass tile and torch.compile, for
 rmsnorm_quant and fused_add_rmsnorm_quant.
 
 A stepped tile is (warps, columns per thread per step): STEP = 32 x warps x vec. Each layout is a

@@ -1,4 +1,4 @@
-"""H200 sweep: stepped rows (norm/triton.py `_norm_stepped`) for rmsnorm and fused_add_rmsnorm at
+"""H200 sweep: stepped rows (norm/triton.py `norm_stepped`) for rmsnorm and fused_add_rmsnorm at
 other thread layouts than the policy's, against the one-pass tile and torch.compile.
 
 A stepped tile is (warps, columns per thread per step): STEP = 32 x warps x vec. Each layout is a

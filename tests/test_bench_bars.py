@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moefuse.bench.allreduce import bar_checks
+from moefuse.bench.all_reduce import bar_checks
 
 
 def _rows(world_size, h, m, times):

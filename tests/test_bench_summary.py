@@ -43,9 +43,9 @@ def test_family_overrides_and_formats(tmp_path):
                                        "scatter-add finalize": 3.0})  # fmt: skip
     rows += _rows("permute->finalize", "K=8", 1, **{"PDL on": 2.0, "PDL off": 1.0})
     _write(tmp_path / "moe-h200.json", rows)
-    # moe-comm is not taken for moe; the file may name its baselines itself
+    # moe-reduction is not taken for moe; the file may name its baselines itself
     rows = _rows("moe_finalize_allreduce", "P=2", 8, moefuse=2.0, moefuse_unfused=4.0, nccl=8.0)
-    _write(tmp_path / "moe-comm-h200-p2.json", rows, baselines=["moefuse_unfused", "nccl"])
+    _write(tmp_path / "moe-reduction-h200-p2.json", rows, baselines=["moefuse_unfused", "nccl"])
     # overhead: impl / us_per_call, no M; F.rms_norm's row ("rms_norm") is rmsnorm's baseline
     _write(tmp_path / "overhead-h200.json",
            [{"op": "rmsnorm", "impl": "moefuse", "us_per_call": 5.0},
@@ -56,14 +56,14 @@ def test_family_overrides_and_formats(tmp_path):
             {"op": "moe_permute", "impl": "moefuse", "us_per_call": 6.0}])  # fmt: skip
     (tmp_path / "bench-all-h200.json").write_text(json.dumps({"runs": []}))  # not a result
     by_family = {r.family: r for r in summary.load(tmp_path)}
-    assert list(by_family) == ["moe", "overhead", "moe-comm"]  # registry order
+    assert list(by_family) == ["moe", "overhead", "moe-reduction"]  # registry order
     (layer,) = by_family["moe"].cases
     assert (layer.op, layer.best, layer.speedup) == ("layer", "scatter-add finalize", 1.5)
-    (mc,) = by_family["moe-comm"].cases
+    (mc,) = by_family["moe-reduction"].cases
     assert (mc.best, mc.speedup) == ("moefuse_unfused", 2.0)
     got = {(c.op, c.m, c.best, c.speedup) for c in by_family["overhead"].cases}
     assert got == {("rmsnorm", None, "torch", 0.8), ("moe_finalize", None, "torch", 2.0)}
-    assert registry.family_of("moe-comm-h200-p2").name == "moe-comm"
+    assert registry.family_of("moe-reduction-h200-p2").name == "moe-reduction"
     assert registry.family_of("moe-h200").name == "moe"
     assert registry.family_of("other-h200") is None
 
@@ -106,18 +106,18 @@ def test_committed_summary_is_current(tmp_path):
 def test_plan_skips_what_the_machine_cannot_run(monkeypatch):
     fams = (registry.Family("norm", "moefuse.bench.norm"),
             registry.Family("ghost", "moefuse.bench.no_such_module"),
-            registry.Family("allreduce", "moefuse.bench.allreduce", min_gpus=2, multi_rank=True),
+            registry.Family("all-reduce", "moefuse.bench.all_reduce", min_gpus=2, multi_rank=True),
             registry.Family("overhead", "moefuse.bench.norm", quick=False,
                             optional_world_size=True))  # fmt: skip
     monkeypatch.setattr(bench_all, "FAMILIES", fams)
     jobs = {j.label: j for j in bench_all.plan(2, "OUT", quick=True, world_sizes=(2, 4))}
-    assert list(jobs) == ["norm", "ghost", "allreduce P=2", "allreduce P=4", "overhead"]
+    assert list(jobs) == ["norm", "ghost", "all-reduce P=2", "all-reduce P=4", "overhead"]
     assert jobs["norm"].skip is None and jobs["norm"].argv == ["norm", "--save", "--out", "OUT",
                                                                "--quick"]  # fmt: skip
     assert "not in this build" in jobs["ghost"].skip
-    assert jobs["allreduce P=2"].skip is None and jobs["allreduce P=2"].argv[-2:] == [
+    assert jobs["all-reduce P=2"].skip is None and jobs["all-reduce P=2"].argv[-2:] == [
         "--world-size", "2"]  # fmt: skip
-    assert jobs["allreduce P=4"].skip == "needs 4 GPUs, this machine has 2"
+    assert jobs["all-reduce P=4"].skip == "needs 4 GPUs, this machine has 2"
     assert jobs["overhead"].argv == ["overhead", "--save", "--out", "OUT", "--world-size", "2"]
     one_gpu = {j.label: j for j in bench_all.plan(1, "OUT", world_sizes=(2,))}
     assert "--world-size" not in one_gpu["overhead"].argv
@@ -141,7 +141,7 @@ def test_bench_all_on_a_cpu_machine(capsys):
 
     assert cli.main(["bench", "all", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "norm" in out and "allreduce P=2" in out
+    assert "norm" in out and "all-reduce P=2" in out
     with pytest.raises(ValueError, match="--only"):
         cli.main(["bench", "all", "--only", "nope"])
 
@@ -156,7 +156,7 @@ def test_bench_all_runs_the_plan_then_the_summary(monkeypatch, tmp_path, capsys)
 
     fams = (registry.Family("norm", "moefuse.bench.norm"),
             registry.Family("quant", "moefuse.bench.quant"),
-            registry.Family("allreduce", "moefuse.bench.allreduce", min_gpus=2,
+            registry.Family("all-reduce", "moefuse.bench.all_reduce", min_gpus=2,
                             multi_rank=True))  # fmt: skip
     monkeypatch.setattr(bench_all, "FAMILIES", fams)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -179,7 +179,7 @@ def test_bench_all_runs_the_plan_then_the_summary(monkeypatch, tmp_path, capsys)
                    ["quant", "--save", "--out", str(tmp_path)]]  # fmt: skip
     runs = json.loads((tmp_path / "bench-all-fake.json").read_text())["runs"]
     status = {r["label"]: r["status"] for r in runs}
-    assert status == {"norm": "ok", "quant": "failed (exit 3)", "allreduce P=2": "skipped"}
+    assert status == {"norm": "ok", "quant": "failed (exit 3)", "all-reduce P=2": "skipped"}
     assert "2.00 x compile" in (tmp_path / "SUMMARY.md").read_text()
 
 

@@ -380,7 +380,7 @@ def test_bounded_wait_names_the_missing_rank(p):
 
 def test_bench_bar_lines():
     """The benchmark's bar logic on synthetic rows (no GPU): PASS / FAIL where the issue says."""
-    from moefuse.bench.allgather import bar_checks
+    from moefuse.bench.all_gather import bar_checks
 
     def row(m, us, best, bound):
         return {"variant": "moefuse", "op": "all_gather_rmsnorm", "P": 2, "H": 4096, "M": m,

@@ -303,7 +303,7 @@ def scenario_compat(rank, world_size):
             exp = moefuse.allreduce_residual_rmsnorm_nvfp4(x, res, w, sc, layout=layout, **kw)
             for a, b in zip((ro, pk, sf), exp):
                 assert_bitwise_equal(a, b, f"pattern 3 {layout}")
-    # pattern 7 is moefuse.compat._moe_comm's (tests/test_comm_moe_fusion.py): its MoE
+    # pattern 7 is moefuse.compat._moe_reduction's (tests/test_comm_moe_reduction.py): its MoE
     # arguments are required keywords
     with pytest.raises(ValueError, match="expanded_idx_to_permuted_idx"):
         trtllm_allreduce_fusion(x, *common, Pat.kMoEFinalizeARResidualRMSNorm, None,

@@ -1,6 +1,6 @@
 """Loopback ranks on CPU: P ranks as P threads of this process (``moefuse.testing_ranks``) with
 ``transport="loopback"`` peer buffers, the real Triton kernels in the interpreter. The same
-scenarios and checks as the multi-process tests (tests/test_comm.py, test_comm_moe_fusion.py):
+scenarios and checks as the multi-process tests (tests/test_comm.py, test_comm_moe_reduction.py):
 residual_out bitwise and norm_out within 1 ulp of the reference of all ranks' inputs, bitwise
 across algorithms and ranks. The GPU counterpart is scripts/loopback_gpu_check.py (one GPU)."""
 
@@ -42,7 +42,7 @@ def test_allreduce_residual_rmsnorm_loopback_ranks(world_size):
 
 
 def test_moe_finalize_loopback_ranks():
-    from test_comm_moe_fusion import scenario as moe_scenario
+    from test_comm_moe_reduction import scenario as moe_scenario
 
     cfg = dict(shapes=((40, (1, 5)),), cases=(("finalize", 2, "stepwise", None),),
                algorithms=("oneshot", "twoshot", "torch"), alone=False)  # fmt: skip

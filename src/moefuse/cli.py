@@ -6,8 +6,8 @@ import argparse
 import importlib
 import sys
 
-BENCH_FAMILIES = ("norm", "moe", "moe-experts", "quant", "allreduce", "overhead", "allgather",
-                  "moe-comm")
+BENCH_FAMILIES = ("norm", "moe", "moe-experts", "quant", "all-reduce", "overhead", "all-gather",
+                  "moe-reduction", "expert-norm")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Plumbing of the multi-GPU benchmarks: one process per GPU, spawned here or started by torchrun.
 
-``python -m moefuse bench allreduce|allgather|moe-comm --world-size P`` and
-``python -m moefuse.bench.moe_comm_tp`` share it: :func:`run_ranks` runs ``worker(rank, P, args,
+``python -m moefuse bench all-reduce|allgather|moe-reduction|expert-norm --world-size P``
+share it: :func:`run_ranks` runs ``worker(rank, P, args,
 init_method)`` in P spawned processes (a TCP rendezvous on a free local port) or, under torchrun,
 in place; the worker calls :func:`init_rank` first. NVLink multicast stays off everywhere.
 """

@@ -54,13 +54,16 @@ FAMILIES: tuple[Family, ...] = (
     # host µs per eager call; F.rms_norm (op "rms_norm", impl "torch") is rmsnorm's baseline
     Family("overhead", "moefuse.bench.overhead", quick=False, optional_world_size=True,
            op_aliases=(("rms_norm", "rmsnorm"),)),
-    Family("allreduce", "moefuse.bench.allreduce", min_gpus=2, multi_rank=True),
-    # §3.2 / §3.3: "fused" (algorithm and variant "auto"); its rows carry "role" ("fused" |
-    # "baseline": the unfused chains), which names the baselines. The §3.4 / §3.5 file
-    # (moe-comm-tp-*): "moefuse" against the unfused chains (the naming rule)
-    Family("moe-comm", "moefuse.bench.moe_comm", min_gpus=2, multi_rank=True,
+    Family("all-reduce", "moefuse.bench.all_reduce", min_gpus=2, multi_rank=True),
+    # MoE-reduction and MoE-finalize all-reduce fusions: "fused" (algorithm and variant
+    # "auto"); its rows carry "role" ("fused" | "baseline": the unfused chains), which names the
+    # baselines
+    Family("moe-reduction", "moefuse.bench.moe_reduction", min_gpus=2, multi_rank=True,
            ours=("fused", "moefuse")),
-    Family("allgather", "moefuse.bench.allgather", min_gpus=2, multi_rank=True),
+    # per-expert-norm finalize (tp_moe_finalize_rmsnorm, moe_finalize_rmsnorm_allreduce):
+    # "moefuse" against the unfused chains (the naming rule)
+    Family("expert-norm", "moefuse.bench.expert_norm", min_gpus=2, multi_rank=True),
+    Family("all-gather", "moefuse.bench.all_gather", min_gpus=2, multi_rank=True),
 )
 
 
@@ -74,8 +77,8 @@ def missing_reason(family: Family) -> str | None:
 
 
 def family_of(stem: str) -> Family | None:
-    """The family of a results file stem such as ``moe-comm-h200-p2`` (longest name first, so
-    ``moe-comm`` is not taken for ``moe``)."""
+    """The family of a results file stem such as ``moe-reduction-h200-p2`` (longest name first,
+    so ``moe-reduction`` is not taken for ``moe``)."""
     for fam in sorted(FAMILIES, key=lambda f: -len(f.name)):
         if stem == fam.name or stem.startswith(fam.name + "-"):
             return fam

@@ -79,7 +79,7 @@ def cases_of(family_name: str, meta: dict, rows: list[dict]) -> list[Case]:
     out = []
     for (op, shape, m), times in groups.items():
         ours, baselines = roles(fam, meta, set(times))
-        if (op, shape, m) in declared:  # the rows say which are baselines (moe-comm)
+        if (op, shape, m) in declared:  # the rows say which are baselines (moe-reduction)
             baselines = declared[(op, shape, m)]
         if ours is None or not baselines:
             continue

@@ -143,8 +143,18 @@ def signal_peers(table_ptr, flags_off16, slot, rank, value, P: tl.constexpr, PP:
 
 
 @triton.jit
-def wait_peers(table_ptr, flags_off16, slot, rank, value, deadline, clock_ptr,
-               P: tl.constexpr, PP: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def wait_peers(
+    table_ptr,
+    flags_off16,
+    slot,
+    rank,
+    value,
+    deadline,
+    clock_ptr,
+    P: tl.constexpr,
+    PP: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """Wait (acquire, system scope) until this rank's flags ``[slot, q]`` equal ``value`` for
     every other rank q, or until ``deadline``. Returns the bit mask of ranks still missing (0 on
     success). Polls with atomics so the successful read is itself the acquire; the CTA barrier
@@ -156,8 +166,7 @@ def wait_peers(table_ptr, flags_off16, slot, rank, value, deadline, clock_ptr,
     missing = tl.sum(tl.where(rmask & (seen != value), 1 << ranks, 0), axis=0)
     expired = missing * 0
     while (missing != 0) & (expired == 0):
-        seen = tl.atomic_add(mine, tl.zeros([PP], tl.int32), mask=rmask, sem="acquire",
-                             scope="sys")  # fmt: skip
+        seen = tl.atomic_add(mine, tl.zeros([PP], tl.int32), mask=rmask, sem="acquire", scope="sys")
         missing = tl.sum(tl.where(rmask & (seen != value), 1 << ranks, 0), axis=0)
         expired = (now_ns(clock_ptr, PTX) > deadline).to(tl.int32)
     tl.debug_barrier()
@@ -196,19 +205,44 @@ def accumulate(acc, v, T: tl.constexpr, FP32_ACC: tl.constexpr, PTX: tl.constexp
 
 @triton.jit
 def epilogue_row(
-    s, res, g, t, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
-    out_ptr, out_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr,
-    T: tl.constexpr, BLOCK_H: tl.constexpr, PATTERN: tl.constexpr, WRITE_NORM: tl.constexpr,
-    LAYOUT: tl.constexpr, PTX: tl.constexpr, RECIPE: tl.constexpr = 1,
-):  # fmt: skip
-    """Everything after the all-reduce for token row ``t`` (SPEC §3.1).
+    s,
+    res,
+    g,
+    t,
+    cols,
+    cmask,
+    H,
+    Hf,
+    eps,
+    inv_scale,
+    gs,
+    rcp_gs,
+    n_kcols,
+    out_ptr,
+    out_st,
+    rout_ptr,
+    rout_st,
+    nout_ptr,
+    nout_st,
+    q_ptr,
+    q_st,
+    sf_ptr,
+    T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PATTERN: tl.constexpr,
+    WRITE_NORM: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    PTX: tl.constexpr,
+    RECIPE: tl.constexpr = 1,
+):
+    """Everything after the all-reduce for token row ``t`` (the SPEC's all-reduce fusion).
 
     ``s``: FP32 values of the T-rounded sum (masked lanes 0); ``res``: the residual row widened to
     FP32; ``g = f32(weight) + weight_bias``. PATTERN 0 writes ``s``; otherwise
     ``h = T(s + res)`` -> residual_out, ``n = T((h * r) * g)`` with ``r`` the inverse RMS of the
     ROUNDED h -> norm_out (when WRITE_NORM), and PATTERN 2 (FP8) / 3 (NVFP4) quantize ``n``.
-    ``RECIPE``: NVFP4 output-scale recipe (1 "ieee", SPEC §3.1; the MoE fusions of SPEC §3.2-3.3
-    pass 0 "fast").
+    ``RECIPE``: NVFP4 output-scale recipe (1 "ieee", the SPEC's all-reduce fusion; the MoE-reduction
+    and MoE-finalize fusions pass 0 "fast").
     """
     t64 = t.to(tl.int64)
     if PATTERN == 0:
@@ -228,11 +262,13 @@ def epilogue_row(
             tl.store(q_ptr + t64 * q_st + cols, q, mask=cmask)
         if PATTERN == 3:
             nf = tl.where(cmask, n.to(tl.float32), 0.0)
-            packed, sf = QD.nvfp4_quantize_rows(tl.reshape(nf, (1, BLOCK_H)), gs, rcp_gs,
-                                                BLOCK_H, RECIPE, PTX)  # fmt: skip
+            packed, sf = QD.nvfp4_quantize_rows(
+                tl.reshape(nf, (1, BLOCK_H)), gs, rcp_gs, BLOCK_H, RECIPE, PTX
+            )
             half = tl.arange(0, BLOCK_H // 2)
-            tl.store(q_ptr + t64 * q_st + half, tl.reshape(packed, (BLOCK_H // 2,)),
-                     mask=half * 2 < H)  # fmt: skip
+            tl.store(
+                q_ptr + t64 * q_st + half, tl.reshape(packed, (BLOCK_H // 2,)), mask=half * 2 < H
+            )
             ks = tl.arange(0, BLOCK_H // 16)
             kb = H // 16
             sfv = tl.where(ks < kb, tl.reshape(sf, (BLOCK_H // 16,)), 0).to(tl.uint8)
@@ -241,8 +277,9 @@ def epilogue_row(
 
 
 @triton.jit
-def zero_scale_rows(sf_ptr, first, stop, step, n_kcols, LAYOUT: tl.constexpr,
-                    KP_BLOCK: tl.constexpr):  # fmt: skip
+def zero_scale_rows(
+    sf_ptr, first, stop, step, n_kcols, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr
+):
     """Write 0 into every scale byte of padding rows ``first, first+step, ... < stop``."""
     ks = tl.arange(0, KP_BLOCK)
     row = first
@@ -263,16 +300,22 @@ def store_sys(ptrs, values, mask, RELEASE: tl.constexpr, PTX: tl.constexpr):
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.release.sys.global.b32 [$1], $2; "
                 "mov.u32 $0, 0; }",
-                "=r,l,r,r", [ptrs, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                "=r,l,r,r",
+                [ptrs, values, mask.to(tl.int32)],
+                dtype=tl.int32,
+                is_pure=False,
                 pack=1,
-            )  # fmt: skip
+            )
         else:
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.relaxed.sys.global.b32 [$1], $2; "
                 "mov.u32 $0, 0; }",
-                "=r,l,r,r", [ptrs, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                "=r,l,r,r",
+                [ptrs, values, mask.to(tl.int32)],
+                dtype=tl.int32,
+                is_pure=False,
                 pack=1,
-            )  # fmt: skip
+            )
     else:
         tl.store(ptrs, values, mask=mask)
 
@@ -360,7 +403,8 @@ def load_gain(w_ptr, cols, cmask, weight_bias, PATTERN: tl.constexpr):
 
 @triton.jit
 def quant_scales(scale_ptr, PATTERN: tl.constexpr, PTX: tl.constexpr):
-    """``(1/scale, gs, rcp_fast(gs))`` from the [1] FP32 scale (IEEE 1/scale for FP8, SPEC §3.1)."""
+    """``(1/scale, gs, rcp_fast(gs))`` from the [1] FP32 scale (IEEE 1/scale for FP8, the SPEC's
+    all-reduce fusion)."""
     one = tl.full([], 1.0, tl.float32)
     if PATTERN == 2:
         sc = tl.load(scale_ptr).to(tl.float32)
@@ -373,9 +417,27 @@ def quant_scales(scale_ptr, PATTERN: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def finish(ctrl_ptr, table_ptr, rank, arrive_idx, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-            P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
-            USE_PDL: tl.constexpr, PTX: tl.constexpr, arrive=True, n_arrive=0):  # fmt: skip
+def finish(
+    ctrl_ptr,
+    table_ptr,
+    rank,
+    arrive_idx,
+    missing,
+    sf_ptr,
+    M,
+    M_pad,
+    n_kcols,
+    pid,
+    G,
+    P: tl.constexpr,
+    PATTERN: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    KP_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+    arrive=True,
+    n_arrive=0,
+):
     """Common tail: PDL trigger, fault record on timeout, scale padding rows, CTA arrival count.
 
     A timed-out CTA records the missing ranks (device status word, host status block) and tells
@@ -402,8 +464,20 @@ def finish(ctrl_ptr, table_ptr, rank, arrive_idx, missing, sf_ptr, M, M_pad, n_k
 
 
 @triton.jit
-def oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap,
-                   P: tl.constexpr, PTX: tl.constexpr, dists=None):  # fmt: skip
+def oneshot_state(
+    ctrl_ptr,
+    table_ptr,
+    rank,
+    clock_ptr,
+    timeout_us,
+    M,
+    pid,
+    G,
+    cap,
+    P: tl.constexpr,
+    PTX: tl.constexpr,
+    dists=None,
+):
     """(deadline of every wait, Lamport generation, this CTA's row count — rows pid, pid + G, ...;
     0 once the workspace has failed or a peer gave up —, element offset of the generation's slot
     region)."""
@@ -416,23 +490,70 @@ def oneshot_state(ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, c
 
 
 @triton.jit
-def oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, sf_ptr, M, M_pad, n_kcols, pid, G,
-                    P: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr,
-                    KP_BLOCK: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
-                    arrive=True, n_arrive=0):  # fmt: skip
+def oneshot_finish(
+    ctrl_ptr,
+    table_ptr,
+    rank,
+    gen,
+    missing,
+    sf_ptr,
+    M,
+    M_pad,
+    n_kcols,
+    pid,
+    G,
+    P: tl.constexpr,
+    PATTERN: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    KP_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+    arrive=True,
+    n_arrive=0,
+):
     """:func:`finish` (``arrive`` / ``n_arrive`` as there); the CTA that arrives last resets the
     counter and advances the generation."""
-    last = finish(ctrl_ptr, table_ptr, rank, CTRL_ARRIVE_1S, missing, sf_ptr, M, M_pad,
-                   n_kcols, pid, G, P, PATTERN, LAYOUT, KP_BLOCK, USE_PDL, PTX, arrive,
-                   n_arrive)  # fmt: skip
+    last = finish(
+        ctrl_ptr,
+        table_ptr,
+        rank,
+        CTRL_ARRIVE_1S,
+        missing,
+        sf_ptr,
+        M,
+        M_pad,
+        n_kcols,
+        pid,
+        G,
+        P,
+        PATTERN,
+        LAYOUT,
+        KP_BLOCK,
+        USE_PDL,
+        PTX,
+        arrive,
+        n_arrive,
+    )
     if last:
         tl.store(ctrl_ptr + CTRL_ARRIVE_1S, 0)
         tl.store(ctrl_ptr + CTRL_GEN, (gen + 1) % 3)
 
 
 @triton.jit
-def push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
-               P: tl.constexpr, BITS: tl.constexpr, dists=None):  # fmt: skip
+def push_vals(
+    x,
+    t,
+    cols,
+    cmask,
+    table_ptr,
+    lam_off16,
+    region,
+    rank,
+    H,
+    P: tl.constexpr,
+    BITS: tl.constexpr,
+    dists=None,
+):
     """Store row ``t`` of this rank, already in registers as ``x`` (-0.0 scrubbed), into its
     slot of every peer's buffer.
 
@@ -444,14 +565,28 @@ def push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H,
         if q != rank:
             slot = rank - (rank > q).to(tl.int32)
             off = ((region + t64) * (P - 1) + slot) * H
-            tl.store(peer_base(table_ptr, q, lam_off16, BITS, dists) + off + cols, bits,
-                     mask=cmask)  # fmt: skip
+            tl.store(peer_base(table_ptr, q, lam_off16, BITS, dists) + off + cols, bits, mask=cmask)
 
 
 @triton.jit
-def receive_sum(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_ptr, empty,
-                 T: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, FP32_ACC: tl.constexpr,
-                 PTX: tl.constexpr):  # fmt: skip
+def receive_sum(
+    x,
+    t64,
+    mine,
+    region,
+    rank,
+    cols,
+    cmask,
+    H,
+    deadline,
+    clock_ptr,
+    empty,
+    T: tl.constexpr,
+    P: tl.constexpr,
+    BITS: tl.constexpr,
+    FP32_ACC: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """Row ``t64`` summed over ranks in ascending order (this rank's ``x`` in its place, each
     peer's row polled from its slot of this rank's buffer, then the slot re-armed), rounded to
     ``T``. Returns (sum as FP32, bit mask of the peers whose row did not arrive in time)."""

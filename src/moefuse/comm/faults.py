@@ -82,31 +82,41 @@ def _device_address(pinned: torch.Tensor) -> int:
     except Exception as exc:  # no libcudart reachable through ctypes: unified addressing
         from moefuse._runtime import log_once
 
-        log_once("AllReduceWorkspace", f"cudaHostGetDevicePointer unavailable ({exc}); using "
-                 "the host address of the pinned status block (unified addressing)")  # fmt: skip
+        log_once(
+            "AllReduceWorkspace",
+            f"cudaHostGetDevicePointer unavailable ({exc}); using "
+            "the host address of the pinned status block (unified addressing)",
+        )
         return pinned.data_ptr()
 
 
-def describe(codes: list[int], summary: int, *, rank: int, group: str, timeout_s: float,
-             global_rank) -> str:  # fmt: skip
+def describe(
+    codes: list[int], summary: int, *, rank: int, group: str, timeout_s: float, global_rank
+) -> str:
     """The error message of a failed workspace: which ranks, what happened, the way back."""
     missing = [r for r, c in enumerate(codes) if c == MISSING]
     gave_up = [r for r, c in enumerate(codes) if c == GAVE_UP]
-    unknown = [r for r in range(len(codes))
-               if summary >> r & 1 and r not in missing and r not in gave_up]  # fmt: skip
+    unknown = [
+        r for r in range(len(codes)) if summary >> r & 1 and r not in missing and r not in gave_up
+    ]
     names = lambda rs: ", ".join(f"{r} (global rank {global_rank(r)})" for r in rs)  # noqa: E731
     parts = []
     if missing or unknown:
-        parts.append(f"rank(s) {names(missing + unknown)} never arrived within "
-                     f"timeout_s={timeout_s:g}")  # fmt: skip
+        parts.append(
+            f"rank(s) {names(missing + unknown)} never arrived within timeout_s={timeout_s:g}"
+        )
     if gave_up:
-        parts.append(f"rank(s) {names(gave_up)} gave up waiting (their bounded wait timed out "
-                     "before this rank arrived)")  # fmt: skip
+        parts.append(
+            f"rank(s) {names(gave_up)} gave up waiting (their bounded wait timed out "
+            "before this rank arrived)"
+        )
     if not parts:
         parts.append("a bounded wait timed out")
-    return (f"{'; '.join(parts)} (seen by group rank {rank} of group {group!r}); outputs of "
-            "the failed call and of every later call on this workspace are not valid; close() "
-            "and re-create the workspace")  # fmt: skip
+    return (
+        f"{'; '.join(parts)} (seen by group rank {rank} of group {group!r}); outputs of "
+        "the failed call and of every later call on this workspace are not valid; close() "
+        "and re-create the workspace"
+    )
 
 
 def bounded_barrier(store, key: str, world_size: int, timeout_s: float) -> int:

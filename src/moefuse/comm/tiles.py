@@ -52,7 +52,8 @@ def resident_ctas_per_sm(num_warps: int) -> int:
 
 @dataclass(frozen=True)
 class OneshotVariant:
-    """Experimental one-shot variants (2026-11-29, notes/comm.md "Mid-size one-shot"). All give
+    """Experimental one-shot variants (2026-11-29, notes/comm-all-reduce.md "Mid-size one-shot").
+    All give
     the same bits as the default (same rank-order sum, same epilogue); only scheduling differs.
     (A probe poll, spinning on a slot's first elements before the whole row, was deleted: it
     lost at every size, notes/gpu-logs/comm-variants-p2-2026-11-29.log.)
@@ -79,8 +80,11 @@ class OneshotVariant:
 PREFETCH_MIN_TOKENS = 384
 PREFETCH_ROWS_PER_CTA = ((1024, 4), (None, 8))  # (up to M tokens, rows per CTA)
 
-_VARIANT_ENV = ("MOEFUSE_COMM_ONESHOT_PREFETCH", "MOEFUSE_COMM_ROWS_PER_CTA",
-                "MOEFUSE_COMM_ONESHOT_WARPS")  # fmt: skip
+_VARIANT_ENV = (
+    "MOEFUSE_COMM_ONESHOT_PREFETCH",
+    "MOEFUSE_COMM_ROWS_PER_CTA",
+    "MOEFUSE_COMM_ONESHOT_WARPS",
+)
 
 
 def default_oneshot_variant(m_tokens: int) -> OneshotVariant:

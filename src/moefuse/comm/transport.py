@@ -260,26 +260,30 @@ class _CudaRuntime:
 
     def ipc_handle(self, ptr: int) -> bytes:
         handle = self._handle_t()
-        self._check(self.lib.cudaIpcGetMemHandle(self._c.byref(handle), self._c.c_void_p(ptr)),
-                    "cudaIpcGetMemHandle")  # fmt: skip
+        self._check(
+            self.lib.cudaIpcGetMemHandle(self._c.byref(handle), self._c.c_void_p(ptr)),
+            "cudaIpcGetMemHandle",
+        )
         return bytes(handle)
 
     def ipc_open(self, handle: bytes) -> int:
         ptr = self._c.c_void_p()
         raw = self._handle_t.from_buffer_copy(handle)
-        self._check(self.lib.cudaIpcOpenMemHandle(self._c.byref(ptr), raw,
-                                                  self.LAZY_ENABLE_PEER_ACCESS),
-                    "cudaIpcOpenMemHandle")  # fmt: skip
+        self._check(
+            self.lib.cudaIpcOpenMemHandle(self._c.byref(ptr), raw, self.LAZY_ENABLE_PEER_ACCESS),
+            "cudaIpcOpenMemHandle",
+        )
         return int(ptr.value)
 
     def ipc_close(self, ptr: int) -> None:
-        self._check(self.lib.cudaIpcCloseMemHandle(self._c.c_void_p(ptr)),
-                    "cudaIpcCloseMemHandle")  # fmt: skip
+        self._check(self.lib.cudaIpcCloseMemHandle(self._c.c_void_p(ptr)), "cudaIpcCloseMemHandle")
 
     def host_device_pointer(self, ptr: int) -> int:
         dev = self._c.c_void_p()
-        self._check(self.lib.cudaHostGetDevicePointer(self._c.byref(dev), self._c.c_void_p(ptr), 0),
-                    "cudaHostGetDevicePointer")  # fmt: skip
+        self._check(
+            self.lib.cudaHostGetDevicePointer(self._c.byref(dev), self._c.c_void_p(ptr), 0),
+            "cudaHostGetDevicePointer",
+        )
         return int(dev.value)
 
 
@@ -306,9 +310,13 @@ class _DeviceBytes:
     """``__cuda_array_interface__`` of a raw device allocation (zero-copy into a torch tensor)."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (ptr, False), "strides": None,
-                                         "version": 3}  # fmt: skip
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 class CudaIpcTransport(_PeerBuffers):
@@ -417,8 +425,10 @@ class LoopbackTransport(_PeerBuffers):
         dist.all_gather_object(infos, (os.getpid(), self.local.data_ptr()), group=group)
         if any(pid != os.getpid() for pid, _ in infos):
             self.local = None
-            raise RuntimeError("loopback transport: the ranks are not threads of one process "
-                               f"(pids {sorted({pid for pid, _ in infos})})")  # fmt: skip
+            raise RuntimeError(
+                "loopback transport: the ranks are not threads of one process "
+                f"(pids {sorted({pid for pid, _ in infos})})"
+            )
         self._publish([addr for _, addr in infos], "loopback buffers")
 
     def _free(self) -> None:
@@ -438,8 +448,9 @@ def cuda_transport_order(requested: str) -> tuple[str, ...]:
         return CUDA_TRANSPORTS
     if requested in CUDA_TRANSPORTS or requested == LOOPBACK:
         return (requested,)
-    raise ValueError(f"transport must be 'auto' or one of {(*CUDA_TRANSPORTS, LOOPBACK)}, got "
-                     f"{requested!r}")  # fmt: skip
+    raise ValueError(
+        f"transport must be 'auto' or one of {(*CUDA_TRANSPORTS, LOOPBACK)}, got {requested!r}"
+    )
 
 
 def make_transport(kind: str, group, nbytes: int, device, init=None, vote=None):
@@ -447,8 +458,11 @@ def make_transport(kind: str, group, nbytes: int, device, init=None, vote=None):
     device, else one of ``CUDA_TRANSPORTS``)."""
     if kind == "shm":
         return SharedMemoryTransport(group, nbytes, init, vote)
-    cls = {"symm_mem": SymmetricMemoryTransport, "cuda_ipc": CudaIpcTransport,
-           LOOPBACK: LoopbackTransport}[kind]  # fmt: skip
+    cls = {
+        "symm_mem": SymmetricMemoryTransport,
+        "cuda_ipc": CudaIpcTransport,
+        LOOPBACK: LoopbackTransport,
+    }[kind]
     return cls(group, nbytes, device, init, vote)
 
 

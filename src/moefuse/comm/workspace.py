@@ -90,7 +90,7 @@ ALGORITHMS = ("auto", "oneshot", "twoshot", "torch")
 #: Crossovers of ``algorithm="auto"``: the largest payload ``M * H * elem`` (bytes per rank) for
 #: which one-shot is chosen, per world size (None: always, up to the Lamport capacity); above it
 #: two-shot runs.
-#: * P = 2 MEASURED on 2 x H200 (2026-11-29, bench/results/allreduce-h200-p2.json, commit
+#: * P = 2 MEASURED on 2 x H200 (2026-11-29, bench/results/all-reduce-h200-p2.json, commit
 #:   2b8b3b71ed35): one-shot beats two-shot at every M and H measured, e.g. H = 4096: 3.4 vs 8.0 us
 #:   (M = 1), 18.7 vs 24.7 (M = 512), 390 vs 470 (M = 16384); H = 7168: 668 vs 819 at M = 16384.
 #: * P = 4 and 8: NOT YET MEASURED (the 4- and 8-GPU machines were not lent); first guess from
@@ -161,20 +161,33 @@ class AllReduceWorkspace:
     layout for other communication ops; ``offset16(name)`` addresses them).
     """
 
-    def __init__(self, group, max_tokens: int, hidden_size: int, dtype: torch.dtype, device, *,
-                 timeout_s: float | None = None, oneshot_max_tokens: int | None = None,
-                 peer_access: bool | None = None, transport: str | None = None,
-                 extra_regions: dict[str, int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        group,
+        max_tokens: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device,
+        *,
+        timeout_s: float | None = None,
+        oneshot_max_tokens: int | None = None,
+        peer_access: bool | None = None,
+        transport: str | None = None,
+        extra_regions: dict[str, int] | None = None,
+    ):
         group = group if group is not None else dist.group.WORLD
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"AllReduceWorkspace: max_tokens must be a positive int, "
-                             f"got {max_tokens!r}")  # fmt: skip
+            raise ValueError(
+                f"AllReduceWorkspace: max_tokens must be a positive int, got {max_tokens!r}"
+            )
         if not isinstance(hidden_size, int) or not 1 <= hidden_size <= MAX_HIDDEN:
-            raise ValueError(f"AllReduceWorkspace: hidden_size must be an int in [1, {MAX_HIDDEN}]"
-                             f", got {hidden_size!r}")  # fmt: skip
+            raise ValueError(
+                f"AllReduceWorkspace: hidden_size must be an int in [1, {MAX_HIDDEN}]"
+                f", got {hidden_size!r}"
+            )
         if dtype not in DTYPES:
             raise ValueError(f"AllReduceWorkspace: dtype must be one of {DTYPES}, got {dtype}")
         if device.type not in ("cuda", "cpu"):
@@ -191,8 +204,10 @@ class AllReduceWorkspace:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         if not 2 <= self.world_size <= faults.MAX_RANKS:
-            raise ValueError(f"AllReduceWorkspace: the group must have 2 to {faults.MAX_RANKS} "
-                             f"ranks, got {self.world_size}")  # fmt: skip
+            raise ValueError(
+                f"AllReduceWorkspace: the group must have 2 to {faults.MAX_RANKS} "
+                f"ranks, got {self.world_size}"
+            )
         self.max_tokens = max_tokens
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -210,35 +225,7 @@ class AllReduceWorkspace:
         # call is up to date and the failing call itself raises
         self.check_each_call = device.type == "cpu"
 
-        elem = torch.empty(0, dtype=dtype).element_size()
-        p, h = self.world_size, hidden_size
-        if oneshot_max_tokens is None:
-            limit = oneshot_max_bytes(p)
-            auto_tokens = max_tokens if limit is None else -(-limit // (h * elem))
-            budget_tokens = LAMPORT_BUDGET_BYTES // (3 * (p - 1) * h * elem)
-            oneshot_max_tokens = min(auto_tokens, budget_tokens)
-        self.oneshot_max_tokens = int(max(1, min(max_tokens, oneshot_max_tokens)))
-        self.chunk_cap = (max_tokens + p - 1) // p
-        self.own_slot_tokens = min(self.oneshot_max_tokens, OWN_SLOT_TOKENS)
-        self.num_flag_slots = NUM_FLAG_SLOTS
-        sizes = [
-            ("faults", faults.FAULTS_REGION_BYTES),  # first: kernels address it at offset 0
-            ("flags", 2 * NUM_FLAG_SLOTS * p * 4),
-            ("lamport", 3 * self.oneshot_max_tokens * (p - 1) * h * elem),
-            ("stage", p * self.chunk_cap * h * elem),
-            ("gather", max_tokens * h * elem),
-            ("lamport_own", self.own_slot_tokens * h * elem),
-        ]
-        for name, nbytes in (extra_regions or {}).items():
-            if any(name == n for n, _ in sizes) or int(nbytes) < 0:
-                raise ValueError(f"AllReduceWorkspace: bad extra region {name!r}: {nbytes!r}")
-            sizes.append((name, int(nbytes)))
-        self.regions: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for name, nbytes in sizes:
-            self.regions[name] = (offset, nbytes)
-            offset = _align(offset + nbytes)
-        self.buffer_bytes = offset
+        self._layout(oneshot_max_tokens, extra_regions)
 
         self.num_sms = self._min_sm_count()
         want_peers = self._detect_peer_access() if peer_access is None else bool(peer_access)
@@ -246,6 +233,7 @@ class AllReduceWorkspace:
         self.peer_access = self.transport is not None
         # the table holds each rank's buffer as a distance from the table itself, in 16-byte units
         # (kernels index peer memory from the aligned table argument; see comm/device.py)
+        p = self.world_size
         self.table = torch.zeros(max(p, 2), dtype=torch.int64, device=device)
         if self.peer_access:
             here = self.table.data_ptr()
@@ -267,6 +255,39 @@ class AllReduceWorkspace:
         _REGISTRY[self.id] = self
         self._ok = True
 
+    def _layout(self, oneshot_max_tokens: int | None, extra_regions: dict[str, int] | None) -> None:
+        """Token capacities and the peer buffer's regions (``self.regions``: name -> (offset,
+        bytes), each 16-byte aligned; ``self.buffer_bytes``), from the sizes set so far."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        p, h = self.world_size, self.hidden_size
+        if oneshot_max_tokens is None:
+            limit = oneshot_max_bytes(p)
+            auto_tokens = self.max_tokens if limit is None else -(-limit // (h * elem))
+            budget_tokens = LAMPORT_BUDGET_BYTES // (3 * (p - 1) * h * elem)
+            oneshot_max_tokens = min(auto_tokens, budget_tokens)
+        self.oneshot_max_tokens = int(max(1, min(self.max_tokens, oneshot_max_tokens)))
+        self.chunk_cap = (self.max_tokens + p - 1) // p
+        self.own_slot_tokens = min(self.oneshot_max_tokens, OWN_SLOT_TOKENS)
+        self.num_flag_slots = NUM_FLAG_SLOTS
+        sizes = [
+            ("faults", faults.FAULTS_REGION_BYTES),  # first: kernels address it at offset 0
+            ("flags", 2 * NUM_FLAG_SLOTS * p * 4),
+            ("lamport", 3 * self.oneshot_max_tokens * (p - 1) * h * elem),
+            ("stage", p * self.chunk_cap * h * elem),
+            ("gather", self.max_tokens * h * elem),
+            ("lamport_own", self.own_slot_tokens * h * elem),
+        ]
+        for name, nbytes in (extra_regions or {}).items():
+            if any(name == n for n, _ in sizes) or int(nbytes) < 0:
+                raise ValueError(f"AllReduceWorkspace: bad extra region {name!r}: {nbytes!r}")
+            sizes.append((name, int(nbytes)))
+        self.regions: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, nbytes in sizes:
+            self.regions[name] = (offset, nbytes)
+            offset = _align(offset + nbytes)
+        self.buffer_bytes = offset
+
     def refresh_clock(self) -> None:
         """CPU backend: set the clock word to now before a launch (see ``CpuClock.tick``); the
         GPU reads ``%globaltimer`` and needs nothing."""
@@ -281,9 +302,9 @@ class AllReduceWorkspace:
         if self.loopback:
             # the ranks' kernels share the GPU and spin on each other: sized to 1/P of the SMs
             # less one, every rank's persistent grid is resident at once (else the waits run
-            # out). MEASURED (H200, session 15, notes/comm-moe.md): at exactly 66 of 132 SMs
-            # the §3.3 one-shot at 2 CTAs per SM (H = 7168) timed out in 2 of 2 runs (M = 4097
-            # then 2049); at 65 or 60 every case passed
+            # out). MEASURED (H200, session 15, notes/comm-moe-reduction.md): at exactly 66 of 132
+            # SMs the MoE-finalize one-shot at 2 CTAs per SM (H = 7168) timed out in 2 of 2 runs (M
+            # = 4097 then 2049); at 65 or 60 every case passed
             sms = max(1, sms // self.world_size - 1)
         t = torch.tensor([sms], dtype=torch.int32, device=self._coll_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
@@ -327,17 +348,21 @@ class AllReduceWorkspace:
         allocation and mapping), so the ranks always agree on the transport or on none."""
         from moefuse._runtime import log_once
 
-        kinds = self._transport_order if self.device.type == "cuda" or self.loopback else \
-            ("shm",)  # fmt: skip
+        kinds = self._transport_order if self.device.type == "cuda" or self.loopback else ("shm",)
         for i, kind in enumerate(kinds):
             try:
-                return tp.make_transport(kind, self.group, self.buffer_bytes, self.device,
-                                         self._init_buffer, self.vote)  # fmt: skip
+                return tp.make_transport(
+                    kind, self.group, self.buffer_bytes, self.device, self._init_buffer, self.vote
+                )
             except Exception as exc:  # surfaced once; the next transport, or the torch path
-                then = f"trying {kinds[i + 1]}" if i + 1 < len(kinds) else \
-                    "using the torch.distributed path"  # fmt: skip
-                log_once(f"AllReduceWorkspace:{kind}", f"{kind} peer buffers unavailable ({exc}); "
-                         f"{then}")  # fmt: skip
+                then = (
+                    f"trying {kinds[i + 1]}"
+                    if i + 1 < len(kinds)
+                    else "using the torch.distributed path"
+                )
+                log_once(
+                    f"AllReduceWorkspace:{kind}", f"{kind} peer buffers unavailable ({exc}); {then}"
+                )
         return None
 
     # ------------------------------------------------------------------------- queries
@@ -383,19 +408,24 @@ class AllReduceWorkspace:
         cannot run raises (it never falls back silently). Same answer on every rank for the same M.
         """
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"moefuse.comm: algorithm must be one of {ALGORITHMS}, "
-                             f"got {algorithm!r}")  # fmt: skip
+            raise ValueError(
+                f"moefuse.comm: algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
+            )
         if algorithm == "torch":
             return "torch"
         if not self.peer_access:
             if algorithm == "auto":
                 return "torch"
-            raise RuntimeError(f"moefuse.comm: algorithm={algorithm!r} needs peer buffers, which "
-                               "this workspace does not have (peer_access is False)")  # fmt: skip
+            raise RuntimeError(
+                f"moefuse.comm: algorithm={algorithm!r} needs peer buffers, which "
+                "this workspace does not have (peer_access is False)"
+            )
         fits_oneshot = num_tokens <= self.oneshot_max_tokens
         if algorithm == "oneshot" and not fits_oneshot:
-            raise RuntimeError(f"moefuse.comm: one-shot holds at most {self.oneshot_max_tokens} "
-                               f"tokens, got {num_tokens}")  # fmt: skip
+            raise RuntimeError(
+                f"moefuse.comm: one-shot holds at most {self.oneshot_max_tokens} "
+                f"tokens, got {num_tokens}"
+            )
         if algorithm != "auto":
             return algorithm
         elem = torch.empty(0, dtype=self.dtype).element_size()
@@ -482,9 +512,13 @@ class AllReduceWorkspace:
             status = self._device_status()
             if status and self._status_view[0] == 0:
                 self._failure = faults.describe(
-                    [0] * self.world_size, status, rank=self.rank, group=self._group_name(),
-                    timeout_s=self.timeout_s, global_rank=self.global_rank,
-                )  # fmt: skip
+                    [0] * self.world_size,
+                    status,
+                    rank=self.rank,
+                    group=self._group_name(),
+                    timeout_s=self.timeout_s,
+                    global_rank=self.global_rank,
+                )
                 self._ok = False
         self.raise_if_failed()
 
@@ -502,9 +536,13 @@ class AllReduceWorkspace:
         and re-create the workspace."""
         if self._failure is None and self._status_view[0] != 0:
             self._failure = faults.describe(
-                self.host_status.codes(self.world_size), self._status_view[0], rank=self.rank,
-                group=self._group_name(), timeout_s=self.timeout_s, global_rank=self.global_rank,
-            )  # fmt: skip
+                self.host_status.codes(self.world_size),
+                self._status_view[0],
+                rank=self.rank,
+                group=self._group_name(),
+                timeout_s=self.timeout_s,
+                global_rank=self.global_rank,
+            )
             self._ok = False
         return self._failure
 
@@ -562,7 +600,9 @@ class AllReduceWorkspace:
             self._leaked = self.transport
             logging.getLogger("moefuse").warning(
                 "moefuse.AllReduceWorkspace.close(): %s; the peer buffers are kept (not freed) "
-                "because a peer may still write into them", exc)
+                "because a peer may still write into them",
+                exc,
+            )
         self.transport = None
         if self._clock is not None:
             self._clock.stop()
@@ -577,9 +617,11 @@ class AllReduceWorkspace:
             key = f"moefuse/comm/{self._uid}/close/{next(steps)}"
             arrived = faults.bounded_barrier(store, key, self.world_size, timeout_s)
             if arrived < self.world_size:
-                raise TimeoutError(f"only {arrived} of {self.world_size} ranks of group "
-                                   f"{self._group_name()!r} reached close() within "
-                                   f"{timeout_s:g} s")  # fmt: skip
+                raise TimeoutError(
+                    f"only {arrived} of {self.world_size} ranks of group "
+                    f"{self._group_name()!r} reached close() within "
+                    f"{timeout_s:g} s"
+                )
 
         return barrier
 
@@ -589,6 +631,8 @@ class AllReduceWorkspace:
 
     def __repr__(self) -> str:
         kind = self.transport.kind if self.transport is not None else "torch.distributed only"
-        return (f"AllReduceWorkspace(rank={self.rank}/{self.world_size}, max_tokens="
-                f"{self.max_tokens}, hidden_size={self.hidden_size}, dtype={self.dtype}, "
-                f"device={self.device}, backend={kind}, closed={self._closed})")  # fmt: skip
+        return (
+            f"AllReduceWorkspace(rank={self.rank}/{self.world_size}, max_tokens="
+            f"{self.max_tokens}, hidden_size={self.hidden_size}, dtype={self.dtype}, "
+            f"device={self.device}, backend={kind}, closed={self._closed})"
+        )

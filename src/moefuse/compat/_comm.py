@@ -10,7 +10,7 @@
   launch after their last load of the previous kernel's data (their outputs are complete only at
   kernel end, which a dependent's grid-dependency wait observes).
 * NVFP4 patterns use recipe "ieee" (SPEC §3.1) and write every scale layout, padding zeroed, on
-  SM90 too. Patterns 6 / 7 (SPEC §3.2-§3.3) forward to ``moefuse.compat._moe_comm`` (MoE
+  SM90 too. Patterns 6 / 7 (SPEC §3.2-§3.3) forward to ``moefuse.compat._moe_reduction`` (MoE
   arguments as keywords); 8-11 (§4.3) raise here.
 """
 
@@ -85,7 +85,7 @@ def trtllm_allreduce_fusion(
 ) -> None:
     """Run FlashInfer pattern ``pattern_code`` on ``workspace_ptrs`` (an AllReduceWorkspace),
     writing the caller's output tensors in place (FlashInfer semantics). Returns None.
-    Patterns 6 / 7 take their MoE arguments as keywords (``moefuse.compat._moe_comm``)."""
+    Patterns 6 / 7 take their MoE arguments as keywords (``moefuse.compat._moe_reduction``)."""
     ws = workspace_ptrs
     if not isinstance(ws, comm.AllReduceWorkspace):
         raise ValueError("trtllm_allreduce_fusion: 'workspace_ptrs' must be a moefuse "
@@ -95,7 +95,7 @@ def trtllm_allreduce_fusion(
                          f"match the workspace ({ws.world_size}, {ws.rank}, {ws.hidden_size})")
     if int(pattern_code) in (AllReduceFusionPattern.kMoEReductionARResidualRMSNorm,
                              AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm):  # fmt: skip
-        from moefuse.compat._moe_comm import moe_pattern
+        from moefuse.compat._moe_reduction import moe_pattern
 
         moe_pattern(int(pattern_code), allreduce_in=allreduce_in, world_size=world_size,
                     world_rank=world_rank, token_num=token_num, hidden_dim=hidden_dim,

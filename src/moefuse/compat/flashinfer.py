@@ -46,9 +46,9 @@ try:
 except ImportError:  # pragma: no cover
     pass
 try:  # MoE all-reduce fusions (SPEC §3.2, §3.3)
-    from moefuse.compat._moe_comm import *  # noqa: F401,F403
-    from moefuse.compat._moe_comm import __all__ as _moe_comm_all
+    from moefuse.compat._moe_reduction import *  # noqa: F401,F403
+    from moefuse.compat._moe_reduction import __all__ as _moe_reduction_all
 
-    __all__ += [n for n in _moe_comm_all if n not in __all__]
+    __all__ += [n for n in _moe_reduction_all if n not in __all__]
 except ImportError:  # pragma: no cover
     pass

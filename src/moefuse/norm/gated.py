@@ -16,6 +16,10 @@ Two row layouts, chosen from the width alone (:func:`moefuse.norm.tiles.row_tile
 
 PDL: parameters are loaded before ``gdc_wait`` where the row is held in registers; activations
 after it; ``gdc_launch_dependents`` after the last load of the previous kernel's data.
+
+Public device functions (no leading underscore): ``gated_next_tile``, ``next_unrolled_row`` and
+``next_stepped``, the gated_residual_next rows that the all-gather family
+(``moefuse.comm.all_gather.decode``) reuses for its fused gated op (same tree, same bits).
 """
 
 from __future__ import annotations
@@ -29,18 +33,18 @@ from moefuse.norm import tiles
 from moefuse.norm import triton as nt
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
 from moefuse.norm.triton import (
-    _add_load,
     _inv_rms,
     _launch,
-    _ld,
-    _ldp,
     _loop_tile,
     _param,
     _st,
-    _step_cols,
-    _step_params,
-    _tile_rows,
     _weighted_sumsq,
+    add_load,
+    ld,
+    ldp,
+    step_cols,
+    step_params,
+    tile_rows,
 )
 
 
@@ -75,7 +79,7 @@ def _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED: tl.constexpr, HAS_ROUTER:
     if HAS_ROUTER:
         _st(router_ptrs, y, mask, MASKED, PTX)
         tl.debug_barrier()
-        y = _ld(router_ptrs, mask, MASKED, False)
+        y = ld(router_ptrs, mask, MASKED, False)
     _st(ffn_ptrs, y, mask, MASKED, PTX)
 
 
@@ -92,11 +96,11 @@ def _gated_tile(x, res, a, be, w, rows, cols, mask, out_ptr, o_st, Hf, eps, MASK
 
 
 @triton.jit
-def _gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_ptr, rout_ptr,
-                     ffn_ptr, router_ptr, ro_st, f_st, rt_st, alpha_scalar, Hf, post_eps,
-                     next_eps, ALPHA_MODE: tl.constexpr, MASKED: tl.constexpr,
-                     HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
-                     PTX: tl.constexpr):  # fmt: skip
+def gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_ptr, rout_ptr,
+                    ffn_ptr, router_ptr, ro_st, f_st, rt_st, alpha_scalar, Hf, post_eps,
+                    next_eps, ALPHA_MODE: tl.constexpr, MASKED: tl.constexpr,
+                    HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
+                    PTX: tl.constexpr):  # fmt: skip
     """One-pass tile of _gated_residual_next_kernel from the FP32 branch and stream (the
     comment at the router row says why its stores come in that order)."""
     r64 = rows.to(tl.int64)[:, None]
@@ -105,8 +109,8 @@ def _gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_pt
     r1 = _inv_rms(tl.sum(b * b, axis=1)[:, None], Hf, post_eps)
     a = 1.0
     if ALPHA_MODE == 2:
-        a = _ld(alpha_ptr + cols, pmask, MASKED, False)[None, :]
-    be = _ld(beta_ptr + cols, pmask, MASKED, False)[None, :]
+        a = ld(alpha_ptr + cols, pmask, MASKED, False)[None, :]
+    be = ld(beta_ptr + cols, pmask, MASKED, False)[None, :]
     ro = _stream_update(res, b, a, be, alpha_scalar, r1, ALPHA_MODE)
     ro_ptrs = rout_ptr + r64 * ro_st + cols[None, :]
     if not HAS_ROUTER:  # with a router row, residual_out is stored last (see below)
@@ -135,7 +139,7 @@ def _gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_pt
 def _branch_step(b_ptr, b_row, w_ptr, cols, cm, gc, MASKED: tl.constexpr,
                  HAS_WEIGHT: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
     """x = f32(branch) [* (w + c)] of one step (looped mode)."""
-    x = _ldp(b_ptr + b_row + cols, cm, MASKED, POLICY)
+    x = ldp(b_ptr + b_row + cols, cm, MASKED, POLICY)
     if HAS_WEIGHT:
         x = x * _param(w_ptr, cols, cm, gc, MASKED, True)
     return x
@@ -147,7 +151,7 @@ def _branch_sumsq_loop(b_ptr, b_row, w_ptr, H, gc, STEP: tl.constexpr, STEPS: tl
     """[1, 1] statistic of x over the row, looped; loads keep the row in L2 for the next pass."""
     acc = tl.zeros([1, STEP], dtype=tl.float32)
     for k in tl.range(0, STEPS):
-        cols, cm = _step_cols(k, H, STEP)
+        cols, cm = step_cols(k, H, STEP)
         x = _branch_step(b_ptr, b_row, w_ptr, cols, cm, gc, MASKED, HAS_WEIGHT, "evict_last")
         acc = tl.fma(x, x, acc)
     return tl.sum(acc, axis=1)[:, None]
@@ -160,9 +164,9 @@ def _load_steps(a_ptr, b_ptr, a_row, b_row, H, STEP: tl.constexpr, STEPS: tl.con
     xs = ()
     ys = ()
     for k in tl.static_range(STEPS):
-        cols, cm = _step_cols(k, H, STEP)
-        xs = xs + (_ldp(a_ptr + a_row + cols, cm, MASKED, "evict_first"),)
-        ys = ys + (_ldp(b_ptr + b_row + cols, cm, MASKED, "evict_first"),)
+        cols, cm = step_cols(k, H, STEP)
+        xs = xs + (ldp(a_ptr + a_row + cols, cm, MASKED, "evict_first"),)
+        ys = ys + (ldp(b_ptr + b_row + cols, cm, MASKED, "evict_first"),)
     return xs, ys
 
 
@@ -176,9 +180,9 @@ def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, 
     r_row = row * r_st
     o_row = row * o_st
     if UNROLL:
-        als = _step_params(alpha_ptr, H, 0.0, STEP, STEPS, MASKED, True)
-        bes = _step_params(beta_ptr, H, 0.0, STEP, STEPS, MASKED, True)
-        ws = _step_params(w_ptr, H, gc, STEP, STEPS, MASKED, HAS_WEIGHT)
+        als = step_params(alpha_ptr, H, 0.0, STEP, STEPS, MASKED, True)
+        bes = step_params(beta_ptr, H, 0.0, STEP, STEPS, MASKED, True)
+        ws = step_params(w_ptr, H, gc, STEP, STEPS, MASKED, HAS_WEIGHT)
         if USE_PDL:
             gdc_wait()
         xs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
@@ -187,7 +191,7 @@ def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, 
         xws, ss = _weighted_sumsq(xs, ws, STEP, STEPS, HAS_WEIGHT)
         r = _inv_rms(ss, Hf, eps)
         for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
+            cols, cm = step_cols(k, H, STEP)
             _st(out_ptr + o_row + cols, _gated_out(als[k], rs[k], bes[k], xws[k], r), cm, MASKED,
                 PTX)  # fmt: skip
     else:
@@ -196,9 +200,9 @@ def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, 
         r = _inv_rms(_branch_sumsq_loop(b_ptr, b_row, w_ptr, H, gc, STEP, STEPS, MASKED,
                                         HAS_WEIGHT), Hf, eps)  # fmt: skip
         for k in tl.range(0, STEPS):
-            cols, cm = _step_cols(k, H, STEP)
+            cols, cm = step_cols(k, H, STEP)
             x = _branch_step(b_ptr, b_row, w_ptr, cols, cm, gc, MASKED, HAS_WEIGHT, "evict_first")
-            res = _ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first")
+            res = ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first")
             a = _param(alpha_ptr, cols, cm, 0.0, MASKED, True)
             be = _param(beta_ptr, cols, cm, 0.0, MASKED, True)
             _st(out_ptr + o_row + cols, _gated_out(a, res, be, x, r), cm, MASKED, PTX)
@@ -207,39 +211,39 @@ def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, 
 
 
 @triton.jit
-def _next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr, ro_row, f_row,
-                       rt_row, H, Hf, alpha_scalar, post_eps, next_eps, STEP: tl.constexpr,
-                       STEPS: tl.constexpr, MASKED: tl.constexpr, ALPHA_MODE: tl.constexpr,
-                       HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
-                       PTX: tl.constexpr):  # fmt: skip
+def next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr, ro_row, f_row,
+                      rt_row, H, Hf, alpha_scalar, post_eps, next_eps, STEP: tl.constexpr,
+                      STEPS: tl.constexpr, MASKED: tl.constexpr, ALPHA_MODE: tl.constexpr,
+                      HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
+                      PTX: tl.constexpr):  # fmt: skip
     """The math and stores of an unrolled stepped row of _gated_residual_next_kernel from its
     steps in registers: branch ``bs`` and residual ``rs`` (FP32 tuples), parameters ``nws`` /
-    ``pws`` / ``als`` / ``bes`` (``_step_params``). Also run by the fused all-gather decode
+    ``pws`` / ``als`` / ``bes`` (``step_params``). Also run by the fused all-gather decode
     kernel on branch steps read from its slots (comm/all_gather/decode.py): the same bits."""
     acc2 = tl.zeros([1, STEP], dtype=tl.float32)
     bws, ss1 = _weighted_sumsq(bs, pws, STEP, STEPS, HAS_POST_WEIGHT)
     r1 = _inv_rms(ss1, Hf, post_eps)
     ros = ()
     for k in tl.static_range(STEPS):
-        cols, cm = _step_cols(k, H, STEP)
+        cols, cm = step_cols(k, H, STEP)
         ro = _stream_update(rs[k], bws[k], als[k], bes[k], alpha_scalar, r1, ALPHA_MODE)
         _st(rout_ptr + ro_row + cols, ro, cm, MASKED, PTX)
         ros = ros + (ro,)
         acc2 = tl.fma(ro, ro, acc2)
     r2 = _inv_rms(tl.sum(acc2, axis=1)[:, None], Hf, next_eps)
     for k in tl.static_range(STEPS):
-        cols, cm = _step_cols(k, H, STEP)
+        cols, cm = step_cols(k, H, STEP)
         _store_ffn(ffn_ptr + f_row + cols, router_ptr + rt_row + cols, (ros[k] * r2) * nws[k],
                    cm, MASKED, HAS_ROUTER, PTX)  # fmt: skip
 
 
 @triton.jit
-def _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr,
-                  router_ptr, row, H, Hf, b_st, r_st, ro_st, f_st, rt_st, alpha_scalar, post_eps,
-                  next_eps, ngc, pgc, STEP: tl.constexpr, STEPS: tl.constexpr,
-                  UNROLL: tl.constexpr, MASKED: tl.constexpr, ALPHA_MODE: tl.constexpr,
-                  HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr, PTX: tl.constexpr,
-                  USE_PDL: tl.constexpr):  # fmt: skip
+def next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr,
+                 router_ptr, row, H, Hf, b_st, r_st, ro_st, f_st, rt_st, alpha_scalar, post_eps,
+                 next_eps, ngc, pgc, STEP: tl.constexpr, STEPS: tl.constexpr,
+                 UNROLL: tl.constexpr, MASKED: tl.constexpr, ALPHA_MODE: tl.constexpr,
+                 HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr, PTX: tl.constexpr,
+                 USE_PDL: tl.constexpr):  # fmt: skip
     """One row of _gated_residual_next_kernel, stepped layout: statistic of b, residual_out step
     by step (stored; its statistic accumulated), then ffn / router from residual_out (registers
     when unrolled, the stored FP32 values otherwise: the same bits)."""
@@ -250,16 +254,16 @@ def _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr,
     rt_row = row * rt_st
     acc2 = tl.zeros([1, STEP], dtype=tl.float32)
     if UNROLL:
-        nws = _step_params(nw_ptr, H, ngc, STEP, STEPS, MASKED, True)
-        pws = _step_params(pw_ptr, H, pgc, STEP, STEPS, MASKED, HAS_POST_WEIGHT)
-        als = _step_params(alpha_ptr, H, 0.0, STEP, STEPS, MASKED, ALPHA_MODE == 2)
-        bes = _step_params(beta_ptr, H, 0.0, STEP, STEPS, MASKED, True)
+        nws = step_params(nw_ptr, H, ngc, STEP, STEPS, MASKED, True)
+        pws = step_params(pw_ptr, H, pgc, STEP, STEPS, MASKED, HAS_POST_WEIGHT)
+        als = step_params(alpha_ptr, H, 0.0, STEP, STEPS, MASKED, ALPHA_MODE == 2)
+        bes = step_params(beta_ptr, H, 0.0, STEP, STEPS, MASKED, True)
         if USE_PDL:
             gdc_wait()
         bs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
         if USE_PDL:
             gdc_launch_dependents()
-        _next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr, ro_row,
+        next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr, ro_row,
                            f_row, rt_row, H, Hf, alpha_scalar, post_eps, next_eps, STEP, STEPS,
                            MASKED, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
     else:
@@ -268,10 +272,10 @@ def _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr,
         r1 = _inv_rms(_branch_sumsq_loop(b_ptr, b_row, pw_ptr, H, pgc, STEP, STEPS, MASKED,
                                          HAS_POST_WEIGHT), Hf, post_eps)  # fmt: skip
         for k in tl.range(0, STEPS):
-            cols, cm = _step_cols(k, H, STEP)
+            cols, cm = step_cols(k, H, STEP)
             b = _branch_step(b_ptr, b_row, pw_ptr, cols, cm, pgc, MASKED, HAS_POST_WEIGHT,
                              "evict_first")  # fmt: skip
-            res = _ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first")
+            res = ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first")
             a = _param(alpha_ptr, cols, cm, 0.0, MASKED, ALPHA_MODE == 2)
             be = _param(beta_ptr, cols, cm, 0.0, MASKED, True)
             ro = _stream_update(res, b, a, be, alpha_scalar, r1, ALPHA_MODE)
@@ -283,9 +287,9 @@ def _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr,
         # this program's residual_out stores visible to all of its threads before the re-read
         tl.debug_barrier()
         for k in tl.range(0, STEPS):
-            cols, cm = _step_cols(k, H, STEP)
+            cols, cm = step_cols(k, H, STEP)
             nw = _param(nw_ptr, cols, cm, ngc, MASKED, True)
-            ro = _ldp(rout_ptr + ro_row + cols, cm, MASKED, "evict_first")
+            ro = ldp(rout_ptr + ro_row + cols, cm, MASKED, "evict_first")
             _store_ffn(ffn_ptr + f_row + cols, router_ptr + rt_row + cols, (ro * r2) * nw, cm,
                        MASKED, HAS_ROUTER, PTX)  # fmt: skip
 
@@ -313,16 +317,16 @@ def _gated_residual_kernel(
     else:
         cols = tl.arange(0, BLOCK)
         pm = cols < H
-        a = _ld(alpha_ptr + cols, pm, MASKED, False)[None, :]
-        be = _ld(beta_ptr + cols, pm, MASKED, False)[None, :]
+        a = ld(alpha_ptr + cols, pm, MASKED, False)[None, :]
+        be = ld(beta_ptr + cols, pm, MASKED, False)[None, :]
         w = 1.0
         if HAS_WEIGHT:
-            w = _ld(w_ptr + cols, pm, MASKED, False)[None, :] + gain_center
+            w = ld(w_ptr + cols, pm, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
         if not PERSISTENT:
-            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
-            br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
+            rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
+            br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
             if USE_PDL:
                 gdc_launch_dependents()
             _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, rows, cols, mask, out_ptr,
@@ -334,8 +338,8 @@ def _gated_residual_kernel(
             b_nx = 0.0
             r_nx = 0.0
             if PREFETCH:
-                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-                b_nx, r_nx = _add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
+                rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
+                b_nx, r_nx = add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
                                         EVICT_FIRST)  # fmt: skip
             while t < n_tiles:
                 rows, mask, br, rr, b_nx, r_nx = _loop_tile(
@@ -367,7 +371,7 @@ def _gated_residual_next_kernel(
     """
     pid = tl.program_id(0)
     if STEPPED:
-        _next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr,
+        next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr,
                       router_ptr, pid.to(tl.int64), H, Hf, b_st, r_st, ro_st, f_st, rt_st,
                       alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
                       BLOCK, NUM_CHUNKS, UNROLL, MASKED, ALPHA_MODE, HAS_POST_WEIGHT,
@@ -375,18 +379,18 @@ def _gated_residual_next_kernel(
     else:
         cols = tl.arange(0, BLOCK)
         pm = cols < H
-        nw = _ld(nw_ptr + cols, pm, MASKED, False)[None, :] + next_gain_center
+        nw = ld(nw_ptr + cols, pm, MASKED, False)[None, :] + next_gain_center
         pw = 1.0
         if HAS_POST_WEIGHT:
-            pw = _ld(pw_ptr + cols, pm, MASKED, False)[None, :] + post_gain_center
+            pw = ld(pw_ptr + cols, pm, MASKED, False)[None, :] + post_gain_center
         if USE_PDL:
             gdc_wait()
         if not PERSISTENT:
-            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
-            br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
+            rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
+            br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
             if USE_PDL:
                 gdc_launch_dependents()
-            _gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm, mask,
+            gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm, mask,
                              alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr, ro_st, f_st,
                              rt_st, alpha_scalar, Hf, post_eps, next_eps, ALPHA_MODE, MASKED,
                              HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
@@ -397,8 +401,8 @@ def _gated_residual_next_kernel(
             b_nx = 0.0
             r_nx = 0.0
             if PREFETCH:
-                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-                b_nx, r_nx = _add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
+                rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
+                b_nx, r_nx = add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
                                         EVICT_FIRST)  # fmt: skip
             while t < n_tiles:
                 rows, mask, br, rr, b_nx, r_nx = _loop_tile(
@@ -407,7 +411,7 @@ def _gated_residual_next_kernel(
                 if USE_PDL:
                     if t + nprog >= n_tiles:
                         gdc_launch_dependents()
-                _gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm,
+                gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm,
                                  mask, alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr, ro_st,
                                  f_st, rt_st, alpha_scalar, Hf, post_eps, next_eps, ALPHA_MODE,
                                  MASKED, HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip

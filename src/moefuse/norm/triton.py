@@ -14,6 +14,12 @@ the first, so one element would have two values (seen on H200: ffn_input != cast
 PDL: parameters (weights, gates of the model) are loaded before ``gdc_wait``; activations, which
 the previous kernel may still be writing, after it. ``gdc_launch_dependents`` follows the last load
 of the previous kernel's data.
+
+Public device functions (no leading underscore) are the row functions that the all-gather family
+(``moefuse.comm.all_gather.decode``) reuses, so that its fused kernels load, sum and store a row
+exactly as these kernels do (same tree, same bits): ``row_base``, ``ld_raw``, ``ld``, ``ldp``,
+``tile_rows``, ``step_cols``, ``step_params``, ``no_aux``, ``st_cast``, ``norm_unrolled_row``,
+``norm_stepped``, ``rms_load``, ``rms_tile`` and ``add_load``. Changing one changes both.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ STREAM_EVICT_FIRST = False
 
 # ----------------------------------------------------------------------------- device helpers
 @triton.jit
-def _row_base(rows, HEADS, stride_t, stride_h):
+def row_base(rows, HEADS, stride_t, stride_h):
     """Element offset of row ``rows`` of a [tokens, HEADS, H] view (HEADS = 1: [M, H]):
     ``(rows // HEADS) * stride_t + (rows % HEADS) * stride_h``. The division runs in the rows'
     own 32-bit type (a 64-bit division is a long software routine that also cost the short-row
@@ -54,7 +60,7 @@ def _row_base(rows, HEADS, stride_t, stride_h):
 
 
 @triton.jit
-def _ld_raw(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+def ld_raw(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
     """Load in the stored dtype; STREAM marks data read exactly once (evict-first cache hint)."""
     if STREAM:
         if MASKED:
@@ -69,9 +75,9 @@ def _ld_raw(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
 
 
 @triton.jit
-def _ld(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+def ld(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
     """Load as FP32 (exact widening of the stored dtype)."""
-    return _ld_raw(ptrs, mask, MASKED, STREAM).to(tl.float32)
+    return ld_raw(ptrs, mask, MASKED, STREAM).to(tl.float32)
 
 
 @triton.jit
@@ -102,7 +108,7 @@ def _tile(pid, chunk, n_rows, H, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(t, cols, n_rows, H, ROWS: tl.constexpr):
+def tile_rows(t, cols, n_rows, H, ROWS: tl.constexpr):
     """Rows [ROWS] of row tile ``t`` and the [ROWS, BLOCK] mask (``_tile`` with given columns).
 
     The persistent loops keep ``cols`` out of the loop-carried values: a carried ``tl.arange``
@@ -128,7 +134,7 @@ def _pf_mask(rows, mask, n_rows, MASKED: tl.constexpr, ROWS: tl.constexpr, BLOCK
 # tl.sum ends the row, so the unrolled mode (row in registers) and the looped mode (two passes,
 # the second re-reading the row from L2) give the same bits.
 @triton.jit
-def _ldp(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr):
+def ldp(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr):
     """FP32 load with an L2 eviction policy ("" = default, "evict_last", "evict_first")."""
     if MASKED:
         v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
@@ -138,7 +144,7 @@ def _ldp(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr):
 
 
 @triton.jit
-def _step_cols(k, H, STEP: tl.constexpr):
+def step_cols(k, H, STEP: tl.constexpr):
     """Columns [1, STEP] of step ``k`` and their mask."""
     cols = k * STEP + tl.arange(0, STEP)[None, :]
     return cols, cols < H
@@ -148,19 +154,19 @@ def _step_cols(k, H, STEP: tl.constexpr):
 def _param(ptr, cols, cm, center, MASKED: tl.constexpr, PRESENT: tl.constexpr):
     """FP32 parameter vector [+ center] of a step (1.0 when the op has none)."""
     if PRESENT:
-        return _ldp(ptr + cols, cm, MASKED, "") + center
+        return ldp(ptr + cols, cm, MASKED, "") + center
     else:
         return 1.0
 
 
 @triton.jit
-def _step_params(ptr, H, center, STEP: tl.constexpr, STEPS: tl.constexpr, MASKED: tl.constexpr,
-                 PRESENT: tl.constexpr):  # fmt: skip
+def step_params(ptr, H, center, STEP: tl.constexpr, STEPS: tl.constexpr, MASKED: tl.constexpr,
+                PRESENT: tl.constexpr):  # fmt: skip
     """Every step's FP32 parameter vector [+ center] (1.0 when absent) as a tuple: the unrolled
     mode loads its parameters before gdc_wait."""
     ps = ()
     for k in tl.static_range(STEPS):
-        cols, cm = _step_cols(k, H, STEP)
+        cols, cm = step_cols(k, H, STEP)
         ps = ps + (_param(ptr, cols, cm, center, MASKED, PRESENT),)
     return ps
 
@@ -184,45 +190,45 @@ def _weighted_sumsq(xs, ws, STEP: tl.constexpr, STEPS: tl.constexpr, HAS_W: tl.c
 def _step_in(a_ptr, b_ptr, a_row, b_row, cols, cm, MASKED: tl.constexpr, POLICY: tl.constexpr,
              ADD: tl.constexpr):  # fmt: skip
     """One step's FP32 input: f32(a), or f32(a) + f32(b) when ADD (fused_add's h)."""
-    v = _ldp(a_ptr + a_row + cols, cm, MASKED, POLICY)
+    v = ldp(a_ptr + a_row + cols, cm, MASKED, POLICY)
     if ADD:
-        v += _ldp(b_ptr + b_row + cols, cm, MASKED, POLICY)
+        v += ldp(b_ptr + b_row + cols, cm, MASKED, POLICY)
     return v
 
 
 @triton.jit
-def _no_aux(aux_ptr):
+def no_aux(aux_ptr):
     """AUX hook of the plain norms (no per-call value)."""
     return 0.0
 
 
 @triton.jit
-def _st_cast(ptrs, y, aux, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
+def st_cast(ptrs, y, aux, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
     """OUT hook of the plain norms: store y rounded to the output's dtype."""
     _st(ptrs, y, mask, MASKED, PTX)
 
 
 @triton.jit
-def _norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP: tl.constexpr,
-                       STEPS: tl.constexpr, MASKED: tl.constexpr, PTX: tl.constexpr,
-                       AUX: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
+def norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP: tl.constexpr,
+                      STEPS: tl.constexpr, MASKED: tl.constexpr, PTX: tl.constexpr,
+                      AUX: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
     """The statistic and outputs of an unrolled stepped row from its FP32 steps ``vs`` and
-    weights ``ws`` (``_step_params``): ``_norm_stepped``'s code, also run by the fused
+    weights ``ws`` (``step_params``): ``norm_stepped``'s code, also run by the fused
     all-gather decode kernel on steps read from its slots (comm/all_gather/decode.py)."""
     aux = AUX(aux_ptr)
     _, ss = _weighted_sumsq(vs, ws, STEP, STEPS, False)
     r = _inv_rms(ss, Hf, eps)
     for k in tl.static_range(STEPS):
-        cols, cm = _step_cols(k, H, STEP)
+        cols, cm = step_cols(k, H, STEP)
         OUT(out_ptr + o_row + cols, (vs[k] * r) * ws[k], aux, cm, MASKED, PTX)
 
 
 @triton.jit
-def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps, gc, aux_ptr,
-                  STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
-                  MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-                  ADD: tl.constexpr, POLICY: tl.constexpr, AUX: tl.constexpr,
-                  OUT: tl.constexpr):  # fmt: skip
+def norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps, gc, aux_ptr,
+                 STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
+                 MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+                 ADD: tl.constexpr, POLICY: tl.constexpr, AUX: tl.constexpr,
+                 OUT: tl.constexpr):  # fmt: skip
     """One stepped row of rmsnorm (out <- cast((x * r) * (f32(w) + gc))) or, when ADD, of
     fused_add_rmsnorm (h = f32(x) + f32(res); res <- cast(h); out <- cast((h * r) * (f32(w) +
     gc)), out = x). Unrolled: weights before gdc_wait, every load in flight at once (``POLICY``),
@@ -230,25 +236,25 @@ def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, ep
     (loads keep the row in L2), a second re-reads each step (its inputs are still unmodified:
     out may be x) and stores.
 
-    Output hooks (device functions passed as constexprs; ``_no_aux`` / ``_st_cast`` give the norm):
+    Output hooks (device functions passed as constexprs; ``no_aux`` / ``st_cast`` give the norm):
     ``aux = AUX(aux_ptr)`` is evaluated once after gdc_wait, and each step's FP32 ``y = (h * r) *
     g`` goes out through ``OUT(ptrs, y, aux, mask, MASKED, PTX)`` (quant.fused: FP8 codes of
     ``y * (1 / scale)``)."""
     if UNROLL:
-        ws = _step_params(w_ptr, H, gc, STEP, STEPS, MASKED, True)
+        ws = step_params(w_ptr, H, gc, STEP, STEPS, MASKED, True)
         if USE_PDL:
             gdc_wait()
         vs = ()
         for k in tl.static_range(STEPS):
-            cols, cm = _step_cols(k, H, STEP)
+            cols, cm = step_cols(k, H, STEP)
             vs = vs + (_step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, POLICY, ADD),)
         if USE_PDL:
             gdc_launch_dependents()
         if ADD:
             for k in tl.static_range(STEPS):
-                cols, cm = _step_cols(k, H, STEP)
+                cols, cm = step_cols(k, H, STEP)
                 _st(res_ptr + r_row + cols, vs[k], cm, MASKED, PTX)
-        _norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP, STEPS, MASKED, PTX,
+        norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP, STEPS, MASKED, PTX,
                            AUX, OUT)  # fmt: skip
     else:
         if USE_PDL:
@@ -256,12 +262,12 @@ def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, ep
         aux = AUX(aux_ptr)
         acc = tl.zeros([1, STEP], dtype=tl.float32)
         for k in tl.range(0, STEPS):
-            cols, cm = _step_cols(k, H, STEP)
+            cols, cm = step_cols(k, H, STEP)
             v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_last", ADD)
             acc = tl.fma(v, v, acc)
         r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
         for k in tl.range(0, STEPS):
-            cols, cm = _step_cols(k, H, STEP)
+            cols, cm = step_cols(k, H, STEP)
             v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_first", ADD)
             if ADD:
                 _st(res_ptr + r_row + cols, v, cm, MASKED, PTX)
@@ -276,35 +282,35 @@ def _norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, ep
 # tile's arithmetic and stores from the FP32 values. The straight-line kernel (PERSISTENT = False)
 # and the persistent loop call the same two helpers, so a row's arithmetic is one piece of code.
 @triton.jit
-def _rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st, g_sh,
-              MASKED: tl.constexpr, STREAM: tl.constexpr, HAS_GATE: tl.constexpr):  # fmt: skip
-    x = _ld_raw(x_ptr + _row_base(rows, HEADS, x_st, x_sh)[:, None] + cols[None, :], mask,
+def rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st, g_sh,
+             MASKED: tl.constexpr, STREAM: tl.constexpr, HAS_GATE: tl.constexpr):  # fmt: skip
+    x = ld_raw(x_ptr + row_base(rows, HEADS, x_st, x_sh)[:, None] + cols[None, :], mask,
                 MASKED, STREAM)  # fmt: skip
     g = x
     if HAS_GATE:
-        g = _ld_raw(gate_ptr + _row_base(rows, HEADS, g_st, g_sh)[:, None] + cols[None, :], mask,
+        g = ld_raw(gate_ptr + row_base(rows, HEADS, g_st, g_sh)[:, None] + cols[None, :], mask,
                     MASKED, STREAM)  # fmt: skip
     return x, g
 
 
 @triton.jit
-def _rms_tile(x, g, w, rows, cols, mask, out_ptr, HEADS, o_st, o_sh, Hf, eps,
-              MASKED: tl.constexpr, HAS_GATE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def rms_tile(x, g, w, rows, cols, mask, out_ptr, HEADS, o_st, o_sh, Hf, eps,
+             MASKED: tl.constexpr, HAS_GATE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """out = cast((x * r) * w); w = sigmoid(g) when HAS_GATE (x, g FP32)."""
     if HAS_GATE:
         w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
     r = _inv_rms(tl.sum(x * x, axis=1), Hf, eps)[:, None]
-    o_row = _row_base(rows, HEADS, o_st, o_sh)[:, None]
+    o_row = row_base(rows, HEADS, o_st, o_sh)[:, None]
     _st(out_ptr + o_row + cols[None, :], (x * r) * w, mask, MASKED, PTX)
 
 
 @triton.jit
-def _add_load(a_ptr, b_ptr, rows, cols, mask, a_st, b_st, MASKED: tl.constexpr,
-              STREAM: tl.constexpr):  # fmt: skip
+def add_load(a_ptr, b_ptr, rows, cols, mask, a_st, b_st, MASKED: tl.constexpr,
+             STREAM: tl.constexpr):  # fmt: skip
     """Two activation tiles of one 2-D row block (input + residual, or branch + stream)."""
     r64 = rows.to(tl.int64)[:, None]
-    a = _ld_raw(a_ptr + r64 * a_st + cols[None, :], mask, MASKED, STREAM)
-    b = _ld_raw(b_ptr + r64 * b_st + cols[None, :], mask, MASKED, STREAM)
+    a = ld_raw(a_ptr + r64 * a_st + cols[None, :], mask, MASKED, STREAM)
+    b = ld_raw(b_ptr + r64 * b_st + cols[None, :], mask, MASKED, STREAM)
     return a, b
 
 
@@ -312,21 +318,21 @@ def _add_load(a_ptr, b_ptr, rows, cols, mask, a_st, b_st, MASKED: tl.constexpr,
 def _loop_tile(t, nprog, b_nx, r_nx, b_ptr, res_ptr, cols, n_rows, H, b_st, r_st,
                ROWS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
                EVICT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    """Row tile ``t`` of a persistent loop over :func:`_add_load` pairs (input + residual, or
+    """Row tile ``t`` of a persistent loop over :func:`add_load` pairs (input + residual, or
     branch + stream): (rows, mask, first, second, next first, next second). With PREFETCH the
     tile comes from the registers loaded one iteration earlier (``b_nx``, ``r_nx``) and tile
     ``t + nprog``'s loads are issued now; otherwise it is loaded here and ``b_nx``, ``r_nx`` pass
     through untouched."""
-    rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+    rows, mask = tile_rows(t, cols, n_rows, H, ROWS)
     if PREFETCH:
         br = b_nx
         rr = r_nx
-        rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+        rows_n, mask_n = tile_rows(t + nprog, cols, n_rows, H, ROWS)
         mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-        b_nx, r_nx = _add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
+        b_nx, r_nx = add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
                                 EVICT_FIRST)  # fmt: skip
     else:
-        br, rr = _add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
+        br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
     return rows, mask, br, rr, b_nx, r_nx
 
 
@@ -362,78 +368,78 @@ def _rmsnorm_kernel(
     PREFETCH: tl.constexpr, STEPPED: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
     """out = cast((x * r) * m), m = f32(w) + gain_center, or sigmoid(gate) when HAS_GATE.
-    STEPPED (no gate): one row per program in NUM_CHUNKS steps of BLOCK columns (_norm_stepped)."""
+    STEPPED (no gate): one row per program in NUM_CHUNKS steps of BLOCK columns (norm_stepped)."""
     pid = tl.program_id(0)
     if STEPPED:
-        _norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, _row_base(pid, HEADS, x_st, x_sh), 0,
-                      _row_base(pid, HEADS, o_st, o_sh), H, Hf, eps, gain_center, x_ptr, BLOCK,
-                      NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, False, "evict_first", _no_aux,
-                      _st_cast)  # fmt: skip
+        norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, row_base(pid, HEADS, x_st, x_sh), 0,
+                      row_base(pid, HEADS, o_st, o_sh), H, Hf, eps, gain_center, x_ptr, BLOCK,
+                      NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, False, "evict_first", no_aux,
+                      st_cast)  # fmt: skip
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         w = 1.0  # replaced by sigmoid(gate) per tile when HAS_GATE
         if not HAS_GATE:
-            w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+            w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
         if not PERSISTENT:
-            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
-            x, g = _rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st, g_sh,
+            rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
+            x, g = rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st, g_sh,
                              MASKED, EVICT_FIRST, HAS_GATE)  # fmt: skip
             if USE_PDL:
                 gdc_launch_dependents()
-            _rms_tile(x.to(tl.float32), g.to(tl.float32), w, rows, cols, mask, out_ptr, HEADS,
+            rms_tile(x.to(tl.float32), g.to(tl.float32), w, rows, cols, mask, out_ptr, HEADS,
                       o_st, o_sh, Hf, eps, MASKED, HAS_GATE, PTX)  # fmt: skip
         else:
             nprog = tl.num_programs(0)
             n_tiles = tl.cdiv(n_rows, ROWS)
             t = pid
             if PREFETCH:
-                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-                x_nx, g_nx = _rms_load(x_ptr, gate_ptr, rows0, cols, mask0, HEADS, x_st, x_sh,
+                rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
+                x_nx, g_nx = rms_load(x_ptr, gate_ptr, rows0, cols, mask0, HEADS, x_st, x_sh,
                                        g_st, g_sh, MASKED, EVICT_FIRST, HAS_GATE)  # fmt: skip
             while t < n_tiles:
-                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+                rows, mask = tile_rows(t, cols, n_rows, H, ROWS)
                 if PREFETCH:
                     x = x_nx.to(tl.float32)
                     g = g_nx.to(tl.float32)
-                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+                    rows_n, mask_n = tile_rows(t + nprog, cols, n_rows, H, ROWS)
                     mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-                    x_nx, g_nx = _rms_load(x_ptr, gate_ptr, rows_n, cols, mask_n, HEADS,
+                    x_nx, g_nx = rms_load(x_ptr, gate_ptr, rows_n, cols, mask_n, HEADS,
                                            x_st, x_sh, g_st, g_sh, True, EVICT_FIRST,
                                            HAS_GATE)  # fmt: skip
                 else:
-                    x, g = _rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st,
+                    x, g = rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st,
                                      g_sh, MASKED, EVICT_FIRST, HAS_GATE)  # fmt: skip
                     x = x.to(tl.float32)
                     g = g.to(tl.float32)
                 if USE_PDL:
                     if t + nprog >= n_tiles:
                         gdc_launch_dependents()
-                _rms_tile(x, g, w, rows, cols, mask, out_ptr, HEADS, o_st, o_sh, Hf, eps, MASKED,
+                rms_tile(x, g, w, rows, cols, mask, out_ptr, HEADS, o_st, o_sh, Hf, eps, MASKED,
                           HAS_GATE, PTX)  # fmt: skip
                 t += nprog
     else:
         rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
-        x_row = _row_base(rows, HEADS, x_st, x_sh)[:, None]
-        o_row = _row_base(rows, HEADS, o_st, o_sh)[:, None]
-        g_row = _row_base(rows, HEADS, g_st, g_sh)[:, None]
+        x_row = row_base(rows, HEADS, x_st, x_sh)[:, None]
+        o_row = row_base(rows, HEADS, o_st, o_sh)[:, None]
+        g_row = row_base(rows, HEADS, g_st, g_sh)[:, None]
         if USE_PDL:
             gdc_wait()
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
+            x = ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
             acc += x * x
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            x = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+            x = ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
             if HAS_GATE:
-                g = _ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+                g = ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT_FIRST)
                 w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
             else:
-                w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+                w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
             _st(out_ptr + o_row + cols[None, :], (x * r) * w, mask, MASKED, PTX)
         if USE_PDL:
             gdc_launch_dependents()
@@ -451,21 +457,21 @@ def _fused_add_rmsnorm_kernel(
     PREFETCH: tl.constexpr, STEPPED: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
     """h = f32(x) + f32(res); res <- cast(h); x <- cast((h * r) * g), r from the FP32 h.
-    STEPPED: one row per program in NUM_CHUNKS steps of BLOCK columns (_norm_stepped)."""
+    STEPPED: one row per program in NUM_CHUNKS steps of BLOCK columns (norm_stepped)."""
     pid = tl.program_id(0)
     if STEPPED:
         row = pid.to(tl.int64)
-        _norm_stepped(x_ptr, res_ptr, w_ptr, x_ptr, row * x_st, row * r_st, row * x_st, H, Hf,
+        norm_stepped(x_ptr, res_ptr, w_ptr, x_ptr, row * x_st, row * r_st, row * x_st, H, Hf,
                       eps, gain_center, x_ptr, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL,
-                      True, "", _no_aux, _st_cast)  # fmt: skip
+                      True, "", no_aux, st_cast)  # fmt: skip
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
-        w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+        w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
         if not PERSISTENT:
-            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
-            xr, rr = _add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED, EVICT_FIRST)
+            rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
+            xr, rr = add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED, EVICT_FIRST)
             h = xr.to(tl.float32)
             h += rr.to(tl.float32)
             if USE_PDL:
@@ -478,8 +484,8 @@ def _fused_add_rmsnorm_kernel(
             x_nx = 0.0  # (unused placeholders without PREFETCH)
             r_nx = 0.0
             if PREFETCH:
-                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-                x_nx, r_nx = _add_load(x_ptr, res_ptr, rows0, cols, mask0, x_st, r_st, MASKED,
+                rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
+                x_nx, r_nx = add_load(x_ptr, res_ptr, rows0, cols, mask0, x_st, r_st, MASKED,
                                        EVICT_FIRST)  # fmt: skip
             while t < n_tiles:
                 rows, mask, xr, rr, x_nx, r_nx = _loop_tile(
@@ -502,16 +508,16 @@ def _fused_add_rmsnorm_kernel(
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
-            h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, False)
+            h = ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
+            h += ld(res_ptr + r_row + cols[None, :], mask, MASKED, False)
             acc += h * h
         r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
         # second pass recomputes the same FP32 h (both inputs are still unmodified for this chunk)
         for c in tl.range(NUM_CHUNKS):
             rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            h = _ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            h += _ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+            h = ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+            h += ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+            w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
             _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
             _st(x_ptr + x_row + cols[None, :], (h * r) * w, mask, MASKED, PTX)
         if USE_PDL:

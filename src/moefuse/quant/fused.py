@@ -3,7 +3,7 @@
 The row structure is the norm family's (``moefuse.norm.triton`` / ``moefuse.norm.tiles``): a
 ``[ROWS, BLOCK]`` tile chosen from the width alone, the row in registers when it fits in one block,
 otherwise two ascending passes over chunks (the second re-reads the row); fused_add_rmsnorm_quant
-at 4096 and 6554-8192 columns runs the norm's stepped row (``norm.triton._norm_stepped``) with
+at 4096 and 6554-8192 columns runs the norm's stepped row (``norm.triton.norm_stepped``) with
 FP8 output hooks. The quantization is the epilogue from :mod:`moefuse.quant.device`, so the
 numbers are those of the standalone quantizers:
 
@@ -17,6 +17,10 @@ numbers are those of the standalone quantizers:
 
 With a residual (the ``fused_add_*`` ops) ``h = f32(x) + f32(res)``, ``res <- cast(h)`` and the
 statistic and normalization use the unrounded FP32 ``h`` (SPEC §1.2); ``input`` is not written.
+
+Public device functions (no leading underscore): ``ld32``, ``widen_h``, ``fp8_load``,
+``fp8_tile`` and ``fp4_tile``, the rows that the all-gather family
+(``moefuse.comm.all_gather.decode``) reuses for its fused FP8 / NVFP4 ops (same tree, same bits).
 """
 
 from __future__ import annotations
@@ -36,16 +40,16 @@ from moefuse.norm.triton import (
     _inv_rms,
     _launch,
     _launch_kwargs,
-    _ld,
-    _ld_raw,
-    _norm_stepped,
     _persistent,
     _pf_mask,
     _prefetch,
-    _row_base,
     _row_consts,
     _st,
-    _tile_rows,
+    ld,
+    ld_raw,
+    norm_stepped,
+    row_base,
+    tile_rows,
 )
 from moefuse.quant import device as D
 from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
@@ -58,7 +62,7 @@ from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 #: 54.95 vs 68.89 us, 2048 x 4096 9.33 vs 11.26 us, 16384 x 8192 108.3 vs 130.9 us (bitwise equal).
 QUANT_POLICY = TilePolicy(programs_per_sm=4, prefetch=True)
 #: fused_add_rmsnorm_quant: rows of 4096 and of 6554-8192 columns are stepped (the norm's stepped
-#: row, ``_norm_stepped``, with the FP8 output hooks), 16 warps x 8 columns per step, as
+#: row, ``norm_stepped``, with the FP8 output hooks), 16 warps x 8 columns per step, as
 #: fused_add_rmsnorm (norm.tiles.FUSED_ADD_POLICY); other widths keep one row per program (the
 #: prefetching persistent loop spilled at 3-4 programs per SM and was no faster at 2). H200
 #: (scripts/sweep_stepped_fp8.py, notes/gpu-logs/sweep-stepped-fp8-2026-11-30.log), us, one-pass
@@ -130,40 +134,40 @@ def _fp4_metadata(grid, kernel, args):
 
 
 @triton.jit
-def _ld32(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr, PTX: tl.constexpr):
-    """norm.triton ``_ld`` (load, widen exactly to FP32); BF16 on the GPU widens with one
+def ld32(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr, PTX: tl.constexpr):
+    """norm.triton ``ld`` (load, widen exactly to FP32); BF16 on the GPU widens with one
     instruction per element (``widen_bf16_pairs``)."""
     if PTX and ptrs.dtype.element_ty == tl.bfloat16:
-        return widen_bf16_pairs(_ld_raw(ptrs, mask, MASKED, STREAM))
+        return widen_bf16_pairs(ld_raw(ptrs, mask, MASKED, STREAM))
     else:
-        return _ld(ptrs, mask, MASKED, STREAM)
+        return ld(ptrs, mask, MASKED, STREAM)
 
 
 @triton.jit
 def _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED: tl.constexpr,
             HAS_RESIDUAL: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """f32(x), or f32(x) + f32(res) (FP32, unrounded) when HAS_RESIDUAL."""
-    h = _ld32(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST, PTX)
+    h = ld32(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST, PTX)
     if HAS_RESIDUAL:
-        h += _ld32(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST, PTX)
+        h += ld32(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST, PTX)
     return h
 
 
 @triton.jit
-def _fp8_load(x_ptr, res_ptr, rows, cols, mask, HEADS, x_st, x_sh, r_st, r_sh,
-              MASKED: tl.constexpr, STREAM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+def fp8_load(x_ptr, res_ptr, rows, cols, mask, HEADS, x_st, x_sh, r_st, r_sh,
+             MASKED: tl.constexpr, STREAM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
     """The activation loads of one tile (stored dtype); the residual is ``x`` when absent."""
-    x = _ld_raw(x_ptr + _row_base(rows, HEADS, x_st, x_sh)[:, None] + cols[None, :], mask, MASKED,
+    x = ld_raw(x_ptr + row_base(rows, HEADS, x_st, x_sh)[:, None] + cols[None, :], mask, MASKED,
                 STREAM)  # fmt: skip
     r = x
     if HAS_RESIDUAL:
-        r = _ld_raw(res_ptr + _row_base(rows, HEADS, r_st, r_sh)[:, None] + cols[None, :], mask,
+        r = ld_raw(res_ptr + row_base(rows, HEADS, r_st, r_sh)[:, None] + cols[None, :], mask,
                     MASKED, STREAM)  # fmt: skip
     return x, r
 
 
 @triton.jit
-def _widen_h(x, r, HAS_RESIDUAL: tl.constexpr):
+def widen_h(x, r, HAS_RESIDUAL: tl.constexpr):
     """f32(x) [+ f32(res)]: the FP32 h of ``_load_h`` from raw loads."""
     h = x.to(tl.float32)
     if HAS_RESIDUAL:
@@ -172,23 +176,23 @@ def _widen_h(x, r, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_st, q_sh, Hf, eps,
-              MASKED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FMT: tl.constexpr,
-              PTX: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
+def fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_st, q_sh, Hf, eps,
+             MASKED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FMT: tl.constexpr,
+             PTX: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
     """One-pass tile: [res <- cast(h)]; q = e8(((h * r) * w) * inv). PACKED: fp8_encode's
     four-element E4M3 path (the persistent loop passes False: with it, rmsnorm_quant 16384 x 4096
     under PDL ran 60.6 against 53.8 us on H200, notes/gpu-logs/
     ab-e4m3-encoder-rmsnorm-quant-2026-11-30.log, although one tile per program gains)."""
     if HAS_RESIDUAL:
-        _st(res_ptr + _row_base(rows, HEADS, r_st, r_sh)[:, None] + cols[None, :], h, mask,
+        _st(res_ptr + row_base(rows, HEADS, r_st, r_sh)[:, None] + cols[None, :], h, mask,
             MASKED, PTX)  # fmt: skip
     r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
     q = D.fp8_encode(((h * r) * w) * inv, FMT, PTX, PACKED)
-    _st_maybe(q_ptr + _row_base(rows, HEADS, q_st, q_sh)[:, None] + cols[None, :], q, mask, MASKED)
+    _st_maybe(q_ptr + row_base(rows, HEADS, q_st, q_sh)[:, None] + cols[None, :], q, mask, MASKED)
 
 
 # ----------------------------------------------------------------------------- FP8
-# hooks of norm.triton._norm_stepped for the stepped FP8 rows: q = e8(y * (1 / scale))
+# hooks of norm.triton.norm_stepped for the stepped FP8 rows: q = e8(y * (1 / scale))
 @triton.jit
 def _inv_scale(scale_ptr):
     """AUX hook: 1 / scale, one IEEE division (after gdc_wait: the scale may come from the
@@ -226,34 +230,34 @@ def _rmsnorm_fp8_kernel(
 ):  # fmt: skip
     """q = e8(((h * r) * g) * (1/scale)); h = f32(x) [+ f32(res), res <- cast(h)].
     STEPPED: one row per program in NUM_CHUNKS steps of BLOCK columns (norm.triton
-    ``_norm_stepped`` with the FP8 output hooks)."""
+    ``norm_stepped`` with the FP8 output hooks)."""
     pid = tl.program_id(0)
     if STEPPED:
-        x_row = _row_base(pid, HEADS, x_st, x_sh)
-        r_row = _row_base(pid, HEADS, r_st, r_sh)
-        q_row = _row_base(pid, HEADS, q_st, q_sh)
+        x_row = row_base(pid, HEADS, x_st, x_sh)
+        r_row = row_base(pid, HEADS, r_st, r_sh)
+        q_row = row_base(pid, HEADS, q_st, q_sh)
         if FMT == 0:
-            _norm_stepped(x_ptr, res_ptr, w_ptr, q_ptr, x_row, r_row, q_row, H, Hf, eps,
+            norm_stepped(x_ptr, res_ptr, w_ptr, q_ptr, x_row, r_row, q_row, H, Hf, eps,
                           gain_center, scale_ptr, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL,
                           HAS_RESIDUAL, "", _inv_scale, _st_e4m3)  # fmt: skip
         else:  # (a hook cannot be chosen into a variable: Triton only passes it as an argument)
-            _norm_stepped(x_ptr, res_ptr, w_ptr, q_ptr, x_row, r_row, q_row, H, Hf, eps,
+            norm_stepped(x_ptr, res_ptr, w_ptr, q_ptr, x_row, r_row, q_row, H, Hf, eps,
                           gain_center, scale_ptr, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL,
                           HAS_RESIDUAL, "", _inv_scale, _st_e5m2)  # fmt: skip
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
-        w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+        w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
         inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
         if not PERSISTENT:
-            rows, mask = _tile_rows(pid, cols, n_rows, H, ROWS)
-            xr, rr = _fp8_load(x_ptr, res_ptr, rows, cols, mask, HEADS, x_st, x_sh, r_st, r_sh,
+            rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
+            xr, rr = fp8_load(x_ptr, res_ptr, rows, cols, mask, HEADS, x_st, x_sh, r_st, r_sh,
                                MASKED, EVICT_FIRST, HAS_RESIDUAL)  # fmt: skip
-            h = _widen_h(xr, rr, HAS_RESIDUAL)
+            h = widen_h(xr, rr, HAS_RESIDUAL)
             if USE_PDL:
                 gdc_launch_dependents()
-            _fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_st, q_sh,
+            fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_st, q_sh,
                       Hf, eps, MASKED, HAS_RESIDUAL, FMT, PTX, True)  # fmt: skip
         else:
             # persistent row loop, optional prefetch of the next tile: see moefuse.norm.triton
@@ -261,34 +265,34 @@ def _rmsnorm_fp8_kernel(
             n_tiles = tl.cdiv(n_rows, ROWS)
             t = pid
             if PREFETCH:
-                rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-                x_nx, r_nx = _fp8_load(x_ptr, res_ptr, rows0, cols, mask0, HEADS, x_st, x_sh,
+                rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
+                x_nx, r_nx = fp8_load(x_ptr, res_ptr, rows0, cols, mask0, HEADS, x_st, x_sh,
                                        r_st, r_sh, MASKED, EVICT_FIRST, HAS_RESIDUAL)  # fmt: skip
             while t < n_tiles:
-                rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+                rows, mask = tile_rows(t, cols, n_rows, H, ROWS)
                 if PREFETCH:
-                    h = _widen_h(x_nx, r_nx, HAS_RESIDUAL)
-                    rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
+                    h = widen_h(x_nx, r_nx, HAS_RESIDUAL)
+                    rows_n, mask_n = tile_rows(t + nprog, cols, n_rows, H, ROWS)
                     mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-                    x_nx, r_nx = _fp8_load(x_ptr, res_ptr, rows_n, cols, mask_n, HEADS, x_st,
+                    x_nx, r_nx = fp8_load(x_ptr, res_ptr, rows_n, cols, mask_n, HEADS, x_st,
                                            x_sh, r_st, r_sh, True, EVICT_FIRST,
                                            HAS_RESIDUAL)  # fmt: skip
                 else:
-                    xr, rr = _fp8_load(x_ptr, res_ptr, rows, cols, mask, HEADS, x_st, x_sh, r_st,
+                    xr, rr = fp8_load(x_ptr, res_ptr, rows, cols, mask, HEADS, x_st, x_sh, r_st,
                                        r_sh, MASKED, EVICT_FIRST, HAS_RESIDUAL)  # fmt: skip
-                    h = _widen_h(xr, rr, HAS_RESIDUAL)
+                    h = widen_h(xr, rr, HAS_RESIDUAL)
                 if USE_PDL:
                     if t + nprog >= n_tiles:
                         gdc_launch_dependents()
-                _fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_st,
+                fp8_tile(h, w, inv, rows, cols, mask, res_ptr, q_ptr, HEADS, r_st, r_sh, q_st,
                           q_sh, Hf, eps, MASKED, HAS_RESIDUAL, FMT, PTX, False)  # fmt: skip
                 t += nprog
     else:
         rows = pid * ROWS + tl.arange(0, ROWS)
         rmask = (rows < n_rows)[:, None]
-        x_row = _row_base(rows, HEADS, x_st, x_sh)[:, None]
-        r_row = _row_base(rows, HEADS, r_st, r_sh)[:, None]
-        q_row = _row_base(rows, HEADS, q_st, q_sh)[:, None]
+        x_row = row_base(rows, HEADS, x_st, x_sh)[:, None]
+        r_row = row_base(rows, HEADS, r_st, r_sh)[:, None]
+        q_row = row_base(rows, HEADS, q_st, q_sh)[:, None]
         if USE_PDL:
             gdc_wait()
         inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
@@ -307,7 +311,7 @@ def _rmsnorm_fp8_kernel(
             mask = rmask & (cols < H)[None, :]
             h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, MASKED, HAS_RESIDUAL,
                         EVICT_FIRST, PTX)  # fmt: skip
-            w = _ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+            w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
             if HAS_RESIDUAL:
                 _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
             q = D.fp8_encode(((h * r) * w) * inv, FMT, PTX)
@@ -415,31 +419,31 @@ def _rmsnorm_fp4_rows(x_ptr, res_ptr, w_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, pid, n
     n_tiles = tl.cdiv(n_rows_padded, ROWS)
     # parameters before the grid-dependency wait; activations and every store after it
     cols = tl.arange(0, BLOCK)
-    w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
+    w = ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
     if USE_PDL:
         gdc_wait()
     gs = tl.load(gs_ptr).to(tl.float32)
     t = pid
     if PREFETCH:
-        rows0, mask0 = _tile_rows(t, cols, n_rows, H, ROWS)
-        x_nx = _ld_raw(x_ptr + rows0.to(tl.int64)[:, None] * x_st + cols[None, :], mask0, True,
+        rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
+        x_nx = ld_raw(x_ptr + rows0.to(tl.int64)[:, None] * x_st + cols[None, :], mask0, True,
                        EVICT_FIRST)  # fmt: skip
         if HAS_RESIDUAL:
-            r_nx = _ld_raw(res_ptr + rows0.to(tl.int64)[:, None] * r_st + cols[None, :], mask0,
+            r_nx = ld_raw(res_ptr + rows0.to(tl.int64)[:, None] * r_st + cols[None, :], mask0,
                            True, EVICT_FIRST)  # fmt: skip
     while t < n_tiles:
-        rows, mask = _tile_rows(t, cols, n_rows, H, ROWS)
+        rows, mask = tile_rows(t, cols, n_rows, H, ROWS)
         live_rows = (rows < n_rows)[:, None]
         r64 = rows.to(tl.int64)[:, None]
         if PREFETCH:
             h = x_nx.to(tl.float32)
             if HAS_RESIDUAL:
                 h += r_nx.to(tl.float32)
-            rows_n, mask_n = _tile_rows(t + nprog, cols, n_rows, H, ROWS)
-            x_nx = _ld_raw(x_ptr + rows_n.to(tl.int64)[:, None] * x_st + cols[None, :], mask_n,
+            rows_n, mask_n = tile_rows(t + nprog, cols, n_rows, H, ROWS)
+            x_nx = ld_raw(x_ptr + rows_n.to(tl.int64)[:, None] * x_st + cols[None, :], mask_n,
                            True, EVICT_FIRST)  # fmt: skip
             if HAS_RESIDUAL:
-                r_nx = _ld_raw(res_ptr + rows_n.to(tl.int64)[:, None] * r_st + cols[None, :],
+                r_nx = ld_raw(res_ptr + rows_n.to(tl.int64)[:, None] * r_st + cols[None, :],
                                mask_n, True, EVICT_FIRST)  # fmt: skip
             if USE_PDL:
                 if t + nprog >= n_tiles:
@@ -490,10 +494,10 @@ def _rmsnorm_fp4_kernel(
     elif NUM_CHUNKS == 1:
         # parameters before the grid-dependency wait; activations and every store after it
         cols = tl.arange(0, BLOCK)
-        w = _ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
+        w = ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
         if USE_PDL:
             gdc_wait()
-        _fp4_tile(pid, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_padded, H,
+        fp4_tile(pid, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_padded, H,
                   Hf, KB, n_kcols, x_st, r_st, p_st, y_st, eps, BLOCK, ROWS, HAS_RESIDUAL,
                   HAS_NORM_OUT, RECIPE, LAYOUT, EVICT_FIRST, PTX, USE_PDL, MASKED)  # fmt: skip
     else:
@@ -533,7 +537,7 @@ def _rmsnorm_fp4_kernel(
                 mask = live_rows & (cols < H)[None, :]
                 h = _load_h(x_ptr, res_ptr, x_row, r_row, cols, mask, True, HAS_RESIDUAL,
                             EVICT_FIRST, PTX)  # fmt: skip
-                w = _ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
+                w = ld(w_ptr + cols, cols < H, True, False)[None, :] + gain_center
                 if HAS_RESIDUAL:
                     _st(res_ptr + r_row + cols[None, :], h, mask, True, PTX)
                 _fp4_epilogue((h * r) * w, gs, rcp_gs, rows, live_rows, c, p_ptr, p_row, s_ptr,
@@ -544,12 +548,12 @@ def _rmsnorm_fp4_kernel(
 
 
 @triton.jit
-def _fp4_tile(t, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_padded, H, Hf,
-              KB, n_kcols, x_st, r_st, p_st, y_st, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, HAS_NORM_OUT: tl.constexpr, RECIPE: tl.constexpr,
-              LAYOUT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
-              USE_PDL: tl.constexpr, MASKED: tl.constexpr, x_in=None,
-              GIVEN_X: tl.constexpr = False):  # fmt: skip
+def fp4_tile(t, w, x_ptr, res_ptr, gs_ptr, p_ptr, s_ptr, y_ptr, n_rows, n_rows_padded, H, Hf,
+             KB, n_kcols, x_st, r_st, p_st, y_st, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+             HAS_RESIDUAL: tl.constexpr, HAS_NORM_OUT: tl.constexpr, RECIPE: tl.constexpr,
+             LAYOUT: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
+             USE_PDL: tl.constexpr, MASKED: tl.constexpr, x_in=None,
+             GIVEN_X: tl.constexpr = False):  # fmt: skip
     """One-pass row tile ``t`` of ``_rmsnorm_fp4_kernel`` (one tile per program), after the
     grid-dependency wait; ``w`` = f32(weight) + gain_center [1, BLOCK]. Zeroes the padding block
     columns of its rows, then either zero scale bytes (a tile of padding rows only) or norm +

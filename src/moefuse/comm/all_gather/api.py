@@ -1,6 +1,7 @@
-"""Public all-gather + norm fusions (SPEC §3.6, §3.7): after a column-sharded projection each of
-the P ranks holds ``shard`` [M, S], its columns ``[rank*S, (rank+1)*S)`` of every token row
-(H = P * S). Each op gathers the rows (in rank order) and applies a single-GPU op to them:
+"""Public all-gather + norm fusions (SPEC: all_gather_gated_residual_next_rmsnorm,
+all_gather_rmsnorm_fp4_quantize): after a column-sharded projection each of the P ranks holds
+``shard`` [M, S], its columns ``[rank*S, (rank+1)*S)`` of every token row (H = P * S). Each op
+gathers the rows (in rank order) and applies a single-GPU op to them:
 
 * :func:`all_gather_rmsnorm` -> :func:`moefuse.rmsnorm` (BF16/FP16 out; ``gain_center`` 1.0 =
   Gemma),
@@ -43,17 +44,22 @@ F32 = (torch.float32,)
 def _check_common(op, shard, workspace, algorithm, shard_name="shard") -> int:
     """Checks shared by every op; returns the full width H."""
     if not isinstance(workspace, AllReduceWorkspace):
-        raise ValueError(f"moefuse.{op}: argument 'workspace' must be an AllReduceWorkspace, "
-                         f"got {type(workspace).__name__}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'workspace' must be an AllReduceWorkspace, "
+            f"got {type(workspace).__name__}"
+        )
     v.check_tensor(op, shard_name, shard, dtypes=HALF, ndims=(2,), device=workspace.device)
     h = shard.shape[1] * workspace.world_size
     if h != workspace.hidden_size:
-        raise ValueError(f"moefuse.{op}: argument '{shard_name}' has {shard.shape[1]} columns; "
-                         f"the workspace expects hidden_size / world_size = "
-                         f"{workspace.hidden_size} / {workspace.world_size}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument '{shard_name}' has {shard.shape[1]} columns; "
+            f"the workspace expects hidden_size / world_size = "
+            f"{workspace.hidden_size} / {workspace.world_size}"
+        )
     if algorithm not in ops.ALGORITHMS:
-        raise ValueError(f"moefuse.{op}: argument 'algorithm' must be one of {ops.ALGORITHMS}, "
-                         f"got {algorithm!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'algorithm' must be one of {ops.ALGORITHMS}, got {algorithm!r}"
+        )
     return h
 
 
@@ -122,9 +128,18 @@ def _fused_reason(workspace, shard) -> str | None:
 
 # ----------------------------------------------------------------------------- rmsnorm
 @fast_op(guards=("workspace",))
-def all_gather_rmsnorm(shard, weight, *, workspace, eps: float = 1e-6, gain_center: float = 0.0,
-                       out=None, algorithm: str = "auto", enable_pdl=None,
-                       impl: str = "auto"):  # fmt: skip
+def all_gather_rmsnorm(
+    shard,
+    weight,
+    *,
+    workspace,
+    eps: float = 1e-6,
+    gain_center: float = 0.0,
+    out=None,
+    algorithm: str = "auto",
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """``out = rmsnorm(concat_r shard_r, weight, eps)``: ``cast((x * r) * (f32(w) + c))``.
 
     ``shard`` [M, H/P] BF16/FP16; ``weight`` [H]; ``out`` [M, H] of the shard dtype. Returns
@@ -139,17 +154,27 @@ def all_gather_rmsnorm(shard, weight, *, workspace, eps: float = 1e-6, gain_cent
     if m == 0:
         return out
     backend = _backend(op, impl, shard, workspace)
-    ops.all_gather_rmsnorm_op(shard, weight, out, workspace.id, float(eps), float(gain_center),
-                              algorithm, resolve_pdl(enable_pdl, shard.device), backend)
+    ops.all_gather_rmsnorm_op(
+        shard,
+        weight,
+        out,
+        workspace.id,
+        float(eps),
+        float(gain_center),
+        algorithm,
+        resolve_pdl(enable_pdl, shard.device),
+        backend,
+    )
     return out
 
 
 def supports_all_gather_rmsnorm(shard, weight, *, workspace) -> bool:
     """Local answer (no side effects): can the fused peer-memory kernels run? Combine across
     ranks with ``workspace.vote`` before CUDA-graph capture."""
-    return (v.accepts(_check_norm, "all_gather_rmsnorm", shard, weight, workspace, 1e-6, 0.0,
-                      "auto")
-            and _fused_reason(workspace, shard) is None)  # fmt: skip
+    return (
+        v.accepts(_check_norm, "all_gather_rmsnorm", shard, weight, workspace, 1e-6, 0.0, "auto")
+        and _fused_reason(workspace, shard) is None
+    )
 
 
 # ----------------------------------------------------------------------------- FP8
@@ -157,18 +182,29 @@ def _check_fp8(op, shard, weight, scale, workspace, eps, gain_center, dtype, alg
     h = _check_norm(op, shard, weight, workspace, eps, gain_center, algorithm)
     _check_scalar_tensor(op, "scale", scale, shard.device)
     if dtype not in F.FP8_DTYPES:
-        raise ValueError(f"moefuse.{op}: argument 'dtype' must be one of {F.FP8_DTYPES}, "
-                         f"got {dtype!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'dtype' must be one of {F.FP8_DTYPES}, got {dtype!r}"
+        )
     return h
 
 
 @fast_op(guards=("workspace",))
-def all_gather_rmsnorm_fp8(shard, weight, scale, *, workspace, eps: float = 1e-6,
-                           gain_center: float = 0.0, dtype=torch.float8_e4m3fn, out=None,
-                           algorithm: str = "auto", enable_pdl=None,
-                           impl: str = "auto"):  # fmt: skip
+def all_gather_rmsnorm_fp8(
+    shard,
+    weight,
+    scale,
+    *,
+    workspace,
+    eps: float = 1e-6,
+    gain_center: float = 0.0,
+    dtype=torch.float8_e4m3fn,
+    out=None,
+    algorithm: str = "auto",
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """``out = rmsnorm_quant(concat_r shard_r, weight, scale, eps)``: FP8 (E4M3 or E5M2,
-    ``dtype``) of the unrounded FP32 norm output times ``1/scale`` (SPEC §1.1, §4.1).
+    ``dtype``) of the unrounded FP32 norm output times ``1/scale`` (SPEC: rmsnorm, FP8 E4M3).
 
     ``scale`` [1] FP32 (dequantization scale); ``out`` [M, H] FP8. Returns ``out``."""
     op = "all_gather_rmsnorm_fp8"
@@ -182,57 +218,100 @@ def all_gather_rmsnorm_fp8(shard, weight, scale, *, workspace, eps: float = 1e-6
     if m == 0:
         return out
     backend = _backend(op, impl, shard, workspace)
-    ops.all_gather_rmsnorm_fp8_op(shard, weight, scale, out.view(torch.uint8), F.FP8_CODE[dtype],
-                                  workspace.id, float(eps), float(gain_center), algorithm,
-                                  resolve_pdl(enable_pdl, shard.device), backend)  # fmt: skip
+    ops.all_gather_rmsnorm_fp8_op(
+        shard,
+        weight,
+        scale,
+        out.view(torch.uint8),
+        F.FP8_CODE[dtype],
+        workspace.id,
+        float(eps),
+        float(gain_center),
+        algorithm,
+        resolve_pdl(enable_pdl, shard.device),
+        backend,
+    )
     return out
 
 
-def supports_all_gather_rmsnorm_fp8(shard, weight, scale, *, workspace,
-                                    dtype=torch.float8_e4m3fn) -> bool:  # fmt: skip
-    return (v.accepts(_check_fp8, "all_gather_rmsnorm_fp8", shard, weight, scale, workspace,
-                      1e-6, 0.0, dtype, "auto")
-            and _fused_reason(workspace, shard) is None)  # fmt: skip
+def supports_all_gather_rmsnorm_fp8(
+    shard, weight, scale, *, workspace, dtype=torch.float8_e4m3fn
+) -> bool:
+    return (
+        v.accepts(
+            _check_fp8,
+            "all_gather_rmsnorm_fp8",
+            shard,
+            weight,
+            scale,
+            workspace,
+            1e-6,
+            0.0,
+            dtype,
+            "auto",
+        )
+        and _fused_reason(workspace, shard) is None
+    )
 
 
 # ----------------------------------------------------------------------------- NVFP4
-def _check_fp4(op, shard, weight, global_scale, workspace, eps, gain_center, layout, recipe,
-               algorithm) -> int:  # fmt: skip
+def _check_fp4(
+    op, shard, weight, global_scale, workspace, eps, gain_center, layout, recipe, algorithm
+) -> int:
     h = _check_norm(op, shard, weight, workspace, eps, gain_center, algorithm)
     if h % 16 != 0:
-        raise ValueError(f"moefuse.{op}: argument 'shard' gathers rows of {h} columns; NVFP4 needs "
-                         "a multiple of 16")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'shard' gathers rows of {h} columns; NVFP4 needs "
+            "a multiple of 16"
+        )
     _check_scalar_tensor(op, "global_scale", global_scale, shard.device)
     if layout not in F.LAYOUTS:
-        raise ValueError(f"moefuse.{op}: argument 'layout' must be one of {tuple(F.LAYOUTS)}, "
-                         f"got {layout!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'layout' must be one of {tuple(F.LAYOUTS)}, got {layout!r}"
+        )
     if recipe not in F.RECIPES:
-        raise ValueError(f"moefuse.{op}: argument 'recipe' must be one of {tuple(F.RECIPES)}, "
-                         f"got {recipe!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'recipe' must be one of {tuple(F.RECIPES)}, got {recipe!r}"
+        )
     return h
 
 
 @fast_op(guards=("workspace",))
-def all_gather_rmsnorm_fp4_quantize(shard, weight, global_scale, *, workspace, eps: float = 1e-6,
-                                    gain_center: float = 0.0, layout: str = "linear",
-                                    recipe: str = "fast", out=None, scale_out=None,
-                                    algorithm: str = "auto", enable_pdl=None,
-                                    impl: str = "auto"):  # fmt: skip
-    """``rmsnorm_fp4_quantize(concat_r shard_r, weight, global_scale, eps)`` (SPEC §3.7): the norm
-    output rounded to the shard dtype, then NVFP4 (recipe "fast" by default, as FlashInfer's
-    all-gather kernel). H % 16 == 0. ``layout`` "linear" (SPEC default) | "swizzled_128x4" |
-    "swizzled_8x4"; padding scale bytes are written as 0.
+def all_gather_rmsnorm_fp4_quantize(
+    shard,
+    weight,
+    global_scale,
+    *,
+    workspace,
+    eps: float = 1e-6,
+    gain_center: float = 0.0,
+    layout: str = "linear",
+    recipe: str = "fast",
+    out=None,
+    scale_out=None,
+    algorithm: str = "auto",
+    enable_pdl=None,
+    impl: str = "auto",
+):
+    """``rmsnorm_fp4_quantize(concat_r shard_r, weight, global_scale, eps)`` (the SPEC's
+    all_gather_rmsnorm_fp4_quantize): the norm output rounded to the shard dtype, then NVFP4 (recipe
+    "fast" by default, as FlashInfer's all-gather kernel). H % 16 == 0. ``layout`` "linear" (SPEC
+    default) | "swizzled_128x4" | "swizzled_8x4"; padding scale bytes are written as 0.
 
     Returns ``(out uint8 [M, H/2], scale_out uint8 scale_layout_shape(M, H/16, layout))``."""
     op = "all_gather_rmsnorm_fp4_quantize"
-    h = _check_fp4(op, shard, weight, global_scale, workspace, eps, gain_center, layout, recipe,
-                   algorithm)  # fmt: skip
+    h = _check_fp4(
+        op, shard, weight, global_scale, workspace, eps, gain_center, layout, recipe, algorithm
+    )
     m = shard.shape[0]
     sf_shape = F.scale_layout_shape(m, h // 16, layout)
     _out(op, "out", out, (m, h // 2), torch.uint8, shard.device, contiguous=True)
     _out(op, "scale_out", scale_out, sf_shape, torch.uint8, shard.device, contiguous=True)
-    _check_outs(op, [("out", out), ("scale_out", scale_out)],
-                [("shard", shard), ("weight", weight), ("global_scale", global_scale)])
+    _check_outs(
+        op,
+        [("out", out), ("scale_out", scale_out)],
+        [("shard", shard), ("weight", weight), ("global_scale", global_scale)],
+    )
     if out is None:
         out = torch.empty((m, h // 2), dtype=torch.uint8, device=shard.device)
     if scale_out is None:
@@ -241,35 +320,74 @@ def all_gather_rmsnorm_fp4_quantize(shard, weight, global_scale, *, workspace, e
         return out, scale_out
     backend = _backend(op, impl, shard, workspace)
     ops.all_gather_rmsnorm_fp4_quantize_op(
-        shard, weight, global_scale, out, scale_out, workspace.id, float(eps), float(gain_center),
-        layout, recipe, algorithm, resolve_pdl(enable_pdl, shard.device), backend,
-    )  # fmt: skip
+        shard,
+        weight,
+        global_scale,
+        out,
+        scale_out,
+        workspace.id,
+        float(eps),
+        float(gain_center),
+        layout,
+        recipe,
+        algorithm,
+        resolve_pdl(enable_pdl, shard.device),
+        backend,
+    )
     return out, scale_out
 
 
-def supports_all_gather_rmsnorm_fp4_quantize(shard, weight, global_scale, *, workspace,
-                                             layout="linear", recipe="fast") -> bool:  # fmt: skip
-    return (v.accepts(_check_fp4, "all_gather_rmsnorm_fp4_quantize", shard, weight, global_scale,
-                      workspace, 1e-6, 0.0, layout, recipe, "auto")
-            and _fused_reason(workspace, shard) is None)  # fmt: skip
+def supports_all_gather_rmsnorm_fp4_quantize(
+    shard, weight, global_scale, *, workspace, layout="linear", recipe="fast"
+) -> bool:
+    return (
+        v.accepts(
+            _check_fp4,
+            "all_gather_rmsnorm_fp4_quantize",
+            shard,
+            weight,
+            global_scale,
+            workspace,
+            1e-6,
+            0.0,
+            layout,
+            recipe,
+            "auto",
+        )
+        and _fused_reason(workspace, shard) is None
+    )
 
 
 # ----------------------------------------------------------------------------- gated dual norm
-def _check_gated(op, branch_shard, residual, alpha, beta, next_weight, workspace, post_eps,
-                 next_eps, next_gain_center, post_weight, post_gain_center, algorithm) -> int:
+def _check_gated(
+    op,
+    branch_shard,
+    residual,
+    alpha,
+    beta,
+    next_weight,
+    workspace,
+    post_eps,
+    next_eps,
+    next_gain_center,
+    post_weight,
+    post_gain_center,
+    algorithm,
+) -> int:
     h = _check_common(op, branch_shard, workspace, algorithm, "branch_shard")
     m, dev = branch_shard.shape[0], branch_shard.device
     v.check_tensor(op, "residual", residual, dtypes=F32, shape=(m, h), device=dev)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float, torch.Tensor)):
-        raise ValueError(f"moefuse.{op}: argument 'alpha' must be an FP32 [H] tensor or a float, "
-                         f"got {type(alpha).__name__}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'alpha' must be an FP32 [H] tensor or a float, "
+            f"got {type(alpha).__name__}"
+        )
     if isinstance(alpha, torch.Tensor):
         v.check_tensor(op, "alpha", alpha, dtypes=F32, shape=(h,), device=dev)
     v.check_tensor(op, "beta", beta, dtypes=F32, shape=(h,), device=dev)
     v.check_tensor(op, "next_weight", next_weight, dtypes=WEIGHT_DTYPES, shape=(h,), device=dev)
     if post_weight is not None:
-        v.check_tensor(op, "post_weight", post_weight, dtypes=WEIGHT_DTYPES, shape=(h,),
-                       device=dev)  # fmt: skip
+        v.check_tensor(op, "post_weight", post_weight, dtypes=WEIGHT_DTYPES, shape=(h,), device=dev)
     v.check_eps(op, "post_eps", post_eps)
     v.check_eps(op, "next_eps", next_eps)
     _check_float(op, "next_gain_center", next_gain_center)
@@ -278,15 +396,28 @@ def _check_gated(op, branch_shard, residual, alpha, beta, next_weight, workspace
 
 
 @fast_op(guards=("workspace",))
-def all_gather_gated_residual_next_rmsnorm(branch_shard, residual, alpha, beta, next_weight, *,
-                                           workspace, post_eps: float = 1e-6,
-                                           next_eps: float = 1e-6, next_gain_center: float = 0.0,
-                                           post_weight=None, post_gain_center: float = 0.0,
-                                           residual_out=None, ffn_input=None, router_input=None,
-                                           algorithm: str = "auto", enable_pdl=None,
-                                           impl: str = "auto"):  # fmt: skip
+def all_gather_gated_residual_next_rmsnorm(
+    branch_shard,
+    residual,
+    alpha,
+    beta,
+    next_weight,
+    *,
+    workspace,
+    post_eps: float = 1e-6,
+    next_eps: float = 1e-6,
+    next_gain_center: float = 0.0,
+    post_weight=None,
+    post_gain_center: float = 0.0,
+    residual_out=None,
+    ffn_input=None,
+    router_input=None,
+    algorithm: str = "auto",
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """``gated_residual_next_rmsnorm(concat_r branch_shard_r, residual, next_weight, alpha, beta)``
-    (SPEC §3.6 on §1.4)::
+    (SPEC: all_gather_gated_residual_next_rmsnorm on gated_residual_next_rmsnorm)::
 
         b = f32(branch) [* (f32(post_weight) + post_gain_center)]
         residual_out = alpha * residual + (beta * b) * rsqrt(mean(b^2) + post_eps)
@@ -300,17 +431,39 @@ def all_gather_gated_residual_next_rmsnorm(branch_shard, residual, alpha, beta, 
     ``residual``: in place), ``ffn_input`` [M, H] of the branch dtype, ``router_input`` FP32
     [M, H] written only when given. Returns ``(residual_out, ffn_input)``."""
     op = "all_gather_gated_residual_next_rmsnorm"
-    h = _check_gated(op, branch_shard, residual, alpha, beta, next_weight, workspace, post_eps,
-                     next_eps, next_gain_center, post_weight, post_gain_center,
-                     algorithm)  # fmt: skip
+    h = _check_gated(
+        op,
+        branch_shard,
+        residual,
+        alpha,
+        beta,
+        next_weight,
+        workspace,
+        post_eps,
+        next_eps,
+        next_gain_center,
+        post_weight,
+        post_gain_center,
+        algorithm,
+    )
     m, dev = branch_shard.shape[0], branch_shard.device
     _out(op, "residual_out", residual_out, (m, h), torch.float32, dev)
     _out(op, "ffn_input", ffn_input, (m, h), branch_shard.dtype, dev)
     _out(op, "router_input", router_input, (m, h), torch.float32, dev)
-    inputs = [("branch_shard", branch_shard), ("residual", residual), ("alpha", alpha),
-              ("beta", beta), ("next_weight", next_weight), ("post_weight", post_weight)]
-    _check_outs(op, [("residual_out", residual_out), ("ffn_input", ffn_input),
-                     ("router_input", router_input)], inputs, {("residual_out", "residual")})
+    inputs = [
+        ("branch_shard", branch_shard),
+        ("residual", residual),
+        ("alpha", alpha),
+        ("beta", beta),
+        ("next_weight", next_weight),
+        ("post_weight", post_weight),
+    ]
+    _check_outs(
+        op,
+        [("residual_out", residual_out), ("ffn_input", ffn_input), ("router_input", router_input)],
+        inputs,
+        {("residual_out", "residual")},
+    )
     if residual_out is None:
         residual_out = torch.empty((m, h), dtype=torch.float32, device=dev)
     if ffn_input is None:
@@ -321,18 +474,47 @@ def all_gather_gated_residual_next_rmsnorm(branch_shard, residual, alpha, beta, 
     alpha_t = alpha if isinstance(alpha, torch.Tensor) else None
     alpha_scalar = 1.0 if alpha_t is not None else float(alpha)
     ops.all_gather_gated_residual_next_rmsnorm_op(
-        branch_shard, residual, next_weight, alpha_t, alpha_scalar, beta, post_weight,
-        residual_out, ffn_input, router_input, workspace.id, float(post_eps), float(next_eps),
-        float(next_gain_center), float(post_gain_center), algorithm,
-        resolve_pdl(enable_pdl, dev), backend,
-    )  # fmt: skip
+        branch_shard,
+        residual,
+        next_weight,
+        alpha_t,
+        alpha_scalar,
+        beta,
+        post_weight,
+        residual_out,
+        ffn_input,
+        router_input,
+        workspace.id,
+        float(post_eps),
+        float(next_eps),
+        float(next_gain_center),
+        float(post_gain_center),
+        algorithm,
+        resolve_pdl(enable_pdl, dev),
+        backend,
+    )
     return residual_out, ffn_input
 
 
-def supports_all_gather_gated_residual_next_rmsnorm(branch_shard, residual, alpha, beta,
-                                                    next_weight, *, workspace,
-                                                    post_weight=None) -> bool:  # fmt: skip
-    return (v.accepts(_check_gated, "all_gather_gated_residual_next_rmsnorm", branch_shard,
-                      residual, alpha, beta, next_weight, workspace, 1e-6, 1e-6, 0.0, post_weight,
-                      0.0, "auto")
-            and _fused_reason(workspace, branch_shard) is None)  # fmt: skip
+def supports_all_gather_gated_residual_next_rmsnorm(
+    branch_shard, residual, alpha, beta, next_weight, *, workspace, post_weight=None
+) -> bool:
+    return (
+        v.accepts(
+            _check_gated,
+            "all_gather_gated_residual_next_rmsnorm",
+            branch_shard,
+            residual,
+            alpha,
+            beta,
+            next_weight,
+            workspace,
+            1e-6,
+            1e-6,
+            0.0,
+            post_weight,
+            0.0,
+            "auto",
+        )
+        and _fused_reason(workspace, branch_shard) is None
+    )

@@ -1,8 +1,8 @@
 """One-launch decode kernel of the all-gather + norm ops (``all_gather_rmsnorm``, ``_fp8``,
 ``_fp4_quantize``, ``all_gather_gated_residual_next_rmsnorm``): the default at
 M <= ONE_LAUNCH_MAX_TOKENS (``MOEFUSE_ALLGATHER_ONE_LAUNCH=0`` turns it off for every op, the
-same on every rank). MEASURED for rmsnorm on 2 x H200 (bench allgather, 2026-11-30,
-bench/results/allgather-h200-p2.json): one launch vs two at H = 4096: M = 1 3.39 / 3.97 us,
+same on every rank). MEASURED for rmsnorm on 2 x H200 (bench all-gather, 2026-11-30,
+bench/results/all-gather-h200-p2.json): one launch vs two at H = 4096: M = 1 3.39 / 3.97 us,
 M = 8 4.30 / 5.10, M = 64 4.64 / 5.72; H = 8192: 4.04 / 4.49, 4.92 / 5.72, 6.54 / 7.22 — bitwise
 equal to NCCL + rmsnorm in every case (the benchmark checks before it times). The FP8, NVFP4
 and gated ops (issue 17e, session 9, same benchmark): one launch vs two at H = 4096, M = 1:
@@ -29,13 +29,13 @@ rows in the op's own tile, straight into registers: no gathered round trip, no C
 (:func:`norm_tile_early`; the values and tile shape are those of the single-GPU kernel's loads,
 so the tree is the same: the tests check the bits). MEASURED on one H200 as two loopback ranks
 (session 12, scripts/loopback_gpu_check.py, PDL on, per case the median over 3 alternating
-rounds of the faster rank's median; notes/comm-allgather.md has the tables), µs late -> slots:
+rounds of the faster rank's median; notes/comm-all-gather.md has the tables), µs late -> slots:
 FP8 H = 4096, M = 1 / 8 / 64: 3.93 -> 3.23, 4.43 -> 4.05, 5.31 -> 4.64; H = 8192: 4.74 ->
 4.33, 5.25 -> 4.62, 6.58 -> 6.20; rmsnorm H = 4096 (one-pass tile): 0.2-0.5 µs less; ``early``
 alone did not beat ``late`` for FP8. NVFP4: all modes within the noise (``late`` kept). The
 gated op at H = 8192: late 4.82 / 5.68 / 8.42, early 5.30 / 5.98 / 8.46, slots 5.26 / 5.97 /
 8.84 (``late`` kept). Defaults: :data:`DECODE_DEFAULT`. Loopback "links" run at L2 speed; on
-NVLink the wait is longer, which may favour hoisting the parameters more: ``bench allgather``
+NVLink the wait is longer, which may favour hoisting the parameters more: ``bench all-gather``
 times every mode beside the default (``moefuse_late`` / ``_early`` / ``_slots``).
 
 Eligible launches: one-shot, M <= :data:`ONE_LAUNCH_MAX_TOKENS` (one program per tile, all
@@ -71,7 +71,7 @@ ONE_LAUNCH_ENV = "MOEFUSE_ALLGATHER_ONE_LAUNCH"
 ONE_LAUNCH_MAX_TOKENS = 64
 #: the single-GPU op a fused launch ends with (host ints; OP_* the kernels' constexprs)
 RMSNORM, FP8, FP4, GATED = 0, 1, 2, 3
-#: the benchmark's op names (moefuse.bench.allgather) -> the ops above
+#: the benchmark's op names (moefuse.bench.all_gather) -> the ops above
 OP_CODES = {"rmsnorm": RMSNORM, "fp8": FP8, "fp4": FP4, "gated": GATED}
 DECODE_ENV = "MOEFUSE_ALLGATHER_DECODE"
 DECODE_MODES = ("late", "early", "slots")
@@ -161,7 +161,7 @@ def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, 
     the same tree and bits) with the op's parameters (and the gated op's residual) loaded
     BEFORE the wait for the peers, so that their latency hides behind it; :func:`norm_tile`
     loads them after. One-pass tiles of rmsnorm, FP8 and NVFP4, and the unrolled stepped rows
-    of rmsnorm (``nt._norm_unrolled_row``) and the gated op (``gd._next_unrolled_row``). The
+    of rmsnorm (``nt.norm_unrolled_row``) and the gated op (``gd.next_unrolled_row``). The
     rows come from the gathered buffer after
     :func:`receive_rows`, or with ``FROM_SLOTS`` straight from this rank's slot
     (``AG.receive_tile`` / ``AG.receive_steps``: polled in the op's own tile, no gathered
@@ -170,32 +170,32 @@ def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, 
     live = n_mine > 0
     if OP == OP_RMSNORM and STEPPED:  # unrolled (ROWS = 1): BLOCK = STEP, NUM_CHUNKS = STEPS
         row = t.to(tl.int64)
-        ws = nt._step_params(w_ptr, H, gain_center, BLOCK, NUM_CHUNKS, MASKED, True)
+        ws = nt.step_params(w_ptr, H, gain_center, BLOCK, NUM_CHUNKS, MASKED, True)
         vs, missing = _stepped_rows(row, live, n_mine, first, scols, scm, empty, mine, region,
                                     rank, S, H, deadline, clock_ptr, x_ptr, x_st, T, BLOCK,
                                     NUM_CHUNKS, MASKED, P, PTX, FROM_SLOTS)  # fmt: skip
-        nt._norm_unrolled_row(vs, ws, out_ptr, row * o_st, H, Hf, eps, aux_ptr, BLOCK,
-                              NUM_CHUNKS, MASKED, PTX, nt._no_aux, nt._st_cast)  # fmt: skip
+        nt.norm_unrolled_row(vs, ws, out_ptr, row * o_st, H, Hf, eps, aux_ptr, BLOCK,
+                              NUM_CHUNKS, MASKED, PTX, nt.no_aux, nt.st_cast)  # fmt: skip
     elif OP == OP_GATED:  # stepped rows, unrolled (ROWS = 1): BLOCK = STEP, NUM_CHUNKS = STEPS
         row = t.to(tl.int64)
-        nws = nt._step_params(w_ptr, H, gain_center, BLOCK, NUM_CHUNKS, MASKED, True)
-        pws = nt._step_params(pw_ptr, H, post_gc, BLOCK, NUM_CHUNKS, MASKED, HAS_POST_WEIGHT)
-        als = nt._step_params(alpha_ptr, H, 0.0, BLOCK, NUM_CHUNKS, MASKED, ALPHA_MODE == 2)
-        bes = nt._step_params(beta_ptr, H, 0.0, BLOCK, NUM_CHUNKS, MASKED, True)
+        nws = nt.step_params(w_ptr, H, gain_center, BLOCK, NUM_CHUNKS, MASKED, True)
+        pws = nt.step_params(pw_ptr, H, post_gc, BLOCK, NUM_CHUNKS, MASKED, HAS_POST_WEIGHT)
+        als = nt.step_params(alpha_ptr, H, 0.0, BLOCK, NUM_CHUNKS, MASKED, ALPHA_MODE == 2)
+        bes = nt.step_params(beta_ptr, H, 0.0, BLOCK, NUM_CHUNKS, MASKED, True)
         rs = ()
         for k in tl.static_range(NUM_CHUNKS):
-            cols, cm = nt._step_cols(k, H, BLOCK)
-            rs = rs + (nt._ldp(res_ptr + row * r_st + cols, cm, MASKED, "evict_first"),)
+            cols, cm = nt.step_cols(k, H, BLOCK)
+            rs = rs + (nt.ldp(res_ptr + row * r_st + cols, cm, MASKED, "evict_first"),)
         bs, missing = _stepped_rows(row, live, n_mine, first, scols, scm, empty, mine, region,
                                     rank, S, H, deadline, clock_ptr, x_ptr, x_st, T, BLOCK,
                                     NUM_CHUNKS, MASKED, P, PTX, FROM_SLOTS)  # fmt: skip
-        gd._next_unrolled_row(bs, rs, nws, pws, als, bes, ro_ptr, out_ptr, rt_ptr, row * ro_st,
+        gd.next_unrolled_row(bs, rs, nws, pws, als, bes, ro_ptr, out_ptr, rt_ptr, row * ro_st,
                               row * o_st, row * rt_st, H, Hf, alpha_scalar, post_eps, eps,
                               BLOCK, NUM_CHUNKS, MASKED, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER,
                               PTX)  # fmt: skip
     else:
         cols = tl.arange(0, BLOCK)
-        rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
+        rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
         w, inv = one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED, PTX, OP)
         if FROM_SLOTS:
             x, missing = AG.receive_tile(mine, region, rows, cols, mask, live, S, H, deadline,
@@ -203,7 +203,7 @@ def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, 
         else:
             missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S,
                                    H, deadline, clock_ptr, empty, P, PTX)  # fmt: skip
-            x = nt._ld_raw(x_ptr + (rows * x_st)[:, None] + cols[None, :], mask, MASKED,
+            x = nt.ld_raw(x_ptr + (rows * x_st)[:, None] + cols[None, :], mask, MASKED,
                            EVICT_FIRST)  # fmt: skip
         one_pass_tile(x, w, inv, t, rows, cols, mask, x_ptr, out_ptr, aux_ptr, sf_ptr, n_rows,
                       n_norm, H, Hf, KB, n_kcols, o_st, o_sh, eps, BLOCK, ROWS, MASKED,
@@ -217,7 +217,7 @@ def _stepped_rows(row, live, n_mine, first, scols, scm, empty, mine, region, ran
                   STEPS: tl.constexpr, MASKED: tl.constexpr, P: tl.constexpr, PTX: tl.constexpr,
                   FROM_SLOTS: tl.constexpr):  # fmt: skip
     """Gathered row ``row`` as its STEPS FP32 [1, STEP] steps (the values of the single-GPU
-    stepped kernels' ``_ldp`` loads), straight from the slots (``AG.receive_steps``) or from
+    stepped kernels' ``ldp`` loads), straight from the slots (``AG.receive_steps``) or from
     the gathered buffer after :func:`receive_rows`; and the bit mask of late peers."""
     if FROM_SLOTS:
         vs, missing = AG.receive_steps(mine, region, row, live, S, H, deadline, clock_ptr, T,
@@ -227,8 +227,8 @@ def _stepped_rows(row, live, n_mine, first, scols, scm, empty, mine, region, ran
                                deadline, clock_ptr, empty, P, PTX)  # fmt: skip
         vs = ()
         for k in tl.static_range(STEPS):
-            cols, cm = nt._step_cols(k, H, STEP)
-            vs = vs + (nt._ldp(x_ptr + row * x_st + cols, cm, MASKED, "evict_first"),)
+            cols, cm = nt.step_cols(k, H, STEP)
+            vs = vs + (nt.ldp(x_ptr + row * x_st + cols, cm, MASKED, "evict_first"),)
     return vs, missing
 
 
@@ -244,9 +244,9 @@ def one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK: tl.constexpr,
     inv = tl.full([], 1.0, tl.float32)
     if LOAD:
         if OP == OP_FP4:
-            w = qf._ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
+            w = qf.ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
         else:
-            w = nt._ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+            w = nt.ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         if OP == OP_FP8:
             inv = tl.math.div_rn(1.0, tl.load(aux_ptr).to(tl.float32))
     return w, inv
@@ -260,18 +260,18 @@ def one_pass_tile(x, w, inv, t, rows, cols, mask, x_ptr, out_ptr, aux_ptr, sf_pt
                   RECIPE: tl.constexpr):  # fmt: skip
     """The single-GPU op ``OP``'s one-pass tile ``t`` on its rows ``x`` [ROWS, BLOCK] (stored
     dtype, masked elements 0) with the parameters of :func:`one_pass_params`: the row code of
-    ``_rmsnorm_kernel`` (``_rms_tile``), ``_rmsnorm_fp8_kernel`` (``_fp8_tile``) or
-    ``_rmsnorm_fp4_kernel`` (``_fp4_tile`` with the rows given), so the same tree and bits."""
+    ``_rmsnorm_kernel`` (``rms_tile``), ``_rmsnorm_fp8_kernel`` (``fp8_tile``) or
+    ``_rmsnorm_fp4_kernel`` (``fp4_tile`` with the rows given), so the same tree and bits."""
     if OP == OP_FP8:
-        qf._fp8_tile(qf._widen_h(x, x, False), w, inv, rows, cols, mask, x_ptr, out_ptr, 1, 0, 0,
+        qf.fp8_tile(qf.widen_h(x, x, False), w, inv, rows, cols, mask, x_ptr, out_ptr, 1, 0, 0,
                      o_st, o_sh, Hf, eps, MASKED, False, FMT, PTX, False)  # fmt: skip
     elif OP == OP_FP4:
-        qf._fp4_tile(t, w, x_ptr, x_ptr, aux_ptr, out_ptr, sf_ptr, x_ptr, n_rows, n_norm, H, Hf,
+        qf.fp4_tile(t, w, x_ptr, x_ptr, aux_ptr, out_ptr, sf_ptr, x_ptr, n_rows, n_norm, H, Hf,
                      KB, n_kcols, 0, 0, o_st, 0, eps, BLOCK, ROWS, False, False, RECIPE, LAYOUT,
                      EVICT_FIRST, PTX, False, MASKED, x, True)  # fmt: skip
     else:
         xf = x.to(tl.float32)
-        nt._rms_tile(xf, xf, w, rows, cols, mask, out_ptr, 1, o_st, o_sh, Hf, eps, MASKED, False,
+        nt.rms_tile(xf, xf, w, rows, cols, mask, out_ptr, 1, o_st, o_sh, Hf, eps, MASKED, False,
                      PTX)  # fmt: skip
 
 
@@ -316,23 +316,23 @@ def norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, bet
     kernel's own row functions with its constexprs, so the same reduction tree and bits.
 
     * OP_RMSNORM (``moefuse.norm.triton._rmsnorm_kernel``, no gate): stepped rows (ROWS = 1)
-      ``_norm_stepped`` unrolled or looped as ``UNROLL`` says; one-pass tiles ``_rms_load`` +
-      ``_rms_tile``. ``out_ptr``: the output rows.
+      ``norm_stepped`` unrolled or looped as ``UNROLL`` says; one-pass tiles ``rms_load`` +
+      ``rms_tile``. ``out_ptr``: the output rows.
     * OP_FP8 (``moefuse.quant.fused._rmsnorm_fp8_kernel``, one-pass tiles, no residual): the tile
-      of its row loop, ``_fp8_load`` + ``_widen_h`` + ``_fp8_tile`` (PACKED False, as its loop);
+      of its row loop, ``fp8_load`` + ``widen_h`` + ``fp8_tile`` (PACKED False, as its loop);
       ``aux_ptr``: the scale, ``out_ptr``: the FP8 bytes.
-    * OP_FP4 (``_rmsnorm_fp4_kernel``, one tile per program): ``_fp4_tile``; tiles cover the
+    * OP_FP4 (``_rmsnorm_fp4_kernel``, one tile per program): ``fp4_tile``; tiles cover the
       layout's ``n_norm`` padded rows (``KB`` blocks per row, ``n_kcols`` scale columns);
       ``aux_ptr``: the global scale, ``out_ptr``: packed codes (row stride ``o_st``),
       ``sf_ptr``: the scale bytes.
     * OP_GATED (``moefuse.norm.gated._gated_residual_next_kernel``): the gathered rows are the
       branch; ``res_ptr`` the FP32 residual (row stride ``r_st``), ``w_ptr`` / ``eps`` /
       ``gain_center`` the next norm's, ``out_ptr`` ffn_input, ``ro_ptr`` residual_out,
-      ``rt_ptr`` the FP32 router output (HAS_ROUTER); stepped rows ``_next_stepped``, one-pass
-      tiles ``_add_load`` + ``_gated_next_tile``."""
+      ``rt_ptr`` the FP32 router output (HAS_ROUTER); stepped rows ``next_stepped``, one-pass
+      tiles ``add_load`` + ``gated_next_tile``."""
     if OP == OP_GATED:
         if STEPPED:
-            gd._next_stepped(x_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, out_ptr,
+            gd.next_stepped(x_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, out_ptr,
                              rt_ptr, t.to(tl.int64), H, Hf, x_st, r_st, ro_st, o_st, rt_st,
                              alpha_scalar, post_eps, eps, gain_center, post_gc, BLOCK, NUM_CHUNKS,
                              UNROLL, MASKED, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, PTX,
@@ -340,44 +340,44 @@ def norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, bet
         else:
             cols = tl.arange(0, BLOCK)
             pm = cols < H
-            nw = nt._ld(w_ptr + cols, pm, MASKED, False)[None, :] + gain_center
+            nw = nt.ld(w_ptr + cols, pm, MASKED, False)[None, :] + gain_center
             pw = 1.0
             if HAS_POST_WEIGHT:
-                pw = nt._ld(pw_ptr + cols, pm, MASKED, False)[None, :] + post_gc
-            rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
-            br, rr = nt._add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED,
+                pw = nt.ld(pw_ptr + cols, pm, MASKED, False)[None, :] + post_gc
+            rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
+            br, rr = nt.add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED,
                                   EVICT_FIRST)  # fmt: skip
-            gd._gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm,
+            gd.gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm,
                                 mask, alpha_ptr, beta_ptr, ro_ptr, out_ptr, rt_ptr, ro_st, o_st,
                                 rt_st, alpha_scalar, Hf, post_eps, eps, ALPHA_MODE, MASKED,
                                 HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
     elif OP == OP_FP8:
         cols = tl.arange(0, BLOCK)
-        w = nt._ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+        w = nt.ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
         inv = tl.math.div_rn(1.0, tl.load(aux_ptr).to(tl.float32))
-        rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
-        xr, rr = qf._fp8_load(x_ptr, x_ptr, rows, cols, mask, HEADS, x_st, x_sh, 0, 0, MASKED,
+        rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
+        xr, rr = qf.fp8_load(x_ptr, x_ptr, rows, cols, mask, HEADS, x_st, x_sh, 0, 0, MASKED,
                               EVICT_FIRST, False)  # fmt: skip
-        qf._fp8_tile(qf._widen_h(xr, rr, False), w, inv, rows, cols, mask, x_ptr, out_ptr, HEADS,
+        qf.fp8_tile(qf.widen_h(xr, rr, False), w, inv, rows, cols, mask, x_ptr, out_ptr, HEADS,
                      0, 0, o_st, o_sh, Hf, eps, MASKED, False, FMT, PTX, False)  # fmt: skip
     elif OP == OP_FP4:
         cols = tl.arange(0, BLOCK)
-        w = qf._ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
-        qf._fp4_tile(t, w, x_ptr, x_ptr, aux_ptr, out_ptr, sf_ptr, x_ptr, n_rows, n_norm, H, Hf,
+        w = qf.ld32(w_ptr + cols, cols < H, MASKED, False, PTX)[None, :] + gain_center
+        qf.fp4_tile(t, w, x_ptr, x_ptr, aux_ptr, out_ptr, sf_ptr, x_ptr, n_rows, n_norm, H, Hf,
                      KB, n_kcols, x_st, 0, o_st, 0, eps, BLOCK, ROWS, False, False, RECIPE,
                      LAYOUT, EVICT_FIRST, PTX, False, MASKED)  # fmt: skip
     elif STEPPED:
-        nt._norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, nt._row_base(t, HEADS, x_st, x_sh), 0,
-                         nt._row_base(t, HEADS, o_st, o_sh), H, Hf, eps, gain_center, x_ptr,
+        nt.norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, nt.row_base(t, HEADS, x_st, x_sh), 0,
+                         nt.row_base(t, HEADS, o_st, o_sh), H, Hf, eps, gain_center, x_ptr,
                          BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, False, False, "evict_first",
-                         nt._no_aux, nt._st_cast)  # fmt: skip
+                         nt.no_aux, nt.st_cast)  # fmt: skip
     else:
         cols = tl.arange(0, BLOCK)
-        w = nt._ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
-        rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
-        x, g = nt._rms_load(x_ptr, x_ptr, rows, cols, mask, HEADS, x_st, x_sh, 0, 0, MASKED,
+        w = nt.ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+        rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
+        x, g = nt.rms_load(x_ptr, x_ptr, rows, cols, mask, HEADS, x_st, x_sh, 0, 0, MASKED,
                             EVICT_FIRST, False)  # fmt: skip
-        nt._rms_tile(x.to(tl.float32), g.to(tl.float32), w, rows, cols, mask, out_ptr, HEADS,
+        nt.rms_tile(x.to(tl.float32), g.to(tl.float32), w, rows, cols, mask, out_ptr, HEADS,
                      o_st, o_sh, Hf, eps, MASKED, False, PTX)  # fmt: skip
 
 
@@ -403,7 +403,7 @@ def fusable(op: int, tile) -> bool:
     """Whether ``norm_tile`` runs the single-GPU op's ``tile``: one-pass tiles, and the stepped
     rows of rmsnorm and the gated op; not the two-pass chunked rows (> 16384 columns). FP8
     one-pass tiles are persistent in the single-GPU kernel: its loop runs the same per-tile
-    code (``_fp8_tile``) with the same tile and warps, so the loop changes no bit; the other
+    code (``fp8_tile``) with the same tile and warps, so the loop changes no bit; the other
     ops' policies never choose their persistent loops, which stay excluded."""
     if tile.stepped:
         return op in (RMSNORM, GATED)
@@ -413,8 +413,8 @@ def fusable(op: int, tile) -> bool:
 
 
 #: NVFP4 rows wider than this run two launches at up to FP4_WIDE_TWO_LAUNCH_MAX_TOKENS tokens
-#: unless MOEFUSE_ALLGATHER_ONE_LAUNCH is set. MEASURED (2 x H200, P = 2, `bench allgather`,
-#: session 9, bench/results/allgather-h200-p2.json), µs one launch / two launches: H = 8192
+#: unless MOEFUSE_ALLGATHER_ONE_LAUNCH is set. MEASURED (2 x H200, P = 2, `bench all-gather`,
+#: session 9, bench/results/all-gather-h200-p2.json), µs one launch / two launches: H = 8192
 #: M = 1 5.71 / 5.29, M = 8 6.40 / 6.11, M = 64 7.62 / 7.82; H = 4096 one launch wins at every
 #: M (3.75 / 4.13 at M = 1). The NVFP4 tile is 4 warps wide, so one CTA gathers a whole
 #: 8192-column row with 128 threads, where the gather kernel of two launches has its own tile.

@@ -1,4 +1,5 @@
-"""The column all-gather of the all-gather + norm fusions (SPEC §3.6, §3.7) and its launcher.
+"""The column all-gather of the all-gather + norm fusions (SPEC:
+all_gather_gated_residual_next_rmsnorm, all_gather_rmsnorm_fp4_quantize) and its launcher.
 
 Each rank holds ``shard`` [M, S] (its columns ``[rank*S, (rank+1)*S)`` of every token row,
 S = H / P). ``_allgather_kernel`` assembles the full rows ``[M, H]`` in this rank's local
@@ -7,7 +8,7 @@ S = H / P). ``_allgather_kernel`` assembles the full rows ``[M, H]`` in this ran
 makes the fused ops bitwise equal to "all-gather, then the single-GPU op": the row reduction
 tree, tile and launch policy are that kernel's, chosen from H exactly as for a local call.
 
-Transport (Lamport, unicast peer stores; SPEC §3.0.1 with two changes):
+Transport (Lamport, unicast peer stores; the SPEC's Lamport transport with two changes):
 
 * Slots: region ``"allgather"`` of every rank's peer buffer holds ``[3 generations, max_tokens,
   H]`` 16-bit words; sender r writes its fragment of row t into columns ``[r*S, (r+1)*S)`` of
@@ -82,10 +83,26 @@ def _poll_fragment(ptr, cm, deadline, clock_ptr, PTX: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "rank"])
 def _allgather_kernel(
-    shard_ptr, s_st, gath_ptr, g_st, table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr,
-    M, S, H, rank, cap, timeout_us,
-    P: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
+    shard_ptr,
+    s_st,
+    gath_ptr,
+    g_st,
+    table_ptr,
+    ag_off16,
+    agctrl_ptr,
+    status_ptr,
+    clock_ptr,
+    M,
+    S,
+    H,
+    rank,
+    cap,
+    timeout_us,
+    P: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_S)
@@ -95,8 +112,9 @@ def _allgather_kernel(
         # every CTA of this grid is resident (grid <= co-resident capacity), so the next kernel
         # (the norm) may take its place early: it loads its parameters, then waits for this grid
         gdc_launch_dependents()
-    deadline, gen, healthy, region, mine = prelude(table_ptr, ag_off16, agctrl_ptr, status_ptr,
-                                                   clock_ptr, rank, cap, timeout_us, PTX)
+    deadline, gen, healthy, region, mine = prelude(
+        table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, rank, cap, timeout_us, PTX
+    )
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
     empty = tl.zeros([BLOCK_S], tl.int16)
     own = rank * S
@@ -108,19 +126,49 @@ def _allgather_kernel(
     i = 0
     while (i <= n_mine) & (missing == 0):
         if i < n_mine:
-            push_row(shard_ptr, s_st, gath_ptr, g_st, pid + i * G, cols, cm, table_ptr, ag_off16,
-                     region, rank, own, H, P)  # fmt: skip
+            push_row(
+                shard_ptr,
+                s_st,
+                gath_ptr,
+                g_st,
+                pid + i * G,
+                cols,
+                cm,
+                table_ptr,
+                ag_off16,
+                region,
+                rank,
+                own,
+                H,
+                P,
+            )
         if i > 0:
-            miss = receive_row(gath_ptr, g_st, pid + (i - 1) * G, cols, cm, mine, region, rank,
-                               S, H, deadline, clock_ptr, empty, P, PTX)  # fmt: skip
+            miss = receive_row(
+                gath_ptr,
+                g_st,
+                pid + (i - 1) * G,
+                cols,
+                cm,
+                mine,
+                region,
+                rank,
+                S,
+                H,
+                deadline,
+                clock_ptr,
+                empty,
+                P,
+                PTX,
+            )
             missing = missing | miss
         i += 1
     finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
 
 
 @triton.jit
-def prelude(table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, rank, cap, timeout_us,
-            PTX: tl.constexpr):  # fmt: skip
+def prelude(
+    table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, rank, cap, timeout_us, PTX: tl.constexpr
+):
     """(deadline of every wait, generation, workspace healthy, element offset of the
     generation's slots, this rank's slots as an int16 pointer)."""
     deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
@@ -132,13 +180,29 @@ def prelude(table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, rank, cap, t
 
 
 @triton.jit
-def push_row(shard_ptr, s_st, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank,
-             own, H, P: tl.constexpr, OWN_SLOT: tl.constexpr = False):  # fmt: skip
+def push_row(
+    shard_ptr,
+    s_st,
+    gath_ptr,
+    g_st,
+    t,
+    cols,
+    cm,
+    table_ptr,
+    ag_off16,
+    region,
+    rank,
+    own,
+    H,
+    P: tl.constexpr,
+    OWN_SLOT: tl.constexpr = False,
+):
     """Row ``t`` of this rank's shard: encoded into its columns of every peer's slot, and as is
     into this rank's gathered row (``OWN_SLOT``: encoded into its own slot instead)."""
     x = load_fragment(shard_ptr, s_st, t, cols, cm)
-    store_fragment(x, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank, own, H, P,
-                   OWN_SLOT)  # fmt: skip
+    store_fragment(
+        x, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank, own, H, P, OWN_SLOT
+    )
 
 
 @triton.jit
@@ -148,8 +212,22 @@ def load_fragment(shard_ptr, s_st, t, cols, cm):
 
 
 @triton.jit
-def store_fragment(x, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, rank, own, H,
-                   P: tl.constexpr, OWN_SLOT: tl.constexpr = False):  # fmt: skip
+def store_fragment(
+    x,
+    gath_ptr,
+    g_st,
+    t,
+    cols,
+    cm,
+    table_ptr,
+    ag_off16,
+    region,
+    rank,
+    own,
+    H,
+    P: tl.constexpr,
+    OWN_SLOT: tl.constexpr = False,
+):
     """The push of :func:`push_row` for a fragment ``x`` already loaded from shard row ``t``.
     ``OWN_SLOT``: this rank's fragment goes encoded into its own slot too (where
     :func:`receive_tile` reads the whole row), instead of as is into the gathered row."""
@@ -167,8 +245,23 @@ def store_fragment(x, gath_ptr, g_st, t, cols, cm, table_ptr, ag_off16, region, 
 
 
 @triton.jit
-def receive_row(gath_ptr, g_st, t, cols, cm, mine, region, rank, S, H, deadline, clock_ptr,
-                empty, P: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def receive_row(
+    gath_ptr,
+    g_st,
+    t,
+    cols,
+    cm,
+    mine,
+    region,
+    rank,
+    S,
+    H,
+    deadline,
+    clock_ptr,
+    empty,
+    P: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """Poll every peer's fragment of row ``t`` in this rank's slot, re-arm it, store it decoded
     into the gathered row. Returns the bit mask of peers whose fragment did not arrive in time."""
     T: tl.constexpr = gath_ptr.dtype.element_ty
@@ -201,8 +294,18 @@ def _load_words(ptrs, valids, N: tl.constexpr):
 
 
 @triton.jit
-def _receive_words(ptrs, valids, owners, T: tl.constexpr, N: tl.constexpr, deadline, clock_ptr,
-                   MASKED: tl.constexpr, P: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def _receive_words(
+    ptrs,
+    valids,
+    owners,
+    T: tl.constexpr,
+    N: tl.constexpr,
+    deadline,
+    clock_ptr,
+    MASKED: tl.constexpr,
+    P: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """Poll the N word tensors of this rank's slot (``ptrs``, masks ``valids``, owning rank of
     every word ``owners``) until no word is empty, or the deadline; all N are loaded together
     each round. Re-arms them, decodes them to dtype T (masked words 0 when ``MASKED``).
@@ -230,9 +333,22 @@ def _receive_words(ptrs, valids, owners, T: tl.constexpr, N: tl.constexpr, deadl
 
 
 @triton.jit
-def receive_tile(mine, region, rows, cols, mask, live, S, H, deadline, clock_ptr,
-                 T: tl.constexpr, MASKED: tl.constexpr, P: tl.constexpr,
-                 PTX: tl.constexpr):  # fmt: skip
+def receive_tile(
+    mine,
+    region,
+    rows,
+    cols,
+    mask,
+    live,
+    S,
+    H,
+    deadline,
+    clock_ptr,
+    T: tl.constexpr,
+    MASKED: tl.constexpr,
+    P: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """The rows ``rows`` x columns ``cols`` of the gathered rows as a register tile of dtype T,
     read straight from this rank's slot, where every rank (this one included: ``OWN_SLOT``)
     stored its fragment: poll until no word is empty (or the deadline), re-arm, decode. Masked
@@ -240,18 +356,32 @@ def receive_tile(mine, region, rows, cols, mask, live, S, H, deadline, clock_ptr
     (workspace unhealthy, or a tile of padding rows) waits for nothing and reads nothing.
     Returns ``(tile, bit mask of the peers whose words did not arrive in time)``."""
     ptr = mine + (region + rows.to(tl.int64))[:, None] * H + cols[None, :]
-    xs, missing = _receive_words((ptr,), (mask & live,), ((cols // S)[None, :],), T, 1,
-                                 deadline, clock_ptr, MASKED, P, PTX)  # fmt: skip
+    xs, missing = _receive_words(
+        (ptr,), (mask & live,), ((cols // S)[None, :],), T, 1, deadline, clock_ptr, MASKED, P, PTX
+    )
     return xs[0], missing
 
 
 @triton.jit
-def receive_steps(mine, region, row, live, S, H, deadline, clock_ptr, T: tl.constexpr,
-                  STEP: tl.constexpr, STEPS: tl.constexpr, MASKED: tl.constexpr, P: tl.constexpr,
-                  PTX: tl.constexpr):  # fmt: skip
+def receive_steps(
+    mine,
+    region,
+    row,
+    live,
+    S,
+    H,
+    deadline,
+    clock_ptr,
+    T: tl.constexpr,
+    STEP: tl.constexpr,
+    STEPS: tl.constexpr,
+    MASKED: tl.constexpr,
+    P: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """:func:`receive_tile` for a stepped row (``norm.triton`` layout: STEPS steps of [1, STEP]
     columns): the steps of gathered row ``row`` as a tuple of FP32 tensors, the values of the
-    single-GPU kernels' ``_ldp`` step loads, all polled together."""
+    single-GPU kernels' ``ldp`` step loads, all polled together."""
     base = mine + (region + row.to(tl.int64)) * H
     ptrs = ()
     valids = ()
@@ -261,8 +391,9 @@ def receive_steps(mine, region, row, live, S, H, deadline, clock_ptr, T: tl.cons
         ptrs = ptrs + (base + cols,)
         valids = valids + ((cols < H) & live,)
         owners = owners + (cols // S,)
-    xs, missing = _receive_words(ptrs, valids, owners, T, STEPS, deadline, clock_ptr, MASKED, P,
-                                 PTX)  # fmt: skip
+    xs, missing = _receive_words(
+        ptrs, valids, owners, T, STEPS, deadline, clock_ptr, MASKED, P, PTX
+    )
     fs = ()
     for k in tl.static_range(STEPS):
         fs = fs + (xs[k].to(tl.float32),)
@@ -291,8 +422,9 @@ def allgather_tile(shard_width: int) -> tuple[int, int]:
     return block, min(8, max(1, block // 256))
 
 
-def launch_allgather(ws, state, shard: torch.Tensor, gathered: torch.Tensor,
-                     use_pdl: bool = False) -> None:  # fmt: skip
+def launch_allgather(
+    ws, state, shard: torch.Tensor, gathered: torch.Tensor, use_pdl: bool = False
+) -> None:
     """All-gather the column shards of every rank into ``gathered`` [M, H] (rank order).
 
     ``state``: the workspace's :class:`moefuse.comm.all_gather.ops.AllGatherState` (``agctrl``
@@ -307,9 +439,28 @@ def launch_allgather(ws, state, shard: torch.Tensor, gathered: torch.Tensor,
     # CTAs one after another, CTA j of every rank pushes before it waits on CTA j of the peers
     ctas = max(1, min(m, ws.max_ctas(warps)))
     extra = {"launch_pdl": True} if use_pdl else {}
-    launch(_allgather_kernel, (ctas,),
-        shard, shard.stride(0), gathered, gathered.stride(0), ws.table, ws.offset16("allgather"),
-        state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, m, s, ws.hidden_size, ws.rank, ws.max_tokens,
-        ws.timeout_us, P=ws.world_size, BLOCK_S=block, USE_PDL=bool(use_pdl),
-        PTX=not interpreter_active(), num_warps=warps, **extra,
-    )  # fmt: skip
+    launch(
+        _allgather_kernel,
+        (ctas,),
+        shard,
+        shard.stride(0),
+        gathered,
+        gathered.stride(0),
+        ws.table,
+        ws.offset16("allgather"),
+        state.agctrl,
+        ws.ctrl[CTRL_STATUS:],
+        ws.clock,
+        m,
+        s,
+        ws.hidden_size,
+        ws.rank,
+        ws.max_tokens,
+        ws.timeout_us,
+        P=ws.world_size,
+        BLOCK_S=block,
+        USE_PDL=bool(use_pdl),
+        PTX=not interpreter_active(),
+        num_warps=warps,
+        **extra,
+    )

@@ -2,7 +2,7 @@
 ``all_gather_rmsnorm``, and since issue 17e ``_fp8``, ``_fp4_quantize`` and the gated op: the
 ``OP`` constexpr of ``norm_tile``): NVLink pushes and the norm overlap inside one kernel.
 
-MEASURED for every op (notes/comm-allgather.md "Measured: the persistent kernel" and
+MEASURED for every op (notes/comm-all-gather.md "Measured: the persistent kernel" and
 "Measured: every op on its one-launch kernels"): rmsnorm, FP8 and NVFP4 0.75-0.94 x the NVLink
 bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's kernel of session 9
 (one 16-warp CTA per SM, rows gathered) lost to the chunk pipeline above 512 tokens on 2 x H200
@@ -12,7 +12,7 @@ two CTAs per SM (H <= 4096) or with the residual and parameters requested before
 which, applied to the 2 x H200 figures, puts it 7-18 % ahead of the chunk pipeline at M = 4096 /
 16384: a PREDICTION, so it is now the default at every M for the gated op's stepped rows
 (> 2048 columns; :data:`GATED_ONE_PASS_PERSISTENT_MAX_TOKENS` for the narrower ones) and
-``bench allgather`` times ``moefuse_chunked`` beside it (the next 2-GPU run confirms or
+``bench all-gather`` times ``moefuse_chunked`` beside it (the next 2-GPU run confirms or
 reverts).
 
 The chunked pipeline (gather chunk c+1 on a communication stream while chunk c is normed) left
@@ -108,7 +108,7 @@ PERSISTENT_MODES = ("gathered", "early", "slots")
 PERSISTENT_SLOTS_MAX_BLOCK = {dec.RMSNORM: 8192, dec.FP8: 4096}
 #: the persistent kernel's mode for stepped rows (rmsnorm 6145-8192 columns, the gated op;
 #: :func:`persistent_mode`). MEASURED on one H200 as two loopback ranks (session 13, PDL off,
-#: 2 alternating rounds, notes/comm-allgather.md "Session 13"), µs gathered / early / slots:
+#: 2 alternating rounds, notes/comm-all-gather.md "Session 13"), µs gathered / early / slots:
 #: rmsnorm H = 8192 M = 4096 170.4 / 167.1 / 163.4, M = 16384 662.0 / 650.1 / 630.2; the gated
 #: op (tensor alpha) at H = 8192, M = 512 / 4096 / 16384: gathered at 1 CTA per SM 53.5 / 399 /
 #: 1607, at 2 CTAs per SM (looped rows) 42.5 / 343.6 / 1390, early (unrolled rows, 1 CTA per
@@ -215,7 +215,7 @@ def _ag_rmsnorm_persistent_kernel(
                                           ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, P, FROM_SLOTS,
                                           STEPPED)  # fmt: skip
         elif FROM_SLOTS:  # the tile polled straight from the slots (decode "slots" mode)
-            rows, mask = nt._tile_rows(t, cols, n_rows, H, ROWS)
+            rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
             wt, invt = dec.one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED,
                                            PTX, OP, OP == dec.OP_FP4)  # fmt: skip
             x, missing = AG.receive_tile(mine, region, rows, cols, mask, i < n_gat, S, H,

@@ -1,10 +1,11 @@
-"""References of the all-gather + norm fusions (SPEC §3.6, §3.7), and the column all-gather of
-the torch.distributed path.
+"""References of the all-gather + norm fusions (SPEC: all_gather_gated_residual_next_rmsnorm,
+all_gather_rmsnorm_fp4_quantize), and the column all-gather of the torch.distributed path.
 
 Each reference gathers the column shards with torch.distributed (exact: no arithmetic) and runs
 the single-GPU op's reference on the full rows, which is the definition of these ops: "concat
-the shards in rank order along dim 1, then §1.4 / §1.1 / §3.7". Collective: every rank calls
-them with the same M. Runs on CPU (gloo) and on GPU (NCCL).
+the shards in rank order along dim 1, then gated_residual_next_rmsnorm / rmsnorm /
+rmsnorm_fp4_quantize". Collective: every rank calls them with the same M. Runs on CPU (gloo) and on
+GPU (NCCL).
 """
 
 from __future__ import annotations
@@ -43,30 +44,59 @@ def all_gather_rmsnorm_reference(shard, weight, *, workspace, eps=1e-6, gain_cen
     return norm_ref.rmsnorm_reference(gather_columns(shard, workspace), weight, eps, gain_center)
 
 
-def all_gather_rmsnorm_fp8_reference(shard, weight, scale, *, workspace, eps=1e-6,
-                                     gain_center=0.0, dtype=torch.float8_e4m3fn):  # fmt: skip
+def all_gather_rmsnorm_fp8_reference(
+    shard, weight, scale, *, workspace, eps=1e-6, gain_center=0.0, dtype=torch.float8_e4m3fn
+):
     """``rmsnorm_quant_reference`` of the gathered rows (FP8 of the unrounded norm output)."""
-    return quant_ref.rmsnorm_quant_reference(gather_columns(shard, workspace), weight, scale, eps,
-                                             dtype, gain_center)  # fmt: skip
+    return quant_ref.rmsnorm_quant_reference(
+        gather_columns(shard, workspace), weight, scale, eps, dtype, gain_center
+    )
 
 
-def all_gather_rmsnorm_fp4_quantize_reference(shard, weight, global_scale, *, workspace, eps=1e-6,
-                                              gain_center=0.0, layout="linear",
-                                              recipe="fast"):  # fmt: skip
+def all_gather_rmsnorm_fp4_quantize_reference(
+    shard,
+    weight,
+    global_scale,
+    *,
+    workspace,
+    eps=1e-6,
+    gain_center=0.0,
+    layout="linear",
+    recipe="fast",
+):
     """``rmsnorm_fp4_quantize_reference`` of the gathered rows: ``(packed, scales, norm_out)``."""
     return quant_ref.rmsnorm_fp4_quantize_reference(
-        gather_columns(shard, workspace), weight, global_scale, eps, layout, recipe, gain_center)
+        gather_columns(shard, workspace), weight, global_scale, eps, layout, recipe, gain_center
+    )
 
 
 def all_gather_gated_residual_next_rmsnorm_reference(
-    branch_shard, residual, alpha, beta, next_weight, *, workspace, post_eps=1e-6, next_eps=1e-6,
-    next_gain_center=0.0, post_weight=None, post_gain_center=0.0,
-):  # fmt: skip
+    branch_shard,
+    residual,
+    alpha,
+    beta,
+    next_weight,
+    *,
+    workspace,
+    post_eps=1e-6,
+    next_eps=1e-6,
+    next_gain_center=0.0,
+    post_weight=None,
+    post_gain_center=0.0,
+):
     """``gated_residual_next_rmsnorm_reference`` of the gathered branch (``residual`` and the
     parameters are replicated, full width).
 
     Returns ``(residual_out FP32, ffn_input, router_input FP32)``."""
     return norm_ref.gated_residual_next_rmsnorm_reference(
-        gather_columns(branch_shard, workspace), residual, next_weight, alpha, beta, post_eps,
-        next_eps, next_gain_center, post_weight, post_gain_center,
-    )  # fmt: skip
+        gather_columns(branch_shard, workspace),
+        residual,
+        next_weight,
+        alpha,
+        beta,
+        post_eps,
+        next_eps,
+        next_gain_center,
+        post_weight,
+        post_gain_center,
+    )

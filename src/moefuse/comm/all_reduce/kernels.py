@@ -1,4 +1,5 @@
-"""Triton kernels of the all-reduce fusions (SPEC §3.0, §3.1) and their launcher.
+"""Triton kernels of the all-reduce fusions (SPEC: the common model and the all-reduce fusion) and
+their launcher.
 
 Three algorithms, one epilogue (:func:`moefuse.comm.device.epilogue_row`), same bits:
 
@@ -197,6 +198,24 @@ def _oneshot_prefetch_kernel(
 
 
 # ----------------------------------------------------------------------------- two-shot
+@triton.jit
+def _scatter_to_owners(x_ptr, x_st, cols, cmask, pid, G, n_mine, chunk, rank, chunk_cap,
+                       table_ptr, stage_off16, H, BITS: tl.constexpr):  # fmt: skip
+    """Two-shot phase 1: push this CTA's rows (``pid + i * G``, ``i < n_mine``) that another
+    rank owns (``t // chunk``) into that owner's staging slot ``[rank]``."""
+    i = 0
+    while i < n_mine:
+        t = pid + i * G
+        o = t // chunk
+        if o != rank:
+            t64 = t.to(tl.int64)
+            x = tl.load(x_ptr + t64 * x_st + cols, mask=cmask, other=0.0)
+            row = rank * chunk_cap + (t - o * chunk)
+            dst = D.peer_base(table_ptr, o, stage_off16, BITS) + row.to(tl.int64) * H + cols
+            tl.store(dst, D.as_bits(x, BITS), mask=cmask)
+        i += 1
+
+
 @triton.jit(do_not_specialize=["M", "M_pad", "rank"])
 def _twoshot_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
@@ -223,17 +242,8 @@ def _twoshot_kernel(
     chunk = (M + P - 1) // P  # tokens per owner
 
     # phase 1: scatter non-owned rows to their owner's staging slot [rank]
-    i = 0
-    while i < n_mine:
-        t = pid + i * G
-        o = t // chunk
-        if o != rank:
-            t64 = t.to(tl.int64)
-            x = tl.load(x_ptr + t64 * x_st + cols, mask=cmask, other=0.0)
-            row = rank * chunk_cap + (t - o * chunk)
-            dst = D.peer_base(table_ptr, o, stage_off16, BITS) + row.to(tl.int64) * H + cols
-            tl.store(dst, D.as_bits(x, BITS), mask=cmask)
-        i += 1
+    _scatter_to_owners(x_ptr, x_st, cols, cmask, pid, G, n_mine, chunk, rank, chunk_cap,
+                       table_ptr, stage_off16, H, BITS)  # fmt: skip
     missing = 0
     if healthy:
         D.signal_peers(table_ptr, flags_off16, pid, rank, epoch, P, PP)

@@ -20,19 +20,49 @@ Tensor = torch.Tensor
 LAYOUT_NAMES = ("swizzled_128x4", "swizzled_8x4", "linear")
 
 
-def _execute(pattern: int, ws_id: int, backend: str, algorithm: str, x: Tensor, residual, weight,
-             *, out=None, residual_out=None, norm_out=None, quant_out=None, scale_out=None,
-             scale=None, layout: int = 0, eps: float = 1e-6, weight_bias: float = 0.0,
-             fp32_acc: bool = True, use_pdl: bool = False) -> None:  # fmt: skip
+def _execute(
+    pattern: int,
+    ws_id: int,
+    backend: str,
+    algorithm: str,
+    x: Tensor,
+    residual,
+    weight,
+    *,
+    out=None,
+    residual_out=None,
+    norm_out=None,
+    quant_out=None,
+    scale_out=None,
+    scale=None,
+    layout: int = 0,
+    eps: float = 1e-6,
+    weight_bias: float = 0.0,
+    fp32_acc: bool = True,
+    use_pdl: bool = False,
+) -> None:
     ws = get_workspace(ws_id)
     ws.raise_if_failed()  # no device sync: the host status block (moefuse.comm.faults)
     if x.shape[0] == 0:
         return
     if backend == "reference":
         _execute_reference(
-            pattern, ws, x, residual, weight, out, residual_out, norm_out, quant_out, scale_out,
-            scale, layout, eps, weight_bias, fp32_acc,
-        )  # fmt: skip
+            pattern,
+            ws,
+            x,
+            residual,
+            weight,
+            out,
+            residual_out,
+            norm_out,
+            quant_out,
+            scale_out,
+            scale,
+            layout,
+            eps,
+            weight_bias,
+            fp32_acc,
+        )
         return
     from moefuse.comm.all_reduce.kernels import launch_allreduce_fusion
 
@@ -44,17 +74,47 @@ def _execute(pattern: int, ws_id: int, backend: str, algorithm: str, x: Tensor, 
         gathered = gather_stacked(x, ws)
     m_pad = scale_out.shape[0] if scale_out is not None else 0
     launch_allreduce_fusion(
-        ws, algo, pattern, x, residual, weight, out=out, residual_out=residual_out,
-        norm_out=norm_out, quant_out=quant_out, scale_out=scale_out, scale=scale, layout=layout,
-        m_pad=m_pad, eps=eps, weight_bias=weight_bias, fp32_acc=fp32_acc, use_pdl=use_pdl,
+        ws,
+        algo,
+        pattern,
+        x,
+        residual,
+        weight,
+        out=out,
+        residual_out=residual_out,
+        norm_out=norm_out,
+        quant_out=quant_out,
+        scale_out=scale_out,
+        scale=scale,
+        layout=layout,
+        m_pad=m_pad,
+        eps=eps,
+        weight_bias=weight_bias,
+        fp32_acc=fp32_acc,
+        use_pdl=use_pdl,
         gathered=gathered,
-    )  # fmt: skip
+    )
     if ws.check_each_call and algo != "torch":  # CPU: the kernel has finished, the read is free
         ws.poll_status()
 
 
-def _execute_reference(pattern, ws, x, residual, weight, out, residual_out, norm_out, quant_out,
-                       scale_out, scale, layout, eps, weight_bias, fp32_acc) -> None:  # fmt: skip
+def _execute_reference(
+    pattern,
+    ws,
+    x,
+    residual,
+    weight,
+    out,
+    residual_out,
+    norm_out,
+    quant_out,
+    scale_out,
+    scale,
+    layout,
+    eps,
+    weight_bias,
+    fp32_acc,
+) -> None:
     if pattern == 0:
         out.copy_(ref.allreduce_reference(x, workspace=ws, fp32_acc=fp32_acc))
         return
@@ -64,15 +124,28 @@ def _execute_reference(pattern, ws, x, residual, weight, out, residual_out, norm
         )
     elif pattern == 2:
         h, n, q = ref.allreduce_residual_rmsnorm_fp8_reference(
-            x, residual, weight, scale, workspace=ws, eps=eps, weight_bias=weight_bias,
+            x,
+            residual,
+            weight,
+            scale,
+            workspace=ws,
+            eps=eps,
+            weight_bias=weight_bias,
             fp32_acc=fp32_acc,
-        )  # fmt: skip
+        )
         quant_out.copy_(q.view(torch.uint8))
     else:
         h, n, q, sf = ref.allreduce_residual_rmsnorm_nvfp4_reference(
-            x, residual, weight, scale, workspace=ws, layout=LAYOUT_NAMES[layout], eps=eps,
-            weight_bias=weight_bias, fp32_acc=fp32_acc,
-        )  # fmt: skip
+            x,
+            residual,
+            weight,
+            scale,
+            workspace=ws,
+            layout=LAYOUT_NAMES[layout],
+            eps=eps,
+            weight_bias=weight_bias,
+            fp32_acc=fp32_acc,
+        )
         quant_out.copy_(q)
         scale_out.copy_(sf.reshape(scale_out.shape))
     # outputs may alias inputs (in place): every result is computed before anything is written
@@ -83,10 +156,27 @@ def _execute_reference(pattern, ws, x, residual, weight, out, residual_out, norm
 
 # ----------------------------------------------------------------------------- ops
 @custom_op("moefuse::allreduce", mutates_args=("out",))
-def allreduce_op(input: Tensor, out: Tensor, workspace_id: int, fp32_acc: bool, algorithm: str,
-                 use_pdl: bool, backend: str) -> None:  # fmt: skip
-    _execute(0, workspace_id, backend, algorithm, input, None, None, out=out, fp32_acc=fp32_acc,
-             use_pdl=use_pdl)  # fmt: skip
+def allreduce_op(
+    input: Tensor,
+    out: Tensor,
+    workspace_id: int,
+    fp32_acc: bool,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
+    _execute(
+        0,
+        workspace_id,
+        backend,
+        algorithm,
+        input,
+        None,
+        None,
+        out=out,
+        fp32_acc=fp32_acc,
+        use_pdl=use_pdl,
+    )
 
 
 @allreduce_op.register_fake
@@ -94,22 +184,53 @@ def _(input, out, workspace_id, fp32_acc, algorithm, use_pdl, backend):
     return None
 
 
-@custom_op(
-    "moefuse::allreduce_residual_rmsnorm", mutates_args=("residual_out", "norm_out")
-)
+@custom_op("moefuse::allreduce_residual_rmsnorm", mutates_args=("residual_out", "norm_out"))
 def allreduce_residual_rmsnorm_op(
-    input: Tensor, residual: Tensor, weight: Tensor, residual_out: Tensor, norm_out: Tensor,
-    workspace_id: int, eps: float, weight_bias: float, fp32_acc: bool, algorithm: str,
-    use_pdl: bool, backend: str,
-) -> None:  # fmt: skip
-    _execute(1, workspace_id, backend, algorithm, input, residual, weight,
-             residual_out=residual_out, norm_out=norm_out, eps=eps, weight_bias=weight_bias,
-             fp32_acc=fp32_acc, use_pdl=use_pdl)  # fmt: skip
+    input: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    residual_out: Tensor,
+    norm_out: Tensor,
+    workspace_id: int,
+    eps: float,
+    weight_bias: float,
+    fp32_acc: bool,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
+    _execute(
+        1,
+        workspace_id,
+        backend,
+        algorithm,
+        input,
+        residual,
+        weight,
+        residual_out=residual_out,
+        norm_out=norm_out,
+        eps=eps,
+        weight_bias=weight_bias,
+        fp32_acc=fp32_acc,
+        use_pdl=use_pdl,
+    )
 
 
 @allreduce_residual_rmsnorm_op.register_fake
-def _(input, residual, weight, residual_out, norm_out, workspace_id, eps, weight_bias, fp32_acc,
-      algorithm, use_pdl, backend):  # fmt: skip
+def _(
+    input,
+    residual,
+    weight,
+    residual_out,
+    norm_out,
+    workspace_id,
+    eps,
+    weight_bias,
+    fp32_acc,
+    algorithm,
+    use_pdl,
+    backend,
+):
     return None
 
 
@@ -118,19 +239,58 @@ def _(input, residual, weight, residual_out, norm_out, workspace_id, eps, weight
     mutates_args=("residual_out", "norm_out", "quant_out"),
 )
 def allreduce_residual_rmsnorm_fp8_op(
-    input: Tensor, residual: Tensor, weight: Tensor, scale: Tensor, residual_out: Tensor,
-    norm_out: Tensor | None, quant_out: Tensor, workspace_id: int, eps: float, weight_bias: float,
-    fp32_acc: bool, algorithm: str, use_pdl: bool, backend: str,
-) -> None:  # fmt: skip
+    input: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    residual_out: Tensor,
+    norm_out: Tensor | None,
+    quant_out: Tensor,
+    workspace_id: int,
+    eps: float,
+    weight_bias: float,
+    fp32_acc: bool,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
     """``quant_out``: the FP8 bytes as a uint8 tensor."""
-    _execute(2, workspace_id, backend, algorithm, input, residual, weight,
-             residual_out=residual_out, norm_out=norm_out, quant_out=quant_out, scale=scale,
-             eps=eps, weight_bias=weight_bias, fp32_acc=fp32_acc, use_pdl=use_pdl)  # fmt: skip
+    _execute(
+        2,
+        workspace_id,
+        backend,
+        algorithm,
+        input,
+        residual,
+        weight,
+        residual_out=residual_out,
+        norm_out=norm_out,
+        quant_out=quant_out,
+        scale=scale,
+        eps=eps,
+        weight_bias=weight_bias,
+        fp32_acc=fp32_acc,
+        use_pdl=use_pdl,
+    )
 
 
 @allreduce_residual_rmsnorm_fp8_op.register_fake
-def _(input, residual, weight, scale, residual_out, norm_out, quant_out, workspace_id, eps,
-      weight_bias, fp32_acc, algorithm, use_pdl, backend):  # fmt: skip
+def _(
+    input,
+    residual,
+    weight,
+    scale,
+    residual_out,
+    norm_out,
+    quant_out,
+    workspace_id,
+    eps,
+    weight_bias,
+    fp32_acc,
+    algorithm,
+    use_pdl,
+    backend,
+):
     return None
 
 
@@ -139,17 +299,61 @@ def _(input, residual, weight, scale, residual_out, norm_out, quant_out, workspa
     mutates_args=("residual_out", "norm_out", "quant_out", "scale_out"),
 )
 def allreduce_residual_rmsnorm_nvfp4_op(
-    input: Tensor, residual: Tensor, weight: Tensor, global_scale: Tensor, residual_out: Tensor,
-    norm_out: Tensor | None, quant_out: Tensor, scale_out: Tensor, workspace_id: int, eps: float,
-    weight_bias: float, layout: int, fp32_acc: bool, algorithm: str, use_pdl: bool, backend: str,
-) -> None:  # fmt: skip
-    _execute(3, workspace_id, backend, algorithm, input, residual, weight,
-             residual_out=residual_out, norm_out=norm_out, quant_out=quant_out,
-             scale_out=scale_out, scale=global_scale, layout=layout, eps=eps,
-             weight_bias=weight_bias, fp32_acc=fp32_acc, use_pdl=use_pdl)  # fmt: skip
+    input: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    global_scale: Tensor,
+    residual_out: Tensor,
+    norm_out: Tensor | None,
+    quant_out: Tensor,
+    scale_out: Tensor,
+    workspace_id: int,
+    eps: float,
+    weight_bias: float,
+    layout: int,
+    fp32_acc: bool,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
+    _execute(
+        3,
+        workspace_id,
+        backend,
+        algorithm,
+        input,
+        residual,
+        weight,
+        residual_out=residual_out,
+        norm_out=norm_out,
+        quant_out=quant_out,
+        scale_out=scale_out,
+        scale=global_scale,
+        layout=layout,
+        eps=eps,
+        weight_bias=weight_bias,
+        fp32_acc=fp32_acc,
+        use_pdl=use_pdl,
+    )
 
 
 @allreduce_residual_rmsnorm_nvfp4_op.register_fake
-def _(input, residual, weight, global_scale, residual_out, norm_out, quant_out, scale_out,
-      workspace_id, eps, weight_bias, layout, fp32_acc, algorithm, use_pdl, backend):  # fmt: skip
+def _(
+    input,
+    residual,
+    weight,
+    global_scale,
+    residual_out,
+    norm_out,
+    quant_out,
+    scale_out,
+    workspace_id,
+    eps,
+    weight_bias,
+    layout,
+    fp32_acc,
+    algorithm,
+    use_pdl,
+    backend,
+):
     return None

@@ -1,9 +1,11 @@
-"""PyTorch reference of the all-reduce fusions (SPEC §3.1) — the oracle and the CPU path.
+"""PyTorch reference of the all-reduce fusions (the SPEC's all-reduce fusion) — the oracle and the
+CPU path.
 
 Two layers:
 
-* ``*_from_partials(partials, ...)`` is the math of SPEC §3.1 given every rank's partial input
-  (a list in rank order): the tests' oracle, and what the kernels must reproduce bit for bit on
+* ``*_from_partials(partials, ...)`` is the math of the SPEC's all-reduce fusion given every rank's
+  partial input (a list in rank order): the tests' oracle, and what the kernels must reproduce bit
+  for bit on
   ``residual_out`` (and on ``allreduce_out``).
 * ``*_reference(input, ..., workspace=...)`` has the public op's signature: it all-gathers the
   partials over ``workspace.group`` with plain ``torch.distributed`` and applies the math. It is
@@ -69,9 +71,15 @@ def allreduce_residual_rmsnorm_fp8_from_partials(
 
 
 def allreduce_residual_rmsnorm_nvfp4_from_partials(
-    partials, residual, weight, global_scale, layout="swizzled_128x4", eps=1e-6, weight_bias=0.0,
+    partials,
+    residual,
+    weight,
+    global_scale,
+    layout="swizzled_128x4",
+    eps=1e-6,
+    weight_bias=0.0,
     fp32_acc=True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(residual_out, norm_out, packed [M, H/2] uint8, scales uint8)`` (recipe "ieee")."""
     h, n = allreduce_residual_rmsnorm_from_partials(
         partials, residual, weight, eps, weight_bias, fp32_acc
@@ -102,10 +110,24 @@ def allreduce_residual_rmsnorm_fp8_reference(
 
 
 def allreduce_residual_rmsnorm_nvfp4_reference(
-    input, residual, weight, global_scale, *, workspace, layout="swizzled_128x4", eps=1e-6,
-    weight_bias=0.0, fp32_acc=True,
-):  # fmt: skip
+    input,
+    residual,
+    weight,
+    global_scale,
+    *,
+    workspace,
+    layout="swizzled_128x4",
+    eps=1e-6,
+    weight_bias=0.0,
+    fp32_acc=True,
+):
     return allreduce_residual_rmsnorm_nvfp4_from_partials(
-        gather_partials(input, workspace), residual, weight, global_scale, layout, eps,
-        weight_bias, fp32_acc,
-    )  # fmt: skip
+        gather_partials(input, workspace),
+        residual,
+        weight,
+        global_scale,
+        layout,
+        eps,
+        weight_bias,
+        fp32_acc,
+    )

@@ -1,11 +1,12 @@
-"""Public per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5) and the TP workspace.
+"""Public per-expert-norm MoE finalize fusions (SPEC: tp_moe_finalize_rmsnorm,
+moe_finalize_rmsnorm_allreduce) and the TP workspace.
 
-* :func:`tp_moe_finalize_rmsnorm` (TP, §3.4): every rank holds partial GEMM2 rows ``[R, >=H]``
+* :func:`tp_moe_finalize_rmsnorm` (TP): every rank holds partial GEMM2 rows ``[R, >=H]``
   (its shard of the intermediate dimension, permuted); each valid slot's P partial rows are summed
   in rank order (FP32, one BF16 rounding), RMS-normalized per expert, weighted and accumulated in
   FP32 in the canonical grouped order (groups of ``ceil(K/P)`` slots, ascending: depends on K and
   P only, never on M); output BF16 ``[M, H]`` replicated on every rank.
-* :func:`moe_finalize_rmsnorm_allreduce` (EP, §3.5): each rank normalizes, weights and sums its
+* :func:`moe_finalize_rmsnorm_allreduce` (EP): each rank normalizes, weights and sums its
   LOCAL routes (non-local: index < 0 or >= R, never loaded), rounds to BF16, and the ``[M, H]``
   partials are all-reduced in rank order (FP32, one rounding).
 
@@ -17,11 +18,12 @@ workspace (CUDA-graph replays included). Common keywords: ``eps``, ``gain_center
 -0.0 results are written as +0.0 on every path (Lamport payloads cannot carry -0.0, and all
 ranks and algorithms must agree bitwise).
 
-Workspaces. §3.4 uses an :class:`ExpertNormWorkspace` (an :class:`AllReduceWorkspace` plus three
-peer regions): pass ``workspace=``, or call :func:`init_tp_moe_finalize_rmsnorm` once
-(collective, FlashInfer's style) and the op creates and keeps one per (H, K) at its first call —
-collectively, so warm every shape up before CUDA-graph capture. §3.5 takes an
-:class:`AllReduceWorkspace` (BF16, hidden H) directly.
+Workspaces. tp_moe_finalize_rmsnorm uses an :class:`ExpertNormWorkspace` (an
+:class:`AllReduceWorkspace` plus three peer regions): pass ``workspace=``, or call
+:func:`init_tp_moe_finalize_rmsnorm` once (collective, FlashInfer's style) and the op creates and
+keeps one per (H, K) at its first call — collectively, so warm every shape up before CUDA-graph
+capture. moe_finalize_rmsnorm_allreduce takes an :class:`AllReduceWorkspace` (BF16, hidden H)
+directly.
 """
 
 from __future__ import annotations
@@ -173,13 +175,14 @@ def _check_tp_workspace(op, workspace, hidden, top_k, device) -> None:
                          f"tensors on {device}")  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- §3.4 TP
+# --------------------------------------------------------------------- tp_moe_finalize_rmsnorm (TP)
 @fast_op(guards=("workspace",))
 def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                             norm_weight, output=None, *, eps: float, gain_center: float,
                             weight_before_norm: bool, workspace=None, algorithm: str = "auto",
                             enable_pdl=None, impl: str = "auto"):  # fmt: skip
-    """TP MoE finalize with a per-expert RMSNorm (SPEC §3.4); returns ``output``.
+    """TP MoE finalize with a per-expert RMSNorm (the SPEC's tp_moe_finalize_rmsnorm); returns
+    ``output``.
 
     Shapes/dtypes: ``gemm2_permuted`` [R, >=H] BF16 (this rank's partial rows; only the first H
     columns are read; last dim contiguous), ``expert_weights`` [M, K] BF16/FP16/FP32,
@@ -238,7 +241,7 @@ def supports_tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights,
     return workspace.unsupported_reason() is None
 
 
-# ----------------------------------------------------------------------------- §3.5 EP
+# -------------------------------------------------------------- moe_finalize_rmsnorm_allreduce (EP)
 def _check_ep(op, routed_rows, route_weights, permuted_idx, norm_weight, output, workspace, eps,
               gain_center, wbn, algorithm) -> None:  # fmt: skip
     _check_routes(op, routed_rows, route_weights, permuted_idx, norm_weight, output, eps,
@@ -263,7 +266,8 @@ def moe_finalize_rmsnorm_allreduce(routed_rows, route_weights, permuted_idx, nor
                                    output=None, *, workspace, eps: float, gain_center: float = 0.0,
                                    weight_before_norm: bool = True, algorithm: str = "auto",
                                    enable_pdl=None, impl: str = "auto"):  # fmt: skip
-    """EP MoE finalize with a per-expert RMSNorm, then all-reduce (SPEC §3.5); returns ``output``.
+    """EP MoE finalize with a per-expert RMSNorm, then all-reduce (the SPEC's
+    moe_finalize_rmsnorm_allreduce); returns ``output``.
 
     ``routed_rows`` [R, >=H] BF16 (this rank's local expert rows, permuted), ``route_weights``
     [M, K] BF16/FP16/FP32, ``permuted_idx`` [M, K] int32 (routes of other ranks are < 0 or >= R

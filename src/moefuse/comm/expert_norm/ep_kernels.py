@@ -1,4 +1,4 @@
-"""Triton kernels of ``moe_finalize_rmsnorm_allreduce`` (SPEC §3.5, EP) and their launcher.
+"""Triton kernels of ``moe_finalize_rmsnorm_allreduce`` (EP) and their launcher.
 
 * ``_ep_oneshot_kernel`` — one kernel: this rank's partial (local routes only, each normalized
   and weighted, fma chain from +0.0, rounded once to BF16) is pushed into the all-reduce
@@ -134,9 +134,9 @@ def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx
                                           out, *, eps: float, gain_center: float,
                                           weight_before_norm: bool, use_pdl: bool = False,
                                           gather=None) -> None:  # fmt: skip
-    """§3.5 on the all-reduce workspace ``ws``. "oneshot": one fused kernel (partial + Lamport
-    all-reduce); "twoshot" / "torch": the local partial kernel, then the all-reduce kernel of that
-    algorithm (``gather(partial)`` -> [P, M, H] for torch). Same bits."""
+    """moe_finalize_rmsnorm_allreduce on the all-reduce workspace ``ws``. "oneshot": one fused
+    kernel (partial + Lamport all-reduce); "twoshot" / "torch": the local partial kernel, then the
+    all-reduce kernel of that algorithm (``gather(partial)`` -> [P, M, H] for torch). Same bits."""
     m, k = idx.shape
     if m == 0:
         return

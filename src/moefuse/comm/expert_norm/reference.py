@@ -1,4 +1,5 @@
-"""PyTorch reference of the per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5) — the oracle.
+"""PyTorch reference of the per-expert-norm MoE finalize fusions (SPEC: tp_moe_finalize_rmsnorm,
+moe_finalize_rmsnorm_allreduce) — the oracle.
 
 Two layers, like :mod:`moefuse.comm.all_reduce.reference`:
 
@@ -8,7 +9,8 @@ Two layers, like :mod:`moefuse.comm.all_reduce.reference`:
   needs with plain ``torch.distributed`` and applies the math (the ``impl="reference"`` path; it
   never touches peer buffers).
 
-TP (§3.4), per token t, slot k valid (``0 <= idx[t, k] < R``; invalid rows are never read)::
+TP (tp_moe_finalize_rmsnorm), per token t, slot k valid (``0 <= idx[t, k] < R``; invalid rows are
+never read)::
 
     x_k = f32(bf16(sum_r f32(partial_r[idx[t, k], :H])))        FP32 rank order from +0.0
     g   = f32(norm_weight) + gain_center
@@ -21,7 +23,8 @@ with groups of ``B = ceil(K / P)`` slots (:func:`group_size`): the association d
 only, never on M. Each ``acc + y*w`` is one fused multiply-add (single rounding), emulated here in
 FP64 (the product of two FP32 values is exact there).
 
-EP (§3.5), per rank, local slots only (non-local slots are invalid here and skipped)::
+EP (moe_finalize_rmsnorm_allreduce), per rank, local slots only (non-local slots are invalid here
+and skipped)::
 
     partial_r[t] = scrub(bf16(sum_{k asc, valid} y_k * f32(w[t, k])))     FP32 fma chain from +0.0
     output[t]    = bf16(sum_{r asc} f32(partial_r[t]))                     FP32 from +0.0
@@ -39,7 +42,7 @@ from moefuse.norm import reference as norm_ref
 
 
 def group_size(top_k: int, world_size: int) -> int:
-    """The canonical slot group size ``B = ceil(K / P)`` (SPEC §3.4)."""
+    """The canonical slot group size ``B = ceil(K / P)`` (the SPEC's tp_moe_finalize_rmsnorm)."""
     return -(-top_k // world_size)
 
 
@@ -54,8 +57,13 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-def expert_norm(x32: torch.Tensor, weight: torch.Tensor, eps: float, gain_center: float,
-                weight_before_norm: bool) -> torch.Tensor:  # fmt: skip
+def expert_norm(
+    x32: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gain_center: float,
+    weight_before_norm: bool,
+) -> torch.Tensor:
     """Per-expert RMSNorm of FP32 rows ``x32`` [N, H] -> FP32 ``y`` (no rounding)."""
     g = norm_ref.gain(weight, gain_center)
     if weight_before_norm:
@@ -68,8 +76,9 @@ def _valid(idx: torch.Tensor, num_rows: int) -> torch.Tensor:
     return (idx >= 0) & (idx < num_rows)
 
 
-def _weighted_groups(y: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
-                     block: int) -> torch.Tensor:  # fmt: skip
+def _weighted_groups(
+    y: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, block: int
+) -> torch.Tensor:
     """``sum_{groups asc} (fma chain over the group's valid slots)`` of ``y`` [M, K, H]."""
     m, k, h = y.shape
     w = weights.float()
@@ -98,12 +107,18 @@ def _slot_rows(rows_of_rank: Sequence[torch.Tensor], idx: torch.Tensor, hidden: 
     return valid, x
 
 
-# ----------------------------------------------------------------------------- §3.4 TP
+# --------------------------------------------------------------------- tp_moe_finalize_rmsnorm (TP)
 def tp_moe_finalize_rmsnorm_from_ranks(
-    partials: Sequence[torch.Tensor], expert_weights: torch.Tensor, idx: torch.Tensor,
-    norm_weight: torch.Tensor, *, eps: float, gain_center: float, weight_before_norm: bool,
+    partials: Sequence[torch.Tensor],
+    expert_weights: torch.Tensor,
+    idx: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    eps: float,
+    gain_center: float,
+    weight_before_norm: bool,
     block: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``partials``: every rank's GEMM2 rows ``[R, >=H]`` (rank order). ``block``: slot group size
     (default ``ceil(K / P)``; ``K`` gives plain ascending order). Returns BF16 ``[M, H]``."""
     h = norm_weight.shape[0]
@@ -117,10 +132,17 @@ def tp_moe_finalize_rmsnorm_from_ranks(
     return scrub_neg_zero(out.to(torch.bfloat16))
 
 
-# ----------------------------------------------------------------------------- §3.5 EP
-def ep_local_partial(routed_rows: torch.Tensor, route_weights: torch.Tensor, idx: torch.Tensor,
-                     norm_weight: torch.Tensor, *, eps: float, gain_center: float,
-                     weight_before_norm: bool) -> torch.Tensor:  # fmt: skip
+# -------------------------------------------------------------- moe_finalize_rmsnorm_allreduce (EP)
+def ep_local_partial(
+    routed_rows: torch.Tensor,
+    route_weights: torch.Tensor,
+    idx: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    eps: float,
+    gain_center: float,
+    weight_before_norm: bool,
+) -> torch.Tensor:
     """This rank's BF16 partial ``[M, H]`` (local routes only, -0.0 scrubbed)."""
     h = norm_weight.shape[0]
     valid, x = _slot_rows([routed_rows], idx, h)  # one rank: the "sum" is the row itself
@@ -132,16 +154,28 @@ def ep_local_partial(routed_rows: torch.Tensor, route_weights: torch.Tensor, idx
 
 
 def moe_finalize_rmsnorm_allreduce_from_ranks(
-    routed_rows: Sequence[torch.Tensor], route_weights: Sequence[torch.Tensor],
-    idx: Sequence[torch.Tensor], norm_weight: torch.Tensor, *, eps: float,
-    gain_center: float = 0.0, weight_before_norm: bool = True,
-) -> torch.Tensor:  # fmt: skip
+    routed_rows: Sequence[torch.Tensor],
+    route_weights: Sequence[torch.Tensor],
+    idx: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    *,
+    eps: float,
+    gain_center: float = 0.0,
+    weight_before_norm: bool = True,
+) -> torch.Tensor:
     """Lists in rank order (each rank's local rows, weights and index map). BF16 ``[M, H]``."""
     parts = [
-        ep_local_partial(rows, w, i, norm_weight, eps=eps, gain_center=gain_center,
-                         weight_before_norm=weight_before_norm)
+        ep_local_partial(
+            rows,
+            w,
+            i,
+            norm_weight,
+            eps=eps,
+            gain_center=gain_center,
+            weight_before_norm=weight_before_norm,
+        )
         for rows, w, i in zip(routed_rows, route_weights, idx)
-    ]  # fmt: skip
+    ]
     acc = torch.zeros(parts[0].shape, dtype=torch.float32, device=parts[0].device)
     for p in parts:
         acc = acc + p.float()
@@ -158,24 +192,55 @@ def _gather(t: torch.Tensor, group, world_size: int) -> list[torch.Tensor]:
     return parts
 
 
-def tp_moe_finalize_rmsnorm_reference(gemm2_permuted, expert_weights, idx, norm_weight, *, group,
-                                      world_size, eps, gain_center,
-                                      weight_before_norm) -> torch.Tensor:  # fmt: skip
-    """All-gathers every rank's rows (first H columns) and applies the §3.4 math."""
+def tp_moe_finalize_rmsnorm_reference(
+    gemm2_permuted,
+    expert_weights,
+    idx,
+    norm_weight,
+    *,
+    group,
+    world_size,
+    eps,
+    gain_center,
+    weight_before_norm,
+) -> torch.Tensor:
+    """All-gathers every rank's rows (first H columns) and applies the tp_moe_finalize_rmsnorm
+    math."""
     h = norm_weight.shape[0]
     partials = _gather(gemm2_permuted[:, :h], group, world_size)
     return tp_moe_finalize_rmsnorm_from_ranks(
-        partials, expert_weights, idx, norm_weight, eps=eps, gain_center=gain_center,
+        partials,
+        expert_weights,
+        idx,
+        norm_weight,
+        eps=eps,
+        gain_center=gain_center,
         weight_before_norm=weight_before_norm,
-    )  # fmt: skip
+    )
 
 
-def moe_finalize_rmsnorm_allreduce_reference(routed_rows, route_weights, idx, norm_weight, *,
-                                             group, world_size, eps, gain_center=0.0,
-                                             weight_before_norm=True) -> torch.Tensor:  # fmt: skip
+def moe_finalize_rmsnorm_allreduce_reference(
+    routed_rows,
+    route_weights,
+    idx,
+    norm_weight,
+    *,
+    group,
+    world_size,
+    eps,
+    gain_center=0.0,
+    weight_before_norm=True,
+) -> torch.Tensor:
     """Local partial, all-gathered, summed in rank order (FP32), one rounding."""
-    part = ep_local_partial(routed_rows, route_weights, idx, norm_weight, eps=eps,
-                            gain_center=gain_center, weight_before_norm=weight_before_norm)
+    part = ep_local_partial(
+        routed_rows,
+        route_weights,
+        idx,
+        norm_weight,
+        eps=eps,
+        gain_center=gain_center,
+        weight_before_norm=weight_before_norm,
+    )
     acc = torch.zeros(part.shape, dtype=torch.float32, device=part.device)
     for p in _gather(part, group, world_size):
         acc = acc + p.float()

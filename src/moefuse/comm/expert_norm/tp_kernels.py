@@ -1,4 +1,5 @@
-"""Triton kernels of the per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5) and launchers.
+"""Triton kernels of the per-expert-norm MoE finalize fusions (SPEC: tp_moe_finalize_rmsnorm,
+moe_finalize_rmsnorm_allreduce) and launchers.
 
 TP (``tp_moe_finalize_rmsnorm``): every rank holds a partial GEMM2 row per (token, slot); the P
 partials of a slot are summed in rank order (FP32, one BF16 rounding) BEFORE the per-expert
@@ -410,7 +411,7 @@ def _tp_slot_oneshot_kernel(
     g = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + gain_center
     n_rows = M * K
     # The first row's token routing (index map, weights) is read before the grid-dependency
-    # wait, as moe_finalize and the §3.3 fusion do (routing is complete long before the GEMM
+    # wait, as moe_finalize and the MoE-finalize fusion do (routing is complete long before the GEMM
     # that precedes this op): at decode neither the row load nor the fold waits for a routing
     # round trip. The row itself (GEMM2's output) and the control words come after the wait.
     t0 = (pid // K).to(tl.int64)
@@ -660,7 +661,8 @@ def _common(h: int, use_pdl: bool) -> tuple[dict, int]:
 def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm_weight, out, *,
                                    eps: float, gain_center: float, weight_before_norm: bool,
                                    use_pdl: bool = False, gathered=None) -> None:  # fmt: skip
-    """Run §3.4 on ``xws`` (:class:`moefuse.comm.expert_norm.api.ExpertNormWorkspace`) with
+    """Run tp_moe_finalize_rmsnorm on ``xws``
+    (:class:`moefuse.comm.expert_norm.api.ExpertNormWorkspace`) with
     ``algorithm`` in "slot_oneshot" | "expert_owner" | "token_owner" | "staged" | "torch"
     (``gathered`` [P, R, H]).
 

@@ -17,9 +17,9 @@ from moefuse.comm.tiles import MAX_HIDDEN
 from moefuse.comm.workspace import AllReduceWorkspace
 
 TP_ALGORITHMS = ("auto", "slot_oneshot", "expert_owner", "token_owner", "staged", "torch")
-#: ``algorithm="auto"`` of §3.4: expert owner (K/P slots normalized per rank, group sums in FP32)
-#: up to this many tokens, the Lamport token owner above. MEASURED at P = 2 on 2 x H200
-#: (bench/results/moe-comm-tp-h200-p2.json, H = 4096, K = 8, us): M = 1 expert_owner 11.98,
+#: ``algorithm="auto"`` of tp_moe_finalize_rmsnorm: expert owner (K/P slots normalized per rank,
+#: group sums in FP32) up to this many tokens, the Lamport token owner above. MEASURED at P = 2 on 2
+#: x H200 (bench/results/expert-norm-h200-p2.json, H = 4096, K = 8, us): M = 1 expert_owner 11.98,
 #: token_owner 17.21, staged 19.41; M = 64 18.82 / 22.60 / 27.06; M = 2048 450.7 / 388.0 /
 #: 528.2 (a one-CTA-per-(token, slot) expert owner, deleted, lost to expert_owner at every M
 #: measured: M = 1 12.94, M = 64 68.28). P = 4 and 8: first guesses (FlashInfer switches at 64/P).
@@ -27,7 +27,7 @@ EXPERT_OWNER_MAX_TOKENS = {2: 64, 4: 16, 8: 8}
 #: ``algorithm="auto"`` takes "slot_oneshot" (one CTA per (token, slot) row, one NVLink hop, the
 #: token folded locally) while M * K <= this many rows, by world size (P = 2: M <= 16 at K = 8,
 #: one row per CTA on a 132-SM H200; larger P: every rank sends (P-1) copies of each row, so the
-#: cap keeps ~1 MiB out per rank). MEASURED at P = 2 (bench/results/moe-comm-tp-h200-p2.json,
+#: cap keeps ~1 MiB out per rank). MEASURED at P = 2 (bench/results/expert-norm-h200-p2.json,
 #: H = 4096, K = 8, us slot_oneshot / expert_owner): M = 1 7.96 / 12.42, M = 8 9.39 / 12.82,
 #: M = 64 35.28 / 19.17 — the expert owner's single CTA per token runs the K slots' dependent
 #: loads, polls and norms one by one, which costs at decode only. P = 4 and 8: first guesses.
@@ -50,8 +50,9 @@ def get_expert_norm_workspace(ws_id: int) -> ExpertNormWorkspace:
     try:
         return _XREGISTRY[ws_id]
     except KeyError:
-        raise RuntimeError(f"moefuse.comm: expert-norm workspace {ws_id} is closed or unknown") \
-            from None  # fmt: skip
+        raise RuntimeError(
+            f"moefuse.comm: expert-norm workspace {ws_id} is closed or unknown"
+        ) from None
 
 
 def _by_world_size(table: dict[int, int], world_size: int) -> int:
@@ -87,18 +88,30 @@ class ExpertNormWorkspace:
     ``L = capacity`` tokens per launch (more tokens run as several launches). Lifecycle as
     ``AllReduceWorkspace``: ``vote``, ``capture()``, ``check()``, ``close()`` (required)."""
 
-    def __init__(self, group, hidden_size: int, top_k: int, device, *,
-                 max_tokens: int | None = None, timeout_s: float | None = None,
-                 peer_access: bool | None = None, transport: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        group,
+        hidden_size: int,
+        top_k: int,
+        device,
+        *,
+        max_tokens: int | None = None,
+        timeout_s: float | None = None,
+        peer_access: bool | None = None,
+        transport: str | None = None,
+    ):
         group = group if group is not None else dist.group.WORLD
         if not isinstance(hidden_size, int) or not 1 <= hidden_size <= MAX_HIDDEN:
-            raise ValueError(f"ExpertNormWorkspace: hidden_size must be an int in [1, "
-                             f"{MAX_HIDDEN}], got {hidden_size!r}")  # fmt: skip
+            raise ValueError(
+                f"ExpertNormWorkspace: hidden_size must be an int in [1, "
+                f"{MAX_HIDDEN}], got {hidden_size!r}"
+            )
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"ExpertNormWorkspace: top_k must be a positive int, got {top_k!r}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise ValueError(f"ExpertNormWorkspace: max_tokens must be a positive int, "
-                             f"got {max_tokens!r}")  # fmt: skip
+            raise ValueError(
+                f"ExpertNormWorkspace: max_tokens must be a positive int, got {max_tokens!r}"
+            )
         p = dist.get_world_size(group)
         h, k = hidden_size, top_k
         self.world_size = p
@@ -111,17 +124,28 @@ class ExpertNormWorkspace:
         cap = max_tokens or max(1, min(TP_DEFAULT_CAPACITY, TP_LAMPORT_BUDGET_BYTES // per_token))
         self.capacity = cap
         self.slot_capacity = min(cap, TP_SLOT_CAPACITY)
-        regions = {"xn_rows": 3 * cap * k * max(1, p - 1) * h * 2,
-                   "xn_gsum": 3 * cap * self.num_groups * h * 4,
-                   "xn_out": 3 * cap * h * 2,
-                   "xn_stage": cap * k * max(1, p - 1) * h * 2,
-                   "xn_gather": cap * h * 2,
-                   "xn_xdec": self.slot_capacity * k * h * 2,
-                   "xn_rdec": self.slot_capacity * k * 4,
-                   "xn_cnt": self.slot_capacity * 4}  # fmt: skip
-        self.ar = AllReduceWorkspace(group, cap, h, torch.bfloat16, device, timeout_s=timeout_s,
-                                     oneshot_max_tokens=cap, peer_access=peer_access,
-                                     transport=transport, extra_regions=regions)  # fmt: skip
+        regions = {
+            "xn_rows": 3 * cap * k * max(1, p - 1) * h * 2,
+            "xn_gsum": 3 * cap * self.num_groups * h * 4,
+            "xn_out": 3 * cap * h * 2,
+            "xn_stage": cap * k * max(1, p - 1) * h * 2,
+            "xn_gather": cap * h * 2,
+            "xn_xdec": self.slot_capacity * k * h * 2,
+            "xn_rdec": self.slot_capacity * k * 4,
+            "xn_cnt": self.slot_capacity * 4,
+        }
+        self.ar = AllReduceWorkspace(
+            group,
+            cap,
+            h,
+            torch.bfloat16,
+            device,
+            timeout_s=timeout_s,
+            oneshot_max_tokens=cap,
+            peer_access=peer_access,
+            transport=transport,
+            extra_regions=regions,
+        )
         if self.ar.peer_access:
             self._arm(regions)
         self.id = next(_XIDS)
@@ -185,18 +209,24 @@ class ExpertNormWorkspace:
         """An algorithm of :data:`TP_ALGORITHMS` other than "auto" for M tokens (same answer on
         every rank). An explicit peer algorithm on a workspace without peer buffers raises."""
         if algorithm not in TP_ALGORITHMS:
-            raise ValueError(f"moefuse.tp_moe_finalize_rmsnorm: algorithm must be one of "
-                             f"{TP_ALGORITHMS}, got {algorithm!r}")  # fmt: skip
+            raise ValueError(
+                f"moefuse.tp_moe_finalize_rmsnorm: algorithm must be one of "
+                f"{TP_ALGORITHMS}, got {algorithm!r}"
+            )
         if algorithm == "torch":
             return "torch"
         if not self.ar.peer_access:
             if algorithm == "auto":
                 return "torch"
-            raise RuntimeError(f"moefuse.tp_moe_finalize_rmsnorm: algorithm={algorithm!r} needs "
-                               "peer buffers, which this workspace does not have")  # fmt: skip
+            raise RuntimeError(
+                f"moefuse.tp_moe_finalize_rmsnorm: algorithm={algorithm!r} needs "
+                "peer buffers, which this workspace does not have"
+            )
         if algorithm == "slot_oneshot" and self.top_k >= 1 << 16:  # 16-bit arrival counts
-            raise ValueError(f"moefuse.tp_moe_finalize_rmsnorm: algorithm='slot_oneshot' needs "
-                             f"top_k < 65536, got {self.top_k}")  # fmt: skip
+            raise ValueError(
+                f"moefuse.tp_moe_finalize_rmsnorm: algorithm='slot_oneshot' needs "
+                f"top_k < 65536, got {self.top_k}"
+            )
         if algorithm != "auto":
             return algorithm
         if num_tokens * self.top_k <= slot_oneshot_max_rows(self.world_size):
@@ -231,5 +261,7 @@ class ExpertNormWorkspace:
         return self.ar.closed
 
     def __repr__(self) -> str:
-        return (f"ExpertNormWorkspace(H={self.hidden_size}, K={self.top_k}, "
-                f"capacity={self.capacity}, {self.ar!r})")  # fmt: skip
+        return (
+            f"ExpertNormWorkspace(H={self.hidden_size}, K={self.top_k}, "
+            f"capacity={self.capacity}, {self.ar!r})"
+        )

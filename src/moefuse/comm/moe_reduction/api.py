@@ -1,5 +1,6 @@
-"""Public MoE communication fusions (SPEC §3.2, §3.3): a per-rank MoE partial, all-reduced,
-residual-added, RMS-normalized and optionally quantized — in one kernel on the peer paths.
+"""Public MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize all-reduce fusions): a
+per-rank MoE partial, all-reduced, residual-added, RMS-normalized and optionally quantized — in one
+kernel on the peer paths.
 
 * :func:`moe_allreduce_residual_rmsnorm` — FlashInfer ``trtllm_moe_allreduce_fusion`` (pattern 6):
   active experts' outputs [E_loc, M, H] weighted by FP32 scales [E_loc, M], plus a token input.
@@ -11,13 +12,13 @@ Math: :mod:`moefuse.comm.moe_reduction.reference` (the docstring there is the co
 keyword arguments, as in :mod:`moefuse.comm.all_reduce.api`: ``workspace`` (an
 :class:`AllReduceWorkspace` of the activation dtype and H), ``eps``, ``weight_bias``, ``algorithm``
 ("auto" | "oneshot" | "twoshot" | "torch": same bits; "auto" is the workspace's choice, except that
-the §3.2 reduction with accumulate="stepwise" takes two-shot for H > 4096 from 2048 tokens:
+the MoE reduction with accumulate="stepwise" takes two-shot for H > 4096 from 2048 tokens:
 :func:`moefuse.comm.moe_reduction.ops.prefers_twoshot`), ``enable_pdl``, ``impl`` ("auto" |
 "triton" | "reference"), and:
 
 * ``accumulate`` — "stepwise" (default: T-rounding after every step, FlashInfer's default
-  backend) or "fp32" (the deterministic FP32 FMA finalize of SPEC §2.2 per rank, FP32 rank sum,
-  one rounding together with the residual: the MNNVL CuTe-DSL contract).
+  backend) or "fp32" (the deterministic FP32 FMA finalize of the SPEC's moe_finalize per rank, FP32
+  rank sum, one rounding together with the residual: the MNNVL CuTe-DSL contract).
 * ``quant`` — None, "fp8" (``quant_out = e4m3(norm_out * (1/scale_factor))``, float8_e4m3fn
   [M, H]) or "nvfp4" (recipe "fast", ``gs = scale_factor``, ``quant_out`` uint8 [M, H/2],
   ``scale_out`` uint8 shaped ``scale_layout_shape(M, H/16, layout)``, padding zeroed, H % 16 == 0).
@@ -25,7 +26,7 @@ the §3.2 reduction with accumulate="stepwise" takes two-shot for H > 4096 from 
   no NVFP4 global scale for pattern 7: moefuse takes it explicitly).
 
 PDL (``enable_pdl``): as in :func:`moefuse.moe_finalize`, the one-shot kernel reads the routing
-data of its first token (index map, weights, expert ids; the §3.2 scales) before the
+data of its first token (index map, weights, expert ids; the MoE reduction's scales) before the
 grid-dependency wait — it must not be written by the immediately preceding kernel when that
 kernel lets dependents launch early (GEMM2 does not write it).
 
@@ -150,7 +151,7 @@ def _impl(op, impl, residual, workspace) -> str:
     return choose_impl(op, impl, residual.device, workspace.unsupported_reason(residual))
 
 
-# ----------------------------------------------------------------------------- §3.2
+# ----------------------------------------------------------------------------- MoE reduction
 def _check_reduction(op, x, scale_input, token_input, residual) -> torch.Tensor:
     """Returns ``scale_input`` viewed as [E, M]."""
     m, h = residual.shape
@@ -179,7 +180,7 @@ def moe_allreduce_residual_rmsnorm(
     impl: str = "auto", allreduce_out=None, residual_out=None, norm_out=None, quant_out=None,
     scale_out=None,
 ):  # fmt: skip
-    """MoE reduction + all-reduce + residual + RMSNorm (SPEC §3.2)::
+    """MoE reduction + all-reduce + residual + RMSNorm (the SPEC's MoE-reduction fusion)::
 
         partial[t] = T-stepwise( sum_e T(x[e, t] * scale[e, t]) ) + token_input[t]   (this rank)
         s = rank-order sum of the partials;  h = T(s + residual)  -> residual_out
@@ -235,7 +236,7 @@ def supports_moe_allreduce_residual_rmsnorm(active_experts_token_input, scale_in
             and workspace.supports(residual))  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- §3.3
+# ----------------------------------------------------------------------------- MoE finalize
 def _check_finalize(op, allreduce_in, idx_map, expert_scale_factor, rsf, shared, residual,
                     bias=None, expert_ids=None) -> None:  # fmt: skip
     m, h = residual.shape
@@ -266,7 +267,7 @@ def moe_finalize_allreduce_residual_rmsnorm(
     algorithm: str = "auto", enable_pdl=None, impl: str = "auto", residual_out=None,
     norm_out=None, quant_out=None, scale_out=None,
 ):  # fmt: skip
-    """MoE finalize + all-reduce + residual + RMSNorm (SPEC §3.3)::
+    """MoE finalize + all-reduce + residual + RMSNorm (the SPEC's MoE-finalize fusion)::
 
         partial[t] = this rank's finalize of token t: slots k ascending, invalid slots
                      (index < 0 or >= R) skipped and never read, T(row * w[t, k]) accumulated
@@ -279,9 +280,9 @@ def moe_finalize_allreduce_residual_rmsnorm(
     ``expert_scale_factor`` [M, K] FP32/BF16/FP16 or None (unweighted sum);
     ``routed_scaling_factor`` (1.0 = skipped); ``shared_expert_output`` [M, H] T or None;
     ``residual`` [M, H]; ``norm_weight`` [H]; ``bias`` [E, H] (BF16/FP16/FP32) with
-    ``expert_ids`` [M, K] int32/int64 (both or neither; moefuse extension as in SPEC §2.2: the
-    bias row of the slot's expert is added to its row in FP32 before the weight, ids outside
-    [0, E) add nothing). The partial is produced inside the all-reduce
+    ``expert_ids`` [M, K] int32/int64 (both or neither; moefuse extension as in the SPEC's
+    moe_finalize: the bias row of the slot's expert is added to its row in FP32 before the weight,
+    ids outside [0, E) add nothing). The partial is produced inside the all-reduce
     kernel (never written to HBM on the one-shot and two-shot paths). Other arguments: module
     docstring.
     """

@@ -1,9 +1,10 @@
-"""Triton kernels of the MoE communication fusions (SPEC §3.2, §3.3) and their launcher.
+"""Triton kernels of the MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize all-reduce
+fusions) and their launcher.
 
 Each kernel is an all-reduce kernel of :mod:`moefuse.comm.all_reduce.kernels` with a *producer*
 stage in front: instead of loading this rank's partial row from an ``[M, H]`` input, it computes it
 from the MoE inputs (:mod:`moefuse.comm.moe_reduction.producer`) — K expert rows gathered through
-the index map (finalize, §3.3) or the E_loc rows ``x[e, t]`` (reduction, §3.2), weighted, summed in
+the index map (finalize) or the E_loc rows ``x[e, t]`` (reduction), weighted, summed in
 ascending slot order, scaled, plus the shared-expert / token row. The partial never exists in
 HBM on the peer paths:
 
@@ -288,6 +289,37 @@ def _moe_split_kernel(
 
 
 # ----------------------------------------------------------------------------- two-shot
+@triton.jit
+def _push_sum(acc, table_ptr, rank, gather_off16, t64, H, cols, cmask, T: tl.constexpr,
+              BITS: tl.constexpr, P: tl.constexpr, STEPWISE: tl.constexpr):  # fmt: skip
+    """Two-shot phase 2: push an owned row's sum into every peer's gather buffer (stepwise: in
+    the activation dtype; else the FP32 sum as int32 bits, into an FP32-sized region)."""
+    for q in tl.static_range(P):
+        if q != rank:
+            if STEPWISE:
+                dst = D.peer_base(table_ptr, q, gather_off16, BITS) + t64 * H + cols
+                tl.store(dst, D.as_bits(acc.to(T), BITS), mask=cmask)
+            else:
+                dst = D.peer_base(table_ptr, q, gather_off16, 32) + t64 * H + cols
+                tl.store(dst, acc.to(tl.int32, bitcast=True), mask=cmask)
+
+
+@triton.jit
+def _gathered_sum(table_ptr, rank, gather_off16, t64, H, cols, cmask, T: tl.constexpr,
+                  BITS: tl.constexpr, STEPWISE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Two-shot phase 3: row ``t64``'s all-reduced sum from this rank's gather buffer, as FP32
+    (stepwise: the activation dtype's bits; else the FP32 sum's bits)."""
+    if STEPWISE:
+        src = D.peer_base(table_ptr, rank, gather_off16, BITS) + t64 * H + cols
+        bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
+        s = widen_f32(bits.to(T, bitcast=True), PTX)
+    else:
+        src = D.peer_base(table_ptr, rank, gather_off16, 32) + t64 * H + cols
+        bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
+        s = bits.to(tl.float32, bitcast=True)
+    return s
+
+
 @triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
 def _moe_twoshot_kernel(
     src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
@@ -352,14 +384,8 @@ def _moe_twoshot_kernel(
                 row = (q * chunk_cap + (t - rank * chunk)).to(tl.int64)
                 bits = tl.load(stage + row * H + cols, mask=cmask, other=0, cache_modifier=".cg")
                 acc = _rank_step(acc, widen_f32(bits.to(T, bitcast=True), PTX), T, STEPWISE, PTX)
-            for q in tl.static_range(P):
-                if q != rank:
-                    if STEPWISE:
-                        dst = D.peer_base(table_ptr, q, gather_off16, BITS) + t64 * H + cols
-                        tl.store(dst, D.as_bits(acc.to(T), BITS), mask=cmask)
-                    else:  # FP32 sum, as int32 bits (gather_off16: an FP32-sized region)
-                        dst = D.peer_base(table_ptr, q, gather_off16, 32) + t64 * H + cols
-                        tl.store(dst, acc.to(tl.int32, bitcast=True), mask=cmask)
+            _push_sum(acc, table_ptr, rank, gather_off16, t64, H, cols, cmask, T, BITS, P,
+                      STEPWISE)  # fmt: skip
             res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
             _finish_row(acc, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                         arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
@@ -377,14 +403,8 @@ def _moe_twoshot_kernel(
         t = pid + i * G
         if t // chunk != rank:
             t64 = t.to(tl.int64)
-            if STEPWISE:
-                src = D.peer_base(table_ptr, rank, gather_off16, BITS) + t64 * H + cols
-                bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
-                s = widen_f32(bits.to(T, bitcast=True), PTX)
-            else:
-                src = D.peer_base(table_ptr, rank, gather_off16, 32) + t64 * H + cols
-                bits = tl.load(src, mask=cmask, other=0, cache_modifier=".cg")
-                s = bits.to(tl.float32, bitcast=True)
+            s = _gathered_sum(table_ptr, rank, gather_off16, t64, H, cols, cmask, T, BITS,
+                              STEPWISE, PTX)  # fmt: skip
             res = widen_f32(tl.load(res_ptr + t64 * res_st + cols, mask=cmask, other=0.0), PTX)
             _finish_row(s, res, t64, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
                         arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr,
@@ -470,28 +490,28 @@ ROWS_PER_BATCH_OVERRIDE: int | None = None
 
 
 #: the fused one-shot kernel runs 2 CTAs per SM from this many tokens at widths up to
-#: TWO_CTAS_MAX_WIDTH. MEASURED on 2 x H200 (scripts/bench_moe_comm_variants.py,
-#: bench/results/sweeps/moe-comm-variants-h200-p2.json; P = 2, H = 4096, K = 8, µs 1 vs 2
+#: TWO_CTAS_MAX_WIDTH. MEASURED on 2 x H200 (scripts/bench_moe_reduction_variants.py,
+#: bench/results/sweeps/moe-reduction-variants-h200-p2.json; P = 2, H = 4096, K = 8, µs 1 vs 2
 #: CTAs per SM): M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one
 #: CTA loads a token's K rows while the other waits on NVLink, despite the register cap's
 #: spills. Wider rows (16 warps at H = 7168: a 64-register cap, 0.4-1.2 KB spilled) MEASURED in
-#: session 9 (`bench moe-comm --hidden 7168`, bench/results/moe-comm-h200-p2.json, §3.3, µs 1 vs
-#: 2 CTAs per SM): M = 64 11.53 vs 12.01, 512 44.35 vs 47.05, 2048 160.57 vs 147.97, 16384
-#: 1231.61 vs 1093.49 (the unfused chain: 159.53 / 1168.79): 2 from WIDE_TWO_CTAS_MIN_TOKENS.
-#: Not for the §3.2 reduction (dense rows): at 2 CTAs, M = 2048 / 16384, stepwise 174.04 /
-#: 1312.92 against 174.94 / 1325.94 at 1, and accumulate="fp32" 173.84 / 1346.84 against
-#: 155.51 / 1210.22.
+#: session 9 (`bench moe-reduction --hidden 7168`, bench/results/moe-reduction-h200-p2.json, MoE
+#: finalize, µs 1 vs 2 CTAs per SM): M = 64 11.53 vs 12.01, 512 44.35 vs 47.05, 2048 160.57 vs
+#: 147.97, 16384 1231.61 vs 1093.49 (the unfused chain: 159.53 / 1168.79): 2 from
+#: WIDE_TWO_CTAS_MIN_TOKENS. Not for the MoE reduction (dense rows): at 2 CTAs, M = 2048 / 16384,
+#: stepwise 174.04 / 1312.92 against 174.94 / 1325.94 at 1, and accumulate="fp32" 173.84 / 1346.84
+#: against 155.51 / 1210.22.
 TWO_CTAS_MIN_TOKENS = 65
 TWO_CTAS_MAX_WIDTH = 4096
 WIDE_TWO_CTAS_MIN_TOKENS = 2048
 #: the two-shot kernel runs 2 CTAs per SM from this many tokens, at every width and for both
 #: ops. MEASURED in loopback only (2 rank threads on one H200, 66 SMs each; sessions 14-15,
-#: notes/comm-moe.md "Session 15"; K = 8, stepwise, µs at 1 vs 2 CTAs per SM): §3.2 H = 7168
-#: M = 2048 269-276 vs 226-227, M = 16384 1999-2005 vs 1728; H = 4096 M = 2048 194 vs 146;
-#: §3.3 H = 7168 M = 2048 252 vs 215, M = 16384 1941 vs 1643; H = 4096 M = 2048 194 vs 138 —
-#: as for the one-shot, one CTA loads rows while the other waits on its peer. ptxas at 2 CTAs
-#: (scripts/compile_check_moe_comm.py): H = 7168 dense 216 B spilled (32 B at 1), H = 4096 80 B.
-#: Not yet timed on 2 GPUs (first on the list of notes/comm-moe.md).
+#: notes/comm-moe-reduction.md "Session 15"; K = 8, stepwise, µs at 1 vs 2 CTAs per SM): MoE
+#: reduction H = 7168 M = 2048 269-276 vs 226-227, M = 16384 1999-2005 vs 1728; H = 4096 M = 2048
+#: 194 vs 146; MoE finalize H = 7168 M = 2048 252 vs 215, M = 16384 1941 vs 1643; H = 4096 M = 2048
+#: 194 vs 138 — as for the one-shot, one CTA loads rows while the other waits on its peer. ptxas at
+#: 2 CTAs (scripts/compile_check_moe_reduction.py): H = 7168 dense 216 B spilled (32 B at 1), H =
+#: 4096 80 B. Not yet timed on 2 GPUs (first on the list of notes/comm-moe-reduction.md).
 TWOSHOT_TWO_CTAS_MIN_TOKENS = 2048
 
 
@@ -499,7 +519,7 @@ def ctas_per_sm(m: int | None = None, h: int | None = None, dense: bool = False,
                 algorithm: str = "oneshot") -> int:
     """Co-resident CTAs per SM of the peer kernels (grid cap = SMs x this; the register budget
     of :func:`rows_per_batch` shrinks with it). MOEFUSE_MOE_COMM_CTAS_PER_SM (1, 2 or 4) when
-    set; else (``m`` tokens of width ``h`` given; ``dense``: the §3.2 reduction) 2 where the
+    set; else (``m`` tokens of width ``h`` given; ``dense``: the MoE reduction) 2 where the
     tables above measured it faster — the fused one-shot kernel (``algorithm`` "oneshot") and
     the two-shot kernel ("twoshot") — and 1 (all K rows of a token in flight). Read at every
     launch: it must be the same on every rank."""
@@ -515,14 +535,14 @@ def ctas_per_sm(m: int | None = None, h: int | None = None, dense: bool = False,
         return 2 if m >= TWOSHOT_TWO_CTAS_MIN_TOKENS else 1
     if h <= TWO_CTAS_MAX_WIDTH:
         return 2 if m >= TWO_CTAS_MIN_TOKENS else 1
-    # wider rows: the §3.2 reduction (dense) measured no faster with 2 (above): it keeps 1
+    # wider rows: the MoE reduction (dense) measured no faster with 2 (above): it keeps 1
     return 2 if not dense and m >= WIDE_TWO_CTAS_MIN_TOKENS else 1
 
 
 def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
     """Expert rows loaded together by the producer: all K when they fit in registers next to
     the rest of the kernel (~96 registers: ptxas -v of the one-shot kernel, H = 4096, K = 8, used
-    238 of 248 with all 8 rows; scripts/compile_check_moe_comm.py), else fewer. With ``ctas``
+    238 of 248 with all 8 rows; scripts/compile_check_moe_reduction.py), else fewer. With ``ctas``
     co-resident CTAs per SM a thread may use 65536 / (threads x ctas) registers (at most 255); a
     bias row doubles the registers per slot. Always a divisor of K (no ragged static batch);
     never changes the bits."""
@@ -539,16 +559,17 @@ def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
 #: "fused" — ``_moe_oneshot_kernel``, one CTA produces, pushes and finishes a row;
 #: "split" — ``_moe_split_kernel``, C CTAs per row produce column slices (decode).
 #: (A third variant, partial kernel + one-shot all-reduce of the partial, was deleted: it never
-#: won, bench/results/sweeps/moe-comm-variants-h200-p2.json, numbers below.)
+#: won, bench/results/sweeps/moe-reduction-variants-h200-p2.json, numbers below.)
 ONESHOT_VARIANTS = ("fused", "split")
 #: "auto" (the variable unset): (up to M tokens, variant). MEASURED on 2 x H200
-#: (scripts/bench_moe_comm_variants.py, bench/results/sweeps/moe-comm-variants-h200-p2.json;
-#: P = 2, H = 4096, K = 8, stepwise, µs fused / split / two kernels): M = 1 6.49 / 4.90 / 7.25,
-#: M = 8 7.48 / 5.31 / 8.18, M = 64 8.65 / 7.58 / 11.39; M = 512 fused at 2 CTAs per SM 24.61
-#: against two kernels 36.26, M = 2048 84.02 against 114.99. Two kernels never won.
+#: (scripts/bench_moe_reduction_variants.py,
+#: bench/results/sweeps/moe-reduction-variants-h200-p2.json; P = 2, H = 4096, K = 8, stepwise, µs
+#: fused / split / two kernels): M = 1 6.49 / 4.90 / 7.25, M = 8 7.48 / 5.31 / 8.18, M = 64 8.65 /
+#: 7.58 / 11.39; M = 512 fused at 2 CTAs per SM 24.61 against two kernels 36.26, M = 2048 84.02
+#: against 114.99. Two kernels never won.
 AUTO_ONESHOT_VARIANTS: tuple[tuple[int | None, str], ...] = ((64, "split"), (None, "fused"))
 #: most CTAs per row of the split variant (default); MOEFUSE_MOE_COMM_SPLIT_CTAS overrides.
-#: MEASURED (2 x H200, P = 2, H = 4096, K = 8, two runs of scripts/bench_moe_comm_variants.py,
+#: MEASURED (2 x H200, P = 2, H = 4096, K = 8, two runs of scripts/bench_moe_reduction_variants.py,
 #: session 9): one token, 16 CTAs 4.70 / 4.34 µs against 8 CTAs 5.07 / 4.47; at 8 tokens the
 #: two counts traded places (5.52 / 5.49 against 5.40 / 5.58), so 16 only for a single token
 SPLIT_MAX_CTAS = 8
@@ -594,7 +615,7 @@ def _launch_split(ws, tile, k, has_bias, outs, pstrides, ostrides, scalars, tail
     grid must be resident (a group's epilogue CTA waits on its producers, and on the peers' CTAs
     of the same group): the grid is capped by :func:`ctas_per_sm` CTAs per SM with a matching
     register cap (default 1 CTA per SM, 248 registers: no spill at H = 4096, K = 8, C = 2-16;
-    scripts/compile_check_moe_comm.py)."""
+    scripts/compile_check_moe_reduction.py)."""
     m = scalars[0]
     resident = ctas_per_sm()
     capacity = ws.num_sms * resident
@@ -637,7 +658,7 @@ def producer_args(dense: bool, src, idx_map, weights, shared, bias=None, expert_
     return (src, idx_map, w, sh, b, e), strides, k, (src.shape[0], n_experts)
 
 
-def launch_moe_fusion(ws, algorithm: str, pattern: int, *, dense: bool, src, idx_map, weights,
+def launch_moe_reduction(ws, algorithm: str, pattern: int, *, dense: bool, src, idx_map, weights,
                       shared, rsf: float, bias=None, expert_ids=None, residual, weight,
                       residual_out, norm_out,
                       allreduce_out=None, quant_out=None, scale_out=None, scale=None,

@@ -1,7 +1,8 @@
-"""Device functions of the MoE communication fusions (SPEC §3.2, §3.3), shared by the kernels
-of :mod:`moefuse.comm.moe_reduction.kernels`: the producer stage (this rank's MoE partial row, from
-the permuted GEMM2 rows through the index map or from the dense expert rows), the rank-order
-step and the epilogue wrapper. One copy of each: every algorithm computes the same bits.
+"""Device functions of the MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize
+all-reduce fusions), shared by the kernels of :mod:`moefuse.comm.moe_reduction.kernels`: the
+producer stage (this rank's MoE partial row, from the permuted GEMM2 rows through the index map or
+from the dense expert rows), the rank-order step and the epilogue wrapper. One copy of each: every
+algorithm computes the same bits.
 
 ``PTX`` (constexpr) is False in Triton's interpreter; the off-path computes the same values.
 """
@@ -16,18 +17,36 @@ from moefuse.comm import device as D
 # ----------------------------------------------------------------------------- producer
 @triton.jit
 def _slot_meta(
-    t, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st, src_kst, map_st, w_tst,
-    w_kst, b_st, e_st,
-    K: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+    t,
+    src_ptr,
+    map_ptr,
+    w_ptr,
+    b_ptr,
+    e_ptr,
+    n_rows,
+    n_experts,
+    src_st,
+    src_kst,
+    map_st,
+    w_tst,
+    w_kst,
+    b_st,
+    e_st,
+    K: tl.constexpr,
+    DENSE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     PTX: tl.constexpr,
-):  # fmt: skip
+):
     """Routing data of token ``t``'s K slots: ``(valids, row pointers, weights, bias valids,
     bias row pointers)``, tuples of K scalars.
 
-    DENSE (SPEC §3.2): rows ``src[k, t]`` (``src_kst`` expert stride, ``src_st`` token stride),
-    all valid. Otherwise (§3.3): row ``map[t, k]``, invalid — never loaded — outside
+    DENSE (the SPEC's MoE-reduction fusion): rows ``src[k, t]`` (``src_kst`` expert stride,
+    ``src_st`` token stride), all valid. Otherwise (MoE finalize): row ``map[t, k]``, invalid —
+    never loaded — outside
     ``[0, n_rows)``. Weight ``w[t * w_tst + k * w_kst]`` when HAS_W (else 1). HAS_BIAS: expert
-    ``e_ptr[t, k]``'s bias row (moefuse extension, SPEC §2.2; ids outside [0, E): none)."""
+    ``e_ptr[t, k]``'s bias row (moefuse extension, the SPEC's moe_finalize; ids outside [0, E):
+    none)."""
     t64 = t.to(tl.int64)
     valids = ()
     ptrs = ()
@@ -70,25 +89,34 @@ def _load_batch(meta, b: tl.constexpr, cols, cmask, KB: tl.constexpr, HAS_BIAS: 
     xs = ()
     bs = ()
     for j in tl.static_range(KB):
-        xs = xs + (tl.load(ptrs[b * KB + j] + cols, mask=cmask & valids[b * KB + j],
-                           other=0.0),)  # fmt: skip
+        xs = xs + (tl.load(ptrs[b * KB + j] + cols, mask=cmask & valids[b * KB + j], other=0.0),)
         if HAS_BIAS:
-            bs = bs + (tl.load(bptrs[b * KB + j] + cols, mask=cmask & has_bs[b * KB + j],
-                               other=0.0),)  # fmt: skip
+            bs = bs + (
+                tl.load(bptrs[b * KB + j] + cols, mask=cmask & has_bs[b * KB + j], other=0.0),
+            )
     return xs, bs
 
 
 @triton.jit
-def _first_loads(meta, t, cols, cmask, sh_ptr, sh_st, KB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_SHARED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def _first_loads(
+    meta,
+    t,
+    cols,
+    cmask,
+    sh_ptr,
+    sh_st,
+    KB: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """The loads a partial starts with — the first batch of rows and the shared-expert row — as
     a value for :func:`_partial_from_first`. A kernel issues them before its control-word
     round trip (whose CTA-wide reduction is a barrier no later load can pass), so that a decode
     CTA waits for one memory round trip before its push instead of two."""
     xs, bs = _load_batch(meta, 0, cols, cmask, KB, HAS_BIAS)
     if HAS_SHARED:
-        sh = widen_f32(tl.load(sh_ptr + t.to(tl.int64) * sh_st + cols, mask=cmask, other=0.0),
-                       PTX)  # fmt: skip
+        sh = widen_f32(tl.load(sh_ptr + t.to(tl.int64) * sh_st + cols, mask=cmask, other=0.0), PTX)
     else:
         sh = tl.zeros(cols.shape, tl.float32)
     return xs, bs, sh
@@ -96,11 +124,21 @@ def _first_loads(meta, t, cols, cmask, sh_ptr, sh_st, KB: tl.constexpr, HAS_BIAS
 
 @triton.jit
 def _partial_from_first(
-    meta, first, cols, cmask, rsf,
-    T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
-    STEPWISE: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
+    meta,
+    first,
+    cols,
+    cmask,
+    rsf,
+    T: tl.constexpr,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RSF: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """This rank's partial of a token from its routing data ``meta`` (:func:`_slot_meta`) and
     its :func:`_first_loads`: FP32 values of a T-rounded row, masked lanes 0. Rows are loaded in
     batches of KB (all K at once when they fit in registers) and chained in ascending k: KB and
@@ -120,8 +158,7 @@ def _partial_from_first(
             if STEPWISE:
                 if HAS_W:
                     x = widen_f32(round_to(x * ws[b * KB + j], T, PTX), PTX)
-                acc = tl.where(valids[b * KB + j], widen_f32(round_to(acc + x, T, PTX), PTX),
-                               acc)  # fmt: skip
+                acc = tl.where(valids[b * KB + j], widen_f32(round_to(acc + x, T, PTX), PTX), acc)
             else:
                 acc = tl.where(valids[b * KB + j], fma_ftz(x, ws[b * KB + j], acc, PTX), acc)
     if STEPWISE:
@@ -140,46 +177,174 @@ def _partial_from_first(
 
 @triton.jit
 def _partial_from_meta(
-    meta, t, cols, cmask, sh_ptr, sh_st, rsf,
-    T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
-    STEPWISE: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
+    meta,
+    t,
+    cols,
+    cmask,
+    sh_ptr,
+    sh_st,
+    rsf,
+    T: tl.constexpr,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RSF: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """:func:`_first_loads` then :func:`_partial_from_first` for token ``t``."""
     first = _first_loads(meta, t, cols, cmask, sh_ptr, sh_st, KB, HAS_BIAS, HAS_SHARED, PTX)
-    return _partial_from_first(meta, first, cols, cmask, rsf, T, K, KB, HAS_W, HAS_BIAS,
-                               HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
+    return _partial_from_first(
+        meta, first, cols, cmask, rsf, T, K, KB, HAS_W, HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX
+    )
 
 
 @triton.jit
 def _partial_row(
-    t, cols, cmask, src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
-    src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, rsf,
-    T: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
-    STEPWISE: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
+    t,
+    cols,
+    cmask,
+    src_ptr,
+    map_ptr,
+    w_ptr,
+    sh_ptr,
+    b_ptr,
+    e_ptr,
+    n_rows,
+    n_experts,
+    src_st,
+    src_kst,
+    map_st,
+    w_tst,
+    w_kst,
+    sh_st,
+    b_st,
+    e_st,
+    rsf,
+    T: tl.constexpr,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    DENSE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RSF: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """:func:`_slot_meta` then :func:`_partial_from_meta` for token ``t``."""
-    meta = _slot_meta(t, src_ptr, map_ptr, w_ptr, b_ptr, e_ptr, n_rows, n_experts, src_st,
-                      src_kst, map_st, w_tst, w_kst, b_st, e_st, K, DENSE, HAS_W, HAS_BIAS, PTX)
-    return _partial_from_meta(meta, t, cols, cmask, sh_ptr, sh_st, rsf, T, K, KB, HAS_W, HAS_BIAS,
-                              HAS_RSF, HAS_SHARED, STEPWISE, PTX)  # fmt: skip
+    meta = _slot_meta(
+        t,
+        src_ptr,
+        map_ptr,
+        w_ptr,
+        b_ptr,
+        e_ptr,
+        n_rows,
+        n_experts,
+        src_st,
+        src_kst,
+        map_st,
+        w_tst,
+        w_kst,
+        b_st,
+        e_st,
+        K,
+        DENSE,
+        HAS_W,
+        HAS_BIAS,
+        PTX,
+    )
+    return _partial_from_meta(
+        meta,
+        t,
+        cols,
+        cmask,
+        sh_ptr,
+        sh_st,
+        rsf,
+        T,
+        K,
+        KB,
+        HAS_W,
+        HAS_BIAS,
+        HAS_RSF,
+        HAS_SHARED,
+        STEPWISE,
+        PTX,
+    )
 
 
 @triton.jit
-def _finish_row(s, res, t, cols, cmask, g, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols, arout_ptr,
-                arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st,
-                sf_ptr, T: tl.constexpr, BLOCK_H: tl.constexpr, PATTERN: tl.constexpr,
-                LAYOUT: tl.constexpr, WRITE_AR: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def _finish_row(
+    s,
+    res,
+    t,
+    cols,
+    cmask,
+    g,
+    H,
+    Hf,
+    eps,
+    inv_scale,
+    gs,
+    rcp_gs,
+    n_kcols,
+    arout_ptr,
+    arout_st,
+    rout_ptr,
+    rout_st,
+    nout_ptr,
+    nout_st,
+    q_ptr,
+    q_st,
+    sf_ptr,
+    T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PATTERN: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    WRITE_AR: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """``allreduce_out = T(s)`` (when WRITE_AR), then the shared epilogue with recipe "fast".
     ``s`` is the rank-order sum: T-rounded (stepwise) or FP32 (rounded once with the residual);
     ``res`` the residual row widened to FP32."""
     t64 = t.to(tl.int64)
     if WRITE_AR:
         tl.store(arout_ptr + t64 * arout_st + cols, round_to(s, T, PTX), mask=cmask)
-    D.epilogue_row(s, res, g, t64, cols, cmask, H, Hf, eps, inv_scale, gs, rcp_gs, n_kcols,
-                   rout_ptr, 0, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr, T,
-                   BLOCK_H, PATTERN, True, LAYOUT, PTX, 0)  # fmt: skip
+    D.epilogue_row(
+        s,
+        res,
+        g,
+        t64,
+        cols,
+        cmask,
+        H,
+        Hf,
+        eps,
+        inv_scale,
+        gs,
+        rcp_gs,
+        n_kcols,
+        rout_ptr,
+        0,
+        rout_ptr,
+        rout_st,
+        nout_ptr,
+        nout_st,
+        q_ptr,
+        q_st,
+        sf_ptr,
+        T,
+        BLOCK_H,
+        PATTERN,
+        True,
+        LAYOUT,
+        PTX,
+        0,
+    )
 
 
 @triton.jit

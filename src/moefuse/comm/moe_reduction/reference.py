@@ -1,8 +1,8 @@
-"""PyTorch reference of the MoE communication fusions (SPEC §3.2, §3.3) — the oracle and the CPU
-path.
+"""PyTorch reference of the MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize
+all-reduce fusions) — the oracle and the CPU path.
 
-Both ops are "a per-rank MoE partial row, all-reduced, then the §3.1 epilogue". Two layers, as in
-:mod:`moefuse.comm.all_reduce.reference`:
+Both ops are "a per-rank MoE partial row, all-reduced, then the all-reduce fusion's epilogue". Two
+layers, as in :mod:`moefuse.comm.all_reduce.reference`:
 
 * ``*_from_ranks(...)`` take every rank's MoE inputs as lists in rank order (all in one process):
   the tests' oracle;
@@ -18,7 +18,8 @@ TRT-LLM / FlashInfer semantics, T-rounding after every step)::
     if rsf != 1: acc = T(f32(acc) * rsf)
     if shared:   acc = T(f32(acc) + f32(shared[t]))
 
-``accumulate="fp32"`` (the MNNVL CuTe-DSL contract): the deterministic finalize of SPEC §2.2 —
+``accumulate="fp32"`` (the MNNVL CuTe-DSL contract): the deterministic finalize of the SPEC's
+moe_finalize —
 ``acc = fma_ftz(f32(row_k), f32(w_k), acc)`` in FP32, ``* rsf``, ``+ f32(shared)``, one rounding
 (exactly :func:`moefuse.moe.reference.moe_finalize_reference`).
 
@@ -30,7 +31,7 @@ All-reduce and epilogue::
     FP8:   quant_out = e4m3(f32(norm_out) * (1/scale))          (IEEE 1/scale)
     NVFP4: quant_out, scale_out = nvfp4(norm_out, gs = scale, recipe "fast", layout)
 
-For §3.2 (MoE reduction) the "rows" of token t are ``x[e, t]`` for every local expert e (all valid),
+For the MoE reduction the "rows" of token t are ``x[e, t]`` for every local expert e (all valid),
 the weights ``scale[e, t]`` and the "shared" term is the token input; rsf = 1.
 """
 
@@ -70,15 +71,22 @@ def _stepwise(rows, valid, weights, rsf, shared, dtype, bias_rows=None) -> torch
     return acc.to(dtype)
 
 
-def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor=None,
-                     routed_scaling_factor=1.0, shared_expert_output=None,
-                     accumulate="stepwise", bias=None,
-                     expert_ids=None) -> torch.Tensor:  # fmt: skip
-    """One rank's MoE-finalize partial [M, H] (SPEC §3.3) from the permuted rows [R, H].
+def finalize_partial(
+    allreduce_in,
+    expanded_idx_to_permuted_idx,
+    expert_scale_factor=None,
+    routed_scaling_factor=1.0,
+    shared_expert_output=None,
+    accumulate="stepwise",
+    bias=None,
+    expert_ids=None,
+) -> torch.Tensor:
+    """One rank's MoE-finalize partial [M, H] (the SPEC's MoE-finalize fusion) from the permuted
+    rows [R, H].
 
-    ``bias`` [E, H] with ``expert_ids`` [M, K] (moefuse extension, as SPEC §2.2): the expert's
-    bias row is added to the slot's row in FP32 before the weight, not rounded in between (ids
-    outside [0, E) add nothing): stepwise ``T((f32(row) + f32(bias)) * w)``, fp32 mode
+    ``bias`` [E, H] with ``expert_ids`` [M, K] (moefuse extension, as the SPEC's moe_finalize): the
+    expert's bias row is added to the slot's row in FP32 before the weight, not rounded in between
+    (ids outside [0, E) add nothing): stepwise ``T((f32(row) + f32(bias)) * w)``, fp32 mode
     ``fma_ftz(f32(row) + f32(bias), w, acc)``."""
     idx = expanded_idx_to_permuted_idx
     m, k = idx.shape
@@ -87,9 +95,14 @@ def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_fa
         if w is None:
             w = torch.ones(m, k, dtype=torch.float32, device=allreduce_in.device)
         return moe_ref.moe_finalize_reference(
-            allreduce_in, idx, w, routed_scaling_factor=float(routed_scaling_factor),
-            shared_expert_output=shared_expert_output, bias=bias, expert_ids=expert_ids,
-        )  # fmt: skip
+            allreduce_in,
+            idx,
+            w,
+            routed_scaling_factor=float(routed_scaling_factor),
+            shared_expert_output=shared_expert_output,
+            bias=bias,
+            expert_ids=expert_ids,
+        )
     rows, valid = moe_ref.slot_rows(idx, allreduce_in.shape[0], False)
     if allreduce_in.shape[0] == 0:
         valid = torch.zeros_like(valid)
@@ -102,14 +115,22 @@ def finalize_partial(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_fa
         has_b = (e >= 0) & (e < bias.shape[0])
         b = bias.index_select(0, torch.where(has_b, e, 0).t().reshape(-1)).float()
         bias_rows = torch.where(has_b.t().reshape(-1, 1), b, 0.0).view(k, m, -1)
-    return _stepwise(gathered, valid, expert_scale_factor, float(routed_scaling_factor),
-                     shared_expert_output, allreduce_in.dtype, bias_rows)  # fmt: skip
+    return _stepwise(
+        gathered,
+        valid,
+        expert_scale_factor,
+        float(routed_scaling_factor),
+        shared_expert_output,
+        allreduce_in.dtype,
+        bias_rows,
+    )
 
 
-def reduction_partial(active_experts_token_input, scale_input, token_input,
-                      accumulate="stepwise") -> torch.Tensor:  # fmt: skip
-    """One rank's MoE-reduction partial [M, H] (SPEC §3.2): experts [E, M, H], FP32 scales
-    [E, M], token input [M, H]."""
+def reduction_partial(
+    active_experts_token_input, scale_input, token_input, accumulate="stepwise"
+) -> torch.Tensor:
+    """One rank's MoE-reduction partial [M, H] (the SPEC's MoE-reduction fusion): experts [E, M, H],
+    FP32 scales [E, M], token input [M, H]."""
     x = active_experts_token_input
     e, m, h = x.shape
     w = scale_input.reshape(e, m).t()  # [M, E]
@@ -122,9 +143,17 @@ def reduction_partial(active_experts_token_input, scale_input, token_input,
 
 
 # ------------------------------------------------------------------------- all-reduce + epilogue
-def epilogue_from_partials(partials: Sequence[torch.Tensor], residual, weight, eps=1e-6,
-                           weight_bias=0.0, accumulate="stepwise", quant=None, scale_factor=None,
-                           layout="swizzled_128x4") -> dict:  # fmt: skip
+def epilogue_from_partials(
+    partials: Sequence[torch.Tensor],
+    residual,
+    weight,
+    eps=1e-6,
+    weight_bias=0.0,
+    accumulate="stepwise",
+    quant=None,
+    scale_factor=None,
+    layout="swizzled_128x4",
+) -> dict:
     """Rank-order sum of the partials and the epilogue. Returns a dict with ``allreduce_out``,
     ``residual_out``, ``norm_out`` and, when quantizing, ``quant_out`` (FP8: float8_e4m3fn; NVFP4:
     packed uint8 [M, H/2]) and ``scale_out`` (NVFP4)."""
@@ -146,40 +175,80 @@ def epilogue_from_partials(partials: Sequence[torch.Tensor], residual, weight, e
     return out
 
 
-def moe_finalize_allreduce_from_ranks(allreduce_ins, expanded_idx_to_permuted_idx, residual,
-                                      weight, *, expert_scale_factors=None,
-                                      routed_scaling_factor=1.0, shared_expert_outputs=None,
-                                      eps=1e-6, weight_bias=0.0, accumulate="stepwise",
-                                      quant=None, scale_factor=None, layout="swizzled_128x4",
-                                      biases=None, expert_ids=None) -> dict:  # fmt: skip
-    """SPEC §3.3 with every rank's inputs (lists in rank order; ``expanded_idx_to_permuted_idx``
-    may be one tensor for all ranks or a list). See :func:`epilogue_from_partials`."""
+def moe_finalize_allreduce_from_ranks(
+    allreduce_ins,
+    expanded_idx_to_permuted_idx,
+    residual,
+    weight,
+    *,
+    expert_scale_factors=None,
+    routed_scaling_factor=1.0,
+    shared_expert_outputs=None,
+    eps=1e-6,
+    weight_bias=0.0,
+    accumulate="stepwise",
+    quant=None,
+    scale_factor=None,
+    layout="swizzled_128x4",
+    biases=None,
+    expert_ids=None,
+) -> dict:
+    """The SPEC's MoE-finalize fusion with every rank's inputs (lists in rank order;
+    ``expanded_idx_to_permuted_idx`` may be one tensor for all ranks or a list). See
+    :func:`epilogue_from_partials`."""
     p = len(allreduce_ins)
     maps = expanded_idx_to_permuted_idx
     maps = maps if isinstance(maps, (list, tuple)) else [maps] * p
-    ws = expert_scale_factors if isinstance(expert_scale_factors, (list, tuple)) else \
-        [expert_scale_factors] * p  # fmt: skip
+    ws = (
+        expert_scale_factors
+        if isinstance(expert_scale_factors, (list, tuple))
+        else [expert_scale_factors] * p
+    )
     sh = shared_expert_outputs if shared_expert_outputs is not None else [None] * p
     bs = biases if biases is not None else [None] * p
-    partials = [finalize_partial(allreduce_ins[r], maps[r], ws[r], routed_scaling_factor, sh[r],
-                                 accumulate, bs[r], expert_ids) for r in range(p)]  # fmt: skip
-    return epilogue_from_partials(partials, residual, weight, eps, weight_bias, accumulate, quant,
-                                  scale_factor, layout)  # fmt: skip
+    partials = [
+        finalize_partial(
+            allreduce_ins[r],
+            maps[r],
+            ws[r],
+            routed_scaling_factor,
+            sh[r],
+            accumulate,
+            bs[r],
+            expert_ids,
+        )
+        for r in range(p)
+    ]
+    return epilogue_from_partials(
+        partials, residual, weight, eps, weight_bias, accumulate, quant, scale_factor, layout
+    )
 
 
-def moe_allreduce_from_ranks(active_experts_token_inputs, scale_inputs, token_inputs, residual,
-                             weight, *, eps=1e-6, weight_bias=0.0, accumulate="stepwise",
-                             quant=None, scale_factor=None,
-                             layout="swizzled_128x4") -> dict:  # fmt: skip
-    """SPEC §3.2 with every rank's inputs (lists in rank order)."""
-    partials = [reduction_partial(x, s, t, accumulate)
-                for x, s, t in zip(active_experts_token_inputs, scale_inputs, token_inputs)]
-    return epilogue_from_partials(partials, residual, weight, eps, weight_bias, accumulate, quant,
-                                  scale_factor, layout)  # fmt: skip
+def moe_allreduce_from_ranks(
+    active_experts_token_inputs,
+    scale_inputs,
+    token_inputs,
+    residual,
+    weight,
+    *,
+    eps=1e-6,
+    weight_bias=0.0,
+    accumulate="stepwise",
+    quant=None,
+    scale_factor=None,
+    layout="swizzled_128x4",
+) -> dict:
+    """The SPEC's MoE-reduction fusion with every rank's inputs (lists in rank order)."""
+    partials = [
+        reduction_partial(x, s, t, accumulate)
+        for x, s, t in zip(active_experts_token_inputs, scale_inputs, token_inputs)
+    ]
+    return epilogue_from_partials(
+        partials, residual, weight, eps, weight_bias, accumulate, quant, scale_factor, layout
+    )
 
 
 # ----------------------------------------------------------------------------- collective
 def reference_from_partial(partial, residual, weight, *, workspace, **kw) -> dict:
     """This rank's ``partial`` all-gathered (torch.distributed), then the epilogue."""
-    return epilogue_from_partials(gather_partials(partial, workspace), residual, weight,
-                                  **kw)  # fmt: skip
+    return epilogue_from_partials(gather_partials(partial, workspace), residual, weight, **kw)

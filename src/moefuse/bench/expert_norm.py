@@ -1,9 +1,9 @@
-"""Benchmark provider of the per-expert-norm MoE finalize fusions (SPEC §3.4, §3.5).
+"""``python -m moefuse bench expert-norm --world-size P``: the per-expert-norm MoE finalize
+fusions (``tp_moe_finalize_rmsnorm``, ``moe_finalize_rmsnorm_allreduce``) on P GPUs.
 
-Two per-rank functions that ``moefuse bench moe-comm`` (bench/moe_comm.py) can call for each
-(M, H, K) inside its own NCCL group, and a standalone command:
+    python -m moefuse bench expert-norm --world-size 2 --save --out DIR [--quick] [--tokens ..]
 
-    python -m moefuse.bench.moe_comm_tp --world-size 2 --out DIR [--quick] [--tokens ..]
+Two per-rank functions, each timing one (M, H, K) inside the run's NCCL group:
 
 * :func:`time_tp_case` — ``tp_moe_finalize_rmsnorm`` (variants ``moefuse`` = auto,
   ``moefuse_slot_oneshot``, ``moefuse_expert_owner``,
@@ -303,12 +303,13 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
         bar = bar_checks(rows)
         for line in bar:
             print(line)
+    if rank == 0 and args.save:  # JSON only: bench summary draws the speed-up figure
         meta = harness.run_metadata()
         meta.update(world_size=world_size, top_k=args.topk, bar=bar,
-                    command="python -m moefuse.bench.moe_comm_tp " + " ".join(args.argv))
+                    command="python -m moefuse bench expert-norm " + " ".join(args.argv))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"moe-comm-tp-{harness.gpu_slug()}-p{world_size}.json"
+        path = out / f"expert-norm-{harness.gpu_slug()}-p{world_size}.json"
         path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         print("wrote", path)
     dist.barrier()
@@ -316,16 +317,16 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = ranks.rank_parser("python -m moefuse.bench.moe_comm_tp",
-                               "M in {1, 8, 64, 2048}, H = 4096", save=False)  # fmt: skip
+    parser = ranks.rank_parser("moefuse bench expert-norm",
+                               "M in {1, 8, 64, 2048}, H = 4096")  # fmt: skip
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--tp-only", action="store_true", help="skip the EP op")
     args = parser.parse_args(argv)
     args.argv = list(argv)
     # the children unpickle the worker by its module name (this file may be running as __main__)
-    from moefuse.bench import moe_comm_tp
+    from moefuse.bench import expert_norm
 
-    return ranks.run_ranks(moe_comm_tp._worker, args)
+    return ranks.run_ranks(expert_norm._worker, args)
 
 
 if __name__ == "__main__":

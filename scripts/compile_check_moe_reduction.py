@@ -3,7 +3,7 @@ machine without a GPU and report registers and spills (ptxas -v): compile errors
 pressure show up before a GPU run. Each case uses the launcher's own tile, rows per batch and
 register cap (maxnreg) for the given CTAs per SM.
 
-Run: PYTHONPATH=src python scripts/compile_check_moe_comm.py [--widths 4096,7168] [--top-k 8]
+Run: PYTHONPATH=src python scripts/compile_check_moe_reduction.py [--widths 4096,7168] [--top-k 8]
 """
 
 import argparse

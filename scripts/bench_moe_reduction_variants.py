@@ -14,8 +14,8 @@ replays (inputs rotating over sets larger than L2, max over ranks) time:
 
 Run (repo root, 2 GPUs; ~1-3 minutes, mostly Triton compiles):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
-        python scripts/bench_moe_comm_variants.py --out $OUT
-Prints a table (µs, and chain / variant) and writes ``moe-comm-variants-p2.json`` under --out.
+        python scripts/bench_moe_reduction_variants.py --out $OUT
+Prints a table (µs, and chain / variant) and writes ``moe-reduction-variants-p2.json`` under --out.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def check(mf, ws, m, rank, world, group, dev) -> list[str]:
     """Bitwise checks on fresh inputs with poisoned outputs; returns failure lines."""
     import torch.distributed as dist
 
-    from moefuse.bench.moe_comm import with_env
+    from moefuse.bench.moe_reduction import with_env
     from moefuse.comm.moe_reduction import reference as mref
     from moefuse.testing import poison_
 
@@ -156,7 +156,7 @@ def timed(fn, group, dev, replays: int) -> float:
 def time_shape(mf, ws, m, rank, group, dev, replays) -> dict[str, float]:
     """µs of every variant and of the chain at ``m`` tokens."""
     from moefuse.bench import harness
-    from moefuse.bench.moe_comm import with_env
+    from moefuse.bench.moe_reduction import with_env
 
     n = harness.rotation_sets((K + 3) * m * H * 2, cap=8)
     x = make_inputs(m, n, rank, 17 + m, dev)
@@ -216,7 +216,7 @@ def worker(rank: int, world_size: int, args, init_method) -> None:
         meta.update(world_size=world_size, H=H, K=K, fails=fails, seconds=time.time() - start,
                     note="µs: median of CUDA-graph replays, max over ranks")  # fmt: skip
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"moe-comm-variants-p{world_size}.json")
+        path = os.path.join(args.out, f"moe-reduction-variants-p{world_size}.json")
         with open(path, "w") as f:
             json.dump({"meta": meta, "us": {str(m): r for m, r in results.items()}}, f, indent=1)
         print("wrote", path)

@@ -1,6 +1,6 @@
-"""MoE communication fusions on CPU (SPEC §3.2, §3.3): the references against an independent
-scalar oracle, and the Triton kernels in the interpreter across 2-4 real processes (gloo group,
-shared-memory peer buffers): every algorithm against the oracle of all ranks' inputs, bitwise
+"""MoE-reduction fusions on CPU (SPEC: MoE reduction, MoE finalize): the references against an
+independent scalar oracle, and the Triton kernels in the interpreter across 2-4 real processes (gloo
+group, shared-memory peer buffers): every algorithm against the oracle of all ranks' inputs, bitwise
 across algorithms, paths (impl="reference"), ranks and batch positions; invalid indices over
 NaN-poisoned rows; bad-input ValueErrors."""
 
@@ -82,7 +82,8 @@ def digest(*tensors) -> str:
 
 # ----------------------------------------------------------------------------- references
 def _scalar_stepwise(rows, ws, rsf, shared):
-    """Element-by-element SPEC §3.3 stepwise partial (Python scalars through BF16 tensors)."""
+    """Element-by-element MoE-finalize stepwise partial of the SPEC (Python scalars through BF16
+    tensors)."""
     bf = lambda x: float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).float())  # noqa
     f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
     acc = 0.0
@@ -245,18 +246,18 @@ def scenario(rank, world_size, cfg):
         os.environ["MOEFUSE_MOE_COMM_SPLIT_CTAS"] = str(cfg["split_ctas"])
     if cfg.get("ctas_per_sm"):  # another grid for the peer kernels: same bits
         os.environ["MOEFUSE_MOE_COMM_CTAS_PER_SM"] = str(cfg["ctas_per_sm"])
-    if cfg.get("wide_from"):  # the wide-row rules at a tiny H: §3.2 auto two-shot, 2 CTAs
-        from moefuse.comm.moe_reduction import kernels as moe_fusion_triton
-        from moefuse.comm.moe_reduction import ops as moe_fusion_ops
+    if cfg.get("wide_from"):  # the wide-row rules at a tiny H: MoE reduction auto two-shot, 2 CTAs
+        from moefuse.comm.moe_reduction import kernels as moe_kernels
+        from moefuse.comm.moe_reduction import ops as moe_ops
 
         width, tokens = cfg["wide_from"]
-        moe_fusion_ops.DENSE_TWOSHOT_MIN_WIDTH = width
-        moe_fusion_ops.DENSE_TWOSHOT_MIN_TOKENS = tokens
-        moe_fusion_triton.TWOSHOT_TWO_CTAS_MIN_TOKENS = tokens
+        moe_ops.DENSE_TWOSHOT_MIN_WIDTH = width
+        moe_ops.DENSE_TWOSHOT_MIN_TOKENS = tokens
+        moe_kernels.TWOSHOT_TWO_CTAS_MIN_TOKENS = tokens
     if cfg.get("rows_per_batch"):  # cover the producer's batched row loads at small H
-        from moefuse.comm.moe_reduction import kernels as moe_fusion_triton
+        from moefuse.comm.moe_reduction import kernels as moe_kernels
 
-        moe_fusion_triton.ROWS_PER_BATCH_OVERRIDE = cfg["rows_per_batch"]
+        moe_kernels.ROWS_PER_BATCH_OVERRIDE = cfg["rows_per_batch"]
     digests = []
     for h, tokens in cfg["shapes"]:
         m_cap = max(tokens)
@@ -458,10 +459,10 @@ def test_three_ranks_oneshot_variants():
 
 
 def test_two_ranks_wide_rows_auto():
-    """The wide-row rules at H = 40 (thresholds lowered to H >= 33, M >= 5): "auto" of the §3.2
-    reduction (stepwise) takes two-shot at M = 5 and one-shot at M = 1 (seen from the Lamport
-    generation), fp32 and §3.3 keep one-shot; the two-shot runs 2 CTAs per SM; all bitwise
-    equal to the explicit algorithms and the oracle."""
+    """The wide-row rules at H = 40 (thresholds lowered to H >= 33, M >= 5): "auto" of the MoE
+    reduction (stepwise) takes two-shot at M = 5 and one-shot at M = 1 (seen from the
+    Lamport generation), fp32 and MoE finalize keep one-shot; the two-shot runs 2 CTAs per SM; all
+    bitwise equal to the explicit algorithms and the oracle."""
     cfg = dict(shapes=((40, (1, 5)),),
                cases=(("reduction", 3, "stepwise", None), ("reduction", 2, "fp32", "fp8"),
                       ("finalize", 2, "stepwise", None)),
@@ -470,10 +471,10 @@ def test_two_ranks_wide_rows_auto():
 
 
 def test_wide_row_choices(monkeypatch):
-    """The rules behind "auto" and the grid, as measured (moe_fusion_ops / moe_fusion_triton):
-    §3.2 stepwise takes two-shot from H = 4097 and M = 2048 (not fp32, not §3.3, not narrower or
-    fewer); two-shot runs 2 CTAs per SM from 2048 tokens at any width; the one-shot keeps its
-    table; MOEFUSE_MOE_COMM_CTAS_PER_SM overrides every kernel."""
+    """The rules behind "auto" and the grid, as measured (moe_ops / moe_kernels):
+    MoE reduction stepwise takes two-shot from H = 4097 and M = 2048 (not fp32, not MoE finalize,
+    not narrower or fewer); two-shot runs 2 CTAs per SM from 2048 tokens at any width; the one-shot
+    keeps its table; MOEFUSE_MOE_COMM_CTAS_PER_SM overrides every kernel."""
     from moefuse.comm.moe_reduction.kernels import ctas_per_sm
     from moefuse.comm.moe_reduction.ops import prefers_twoshot
 
@@ -486,7 +487,7 @@ def test_wide_row_choices(monkeypatch):
     assert ctas_per_sm(2048, 7168, True, "twoshot") == 2
     assert ctas_per_sm(2048, 2880, False, "twoshot") == 2
     assert ctas_per_sm(2047, 7168, True, "twoshot") == 1
-    assert ctas_per_sm(2048, 7168, True, "oneshot") == 1  # §3.2 one-shot: measured no faster
+    assert ctas_per_sm(2048, 7168, True, "oneshot") == 1  # MoE reduction: no faster
     assert ctas_per_sm(2048, 7168, False, "oneshot") == 2
     assert ctas_per_sm(64, 4096, False, "oneshot") == 1
     assert ctas_per_sm(65, 4096, True, "oneshot") == 2

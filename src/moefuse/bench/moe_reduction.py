@@ -1,4 +1,5 @@
-"""``python -m moefuse bench moe-comm --world-size P``: MoE communication fusions on P GPUs.
+"""``python -m moefuse bench moe-reduction --world-size P``: the MoE-reduction and MoE-finalize
+all-reduce fusions on P GPUs.
 
 Spawns P processes (one GPU each, NCCL group; or runs in place under ``torchrun``). For every
 (H, M) each *case provider* checks correctness first (every algorithm bitwise equal; residual_out
@@ -20,15 +21,15 @@ same run:
 * ``(c) flashinfer`` — only noted: FlashInfer is optional and its IPC-workspace call is not wired
   in (meta["flashinfer"] says whether it was importable; the issue's anchors are printed).
 
-Providers (``PROVIDERS``): ``finalize_cases`` (SPEC §3.3, K routes through a random permutation),
-``reduction_cases`` (SPEC §3.2, E_loc = K expert rows per token) and, when the module exists,
-``moefuse.bench.moe_comm_tp.run_cases`` (part B's ``tp_moe_finalize_rmsnorm``). A provider is
+Providers (``PROVIDERS``): ``finalize_cases`` (the MoE-finalize fusion, K routes through a
+random permutation) and ``reduction_cases`` (the MoE-reduction fusion, E_loc = K expert rows per
+token); the per-expert-norm finalize ops are ``bench expert-norm``'s. A provider is
 ``fn(ctx: Ctx) -> list[dict]`` returning rows with ``op``, ``H``, ``M``, ``variant``, ``us``
 (max over ranks) and ``role`` ("fused" | "baseline"); the driver adds the ratios. Figures are the
 median per-call µs of CUDA-graph replays (``harness.graph_time_us``), inputs rotating over sets
 larger than L2, max over ranks. Bytes per call and rank: K*M*H*2 (expert rows) + 2*M*H*2
 (residual in/out) + M*H*2 (norm out) + routing data, and (P-1)*M*H*2 over NVLink.
-``--save`` writes ``bench/results/moe-comm-<gpu>-p<P>.json/.png``.
+``--save`` writes ``bench/results/moe-reduction-<gpu>-p<P>.json/.png``.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def _rows(op, h, m, k, p, variants: dict, nbytes: int) -> list[dict]:
             for name, (us, role) in variants.items()]  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- §3.3
+# ----------------------------------------------------------------------------- MoE finalize
 def _over_shapes(ctx: Ctx, case) -> list[dict]:
     """Rows of ``case(ctx, ws, h, m)`` for every width (one workspace each) and token count."""
     out = []
@@ -195,7 +196,7 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
     two_ctas = with_env({"MOEFUSE_MOE_COMM_CTAS_PER_SM": "2"}, fused("auto"))
     twoshot_one_cta = with_env(ONE_CTA_PER_SM, fused("twoshot"))
     # one-shot variants by name (the two-kernel variant never won: scripts/
-    # bench_moe_comm_variants.py times it); "fused" is the auto choice above 64 tokens
+    # bench_moe_reduction_variants.py times it); "fused" is the auto choice above 64 tokens
     single, split, split_fp32 = (
         with_env({"MOEFUSE_MOE_COMM_VARIANT": v}, fused("oneshot", acc))
         for v, acc in (("fused", "stepwise"), ("split", "stepwise"), ("split", "fp32")))
@@ -248,7 +249,7 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
     return rows_out
 
 
-# ----------------------------------------------------------------------------- §3.2
+# ----------------------------------------------------------------------------- MoE reduction
 def reduction_cases(ctx: Ctx) -> list[dict]:
     return _over_shapes(ctx, _reduction_case)
 
@@ -318,13 +319,8 @@ def _reduction_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
     return rows_out
 
 
-#: case providers, run in order; part B's tp_moe_finalize_rmsnorm registers itself below
+#: case providers, run in order
 PROVIDERS: list[Callable[[Ctx], list[dict]]] = [finalize_cases, reduction_cases]
-if importlib.util.find_spec("moefuse.bench.moe_comm_tp") is not None:  # part B (issue 16)
-    from moefuse.bench import moe_comm_tp as _tp
-
-    if hasattr(_tp, "run_cases"):
-        PROVIDERS.append(_tp.run_cases)
 
 
 def _progress(ctx, rows) -> None:
@@ -409,7 +405,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
                          f"(importable here: {fi}); x_flashinfer_anchor uses issue 16's "
                          "2 x H200 anchors (H = 4096, K = 8)")  # fmt: skip
         if args.save:
-            paths = harness.save_results("moe-comm", rows, meta, args.out,
+            paths = harness.save_results("moe-reduction", rows, meta, args.out,
                                          suffix=f"-p{world_size}")  # fmt: skip
             print("wrote", *[str(p) for p in paths if p])
     dist.barrier()
@@ -417,7 +413,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = ranks.rank_parser("moefuse bench moe-comm", "M in {1, 64, 2048}, H = 4096")
+    parser = ranks.rank_parser("moefuse bench moe-reduction", "M in {1, 64, 2048}, H = 4096")
     parser.add_argument("--top-k", type=int, default=TOP_K)
     args = parser.parse_args(argv)
     return ranks.run_ranks(_worker, args)

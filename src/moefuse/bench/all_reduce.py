@@ -1,4 +1,4 @@
-"""``python -m moefuse bench allreduce --world-size P``: all-reduce + residual + RMSNorm on P GPUs.
+"""``python -m moefuse bench all-reduce --world-size P``: all-reduce + residual + RMSNorm on P GPUs.
 
 Spawns P processes (one GPU each, NCCL group; or runs in place under ``torchrun``), checks
 correctness first (every moefuse algorithm against the oracle built from all ranks' partials,
@@ -184,7 +184,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
                          "moefuse variants write one fixed output pair per case except "
                          "moefuse_rot_out; moefuse_same_inputs reuses one input set")  # fmt: skip
         if args.save:
-            paths = harness.save_results("allreduce", rows, meta, args.out,
+            paths = harness.save_results("all-reduce", rows, meta, args.out,
                                          suffix=f"-p{world_size}")  # fmt: skip
             print("wrote", *[str(p) for p in paths if p])
     dist.barrier()
@@ -229,6 +229,6 @@ def bar_checks(rows: list[dict], world_size: int) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = ranks.rank_parser("moefuse bench allreduce", "M in {1, 64, 2048}, H = 4096")
+    parser = ranks.rank_parser("moefuse bench all-reduce", "M in {1, 64, 2048}, H = 4096")
     args = parser.parse_args(argv)
     return ranks.run_ranks(_worker, args)

@@ -1,4 +1,4 @@
-"""``python -m moefuse bench allgather --world-size P``: all-gather + norm fusions on P GPUs.
+"""``python -m moefuse bench all-gather --world-size P``: all-gather + norm fusions on P GPUs.
 
 Spawns P processes (one GPU each, NCCL group; or runs in place under ``torchrun``). Each rank
 holds ``shard`` [M, H/P] BF16. Per (op, H, M) it first checks that the fused op and both
@@ -358,7 +358,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
                          "mappings (inputs preloaded); moefuse_gather = the fused op's "
                          "all-gather launch alone")  # fmt: skip
         if args.save:
-            paths = harness.save_results("allgather", rows, meta, args.out,
+            paths = harness.save_results("all-gather", rows, meta, args.out,
                                          suffix=f"-p{world_size}")  # fmt: skip
             print("wrote", *[str(p) for p in paths if p])
     dist.barrier()
@@ -390,7 +390,7 @@ def bar_checks(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = ranks.rank_parser("moefuse bench allgather", "M in {1, 64, 4096}, H = 4096")
+    parser = ranks.rank_parser("moefuse bench all-gather", "M in {1, 64, 4096}, H = 4096")
     parser.add_argument("--ops", default="", help=f"comma-separated subset of {OPS}")
     args = parser.parse_args(argv)
     return ranks.run_ranks(_worker, args)

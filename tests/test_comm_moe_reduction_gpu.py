@@ -1,10 +1,11 @@
-"""MoE communication fusions (SPEC §3.2, §3.3) on 2 H200s (NCCL group, symmetric-memory peer
-buffers, no multicast): full shapes, both accumulate modes, invalid indices over NaN-poisoned rows,
-bitwise across one-shot / two-shot / torch.distributed / the reference path, ranks, PDL on/off and
-a token alone vs inside the batch; FP8 / NVFP4 outputs; 1,000 CUDA-graph replays with fresh data;
-the one-shot variant "split" (MOEFUSE_MOE_COMM_VARIANT) bitwise against fused.
+"""MoE-reduction fusions (SPEC: MoE reduction, MoE finalize) on 2 H200s (NCCL group,
+symmetric-memory peer buffers, no multicast): full shapes, both accumulate modes, invalid indices
+over NaN-poisoned rows, bitwise across one-shot / two-shot / torch.distributed / the reference path,
+ranks, PDL on/off and a token alone vs inside the batch; FP8 / NVFP4 outputs; 1,000 CUDA-graph
+replays with fresh data; the one-shot variant "split" (MOEFUSE_MOE_COMM_VARIANT) bitwise against
+fused.
 
-Run: ``python -m pytest -q tests/test_comm_moe_fusion_gpu.py`` (each test spawns its own P
+Run: ``python -m pytest -q tests/test_comm_moe_reduction_gpu.py`` (each test spawns its own P
 processes; world sizes beyond the GPU count are skipped).
 """
 
@@ -212,8 +213,8 @@ def scenario_graph_replays(rank, world_size, replays):
 
 
 def scenario_graph_replays_wide(rank, world_size, replays):
-    """The §3.2 reduction at H = 7168, M = 2048 in a CUDA graph per algorithm ("auto" takes the
-    two-shot at 2 CTAs per SM there; the one-shot for comparison), replayed with fresh inputs
+    """The MoE reduction at H = 7168, M = 2048 in a CUDA graph per algorithm ("auto" takes
+    the two-shot at 2 CTAs per SM there; the one-shot for comparison), replayed with fresh inputs
     copied in before each replay: residual_out bitwise against the oracle, norm_out bitwise
     across the two algorithms, every replay."""
     import moefuse
