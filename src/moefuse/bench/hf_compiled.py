@@ -254,13 +254,26 @@ def _agree(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"equal_fraction": float(eq.float().mean()), "common_prefix": prefix}
 
 
+def qwen3_config(args, layers: int):
+    """The Qwen3-MoE config of the benchmarks (block shapes from ``args``, ``layers`` layers;
+    shared by :mod:`moefuse.bench.hf_moe`)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.dense_inter,
+        moe_intermediate_size=args.inter, num_hidden_layers=layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, num_experts=args.experts, num_experts_per_tok=args.topk,
+        norm_topk_prob=True, max_position_embeddings=4096, initializer_range=0.02,
+    )  # fmt: skip
+
+
 @torch.no_grad()  # as generate: the patched modules run their original forwards under autograd
 def run(args, device) -> list[dict]:
     """Every stage for both variants (module docstring); ``save(rows)`` after each stage."""
     import torch._dynamo
     from transformers import CompileConfig, Qwen3MoeForCausalLM
 
-    from moefuse.bench.hf_moe import qwen3_config
     from moefuse.integrations.transformers import patch
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)

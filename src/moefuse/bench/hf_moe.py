@@ -30,6 +30,7 @@ import time
 import torch
 
 from moefuse.bench.harness import print_table, run_metadata, save_results
+from moefuse.bench.hf_compiled import qwen3_config
 
 IMPLS = ("grouped_mm", "batched_mm", "moefuse")
 
@@ -52,18 +53,6 @@ def eager_us(fn, device, calls: int, repeats: int) -> float:
         _sync(device)
         samples.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(samples)
-
-
-def qwen3_config(args, layers: int):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.dense_inter,
-        moe_intermediate_size=args.inter, num_hidden_layers=layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, num_experts=args.experts, num_experts_per_tok=args.topk,
-        norm_topk_prob=True, max_position_embeddings=4096, initializer_range=0.02,
-    )  # fmt: skip
 
 
 def set_block_impl(block, name: str) -> None:
