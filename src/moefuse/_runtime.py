@@ -71,7 +71,7 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _constant_result(fn):
+def constant_result(fn):
     """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo (and, with
     it, Triton) at ``import moefuse``: the mark it sets is this attribute, read by dynamo when it
     traces a call (tests/test_import.py checks that dynamo still sees it)."""
@@ -79,7 +79,7 @@ def _constant_result(fn):
     return fn
 
 
-@_constant_result
+@constant_result
 def kernel_device_reason(device: torch.device) -> str | None:
     """Why Triton kernels cannot run on ``device`` (None when they can)."""
     if not triton_importable():

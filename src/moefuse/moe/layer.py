@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moefuse._runtime import constant_result
 from moefuse.moe.api import moe_finalize, moe_finalize_scatter_add, moe_permute
 from moefuse.moe.routing import RoutingPlan, route_topk, sort_by_expert
 
@@ -81,7 +82,7 @@ def _grouped_mm_torch(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -
     return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets[1:])
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def grouped_mm_available(dtype: torch.dtype, device: torch.device) -> bool:
     """True when ``torch._grouped_mm`` runs for ``dtype`` on ``device`` and matches per-expert
     matmuls on a small probe (including an empty group); probed once per (dtype, device). A
