@@ -109,6 +109,26 @@ def test_plan_kernel(tokens, top_k, experts, bt):
     assert slot_map.reshape(-1).tolist() == want_map
 
 
+@pytest.mark.parametrize("tokens,top_k,experts,bt", [(1, 8, 128, 16), (40, 2, 3, 16),
+                                                     (9, 3, 7, 16), (5, 4, 300, 32)])
+def test_inline_plan_matches_plan_kernel(tokens, top_k, experts, bt):
+    """At T*K <= the inline limit each GEMM program computes its work item from the ids: same
+    items, so the same bits as with the plan kernel, with duplicate ids in a token, sentinels, an
+    expert over several token tiles (40 x 2 over 3 experts) and a strided index."""
+    g = torch.Generator().manual_seed(tokens + experts)
+    hidden, inter = 40, 24
+    x, gu, dn, _idx, _w = case(tokens, hidden, inter, experts, top_k, seed=tokens)
+    idx = torch.randint(-2, experts + 2, (top_k, tokens), generator=g).t()  # strided, duplicates
+    w = torch.rand(tokens, top_k, generator=g)
+    outs = []
+    for inline in (0, 128):
+        out = poison_(torch.empty(tokens, hidden, dtype=torch.bfloat16))
+        launch_moe_experts(x, gu, dn, idx, w, out, None, None, 1.0, False, False,
+                           tile={"inline_plan_slots": inline}, token_tile=bt)  # fmt: skip
+        outs.append(out)
+    assert_bitwise_equal(outs[1], outs[0], "inline plan vs plan kernel")
+
+
 def test_bad_inputs_raise_and_write_nothing():
     x, gu, dn, idx, w = case(3, 16, 8, 4, 2)
     out = poison_(torch.empty(3, 16, dtype=torch.bfloat16))

@@ -149,6 +149,51 @@ def _item_tokens(items_ptr, sorted_ptr, top_k, BT: tl.constexpr):
 
 
 @triton.jit
+def _inline_item_tokens(idx_ptr, n_slots, top_k, n_experts, st0, st1,
+                        SP: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    """:func:`_item_tokens` computed in the program from ``top_k_index`` itself, for T*K <= SP
+    slots: the same work items as the plan kernel (experts ascending, ``BT`` slots per item,
+    slots ascending within an expert), from pairwise compares of all slots' expert ids."""
+    sl = tl.arange(0, SP)
+    e_s, v_s = _load_experts(idx_ptr, sl, sl < n_slots, top_k, st0, st1, n_experts)
+    same = (e_s[:, None] == e_s[None, :]) & v_s[:, None] & v_s[None, :]
+    rank = tl.sum((same & (sl[None, :] < sl[:, None])).to(tl.int32), axis=1)  # j within expert
+    count = tl.sum(same.to(tl.int32), axis=1)
+    tiles = (count + BT - 1) // BT
+    first = v_s & (rank == 0)  # one slot per expert in use carries its tile count
+    smaller = first[None, :] & (e_s[None, :] < e_s[:, None])
+    item = tl.sum(tl.where(smaller, tiles[None, :], 0), axis=1) + rank // BT
+    mine = v_s & (item == tl.program_id(0))
+    e = tl.max(tl.where(mine, e_s, -1), axis=0)
+    r = tl.arange(0, BT)
+    hit = mine[None, :] & ((rank % BT)[None, :] == r[:, None])  # [BT, SP]: column r holds slot
+    s = tl.sum(tl.where(hit, sl[None, :], 0), axis=1)
+    r_in = tl.sum(hit.to(tl.int32), axis=1) > 0
+    return e, s, r_in, (s // top_k).to(tl.int64)
+
+
+@triton.jit
+def _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, st0, st1,
+                    SP: tl.constexpr):  # fmt: skip
+    """``slot_map[s] = s`` for a valid slot, -1 for a sentinel (the finalize's mask)."""
+    sl = tl.arange(0, SP)
+    sl_in = sl < n_slots
+    _e, v_s = _load_experts(idx_ptr, sl, sl_in, top_k, st0, st1, n_experts)
+    tl.store(slot_map_ptr + sl, tl.where(v_s, sl, -1), mask=sl_in)
+
+
+@triton.jit
+def _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, st0, st1,
+               SP: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    """This program's work item: from the plan kernel's buffers (``SP`` = 0) or computed in the
+    program (``SP`` > 0: :func:`_inline_item_tokens`)."""
+    if SP > 0:
+        return _inline_item_tokens(idx_ptr, n_slots, top_k, n_experts, st0, st1, SP, BT)
+    else:
+        return _item_tokens(items_ptr, sorted_ptr, top_k, BT)
+
+
+@triton.jit
 def _mma(w, xt, acc, PTX: tl.constexpr):
     """``acc + w @ xt`` with FP32 accumulation (interpreter: widened operands, module docstring)."""
     if PTX:
@@ -159,19 +204,25 @@ def _mma(w, xt, acc, PTX: tl.constexpr):
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_gate_up_kernel(
-    x_ptr, w_ptr, items_ptr, sorted_ptr, act_ptr,
-    top_k, x_st, w_st_e, w_st_n, w_st_k, act_st,
+    x_ptr, w_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr,
+    top_k, x_st, w_st_e, w_st_n, w_st_k, act_st, n_slots, n_experts, idx_st0, idx_st1,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BT: tl.constexpr, STAGES: tl.constexpr,
+    BT: tl.constexpr, STAGES: tl.constexpr, SP: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = cast(silu(gate_n . x_t) * (up_n . x_t)) for the item's slots s (token t) and
     this program's BN rows n of I = ``INTER``. ``KDIM`` = H (the reduction). The widths are
     compile-time constants (one build per model shape: static trip counts, no column masks when
-    aligned)."""
+    aligned). ``SP`` > 0: no plan kernel ran; each program computes its work item from the ids
+    and program (0, 0) writes ``slot_map``."""
     if USE_PDL:
-        gdc_wait()  # the plan
-    e, s, r_in, tok = _item_tokens(items_ptr, sorted_ptr, top_k, BT)
+        gdc_wait()  # the plan, or with SP > 0 the top_k_index of the kernel before
+    if SP > 0:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1,
+                            SP)  # fmt: skip
+    e, s, r_in, tok = _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts,
+                                 idx_st0, idx_st1, SP, BT)  # fmt: skip
     if e >= 0:
         # one [2*BN, BK] weight tile per step: BN gate rows, then the BN up rows that pair with
         # them (rows n and INTER + n): a 64-row MMA operand for BN = 32
@@ -201,17 +252,18 @@ def _experts_gate_up_kernel(
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_down_kernel(
-    act_ptr, w_ptr, items_ptr, sorted_ptr, y_ptr,
-    top_k, act_st, w_st_e, w_st_n, w_st_k, y_st,
+    act_ptr, w_ptr, items_ptr, sorted_ptr, y_ptr, idx_ptr,
+    top_k, act_st, w_st_e, w_st_n, w_st_k, y_st, n_slots, n_experts, idx_st0, idx_st1,
     KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, SP: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """y[s, h] = down_h . act[s] (FP32, unrounded) for the item's slots s and this program's BN
     rows h of H. ``KDIM`` = I (the reduction)."""
     if USE_PDL:
         gdc_wait()  # act from the gate|up kernel
-    e, s, r_in, tok = _item_tokens(items_ptr, sorted_ptr, top_k, BT)
+    e, s, r_in, tok = _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts,
+                                 idx_st0, idx_st1, SP, BT)  # fmt: skip
     if e >= 0:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_in = n < H
@@ -311,19 +363,22 @@ def launch_moe_experts(
     y = torch.empty(slots, hidden, dtype=torch.float32, device=dev)
     ptx = not interpreter_active()
     pdl = _pdl_kwargs(use_pdl)
-    launch_experts_plan(top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl)
+    sp = next_pow2(slots) if slots <= cfg["inline_plan_slots"] else 0
+    if not sp:
+        launch_experts_plan(top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl)
+    ids = (top_k_index, slots, experts, top_k_index.stride(0), top_k_index.stride(1))
     launch(_experts_gate_up_kernel, (n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
-        hidden_states, gate_up_proj, items, sorted_slots, act,
+        hidden_states, gate_up_proj, items, sorted_slots, act, top_k_index, slot_map,
         top_k, hidden_states.stride(0), *_weight_strides(gate_up_proj, transposed),
-        act.stride(0),
+        act.stride(0), *ids[1:],
         KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BK=cfg["bk"], BT=bt, STAGES=cfg["stages"],
-        PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
+        SP=sp, PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
     )  # fmt: skip
     launch(_experts_down_kernel, (n_items, triton.cdiv(hidden, cfg["bn_down"])),
-        act, down_proj, items, sorted_slots, y,
-        top_k, act.stride(0), *_weight_strides(down_proj, transposed), y.stride(0),
+        act, down_proj, items, sorted_slots, y, top_k_index,
+        top_k, act.stride(0), *_weight_strides(down_proj, transposed), y.stride(0), *ids[1:],
         KDIM=inter, H=hidden, BN=cfg["bn_down"], BK=cfg["bk"], BT=bt, STAGES=cfg["stages"],
-        PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
+        SP=sp, PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
     )  # fmt: skip
     launch_moe_finalize(
         y, slot_map, top_k_weights, out, bias, top_k_index if bias is not None else None,

@@ -64,13 +64,19 @@ EXPERTS_STAGES = 4
 EXPERTS_TOKEN_TILES = (16, 32, 64, 128)
 #: experts up to this many (the plan kernel's per-expert histogram is one block)
 EXPERTS_MAX = 4096
+#: up to this many routed slots (T*K), no plan kernel runs: each GEMM program computes its work
+#: item from the expert ids (a [T*K, T*K] compare: one launch fewer at decode). Work items, and so
+#: every bit, are the plan kernel's.
+EXPERTS_INLINE_PLAN_SLOTS = 64
 
 
 def experts_tile(hidden: int, inter: int) -> dict:
     """Tile of the fused experts kernels for hidden size ``hidden`` and expert width ``inter``:
-    ``{"bn_gate_up", "bn_down", "bk", "warps", "stages"}`` (a function of the widths only)."""
+    ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots"}`` (a function of
+    the widths only)."""
     return {"bn_gate_up": EXPERTS_BN_GATE_UP, "bn_down": EXPERTS_BN_DOWN, "bk": EXPERTS_BK,
-            "warps": EXPERTS_WARPS, "stages": EXPERTS_STAGES}  # fmt: skip
+            "warps": EXPERTS_WARPS, "stages": EXPERTS_STAGES,
+            "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS}  # fmt: skip
 
 
 def experts_token_tile(slots: int, experts: int) -> int:
