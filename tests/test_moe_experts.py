@@ -110,23 +110,36 @@ def test_plan_kernel(tokens, top_k, experts, bt):
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,bt", [(1, 8, 128, 16), (40, 2, 3, 16),
-                                                     (9, 3, 7, 16), (5, 4, 300, 32)])
-def test_inline_plan_matches_plan_kernel(tokens, top_k, experts, bt):
-    """At T*K <= the inline limit each GEMM program computes its work item from the ids: same
-    items, so the same bits as with the plan kernel, with duplicate ids in a token, sentinels, an
-    expert over several token tiles (40 x 2 over 3 experts) and a strided index."""
+                                                     (9, 3, 7, 16), (5, 4, 300, 32), (3, 2, 4, 16)])
+def test_inline_plan_and_fused_finalize_match_plan_kernel(tokens, top_k, experts, bt):
+    """At T*K <= the inline limit each GEMM program computes its work item from the ids and the
+    down kernel's last program per H tile runs the finalize: same items, same finalize, so the
+    same bits as plan kernel + separate finalize, and the reference's values, with duplicate ids
+    in a token, sentinels (all of them in the last case: the output is the shared expert's),
+    an expert over several token tiles (40 x 2 over 3 experts), a strided index, expert bias,
+    shared expert output and a routed scaling factor."""
     g = torch.Generator().manual_seed(tokens + experts)
     hidden, inter = 40, 24
     x, gu, dn, _idx, _w = case(tokens, hidden, inter, experts, top_k, seed=tokens)
     idx = torch.randint(-2, experts + 2, (top_k, tokens), generator=g).t()  # strided, duplicates
+    if experts == 4:
+        idx = idx + 10  # every slot a sentinel
     w = torch.rand(tokens, top_k, generator=g)
-    outs = []
-    for inline in (0, 128):
+    kw = dict(bias=torch.randn(experts, hidden, generator=g).to(torch.bfloat16),
+              shared_expert_output=torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),
+              routed_scaling_factor=2.5)  # fmt: skip
+    want = ref.moe_experts_reference(x, gu, dn, idx, w, **kw)
+    outs = {}
+    for mode, tile in (("plan", {"inline_plan_slots": 0}),
+                       ("inline", {"inline_plan_slots": 128, "fuse_finalize": False}),
+                       ("fused", {"inline_plan_slots": 128, "fuse_finalize": True})):  # fmt: skip
         out = poison_(torch.empty(tokens, hidden, dtype=torch.bfloat16))
-        launch_moe_experts(x, gu, dn, idx, w, out, None, None, 1.0, False, False,
-                           tile={"inline_plan_slots": inline}, token_tile=bt)  # fmt: skip
-        outs.append(out)
-    assert_bitwise_equal(outs[1], outs[0], "inline plan vs plan kernel")
+        launch_moe_experts(x, gu, dn, idx, w, out, kw["bias"], kw["shared_expert_output"], 2.5,
+                           False, False, tile=tile, token_tile=bt)  # fmt: skip
+        assert rel_err(out, want) < 1e-2, (mode, rel_err(out, want))
+        outs[mode] = out
+    assert_bitwise_equal(outs["inline"], outs["plan"], "inline plan vs plan kernel")
+    assert_bitwise_equal(outs["fused"], outs["plan"], "fused finalize vs finalize kernel")
 
 
 def test_bad_inputs_raise_and_write_nothing():

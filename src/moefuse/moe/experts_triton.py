@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import round_to, widen_f32
+from moefuse._device import fma_ftz, round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.moe.tiles import experts_tile, experts_token_tile, next_pow2
@@ -204,8 +204,8 @@ def _mma(w, xt, acc, PTX: tl.constexpr):
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_gate_up_kernel(
-    x_ptr, w_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr,
-    top_k, x_st, w_st_e, w_st_n, w_st_k, act_st, n_slots, n_experts, idx_st0, idx_st1,
+    x_ptr, w_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr, count_ptr,
+    top_k, x_st, w_st_e, w_st_n, w_st_k, act_st, n_slots, n_experts, idx_st0, idx_st1, n_count,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BT: tl.constexpr, STAGES: tl.constexpr, SP: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
@@ -214,13 +214,19 @@ def _experts_gate_up_kernel(
     this program's BN rows n of I = ``INTER``. ``KDIM`` = H (the reduction). The widths are
     compile-time constants (one build per model shape: static trip counts, no column masks when
     aligned). ``SP`` > 0: no plan kernel ran; each program computes its work item from the ids
-    and program (0, 0) writes ``slot_map``."""
+    and program (0, 0) writes ``slot_map`` and zeroes the down kernel's ``n_count`` finalize
+    counters."""
     if USE_PDL:
         gdc_wait()  # the plan, or with SP > 0 the top_k_index of the kernel before
     if SP > 0:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1,
                             SP)  # fmt: skip
+            c0 = 0
+            while c0 < n_count:
+                cs = c0 + tl.arange(0, 128)
+                tl.store(count_ptr + cs, tl.zeros([128], tl.int32), mask=cs < n_count)
+                c0 += 128
     e, s, r_in, tok = _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts,
                                  idx_st0, idx_st1, SP, BT)  # fmt: skip
     if e >= 0:
@@ -253,20 +259,32 @@ def _experts_gate_up_kernel(
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_down_kernel(
     act_ptr, w_ptr, items_ptr, sorted_ptr, y_ptr, idx_ptr,
-    top_k, act_st, w_st_e, w_st_n, w_st_k, y_st, n_slots, n_experts, idx_st0, idx_st1,
+    map_ptr, scale_ptr, bias_ptr, shared_ptr, out_ptr, count_ptr,
+    top_k, n_slots, n_experts, row_strides, w_strides, idx_strides, fin_strides, rsf,
     KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    STAGES: tl.constexpr, SP: tl.constexpr,
+    STAGES: tl.constexpr, SP: tl.constexpr, FINALIZE: tl.constexpr, EXTRAS: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """y[s, h] = down_h . act[s] (FP32, unrounded) for the item's slots s and this program's BN
-    rows h of H. ``KDIM`` = I (the reduction)."""
+    rows h of H. ``KDIM`` = I (the reduction). ``row_strides`` = (act, y), ``w_strides`` =
+    (expert, output row, reduction), ``idx_strides`` those of ``top_k_index``.
+
+    ``FINALIZE``: the finalize runs here, not in a launch of its own: every program of an H tile
+    counts itself in ``counters[tile]`` (zeroed by the gate|up kernel) after its ``y`` stores,
+    and the last one of the tile (the grid's first dimension: used and unused items alike) sums
+    the tile's columns of every token (:func:`_finalize_rows`) into ``out``. ``fin_strides`` =
+    row strides of (slot_map, top_k_weights, bias, shared, out); ``EXTRAS`` = (bias, routed
+    scaling factor, shared expert output) present."""
+    act_st, y_st = row_strides
+    w_st_e, w_st_n, w_st_k = w_strides
+    idx_st0, idx_st1 = idx_strides
     if USE_PDL:
         gdc_wait()  # act from the gate|up kernel
     e, s, r_in, tok = _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts,
                                  idx_st0, idx_st1, SP, BT)  # fmt: skip
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_in = n < H
     if e >= 0:
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        n_in = n < H
         w_rows = w_ptr + e.to(tl.int64) * w_st_e + n.to(tl.int64)[:, None] * w_st_n
         s64 = s.to(tl.int64)
         acc = tl.zeros([BN, BT], dtype=tl.float32)
@@ -282,6 +300,54 @@ def _experts_down_kernel(
             gdc_launch_dependents()
         tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc,
                  mask=n_in[:, None] & r_in[None, :])  # fmt: skip
+    if FINALIZE:
+        map_st, scale_st, bias_st, shared_st, out_st = fin_strides
+        tl.debug_barrier()  # every thread's y stores precede the release below
+        old = tl.atomic_add(count_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
+        if old == tl.num_programs(0) - 1:
+            tl.debug_barrier()  # the acquire precedes every thread's loads
+            _finalize_rows(y_ptr, map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr, n,
+                           n_in, n_slots // top_k, top_k, n_experts, y_st, map_st, scale_st,
+                           bias_st, idx_st0, idx_st1, shared_st, out_st, rsf, EXTRAS[0],
+                           EXTRAS[1], EXTRAS[2], PTX)  # fmt: skip
+
+
+@triton.jit
+def _finalize_rows(
+    y_ptr, map_ptr, scale_ptr, bias_ptr, eid_ptr, shared_ptr, out_ptr, n, n_in,
+    n_tokens, top_k, n_experts, y_st, map_st, scale_st, bias_st, eid_st0, eid_st1, shared_st,
+    out_st, rsf,
+    HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """The deterministic finalize (module docstring, step 4) of columns ``n`` of every token,
+    op for op that of :func:`moefuse.moe.triton.launch_moe_finalize` on expanded rows (same
+    bits). ``y`` rows were written by other programs of this launch: read through L2 (``.cg``)."""
+    t = 0
+    while t < n_tokens:
+        t64 = t.to(tl.int64)
+        acc = tl.zeros(n.shape, dtype=tl.float32)
+        k = 0
+        while k < top_k:
+            valid = tl.load(map_ptr + t64 * map_st + k) >= 0
+            w = widen_f32(tl.load(scale_ptr + t64 * scale_st + k), PTX)
+            x = tl.load(y_ptr + (t64 * top_k + k) * y_st + n, mask=n_in & valid, other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
+            if HAS_BIAS:
+                e = tl.load(eid_ptr + t64 * eid_st0 + k * eid_st1)
+                has_b = valid & (e >= 0) & (e < n_experts)
+                b = widen_f32(tl.load(bias_ptr + e.to(tl.int64) * bias_st + n,
+                                      mask=n_in & has_b, other=0.0), PTX)  # fmt: skip
+                x = tl.where(has_b, x + b, x)
+            acc = tl.where(valid, fma_ftz(x, w, acc, PTX), acc)
+            k += 1
+        if HAS_RSF:
+            acc = acc * rsf
+        if HAS_SHARED:
+            acc = acc + widen_f32(tl.load(shared_ptr + t64 * shared_st + n, mask=n_in, other=0.0),
+                                  PTX)  # fmt: skip
+        tl.store(out_ptr + t64 * out_st + n, round_to(acc, out_ptr.dtype.element_ty, PTX),
+                 mask=n_in)  # fmt: skip
+        t += 1
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -364,23 +430,42 @@ def launch_moe_experts(
     ptx = not interpreter_active()
     pdl = _pdl_kwargs(use_pdl)
     sp = next_pow2(slots) if slots <= cfg["inline_plan_slots"] else 0
+    fused = bool(sp) and cfg["fuse_finalize"]
+    n_htiles = triton.cdiv(hidden, cfg["bn_down"])
+    counters = torch.empty(n_htiles if fused else 1, dtype=torch.int32, device=dev)
     if not sp:
         launch_experts_plan(top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl)
     ids = (top_k_index, slots, experts, top_k_index.stride(0), top_k_index.stride(1))
     launch(_experts_gate_up_kernel, (n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
-        hidden_states, gate_up_proj, items, sorted_slots, act, top_k_index, slot_map,
+        hidden_states, gate_up_proj, items, sorted_slots, act, top_k_index, slot_map, counters,
         top_k, hidden_states.stride(0), *_weight_strides(gate_up_proj, transposed),
-        act.stride(0), *ids[1:],
+        act.stride(0), *ids[1:], counters.numel() if fused else 0,
         KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BK=cfg["bk"], BT=bt, STAGES=cfg["stages"],
         SP=sp, PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
     )  # fmt: skip
-    launch(_experts_down_kernel, (n_items, triton.cdiv(hidden, cfg["bn_down"])),
+    fin_strides = (slot_map.stride(0), top_k_weights.stride(0),
+                   bias.stride(0) if bias is not None else 0,
+                   shared_expert_output.stride(0) if shared_expert_output is not None else 0,
+                   out.stride(0))  # fmt: skip
+    rsf = float(routed_scaling_factor)
+    launch(_experts_down_kernel, (n_items, n_htiles),
         act, down_proj, items, sorted_slots, y, top_k_index,
-        top_k, act.stride(0), *_weight_strides(down_proj, transposed), y.stride(0), *ids[1:],
+        slot_map, top_k_weights, bias if bias is not None else y,
+        shared_expert_output if shared_expert_output is not None else y, out, counters,
+        top_k, slots, experts, (act.stride(0), y.stride(0)),
+        _weight_strides(down_proj, transposed), ids[3:], fin_strides, rsf,
         KDIM=inter, H=hidden, BN=cfg["bn_down"], BK=cfg["bk"], BT=bt, STAGES=cfg["stages"],
-        SP=sp, PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
+        SP=sp, FINALIZE=fused,
+        EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None),
+        PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], enable_fp_fusion=False, **pdl,
     )  # fmt: skip
+    if fused:
+        return
+    # the finalize reads expert ids (for the bias) at unit stride along K
+    eids = None
+    if bias is not None:
+        eids = top_k_index if top_k_index.stride(1) == 1 else top_k_index.contiguous()
     launch_moe_finalize(
-        y, slot_map, top_k_weights, out, bias, top_k_index if bias is not None else None,
-        routed_scaling_factor, shared_expert_output, True, use_pdl,
+        y, slot_map, top_k_weights, out, bias, eids, routed_scaling_factor,
+        shared_expert_output, True, use_pdl,
     )  # fmt: skip

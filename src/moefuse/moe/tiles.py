@@ -68,15 +68,19 @@ EXPERTS_MAX = 4096
 #: item from the expert ids (a [T*K, T*K] compare: one launch fewer at decode). Work items, and so
 #: every bit, are the plan kernel's.
 EXPERTS_INLINE_PLAN_SLOTS = 64
+#: with the inline plan, the finalize runs in the down kernel (the last program of each H tile
+#: sums every token's slots of that tile): one launch fewer again, the same bits.
+EXPERTS_FUSE_FINALIZE = True
 
 
 def experts_tile(hidden: int, inter: int) -> dict:
     """Tile of the fused experts kernels for hidden size ``hidden`` and expert width ``inter``:
-    ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots"}`` (a function of
-    the widths only)."""
+    ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots", "fuse_finalize"}``
+    (a function of the widths only)."""
     return {"bn_gate_up": EXPERTS_BN_GATE_UP, "bn_down": EXPERTS_BN_DOWN, "bk": EXPERTS_BK,
             "warps": EXPERTS_WARPS, "stages": EXPERTS_STAGES,
-            "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS}  # fmt: skip
+            "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS,
+            "fuse_finalize": EXPERTS_FUSE_FINALIZE}  # fmt: skip
 
 
 def experts_token_tile(slots: int, experts: int) -> int:
