@@ -82,7 +82,17 @@ def test_fused_bad_inputs(impl):
     expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, 0.1, impl=impl), "scale")
     expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, eps=-1.0, impl=impl), "eps")
     expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, out=torch.zeros(4, 64),
-                                                      impl=impl), "dtype")  # fmt: skip
+                                                      impl=impl), "out")  # fmt: skip
+    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, out=out, dtype=torch.float8_e5m2,
+                                                      impl=impl), "out", out)  # fmt: skip
+    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, dtype=torch.bfloat16, impl=impl),
+                       "dtype")  # fmt: skip
+    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, gain_center="1", impl=impl),
+                       "gain_center")  # fmt: skip
+    expect_value_error(lambda: moefuse.fused_add_rmsnorm_quant(x, None, w, s, impl=impl),
+                       "residual")  # fmt: skip
+    expect_value_error(lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, None, w, gs, impl=impl),
+                       "residual")  # fmt: skip
     expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_quant(x, r.half(), w, s, out=out, impl=impl),
         "residual", x, out,

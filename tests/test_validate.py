@@ -30,3 +30,33 @@ def test_meta_call_passes_the_alias_checks():
 def test_eps_rejects_non_numbers_and_bools(eps):
     with pytest.raises(ValueError, match="'eps'"):
         v.check_eps("rmsnorm", "eps", eps)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_written_tensor_that_requires_grad_is_refused_before_any_write(impl):
+    x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(4, 64, dtype=torch.bfloat16)
+    r0 = r.clone()
+    w = torch.ones(64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'input' requires grad"):
+        moefuse.fused_add_rmsnorm(x, r, w, impl=impl)
+    assert torch.equal(r, r0)
+    with torch.no_grad():  # no autograd recording: accepted
+        moefuse.fused_add_rmsnorm(x, r, w, impl=impl)
+
+
+@pytest.mark.interpreter
+def test_documented_limits_hold_on_both_impls():
+    """docs/support.md: norms take any H >= 1 (beyond 65536 too), moe_finalize any K >= 0."""
+    x = torch.randn(1, 65537).to(torch.bfloat16)
+    w = torch.rand(65537).to(torch.bfloat16)
+    got = moefuse.rmsnorm(x, w, impl="triton")
+    want = moefuse.rmsnorm(x, w, impl="reference")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    rows, idx = torch.randn(2, 8).to(torch.bfloat16), torch.zeros(3, 0, dtype=torch.int32)
+    shared = torch.randn(3, 8).to(torch.bfloat16)
+    for impl in ("reference", "triton"):
+        out = moefuse.moe_finalize(rows, idx, torch.zeros(3, 0), shared_expert_output=shared,
+                                   impl=impl)  # fmt: skip
+        assert torch.equal(out, shared)

@@ -1,5 +1,10 @@
 """Argument checks shared by the public ops. Every failure is a ``ValueError`` naming the op and
-the argument, raised before anything is written.
+the argument, raised before anything is written, whatever the ``impl``.
+
+The ops are for inference: nothing records autograd history, so a tensor the op would write (an
+output or an argument updated in place) that requires grad is rejected while autograd records
+(:func:`check_writable`). :func:`checked` applies the checks every op shares (``enable_pdl``,
+``impl``, float scalars, written tensors) before the op's own validation runs.
 
 Checks that need real memory addresses (aliasing) are skipped while torch.compile traces with fake
 tensors; they run again in eager mode.
@@ -7,11 +12,15 @@ tensors; they run again in eager mode.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from moefuse._fastpath import note_alias_check
+from moefuse._fastpath import note_alias_check, note_impure
+from moefuse._runtime import IMPLS
 
 FLOAT16S = (torch.bfloat16, torch.float16)
 
@@ -151,6 +160,80 @@ def check_outputs(op: str, outs, inputs, in_place) -> None:
                 check_alias_exact_or_disjoint(op, name_a, a, name_i, t)
             else:
                 check_no_overlap(op, name_a, a, name_i, t)
+
+
+def check_real(op: str, name: str, value) -> None:
+    """A finite Python int or float (bools and strings are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"moefuse.{op}: argument '{name}' must be a finite float, got {value!r}")
+
+
+def check_pdl(op: str, enable_pdl) -> None:
+    if enable_pdl is not None and not isinstance(enable_pdl, bool):
+        raise ValueError(
+            f"moefuse.{op}: argument 'enable_pdl' must be None, True or False, got {enable_pdl!r}"
+        )
+
+
+def check_impl(op: str, impl) -> None:
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"moefuse.{op}: argument 'impl' must be one of {IMPLS}, got {impl!r}")
+
+
+def check_writable(op: str, name: str, t) -> None:
+    """``t`` (written by the op) must not require grad while autograd records: the ops are for
+    inference and an in-place write into a tensor autograd tracks would corrupt its graph."""
+    if isinstance(t, torch.Tensor) and t.requires_grad:
+        # grad mode is no part of a launch plan's guards: such a call is never replayed
+        note_impure("a written tensor requires grad")
+        if torch.is_grad_enabled():
+            raise ValueError(
+                f"moefuse.{op}: argument '{name}' requires grad, but moefuse ops are for "
+                "inference (no autograd) and write it; pass a tensor that does not require grad "
+                "or call under torch.no_grad() / torch.inference_mode()"
+            )
+
+
+def checked(*, writes: Sequence[str] = (), reals: Sequence[str] = ()):
+    """Decorate a public op with the checks all ops share, run before its own validation:
+    ``enable_pdl`` (None or a bool) and ``impl`` when the op has them, every parameter in
+    ``reals`` (:func:`check_real`) and every tensor passed in ``writes`` (the outputs and the
+    arguments updated in place, :func:`check_writable`). Applied under :func:`fast_op`, so a
+    replayed launch plan (whose signature passed these checks) does not pay for them."""
+
+    def wrap(fn):
+        sig = inspect.signature(fn)
+        names = list(sig.parameters)
+        op = fn.__name__
+
+        def slot(name: str):
+            p = sig.parameters[name]
+            pos = names.index(name) if p.kind is p.POSITIONAL_OR_KEYWORD else None
+            return name, pos, p.default
+
+        flags = [slot(n) for n in ("enable_pdl", "impl") if n in names]
+        real_slots = [slot(n) for n in reals]
+        write_slots = [slot(n) for n in writes]
+
+        @functools.wraps(fn)
+        def checked_op(*args, **kwargs):
+            def get(name, pos, default):
+                if pos is not None and pos < len(args):
+                    return args[pos]
+                return kwargs.get(name, default)
+
+            for name, pos, default in flags:
+                value = get(name, pos, default)
+                (check_pdl if name == "enable_pdl" else check_impl)(op, value)
+            for name, pos, default in real_slots:
+                check_real(op, name, get(name, pos, default))
+            for name, pos, default in write_slots:
+                check_writable(op, name, get(name, pos, default))
+            return fn(*args, **kwargs)
+
+        return checked_op
+
+    return wrap
 
 
 def check_eps(op: str, name: str, eps) -> None:

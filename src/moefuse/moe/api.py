@@ -9,8 +9,6 @@ where the device supports it. M = 0 (and H = 0) is a no-op that returns the (emp
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from moefuse import _validate as v
@@ -44,11 +42,6 @@ def check_expert_bias(op, bias, expert_ids, hidden: int, ids_shape: tuple, devic
                        device=device)  # fmt: skip
 
 
-def _check_scalar(op: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"moefuse.{op}: argument '{name}' must be a finite float, got {value!r}")
-
-
 def _check_finalize(
     op, permuted_input, idx_map, topk_scales, out, bias, expert_ids, rsf, shared, expanded
 ) -> None:
@@ -68,7 +61,7 @@ def _check_finalize(
             f"input_is_expanded=True, got {n_rows}"
         )
     check_expert_bias(op, bias, expert_ids, hidden, (m, top_k), dev)
-    _check_scalar(op, "routed_scaling_factor", rsf)
+    v.check_real(op, "routed_scaling_factor", rsf)
     if shared is not None:
         v.check_tensor(op, "shared_expert_output", shared, dtypes=EXTRA_DTYPES,
                        shape=(m, hidden), device=dev)  # fmt: skip
@@ -107,6 +100,7 @@ def _supported(check, reason, *args) -> bool:
 
 # ----------------------------------------------------------------------------- moe_finalize
 @fast_op
+@v.checked(writes=("out",))
 def moe_finalize(
     permuted_input: torch.Tensor,
     expanded_idx_to_permuted_idx: torch.Tensor,
@@ -140,7 +134,8 @@ def moe_finalize(
     ``expanded_idx_to_permuted_idx`` [M, K] int32; ``topk_scales`` [M, K] FP32/BF16/FP16;
     ``bias`` [E, H] and ``expert_ids`` [M, K] int32/int64 (both or neither);
     ``shared_expert_output`` [M, H]; ``out`` [M, H] of the input dtype, not aliasing any input
-    (allocated when None). Any H >= 1 and K >= 1; 16-byte vector loads when H % 8 == 0.
+    (allocated when None). Any H >= 1 and K >= 0 (K = 0: every token is fully masked); 16-byte
+    vector loads when H % 8 == 0.
 
     Determinism: every output element is one sequential FP32 FMA chain over ascending k, so the
     result is bitwise identical across runs, launch geometries, batch sizes and compositions, and
@@ -205,7 +200,7 @@ def _check_scatter(op, permuted_input, inv, topk_scales, out, rsf) -> None:
     v.check_tensor(op, "permuted_idx_to_expanded_idx", inv, dtypes=INDEX_DTYPES,
                    shape=(permuted_input.shape[0],), device=dev)  # fmt: skip
     v.check_tensor(op, "topk_scales", topk_scales, dtypes=SCALE_DTYPES, ndims=(2,), device=dev)
-    _check_scalar(op, "routed_scaling_factor", rsf)
+    v.check_real(op, "routed_scaling_factor", rsf)
     if out is not None:
         v.check_tensor(op, "out", out, dtypes=(permuted_input.dtype,),
                        shape=(topk_scales.shape[0], permuted_input.shape[1]),
@@ -216,6 +211,7 @@ def _check_scatter(op, permuted_input, inv, topk_scales, out, rsf) -> None:
 
 
 @fast_op
+@v.checked(writes=("out",))
 def moe_finalize_scatter_add(
     permuted_input: torch.Tensor,
     permuted_idx_to_expanded_idx: torch.Tensor,
@@ -285,6 +281,7 @@ def _check_permute(op, input, inv, top_k, out) -> None:
 
 
 @fast_op
+@v.checked(writes=("out",))
 def moe_permute(
     input: torch.Tensor,
     permuted_idx_to_expanded_idx: torch.Tensor,

@@ -20,7 +20,6 @@ from moefuse.moe.api import (
     HALF,
     MAX_PROGRAMS,
     SCALE_DTYPES,
-    _check_scalar,
     check_expert_bias,
 )
 from moefuse.moe.tiles import EXPERTS_MAX, experts_tile, experts_token_tile
@@ -68,7 +67,7 @@ def _check_experts(op, x, gate_up, down, idx, weights, activation, transposed, b
     if bias is not None and bias.shape[0] != experts:
         raise ValueError(f"moefuse.{op}: argument 'bias' must be [E, H] = [{experts}, {hidden}], "
                          f"got {tuple(bias.shape)}")  # fmt: skip
-    _check_scalar(op, "routed_scaling_factor", rsf)
+    v.check_real(op, "routed_scaling_factor", rsf)
     if shared is not None:
         v.check_tensor(op, "shared_expert_output", shared, dtypes=EXTRA_DTYPES,
                        shape=(tokens, hidden), device=dev)  # fmt: skip
@@ -97,6 +96,7 @@ def _kernel_reason(x, tokens, hidden, experts, inter, top_k) -> str | None:
 
 
 @fast_op
+@v.checked(writes=("out",))
 def moe_experts(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,

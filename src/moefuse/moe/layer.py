@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moefuse import _validate as v
 from moefuse._runtime import constant_result
 from moefuse.moe.api import moe_finalize, moe_finalize_scatter_add, moe_permute
-from moefuse.moe.routing import RoutingPlan, route_topk, sort_by_expert
+from moefuse.moe.routing import RoutingPlan, check_routing, route_topk, sort_by_expert
 
 
 @dataclass
@@ -175,6 +176,37 @@ def finalize(
     )  # fmt: skip
 
 
+def _check_layer(op, x, weights, top_k, use_fused_finalize, scoring, renormalize, rsf, pad_to,
+                 out) -> None:  # fmt: skip
+    """Every argument of :func:`moe_layer`, checked before any step runs."""
+    v.check_tensor(op, "x", x, dtypes=v.FLOAT16S, ndims=(2,))
+    m, hidden = x.shape
+    if not isinstance(weights, MoEWeights):
+        raise ValueError(f"moefuse.{op}: argument 'weights' must be a MoEWeights, "
+                         f"got {type(weights).__name__}")  # fmt: skip
+    v.check_tensor(op, "weights.w13", weights.w13, dtypes=(x.dtype,), ndims=(3,), device=x.device)
+    experts, two_i = weights.w13.shape[0], weights.w13.shape[1]
+    if two_i < 2 or two_i % 2 or weights.w13.shape[2] != hidden:
+        raise ValueError(f"moefuse.{op}: argument 'weights.w13' must be [E, 2I, H] with H = "
+                         f"{hidden}, got {tuple(weights.w13.shape)}")  # fmt: skip
+    v.check_tensor(op, "weights.router", weights.router, dtypes=(x.dtype,),
+                   shape=(experts, hidden), device=x.device)  # fmt: skip
+    v.check_tensor(op, "weights.w2", weights.w2, dtypes=(x.dtype,),
+                   shape=(experts, hidden, two_i // 2), device=x.device)  # fmt: skip
+    if not isinstance(use_fused_finalize, bool):
+        raise ValueError(f"moefuse.{op}: argument 'use_fused_finalize' must be a bool")
+    check_routing(op, experts, top_k, scoring, renormalize)
+    v.check_real(op, "routed_scaling_factor", rsf)
+    if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < 1:
+        raise ValueError(f"moefuse.{op}: argument 'pad_to' must be an int >= 1, got {pad_to!r}")
+    if out is not None:
+        v.check_tensor(op, "out", out, dtypes=(x.dtype,), shape=(m, hidden), device=x.device)
+        for name, t in (("x", x), ("weights.router", weights.router), ("weights.w13", weights.w13),
+                        ("weights.w2", weights.w2)):  # fmt: skip
+            v.check_no_overlap(op, "out", out, name, t)
+
+
+@v.checked(writes=("out",))
 def moe_layer(
     x: torch.Tensor,
     weights: MoEWeights,
@@ -193,10 +225,11 @@ def moe_layer(
 
     ``impl`` applies to the moefuse ops of the pipeline (permute and finalize); routing and the
     GEMMs are torch. With ``use_fused_finalize=False`` the output bits are a deterministic
-    function of the GEMM2 output.
+    function of the GEMM2 output. Every argument is checked before the first step runs
+    (``ValueError`` naming it; the ``weights`` fields as ``weights.router`` etc.).
     """
-    if not isinstance(use_fused_finalize, bool):
-        raise ValueError("moefuse.moe_layer: argument 'use_fused_finalize' must be a bool")
+    _check_layer("moe_layer", x, weights, top_k, use_fused_finalize, scoring, renormalize,
+                 routed_scaling_factor, pad_to, out)  # fmt: skip
     inter = moe_experts(x, weights, top_k, scoring=scoring, renormalize=renormalize,
                         pad_to=pad_to, enable_pdl=enable_pdl, impl=impl)  # fmt: skip
     return finalize(inter, use_fused_finalize=use_fused_finalize,

@@ -17,7 +17,10 @@ from typing import NamedTuple
 
 import torch
 
+from moefuse import _validate as v
+
 SCORINGS = ("softmax", "sigmoid")
+LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def route_topk(
@@ -35,19 +38,9 @@ def route_topk(
     their sum when ``renormalize`` (Mixtral / Qwen-MoE style for softmax, DeepSeek-V3 style for
     sigmoid).
     """
-    if router_logits.dim() != 2:
-        raise ValueError(
-            f"moefuse.route_topk: argument 'router_logits' must be [M, E], got "
-            f"{tuple(router_logits.shape)}"
-        )
-    n_experts = router_logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-        raise ValueError(
-            f"moefuse.route_topk: argument 'top_k' must be an int in [1, {n_experts}], "
-            f"got {top_k!r}"
-        )
-    if scoring not in SCORINGS:
-        raise ValueError(f"moefuse.route_topk: argument 'scoring' must be one of {SCORINGS}")
+    v.check_tensor("route_topk", "router_logits", router_logits, dtypes=LOGIT_DTYPES, ndims=(2,),
+                   last_dim_contiguous=False)  # fmt: skip
+    check_routing("route_topk", router_logits.shape[1], top_k, scoring, renormalize)
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
@@ -55,6 +48,22 @@ def route_topk(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, order.to(torch.int32)
+
+
+def check_routing(op: str, n_experts: int, top_k, scoring, renormalize) -> None:
+    """The routing options of :func:`route_topk` for ``n_experts`` experts (``ValueError`` naming
+    the argument of ``op``)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+        raise ValueError(
+            f"moefuse.{op}: argument 'top_k' must be an int in [1, {n_experts}], "
+            f"got {top_k!r}"
+        )
+    if not isinstance(scoring, str) or scoring not in SCORINGS:
+        raise ValueError(f"moefuse.{op}: argument 'scoring' must be one of {SCORINGS}, "
+                         f"got {scoring!r}")  # fmt: skip
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"moefuse.{op}: argument 'renormalize' must be a bool, "
+                         f"got {renormalize!r}")  # fmt: skip
 
 
 class RoutingPlan(NamedTuple):
@@ -84,10 +93,8 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, pad_to: int = 1)
     is a deterministic function of ``topk_ids``. ``pad_to`` rounds every expert's row count up to a
     multiple (GEMM tile alignment); padding rows map to -1.
     """
-    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            "moefuse.sort_by_expert: argument 'topk_ids' must be an int32/int64 [M, K] tensor"
-        )
+    v.check_tensor("sort_by_expert", "topk_ids", topk_ids, dtypes=(torch.int32, torch.int64),
+                   ndims=(2,), last_dim_contiguous=False)  # fmt: skip
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError("moefuse.sort_by_expert: argument 'num_experts' must be an int >= 1")
     if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < 1:

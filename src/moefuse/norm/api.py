@@ -1,9 +1,12 @@
 """Public ops of the RMSNorm family (SPEC §1), under FlashInfer's names and argument names.
 
-Every op: validates its arguments (``ValueError`` naming the argument, nothing written), allocates
-missing outputs, picks the implementation (``impl="auto" | "triton" | "reference"``, see
+Every op: validates its arguments (``ValueError`` naming the argument, nothing written; the ops
+are for inference, so a written tensor that requires grad is refused while autograd records),
+allocates missing outputs, picks the implementation (``impl="auto" | "triton" | "reference"``, see
 DESIGN.md) and runs it. ``enable_pdl=None`` turns programmatic dependent launch on where the device
-supports it. Shapes: ``[M, H]`` (and ``[M, heads, H]`` where stated); M = 0 is a no-op.
+supports it. Shapes: ``[M, H]`` (and ``[M, heads, H]`` where stated), any H >= 1 (rows wider
+than one block loop over column chunks); M = 0 is a no-op. Norm weights may be BF16, FP16 or FP32
+whatever the activation dtype (read as FP32).
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def _rmsnorm(op, input, weight, eps, out, enable_pdl, impl, gain_center):
 
 
 @fast_op
+@v.checked(writes=("out",))
 def rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None, *, impl: str = "auto"):
     """RMSNorm per row: ``out = cast((x * rsqrt(mean(x^2) + eps)) * f32(weight))``.
 
@@ -95,6 +99,7 @@ def rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None, *, impl
 
 
 @fast_op
+@v.checked(writes=("out",))
 def gemma_rmsnorm(
     input, weight, eps: float = 1e-6, out=None, enable_pdl=None, *, impl: str = "auto"
 ):
@@ -125,6 +130,7 @@ def _fused_add(op, input, residual, weight, eps, enable_pdl, impl, gain_center):
 
 
 @fast_op
+@v.checked(writes=("input", "residual"))
 def fused_add_rmsnorm(
     input, residual, weight, eps: float = 1e-6, enable_pdl=None, *, impl: str = "auto"
 ) -> None:
@@ -140,6 +146,7 @@ def fused_add_rmsnorm(
 
 
 @fast_op
+@v.checked(writes=("input", "residual"))
 def gemma_fused_add_rmsnorm(
     input, residual, weight, eps: float = 1e-6, enable_pdl=None, *, impl: str = "auto"
 ) -> None:
@@ -158,7 +165,9 @@ def _check_gated_common(op, branch, residual, alpha, beta, alpha_may_be_scalar=F
     v.check_tensor(op, "branch", branch, dtypes=HALF, ndims=(2,))
     m, width = branch.shape
     v.check_tensor(op, "residual", residual, dtypes=F32, shape=(m, width), device=branch.device)
-    if not (alpha_may_be_scalar and isinstance(alpha, (int, float))):
+    if alpha_may_be_scalar and not isinstance(alpha, torch.Tensor):
+        v.check_real(op, "alpha", alpha)
+    else:
         _check_vector(op, "alpha", alpha, width, F32, branch.device)
     _check_vector(op, "beta", beta, width, F32, branch.device)
 
@@ -179,6 +188,7 @@ def _check_gated(op, branch, residual, weight, alpha, beta, eps, out) -> None:
 
 
 @fast_op
+@v.checked(writes=("out",), reals=("gain_center",))
 def gated_residual_rmsnorm(
     branch,
     residual,
@@ -263,6 +273,8 @@ def _check_gated_next(op, branch, residual, next_weight, alpha, beta, post_eps, 
 
 
 @fast_op
+@v.checked(writes=("residual_out", "ffn_input", "router_input"),
+           reals=("next_gain_center", "post_gain_center"))  # fmt: skip
 def gated_residual_next_rmsnorm(
     branch,
     residual,
@@ -339,6 +351,7 @@ def _check_sigmoid_gate(op, input, gate, eps) -> None:
 
 
 @fast_op
+@v.checked(writes=("input",))
 def rmsnorm_sigmoid_gate(input, gate, eps: float = 1e-5, *, enable_pdl=None, impl: str = "auto"):
     """Per-head RMSNorm times a sigmoid gate, in place on ``input`` (SPEC §1.5)::
 

@@ -115,6 +115,7 @@ def _check_fp8_quantize(op, input, scale, dtype, out) -> None:
 
 
 @fast_op
+@v.checked(writes=("out",))
 def fp8_quantize(input, scale, *, dtype=torch.float8_e4m3fn, out=None, enable_pdl=None,
                  impl: str = "auto"):  # fmt: skip
     """Static per-tensor FP8 (SPEC §4.1): ``out = e8(f32(input) * (1/scale))``.
@@ -155,6 +156,7 @@ def _check_per_token(op, input, out, scale_out) -> None:
 
 
 @fast_op
+@v.checked(writes=("out", "scale_out"))
 def fp8_quantize_per_token(input, *, out=None, scale_out=None, enable_pdl=None,
                            impl: str = "auto"):  # fmt: skip
     """Dynamic per-token E4M3 (SPEC §4.3) over the last dim of ``input`` ([H], [M, H], [M, h, H]).
@@ -199,6 +201,7 @@ def _check_fp8_dequantize(op, input, scale, out_dtype, out) -> None:
 
 
 @fast_op
+@v.checked(writes=("out",))
 def fp8_dequantize(input, scale, *, out_dtype=torch.bfloat16, out=None, enable_pdl=None,
                    impl: str = "auto"):  # fmt: skip
     """``out = cast(f32(q) * scale)``: ``scale`` ``[1]`` (per tensor) or ``[..., 1]`` (per row, as
@@ -240,6 +243,7 @@ def _alloc_fp4(input, layout, out, scale_out):
 
 
 @fast_op
+@v.checked(writes=("out", "scale_out"))
 def fp4_quantize(input, global_scale, *, layout: str = "swizzled_128x4", recipe: str = "fast",
                  out=None, scale_out=None, enable_pdl=None, impl: str = "auto"):  # fmt: skip
     """NVFP4 quantization (SPEC §4.2) of ``input`` [M, H] (BF16/FP16/FP32, H % 16 == 0).
@@ -290,6 +294,7 @@ def _check_fp4_dequantize(op, packed, scales, global_scale, layout, out_dtype, o
 
 
 @fast_op
+@v.checked(writes=("out",))
 def fp4_dequantize(packed, scales, global_scale, *, layout: str = "swizzled_128x4",
                    out_dtype=torch.float32, out=None, enable_pdl=None,
                    impl: str = "auto"):  # fmt: skip
@@ -318,11 +323,12 @@ def supports_fp4_dequantize(packed, scales, global_scale, layout: str = "swizzle
 
 
 # ----------------------------------------------------------------------------- fused FP8
-def _check_norm_common(op, input, residual, weight, eps, ndims) -> None:
+def _check_norm_common(op, input, residual, weight, eps, ndims, fused) -> None:
+    """``fused``: the op adds ``residual`` (required) before the norm."""
     _check_rows(op, "input", input, HALF, ndims)
     v.check_tensor(op, "weight", weight, dtypes=WEIGHT_DTYPES, shape=(input.shape[-1],),
                    device=input.device)  # fmt: skip
-    if residual is not None:
+    if fused:
         v.check_tensor(op, "residual", residual, dtypes=(input.dtype,), shape=input.shape,
                        device=input.device)  # fmt: skip
         v.check_no_overlap(op, "residual", residual, "input", input)
@@ -330,30 +336,41 @@ def _check_norm_common(op, input, residual, weight, eps, ndims) -> None:
     v.check_eps(op, "eps", eps)
 
 
-def _check_norm_fp8(op, input, residual, weight, scale, eps, dtype, out) -> None:
-    _check_norm_common(op, input, residual, weight, eps, (2, 3))
+def _fp8_dtype(dtype, out):
+    """``dtype=None``: the dtype of ``out`` when given, else E4M3."""
+    if dtype is None:
+        return out.dtype if isinstance(out, torch.Tensor) else torch.float8_e4m3fn
+    return dtype
+
+
+def _check_norm_fp8(op, input, residual, weight, scale, eps, dtype, out, fused=False) -> None:
+    _check_norm_common(op, input, residual, weight, eps, (2, 3), fused)
     _check_scalar_tensor(op, "scale", scale, input.device)
-    _check_choice(op, "dtype", dtype, F.FP8_DTYPES)
+    _check_choice(op, "dtype", _fp8_dtype(dtype, None), F.FP8_DTYPES)
     if out is not None:
-        v.check_tensor(op, "out", out, dtypes=(dtype,), shape=input.shape, device=input.device)
+        v.check_tensor(op, "out", out, dtypes=F.FP8_DTYPES if dtype is None else (dtype,),
+                       shape=input.shape, device=input.device)  # fmt: skip
         for name, t in (("input", input), ("weight", weight), ("residual", residual)):
             if t is not None:
                 v.check_no_overlap(op, "out", out, name, t)
 
 
 @fast_op
+@v.checked(writes=("out",), reals=("gain_center",))
 def rmsnorm_quant(input, weight, scale, eps: float = 1e-6, *, out=None,
-                  dtype=torch.float8_e4m3fn, gain_center: float = 0.0, enable_pdl=None,
+                  dtype=None, gain_center: float = 0.0, enable_pdl=None,
                   impl: str = "auto"):  # fmt: skip
     """RMSNorm + static FP8 (SPEC §1.1): ``out = e8(((x * r) * g) * (1/scale))``, the UNROUNDED
     FP32 norm output quantized, ``g = f32(weight) + gain_center`` (1.0 = Gemma).
 
-    ``input`` [M, H] or [M, heads, H] BF16/FP16; ``weight`` [H]; ``scale`` [1] FP32 device tensor;
-    ``out`` FP8 (``dtype``, E4M3 or E5M2) like ``input``, allocated when None. Returns ``out``.
+    ``input`` [M, H] or [M, heads, H] BF16/FP16; ``weight`` [H] BF16/FP16/FP32; ``scale`` [1] FP32
+    device tensor; ``dtype`` ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (None: the dtype of
+    ``out`` when given, else E4M3); ``out`` of that dtype, like ``input``, allocated when None.
+    Returns ``out``.
     """
     op = "rmsnorm_quant"
-    dtype = out.dtype if isinstance(out, torch.Tensor) else dtype
     _check_norm_fp8(op, input, None, weight, scale, eps, dtype, out)
+    dtype = _fp8_dtype(dtype, out)
     if out is None:
         out = torch.empty(input.shape, dtype=dtype, device=input.device)
     if input.numel() == 0:
@@ -366,14 +383,15 @@ def rmsnorm_quant(input, weight, scale, eps: float = 1e-6, *, out=None,
     return out
 
 
-def supports_rmsnorm_quant(input, weight, scale, dtype=torch.float8_e4m3fn) -> bool:
+def supports_rmsnorm_quant(input, weight, scale, dtype=None) -> bool:
     return _supported(_check_norm_fp8, "rmsnorm_quant", input, None, weight, scale, 1e-6, dtype,
                       None)  # fmt: skip
 
 
 @fast_op
+@v.checked(writes=("out", "residual"), reals=("gain_center",))
 def fused_add_rmsnorm_quant(input, residual, weight, scale, eps: float = 1e-6, *, out=None,
-                            dtype=torch.float8_e4m3fn, gain_center: float = 0.0,
+                            dtype=None, gain_center: float = 0.0,
                             enable_pdl=None, impl: str = "auto"):  # fmt: skip
     """Residual add + RMSNorm + static FP8 (SPEC §1.2 quant variant)::
 
@@ -384,8 +402,8 @@ def fused_add_rmsnorm_quant(input, residual, weight, scale, eps: float = 1e-6, *
     ``input``, not aliasing it. Returns ``out``.
     """
     op = "fused_add_rmsnorm_quant"
-    dtype = out.dtype if isinstance(out, torch.Tensor) else dtype
-    _check_norm_fp8(op, input, residual, weight, scale, eps, dtype, out)
+    _check_norm_fp8(op, input, residual, weight, scale, eps, dtype, out, fused=True)
+    dtype = _fp8_dtype(dtype, out)
     if out is None:
         out = torch.empty(input.shape, dtype=dtype, device=input.device)
     if input.numel() == 0:
@@ -402,17 +420,16 @@ def fused_add_rmsnorm_quant(input, residual, weight, scale, eps: float = 1e-6, *
     return out
 
 
-def supports_fused_add_rmsnorm_quant(input, residual, weight, scale,
-                                     dtype=torch.float8_e4m3fn) -> bool:  # fmt: skip
+def supports_fused_add_rmsnorm_quant(input, residual, weight, scale, dtype=None) -> bool:
     return _supported(_check_norm_fp8, "fused_add_rmsnorm_quant", input, residual, weight, scale,
-                      1e-6, dtype, None)  # fmt: skip
+                      1e-6, dtype, None, True)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- fused NVFP4
 def _check_norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, out,
-                    scale_out, norm_out) -> None:  # fmt: skip
+                    scale_out, norm_out, fused=False) -> None:  # fmt: skip
     _check_fp4_input(op, input)
-    _check_norm_common(op, input, residual, weight, eps, (2,))
+    _check_norm_common(op, input, residual, weight, eps, (2,), fused)
     _check_scalar_tensor(op, "global_scale", global_scale, input.device)
     _check_choice(op, "layout", layout, F.LAYOUTS)
     _check_choice(op, "recipe", recipe, F.RECIPES)
@@ -435,14 +452,14 @@ def _check_norm_fp4(op, input, residual, weight, global_scale, eps, layout, reci
 
 
 def _norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, gain_center, out,
-              scale_out, norm_out, enable_pdl, impl):  # fmt: skip
+              scale_out, norm_out, enable_pdl, impl, fused):  # fmt: skip
     _check_norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, out,
-                    scale_out, norm_out)  # fmt: skip
+                    scale_out, norm_out, fused)  # fmt: skip
     out, scale_out = _alloc_fp4(input, layout, out, scale_out)
     if scale_out.numel() == 0:
         return out, scale_out
     if choose_impl(op, impl, input.device, _reason(input)) == "reference":
-        if residual is None:
+        if not fused:
             packed, scales, y = ref.rmsnorm_fp4_quantize_reference(
                 input, weight, global_scale, eps, layout, recipe, gain_center)  # fmt: skip
         else:
@@ -455,7 +472,7 @@ def _norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, ga
             norm_out.copy_(y)
         return out, scale_out
     use_pdl = resolve_pdl(enable_pdl, input.device)
-    if residual is None:
+    if not fused:
         ops.rmsnorm_fp4_quantize_op(input, weight, global_scale, out, scale_out, norm_out,
                                     float(eps), float(gain_center), layout, recipe, use_pdl)
     else:
@@ -466,6 +483,7 @@ def _norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, ga
 
 
 @fast_op
+@v.checked(writes=("out", "scale_out", "norm_out"), reals=("gain_center",))
 def rmsnorm_fp4_quantize(input, weight, global_scale, eps: float = 1e-6, *,
                          layout: str = "swizzled_128x4", recipe: str = "fast",
                          gain_center: float = 0.0, out=None, scale_out=None, norm_out=None,
@@ -478,10 +496,11 @@ def rmsnorm_fp4_quantize(input, weight, global_scale, eps: float = 1e-6, *,
     Returns ``(out uint8 [M, H/2], scale_out uint8 scale_shape(M, H, layout))``.
     """
     return _norm_fp4("rmsnorm_fp4_quantize", input, None, weight, global_scale, eps, layout,
-                     recipe, gain_center, out, scale_out, norm_out, enable_pdl, impl)
+                     recipe, gain_center, out, scale_out, norm_out, enable_pdl, impl, False)
 
 
 @fast_op
+@v.checked(writes=("out", "scale_out", "norm_out", "residual"), reals=("gain_center",))
 def fused_add_rmsnorm_fp4_quantize(input, residual, weight, global_scale, eps: float = 1e-6, *,
                                    layout: str = "swizzled_128x4", recipe: str = "fast",
                                    gain_center: float = 0.0, out=None, scale_out=None,
@@ -492,7 +511,8 @@ def fused_add_rmsnorm_fp4_quantize(input, residual, weight, global_scale, eps: f
     ``input`` is not modified unless it is passed as ``norm_out``. Returns ``(out, scale_out)``.
     """
     return _norm_fp4("fused_add_rmsnorm_fp4_quantize", input, residual, weight, global_scale, eps,
-                     layout, recipe, gain_center, out, scale_out, norm_out, enable_pdl, impl)
+                     layout, recipe, gain_center, out, scale_out, norm_out, enable_pdl, impl,
+                     True)
 
 
 def supports_rmsnorm_fp4_quantize(input, weight, global_scale, layout="swizzled_128x4",
@@ -504,4 +524,4 @@ def supports_rmsnorm_fp4_quantize(input, weight, global_scale, layout="swizzled_
 def supports_fused_add_rmsnorm_fp4_quantize(input, residual, weight, global_scale,
                                             layout="swizzled_128x4", recipe="fast") -> bool:
     return _supported(_check_norm_fp4, "fused_add_rmsnorm_fp4_quantize", input, residual, weight,
-                      global_scale, 1e-6, layout, recipe, None, None, None)  # fmt: skip
+                      global_scale, 1e-6, layout, recipe, None, None, None, True)  # fmt: skip

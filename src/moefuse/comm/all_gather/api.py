@@ -63,11 +63,6 @@ def _check_common(op, shard, workspace, algorithm, shard_name="shard") -> int:
     return h
 
 
-def _check_float(op, name, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"moefuse.{op}: argument '{name}' must be a float, got {value!r}")
-
-
 def _check_scalar_tensor(op, name, t, device) -> None:
     v.check_tensor(op, name, t, dtypes=F32, shape=(1,), device=device)
 
@@ -91,7 +86,7 @@ def _check_norm(op, shard, weight, workspace, eps, gain_center, algorithm) -> in
     h = _check_common(op, shard, workspace, algorithm)
     v.check_tensor(op, "weight", weight, dtypes=WEIGHT_DTYPES, shape=(h,), device=shard.device)
     v.check_eps(op, "eps", eps)
-    _check_float(op, "gain_center", gain_center)
+    v.check_real(op, "gain_center", gain_center)
     return h
 
 
@@ -128,6 +123,7 @@ def _fused_reason(workspace, shard) -> str | None:
 
 # ----------------------------------------------------------------------------- rmsnorm
 @fast_op(guards=("workspace",))
+@v.checked(writes=("out",))
 def all_gather_rmsnorm(
     shard,
     weight,
@@ -181,7 +177,7 @@ def supports_all_gather_rmsnorm(shard, weight, *, workspace) -> bool:
 def _check_fp8(op, shard, weight, scale, workspace, eps, gain_center, dtype, algorithm) -> int:
     h = _check_norm(op, shard, weight, workspace, eps, gain_center, algorithm)
     _check_scalar_tensor(op, "scale", scale, shard.device)
-    if dtype not in F.FP8_DTYPES:
+    if dtype is not None and dtype not in F.FP8_DTYPES:
         raise ValueError(
             f"moefuse.{op}: argument 'dtype' must be one of {F.FP8_DTYPES}, got {dtype!r}"
         )
@@ -189,6 +185,7 @@ def _check_fp8(op, shard, weight, scale, workspace, eps, gain_center, dtype, alg
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("out",))
 def all_gather_rmsnorm_fp8(
     shard,
     weight,
@@ -197,21 +194,25 @@ def all_gather_rmsnorm_fp8(
     workspace,
     eps: float = 1e-6,
     gain_center: float = 0.0,
-    dtype=torch.float8_e4m3fn,
+    dtype=None,
     out=None,
     algorithm: str = "auto",
     enable_pdl=None,
     impl: str = "auto",
 ):
     """``out = rmsnorm_quant(concat_r shard_r, weight, scale, eps)``: FP8 (E4M3 or E5M2,
-    ``dtype``) of the unrounded FP32 norm output times ``1/scale`` (SPEC: rmsnorm, FP8 E4M3).
+    ``dtype``; None: the dtype of ``out`` when given, else E4M3) of the unrounded FP32 norm output
+    times ``1/scale`` (SPEC: rmsnorm, FP8 E4M3).
 
-    ``scale`` [1] FP32 (dequantization scale); ``out`` [M, H] FP8. Returns ``out``."""
+    ``scale`` [1] FP32 (dequantization scale); ``out`` [M, H] FP8 of ``dtype``. Returns ``out``."""
     op = "all_gather_rmsnorm_fp8"
-    dtype = out.dtype if isinstance(out, torch.Tensor) else dtype
     h = _check_fp8(op, shard, weight, scale, workspace, eps, gain_center, dtype, algorithm)
     m = shard.shape[0]
-    _out(op, "out", out, (m, h), dtype, shard.device)
+    if out is not None:
+        v.check_tensor(op, "out", out, dtypes=F.FP8_DTYPES if dtype is None else (dtype,),
+                       shape=(m, h), device=shard.device)  # fmt: skip
+    if dtype is None:
+        dtype = out.dtype if out is not None else torch.float8_e4m3fn
     _check_outs(op, [("out", out)], [("shard", shard), ("weight", weight), ("scale", scale)])
     if out is None:
         out = torch.empty((m, h), dtype=dtype, device=shard.device)
@@ -235,7 +236,7 @@ def all_gather_rmsnorm_fp8(
 
 
 def supports_all_gather_rmsnorm_fp8(
-    shard, weight, scale, *, workspace, dtype=torch.float8_e4m3fn
+    shard, weight, scale, *, workspace, dtype=None
 ) -> bool:
     return (
         v.accepts(
@@ -277,6 +278,7 @@ def _check_fp4(
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("out", "scale_out"))
 def all_gather_rmsnorm_fp4_quantize(
     shard,
     weight,
@@ -390,12 +392,13 @@ def _check_gated(
         v.check_tensor(op, "post_weight", post_weight, dtypes=WEIGHT_DTYPES, shape=(h,), device=dev)
     v.check_eps(op, "post_eps", post_eps)
     v.check_eps(op, "next_eps", next_eps)
-    _check_float(op, "next_gain_center", next_gain_center)
-    _check_float(op, "post_gain_center", post_gain_center)
+    v.check_real(op, "next_gain_center", next_gain_center)
+    v.check_real(op, "post_gain_center", post_gain_center)
     return h
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("residual_out", "ffn_input", "router_input"))
 def all_gather_gated_residual_next_rmsnorm(
     branch_shard,
     residual,

@@ -75,10 +75,7 @@ def _check_norm_inputs(op, input, residual, weight, eps, weight_bias) -> None:
         op, "weight", weight, dtypes=WEIGHT_DTYPES, shape=(input.shape[1],), device=input.device
     )
     v.check_eps(op, "eps", eps)
-    if not isinstance(weight_bias, (int, float)) or isinstance(weight_bias, bool):
-        raise ValueError(
-            f"moefuse.{op}: argument 'weight_bias' must be a float, got {weight_bias!r}"
-        )
+    v.check_real(op, "weight_bias", weight_bias)
 
 
 def _out(op, name, t, shape, dtype, device) -> None:
@@ -96,6 +93,7 @@ def _impl(op, impl, input, workspace) -> str:
 
 # ----------------------------------------------------------------------------- pattern 0
 @fast_op(guards=("workspace",))
+@v.checked(writes=("out",))
 def allreduce(
     input,
     *,
@@ -138,6 +136,7 @@ def supports_allreduce(input, *, workspace) -> bool:
 
 # ----------------------------------------------------------------------------- pattern 1
 @fast_op(guards=("workspace",))
+@v.checked(writes=("residual_out", "norm_out"))
 def allreduce_residual_rmsnorm(
     input,
     residual,
@@ -262,6 +261,7 @@ def _fp8(
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("residual_out", "quant_out"))
 def allreduce_residual_rmsnorm_fp8(
     input,
     residual,
@@ -303,6 +303,7 @@ def allreduce_residual_rmsnorm_fp8(
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("residual_out", "norm_out", "quant_out"))
 def allreduce_residual_rmsnorm_out_fp8(
     input,
     residual,
@@ -440,6 +441,7 @@ def _nvfp4(
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("residual_out", "quant_out", "scale_out"))
 def allreduce_residual_rmsnorm_nvfp4(
     input,
     residual,
@@ -486,6 +488,7 @@ def allreduce_residual_rmsnorm_nvfp4(
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("residual_out", "norm_out", "quant_out", "scale_out"))
 def allreduce_residual_rmsnorm_out_nvfp4(
     input,
     residual,

@@ -141,9 +141,7 @@ def _check_routes(op, rows, weights, idx, norm_weight, output, eps, gain_center,
                         ("norm_weight", norm_weight)):  # fmt: skip
             v.check_no_overlap(op, "output", output, name, t)
     v.check_eps(op, "eps", eps)
-    if not isinstance(gain_center, (int, float)) or isinstance(gain_center, bool):
-        raise ValueError(f"moefuse.{op}: argument 'gain_center' must be a float, "
-                         f"got {gain_center!r}")  # fmt: skip
+    v.check_real(op, "gain_center", gain_center)
     if not isinstance(wbn, bool):
         raise ValueError(f"moefuse.{op}: argument 'weight_before_norm' must be a bool, "
                          f"got {wbn!r}")  # fmt: skip
@@ -177,6 +175,7 @@ def _check_tp_workspace(op, workspace, hidden, top_k, device) -> None:
 
 # --------------------------------------------------------------------- tp_moe_finalize_rmsnorm (TP)
 @fast_op(guards=("workspace",))
+@v.checked(writes=("output",))
 def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                             norm_weight, output=None, *, eps: float, gain_center: float,
                             weight_before_norm: bool, workspace=None, algorithm: str = "auto",
@@ -262,6 +261,7 @@ def _check_ep(op, routed_rows, route_weights, permuted_idx, norm_weight, output,
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("output",))
 def moe_finalize_rmsnorm_allreduce(routed_rows, route_weights, permuted_idx, norm_weight,
                                    output=None, *, workspace, eps: float, gain_center: float = 0.0,
                                    weight_before_norm: bool = True, algorithm: str = "auto",

@@ -47,7 +47,7 @@ from moefuse._runtime import choose_impl, resolve_pdl
 from moefuse.comm.moe_reduction import ops
 from moefuse.comm.moe_reduction.reference import ACCUMULATE, QUANTS
 from moefuse.comm.workspace import ALGORITHMS, WEIGHT_DTYPES, AllReduceWorkspace
-from moefuse.moe.api import SCALE_DTYPES, _check_scalar, check_expert_bias
+from moefuse.moe.api import SCALE_DTYPES, check_expert_bias
 from moefuse.quant.formats import LAYOUTS, scale_layout_shape
 
 PATTERN_OF_QUANT = {None: 1, "fp8": 2, "nvfp4": 3}
@@ -55,7 +55,7 @@ PATTERN_OF_QUANT = {None: 1, "fp8": 2, "nvfp4": 3}
 
 # ----------------------------------------------------------------------------- validation
 def _check_epilogue(op, residual, weight, workspace, eps, weight_bias, accumulate, quant,
-                    scale_factor, layout, algorithm) -> None:  # fmt: skip
+                    scale_factor, layout, algorithm, weight_name="weight") -> None:  # fmt: skip
     if not isinstance(workspace, AllReduceWorkspace):
         raise ValueError(f"moefuse.{op}: argument 'workspace' must be an AllReduceWorkspace, "
                          f"got {type(workspace).__name__}")  # fmt: skip
@@ -65,11 +65,10 @@ def _check_epilogue(op, residual, weight, workspace, eps, weight_bias, accumulat
         raise ValueError(f"moefuse.{op}: argument 'residual' has hidden size {residual.shape[1]} "
                          f"but the workspace was created for {workspace.hidden_size}")  # fmt: skip
     h = residual.shape[1]
-    v.check_tensor(op, "weight", weight, dtypes=WEIGHT_DTYPES, shape=(h,), device=residual.device)
+    v.check_tensor(op, weight_name, weight, dtypes=WEIGHT_DTYPES, shape=(h,),
+                   device=residual.device)  # fmt: skip
     v.check_eps(op, "eps", eps)
-    if not isinstance(weight_bias, (int, float)) or isinstance(weight_bias, bool):
-        raise ValueError(f"moefuse.{op}: argument 'weight_bias' must be a float, "
-                         f"got {weight_bias!r}")  # fmt: skip
+    v.check_real(op, "weight_bias", weight_bias)
     if accumulate not in ACCUMULATE:
         raise ValueError(f"moefuse.{op}: argument 'accumulate' must be one of {ACCUMULATE}, "
                          f"got {accumulate!r}")  # fmt: skip
@@ -173,6 +172,7 @@ def _check_reduction(op, x, scale_input, token_input, residual) -> torch.Tensor:
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("allreduce_out", "residual_out", "norm_out", "quant_out", "scale_out"))
 def moe_allreduce_residual_rmsnorm(
     active_experts_token_input, scale_input, token_input, residual, weight, *, workspace,
     eps: float = 1e-6, weight_bias: float = 0.0, accumulate: str = "stepwise", quant=None,
@@ -251,7 +251,7 @@ def _check_finalize(op, allreduce_in, idx_map, expert_scale_factor, rsf, shared,
     if expert_scale_factor is not None:
         v.check_tensor(op, "expert_scale_factor", expert_scale_factor, dtypes=SCALE_DTYPES,
                        shape=tuple(idx_map.shape), device=dev)  # fmt: skip
-    _check_scalar(op, "routed_scaling_factor", rsf)
+    v.check_real(op, "routed_scaling_factor", rsf)
     if shared is not None:
         v.check_tensor(op, "shared_expert_output", shared, dtypes=(residual.dtype,),
                        shape=(m, h), device=dev)  # fmt: skip
@@ -259,6 +259,7 @@ def _check_finalize(op, allreduce_in, idx_map, expert_scale_factor, rsf, shared,
 
 
 @fast_op(guards=("workspace",))
+@v.checked(writes=("residual_out", "norm_out", "quant_out", "scale_out"))
 def moe_finalize_allreduce_residual_rmsnorm(
     allreduce_in, residual, norm_weight, expanded_idx_to_permuted_idx, *, workspace,
     expert_scale_factor=None, routed_scaling_factor: float = 1.0, shared_expert_output=None,
@@ -289,7 +290,7 @@ def moe_finalize_allreduce_residual_rmsnorm(
     op = "moe_finalize_allreduce_residual_rmsnorm"
     scale_factor = _scale_tensor(scale_factor, getattr(residual, "device", None))
     _check_epilogue(op, residual, norm_weight, workspace, eps, weight_bias, accumulate, quant,
-                    scale_factor, layout, algorithm)  # fmt: skip
+                    scale_factor, layout, algorithm, "norm_weight")  # fmt: skip
     _check_finalize(op, allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor,
                     routed_scaling_factor, shared_expert_output, residual, bias,
                     expert_ids)  # fmt: skip
@@ -329,7 +330,7 @@ def supports_moe_finalize_allreduce_residual_rmsnorm(allreduce_in, residual, nor
     """Local answer (no side effects); combine across ranks with ``workspace.vote``."""
     op = "moe_finalize_allreduce_residual_rmsnorm"
     return (v.accepts(_check_epilogue, op, residual, norm_weight, workspace, 1e-6, 0.0,
-                      "stepwise", quant, scale_factor, layout, "auto")
+                      "stepwise", quant, scale_factor, layout, "auto", "norm_weight")
             and v.accepts(_check_finalize, op, allreduce_in, expanded_idx_to_permuted_idx,
                           expert_scale_factor, 1.0, shared_expert_output, residual)
             and workspace.supports(residual))  # fmt: skip
