@@ -318,6 +318,8 @@ def compile_case(case: dict, mods: dict) -> str:
              "fp32" if name in FLOATS else "i32" for name in names}
     skip = set(getattr(kernel, "do_not_specialize", ()) or ())
     skip = {params_name(kernel, s) for s in skip}
+    # do_not_specialize names a whole parameter: a tuple's elements are all left unspecialised
+    skip = {e for s in skip for e in tuple_fields(kernel).get(s, (s,))}
     src = specialised_source(kernel, consts, types,
                              lambda name, t: t.startswith("*") or
                              (name not in skip and name not in NOT_DIVISIBLE and t == "i32"))
