@@ -7,11 +7,13 @@ Shared by scripts/compile_check*.py, compile_expert_norm.py and sweep_comm_varia
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import re
 import subprocess
 import tempfile
+import textwrap
 from dataclasses import dataclass
 
 import triton
@@ -33,20 +35,49 @@ def with_constexpr_defaults(kernel, consts: dict) -> dict:
                if "constexpr" in str(p.annotation) and p.default is not p.empty}, **consts}
 
 
+def tuple_fields(kernel) -> dict[str, tuple[str, ...]]:
+    """The element names of ``kernel``'s tuple parameters, read from the kernel's own unpacking
+    statements at the top level of its body (``b_st, r_st = strides``): a grouped argument list
+    keeps the names that ``types``, ``consts`` and ``divisible`` below use for its elements."""
+    params = set(inspect.signature(kernel.fn).parameters)
+    body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
+    out = {}
+    for node in body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.value, ast.Name) and node.value.id in params
+                and isinstance(node.targets[0], ast.Tuple)
+                and all(isinstance(e, ast.Name) for e in node.targets[0].elts)):  # fmt: skip
+            out[node.value.id] = tuple(e.id for e in node.targets[0].elts)
+    return out
+
+
 def specialised_source(kernel, consts: dict, types: dict, divisible) -> ASTSource:
     """``kernel``'s source as a launch would compile it: ``consts`` as constexprs, the other
     arguments typed from ``types`` (pointers default to BF16, the rest to i32), and the
     divisibility-by-16 attribute on each argument for which ``divisible(name, type)`` is true,
-    as the JIT's specialisation gives it (it changes vector widths and register layouts)."""
-    sig, attrs = {}, {}
+    as the JIT's specialisation gives it (it changes vector widths and register layouts).
+    A tuple parameter (:func:`tuple_fields`) is typed, made constant and specialised element
+    by element under its elements' names, as the JIT does at a launch."""
+    sig, attrs, constexprs = {}, {}, {}
+    fields = tuple_fields(kernel)
     for i, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in consts:
             sig[name] = "constexpr"
+            constexprs[(i,)] = consts[name]
             continue
-        sig[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-        if divisible(name, sig[name]):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+        elements = fields.get(name)
+        for j, elem in enumerate(elements or (name,)):
+            path = (i, j) if elements else (i,)
+            if elem in consts:
+                t = "constexpr"
+                constexprs[path] = consts[elem]
+            else:
+                t = types.get(elem, "*bf16" if elem.endswith("_ptr") else "i32")
+                if divisible(elem, t):
+                    attrs[path] = [["tt.divisibility", 16]]
+            sig.setdefault(name, []).append(t)
+        sig[name] = tuple(sig[name]) if elements else sig[name][0]
+    return ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
 
 
 @dataclass(frozen=True)

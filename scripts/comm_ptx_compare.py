@@ -304,7 +304,7 @@ def normalise(ptx: str) -> str:
 def compile_case(case: dict, mods: dict) -> str:
     """Normalised PTX of one case (raises when its kernel does not compile)."""
     import triton
-    from _ptxas import TARGET, specialised_source, with_constexpr_defaults
+    from _ptxas import TARGET, specialised_source, tuple_fields, with_constexpr_defaults
 
     kernel = getattr(mods[case["family"]], case["kernel"])
     params = inspect.signature(kernel.fn).parameters
@@ -312,10 +312,14 @@ def compile_case(case: dict, mods: dict) -> str:
         kernel, {k: v for k, v in case["consts"].items() if k in params})
     group = case["family"].split(".")[0]
     ptrs = {**POINTERS["*"], **POINTERS.get(group, {})}
+    # tuple parameters are typed element by element, by the names the kernel unpacks them into
+    names = [*params, *(f for fields in tuple_fields(kernel).values() for f in fields)]
     types = {name: ptrs.get(name, "*bf16") if name.endswith("_ptr") else
-             "fp32" if name in FLOATS else "i32" for name in params}
+             "fp32" if name in FLOATS else "i32" for name in names}
     skip = set(getattr(kernel, "do_not_specialize", ()) or ())
     skip = {params_name(kernel, s) for s in skip}
+    # do_not_specialize names a whole parameter: a tuple's elements are all left unspecialised
+    skip = {e for s in skip for e in tuple_fields(kernel).get(s, (s,))}
     src = specialised_source(kernel, consts, types,
                              lambda name, t: t.startswith("*") or
                              (name not in skip and name not in NOT_DIVISIBLE and t == "i32"))

@@ -15,7 +15,7 @@ import dataclasses
 import inspect
 
 import triton
-from _ptxas import TARGET, ptxas_report
+from _ptxas import TARGET, ptxas_report, tuple_fields
 from triton.compiler import ASTSource
 
 from moefuse.norm import gated, tiles
@@ -33,21 +33,26 @@ PTR_TYPES = {"q_ptr": "*u8", "p_ptr": "*u8", "s_ptr": "*u8", "scale_ptr": "*fp32
 VARIANTS = (("tile", False, False), ("loop", True, False), ("prefetch", True, True))
 
 
+def _type(name, consts, fp32_ptrs):
+    if name in consts:
+        return "constexpr"
+    if name in PTR_TYPES:
+        return PTR_TYPES[name]
+    if name.endswith("_ptr"):
+        return "*fp32" if name in fp32_ptrs else "*bf16"
+    if name in ("eps", "gain_center", "Hf", "alpha_scalar", "post_eps", "next_eps",
+                "next_gain_center", "post_gain_center"):  # fmt: skip
+        return "fp32"
+    return "i32"
+
+
 def _signature(kernel, consts, fp32_ptrs):
-    sig = {}
-    for name in inspect.signature(kernel.fn).parameters:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in PTR_TYPES:
-            sig[name] = PTR_TYPES[name]
-        elif name.endswith("_ptr"):
-            sig[name] = "*fp32" if name in fp32_ptrs else "*bf16"
-        elif name in ("eps", "gain_center", "Hf", "alpha_scalar", "post_eps", "next_eps",
-                      "next_gain_center", "post_gain_center"):  # fmt: skip
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    return sig
+    """Each parameter's type by name; a tuple parameter's, element by element by the names
+    the kernel unpacks it into (_ptxas.tuple_fields)."""
+    fields = tuple_fields(kernel)
+    return {name: tuple(_type(f, consts, fp32_ptrs) for f in fields[name]) if name in fields
+            else _type(name, consts, fp32_ptrs)
+            for name in inspect.signature(kernel.fn).parameters}  # fmt: skip
 
 
 def compile_report(kernel, consts, num_warps, fp32_ptrs=(), maxnreg=None):

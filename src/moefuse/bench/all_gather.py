@@ -144,22 +144,7 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
 
     from moefuse.bench._copy import sm_copy
     from moefuse.comm.all_gather import ops as allgather_ops
-    from moefuse.comm.all_gather.decode import (
-        DECODE_ENV,
-        DECODE_MODES,
-        ONE_LAUNCH_ENV,
-        ONE_LAUNCH_MAX_TOKENS,
-        OP_CODES,
-        decode_mode,
-        one_launch_tile,
-    )
     from moefuse.comm.all_gather.kernels import launch_allgather
-    from moefuse.comm.all_gather.persistent import (
-        PERSISTENT_ENV,
-        PERSISTENT_MODES,
-        fused_tile,
-        persistent_mode,
-    )
     from moefuse.testing import assert_bitwise_equal
 
     dev, bf = ws.device, torch.bfloat16
@@ -198,40 +183,13 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
 
     # correctness first: the fused op equals both baselines bit for bit
     want = [t.clone() for t in nccl(0)]
-    variants = {"moefuse": fused, "nccl+op": nccl, "symm+op": symm}
     torch.cuda.synchronize(dev)
     dist.barrier(group)  # every rank's symmetric input is written before anyone reads it
-    for name, fn in (("moefuse", fused), ("symm+op", symm)):
-        try:
-            got = fn(0)
-            for a, b in zip(got, want):
-                assert_bitwise_equal(a, b, f"{op} H={h} M={m}: {name} vs NCCL + single-GPU op")
-            ok = 1
-        except Exception as exc:  # a broken baseline is reported and dropped, never ours
-            if name == "moefuse":
-                raise
-            print(f"rank {rank}: {name} failed its check at {op} H={h} M={m}: {str(exc)[:160]}")
-            ok = 0
-        vote = torch.tensor([ok], device=dev)
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)  # drop it on every rank alike
-        if not int(vote.item()):
-            variants.pop(name)
+    variants = _checked_variants({"moefuse": fused, "nccl+op": nccl, "symm+op": symm}, want,
+                                 f"{op} H={h} M={m}", group, dev)  # fmt: skip
     if op == "rmsnorm":
         variants["moefuse_gather"] = gather_only
-    # every op's default is one kernel (decode at M <= 64, persistent above): its two-launch
-    # paths too, as variants that differ from the default by knobs
-    env = {}
-    if m > ONE_LAUNCH_MAX_TOKENS:  # the default is the persistent kernel: the old paths too
-        env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
-        if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
-            env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
-        # the persistent kernel's other modes (rows gathered / parameters early / from slots)
-        env.update(_other_modes(harness, PERSISTENT_ENV, PERSISTENT_MODES, persistent_mode,
-                                OP_CODES[op], fused_tile(h, m, OP_CODES[op])))  # fmt: skip
-    else:  # the default is one launch here: time two as well, and its other decode modes
-        env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
-        env.update(_other_modes(harness, DECODE_ENV, DECODE_MODES, decode_mode, OP_CODES[op],
-                                one_launch_tile(h, m, OP_CODES[op])))  # fmt: skip
+    env = _knob_variants(harness, op, h, m)
     variants.update({name: fused for name in env})
 
     def check(name, fn):
@@ -246,6 +204,68 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
              for name, fn in variants.items()}  # fmt: skip
     ws.check()
     return times
+
+
+def _checked_variants(variants: dict, want, where: str, group, dev) -> dict:
+    """``variants`` less the baselines whose first call does not give ``want``'s bits on some
+    rank (reported, and dropped on every rank alike); the fused op must give them (raises)."""
+    import torch.distributed as dist
+
+    from moefuse.testing import assert_bitwise_equal
+
+    rank = dist.get_rank(group)
+    out = dict(variants)
+    for name in ("moefuse", "symm+op"):
+        try:
+            for a, b in zip(variants[name](0), want):
+                assert_bitwise_equal(a, b, f"{where}: {name} vs NCCL + single-GPU op")
+            ok = 1
+        except Exception as exc:  # a broken baseline is reported and dropped, never ours
+            if name == "moefuse":
+                raise
+            print(f"rank {rank}: {name} failed its check at {where}: {str(exc)[:160]}")
+            ok = 0
+        vote = torch.tensor([ok], device=dev)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)  # drop it on every rank alike
+        if not int(vote.item()):
+            out.pop(name)
+    return out
+
+
+def _knob_variants(harness, op: str, h: int, m: int) -> dict:
+    """``{variant: {knob: value}}``: the fused op's paths other than its default, each selected
+    by knobs. Every op's default is one kernel (decode at M <= 64, persistent above); its
+    two-launch paths and the kernel's other modes are timed as variants too."""
+    from moefuse.comm.all_gather import ops as allgather_ops
+    from moefuse.comm.all_gather.decode import (
+        DECODE_ENV,
+        DECODE_MODES,
+        ONE_LAUNCH_ENV,
+        ONE_LAUNCH_MAX_TOKENS,
+        OP_CODES,
+        decode_mode,
+        one_launch_tile,
+    )
+    from moefuse.comm.all_gather.persistent import (
+        PERSISTENT_ENV,
+        PERSISTENT_MODES,
+        fused_tile,
+        persistent_mode,
+    )
+
+    env = {}
+    if m > ONE_LAUNCH_MAX_TOKENS:  # the default is the persistent kernel: the old paths too
+        env["moefuse_chunked"] = {LARGE_ENV: "chunked"}
+        if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
+            env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
+        # the persistent kernel's other modes (rows gathered / parameters early / from slots)
+        env.update(_other_modes(harness, PERSISTENT_ENV, PERSISTENT_MODES, persistent_mode,
+                                OP_CODES[op], fused_tile(h, m, OP_CODES[op])))  # fmt: skip
+    else:  # the default is one launch here: time two as well, and its other decode modes
+        env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
+        env.update(_other_modes(harness, DECODE_ENV, DECODE_MODES, decode_mode, OP_CODES[op],
+                                one_launch_tile(h, m, OP_CODES[op])))  # fmt: skip
+    return env
 
 
 def _other_modes(harness, name: str, modes: tuple, choose, op: int, tile) -> dict:

@@ -152,93 +152,15 @@ def comm_calls(dev, group, *, m: int = 1, h: int = 4096, impl: str = "auto",
     import moefuse
     from moefuse.comm.moe_reduction.ops import extra_regions
 
-    bf, f32 = torch.bfloat16, torch.float32
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     shared, mine = _Inputs(dev, 1234), _Inputs(dev, 77 + rank)  # same on every rank / per rank
-    g = torch.Generator(device=dev).manual_seed(99)
-
-    def rnd(*shape, dtype=bf, kind="normal", ins=shared):
-        return ins.add(torch.empty(*shape, dtype=dtype, device=dev), kind)
-
-    def own(*shape):
-        return rnd(*shape, ins=mine)
-
     regions = {**moefuse.allgather_regions(m, h), **extra_regions(m, h)}
-    ws = moefuse.AllReduceWorkspace(group, m, h, bf, dev, extra_regions=regions,
+    ws = moefuse.AllReduceWorkspace(group, m, h, torch.bfloat16, dev, extra_regions=regions,
                                     timeout_s=timeout_s)  # fmt: skip
-    moefuse.prepare_allgather(ws, bf)
+    moefuse.prepare_allgather(ws, torch.bfloat16)
     ens = moefuse.ExpertNormWorkspace(group, h, TOP_K, dev, timeout_s=timeout_s)
-    kw = dict(workspace=ws, impl=impl)
-
-    x, res, w = own(m, h), rnd(m, h), rnd(h, kind="positive")
-    ro, no, ao = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-    scale, gscale = torch.tensor([0.05], device=dev), torch.tensor([448.0 * 6 / 3.0], device=dev)
-    q8 = torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev)
-    # all-gather: this rank's column shard, replicated parameters and full-width outputs
-    shard = own(m, h // world)
-    res32, alpha = rnd(m, h, dtype=f32), rnd(h, dtype=f32, kind="positive")
-    beta = rnd(h, dtype=f32)
-    ro32, ffn = torch.empty(m, h, device=dev), torch.empty(m, h, dtype=bf, device=dev)
-    q4 = torch.empty(m, h // 2, dtype=torch.uint8, device=dev)
-    sf4 = torch.empty(m, h // 16, dtype=torch.uint8, device=dev)
-    # MoE reduction: K dense expert rows per token, and the finalize's permuted rows
-    rows_e, tok = own(TOP_K, m, h), own(m, h)
-    scales_e = rnd(TOP_K, m, dtype=f32, kind="positive")
-    r_rows = m * TOP_K
-    perm = torch.randperm(r_rows, generator=g, device=dev).to(torch.int32).view(m, TOP_K)
-    rows_p = own(r_rows, h)
-    wts = rnd(m, TOP_K, kind="positive")
-    wts32 = rnd(m, TOP_K, dtype=f32, kind="positive")
-    # EP: slot k is local on rank k mod P
-    slot = torch.arange(TOP_K, device=dev).expand(m, TOP_K)
-    ep_idx = torch.where(slot % world == rank, perm, -1).to(torch.int32)
-    tp_out, ep_out = torch.empty(m, h, dtype=bf, device=dev), torch.empty(m, h, dtype=bf,
-                                                                           device=dev)  # fmt: skip
-    norm_opts = dict(eps=1e-6, gain_center=0.0, weight_before_norm=True)
-
-    calls = [
-        ("allreduce", lambda: moefuse.allreduce(x, out=ao, **kw)),
-        ("allreduce_residual_rmsnorm",
-         lambda: moefuse.allreduce_residual_rmsnorm(x, res, w, residual_out=ro, norm_out=no,
-                                                    **kw)),
-        ("allreduce_residual_rmsnorm_fp8",
-         lambda: moefuse.allreduce_residual_rmsnorm_fp8(x, res, w, scale, residual_out=ro,
-                                                        quant_out=q8, **kw)),
-        ("allreduce_residual_rmsnorm_out_fp8",
-         lambda: moefuse.allreduce_residual_rmsnorm_out_fp8(x, res, w, scale, residual_out=ro,
-                                                            norm_out=no, quant_out=q8, **kw)),
-        ("allreduce_residual_rmsnorm_nvfp4",
-         lambda: moefuse.allreduce_residual_rmsnorm_nvfp4(x, res, w, gscale, layout="linear",
-                                                          residual_out=ro, quant_out=q4,
-                                                          scale_out=sf4, **kw)),
-        ("allreduce_residual_rmsnorm_out_nvfp4",
-         lambda: moefuse.allreduce_residual_rmsnorm_out_nvfp4(x, res, w, gscale, layout="linear",
-                                                              residual_out=ro, norm_out=no,
-                                                              quant_out=q4, scale_out=sf4,
-                                                              **kw)),
-        ("all_gather_rmsnorm", lambda: moefuse.all_gather_rmsnorm(shard, w, out=ffn, **kw)),
-        ("all_gather_rmsnorm_fp8",
-         lambda: moefuse.all_gather_rmsnorm_fp8(shard, w, scale, out=q8, **kw)),
-        ("all_gather_rmsnorm_fp4_quantize",
-         lambda: moefuse.all_gather_rmsnorm_fp4_quantize(shard, w, gscale, out=q4,
-                                                         scale_out=sf4, **kw)),
-        ("all_gather_gated_residual_next_rmsnorm",
-         lambda: moefuse.all_gather_gated_residual_next_rmsnorm(
-             shard, res32, alpha, beta, w, residual_out=ro32, ffn_input=ffn, **kw)),
-        ("moe_allreduce_residual_rmsnorm",
-         lambda: moefuse.moe_allreduce_residual_rmsnorm(rows_e, scales_e, tok, res, w,
-                                                        residual_out=ro, norm_out=no, **kw)),
-        ("moe_finalize_allreduce_residual_rmsnorm",
-         lambda: moefuse.moe_finalize_allreduce_residual_rmsnorm(
-             rows_p, res, w, perm, expert_scale_factor=wts, shared_expert_output=tok,
-             residual_out=ro, norm_out=no, **kw)),
-        ("tp_moe_finalize_rmsnorm",
-         lambda: moefuse.tp_moe_finalize_rmsnorm(rows_p, wts32, perm, w, tp_out, workspace=ens,
-                                                 impl=impl, **norm_opts)),
-        ("moe_finalize_rmsnorm_allreduce",
-         lambda: moefuse.moe_finalize_rmsnorm_allreduce(rows_p, wts32, ep_idx, w, ep_out,
-                                                        workspace=ws, impl=impl, **norm_opts)),
-    ]  # fmt: skip
+    t = _comm_tensors(dev, shared, mine, m, h, rank, world)
+    calls = _comm_call_list(moefuse, t, ws, ens, impl)
 
     def refresh(seed: int | None = None):
         shared.refresh(seed)
@@ -250,3 +172,96 @@ def comm_calls(dev, group, *, m: int = 1, h: int = 4096, impl: str = "auto",
 
     refresh()
     return calls, refresh, close
+
+
+def _comm_tensors(dev, shared, mine, m: int, h: int, rank: int, world: int):
+    """The inputs and preallocated outputs of :func:`comm_calls` (a namespace): inputs drawn by
+    ``shared`` (the same on every rank) or ``mine`` (this rank's partials and shards)."""
+    from types import SimpleNamespace
+
+    bf, f32 = torch.bfloat16, torch.float32
+    g = torch.Generator(device=dev).manual_seed(99)
+
+    def rnd(*shape, dtype=bf, kind="normal", ins=shared):
+        return ins.add(torch.empty(*shape, dtype=dtype, device=dev), kind)
+
+    def own(*shape):
+        return rnd(*shape, ins=mine)
+
+    t = SimpleNamespace()
+    t.x, t.res, t.w = own(m, h), rnd(m, h), rnd(h, kind="positive")
+    t.ro, t.no, t.ao = torch.empty_like(t.x), torch.empty_like(t.x), torch.empty_like(t.x)
+    t.scale = torch.tensor([0.05], device=dev)
+    t.gscale = torch.tensor([448.0 * 6 / 3.0], device=dev)
+    t.q8 = torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev)
+    # all-gather: this rank's column shard, replicated parameters and full-width outputs
+    t.shard = own(m, h // world)
+    t.res32, t.alpha = rnd(m, h, dtype=f32), rnd(h, dtype=f32, kind="positive")
+    t.beta = rnd(h, dtype=f32)
+    t.ro32, t.ffn = torch.empty(m, h, device=dev), torch.empty(m, h, dtype=bf, device=dev)
+    t.q4 = torch.empty(m, h // 2, dtype=torch.uint8, device=dev)
+    t.sf4 = torch.empty(m, h // 16, dtype=torch.uint8, device=dev)
+    # MoE reduction: K dense expert rows per token, and the finalize's permuted rows
+    t.rows_e, t.tok = own(TOP_K, m, h), own(m, h)
+    t.scales_e = rnd(TOP_K, m, dtype=f32, kind="positive")
+    r_rows = m * TOP_K
+    t.perm = torch.randperm(r_rows, generator=g, device=dev).to(torch.int32).view(m, TOP_K)
+    t.rows_p = own(r_rows, h)
+    t.wts = rnd(m, TOP_K, kind="positive")
+    t.wts32 = rnd(m, TOP_K, dtype=f32, kind="positive")
+    # EP: slot k is local on rank k mod P
+    slot = torch.arange(TOP_K, device=dev).expand(m, TOP_K)
+    t.ep_idx = torch.where(slot % world == rank, t.perm, -1).to(torch.int32)
+    t.tp_out = torch.empty(m, h, dtype=bf, device=dev)
+    t.ep_out = torch.empty(m, h, dtype=bf, device=dev)
+    return t
+
+
+def _comm_call_list(moefuse, t, ws, ens, impl: str) -> list:
+    """``[(public op name, fn)]`` of :func:`comm_calls` on the tensors ``t``."""
+    kw = dict(workspace=ws, impl=impl)
+    norm_opts = dict(eps=1e-6, gain_center=0.0, weight_before_norm=True)
+    x, res, w, ro, no = t.x, t.res, t.w, t.ro, t.no
+    return [
+        ("allreduce", lambda: moefuse.allreduce(x, out=t.ao, **kw)),
+        ("allreduce_residual_rmsnorm",
+         lambda: moefuse.allreduce_residual_rmsnorm(x, res, w, residual_out=ro, norm_out=no,
+                                                    **kw)),
+        ("allreduce_residual_rmsnorm_fp8",
+         lambda: moefuse.allreduce_residual_rmsnorm_fp8(x, res, w, t.scale, residual_out=ro,
+                                                        quant_out=t.q8, **kw)),
+        ("allreduce_residual_rmsnorm_out_fp8",
+         lambda: moefuse.allreduce_residual_rmsnorm_out_fp8(x, res, w, t.scale, residual_out=ro,
+                                                            norm_out=no, quant_out=t.q8, **kw)),
+        ("allreduce_residual_rmsnorm_nvfp4",
+         lambda: moefuse.allreduce_residual_rmsnorm_nvfp4(x, res, w, t.gscale, layout="linear",
+                                                          residual_out=ro, quant_out=t.q4,
+                                                          scale_out=t.sf4, **kw)),
+        ("allreduce_residual_rmsnorm_out_nvfp4",
+         lambda: moefuse.allreduce_residual_rmsnorm_out_nvfp4(x, res, w, t.gscale,
+                                                              layout="linear", residual_out=ro,
+                                                              norm_out=no, quant_out=t.q4,
+                                                              scale_out=t.sf4, **kw)),
+        ("all_gather_rmsnorm", lambda: moefuse.all_gather_rmsnorm(t.shard, w, out=t.ffn, **kw)),
+        ("all_gather_rmsnorm_fp8",
+         lambda: moefuse.all_gather_rmsnorm_fp8(t.shard, w, t.scale, out=t.q8, **kw)),
+        ("all_gather_rmsnorm_fp4_quantize",
+         lambda: moefuse.all_gather_rmsnorm_fp4_quantize(t.shard, w, t.gscale, out=t.q4,
+                                                         scale_out=t.sf4, **kw)),
+        ("all_gather_gated_residual_next_rmsnorm",
+         lambda: moefuse.all_gather_gated_residual_next_rmsnorm(
+             t.shard, t.res32, t.alpha, t.beta, w, residual_out=t.ro32, ffn_input=t.ffn, **kw)),
+        ("moe_allreduce_residual_rmsnorm",
+         lambda: moefuse.moe_allreduce_residual_rmsnorm(t.rows_e, t.scales_e, t.tok, res, w,
+                                                        residual_out=ro, norm_out=no, **kw)),
+        ("moe_finalize_allreduce_residual_rmsnorm",
+         lambda: moefuse.moe_finalize_allreduce_residual_rmsnorm(
+             t.rows_p, res, w, t.perm, expert_scale_factor=t.wts, shared_expert_output=t.tok,
+             residual_out=ro, norm_out=no, **kw)),
+        ("tp_moe_finalize_rmsnorm",
+         lambda: moefuse.tp_moe_finalize_rmsnorm(t.rows_p, t.wts32, t.perm, w, t.tp_out,
+                                                 workspace=ens, impl=impl, **norm_opts)),
+        ("moe_finalize_rmsnorm_allreduce",
+         lambda: moefuse.moe_finalize_rmsnorm_allreduce(t.rows_p, t.wts32, t.ep_idx, w, t.ep_out,
+                                                        workspace=ws, impl=impl, **norm_opts)),
+    ]  # fmt: skip

@@ -125,31 +125,51 @@ def trtllm_allreduce_fusion(
     if residual_in is None or rms_gamma is None or residual_out is None:
         raise ValueError("trtllm_allreduce_fusion: residual_in, residual_out and rms_gamma are "
                          f"required by pattern {pattern}")  # fmt: skip
-    # outputs are viewed, never reshaped: a copy would silently drop the results
-    rows = lambda t: t.view(token_num, hidden_dim) if t is not None else None  # noqa: E731
     common.update(eps=1e-6 if rms_eps is None else float(rms_eps),
                   weight_bias=0.0 if weight_bias is None else float(weight_bias))  # fmt: skip
     res = residual_in.reshape(token_num, hidden_dim)
     if pattern == AllReduceFusionPattern.kARResidualRMSNorm:
-        comm.allreduce_residual_rmsnorm(x, res, rms_gamma, residual_out=rows(residual_out),
-                                        norm_out=rows(norm_out), **common)  # fmt: skip
+        comm.allreduce_residual_rmsnorm(x, res, rms_gamma, residual_out=_rows(residual_out, x),
+                                        norm_out=_rows(norm_out, x), **common)  # fmt: skip
         return None
     scale = _scale_tensor(scale_factor, x.device)
     if pattern in (AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
                    AllReduceFusionPattern.kARResidualRMSNormOutFP8Quant):  # fmt: skip
-        q = rows(quant_out)
-        if pattern == AllReduceFusionPattern.kARResidualRMSNormFP8Quant:
-            comm.allreduce_residual_rmsnorm_fp8(x, res, rms_gamma, scale,
-                                                residual_out=rows(residual_out), quant_out=q,
+        _fp8_pattern(pattern, x, res, rms_gamma, scale, _rows(residual_out, x), norm_out,
+                     _rows(quant_out, x), common)  # fmt: skip
+    else:
+        _fp4_pattern(pattern, x, res, rms_gamma, scale, _rows(residual_out, x), norm_out,
+                     quant_out, scale_out, layout_code, common)  # fmt: skip
+    return None
+
+
+def _rows(t, x):
+    """``t`` viewed (never reshaped: a copy would silently drop the results) as ``x``'s [M, H]."""
+    return t.view(x.shape) if t is not None else None
+
+
+def _fp8_pattern(pattern: int, x, res, gamma, scale, residual_out, norm_out, quant_out,
+                 common: dict) -> None:  # fmt: skip
+    """Patterns 2 / 4 (all-reduce + residual + RMSNorm + FP8, without / with norm_out) on [M, H]
+    views of the caller's tensors (``norm_out`` viewed here, by the pattern that writes it)."""
+    if pattern == AllReduceFusionPattern.kARResidualRMSNormFP8Quant:
+        comm.allreduce_residual_rmsnorm_fp8(x, res, gamma, scale, residual_out=residual_out,
+                                            quant_out=quant_out, **common)  # fmt: skip
+    else:
+        comm.allreduce_residual_rmsnorm_out_fp8(x, res, gamma, scale, residual_out=residual_out,
+                                                norm_out=_rows(norm_out, x), quant_out=quant_out,
                                                 **common)  # fmt: skip
-        else:
-            comm.allreduce_residual_rmsnorm_out_fp8(x, res, rms_gamma, scale,
-                                                    residual_out=rows(residual_out),
-                                                    norm_out=rows(norm_out), quant_out=q,
-                                                    **common)  # fmt: skip
-        return None
+
+
+def _fp4_pattern(pattern: int, x, res, gamma, scale, residual_out, norm_out, quant_out,
+                 scale_out, layout_code, common: dict) -> None:  # fmt: skip
+    """Patterns 3 / 5 (all-reduce + residual + RMSNorm + NVFP4, without / with norm_out):
+    ``quant_out`` and ``scale_out`` are the caller's tensors in any byte dtype, viewed as
+    [M, H / 2] packed bytes and the ``layout_code`` layout's scale shape; ``norm_out`` is viewed
+    as [M, H] by the pattern that writes it."""
     from moefuse.quant.formats import scale_layout_shape
 
+    token_num, hidden_dim = x.shape
     layout = _LAYOUT_NAMES[0 if layout_code is None else int(layout_code)]
     q = quant_out.view(torch.uint8).view(token_num, hidden_dim // 2) if quant_out is not None \
         else None  # fmt: skip
@@ -158,12 +178,11 @@ def trtllm_allreduce_fusion(
         sf = scale_out.view(torch.uint8).view(
             scale_layout_shape(token_num, hidden_dim // 16, layout))
     if pattern == AllReduceFusionPattern.kARResidualRMSNormFP4Quant:
-        comm.allreduce_residual_rmsnorm_nvfp4(x, res, rms_gamma, scale, layout=layout,
-                                              residual_out=rows(residual_out), quant_out=q,
+        comm.allreduce_residual_rmsnorm_nvfp4(x, res, gamma, scale, layout=layout,
+                                              residual_out=residual_out, quant_out=q,
                                               scale_out=sf, **common)  # fmt: skip
     else:
-        comm.allreduce_residual_rmsnorm_out_nvfp4(x, res, rms_gamma, scale, layout=layout,
-                                                  residual_out=rows(residual_out),
-                                                  norm_out=rows(norm_out), quant_out=q,
+        comm.allreduce_residual_rmsnorm_out_nvfp4(x, res, gamma, scale, layout=layout,
+                                                  residual_out=residual_out,
+                                                  norm_out=_rows(norm_out, x), quant_out=q,
                                                   scale_out=sf, **common)  # fmt: skip
-    return None

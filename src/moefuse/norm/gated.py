@@ -357,8 +357,7 @@ def _gated_residual_kernel(
 def _gated_residual_next_kernel(
     b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr,
     n_rows, H, Hf,
-    b_st, r_st, ro_st, f_st, rt_st,
-    alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
+    strides, scalars,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     ALPHA_MODE: tl.constexpr, HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
@@ -368,7 +367,11 @@ def _gated_residual_next_kernel(
     """SPEC §1.4: gated stream update, then the next RMSNorm of the FP32 residual_out.
 
     ALPHA_MODE: 0 = scalar 1.0 (u = residual), 1 = other scalar, 2 = per-channel tensor.
+    ``strides`` and ``scalars`` are tuples, unpacked by name on the first lines (the offline
+    compile scripts read these names to type and specialise each element).
     """
+    b_st, r_st, ro_st, f_st, rt_st = strides
+    alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center = scalars
     pid = tl.program_id(0)
     if STEPPED:
         next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr,
@@ -489,9 +492,9 @@ def launch_gated_residual_next_rmsnorm(
         post_weight if post_weight is not None else next_weight,
         residual_out, ffn_input, router,
         n_rows, width, float(width),
-        branch.stride(0), residual.stride(0), residual_out.stride(0), ffn_input.stride(0),
-        router.stride(0),
-        alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
+        (branch.stride(0), residual.stride(0), residual_out.stride(0), ffn_input.stride(0),
+         router.stride(0)),
+        (alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center),
     )  # fmt: skip
     consts = nt._row_consts(tile, width, n_rows, unroll, tiles.STEP_LOOP_MIN_ROWS, use_pdl)
     consts.update(ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,

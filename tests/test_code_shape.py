@@ -1,0 +1,98 @@
+"""Kernels stay readable: no ``@triton.jit`` function of src/ takes more than 32 parameters
+(argument lists are grouped into tuples, notes/kernel-arguments.md) and no function of src/ is
+over 100 lines (``def`` line to last line, decorators excluded, as committed).
+
+``PENDING`` names the communication kernels not yet regrouped or split (with their sizes when
+the list was written, for the reader): the test passes with them, fails when any other function
+crosses a limit, and fails when a pending one has come under the limits (its entry must then
+go), so the list only shrinks."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MAX_JIT_PARAMS = 32
+MAX_LINES = 100
+
+#: (module path under src/, function): why it is waiting (the communication kernels' grouping)
+PENDING = {
+    ("moefuse/comm/all_gather/decode.py", "_ag_rmsnorm_kernel"): "61 parameters",
+    ("moefuse/comm/all_gather/decode.py", "norm_tile_early"): "56 parameters",
+    ("moefuse/comm/all_gather/decode.py", "norm_tile"): "46 parameters",
+    ("moefuse/comm/all_gather/persistent.py", "_ag_rmsnorm_persistent_kernel"): "59 parameters",
+    ("moefuse/comm/all_reduce/kernels.py", "_oneshot_kernel"): "39 parameters",
+    ("moefuse/comm/all_reduce/kernels.py", "_oneshot_prefetch_kernel"): "39 parameters",
+    ("moefuse/comm/all_reduce/kernels.py", "_twoshot_kernel"): "43 parameters",
+    ("moefuse/comm/expert_norm/tp_kernels.py", "_tp_slot_oneshot_kernel"):
+        "35 parameters, 105 lines",
+    ("moefuse/comm/expert_norm/tp_kernels.py", "_tp_staged_kernel"): "33 parameters",
+    ("moefuse/comm/moe_reduction/kernels.py", "_moe_oneshot_kernel"): "61 parameters",
+    ("moefuse/comm/moe_reduction/kernels.py", "_moe_split_kernel"): "64 parameters",
+    ("moefuse/comm/moe_reduction/kernels.py", "_moe_twoshot_kernel"): "65 parameters",
+}  # fmt: skip
+
+
+def _is_jit(node: ast.FunctionDef) -> bool:
+    """``@triton.jit``, ``@triton.jit(...)``, ``@jit`` and the like."""
+    for dec in node.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+        if name == "jit":
+            return True
+    return False
+
+
+def _params(node: ast.FunctionDef) -> int:
+    a = node.args
+    return (len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None)
+            + (a.kwarg is not None))  # fmt: skip
+
+
+def over_limits(root: Path = SRC) -> dict[tuple[str, str], str]:
+    """``{(module, function): "N parameters" / "N lines"}`` for every function of ``root``'s
+    modules over a limit (nested functions and methods included)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        module = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            why = []
+            if _is_jit(node) and _params(node) > MAX_JIT_PARAMS:
+                why.append(f"{_params(node)} parameters")
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_LINES:
+                why.append(f"{lines} lines")
+            if why:
+                out[(module, node.name)] = ", ".join(why)
+    return out
+
+
+def test_no_function_over_the_limits():
+    found = over_limits()
+    new = {k: v for k, v in found.items() if k not in PENDING}
+    assert not new, (
+        f"over {MAX_JIT_PARAMS} parameters (@triton.jit) or {MAX_LINES} lines: {new}; group the "
+        "arguments into tuples (notes/kernel-arguments.md) or split the function")
+
+
+def test_pending_list_only_shrinks():
+    found = over_limits()
+    done = sorted(k for k in PENDING if k not in found)
+    assert not done, f"under the limits now: remove {done} from PENDING"
+
+
+def test_the_walk_finds_what_it_must(tmp_path):
+    """The walk counts a jit kernel's parameters and a plain function's lines (the check above
+    cannot pass by finding nothing)."""
+    params = ", ".join(f"a{i}" for i in range(MAX_JIT_PARAMS + 1))
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
+    (tmp_path / "m.py").write_text(
+        "import triton\n\n\n"
+        f"@triton.jit(do_not_specialize=['a0'])\ndef wide({params}):\n    pass\n\n\n"
+        f"@triton.jit\ndef narrow({params[: params.rindex(',')]}):\n    pass\n\n\n"
+        f"def long():\n{body}\n\n\n"
+        f"def short():\n{body[: body.rindex(chr(10))]}\n"
+    )  # fmt: skip
+    assert over_limits(tmp_path) == {("m.py", "wide"): f"{MAX_JIT_PARAMS + 1} parameters",
+                                     ("m.py", "long"): f"{MAX_LINES + 1} lines"}  # fmt: skip
