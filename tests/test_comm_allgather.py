@@ -1,4 +1,4 @@
-"""All-gather + norm fusions on CPU (SPEC §3.6, §3.7): the real Triton kernels in the interpreter
+"""All-gather + norm fusions on CPU: the real Triton kernels in the interpreter
 across 2-4 real processes (gloo group, shared-memory peer buffers). Every op, one-shot and
 torch algorithms, bitwise against "gather the shards, then the single-GPU op" (same Triton
 kernel, so the claim is exact equality), the references against that within the single-GPU

@@ -20,7 +20,7 @@ symmetric-memory baselines need their input in one symmetric buffer and do not r
 only flatter them). Bytes: ``payload = M*H*2`` per rank; ``algbw`` = payload / time (nccl-tests'
 algorithm bandwidth); ``tbs`` = the 4 x payload each rank must read and write locally (input,
 residual, two outputs) / time, against the SM-copy ceiling. The run ends with the issue's
-performance bar (anchors from ../shared/measurements/h200-baselines.md) and writes
+performance bar (anchors: FlashInfer's measured H200 latencies) and writes
 ``bench/results/allreduce-<gpu>-p<P>.json/.png`` with ``--save``.
 """
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the all-reduce fusions (SPEC: the common model and the all-reduce fusion) and
+"""Triton kernels of the all-reduce fusions (spec: the common model and the all-reduce fusion) and
 their launcher.
 
 Three algorithms, one epilogue (:func:`moefuse.comm.device.epilogue_row`), same bits:

@@ -1,4 +1,4 @@
-"""Triton kernels of the per-expert-norm MoE finalize fusions (SPEC: tp_moe_finalize_rmsnorm,
+"""Triton kernels of the per-expert-norm MoE finalize fusions (spec: tp_moe_finalize_rmsnorm,
 moe_finalize_rmsnorm_allreduce) and launchers.
 
 TP (``tp_moe_finalize_rmsnorm``): every rank holds a partial GEMM2 row per (token, slot); the P

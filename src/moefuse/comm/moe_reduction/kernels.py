@@ -1,4 +1,4 @@
-"""Triton kernels of the MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize all-reduce
+"""Triton kernels of the MoE-reduction family (the spec's MoE-reduction and MoE-finalize all-reduce
 fusions) and their launcher.
 
 Each kernel is an all-reduce kernel of :mod:`moefuse.comm.all_reduce.kernels` with a *producer*
@@ -26,7 +26,7 @@ HBM on the peer paths:
 
 All three produce the same partial (same device function) and the same rank-order sum handed to
 the same epilogue, hence the same bits. FMA contraction is off (``enable_fp_fusion=False``): the
-SPEC rounds between the multiply by the routed scaling factor and the shared-expert add; the one
+spec rounds between the multiply by the routed scaling factor and the shared-expert add; the one
 FMA that is wanted (the FP32 finalize chain) is the explicit ``fma.rn.ftz``.
 """
 

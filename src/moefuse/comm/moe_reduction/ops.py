@@ -1,4 +1,4 @@
-"""torch.library custom ops of the MoE-reduction fusions (SPEC: the MoE-reduction and
+"""torch.library custom ops of the MoE-reduction fusions (spec: the MoE-reduction and
 MoE-finalize all-reduce fusions).
 
 As in :mod:`moefuse.comm.all_reduce.ops`: each op writes caller-allocated outputs, returns nothing,
