@@ -576,7 +576,7 @@ def test_decode_and_persistent_modes(monkeypatch):
 def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_rows=0,
                        decode_mode=""):  # fmt: skip
     """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on the one-launch
-    kernels (issue 17e): the decode kernel at M <= 64 when ``decode``, else the persistent
+    kernels: the decode kernel at M <= 64 when ``decode``, else the persistent
     kernel forced (grid cap ``grid``: several tiles per CTA, ``lookahead`` tiles ahead); outputs
     poisoned first, bitwise against the single-GPU op on the full rows, and the fused launcher
     counted (not the two-launch fallback). ``cases``: ("fp8", dtype code 0 / 1), ("fp4",

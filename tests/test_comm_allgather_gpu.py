@@ -359,7 +359,7 @@ def one_kernel_checks(rank, env, tokens, label, op="rmsnorm"):
 
 def scenario_quant_one_launch(rank, _, op):
     """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on their one-launch
-    kernels (issue 17e): the decode kernel at M in {1, 7, 64}, the persistent kernel at M in
+    kernels: the decode kernel at M in {1, 7, 64}, the persistent kernel at M in
     {300, 1000, 4096} (defaults: the gated op at 300 only) and at 65 / 4097 with many tiles per
     CTA; the launchers are counted
     (no two-launch fallback)."""

@@ -302,7 +302,7 @@ class AllReduceWorkspace:
         if self.loopback:
             # the ranks' kernels share the GPU and spin on each other: sized to 1/P of the SMs
             # less one, every rank's persistent grid is resident at once (else the waits run
-            # out). MEASURED (H200, session 15, notes/comm-moe-reduction.md): at exactly 66 of 132
+            # out). MEASURED (H200, notes/comm-moe-reduction.md): at exactly 66 of 132
             # SMs the MoE-finalize one-shot at 2 CTAs per SM (H = 7168) timed out in 2 of 2 runs (M
             # = 4097 then 2049); at 65 or 60 every case passed
             sms = max(1, sms // self.world_size - 1)
