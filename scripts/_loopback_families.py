@@ -188,7 +188,7 @@ class MoeFinalize:
 
 
 class MoeReduce:
-    """``moe_allreduce_residual_rmsnorm`` (SPEC §3.2: E_loc = K dense expert rows per token,
+    """``moe_allreduce_residual_rmsnorm`` (spec: E_loc = K dense expert rows per token,
     FP32 scales [E_loc, M], token input; stepwise) one-shot / two-shot, as the bench's
     ``reduction_cases``. Timing-only "chain": ``moe_finalize`` of the rows viewed as
     [E_loc * M, H] through map[t, e] = e * M + t, then ``allreduce_residual_rmsnorm`` (the
@@ -363,7 +363,7 @@ class TpFinalize:
         diff = (out.float() - exp.float()).abs()
         e = torch.floor(torch.log2(exp.float().abs().clamp_min(2.0**-126)))
         ulp = torch.pow(2.0, e - 7).clamp_min(2.0**-133)
-        try:  # sum_k |y_k w_k| over the valid slots (the cancellation bound of SPEC §3.4)
+        try:  # sum_k |y_k w_k| over the valid slots (the spec's cancellation bound)
             valid, x = ref._slot_rows(parts, idx, nw.shape[0])
             y = torch.zeros_like(x)
             y[valid] = ref.expert_norm(x[valid], nw, cls.opts["eps"], cls.opts["gain_center"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B timing of two versions of src/ inside ONE device call, alternating.
 #
-# Why: two H200 machine instances differ by ~0.4 µs per decode call (session 10: the same
+# Why: two H200 machine instances differ by ~0.4 µs per decode call (2026-11-30: the same
 # all-reduce read 3.38 µs on one instance and 3.62 on the next), and identical kernels in one run
 # spread by 0.2-0.5 µs; most decode changes are smaller than that. Only runs in one call, taken
 # in turn, compare two versions.

@@ -14,7 +14,7 @@ each kernel with the single-GPU op it must match. ``DIFF`` means the two sum at 
 statistic in different orders (bits may differ, now and then, by an ulp); a kernel that sums
 one statistic twice, in two layouts, shows more sums than its reference.
 
-Written after an H200 run (notes/norm.md, session 16) found gated_next's ffn_input differing with
+Written after an H200 run (notes/norm.md) found gated_next's ffn_input differing with
 and without router_input on one-pass rows; this audit showed the two layouts before any GPU time
 and MATCH after the fix. tests/test_reduce_trees.py runs it in CI (exit status 1 on any DIFF).
 Run: PYTHONPATH=src python scripts/audit_reduce_trees.py [--widths 1024,2048,4096] [--p 2]

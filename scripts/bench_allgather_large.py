@@ -1,4 +1,4 @@
-"""all_gather_rmsnorm at large M on P GPUs (issue 17's NVLink bar): the persistent gather + norm
+"""all_gather_rmsnorm at large M on P GPUs (against the NVLink bound): the persistent gather + norm
 kernel (comm/all_gather/persistent.py) against the old paths, bitwise first.
 
 Run (2 x H200, < 4 minutes)::

@@ -1,4 +1,4 @@
-"""Cost and latency of the no-sync fault check (issue 15) on 2 GPUs.
+"""Cost and latency of the no-sync fault check on 2 GPUs.
 
 Per rank, on a workspace with H = 4096 (BF16):
 1. ``ws.raise_if_failed()`` and ``ws.failed()`` on a healthy workspace: ns per call (the check

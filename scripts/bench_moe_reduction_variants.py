@@ -1,4 +1,4 @@
-"""Old vs new one-shot variants of ``moe_finalize_allreduce_residual_rmsnorm`` on 2 GPUs (issue 16).
+"""Old vs new one-shot variants of ``moe_finalize_allreduce_residual_rmsnorm`` on 2 GPUs.
 
 For H = 4096, K = 8 and each M: first every variant is checked bitwise against the current fused
 one-shot kernel (same accumulate mode) on fresh random inputs with NaN-poisoned outputs, and the

@@ -1,7 +1,7 @@
 """Where a decode call of the MoE-reduction fusions spends its time (2 GPUs, P = 2).
 
 At one token the MoE finalize fusion (`moe_finalize_allreduce_residual_rmsnorm`) took 4.34-4.47 µs
-in session 9 against 3.75 µs for the all-reduce fusion all-reduce + residual + RMSNorm alone, and
+on 2 x H200 against 3.75 µs for the all-reduce fusion all-reduce + residual + RMSNorm alone, and
 `tp_moe_finalize_rmsnorm` 7.1-7.4 µs (notes/comm-moe-reduction.md, notes/comm-expert-norm.md). This
 times, in one run, the variants that isolate each suspect (CUDA-graph replays of 20 calls, max
 over ranks, median of the replays); every row differs from ``split`` in one respect:

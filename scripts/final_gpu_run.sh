@@ -3,13 +3,13 @@
 # $W and the whole folder is re-packed into $OUT/all.tgz after every step (8 files come back).
 # Steps: `bash scripts/final_gpu_run.sh moe-reduction expert-norm tp-example` (default: all); t-* steps
 # run GPU test files; two lists can run at once: `(bash $0 t-fastpath &); bash $0 t-moe-reduction`.
-# First 2-GPU calls after session 13 (they decide its loopback-measured defaults; each < 10 min):
+# 2-GPU runs that decide the loopback-measured defaults (each < 10 min):
 #   bash scripts/final_gpu_run.sh t-allgather tp-quick      (tests of the new paths; tp split fold)
 #   bash scripts/final_gpu_run.sh ag-gated t-expert-norm    (gated persistent vs moefuse_chunked)
 #   bash scripts/final_gpu_run.sh ag-modes                  (decode / persistent modes per op)
-#   bash scripts/final_gpu_run.sh moe-reduction-large t-moe-reduction (session 15: §3.2 "auto" = two-shot at
+#   bash scripts/final_gpu_run.sh moe-reduction-large t-moe-reduction (moe_allreduce_residual_rmsnorm "auto" = two-shot at
 #     2 CTAs per SM for H > 4096, M >= 2048, against fused_oneshot, fused_twoshot_1cta_per_sm and
-#     chain (a); §3.3 fused_twoshot against its one-shot default, predicted ~12 % faster)
+#     chain (a); moe_finalize_allreduce_residual_rmsnorm fused_twoshot against its one-shot default, predicted ~12 % faster)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 W=/tmp/w; mkdir -p $W

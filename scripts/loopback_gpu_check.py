@@ -11,7 +11,7 @@ one CUDA stream each, ``transport="loopback"``; see ``moefuse.testing_ranks``).
      ``all_gather_gated_residual_next_rmsnorm`` one-shot: bitwise equal to the single-GPU op
      (``rmsnorm``, ``rmsnorm_quant``, ``rmsnorm_fp4_quantize``, ``gated_residual_next_rmsnorm``)
      on the full rows;
-   * ``tp_moe_finalize_rmsnorm`` (K = 8) every peer algorithm: within the SPEC §3.4 bound
+   * ``tp_moe_finalize_rmsnorm`` (K = 8) every peer algorithm: within the spec's bound
      (1 BF16 ulp + 2^-20 sum_k |y_k w_k|) of the reference, bitwise across algorithms;
    * ``moe_finalize_rmsnorm_allreduce`` (EP, K = 8, slot k local on rank k mod P) one-shot /
      two-shot: within the EP bound of tests/test_comm_expert_norm.py, bitwise across algorithms;

@@ -8,7 +8,8 @@ For each op and width, on fresh random rows (M rows), it counts rows whose bits 
   alone  : the row is computed alone (M = 1), for ``--alone`` rows spread over the batch,
   router : (gated_next only) router_input is not requested (the kernel's other variant),
   rerun  : the same call is repeated (a race would show here).
-Nothing is timed. First result (notes/norm.md, "Session 16"): roll, alone and rerun never
+Nothing is timed. First result (notes/norm.md, "ffn_input with / without router_input"): roll,
+alone and rerun never
 differed; gated_next's ffn_input differed with and without router_input on one-pass tiles
 (<= 2048 columns) until the router kernel stored residual_out last; 0 rows since.
 Run: PYTHONPATH=src python scripts/probe_batch_invariance.py [--widths 64,128] [--tokens 16384]

@@ -38,7 +38,7 @@ VARIANTS = {
 }
 TOKENS = [1, 8, 64, 128, 512, 2048]
 WIDTHS = [4096, 7168]
-#: H = 4096, P = 2 targets: FlashInfer one-shot / 1.15 (../shared/measurements/h200-baselines.md)
+#: H = 4096, P = 2 targets: FlashInfer's one-shot latency on H200 / 1.15
 TARGET_US = {1: 4.0, 8: 5.2 / 1.15, 64: 6.6 / 1.15, 512: 19.5 / 1.15}
 
 

@@ -2,7 +2,7 @@
 registers (ptxas maxnreg). A cap changes no arithmetic (same tile, warps and tree), so the bits
 must stay; it only lets more row tiles be resident per SM, i.e. more loads in flight, which is
 where torch.compile's looped kernel (32 registers, 4 x 16 warps per SM) beats the one-pass tile
-at M = 16384 (notes/norm.md, fifth session). sm_90a registers of the one-pass tiles (scripts/
+at M = 16384 (notes/norm.md). sm_90a registers of the one-pass tiles (scripts/
 compile_check.py): fused_add 4096 64 (4 programs of 8 warps per SM), 8192 125 (2); rmsnorm /
 sigmoid gate 4096 54-55 (4); sigmoid 32 x 128 rows share tiles of 2048 elements.
 

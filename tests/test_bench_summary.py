@@ -72,12 +72,20 @@ def test_write_summary_and_readme_block(tmp_path):
     _write(tmp_path / "norm-h200.json", _rows("rmsnorm", "H=4096", 1, moefuse=2.0, compile=3.0))
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\nbefore\n{summary.START}\nold table\n{summary.END}\nafter\n")
-    written = summary.write_summary(tmp_path, readme)
+    (tmp_path / "docs").mkdir()
+    docs = tmp_path / "docs" / "benchmarks.md"
+    docs.write_text(f"# b\n{summary.DOC_START}\nold\n{summary.DOC_END}\ntail\n")
+    written = summary.write_summary(tmp_path, readme, docs)
     md = (tmp_path / "SUMMARY.md").read_text()
     assert "| norm | norm-h200.json |" in md and "1.50 x compile (2.00 µs)" in md
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\nbefore\n") and "after" in text
-    assert "| 1.50 / 1.50 / 1.50 | 1 / 1 |" in text
+    assert ("* **norm** (NVIDIA H200, 2026-11-30): 1.50 x the best baseline (median of 1 cases, "
+            "1.50-1.50) · [details](docs/benchmarks.md#norm-h200)") in text  # fmt: skip
+    page = docs.read_text()
+    assert page.startswith("# b\n") and page.endswith("tail\n") and "\nold\n" not in page
+    assert "| 1.50 / 1.50 / 1.50 | 1 / 1 |" in page and "### norm-h200" in page
+    assert "[norm-h200.json](../norm-h200.json)" in page and docs in written
     pytest.importorskip("matplotlib")
     assert tmp_path / "norm-h200-speedup.png" in written
     assert (tmp_path / "norm-h200-speedup.png").stat().st_size > 0
@@ -94,9 +102,14 @@ def test_committed_summary_is_current(tmp_path):
     results = summary.load(tmp_path)
     stale = "stale: run `python -m moefuse bench summary` from the repository root and commit"
     assert summary.summary_markdown(results) == (RESULTS / "SUMMARY.md").read_text(), stale
-    readme = (RESULTS.parent.parent / "README.md").read_text()
-    table = summary.overview_table(results).replace("](", "](bench/results/")
-    assert f"{summary.START}\n{table}\n{summary.END}" in readme, stale
+    root = RESULTS.parent.parent
+    lines = summary.status_lines(results, "docs/benchmarks.md")
+    assert f"{summary.START}\n{lines}\n{summary.END}" in (root / "README.md").read_text(), stale
+    details = summary.details_markdown(results, "../bench/results/")
+    page = (root / "docs" / "benchmarks.md").read_text()
+    assert f"{summary.DOC_START}\n{details}\n{summary.DOC_END}" in page, stale
+    for res in results:  # every status line links to a section of the page
+        assert f"\n### {res.path.stem}\n" in page
     for res in results:
         if res.cases:
             assert (RESULTS / f"{res.path.stem}-speedup.png").is_file(), stale

@@ -1,7 +1,7 @@
 """All-reduce fusions on CPU: the references against an independent FP64 oracle, and the real
 Triton kernels in the interpreter across 2-8 real processes (gloo group, shared-memory peer
 buffers): every pattern x algorithm against the oracle, bitwise across algorithms, ranks and batch
-sizes, -0.0 inputs, bounded waits, opcheck and torch.compile (SPEC §3.1, §5)."""
+sizes, -0.0 inputs, bounded waits, opcheck and torch.compile (spec: All-reduce fusions)."""
 
 from __future__ import annotations
 

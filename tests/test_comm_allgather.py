@@ -1,4 +1,4 @@
-"""All-gather + norm fusions on CPU (SPEC §3.6, §3.7): the real Triton kernels in the interpreter
+"""All-gather + norm fusions on CPU: the real Triton kernels in the interpreter
 across 2-4 real processes (gloo group, shared-memory peer buffers). Every op, one-shot and
 torch algorithms, bitwise against "gather the shards, then the single-GPU op" (same Triton
 kernel, so the claim is exact equality), the references against that within the single-GPU
@@ -576,7 +576,7 @@ def test_decode_and_persistent_modes(monkeypatch):
 def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_rows=0,
                        decode_mode=""):  # fmt: skip
     """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on the one-launch
-    kernels (issue 17e): the decode kernel at M <= 64 when ``decode``, else the persistent
+    kernels: the decode kernel at M <= 64 when ``decode``, else the persistent
     kernel forced (grid cap ``grid``: several tiles per CTA, ``lookahead`` tiles ahead); outputs
     poisoned first, bitwise against the single-GPU op on the full rows, and the fused launcher
     counted (not the two-launch fallback). ``cases``: ("fp8", dtype code 0 / 1), ("fp4",

@@ -1,5 +1,5 @@
 """All-gather + norm fusions on 2 H200s (NCCL group, symmetric-memory peer buffers, no multicast;
-SPEC §3.6, §3.7): every op at H in {4096, 7168, 8192} x M in {1, 7, 64, 1000, 4096}, bitwise
+spec): every op at H in {4096, 7168, 8192} x M in {1, 7, 64, 1000, 4096}, bitwise
 equal to "the full rows, then the single-GPU op" for the one-shot and torch algorithms, with PDL
 off, and for a token alone vs in a batch; identical on both ranks; within the single-GPU
 tolerances of the references; CUDA-graph replays with fresh data each replay; a bounded wait
@@ -359,7 +359,7 @@ def one_kernel_checks(rank, env, tokens, label, op="rmsnorm"):
 
 def scenario_quant_one_launch(rank, _, op):
     """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on their one-launch
-    kernels (issue 17e): the decode kernel at M in {1, 7, 64}, the persistent kernel at M in
+    kernels: the decode kernel at M in {1, 7, 64}, the persistent kernel at M in
     {300, 1000, 4096} (defaults: the gated op at 300 only) and at 65 / 4097 with many tiles per
     CTA; the launchers are counted
     (no two-launch fallback)."""

@@ -1,4 +1,4 @@
-"""Per-expert-norm MoE finalize fusions on CPU (SPEC §3.4 TP, §3.5 EP): the references against
+"""Per-expert-norm MoE finalize fusions on CPU: the references against
 formulas written here, then the real Triton kernels in the interpreter across 2-4 real processes
 (gloo group, shared-memory peer buffers): every algorithm against the oracle, bitwise across
 algorithms, ranks and batch positions (a token alone vs inside its batch), invalid / non-local
@@ -158,7 +158,8 @@ def assert_ep_close(out, rows, weights, idxs, norm_weight, opts, what):
 
 # ----------------------------------------------------------------------------- references
 def test_tp_reference_matches_formulas():
-    """§3.4 reference against a per-token loop written here (FP64 statistic, grouped order)."""
+    """tp_moe_finalize_rmsnorm reference against a per-token loop written here (FP64 statistic,
+    grouped order)."""
     partials, weights, idx, nw = make_tp_case(5, 3, 4, 40, 5)
     for wbn, gc in ((True, 0.0), (False, 1.0)):
         got = ref.tp_moe_finalize_rmsnorm_from_ranks(partials, weights, idx, nw, eps=1e-6,

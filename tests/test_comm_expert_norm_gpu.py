@@ -1,5 +1,5 @@
 """Per-expert-norm MoE finalize fusions on 2 H200s (NCCL group, peer buffers, no multicast):
-``tp_moe_finalize_rmsnorm`` (SPEC §3.4) and ``moe_finalize_rmsnorm_allreduce`` (§3.5) at
+``tp_moe_finalize_rmsnorm`` and ``moe_finalize_rmsnorm_allreduce`` (spec: same headings) at
 H in {2880, 4096, 7168}, K in {2, 6, 8}, M in {1, 7, 64, 200, 4096}: every algorithm against the
 oracle (all ranks' inputs, computed on the GPU), bitwise across algorithms, PDL on/off, ranks,
 and a token alone vs inside the batch of 4096; invalid / non-local indices with NaN-poisoned rows

@@ -1,4 +1,4 @@
-"""Communication faults surface on their own (issue 15), on CPU: the real kernels in Triton's
+"""Communication faults surface on their own, on CPU: the real kernels in Triton's
 interpreter across real processes (gloo group, shared-memory peer buffers).
 
 * a late rank: its peer's call raises after ~timeout_s naming it; the late rank's own call then

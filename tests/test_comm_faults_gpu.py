@@ -1,4 +1,4 @@
-"""Communication faults on 2 GPUs (issue 15): NCCL group, symmetric-memory peer buffers, no
+"""Communication faults on 2 GPUs: NCCL group, symmetric-memory peer buffers, no
 multicast. The host learns of a timed-out wait without a device sync (pinned host status block).
 
 * late rank: rank 0's call times out naming rank 1 (seen by ``ws.failed()`` after the step's

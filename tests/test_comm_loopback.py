@@ -116,8 +116,8 @@ def run_check_script(out_dir, *options, timeout_s: float = 300.0,
 
 
 def test_gpu_check_script_dry_run(tmp_path):
-    """scripts/loopback_gpu_check.py itself (what a one-GPU session runs) in its interpreter mode:
-    every family at H = 64, M = 1, so the script cannot rot between GPU sessions."""
+    """scripts/loopback_gpu_check.py itself (what a one-GPU check runs) in its interpreter mode:
+    every family at H = 64, M = 1, so the script cannot rot between GPU runs."""
     run_check_script(tmp_path, "--device", "cpu", "--hidden", "64", "--tokens", "1")
 
 

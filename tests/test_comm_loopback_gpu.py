@@ -1,8 +1,8 @@
 """Communication kernels on ONE GPU: scripts/loopback_gpu_check.py (two loopback ranks as threads
 of one process, half the SMs less one each) run as a subprocess, correctness only. Every family
-of that script at H = 4096, M = 1 and 64: all-reduce + norm, the §3.2 / §3.3 MoE fusions, every
+of that script at H = 4096, M = 1 and 64: all-reduce + norm, the MoE-reduction fusions, every
 all-gather op, every tp algorithm and the EP op, against the references (bitwise, or within the
-SPEC bound), bitwise across algorithms and across the ranks; then larger shapes per family.
+spec's bound), bitwise across algorithms and across the ranks; then larger shapes per family.
 Where two GPUs are lent, tests/test_comm_*_gpu.py run the same ops on real peers.
 
 Every call is settled (the rank's device synchronized, the workspace's fault word read) before
@@ -36,8 +36,8 @@ def test_loopback_gpu_check_allgather_persistent(tmp_path):
 
 
 def test_loopback_gpu_check_moe_large(tmp_path):
-    """The §3.2 and §3.3 MoE fusions from 2048 tokens, where the two-shot runs 2 CTAs per SM and
-    §3.2 "auto" takes it at H > 4096, and the one-shot grids fill both ranks' SMs: one-shot and
+    """The MoE-reduction fusions from 2048 tokens, where the two-shot runs 2 CTAs per SM and
+    its "auto" takes it at H > 4096, and the one-shot grids fill both ranks' SMs: one-shot and
     two-shot at H 7168 / 2880, M 2048 / 2049 / 4097, against the oracle of both ranks' inputs
     and bitwise equal to each other."""
     families = ("moe_reduce", "moe_finalize")

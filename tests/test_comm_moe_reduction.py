@@ -1,4 +1,4 @@
-"""MoE-reduction fusions on CPU (SPEC: MoE reduction, MoE finalize): the references against an
+"""MoE-reduction fusions on CPU (spec: MoE reduction, MoE finalize): the references against an
 independent scalar oracle, and the Triton kernels in the interpreter across 2-4 real processes (gloo
 group, shared-memory peer buffers): every algorithm against the oracle of all ranks' inputs, bitwise
 across algorithms, paths (impl="reference"), ranks and batch positions; invalid indices over
@@ -82,7 +82,7 @@ def digest(*tensors) -> str:
 
 # ----------------------------------------------------------------------------- references
 def _scalar_stepwise(rows, ws, rsf, shared):
-    """Element-by-element MoE-finalize stepwise partial of the SPEC (Python scalars through BF16
+    """Element-by-element MoE-finalize stepwise partial of the spec (Python scalars through BF16
     tensors)."""
     bf = lambda x: float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).float())  # noqa
     f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
@@ -116,7 +116,7 @@ def test_reference_partial_matches_scalar_oracle():
                 want = _scalar_stepwise(rows, wts, RSF, float(sh[t, j]))
                 assert float(got[t, j]) == want, (bias, t, j)
         assert torch.isfinite(got.float()).all()
-    # fp32 mode is the deterministic finalize of SPEC §2.2
+    # fp32 mode is the deterministic finalize of spec: moe_finalize
     from moefuse.moe.reference import moe_finalize_reference
 
     want = moe_finalize_reference(x, perm, w, routed_scaling_factor=RSF, shared_expert_output=sh,

@@ -1,4 +1,4 @@
-"""MoE-reduction fusions (SPEC: MoE reduction, MoE finalize) on 2 H200s (NCCL group,
+"""MoE-reduction fusions (spec: MoE reduction, MoE finalize) on 2 H200s (NCCL group,
 symmetric-memory peer buffers, no multicast): full shapes, both accumulate modes, invalid indices
 over NaN-poisoned rows, bitwise across one-shot / two-shot / torch.distributed / the reference path,
 ranks, PDL on/off and a token alone vs inside the batch; FP8 / NVFP4 outputs; 1,000 CUDA-graph

@@ -1,4 +1,4 @@
-"""MoE finalize on CPU (SPEC §2): the reference against an exact rational oracle, and the real
+"""MoE finalize on CPU (spec: MoE): the reference against an exact rational oracle, and the real
 Triton kernels in the interpreter against the reference, bit for bit."""
 
 import math
@@ -53,7 +53,7 @@ def fma_ftz_oracle(a: float, b: float, c: float) -> float:
 
 def finalize_oracle(inp, idx_map, scales, *, bias=None, expert_ids=None, rsf=1.0, shared=None,
                     expanded=False):  # fmt: skip
-    """SPEC §2.2 written out element by element with the rational FMA oracle."""
+    """spec: moe_finalize written out element by element with the rational FMA oracle."""
     m, k_slots = idx_map.shape
     n_rows, h = inp.shape
     out = torch.empty(m, h, dtype=torch.float32)
@@ -198,7 +198,7 @@ def test_reference_matches_oracle(expanded, ext, dtype):
                            rsf=kw.get("routed_scaling_factor", 1.0),
                            shared=kw.get("shared_expert_output"), expanded=expanded)  # fmt: skip
     assert_bitwise_equal(got, want, "reference vs oracle")
-    if not ext:  # SPEC §2.2: a fully masked token writes exactly +0.0
+    if not ext:  # spec: moe_finalize: a fully masked token writes exactly +0.0
         assert int(bits(got[2]).abs().sum()) == 0
 
 
@@ -270,7 +270,7 @@ def test_kernel_all_invalid_writes_positive_zero_and_reads_nothing():
 
 def test_kernel_signed_zero_and_subnormals():
     """-0.0 products keep the +0.0 start of the accumulator; subnormal rows, subnormal scales and
-    underflowing products flush to a zero of the product's sign (SPEC §2.3), in the kernel as in
+    underflowing products flush to a zero of the product's sign (spec), in the kernel as in
     the reference."""
     dt = torch.bfloat16
     inp = torch.tensor([[-0.0, 2.0**-130, -(2.0**-100), 1.0]], dtype=dt).repeat(4, 1)

@@ -1,5 +1,5 @@
 """RMSNorm family on CPU: references against an FP64 oracle, and the real Triton kernels in the
-interpreter against the references (SPEC §1, tolerances from moefuse.testing)."""
+interpreter against the references (spec: Norms, tolerances from moefuse.testing)."""
 
 import pytest
 import torch
@@ -123,7 +123,7 @@ def test_gated_residual_next_rmsnorm_kernel(dtype, width, alpha_kind, with_post_
             branch, residual, nw, alpha, beta, impl="reference", **kw
         )
         assert_close(ro, exp_ro, "fp32_stream", "residual_out")
-        # SPEC §5: the BF16 output is judged against the reference on the kernel's own pre-norm
+        # spec (Tests): the BF16 output is judged against the reference on the kernel's own pre-norm
         # (residual_out cancels between stream and branch, so its few-ulp FP32 error is relative)
         own = (ro * ref.inv_rms(ro, 1e-6)) * ref.gain(nw, 0.5)
         assert_close(ffn, own.to(dtype), "rsqrt_half", "ffn_input")

@@ -21,6 +21,9 @@ def test_pyproject_license_and_extras():
     extras = project["optional-dependencies"]
     assert "transformers>=5" in extras["transformers"] and "tqdm" in extras["bench"]
     assert any(r.startswith("setuptools>=77") for r in data["build-system"]["requires"])
+    urls = project["urls"]
+    assert {"Homepage", "Documentation", "Issues"} <= set(urls)
+    assert all(u.startswith("https://") for u in urls.values())
 
 
 def test_make_test_checks_the_wheel_once():
@@ -53,3 +56,16 @@ def test_every_public_op_has_a_formula_line():
     assert len(names) >= 25
     missing = [n for n in names if f"`{n}(" not in ops and f"`{n}`" not in ops]
     assert not missing, f"docs/ops.md has no line for {missing}"
+
+
+def test_every_public_op_is_in_the_spec():
+    """docs/spec.md names every public op of moefuse and moefuse.comm (a heading or a formula)."""
+    import moefuse.comm
+
+    spec = (ROOT / "docs" / "spec.md").read_text()
+    names = dict.fromkeys(n for n in [*moefuse.__all__, *moefuse.comm.__all__]
+                          if not n.startswith("supports_"))  # fmt: skip
+    assert len(names) >= 40
+    missing = [n for n in names
+               if not re.search(rf"`{n}[`(]|^###.*\b{n}\b", spec, re.M)]  # fmt: skip
+    assert not missing, f"docs/spec.md does not say what {missing} compute"

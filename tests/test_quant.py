@@ -1,4 +1,4 @@
-"""Quantization formats and standalone quantizers on CPU (SPEC §4).
+"""Quantization formats and standalone quantizers on CPU (spec: Quantization).
 
 The format primitives of ``moefuse.quant.formats`` (the reference) are checked against independent
 brute-force oracles (nearest representable value, ties to the even code); the Triton device
@@ -132,7 +132,7 @@ def test_fp8_bits_match_nearest_value_oracle(dtype):
 def test_e2m1_nibbles_match_nearest_value_oracle():
     x = _probe_values(n=40_000)
     assert_bitwise_equal(F.e2m1_nibbles(x), _e2m1_oracle(x), "e2m1")
-    # the SPEC's tie cases, spelled out: ties go to the even code
+    # the spec's tie cases, spelled out: ties go to the even code
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, 100.0, -0.0])
     expect = torch.tensor([0, 2, 2, 4, 4, 6, 6, 10, 7, 0], dtype=torch.uint8)
     assert_bitwise_equal(F.e2m1_nibbles(ties), expect, "e2m1 ties")
@@ -213,7 +213,7 @@ def _offset_kernel(m_ptr, k_ptr, out_ptr, n_kcols, N: tl.constexpr, LAYOUT: tl.c
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_device_scale_offset_int64_rows(layout, seed):
-    """``scale_offset`` (32-bit in-tile part, row-tile term in m's width) against the SPEC formula
+    """``scale_offset`` (32-bit in-tile part, row-tile term in m's width) against the spec's formula
     in Python integers, with int64 rows whose offsets pass 2^31 and 2^32."""
     g = torch.Generator().manual_seed(seed)
     kp = 260  # H = 4160: KB = 260, a multiple of 4

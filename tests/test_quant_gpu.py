@@ -6,7 +6,7 @@ H in {64, 2880, 4096, 7168, 8192}).
   encoder over all 2^32 patterns; both against the CPU reference on random patterns.
 * Standalone ops bit-exact against the reference run on the GPU ("fast" NVFP4 recipe with the
   device's rcp.approx.ftz as the reference's reciprocal; against IEEE reciprocals <= 1e-3 of codes
-  may differ, by one step, SPEC §5). Scale bytes and padding always bit-exact.
+  may differ, by one step; spec: Tests). Scale bytes and padding always bit-exact.
 * Fused ops: residual bit-exact; FP8 codes within one step of the reference (rsqrt.approx);
   NVFP4 bytes bit-exact against the reference NVFP4 of the kernel's own rounded norm output, which
   is itself within 1 BF16 ulp of the reference norm.
@@ -65,7 +65,7 @@ def _sweep_kernel(out_ptr, base, BLOCK: tl.constexpr):
     # both GPU E4M3 paths: four elements per inline-PTX instance, and Triton's conversion
     bad4 = (D.fp8_encode(x, 0, True) != sw4) | (D.fp8_encode(x, 0, True, False) != sw4)
     bad5 = D.fp8_encode(x, 1, True) != D.fp8_encode(x, 1, False)
-    # independent E2M1 encoder: the SPEC's thresholds as float compares, NaN -> 7
+    # independent E2M1 encoder: the spec's thresholds as float compares, NaN -> 7
     a = tl.abs(x)
     thr = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
@@ -137,7 +137,7 @@ def test_widen_bf16_pairs_all_patterns():
 
 def test_rcp_fast_matches_spec_facts():
     six = rcp_approx(torch.tensor([6.0], device=DEV)).cpu()
-    assert six.view(torch.int32).item() == 0x3E2AAAAB, "rcp_fast(6.0) == RNE(1/6) (SPEC §0.2)"
+    assert six.view(torch.int32).item() == 0x3E2AAAAB, "rcp_fast(6.0) == RNE(1/6) (spec: Notation)"
     x = torch.rand(1 << 20, device=DEV) * 100 + 1e-3
     d = (rcp_approx(x).view(torch.int32) - (1.0 / x).view(torch.int32)).abs()
     assert int(d.max()) <= 1, "rcp.approx.ftz.f32 is within 1 ulp of IEEE"
@@ -173,7 +173,7 @@ def test_fp8_per_token_and_dequantize_gpu():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp4_quantize_gpu(layout):
-    n_diff = n_total = 0  # "fast" vs IEEE reciprocals, over all shapes (SPEC §5: <= 1e-3)
+    n_diff = n_total = 0  # "fast" vs IEEE reciprocals, over all shapes (spec: <= 1e-3)
     for m in TOKENS:
         for h in WIDTHS:
             x = _rand(m, h) * torch.logspace(-2, 2, m, device=DEV)[:, None].to(torch.bfloat16)

@@ -1,7 +1,7 @@
 """moefuse: fused, deterministic Triton kernels for the epilogue of MoE layers.
 
 Every op has a PyTorch reference (``impl="reference"``) that defines its meaning and runs on CPU,
-a Triton kernel for SM90+ GPUs, and a ``supports_*`` helper. See DESIGN.md and the SPEC.
+a Triton kernel for SM90+ GPUs, and a ``supports_*`` helper. See DESIGN.md and docs/spec.md.
 """
 
 from moefuse import comm, moe, norm, quant

@@ -37,12 +37,12 @@ def _flush_subnormal_f32(x):
 def fma_ftz(a, b, c, PTX: tl.constexpr):
     """``fma.rn.ftz.f32``: ``a * b + c`` with one RNE rounding; subnormal inputs and result -> ±0.
 
-    Off the PTX path (Triton's interpreter) the same bits come from FP64 math (SPEC §2.3): the
+    Off the PTX path (Triton's interpreter) the same bits come from FP64 math (spec: moe_finalize):
     product of two FP32 values is exact in FP64; the FP64 sum ``s = p + c`` is turned into its
     round-to-odd value (if the TwoSum error is non-zero and ``s`` has an even last bit, step ``s``
     one FP64 ulp toward the error), which has enough spare bits that the final FP64 -> FP32 RNE
     conversion equals a single rounding of the exact ``a * b + c`` — on every FP32 grid, including
-    the subnormal one. This is the SPEC's midpoint correction in a form that needs no midpoint test.
+    the subnormal one. This is the spec's midpoint correction in a form that needs no midpoint test.
     """
     if PTX:
         return tl.inline_asm_elementwise(
@@ -74,7 +74,7 @@ def fma_ftz(a, b, c, PTX: tl.constexpr):
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr, PTX: tl.constexpr):
-    """FP32 ``x`` -> ``dtype`` with round-to-nearest-even (the SPEC's ``cast``).
+    """FP32 ``x`` -> ``dtype`` with round-to-nearest-even (the spec's ``cast``).
 
     Triton's interpreter converts FP32 to BF16 by truncation, so off the GPU the BF16 case rounds
     in integer arithmetic on the FP32 bits instead (NaN stays NaN); other dtypes convert directly.

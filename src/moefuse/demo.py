@@ -28,7 +28,7 @@ class Step:
     shape: str
     run: Callable[[str], object]  # impl -> outputs (tensor or tuple)
     tol: str | tuple[str, ...]
-    #: (reference outputs, kernel outputs) -> expected outputs, for outputs whose SPEC meaning
+    #: (reference outputs, kernel outputs) -> expected outputs, for outputs whose spec meaning
     #: is a function of another output (None: the reference outputs)
     expect: Callable[[tuple, tuple], tuple] | None = None
     #: GPU timing: the kernel call alone (None: ``run("triton")``; in-place ops give a call on
@@ -94,7 +94,7 @@ def _steps(m: int, h: int, dev: str) -> list[Step]:
 
 def _ffn_of_own_stream(weight):
     """gated_residual_next_rmsnorm: residual_out against the reference, ffn_input against the
-    next norm of the kernel's OWN residual_out (SPEC §1.4). residual_out may differ from the
+    next norm of the kernel's OWN residual_out (spec). residual_out may differ from the
     reference by a few FP32 ulp (fp32_stream); where the stream nearly cancels, that is a large
     relative change of a tiny element, which the next norm carries into ffn_input unchanged, so
     comparing ffn_input with the reference's would measure the stream twice."""

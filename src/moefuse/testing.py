@@ -2,7 +2,7 @@
 random MoE-fusion inputs the GPU tests and scripts/loopback_gpu_check.py share).
 
 Every comparison names a row of :data:`TOLERANCES`; each row says why it is what it is
-(``../SPEC.md`` §5 is the source). Comparisons are bitwise wherever the math is exact.
+(docs/spec.md, "Tests"). Comparisons are bitwise wherever the math is exact.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ TOLERANCES: dict[str, Tolerance] = {
         rtol=1e-5,
         atol=1e-5,
         reason="FP32 gated residual stream: rsqrt.approx (<= 2 ulp) and FMA contraction move the "
-        "FP32 result by a few ulp (SPEC §5)",
+        "FP32 result by a few ulp (spec: Tests)",
     ),
     "fp8_code": Tolerance(
         "ulp",
@@ -213,7 +213,7 @@ def capture_graph(fn, *workspaces) -> torch.cuda.CUDAGraph:
 def run_eager_pdl_and_graph(run, make_outputs, replays: int = 4) -> list:
     """Run ``run(outputs, pdl)`` three ways on the GPU and return the three output tuples: eagerly
     with PDL on, eagerly with PDL off, and as a CUDA-graph replay (captured after a warm-up on a
-    side stream; outputs poisoned before each of ``replays`` replays, >= 4 per SPEC §5).
+    side stream; outputs poisoned before each of ``replays`` replays, >= 4, spec: Tests).
     ``make_outputs()`` returns a fresh tuple of output tensors for each mode."""
     results = []
     for pdl in (True, False):
@@ -251,7 +251,7 @@ def poisoned_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
 
 
 def moe_reduction_case(seed, p, m, h, e, dev):
-    """Random inputs of ``moe_allreduce_residual_rmsnorm`` (SPEC §3.2) for ALL ``p`` ranks (the
+    """Random inputs of ``moe_allreduce_residual_rmsnorm`` for ALL ``p`` ranks (the
     same on every rank, from ``seed``): ``(expert_rows, scales, token_inputs, residual,
     norm_weight)``; per-rank lists of BF16 [E, M, H] rows, FP32 [E, M] scales in [0.1, 1.1) and
     BF16 [M, H] token inputs, then the shared BF16 [M, H] residual and [H] weight in [0.5, 1.5)."""

@@ -116,7 +116,7 @@ def run_command(cmd: list[str], log_path: Path, progress: _Progress, label: str,
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        # a session of its own, so that a timeout can end the whole process group
+        # a process group of its own, so that a timeout can end the whole process group
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, start_new_session=True)  # fmt: skip
 

@@ -25,7 +25,7 @@ then times, side by side in one run:
 * ``symm+op``: a PyTorch symmetric-memory all-gather (no multicast): every rank's shards live
   in one ``symm_mem`` allocation; per call a ``barrier()`` of the handle, then one SM copy
   kernel per rank reading that rank's shard through its peer mapping into ``[P, M, H/P]``; the
-  same re-layout and op. (torch's ``_low_contention_all_gather``, used until session 11, cannot
+  same re-layout and op. (torch's ``_low_contention_all_gather``, the earlier baseline, cannot
   be graph-captured: it leaves side-stream work unjoined, and every failed capture ended the
   benchmark with SIGABRT at exit.) The inputs never change during a run, so the second
   barrier a reused buffer needs is not paid: that can only flatter this baseline.

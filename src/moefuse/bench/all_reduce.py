@@ -20,7 +20,7 @@ symmetric-memory baselines need their input in one symmetric buffer and do not r
 only flatter them). Bytes: ``payload = M*H*2`` per rank; ``algbw`` = payload / time (nccl-tests'
 algorithm bandwidth); ``tbs`` = the 4 x payload each rank must read and write locally (input,
 residual, two outputs) / time, against the SM-copy ceiling. The run ends with the issue's
-performance bar (anchors from ../shared/measurements/h200-baselines.md) and writes
+performance bar (anchors: FlashInfer's measured H200 latencies) and writes
 ``bench/results/allreduce-<gpu>-p<P>.json/.png`` with ``--save``.
 """
 
@@ -218,7 +218,7 @@ def bar_checks(rows: list[dict], world_size: int) -> list[str]:
             verdict(us * 2 <= nccl, f"P=2 M={m}: {us:.2f} us <= NCCL+compile {nccl:.2f} / 2")
         if h == 4096 and world_size == 4 and m <= 64:
             verdict(us * 2 <= nccl, f"P=4 M={m}: {us:.2f} us <= NCCL+compile {nccl:.2f} / 2")
-        if h == 7168 and world_size == 8 and m <= 64:  # issue 6
+        if h == 7168 and world_size == 8 and m <= 64:  # FlashInfer's published 8-GPU decode case
             verdict(us * 2 <= best, f"P=8 H=7168 M={m}: {us:.2f} us <= best unfused "
                                     f"{best:.2f} / 2")  # fmt: skip
         if h == 4096 and world_size == 2 and m == 1:

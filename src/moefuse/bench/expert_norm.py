@@ -256,7 +256,7 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
 # ----------------------------------------------------------------------------- bar + command
 def bar_checks(rows: list[dict]) -> list[str]:
-    """Issue 16's bar for tp_moe_finalize_rmsnorm: >= 2 x the unfused chain at M <= 64, >= 1.0 x
+    """The bar for tp_moe_finalize_rmsnorm: >= 2 x the unfused chain at M <= 64, >= 1.0 x
     at every M (best unfused = the faster of eager and compiled)."""
     out = []
     for r in rows:

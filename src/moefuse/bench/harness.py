@@ -1,6 +1,6 @@
 """Timing, ceiling and reporting helpers shared by every benchmark family.
 
-Method (../shared/measurements, device METHOD.md): each variant is captured ``calls`` times in one
+Method: each variant is captured ``calls`` times in one
 CUDA graph, rotating over enough input sets that the working set exceeds the L2 cache; the graph is
 replayed and the median per-call time of the replays is reported. The bandwidth ceiling is an SM
 copy kernel measured in the same run (a graph-captured ``copy_`` becomes a memcpy node that runs on

@@ -1,4 +1,4 @@
-"""transformers' Qwen3-MoE sparse block and whole-model decode, shipped vs moefuse (issue 18).
+"""transformers' Qwen3-MoE sparse block and whole-model decode, shipped vs moefuse.
 
     python -m moefuse.bench.hf_moe --out DIR          # one GPU (H200: the issue's perf bar)
     python -m moefuse.bench.hf_moe --smoke --out DIR  # tiny shapes on CPU (checks the script)

@@ -48,7 +48,7 @@ TOP_K = 8
 EPS = 1e-6
 CHECK_MAX_TOKENS = 2048
 NO_MULTICAST = ranks.NO_MULTICAST
-#: issue 16's anchors on 2 x H200, H = 4096, K = 8 (µs at M = 1 / 8 / 64 / 512 / 2048)
+#: FlashInfer's anchors on 2 x H200, H = 4096, K = 8 (µs at M = 1 / 8 / 64 / 512 / 2048)
 FLASHINFER_ANCHORS = {
     "moe_finalize_allreduce_residual_rmsnorm": {1: 6.9, 8: 7.1, 64: 23.5, 512: 255.0, 2048: 999.0},
     "moe_allreduce_residual_rmsnorm": {1: 6.0, 8: 6.8, 64: 18.0, 512: 199.0, 2048: 806.0},
@@ -346,7 +346,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def bar_checks(rows: list[dict], world_size: int) -> list[str]:
-    """Issue 16's bar (P = 2, H = 4096, K = 8) evaluated on this run: PASS / FAIL lines."""
+    """The bar (P = 2, H = 4096, K = 8) evaluated on this run: PASS / FAIL lines."""
     out = []
 
     def verdict(ok: bool, text: str) -> None:
@@ -402,7 +402,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
         meta.update(world_size=world_size, bar=bar, flashinfer_importable=fi,
                     flashinfer_anchors=FLASHINFER_ANCHORS,
                     note="(c) FlashInfer's fused kernels are not timed by this benchmark "
-                         f"(importable here: {fi}); x_flashinfer_anchor uses issue 16's "
+                         f"(importable here: {fi}); x_flashinfer_anchor uses the "
                          "2 x H200 anchors (H = 4096, K = 8)")  # fmt: skip
         if args.save:
             paths = harness.save_results("moe-reduction", rows, meta, args.out,

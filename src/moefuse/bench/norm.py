@@ -190,7 +190,7 @@ def _variants(op: str, compiled: dict, fixed_out: tuple):
 
 
 def pdl_default_bars(rows: list[dict]) -> list[dict]:
-    """Issue 14's bar: the default ``enable_pdl`` ("moefuse") at least as fast as PDL off
+    """The PDL bar: the default ``enable_pdl`` ("moefuse") at least as fast as PDL off
     ("moefuse_nopdl") at every case, with 2% allowed for timing noise; one line per op giving
     the worst case's ratio nopdl / default."""
     by = {(r["op"], r["shape"], r["M"], r["variant"]): r["us"] for r in rows}

@@ -7,7 +7,7 @@ Bytes counted per element (the minimum each op must move): fp8_quantize 2 + 1; f
 4 read + 2 + 1 written; rmsnorm_fp4_quantize 2 + 0.5625; fused_add_rmsnorm_fp4_quantize
 4 + 2 + 0.5625 (weights, scales and padding bytes are negligible and not counted).
 
-Bar (issue 4): at M >= 2048, H = 4096 the fused norm + quant ops reach >= 0.85 x the copy ceiling
+Bar: at M >= 2048, H = 4096 the fused norm + quant ops reach >= 0.85 x the copy ceiling
 and >= 1.5 x torch.compile of norm-then-quantize; the run prints PASS/FAIL per case.
 ``--sweep`` additionally times the fused kernels under alternative row tiles (rows per program,
 warps) to pick the tile policy from measurements.

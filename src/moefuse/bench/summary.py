@@ -11,16 +11,22 @@ For every ``<family>-<gpu>[-pP].json`` under ``--dir`` (default ``bench/results`
   beside it, ``<stem>.png``, are log-log: a 1.3 x gain is hard to see on them);
 * ``SUMMARY.md``: an overview table (one line per file) and a table per file (op x M).
 
-With ``--readme PATH`` (default: ``README.md`` when it holds the markers and ``--dir`` is
-``bench/results``), the overview table is
-also written into that file between ``<!-- bench-summary:start -->`` and
-``<!-- bench-summary:end -->``; nothing else in it changes.
+Two marked blocks in the repository's docs are generated from the same files; nothing outside a
+block changes, and a file without its markers is left alone:
+
+* ``--write PATH`` (default: ``docs/benchmarks.md`` when it holds the markers and ``--dir`` is
+  ``bench/results``): the overview table and every file's op x M table, between
+  ``<!-- bench-details:start -->`` and ``<!-- bench-details:end -->``;
+* ``--readme PATH`` (default: ``README.md`` likewise): one status line per results file (its
+  median speed-up and a link to its section of the ``--write`` file), between
+  ``<!-- bench-summary:start -->`` and ``<!-- bench-summary:end -->``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +34,8 @@ from pathlib import Path
 from moefuse.bench.registry import FAMILIES, family_of, roles
 
 START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
+DOC_START, DOC_END = "<!-- bench-details:start -->", "<!-- bench-details:end -->"
+DOCS = "docs/benchmarks.md"
 
 
 @dataclass
@@ -209,6 +217,46 @@ def summary_markdown(results: list[Result]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _where(res: Result) -> str:
+    m = res.meta
+    gpu = str(m.get("gpu", "?")) + (f" x {m['world_size']}" if m.get("world_size") else "")
+    return f"{gpu}, {str(m.get('date', '?'))[:10]}"
+
+
+def status_lines(results: list[Result], details: str) -> str:
+    """One line per results file: its median speed-up over the best baseline, the range, and a
+    link to its section of the details page ``details`` (a relative link)."""
+    lines = []
+    for res in results:
+        xs = sorted(c.speedup for c in res.cases)
+        if xs:
+            figure = (f"{_fmt_x(statistics.median(xs))} x the best baseline (median of "
+                      f"{len(xs)} cases, {_fmt_x(xs[0])}-{_fmt_x(xs[-1])})")  # fmt: skip
+        else:
+            figure = "times only (no baseline in the file)"
+        lines.append(f"* **{res.family}** ({_where(res)}): {figure} · "
+                     f"[details]({details}#{res.path.stem.lower()})")  # fmt: skip
+    return "\n".join(lines)
+
+
+def details_markdown(results: list[Result], prefix: str) -> str:
+    """The overview table and one section per results file (heading = the file's stem), with
+    links to the results files prefixed by ``prefix`` (the path from the page to them)."""
+    parts = [overview_table(results).replace("](", f"]({prefix}")]
+    for res in results:
+        m = res.meta
+        link = f"[{res.path.name}]({prefix}{res.path.name})"
+        parts += ["", f"### {res.path.stem}", "",
+                  f"{res.family} · {link} · {_where(res)} · commit {m.get('commit', '?')} · "
+                  f"command `{m.get('command', '?')}`."]  # fmt: skip
+        if res.cases:
+            parts += ["", "Cell: speed-up x the best baseline at that M (moefuse's µs per call).",
+                      "", detail_table(res)]  # fmt: skip
+        else:
+            parts += ["", "No baseline in the file: see its plot and JSON for the times."]
+    return "\n".join(parts)
+
+
 # ----------------------------------------------------------------------------- plots
 def plot_speedup(res: Result, path: Path) -> Path | None:
     """The speed-up plot of one results file (None when it has no case or no matplotlib)."""
@@ -267,23 +315,29 @@ def plot_speedup(res: Result, path: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- entry points
-def update_readme(readme: Path, table: str) -> bool:
+def has_markers(path: Path, start: str = START, end: str = END) -> bool:
+    """Whether ``path`` is a file holding ``start`` before ``end``."""
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    return start in text and end in text and text.index(start) < text.index(end)
+
+
+def update_readme(readme: Path, table: str, start: str = START, end: str = END) -> bool:
     """Replace the text between the markers in ``readme`` by ``table``; False when the file or
     its markers are missing (nothing written then)."""
-    if not readme.is_file():
+    if not has_markers(readme, start, end):
         return False
-    text = readme.read_text()
-    if START not in text or END not in text or text.index(START) > text.index(END):
-        return False
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{table}\n{END}{tail}")
+    head, rest = readme.read_text().split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
     return True
 
 
 def write_summary(results_dir: str | Path = "bench/results", readme: str | Path | None = None,
-                  ) -> list[Path]:  # fmt: skip
-    """Write SUMMARY.md and the speed-up plots under ``results_dir``; returns the paths."""
+                  docs: str | Path | None = None) -> list[Path]:  # fmt: skip
+    """Write SUMMARY.md and the speed-up plots under ``results_dir``, the details block of
+    ``docs`` and the status block of ``readme`` (each when given and marked); returns the paths."""
     out = Path(results_dir)
     results = load(out)
     written = []
@@ -294,19 +348,26 @@ def write_summary(results_dir: str | Path = "bench/results", readme: str | Path 
     md = out / "SUMMARY.md"
     md.write_text(summary_markdown(results))
     written.append(md)
+    if docs is not None:
+        block = details_markdown(results, _rel(out, Path(docs).parent))
+        if update_readme(Path(docs), block, DOC_START, DOC_END):
+            written.append(Path(docs))
     if readme is not None:
-        table = overview_table(results).replace("](", f"]({_rel(out, Path(readme).parent)}")
-        if update_readme(Path(readme), table):
+        page = Path(docs) if docs is not None else Path(DOCS)
+        lines = status_lines(results, _rel_file(page, Path(readme).parent))
+        if update_readme(Path(readme), lines):
             written.append(Path(readme))
     return written
 
 
+def _rel_file(path: Path, base: Path) -> str:
+    """Relative link from the folder ``base`` to ``path`` (``..`` steps where needed)."""
+    return Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
+
+
 def _rel(results_dir: Path, base: Path) -> str:
-    """Link prefix from the README's folder to ``results_dir`` (e.g. ``bench/results/``)."""
-    try:
-        return results_dir.resolve().relative_to(base.resolve()).as_posix() + "/"
-    except ValueError:
-        return results_dir.resolve().as_posix() + "/"
+    """Link prefix from a page's folder ``base`` to ``results_dir`` (e.g. ``../bench/results/``)."""
+    return _rel_file(results_dir, base) + "/"
 
 
 def first_paragraph(doc: str) -> str:
@@ -319,19 +380,23 @@ def main(argv: list[str] | None = None) -> int:
                                      description=first_paragraph(__doc__))  # fmt: skip
     parser.add_argument("--dir", default="bench/results", help="results directory")
     parser.add_argument("--readme", default=None,
-                        help="file whose marked block receives the overview table "
+                        help="file whose marked block receives one status line per results file "
                         "(default: README.md when it has the markers)")  # fmt: skip
+    parser.add_argument("--write", default=None, metavar="PATH",
+                        help="page whose marked block receives the overview and per-file tables "
+                        f"(default: {DOCS} when it has the markers)")  # fmt: skip
     args = parser.parse_args(argv)
     if not Path(args.dir).is_dir():
         print(f"moefuse bench summary: no results directory {args.dir!r} here; run it from the "
               "repository root or pass --dir with the path of bench/results")  # fmt: skip
         return 2
-    readme = args.readme
-    # the README's table describes the committed results: only they update it by default
+    readme, docs = args.readme, args.write
+    # the README and the docs page describe the committed results: only they update them by default
     default_dir = Path(args.dir).resolve() == Path("bench/results").resolve()
-    if readme is None and default_dir and Path("README.md").is_file() \
-            and START in Path("README.md").read_text():  # fmt: skip
+    if readme is None and default_dir and has_markers(Path("README.md")):
         readme = "README.md"
-    for path in write_summary(args.dir, readme):
+    if docs is None and default_dir and has_markers(Path(DOCS), DOC_START, DOC_END):
+        docs = DOCS
+    for path in write_summary(args.dir, readme, docs):
         print("wrote", path)
     return 0

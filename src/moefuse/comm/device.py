@@ -235,13 +235,13 @@ def epilogue_row(
     PTX: tl.constexpr,
     RECIPE: tl.constexpr = 1,
 ):
-    """Everything after the all-reduce for token row ``t`` (the SPEC's all-reduce fusion).
+    """Everything after the all-reduce for token row ``t`` (the spec's all-reduce fusion).
 
     ``s``: FP32 values of the T-rounded sum (masked lanes 0); ``res``: the residual row widened to
     FP32; ``g = f32(weight) + weight_bias``. PATTERN 0 writes ``s``; otherwise
     ``h = T(s + res)`` -> residual_out, ``n = T((h * r) * g)`` with ``r`` the inverse RMS of the
     ROUNDED h -> norm_out (when WRITE_NORM), and PATTERN 2 (FP8) / 3 (NVFP4) quantize ``n``.
-    ``RECIPE``: NVFP4 output-scale recipe (1 "ieee", the SPEC's all-reduce fusion; the MoE-reduction
+    ``RECIPE``: NVFP4 output-scale recipe (1 "ieee", the spec's all-reduce fusion; the MoE-reduction
     and MoE-finalize fusions pass 0 "fast").
     """
     t64 = t.to(tl.int64)
@@ -403,7 +403,7 @@ def load_gain(w_ptr, cols, cmask, weight_bias, PATTERN: tl.constexpr):
 
 @triton.jit
 def quant_scales(scale_ptr, PATTERN: tl.constexpr, PTX: tl.constexpr):
-    """``(1/scale, gs, rcp_fast(gs))`` from the [1] FP32 scale (IEEE 1/scale for FP8, the SPEC's
+    """``(1/scale, gs, rcp_fast(gs))`` from the [1] FP32 scale (IEEE 1/scale for FP8, the spec's
     all-reduce fusion)."""
     one = tl.full([], 1.0, tl.float32)
     if PATTERN == 2:

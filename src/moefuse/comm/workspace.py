@@ -94,7 +94,7 @@ ALGORITHMS = ("auto", "oneshot", "twoshot", "torch")
 #:   2b8b3b71ed35): one-shot beats two-shot at every M and H measured, e.g. H = 4096: 3.4 vs 8.0 us
 #:   (M = 1), 18.7 vs 24.7 (M = 512), 390 vs 470 (M = 16384); H = 7168: 668 vs 819 at M = 16384.
 #: * P = 4 and 8: NOT YET MEASURED (the 4- and 8-GPU machines were not lent); first guess from
-#:   ../shared/measurements/h200-baselines.md: one-shot sends 3x the payload against two-shot's
+#:   FlashInfer's H200 baselines: one-shot sends 3x the payload against two-shot's
 #:   1.5x at P = 4, and FlashInfer's one-shot wins at M = 64 (1/2 MiB, 10.2 vs 16.9 us) but loses
 #:   from M = 512 (4 MiB, 49.7 vs 33.3 us).
 ONESHOT_MAX_BYTES: dict[int, int | None] = {2: None, 4: 1 << 20, 8: 512 << 10}
@@ -302,7 +302,7 @@ class AllReduceWorkspace:
         if self.loopback:
             # the ranks' kernels share the GPU and spin on each other: sized to 1/P of the SMs
             # less one, every rank's persistent grid is resident at once (else the waits run
-            # out). MEASURED (H200, session 15, notes/comm-moe-reduction.md): at exactly 66 of 132
+            # out). MEASURED (H200, notes/comm-moe-reduction.md): at exactly 66 of 132
             # SMs the MoE-finalize one-shot at 2 CTAs per SM (H = 7168) timed out in 2 of 2 runs (M
             # = 4097 then 2049); at 65 or 60 every case passed
             sms = max(1, sms // self.world_size - 1)

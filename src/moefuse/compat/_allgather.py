@@ -1,4 +1,4 @@
-"""FlashInfer's all-gather + norm call styles (SPEC §3.6, §3.7) mapped onto moefuse.comm.
+"""FlashInfer's all-gather + norm call styles (spec: All-gather fusions) mapped onto moefuse.comm.
 
 ``moefuse.compat.flashinfer`` re-exports these names. Differences from FlashInfer:
 
@@ -88,7 +88,7 @@ class _AllGatherWorkspace:
 
 
 class MNNVLCuteDSLAllGatherDualNormWorkspace(_AllGatherWorkspace):
-    """Workspace of :func:`all_gather_gated_residual_next_rmsnorm` (SPEC §3.6)."""
+    """Workspace of :func:`all_gather_gated_residual_next_rmsnorm` (spec: All-gather fusions)."""
 
     _NAME = "MNNVLCuteDSLAllGatherDualNormWorkspace"
 
@@ -101,7 +101,7 @@ class MNNVLCuteDSLAllGatherDualNormWorkspace(_AllGatherWorkspace):
 
 
 class MNNVLCuteDSLAllGatherNormQuantWorkspace(_AllGatherWorkspace):
-    """Workspace of :func:`all_gather_rmsnorm_fp4_quantize` (SPEC §3.7)."""
+    """Workspace of :func:`all_gather_rmsnorm_fp4_quantize` (spec: All-gather fusions)."""
 
     _NAME = "MNNVLCuteDSLAllGatherNormQuantWorkspace"
 
@@ -146,7 +146,7 @@ def supports_all_gather_gated_residual_next_rmsnorm(workspace, branch_shard, res
 def all_gather_rmsnorm_fp4_quantize(shard, weight, global_scale, workspace, *, eps: float,
                                     gain_center: float = 0.0, impl: str = "auto"):  # fmt: skip
     """FlashInfer's call: returns ``(packed uint8 [M, H/2], scales uint8 [M, H/16])``, LINEAR
-    scales, recipe "fast" (SPEC §3.7)."""
+    scales, recipe "fast" (spec: All-gather fusions)."""
     op = "all_gather_rmsnorm_fp4_quantize"
     ws = _ws(op, workspace, MNNVLCuteDSLAllGatherNormQuantWorkspace)
     workspace._check_compiled(op, eps=float(eps), gain_center=float(gain_center))

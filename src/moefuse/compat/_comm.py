@@ -9,9 +9,10 @@
 * ``trigger_completion_at_end`` is accepted and ignored: moefuse kernels always let dependents
   launch after their last load of the previous kernel's data (their outputs are complete only at
   kernel end, which a dependent's grid-dependency wait observes).
-* NVFP4 patterns use recipe "ieee" (SPEC §3.1) and write every scale layout, padding zeroed, on
-  SM90 too. Patterns 6 / 7 (SPEC §3.2-§3.3) forward to ``moefuse.compat._moe_reduction`` (MoE
-  arguments as keywords); 8-11 (§4.3) raise here.
+* NVFP4 patterns use recipe "ieee" (spec: All-reduce fusions) and write every scale layout,
+  padding zeroed, on SM90 too. Patterns 6 / 7 (the MoE-reduction fusions) forward to
+  ``moefuse.compat._moe_reduction`` (MoE arguments as keywords); 8-11 (per-token and per-group
+  FP8) raise here.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ __all__ = ["AllReduceFusionPattern", "QuantizationSFLayout", "trtllm_allreduce_f
 
 
 class AllReduceFusionPattern:
-    """FlashInfer's pattern codes (SPEC §3.1)."""
+    """FlashInfer's pattern codes (spec: All-reduce fusions)."""
 
     kAllReduce = 0
     kARResidualRMSNorm = 1

@@ -1,4 +1,4 @@
-"""FlashInfer's per-expert-norm MoE finalize calls (SPEC §3.4, §3.5) mapped onto moefuse.
+"""FlashInfer's per-expert-norm MoE finalize calls mapped onto moefuse (spec: same names).
 
 ``moefuse.compat.flashinfer`` re-exports these names.
 
@@ -6,7 +6,7 @@
   ``tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
   norm_weight, output, *, eps, gain_center, weight_before_norm)``: moefuse's own functions, whose
   signatures already accept FlashInfer's calls (moefuse adds keywords only). Differences: any H,
-  K and P >= 2, SM90+, no multicast, batch-invariant grouping (SPEC §3.4).
+  K and P >= 2, SM90+, no multicast, batch-invariant grouping (spec: tp_moe_finalize_rmsnorm).
 * :class:`MNNVLCuteDSLMoEFinalizeAllReduceWorkspace` and ``moe_finalize_rmsnorm_allreduce(
   routed_rows, route_weights, permuted_idx, norm_weight, output, workspace, *, eps, ...)``:
   FlashInfer's workspace lifecycle (ctor, ``compile``, ``check_support``, ``destroy``) on top of

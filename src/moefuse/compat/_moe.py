@@ -3,7 +3,7 @@
 FlashInfer: ``flashinfer.fused_moe.cute_dsl.blackwell.moe_finalize.moe_unpermute`` (PR #5319).
 Differences (moefuse is wider, never narrower): BF16 *and* FP16, any H (not only H % 8 == 0),
 row-strided tensors, SM90+, a CPU reference; slots are invalid when negative *or* >= the number
-of rows (SPEC §0.3); argument errors are ``ValueError`` naming the argument.
+of rows (spec: Slots and index maps); argument errors are ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FlashInfer's MoE all-reduce fusion calls mapped onto moefuse (SPEC §3.2, §3.3).
+"""FlashInfer's MoE all-reduce fusion calls mapped onto moefuse (spec: MoE-reduction ops).
 
 ``trtllm_moe_allreduce_fusion`` (pattern 6) and ``trtllm_moe_finalize_allreduce_fusion``
 (pattern 7) with FlashInfer's argument names, writing the caller's outputs in place and returning
@@ -9,7 +9,7 @@ None; ``trtllm_allreduce_fusion(pattern_code=6 | 7, ...)`` forwards here (see
 * Numerics: FlashInfer's default (T-stepwise) semantics; ``accumulate="fp32"`` (keyword) selects
   the FP32 contract of its MNNVL backend. Invalid slots are any index < 0 or >= R (FlashInfer
   skips only -1).
-* Pattern 7 quantization needs an explicit ``scale_factor`` (FlashInfer passes none: SPEC §3.3);
+* Pattern 7 quantization needs an explicit ``scale_factor`` (FlashInfer passes none);
   NVFP4 uses recipe "fast" on SM90 too (FlashInfer writes zeros below SM100).
 * ``backend`` ("trtllm" | "cake") is accepted and ignored: one implementation.
 """
@@ -67,7 +67,7 @@ def trtllm_moe_allreduce_fusion(
     scale_out: torch.Tensor | None = None, *, weight_bias: float = 0.0, backend: str = "trtllm",
     accumulate: str = "stepwise", impl: str = "auto",
 ) -> None:
-    """Pattern 6 (SPEC §3.2) on ``workspace_ptrs``; outputs written in place."""
+    """Pattern 6 (MoE reduction) on ``workspace_ptrs``; outputs written in place."""
     name = "trtllm_moe_allreduce_fusion"
     _check_ws(name, workspace_ptrs, world_size, world_rank, hidden_dim)
     m, h, e = token_num, hidden_dim, moe_reduction_device_num_experts
@@ -97,7 +97,7 @@ def trtllm_moe_finalize_allreduce_fusion(
     weight_bias: float = 0.0, backend: str = "trtllm", accumulate: str = "stepwise",
     use_oneshot: bool | None = None, impl: str = "auto",
 ) -> None:
-    """Pattern 7 (SPEC §3.3) on ``workspace_ptrs``; outputs written in place. ``use_oneshot``:
+    """Pattern 7 (MoE finalize) on ``workspace_ptrs``; outputs written in place. ``use_oneshot``:
     None = moefuse's heuristic, True one-shot, False two-shot (same bits)."""
     name = "trtllm_moe_finalize_allreduce_fusion"
     _check_ws(name, workspace_ptrs, world_size, world_rank)

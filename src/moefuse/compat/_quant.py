@@ -1,7 +1,7 @@
 """FlashInfer's quantization entry points mapped onto moefuse (used by ``compat/flashinfer.py``).
 
 Same names, argument names and defaults as FlashInfer 0.7.2; the work is done by the moefuse ops,
-so the numbers are moefuse's (SPEC §4: software E2M1 on SM90, zero block when the scale byte is
+so the numbers are moefuse's (spec: software E2M1 on SM90, zero block when the scale byte is
 0, padding bytes written as 0). Differences are stated per function; options moefuse does not
 implement (MXFP4 / UE8M0 scales, weight shuffling) raise ``NotImplementedError`` instead of being
 ignored.
@@ -29,7 +29,7 @@ __all__ = [
 
 
 class SfLayout(Enum):
-    """Layout of NVFP4 scale factors (FlashInfer's enum values = SPEC §3.1 layout codes)."""
+    """Layout of NVFP4 scale factors (FlashInfer's enum values)."""
 
     layout_128x4 = 0
     layout_8x4 = 1
@@ -69,7 +69,7 @@ def fp4_quantize(
     Scales come back reshaped to ``(-1, K // 16)`` as FlashInfer does (flat when the padded
     layout does not divide). Column-major inputs are quantized along their rows like FlashInfer
     (transpose in, transpose out). Difference: a block whose scale byte underflows to 0 is zeroed
-    (FlashInfer saturates it, SPEC §4.2).
+    (FlashInfer saturates it, spec: NVFP4 format).
     """
     _nvfp4_only(sf_vec_size, sf_use_ue8m0)
     column_major = input.dim() == 2 and input.stride(-2) == 1 and input.shape[-2] > 1

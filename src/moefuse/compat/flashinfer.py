@@ -45,7 +45,7 @@ try:
     __all__ += [n for n in _expert_norm_all if n not in __all__]
 except ImportError:  # pragma: no cover
     pass
-try:  # MoE all-reduce fusions (SPEC §3.2, §3.3)
+try:  # MoE all-reduce fusions (spec: MoE-reduction ops)
     from moefuse.compat._moe_reduction import *  # noqa: F401,F403
     from moefuse.compat._moe_reduction import __all__ as _moe_reduction_all
 

@@ -1,4 +1,4 @@
-"""The MoE family: the deterministic finalize (SPEC §2), its scatter-add baseline, the fused routed
+"""The MoE family: the deterministic finalize (spec), its scatter-add baseline, the fused routed
 experts (gate|up, activation, down and finalize at transformers' weight layouts), the routing
 helpers that build a finalize's inputs, and a whole-layer pipeline for benchmarks."""
 

@@ -1,4 +1,4 @@
-"""Public ops of the MoE finalize family (SPEC §2): the deterministic finalize, its scatter-add
+"""Public ops of the MoE finalize family (spec: MoE): the deterministic finalize, its scatter-add
 baseline and the permute (gather) of activations into expert-sorted order.
 
 Every op validates its arguments (``ValueError`` naming the argument, nothing written), allocates
@@ -115,7 +115,7 @@ def moe_finalize(
     enable_pdl: bool | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Deterministic MoE finalize (SPEC §2.2–2.3): per token t and column j::
+    """Deterministic MoE finalize (spec: moe_finalize): per token t and column j::
 
         acc = +0.0                                                   # FP32
         for k = 0 .. K-1 (ascending), skipping invalid slots (their rows are never read):

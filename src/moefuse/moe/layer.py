@@ -4,7 +4,7 @@
     -> SiLU(gate) * up -> grouped GEMM2 (down) -> finalize
 
 ``use_fused_finalize`` picks the last step and is honoured end to end:
-* ``False``: :func:`moefuse.moe_finalize` — deterministic gather-reduce (SPEC §2), bitwise
+* ``False``: :func:`moefuse.moe_finalize` — deterministic gather-reduce (spec: MoE), bitwise
   reproducible;
 * ``True``: :func:`moefuse.moe.api.moe_finalize_scatter_add` — FP32 atomics into a buffer (what a
   GEMM2 epilogue with scatter-add does), correct to FP32 rounding but order-dependent.

@@ -1,12 +1,12 @@
-"""PyTorch reference of the MoE finalize family (SPEC §2) — the oracle and the CPU path.
+"""PyTorch reference of the MoE finalize family (spec: MoE) — the oracle and the CPU path.
 
 Everything here is whole-tensor torch math (no Python loop over tokens or columns), so the same
 functions check the GPU kernels at full shapes in seconds. The functions are functional: they
 return new tensors; the public ops copy results into caller-provided outputs.
 
-``fma_ftz_f32`` emulates PTX ``fma.rn.ftz.f32`` bit for bit (SPEC §2.3 item 4): subnormal inputs
+``fma_ftz_f32`` emulates PTX ``fma.rn.ftz.f32`` bit for bit (spec: moe_finalize): subnormal inputs
 flushed to ±0, exact FP64 product, FP64 sum made round-to-odd from its TwoSum error (equivalent to
-the SPEC's midpoint correction, and also right on the subnormal FP32 grid), one FP32 RNE rounding,
+the spec's midpoint correction, and also right on the subnormal FP32 grid), one FP32 RNE rounding,
 subnormal result flushed to ±0.
 """
 
@@ -45,7 +45,7 @@ def fma_ftz_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tens
 def slot_rows(
     expanded_idx_to_permuted_idx: torch.Tensor, num_rows: int, input_is_expanded: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [M, K] int64, valid [M, K] bool)`` per SPEC §0.3 / §2.2.
+    """``(rows [M, K] int64, valid [M, K] bool)`` per spec: Slots and index maps.
 
     Mapped mode: row = map[t, k], valid when 0 <= row < num_rows. Expanded mode: row = t*K + k and
     the map is only a mask (valid when map[t, k] >= 0).
@@ -76,7 +76,7 @@ def _finalize_rows(
     if permuted_input.shape[0] == 0:  # no rows: every slot is invalid
         top_k = 0
     w = scales.float()
-    for k in range(top_k):  # ascending slot order (SPEC §2.3.2)
+    for k in range(top_k):  # ascending slot order (spec: moe_finalize)
         v = valid[:, k : k + 1]
         # whole-chunk gather: invalid slots read a stand-in row (rows[] holds 0 there) whose
         # values are discarded by the where() below, so NaN/Inf behind them cannot leak
@@ -106,7 +106,7 @@ def moe_finalize_reference(
     input_is_expanded: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Deterministic MoE finalize (SPEC §2.2), returned as a new ``[M, H]`` tensor::
+    """Deterministic MoE finalize (spec: moe_finalize), returned as a new ``[M, H]`` tensor::
 
         acc = +0.0                                              # FP32, per (t, j)
         for k ascending, valid slots only (row never read otherwise):

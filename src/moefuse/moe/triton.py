@@ -1,4 +1,4 @@
-"""Triton kernels of the MoE finalize family (SPEC §2) and their launchers.
+"""Triton kernels of the MoE finalize family (spec: MoE) and their launchers.
 
 Kernels (one program per (row, column tile); the tile is a function of H alone):
 * ``_moe_finalize_kernel`` — the deterministic gather-reduce: for token t, slots k ascending,
@@ -12,7 +12,7 @@ Kernels (one program per (row, column tile); the tile is a function of H alone):
 Numerics in the interpreter: Triton's interpreter converts FP32 -> BF16 by truncation and
 mis-widens BF16 subnormals, so off the PTX path both conversions are done on the bits here (RNE);
 on the GPU the hardware ``cvt`` instructions give the same bits. FMA contraction is switched off
-for the finalize (``enable_fp_fusion=False``) because the SPEC orders "multiply by the routed
+for the finalize (``enable_fp_fusion=False``) because the spec orders "multiply by the routed
 scaling factor, round, add the shared expert" — the one FMA that is wanted is explicit.
 
 PDL: the finalize reads the routing data (index map, scales, expert ids) before ``gdc_wait`` — as
@@ -112,7 +112,7 @@ def _moe_finalize_kernel(
     EXPANDED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr,
     HAS_SHARED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[t, tile] = cast(((Σ_k fma_ftz) * rsf) + shared) — SPEC §2.2; see module docstring.
+    """out[t, tile] = cast(((Σ_k fma_ftz) * rsf) + shared) (spec); see module docstring.
 
     Widths and row strides arrive divided by VEC (8 when 16-byte aligned) and are multiplied back
     by the constexpr here, so the compiler can prove 16-byte alignment and vectorise; the token

@@ -1,4 +1,4 @@
-"""The fused RMSNorm family (SPEC §1): Triton kernels, references and ``supports_*`` helpers."""
+"""The fused RMSNorm family (spec: Norms): Triton kernels, references and ``supports_*`` helpers."""
 
 from moefuse.norm.api import (
     fused_add_rmsnorm,

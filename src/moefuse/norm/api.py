@@ -1,4 +1,4 @@
-"""Public ops of the RMSNorm family (SPEC §1), under FlashInfer's names and argument names.
+"""Public ops of the RMSNorm family (spec: Norms), under FlashInfer's names and argument names.
 
 Every op: validates its arguments (``ValueError`` naming the argument, nothing written; the ops
 are for inference, so a written tensor that requires grad is refused while autograd records),
@@ -134,7 +134,7 @@ def _fused_add(op, input, residual, weight, eps, enable_pdl, impl, gain_center):
 def fused_add_rmsnorm(
     input, residual, weight, eps: float = 1e-6, enable_pdl=None, *, impl: str = "auto"
 ) -> None:
-    """Residual add + RMSNorm, in place on both inputs (SPEC §1.2)::
+    """Residual add + RMSNorm, in place on both inputs (spec: fused_add_rmsnorm)::
 
         h = f32(input) + f32(residual);  residual <- cast(h)
         input <- cast((h * rsqrt(mean(h^2) + eps)) * f32(weight))   # statistic of the FP32 h
@@ -202,7 +202,7 @@ def gated_residual_rmsnorm(
     *,
     impl: str = "auto",
 ):
-    """Gated residual update of an FP32 stream with a normalized branch (SPEC §1.3)::
+    """Gated residual update of an FP32 stream with a normalized branch (spec)::
 
         x = f32(branch) [* (f32(weight) + gain_center)]
         out = alpha * residual + beta * (x * rsqrt(mean(x^2) + eps))      # FP32
@@ -293,7 +293,7 @@ def gated_residual_next_rmsnorm(
     enable_pdl=True,
     impl: str = "auto",
 ):
-    """Gated residual update followed by the next block's RMSNorm, in one pass (SPEC §1.4)::
+    """Gated residual update followed by the next block's RMSNorm, in one pass (spec)::
 
         b = f32(branch) [* (f32(post_weight) + post_gain_center)]
         residual_out = u + (beta * b) * rsqrt(mean(b^2) + post_eps)    # u = alpha * residual
@@ -353,7 +353,7 @@ def _check_sigmoid_gate(op, input, gate, eps) -> None:
 @fast_op
 @v.checked(writes=("input",))
 def rmsnorm_sigmoid_gate(input, gate, eps: float = 1e-5, *, enable_pdl=None, impl: str = "auto"):
-    """Per-head RMSNorm times a sigmoid gate, in place on ``input`` (SPEC §1.5)::
+    """Per-head RMSNorm times a sigmoid gate, in place on ``input`` (spec: rmsnorm_sigmoid_gate)::
 
         input <- cast((x * rsqrt(mean(x^2) + eps)) * sigmoid(f32(gate)))   # per row of length D
 

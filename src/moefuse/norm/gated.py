@@ -1,4 +1,4 @@
-"""Gated residual RMSNorm kernels (SPEC §1.3, §1.4) and their launchers.
+"""Gated residual RMSNorm kernels and their launchers (spec: gated_residual_*).
 
 Two row layouts, chosen from the width alone (:func:`moefuse.norm.tiles.row_tile` with
 ``GATED_POLICY``), so a row's bits never depend on the token count:
@@ -128,7 +128,7 @@ def gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_ptr
     # with 8, and ffn_input differed by an ulp in up to 3.9 % of the rows at 2048 columns (H200,
     # scripts/probe_batch_invariance.py). Stored last, it leaves both kernels the same layouts
     # and one sum each (scripts/audit_reduce_trees.py, tests/test_reduce_trees.py), at no cost
-    # (0.88-1.005 x the old router kernel, notes/norm.md, session 16).
+    # (0.88-1.005 x the old router kernel, notes/norm.md).
     _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED, HAS_ROUTER, PTX)
     if HAS_ROUTER:
         _st(ro_ptrs, ro, mask, MASKED, PTX)
@@ -364,7 +364,7 @@ def _gated_residual_next_kernel(
     PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr, STEPPED: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """SPEC §1.4: gated stream update, then the next RMSNorm of the FP32 residual_out.
+    """Gated stream update, then the next RMSNorm of the FP32 residual_out.
 
     ALPHA_MODE: 0 = scalar 1.0 (u = residual), 1 = other scalar, 2 = per-channel tensor.
     ``strides`` and ``scalars`` are tuples, unpacked by name on the first lines (the offline
@@ -435,7 +435,7 @@ def launch_gated_residual_rmsnorm(
     tile: RowTile | None = None,
     unroll: bool | None = None,
 ) -> None:
-    """SPEC §1.3 on validated tensors: ``out = alpha * residual + beta * (x * r)`` with
+    """gated_residual_rmsnorm on validated tensors: ``out = alpha * residual + beta * (x * r)`` with
     ``x = f32(branch) [* (f32(weight) + gain_center)]``. branch [M, H] BF16/FP16, residual and
     out [M, H] FP32 (row strides free; out may be residual), alpha / beta [H] FP32, weight [H].
     Writes ``out`` only. ``tile`` / ``unroll`` override the width's tile and the stepped mode
@@ -474,7 +474,7 @@ def launch_gated_residual_next_rmsnorm(
     tile: RowTile | None = None,
     unroll: bool | None = None,
 ) -> None:
-    """SPEC §1.4 on validated tensors: residual_out (FP32 [M, H], may be residual) = u +
+    """On validated tensors: residual_out (FP32 [M, H], may be residual) = u +
     (beta * b) * rsqrt(mean_sq(b) + post_eps), b = f32(branch) [* (post_weight + c)], u =
     residual, alpha_scalar * residual or alpha * residual (alpha [H] FP32 when given); then
     router = (residual_out * rsqrt(mean_sq(residual_out) + next_eps)) * (next_weight + c),

@@ -1,7 +1,7 @@
-"""PyTorch reference of the RMSNorm family (SPEC §1) — the oracle and the CPU path.
+"""PyTorch reference of the RMSNorm family (spec: Norms) — the oracle and the CPU path.
 
-Row statistics are reduced in FP64 and inverted with an exact ``1/sqrt`` (SPEC §5); everything else
-is FP32 elementwise math in the order the SPEC writes it, with one rounding at each store. These
+Row statistics are reduced in FP64 and inverted with an exact ``1/sqrt`` (spec: Tests); everything
+is FP32 elementwise math in the order the spec writes it, with one rounding at each store. These
 functions are functional: they return new tensors and never mutate their arguments (the public ops
 copy results into the in-place targets).
 """
@@ -73,7 +73,7 @@ def gated_residual_next_rmsnorm_reference(
     post_weight: torch.Tensor | None = None,
     post_gain_center: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(residual_out FP32, ffn_input, router_input FP32)`` per SPEC §1.4::
+    """Returns ``(residual_out FP32, ffn_input, router_input FP32)`` (spec)::
 
         b = f32(branch) [* (f32(post_weight) + post_gain_center)]
         residual_out = u + (beta * b) * rsqrt(mean_sq(b) + post_eps),  u = alpha * residual

@@ -1,4 +1,4 @@
-"""Triton kernels of the RMSNorm family (SPEC §1) and their launchers.
+"""Triton kernels of the RMSNorm family (spec: Norms) and their launchers.
 
 Every kernel works on a ``[ROWS, BLOCK]`` tile of rows (see :mod:`moefuse.norm.tiles`): row sums
 are ``tl.sum`` over a tile whose shape depends on the width only, so the reduction tree is fixed per
@@ -91,7 +91,7 @@ def _st(ptrs, value, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
 
 @triton.jit
 def _inv_rms(sumsq, Hf, eps):
-    """``rsqrt(sumsq / H + eps)`` with an IEEE division (SPEC mean_sq) and rsqrt.approx.
+    """``rsqrt(sumsq / H + eps)`` with an IEEE division (the spec's mean_sq) and rsqrt.approx.
 
     ``Hf`` is the width as a float argument: an int width of 1 would be specialised to a constant.
     """

@@ -1,4 +1,4 @@
-"""FP8 and NVFP4 quantization (SPEC §4): standalone quantizers/dequantizers and the fused
+"""FP8 and NVFP4 quantization (spec: Quantization): standalone quantizers/dequantizers and the fused
 RMSNorm + quantization ops. Device functions shared with other kernel families (the communication
 fusions' epilogues) live in :mod:`moefuse.quant.device`."""
 

@@ -1,4 +1,4 @@
-"""Public ops of the quantization family (SPEC §4, §1.1, §1.2).
+"""Public ops of the quantization family (spec: Quantization).
 
 Every op validates its arguments (``ValueError`` naming the argument, nothing written), allocates
 missing outputs, picks the implementation (keyword-only ``impl="auto" | "triton" | "reference"``,
@@ -118,7 +118,7 @@ def _check_fp8_quantize(op, input, scale, dtype, out) -> None:
 @v.checked(writes=("out",))
 def fp8_quantize(input, scale, *, dtype=torch.float8_e4m3fn, out=None, enable_pdl=None,
                  impl: str = "auto"):  # fmt: skip
-    """Static per-tensor FP8 (SPEC §4.1): ``out = e8(f32(input) * (1/scale))``.
+    """Static per-tensor FP8 (spec: FP8 format): ``out = e8(f32(input) * (1/scale))``.
 
     ``input`` [H], [M, H] or [M, heads, H] BF16/FP16/FP32 (last dim contiguous, rows uniformly
     strided); ``scale`` the FP32 dequantization scale, a ``[1]`` device tensor (``1/scale`` is one
@@ -159,7 +159,7 @@ def _check_per_token(op, input, out, scale_out) -> None:
 @v.checked(writes=("out", "scale_out"))
 def fp8_quantize_per_token(input, *, out=None, scale_out=None, enable_pdl=None,
                            impl: str = "auto"):  # fmt: skip
-    """Dynamic per-token E4M3 (SPEC §4.3) over the last dim of ``input`` ([H], [M, H], [M, h, H]).
+    """Dynamic per-token E4M3 (spec) over the last dim of ``input`` ([H], [M, H], [M, h, H]).
 
     ``s = max(amax_row / 448, 2^-9 / 448)`` (FP32, IEEE division; a row containing NaN gets
     ``s = NaN`` and all-0x7F codes, a row with Inf gets ``s = Inf``); ``q = e4m3(v / s)`` with an
@@ -246,7 +246,7 @@ def _alloc_fp4(input, layout, out, scale_out):
 @v.checked(writes=("out", "scale_out"))
 def fp4_quantize(input, global_scale, *, layout: str = "swizzled_128x4", recipe: str = "fast",
                  out=None, scale_out=None, enable_pdl=None, impl: str = "auto"):  # fmt: skip
-    """NVFP4 quantization (SPEC §4.2) of ``input`` [M, H] (BF16/FP16/FP32, H % 16 == 0).
+    """NVFP4 quantization (spec: NVFP4 format) of ``input`` [M, H] (BF16/FP16/FP32, H % 16 == 0).
 
     Per 16-element block: ``sf = e4m3(gs * (amax * R6))`` (R6 = RNE(1/6)); block zeroed when
     ``f32(sf) == 0``; else codes ``e2m1(|v| * out_scale)`` with ``out_scale = rcp_fast(s *
@@ -360,7 +360,7 @@ def _check_norm_fp8(op, input, residual, weight, scale, eps, dtype, out, fused=F
 def rmsnorm_quant(input, weight, scale, eps: float = 1e-6, *, out=None,
                   dtype=None, gain_center: float = 0.0, enable_pdl=None,
                   impl: str = "auto"):  # fmt: skip
-    """RMSNorm + static FP8 (SPEC §1.1): ``out = e8(((x * r) * g) * (1/scale))``, the UNROUNDED
+    """RMSNorm + static FP8 (spec): ``out = e8(((x * r) * g) * (1/scale))``, the UNROUNDED
     FP32 norm output quantized, ``g = f32(weight) + gain_center`` (1.0 = Gemma).
 
     ``input`` [M, H] or [M, heads, H] BF16/FP16; ``weight`` [H] BF16/FP16/FP32; ``scale`` [1] FP32
@@ -393,7 +393,7 @@ def supports_rmsnorm_quant(input, weight, scale, dtype=None) -> bool:
 def fused_add_rmsnorm_quant(input, residual, weight, scale, eps: float = 1e-6, *, out=None,
                             dtype=None, gain_center: float = 0.0,
                             enable_pdl=None, impl: str = "auto"):  # fmt: skip
-    """Residual add + RMSNorm + static FP8 (SPEC §1.2 quant variant)::
+    """Residual add + RMSNorm + static FP8 (spec: fused_add_rmsnorm_quant)::
 
         h = f32(input) + f32(residual);  residual <- cast(h)          # in place
         out = e8(((h * r) * g) * (1/scale))                          # r from the FP32 h
@@ -507,7 +507,7 @@ def fused_add_rmsnorm_fp4_quantize(input, residual, weight, global_scale, eps: f
                                    norm_out=None, enable_pdl=None,
                                    impl: str = "auto"):  # fmt: skip
     """Residual add + RMSNorm + NVFP4: ``h = f32(input) + f32(residual)``, ``residual <- cast(h)``
-    (in place), ``y = cast((h * r) * g)`` with r from the FP32 h (SPEC §1.2), then NVFP4 of ``y``.
+    (in place), ``y = cast((h * r) * g)`` with r from the FP32 h (spec), then NVFP4 of ``y``.
     ``input`` is not modified unless it is passed as ``norm_out``. Returns ``(out, scale_out)``.
     """
     return _norm_fp4("fused_add_rmsnorm_fp4_quantize", input, residual, weight, global_scale, eps,

@@ -1,12 +1,12 @@
-"""Triton device functions for FP8 and NVFP4 quantization (SPEC §4), shared as kernel epilogues.
+"""Triton device functions for FP8 and NVFP4 quantization, shared as kernel epilogues.
 
 Every function here is pure (no loads or stores) and shape-generic unless its docstring says
 otherwise, so the standalone quantizers, the fused norm + quant kernels and the communication
-fusions (SPEC §3.1) all run the same code. Bit-exactness against the CPU reference must hold in
+fusions all run the same code. Bit-exactness against the CPU reference must hold in
 Triton's interpreter too, so every conversion has a software path built from integer operations on
 the FP32 bits; ``PTX: tl.constexpr`` selects the hardware ``cvt`` where one exists on SM90 and has
 been checked bit-identical (FP32 -> E4M3/E5M2 with RNE + satfinite). There is no FP32 -> E2M1
-conversion on SM90 (SPEC §0.1): E2M1 is always software.
+conversion on SM90 (spec: NVFP4 format): E2M1 is always software.
 
 Constants and conventions (mirrored by ``moefuse.quant.reference``):
 
@@ -17,11 +17,11 @@ Constants and conventions (mirrored by ``moefuse.quant.reference``):
   sign (0x80).
 * E2M1 nibbles: sign bit 3, magnitude code bits 0-2 ``{0, .5, 1, 1.5, 2, 3, 4, 6}``, RNE with ties
   to the even code, saturating (``|x| > 6`` and Inf give code 7). The sign bit is set iff
-  ``x < 0``: ``-0.0`` encodes as 0x0 and NaN as 0x7 (SPEC §4.2 lets tests treat 0x0 and 0x8 alike;
+  ``x < 0``: ``-0.0`` encodes as 0x0 and NaN as 0x7 (the spec lets tests treat 0x0 and 0x8 alike;
   this rule makes the nibble independent of NaN signs).
 * NVFP4 recipe codes: ``RECIPE_FAST = 0`` (``rcp_fast(s * rcp_fast(gs))``), ``RECIPE_IEEE = 1``
   (``gs / s``, IEEE division).
-* Scale layout codes (SPEC §3.1 ``layout_code``): ``SWIZZLED_128x4 = 0``, ``SWIZZLED_8x4 = 1``,
+* Scale layout codes (FlashInfer's ``layout_code``): ``SWIZZLED_128x4 = 0``, ``SWIZZLED_8x4 = 1``,
   ``LINEAR = 2``.
 """
 
@@ -36,14 +36,14 @@ E5M2: tl.constexpr = tl.constexpr(1)
 # NVFP4 output-scale recipes.
 RECIPE_FAST: tl.constexpr = tl.constexpr(0)
 RECIPE_IEEE: tl.constexpr = tl.constexpr(1)
-# Scale-factor layouts (SPEC §3.1 layout_code).
+# Scale-factor layouts (spec: NVFP4 format, scale layouts).
 SWIZZLED_128x4: tl.constexpr = tl.constexpr(0)
 SWIZZLED_8x4: tl.constexpr = tl.constexpr(1)
 LINEAR: tl.constexpr = tl.constexpr(2)
 
 # FP32 bit patterns used below.
 _F32_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
-_R6: tl.constexpr = tl.constexpr(0x3E2AAAAB)  # rcp_fast(6.0) == RNE(1/6) (SPEC §0.2)
+_R6: tl.constexpr = tl.constexpr(0x3E2AAAAB)  # rcp_fast(6.0) == RNE(1/6) (spec: Notation)
 
 
 @triton.jit
@@ -189,7 +189,7 @@ def _e2m1_round(a, PTX: tl.constexpr):
     (the even mantissa ``2e'`` keeps ties on even ``k``, i.e. on the even code). ``magic`` comes
     from ``t = max(eb + X, B)`` (``eb`` = exponent bits of ``c``) and ``t + (t >> 22)``: with
     ``X = (22 << 23) - 297`` the shift adds ``2e' + 254 + 43`` and the offset cancels. Checked
-    against the SPEC thresholds for all 2^31 non-negative FP32 patterns (numpy, and the GPU suite).
+    against the spec's thresholds, all 2^31 non-negative FP32 patterns (numpy, and the GPU suite).
     """
     if PTX:
         # the same steps in PTX: LLVM would rewrite max(x + X, B) as max(x, B - X) + X, which
@@ -229,7 +229,7 @@ def e2m1_magnitude(a, PTX: tl.constexpr):
 def e2m1_encode(x, PTX: tl.constexpr):
     """FP32 -> E2M1 nibble (int32, 0..15): magnitude code | 8 if ``x < 0``. Any shape.
 
-    Thresholds (SPEC §4.2): 0 <= .25 < 1 < .75 <= 2 <= 1.25 < 3 < 1.75 <= 4 <= 2.5 < 5 < 3.5 <= 6
+    Thresholds: 0 <= .25 < 1 < .75 <= 2 <= 1.25 < 3 < 1.75 <= 4 <= 2.5 < 5 < 3.5 <= 6
     <= 5 < 7. ``-0.0`` -> 0x0, NaN -> 0x7, +-Inf -> 0x7/0xF.
     """
     a = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
@@ -255,7 +255,7 @@ def e2m1_decode(nibble):
 @triton.jit
 def pack_nibbles(nib, N_OUT: tl.constexpr):
     """Pack nibbles along the last axis of a 3-D tile: ``[R, C, 2*N_OUT]`` -> ``[R, C, N_OUT]``
-    uint8, element ``2j`` in the low nibble and ``2j+1`` in the high nibble (SPEC §4.2).
+    uint8, element ``2j`` in the low nibble and ``2j+1`` in the high nibble (spec: NVFP4 format).
     (Reshape + split of a size-2 axis: each thread already holds the pair, no data movement.)
     """
     pairs = tl.reshape(nib, (nib.shape[0], nib.shape[1], N_OUT, 2))
@@ -265,7 +265,7 @@ def pack_nibbles(nib, N_OUT: tl.constexpr):
 
 @triton.jit
 def nvfp4_scale(amax, gs, rcp_gs, RECIPE: tl.constexpr, PTX: tl.constexpr):
-    """NVFP4 per-block scale (SPEC §4.2) from the block amax. Any shape; returns (sf, out_scale).
+    """NVFP4 per-block scale (spec) from the block amax. Any shape; returns (sf, out_scale).
 
     ``amax`` FP32 >= 0 (NaN allowed), ``gs`` the FP32 global scale (scalar), ``rcp_gs`` =
     ``rcp_fast(gs)`` computed once by the caller (only read by the "fast" recipe).
@@ -351,7 +351,7 @@ def scale_offset(m, k, n_kcols, LAYOUT: tl.constexpr):
     """Byte offset of the scale of row ``m``, block column ``k`` (integer tensors, broadcastable).
 
     ``n_kcols``: padded block columns ``Kp = round_up(H/16, 4)`` for the swizzled layouts, or
-    ``KB = H/16`` for LINEAR. Offsets (SPEC §4.2):
+    ``KB = H/16`` for LINEAR. Offsets (spec: NVFP4 format):
     LINEAR ``m*KB + k``; SWIZZLED_128x4 ``(m//128)*Kp*128 + (k//4)*512 + (m%32)*16 +
     ((m%128)//32)*4 + k%4``; SWIZZLED_8x4 ``(m//8)*Kp*8 + (k//4)*32 + (m%8)*4 + k%4``.
     Callers pass int64 ``m`` when ``Mp * Kp`` may exceed 2^31.
@@ -375,6 +375,6 @@ def scale_offset(m, k, n_kcols, LAYOUT: tl.constexpr):
 
 @triton.jit
 def fp8_amax_scale(amax):
-    """Dynamic per-token E4M3 scale (SPEC §4.3): ``max(amax / 448, 2^-9 / 448)``, IEEE division."""
+    """Dynamic per-token E4M3 scale (spec): ``max(amax / 448, 2^-9 / 448)``, IEEE division."""
     floor_ = tl.math.div_rn(tl.zeros_like(amax) + 2.0**-9, tl.zeros_like(amax) + 448.0)
     return tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0), floor_)

@@ -1,8 +1,8 @@
-"""FP8 / NVFP4 format primitives in PyTorch (SPEC §4): the oracle the kernels are checked against.
+"""FP8 / NVFP4 format primitives in PyTorch: the oracle the kernels are checked against.
 
-Written from the SPEC text, independently of the Triton device code in ``device.py`` (which works
-on FP32 bits): FP8 goes through PyTorch's own cast after clamping, E2M1 through the SPEC's
-threshold table, and the swizzled layouts through the SPEC's reshape/permute formulation rather
+Written from the spec's text, independently of the Triton device code in ``device.py`` (which works
+on FP32 bits): FP8 goes through PyTorch's own cast after clamping, E2M1 through the spec's
+threshold table, and the swizzled layouts through the spec's reshape/permute formulation rather
 than the offset formula. Every function runs on CPU or CUDA tensors.
 
 Conventions shared with ``device.py``: FP8 NaN -> canonical 0x7F; E2M1 sign bit set iff x < 0
@@ -34,7 +34,7 @@ def round_up(x: int, m: int) -> int:
 
 
 def fp8_bits(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """FP32 -> FP8 bytes (uint8): clamp to +-max, RNE cast (SPEC §4.1), NaN -> 0x7F."""
+    """FP32 -> FP8 bytes (uint8): clamp to +-max, RNE cast (spec: FP8 format), NaN -> 0x7F."""
     x = x.float()
     m = FP8_MAX[dtype]
     q = x.clamp(-m, m).to(dtype).view(torch.uint8)
@@ -47,7 +47,7 @@ def fp8_values(q: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tor
 
 
 def e2m1_nibbles(x: torch.Tensor) -> torch.Tensor:
-    """FP32 -> E2M1 nibbles (uint8 0..15) by the SPEC §4.2 threshold table (RNE, saturating)."""
+    """FP32 -> E2M1 nibbles (uint8 0..15) by the spec's threshold table (RNE, saturating)."""
     x = x.float()
     a = x.abs()
     code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
@@ -85,7 +85,7 @@ def nvfp4_block_quant(
     recipe: str = "fast",
     rcp: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §4.2 per-block recipe on ``v`` ``[M, H]`` (H % 16 == 0; values already in the op's
+    """NVFP4 per-block recipe (spec) on ``v`` ``[M, H]`` (H % 16 == 0; values already in the op's
     output precision). Returns ``(nibbles [M, H] uint8, sf [M, H/16] uint8)`` before packing and
     layout.
 
@@ -128,7 +128,7 @@ def swizzle_scales(sf: torch.Tensor, layout: str) -> torch.Tensor:
 
     Padding bytes are 0.
 
-    Uses the reshape/permute formulation of SPEC §4.2 (independent of the kernels' offsets).
+    Uses the reshape/permute formulation of the spec (independent of the kernels' offsets).
     """
     m, kb = sf.shape
     if layout == "linear":
@@ -157,7 +157,7 @@ def unswizzle_scales(scales: torch.Tensor, m: int, kb: int, layout: str) -> torc
 
 
 def scale_offsets(m: int, kb: int, layout: str) -> torch.Tensor:
-    """The SPEC's offset formula for every (row, block) as an int64 ``[M, KB]`` tensor."""
+    """The spec's offset formula for every (row, block) as an int64 ``[M, KB]`` tensor."""
     r = torch.arange(m, dtype=torch.int64).unsqueeze(1)
     k = torch.arange(kb, dtype=torch.int64).unsqueeze(0)
     if layout == "linear":

@@ -1,4 +1,4 @@
-"""Fused RMSNorm (+ residual add) + quantization kernels and launchers (SPEC §1.1, §1.2, §4).
+"""Fused RMSNorm (+ residual add) + quantization kernels and launchers (spec: Quantization).
 
 The row structure is the norm family's (``moefuse.norm.triton`` / ``moefuse.norm.tiles``): a
 ``[ROWS, BLOCK]`` tile chosen from the width alone, the row in registers when it fits in one block,
@@ -10,13 +10,13 @@ numbers are those of the standalone quantizers:
 * FP8 (``rmsnorm_quant``, ``fused_add_rmsnorm_quant``): ``q = e8(((x * r) * g) * inv)`` of the
   UNROUNDED FP32 norm output, ``inv = 1/scale`` one IEEE division per program.
 * NVFP4 (``rmsnorm_fp4_quantize``, ``fused_add_rmsnorm_fp4_quantize``): ``y = cast((x * r) * g)``
-  rounded to the activation dtype first (the unfused pipeline's numbers), then the §4.2 recipe on
+  rounded to the activation dtype first (the unfused pipeline's numbers), then the NVFP4 recipe on
   each 16-element block of ``y``; ``y`` itself is stored only when ``norm_out`` is requested.
   The grid covers the layout's PADDED rows, and every program also zero-fills its rows' padding
   block columns: the kernel writes every scale byte.
 
 With a residual (the ``fused_add_*`` ops) ``h = f32(x) + f32(res)``, ``res <- cast(h)`` and the
-statistic and normalization use the unrounded FP32 ``h`` (SPEC §1.2); ``input`` is not written.
+statistic and normalization use the unrounded FP32 ``h`` (spec); ``input`` is not written.
 
 Public device functions (no leading underscore): ``ld32``, ``widen_h``, ``fp8_load``,
 ``fp8_tile`` and ``fp4_tile``, the rows that the all-gather family

@@ -1,4 +1,4 @@
-"""PyTorch references of the quantization ops (SPEC §4, §1.1, §1.2) — the oracle and the CPU path.
+"""PyTorch references of the quantization ops (spec: Quantization) — the oracle and the CPU path.
 
 Each function has the signature of its public op (minus ``out``/``impl``/``enable_pdl``) and returns
 new tensors; it never mutates its arguments (the public ops copy results into in-place targets).
@@ -46,23 +46,23 @@ def fp8_quantize_reference(
 
 def _div(a: torch.Tensor, b: float) -> torch.Tensor:
     """IEEE FP32 ``a / b``. (Dividing a CUDA tensor by a Python scalar multiplies by the rounded
-    reciprocal in PyTorch, which is not the SPEC's division.)"""
+    reciprocal in PyTorch, which is not the spec's division.)"""
     return a / torch.full_like(a, b)
 
 
 def fp8_per_token_scale(amax: torch.Tensor) -> torch.Tensor:
-    """SPEC §4.3: ``max(amax / 448, 2^-9 / 448)`` in FP32, NaN propagating."""
+    """spec: fp8_quantize_per_token: ``max(amax / 448, 2^-9 / 448)`` in FP32, NaN propagating."""
     amax = amax.float()
     floor = _div(torch.full_like(amax, 2.0**-9), 448.0)
     return torch.maximum(_div(amax, 448.0), floor)
 
 
 def fp8_quantize_per_token_reference(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token E4M3 (SPEC §4.3) over the last dim.
+    """Dynamic per-token E4M3 (spec: fp8_quantize_per_token) over the last dim.
 
     Returns ``(q [..., H] float8_e4m3fn, scales [..., 1] FP32)`` with
     ``s = max(amax/448, 2^-9/448)`` and ``q = e4m3(v / s)`` (IEEE division per element;
-    saturation makes the SPEC's clamp implicit).
+    saturation makes the spec's clamp implicit).
     """
     x = input.float()
     if x.shape[-1] == 0 or x.numel() == 0:
@@ -91,7 +91,7 @@ def fp4_quantize_reference(
     recipe: str = "fast",
     rcp: Rcp = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 (SPEC §4.2) of ``input`` ``[M, H]`` (H % 16 == 0, values taken as they are).
+    """NVFP4 (spec: NVFP4 format) of ``input`` ``[M, H]`` (H % 16 == 0, values taken as they are).
 
     Returns ``(packed [M, H/2] uint8, scales uint8)``; ``scales`` has shape
     ``formats.scale_layout_shape(M, H/16, layout)`` and, flattened, is in the layout's byte order
@@ -127,7 +127,7 @@ def rmsnorm_quant_reference(
     quant_dtype: torch.dtype = torch.float8_e4m3fn,
     gain_center: float = 0.0,
 ) -> torch.Tensor:
-    """SPEC §1.1: ``e8(((x * r) * g) * (1/scale))`` of the UNROUNDED FP32 norm output."""
+    """spec: rmsnorm_quant: ``e8(((x * r) * g) * (1/scale))`` of the UNROUNDED FP32 norm output."""
     x = input.float()
     y = (x * norm_ref.inv_rms(x, eps)) * norm_ref.gain(weight, gain_center)
     return F.fp8_bits(y * inverse_scale(scale).to(y.device), quant_dtype).view(quant_dtype)
@@ -142,7 +142,7 @@ def fused_add_rmsnorm_quant_reference(
     quant_dtype: torch.dtype = torch.float8_e4m3fn,
     gain_center: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §1.2 quant variant. Returns ``(q, residual_out)``: ``h = f32(input) + f32(residual)``,
+    """fused_add_rmsnorm_quant. Returns ``(q, residual_out)``: ``h = f32(input) + f32(residual)``,
     ``residual_out = cast(h)``, ``q = e8(((h * r) * g) * (1/scale))`` with r from the FP32 h."""
     h = input.float() + residual.float()
     y = (h * norm_ref.inv_rms(h, eps)) * norm_ref.gain(weight, gain_center)
@@ -160,7 +160,7 @@ def rmsnorm_fp4_quantize_reference(
     gain_center: float = 0.0,
     rcp: Rcp = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm, rounded to the input dtype, then NVFP4 (the unfused pipeline, SPEC §3.7).
+    """RMSNorm, rounded to the input dtype, then NVFP4 (the unfused pipeline, spec).
 
     Returns ``(packed, scales, norm_out)`` with ``norm_out = rmsnorm_reference(...)``.
     """
@@ -180,7 +180,7 @@ def fused_add_rmsnorm_fp4_quantize_reference(
     gain_center: float = 0.0,
     rcp: Rcp = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fused_add_rmsnorm`` (SPEC §1.2) then NVFP4 of the rounded norm output.
+    """``fused_add_rmsnorm`` (spec: fused_add_rmsnorm) then NVFP4 of the rounded norm output.
 
     Returns ``(packed, scales, norm_out, residual_out)``.
     """

@@ -1,4 +1,4 @@
-"""Triton kernels and launchers of the standalone quantizers (SPEC §4).
+"""Triton kernels and launchers of the standalone quantizers (spec: Quantization).
 
 * ``_fp8_quantize_kernel``: static per-tensor FP8, elementwise over ``[BLOCK_M, BLOCK_N]`` tiles.
 * ``_fp8_per_token_kernel``: dynamic per-token E4M3; rows as in the norm kernels (one row in

@@ -1,4 +1,4 @@
-"""Public all-gather + norm fusions (SPEC: all_gather_gated_residual_next_rmsnorm,
+"""Public all-gather + norm fusions (spec: all_gather_gated_residual_next_rmsnorm,
 all_gather_rmsnorm_fp4_quantize): after a column-sharded projection each of the P ranks holds
 ``shard`` [M, S], its columns ``[rank*S, (rank+1)*S)`` of every token row (H = P * S). Each op
 gathers the rows (in rank order) and applies a single-GPU op to them:
@@ -202,7 +202,7 @@ def all_gather_rmsnorm_fp8(
 ):
     """``out = rmsnorm_quant(concat_r shard_r, weight, scale, eps)``: FP8 (E4M3 or E5M2,
     ``dtype``; None: the dtype of ``out`` when given, else E4M3) of the unrounded FP32 norm output
-    times ``1/scale`` (SPEC: rmsnorm, FP8 E4M3).
+    times ``1/scale`` (spec: rmsnorm, FP8 E4M3).
 
     ``scale`` [1] FP32 (dequantization scale); ``out`` [M, H] FP8 of ``dtype``. Returns ``out``."""
     op = "all_gather_rmsnorm_fp8"
@@ -295,9 +295,9 @@ def all_gather_rmsnorm_fp4_quantize(
     enable_pdl=None,
     impl: str = "auto",
 ):
-    """``rmsnorm_fp4_quantize(concat_r shard_r, weight, global_scale, eps)`` (the SPEC's
+    """``rmsnorm_fp4_quantize(concat_r shard_r, weight, global_scale, eps)`` (the spec's
     all_gather_rmsnorm_fp4_quantize): the norm output rounded to the shard dtype, then NVFP4 (recipe
-    "fast" by default, as FlashInfer's all-gather kernel). H % 16 == 0. ``layout`` "linear" (SPEC
+    "fast" by default, as FlashInfer's all-gather kernel). H % 16 == 0. ``layout`` "linear" (spec
     default) | "swizzled_128x4" | "swizzled_8x4"; padding scale bytes are written as 0.
 
     Returns ``(out uint8 [M, H/2], scale_out uint8 scale_layout_shape(M, H/16, layout))``."""
@@ -420,7 +420,7 @@ def all_gather_gated_residual_next_rmsnorm(
     impl: str = "auto",
 ):
     """``gated_residual_next_rmsnorm(concat_r branch_shard_r, residual, next_weight, alpha, beta)``
-    (SPEC: all_gather_gated_residual_next_rmsnorm on gated_residual_next_rmsnorm)::
+    (spec: all_gather_gated_residual_next_rmsnorm on gated_residual_next_rmsnorm)::
 
         b = f32(branch) [* (f32(post_weight) + post_gain_center)]
         residual_out = alpha * residual + (beta * b) * rsqrt(mean(b^2) + post_eps)

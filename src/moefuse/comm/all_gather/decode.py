@@ -5,7 +5,7 @@ same on every rank). MEASURED for rmsnorm on 2 x H200 (bench all-gather, 2026-11
 bench/results/all-gather-h200-p2.json): one launch vs two at H = 4096: M = 1 3.39 / 3.97 us,
 M = 8 4.30 / 5.10, M = 64 4.64 / 5.72; H = 8192: 4.04 / 4.49, 4.92 / 5.72, 6.54 / 7.22 — bitwise
 equal to NCCL + rmsnorm in every case (the benchmark checks before it times). The FP8, NVFP4
-and gated ops (issue 17e, session 9, same benchmark): one launch vs two at H = 4096, M = 1:
+and gated ops (2 x H200, same benchmark): one launch vs two at H = 4096, M = 1:
 3.79 / 4.15, 3.75 / 4.13, 4.10 / 4.63 us, and faster at every M <= 64 except NVFP4 rows wider
 than 4096 at M <= 8 (:data:`FP4_ONE_LAUNCH_MAX_WIDTH`).
 
@@ -28,7 +28,7 @@ rank (this one too) pushes its fragment into this rank's slot, where the program
 rows in the op's own tile, straight into registers: no gathered round trip, no CTA barrier
 (:func:`norm_tile_early`; the values and tile shape are those of the single-GPU kernel's loads,
 so the tree is the same: the tests check the bits). MEASURED on one H200 as two loopback ranks
-(session 12, scripts/loopback_gpu_check.py, PDL on, per case the median over 3 alternating
+(scripts/loopback_gpu_check.py, PDL on, per case the median over 3 alternating
 rounds of the faster rank's median; notes/comm-all-gather.md has the tables), µs late -> slots:
 FP8 H = 4096, M = 1 / 8 / 64: 3.93 -> 3.23, 4.43 -> 4.05, 5.31 -> 4.64; H = 8192: 4.74 ->
 4.33, 5.25 -> 4.62, 6.58 -> 6.20; rmsnorm H = 4096 (one-pass tile): 0.2-0.5 µs less; ``early``
@@ -76,7 +76,7 @@ OP_CODES = {"rmsnorm": RMSNORM, "fp8": FP8, "fp4": FP4, "gated": GATED}
 DECODE_ENV = "MOEFUSE_ALLGATHER_DECODE"
 DECODE_MODES = ("late", "early", "slots")
 #: the decode kernel's mode per op (see :func:`decode_mode` and the module docstring: measured
-#: on one H200 as two loopback ranks, session 12)
+#: on one H200 as two loopback ranks)
 DECODE_DEFAULT = {RMSNORM: "slots", FP8: "slots", FP4: "late", GATED: "late"}
 #: the same for stepped rows (rmsnorm 6145-8192 columns, the gated op)
 DECODE_DEFAULT_STEPPED = {RMSNORM: "late", GATED: "late"}
@@ -414,7 +414,7 @@ def fusable(op: int, tile) -> bool:
 
 #: NVFP4 rows wider than this run two launches at up to FP4_WIDE_TWO_LAUNCH_MAX_TOKENS tokens
 #: unless MOEFUSE_ALLGATHER_ONE_LAUNCH is set. MEASURED (2 x H200, P = 2, `bench all-gather`,
-#: session 9, bench/results/all-gather-h200-p2.json), µs one launch / two launches: H = 8192
+#: bench/results/all-gather-h200-p2.json), µs one launch / two launches: H = 8192
 #: M = 1 5.71 / 5.29, M = 8 6.40 / 6.11, M = 64 7.62 / 7.82; H = 4096 one launch wins at every
 #: M (3.75 / 4.13 at M = 1). The NVFP4 tile is 4 warps wide, so one CTA gathers a whole
 #: 8192-column row with 128 threads, where the gather kernel of two launches has its own tile.

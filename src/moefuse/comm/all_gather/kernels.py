@@ -1,4 +1,4 @@
-"""The column all-gather of the all-gather + norm fusions (SPEC:
+"""The column all-gather of the all-gather + norm fusions (spec:
 all_gather_gated_residual_next_rmsnorm, all_gather_rmsnorm_fp4_quantize) and its launcher.
 
 Each rank holds ``shard`` [M, S] (its columns ``[rank*S, (rank+1)*S)`` of every token row,
@@ -8,7 +8,7 @@ S = H / P). ``_allgather_kernel`` assembles the full rows ``[M, H]`` in this ran
 makes the fused ops bitwise equal to "all-gather, then the single-GPU op": the row reduction
 tree, tile and launch policy are that kernel's, chosen from H exactly as for a local call.
 
-Transport (Lamport, unicast peer stores; the SPEC's Lamport transport with two changes):
+Transport (Lamport, unicast peer stores; the spec's Lamport transport with two changes):
 
 * Slots: region ``"allgather"`` of every rank's peer buffer holds ``[3 generations, max_tokens,
   H]`` 16-bit words; sender r writes its fragment of row t into columns ``[r*S, (r+1)*S)`` of

@@ -1,12 +1,12 @@
-"""Persistent one-launch all-gather + norm ops for M above the decode range (issue 17, large M;
-``all_gather_rmsnorm``, and since issue 17e ``_fp8``, ``_fp4_quantize`` and the gated op: the
+"""Persistent one-launch all-gather + norm ops for M above the decode range (large M;
+``all_gather_rmsnorm``, ``_fp8``, ``_fp4_quantize`` and the gated op: the
 ``OP`` constexpr of ``norm_tile``): NVLink pushes and the norm overlap inside one kernel.
 
 MEASURED for every op (notes/comm-all-gather.md "Measured: the persistent kernel" and
 "Measured: every op on its one-launch kernels"): rmsnorm, FP8 and NVFP4 0.75-0.94 x the NVLink
-bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's kernel of session 9
+bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's first kernel
 (one 16-warp CTA per SM, rows gathered) lost to the chunk pipeline above 512 tokens on 2 x H200
-(123.3 / 473.0 against 102.8 / 360.5 µs at H = 4096, M = 4096 / 16384). Session 13 runs it at
+(123.3 / 473.0 against 102.8 / 360.5 µs at H = 4096, M = 4096 / 16384). It now runs at
 two CTAs per SM (H <= 4096) or with the residual and parameters requested before the poll (H >
 4096): 0.70-0.71 and 0.77-0.80 of its old time in loopback (see :data:`PERSISTENT_DEFAULT`),
 which, applied to the 2 x H200 figures, puts it 7-18 % ahead of the chunk pipeline at M = 4096 /
@@ -95,7 +95,7 @@ PERSISTENT_ENV = "MOEFUSE_ALLGATHER_PERSISTENT"
 PERSISTENT_MODES = ("gathered", "early", "slots")
 #: the persistent kernel reads its tiles from the slots by default for these ops up to this
 #: tile width (:func:`persistent_mode`). MEASURED on one H200 as two loopback ranks
-#: (session 12, scripts/loopback_gpu_check.py, 2 alternating rounds, µs gathered -> slots at
+#: (scripts/loopback_gpu_check.py, 2 alternating rounds, µs gathered -> slots at
 #: M = 512 / 4096 / 16384): rmsnorm H = 4096 12.7 -> 10.1, 98.5 -> 74.1, 385.5 -> 279.6 (PDL
 #: on), H = 2880 10.3 -> 10.6, 74.9 -> 70.2, 285.8 -> 264.5; FP8 (PDL off) H = 2880 11.9 ->
 #: 11.3, 88.5 -> 83.4, 339.6 -> 316.0, H = 4096 12.5 -> 11.5, 92.5 -> 78.9, 355.7 -> 297.0,
@@ -107,8 +107,9 @@ PERSISTENT_MODES = ("gathered", "early", "slots")
 #: than 2 x H200 would: the 2-GPU bench (``moefuse_gathered`` / ``_slots`` columns) decides.
 PERSISTENT_SLOTS_MAX_BLOCK = {dec.RMSNORM: 8192, dec.FP8: 4096}
 #: the persistent kernel's mode for stepped rows (rmsnorm 6145-8192 columns, the gated op;
-#: :func:`persistent_mode`). MEASURED on one H200 as two loopback ranks (session 13, PDL off,
-#: 2 alternating rounds, notes/comm-all-gather.md "Session 13"), µs gathered / early / slots:
+#: :func:`persistent_mode`). MEASURED on one H200 as two loopback ranks (PDL off,
+#: 2 alternating rounds, notes/comm-all-gather.md "The gated op's persistent kernel"), µs
+#: gathered / early / slots:
 #: rmsnorm H = 8192 M = 4096 170.4 / 167.1 / 163.4, M = 16384 662.0 / 650.1 / 630.2; the gated
 #: op (tensor alpha) at H = 8192, M = 512 / 4096 / 16384: gathered at 1 CTA per SM 53.5 / 399 /
 #: 1607, at 2 CTAs per SM (looped rows) 42.5 / 343.6 / 1390, early (unrolled rows, 1 CTA per
@@ -300,7 +301,7 @@ def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
 
 
 #: the gated op's one-pass tiles (rows up to 2048 columns) keep the chunk pipeline above this
-#: many tokens, as every gated width did before session 13 (its persistent kernel was measured
+#: many tokens, as every gated width once did (its persistent kernel was measured
 #: only on stepped rows: module docstring)
 GATED_ONE_PASS_PERSISTENT_MAX_TOKENS = 512
 

@@ -1,4 +1,4 @@
-"""References of the all-gather + norm fusions (SPEC: all_gather_gated_residual_next_rmsnorm,
+"""References of the all-gather + norm fusions (spec: all_gather_gated_residual_next_rmsnorm,
 all_gather_rmsnorm_fp4_quantize), and the column all-gather of the torch.distributed path.
 
 Each reference gathers the column shards with torch.distributed (exact: no arithmetic) and runs

@@ -1,11 +1,11 @@
-"""Public all-reduce fusions (the SPEC's all-reduce fusion), one function per FlashInfer pattern.
+"""Public all-reduce fusions (the spec's all-reduce fusion), one function per FlashInfer pattern.
 
 Every op is collective over ``workspace`` (an :class:`AllReduceWorkspace`): all ranks call it with
 the same M, in the same order. Common keyword arguments:
 
 * ``eps`` (1e-6), ``weight_bias`` (0.0 plain RMSNorm, 1.0 Gemma ``1 + w``),
 * ``fp32_acc`` — True: FP32 running sum over ranks, one rounding; False: rounded to the
-  activation dtype after every add (the SPEC's all-reduce fusion). Ranks are summed in ascending
+  activation dtype after every add (the spec's all-reduce fusion). Ranks are summed in ascending
 order from +0.0.
 * ``algorithm`` — "auto" (by payload size, ``moefuse.comm.workspace.ONESHOT_MAX_BYTES``),
   "oneshot" (Lamport), "twoshot" (reduce-scatter + all-gather) or "torch" (all-gather with
@@ -461,7 +461,7 @@ def allreduce_residual_rmsnorm_nvfp4(
     scale_out=None,
 ):
     """As :func:`allreduce_residual_rmsnorm`, then NVFP4 of the ROUNDED norm output (pattern
-    kARResidualRMSNormFP4Quant; the SPEC's NVFP4 recipe "ieee", ``gs = global_scale`` [1] FP32, H %
+    kARResidualRMSNormFP4Quant; the spec's NVFP4 recipe "ieee", ``gs = global_scale`` [1] FP32, H %
     16 == 0). ``layout``: "swizzled_128x4" | "swizzled_8x4" | "linear"; padding scale bytes are
     written as 0. Returns ``(residual_out, quant_out [M, H/2] uint8, scale_out uint8)`` with
     ``scale_out`` shaped ``moefuse.quant.formats.scale_layout_shape(M, H/16, layout)``."""

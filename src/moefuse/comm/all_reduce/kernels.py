@@ -1,4 +1,4 @@
-"""Triton kernels of the all-reduce fusions (SPEC: the common model and the all-reduce fusion) and
+"""Triton kernels of the all-reduce fusions (spec: the common model and the all-reduce fusion) and
 their launcher.
 
 Three algorithms, one epilogue (:func:`moefuse.comm.device.epilogue_row`), same bits:
@@ -79,7 +79,7 @@ def _oneshot_kernel(
     # previous kernel's data before it starts waiting, and lets dependents launch (PDL) early.
     # (Masked by pid < M, not by the status word. They still issue after the control words'
     # CTA-wide reduction, a barrier; requesting them before it measured no different on
-    # 2 x H200 at M = 1 / 8 / 64 — 3.79 / 4.47 / 5.82 against 3.75 / 4.63 / 5.94 µs, session 9 —
+    # 2 x H200 at M = 1 / 8 / 64 — 3.79 / 4.47 / 5.82 against 3.75 / 4.63 / 5.94 µs —
     # unlike the MoE fusions' expert rows: moefuse.comm.moe_reduction.producer._first_loads.)
     first = cmask & (pid < M)
     x0 = tl.load(x_ptr + pid.to(tl.int64) * x_st + cols, mask=first, other=0.0)

@@ -1,9 +1,9 @@
-"""PyTorch reference of the all-reduce fusions (the SPEC's all-reduce fusion) — the oracle and the
+"""PyTorch reference of the all-reduce fusions (the spec's all-reduce fusion) — the oracle and the
 CPU path.
 
 Two layers:
 
-* ``*_from_partials(partials, ...)`` is the math of the SPEC's all-reduce fusion given every rank's
+* ``*_from_partials(partials, ...)`` is the math of the spec's all-reduce fusion given every rank's
   partial input (a list in rank order): the tests' oracle, and what the kernels must reproduce bit
   for bit on
   ``residual_out`` (and on ``allreduce_out``).

@@ -1,4 +1,4 @@
-"""Public per-expert-norm MoE finalize fusions (SPEC: tp_moe_finalize_rmsnorm,
+"""Public per-expert-norm MoE finalize fusions (spec: tp_moe_finalize_rmsnorm,
 moe_finalize_rmsnorm_allreduce) and the TP workspace.
 
 * :func:`tp_moe_finalize_rmsnorm` (TP): every rank holds partial GEMM2 rows ``[R, >=H]``
@@ -180,7 +180,7 @@ def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_perm
                             norm_weight, output=None, *, eps: float, gain_center: float,
                             weight_before_norm: bool, workspace=None, algorithm: str = "auto",
                             enable_pdl=None, impl: str = "auto"):  # fmt: skip
-    """TP MoE finalize with a per-expert RMSNorm (the SPEC's tp_moe_finalize_rmsnorm); returns
+    """TP MoE finalize with a per-expert RMSNorm (the spec's tp_moe_finalize_rmsnorm); returns
     ``output``.
 
     Shapes/dtypes: ``gemm2_permuted`` [R, >=H] BF16 (this rank's partial rows; only the first H
@@ -266,7 +266,7 @@ def moe_finalize_rmsnorm_allreduce(routed_rows, route_weights, permuted_idx, nor
                                    output=None, *, workspace, eps: float, gain_center: float = 0.0,
                                    weight_before_norm: bool = True, algorithm: str = "auto",
                                    enable_pdl=None, impl: str = "auto"):  # fmt: skip
-    """EP MoE finalize with a per-expert RMSNorm, then all-reduce (the SPEC's
+    """EP MoE finalize with a per-expert RMSNorm, then all-reduce (the spec's
     moe_finalize_rmsnorm_allreduce); returns ``output``.
 
     ``routed_rows`` [R, >=H] BF16 (this rank's local expert rows, permuted), ``route_weights``

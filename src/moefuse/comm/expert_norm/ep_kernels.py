@@ -176,7 +176,7 @@ def prefetch_rows(m: int, grid: int) -> bool:
     every rank). Larger M keep the lighter kernel (106 registers instead of 191 at H = 4096: two
     CTAs per SM instead of one; at H = 7168 the prefetching one-shot spills 76 bytes).
 
-    MEASURED on one H200 as two loopback ranks (session 13, PDL on, 3 alternating rounds,
+    MEASURED on one H200 as two loopback ranks (PDL on, 3 alternating rounds,
     notes/comm-expert-norm.md "EP rows first"), µs per rank, rows first / slot by slot, P = 2,
     K = 8 (4 local): H = 4096 M = 1 5.37-5.43 / 8.99-9.19, M = 8 6.23-6.48 / 7.16-10.59, M = 64
     7.0-7.1 / 7.95-8.01; H = 7168 M = 1 7.68-7.88 / 8.12-8.25, M = 8 8.39-8.42 / 8.65-8.92,

@@ -1,4 +1,4 @@
-"""torch.library custom ops of the per-expert-norm MoE finalize fusions (SPEC:
+"""torch.library custom ops of the per-expert-norm MoE finalize fusions (spec:
 tp_moe_finalize_rmsnorm, moe_finalize_rmsnorm_allreduce).
 
 Same conventions as :mod:`moefuse.comm.all_reduce.ops`: each op writes the caller-allocated

@@ -1,4 +1,4 @@
-"""PyTorch reference of the per-expert-norm MoE finalize fusions (SPEC: tp_moe_finalize_rmsnorm,
+"""PyTorch reference of the per-expert-norm MoE finalize fusions (spec: tp_moe_finalize_rmsnorm,
 moe_finalize_rmsnorm_allreduce) — the oracle.
 
 Two layers, like :mod:`moefuse.comm.all_reduce.reference`:
@@ -42,7 +42,7 @@ from moefuse.norm import reference as norm_ref
 
 
 def group_size(top_k: int, world_size: int) -> int:
-    """The canonical slot group size ``B = ceil(K / P)`` (the SPEC's tp_moe_finalize_rmsnorm)."""
+    """The canonical slot group size ``B = ceil(K / P)`` (the spec's tp_moe_finalize_rmsnorm)."""
     return -(-top_k // world_size)
 
 

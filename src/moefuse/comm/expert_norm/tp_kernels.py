@@ -1,4 +1,4 @@
-"""Triton kernels of the per-expert-norm MoE finalize fusions (SPEC: tp_moe_finalize_rmsnorm,
+"""Triton kernels of the per-expert-norm MoE finalize fusions (spec: tp_moe_finalize_rmsnorm,
 moe_finalize_rmsnorm_allreduce) and launchers.
 
 TP (``tp_moe_finalize_rmsnorm``): every rank holds a partial GEMM2 row per (token, slot); the P
@@ -761,7 +761,7 @@ def split_fold(n_rows: int, grid: int) -> bool:
     resident) and on the GPU (the interpreter runs CTAs one after another, so a CTA cannot wait
     for a later one); ``MOEFUSE_TP_SPLIT_FOLD=0`` (the same on every rank) turns it off.
 
-    MEASURED on one H200 as two loopback ranks (session 13, PDL on, 4 alternating rounds,
+    MEASURED on one H200 as two loopback ranks (PDL on, 4 alternating rounds,
     notes/comm-expert-norm.md "Split fold"), µs one folding CTA -> split fold, K = 8: H = 4096
     M = 1 6.97-9.43 -> 5.35-5.58, M = 8 7.51-8.43 -> 6.83-7.04; H = 7168 M = 1 8.90-9.26 ->
     6.99-7.40, M = 8 9.80-10.13 -> 9.74-9.89. The hop it shortens (one CTA reading the K

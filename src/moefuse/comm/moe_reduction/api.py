@@ -1,4 +1,4 @@
-"""Public MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize all-reduce fusions): a
+"""Public MoE-reduction family (the spec's MoE-reduction and MoE-finalize all-reduce fusions): a
 per-rank MoE partial, all-reduced, residual-added, RMS-normalized and optionally quantized — in one
 kernel on the peer paths.
 
@@ -17,7 +17,7 @@ the MoE reduction with accumulate="stepwise" takes two-shot for H > 4096 from 20
 "triton" | "reference"), and:
 
 * ``accumulate`` — "stepwise" (default: T-rounding after every step, FlashInfer's default
-  backend) or "fp32" (the deterministic FP32 FMA finalize of the SPEC's moe_finalize per rank, FP32
+  backend) or "fp32" (the deterministic FP32 FMA finalize of the spec's moe_finalize per rank, FP32
   rank sum, one rounding together with the residual: the MNNVL CuTe-DSL contract).
 * ``quant`` — None, "fp8" (``quant_out = e4m3(norm_out * (1/scale_factor))``, float8_e4m3fn
   [M, H]) or "nvfp4" (recipe "fast", ``gs = scale_factor``, ``quant_out`` uint8 [M, H/2],
@@ -180,7 +180,7 @@ def moe_allreduce_residual_rmsnorm(
     impl: str = "auto", allreduce_out=None, residual_out=None, norm_out=None, quant_out=None,
     scale_out=None,
 ):  # fmt: skip
-    """MoE reduction + all-reduce + residual + RMSNorm (the SPEC's MoE-reduction fusion)::
+    """MoE reduction + all-reduce + residual + RMSNorm (the spec's MoE-reduction fusion)::
 
         partial[t] = T-stepwise( sum_e T(x[e, t] * scale[e, t]) ) + token_input[t]   (this rank)
         s = rank-order sum of the partials;  h = T(s + residual)  -> residual_out
@@ -268,7 +268,7 @@ def moe_finalize_allreduce_residual_rmsnorm(
     algorithm: str = "auto", enable_pdl=None, impl: str = "auto", residual_out=None,
     norm_out=None, quant_out=None, scale_out=None,
 ):  # fmt: skip
-    """MoE finalize + all-reduce + residual + RMSNorm (the SPEC's MoE-finalize fusion)::
+    """MoE finalize + all-reduce + residual + RMSNorm (the spec's MoE-finalize fusion)::
 
         partial[t] = this rank's finalize of token t: slots k ascending, invalid slots
                      (index < 0 or >= R) skipped and never read, T(row * w[t, k]) accumulated
@@ -281,7 +281,7 @@ def moe_finalize_allreduce_residual_rmsnorm(
     ``expert_scale_factor`` [M, K] FP32/BF16/FP16 or None (unweighted sum);
     ``routed_scaling_factor`` (1.0 = skipped); ``shared_expert_output`` [M, H] T or None;
     ``residual`` [M, H]; ``norm_weight`` [H]; ``bias`` [E, H] (BF16/FP16/FP32) with
-    ``expert_ids`` [M, K] int32/int64 (both or neither; moefuse extension as in the SPEC's
+    ``expert_ids`` [M, K] int32/int64 (both or neither; moefuse extension as in the spec's
     moe_finalize: the bias row of the slot's expert is added to its row in FP32 before the weight,
     ids outside [0, E) add nothing). The partial is produced inside the all-reduce
     kernel (never written to HBM on the one-shot and two-shot paths). Other arguments: module

@@ -1,4 +1,4 @@
-"""Triton kernels of the MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize all-reduce
+"""Triton kernels of the MoE-reduction family (the spec's MoE-reduction and MoE-finalize all-reduce
 fusions) and their launcher.
 
 Each kernel is an all-reduce kernel of :mod:`moefuse.comm.all_reduce.kernels` with a *producer*
@@ -26,7 +26,7 @@ HBM on the peer paths:
 
 All three produce the same partial (same device function) and the same rank-order sum handed to
 the same epilogue, hence the same bits. FMA contraction is off (``enable_fp_fusion=False``): the
-SPEC rounds between the multiply by the routed scaling factor and the shared-expert add; the one
+spec rounds between the multiply by the routed scaling factor and the shared-expert add; the one
 FMA that is wanted (the FP32 finalize chain) is the explicit ``fma.rn.ftz``.
 """
 
@@ -495,7 +495,7 @@ ROWS_PER_BATCH_OVERRIDE: int | None = None
 #: CTAs per SM): M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one
 #: CTA loads a token's K rows while the other waits on NVLink, despite the register cap's
 #: spills. Wider rows (16 warps at H = 7168: a 64-register cap, 0.4-1.2 KB spilled) MEASURED in
-#: session 9 (`bench moe-reduction --hidden 7168`, bench/results/moe-reduction-h200-p2.json, MoE
+#: 2 x H200 (`bench moe-reduction --hidden 7168`, bench/results/moe-reduction-h200-p2.json, MoE
 #: finalize, µs 1 vs 2 CTAs per SM): M = 64 11.53 vs 12.01, 512 44.35 vs 47.05, 2048 160.57 vs
 #: 147.97, 16384 1231.61 vs 1093.49 (the unfused chain: 159.53 / 1168.79): 2 from
 #: WIDE_TWO_CTAS_MIN_TOKENS. Not for the MoE reduction (dense rows): at 2 CTAs, M = 2048 / 16384,
@@ -505,8 +505,9 @@ TWO_CTAS_MIN_TOKENS = 65
 TWO_CTAS_MAX_WIDTH = 4096
 WIDE_TWO_CTAS_MIN_TOKENS = 2048
 #: the two-shot kernel runs 2 CTAs per SM from this many tokens, at every width and for both
-#: ops. MEASURED in loopback only (2 rank threads on one H200, 66 SMs each; sessions 14-15,
-#: notes/comm-moe-reduction.md "Session 15"; K = 8, stepwise, µs at 1 vs 2 CTAs per SM): MoE
+#: ops. MEASURED in loopback only (2 rank threads on one H200, 66 SMs each;
+#: notes/comm-moe-reduction.md "Large-M two-shot at 2 CTAs per SM"; K = 8, stepwise, µs at 1 vs
+#: 2 CTAs per SM): MoE
 #: reduction H = 7168 M = 2048 269-276 vs 226-227, M = 16384 1999-2005 vs 1728; H = 4096 M = 2048
 #: 194 vs 146; MoE finalize H = 7168 M = 2048 252 vs 215, M = 16384 1941 vs 1643; H = 4096 M = 2048
 #: 194 vs 138 — as for the one-shot, one CTA loads rows while the other waits on its peer. ptxas at
@@ -570,7 +571,7 @@ ONESHOT_VARIANTS = ("fused", "split")
 AUTO_ONESHOT_VARIANTS: tuple[tuple[int | None, str], ...] = ((64, "split"), (None, "fused"))
 #: most CTAs per row of the split variant (default); MOEFUSE_MOE_COMM_SPLIT_CTAS overrides.
 #: MEASURED (2 x H200, P = 2, H = 4096, K = 8, two runs of scripts/bench_moe_reduction_variants.py,
-#: session 9): one token, 16 CTAs 4.70 / 4.34 µs against 8 CTAs 5.07 / 4.47; at 8 tokens the
+#: 2 x H200): one token, 16 CTAs 4.70 / 4.34 µs against 8 CTAs 5.07 / 4.47; at 8 tokens the
 #: two counts traded places (5.52 / 5.49 against 5.40 / 5.58), so 16 only for a single token
 SPLIT_MAX_CTAS = 8
 SPLIT_MAX_CTAS_ONE_TOKEN = 16

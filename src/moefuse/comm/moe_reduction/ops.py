@@ -1,4 +1,4 @@
-"""torch.library custom ops of the MoE-reduction fusions (SPEC: the MoE-reduction and
+"""torch.library custom ops of the MoE-reduction fusions (spec: the MoE-reduction and
 MoE-finalize all-reduce fusions).
 
 As in :mod:`moefuse.comm.all_reduce.ops`: each op writes caller-allocated outputs, returns nothing,
@@ -30,10 +30,11 @@ QUANT_OF_PATTERN = {1: None, 2: "fp8", 3: "nvfp4"}
 
 #: "auto" of the MoE reduction (dense expert rows, stepwise) takes two-shot instead of one-shot
 #: for rows wider than DENSE_TWOSHOT_MIN_WIDTH from DENSE_TWOSHOT_MIN_TOKENS tokens. MEASURED
-#: on 2 x H200 (session 9, bench/results/moe-reduction-h200-p2.json, H = 7168, K = 8, µs at M = 2048
+#: on 2 x H200 (bench/results/moe-reduction-h200-p2.json, H = 7168, K = 8, µs at M = 2048
 #: / 16384): the one-shot 174.94 / 1325.94 lost to the unfused chain (a) 167.47 / 1195.84 (0.96 /
-#: 0.90 x). MEASURED in loopback only (2 rank threads on one H200, 66 SMs each; sessions 14-15,
-#: notes/comm-moe-reduction.md "Session 15"): one-shot 327-346 / 2570, two-shot at 1 CTA per SM
+#: 0.90 x). MEASURED in loopback only (2 rank threads on one H200, 66 SMs each;
+#: notes/comm-moe-reduction.md "Large-M two-shot at 2 CTAs per SM"): one-shot 327-346 / 2570,
+#: two-shot at 1 CTA per SM
 #: 269-276 / 1999-2005, at 2 CTAs per SM (:func:`moefuse.comm.moe_reduction.kernels.ctas_per_sm`)
 #: 226-227 / 1728, chain (a) 256-277 / 1967-1972. Loopback over-charges the one-shot (MoE finalize,
 #: chain time / one-shot time: 0.85 there, 1.06-1.08 on 2 GPUs) but matched chain / two-shot (MoE

@@ -1,4 +1,4 @@
-"""Device functions of the MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize
+"""Device functions of the MoE-reduction family (the spec's MoE-reduction and MoE-finalize
 all-reduce fusions), shared by the kernels of :mod:`moefuse.comm.moe_reduction.kernels`: the
 producer stage (this rank's MoE partial row, from the permuted GEMM2 rows through the index map or
 from the dense expert rows), the rank-order step and the epilogue wrapper. One copy of each: every
@@ -41,11 +41,11 @@ def _slot_meta(
     """Routing data of token ``t``'s K slots: ``(valids, row pointers, weights, bias valids,
     bias row pointers)``, tuples of K scalars.
 
-    DENSE (the SPEC's MoE-reduction fusion): rows ``src[k, t]`` (``src_kst`` expert stride,
+    DENSE (the spec's MoE-reduction fusion): rows ``src[k, t]`` (``src_kst`` expert stride,
     ``src_st`` token stride), all valid. Otherwise (MoE finalize): row ``map[t, k]``, invalid —
     never loaded — outside
     ``[0, n_rows)``. Weight ``w[t * w_tst + k * w_kst]`` when HAS_W (else 1). HAS_BIAS: expert
-    ``e_ptr[t, k]``'s bias row (moefuse extension, the SPEC's moe_finalize; ids outside [0, E):
+    ``e_ptr[t, k]``'s bias row (moefuse extension, the spec's moe_finalize; ids outside [0, E):
     none)."""
     t64 = t.to(tl.int64)
     valids = ()

@@ -1,4 +1,4 @@
-"""PyTorch reference of the MoE-reduction family (the SPEC's MoE-reduction and MoE-finalize
+"""PyTorch reference of the MoE-reduction family (the spec's MoE-reduction and MoE-finalize
 all-reduce fusions) — the oracle and the CPU path.
 
 Both ops are "a per-rank MoE partial row, all-reduced, then the all-reduce fusion's epilogue". Two
@@ -18,7 +18,7 @@ TRT-LLM / FlashInfer semantics, T-rounding after every step)::
     if rsf != 1: acc = T(f32(acc) * rsf)
     if shared:   acc = T(f32(acc) + f32(shared[t]))
 
-``accumulate="fp32"`` (the MNNVL CuTe-DSL contract): the deterministic finalize of the SPEC's
+``accumulate="fp32"`` (the MNNVL CuTe-DSL contract): the deterministic finalize of the spec's
 moe_finalize —
 ``acc = fma_ftz(f32(row_k), f32(w_k), acc)`` in FP32, ``* rsf``, ``+ f32(shared)``, one rounding
 (exactly :func:`moefuse.moe.reference.moe_finalize_reference`).
@@ -81,10 +81,10 @@ def finalize_partial(
     bias=None,
     expert_ids=None,
 ) -> torch.Tensor:
-    """One rank's MoE-finalize partial [M, H] (the SPEC's MoE-finalize fusion) from the permuted
+    """One rank's MoE-finalize partial [M, H] (the spec's MoE-finalize fusion) from the permuted
     rows [R, H].
 
-    ``bias`` [E, H] with ``expert_ids`` [M, K] (moefuse extension, as the SPEC's moe_finalize): the
+    ``bias`` [E, H] with ``expert_ids`` [M, K] (moefuse extension, as the spec's moe_finalize): the
     expert's bias row is added to the slot's row in FP32 before the weight, not rounded in between
     (ids outside [0, E) add nothing): stepwise ``T((f32(row) + f32(bias)) * w)``, fp32 mode
     ``fma_ftz(f32(row) + f32(bias), w, acc)``."""
@@ -129,7 +129,7 @@ def finalize_partial(
 def reduction_partial(
     active_experts_token_input, scale_input, token_input, accumulate="stepwise"
 ) -> torch.Tensor:
-    """One rank's MoE-reduction partial [M, H] (the SPEC's MoE-reduction fusion): experts [E, M, H],
+    """One rank's MoE-reduction partial [M, H] (the spec's MoE-reduction fusion): experts [E, M, H],
     FP32 scales [E, M], token input [M, H]."""
     x = active_experts_token_input
     e, m, h = x.shape
@@ -193,7 +193,7 @@ def moe_finalize_allreduce_from_ranks(
     biases=None,
     expert_ids=None,
 ) -> dict:
-    """The SPEC's MoE-finalize fusion with every rank's inputs (lists in rank order;
+    """The spec's MoE-finalize fusion with every rank's inputs (lists in rank order;
     ``expanded_idx_to_permuted_idx`` may be one tensor for all ranks or a list). See
     :func:`epilogue_from_partials`."""
     p = len(allreduce_ins)
@@ -238,7 +238,7 @@ def moe_allreduce_from_ranks(
     scale_factor=None,
     layout="swizzled_128x4",
 ) -> dict:
-    """The SPEC's MoE-reduction fusion with every rank's inputs (lists in rank order)."""
+    """The spec's MoE-reduction fusion with every rank's inputs (lists in rank order)."""
     partials = [
         reduction_partial(x, s, t, accumulate)
         for x, s, t in zip(active_experts_token_inputs, scale_inputs, token_inputs)
