@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from fault_cases import CASES
 from test_comm_loopback import run_check_script
 
 pytestmark = pytest.mark.gpu
@@ -44,3 +45,20 @@ def test_loopback_gpu_check_moe_large(tmp_path):
     run_check_script(tmp_path, "--no-timing", "--budget-s", "240", "--families",
                      ",".join(families), "--tokens", "2048,2049,4097", "--hidden", "7168,2880",
                      timeout_s=420, families=families)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fault_protocol_loopback_gpu(name):
+    """The fault protocol of every (family, algorithm, kernel variant) on one GPU, two loopback
+    ranks (tests/fault_cases.py): a rank failing validation leaves its peer a bounded wait naming
+    it; the rank arriving after its peer gave up stops at once naming it; ``ws.failed()`` reports
+    on both ranks after the step's sync; the workspace recovers by close() + re-create."""
+    from fault_cases import case_env, scenario_fault_protocol
+    from moefuse.testing_ranks import run_loopback_ranks
+
+    timeout = 2.0
+    with case_env(name):
+        took = run_loopback_ranks(scenario_fault_protocol, 2, "cuda", name, "cuda", timeout,
+                                  timeout_s=300)  # fmt: skip
+    assert took[1]["alone"] >= timeout * 0.9, (name, took)
+    assert took[0]["late"] < timeout, (name, took)

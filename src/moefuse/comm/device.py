@@ -156,7 +156,8 @@ def wait_peers(
     PTX: tl.constexpr,
 ):
     """Wait (acquire, system scope) until this rank's flags ``[slot, q]`` equal ``value`` for
-    every other rank q, or until ``deadline``. Returns the bit mask of ranks still missing (0 on
+    every other rank q, or until the wait ends (:func:`ended`: ``deadline`` is the launch's
+    :func:`wait_bound`). Returns the bit mask of ranks still missing (0 on
     success). Polls with atomics so the successful read is itself the acquire; the CTA barrier
     after it orders every thread's later loads behind that acquire."""
     ranks = tl.arange(0, PP)
@@ -168,15 +169,17 @@ def wait_peers(
     while (missing != 0) & (expired == 0):
         seen = tl.atomic_add(mine, tl.zeros([PP], tl.int32), mask=rmask, sem="acquire", scope="sys")
         missing = tl.sum(tl.where(rmask & (seen != value), 1 << ranks, 0), axis=0)
-        expired = (now_ns(clock_ptr, PTX) > deadline).to(tl.int32)
+        expired = ended(deadline, clock_ptr, PTX)
     tl.debug_barrier()
     return missing
 
 
 @triton.jit
 def poll_row(ptr, cmask, deadline, clock_ptr, BITS: tl.constexpr, PTX: tl.constexpr):
-    """Lamport receive: volatile-load the row until no element is the sentinel (or the deadline
-    passes). Returns ``(bits, pending)``; ``pending != 0`` means the wait timed out."""
+    """Lamport receive: volatile-load the row until no element is the sentinel (or the wait
+    ends, :func:`ended`; ``deadline`` is the launch's :func:`wait_bound`). Returns ``(bits,
+    pending)``; ``pending != 0`` means the wait ended without the row (timed out, or a peer gave
+    up: :func:`leave` tells which)."""
     SENT = sentinel(BITS)
     v = tl.load(ptr, mask=cmask, other=0, volatile=True)
     pending = tl.max((v == SENT).to(tl.int32), axis=0)
@@ -184,7 +187,7 @@ def poll_row(ptr, cmask, deadline, clock_ptr, BITS: tl.constexpr, PTX: tl.conste
     while (pending != 0) & (expired == 0):
         v = tl.load(ptr, mask=cmask, other=0, volatile=True)
         pending = tl.max((v == SENT).to(tl.int32), axis=0)
-        expired = (now_ns(clock_ptr, PTX) > deadline).to(tl.int32)
+        expired = ended(deadline, clock_ptr, PTX)
     return v, pending
 
 
@@ -389,6 +392,55 @@ def healthy(ctrl_ptr, table_ptr, rank, P: tl.constexpr, PTX: tl.constexpr, dists
     return both == 0
 
 
+@triton.jit
+def notices(table_ptr, rank, dists=None):
+    """Pointer to this rank's notice words: int32 [MAX_RANKS] at the start of its own buffer,
+    word q non-zero once rank q gave up (:func:`give_up`). Lanes of ranks >= P stay 0."""
+    return peer_base(table_ptr, rank, FAULTS_OFF16, 32, dists)
+
+
+@triton.jit
+def notice_mask(notice_ptr):
+    """Bit set of the ranks whose notice word is set (one volatile load of the words, one CTA-wide
+    reduction: every thread gets the same answer)."""
+    ranks = tl.arange(0, MAX_RANKS)
+    seen = tl.load(notice_ptr + ranks, volatile=True)
+    return tl.sum(tl.where(seen != 0, 1 << ranks, 0), axis=0)
+
+
+@triton.jit
+def wait_bound(clock_ptr, timeout_us, table_ptr, rank, PTX: tl.constexpr, dists=None):
+    """The bound of every wait of one launch: ``(deadline in ns, this rank's notice words)``.
+    A wait ends when its data arrived, or (:func:`ended`) when the deadline passed or a peer's
+    notice says that it gave up."""
+    deadline = now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    return deadline, notices(table_ptr, rank, dists)
+
+
+@triton.jit
+def ended(bound, clock_ptr, PTX: tl.constexpr):
+    """1 when a wait bounded by ``bound`` (:func:`wait_bound`) must stop: its deadline passed, or
+    a peer gave up. Called only on a spin after a failed first probe, so a wait whose data is
+    already there pays nothing; a spinning wait reads the notice words (local memory) with its
+    data, so the notice costs no round trip of its own."""
+    late = now_ns(clock_ptr, PTX) > bound[0]
+    return (late | (notice_mask(bound[1]) != 0)).to(tl.int32)
+
+
+@triton.jit
+def leave(ctrl_ptr, table_ptr, rank, missing, P: tl.constexpr, PTX: tl.constexpr):
+    """The end of a CTA whose wait ended without the data of the ranks in ``missing``. If a peer
+    gave up (its notice is set), this rank stops too and records FAULT_GAVE_UP for that peer: the
+    host then names the rank that gave up, not the ranks this wait happened to poll. Else the wait
+    timed out: :func:`give_up` (FAULT_MISSING for ``missing`` and this rank's own notice to every
+    peer). Either way the device status word is set, so later launches of this rank do nothing."""
+    left = notice_mask(notices(table_ptr, rank))
+    if left != 0:
+        record_fault(ctrl_ptr, left, FAULT_GAVE_UP, PTX)
+    else:
+        give_up(ctrl_ptr, table_ptr, rank, missing, P, PTX)
+
+
 # ------------------------------------------------------------------ kernel prologue and tail
 # (shared by the one-shot kernels of every family: all-reduce, MoE reduction, expert norm)
 @triton.jit
@@ -440,8 +492,7 @@ def finish(
 ):
     """Common tail: PDL trigger, fault record on timeout, scale padding rows, CTA arrival count.
 
-    A timed-out CTA records the missing ranks (device status word, host status block) and tells
-    the peers that this rank gave up (:func:`give_up`).
+    A CTA whose wait ended without its data leaves the protocol (:func:`leave`).
     Returns True in the one CTA that arrives last (it then advances the device-resident state).
 
     By default every CTA arrives (``n_arrive`` 0 means G). A kernel whose CTAs are known to have
@@ -451,7 +502,7 @@ def finish(
     if USE_PDL:
         gdc_launch_dependents()
     if missing != 0:
-        give_up(ctrl_ptr, table_ptr, rank, missing, P, PTX)
+        leave(ctrl_ptr, table_ptr, rank, missing, P, PTX)
     if PATTERN == 3:
         zero_scale_rows(sf_ptr, M + pid, M_pad, G, n_kcols, LAYOUT, KP_BLOCK)
     if n_arrive == 0:
@@ -478,10 +529,10 @@ def oneshot_state(
     PTX: tl.constexpr,
     dists=None,
 ):
-    """(deadline of every wait, Lamport generation, this CTA's row count — rows pid, pid + G, ...;
-    0 once the workspace has failed or a peer gave up —, element offset of the generation's slot
-    region)."""
-    deadline = now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    """(bound of every wait (:func:`wait_bound`), Lamport generation, this CTA's row count — rows
+    pid, pid + G, ...; 0 once the workspace has failed or a peer gave up —, element offset of the
+    generation's slot region)."""
+    deadline = wait_bound(clock_ptr, timeout_us, table_ptr, rank, PTX, dists)
     gen = tl.load(ctrl_ptr + CTRL_GEN)
     ok = healthy(ctrl_ptr, table_ptr, rank, P, PTX, dists)
     n_mine = tl.where(ok, (M - pid + G - 1) // G, 0)

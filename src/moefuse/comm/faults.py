@@ -19,8 +19,36 @@ peer buffers relative to the pointer table: no extra kernel argument, and the sa
 Triton's interpreter.
 
 A rank whose wait timed out also sets word ``rank`` of every peer's peer-visible "faults" region
-(offset 0 of each buffer): a peer that arrives late sees it at its next launch, records
-``GAVE_UP`` and stops instead of reading data pushed for a call that was abandoned.
+(offset 0 of each buffer, the "notice words"): it has left the protocol.
+
+The protocol (every family, every algorithm that waits on peers; device functions in
+:mod:`moefuse.comm.device`):
+
+1. Entry (``healthy``): before a launch pushes or reads any peer data it reads the device status
+   word and its notice words, in one reduction that the status check already needed. If a fault
+   is recorded here or a peer gave up, the launch does nothing (no push, no read, no output) and
+   records ``GAVE_UP`` for every peer whose notice it saw.
+2. Waits (``wait_bound`` / ``ended``): every bounded wait ends when its data arrived, at its
+   deadline, or as soon as a notice word is set. The notice words live in the rank's own buffer
+   and are read only on a spin after a failed first probe: a wait whose data is already there
+   does exactly what it did before, a spinning one reads them with its data (no extra round trip
+   once the data lands).
+3. Leaving (``leave``): a CTA whose wait ended without its data records ``GAVE_UP`` for the peers
+   whose notice is set, naming the rank that gave up rather than the ranks this wait polled;
+   with no notice the wait timed out: it records ``MISSING`` for the ranks it waited for and posts
+   its own notice to every peer (``give_up``). Either way the device status word is set, so every
+   later launch of this rank (graph replays included) does nothing.
+
+Consequences. A rank that arrives after its peer gave up raises at once naming that rank and
+reads nothing pushed for the abandoned call (its entry check, or its first spin, sees the
+notice). No data needs revoking: a push is only ever read by the peer's call of the same
+generation/epoch, and a peer that passed its entry check before the notice was posted reads data
+of that same call. ``ws.failed()`` reports the fault on every rank that launched since;
+:meth:`AllReduceWorkspace.check` also reads the notice words (a sync), so a rank that made no call
+learns of it too. A rank whose call fails validation raises ValueError before launching anything
+and keeps a healthy workspace: its peers' calls time out naming it (bounded by ``timeout_s``),
+and its next call raises at once naming the peer that gave up — or, made before their deadline,
+completes their waiting call. The "torch" algorithm has no kernel waits (the process group's).
 """
 
 from __future__ import annotations

@@ -551,13 +551,39 @@ class AllReduceWorkspace:
 
     def check(self) -> None:
         """Synchronize this rank's device, then :meth:`raise_if_failed`: after the sync every
-        fault of the calls issued so far is in the host status block. After a failure every later
-        call raises until the workspace is closed and re-created (collectively)."""
+        fault of the calls issued so far is in the host status block. A peer's "gave up" notice
+        is read here too, so a rank that made no call since a peer gave up learns of it. After a
+        failure every later call raises until the workspace is closed and re-created
+        (collectively)."""
         if self._closed:
             raise RuntimeError("moefuse.comm: the workspace is closed")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        notices = self._peer_notices()
+        if notices and self._failure is None and self._status_view[0] == 0:
+            # a peer gave up while this rank made no call: its notice is only in this rank's
+            # buffer (no kernel of this rank has read it yet)
+            codes = [faults.GAVE_UP if notices >> r & 1 else 0 for r in range(self.world_size)]
+            self._failure = faults.describe(
+                codes,
+                notices,
+                rank=self.rank,
+                group=self._group_name(),
+                timeout_s=self.timeout_s,
+                global_rank=self.global_rank,
+            )
+            self._ok = False
         self.poll_status()
+
+    def _peer_notices(self) -> int:
+        """Bit set of the peers whose "gave up" notice is in this rank's buffer (the faults
+        region, :mod:`moefuse.comm.faults`); a device read on CUDA, so only :meth:`check`
+        calls it."""
+        if self.transport is None or getattr(self.transport, "local", None) is None:
+            return 0
+        words = self.transport.local[: faults.FAULTS_REGION_BYTES].view(torch.int32)
+        words = words[: self.world_size].tolist()
+        return sum(1 << r for r, w in enumerate(words) if w)
 
     @contextlib.contextmanager
     def capture(self):

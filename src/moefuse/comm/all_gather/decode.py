@@ -58,7 +58,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._fastpath import launch
 from moefuse._runtime import env_choice
 from moefuse.comm.all_gather import kernels as AG
-from moefuse.comm.workspace import CTRL_STATUS
 from moefuse.norm import gated as gd
 from moefuse.norm import tiles
 from moefuse.norm import triton as nt
@@ -92,7 +91,7 @@ def _ag_rmsnorm_kernel(
     res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr,
     n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center,
     r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
-    table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, S, rank, cap, timeout_us,
+    table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr, S, rank, cap, timeout_us,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
     STEPPED: tl.constexpr, UNROLL: tl.constexpr,
@@ -109,8 +108,8 @@ def _ag_rmsnorm_kernel(
     # --- gather the rows of this program's tile into x_ptr (the gathered buffer), or with
     # FROM_SLOTS into every rank's slot of this rank (read back as a register tile below)
     deadline, gen, healthy, region, mine = AG.prelude(table_ptr, ag_off16, agctrl_ptr,
-                                                      status_ptr, clock_ptr, rank, cap,
-                                                      timeout_us, PTX)  # fmt: skip
+                                                      ctrl_ptr, clock_ptr, rank, cap,
+                                                      timeout_us, P, PTX)  # fmt: skip
     scols = tl.arange(0, BLOCK_S)
     scm = scols < S
     first = pid * ROWS
@@ -143,7 +142,7 @@ def _ag_rmsnorm_kernel(
                   o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
                   post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL, OP,
                   FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER)  # fmt: skip
-    AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
+    AG.finish(agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P, PTX)
 
 
 @triton.jit
@@ -564,6 +563,6 @@ def launch_ag_rmsnorm(ws, state, shard: torch.Tensor, gathered: torch.Tensor, ep
         shard, shard.stride(0), gathered, *ep.pointers(),
         n_rows, n_norm, width, float(width), kb, n_kcols, 1, x_st, x_sh, o_st, 0, float(ep.eps),
         float(ep.gain_center), *ep.gated_scalars(),
-        ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl[CTRL_STATUS:], ws.clock, s,
+        ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl, ws.clock, s,
         ws.rank, ws.max_tokens, ws.timeout_us, P=ws.world_size, BLOCK_S=block_s, **consts,
     )  # fmt: skip

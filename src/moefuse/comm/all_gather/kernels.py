@@ -20,16 +20,19 @@ Transport (Lamport, unicast peer stores; the spec's Lamport transport with two c
   statistic). Unlike the -0.0 sentinel of the all-reduce, -0.0 travels unchanged, so the
   gathered rows equal the shards bit for bit.
 * Each CTA pushes row i and, one row behind, polls row i-1's peer fragments in its own slot
-  until no word is 0 (or the deadline), copies them (decoded) into ``gathered`` and re-arms
+  until no word is 0 (or the wait ends), copies them (decoded) into ``gathered`` and re-arms
   (zeroes) them right away. Its own fragment goes straight from the shard into ``gathered``.
 * Generations: three, advanced by the last CTA to arrive (atomic counter in the local
   ``agctrl`` word block), so CUDA-graph replays are correct. Consumer re-arm plus three
   generations: a peer can be at most one call ahead (it cannot finish call e+1 without this
   rank's pushes of e+1), so it never writes the generation this rank is reading.
 
-Every wait is bounded (``timeout_us``); a CTA that gives up ORs the missing ranks into the
-workspace's status word (the one :meth:`AllReduceWorkspace.check` reads) and later launches
-skip all communication. Token counts are run-time arguments (``do_not_specialize``).
+Faults follow the protocol of :mod:`moefuse.comm.faults`: every launch first checks that the
+workspace is healthy (no fault here, no peer's "gave up" notice) and otherwise does nothing;
+every wait ends at its deadline or at a peer's notice; a CTA whose wait ended without its data
+records the fault and, if it timed out, tells its peers that it gave up, so a late peer stops
+instead of reading the fragments of an abandoned call. Token counts are run-time arguments
+(``do_not_specialize``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.comm import device as D
 from moefuse.comm.tiles import next_pow2
-from moefuse.comm.workspace import CTRL_STATUS
 
 #: words of the local all-gather control block (int32): generation, CTA arrival counter
 AG_GEN: tl.constexpr = tl.constexpr(0)
@@ -69,15 +71,15 @@ def _decode(w, T: tl.constexpr):
 
 @triton.jit
 def _poll_fragment(ptr, cm, deadline, clock_ptr, PTX: tl.constexpr):
-    """Volatile-load a peer fragment until no word is the empty pattern 0 (or the deadline
-    passes). Returns ``(stored words, pending)``; ``pending != 0`` means the wait timed out."""
+    """Volatile-load a peer fragment until no word is the empty pattern 0 (or the wait ends,
+    ``D.ended``). Returns ``(stored words, pending)``; ``pending != 0``: it ended without them."""
     w = tl.load(ptr, mask=cm, other=1, volatile=True)
     pending = tl.max((w == 0).to(tl.int32), axis=0)
     expired = pending * 0
     while (pending != 0) & (expired == 0):
         w = tl.load(ptr, mask=cm, other=1, volatile=True)
         pending = tl.max((w == 0).to(tl.int32), axis=0)
-        expired = (D.now_ns(clock_ptr, PTX) > deadline).to(tl.int32)
+        expired = D.ended(deadline, clock_ptr, PTX)
     return w, pending
 
 
@@ -90,7 +92,7 @@ def _allgather_kernel(
     table_ptr,
     ag_off16,
     agctrl_ptr,
-    status_ptr,
+    ctrl_ptr,
     clock_ptr,
     M,
     S,
@@ -113,7 +115,7 @@ def _allgather_kernel(
         # (the norm) may take its place early: it loads its parameters, then waits for this grid
         gdc_launch_dependents()
     deadline, gen, healthy, region, mine = prelude(
-        table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, rank, cap, timeout_us, PTX
+        table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr, rank, cap, timeout_us, P, PTX
     )
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
     empty = tl.zeros([BLOCK_S], tl.int16)
@@ -162,18 +164,28 @@ def _allgather_kernel(
             )
             missing = missing | miss
         i += 1
-    finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
+    finish(agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P, PTX)
 
 
 @triton.jit
 def prelude(
-    table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, rank, cap, timeout_us, PTX: tl.constexpr
+    table_ptr,
+    ag_off16,
+    agctrl_ptr,
+    ctrl_ptr,
+    clock_ptr,
+    rank,
+    cap,
+    timeout_us,
+    P: tl.constexpr,
+    PTX: tl.constexpr,
 ):
-    """(deadline of every wait, generation, workspace healthy, element offset of the
-    generation's slots, this rank's slots as an int16 pointer)."""
-    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    """(bound of every wait (``D.wait_bound``), generation, workspace healthy — no fault here and
+    no peer's "gave up" notice, ``D.healthy`` —, element offset of the generation's slots, this
+    rank's slots as an int16 pointer)."""
+    deadline = D.wait_bound(clock_ptr, timeout_us, table_ptr, rank, PTX)
     gen = tl.load(agctrl_ptr + AG_GEN)
-    healthy = tl.load(status_ptr, volatile=True) == 0
+    healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX)
     region = gen.to(tl.int64) * cap
     mine = D.peer_base(table_ptr, rank, ag_off16, 16)
     return deadline, gen, healthy, region, mine
@@ -314,7 +326,7 @@ def _receive_words(
     expired = pending * 0
     while (pending != 0) & (expired == 0):
         ws, pending = _load_words(ptrs, valids, N)
-        expired = (D.now_ns(clock_ptr, PTX) > deadline).to(tl.int32)
+        expired = D.ended(deadline, clock_ptr, PTX)
     missing = 0
     xs = ()
     for k in tl.static_range(N):
@@ -401,11 +413,14 @@ def receive_steps(
 
 
 @triton.jit
-def finish(agctrl_ptr, status_ptr, gen, missing, pid, G):
-    """Status on timeout; the CTA that arrives last resets the counter and advances the
-    generation (device-resident: correct under CUDA-graph replay)."""
+def finish(agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P: tl.constexpr,
+           PTX: tl.constexpr):  # fmt: skip
+    """A CTA whose wait ended without its data leaves the protocol (``D.leave``: the fault is
+    recorded, and a timed-out rank tells its peers that it gave up); the CTA that arrives last
+    resets the counter and advances the generation (device-resident: correct under CUDA-graph
+    replay)."""
     if missing != 0:
-        tl.atomic_or(status_ptr, missing, sem="relaxed", scope="gpu")
+        D.leave(ctrl_ptr, table_ptr, rank, missing, P, PTX)
     if G == 1:  # decode: no atomic round trip to L2 on the critical path
         last = pid == 0
     else:
@@ -449,7 +464,7 @@ def launch_allgather(
         ws.table,
         ws.offset16("allgather"),
         state.agctrl,
-        ws.ctrl[CTRL_STATUS:],
+        ws.ctrl,
         ws.clock,
         m,
         s,

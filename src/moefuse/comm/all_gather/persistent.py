@@ -81,7 +81,6 @@ from moefuse._runtime import env_choice, env_switch, interpreter_active
 from moefuse.comm.all_gather import decode as dec
 from moefuse.comm.all_gather import kernels as AG
 from moefuse.comm.tiles import resident_ctas_per_sm
-from moefuse.comm.workspace import CTRL_STATUS
 from moefuse.norm import triton as nt
 from moefuse.norm.tiles import STEP_UNROLL_MAX_STEPS
 
@@ -145,7 +144,7 @@ def _ag_rmsnorm_persistent_kernel(
     res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr,
     n_rows, n_norm, H, Hf, KB, n_kcols, x_st, o_st, eps, gain_center,
     r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
-    table_ptr, ag_off16, agctrl_ptr, status_ptr, clock_ptr, S, rank, cap, timeout_us, lookahead,
+    table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr, S, rank, cap, timeout_us, lookahead,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
     STEPPED: tl.constexpr, UNROLL: tl.constexpr,
@@ -167,8 +166,8 @@ def _ag_rmsnorm_persistent_kernel(
     if USE_PDL:
         gdc_wait()  # the shard is the previous kernel's output
     deadline, gen, healthy, region, mine = AG.prelude(table_ptr, ag_off16, agctrl_ptr,
-                                                      status_ptr, clock_ptr, rank, cap,
-                                                      timeout_us, PTX)  # fmt: skip
+                                                      ctrl_ptr, clock_ptr, rank, cap,
+                                                      timeout_us, P, PTX)  # fmt: skip
     scols = tl.arange(0, BLOCK_S)
     scm = scols < S
     # norm tiles cover n_norm rows (NVFP4: the layout's padded rows, whose tiles only write zero
@@ -239,7 +238,7 @@ def _ag_rmsnorm_persistent_kernel(
                           STEPPED, UNROLL, OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT,
                           HAS_ROUTER)  # fmt: skip
         i += 1
-    AG.finish(agctrl_ptr, status_ptr, gen, missing, pid, G)
+    AG.finish(agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P, PTX)
 
 
 @triton.jit
@@ -410,7 +409,7 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
     args = (shard, shard.stride(0), gathered, *ep.pointers(), m, n_norm, width, float(width), kb,
             n_kcols, gathered.stride(0), ep.out.stride(0), float(ep.eps), float(ep.gain_center),
             *ep.gated_scalars(), ws.table, ws.offset16("allgather"), state.agctrl,
-            ws.ctrl[CTRL_STATUS:], ws.clock, s, ws.rank, ws.max_tokens, ws.timeout_us,
+            ws.ctrl, ws.clock, s, ws.rank, ws.max_tokens, ws.timeout_us,
             lookahead)  # fmt: skip
     consts.update(P=ws.world_size, BLOCK_S=block_s)
     maxnreg = _env_int(MAXNREG_ENV, 0, 0)

@@ -235,7 +235,7 @@ def _twoshot_kernel(
     if USE_PDL:
         gdc_wait()
     inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
-    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    deadline = D.wait_bound(clock_ptr, timeout_us, table_ptr, rank, PTX)
     epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
     healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX)
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)

@@ -358,11 +358,14 @@ def _await_token(cnt_ptr, seen, deadline, clock_ptr, K: tl.constexpr, PTX: tl.co
     """Spin (acquire, GPU scope) until every CTA of the token has arrived: the arrival word reads
     K in its low half, or 0 (the last CTA reset it after bringing it to K; this CTA has arrived,
     so 0 cannot mean "nobody yet"), starting from ``seen`` (the value this CTA's own arrival
-    produced); bounded by ``deadline``. Returns the word last read (its high half counts rows
-    that timed out; 0 also when the deadline passed first, see the caller)."""
+    produced); bounded by ``deadline`` (:func:`moefuse.comm.device.wait_bound`: also ends when a
+    peer gave up). Returns the word last read (its high half counts rows that timed out; 0 also
+    when the wait ended first, see the caller)."""
     c = seen
-    while ((c & 0xFFFF) != K) & (c != 0) & (D.now_ns(clock_ptr, PTX) < deadline):
+    expired = 0
+    while ((c & 0xFFFF) != K) & (c != 0) & (expired == 0):
         c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+        expired = D.ended(deadline, clock_ptr, PTX)
     return tl.where(((c & 0xFFFF) == K) | (c == 0), c, 1 << 16)
 
 
@@ -562,9 +565,9 @@ def _tp_staged_kernel(
     CTA, sender; device-resident epoch), as ``comm.triton._twoshot_kernel``. Safe single
     buffering: a peer writes call e+1 only after this rank's CTA signalled it consumed call e."""
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
-    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    deadline = D.wait_bound(clock_ptr, timeout_us, table_ptr, rank, PTX)
     epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
-    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX)
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
     # phase 1: stage every valid slot row of tokens owned by other ranks at their owner
     _push_foreign_tokens(rows_ptr, row_st, idx_ptr, idx_st, pid, G, n_mine, R, 0, rank,

@@ -244,6 +244,14 @@ class ExpertNormWorkspace:
     def check(self) -> None:
         self.ar.check()
 
+    def failed(self) -> str | None:
+        """The failure message of the underlying workspace, or None (no sync; see
+        :meth:`moefuse.comm.workspace.AllReduceWorkspace.failed`)."""
+        return self.ar.failed()
+
+    def raise_if_failed(self) -> None:
+        self.ar.raise_if_failed()
+
     @contextlib.contextmanager
     def capture(self):
         self.ar.check()

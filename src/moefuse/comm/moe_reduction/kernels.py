@@ -345,9 +345,9 @@ def _moe_twoshot_kernel(
     if USE_PDL:
         gdc_wait()
     inv_scale, gs, rcp_gs = D.quant_scales(scale_ptr, PATTERN, PTX)
-    deadline = D.now_ns(clock_ptr, PTX) + timeout_us.to(tl.int64) * 1000
+    deadline = D.wait_bound(clock_ptr, timeout_us, table_ptr, rank, PTX)
     epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
-    healthy = tl.load(ctrl_ptr + D.CTRL_STATUS, volatile=True) == 0
+    healthy = D.healthy(ctrl_ptr, table_ptr, rank, P, PTX)
     n_mine = tl.where(healthy, (M - pid + G - 1) // G, 0)
     chunk = (M + P - 1) // P
 

@@ -1,0 +1,71 @@
+"""The fault protocol of every communication (family, algorithm, kernel variant), on CPU: the
+real kernels in Triton's interpreter, two ranks as threads (``moefuse.testing_ranks``) for every
+case, and as processes (gloo, shared-memory peer buffers) for a representative subset.
+
+Per case (tests/fault_cases.py): a rank failing validation leaves its peer a bounded wait that
+names it; a rank arriving after its peer gave up raises at once naming the rank that gave up,
+reads nothing of the abandoned call and writes no output; ``ws.failed()`` reports the fault on
+both ranks; the workspace recovers by close() + re-create. A rank that made no call learns of
+the notice by ``ws.check()``.
+
+The "torch" algorithm has no kernel waits (its waits are the process group's) and is not a
+case here. Timeouts are 2 s (5 s for the column-split MoE one-shot, whose interpreted CTAs wait
+for the other CTAs of their row group) and shapes tiny, so the matrix stays within minutes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fault_cases import CASES, case_env, scenario_fault_protocol, scenario_idle_rank_learns_by_check
+from moefuse.testing_ranks import run_loopback_ranks
+
+pytestmark = pytest.mark.interpreter
+
+TIMEOUT = 2.0
+SLOW = {"moe_reduction/oneshot-split": 5.0}
+
+
+def _check(took, name):
+    timeout = SLOW.get(name, TIMEOUT)
+    assert took[1]["alone"] >= timeout * 0.9, (name, took)
+    assert took[0]["late"] < timeout, (name, took)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fault_protocol_threads(name):
+    with case_env(name):
+        took = run_loopback_ranks(scenario_fault_protocol, 2, "cpu", name, "cpu",
+                                  SLOW.get(name, TIMEOUT), timeout_s=600)  # fmt: skip
+    _check(took, name)
+
+
+def test_idle_rank_learns_by_check_threads():
+    name = "all_reduce/twoshot"
+    with case_env(name):
+        assert all(run_loopback_ranks(scenario_idle_rank_learns_by_check, 2, "cpu", name, "cpu",
+                                      TIMEOUT, timeout_s=600))  # fmt: skip
+
+
+#: processes: the issue's three reports (one-shot all-gather, two-shot MoE finalize, staged
+#: expert-norm), one Lamport all-reduce, in the same two processes
+PROCESS_CASES = ("all_gather/oneshot-decode", "moe_reduction/twoshot", "expert_norm/tp-staged",
+                 "all_reduce/oneshot")  # fmt: skip
+
+
+def _process_scenario(rank, p, names, timeout_s):
+    out = {}
+    for name in names:
+        with case_env(name):
+            out[name] = scenario_fault_protocol(rank, p, name, "cpu", timeout_s)
+    with case_env("expert_norm/tp-staged"):
+        scenario_idle_rank_learns_by_check(rank, p, "expert_norm/tp-staged", "cpu", timeout_s)
+    return out
+
+
+def test_fault_protocol_processes():
+    from comm_mp import run_group
+
+    got = run_group(2, _process_scenario, PROCESS_CASES, TIMEOUT, timeout_s=900)
+    for name in PROCESS_CASES:
+        _check([got[0][name], got[1][name]], name)
