@@ -130,9 +130,10 @@ def test_inline_plan_and_fused_finalize_match_plan_kernel(tokens, top_k, experts
               routed_scaling_factor=2.5)  # fmt: skip
     want = ref.moe_experts_reference(x, gu, dn, idx, w, **kw)
     outs = {}
-    for mode, tile in (("plan", {"inline_plan_slots": 0}),
-                       ("inline", {"inline_plan_slots": 128, "fuse_finalize": False}),
-                       ("fused", {"inline_plan_slots": 128, "fuse_finalize": True})):  # fmt: skip
+    modes = {"plan": {"inline_plan_slots": 0},
+             "inline": {"inline_plan_slots": 128, "fuse_finalize_slots": 0},
+             "fused": {"inline_plan_slots": 128, "fuse_finalize_slots": 128}}  # fmt: skip
+    for mode, tile in modes.items():
         out = poison_(torch.empty(tokens, hidden, dtype=torch.bfloat16))
         launch_moe_experts(x, gu, dn, idx, w, out, kw["bias"], kw["shared_expert_output"], 2.5,
                            False, False, tile=tile, token_tile=bt)  # fmt: skip

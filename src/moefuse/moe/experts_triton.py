@@ -430,7 +430,7 @@ def launch_moe_experts(
     ptx = not interpreter_active()
     pdl = _pdl_kwargs(use_pdl)
     sp = next_pow2(slots) if slots <= cfg["inline_plan_slots"] else 0
-    fused = bool(sp) and cfg["fuse_finalize"]
+    fused = bool(sp) and slots <= cfg["fuse_finalize_slots"]
     n_htiles = triton.cdiv(hidden, cfg["bn_down"])
     counters = torch.empty(n_htiles if fused else 1, dtype=torch.int32, device=dev)
     if not sp:

@@ -66,21 +66,26 @@ EXPERTS_TOKEN_TILES = (16, 32, 64, 128)
 EXPERTS_MAX = 4096
 #: up to this many routed slots (T*K), no plan kernel runs: each GEMM program computes its work
 #: item from the expert ids (a [T*K, T*K] compare: one launch fewer at decode). Work items, and so
-#: every bit, are the plan kernel's.
-EXPERTS_INLINE_PLAN_SLOTS = 64
-#: with the inline plan, the finalize runs in the down kernel (the last program of each H tile
-#: sums every token's slots of that tile): one launch fewer again, the same bits.
-EXPERTS_FUSE_FINALIZE = True
+#: every bit, are the plan kernel's. Measured (H200, 2026-12-03, notes/moe-experts.md): Qwen3 T = 1
+#: 29.3 -> 26.1 us, T = 2 50.9 -> 47.1, T = 4 80.3 -> 79.5; at T = 8 (64 slots) the compare in
+#: every program costs more than the launch (129.0 -> 162.1).
+EXPERTS_INLINE_PLAN_SLOTS = 32
+#: up to this many routed slots, the finalize runs in the down kernel too (the last program of
+#: each H tile sums every token's slots of that tile): one launch fewer again, the same bits.
+#: Measured: a gain at T*K <= 8 (0.2-0.9 us), a loss from 16 slots on (the last program's serial
+#: sum over tokens).
+EXPERTS_FUSE_FINALIZE_SLOTS = 8
 
 
 def experts_tile(hidden: int, inter: int) -> dict:
     """Tile of the fused experts kernels for hidden size ``hidden`` and expert width ``inter``:
-    ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots", "fuse_finalize"}``
+    ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots",
+    "fuse_finalize_slots"}``
     (a function of the widths only)."""
     return {"bn_gate_up": EXPERTS_BN_GATE_UP, "bn_down": EXPERTS_BN_DOWN, "bk": EXPERTS_BK,
             "warps": EXPERTS_WARPS, "stages": EXPERTS_STAGES,
             "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS,
-            "fuse_finalize": EXPERTS_FUSE_FINALIZE}  # fmt: skip
+            "fuse_finalize_slots": EXPERTS_FUSE_FINALIZE_SLOTS}  # fmt: skip
 
 
 def experts_token_tile(slots: int, experts: int) -> int:
