@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from moefuse import knobs as _knobs
 from moefuse.testing import graph_capture
 
 L2_BYTES_DEFAULT = 60 * 1024 * 1024
@@ -121,7 +122,7 @@ def copy_time_us(nbytes: int) -> float:
 
 
 def git_commit() -> str:
-    env = os.environ.get("MOEFUSE_COMMIT")
+    env = _knobs.get("MOEFUSE_COMMIT")
     if env:
         return env
     try:
@@ -262,8 +263,14 @@ def _fmt(v) -> str:
 @contextlib.contextmanager
 def knobs(env: dict[str, str]):
     """Set the environment knobs ``env`` (same on every rank) for the block, then restore them;
-    eager launch plans are dropped around it (recorded plans do not read the environment)."""
+    eager launch plans are dropped around it (recorded plans do not read the environment).
+    ValueError for a name that :mod:`moefuse.knobs` does not declare or a value it rejects."""
     from moefuse import _fastpath as fastpath
+
+    for key, value in env.items():
+        if key not in _knobs.KNOBS:
+            raise ValueError(f"{key} is not a moefuse knob (docs/knobs.md lists them)")
+        _knobs.parse(key, value)
 
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)

@@ -32,13 +32,12 @@ FMA that is wanted (the FP32 finalize chain) is the explicit ``fma.rn.ftz``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moefuse import knobs
 from moefuse._device import widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
@@ -524,11 +523,8 @@ def ctas_per_sm(m: int | None = None, h: int | None = None, dense: bool = False,
     tables above measured it faster — the fused one-shot kernel (``algorithm`` "oneshot") and
     the two-shot kernel ("twoshot") — and 1 (all K rows of a token in flight). Read at every
     launch: it must be the same on every rank."""
-    env = os.environ.get("MOEFUSE_MOE_COMM_CTAS_PER_SM", "")
-    if env:
-        value = int(env)
-        if value not in (1, 2, 4):
-            raise ValueError(f"MOEFUSE_MOE_COMM_CTAS_PER_SM must be 1, 2 or 4, got {value}")
+    value = knobs.get("MOEFUSE_MOE_COMM_CTAS_PER_SM")
+    if value is not None:
         return value
     if m is None or h is None:
         return 1
@@ -583,12 +579,9 @@ def oneshot_variant(m: int, ws) -> str:
     (``ws.own_slot_tokens``) and falls back to "fused" above them. Read at every launch: it
     must be the same on every rank (launch plans record it: ``moefuse._fastpath.clear()`` after
     changing it)."""
-    name = os.environ.get("MOEFUSE_MOE_COMM_VARIANT", "auto") or "auto"
+    name = knobs.get("MOEFUSE_MOE_COMM_VARIANT")
     if name == "auto":
         name = next(v for limit, v in AUTO_ONESHOT_VARIANTS if limit is None or m <= limit)
-    if name not in ONESHOT_VARIANTS:
-        raise ValueError(f"MOEFUSE_MOE_COMM_VARIANT must be 'auto' or one of {ONESHOT_VARIANTS}, "
-                         f"got {name!r}")  # fmt: skip
     if name == "split" and m > getattr(ws, "own_slot_tokens", 0):
         return "fused"
     return name
@@ -599,9 +592,9 @@ def split_ctas(m: int, tile, capacity: int) -> int:
     divides the tile), else the largest power of two <= SPLIT_MAX_CTAS with at least one warp's
     worth of columns per slice and ``m`` rows x C CTAs <= ``capacity`` (all resident); the
     bound is SPLIT_MAX_CTAS_ONE_TOKEN for a single token."""
-    env = int(os.environ.get("MOEFUSE_MOE_COMM_SPLIT_CTAS", "0") or 0)
+    env = knobs.get("MOEFUSE_MOE_COMM_SPLIT_CTAS")
     if env:
-        if env & (env - 1) or tile.block % env:
+        if tile.block % env:
             raise ValueError("MOEFUSE_MOE_COMM_SPLIT_CTAS must be a power of two dividing the "
                              f"row tile ({tile.block}), got {env}")  # fmt: skip
         return env
