@@ -188,10 +188,20 @@ def save_results(
     suffix: str = "",
     plot_metric: str = "us",
 ) -> tuple[Path, Path | None]:
-    """Write ``<family>-<gpu><suffix>.json`` and a PNG plot beside it; returns both paths."""
+    """Write ``<family>-<gpu><suffix>.json`` and a PNG plot beside it; returns both paths.
+
+    Run under knobs (:func:`run_knobs`: ``MOEFUSE_*`` variables set, ``moefuse bench <family>
+    --sweep``), the meta and every row get ``knobs`` and the file name ends with them, so such
+    a run never overwrites the default results."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{family}-{gpu_slug()}{suffix}"
+    ran_under = run_knobs()
+    if ran_under:
+        label = " ".join(f"{k}={v}" for k, v in ran_under.items())
+        meta = {**meta, "knobs": ran_under}
+        rows = [{**r, "knobs": label} for r in rows]
+        stem += "".join(f"-{k.removeprefix('MOEFUSE_').lower()}-{v}" for k, v in ran_under.items())
     json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     png_path = out / f"{stem}.png"
@@ -258,6 +268,12 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.3g}"
     return "-" if v is None else str(v)
+
+
+def run_knobs() -> dict[str, str]:
+    """The ``MOEFUSE_*`` knobs set for this run (``MOEFUSE_COMMIT`` aside): what a results file
+    records beside its rows."""
+    return {k: v for k, v in _knobs.settings().items() if k != "MOEFUSE_COMMIT"}
 
 
 @contextlib.contextmanager
