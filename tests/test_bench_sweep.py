@@ -11,6 +11,8 @@ import pytest
 from moefuse import cli
 from moefuse.bench import harness, sweep
 
+ROWS = [{"M": 1, "note": "no time: no plot"}]
+
 
 def test_split_sweeps_keeps_the_family_arguments():
     sweeps, rest = sweep.split_sweeps(
@@ -46,7 +48,7 @@ def test_each_run_sees_its_knob_and_the_environment_is_restored(monkeypatch, tmp
     def family_main(argv):
         seen.append((os.environ.get("MOEFUSE_MOE_COMM_VARIANT"),
                      os.environ.get("MOEFUSE_MOE_COMM_SPLIT_CTAS"), argv))  # fmt: skip
-        harness.save_results("fam", [{"M": 1, "note": "no time: no plot"}], {"gpu": "cpu"}, tmp_path)
+        harness.save_results("fam", ROWS, {"gpu": "cpu"}, tmp_path)
         return 1 if len(seen) == 2 else 0
 
     sweeps = [("MOEFUSE_MOE_COMM_VARIANT", ["fused", "split"]),
@@ -63,6 +65,6 @@ def test_each_run_sees_its_knob_and_the_environment_is_restored(monkeypatch, tmp
     label = "MOEFUSE_MOE_COMM_VARIANT=split MOEFUSE_MOE_COMM_SPLIT_CTAS=4"
     assert data["rows"][0]["knobs"] == label
     # without knobs set: the plain file name and no label
-    harness.save_results("fam", [{"M": 1, "note": "no time: no plot"}], {"gpu": "cpu"}, tmp_path)
+    harness.save_results("fam", ROWS, {"gpu": "cpu"}, tmp_path)
     plain = json.loads((tmp_path / "fam-cpu.json").read_text())
     assert "knobs" not in plain["meta"] and "knobs" not in plain["rows"][0]

@@ -93,7 +93,7 @@ PERSISTENT_ENV = "MOEFUSE_ALLGATHER_PERSISTENT"
 PERSISTENT_MODES = knobs.KNOBS[PERSISTENT_ENV].choices
 #: the persistent kernel reads its tiles from the slots by default for these ops up to this
 #: tile width (:func:`persistent_mode`). MEASURED on one H200 as two loopback ranks
-#: (scripts/loopback_gpu_check.py, 2 alternating rounds, µs gathered -> slots at
+#: (moefuse.tools.loopback_gpu_check, 2 alternating rounds, µs gathered -> slots at
 #: M = 512 / 4096 / 16384): rmsnorm H = 4096 12.7 -> 10.1, 98.5 -> 74.1, 385.5 -> 279.6 (PDL
 #: on), H = 2880 10.3 -> 10.6, 74.9 -> 70.2, 285.8 -> 264.5; FP8 (PDL off) H = 2880 11.9 ->
 #: 11.3, 88.5 -> 83.4, 339.6 -> 316.0, H = 4096 12.5 -> 11.5, 92.5 -> 78.9, 355.7 -> 297.0,
