@@ -70,7 +70,7 @@ class OneshotVariant:
 
 
 #: token counts from which the one-shot kernel defaults to the prefetch pipeline, and the rows per
-#: CTA it then uses. Measured on 2 x H200 (scripts/sweep_comm_variants.py, notes/gpu-logs/
+#: CTA it then uses. Measured on 2 x H200 (90f68c0:scripts/sweep_comm_variants.py, notes/gpu-logs/
 #: comm-variants-p2-2026-11-29.log; us, default -> prefetch with R rows per CTA): H = 4096
 #: M = 512 19.17 -> 18.07 (R = 4), M = 2048 58.68 -> 54.84 (R = 8); H = 7168 M = 512 30.18 ->
 #: 29.85, M = 2048 92.73 -> 92.08. At M <= 128 the default kernel was as fast or faster

@@ -130,7 +130,7 @@ GATED_EARLY_MIN_STEPS = 3
 FUSED_CTAS_PER_SM = {dec.GATED: 2}
 UNROLL_ENV = "MOEFUSE_ALLGATHER_FUSED_UNROLL"
 #: tiles pushed ahead of the tile being received. MEASURED on 2 x H200
-#: (scripts/bench_allgather_large.py, bench/results/sweeps/allgather_large-h200-p2.json):
+#: (90f68c0:scripts/bench_allgather_large.py, bench/results/sweeps/allgather_large-h200-p2.json):
 #: lookahead 1 was as fast or faster than 2 in 6 of 6 cases (H = 4096 M = 4096: 58.8 vs
 #: 61.7 us; H = 8192 M = 4096: 102.9 vs 106.8), 4 the slowest everywhere: one tile ahead per
 #: CTA already keeps ~1 MiB in flight

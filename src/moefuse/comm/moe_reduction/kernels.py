@@ -489,7 +489,7 @@ ROWS_PER_BATCH_OVERRIDE: int | None = None
 
 
 #: the fused one-shot kernel runs 2 CTAs per SM from this many tokens at widths up to
-#: TWO_CTAS_MAX_WIDTH. MEASURED on 2 x H200 (scripts/bench_moe_reduction_variants.py,
+#: TWO_CTAS_MAX_WIDTH. MEASURED on 2 x H200 (90f68c0:scripts/bench_moe_reduction_variants.py,
 #: bench/results/sweeps/moe-reduction-variants-h200-p2.json; P = 2, H = 4096, K = 8, µs 1 vs 2
 #: CTAs per SM): M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one
 #: CTA loads a token's K rows while the other waits on NVLink, despite the register cap's
@@ -559,16 +559,17 @@ def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
 #: won, bench/results/sweeps/moe-reduction-variants-h200-p2.json, numbers below.)
 ONESHOT_VARIANTS = ("fused", "split")
 #: "auto" (the variable unset): (up to M tokens, variant). MEASURED on 2 x H200
-#: (scripts/bench_moe_reduction_variants.py,
+#: (90f68c0:scripts/bench_moe_reduction_variants.py,
 #: bench/results/sweeps/moe-reduction-variants-h200-p2.json; P = 2, H = 4096, K = 8, stepwise, µs
 #: fused / split / two kernels): M = 1 6.49 / 4.90 / 7.25, M = 8 7.48 / 5.31 / 8.18, M = 64 8.65 /
 #: 7.58 / 11.39; M = 512 fused at 2 CTAs per SM 24.61 against two kernels 36.26, M = 2048 84.02
 #: against 114.99. Two kernels never won.
 AUTO_ONESHOT_VARIANTS: tuple[tuple[int | None, str], ...] = ((64, "split"), (None, "fused"))
 #: most CTAs per row of the split variant (default); MOEFUSE_MOE_COMM_SPLIT_CTAS overrides.
-#: MEASURED (2 x H200, P = 2, H = 4096, K = 8, two runs of scripts/bench_moe_reduction_variants.py,
-#: 2 x H200): one token, 16 CTAs 4.70 / 4.34 µs against 8 CTAs 5.07 / 4.47; at 8 tokens the
-#: two counts traded places (5.52 / 5.49 against 5.40 / 5.58), so 16 only for a single token
+#: MEASURED (2 x H200, P = 2, H = 4096, K = 8, two runs of
+#: 90f68c0:scripts/bench_moe_reduction_variants.py): one token, 16 CTAs 4.70 / 4.34 µs against 8
+#: CTAs 5.07 / 4.47; at 8 tokens the two counts traded places (5.52 / 5.49 against 5.40 / 5.58), so
+#: 16 only for a single token
 SPLIT_MAX_CTAS = 8
 SPLIT_MAX_CTAS_ONE_TOKEN = 16
 
