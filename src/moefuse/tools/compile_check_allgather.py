@@ -22,9 +22,9 @@ from moefuse.comm.tiles import resident_ctas_per_sm
 from moefuse.norm import tiles
 from moefuse.tools.ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
 
-TYPES = {"table_ptr": "*i64", "agctrl_ptr": "*i32", "status_ptr": "*i32", "clock_ptr": "*i32",
-         "eps": "fp32", "gain_center": "fp32", "Hf": "fp32", "alpha_scalar": "fp32",
-         "post_eps": "fp32", "post_gc": "fp32"}  # fmt: skip
+TYPES = {"table_ptr": "*i64", "agctrl_ptr": "*i32", "status_ptr": "*i32", "ctrl_ptr": "*i32",
+         "clock_ptr": "*i32", "eps": "fp32", "gain_center": "fp32", "Hf": "fp32",
+         "alpha_scalar": "fp32", "post_eps": "fp32", "post_gc": "fp32"}  # fmt: skip
 #: integer arguments the JIT sees as multiples of 16 at H = 4096 / 8192, P = 2 (strides, widths,
 #: region offset and capacity); pointers are 16-byte aligned
 DIVISIBLE = {"s_st", "x_st", "o_st", "g_st", "H", "S", "cap", "ag_off16", "r_st", "ro_st",
