@@ -51,7 +51,7 @@ def test_values_parse_one_way(clean_env):
         "MOEFUSE_COMM_ROWS_PER_CTA": ("4", 4),
         "MOEFUSE_MOE_COMM_CTAS_PER_SM": ("2", 2),
         "MOEFUSE_MOE_COMM_SPLIT_CTAS": ("8", 8),
-        "MOEFUSE_ALLGATHER_DECODE": ("slots", "slots"),
+        "MOEFUSE_ALLGATHER_DECODE": (" slots", "slots"),
         "MOEFUSE_COMMIT": ("abc123", "abc123"),
     }
     for name, (raw, want) in cases.items():

@@ -12,7 +12,7 @@ Parsing, the same for every knob:
 * ``bool``: ``0`` or ``1``;
 * ``int``: a decimal integer, at least ``minimum`` and, where ``choices`` is given, one of them;
 * ``choice``: one of ``choices``;
-* ``str``: any text.
+* ``str``: any text (the other kinds ignore blanks around the value).
 
 Anything else raises ``ValueError`` naming the variable, the value and what it accepts.
 
@@ -171,16 +171,17 @@ def parse(name: str, raw: str | None):
         return knob.default
     if knob.kind == "str":
         return raw
+    text = raw.strip()  # surrounding blanks are forgiven, the same for every kind
     if knob.kind == "bool":
-        if raw not in ("0", "1"):
+        if text not in ("0", "1"):
             raise ValueError(f"{name} must be {knob.accepts()}, got {raw!r}")
-        return raw == "1"
+        return text == "1"
     if knob.kind == "choice":
-        if raw not in knob.choices:
+        if text not in knob.choices:
             raise ValueError(f"{name} must be {knob.accepts()}, got {raw!r}")
-        return raw
+        return text
     try:
-        value = int(raw.strip())
+        value = int(text)
     except ValueError:
         raise ValueError(f"{name} must be {knob.accepts()}, got {raw!r}") from None
     bad = (
