@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(PY) -m moefuse demo
 
 test: $(STAMP) $(WHEEL_STAMP)
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests scripts
 	$(PY) -m pytest -q --durations=15 tests
 
 clean:

@@ -14,6 +14,9 @@
 # fresh folder per run, for CMD's --out. Each run's output goes to NAME-{ref,new}-i.log. The
 # last lines of each log are printed. Everything is packed into $OUT/NAME.tgz, because the
 # device returns at most 8 files.
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the comment block above
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0
+fi
 set -u
 rounds=$1 name=$2
 shift 2

@@ -7,6 +7,9 @@
 # venv (a .pth line: nothing big is downloaded) and never sees the source tree or the editable
 # install (.pth files inside a borrowed folder are not processed).
 # Usage: bash scripts/check_wheel.sh [VENV]   (default .venv)
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the comment block above
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv}

@@ -304,8 +304,10 @@ def normalise(ptx: str) -> str:
 def compile_case(case: dict, mods: dict) -> str:
     """Normalised PTX of one case (raises when its kernel does not compile)."""
     import triton
-    from _ptxas import TARGET, specialised_source, tuple_fields, with_constexpr_defaults
 
+    ptxas = ptxas_helpers()
+    TARGET, specialised_source = ptxas.TARGET, ptxas.specialised_source
+    with_constexpr_defaults, tuple_fields = ptxas.with_constexpr_defaults, ptxas.tuple_fields
     kernel = getattr(mods[case["family"]], case["kernel"])
     params = inspect.signature(kernel.fn).parameters
     consts = with_constexpr_defaults(
@@ -325,6 +327,21 @@ def compile_case(case: dict, mods: dict) -> str:
                              (name not in skip and name not in NOT_DIVISIBLE and t == "i32"))
     compiled = triton.compile(src, target=TARGET, options=dict(case["options"]))
     return normalise(compiled.asm["ptx"])
+
+
+def ptxas_helpers():
+    """This checkout's ``moefuse/tools/ptxas.py`` (it imports triton only), loaded by its path:
+    the same compile helpers for every tree, whichever revision that tree's src/ is."""
+    import importlib.util
+
+    name = "_moefuseptxas_helpers"
+    if name not in sys.modules:
+        path = os.path.join(ROOT, "src", "moefuse", "tools", "ptxas.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def params_name(kernel, entry) -> str:

@@ -15,11 +15,11 @@ import dataclasses
 import inspect
 
 import triton
-from _ptxas import TARGET, ptxas_report, tuple_fields
 from triton.compiler import ASTSource
 
 from moefuse.norm import gated, tiles
 from moefuse.norm import triton as nt
+from moefuse.tools.ptxas import TARGET, ptxas_report, tuple_fields
 
 FP32_PTRS = {"res_ptr_gated", "alpha_ptr", "beta_ptr", "out_ptr_gated", "rout_ptr", "router_ptr",
              "a_ptr", "be_ptr"}  # fmt: skip
@@ -48,7 +48,7 @@ def _type(name, consts, fp32_ptrs):
 
 def _signature(kernel, consts, fp32_ptrs):
     """Each parameter's type by name; a tuple parameter's, element by element by the names
-    the kernel unpacks it into (_ptxas.tuple_fields)."""
+    the kernel unpacks it into (moefuse.tools.ptxas.tuple_fields)."""
     fields = tuple_fields(kernel)
     return {name: tuple(_type(f, consts, fp32_ptrs) for f in fields[name]) if name in fields
             else _type(name, consts, fp32_ptrs)

@@ -1,16 +1,17 @@
 """Offline SM90 compile of the fused experts kernels (no GPU): registers, spills, shared memory
 and the instructions the design relies on (MMAs, 16-byte weight loads, PDL), per model shape and
-token tile. ``python scripts/compile_check_experts.py``"""
+token tile. ``PYTHONPATH=src python scripts/compile_check_experts.py``"""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import triton
-from _ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
 
 import moefuse.moe.experts_triton as xt
 from moefuse.moe.tiles import experts_tile
+from moefuse.tools.ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
 
 SHAPES = {"qwen3": (2048, 768), "mixtral": (4096, 14336), "deepseek_v3": (7168, 2048)}
 
@@ -29,6 +30,7 @@ def build(kernel, consts, warps):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rows = []
     for name, (h, i) in SHAPES.items():
         tile = experts_tile(h, i)

@@ -10,11 +10,11 @@ import argparse
 import inspect
 
 import triton
-from _ptxas import TARGET, ptxas_report
 from triton.compiler import ASTSource
 
 from moefuse.comm.moe_reduction import kernels as mt
 from moefuse.comm.tiles import CommTile, comm_tile
+from moefuse.tools.ptxas import TARGET, ptxas_report
 
 PTR = {"map_ptr": "*i32", "w_ptr": "*fp32", "e_ptr": "*i32", "q_ptr": "*u8", "sf_ptr": "*u8",
        "scale_ptr": "*fp32", "table_ptr": "*i64", "ctrl_ptr": "*i32",

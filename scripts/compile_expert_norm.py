@@ -53,7 +53,13 @@ def main(argv) -> int:
 def compile_one(kernel, h, k, p, block, tile, extra) -> int:
     """Compile ``kernel`` (constexprs + ``extra``) and print its ptxas report; 1 on failure."""
     import triton
-    from _ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
+
+    from moefuse.tools.ptxas import (
+        TARGET,
+        ptxas_report,
+        specialised_source,
+        with_constexpr_defaults,
+    )
 
     consts = dict(P=p, PP=triton.next_power_of_2(p), NSLOT=1024, K=k, B=block,
                   KPOW=triton.next_power_of_2(k),

@@ -3,6 +3,9 @@
 # Usage (repo root, on an H200 machine): bash scripts/gpu_check.sh [--bench]
 #   single-GPU suites run in parallel, one per GPU; then the communication suite for every world
 #   size the machine has (one GPU: the loopback suite, two ranks on it); with --bench the benchmarks follow (JSON + PNG under $OUT/results).
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the comment block above
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0
+fi
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=src PYTHONUNBUFFERED=1

@@ -81,11 +81,11 @@ def compile_launch(kernel, args, consts) -> tuple[str, list[str]]:
     """(normalised PTX, flattened parameter types) of ``kernel[grid](*args, **consts)`` as the
     JIT would compile it for sm_90a."""
     import triton
-    from _ptxas import TARGET
-    from comm_ptx_compare import normalise
+    from comm_ptx_compare import normalise, ptxas_helpers
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    TARGET = ptxas_helpers().TARGET
     backend = make_backend(TARGET)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, spec, kwargs = binder(*args, **consts)

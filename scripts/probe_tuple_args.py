@@ -9,6 +9,7 @@ specialisation of each tuple element), compiled for sm_90a (its PTX parameters),
 binder's time per call with 13 flat arguments against 3 + two 5-tuples.
 """
 
+import argparse
 import os
 import timeit
 
@@ -95,4 +96,7 @@ def compiled():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            epilog="TRITON_INTERPRET=1: run the toy kernels in the interpreter; "
+                            "else compile them offline for sm_90a.").parse_args()
     interpreted() if os.environ.get("TRITON_INTERPRET") == "1" else compiled()

@@ -89,3 +89,29 @@ def test_bench_summary_outside_the_repository(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "summary"]) == 2
     assert "pass --dir" in capsys.readouterr().out
+
+
+def test_env_prints_the_knobs_set(capsys, monkeypatch):
+    """Knobs set are listed with their parsed value (an invalid one shown, not raised; * marks
+    those every rank must share), and undeclared MOEFUSE_* names are named."""
+    import os
+
+    for name in [n for n in os.environ if n.startswith("MOEFUSE_")]:
+        monkeypatch.delenv(name)
+    assert cli.main(["env"]) == 0
+    assert "MOEFUSE_* knobs: none set" in capsys.readouterr().out
+    monkeypatch.setenv("MOEFUSE_ALLGATHER_LARGE", "chunked")
+    monkeypatch.setenv("MOEFUSE_FASTPATH", "0")
+    monkeypatch.setenv("MOEFUSE_TP_SPLIT_FOLD", "yes")
+    monkeypatch.setenv("MOEFUSE_NOT_A_KNOB", "1")
+    assert cli.main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert "MOEFUSE_ALLGATHER_LARGE*=chunked  -> 'chunked'" in text
+    assert "MOEFUSE_FASTPATH=0  -> False" in text
+    assert "MOEFUSE_TP_SPLIT_FOLD*=yes  INVALID: MOEFUSE_TP_SPLIT_FOLD must be 0 or 1" in text
+    assert "MOEFUSE_NOT_A_KNOB: not a moefuse knob, ignored" in text
+    assert cli.main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["knobs"]
+    assert info["set"]["MOEFUSE_FASTPATH"] == {"raw": "0", "shared": False, "value": False}
+    assert "error" in info["set"]["MOEFUSE_TP_SPLIT_FOLD"]
+    assert info["unknown"] == ["MOEFUSE_NOT_A_KNOB"]

@@ -2,7 +2,7 @@
 ``transport="loopback"`` peer buffers, the real Triton kernels in the interpreter. The same
 scenarios and checks as the multi-process tests (tests/test_comm.py, test_comm_moe_reduction.py):
 residual_out bitwise and norm_out within 1 ulp of the reference of all ranks' inputs, bitwise
-across algorithms and ranks. The GPU counterpart is scripts/loopback_gpu_check.py (one GPU)."""
+across algorithms and ranks. The GPU counterpart is moefuse.tools.loopback_gpu_check (one GPU)."""
 
 from __future__ import annotations
 
@@ -84,9 +84,9 @@ def test_loopback_refuses_ranks_in_separate_processes():
 
 def run_check_script(out_dir, *options, timeout_s: float = 300.0,
                      families: tuple | None = None) -> None:  # fmt: skip
-    """scripts/loopback_gpu_check.py with ``options`` in a fresh process: exit status 0, no case
-    failed or skipped, the op of every family (or of ``families``, the names the options pass
-    with ``--families``) passed (used by the GPU file too)."""
+    """``python -m moefuse.tools.loopback_gpu_check`` with ``options`` in a fresh process: exit
+    status 0, no case failed or skipped, the op of every family (or of ``families``, the names
+    the options pass with ``--families``) passed (used by the GPU file too)."""
     import json
     import os
     import subprocess
@@ -95,8 +95,8 @@ def run_check_script(out_dir, *options, timeout_s: float = 300.0,
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself for --device cpu
-    cmd = [sys.executable, os.path.join(root, "scripts", "loopback_gpu_check.py"), "--out",
-           str(out_dir), *options]  # fmt: skip
+    cmd = [sys.executable, "-m", "moefuse.tools.loopback_gpu_check", "--out", str(out_dir),
+           *options]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     failed = [line for line in proc.stdout.splitlines()
               if line.startswith(("FAIL", "     ", "HANG", "ERROR"))]  # fmt: skip
@@ -106,18 +106,15 @@ def run_check_script(out_dir, *options, timeout_s: float = 300.0,
     summary = report.get("summary", {})
     assert summary.get("FAIL") == 0 and summary.get("SKIP") == 0, summary
     ops = {case["op"] for case in report["cases"] if case["status"] == "PASS"}
-    sys.path.insert(0, os.path.join(root, "scripts"))
-    try:
-        import _loopback_families as fams
-    finally:
-        sys.path.pop(0)
+    from moefuse.tools import loopback_families as fams
+
     named = fams.FAMILIES if families is None else {n: fams.FAMILIES[n] for n in families}
     assert ops == {f.op for f in named.values()}, ops  # every family ran
 
 
 def test_gpu_check_script_dry_run(tmp_path):
-    """scripts/loopback_gpu_check.py itself (what a one-GPU check runs) in its interpreter mode:
-    every family at H = 64, M = 1, so the script cannot rot between GPU runs."""
+    """moefuse.tools.loopback_gpu_check itself (what a one-GPU check runs) in its interpreter
+    mode: every family at H = 64, M = 1, so the tool cannot rot between GPU runs."""
     run_check_script(tmp_path, "--device", "cpu", "--hidden", "64", "--tokens", "1")
 
 

@@ -1,4 +1,4 @@
-"""Communication kernels on ONE GPU: scripts/loopback_gpu_check.py (two loopback ranks as threads
+"""Communication kernels on ONE GPU: moefuse.tools.loopback_gpu_check (two loopback ranks as threads
 of one process, half the SMs less one each) run as a subprocess, correctness only. Every family
 of that script at H = 4096, M = 1 and 64: all-reduce + norm, the MoE-reduction fusions, every
 all-gather op, every tp algorithm and the EP op, against the references (bitwise, or within the

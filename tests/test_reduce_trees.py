@@ -1,7 +1,7 @@
 """Kernels that must give the same bits sum their rows in the same order: the layouts of their
 row sums, read from the TTGIR that Triton compiles for sm_90a (no GPU needed).
 
-scripts/audit_reduce_trees.py runs in a subprocess without TRITON_INTERPRET (this process has
+moefuse.tools.audit_reduce_trees runs in a subprocess without TRITON_INTERPRET (this process has
 the interpreter on, which cannot compile). It compares gated_next with and without router_input
 and the all-gather + norm kernels with their single-GPU ops, one-pass and stepped rows."""
 
@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
 WIDTHS = "64,2048,4096"  # one-pass tiles of 32 rows and of one row, stepped rows
 CASES_PER_WIDTH = 7  # gated_next router / no router; all-gather gated x 4, rmsnorm x 2
@@ -21,7 +20,7 @@ def test_kernels_sum_rows_in_the_same_order():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "audit_reduce_trees.py"), "--widths", WIDTHS],
+        [sys.executable, "-m", "moefuse.tools.audit_reduce_trees", "--widths", WIDTHS],
         env=env, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     lines = [line for line in out.stdout.splitlines() if line.startswith(("MATCH", "DIFF"))]
@@ -33,7 +32,7 @@ def test_kernels_sum_rows_in_the_same_order():
 def test_audit_tells_layouts_apart():
     """The parser reads each float row sum's layout and skips sums along another axis, so a
     kernel that sums with 8 columns per thread does not pass for one that sums with 4."""
-    import audit_reduce_trees as audit
+    from moefuse.tools import audit_reduce_trees as audit
 
     template = (
         "#blocked = #ttg.blocked<{sizePerThread = [1, SPT], threadsPerWarp = [4, 8], "

@@ -35,26 +35,27 @@ calls the compiled kernels' launcher directly with integer addresses; under ``TR
 the same plan relaunches through Triton's interpreter (how CI tests the plans).
 
 ``clear()`` drops every plan (needed after changing module-level tile policies or thresholds at
-run time); ``MOEFUSE_FASTPATH=0`` turns plans off.
+run time); ``MOEFUSE_FASTPATH=0`` turns plans off (read at the first call of an op).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import os
 import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from moefuse import _dispatch
+from moefuse import _dispatch, knobs
 
 logger = logging.getLogger("moefuse")
 MISS = object()
 MAX_PLANS_PER_KEY = 8
 MAX_KEYS_PER_OP = 4096
-ENABLED = [os.environ.get("MOEFUSE_FASTPATH", "1") != "0"]
+#: plans on; the first recording of any op sets it from MOEFUSE_FASTPATH (moefuse.knobs), so the
+#: variable is read at the first call, not at import
+ENABLED = [True]
 
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _SCALAR_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype})
@@ -599,6 +600,9 @@ def {fn.__name__}({", ".join(decl)}):
 """
 
     def record(key, call_args, run):
+        if not knobs.get("MOEFUSE_FASTPATH"):
+            ENABLED[0] = False
+            return run()
         rec = _Recorder()
         with rec:
             result = run()

@@ -28,22 +28,6 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def env_choice(name: str, choices: tuple) -> str:
-    """Knob ``name``: one of ``choices``, or "" when unset; ValueError naming it otherwise."""
-    setting = os.environ.get(name, "")
-    if setting not in ("", *choices):
-        raise ValueError(f"{name} must be one of {choices}, got {setting!r}")
-    return setting
-
-
-def env_switch(name: str) -> str:
-    """On / off knob ``name``: "0", "1", or "" when unset; ValueError naming it otherwise."""
-    setting = os.environ.get(name, "")
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {setting!r}")
-    return setting
-
-
 @functools.cache
 def triton_importable() -> bool:
     try:

@@ -18,7 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tokens", type=int, default=None, help="token count (default: by device)")
     demo.add_argument("--no-compile", action="store_true",
                       help="GPU: skip the torch.compile times (faster start)")
-    bench = sub.add_parser("bench", help="benchmarks; see `moefuse bench <family> --help`")
+    bench = sub.add_parser(
+        "bench", help="benchmarks; see `moefuse bench <family> --help`",
+        epilog="Any family also takes --sweep KNOB=a,b (repeatable): one run per value of the "
+        "MOEFUSE_* knob (docs/knobs.md), each results file labelled with its knobs.")
     # all / summary: every family in turn / the markdown summary from saved JSON (bench.all,
     # bench.summary)
     bench.add_argument("family", choices=(*BENCH_FAMILIES, "all", "summary"))
@@ -32,12 +35,21 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(hidden=args.hidden, tokens=args.tokens, with_compile=not args.no_compile)
     if args.command == "bench":
-        missing = _bench_requirement(args.family, args.rest)
+        from moefuse.bench import sweep
+
+        try:
+            sweeps, rest = sweep.split_sweeps(args.rest)
+        except ValueError as exc:
+            print(f"moefuse bench {args.family}: {exc}")
+            return 2
+        missing = _bench_requirement(args.family, rest)
         if missing:
             print(f"moefuse bench {args.family}: {missing}")
             return 2
         module = importlib.import_module(f"moefuse.bench.{args.family.replace('-', '_')}")
-        return module.main(args.rest)
+        if sweeps:
+            return sweep.run(module.main, sweeps, rest)
+        return module.main(rest)
     if args.command == "env":
         from moefuse.env import main as env_main
 

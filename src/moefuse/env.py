@@ -3,8 +3,9 @@
 Prints (or, with ``--json``, writes as one JSON object) the versions that matter (moefuse, torch,
 triton, transformers, Python), the CUDA devices with their compute capability, SM count and PDL
 support, the peer-access matrix between them, the communication settings that decide the
-all-reduce path, and for each op family the implementation that ``impl="auto"`` picks on the
-default device, with the reason.
+all-reduce path, for each op family the implementation that ``impl="auto"`` picks on the
+default device, with the reason, and the ``MOEFUSE_*`` knobs that are set (:mod:`moefuse.knobs`;
+an invalid value is shown, not raised, and undeclared names are listed).
 
 Nothing here decides anything: the decisions are the library's own. A family's answer is
 ``moefuse._runtime.choose_impl`` fed with the family's ``supports_*`` helper evaluated on a small
@@ -25,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from moefuse import knobs
 
 
 # ----------------------------------------------------------------------------- versions
@@ -179,11 +182,10 @@ def comm_path(peer: list[list[bool | None]], devs: list[dict]) -> dict:
     from moefuse.comm.transport import cuda_transport_order
     from moefuse.comm.workspace import oneshot_max_bytes
 
-    requested = os.environ.get("MOEFUSE_COMM_TRANSPORT", "auto")
     try:
-        order = list(cuda_transport_order(requested))
+        order = list(cuda_transport_order(knobs.get("MOEFUSE_COMM_TRANSPORT")))
     except ValueError as exc:
-        order = [f"invalid MOEFUSE_COMM_TRANSPORT: {exc}"]
+        order = [f"invalid: {exc}"]
     p = len(devs)
     multicast_env = {k: os.environ.get(k) for k in
                      ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
@@ -210,6 +212,21 @@ def comm_path(peer: list[list[bool | None]], devs: list[dict]) -> dict:
     return info
 
 
+# ----------------------------------------------------------------------------- knobs
+def knob_settings() -> dict:
+    """The ``MOEFUSE_*`` variables set here (:mod:`moefuse.knobs`): ``set`` (name -> {"raw",
+    "value" or "error", "shared"}) and ``unknown`` (set, but no knob has the name)."""
+    rows = {}
+    for name, raw in knobs.settings().items():
+        row = {"raw": raw, "shared": knobs.KNOBS[name].shared}
+        try:
+            row["value"] = knobs.parse(name, raw)
+        except ValueError as exc:
+            row["error"] = str(exc)
+        rows[name] = row
+    return {"set": rows, "unknown": knobs.unknown()}
+
+
 # ----------------------------------------------------------------------------- report
 def collect() -> dict:
     from moefuse._runtime import interpreter_active
@@ -223,6 +240,7 @@ def collect() -> dict:
         "peer_access": peer,
         "families": family_paths(),
         "comm": comm_path(peer, devs),
+        "knobs": knob_settings(),
         "transformers_integration": _installed("moefuse.integrations.transformers")
         and _installed("transformers"),
     }  # fmt: skip
@@ -257,6 +275,16 @@ def format_report(info: dict) -> str:
     lines.append(f"  {'comm.allreduce_*':<{width}}  {'':<9}  {c['path']}")
     lines.append(f"    transports tried: {', '.join(c['transport_order'])}; "
                  f"no-multicast env: {c['no_multicast_env']}")  # fmt: skip
+    k = info["knobs"]
+    if not k["set"] and not k["unknown"]:
+        lines.append("MOEFUSE_* knobs: none set (all defaults; docs/knobs.md lists them)")
+    else:
+        lines.append("MOEFUSE_* knobs set (* = must be the same on every rank):")
+    for name, row in k["set"].items():
+        state = f"INVALID: {row['error']}" if "error" in row else f"-> {row['value']!r}"
+        lines.append(f"  {name}{'*' if row['shared'] else ''}={row['raw']}  {state}")
+    for name in k["unknown"]:
+        lines.append(f"  {name}: not a moefuse knob, ignored")
     lines.append("transformers integration: "
                  + ("available" if info["transformers_integration"] else "not available"))
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """Tolerance table and comparison helpers shared by tests, the demo and the benchmarks (and the
-random MoE-fusion inputs the GPU tests and scripts/loopback_gpu_check.py share).
+random MoE-fusion inputs the GPU tests and moefuse.tools.loopback_gpu_check share).
 
 Every comparison names a row of :data:`TOLERANCES`; each row says why it is what it is
 (docs/spec.md, "Tests"). Comparisons are bitwise wherever the math is exact.

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from moefuse import knobs as _knobs
 from moefuse.testing import graph_capture
 
 L2_BYTES_DEFAULT = 60 * 1024 * 1024
@@ -121,7 +122,7 @@ def copy_time_us(nbytes: int) -> float:
 
 
 def git_commit() -> str:
-    env = os.environ.get("MOEFUSE_COMMIT")
+    env = _knobs.get("MOEFUSE_COMMIT")
     if env:
         return env
     try:
@@ -187,10 +188,20 @@ def save_results(
     suffix: str = "",
     plot_metric: str = "us",
 ) -> tuple[Path, Path | None]:
-    """Write ``<family>-<gpu><suffix>.json`` and a PNG plot beside it; returns both paths."""
+    """Write ``<family>-<gpu><suffix>.json`` and a PNG plot beside it; returns both paths.
+
+    Run under knobs (:func:`run_knobs`: ``MOEFUSE_*`` variables set, ``moefuse bench <family>
+    --sweep``), the meta and every row get ``knobs`` and the file name ends with them, so such
+    a run never overwrites the default results."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{family}-{gpu_slug()}{suffix}"
+    ran_under = run_knobs()
+    if ran_under:
+        label = " ".join(f"{k}={v}" for k, v in ran_under.items())
+        meta = {**meta, "knobs": ran_under}
+        rows = [{**r, "knobs": label} for r in rows]
+        stem += "".join(f"-{k.removeprefix('MOEFUSE_').lower()}-{v}" for k, v in ran_under.items())
     json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     png_path = out / f"{stem}.png"
@@ -259,11 +270,23 @@ def _fmt(v) -> str:
     return "-" if v is None else str(v)
 
 
+def run_knobs() -> dict[str, str]:
+    """The ``MOEFUSE_*`` knobs set for this run (``MOEFUSE_COMMIT`` aside): what a results file
+    records beside its rows."""
+    return {k: v for k, v in _knobs.settings().items() if k != "MOEFUSE_COMMIT"}
+
+
 @contextlib.contextmanager
 def knobs(env: dict[str, str]):
     """Set the environment knobs ``env`` (same on every rank) for the block, then restore them;
-    eager launch plans are dropped around it (recorded plans do not read the environment)."""
+    eager launch plans are dropped around it (recorded plans do not read the environment).
+    ValueError for a name that :mod:`moefuse.knobs` does not declare or a value it rejects."""
     from moefuse import _fastpath as fastpath
+
+    for key, value in env.items():
+        if key not in _knobs.KNOBS:
+            raise ValueError(f"{key} is not a moefuse knob (docs/knobs.md lists them)")
+        _knobs.parse(key, value)
 
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)

@@ -7,8 +7,9 @@ reduction tree therefore depends on H only, never on the token count or the grid
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from moefuse import knobs
 
 #: widest row the kernels hold in registers (wider rows use the reference path)
 MAX_HIDDEN = 32768
@@ -26,27 +27,24 @@ class CommTile:
     kp_block: int  # scale columns covered per row (NVFP4): block // 16 >= round_up(H/16, 4)
 
 
-#: Tuning knobs read once at import (same value on every rank, or grids would differ):
-#: MOEFUSE_COMM_ELEMS_PER_THREAD (default 16) sets num_warps = BLOCK / (32 * it), within [4, 32];
-#: MOEFUSE_COMM_CTAS_PER_SM overrides the co-resident CTA estimate that caps the grids.
-ELEMS_PER_THREAD = int(os.environ.get("MOEFUSE_COMM_ELEMS_PER_THREAD", "16"))
-CTAS_PER_SM = int(os.environ.get("MOEFUSE_COMM_CTAS_PER_SM", "0"))
-
-
 def comm_tile(hidden: int, pattern: int = 1) -> CommTile:
-    """~16 elements per thread: 4 warps up to H = 2048, 8 at 4096, 16 at 8192, 32 beyond."""
+    """~16 elements per thread: 4 warps up to H = 2048, 8 at 4096, 16 at 8192, 32 beyond.
+    MOEFUSE_COMM_ELEMS_PER_THREAD (read per call; the same on every rank, or grids would
+    differ) sets num_warps = BLOCK / (32 x it), within [4, 32]."""
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden size must be in [1, {MAX_HIDDEN}], got {hidden}")
     block = max(MIN_BLOCK, next_pow2(hidden))
-    warps = min(32, max(4, block // (32 * ELEMS_PER_THREAD)))
+    warps = min(32, max(4, block // (32 * knobs.get("MOEFUSE_COMM_ELEMS_PER_THREAD"))))
     return CommTile(block=block, num_warps=warps, kp_block=block // 16)
 
 
 def resident_ctas_per_sm(num_warps: int) -> int:
     """A conservative count of co-resident CTAs per SM (2048 threads, 64K registers at <= 128 per
-    thread): the grids of the peer algorithms never exceed what can run at once."""
-    if CTAS_PER_SM > 0:
-        return CTAS_PER_SM
+    thread): the grids of the peer algorithms never exceed what can run at once.
+    MOEFUSE_COMM_CTAS_PER_SM > 0 replaces the estimate (the same on every rank)."""
+    override = knobs.get("MOEFUSE_COMM_CTAS_PER_SM")
+    if override > 0:
+        return override
     return max(1, min(4, 16 // num_warps))
 
 
@@ -72,7 +70,7 @@ class OneshotVariant:
 
 
 #: token counts from which the one-shot kernel defaults to the prefetch pipeline, and the rows per
-#: CTA it then uses. Measured on 2 x H200 (scripts/sweep_comm_variants.py, notes/gpu-logs/
+#: CTA it then uses. Measured on 2 x H200 (90f68c0:scripts/sweep_comm_variants.py, notes/gpu-logs/
 #: comm-variants-p2-2026-11-29.log; us, default -> prefetch with R rows per CTA): H = 4096
 #: M = 512 19.17 -> 18.07 (R = 4), M = 2048 58.68 -> 54.84 (R = 8); H = 7168 M = 512 30.18 ->
 #: 29.85, M = 2048 92.73 -> 92.08. At M <= 128 the default kernel was as fast or faster
@@ -99,14 +97,7 @@ def oneshot_variant(m_tokens: int = 1) -> OneshotVariant:
     """The variant for ``m_tokens`` rows: :func:`default_oneshot_variant`, unless one of the
     MOEFUSE_COMM_* variant variables is set (then the environment alone decides). Read at every
     launch; it must be the same on every rank, or grids and slot schedules would differ."""
-    env = os.environ.get
-    if not any(env(name) for name in _VARIANT_ENV):
+    prefetch, rows, warps = (knobs.get(name) for name in _VARIANT_ENV)
+    if prefetch is None and rows is None and warps is None:
         return default_oneshot_variant(m_tokens)
-    warps = int(env("MOEFUSE_COMM_ONESHOT_WARPS", "0") or 0)
-    if warps and warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"MOEFUSE_COMM_ONESHOT_WARPS must be a power of two <= 32, got {warps}")
-    return OneshotVariant(
-        prefetch=env("MOEFUSE_COMM_ONESHOT_PREFETCH", "0") not in ("", "0"),
-        rows_per_cta=max(1, int(env("MOEFUSE_COMM_ROWS_PER_CTA", "1") or 1)),
-        num_warps=warps,
-    )
+    return OneshotVariant(prefetch=bool(prefetch), rows_per_cta=rows or 1, num_warps=warps or 0)

@@ -71,13 +71,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import socket
 import uuid
 
 import torch
 import torch.distributed as dist
 
+from moefuse import knobs
 from moefuse.comm import faults
 from moefuse.comm import transport as tp
 from moefuse.comm.tiles import MAX_HIDDEN, comm_tile, resident_ctas_per_sm
@@ -144,6 +144,25 @@ def _collective_device(group, device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_knobs(group) -> None:
+    """Collective over ``group``: every rank parses its MOEFUSE_* knobs and the ranks compare
+    the ones they must set alike (:mod:`moefuse.knobs`). Every rank gets the same gathered
+    answers and raises the same error: ValueError naming a knob that does not parse on some
+    rank, RuntimeError naming a shared knob and the ranks that set it differently."""
+    knobs.warn_unknown()
+    try:
+        knobs.check_all()
+        mine = (None, knobs.shared_settings())
+    except ValueError as exc:
+        mine = (str(exc), {})
+    per_rank = [None] * dist.get_world_size(group)
+    dist.all_gather_object(per_rank, mine, group=group)
+    bad = [f"rank {r}: {err}" for r, (err, _) in enumerate(per_rank) if err]
+    if bad:
+        raise ValueError("AllReduceWorkspace: " + "; ".join(bad))
+    knobs.check_ranks_agree([s for _, s in per_rank], "AllReduceWorkspace")
+
+
 class AllReduceWorkspace:
     """Collective workspace of the all-reduce fusions; see the module docstring.
 
@@ -192,8 +211,10 @@ class AllReduceWorkspace:
             raise ValueError(f"AllReduceWorkspace: dtype must be one of {DTYPES}, got {dtype}")
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"AllReduceWorkspace: device must be cuda or cpu, got {device}")
+        self._coll_device = _collective_device(group, device)
+        _check_knobs(group)
         if transport is None:
-            transport = os.environ.get("MOEFUSE_COMM_TRANSPORT", "") or "auto"
+            transport = knobs.get("MOEFUSE_COMM_TRANSPORT")
         try:
             self._transport_order = tp.cuda_transport_order(transport)
         except ValueError as exc:
@@ -215,7 +236,6 @@ class AllReduceWorkspace:
         self.timeout_s = float(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
         if not 0 < self.timeout_s <= 2000:
             raise ValueError("AllReduceWorkspace: timeout_s must be in (0, 2000]")
-        self._coll_device = _collective_device(group, device)
         self._closed = False
         self._attachments: dict[str, object] = {}
         self._failure: str | None = None

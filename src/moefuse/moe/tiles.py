@@ -14,10 +14,10 @@ MAX_UNROLL_K = 16
 MAX_BLOCK = 1024
 ELEMS_PER_THREAD = 8
 #: ``enable_pdl=None`` for moe_permute / moe_finalize: PDL on while tokens x H <= this, off above.
-#: MEASURED on H200 (scripts/sweep_pdl_moe.py, permute -> finalize chain in CUDA graphs, K = 8,
-#: notes/moe.md): on/on vs off/off us, H = 4096: M = 1 2.42 / 3.59, 64 6.08 / 6.20, 96 7.95 / 7.23,
-#: 2048 115.3 / 90.7; H = 7168: 32 5.69 / 6.13, 48 7.64 / 6.80. A dependent launched early holds
-#: SM slots that a large producer grid still needs; small grids gain the overlapped launch.
+#: MEASURED on H200 (90f68c0:scripts/sweep_pdl_moe.py, permute -> finalize chain in CUDA graphs,
+#: K = 8, notes/moe.md): on/on vs off/off us, H = 4096: M = 1 2.42 / 3.59, 64 6.08 / 6.20, 96 7.95 /
+#: 7.23, 2048 115.3 / 90.7; H = 7168: 32 5.69 / 6.13, 48 7.64 / 6.80. A dependent launched early
+#: holds SM slots that a large producer grid still needs; small grids gain the overlapped launch.
 PDL_MAX_ELEMENTS = 256 * 1024
 
 

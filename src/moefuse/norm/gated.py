@@ -127,7 +127,7 @@ def gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_ptr
     # kernel summed residual_out^2 with 4 columns per thread and the one without a router row
     # with 8, and ffn_input differed by an ulp in up to 3.9 % of the rows at 2048 columns (H200,
     # scripts/probe_batch_invariance.py). Stored last, it leaves both kernels the same layouts
-    # and one sum each (scripts/audit_reduce_trees.py, tests/test_reduce_trees.py), at no cost
+    # and one sum each (moefuse.tools.audit_reduce_trees, tests/test_reduce_trees.py), at no cost
     # (0.88-1.005 x the old router kernel, notes/norm.md).
     _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED, HAS_ROUTER, PTX)
     if HAS_ROUTER:

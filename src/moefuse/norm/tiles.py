@@ -24,11 +24,12 @@ MAX_WARPS = 8
 #: sweep-occupancy-2026-11-29.log): rmsnorm_quant 16384 x 4096 took 68.6 us with one program per
 #: row and 50.6 us (= an SM copy of the same bytes) with 4 prefetching programs per SM; without the
 #: prefetch the same loop took 63 us. 0 programs per SM = one program per row tile.
-#: The full sweep (scripts/sweep_persistent.py, notes/gpu-logs/sweep-persistent-2026-11-29.log,
-#: bitwise equal everywhere) found the loop slower for every op that writes as much as it reads
-#: (rmsnorm 16384 x 4096: 73.2 vs 66.3 us; fused_add 143.4 vs 136.0; sigmoid gate 69.7 vs 50.8;
-#: gated ops at 8192: 1.6-1.8 x slower at 2-4 programs per SM), so the module default is off and
-#: only rmsnorm_quant (quant/fused.py QUANT_POLICY) turns it on.
+#: The full sweep (90f68c0:scripts/sweep_persistent.py,
+#: notes/gpu-logs/sweep-persistent-2026-11-29.log, bitwise equal everywhere) found the loop slower
+#: for every op that writes as much as it reads (rmsnorm 16384 x 4096: 73.2 vs 66.3 us; fused_add
+#: 143.4 vs 136.0; sigmoid gate 69.7 vs 50.8; gated ops at 8192: 1.6-1.8 x slower at 2-4 programs
+#: per SM), so the module default is off and only rmsnorm_quant (quant/fused.py QUANT_POLICY) turns
+#: it on.
 PROGRAMS_PER_SM = 0
 PREFETCH = True
 PERSISTENT_TILE_ELEMENTS = 4096
@@ -112,15 +113,16 @@ class TilePolicy:
 
 #: gated ops: rows up to 2048 wide are one-pass [ROWS, BLOCK] tiles with 4 warps (the old layout);
 #: wider rows are stepped, 16 warps x 4 columns per step (STEP 2048), unrolled at small M and
-#: looped at large M (see norm/gated.py). H200 (scripts/sweep_stepped.py, notes/norm.md): the
-#: one-pass 4-warp tile of 8192 columns needed 255 registers (2 CTAs per SM) and ran 16384 x 8192
-#: at 349 / 440 us (gated / gated_next) vs compile's 326 / 403; the looped stepped kernel (32-40
-#: registers) ran 325 / 405 us. torch.compile's own kernel has the same shape (16 warps, 2048).
+#: looped at large M (see norm/gated.py). H200 (90f68c0:scripts/sweep_stepped.py, notes/norm.md):
+#: the one-pass 4-warp tile of 8192 columns needed 255 registers (2 CTAs per SM) and ran 16384 x
+#: 8192 at 349 / 440 us (gated / gated_next) vs compile's 326 / 403; the looped stepped kernel
+#: (32-40 registers) ran 325 / 405 us. torch.compile's own kernel has the same shape (16 warps,
+#: 2048).
 GATED_POLICY = TilePolicy(max_warps=4, programs_per_sm=0, step_min_width=2048)
 #: fused_add_rmsnorm: rows of 4096 and of 6554-8192 columns (stepped widths filling >= 80 % of
 #: their 4096-column steps) are stepped, 16 warps x 8 columns per step, the residual stored before
 #: the row's sum, unrolled below FUSED_ADD_LOOP_MIN_ROWS rows and looped from there; other widths
-#: keep the one-pass tile. H200 (scripts/sweep_stepped_norms.py, notes/gpu-logs/
+#: keep the one-pass tile. H200 (90f68c0:scripts/sweep_stepped_norms.py, notes/gpu-logs/
 #: sweep-stepped-fused-add-early-2026-11-30.log), us, stepped vs one-pass, H = 4096 / 7168 / 8192:
 #: M = 1 1.34 vs 1.27 / 1.62 vs 1.68 / 1.68 vs 1.76; M = 1024 9.59 vs 9.59 / 16.99 vs 16.42 /
 #: 18.71 vs 18.80; M = 16384 127.6 vs 135.1 / 222.9 vs 231.2 / 257.9 vs 267.1 (compile 127.2 /
@@ -134,8 +136,8 @@ FUSED_ADD_POLICY = TilePolicy(programs_per_sm=0, step_min_width=4095, step_max_w
 SIGMOID_GATE_POLICY = TilePolicy(programs_per_sm=0)
 #: rmsnorm / gemma_rmsnorm: rows of 6145-8192 columns are stepped, 16 warps x 8 columns per step
 #: (STEP 4096, two steps), unrolled below RMSNORM_LOOP_MIN_ROWS rows and looped from there. H200
-#: (scripts/sweep_stepped_norms.py, notes/gpu-logs/sweep-stepped-norms-2026-11-30.log), us against
-#: the one-pass 8-warp tile at H = 8192 / 7168: M = 16384 126.8 vs 130.1 / 112.0 vs 114.3
+#: (90f68c0:scripts/sweep_stepped_norms.py, notes/gpu-logs/sweep-stepped-norms-2026-11-30.log), us
+#: against the one-pass 8-warp tile at H = 8192 / 7168: M = 16384 126.8 vs 130.1 / 112.0 vs 114.3
 #: (compile 128.2 / 111.9), M = 128 2.55 vs 2.80 / 2.33 vs 2.63, M = 1024 9.08 vs 8.69 / 8.22 vs
 #: 8.44. Narrower rows keep the one-pass tile (stepped lost 5-30 % at 2880-5120 for M >= 1024);
 #: wider ones were not measured.

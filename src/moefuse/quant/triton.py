@@ -249,7 +249,7 @@ def _fp4_quantize_kernel(
 
 
 #: fp4_quantize's tile takes up to this many 16-element blocks of a row (512 bytes of BF16), and
-#: as many rows as make ELEMENTWISE_TILE elements. H200 (scripts/sweep_quant_tiles.py,
+#: as many rows as make ELEMENTWISE_TILE elements. H200 (90f68c0:scripts/sweep_quant_tiles.py,
 #: notes/gpu-logs/sweep-quant-tiles-2026-11-30.log), us, 32 rows x 8 blocks -> 16 x 16, 4 warps:
 #: 16384 x 4096 79.56 -> 62.13, 2048 x 4096 12.53 -> 9.77, 16384 x 7168 146.87 -> 109.38,
 #: M = 128 2.61 -> 2.46 (4096), M = 1 1.37 -> 1.39 (4096) and 1.60 -> 1.83 (7168). Whole rows

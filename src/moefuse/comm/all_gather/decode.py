@@ -28,7 +28,7 @@ rank (this one too) pushes its fragment into this rank's slot, where the program
 rows in the op's own tile, straight into registers: no gathered round trip, no CTA barrier
 (:func:`norm_tile_early`; the values and tile shape are those of the single-GPU kernel's loads,
 so the tree is the same: the tests check the bits). MEASURED on one H200 as two loopback ranks
-(scripts/loopback_gpu_check.py, PDL on, per case the median over 3 alternating
+(moefuse.tools.loopback_gpu_check, PDL on, per case the median over 3 alternating
 rounds of the faster rank's median; notes/comm-all-gather.md has the tables), µs late -> slots:
 FP8 H = 4096, M = 1 / 8 / 64: 3.93 -> 3.23, 4.43 -> 4.05, 5.31 -> 4.64; H = 8192: 4.74 ->
 4.33, 5.25 -> 4.62, 6.58 -> 6.20; rmsnorm H = 4096 (one-pass tile): 0.2-0.5 µs less; ``early``
@@ -47,7 +47,6 @@ scale bytes, as the single-GPU kernel's.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +54,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moefuse import knobs
 from moefuse._fastpath import launch
-from moefuse._runtime import env_choice
 from moefuse.comm.all_gather import kernels as AG
 from moefuse.norm import gated as gd
 from moefuse.norm import tiles
@@ -73,7 +72,7 @@ RMSNORM, FP8, FP4, GATED = 0, 1, 2, 3
 #: the benchmark's op names (moefuse.bench.all_gather) -> the ops above
 OP_CODES = {"rmsnorm": RMSNORM, "fp8": FP8, "fp4": FP4, "gated": GATED}
 DECODE_ENV = "MOEFUSE_ALLGATHER_DECODE"
-DECODE_MODES = ("late", "early", "slots")
+DECODE_MODES = knobs.KNOBS[DECODE_ENV].choices
 #: the decode kernel's mode per op (see :func:`decode_mode` and the module docstring: measured
 #: on one H200 as two loopback ranks)
 DECODE_DEFAULT = {RMSNORM: "slots", FP8: "slots", FP4: "late", GATED: "late"}
@@ -425,8 +424,8 @@ def one_launch_tile(width: int, m: int, op: int = 0):
     """The single-GPU op's tile for this width when the one-launch variant can run it at M
     tokens (unless the environment turns it off, or the measured NVFP4 exception applies),
     else None."""
-    setting = os.environ.get(ONE_LAUNCH_ENV)
-    if setting in ("", "0") or m > ONE_LAUNCH_MAX_TOKENS:
+    setting = knobs.get(ONE_LAUNCH_ENV)
+    if setting is False or m > ONE_LAUNCH_MAX_TOKENS:
         return None
     if (setting is None and op == FP4 and width > FP4_ONE_LAUNCH_MAX_WIDTH
             and m <= FP4_WIDE_TWO_LAUNCH_MAX_TOKENS):  # fmt: skip
@@ -452,7 +451,7 @@ def decode_mode(op: int, tile) -> tuple[bool, bool]:
     decode kernel looped rows). ``MOEFUSE_ALLGATHER_DECODE`` = ``late`` | ``early`` | ``slots``
     (the same on every rank) forces a mode where eligible; unset, :data:`DECODE_DEFAULT` /
     :data:`DECODE_DEFAULT_STEPPED` decide per op."""
-    setting = env_choice(DECODE_ENV, DECODE_MODES)
+    setting = knobs.get(DECODE_ENV)
     eligible = op in (RMSNORM, GATED) if tile.stepped else one_pass_in_registers(op, tile)
     defaults = DECODE_DEFAULT_STEPPED if tile.stepped else DECODE_DEFAULT
     mode = (setting or defaults.get(op, "late")) if eligible else "late"

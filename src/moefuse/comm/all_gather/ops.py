@@ -19,11 +19,11 @@ Every op runs one kernel instead where its single-GPU tile allows
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 
+from moefuse import knobs
 from moefuse._dispatch import custom_op
 from moefuse.comm.all_gather import reference as ref
 from moefuse.comm.workspace import get_workspace
@@ -126,9 +126,9 @@ def chunk_rows(m: int, row_multiple: int = 1) -> int:
     MOEFUSE_ALLGATHER_CHUNK_ROWS overrides (0 = off; the same on every rank). Default: from
     :data:`CHUNK_MIN_TOKENS` tokens, :data:`CHUNKS` chunks of a multiple of 128 rows. FIRST
     GUESS, not measured: the bench times it against MOEFUSE_ALLGATHER_CHUNK_ROWS=0."""
-    env = os.environ.get("MOEFUSE_ALLGATHER_CHUNK_ROWS", "")
-    if env:
-        rows = int(env) or m
+    env = knobs.get("MOEFUSE_ALLGATHER_CHUNK_ROWS")
+    if env is not None:
+        rows = env or m
     elif m >= CHUNK_MIN_TOKENS:
         rows = -(-m // CHUNKS)
         rows = -(-rows // 128) * 128

@@ -69,15 +69,14 @@ Knobs (read at launch; the same on every rank):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moefuse import knobs
 from moefuse._fastpath import launch
-from moefuse._runtime import env_choice, env_switch, interpreter_active
+from moefuse._runtime import interpreter_active
 from moefuse.comm.all_gather import decode as dec
 from moefuse.comm.all_gather import kernels as AG
 from moefuse.comm.tiles import resident_ctas_per_sm
@@ -85,16 +84,16 @@ from moefuse.norm import triton as nt
 from moefuse.norm.tiles import STEP_UNROLL_MAX_STEPS
 
 LARGE_ENV = "MOEFUSE_ALLGATHER_LARGE"
-LARGE_MODES = ("fused", "chunked")
+LARGE_MODES = knobs.KNOBS[LARGE_ENV].choices
 LOOKAHEAD_ENV = "MOEFUSE_ALLGATHER_LOOKAHEAD"
 CTAS_PER_SM_ENV = "MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM"
 MAXNREG_ENV = "MOEFUSE_ALLGATHER_FUSED_MAXNREG"
 GRID_ENV = "MOEFUSE_ALLGATHER_FUSED_GRID"
 PERSISTENT_ENV = "MOEFUSE_ALLGATHER_PERSISTENT"
-PERSISTENT_MODES = ("gathered", "early", "slots")
+PERSISTENT_MODES = knobs.KNOBS[PERSISTENT_ENV].choices
 #: the persistent kernel reads its tiles from the slots by default for these ops up to this
 #: tile width (:func:`persistent_mode`). MEASURED on one H200 as two loopback ranks
-#: (scripts/loopback_gpu_check.py, 2 alternating rounds, µs gathered -> slots at
+#: (moefuse.tools.loopback_gpu_check, 2 alternating rounds, µs gathered -> slots at
 #: M = 512 / 4096 / 16384): rmsnorm H = 4096 12.7 -> 10.1, 98.5 -> 74.1, 385.5 -> 279.6 (PDL
 #: on), H = 2880 10.3 -> 10.6, 74.9 -> 70.2, 285.8 -> 264.5; FP8 (PDL off) H = 2880 11.9 ->
 #: 11.3, 88.5 -> 83.4, 339.6 -> 316.0, H = 4096 12.5 -> 11.5, 92.5 -> 78.9, 355.7 -> 297.0,
@@ -131,7 +130,7 @@ GATED_EARLY_MIN_STEPS = 3
 FUSED_CTAS_PER_SM = {dec.GATED: 2}
 UNROLL_ENV = "MOEFUSE_ALLGATHER_FUSED_UNROLL"
 #: tiles pushed ahead of the tile being received. MEASURED on 2 x H200
-#: (scripts/bench_allgather_large.py, bench/results/sweeps/allgather_large-h200-p2.json):
+#: (90f68c0:scripts/bench_allgather_large.py, bench/results/sweeps/allgather_large-h200-p2.json):
 #: lookahead 1 was as fast or faster than 2 in 6 of 6 cases (H = 4096 M = 4096: 58.8 vs
 #: 61.7 us; H = 8192 M = 4096: 102.9 vs 106.8), 4 the slowest everywhere: one tile ahead per
 #: CTA already keeps ~1 MiB in flight
@@ -262,23 +261,9 @@ def _push_tile(shard_ptr, s_st, x_ptr, x_st, t, n_rows, scols, scm, table_ptr, a
 
 
 # ----------------------------------------------------------------------------- host side
-def _env_int(name: str, default: int, minimum: int) -> int:
-    """Integer knob ``name`` (``default`` when unset); ValueError naming it when invalid."""
-    raw = os.environ.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def large_mode() -> str:
     """``MOEFUSE_ALLGATHER_LARGE``: "fused" (default) or "chunked"; ValueError otherwise."""
-    return env_choice(LARGE_ENV, LARGE_MODES) or "fused"
+    return knobs.get(LARGE_ENV) or "fused"
 
 
 def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
@@ -290,11 +275,11 @@ def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
     :data:`GATED_ONE_PASS_PERSISTENT_MAX_TOKENS` unless the variable is set)."""
     if large_mode() != "fused":
         return None
-    if m is not None and m <= dec.ONE_LAUNCH_MAX_TOKENS and not os.environ.get(LARGE_ENV):
+    if m is not None and m <= dec.ONE_LAUNCH_MAX_TOKENS and not knobs.is_set(LARGE_ENV):
         return None
     tile = dec.op_tile(op, width)
     if (op == dec.GATED and not tile.stepped and m is not None
-            and m > GATED_ONE_PASS_PERSISTENT_MAX_TOKENS and not os.environ.get(LARGE_ENV)):
+            and m > GATED_ONE_PASS_PERSISTENT_MAX_TOKENS and not knobs.is_set(LARGE_ENV)):
         return None  # fmt: skip
     return tile if dec.fusable(op, tile) else None
 
@@ -323,7 +308,7 @@ def persistent_mode(op: int, tile) -> tuple[bool, bool]:
       The unrolled row code gives the bits of the looped one (the tests compare with the
       single-GPU op, which loops at these M);
     * anything else: ``gathered``."""
-    setting = env_choice(PERSISTENT_ENV, PERSISTENT_MODES)
+    setting = knobs.get(PERSISTENT_ENV)
     if dec.one_pass_in_registers(op, tile):
         mode = setting or ("slots" if tile.block <= PERSISTENT_SLOTS_MAX_BLOCK.get(op, 0)
                            else "gathered")  # fmt: skip
@@ -369,11 +354,11 @@ def persistent_unroll(op: int, tile, unroll: bool) -> bool:
     registers, 2 CTAs per SM, against 116-128 unrolled: 1) whatever the single-GPU op's choice
     ``unroll`` at this M (the same bits); ``MOEFUSE_ALLGATHER_FUSED_UNROLL`` = 0 / 1 forces it
     (where the rows can be unrolled)."""
-    raw = env_switch(UNROLL_ENV)
+    forced = knobs.get(UNROLL_ENV)
     if not tile.stepped:
         return unroll
-    if raw:
-        return raw == "1" and tile.num_chunks <= STEP_UNROLL_MAX_STEPS
+    if forced is not None:
+        return forced and tile.num_chunks <= STEP_UNROLL_MAX_STEPS
     return False if op == dec.GATED else unroll
 
 
@@ -384,11 +369,11 @@ def fused_grid(ws, tile, n_tiles: int, fit=None, op: int = dec.RMSNORM) -> int:
     allow (a grid beyond the co-resident count could deadlock; H = 16384 needs 216 registers
     at 8 warps: 1 CTA per SM, not the default 2)."""
     default = FUSED_CTAS_PER_SM.get(op) if tile.stepped else None
-    per_sm = _env_int(CTAS_PER_SM_ENV, default or resident_ctas_per_sm(tile.num_warps), 1)
+    per_sm = knobs.get(CTAS_PER_SM_ENV) or default or resident_ctas_per_sm(tile.num_warps)
     if fit is not None:
         per_sm = min(per_sm, fit())
     ctas = min(n_tiles, ws.num_sms * per_sm)
-    cap = _env_int(GRID_ENV, 0, 0)
+    cap = knobs.get(GRID_ENV)
     return max(1, min(ctas, cap) if cap else ctas)
 
 
@@ -400,7 +385,7 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
     m, s = shard.shape
     width = gathered.shape[1]
     block_s, _ = AG.allgather_tile(s)
-    lookahead = _env_int(LOOKAHEAD_ENV, LOOKAHEAD, 1)
+    lookahead = knobs.get(LOOKAHEAD_ENV) or LOOKAHEAD
     n_norm, kb, n_kcols = ep.rows_and_blocks(m, width)
     consts = ep.consts(tile, width, m, use_pdl)
     consts["EARLY"], consts["FROM_SLOTS"] = persistent_mode(ep.op, tile)
@@ -412,7 +397,7 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
             ws.ctrl, ws.clock, s, ws.rank, ws.max_tokens, ws.timeout_us,
             lookahead)  # fmt: skip
     consts.update(P=ws.world_size, BLOCK_S=block_s)
-    maxnreg = _env_int(MAXNREG_ENV, 0, 0)
+    maxnreg = knobs.get(MAXNREG_ENV)
     if maxnreg and not interpreter_active():
         consts["maxnreg"] = maxnreg
     fit = None if interpreter_active() else (lambda: _compiled_fit(args, consts))

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moefuse import knobs
 from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
-from moefuse._runtime import env_switch
 from moefuse.comm import device as D
 from moefuse.comm.expert_norm import ALLREDUCE
 from moefuse.comm.expert_norm.tp_kernels import (
@@ -181,5 +181,5 @@ def prefetch_rows(m: int, grid: int) -> bool:
     K = 8 (4 local): H = 4096 M = 1 5.37-5.43 / 8.99-9.19, M = 8 6.23-6.48 / 7.16-10.59, M = 64
     7.0-7.1 / 7.95-8.01; H = 7168 M = 1 7.68-7.88 / 8.12-8.25, M = 8 8.39-8.42 / 8.65-8.92,
     M = 64 9.34-9.56 / 9.31-9.59 (equal)."""
-    setting = env_switch(PREFETCH_ENV)
-    return setting == "1" or (setting == "" and m <= grid)
+    setting = knobs.get(PREFETCH_ENV)
+    return m <= grid if setting is None else setting

@@ -45,9 +45,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from moefuse import knobs
 from moefuse._device import round_to, rsqrt_fast, widen_f32
 from moefuse._fastpath import launch
-from moefuse._runtime import env_switch, interpreter_active
+from moefuse._runtime import interpreter_active
 from moefuse.comm import device as D
 from moefuse.comm.tiles import comm_tile
 
@@ -769,4 +770,4 @@ def split_fold(n_rows: int, grid: int) -> bool:
     M = 1 6.97-9.43 -> 5.35-5.58, M = 8 7.51-8.43 -> 6.83-7.04; H = 7168 M = 1 8.90-9.26 ->
     6.99-7.40, M = 8 9.80-10.13 -> 9.74-9.89. The hop it shortens (one CTA reading the K
     normalized rows, 64 KiB at H = 4096, from L2) is local on 2 x H200 as well."""
-    return env_switch(SPLIT_FOLD_ENV) != "0" and n_rows <= grid and not interpreter_active()
+    return knobs.get(SPLIT_FOLD_ENV) and n_rows <= grid and not interpreter_active()

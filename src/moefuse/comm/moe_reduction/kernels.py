@@ -32,13 +32,12 @@ FMA that is wanted (the FP32 finalize chain) is the explicit ``fma.rn.ftz``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moefuse import knobs
 from moefuse._device import widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
@@ -490,7 +489,7 @@ ROWS_PER_BATCH_OVERRIDE: int | None = None
 
 
 #: the fused one-shot kernel runs 2 CTAs per SM from this many tokens at widths up to
-#: TWO_CTAS_MAX_WIDTH. MEASURED on 2 x H200 (scripts/bench_moe_reduction_variants.py,
+#: TWO_CTAS_MAX_WIDTH. MEASURED on 2 x H200 (90f68c0:scripts/bench_moe_reduction_variants.py,
 #: bench/results/sweeps/moe-reduction-variants-h200-p2.json; P = 2, H = 4096, K = 8, µs 1 vs 2
 #: CTAs per SM): M = 64 8.65 vs 8.80, M = 512 35.39 vs 24.61, M = 2048 136.57 vs 84.02 — one
 #: CTA loads a token's K rows while the other waits on NVLink, despite the register cap's
@@ -524,11 +523,8 @@ def ctas_per_sm(m: int | None = None, h: int | None = None, dense: bool = False,
     tables above measured it faster — the fused one-shot kernel (``algorithm`` "oneshot") and
     the two-shot kernel ("twoshot") — and 1 (all K rows of a token in flight). Read at every
     launch: it must be the same on every rank."""
-    env = os.environ.get("MOEFUSE_MOE_COMM_CTAS_PER_SM", "")
-    if env:
-        value = int(env)
-        if value not in (1, 2, 4):
-            raise ValueError(f"MOEFUSE_MOE_COMM_CTAS_PER_SM must be 1, 2 or 4, got {value}")
+    value = knobs.get("MOEFUSE_MOE_COMM_CTAS_PER_SM")
+    if value is not None:
         return value
     if m is None or h is None:
         return 1
@@ -563,16 +559,17 @@ def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
 #: won, bench/results/sweeps/moe-reduction-variants-h200-p2.json, numbers below.)
 ONESHOT_VARIANTS = ("fused", "split")
 #: "auto" (the variable unset): (up to M tokens, variant). MEASURED on 2 x H200
-#: (scripts/bench_moe_reduction_variants.py,
+#: (90f68c0:scripts/bench_moe_reduction_variants.py,
 #: bench/results/sweeps/moe-reduction-variants-h200-p2.json; P = 2, H = 4096, K = 8, stepwise, µs
 #: fused / split / two kernels): M = 1 6.49 / 4.90 / 7.25, M = 8 7.48 / 5.31 / 8.18, M = 64 8.65 /
 #: 7.58 / 11.39; M = 512 fused at 2 CTAs per SM 24.61 against two kernels 36.26, M = 2048 84.02
 #: against 114.99. Two kernels never won.
 AUTO_ONESHOT_VARIANTS: tuple[tuple[int | None, str], ...] = ((64, "split"), (None, "fused"))
 #: most CTAs per row of the split variant (default); MOEFUSE_MOE_COMM_SPLIT_CTAS overrides.
-#: MEASURED (2 x H200, P = 2, H = 4096, K = 8, two runs of scripts/bench_moe_reduction_variants.py,
-#: 2 x H200): one token, 16 CTAs 4.70 / 4.34 µs against 8 CTAs 5.07 / 4.47; at 8 tokens the
-#: two counts traded places (5.52 / 5.49 against 5.40 / 5.58), so 16 only for a single token
+#: MEASURED (2 x H200, P = 2, H = 4096, K = 8, two runs of
+#: 90f68c0:scripts/bench_moe_reduction_variants.py): one token, 16 CTAs 4.70 / 4.34 µs against 8
+#: CTAs 5.07 / 4.47; at 8 tokens the two counts traded places (5.52 / 5.49 against 5.40 / 5.58), so
+#: 16 only for a single token
 SPLIT_MAX_CTAS = 8
 SPLIT_MAX_CTAS_ONE_TOKEN = 16
 
@@ -583,12 +580,9 @@ def oneshot_variant(m: int, ws) -> str:
     (``ws.own_slot_tokens``) and falls back to "fused" above them. Read at every launch: it
     must be the same on every rank (launch plans record it: ``moefuse._fastpath.clear()`` after
     changing it)."""
-    name = os.environ.get("MOEFUSE_MOE_COMM_VARIANT", "auto") or "auto"
+    name = knobs.get("MOEFUSE_MOE_COMM_VARIANT")
     if name == "auto":
         name = next(v for limit, v in AUTO_ONESHOT_VARIANTS if limit is None or m <= limit)
-    if name not in ONESHOT_VARIANTS:
-        raise ValueError(f"MOEFUSE_MOE_COMM_VARIANT must be 'auto' or one of {ONESHOT_VARIANTS}, "
-                         f"got {name!r}")  # fmt: skip
     if name == "split" and m > getattr(ws, "own_slot_tokens", 0):
         return "fused"
     return name
@@ -599,9 +593,9 @@ def split_ctas(m: int, tile, capacity: int) -> int:
     divides the tile), else the largest power of two <= SPLIT_MAX_CTAS with at least one warp's
     worth of columns per slice and ``m`` rows x C CTAs <= ``capacity`` (all resident); the
     bound is SPLIT_MAX_CTAS_ONE_TOKEN for a single token."""
-    env = int(os.environ.get("MOEFUSE_MOE_COMM_SPLIT_CTAS", "0") or 0)
+    env = knobs.get("MOEFUSE_MOE_COMM_SPLIT_CTAS")
     if env:
-        if env & (env - 1) or tile.block % env:
+        if tile.block % env:
             raise ValueError("MOEFUSE_MOE_COMM_SPLIT_CTAS must be a power of two dividing the "
                              f"row tile ({tile.block}), got {env}")  # fmt: skip
         return env

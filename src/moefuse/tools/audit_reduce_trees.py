@@ -17,7 +17,7 @@ one statistic twice, in two layouts, shows more sums than its reference.
 Written after an H200 run (notes/norm.md) found gated_next's ffn_input differing with
 and without router_input on one-pass rows; this audit showed the two layouts before any GPU time
 and MATCH after the fix. tests/test_reduce_trees.py runs it in CI (exit status 1 on any DIFF).
-Run: PYTHONPATH=src python scripts/audit_reduce_trees.py [--widths 1024,2048,4096] [--p 2]
+Run: PYTHONPATH=src python -m moefuse.tools.audit_reduce_trees [--widths 1024,2048,4096] [--p 2]
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import re
 import sys
 
 import triton
-from _ptxas import TARGET, specialised_source, with_constexpr_defaults
-from compile_check_allgather import DIVISIBLE, OP_TYPES, TYPES, norm_consts
 
 from moefuse.comm.all_gather import decode as dec
 from moefuse.comm.all_gather import kernels as AG
 from moefuse.comm.all_gather import persistent as fused
 from moefuse.norm import gated, tiles
 from moefuse.norm import triton as nt
+from moefuse.tools.compile_check_allgather import DIVISIBLE, OP_TYPES, TYPES, norm_consts
+from moefuse.tools.ptxas import TARGET, specialised_source, with_constexpr_defaults
 
 #: FP32 pointers of the single-GPU gated_next kernel (the others hold the branch dtype)
 GATED_FP32 = {"res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"}

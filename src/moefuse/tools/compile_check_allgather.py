@@ -5,15 +5,14 @@ stepped modes where the rows are stepped), and the CTAs per SM those registers a
 (``--ops``): rmsnorm, fp8 (E4M3), fp4 (linear and swizzled_128x4 scales), gated (tensor alpha,
 post weight, router output).
 
-Run: PYTHONPATH=src python scripts/compile_check_allgather.py [--widths 4096,7168,8192] [--p 2,4]
-     [--ops rmsnorm,fp8,fp4,fp4_swz,gated]
+Run: PYTHONPATH=src python -m moefuse.tools.compile_check_allgather
+     [--widths 4096,7168,8192] [--p 2,4] [--ops rmsnorm,fp8,fp4,fp4_swz,gated]
 """
 
 import argparse
 import re
 
 import triton
-from _ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
 
 from moefuse.bench import harness
 from moefuse.comm.all_gather import decode as dec
@@ -21,10 +20,11 @@ from moefuse.comm.all_gather import kernels as AG
 from moefuse.comm.all_gather import persistent as fused
 from moefuse.comm.tiles import resident_ctas_per_sm
 from moefuse.norm import tiles
+from moefuse.tools.ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
 
-TYPES = {"table_ptr": "*i64", "agctrl_ptr": "*i32", "status_ptr": "*i32", "clock_ptr": "*i32",
-         "eps": "fp32", "gain_center": "fp32", "Hf": "fp32", "alpha_scalar": "fp32",
-         "post_eps": "fp32", "post_gc": "fp32"}  # fmt: skip
+TYPES = {"table_ptr": "*i64", "agctrl_ptr": "*i32", "status_ptr": "*i32", "ctrl_ptr": "*i32",
+         "clock_ptr": "*i32", "eps": "fp32", "gain_center": "fp32", "Hf": "fp32",
+         "alpha_scalar": "fp32", "post_eps": "fp32", "post_gc": "fp32"}  # fmt: skip
 #: integer arguments the JIT sees as multiples of 16 at H = 4096 / 8192, P = 2 (strides, widths,
 #: region offset and capacity); pointers are 16-byte aligned
 DIVISIBLE = {"s_st", "x_st", "o_st", "g_st", "H", "S", "cap", "ag_off16", "r_st", "ro_st",

@@ -36,9 +36,10 @@ lazily at its first use waits for the device, i.e. for a peer's kernel that wait
 
 Run (one GPU; about 1 minute on an H200 with an empty Triton cache)::
 
-    PYTHONPATH=src python scripts/loopback_gpu_check.py --out $OUT
-    PYTHONPATH=src python scripts/loopback_gpu_check.py --out $OUT --quick --no-timing
-    PYTHONPATH=src python scripts/loopback_gpu_check.py --out $OUT --families ar_norm --verbose
+    PYTHONPATH=src python -m moefuse.tools.loopback_gpu_check --out $OUT
+    PYTHONPATH=src python -m moefuse.tools.loopback_gpu_check --out $OUT --quick --no-timing
+    PYTHONPATH=src python -m moefuse.tools.loopback_gpu_check --out $OUT --families ar_norm \
+        --verbose
 
 Writes ``$OUT/loopback_gpu_check.json`` (rewritten after every family) and prints one PASS /
 FAIL / SKIP line per case. Exit status: 0 if every case that ran passed, 1 otherwise, 2 when no
@@ -59,7 +60,8 @@ import threading
 import time
 import traceback
 
-import _loopback_families as fams
+from moefuse import knobs as _knobs
+from moefuse.tools import loopback_families as fams
 
 P = 2
 FAMILY_NAMES = tuple(fams.FAMILIES)
@@ -305,6 +307,12 @@ def parse_variants(text: str) -> list[tuple[str, dict]]:
             if not eq or not key:
                 raise ValueError(f"--variants: {pair!r} in {item!r} is not KEY=VAL")
             knobs[key.strip()] = value.strip()
+            try:  # a knob moefuse declares, with a value it accepts
+                _knobs.parse(key.strip(), value.strip())
+            except KeyError:
+                raise ValueError(f"--variants: {key.strip()} is not a moefuse knob") from None
+            except ValueError as exc:
+                raise ValueError(f"--variants: {exc}") from None
         if not name or not knobs:
             raise ValueError(f"--variants: {item!r} needs NAME:KEY=VAL[,KEY=VAL]")
         out.append((name.strip(), knobs))

@@ -1,7 +1,7 @@
-"""Op families of scripts/loopback_gpu_check.py: per family the workspace, random inputs on the
-device, one call of one rank, and the check of rank 0's outputs against the reference of ALL
-ranks' inputs (plus the bit-level helpers they share). Imported by the script after it has set
-the environment; ``BF16`` is set by the script once torch is imported."""
+"""Op families of ``moefuse.tools.loopback_gpu_check``: per family the workspace, random inputs
+on the device, one call of one rank, and the check of rank 0's outputs against the reference of
+ALL ranks' inputs (plus the bit-level helpers they share). Imported by the tool after it has set
+the environment; ``BF16`` is set by the tool once torch is imported."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """ptxas on the PTX of a Triton kernel compiled for sm_90a, for the offline compile checks (no
 GPU needed): registers per thread, bytes spilled, ptxas's exit status.
 
-Shared by scripts/compile_check*.py, compile_expert_norm.py and sweep_comm_variants.py (run as
-``python scripts/<name>.py``: this folder is then first on ``sys.path``).
+Shared by the compile checks (``moefuse.tools.compile_check_allgather``,
+``moefuse.tools.audit_reduce_trees``, scripts/compile_check*.py, scripts/compile_expert_norm.py)
+and scripts/comm_ptx_compare.py, which loads this file by its path (it imports triton only), so
+that it serves source trees of any revision.
 """
 
 from __future__ import annotations
