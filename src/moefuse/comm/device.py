@@ -360,7 +360,26 @@ def give_up(ctrl_ptr, table_ptr, rank, missing, P: tl.constexpr, PTX: tl.constex
     ranks = tl.arange(0, MAX_RANKS)
     peers = (ranks < P) & (ranks != rank)
     ptrs = flag_ptrs(table_ptr, ranks, peers, FAULTS_OFF16, rank)
-    store_sys(ptrs, tl.zeros([MAX_RANKS], tl.int32) + 1, peers, False, PTX)
+    # the notice word: bit 0 "gave up", bits 1.. the ranks this rank waited for in vain
+    store_sys(ptrs, tl.zeros([MAX_RANKS], tl.int32) + ((missing << 1) | 1), peers, False, PTX)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def record_notices(ctrl_ptr, words, left, rank, PTX: tl.constexpr):
+    """Record what the peers' notice ``words`` ([MAX_RANKS] int32, 0 where no notice) say: the
+    ranks in ``left`` gave up (FAULT_GAVE_UP), and the ranks they gave up waiting for, this rank
+    and themselves aside, never arrived (FAULT_MISSING): the host names the cause as well as the
+    peer that stopped because of it."""
+    record_fault(ctrl_ptr, left, FAULT_GAVE_UP, PTX)
+    waited = tl.reduce(tl.where(words != 0, (words >> 1) & 0x3FFFFFFF, 0), 0, _bit_or)
+    blamed = waited & (0x7FFFFFFF - (left | (1 << rank)))  # clear the bits of left and rank
+    if blamed != 0:
+        record_fault(ctrl_ptr, blamed, FAULT_MISSING, PTX)
 
 
 @triton.jit
@@ -388,7 +407,7 @@ def healthy(ctrl_ptr, table_ptr, rank, P: tl.constexpr, PTX: tl.constexpr, dists
     both = tl.sum(word, axis=0)
     left = both & 0x7FFFFFFF
     if left != 0:
-        record_fault(ctrl_ptr, left, FAULT_GAVE_UP, PTX)
+        record_notices(ctrl_ptr, tl.where(rmask, seen, 0), left, rank, PTX)
     return both == 0
 
 
@@ -434,9 +453,11 @@ def leave(ctrl_ptr, table_ptr, rank, missing, P: tl.constexpr, PTX: tl.constexpr
     host then names the rank that gave up, not the ranks this wait happened to poll. Else the wait
     timed out: :func:`give_up` (FAULT_MISSING for ``missing`` and this rank's own notice to every
     peer). Either way the device status word is set, so later launches of this rank do nothing."""
-    left = notice_mask(notices(table_ptr, rank))
+    note = notices(table_ptr, rank)
+    left = notice_mask(note)
     if left != 0:
-        record_fault(ctrl_ptr, left, FAULT_GAVE_UP, PTX)
+        words = tl.load(note + tl.arange(0, MAX_RANKS), volatile=True)
+        record_notices(ctrl_ptr, words, left, rank, PTX)
     else:
         give_up(ctrl_ptr, table_ptr, rank, missing, P, PTX)
 

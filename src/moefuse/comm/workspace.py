@@ -582,8 +582,14 @@ class AllReduceWorkspace:
         notices = self._peer_notices()
         if notices and self._failure is None and self._status_view[0] == 0:
             # a peer gave up while this rank made no call: its notice is only in this rank's
-            # buffer (no kernel of this rank has read it yet)
-            codes = [faults.GAVE_UP if notices >> r & 1 else 0 for r in range(self.world_size)]
+            # buffer (no kernel of this rank has read it yet); it names the ranks it waited for
+            words = self._notice_words()
+            waited = 0
+            for w in words:
+                waited |= (w >> 1) if w else 0
+            codes = [faults.GAVE_UP if notices >> r & 1
+                     else faults.MISSING if (waited >> r & 1) and r != self.rank else 0
+                     for r in range(self.world_size)]  # fmt: skip
             self._failure = faults.describe(
                 codes,
                 notices,
@@ -601,9 +607,12 @@ class AllReduceWorkspace:
         calls it."""
         if self.transport is None or getattr(self.transport, "local", None) is None:
             return 0
+        return sum(1 << r for r, w in enumerate(self._notice_words()) if w)
+
+    def _notice_words(self) -> list[int]:
+        """The peers' notice words (bit 0: gave up; bits 1..: the ranks it waited for)."""
         words = self.transport.local[: faults.FAULTS_REGION_BYTES].view(torch.int32)
-        words = words[: self.world_size].tolist()
-        return sum(1 << r for r, w in enumerate(words) if w)
+        return words[: self.world_size].tolist()
 
     @contextlib.contextmanager
     def capture(self):
