@@ -9,7 +9,7 @@ and at T = 1 the device µs per kernel of one eager call (torch.profiler).
 
 ``--variant plan='{"inline_plan_slots": 0}'`` overrides keys of
 :func:`moefuse.moe.tiles.experts_tile` (default variants: the default tile, the plan kernel, the
-separate finalize, the L2 prefetch of the down weights). Writes ``experts_variants.json`` under
+separate finalize). Writes ``experts_variants.json`` under
 ``--out`` (default: the current directory).
 """
 
@@ -23,7 +23,6 @@ DEFAULT_VARIANTS = {
     "default": {},
     "plan_kernel": {"inline_plan_slots": 0},
     "finalize_kernel": {"fuse_finalize_slots": 0},
-    "prefetch_down": {"prefetch_down_bytes": 1 << 30},
 }
 
 

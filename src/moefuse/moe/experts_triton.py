@@ -194,33 +194,6 @@ def _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, st0, s
 
 
 @triton.jit
-def _prefetch_l2(ptrs, PTX: tl.constexpr):
-    """``prefetch.global.L2::evict_last`` of every address in ``ptrs`` (nothing off the PTX
-    path: the interpreter has no cache to fill)."""
-    if PTX:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )
-
-
-@triton.jit
-def _prefetch_down_share(dn_ptr, e, dn_strides, H: tl.constexpr, INTER: tl.constexpr,
-                         R: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr,
-                         PTX: tl.constexpr):  # fmt: skip
-    """Prefetch rows [pid1 * R, pid1 * R + R) of H of expert ``e``'s down weights [H, I] into
-    L2, one prefetch per 128-byte line (64 two-byte elements along I)."""
-    st_e, st_n, _st_k = dn_strides
-    base = dn_ptr + e.to(tl.int64) * st_e
-    r = tl.arange(0, RB)
-    rows = tl.program_id(1) * R + r
-    cols = tl.arange(0, LB) * 64
-    m = ((r < R) & (rows < H))[:, None] & (cols < INTER)[None, :]
-    ptrs = base + rows.to(tl.int64)[:, None] * st_n + cols[None, :]
-    _prefetch_l2(tl.where(m, ptrs, base), PTX)
-
-
-@triton.jit
 def _mma(w, xt, acc, PTX: tl.constexpr):
     """``acc + w @ xt`` with FP32 accumulation (interpreter: widened operands, module docstring)."""
     if PTX:
@@ -231,11 +204,10 @@ def _mma(w, xt, acc, PTX: tl.constexpr):
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_gate_up_kernel(
-    x_ptr, w_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr, count_ptr, dn_ptr,
+    x_ptr, w_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr, count_ptr,
     top_k, x_st, w_st_e, w_st_n, w_st_k, act_st, n_slots, n_experts, idx_st0, idx_st1, n_count,
-    dn_strides,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BT: tl.constexpr, STAGES: tl.constexpr, SP: tl.constexpr, PREFETCH: tl.constexpr,
+    BT: tl.constexpr, STAGES: tl.constexpr, SP: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = cast(silu(gate_n . x_t) * (up_n . x_t)) for the item's slots s (token t) and
@@ -243,9 +215,7 @@ def _experts_gate_up_kernel(
     compile-time constants (one build per model shape: static trip counts, no column masks when
     aligned). ``SP`` > 0: no plan kernel ran; each program computes its work item from the ids
     and program (0, 0) writes ``slot_map`` and zeroes the down kernel's ``n_count`` finalize
-    counters. ``PREFETCH`` = (rows, row block, line block), or () for none: the program first
-    asks L2 to hold its share (``rows`` rows of H) of its expert's down weights ``dn_ptr``
-    (strides ``dn_strides``, unit stride along I), which the down kernel then reads from L2."""
+    counters."""
     if USE_PDL:
         gdc_wait()  # the plan, or with SP > 0 the top_k_index of the kernel before
     if SP > 0:
@@ -260,9 +230,6 @@ def _experts_gate_up_kernel(
     e, s, r_in, tok = _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts,
                                  idx_st0, idx_st1, SP, BT)  # fmt: skip
     if e >= 0:
-        if len(PREFETCH) > 0:
-            _prefetch_down_share(dn_ptr, e, dn_strides, KDIM, INTER, PREFETCH[0], PREFETCH[1],
-                                 PREFETCH[2], PTX)  # fmt: skip
         # one [2*BN, BK] weight tile per step: BN gate rows, then the BN up rows that pair with
         # them (rows n and INTER + n): a 64-row MMA operand for BN = 32
         r = tl.arange(0, 2 * BN)
@@ -471,17 +438,12 @@ def launch_moe_experts(
     ids = (top_k_index, slots, experts, top_k_index.stride(0), top_k_index.stride(1))
     gu_tiles = triton.cdiv(inter, cfg["bn_gate_up"])
     dn_strides = _weight_strides(down_proj, transposed)
-    prefetch = ()
-    if (ptx and sp and dn_strides[2] == 1 and down_proj.element_size() == 2
-            and min(experts, slots) * hidden * inter * 2 <= cfg["prefetch_down_bytes"]):
-        rows = triton.cdiv(hidden, gu_tiles)
-        prefetch = (rows, next_pow2(rows), next_pow2(triton.cdiv(inter, 64)))
     launch(_experts_gate_up_kernel, (n_items, gu_tiles),
         hidden_states, gate_up_proj, items, sorted_slots, act, top_k_index, slot_map, counters,
-        down_proj, top_k, hidden_states.stride(0), *_weight_strides(gate_up_proj, transposed),
-        act.stride(0), *ids[1:], counters.numel() if fused else 0, dn_strides,
+        top_k, hidden_states.stride(0), *_weight_strides(gate_up_proj, transposed),
+        act.stride(0), *ids[1:], counters.numel() if fused else 0,
         KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BK=cfg["bk"], BT=bt, STAGES=cfg["stages"],
-        SP=sp, PREFETCH=prefetch, PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
+        SP=sp, PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
     )  # fmt: skip
     fin_strides = (slot_map.stride(0), top_k_weights.stride(0),
                    bias.stride(0) if bias is not None else 0,

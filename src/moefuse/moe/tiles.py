@@ -75,21 +75,17 @@ EXPERTS_INLINE_PLAN_SLOTS = 32
 #: Measured: a gain at T*K <= 8 (0.2-0.9 us), a loss from 16 slots on (the last program's serial
 #: sum over tokens).
 EXPERTS_FUSE_FINALIZE_SLOTS = 8
-#: with the inline plan, when the down weights of every expert that may be routed fit in this many
-#: bytes, each gate|up program first asks L2 to hold its share of its expert's down weights.
-EXPERTS_PREFETCH_DOWN_BYTES = 0
 
 
 def experts_tile(hidden: int, inter: int) -> dict:
     """Tile of the fused experts kernels for hidden size ``hidden`` and expert width ``inter``:
     ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots",
-    "fuse_finalize_slots", "prefetch_down_bytes"}``
+    "fuse_finalize_slots"}``
     (a function of the widths only)."""
     return {"bn_gate_up": EXPERTS_BN_GATE_UP, "bn_down": EXPERTS_BN_DOWN, "bk": EXPERTS_BK,
             "warps": EXPERTS_WARPS, "stages": EXPERTS_STAGES,
             "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS,
-            "fuse_finalize_slots": EXPERTS_FUSE_FINALIZE_SLOTS,
-            "prefetch_down_bytes": EXPERTS_PREFETCH_DOWN_BYTES}  # fmt: skip
+            "fuse_finalize_slots": EXPERTS_FUSE_FINALIZE_SLOTS}  # fmt: skip
 
 
 def experts_token_tile(slots: int, experts: int) -> int:
