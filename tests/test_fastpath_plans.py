@@ -106,8 +106,10 @@ def test_single_gpu_ops_replay_plans_with_custom_op_bits():
     assert not [e for e in errors if e], errors
 
 
-def _comm_scenario(rank, world_size, h):
-    calls, refresh, close = op_calls.comm_calls(torch.device("cpu"), None, m=2, h=h,
+def _comm_scenario(rank, world_size, h, dev="cpu"):
+    """Every communication op on this rank: recorded, then replayed (:func:`_check_op`); also
+    run on CUDA by tests/test_fastpath_gpu.py."""
+    calls, refresh, close = op_calls.comm_calls(torch.device(dev), None, m=2, h=h,
                                                 impl="triton", timeout_s=30)  # fmt: skip
     try:
         return [_check_op(name, fn, refresh) for name, fn in calls], [n for n, _ in calls]
