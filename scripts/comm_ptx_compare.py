@@ -422,10 +422,7 @@ def extract(rev: str, folder: str) -> str:
 
 # ----------------------------------------------------------------------------- what is left
 #: why a kernel of the list below was not split or grouped (the others: see LEFT_DEFAULT)
-LEFT_WHY = {
-    "_tp_slot_oneshot_kernel": "its phase-1 push loop as a device function reordered two "
-    "instructions (a predicate move, an and's operands): PTX not identical, so not changed",
-}
+LEFT_WHY: dict[str, str] = {}
 LEFT_DEFAULT = ("over 32 parameters: grouping them into tuples changes the signature, every "
                 "launcher and this script's specialisation; not attempted without a GPU A/B")
 
@@ -521,7 +518,9 @@ def write_report(rows: list[dict], args, path: str) -> None:
     if notes:
         lines += ["", "Kernels and switches of before that are gone:", ""]
         lines += [f"* `{k}`: {v}" for k, v in notes]
-    lines += ["", f"* `PROBE`: {DELETED['PROBE']}"]
+    if any(r["module_before"] != r["module_after"] for r in rows
+           if r["module_before"] and r["module_after"]):
+        lines += ["", f"* `PROBE`: {DELETED['PROBE']}"]  # (a tree of before the rebuild)
     left = args.left
     if left:
         lines += ["", "## Left for a GPU A/B: functions over 100 lines, kernels over 32 "

@@ -1,11 +1,6 @@
 """Kernels stay readable: no ``@triton.jit`` function of src/ takes more than 32 parameters
 (argument lists are grouped into tuples, notes/kernel-arguments.md) and no function of src/ is
-over 100 lines (``def`` line to last line, decorators excluded, as committed).
-
-``PENDING`` names the communication kernels not yet regrouped or split (with their sizes when
-the list was written, for the reader): the test passes with them, fails when any other function
-crosses a limit, and fails when a pending one has come under the limits (its entry must then
-go), so the list only shrinks."""
+over 100 lines (``def`` line to last line, decorators excluded, as committed)."""
 
 import ast
 from pathlib import Path
@@ -13,23 +8,6 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_JIT_PARAMS = 32
 MAX_LINES = 100
-
-#: (module path under src/, function): why it is waiting (the communication kernels' grouping)
-PENDING = {
-    ("moefuse/comm/all_gather/decode.py", "_ag_rmsnorm_kernel"): "61 parameters",
-    ("moefuse/comm/all_gather/decode.py", "norm_tile_early"): "56 parameters",
-    ("moefuse/comm/all_gather/decode.py", "norm_tile"): "46 parameters",
-    ("moefuse/comm/all_gather/persistent.py", "_ag_rmsnorm_persistent_kernel"): "59 parameters",
-    ("moefuse/comm/all_reduce/kernels.py", "_oneshot_kernel"): "39 parameters",
-    ("moefuse/comm/all_reduce/kernels.py", "_oneshot_prefetch_kernel"): "39 parameters",
-    ("moefuse/comm/all_reduce/kernels.py", "_twoshot_kernel"): "43 parameters",
-    ("moefuse/comm/expert_norm/tp_kernels.py", "_tp_slot_oneshot_kernel"):
-        "35 parameters, 105 lines",
-    ("moefuse/comm/expert_norm/tp_kernels.py", "_tp_staged_kernel"): "33 parameters",
-    ("moefuse/comm/moe_reduction/kernels.py", "_moe_oneshot_kernel"): "61 parameters",
-    ("moefuse/comm/moe_reduction/kernels.py", "_moe_split_kernel"): "64 parameters",
-    ("moefuse/comm/moe_reduction/kernels.py", "_moe_twoshot_kernel"): "65 parameters",
-}  # fmt: skip
 
 
 def _is_jit(node: ast.FunctionDef) -> bool:
@@ -70,16 +48,9 @@ def over_limits(root: Path = SRC) -> dict[tuple[str, str], str]:
 
 def test_no_function_over_the_limits():
     found = over_limits()
-    new = {k: v for k, v in found.items() if k not in PENDING}
-    assert not new, (
-        f"over {MAX_JIT_PARAMS} parameters (@triton.jit) or {MAX_LINES} lines: {new}; group the "
+    assert not found, (
+        f"over {MAX_JIT_PARAMS} parameters (@triton.jit) or {MAX_LINES} lines: {found}; group the "
         "arguments into tuples (notes/kernel-arguments.md) or split the function")
-
-
-def test_pending_list_only_shrinks():
-    found = over_limits()
-    done = sorted(k for k in PENDING if k not in found)
-    assert not done, f"under the limits now: remove {done} from PENDING"
 
 
 def test_the_walk_finds_what_it_must(tmp_path):

@@ -133,3 +133,18 @@ def test_graph_capture_of_a_replayed_plan():
         finally:
             fp.ENABLED[0] = True
         assert torch.equal(out, want)
+
+
+def test_comm_ops_replay_plans_on_two_loopback_ranks():
+    """The communication ops' plans on CUDA, whose kernels take tuples of pointers (handed to
+    Triton's C launcher as tuples of addresses): two loopback ranks on this GPU, each op
+    recorded, then replayed on fresh inputs with the custom-op path's bits, no refusal."""
+    from moefuse.bench import op_calls
+    from moefuse.testing_ranks import run_loopback_ranks
+    from test_fastpath_plans import H, _comm_scenario
+
+    fp.clear()
+    results = run_loopback_ranks(_comm_scenario, 2, DEV, H, DEV, timeout_s=240)
+    for rank, (errors, names) in enumerate(results):
+        assert sorted(names) == sorted(op_calls.COMM_OPS)
+        assert not [e for e in errors if e], f"rank {rank}: {errors}"

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import moefuse
 from moefuse import _fastpath as fp
@@ -104,8 +106,10 @@ def test_single_gpu_ops_replay_plans_with_custom_op_bits():
     assert not [e for e in errors if e], errors
 
 
-def _comm_scenario(rank, world_size, h):
-    calls, refresh, close = op_calls.comm_calls(torch.device("cpu"), None, m=2, h=h,
+def _comm_scenario(rank, world_size, h, dev="cpu"):
+    """Every communication op on this rank: recorded, then replayed (:func:`_check_op`); also
+    run on CUDA by tests/test_fastpath_gpu.py."""
+    calls, refresh, close = op_calls.comm_calls(torch.device(dev), None, m=2, h=h,
                                                 impl="triton", timeout_s=30)  # fmt: skip
     try:
         return [_check_op(name, fn, refresh) for name, fn in calls], [n for n, _ in calls]
@@ -119,3 +123,49 @@ def test_comm_ops_replay_plans_with_custom_op_bits():
     for rank, (errors, names) in enumerate(results):
         assert sorted(names) == sorted(op_calls.COMM_OPS)
         assert not [e for e in errors if e], f"rank {rank}: {errors}"
+
+
+# ----------------------------------------------------------------------------- tuple arguments
+@triton.jit
+def _tuple_args_kernel(ptrs, dims, scal, BLOCK: tl.constexpr):
+    """out[i] = alpha * x[i] + y[i] (+ shift) for i < n, pointers and sizes given as tuples."""
+    x_ptr, y_ptr, out_ptr = ptrs
+    n, unused = dims
+    alpha, shift = scal
+    i = tl.arange(0, BLOCK)
+    mask = i < n
+    x = tl.load(x_ptr + i, mask=mask)
+    y = tl.load(y_ptr + i, mask=mask)
+    tl.store(out_ptr + i, alpha * x + y + shift, mask=mask)
+
+
+@fp.fast_op
+def _tuple_op(x: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+    """``2 * x + pair[1]`` by a kernel taking its three pointers as one tuple; ``pair[1]`` is a
+    view at an offset inside an argument (the plan keeps it as source + byte offset)."""
+    out = torch.empty_like(x)
+    fp.launch(_tuple_args_kernel, (1,), (x, pair[1], out), (x.numel(), 7), (2.0, 0.5), BLOCK=64)
+    return out
+
+
+def test_tuple_of_tensors_replays_on_fresh_tensors():
+    """A kernel whose tensors come in a tuple argument records a plan, and the replay reads and
+    writes the fresh call's tensors (not the recorded ones)."""
+    fp.clear()
+    gen = torch.Generator().manual_seed(5)
+    x0, p0 = torch.randn(48, generator=gen), torch.randn(2, 48, generator=gen)
+    _tuple_op(x0, p0)  # records
+    assert fp.refusals(_tuple_op) == [] and fp.plan_count(_tuple_op) == 1
+    x1, p1 = torch.randn(48, generator=gen), torch.randn(2, 48, generator=gen)
+    x0_bits, p0_bits = x0.clone(), p0.clone()
+    body = _tuple_op.__wrapped__.__code__
+    entered = []
+    sys.setprofile(lambda frame, event, arg: entered.append(1)
+                   if event == "call" and frame.f_code is body else None)  # fmt: skip
+    try:
+        got = _tuple_op(x1, p1)
+    finally:
+        sys.setprofile(None)
+    assert not entered, "the second call ran the op's Python function (no replay)"
+    assert torch.equal(got, 2.0 * x1 + p1[1] + 0.5)
+    assert torch.equal(x0, x0_bits) and torch.equal(p0, p0_bits)  # the recorded ones untouched

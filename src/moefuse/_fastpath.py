@@ -17,8 +17,9 @@ number of tensors, where a Python tuple per tensor cost ~0.4 µs each).
 
 A plan is only built when the slow path was pure launch work, as in a CUDA-graph capture:
 * every torch op it ran was an allocation (``empty*``) or a view (a dispatch mode watches);
-* every tensor a kernel got lies inside one of the call's tensor arguments or allocations
-  (found by address, kept as that source plus a byte offset);
+* every tensor a kernel got, at the top level or inside a tuple argument, lies inside one of
+  the call's tensor arguments or allocations (found by address, kept as that source plus a byte
+  offset; a tuple is replayed as a tuple of the same structure);
 * what it returned is None, an argument, an allocation, or a tuple of these;
 * the aliasing checks of the validation can be re-run from addresses (``_validate`` reports them).
 Anything else (the PyTorch reference, a torch.distributed call, a scratch tensor of unknown
@@ -122,10 +123,19 @@ def launch(kernel, grid, *args, **consts) -> None:
 
 def _stream_of(args):
     """The current stream of the first CUDA tensor argument's device (None off CUDA)."""
+    for a in _tensors(args):
+        return torch.cuda.current_stream(a.device).cuda_stream if a.is_cuda else None
+    return None
+
+
+def _tensors(args):
+    """The tensors among ``args``, walking into tuples (a kernel may take a tuple of pointers),
+    depth first, in order."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            return torch.cuda.current_stream(a.device).cuda_stream if a.is_cuda else None
-    return None
+            yield a
+        elif isinstance(a, tuple):
+            yield from _tensors(a)
 
 
 def note_impure(why: str) -> None:
@@ -325,11 +335,9 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
     for kernel, compiled, grid, kargs, consts in rec.launches:
         if callable(grid):
             raise _Unplannable("callable grid")
-        located = [sources.locate(a) if isinstance(a, torch.Tensor) else None for a in kargs]
-        for a in kargs:
-            if isinstance(a, torch.Tensor):
-                devices.add(a.device)
-        if any(isinstance(v, torch.Tensor) for v in consts.values()):
+        located = [_locate_arg(sources, a) for a in kargs]
+        devices.update(a.device for a in _tensors(kargs))
+        if any(True for _ in _tensors(consts.values())):
             raise _Unplannable("tensor passed as a keyword")
         launch_lines.append(_launch_line(code, kernel, compiled, grid, kargs, consts, located))
     if len(devices) > 1:
@@ -341,6 +349,16 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
                      next(iter(devices)), hooked)  # fmt: skip
 
 
+def _locate_arg(sources: _Sources, a):
+    """A kernel argument's place: ``(source, byte offset)`` for a tensor, a tuple of places for
+    a tuple that holds a tensor (same structure), None for anything else."""
+    if isinstance(a, torch.Tensor):
+        return sources.locate(a)
+    if isinstance(a, tuple) and any(True for _ in _tensors(a)):
+        return tuple(_locate_arg(sources, x) for x in a)
+    return None
+
+
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
             and a.device == b.device)  # fmt: skip
@@ -348,7 +366,7 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _launch_line(code: _Code, kernel, compiled, grid, kargs, consts, located) -> str:
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    types = {a.device.type for a in kargs if isinstance(a, torch.Tensor)}
+    types = {a.device.type for a in _tensors(kargs)}
     if types == {"cuda"}:
         return _cuda_launch(code, kernel, compiled, grid, kargs, consts, located)
     if types == {"cpu"}:  # Triton's interpreter (TRITON_INTERPRET=1)
@@ -369,22 +387,41 @@ def _cuda_launch(code: _Code, kernel, compiled, grid, kargs, consts, located) ->
         raise _Unplannable("kernel needs scratch memory")
     binder = kernel.device_caches[torch.cuda.current_device()][4]
     bound, _, _ = binder(*kargs, **consts)
-    by_id = {id(a): loc for a, loc in zip(kargs, located) if loc is not None}
-    exprs = []
-    for value in bound.values():
-        loc = by_id.get(id(value)) if isinstance(value, torch.Tensor) else None
-        if isinstance(value, torch.Tensor):
-            src, off = loc
-            if off % 16:
-                raise _Unplannable("unaligned kernel argument")
-            exprs.append(f"p{src} + {off}" if off else f"p{src}")
-        else:
-            exprs.append(code.const(value))
+    by_id = {}
+    for a, loc in zip(kargs, located):
+        _places(a, loc, by_id)
+    exprs = [_launcher_arg(code, value, by_id) for value in bound.values()]
     fn = code.const(runner.launch)
     head = (f"{fn}({grid[0]}, {grid[1]}, {grid[2]}, s, {code.const(compiled.function)}, "
             f"{int(runner.launch_cooperative_grid)}, {int(runner.launch_pdl)}, None, None, "
             f"{code.const(compiled.packed_metadata)}, None, None, None")  # fmt: skip
     return head + "".join(", " + e for e in exprs) + ")"
+
+
+def _places(a, loc, out: dict) -> None:
+    """``out[id(tensor)] = (source, offset)`` for every tensor of ``a`` (tuples walked)."""
+    if isinstance(a, torch.Tensor):
+        out[id(a)] = loc
+    elif loc is not None:
+        for x, x_loc in zip(a, loc):
+            _places(x, x_loc, out)
+
+
+def _launcher_arg(code: _Code, value, by_id: dict) -> str:
+    """One bound argument as the C launcher takes it: a tensor as its address, a tuple as a
+    tuple of the same structure (the launcher parses it with a nested format, ``"(OiO)"``; its
+    constexpr elements are parsed and ignored), anything else as the recorded value."""
+    if isinstance(value, torch.Tensor):
+        loc = by_id.get(id(value))
+        if loc is None:  # the binder handed over a tensor the recording did not locate
+            raise _Unplannable("a bound tensor argument was not located")
+        src, off = loc
+        if off % 16:
+            raise _Unplannable("unaligned kernel argument")
+        return f"p{src} + {off}" if off else f"p{src}"
+    if isinstance(value, tuple) and any(True for _ in _tensors(value)):
+        return "(" + "".join(_launcher_arg(code, x, by_id) + ", " for x in value) + ")"
+    return code.const(value)
 
 
 def _hooked(hook) -> bool:
@@ -395,24 +432,37 @@ def _hooked(hook) -> bool:
 def _interpreted_launch(code: _Code, kernel, grid, kargs, consts, located) -> str:
     """Interpreter: relaunch ``kernel[grid]`` with views of the new sources at the recorded
     offsets (the interpreter needs tensors, not addresses)."""
-    layouts = [(loc, a.dtype, tuple(a.shape), a.stride()) if loc else None
-               for a, loc in zip(kargs, located)]  # fmt: skip
+    layouts = [_layout_of(a, loc) for a, loc in zip(kargs, located)]
 
     def relaunch(srcs):
-        new_args = []
-        for a, lay in zip(kargs, layouts):
-            if lay is None:
-                new_args.append(a)
-                continue
-            (src, off), dtype, shape, stride = lay
-            base = srcs[src]
-            byte = base.storage_offset() * base.element_size() + off
-            view = torch.empty(0, dtype=dtype, device=base.device)
-            view.set_(base.untyped_storage(), byte // view.element_size(), shape, stride)
-            new_args.append(view)
+        new_args = [_reviewed(a, lay, srcs) for a, lay in zip(kargs, layouts)]
         kernel[grid](*new_args, **consts)
 
     return f"{code.const(relaunch)}(_srcs)"
+
+
+def _layout_of(a, loc):
+    """What the interpreter needs to re-view ``a`` on new sources: ``(place, dtype, shape,
+    strides)`` for a tensor, a tuple of these for a tuple holding tensors, None otherwise."""
+    if loc is None:
+        return None
+    if isinstance(a, torch.Tensor):
+        return (loc, a.dtype, tuple(a.shape), a.stride())
+    return tuple(_layout_of(x, x_loc) for x, x_loc in zip(a, loc))
+
+
+def _reviewed(a, lay, srcs):
+    """``a`` with each of its tensors (tuples walked) replaced by the same view of ``srcs``."""
+    if lay is None:
+        return a
+    if not isinstance(a, torch.Tensor):
+        return tuple(_reviewed(x, x_lay, srcs) for x, x_lay in zip(a, lay))
+    (src, off), dtype, shape, stride = lay
+    base = srcs[src]
+    byte = base.storage_offset() * base.element_size() + off
+    view = torch.empty(0, dtype=dtype, device=base.device)
+    view.set_(base.untyped_storage(), byte // view.element_size(), shape, stride)
+    return view
 
 
 TEMPLATE_MAX_BYTES = 64 * 1024

@@ -84,13 +84,9 @@ OP_FP4: tl.constexpr = tl.constexpr(FP4)
 OP_GATED: tl.constexpr = tl.constexpr(GATED)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_norm", "rank"])
+@triton.jit(do_not_specialize=["counts", "rank"])
 def _ag_rmsnorm_kernel(
-    shard_ptr, s_st, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr,
-    res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr,
-    n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center,
-    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
-    table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr, S, rank, cap, timeout_us,
+    shard_ptr, s_st, x_ptr, ptrs, counts, dims, ws, S, rank, cap, timeout_us,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
     STEPPED: tl.constexpr, UNROLL: tl.constexpr,
@@ -100,6 +96,17 @@ def _ag_rmsnorm_kernel(
     HAS_ROUTER: tl.constexpr = False, EARLY: tl.constexpr = False,
     FROM_SLOTS: tl.constexpr = False,
 ):  # fmt: skip
+    """Gather this program's rows, then run the op's row tile on them (module docstring).
+    ``ptrs`` = (w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr,
+    rt_ptr) (``Epilogue.pointers``); ``counts`` = (n_rows, n_norm) (not specialised); ``dims`` =
+    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
+    alpha_scalar, post_eps, post_gc); ``ws`` = (table_ptr, ag_off16, agctrl_ptr, ctrl_ptr,
+    clock_ptr)."""
+    w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
+    n_rows, n_norm = counts
+    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
+     alpha_scalar, post_eps, post_gc) = dims
+    table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr = ws
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     if USE_PDL:
@@ -124,32 +131,25 @@ def _ag_rmsnorm_kernel(
     if EARLY:
         # --- the op's parameters first, then its tile (from the slots, or the gathered rows)
         missing = norm_tile_early(pid, n_mine, first, scols, scm, empty, mine, region, rank, S,
-                                  deadline, clock_ptr, x_ptr, x_st, w_ptr, out_ptr, aux_ptr,
-                                  sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr,
-                                  n_rows, n_norm, H, Hf, KB, n_kcols, o_st, o_sh, eps,
-                                  gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
-                                  post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, OP,
-                                  FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER,
-                                  P, FROM_SLOTS, STEPPED)  # fmt: skip
+                                  deadline, clock_ptr, x_ptr, ptrs, counts, dims, BLOCK,
+                                  NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, OP, FMT, LAYOUT,
+                                  RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, P, FROM_SLOTS,
+                                  STEPPED)  # fmt: skip
     else:
         missing = receive_rows(x_ptr, x_st, first, n_mine, scols, scm, mine, region, rank, S, H,
                                deadline, clock_ptr, empty, P, PTX)  # fmt: skip
         # --- the single-GPU op's row tile (OP: rmsnorm, rmsnorm_quant, rmsnorm_fp4_quantize,
         # gated)
-        norm_tile(pid, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr,
-                  pw_ptr, ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh,
-                  o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
-                  post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL, OP,
-                  FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER)  # fmt: skip
+        norm_tile(pid, x_ptr, ptrs, counts, dims, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST,
+                  PTX, STEPPED, UNROLL, OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT,
+                  HAS_ROUTER)  # fmt: skip
     AG.finish(agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P, PTX)
 
 
 @triton.jit
 def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, deadline,
-                    clock_ptr, x_ptr, x_st, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr,
-                    beta_ptr, pw_ptr, ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, o_st,
-                    o_sh, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
-                    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+                    clock_ptr, x_ptr, ptrs, counts, dims, BLOCK: tl.constexpr,
+                    NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
                     MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
                     OP: tl.constexpr, FMT: tl.constexpr, LAYOUT: tl.constexpr,
                     RECIPE: tl.constexpr, ALPHA_MODE: tl.constexpr,
@@ -163,7 +163,12 @@ def norm_tile_early(t, n_mine, first, scols, scm, empty, mine, region, rank, S, 
     rows come from the gathered buffer after
     :func:`receive_rows`, or with ``FROM_SLOTS`` straight from this rank's slot
     (``AG.receive_tile`` / ``AG.receive_steps``: polled in the op's own tile, no gathered
-    round trip, no CTA barrier). Returns the bit mask of the peers that did not deliver."""
+    round trip, no CTA barrier). Returns the bit mask of the peers that did not deliver.
+    ``ptrs``, ``counts``, ``dims``: as ``_ag_rmsnorm_kernel``'s (HEADS and x_sh unused)."""
+    w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
+    n_rows, n_norm = counts
+    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
+     alpha_scalar, post_eps, post_gc) = dims
     T: tl.constexpr = x_ptr.dtype.element_ty
     live = n_mine > 0
     if OP == OP_RMSNORM and STEPPED:  # unrolled (ROWS = 1): BLOCK = STEP, NUM_CHUNKS = STEPS
@@ -302,10 +307,8 @@ def receive_rows(x_ptr, x_st, first, n, scols, scm, mine, region, rank, S, H, de
 
 
 @triton.jit
-def norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr,
-              ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh,
-              eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
-              BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+def norm_tile(t, x_ptr, ptrs, counts, dims, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+              ROWS: tl.constexpr,
               MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
               STEPPED: tl.constexpr, UNROLL: tl.constexpr, OP: tl.constexpr, FMT: tl.constexpr,
               LAYOUT: tl.constexpr, RECIPE: tl.constexpr, ALPHA_MODE: tl.constexpr,
@@ -327,7 +330,13 @@ def norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, bet
       branch; ``res_ptr`` the FP32 residual (row stride ``r_st``), ``w_ptr`` / ``eps`` /
       ``gain_center`` the next norm's, ``out_ptr`` ffn_input, ``ro_ptr`` residual_out,
       ``rt_ptr`` the FP32 router output (HAS_ROUTER); stepped rows ``next_stepped``, one-pass
-      tiles ``add_load`` + ``gated_next_tile``."""
+      tiles ``add_load`` + ``gated_next_tile``.
+
+    ``ptrs``, ``counts``, ``dims``: as ``_ag_rmsnorm_kernel``'s."""
+    w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
+    n_rows, n_norm = counts
+    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
+     alpha_scalar, post_eps, post_gc) = dims
     if OP == OP_GATED:
         if STEPPED:
             gd.next_stepped(x_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, out_ptr,
@@ -559,9 +568,9 @@ def launch_ag_rmsnorm(ws, state, shard: torch.Tensor, gathered: torch.Tensor, ep
     ws.refresh_clock()
     grid = (triton.cdiv(n_norm, tile.rows),)
     launch(_ag_rmsnorm_kernel, grid,
-        shard, shard.stride(0), gathered, *ep.pointers(),
-        n_rows, n_norm, width, float(width), kb, n_kcols, 1, x_st, x_sh, o_st, 0, float(ep.eps),
-        float(ep.gain_center), *ep.gated_scalars(),
-        ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl, ws.clock, s,
+        shard, shard.stride(0), gathered, ep.pointers(), (n_rows, n_norm),
+        (width, float(width), kb, n_kcols, 1, x_st, x_sh, o_st, 0, float(ep.eps),
+         float(ep.gain_center), *ep.gated_scalars()),
+        (ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl, ws.clock), s,
         ws.rank, ws.max_tokens, ws.timeout_us, P=ws.world_size, BLOCK_S=block_s, **consts,
     )  # fmt: skip

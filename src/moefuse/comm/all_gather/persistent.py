@@ -137,13 +137,9 @@ UNROLL_ENV = "MOEFUSE_ALLGATHER_FUSED_UNROLL"
 LOOKAHEAD = 1
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_norm", "rank", "lookahead"])
+@triton.jit(do_not_specialize=["counts", "rank", "lookahead"])
 def _ag_rmsnorm_persistent_kernel(
-    shard_ptr, s_st, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr,
-    res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr,
-    n_rows, n_norm, H, Hf, KB, n_kcols, x_st, o_st, eps, gain_center,
-    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc,
-    table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr, S, rank, cap, timeout_us, lookahead,
+    shard_ptr, s_st, x_ptr, ptrs, counts, dims, ws, S, rank, cap, timeout_us, lookahead,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
     STEPPED: tl.constexpr, UNROLL: tl.constexpr,
@@ -153,6 +149,17 @@ def _ag_rmsnorm_persistent_kernel(
     HAS_ROUTER: tl.constexpr = False, FROM_SLOTS: tl.constexpr = False,
     EARLY: tl.constexpr = False,
 ):  # fmt: skip
+    """``ptrs``, ``counts``, ``ws`` as ``dec._ag_rmsnorm_kernel``'s; ``dims`` = (H, Hf, KB,
+    n_kcols, x_st, o_st, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc)
+    (one head, no head strides)."""
+    w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
+    n_rows, n_norm = counts
+    (H, Hf, KB, n_kcols, x_st, o_st, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
+     post_gc) = dims
+    table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr = ws
+    # the row functions' dims (dec.norm_tile): HEADS 1 and head strides 0 as constants
+    tile_dims = (H, Hf, KB, n_kcols, 1, x_st, 0, o_st, 0, eps, gain_center, r_st, ro_st, rt_st,
+                 alpha_scalar, post_eps, post_gc)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     # one-pass FROM_SLOTS (not EARLY): the parameters once per CTA, constant over the launch
@@ -205,14 +212,10 @@ def _ag_rmsnorm_persistent_kernel(
         if EARLY:  # the decode kernel's tile code: parameters (and residual) before the poll
             n_t = tl.where(i < n_gat, tl.minimum(ROWS, n_rows - first), 0)
             missing = dec.norm_tile_early(t, n_t, first, scols, scm, empty, mine, region, rank,
-                                          S, deadline, clock_ptr, x_ptr, x_st, w_ptr, out_ptr,
-                                          aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr,
-                                          ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols,
-                                          o_st, 0, eps, gain_center, r_st, ro_st, rt_st,
-                                          alpha_scalar, post_eps, post_gc, BLOCK, NUM_CHUNKS,
-                                          ROWS, MASKED, EVICT_FIRST, PTX, OP, FMT, LAYOUT, RECIPE,
-                                          ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, P, FROM_SLOTS,
-                                          STEPPED)  # fmt: skip
+                                          S, deadline, clock_ptr, x_ptr, ptrs, counts, tile_dims,
+                                          BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, OP,
+                                          FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT,
+                                          HAS_ROUTER, P, FROM_SLOTS, STEPPED)  # fmt: skip
         elif FROM_SLOTS:  # the tile polled straight from the slots (decode "slots" mode)
             rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
             wt, invt = dec.one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED,
@@ -230,12 +233,9 @@ def _ag_rmsnorm_persistent_kernel(
                 missing = dec.receive_rows(x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first),
                                            scols, scm, mine, region, rank, S, H, deadline,
                                            clock_ptr, empty, P, PTX)  # fmt: skip
-            dec.norm_tile(t, x_ptr, w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr,
-                          beta_ptr, pw_ptr, ro_ptr, rt_ptr, n_rows, n_norm, H, Hf, KB, n_kcols, 1,
-                          x_st, 0, o_st, 0, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar,
-                          post_eps, post_gc, BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX,
-                          STEPPED, UNROLL, OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT,
-                          HAS_ROUTER)  # fmt: skip
+            dec.norm_tile(t, x_ptr, ptrs, counts, tile_dims, BLOCK, NUM_CHUNKS, ROWS, MASKED,
+                          EVICT_FIRST, PTX, STEPPED, UNROLL, OP, FMT, LAYOUT, RECIPE, ALPHA_MODE,
+                          HAS_POST_WEIGHT, HAS_ROUTER)  # fmt: skip
         i += 1
     AG.finish(agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P, PTX)
 
@@ -338,8 +338,7 @@ def _compiled_fit(args, consts) -> int:
     needed; the GPU only), cached per device, constexprs and 16-divisibility of the arguments
     (what selects the compiled variant)."""
     dev = torch.cuda.current_device()
-    spec = tuple(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor)
-                 else (a % 16 == 0 if isinstance(a, int) else None) for a in args)  # fmt: skip
+    spec = _divisibility(args)
     key = (dev, spec, tuple(sorted(consts.items())))
     fit = _FITS.get(key)
     if fit is None:
@@ -347,6 +346,14 @@ def _compiled_fit(args, consts) -> int:
         ck._init_handles()
         fit = _FITS[key] = fits_per_sm(ck.n_regs, consts["num_warps"], ck.metadata.shared)
     return fit
+
+
+def _divisibility(args) -> tuple:
+    """Per argument (tuples walked): 16-byte alignment of a tensor, divisibility by 16 of an
+    int, None otherwise; what, with the constexprs, selects the compiled variant."""
+    return tuple(_divisibility(a) if isinstance(a, tuple) else
+                 a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else
+                 (a % 16 == 0 if isinstance(a, int) else None) for a in args)  # fmt: skip
 
 
 def persistent_unroll(op: int, tile, unroll: bool) -> bool:
@@ -391,11 +398,11 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
     consts["EARLY"], consts["FROM_SLOTS"] = persistent_mode(ep.op, tile)
     consts["UNROLL"] = persistent_unroll(ep.op, tile, consts["UNROLL"])
     ws.refresh_clock()
-    args = (shard, shard.stride(0), gathered, *ep.pointers(), m, n_norm, width, float(width), kb,
-            n_kcols, gathered.stride(0), ep.out.stride(0), float(ep.eps), float(ep.gain_center),
-            *ep.gated_scalars(), ws.table, ws.offset16("allgather"), state.agctrl,
-            ws.ctrl, ws.clock, s, ws.rank, ws.max_tokens, ws.timeout_us,
-            lookahead)  # fmt: skip
+    args = (shard, shard.stride(0), gathered, ep.pointers(), (m, n_norm),
+            (width, float(width), kb, n_kcols, gathered.stride(0), ep.out.stride(0),
+             float(ep.eps), float(ep.gain_center), *ep.gated_scalars()),
+            (ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl, ws.clock), s, ws.rank,
+            ws.max_tokens, ws.timeout_us, lookahead)  # fmt: skip
     consts.update(P=ws.world_size, BLOCK_S=block_s)
     maxnreg = knobs.get(MAXNREG_ENV)
     if maxnreg and not interpreter_active():

@@ -51,16 +51,21 @@ def _push_row(x_ptr, x_st, t, cols, cmask, table_ptr, lam_off16, region, rank, H
     D.push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, BITS, dists)
 
 
-@triton.jit(do_not_specialize=["M", "M_pad", "rank"])
+@triton.jit(do_not_specialize=["rows", "rank"])
 def _oneshot_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
-    x_st, res_st, out_st, rout_st, nout_st, q_st,
-    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
-    M, M_pad, H, Hf, rank, cap, n_kcols, eps, weight_bias, timeout_us,
+    strides, table_ptr, lam_off16, ctrl_ptr, clock_ptr,
+    rows, H, Hf, rank, cap, n_kcols, norm, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
     FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
+    """One-shot all-reduce (+ residual, RMSNorm, FP8 / NVFP4) over the Lamport slots.
+    ``strides`` = (x_st, res_st, out_st, rout_st, nout_st, q_st) row strides, ``rows`` =
+    (M, M_pad) (not specialised), ``norm`` = (eps, weight_bias)."""
+    x_st, res_st, out_st, rout_st, nout_st, q_st = strides
+    M, M_pad = rows
+    eps, weight_bias = norm
     T: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -140,12 +145,11 @@ def _load_row(x_ptr, res_ptr, x_st, res_st, t, M, cols, cmask, PATTERN: tl.const
     return x, r
 
 
-@triton.jit(do_not_specialize=["M", "M_pad", "rank"])
+@triton.jit(do_not_specialize=["rows", "rank"])
 def _oneshot_prefetch_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
-    x_st, res_st, out_st, rout_st, nout_st, q_st,
-    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
-    M, M_pad, H, Hf, rank, cap, n_kcols, eps, weight_bias, timeout_us,
+    strides, table_ptr, lam_off16, ctrl_ptr, clock_ptr,
+    rows, H, Hf, rank, cap, n_kcols, norm, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
     FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
@@ -154,7 +158,11 @@ def _oneshot_prefetch_kernel(
     generation protocol, same bits). Rows ``a`` (current), ``b`` (next), ``c`` (after next) live
     in registers: iteration i pushes row i+1 (loaded one iteration earlier, so the store never
     waits on a load), issues the loads of row i+2, then polls row i and runs its epilogue from
-    the registers (each input row is read from HBM once, not three times)."""
+    the registers (each input row is read from HBM once, not three times). Arguments as
+    ``_oneshot_kernel``'s."""
+    x_st, res_st, out_st, rout_st, nout_st, q_st = strides
+    M, M_pad = rows
+    eps, weight_bias = norm
     T: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -216,16 +224,21 @@ def _scatter_to_owners(x_ptr, x_st, cols, cmask, pid, G, n_mine, chunk, rank, ch
         i += 1
 
 
-@triton.jit(do_not_specialize=["M", "M_pad", "rank"])
+@triton.jit(do_not_specialize=["rows", "rank"])
 def _twoshot_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
-    x_st, res_st, out_st, rout_st, nout_st, q_st,
-    table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr,
-    M, M_pad, H, Hf, rank, chunk_cap, n_kcols, eps, weight_bias, timeout_us,
+    strides, ws, rows, H, Hf, rank, chunk_cap, n_kcols, norm, timeout_us,
     P: tl.constexpr, PP: tl.constexpr, NSLOT: tl.constexpr, BLOCK_H: tl.constexpr,
     BITS: tl.constexpr, PATTERN: tl.constexpr, WRITE_NORM: tl.constexpr, LAYOUT: tl.constexpr,
     KP_BLOCK: tl.constexpr, FP32_ACC: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
+    """Two-shot all-reduce (reduce-scatter to the row owners, all-gather of the sums) with the
+    one-shot's epilogues. ``strides``, ``rows``, ``norm`` as ``_oneshot_kernel``'s; ``ws`` =
+    (table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr)."""
+    x_st, res_st, out_st, rout_st, nout_st, q_st = strides
+    M, M_pad = rows
+    eps, weight_bias = norm
+    table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr = ws
     T: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -396,12 +409,13 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
     )  # fmt: skip
     if use_pdl:
         common["launch_pdl"] = True
-    scalars = (m, max(m_pad, m), h, float(h))
+    rows = (m, max(m_pad, m))
+    norm = (float(eps), float(weight_bias))
     if algorithm == "torch":
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps))),)
         launch(_gathered_kernel, grid,
-            gathered, res, w, o, ro, no, qo, so, sc, *strides, *scalars, n_kcols, float(eps),
-            float(weight_bias), P=ws.world_size, **common,
+            gathered, res, w, o, ro, no, qo, so, sc, *strides, *rows, h, float(h), n_kcols,
+            *norm, P=ws.world_size, **common,
         )  # fmt: skip
         return
     timeout_us = ws.timeout_us
@@ -416,18 +430,19 @@ def launch_allreduce_fusion(ws, algorithm: str, pattern: int, x, residual, weigh
         ctas = min(-(-m // var.rows_per_cta), cap_ctas)
         kernel = _oneshot_prefetch_kernel if var.prefetch else _oneshot_kernel
         launch(kernel, (max(1, ctas),),
-            x, res, w, o, ro, no, qo, so, sc, x.stride(0), *strides,
-            ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock, *scalars, ws.rank,
-            ws.oneshot_max_tokens, n_kcols, float(eps), float(weight_bias), timeout_us,
+            x, res, w, o, ro, no, qo, so, sc, (x.stride(0), *strides),
+            ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock, rows, h, float(h), ws.rank,
+            ws.oneshot_max_tokens, n_kcols, norm, timeout_us,
             P=ws.world_size, BITS=bits, **common,
         )  # fmt: skip
     elif algorithm == "twoshot":
         grid = (max(1, min(m, ws.max_ctas(tile.num_warps), ws.num_flag_slots)),)
         launch(_twoshot_kernel, grid,
-            x, res, w, o, ro, no, qo, so, sc, x.stride(0), *strides,
-            ws.table, ws.offset16("flags"), ws.offset16("stage"), ws.offset16("gather"), ws.ctrl,
-            ws.clock, *scalars, ws.rank, ws.chunk_cap, n_kcols, float(eps), float(weight_bias),
-            timeout_us, P=ws.world_size, PP=triton.next_power_of_2(ws.world_size),
+            x, res, w, o, ro, no, qo, so, sc, (x.stride(0), *strides),
+            (ws.table, ws.offset16("flags"), ws.offset16("stage"), ws.offset16("gather"),
+             ws.ctrl, ws.clock),
+            rows, h, float(h), ws.rank, ws.chunk_cap, n_kcols, norm, timeout_us,
+            P=ws.world_size, PP=triton.next_power_of_2(ws.world_size),
             NSLOT=ws.num_flag_slots, BITS=bits, **common,
         )  # fmt: skip
     else:

@@ -390,24 +390,38 @@ def _fold_slices(xdec, rdec, nw_ptr, gain_center, out_ptr, out_st, t64, k, valid
         sl += K
 
 
+@triton.jit
+def _fold_token(xdec, rdec, g, out_ptr, out_st, idx_ptr, idx_st, w_ptr, w_st, t64, t0, valids0,
+                weights0, cols, cmask, H, R, K: tl.constexpr, B: tl.constexpr,
+                WBN: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Slot one-shot, the CTA that completed token ``t64``: fold its K normalized rows
+    (``xdec`` / ``rdec``, :func:`_fold_local`) and write its output row. The routes of the CTA's
+    first token ``t0`` (``valids0``, ``weights0``) are reused; another token's are loaded."""
+    valids, weights = valids0, weights0
+    if t64 != t0:
+        valids, weights = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t64, R, K)
+    out = _fold_local(xdec + t64 * K * H, rdec + t64 * K, g, valids, weights, cols, cmask, H, K,
+                      B, WBN, PTX)  # fmt: skip
+    _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16), cols,
+               cmask)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["M", "R", "rank"])
 def _tp_slot_oneshot_kernel(
-    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
-    table_ptr, rows_off16, x_off16, r_off16, cnt_off16, ctrl_ptr, clock_ptr,
-    M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, strides, ws, M, R, H, Hf, rank, cap, eps,
+    gain_center, timeout_us,
     P: tl.constexpr, K: tl.constexpr, B: tl.constexpr, NG: tl.constexpr,
     BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
     SPLIT_FOLD: tl.constexpr = False, KP: tl.constexpr = 8,
 ):  # fmt: skip
-    """Decode path: one-shot all-to-all per (token, slot) row, ONE NVLink hop. Row ``r = t*K + k``
-    belongs to CTA ``r mod G``. Phase 1: every rank pushes its partial row of each of its valid
-    rows into slot ``[gen, t, k, sender]`` of every peer (never waits). Phase 2: per row, poll
-    the P-1 peer rows, sum in rank order (own row in its place), round once, store the BF16 sum
-    ``x_k`` and its reciprocal RMS locally (``xn_xdec [t, k]``, ``xn_rdec [t, k]``) and count
-    the row in the token's arrival word; the CTA
-    that completes a token folds its K rows in the canonical grouped order and writes the output
-    (every rank computes every token itself: no second hop). No CTA waits on another CTA of its
-    launch; CTA ``j`` waits only on CTA ``j`` of the peers, which pushes before it polls."""
+    """Decode, one NVLink hop; row ``r = t*K + k`` belongs to CTA ``r mod G``. Phase 1: push each
+    valid partial row into slot ``[gen, t, k, sender]`` of every peer. Phase 2: per row, sum the
+    ranks in order, round, store ``x_k`` and its 1/RMS (``xn_xdec``, ``xn_rdec``) and count it in
+    the token's arrival word; the CTA completing a token folds it. CTA j waits only on CTA j of
+    the peers. ``strides`` = (row_st, w_st, idx_st, out_st); ``ws`` = (table_ptr, rows_off16,
+    x_off16, r_off16, cnt_off16, ctrl_ptr, clock_ptr)."""
+    row_st, w_st, idx_st, out_st = strides
+    table_ptr, rows_off16, x_off16, r_off16, cnt_off16, ctrl_ptr, clock_ptr = ws
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -481,13 +495,8 @@ def _tp_slot_oneshot_kernel(
                 _fold_slices(xdec, rdec, nw_ptr, gain_center, out_ptr, out_st, t64, k, valids0,
                              weights0, H, K, KP, B, WBN, BLOCK_H, PTX)  # fmt: skip
         elif fold:
-            valids, weights = valids0, weights0
-            if t64 != t0:
-                valids, weights = _token_routes(idx_ptr, idx_st, w_ptr, w_st, t64, R, K)
-            out = _fold_local(xdec + t64 * K * H, rdec + t64 * K, g, valids, weights, cols, cmask,
-                              H, K, B, WBN, PTX)  # fmt: skip
-            _store_out(out_ptr, out_st, t64, D.as_bits(round_to(out, tl.bfloat16, PTX), 16),
-                       cols, cmask)  # fmt: skip
+            _fold_token(xdec, rdec, g, out_ptr, out_st, idx_ptr, idx_st, w_ptr, w_st, t64, t0,
+                        valids0, weights0, cols, cmask, H, R, K, B, WBN, PTX)  # fmt: skip
         i += 1
     # One token (decode): every CTA has a row of it (G <= K rows), so the CTA that completes the
     # token's count is the last to have read the control words: it alone advances the
@@ -554,7 +563,7 @@ def _tp_token_owner_kernel(
 # ----------------------------------------------------------------------------- TP staged
 @triton.jit(do_not_specialize=["M", "R", "rank"])
 def _tp_staged_kernel(
-    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
+    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, strides,
     table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr,
     M, R, H, Hf, rank, eps, gain_center, timeout_us,
     P: tl.constexpr, PP: tl.constexpr, NSLOT: tl.constexpr, K: tl.constexpr, B: tl.constexpr,
@@ -564,7 +573,9 @@ def _tp_staged_kernel(
     """Token owner with push + flags instead of Lamport slots (larger M): single-buffered
     staging ``[t, k, sender]`` and gather ``[t]`` regions, two flag barriers per CTA (phase,
     CTA, sender; device-resident epoch), as ``comm.triton._twoshot_kernel``. Safe single
-    buffering: a peer writes call e+1 only after this rank's CTA signalled it consumed call e."""
+    buffering: a peer writes call e+1 only after this rank's CTA signalled it consumed call e.
+    ``strides`` = (row_st, w_st, idx_st, out_st)."""
+    row_st, w_st, idx_st, out_st = strides
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
     deadline = D.wait_bound(clock_ptr, timeout_us, table_ptr, rank, PTX)
     epoch = tl.load(ctrl_ptr + D.CTRL_EPOCH)
@@ -696,8 +707,8 @@ def launch_tp_moe_finalize_rmsnorm(xws, algorithm: str, rows, weights, idx, norm
             ws.refresh_clock()
             grid = (max(1, min(mc, ws.num_sms, ws.num_flag_slots)),)
             launch(_tp_staged_kernel, grid,
-                rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
-                weights.stride(0), idx.stride(0), out.stride(0),
+                rows, weights[c0:], idx[c0:], norm_weight, out[c0:], (rows.stride(0),
+                weights.stride(0), idx.stride(0), out.stride(0)),
                 ws.table, ws.offset16("flags"), ws.offset16("xn_stage"),
                 ws.offset16("xn_gather"), ws.ctrl, ws.clock, mc, r, h, float(h), ws.rank,
                 float(eps), float(gain_center), ws.timeout_us, P=p,
@@ -745,12 +756,12 @@ def _launch_slot_oneshot(xws, rows, weights, idx, norm_weight, out, eps, gain_ce
         grid = (max(1, min(mc * k, ws.num_sms)),)
         split = split_fold(mc * k, grid[0])  # (the same on every rank: M, K, SMs, environment)
         launch(_tp_slot_oneshot_kernel, grid,
-            rows, weights[c0:], idx[c0:], norm_weight, out[c0:], rows.stride(0),
-            weights.stride(0), idx.stride(0), out.stride(0),
-            ws.table, ws.offset16("xn_rows"), ws.offset16("xn_xdec"), ws.offset16("xn_rdec"),
-            ws.offset16("xn_cnt"),
-            ws.ctrl, ws.clock, mc, r, h, float(h), ws.rank, xws.capacity, float(eps),
-            float(gain_center), ws.timeout_us, P=p, SPLIT_FOLD=split,
+            rows, weights[c0:], idx[c0:], norm_weight, out[c0:], (rows.stride(0),
+            weights.stride(0), idx.stride(0), out.stride(0)),
+            (ws.table, ws.offset16("xn_rows"), ws.offset16("xn_xdec"), ws.offset16("xn_rdec"),
+             ws.offset16("xn_cnt"), ws.ctrl, ws.clock),
+            mc, r, h, float(h), ws.rank, xws.capacity, float(eps), float(gain_center),
+            ws.timeout_us, P=p, SPLIT_FOLD=split,
             KP=triton.next_power_of_2(k), **consts,
         )  # fmt: skip
 

@@ -90,21 +90,28 @@ def _receive_rows(x, t64, mine, region, rank, cols, cmask, H, deadline, clock_pt
     return acc, missing
 
 
-@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
+@triton.jit(do_not_specialize=["rows", "rank", "counts"])
 def _moe_oneshot_kernel(
-    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
-    q_ptr,
-    sf_ptr, scale_ptr,
-    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st, nout_st,
-    q_st,
-    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
-    M, M_pad, H, Hf, rank, cap, n_kcols, n_rows, n_experts, eps, weight_bias, rsf, timeout_us,
+    ptrs, strides, ws, rows, H, Hf, rank, cap, n_kcols, counts, scal, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
     DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr, USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
+    """Fused one-shot: produce, push and finish one row per iteration. ``ptrs``: the producer's
+    pointers (``producer_args``), then residual, gain and outputs; ``strides``: the producer's
+    then the outputs' row strides; ``ws`` = (table_ptr, lam_off16, ctrl_ptr, clock_ptr);
+    ``rows`` = (M, M_pad), ``counts`` = (n_rows, n_experts) (both not specialised); ``scal`` =
+    (eps, weight_bias, rsf)."""
+    (src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr,
+     nout_ptr, q_ptr, sf_ptr, scale_ptr) = ptrs
+    (src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st,
+     nout_st, q_st) = strides
+    table_ptr, lam_off16, ctrl_ptr, clock_ptr = ws
+    M, M_pad = rows
+    n_rows, n_experts = counts
+    eps, weight_bias, rsf = scal
     T: tl.constexpr = res_ptr.dtype.element_ty
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -187,15 +194,9 @@ def _push_own(x, t, wcols, wmask, table_ptr, own_off16, rank, H, BITS: tl.conste
     tl.store(dst, bits, mask=wmask)
 
 
-@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
+@triton.jit(do_not_specialize=["rows", "rank", "counts"])
 def _moe_split_kernel(
-    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
-    q_ptr,
-    sf_ptr, scale_ptr,
-    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st, nout_st,
-    q_st,
-    table_ptr, lam_off16, own_off16, ctrl_ptr, clock_ptr,
-    M, M_pad, H, Hf, rank, cap, n_kcols, n_rows, n_experts, eps, weight_bias, rsf, timeout_us,
+    ptrs, strides, ws, rows, H, Hf, rank, cap, n_kcols, counts, scal, timeout_us,
     P: tl.constexpr, BLOCK_H: tl.constexpr, BITS: tl.constexpr, PATTERN: tl.constexpr,
     LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
     DENSE: tl.constexpr, HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr,
@@ -213,7 +214,16 @@ def _moe_split_kernel(
     ``_moe_oneshot_kernel``). Producers never wait, so the only waits are on the peers' CTAs of
     the same group and on this launch's producers of lower index (Triton's interpreter runs CTAs
     in index order: they have finished). Same slots, generations and control words as the
-    other one-shot kernels."""
+    other one-shot kernels. Arguments as ``_moe_oneshot_kernel``'s; ``ws`` = (table_ptr,
+    lam_off16, own_off16, ctrl_ptr, clock_ptr)."""
+    (src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr,
+     nout_ptr, q_ptr, sf_ptr, scale_ptr) = ptrs
+    (src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st,
+     nout_st, q_st) = strides
+    table_ptr, lam_off16, own_off16, ctrl_ptr, clock_ptr = ws
+    M, M_pad = rows
+    n_rows, n_experts = counts
+    eps, weight_bias, rsf = scal
     T: tl.constexpr = res_ptr.dtype.element_ty
     pid = tl.program_id(0)
     R = tl.num_programs(0) // C
@@ -319,15 +329,9 @@ def _gathered_sum(table_ptr, rank, gather_off16, t64, H, cols, cmask, T: tl.cons
     return s
 
 
-@triton.jit(do_not_specialize=["M", "M_pad", "rank", "n_rows", "n_experts"])
+@triton.jit(do_not_specialize=["rows", "rank", "counts"])
 def _moe_twoshot_kernel(
-    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr,
-    q_ptr,
-    sf_ptr, scale_ptr,
-    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st, nout_st,
-    q_st,
-    table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr,
-    M, M_pad, H, Hf, rank, chunk_cap, n_kcols, n_rows, n_experts, eps, weight_bias, rsf, timeout_us,
+    ptrs, strides, ws, rows, H, Hf, rank, chunk_cap, n_kcols, counts, scal, timeout_us,
     P: tl.constexpr, PP: tl.constexpr, NSLOT: tl.constexpr, BLOCK_H: tl.constexpr,
     BITS: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr, KP_BLOCK: tl.constexpr,
     K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr, HAS_W: tl.constexpr,
@@ -335,6 +339,17 @@ def _moe_twoshot_kernel(
     HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr,
     USE_PDL: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
+    """Two-shot: produce and stage at the owners, reduce the owned rows, gather. Arguments as
+    ``_moe_oneshot_kernel``'s; ``ws`` = (table_ptr, flags_off16, stage_off16, gather_off16,
+    ctrl_ptr, clock_ptr)."""
+    (src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr,
+     nout_ptr, q_ptr, sf_ptr, scale_ptr) = ptrs
+    (src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, res_st, arout_st, rout_st,
+     nout_st, q_st) = strides
+    table_ptr, flags_off16, stage_off16, gather_off16, ctrl_ptr, clock_ptr = ws
+    M, M_pad = rows
+    n_rows, n_experts = counts
+    eps, weight_bias, rsf = scal
     T: tl.constexpr = res_ptr.dtype.element_ty
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -611,7 +626,7 @@ def _launch_split(ws, tile, k, has_bias, outs, pstrides, ostrides, scalars, tail
     of the same group): the grid is capped by :func:`ctas_per_sm` CTAs per SM with a matching
     register cap (default 1 CTA per SM, 248 registers: no spill at H = 4096, K = 8, C = 2-16;
     scripts/compile_check_moe_reduction.py)."""
-    m = scalars[0]
+    m = scalars[0][0]
     resident = ctas_per_sm()
     capacity = ws.num_sms * resident
     c = split_ctas(m, tile, capacity)
@@ -625,8 +640,9 @@ def _launch_split(ws, tile, k, has_bias, outs, pstrides, ostrides, scalars, tail
     if consts["PTX"]:
         consts = dict(consts, maxnreg=min(255, 65536 // (32 * tile.num_warps * resident)) // 8 * 8)
     launch(_moe_split_kernel, (groups * c,),
-        *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.offset16("lamport_own"),
-        ws.ctrl, ws.clock, *scalars, ws.rank, ws.oneshot_max_tokens, *tail, C=c,
+        outs, (*pstrides, *ostrides), (ws.table, ws.offset16("lamport"),
+        ws.offset16("lamport_own"), ws.ctrl, ws.clock), *scalars, ws.rank, ws.oneshot_max_tokens,
+        *tail, C=c,
         BLOCK_W=tile.block // c, **producer, **consts,
     )  # fmt: skip
 
@@ -698,7 +714,8 @@ def launch_moe_reduction(ws, algorithm: str, pattern: int, *, dense: bool, src, 
     outs = (s_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, residual, weight, ao, residual_out,
             norm_out, qo, so,
             sc)  # fmt: skip
-    scalars = (m, max(m_pad, m), h, float(h))
+    rows = (m, max(m_pad, m))
+    scalars = (rows, h, float(h))
     if algorithm == "torch":
         from moefuse.comm.fallback import gather_stacked
 
@@ -714,7 +731,7 @@ def launch_moe_reduction(ws, algorithm: str, pattern: int, *, dense: bool, src, 
         gathered = gather_stacked(part, ws)
         launch(_moe_gathered_kernel, grid,
             gathered, residual, weight, ao, residual_out, norm_out, qo, so, sc, *ostrides,
-            *scalars, n_kcols, float(eps), float(weight_bias), P=ws.world_size,
+            *rows, h, float(h), n_kcols, float(eps), float(weight_bias), P=ws.world_size,
             STEPWISE=bool(stepwise), **common,
         )  # fmt: skip
         return
@@ -727,23 +744,23 @@ def launch_moe_reduction(ws, algorithm: str, pattern: int, *, dense: bool, src, 
     if algorithm == "oneshot":
         variant = oneshot_variant(m, ws)
         peer = dict(P=ws.world_size, BITS=bits)
-        tail = (n_kcols, *counts, float(eps), float(weight_bias), float(rsf), ws.timeout_us)
+        tail = (n_kcols, counts, (float(eps), float(weight_bias), float(rsf)), ws.timeout_us)
         if variant == "split":
             _launch_split(ws, tile, k, bias is not None, outs, pstrides, ostrides, scalars, tail,
                           producer, dict(common, **peer))  # fmt: skip
             return
         grid = (max(1, min(m, ws.num_sms * ctas)),)
         launch(_moe_oneshot_kernel, grid,
-            *outs, *pstrides, *ostrides, ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
+            outs, (*pstrides, *ostrides), (ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock),
             *scalars, ws.rank, ws.oneshot_max_tokens, *tail, **peer, **producer, **common,
         )  # fmt: skip
     elif algorithm == "twoshot":
         grid = (max(1, min(m, ws.num_sms * ctas, ws.num_flag_slots)),)
         launch(_moe_twoshot_kernel, grid,
-            *outs, *pstrides, *ostrides, ws.table, ws.offset16("flags"), ws.offset16("stage"),
-            ws.offset16("gather" if stepwise else fp32_gather_region(ws)), ws.ctrl, ws.clock,
+            outs, (*pstrides, *ostrides), (ws.table, ws.offset16("flags"), ws.offset16("stage"),
+            ws.offset16("gather" if stepwise else fp32_gather_region(ws)), ws.ctrl, ws.clock),
             *scalars, ws.rank, ws.chunk_cap, n_kcols,
-            *counts, float(eps), float(weight_bias), float(rsf), ws.timeout_us,
+            counts, (float(eps), float(weight_bias), float(rsf)), ws.timeout_us,
             P=ws.world_size, PP=triton.next_power_of_2(ws.world_size), NSLOT=ws.num_flag_slots,
             BITS=bits, **producer, **common,
         )  # fmt: skip
