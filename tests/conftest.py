@@ -18,6 +18,22 @@ for _var, _val in (
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--rank-processes",
+        action="store_true",
+        help="run every multi-rank CPU test as processes (real gloo groups, shared-memory "
+        "workspaces) instead of threads (tests/comm_mp.py)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--rank-processes"):
+        import comm_mp
+
+        comm_mp.FORCE_PROCESSES = True
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 machines)")
     for item in items:

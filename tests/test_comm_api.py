@@ -241,7 +241,8 @@ def test_validation_and_contract():
 
 
 def test_workspace_lifecycle_and_votes():
-    assert all(run_group(2, scenario_lifecycle))
+    """As processes: the shared-memory transport between real address spaces."""
+    assert all(run_group(2, scenario_lifecycle, ranks="processes"))
 
 
 @pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
