@@ -16,12 +16,13 @@ Two ways to run the ranks, the same scenario code for both:
   when the rank starts; what the scenario sets stays in that rank), and the module attributes of
   ``moefuse`` that ranks set (tile thresholds, wrapped launchers) are put back when the run ends.
   The ranks share those modules while they run: a scenario sets the same values on every rank
-  and counts its own calls with :func:`count_calls`.
+  and counts its own calls with :func:`count_calls`. Ranks cannot trace (``opcheck``,
+  ``torch.compile``) at the same time as threads: torch.fx keeps its patcher per process.
 * ``ranks="processes"``: P spawned processes with a FileStore rendezvous (gloo on CPU; NCCL with
   one GPU per rank when ``backend="nccl"``), ``fn`` importable by the children (a module-level
   function of a test module or of this module). On CPU the workspaces then use the shared-memory
   transport between real processes. Tests that need real processes (the transport itself,
-  killed ranks, separate address spaces) ask for it; ``pytest --rank-processes`` runs every
+  killed ranks, separate address spaces, tracing) ask for it; ``pytest --rank-processes`` runs every
   group as processes (tests/conftest.py).
 
 The ranks inherit the environment: TRITON_INTERPRET=1 on CPU machines (set by conftest before

@@ -424,7 +424,8 @@ def test_two_ranks():
                       ("finalize", 3, "fp32", "fp8"), ("finalize", 3, "stepwise", "nvfp4"),
                       ("reduction", 2, "stepwise", "nvfp4")),
                algorithms=ALGOS, bad_inputs=True)  # fmt: skip
-    _ranks_agree(run_group(2, scenario, cfg))
+    # processes: ranks that trace (opcheck, torch.compile) cannot be threads of one process
+    _ranks_agree(run_group(2, scenario, cfg, ranks="processes"))
 
 
 def test_three_ranks():
