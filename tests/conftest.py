@@ -34,9 +34,25 @@ def pytest_configure(config):
         comm_mp.FORCE_PROCESSES = True
 
 
+#: what a test calls that makes it ``slow``: it runs a group of ranks (threads or processes) or a
+#: script in a fresh interpreter, each seconds of Triton-interpreter work on a CPU
+RANK_RUNNERS = frozenset({"run_group", "run_group_one_killed", "run_loopback_ranks",
+                          "run_check_script"})  # fmt: skip
+
+
+def _runs_ranks(item) -> bool:
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    return code is not None and not RANK_RUNNERS.isdisjoint(code.co_names)
+
+
 def pytest_collection_modifyitems(config, items):
+    """GPU tests skipped without a GPU and interpreter tests with one; tests whose body calls a
+    rank runner (:data:`RANK_RUNNERS`) marked ``slow``, so ``-m "not slow"`` is the quick
+    subset (the other slow tests carry the marker themselves)."""
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 machines)")
     for item in items:
+        if "slow" not in item.keywords and _runs_ranks(item):
+            item.add_marker(pytest.mark.slow)
         if not HAS_GPU and ("gpu" in item.keywords or "multigpu" in item.keywords):
             item.add_marker(skip_gpu)
         if HAS_GPU and "interpreter" in item.keywords:
