@@ -59,6 +59,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="interpreter tests run on CPU-only machines"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _interpreter_session():
+    """Under the interpreter, every launch patches triton.language once (not at every
+    device-function call) and ranks as threads find the interpreter ready
+    (moefuse.testing_ranks.interpreter_session)."""
+    if HAS_GPU:
+        yield
+        return
+    from moefuse.testing_ranks import interpreter_session
+
+    with interpreter_session():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_launch_plans():
     """Tests change tile policies and thresholds at run time: no plan may outlive a test."""
