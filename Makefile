@@ -32,7 +32,7 @@ test: $(STAMP) $(WHEEL_STAMP)
 	$(PY) -m ruff check src tests
 	$(PY) -m pytest -q --durations=15 tests
 
-# the quick subset while editing: no groups of ranks, no large interpreter kernels (`slow`)
+# the quick subset while editing: no groups of ranks, no scripts in fresh interpreters (`slow`)
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 

@@ -48,7 +48,7 @@ def _runs_ranks(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     """GPU tests skipped without a GPU and interpreter tests with one; tests whose body calls a
     rank runner (:data:`RANK_RUNNERS`) marked ``slow``, so ``-m "not slow"`` is the quick
-    subset (the other slow tests carry the marker themselves)."""
+    subset."""
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 machines)")
     for item in items:
         if "slow" not in item.keywords and _runs_ranks(item):
