@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moefuse-installed
 WHEEL_STAMP := $(VENV)/.moefuse-wheel-checked
 
-.PHONY: demo test lint wheel-check clean
+.PHONY: demo test test-quick lint wheel-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo: $(STAMP)
 test: $(STAMP) $(WHEEL_STAMP)
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m pytest -q --durations=15 tests
+
+# the quick subset while editing: no groups of ranks, no scripts in fresh interpreters (`slow`)
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf $(VENV)

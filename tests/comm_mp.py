@@ -1,13 +1,31 @@
-"""Run a test scenario in P spawned processes joined by a torch.distributed group.
+"""Run a test scenario on P ranks joined by a torch.distributed group, as threads or processes.
 
-``run_group(P, fn, *args)`` starts P processes (spawn), joins them with a FileStore rendezvous
-(gloo on CPU; NCCL with one GPU per rank when ``backend="nccl"``), calls ``fn(rank, P, *args)`` in
-each and returns the list of their return values (index = rank). Any exception in any rank fails
-the caller with every rank's traceback; a group that does not finish within ``timeout_s`` is killed
-(only the processes started here) and reported. ``fn`` must be importable by the children (a
-module-level function of a test module or of this module).
+``run_group(P, fn, *args)`` calls ``fn(rank, P, *args)`` on every rank and returns the list of
+their return values (index = rank). Any exception in any rank fails the caller with every rank's
+traceback; a group that does not finish within ``timeout_s`` is reported (and, as processes,
+killed: only the processes started here).
 
-The children inherit the environment: TRITON_INTERPRET=1 on CPU machines (set by conftest before
+Two ways to run the ranks, the same scenario code for both:
+
+* ``ranks="threads"`` (the default for gloo): P threads of this process
+  (:func:`moefuse.testing_ranks.run_loopback_ranks`: a threaded group, ``transport="loopback"``
+  workspaces, the Triton interpreter made safe for concurrent launches). A process costs ~3 CPU
+  seconds of imports plus the interpreter's first rewrite of every kernel it runs; a thread costs
+  neither, so the multi-rank kernels run at P = 2 ... 8 for a fraction of the time. What a rank
+  would own as a process it gets here too: its own ``os.environ`` (a copy of the caller's, taken
+  when the rank starts; what the scenario sets stays in that rank), and the module attributes of
+  ``moefuse`` that ranks set (tile thresholds, wrapped launchers) are put back when the run ends.
+  The ranks share those modules while they run: a scenario sets the same values on every rank
+  and counts its own calls with :func:`count_calls`. Ranks cannot trace (``opcheck``,
+  ``torch.compile``) at the same time as threads: torch.fx keeps its patcher per process.
+* ``ranks="processes"``: P spawned processes with a FileStore rendezvous (gloo on CPU; NCCL with
+  one GPU per rank when ``backend="nccl"``), ``fn`` importable by the children (a module-level
+  function of a test module or of this module). On CPU the workspaces then use the shared-memory
+  transport between real processes. Tests that need real processes (the transport itself,
+  killed ranks, separate address spaces, tracing) ask for it; ``pytest --rank-processes`` runs every
+  group as processes (tests/conftest.py).
+
+The ranks inherit the environment: TRITON_INTERPRET=1 on CPU machines (set by conftest before
 anything imports triton) and the no-multicast variables.
 """
 
@@ -16,8 +34,11 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import sys
 import tempfile
+import threading
 import traceback
+from collections.abc import MutableMapping
 
 import torch.multiprocessing as mp
 
@@ -47,7 +68,23 @@ def _entry(rank, world_size, init_file, backend, fn, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_group(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 300.0):
+#: True runs every group as processes (``pytest --rank-processes``, set by tests/conftest.py)
+FORCE_PROCESSES = False
+
+
+def run_group(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 300.0,
+              ranks: str | None = None):  # fmt: skip
+    """``fn(rank, world_size, *args)`` on every rank; the results in rank order. ``ranks``:
+    "threads" (default for gloo) or "processes" (default for nccl, and for every group under
+    ``--rank-processes``). See the module docstring."""
+    if ranks is None:
+        ranks = "processes" if backend != "gloo" or FORCE_PROCESSES else "threads"
+    if ranks not in ("threads", "processes"):
+        raise ValueError(f"run_group: ranks must be 'threads' or 'processes', got {ranks!r}")
+    if ranks == "threads" and not FORCE_PROCESSES:
+        if backend != "gloo":
+            raise ValueError(f"run_group: ranks as threads run on CPU (gloo), not {backend!r}")
+        return _run_threads(world_size, fn, args, timeout_s)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="moefuse-test-store-")
@@ -129,3 +166,115 @@ def run_group_one_killed(world_size: int, fn, *args, killed: int = 1, backend: s
         except FileNotFoundError:
             pass
     return got
+
+
+# ----------------------------------------------------------------------------- ranks as threads
+_PATCH_LOCK = threading.Lock()
+
+
+def count_calls(module, name: str, counts: dict, key) -> None:
+    """Wrap ``module.name`` so that this rank's calls add 1 to ``counts[key]``. As threads, every
+    rank wraps the same module attribute (the wrappers chain); each wrapper counts only the
+    calls of the thread that installed it. The wrapper is removed when the run ends (threads:
+    module attributes are put back; processes: the process ends)."""
+    with _PATCH_LOCK:  # read and replace as one step: no rank's wrapper is lost
+        inner = getattr(module, name)
+        owner = threading.get_ident()
+
+        def counted(*args, **kwargs):
+            if threading.get_ident() == owner:
+                counts[key] += 1
+            return inner(*args, **kwargs)
+
+        setattr(module, name, counted)
+
+
+class _RankEnviron(MutableMapping):
+    """``os.environ`` while ranks run as threads: a rank thread sees and changes its own copy
+    (taken by :meth:`enter_rank`), any other thread the process environment."""
+
+    def __init__(self, real):
+        self.real = real
+        self._local = threading.local()
+
+    def enter_rank(self) -> None:
+        self._local.env = dict(self.real)
+
+    def leave_rank(self) -> None:
+        self._local.env = None
+
+    def _env(self):
+        env = getattr(self._local, "env", None)
+        return self.real if env is None else env
+
+    def __getitem__(self, key):
+        return self._env()[key]
+
+    def __setitem__(self, key, value):
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"environment keys and values are str, got {key!r}: {value!r}")
+        self._env()[key] = value
+
+    def __delitem__(self, key):
+        del self._env()[key]
+
+    def __iter__(self):
+        return iter(list(self._env()))
+
+    def __len__(self):
+        return len(self._env())
+
+    def copy(self) -> dict:
+        return dict(self._env())
+
+
+#: the packages whose module attributes scenarios set (imported whole before the first run, so
+#: that the state saved before a run covers every module a rank can change)
+_PATCHED_PACKAGES = ("moefuse.norm", "moefuse.quant", "moefuse.moe", "moefuse.comm")
+_MISSING = object()
+
+
+def _module_state() -> dict:
+    import importlib
+    import pkgutil
+
+    for name in _PATCHED_PACKAGES:
+        package = importlib.import_module(name)
+        for info in pkgutil.walk_packages(package.__path__, name + "."):
+            importlib.import_module(info.name)
+    return {name: (mod, dict(vars(mod))) for name, mod in list(sys.modules.items())
+            if mod is not None and (name == "moefuse" or name.startswith("moefuse."))}  # fmt: skip
+
+
+def _restore_modules(saved: dict) -> None:
+    """Put back the module attributes of ``moefuse`` that the ranks changed. Added names stay:
+    submodules imported meanwhile, and the names Triton's interpreter puts into a kernel
+    module's globals when it first rewrites one of its kernels."""
+    for mod, before in saved.values():
+        now = vars(mod)
+        for key, value in before.items():
+            if now.get(key, _MISSING) is not value:
+                now[key] = value
+
+
+def _run_threads(world_size: int, fn, args: tuple, timeout_s: float) -> list:
+    from moefuse.testing_ranks import run_loopback_ranks
+
+    env = _RankEnviron(os.environ)
+
+    def rank_main(rank, size, *rank_args):
+        env.enter_rank()
+        try:
+            return fn(rank, size, *rank_args)
+        finally:
+            env.leave_rank()
+
+    saved = _module_state()
+    # rebinding os.environ (not changing it) is the point: os.getenv and every reader of
+    # os.environ see the rank's copy, and the process environment stays as it was
+    os.environ = env  # noqa: B003
+    try:
+        return run_loopback_ranks(rank_main, world_size, "cpu", *args, timeout_s=timeout_s)
+    finally:
+        os.environ = env.real  # noqa: B003
+        _restore_modules(saved)

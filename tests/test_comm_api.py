@@ -241,7 +241,8 @@ def test_validation_and_contract():
 
 
 def test_workspace_lifecycle_and_votes():
-    assert all(run_group(2, scenario_lifecycle))
+    """As processes: the shared-memory transport between real address spaces."""
+    assert all(run_group(2, scenario_lifecycle, ranks="processes"))
 
 
 @pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
@@ -252,7 +253,9 @@ def test_bounded_wait_names_the_missing_rank(algo):
 
 
 def test_opcheck_and_torch_compile():
-    assert all(run_group(2, scenario_opcheck_compile))
+    """As processes: tracing (opcheck, torch.compile) keeps process-wide state (torch.fx's
+    patcher), so ranks cannot trace at the same time as threads of one process."""
+    assert all(run_group(2, scenario_opcheck_compile, ranks="processes"))
 
 
 def scenario_compat(rank, world_size):

@@ -79,7 +79,8 @@ def test_loopback_refuses_ranks_in_separate_processes():
     and the workspace takes the torch.distributed path."""
     from comm_mp import run_group
 
-    assert run_group(2, _loopback_across_processes) == [(True, False), (True, False)]
+    got = run_group(2, _loopback_across_processes, ranks="processes")
+    assert got == [(True, False), (True, False)]
 
 
 def run_check_script(out_dir, *options, timeout_s: float = 300.0,
