@@ -328,7 +328,7 @@ def _current_device():
 
 
 # ----------------------------------------------------------------------------- driver
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for loopback_gpu_check.json")
     parser.add_argument("--quick", action="store_true", help="H = 4096, M in {1, 64} only")
@@ -373,87 +373,13 @@ def main() -> int:
                         "fault check, bitwise check, close (instead of the correctness sweep)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: dry run of this script in the Triton interpreter")
-    args = parser.parse_args()
-    start = time.monotonic()
-    VERBOSE[0] = args.verbose
-    if args.verbose:
-        threading.Thread(target=_watchdog, daemon=True).start()
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
-        os.environ.setdefault(key, value)
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        print("TRITON_INTERPRET=1 is set: unset it for the GPU run", flush=True)
-        return 2
-    else:  # lazy loading of a kernel at its first use waits for the device: see testing_ranks
-        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "loopback_gpu_check.json")
-    result = dict(argv=sys.argv, env={}, cases=[], timing=[], errors=[])
+    return parser
 
-    def save():
-        result["elapsed_s"] = round(time.monotonic() - start, 1)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
 
-    import torch
-
-    fams.BF16 = torch.bfloat16
-    env = result["env"]
-    env.update(python=platform.python_version(), torch=torch.__version__,
-               cuda_available=torch.cuda.is_available(), device=args.device,
-               cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING"))
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception as exc:
-        env["triton"] = f"unavailable: {exc}"
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            result["errors"].append("no CUDA device")
-            save()
-            print("FAIL: torch.cuda.is_available() is False", flush=True)
-            return 2
-        props = torch.cuda.get_device_properties(0)
-        env.update(gpu=props.name, sms=props.multi_processor_count,
-                   capability=list(torch.cuda.get_device_capability(0)),
-                   gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
-        torch.cuda.set_device(0)
-    print(f"env: {json.dumps(env)}", flush=True)
-    import moefuse  # noqa: F401  (import errors show here, before any thread starts)
-    from moefuse.bench import harness
-    from moefuse.testing_ranks import run_loopback_ranks
-
-    dev = "cuda:0" if args.device == "cuda" else "cpu"
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
-        ([1, 64] if args.quick else [1, 7, 64, 300])  # fmt: skip
-    widths = [int(v) for v in args.hidden.split(",")] if args.hidden else \
-        ([4096] if args.quick else [4096, 7168])  # fmt: skip
-    families = [f for f in args.families.split(",") if f]
-    unknown = [f for f in families if f not in FAMILY_NAMES]
-    if unknown:
-        parser.error(f"unknown families {unknown}")
-    deadline = start + args.budget_s
-    timing_deadline = start + args.budget_s + 30  # timing gets what is left, plus 30 s
-
-    def run(fn, *fn_args, bound_s):
-        """run_loopback_ranks with a bound; a hang ends the process (threads stay stuck)."""
-        try:
-            return run_loopback_ranks(fn, P, dev, *fn_args, timeout_s=bound_s,
-                                      reserve_bytes=args.reserve_mib << 20)
-        except TimeoutError as exc:
-            result["errors"].append(f"{fn.__name__}{fn_args[:1]}: {exc}")
-            save()
-            print(f"HANG: {exc}; results so far in {path}", flush=True)
-            sys.stdout.flush()
-            os._exit(3)
-        except Exception as exc:  # a rank raised outside the per-case handling
-            result["errors"].append(f"{fn.__name__}{fn_args[:1]}: {exc}")
-            print(f"ERROR in {fn.__name__}{fn_args[:1]}:\n{exc}", flush=True)
-            return None
-
+def _stress_phase(
+    *, args, result, save, run, families, widths, tokens, deadline, timing_deadline, path
+) -> None:
+    """Per family, ``--stress`` rounds of the first-call check (both ranks)."""
     # ------------------------------------------------------------------ stress
     result["stress"] = []
     for name in families if args.stress else ():
@@ -476,6 +402,12 @@ def main() -> int:
               f"{row['wrong']} wrong, {row['fault']} faults ({row['seconds']} s)", flush=True)
         save()
 
+
+
+def _correctness_phase(
+    *, args, result, save, run, families, widths, tokens, deadline, timing_deadline, path
+) -> None:
+    """The correctness sweep of every family, ranks merged per case."""
     # ------------------------------------------------------------------ correctness
     for name in families if not args.stress else ():
         t0 = time.monotonic()
@@ -498,6 +430,14 @@ def main() -> int:
         result["cases"] += rows
         print(f"  [{name}: {time.monotonic() - t0:.1f} s]", flush=True)
         save()
+
+
+
+def _timing_phase(
+    *, args, result, save, run, families, widths, tokens, deadline, timing_deadline, path
+) -> None:
+    """CUDA-graph timing of every family and variant (GPU only)."""
+    from moefuse.bench import harness
 
     # ------------------------------------------------------------------ timing
     if args.device == "cuda" and not args.no_timing:
@@ -549,7 +489,10 @@ def main() -> int:
                           f"H={row['H']:<5d} {us}", flush=True)  # fmt: skip
             save()
 
-    # ------------------------------------------------------------------ summary
+
+
+def _summary(result, save, start, path) -> int:
+    """Counts, the JSON written, the exit status."""
     n = {s: sum(c["status"] == s for c in result["cases"]) for s in ("PASS", "FAIL", "SKIP")}
     bad_timing = sum(t.get("status") == "FAIL" for t in result["timing"])
     result["summary"] = dict(n, timing_fail=bad_timing, errors=len(result["errors"]))
@@ -558,6 +501,97 @@ def main() -> int:
           f"{bad_timing}; errors {len(result['errors'])}; {time.monotonic() - start:.0f} s; "
           f"{path}", flush=True)  # fmt: skip
     return 0 if n["FAIL"] == 0 and not result["errors"] and bad_timing == 0 else 1
+
+
+
+def main() -> int:
+    parser = _parser()
+    args = parser.parse_args()
+    start = time.monotonic()
+    VERBOSE[0] = args.verbose
+    if args.verbose:
+        threading.Thread(target=_watchdog, daemon=True).start()
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
+        os.environ.setdefault(key, value)
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        print("TRITON_INTERPRET=1 is set: unset it for the GPU run", flush=True)
+        return 2
+    else:  # lazy loading of a kernel at its first use waits for the device: see testing_ranks
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "loopback_gpu_check.json")
+    result = dict(argv=sys.argv, env={}, cases=[], timing=[], errors=[])
+
+    def save():
+        result["elapsed_s"] = round(time.monotonic() - start, 1)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    import torch
+
+    fams.BF16 = torch.bfloat16
+    env = result["env"]
+    env.update(python=platform.python_version(), torch=torch.__version__,
+               cuda_available=torch.cuda.is_available(), device=args.device,
+               cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING"))
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception as exc:
+        env["triton"] = f"unavailable: {exc}"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            result["errors"].append("no CUDA device")
+            save()
+            print("FAIL: torch.cuda.is_available() is False", flush=True)
+            return 2
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, sms=props.multi_processor_count,
+                   capability=list(torch.cuda.get_device_capability(0)),
+                   gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
+        torch.cuda.set_device(0)
+    print(f"env: {json.dumps(env)}", flush=True)
+    import moefuse  # noqa: F401  (import errors show here, before any thread starts)
+    from moefuse.testing_ranks import run_loopback_ranks
+
+    dev = "cuda:0" if args.device == "cuda" else "cpu"
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
+        ([1, 64] if args.quick else [1, 7, 64, 300])  # fmt: skip
+    widths = [int(v) for v in args.hidden.split(",")] if args.hidden else \
+        ([4096] if args.quick else [4096, 7168])  # fmt: skip
+    families = [f for f in args.families.split(",") if f]
+    unknown = [f for f in families if f not in FAMILY_NAMES]
+    if unknown:
+        parser.error(f"unknown families {unknown}")
+    deadline = start + args.budget_s
+    timing_deadline = start + args.budget_s + 30  # timing gets what is left, plus 30 s
+
+    def run(fn, *fn_args, bound_s):
+        """run_loopback_ranks with a bound; a hang ends the process (threads stay stuck)."""
+        try:
+            return run_loopback_ranks(fn, P, dev, *fn_args, timeout_s=bound_s,
+                                      reserve_bytes=args.reserve_mib << 20)
+        except TimeoutError as exc:
+            result["errors"].append(f"{fn.__name__}{fn_args[:1]}: {exc}")
+            save()
+            print(f"HANG: {exc}; results so far in {path}", flush=True)
+            sys.stdout.flush()
+            os._exit(3)
+        except Exception as exc:  # a rank raised outside the per-case handling
+            result["errors"].append(f"{fn.__name__}{fn_args[:1]}: {exc}")
+            print(f"ERROR in {fn.__name__}{fn_args[:1]}:\n{exc}", flush=True)
+            return None
+
+    ctx = dict(args=args, result=result, save=save, run=run, families=families, widths=widths,
+               tokens=tokens, deadline=deadline, timing_deadline=timing_deadline, path=path)
+    _stress_phase(**ctx)
+    _correctness_phase(**ctx)
+    _timing_phase(**ctx)
+    return _summary(result, save, start, path)
 
 
 if __name__ == "__main__":
