@@ -28,7 +28,7 @@ def test_bad_transport_is_refused_before_any_collective(monkeypatch):
     with pytest.raises(ValueError, match="transport must be"):
         AllReduceWorkspace(None, 8, 64, torch.bfloat16, "cpu", transport="multicast")
     monkeypatch.setenv("MOEFUSE_COMM_TRANSPORT", "nope")
-    with pytest.raises(ValueError, match="transport must be"):
+    with pytest.raises(ValueError, match="MOEFUSE_COMM_TRANSPORT must be"):
         AllReduceWorkspace(None, 8, 64, torch.bfloat16, "cpu")
 
 

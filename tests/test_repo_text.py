@@ -37,6 +37,8 @@ HISTORY = [
 ALLOWED = [
     # POSIX process sessions: the keyword argument of subprocess.Popen
     "start_new_" + "session",
+    # pytest's fixture scope
+    'scope="' + 'session"',
 ]
 
 

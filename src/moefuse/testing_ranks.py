@@ -263,7 +263,7 @@ _INSTALLED = [False]  # whether _thread_safe_interpreter's patches are in place 
 @contextlib.contextmanager
 def interpreter_session():
     """The interpreter set-up of :func:`run_loopback_ranks` (see :func:`_thread_safe_interpreter`)
-    for longer than one run, e.g. a whole test session: one thread or many, every launch then
+    for longer than one run, e.g. a whole pytest run: one thread or many, every launch then
     patches ``triton.language`` once instead of at every device-function call (the same kernels
     and bits; 30-40 % less CPU time measured for the norm and quant interpreter tests). A no-op
     without ``TRITON_INTERPRET=1``; nested uses (a loopback run inside it) share the outer

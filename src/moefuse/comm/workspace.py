@@ -211,14 +211,15 @@ class AllReduceWorkspace:
             raise ValueError(f"AllReduceWorkspace: dtype must be one of {DTYPES}, got {dtype}")
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"AllReduceWorkspace: device must be cuda or cpu, got {device}")
-        self._coll_device = _collective_device(group, device)
-        _check_knobs(group)
         if transport is None:
             transport = knobs.get("MOEFUSE_COMM_TRANSPORT")
         try:
             self._transport_order = tp.cuda_transport_order(transport)
         except ValueError as exc:
             raise ValueError(f"AllReduceWorkspace: {exc}") from None
+        # every argument is checked before the first collective (the knobs' exchange)
+        self._coll_device = _collective_device(group, device)
+        _check_knobs(group)
         #: ranks are threads of one process, possibly sharing one device (tests, benchmarks)
         self.loopback = self._transport_order == (tp.LOOPBACK,)
         self.group = group
