@@ -230,10 +230,9 @@ def scenario_fault_protocol(rank, p, name, device, timeout_s):
     call(warm, rank, p, device)
     _sync_raise(warm)
     warm.close()
+    # no call on the short bound before the fault: a healthy call of two interpreted ranks
+    # (threads sharing the GIL) can take longer than it on a loaded machine
     ws = make(rank, p, device, timeout_s)
-    dist.barrier()
-    call(ws, rank, p, device)
-    _sync_raise(ws)
     dist.barrier()
     took = {}
     if rank == 0:
