@@ -72,7 +72,7 @@ def _entry(rank, world_size, init_file, backend, fn, args, results):
 FORCE_PROCESSES = False
 
 
-def run_group(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 300.0,
+def run_group(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 900.0,
               ranks: str | None = None):  # fmt: skip
     """``fn(rank, world_size, *args)`` on every rank; the results in rank order. ``ranks``:
     "threads" (default for gloo) or "processes" (default for nccl, and for every group under
