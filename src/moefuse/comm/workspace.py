@@ -532,15 +532,7 @@ class AllReduceWorkspace:
         if self._failure is None and self.peer_access and not self._closed:
             status = self._device_status()
             if status and self._status_view[0] == 0:
-                self._failure = faults.describe(
-                    [0] * self.world_size,
-                    status,
-                    rank=self.rank,
-                    group=self._group_name(),
-                    timeout_s=self.timeout_s,
-                    global_rank=self.global_rank,
-                )
-                self._ok = False
+                self._fail([0] * self.world_size, status)
         self.raise_if_failed()
 
     def _device_status(self) -> int:
@@ -556,15 +548,7 @@ class AllReduceWorkspace:
         to learn whether that step's communication was valid. A failure is permanent: close()
         and re-create the workspace."""
         if self._failure is None and self._status_view[0] != 0:
-            self._failure = faults.describe(
-                self.host_status.codes(self.world_size),
-                self._status_view[0],
-                rank=self.rank,
-                group=self._group_name(),
-                timeout_s=self.timeout_s,
-                global_rank=self.global_rank,
-            )
-            self._ok = False
+            self._fail(self.host_status.codes(self.world_size), self._status_view[0])
         return self._failure
 
     def _group_name(self) -> str:
@@ -591,16 +575,20 @@ class AllReduceWorkspace:
             codes = [faults.GAVE_UP if notices >> r & 1
                      else faults.MISSING if (waited >> r & 1) and r != self.rank else 0
                      for r in range(self.world_size)]  # fmt: skip
-            self._failure = faults.describe(
-                codes,
-                notices,
-                rank=self.rank,
-                group=self._group_name(),
-                timeout_s=self.timeout_s,
-                global_rank=self.global_rank,
-            )
-            self._ok = False
+            self._fail(codes, notices)
         self.poll_status()
+
+    def _fail(self, codes: list[int], summary: int) -> None:
+        """Mark the workspace failed with :func:`faults.describe` of per-rank ``codes``."""
+        self._failure = faults.describe(
+            codes,
+            summary,
+            rank=self.rank,
+            group=self._group_name(),
+            timeout_s=self.timeout_s,
+            global_rank=self.global_rank,
+        )
+        self._ok = False
 
     def _peer_notices(self) -> int:
         """Bit set of the peers whose "gave up" notice is in this rank's buffer (the faults
