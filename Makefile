@@ -28,9 +28,13 @@ wheel-check: $(WHEEL_STAMP)
 demo: $(STAMP)
 	$(PY) -m moefuse demo
 
+#: pytest-xdist workers: the interpreter tests are CPU-bound and one process uses about one
+#: core (its threads share the GIL), so one worker per core of the 2-core CI machine
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(WHEEL_STAMP)
 	$(PY) -m ruff check src tests scripts
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 # the quick subset while editing: no groups of ranks, no scripts in fresh interpreters (`slow`)
 test-quick: $(STAMP)

@@ -60,7 +60,10 @@ def _entry(rank, world_size, init_file, backend, fn, args, results):
             timeout=datetime.timedelta(seconds=600),
         )  # fmt: skip
         try:
-            out = fn(rank, world_size, *args)
+            from moefuse.testing_ranks import interpreter_session  # (a no-op on GPUs)
+
+            with interpreter_session():  # spins pause on the interpreter, launches patch once
+                out = fn(rank, world_size, *args)
             results.put((rank, "ok", out))
         finally:
             dist.destroy_process_group()
