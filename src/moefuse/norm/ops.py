@@ -6,7 +6,6 @@ Validation happens in :mod:`moefuse.norm.api` before these are called. The real 
 import the Triton launchers lazily (TRITON_INTERPRET must be set before triton is imported).
 """
 
-
 import torch
 
 from moefuse._dispatch import custom_op
@@ -90,15 +89,42 @@ def gated_residual_next_rmsnorm_op(
     from moefuse.norm.gated import launch_gated_residual_next_rmsnorm
 
     launch_gated_residual_next_rmsnorm(
-        branch, residual, next_weight, alpha, alpha_scalar, beta, post_weight, residual_out,
-        ffn_input, router_input, post_eps, next_eps, next_gain_center, post_gain_center, use_pdl,
-    )  # fmt: skip
+        branch,
+        residual,
+        next_weight,
+        alpha,
+        alpha_scalar,
+        beta,
+        post_weight,
+        residual_out,
+        ffn_input,
+        router_input,
+        post_eps,
+        next_eps,
+        next_gain_center,
+        post_gain_center,
+        use_pdl,
+    )
 
 
 @gated_residual_next_rmsnorm_op.register_fake
-def _(branch, residual, next_weight, alpha, alpha_scalar, beta, post_weight, residual_out,
-      ffn_input, router_input, post_eps, next_eps, next_gain_center, post_gain_center,
-      use_pdl):  # fmt: skip
+def _(
+    branch,
+    residual,
+    next_weight,
+    alpha,
+    alpha_scalar,
+    beta,
+    post_weight,
+    residual_out,
+    ffn_input,
+    router_input,
+    post_eps,
+    next_eps,
+    next_gain_center,
+    post_gain_center,
+    use_pdl,
+):
     return None
 
 
