@@ -51,6 +51,7 @@ MODULES = {
     "expert_norm.tp": ("moefuse.comm.expert_norm.tp_kernels", "moefuse.comm.expert_norm_triton"),
     "expert_norm.ep": ("moefuse.comm.expert_norm.ep_kernels", "moefuse.comm.expert_norm_ep_triton"),
     "norm": ("moefuse.norm.triton",),
+    "norm.rms": ("moefuse.norm.rms", "moefuse.norm.triton"),
     "norm.gated": ("moefuse.norm.gated",),
     "quant": ("moefuse.quant.fused",),
 }
@@ -425,9 +426,15 @@ def norm_quant_cases(mods) -> list[dict]:
     nt, qf = mods["norm"], mods["quant"]
     row_consts = getattr(nt, "row_consts", None) or nt._row_consts
     kernels = (
-        ("norm", "_rmsnorm_kernel", "rmsnorm", tiles.RMSNORM_POLICY, {"HAS_GATE": False}),
-        ("norm", "_rmsnorm_kernel", "sigmoid_gate", tiles.SIGMOID_GATE_POLICY, {"HAS_GATE": True}),
-        ("norm", "_fused_add_rmsnorm_kernel", "", tiles.FUSED_ADD_POLICY, {}),
+        ("norm.rms", "_rmsnorm_kernel", "rmsnorm", tiles.RMSNORM_POLICY, {"HAS_GATE": False}),
+        (
+            "norm.rms",
+            "_rmsnorm_kernel",
+            "sigmoid_gate",
+            tiles.SIGMOID_GATE_POLICY,
+            {"HAS_GATE": True},
+        ),
+        ("norm.rms", "_fused_add_rmsnorm_kernel", "", tiles.FUSED_ADD_POLICY, {}),
         ("norm.gated", "_gated_residual_kernel", "", tiles.GATED_POLICY, {"HAS_WEIGHT": True}),
         (
             "norm.gated",

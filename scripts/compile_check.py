@@ -17,8 +17,7 @@ import inspect
 import triton
 from triton.compiler import ASTSource
 
-from moefuse.norm import gated, tiles
-from moefuse.norm import triton as nt
+from moefuse.norm import gated, rms, tiles
 from moefuse.tools.ptxas import TARGET, ptxas_report, tuple_fields
 
 FP32_PTRS = {
@@ -156,8 +155,8 @@ def _cases():
     from moefuse.quant import fused as qf
 
     return [
-        ("rmsnorm", nt._rmsnorm_kernel, {"HAS_GATE": False}, (), tiles.RMSNORM_POLICY),
-        ("fused_add", nt._fused_add_rmsnorm_kernel, {}, (), tiles.FUSED_ADD_POLICY),
+        ("rmsnorm", rms._rmsnorm_kernel, {"HAS_GATE": False}, (), tiles.RMSNORM_POLICY),
+        ("fused_add", rms._fused_add_rmsnorm_kernel, {}, (), tiles.FUSED_ADD_POLICY),
         (
             "gated",
             gated._gated_residual_kernel,
@@ -172,7 +171,7 @@ def _cases():
             ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"),
             tiles.GATED_POLICY,
         ),
-        ("sigmoid", nt._rmsnorm_kernel, {"HAS_GATE": True}, (), tiles.SIGMOID_GATE_POLICY),
+        ("sigmoid", rms._rmsnorm_kernel, {"HAS_GATE": True}, (), tiles.SIGMOID_GATE_POLICY),
         (
             "fp8",
             qf._rmsnorm_fp8_kernel,

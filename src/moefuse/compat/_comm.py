@@ -208,13 +208,8 @@ def trtllm_allreduce_fusion(
         raise ValueError(f"trtllm_allreduce_fusion: unexpected arguments {sorted(moe_kwargs)}")
     x = allreduce_in.reshape(token_num, hidden_dim)
     algorithm = "auto" if use_oneshot is None else ("oneshot" if use_oneshot else "twoshot")
-    common = dict(
-        workspace=ws,
-        fp32_acc=bool(fp32_acc),
-        algorithm=algorithm,
-        enable_pdl=launch_with_pdl,
-        impl=impl,
-    )
+    common = dict(workspace=ws, fp32_acc=bool(fp32_acc), algorithm=algorithm, impl=impl)
+    common["enable_pdl"] = launch_with_pdl
     pattern = int(pattern_code)
     if pattern == AllReduceFusionPattern.kAllReduce:
         out = allreduce_out.view(token_num, hidden_dim) if allreduce_out is not None else None

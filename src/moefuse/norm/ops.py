@@ -17,7 +17,7 @@ Tensor = torch.Tensor
 def rmsnorm_op(
     input: Tensor, weight: Tensor, out: Tensor, eps: float, gain_center: float, use_pdl: bool
 ) -> None:
-    from moefuse.norm.triton import launch_rmsnorm
+    from moefuse.norm.rms import launch_rmsnorm
 
     launch_rmsnorm(input, weight, out, eps, gain_center, use_pdl)
 
@@ -31,7 +31,7 @@ def _(input, weight, out, eps, gain_center, use_pdl):
 def fused_add_rmsnorm_op(
     input: Tensor, residual: Tensor, weight: Tensor, eps: float, gain_center: float, use_pdl: bool
 ) -> None:
-    from moefuse.norm.triton import launch_fused_add_rmsnorm
+    from moefuse.norm.rms import launch_fused_add_rmsnorm
 
     launch_fused_add_rmsnorm(input, residual, weight, eps, gain_center, use_pdl)
 
@@ -130,7 +130,7 @@ def _(
 
 @custom_op("moefuse::rmsnorm_sigmoid_gate", mutates_args=("input",))
 def rmsnorm_sigmoid_gate_op(input: Tensor, gate: Tensor, eps: float, use_pdl: bool) -> None:
-    from moefuse.norm.triton import launch_rmsnorm
+    from moefuse.norm.rms import launch_rmsnorm
 
     launch_rmsnorm(input, None, input, eps, 0.0, use_pdl, gate=gate)
 

@@ -32,7 +32,7 @@ import triton
 from moefuse.comm.all_gather import decode as dec
 from moefuse.comm.all_gather import kernels as AG
 from moefuse.comm.all_gather import persistent as fused
-from moefuse.norm import gated, tiles
+from moefuse.norm import gated, rms, tiles
 from moefuse.norm import triton as nt
 from moefuse.tools.compile_check_allgather import DIVISIBLE, OP_TYPES, TYPES, norm_consts
 from moefuse.tools.ptxas import TARGET, specialised_source, with_constexpr_defaults
@@ -116,7 +116,7 @@ def single_rmsnorm(h: int, m: int) -> list[str]:
     consts["HAS_GATE"] = False
     warps = consts.pop("num_warps")
     types = {"Hf": "fp32", "eps": "fp32", "gain_center": "fp32"}
-    return reduce_trees(ttgir(nt._rmsnorm_kernel, consts, warps, types, int_values(h, 1)))
+    return reduce_trees(ttgir(rms._rmsnorm_kernel, consts, warps, types, int_values(h, 1)))
 
 
 def allgather_trees(op: int, h: int, p: int, router: bool | None) -> dict[str, list[str]]:
