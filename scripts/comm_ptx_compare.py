@@ -46,36 +46,79 @@ MODULES = {
     "all_reduce": ("moefuse.comm.all_reduce.kernels", "moefuse.comm.triton"),
     "all_gather": ("moefuse.comm.all_gather.kernels", "moefuse.comm.allgather_triton"),
     "all_gather.decode": ("moefuse.comm.all_gather.decode", "moefuse.comm.allgather_decode"),
-    "all_gather.persistent": ("moefuse.comm.all_gather.persistent",
-                              "moefuse.comm.allgather_fused"),
+    "all_gather.persistent": ("moefuse.comm.all_gather.persistent", "moefuse.comm.allgather_fused"),
     "moe_reduction": ("moefuse.comm.moe_reduction.kernels", "moefuse.comm.moe_fusion_triton"),
     "expert_norm.tp": ("moefuse.comm.expert_norm.tp_kernels", "moefuse.comm.expert_norm_triton"),
-    "expert_norm.ep": ("moefuse.comm.expert_norm.ep_kernels",
-                       "moefuse.comm.expert_norm_ep_triton"),
+    "expert_norm.ep": ("moefuse.comm.expert_norm.ep_kernels", "moefuse.comm.expert_norm_ep_triton"),
     "norm": ("moefuse.norm.triton",),
+    "norm.rms": ("moefuse.norm.rms", "moefuse.norm.triton"),
     "norm.gated": ("moefuse.norm.gated",),
     "quant": ("moefuse.quant.fused",),
 }
 
 #: pointer types other than BF16, by argument name (per family where names mean different things)
 POINTERS = {
-    "*": {"table_ptr": "*i64", "ctrl_ptr": "*i32", "clock_ptr": "*i32", "agctrl_ptr": "*i32",
-          "status_ptr": "*i32", "q_ptr": "*u8", "sf_ptr": "*u8", "scale_ptr": "*fp32"},
+    "*": {
+        "table_ptr": "*i64",
+        "ctrl_ptr": "*i32",
+        "clock_ptr": "*i32",
+        "agctrl_ptr": "*i32",
+        "status_ptr": "*i32",
+        "q_ptr": "*u8",
+        "sf_ptr": "*u8",
+        "scale_ptr": "*fp32",
+    },
     "moe_reduction": {"map_ptr": "*i32", "w_ptr": "*fp32", "e_ptr": "*i32"},
     "expert_norm": {"w_ptr": "*fp32", "idx_ptr": "*i32"},
     "all_gather": {"aux_ptr": "*fp32"},
-    "norm": {"res_ptr": "*fp32", "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "rout_ptr": "*fp32",
-             "router_ptr": "*fp32"},
-    "quant": {"p_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "part_ptr": "*fp32",
-              "ctr_ptr": "*i32"},
+    "norm": {
+        "res_ptr": "*fp32",
+        "alpha_ptr": "*fp32",
+        "beta_ptr": "*fp32",
+        "rout_ptr": "*fp32",
+        "router_ptr": "*fp32",
+    },
+    "quant": {
+        "p_ptr": "*u8",
+        "s_ptr": "*u8",
+        "gs_ptr": "*fp32",
+        "part_ptr": "*fp32",
+        "ctr_ptr": "*i32",
+    },
 }
 #: floating-point scalar arguments (all others are i32)
-FLOATS = {"Hf", "eps", "weight_bias", "gain_center", "rsf", "alpha_scalar", "post_eps", "post_gc",
-          "next_eps", "next_gain_center", "post_gain_center"}
+FLOATS = {
+    "Hf",
+    "eps",
+    "weight_bias",
+    "gain_center",
+    "rsf",
+    "alpha_scalar",
+    "post_eps",
+    "post_gc",
+    "next_eps",
+    "next_gain_center",
+    "post_gain_center",
+}
 #: integer arguments that are never multiples of 16 at the cases' launches (the rest of the
 #: strides, widths and capacities are: H = 4096 rows, P = 2)
-NOT_DIVISIBLE = {"w_st", "idx_st", "map_st", "w_tst", "w_kst", "e_st", "KB", "n_kcols", "HEADS",
-                 "x_sh", "o_sh", "g_sh", "src_kst", "lookahead", "timeout_us"}
+NOT_DIVISIBLE = {
+    "w_st",
+    "idx_st",
+    "map_st",
+    "w_tst",
+    "w_kst",
+    "e_st",
+    "KB",
+    "n_kcols",
+    "HEADS",
+    "x_sh",
+    "o_sh",
+    "g_sh",
+    "src_kst",
+    "lookahead",
+    "timeout_us",
+}
 #: launch keywords that are compile options, not kernel arguments
 OPTIONS = ("num_warps", "maxnreg", "enable_fp_fusion", "launch_pdl", "num_stages")
 
@@ -102,8 +145,10 @@ def _case(family, kernel, tag, consts, **options):
 
 def _split(consts: dict) -> tuple[dict, dict]:
     """(constexprs, compile options) of a launcher's keyword dict."""
-    return ({k: v for k, v in consts.items() if k not in OPTIONS},
-            {k: v for k, v in consts.items() if k in OPTIONS})
+    return (
+        {k: v for k, v in consts.items() if k not in OPTIONS},
+        {k: v for k, v in consts.items() if k in OPTIONS},
+    )
 
 
 def all_reduce_cases(mods) -> list[dict]:
@@ -112,8 +157,16 @@ def all_reduce_cases(mods) -> list[dict]:
     out = []
     for pattern in (0, 1, 2, 3):
         tile = comm_tile(H, pattern)
-        common = dict(BLOCK_H=tile.block, PATTERN=pattern, WRITE_NORM=pattern != 0, LAYOUT=0,
-                      KP_BLOCK=tile.kp_block, FP32_ACC=True, USE_PDL=True, PTX=True)
+        common = dict(
+            BLOCK_H=tile.block,
+            PATTERN=pattern,
+            WRITE_NORM=pattern != 0,
+            LAYOUT=0,
+            KP_BLOCK=tile.kp_block,
+            FP32_ACC=True,
+            USE_PDL=True,
+            PTX=True,
+        )
         opts = dict(num_warps=tile.num_warps, launch_pdl=True)
         seen = set()
         for m in (1, 64, 4096):
@@ -124,12 +177,27 @@ def all_reduce_cases(mods) -> list[dict]:
                 continue
             seen.add((kernel, warps))
             # PROBE: the deleted probe poll's switch (before only; its launches passed 0)
-            out.append(_case("all_reduce", kernel, f"pattern={pattern} warps={warps}",
-                             dict(common, P=P, BITS=16, PROBE=0), **dict(opts, num_warps=warps)))
-        out.append(_case("all_reduce", "_twoshot_kernel", f"pattern={pattern}",
-                         dict(common, P=P, PP=P, NSLOT=1024, BITS=16), **opts))
-        out.append(_case("all_reduce", "_gathered_kernel", f"pattern={pattern}",
-                         dict(common, P=P), **opts))
+            out.append(
+                _case(
+                    "all_reduce",
+                    kernel,
+                    f"pattern={pattern} warps={warps}",
+                    dict(common, P=P, BITS=16, PROBE=0),
+                    **dict(opts, num_warps=warps),
+                )
+            )
+        out.append(
+            _case(
+                "all_reduce",
+                "_twoshot_kernel",
+                f"pattern={pattern}",
+                dict(common, P=P, PP=P, NSLOT=1024, BITS=16),
+                **opts,
+            )
+        )
+        out.append(
+            _case("all_reduce", "_gathered_kernel", f"pattern={pattern}", dict(common, P=P), **opts)
+        )
     return out
 
 
@@ -138,13 +206,28 @@ def all_gather_cases(mods) -> list[dict]:
 
     ag, dec = mods["all_gather"], mods["all_gather.decode"]
     block_s, warps = ag.allgather_tile(H // P)
-    out = [_case("all_gather", "_allgather_kernel", "",
-                 dict(P=P, BLOCK_S=block_s, USE_PDL=True, PTX=True), num_warps=warps,
-                 launch_pdl=True)]
-    ops = (("rmsnorm", dec.RMSNORM, "linear", {}), ("fp8", dec.FP8, "linear", {}),
-           ("fp4", dec.FP4, "linear", {}), ("fp4_swizzled", dec.FP4, "swizzled_128x4", {}),
-           ("gated", dec.GATED, "linear",
-            {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True}))
+    out = [
+        _case(
+            "all_gather",
+            "_allgather_kernel",
+            "",
+            dict(P=P, BLOCK_S=block_s, USE_PDL=True, PTX=True),
+            num_warps=warps,
+            launch_pdl=True,
+        )
+    ]
+    ops = (
+        ("rmsnorm", dec.RMSNORM, "linear", {}),
+        ("fp8", dec.FP8, "linear", {}),
+        ("fp4", dec.FP4, "linear", {}),
+        ("fp4_swizzled", dec.FP4, "swizzled_128x4", {}),
+        (
+            "gated",
+            dec.GATED,
+            "linear",
+            {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
+        ),
+    )
     for name, op, layout, extra in ops:
         tile = dec.op_tile(op, H)
         if not dec.fusable(op, tile):
@@ -159,14 +242,29 @@ def all_gather_cases(mods) -> list[dict]:
             mode = "unroll" if unroll else "loop"
             modes = [("", {})]
             if unroll:
-                modes += [(m, {"EARLY": True, "FROM_SLOTS": m == "slots"})
-                          for m in ("early", "slots")]
+                modes += [
+                    (m, {"EARLY": True, "FROM_SLOTS": m == "slots"}) for m in ("early", "slots")
+                ]
             for label, flags in modes:
-                out.append(_case("all_gather.persistent", "_ag_rmsnorm_persistent_kernel",
-                                 f"{name} {mode} {label}".strip(), dict(consts, **flags), **opts))
+                out.append(
+                    _case(
+                        "all_gather.persistent",
+                        "_ag_rmsnorm_persistent_kernel",
+                        f"{name} {mode} {label}".strip(),
+                        dict(consts, **flags),
+                        **opts,
+                    )
+                )
                 if unroll:
-                    out.append(_case("all_gather.decode", "_ag_rmsnorm_kernel",
-                                     f"{name} {label}".strip(), dict(consts, **flags), **opts))
+                    out.append(
+                        _case(
+                            "all_gather.decode",
+                            "_ag_rmsnorm_kernel",
+                            f"{name} {label}".strip(),
+                            dict(consts, **flags),
+                            **opts,
+                        )
+                    )
     return out
 
 
@@ -175,37 +273,96 @@ def moe_reduction_cases(mods) -> list[dict]:
 
     mt = mods["moe_reduction"]
     out = []
-    for pattern, dense, stepwise, bias in ((1, False, True, False), (3, False, False, True),
-                                           (2, True, True, False)):
+    for pattern, dense, stepwise, bias in (
+        (1, False, True, False),
+        (3, False, False, True),
+        (2, True, True, False),
+    ):
         tile = comm_tile(H, pattern)
         for ctas in (1, 2):
             cap = min(255, 65536 // (32 * tile.num_warps * ctas)) // 8 * 8
-            opts = dict(num_warps=tile.num_warps, enable_fp_fusion=False, launch_pdl=True,
-                        maxnreg=cap)
-            prod = dict(K=K, KB=mt.rows_per_batch(K, tile, ctas, bias), DENSE=dense, HAS_W=True,
-                        HAS_BIAS=bias, HAS_RSF=not dense, HAS_SHARED=True, STEPWISE=stepwise)
-            common = dict(BLOCK_H=tile.block, PATTERN=pattern, LAYOUT=0, KP_BLOCK=tile.kp_block,
-                          WRITE_AR=dense, USE_PDL=True, PTX=True)
-            tag = f"pattern={pattern} dense={dense:d} stepwise={stepwise:d} bias={bias:d} " \
-                  f"ctas/SM={ctas}"
-            out.append(_case("moe_reduction", "_moe_oneshot_kernel", tag,
-                             dict(P=P, BITS=16, **prod, **common), **opts))
-            out.append(_case("moe_reduction", "_moe_twoshot_kernel", tag,
-                             dict(P=P, PP=P, NSLOT=1024, BITS=16, **prod, **common), **opts))
+            opts = dict(
+                num_warps=tile.num_warps, enable_fp_fusion=False, launch_pdl=True, maxnreg=cap
+            )
+            prod = dict(
+                K=K,
+                KB=mt.rows_per_batch(K, tile, ctas, bias),
+                DENSE=dense,
+                HAS_W=True,
+                HAS_BIAS=bias,
+                HAS_RSF=not dense,
+                HAS_SHARED=True,
+                STEPWISE=stepwise,
+            )
+            common = dict(
+                BLOCK_H=tile.block,
+                PATTERN=pattern,
+                LAYOUT=0,
+                KP_BLOCK=tile.kp_block,
+                WRITE_AR=dense,
+                USE_PDL=True,
+                PTX=True,
+            )
+            tag = (
+                f"pattern={pattern} dense={dense:d} stepwise={stepwise:d} bias={bias:d} "
+                f"ctas/SM={ctas}"
+            )
+            out.append(
+                _case(
+                    "moe_reduction",
+                    "_moe_oneshot_kernel",
+                    tag,
+                    dict(P=P, BITS=16, **prod, **common),
+                    **opts,
+                )
+            )
+            out.append(
+                _case(
+                    "moe_reduction",
+                    "_moe_twoshot_kernel",
+                    tag,
+                    dict(P=P, PP=P, NSLOT=1024, BITS=16, **prod, **common),
+                    **opts,
+                )
+            )
             if dense:
                 continue
             c = 4
             width = CommTile(block=tile.block // c, num_warps=tile.num_warps, kp_block=1)
             split = dict(prod, KB=mt.rows_per_batch(K, width, ctas, bias))
-            out.append(_case("moe_reduction", "_moe_split_kernel", f"{tag} C={c}",
-                             dict(P=P, BITS=16, C=c, BLOCK_W=tile.block // c, **split, **common),
-                             **opts))
+            out.append(
+                _case(
+                    "moe_reduction",
+                    "_moe_split_kernel",
+                    f"{tag} C={c}",
+                    dict(P=P, BITS=16, C=c, BLOCK_W=tile.block // c, **split, **common),
+                    **opts,
+                )
+            )
         opts = dict(num_warps=tile.num_warps, enable_fp_fusion=False, launch_pdl=True)
-        out.append(_case("moe_reduction", "_moe_partial_kernel", tag.rsplit(" ", 1)[0],
-                         dict(BLOCK_H=tile.block, USE_PDL=True, PTX=True,
-                              **dict(prod, KB=mt.rows_per_batch(K, tile, 1, bias))), **opts))
-        out.append(_case("moe_reduction", "_moe_gathered_kernel", tag.rsplit(" ", 1)[0],
-                         dict(P=P, STEPWISE=stepwise, **common), **opts))
+        out.append(
+            _case(
+                "moe_reduction",
+                "_moe_partial_kernel",
+                tag.rsplit(" ", 1)[0],
+                dict(
+                    BLOCK_H=tile.block,
+                    USE_PDL=True,
+                    PTX=True,
+                    **dict(prod, KB=mt.rows_per_batch(K, tile, 1, bias)),
+                ),
+                **opts,
+            )
+        )
+        out.append(
+            _case(
+                "moe_reduction",
+                "_moe_gathered_kernel",
+                tag.rsplit(" ", 1)[0],
+                dict(P=P, STEPWISE=stepwise, **common),
+                **opts,
+            )
+        )
     return out
 
 
@@ -221,19 +378,45 @@ def expert_norm_cases(mods) -> list[dict]:
     tp = dict(base, B=block, NG=-(-K // block))
     peer = dict(tp, P=P)
     out = []
-    for kernel in ("_tp_expert_owner_kernel", "_tp_slot_kernel", "_tp_token_owner_kernel",
-                   "_tp_gathered_kernel"):
+    for kernel in (
+        "_tp_expert_owner_kernel",
+        "_tp_slot_kernel",
+        "_tp_token_owner_kernel",
+        "_tp_gathered_kernel",
+    ):
         out.append(_case("expert_norm.tp", kernel, "", peer, **opts))
-    out.append(_case("expert_norm.tp", "_tp_staged_kernel", "",
-                     dict(peer, PP=P, NSLOT=1024), **opts))
+    out.append(
+        _case("expert_norm.tp", "_tp_staged_kernel", "", dict(peer, PP=P, NSLOT=1024), **opts)
+    )
     for split in (False, True):
-        out.append(_case("expert_norm.tp", "_tp_slot_oneshot_kernel", f"split_fold={split:d}",
-                         dict(peer, SPLIT_FOLD=split, KP=triton.next_power_of_2(K)), **opts))
+        out.append(
+            _case(
+                "expert_norm.tp",
+                "_tp_slot_oneshot_kernel",
+                f"split_fold={split:d}",
+                dict(peer, SPLIT_FOLD=split, KP=triton.next_power_of_2(K)),
+                **opts,
+            )
+        )
     for prefetch in (False, True):
-        out.append(_case("expert_norm.ep", "_ep_partial_kernel", f"prefetch={prefetch:d}",
-                         dict(base, PREFETCH=prefetch), **opts))
-        out.append(_case("expert_norm.ep", "_ep_oneshot_kernel", f"prefetch={prefetch:d}",
-                         dict(base, P=P, PREFETCH=prefetch), **opts))
+        out.append(
+            _case(
+                "expert_norm.ep",
+                "_ep_partial_kernel",
+                f"prefetch={prefetch:d}",
+                dict(base, PREFETCH=prefetch),
+                **opts,
+            )
+        )
+        out.append(
+            _case(
+                "expert_norm.ep",
+                "_ep_oneshot_kernel",
+                f"prefetch={prefetch:d}",
+                dict(base, P=P, PREFETCH=prefetch),
+                **opts,
+            )
+        )
     return out
 
 
@@ -243,22 +426,63 @@ def norm_quant_cases(mods) -> list[dict]:
     nt, qf = mods["norm"], mods["quant"]
     row_consts = getattr(nt, "row_consts", None) or nt._row_consts
     kernels = (
-        ("norm", "_rmsnorm_kernel", "rmsnorm", tiles.RMSNORM_POLICY, {"HAS_GATE": False}),
-        ("norm", "_rmsnorm_kernel", "sigmoid_gate", tiles.SIGMOID_GATE_POLICY, {"HAS_GATE": True}),
-        ("norm", "_fused_add_rmsnorm_kernel", "", tiles.FUSED_ADD_POLICY, {}),
+        ("norm.rms", "_rmsnorm_kernel", "rmsnorm", tiles.RMSNORM_POLICY, {"HAS_GATE": False}),
+        (
+            "norm.rms",
+            "_rmsnorm_kernel",
+            "sigmoid_gate",
+            tiles.SIGMOID_GATE_POLICY,
+            {"HAS_GATE": True},
+        ),
+        ("norm.rms", "_fused_add_rmsnorm_kernel", "", tiles.FUSED_ADD_POLICY, {}),
         ("norm.gated", "_gated_residual_kernel", "", tiles.GATED_POLICY, {"HAS_WEIGHT": True}),
-        ("norm.gated", "_gated_residual_next_kernel", "", tiles.GATED_POLICY,
-         {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True}),
-        ("quant", "_rmsnorm_fp8_kernel", "", qf.QUANT_POLICY,
-         {"HAS_RESIDUAL": False, "FMT": 0, "EVICT_FIRST": True}),
-        ("quant", "_rmsnorm_fp8_kernel", "residual", qf.QUANT_ADD_POLICY,
-         {"HAS_RESIDUAL": True, "FMT": 0, "EVICT_FIRST": True}),
-        ("quant", "_rmsnorm_fp4_kernel", "", qf.QUANT_FP4_POLICY,
-         {"HAS_RESIDUAL": False, "HAS_NORM_OUT": False, "RECIPE": 0, "LAYOUT": 0,
-          "EVICT_FIRST": True}),
-        ("quant", "_rmsnorm_fp4_kernel", "residual", qf.QUANT_FP4_POLICY,
-         {"HAS_RESIDUAL": True, "HAS_NORM_OUT": True, "RECIPE": 0, "LAYOUT": 0,
-          "EVICT_FIRST": True}),
+        (
+            "norm.gated",
+            "_gated_residual_next_kernel",
+            "",
+            tiles.GATED_POLICY,
+            {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
+        ),
+        (
+            "quant",
+            "_rmsnorm_fp8_kernel",
+            "",
+            qf.QUANT_POLICY,
+            {"HAS_RESIDUAL": False, "FMT": 0, "EVICT_FIRST": True},
+        ),
+        (
+            "quant",
+            "_rmsnorm_fp8_kernel",
+            "residual",
+            qf.QUANT_ADD_POLICY,
+            {"HAS_RESIDUAL": True, "FMT": 0, "EVICT_FIRST": True},
+        ),
+        (
+            "quant",
+            "_rmsnorm_fp4_kernel",
+            "",
+            qf.QUANT_FP4_POLICY,
+            {
+                "HAS_RESIDUAL": False,
+                "HAS_NORM_OUT": False,
+                "RECIPE": 0,
+                "LAYOUT": 0,
+                "EVICT_FIRST": True,
+            },
+        ),
+        (
+            "quant",
+            "_rmsnorm_fp4_kernel",
+            "residual",
+            qf.QUANT_FP4_POLICY,
+            {
+                "HAS_RESIDUAL": True,
+                "HAS_NORM_OUT": True,
+                "RECIPE": 0,
+                "LAYOUT": 0,
+                "EVICT_FIRST": True,
+            },
+        ),
     )
     out = []
     for family, kernel, tag, policy, extra in kernels:
@@ -266,13 +490,21 @@ def norm_quant_cases(mods) -> list[dict]:
             tile = tiles.row_tile(h, policy)
             for m in (1, 16384) if tile.stepped else (1,):
                 consts, opts = _split(row_consts(tile, h, m, None, tiles.STEP_LOOP_MIN_ROWS, True))
-                out.append(_case(family, kernel, f"{tag} H={h} M={m}".strip(),
-                                 dict(consts, **extra), **opts))
+                out.append(
+                    _case(
+                        family, kernel, f"{tag} H={h} M={m}".strip(), dict(consts, **extra), **opts
+                    )
+                )
     return out
 
 
-CASES = (all_reduce_cases, all_gather_cases, moe_reduction_cases, expert_norm_cases,
-         norm_quant_cases)
+CASES = (
+    all_reduce_cases,
+    all_gather_cases,
+    moe_reduction_cases,
+    expert_norm_cases,
+    norm_quant_cases,
+)
 
 
 # ----------------------------------------------------------------------------- compile
@@ -282,7 +514,7 @@ def normalise(ptx: str) -> str:
     ``NAME1``, ... in order of appearance."""
     cut = re.search(r"^\s*\.section\s+\.debug", ptx, flags=re.M)
     if cut:
-        ptx = ptx[:cut.start()]
+        ptx = ptx[: cut.start()]
     lines = []
     for line in ptx.splitlines():
         line = re.sub(r"//.*", "", line).rstrip()
@@ -311,20 +543,32 @@ def compile_case(case: dict, mods: dict) -> str:
     kernel = getattr(mods[case["family"]], case["kernel"])
     params = inspect.signature(kernel.fn).parameters
     consts = with_constexpr_defaults(
-        kernel, {k: v for k, v in case["consts"].items() if k in params})
+        kernel, {k: v for k, v in case["consts"].items() if k in params}
+    )
     group = case["family"].split(".")[0]
     ptrs = {**POINTERS["*"], **POINTERS.get(group, {})}
     # tuple parameters are typed element by element, by the names the kernel unpacks them into
     names = [*params, *(f for fields in tuple_fields(kernel).values() for f in fields)]
-    types = {name: ptrs.get(name, "*bf16") if name.endswith("_ptr") else
-             "fp32" if name in FLOATS else "i32" for name in names}
+    types = {
+        name: ptrs.get(name, "*bf16")
+        if name.endswith("_ptr")
+        else "fp32"
+        if name in FLOATS
+        else "i32"
+        for name in names
+    }
     skip = set(getattr(kernel, "do_not_specialize", ()) or ())
     skip = {params_name(kernel, s) for s in skip}
     # do_not_specialize names a whole parameter: a tuple's elements are all left unspecialised
     skip = {e for s in skip for e in tuple_fields(kernel).get(s, (s,))}
-    src = specialised_source(kernel, consts, types,
-                             lambda name, t: t.startswith("*") or
-                             (name not in skip and name not in NOT_DIVISIBLE and t == "i32"))
+    src = specialised_source(
+        kernel,
+        consts,
+        types,
+        lambda name, t: (
+            t.startswith("*") or (name not in skip and name not in NOT_DIVISIBLE and t == "i32")
+        ),
+    )
     compiled = triton.compile(src, target=TARGET, options=dict(case["options"]))
     return normalise(compiled.asm["ptx"])
 
@@ -374,8 +618,11 @@ def worker(dump: str, only: str) -> int:
             cid = case_id(case)
             if only and only not in cid:
                 continue
-            entry = {"kernel": case["kernel"], "tag": case["tag"],
-                     "module": getattr(mods[case["family"]], "__name__", "")}
+            entry = {
+                "kernel": case["kernel"],
+                "tag": case["tag"],
+                "module": getattr(mods[case["family"]], "__name__", ""),
+            }
             if not hasattr(mods[case["family"]], case["kernel"]):
                 entry["missing"] = True
             else:
@@ -387,11 +634,16 @@ def worker(dump: str, only: str) -> int:
                     fname = hashlib.sha1(cid.encode()).hexdigest()[:16] + ".ptx"
                     with open(os.path.join(dump, fname), "w") as f:
                         f.write(text)
-                    entry.update(sha256=hashlib.sha256(text.encode()).hexdigest(), file=fname,
-                                 lines=text.count("\n"))
+                    entry.update(
+                        sha256=hashlib.sha256(text.encode()).hexdigest(),
+                        file=fname,
+                        lines=text.count("\n"),
+                    )
             index[cid] = entry
-            print(f"{cid}: {entry.get('sha256', '')[:12] or entry.get('error') or 'missing'}",
-                  flush=True)
+            print(
+                f"{cid}: {entry.get('sha256', '')[:12] or entry.get('error') or 'missing'}",
+                flush=True,
+            )
     with open(os.path.join(dump, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
     return 0
@@ -414,8 +666,9 @@ def run_tree(tree: str, dump: str, only: str) -> dict:
 
 def extract(rev: str, folder: str) -> str:
     """``rev``'s src/ (git archive) in ``folder``; the tree's path."""
-    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "src"], check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", rev, "src"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
     return folder
 
@@ -423,8 +676,10 @@ def extract(rev: str, folder: str) -> str:
 # ----------------------------------------------------------------------------- what is left
 #: why a kernel of the list below was not split or grouped (the others: see LEFT_DEFAULT)
 LEFT_WHY: dict[str, str] = {}
-LEFT_DEFAULT = ("over 32 parameters: grouping them into tuples changes the signature, every "
-                "launcher and this script's specialisation; not attempted without a GPU A/B")
+LEFT_DEFAULT = (
+    "over 32 parameters: grouping them into tuples changes the signature, every "
+    "launcher and this script's specialisation; not attempted without a GPU A/B"
+)
 
 
 def left_over(tree: str) -> list[tuple[str, str, int, int]]:
@@ -448,8 +703,9 @@ def left_over(tree: str) -> list[tuple[str, str, int, int]]:
                 params = len(node.args.args) + len(node.args.kwonlyargs)
                 jit = any("jit" in ast.unparse(d) for d in node.decorator_list)
                 if lines > 100 or (jit and params > 32):
-                    out.append((os.path.relpath(path, os.path.join(tree, "src")), node.name,
-                                lines, params))
+                    out.append(
+                        (os.path.relpath(path, os.path.join(tree, "src")), node.name, lines, params)
+                    )
     return out
 
 
@@ -458,11 +714,15 @@ def compare(before: dict, after: dict, dumps: tuple[str, str]) -> list[dict]:
     rows = []
     for cid in list(before) + [c for c in after if c not in before]:
         b, a = before.get(cid, {"missing": True}), after.get(cid, {"missing": True})
-        row = {"case": cid, "kernel": (a if "module" in a else b)["kernel"],
-               "module_before": "" if b.get("missing") else b.get("module", ""),
-               "module_after": "" if a.get("missing") else a.get("module", ""),
-               "sha256_before": b.get("sha256", ""), "sha256_after": a.get("sha256", ""),
-               "lines": a.get("lines", b.get("lines", 0))}
+        row = {
+            "case": cid,
+            "kernel": (a if "module" in a else b)["kernel"],
+            "module_before": "" if b.get("missing") else b.get("module", ""),
+            "module_after": "" if a.get("missing") else a.get("module", ""),
+            "sha256_before": b.get("sha256", ""),
+            "sha256_after": a.get("sha256", ""),
+            "lines": a.get("lines", b.get("lines", 0)),
+        }
         if b.get("missing") and a.get("missing"):
             continue
         if b.get("missing"):
@@ -504,32 +764,44 @@ def write_report(rows: list[dict], args, path: str) -> None:
         "Each case is one kernel at one launch's constexprs and compile options (H = 4096, "
         "P = 2, K = 8, BF16, PDL on; patterns, modes and variants as listed). PTX normalised: "
         "debug sections, `.file` / `.loc` lines, line-info labels (`$L__tmpN:`) and comments "
-        "dropped, kernel and function names replaced by placeholders. \"only before\": the "
+        'dropped, kernel and function names replaced by placeholders. "only before": the '
         "kernel was deleted (a variant retired by a measurement, see the family's note).",
         "",
         "| case | module before | module after | verdict | PTX lines |",
         "|---|---|---|---|---|",
     ]
     for row in rows:
-        lines.append(f"| `{row['case']}` | {row['module_before'] or '-'} | "
-                     f"{row['module_after'] or '-'} | {row['verdict']} | {row['lines']} |")
+        lines.append(
+            f"| `{row['case']}` | {row['module_before'] or '-'} | "
+            f"{row['module_after'] or '-'} | {row['verdict']} | {row['lines']} |"
+        )
     gone = [r["case"] for r in rows if r["verdict"] == "only before"]
     notes = [(k, v) for k, v in DELETED.items() if any(c.startswith(k) for c in gone)]
     if notes:
         lines += ["", "Kernels and switches of before that are gone:", ""]
         lines += [f"* `{k}`: {v}" for k, v in notes]
-    if any(r["module_before"] != r["module_after"] for r in rows
-           if r["module_before"] and r["module_after"]):
+    if any(
+        r["module_before"] != r["module_after"]
+        for r in rows
+        if r["module_before"] and r["module_after"]
+    ):
         lines += ["", f"* `PROBE`: {DELETED['PROBE']}"]  # (a tree of before the rebuild)
     left = args.left
     if left:
-        lines += ["", "## Left for a GPU A/B: functions over 100 lines, kernels over 32 "
-                  "parameters", "", "Lines of the committed (hand-packed) source; formatted by "
-                  "ruff, more functions pass 100 lines (the kernels here, the launchers).", "",
-                  "| module | function | lines | parameters | why not changed |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {m} | `{fn}` | {n} | {k} | {LEFT_WHY.get(fn, LEFT_DEFAULT)} |"
-                  for m, fn, n, k in left]
+        lines += [
+            "",
+            "## Left for a GPU A/B: functions over 100 lines, kernels over 32 parameters",
+            "",
+            "Lines of the committed (hand-packed) source; formatted by "
+            "ruff, more functions pass 100 lines (the kernels here, the launchers).",
+            "",
+            "| module | function | lines | parameters | why not changed |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {m} | `{fn}` | {n} | {k} | {LEFT_WHY.get(fn, LEFT_DEFAULT)} |"
+            for m, fn, n, k in left
+        ]
     for row in rows:
         if row["verdict"] in ("different", "compile error"):
             lines += ["", f"## {row['case']}: {row['verdict']}", "", "```"]
@@ -540,19 +812,29 @@ def write_report(rows: list[dict], args, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", default="872b0f3",
-                        help="git revision or source tree compiled as 'before' (default 872b0f3)")
-    parser.add_argument("--after", default=ROOT,
-                        help="git revision or source tree compiled as 'after' (default: this "
-                             "checkout, uncommitted changes included)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--before",
+        default="872b0f3",
+        help="git revision or source tree compiled as 'before' (default 872b0f3)",
+    )
+    parser.add_argument(
+        "--after",
+        default=ROOT,
+        help="git revision or source tree compiled as 'after' (default: this "
+        "checkout, uncommitted changes included)",
+    )
     parser.add_argument("--only", default="", help="only the cases whose name contains this")
     parser.add_argument("--report", default="", help="Markdown report to write")
     parser.add_argument("--json", default="", help="JSON report to write")
     parser.add_argument("--dump", default="", help="keep the normalised PTX in this folder")
-    parser.add_argument("--reuse-before", action="store_true",
-                        help="take the 'before' PTX from an earlier run's --dump folder")
+    parser.add_argument(
+        "--reuse-before",
+        action="store_true",
+        help="take the 'before' PTX from an earlier run's --dump folder",
+    )
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -576,8 +858,10 @@ def main(argv=None) -> int:
             indices = [first, run_tree(after, dumps[1], args.only)]
         else:
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                jobs = [pool.submit(run_tree, tree, d, args.only)
-                        for tree, d in zip((before, after), dumps)]
+                jobs = [
+                    pool.submit(run_tree, tree, d, args.only)
+                    for tree, d in zip((before, after), dumps)
+                ]
                 indices = [job.result() for job in jobs]
         rows = compare(*indices, dumps)
     for row in rows:
@@ -586,8 +870,9 @@ def main(argv=None) -> int:
         write_report(rows, args, args.report)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"before": args.before_label, "after": args.after_label, "cases": rows},
-                      f, indent=1)
+            json.dump(
+                {"before": args.before_label, "after": args.after_label, "cases": rows}, f, indent=1
+            )
     bad = [r for r in rows if r["verdict"] in ("different", "compile error")]
     print(f"{len(rows)} cases: {len(bad)} different or failed")
     return 1 if bad else 0

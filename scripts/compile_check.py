@@ -17,17 +17,31 @@ import inspect
 import triton
 from triton.compiler import ASTSource
 
-from moefuse.norm import gated, tiles
-from moefuse.norm import triton as nt
+from moefuse.norm import gated, rms, tiles
 from moefuse.tools.ptxas import TARGET, ptxas_report, tuple_fields
 
-FP32_PTRS = {"res_ptr_gated", "alpha_ptr", "beta_ptr", "out_ptr_gated", "rout_ptr", "router_ptr",
-             "a_ptr", "be_ptr"}  # fmt: skip
+FP32_PTRS = {
+    "res_ptr_gated",
+    "alpha_ptr",
+    "beta_ptr",
+    "out_ptr_gated",
+    "rout_ptr",
+    "router_ptr",
+    "a_ptr",
+    "be_ptr",
+}
 
 
 #: pointer types other than bf16 / fp32 (the fused quant kernels' outputs and scales)
-PTR_TYPES = {"q_ptr": "*u8", "p_ptr": "*u8", "s_ptr": "*u8", "scale_ptr": "*fp32",
-             "gs_ptr": "*fp32", "part_ptr": "*fp32", "ctr_ptr": "*i32"}  # fmt: skip
+PTR_TYPES = {
+    "q_ptr": "*u8",
+    "p_ptr": "*u8",
+    "s_ptr": "*u8",
+    "scale_ptr": "*fp32",
+    "gs_ptr": "*fp32",
+    "part_ptr": "*fp32",
+    "ctr_ptr": "*i32",
+}
 
 
 VARIANTS = (("tile", False, False), ("loop", True, False), ("prefetch", True, True))
@@ -40,8 +54,16 @@ def _type(name, consts, fp32_ptrs):
         return PTR_TYPES[name]
     if name.endswith("_ptr"):
         return "*fp32" if name in fp32_ptrs else "*bf16"
-    if name in ("eps", "gain_center", "Hf", "alpha_scalar", "post_eps", "next_eps",
-                "next_gain_center", "post_gain_center"):  # fmt: skip
+    if name in (
+        "eps",
+        "gain_center",
+        "Hf",
+        "alpha_scalar",
+        "post_eps",
+        "next_eps",
+        "next_gain_center",
+        "post_gain_center",
+    ):
         return "fp32"
     return "i32"
 
@@ -50,14 +72,18 @@ def _signature(kernel, consts, fp32_ptrs):
     """Each parameter's type by name; a tuple parameter's, element by element by the names
     the kernel unpacks it into (moefuse.tools.ptxas.tuple_fields)."""
     fields = tuple_fields(kernel)
-    return {name: tuple(_type(f, consts, fp32_ptrs) for f in fields[name]) if name in fields
-            else _type(name, consts, fp32_ptrs)
-            for name in inspect.signature(kernel.fn).parameters}  # fmt: skip
+    return {
+        name: tuple(_type(f, consts, fp32_ptrs) for f in fields[name])
+        if name in fields
+        else _type(name, consts, fp32_ptrs)
+        for name in inspect.signature(kernel.fn).parameters
+    }
 
 
 def compile_report(kernel, consts, num_warps, fp32_ptrs=(), maxnreg=None):
-    src = ASTSource(fn=kernel, signature=_signature(kernel, consts, set(fp32_ptrs)),
-                    constexprs=consts)  # fmt: skip
+    src = ASTSource(
+        fn=kernel, signature=_signature(kernel, consts, set(fp32_ptrs)), constexprs=consts
+    )
     options = {"num_warps": num_warps}
     if maxnreg:
         options["maxnreg"] = maxnreg
@@ -91,10 +117,19 @@ def main() -> None:
                     if t.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS:
                         variants = (("unroll", False, False),) + variants
                 for label, persistent, prefetch in variants:
-                    consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks,
-                                  ROWS=t.rows, MASKED=t.rows > 1 or not t.even(width), PTX=True,
-                                  USE_PDL=True, PERSISTENT=persistent, PREFETCH=prefetch,
-                                  STEPPED=t.stepped, UNROLL=label == "unroll", **extra)  # fmt: skip
+                    consts = dict(
+                        BLOCK=t.block,
+                        NUM_CHUNKS=t.num_chunks,
+                        ROWS=t.rows,
+                        MASKED=t.rows > 1 or not t.even(width),
+                        PTX=True,
+                        USE_PDL=True,
+                        PERSISTENT=persistent,
+                        PREFETCH=prefetch,
+                        STEPPED=t.stepped,
+                        UNROLL=label == "unroll",
+                        **extra,
+                    )
                     consts.setdefault("EVICT_FIRST", False)
                     consts = {k: v for k, v in consts.items() if k in params}
                     # persistent variants: the policy's programs per SM (2 where it runs one tile
@@ -107,35 +142,78 @@ def main() -> None:
                     mark = "*" if (persistent, prefetch) == chosen and warps == t.num_warps else " "
                     if t.stepped:
                         mark = "*"
-                    print(f"H={width:6d} {name:11s} warps={warps:2d} chunks={t.num_chunks} "
-                          f"{'stepped ' if t.stepped else ''}"
-                          f"{label:8s}{mark} per_sm={per_sm} maxnreg={cap or '-':>3} "
-                          f"regs={regs:4d} spills={spills}", flush=True)
+                    print(
+                        f"H={width:6d} {name:11s} warps={warps:2d} chunks={t.num_chunks} "
+                        f"{'stepped ' if t.stepped else ''}"
+                        f"{label:8s}{mark} per_sm={per_sm} maxnreg={cap or '-':>3} "
+                        f"regs={regs:4d} spills={spills}",
+                        flush=True,
+                    )
 
 
 def _cases():
     from moefuse.quant import fused as qf
 
     return [
-        ("rmsnorm", nt._rmsnorm_kernel, {"HAS_GATE": False}, (), tiles.RMSNORM_POLICY),
-        ("fused_add", nt._fused_add_rmsnorm_kernel, {}, (), tiles.FUSED_ADD_POLICY),
-        ("gated", gated._gated_residual_kernel, {"HAS_WEIGHT": True},
-         ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"), tiles.GATED_POLICY),
-        ("gated_next", gated._gated_residual_next_kernel,
-         {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
-         ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"), tiles.GATED_POLICY),
-        ("sigmoid", nt._rmsnorm_kernel, {"HAS_GATE": True}, (), tiles.SIGMOID_GATE_POLICY),
-        ("fp8", qf._rmsnorm_fp8_kernel, {"HAS_RESIDUAL": False, "FMT": 0, "EVICT_FIRST": True,
-                                         "_warps": (4, 8)}, (), qf.QUANT_POLICY),
-        ("fp8_add", qf._rmsnorm_fp8_kernel, {"HAS_RESIDUAL": True, "FMT": 0, "EVICT_FIRST": True},
-         (), qf.QUANT_ADD_POLICY),
-        ("fp4", qf._rmsnorm_fp4_kernel, {"HAS_RESIDUAL": False, "HAS_NORM_OUT": False,
-                                         "RECIPE": 0, "LAYOUT": 0, "EVICT_FIRST": True,
-                                         "_warps": (4, 8)}, (), qf.QUANT_FP4_POLICY),
-        ("fp4_add", qf._rmsnorm_fp4_kernel, {"HAS_RESIDUAL": True, "HAS_NORM_OUT": True,
-                                             "RECIPE": 0, "LAYOUT": 0, "EVICT_FIRST": True},
-         (), qf.QUANT_FP4_POLICY),
-    ]  # fmt: skip
+        ("rmsnorm", rms._rmsnorm_kernel, {"HAS_GATE": False}, (), tiles.RMSNORM_POLICY),
+        ("fused_add", rms._fused_add_rmsnorm_kernel, {}, (), tiles.FUSED_ADD_POLICY),
+        (
+            "gated",
+            gated._gated_residual_kernel,
+            {"HAS_WEIGHT": True},
+            ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"),
+            tiles.GATED_POLICY,
+        ),
+        (
+            "gated_next",
+            gated._gated_residual_next_kernel,
+            {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
+            ("res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"),
+            tiles.GATED_POLICY,
+        ),
+        ("sigmoid", rms._rmsnorm_kernel, {"HAS_GATE": True}, (), tiles.SIGMOID_GATE_POLICY),
+        (
+            "fp8",
+            qf._rmsnorm_fp8_kernel,
+            {"HAS_RESIDUAL": False, "FMT": 0, "EVICT_FIRST": True, "_warps": (4, 8)},
+            (),
+            qf.QUANT_POLICY,
+        ),
+        (
+            "fp8_add",
+            qf._rmsnorm_fp8_kernel,
+            {"HAS_RESIDUAL": True, "FMT": 0, "EVICT_FIRST": True},
+            (),
+            qf.QUANT_ADD_POLICY,
+        ),
+        (
+            "fp4",
+            qf._rmsnorm_fp4_kernel,
+            {
+                "HAS_RESIDUAL": False,
+                "HAS_NORM_OUT": False,
+                "RECIPE": 0,
+                "LAYOUT": 0,
+                "EVICT_FIRST": True,
+                "_warps": (4, 8),
+            },
+            (),
+            qf.QUANT_FP4_POLICY,
+        ),
+        (
+            "fp4_add",
+            qf._rmsnorm_fp4_kernel,
+            {
+                "HAS_RESIDUAL": True,
+                "HAS_NORM_OUT": True,
+                "RECIPE": 0,
+                "LAYOUT": 0,
+                "EVICT_FIRST": True,
+            },
+            (),
+            qf.QUANT_FP4_POLICY,
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -22,8 +22,13 @@ def _divisible(name, typ):
 
 def build(kernel, consts, warps):
     consts = with_constexpr_defaults(kernel, consts)
-    types = {"items_ptr": "*i32", "sorted_ptr": "*i32", "y_ptr": "*fp32", "idx_ptr": "*i64",
-             "slot_map_ptr": "*i32"}
+    types = {
+        "items_ptr": "*i32",
+        "sorted_ptr": "*i32",
+        "y_ptr": "*fp32",
+        "idx_ptr": "*i64",
+        "slot_map_ptr": "*i32",
+    }
     src = specialised_source(kernel, consts, types, _divisible)
     opts = {"num_warps": warps, "launch_pdl": consts.get("USE_PDL", False)}
     return triton.compile(src, target=TARGET, options=opts)
@@ -37,21 +42,46 @@ def main():
         for bt in (16, 128):
             common = dict(BK=tile["bk"], BT=bt, STAGES=tile["stages"], PTX=True, USE_PDL=True)
             for kern, consts in (
-                (xt._experts_gate_up_kernel,
-                 dict(KDIM=h, INTER=i, BN=tile["bn_gate_up"], **common)),
+                (
+                    xt._experts_gate_up_kernel,
+                    dict(KDIM=h, INTER=i, BN=tile["bn_gate_up"], **common),
+                ),
                 (xt._experts_down_kernel, dict(KDIM=i, H=h, BN=tile["bn_down"], **common)),
             ):
                 c = build(kern, consts, tile["warps"])
                 ptx = c.asm["ptx"]
                 rep = ptxas_report(ptx)
-                rows.append((name, bt, kern.fn.__name__, rep.regs, rep.spills, c.metadata.shared,
-                             "mma" if "mma.sync" in ptx else ("wgmma" if "wgmma" in ptx else "-"),
-                             bool(re.search(r"cp\.async\.\w+\.shared\.global.*16", ptx)),
-                             "griddepcontrol.wait" in ptx))
-    c = build(xt._experts_plan_kernel, dict(BS=xt.PLAN_SLOTS, BC=xt.PLAN_CHUNK, EP=256, BT=16,
-                                            USE_PDL=True), 4)
-    rows.append(("plan", 16, "_experts_plan_kernel", ptxas_report(c.asm["ptx"]).regs, 0,
-                 c.metadata.shared, "-", False, "griddepcontrol.wait" in c.asm["ptx"]))
+                rows.append(
+                    (
+                        name,
+                        bt,
+                        kern.fn.__name__,
+                        rep.regs,
+                        rep.spills,
+                        c.metadata.shared,
+                        "mma" if "mma.sync" in ptx else ("wgmma" if "wgmma" in ptx else "-"),
+                        bool(re.search(r"cp\.async\.\w+\.shared\.global.*16", ptx)),
+                        "griddepcontrol.wait" in ptx,
+                    )
+                )
+    c = build(
+        xt._experts_plan_kernel,
+        dict(BS=xt.PLAN_SLOTS, BC=xt.PLAN_CHUNK, EP=256, BT=16, USE_PDL=True),
+        4,
+    )
+    rows.append(
+        (
+            "plan",
+            16,
+            "_experts_plan_kernel",
+            ptxas_report(c.asm["ptx"]).regs,
+            0,
+            c.metadata.shared,
+            "-",
+            False,
+            "griddepcontrol.wait" in c.asm["ptx"],
+        )
+    )
     print("shape bt kernel regs spills smem mma cp.async16 pdl")
     for r in rows:
         print(*r)

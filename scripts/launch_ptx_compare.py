@@ -70,8 +70,23 @@ def _gated_next_cases():
                     rt = torch.empty(m, width, dtype=f32) if router else None
                     unroll = None if mode == "one-pass" else mode == "unroll"
                     gated.launch_gated_residual_next_rmsnorm(
-                        b, res, nw, a, scalar, be, pw, ro, ffn, rt, 1e-6, 1e-5, 0.0, 1.0,
-                        True, unroll=unroll)  # fmt: skip
+                        b,
+                        res,
+                        nw,
+                        a,
+                        scalar,
+                        be,
+                        pw,
+                        ro,
+                        ffn,
+                        rt,
+                        1e-6,
+                        1e-5,
+                        0.0,
+                        1.0,
+                        True,
+                        unroll=unroll,
+                    )
 
                 out.append((f"_gated_residual_next_kernel [H={width} {mode} {label}]", run))
     return out
@@ -90,8 +105,9 @@ def compile_launch(kernel, args, consts) -> tuple[str, list[str]]:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, spec, kwargs = binder(*args, **consts)
     options, sig, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, kwargs)
-    ck = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=TARGET,
-                        options=options.__dict__)  # fmt: skip
+    ck = triton.compile(
+        ASTSource(kernel, sig, constexprs, attrs), target=TARGET, options=options.__dict__
+    )
     flat = []
 
     def walk(t):
@@ -119,7 +135,7 @@ def worker(out_path: str) -> int:
         caught.clear()
         try:
             run()
-            (kernel, args, consts), = caught
+            ((kernel, args, consts),) = caught
             ptx, flat = compile_launch(kernel, args, consts)
             index[cid] = {"ptx": ptx, "params": flat}
         except Exception as exc:  # reported per case
@@ -133,11 +149,17 @@ def worker(out_path: str) -> int:
 def run_tree(tree: str, out_path: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(tree, "src"), HERE])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", out_path],
-                          env=env, capture_output=True, text=True, cwd=tree)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", out_path],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tree,
+    )
     if proc.returncode:
-        raise RuntimeError(f"the cases of {tree} failed:\n{proc.stdout[-3000:]}"
-                           f"{proc.stderr[-3000:]}")  # fmt: skip
+        raise RuntimeError(
+            f"the cases of {tree} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        )
     with open(out_path) as f:
         return json.load(f)
 
@@ -176,12 +198,16 @@ def main(argv=None) -> int:
     print(f"{len(rows)} cases: {len(bad)} different or failed")
     if args.report:
         after_label = "." if os.path.abspath(args.after) == ROOT else args.after
-        text = [f"Made by `python scripts/launch_ptx_compare.py --before {args.before} "
-                f"--after {after_label}` (offline, sm_90a, Triton's binder on the launcher's "
-                "own arguments; no GPU).", "",
-                f"Verdict: {len(rows) - len(bad)} of {len(rows)} cases identical.", "",
-                "| case | verdict | PTX lines | kernel parameters (flattened) |",
-                "|---|---|---|---|"]  # fmt: skip
+        text = [
+            f"Made by `python scripts/launch_ptx_compare.py --before {args.before} "
+            f"--after {after_label}` (offline, sm_90a, Triton's binder on the launcher's "
+            "own arguments; no GPU).",
+            "",
+            f"Verdict: {len(rows) - len(bad)} of {len(rows)} cases identical.",
+            "",
+            "| case | verdict | PTX lines | kernel parameters (flattened) |",
+            "|---|---|---|---|",
+        ]
         text += [f"| `{c}` | {v} | {n} | {k} |" for c, v, n, k in rows]
         with open(args.report, "w") as f:
             f.write("\n".join(text) + "\n")

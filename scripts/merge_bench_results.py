@@ -35,9 +35,14 @@ def merge(family: str, paths: list[Path], note: str = "") -> tuple[list[dict], d
     if len(worlds) != 1:
         raise SystemExit(f"runs of different world sizes: {sorted(worlds, key=str)}")
     meta = dict(runs[0]["meta"])
-    meta["runs"] = [{k: run["meta"].get(k) for k in
-                     ("commit", "command", "date", "peer_copy_GBps") if k in run["meta"]}
-                    for run in runs]  # fmt: skip
+    meta["runs"] = [
+        {
+            k: run["meta"].get(k)
+            for k in ("commit", "command", "date", "peer_copy_GBps")
+            if k in run["meta"]
+        }
+        for run in runs
+    ]
     meta["command"] = " ; ".join(run["meta"].get("command", "?") for run in runs)
     meta["bar"] = BARS[family](rows, worlds.pop())
     if note:
@@ -58,8 +63,9 @@ def main() -> int:
     # named after the GPU the runs measured, not this machine's
     stem = out / f"{args.family}-{harness.gpu_slug(meta['gpu'])}-p{meta['world_size']}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    harness.plot_rows(rows, stem.with_suffix(".png"),
-                      title=f"moefuse {args.family} on {meta['gpu']}")  # fmt: skip
+    harness.plot_rows(
+        rows, stem.with_suffix(".png"), title=f"moefuse {args.family} on {meta['gpu']}"
+    )
     for line in meta["bar"]:
         print(line)
     print("wrote", stem.with_suffix(".json"), stem.with_suffix(".png"))

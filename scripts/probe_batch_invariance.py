@@ -64,16 +64,26 @@ def _cases(width: int, dtype):
     nw, pw = _rand(width, dtype=dtype), _rand(width, dtype=dtype)
 
     def gated(x):
-        return (moefuse.gated_residual_rmsnorm(x[0], x[1], w, a32, be, gain_center=1.0,
-                                               impl="triton"),)  # fmt: skip
+        return (
+            moefuse.gated_residual_rmsnorm(x[0], x[1], w, a32, be, gain_center=1.0, impl="triton"),
+        )
 
     def gated_next(router):
         def run(x):
             rt = torch.empty_like(x[1]) if router else None
             ro, ffn = moefuse.gated_residual_next_rmsnorm(
-                x[0], x[1], nw, a32, be, post_weight=pw, post_gain_center=1.0,
-                router_input=rt, impl="triton")  # fmt: skip
+                x[0],
+                x[1],
+                nw,
+                a32,
+                be,
+                post_weight=pw,
+                post_gain_center=1.0,
+                router_input=rt,
+                impl="triton",
+            )
             return (ro, ffn) if rt is None else (ro, ffn, rt)
+
         return run
 
     scale = torch.tensor([0.05], device=DEV)
@@ -122,8 +132,12 @@ def main() -> None:
                         counts["router"] += _rows_differ(out[:2], other(x))
                 total += sum(counts.values())
                 flag = "  <-- DIFFERS" if sum(counts.values()) else ""
-                print(f"{str(dtype)[6:]:9s} H={width:5d} {name:24s} rows differing: "
-                      + " ".join(f"{k}={v}" for k, v in counts.items()) + flag, flush=True)
+                print(
+                    f"{str(dtype)[6:]:9s} H={width:5d} {name:24s} rows differing: "
+                    + " ".join(f"{k}={v}" for k, v in counts.items())
+                    + flag,
+                    flush=True,
+                )
     print(f"TOTAL rows differing: {total}")
 
 

@@ -57,28 +57,37 @@ def main(argv=None) -> int:
         for t in args.tokens:
             sets = [make_routing(t, shape, dev, seed=1000 * t + s) for s in range(8)]
             distinct = sum(len(torch.unique(i)) for _, i, _ in sets) / len(sets)
-            row = {"shape": name, "T": t,
-                   "floor_us": distinct * expert_bytes(shape) / 4.8e12 * 1e6}  # fmt: skip
+            row = {"shape": name, "T": t, "floor_us": distinct * expert_bytes(shape) / 4.8e12 * 1e6}
             first = None
             for var, tile in variants.items():
 
                 def call(i, tile=tile):
                     x, idx, w = sets[i % len(sets)]
                     out = torch.empty(t, shape["hidden"], dtype=torch.bfloat16, device=dev)
-                    launch_moe_experts(x, gu, dn, idx, w, out, None, None, 1.0, False, True,
-                                       tile=tile)  # fmt: skip
+                    launch_moe_experts(
+                        x, gu, dn, idx, w, out, None, None, 1.0, False, True, tile=tile
+                    )
                     return out
 
                 bits = call(0).view(torch.int16)
                 first = bits if first is None else first
-                row[var] = {"us": graph_time_us(call, calls=20, replays=15),
-                            "same_bits": bool(torch.equal(bits, first))}  # fmt: skip
+                row[var] = {
+                    "us": graph_time_us(call, calls=20, replays=15),
+                    "same_bits": bool(torch.equal(bits, first)),
+                }
                 if t == 1:
                     row[var]["kernels_us"] = kernel_times(lambda: call(0), dev)
             rows.append(row)
-            print(name, t, f"floor {row['floor_us']:.1f}",
-                  " ".join(f"{v} {row[v]['us']:.1f}{'' if row[v]['same_bits'] else ' BITS!'}"
-                           for v in variants), flush=True)  # fmt: skip
+            print(
+                name,
+                t,
+                f"floor {row['floor_us']:.1f}",
+                " ".join(
+                    f"{v} {row[v]['us']:.1f}{'' if row[v]['same_bits'] else ' BITS!'}"
+                    for v in variants
+                ),
+                flush=True,
+            )
     with open(os.path.join(args.out, "experts_variants.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0

@@ -80,23 +80,27 @@ def compiled():
     print("specialisation:", spec)
     _, sig, consts, attrs = _k._pack_args(backend, kw, bound, spec, kw)
     print("signature:", sig, "\nconstexprs:", consts, "\nattributes:", attrs)
-    ck = triton.compile(ASTSource(_k, sig, consts, attrs), target=target,
-                        options={"num_warps": 4})  # fmt: skip
-    print("PTX parameters:", [ln.strip() for ln in ck.asm["ptx"].splitlines()
-                              if ln.strip().startswith(".param")])  # fmt: skip
+    ck = triton.compile(ASTSource(_k, sig, consts, attrs), target=target, options={"num_warps": 4})
+    print(
+        "PTX parameters:",
+        [ln.strip() for ln in ck.asm["ptx"].splitlines() if ln.strip().startswith(".param")],
+    )
     bf = create_function_from_signature(_flat.signature, _flat.params, backend)
     bg = create_function_from_signature(_grouped.signature, _grouped.params, backend)
     ints, floats, n = (4096,) * 5, (1.0, 1e-6, 1e-6, 0.0, 0.0), 20000
     for _ in range(3):
-        tf = min(timeit.repeat(lambda: bf(x, x, x, *ints, *floats, BLOCK=64), number=n,
-                               repeat=5)) / n  # fmt: skip
-        tg = min(timeit.repeat(lambda: bg(x, x, x, ints, floats, BLOCK=64), number=n,
-                               repeat=5)) / n  # fmt: skip
+        tf = (
+            min(timeit.repeat(lambda: bf(x, x, x, *ints, *floats, BLOCK=64), number=n, repeat=5))
+            / n
+        )
+        tg = min(timeit.repeat(lambda: bg(x, x, x, ints, floats, BLOCK=64), number=n, repeat=5)) / n
         print(f"binder per call: flat {tf * 1e6:.2f} us, grouped {tg * 1e6:.2f} us")
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                            epilog="TRITON_INTERPRET=1: run the toy kernels in the interpreter; "
-                            "else compile them offline for sm_90a.").parse_args()
+    argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="TRITON_INTERPRET=1: run the toy kernels in the interpreter; "
+        "else compile them offline for sm_90a.",
+    ).parse_args()
     interpreted() if os.environ.get("TRITON_INTERPRET") == "1" else compiled()

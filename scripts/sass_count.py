@@ -86,8 +86,11 @@ def _attrs(kernel, sig):
     """16-divisibility for pointers, strides and widths (what the JIT sees at H = 4096)."""
     names = list(inspect.signature(kernel.fn).parameters)
     div = {"H", "KB", "n_kcols", "x_st", "r_st", "p_st", "y_st", "q_st", "x_sh", "r_sh", "q_sh"}
-    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-            if sig[n].startswith("*") or n in div}  # fmt: skip
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if sig[n].startswith("*") or n in div
+    }
 
 
 def compile_sass(kernel, consts, num_warps, dump=None, tag="k"):
@@ -99,11 +102,18 @@ def compile_sass(kernel, consts, num_warps, dump=None, tag="k"):
         cubin = os.path.join(d, "k.cubin")
         with open(ptx, "w") as f:
             f.write(ck.asm["ptx"])
-        out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", ptx, "-o", cubin],
-                             capture_output=True, text=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            [PTXAS, "-arch=sm_90a", "-v", ptx, "-o", cubin],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         tool = os.path.join(BIN, "cuobjdump")
-        args = [tool, "-sass", cubin] if os.path.exists(tool) else \
-            [os.path.join(BIN, "nvdisasm"), "-c", cubin]  # fmt: skip
+        args = (
+            [tool, "-sass", cubin]
+            if os.path.exists(tool)
+            else [os.path.join(BIN, "nvdisasm"), "-c", cubin]
+        )
         sass = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -127,20 +137,35 @@ def compile_sass(kernel, consts, num_warps, dump=None, tag="k"):
     body = exits[-1] + 1 if exits else len(ops)
     by_cls = collections.Counter(_cls(o) for o in ops)
     by_op = collections.Counter(o.split(".")[0] for o in ops)
-    return {"regs": int(regs.group(1)) if regs else -1,
-            "spills": int(spill.group(1)) if spill else -1,
-            "instr": len(ops), "body": body, "classes": by_cls, "ops": by_op}  # fmt: skip
+    return {
+        "regs": int(regs.group(1)) if regs else -1,
+        "spills": int(spill.group(1)) if spill else -1,
+        "instr": len(ops),
+        "body": body,
+        "classes": by_cls,
+        "ops": by_op,
+    }
 
 
 def _fp4_fused_case(width, warps, residual=False, norm_out=False, layout=0, recipe=0):
     t = qf.quant_fp4_row_tile(width, residual)
     if warps:
         t = RowTile(t.block, t.num_chunks, t.rows, warps)
-    consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows, HAS_RESIDUAL=residual,
-                  HAS_NORM_OUT=norm_out, RECIPE=recipe, LAYOUT=layout,
-                  EVICT_FIRST=t.num_chunks == 1, PTX=True, USE_PDL=True,
-                  PERSISTENT=False, PREFETCH=False,
-                  MASKED=t.rows > 1 or not t.even(width))  # fmt: skip
+    consts = dict(
+        BLOCK=t.block,
+        NUM_CHUNKS=t.num_chunks,
+        ROWS=t.rows,
+        HAS_RESIDUAL=residual,
+        HAS_NORM_OUT=norm_out,
+        RECIPE=recipe,
+        LAYOUT=layout,
+        EVICT_FIRST=t.num_chunks == 1,
+        PTX=True,
+        USE_PDL=True,
+        PERSISTENT=False,
+        PREFETCH=False,
+        MASKED=t.rows > 1 or not t.even(width),
+    )
     return qf._rmsnorm_fp4_kernel, consts, t.num_warps, t.rows * t.block * t.num_chunks
 
 
@@ -148,10 +173,21 @@ def _fp8_fused_case(width, warps):
     t = qf.quant_row_tile(width)
     if warps:
         t = RowTile(t.block, t.num_chunks, t.rows, warps)
-    consts = dict(BLOCK=t.block, NUM_CHUNKS=t.num_chunks, ROWS=t.rows,
-                  MASKED=t.rows > 1 or not t.even(width), HAS_RESIDUAL=False, FMT=0,
-                  EVICT_FIRST=t.num_chunks == 1, PTX=True, USE_PDL=True,
-                  PERSISTENT=False, PREFETCH=False, STEPPED=False, UNROLL=False)  # fmt: skip
+    consts = dict(
+        BLOCK=t.block,
+        NUM_CHUNKS=t.num_chunks,
+        ROWS=t.rows,
+        MASKED=t.rows > 1 or not t.even(width),
+        HAS_RESIDUAL=False,
+        FMT=0,
+        EVICT_FIRST=t.num_chunks == 1,
+        PTX=True,
+        USE_PDL=True,
+        PERSISTENT=False,
+        PREFETCH=False,
+        STEPPED=False,
+        UNROLL=False,
+    )
     return qf._rmsnorm_fp8_kernel, consts, t.num_warps, t.rows * t.block * t.num_chunks
 
 
@@ -180,9 +216,11 @@ def main() -> None:
             r = compile_sass(kernel, consts, warps, args.dump, f"{name}_H{width}")
             per_thread = elems / (32 * warps)
             cls = " ".join(f"{k}={v}" for k, v in sorted(r["classes"].items()))
-            print(f"H={width} {name:21s} warps={warps} elem/thr={per_thread:5.1f} "
-                  f"regs={r['regs']:3d} spills={r['spills']} instr={r['instr']:4d} "
-                  f"body={r['body']:4d} ({r['body'] / per_thread:5.1f}/elem)  {cls}")
+            print(
+                f"H={width} {name:21s} warps={warps} elem/thr={per_thread:5.1f} "
+                f"regs={r['regs']:3d} spills={r['spills']} instr={r['instr']:4d} "
+                f"body={r['body']:4d} ({r['body'] / per_thread:5.1f}/elem)  {cls}"
+            )
             if args.ops:
                 print("    " + " ".join(f"{k}={v}" for k, v in r["ops"].most_common()))
 

@@ -105,5 +105,9 @@ def widen_bf16_pairs(x):
     conversion takes PRMT + IMAD for the high element.) BF16 tensors only; GPU only."""
     return tl.inline_asm_elementwise(
         "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }",
-        "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2,
-    )  # fmt: skip
+        "=r,=r,r",
+        [x],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=2,
+    )

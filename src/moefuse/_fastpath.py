@@ -62,10 +62,15 @@ _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _SCALAR_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype})
 _PLAIN_TYPES = frozenset({str, type(None), torch.dtype})
 _aten = torch.ops.aten
-_ALLOC_OPS = frozenset({
-    _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
-    _aten.new_empty.default, _aten.new_empty_strided.default,
-})  # fmt: skip
+_ALLOC_OPS = frozenset(
+    {
+        _aten.empty.memory_format,
+        _aten.empty_like.default,
+        _aten.empty_strided.default,
+        _aten.new_empty.default,
+        _aten.new_empty_strided.default,
+    }
+)
 _caches: list[dict] = []
 _DEFAULT = type("_Default", (), {"__repr__": lambda self: "<default>"})()  # key of a default
 
@@ -97,14 +102,14 @@ def forget(obj) -> None:
 
 def refusals(op_fn) -> list[str]:
     """Why signatures of a decorated op were left on the slow path (diagnostics, tests)."""
-    return [p.why for plans in op_fn._moefuse_plans.values() for p in plans
-            if isinstance(p, _Slow)]  # fmt: skip
+    return [p.why for plans in op_fn._moefuse_plans.values() for p in plans if isinstance(p, _Slow)]
 
 
 def plan_count(op_fn) -> int:
     """Plans recorded so far for a public op decorated with :func:`fast_op` (tests)."""
-    return sum(sum(not isinstance(p, _Slow) for p in plans)
-               for plans in op_fn._moefuse_plans.values())  # fmt: skip
+    return sum(
+        sum(not isinstance(p, _Slow) for p in plans) for plans in op_fn._moefuse_plans.values()
+    )
 
 
 # ----------------------------------------------------------------------------- recording
@@ -164,8 +169,11 @@ class _Recorder(TorchDispatchMode):
         self.alias_checks: list = []
         self.impure: str | None = None
         self.side_stream = False
-        self.stream = (torch.cuda.current_stream().cuda_stream
-                       if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+        self.stream = (
+            torch.cuda.current_stream().cuda_stream
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -267,8 +275,11 @@ class _Sources:
     def locate(self, t: torch.Tensor) -> tuple[int, int]:
         """(source, byte offset) of a kernel's tensor argument."""
         ptr = t.data_ptr()
-        hits = [s for s, (p, n) in enumerate(zip(self.ptrs, self.spans))
-                if self.items[s][2].device == t.device and p <= ptr < p + max(n, 1)]  # fmt: skip
+        hits = [
+            s
+            for s, (p, n) in enumerate(zip(self.ptrs, self.spans))
+            if self.items[s][2].device == t.device and p <= ptr < p + max(n, 1)
+        ]
         if not hits:
             raise _Unplannable("a kernel argument lies outside the call's tensors")
         bases = {self.ptrs[s] for s in hits}
@@ -302,8 +313,11 @@ class _Code:
 
     def __init__(self):
         self.lines: list[str] = []
-        self.env: dict = {"MISS": MISS, "_empty": torch.empty_strided,
-                          "_empty_like": torch.empty_like}
+        self.env: dict = {
+            "MISS": MISS,
+            "_empty": torch.empty_strided,
+            "_empty_like": torch.empty_like,
+        }
 
     def const(self, value) -> str:
         if value is None or value.__class__ in (int, bool):
@@ -323,11 +337,13 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
         raise _Unplannable("a Triton kernel was launched without moefuse._fastpath.launch")
     if rec.side_stream:
         raise _Unplannable("launched on a stream other than the caller's")
-    fixed = [t for j in guard_positions if args[j] is not None
-             for t in args[j].fastpath_tensors()]  # fmt: skip
+    fixed = [t for j in guard_positions if args[j] is not None for t in args[j].fastpath_tensors()]
     # guards whose calls do host work around the launches (a CPU workspace: clock, status poll)
-    hooked = tuple(j for j in guard_positions
-                   if args[j] is not None and getattr(args[j], "fastpath_host_work", False))
+    hooked = tuple(
+        j
+        for j in guard_positions
+        if args[j] is not None and getattr(args[j], "fastpath_host_work", False)
+    )
     sources = _Sources(args, rec.allocs, fixed)
     code = _Code()
     launch_lines = []
@@ -342,11 +358,22 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
         launch_lines.append(_launch_line(code, kernel, compiled, grid, kargs, consts, located))
     if len(devices) > 1:
         raise _Unplannable("kernels on several devices")
-    checks = [(kind, sources.by_identity(a), sources.by_identity(b), _same_layout(a, b))
-              for kind, a, b in rec.alias_checks]  # fmt: skip
+    checks = [
+        (kind, sources.by_identity(a), sources.by_identity(b), _same_layout(a, b))
+        for kind, a, b in rec.alias_checks
+    ]
     spec = _result_spec(result, sources)
-    return _assemble(code, sources, launch_lines, checks, spec, len(args), guard_positions,
-                     next(iter(devices)), hooked)  # fmt: skip
+    return _assemble(
+        code,
+        sources,
+        launch_lines,
+        checks,
+        spec,
+        len(args),
+        guard_positions,
+        next(iter(devices)),
+        hooked,
+    )
 
 
 def _locate_arg(sources: _Sources, a):
@@ -360,8 +387,12 @@ def _locate_arg(sources: _Sources, a):
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-            and a.device == b.device)  # fmt: skip
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def _launch_line(code: _Code, kernel, compiled, grid, kargs, consts, located) -> str:
@@ -392,9 +423,11 @@ def _cuda_launch(code: _Code, kernel, compiled, grid, kargs, consts, located) ->
         _places(a, loc, by_id)
     exprs = [_launcher_arg(code, value, by_id) for value in bound.values()]
     fn = code.const(runner.launch)
-    head = (f"{fn}({grid[0]}, {grid[1]}, {grid[2]}, s, {code.const(compiled.function)}, "
-            f"{int(runner.launch_cooperative_grid)}, {int(runner.launch_pdl)}, None, None, "
-            f"{code.const(compiled.packed_metadata)}, None, None, None")  # fmt: skip
+    head = (
+        f"{fn}({grid[0]}, {grid[1]}, {grid[2]}, s, {code.const(compiled.function)}, "
+        f"{int(runner.launch_cooperative_grid)}, {int(runner.launch_pdl)}, None, None, "
+        f"{code.const(compiled.packed_metadata)}, None, None, None"
+    )
     return head + "".join(", " + e for e in exprs) + ")"
 
 
@@ -474,26 +507,46 @@ def _alloc_expr(code: _Code, t: torch.Tensor, sources: _Sources) -> str:
     the plan keeps (decode-size outputs: keyword arguments cost 0.4 µs a call); else
     ``empty_strided``."""
     for kind, idx, a in sources.items:
-        if kind == "arg" and a.shape == t.shape and a.stride() == t.stride() \
-                and a.device == t.device and a.dtype == t.dtype and a.is_contiguous():  # fmt: skip
+        if (
+            kind == "arg"
+            and a.shape == t.shape
+            and a.stride() == t.stride()
+            and a.device == t.device
+            and a.dtype == t.dtype
+            and a.is_contiguous()
+        ):
             return f"_empty_like(a{idx})"
     if t.is_contiguous() and t.numel() * t.element_size() <= TEMPLATE_MAX_BYTES:
         template = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         return f"_empty_like({code.const(template)})"
-    return (f"_empty({tuple(t.shape)}, {t.stride()}, dtype={code.const(t.dtype)}, "
-            f"device={code.const(t.device)})")
+    return (
+        f"_empty({tuple(t.shape)}, {t.stride()}, dtype={code.const(t.dtype)}, "
+        f"device={code.const(t.device)})"
+    )
 
 
-def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs: int,
-              guard_positions, device: torch.device, hooked=()):  # fmt: skip
+def _assemble(
+    code: _Code,
+    sources: _Sources,
+    launch_lines,
+    checks,
+    spec,
+    nargs: int,
+    guard_positions,
+    device: torch.device,
+    hooked=(),
+):
     params = ", ".join(f"a{j}" for j in range(nargs))
     body = code.lines
     arg_tensors = [(idx, t) for kind, idx, t in sources.items if kind == "arg"]
     if arg_tensors:  # the key holds only the first argument's shape and the tensors' types:
         # their layouts, devices (type and index) and dispatch keys are checked here
         check = _layout_check([t for _, t in arg_tensors])
-        body.insert(0, f"if not {code.const(check)}({''.join(f'a{j}, ' for j, _ in arg_tensors)}"
-                       "): return MISS")  # fmt: skip
+        body.insert(
+            0,
+            f"if not {code.const(check)}({''.join(f'a{j}, ' for j, _ in arg_tensors)}"
+            "): return MISS",
+        )
     for j in guard_positions:
         body.append(f"if a{j} is None or not a{j}.fastpath_ready(): return MISS")
     for s, (kind, idx, t) in enumerate(sources.items):
@@ -507,8 +560,9 @@ def _assemble(code: _Code, sources: _Sources, launch_lines, checks, spec, nargs:
             body.append(f"t{s} = {_alloc_expr(code, t, sources)}")
         body.append(f"p{s} = t{s}.data_ptr()")
     if sources.items:
-        body.append(f"if ({' | '.join(f'p{s}' for s in range(len(sources.items)))}) & 15: "
-                    "return MISS")  # fmt: skip
+        body.append(
+            f"if ({' | '.join(f'p{s}' for s in range(len(sources.items)))}) & 15: return MISS"
+        )
     for a, b in sorted(sources.equal_pairs):
         body.append(f"if p{a} != p{b}: return MISS")
     for kind, a, b, same in checks:
@@ -546,8 +600,11 @@ def _layout_check(tensors: list[torch.Tensor]):
     try:
         from torch._C._dynamo.guards import TensorGuards
 
-        guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                             dynamic_dims_strides=[list(t.stride()) for t in tensors])  # fmt: skip
+        guard = TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        )
         if guard.check(*tensors):
             return guard.check
     except Exception:  # noqa: BLE001 - the fallback below is exact, only slower
@@ -571,9 +628,11 @@ def _key_expr(name: str, has_default: bool) -> str:
     Python type (its layout is checked by the plan's first line, :func:`_layout_check`); a
     value that only equals its own type's values as itself; numbers with their type
     (``True == 1 == 1.0``, and validation tells bool from int)."""
-    part = (f"{name}.__class__ if {name}.__class__ in _TT else {name} "
-            f"if {name}.__class__ in _PLAIN else ({name}.__class__, {name}) "
-            f"if {name}.__class__ in _SC else _other({name})")
+    part = (
+        f"{name}.__class__ if {name}.__class__ in _TT else {name} "
+        f"if {name}.__class__ in _PLAIN else ({name}.__class__, {name}) "
+        f"if {name}.__class__ in _SC else _other({name})"
+    )
     return f"(_DEF if {name} is _d_{name} else {part})" if has_default else f"({part})"
 
 
@@ -587,6 +646,38 @@ def _other(value):
     if isinstance(value, torch.Tensor):  # a tensor subclass: not ours to replay
         raise TypeError("tensor subclass")
     return (value.__class__, value)
+
+
+def _recorder(fn, plans: dict, guard_positions: tuple[int, ...]):
+    """The wrapper's ``_record(key, call_args, run)`` for ``fn``: runs the call under a
+    :class:`_Recorder`, builds its plan (or a :class:`_Slow` refusal, logged) and files it under
+    ``key`` in ``plans``; returns the call's result."""
+
+    def record(key, call_args, run):
+        if not knobs.get("MOEFUSE_FASTPATH"):
+            ENABLED[0] = False
+            return run()
+        rec = _Recorder()
+        with rec:
+            result = run()
+        try:
+            plan = _build(rec, call_args, result, guard_positions)
+        except _Unplannable as why:
+            plan = _Slow(str(why))
+            logger.debug("moefuse.%s: this signature stays on the slow path: %s", fn.__name__, why)
+        except Exception as exc:  # a plan is an optimisation: never fail the user's call for it
+            plan = _Slow(f"plan building failed: {type(exc).__name__}: {exc}")
+            logger.warning(
+                "moefuse.%s: %s (this signature stays on the slow path)", fn.__name__, plan.why
+            )
+        if len(plans) >= MAX_KEYS_PER_OP:
+            plans.clear()
+        kept = plans.get(key, [])
+        # a refused signature is closed (a tuple): it is not recorded again on later calls
+        plans[key] = (*kept, plan) if isinstance(plan, _Slow) else [*kept, plan]
+        return result
+
+    return record
 
 
 def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
@@ -610,11 +701,22 @@ def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
     guard_positions = tuple(names.index(g) for g in guards)
     plans: dict = {}
     _caches.append(plans)
-    env = {"_fn": fn, "_plans": plans, "_TT": _TENSOR_TYPES, "_SC": _SCALAR_TYPES,
-           "_PLAIN": _PLAIN_TYPES, "_other": _other, "_MISS": MISS, "_local": _local,
-           "_ON": ENABLED, "_compiling": _dispatch._is_compiling,
-           "_depth": _dispatch._dispatch_depth, "_own": _dispatch._own_modes,
-           "_MAXP": MAX_PLANS_PER_KEY, "_DEF": _DEFAULT}  # fmt: skip
+    env = {
+        "_fn": fn,
+        "_plans": plans,
+        "_TT": _TENSOR_TYPES,
+        "_SC": _SCALAR_TYPES,
+        "_PLAIN": _PLAIN_TYPES,
+        "_other": _other,
+        "_MISS": MISS,
+        "_local": _local,
+        "_ON": ENABLED,
+        "_compiling": _dispatch._is_compiling,
+        "_depth": _dispatch._dispatch_depth,
+        "_own": _dispatch._own_modes,
+        "_MAXP": MAX_PLANS_PER_KEY,
+        "_DEF": _DEFAULT,
+    }
     decl, call = [], []
     star = False
     for p in params:
@@ -629,8 +731,10 @@ def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
         call.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
     args = ", ".join(names)
     calls = ", ".join(call)
-    key = ", ".join([_first_shape_expr(names[0])]
-                    + [_key_expr(p.name, p.default is not p.empty) for p in params])
+    key = ", ".join(
+        [_first_shape_expr(names[0])]
+        + [_key_expr(p.name, p.default is not p.empty) for p in params]
+    )
     src = f"""
 def {fn.__name__}({", ".join(decl)}):
     if _ON[0] and _local.rec is None and not _compiling() and _depth() <= _own.depth:
@@ -649,31 +753,7 @@ def {fn.__name__}({", ".join(decl)}):
     return _fn({calls})
 """
 
-    def record(key, call_args, run):
-        if not knobs.get("MOEFUSE_FASTPATH"):
-            ENABLED[0] = False
-            return run()
-        rec = _Recorder()
-        with rec:
-            result = run()
-        try:
-            plan = _build(rec, call_args, result, guard_positions)
-        except _Unplannable as why:
-            plan = _Slow(str(why))
-            logger.debug("moefuse.%s: this signature stays on the slow path: %s",
-                         fn.__name__, why)  # fmt: skip
-        except Exception as exc:  # a plan is an optimisation: never fail the user's call for it
-            plan = _Slow(f"plan building failed: {type(exc).__name__}: {exc}")
-            logger.warning("moefuse.%s: %s (this signature stays on the slow path)",
-                           fn.__name__, plan.why)  # fmt: skip
-        if len(plans) >= MAX_KEYS_PER_OP:
-            plans.clear()
-        kept = plans.get(key, [])
-        # a refused signature is closed (a tuple): it is not recorded again on later calls
-        plans[key] = (*kept, plan) if isinstance(plan, _Slow) else [*kept, plan]
-        return result
-
-    env["_record"] = record
+    env["_record"] = _recorder(fn, plans, guard_positions)
     exec(compile(src, f"<moefuse fast_op {fn.__name__}>", "exec"), env)  # noqa: S102
     wrapper = env[fn.__name__]
     wrapper.__doc__ = fn.__doc__

@@ -6,8 +6,17 @@ import argparse
 import importlib
 import sys
 
-BENCH_FAMILIES = ("norm", "moe", "moe-experts", "quant", "all-reduce", "overhead", "all-gather",
-                  "moe-reduction", "expert-norm")
+BENCH_FAMILIES = (
+    "norm",
+    "moe",
+    "moe-experts",
+    "quant",
+    "all-reduce",
+    "overhead",
+    "all-gather",
+    "moe-reduction",
+    "expert-norm",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,12 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="fused epilogue checked against the reference")
     demo.add_argument("--hidden", type=int, default=None, help="hidden size (default: by device)")
     demo.add_argument("--tokens", type=int, default=None, help="token count (default: by device)")
-    demo.add_argument("--no-compile", action="store_true",
-                      help="GPU: skip the torch.compile times (faster start)")
+    demo.add_argument(
+        "--no-compile", action="store_true", help="GPU: skip the torch.compile times (faster start)"
+    )
     bench = sub.add_parser(
-        "bench", help="benchmarks; see `moefuse bench <family> --help`",
+        "bench",
+        help="benchmarks; see `moefuse bench <family> --help`",
         epilog="Any family also takes --sweep KNOB=a,b (repeatable): one run per value of the "
-        "MOEFUSE_* knob (docs/knobs.md), each results file labelled with its knobs.")
+        "MOEFUSE_* knob (docs/knobs.md), each results file labelled with its knobs.",
+    )
     # all / summary: every family in turn / the markdown summary from saved JSON (bench.all,
     # bench.summary)
     bench.add_argument("family", choices=(*BENCH_FAMILIES, "all", "summary"))

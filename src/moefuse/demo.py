@@ -67,27 +67,55 @@ def _steps(m: int, h: int, dev: str) -> list[Step]:
     xa, rb, attn_t = x.clone(), res.clone(), attn.clone()
 
     steps = [
-        Step("rmsnorm", f"{m}x{h}", lambda impl: moefuse.rmsnorm(x, w, impl=impl), "rsqrt_half",
-             torch_math=lambda: bn.torch_rmsnorm(x, w)),  # fmt: skip
-        Step("gemma_rmsnorm", f"{m}x{h}", lambda impl: moefuse.gemma_rmsnorm(x, w, impl=impl),
-             "rsqrt_half", torch_math=lambda: bn.torch_rmsnorm(x, w.float() + 1.0)),  # fmt: skip
-        Step("fused_add_rmsnorm", f"{m}x{h}", fused_add, ("rsqrt_half", "exact"),
-             kernel=lambda: moefuse.fused_add_rmsnorm(xa, rb, w, impl="triton"),
-             torch_math=lambda: bn.torch_fused_add_rmsnorm(x, res, w)),  # fmt: skip
-        Step("gated_residual_rmsnorm", f"{m}x{h}",
-             lambda impl: moefuse.gated_residual_rmsnorm(branch, stream, w, alpha, beta,
-                                                         impl=impl), "fp32_stream",
-             torch_math=lambda: bn.torch_gated_residual_rmsnorm(branch.float() * w.float(),
-                                                                stream, alpha, beta)),  # fmt: skip
-        Step("gated_residual_next_rmsnorm", f"{m}x{h}",
-             lambda impl: moefuse.gated_residual_next_rmsnorm(branch, stream, w, alpha, beta,
-                                                              impl=impl),
-             ("fp32_stream", "rsqrt_half"), expect=_ffn_of_own_stream(w),
-             torch_math=lambda: bn.torch_gated_residual_next_rmsnorm(branch, stream, w, alpha,
-                                                                     beta)),  # fmt: skip
-        Step("rmsnorm_sigmoid_gate", f"{m}x{heads}x{d}", sigmoid_gate, "sigmoid_fast",
-             kernel=lambda: moefuse.rmsnorm_sigmoid_gate(attn_t, gate, impl="triton"),
-             torch_math=lambda: bn.torch_rmsnorm_sigmoid_gate(attn, gate)),  # fmt: skip
+        Step(
+            "rmsnorm",
+            f"{m}x{h}",
+            lambda impl: moefuse.rmsnorm(x, w, impl=impl),
+            "rsqrt_half",
+            torch_math=lambda: bn.torch_rmsnorm(x, w),
+        ),
+        Step(
+            "gemma_rmsnorm",
+            f"{m}x{h}",
+            lambda impl: moefuse.gemma_rmsnorm(x, w, impl=impl),
+            "rsqrt_half",
+            torch_math=lambda: bn.torch_rmsnorm(x, w.float() + 1.0),
+        ),
+        Step(
+            "fused_add_rmsnorm",
+            f"{m}x{h}",
+            fused_add,
+            ("rsqrt_half", "exact"),
+            kernel=lambda: moefuse.fused_add_rmsnorm(xa, rb, w, impl="triton"),
+            torch_math=lambda: bn.torch_fused_add_rmsnorm(x, res, w),
+        ),
+        Step(
+            "gated_residual_rmsnorm",
+            f"{m}x{h}",
+            lambda impl: moefuse.gated_residual_rmsnorm(branch, stream, w, alpha, beta, impl=impl),
+            "fp32_stream",
+            torch_math=lambda: bn.torch_gated_residual_rmsnorm(
+                branch.float() * w.float(), stream, alpha, beta
+            ),
+        ),
+        Step(
+            "gated_residual_next_rmsnorm",
+            f"{m}x{h}",
+            lambda impl: moefuse.gated_residual_next_rmsnorm(
+                branch, stream, w, alpha, beta, impl=impl
+            ),
+            ("fp32_stream", "rsqrt_half"),
+            expect=_ffn_of_own_stream(w),
+            torch_math=lambda: bn.torch_gated_residual_next_rmsnorm(branch, stream, w, alpha, beta),
+        ),
+        Step(
+            "rmsnorm_sigmoid_gate",
+            f"{m}x{heads}x{d}",
+            sigmoid_gate,
+            "sigmoid_fast",
+            kernel=lambda: moefuse.rmsnorm_sigmoid_gate(attn_t, gate, impl="triton"),
+            torch_math=lambda: bn.torch_rmsnorm_sigmoid_gate(attn, gate),
+        ),
     ]
     return steps + _moe_steps(m, h, dev, rnd) + _quant_steps(m, h, dev, x, res, w)
 
@@ -124,10 +152,19 @@ def _moe_steps(m, h, dev, rnd) -> list[Step]:
         return (torch_finalize(rows, idx, weights).float() + shared.float()).to(rows.dtype)
 
     return [
-        Step("moe_finalize (K=8, E=64)", f"{m}x{k}x{h}",
-             lambda impl: moefuse.moe_finalize(rows, plan.expanded_idx_to_permuted_idx, weights,
-                                               shared_expert_output=shared, impl=impl),
-             "exact", torch_math=torch_math),  # fmt: skip
+        Step(
+            "moe_finalize (K=8, E=64)",
+            f"{m}x{k}x{h}",
+            lambda impl: moefuse.moe_finalize(
+                rows,
+                plan.expanded_idx_to_permuted_idx,
+                weights,
+                shared_expert_output=shared,
+                impl=impl,
+            ),
+            "exact",
+            torch_math=torch_math,
+        ),
     ]
 
 
@@ -151,15 +188,29 @@ def _quant_steps(m, h, dev, x, res, w) -> list[Step]:
 
     r_t, inv = res.clone(), 1.0 / scale
     return [
-        Step("fused_add_rmsnorm_quant (FP8)", f"{m}x{h}", add_norm_fp8, ("fp8_code", "exact"),
-             kernel=lambda: moefuse.fused_add_rmsnorm_quant(x, r_t, w, scale, impl="triton"),
-             torch_math=lambda: bq.torch_fused_add_rmsnorm_quant(x, res, w, inv)),  # fmt: skip
-        Step("rmsnorm_fp4_quantize (scales)", f"{m}x{h}", norm_fp4, "exact",
-             kernel=lambda: moefuse.rmsnorm_fp4_quantize(x, w, gs, recipe="ieee", impl="triton"),
-             torch_math=lambda: bq.torch_rmsnorm_fp4(x, w, gs)),  # fmt: skip
-        Step("fp4_quantize (NVFP4)", f"{m}x{h}",
-             lambda impl: moefuse.fp4_quantize(x, gs, recipe="ieee", impl=impl), "exact",
-             torch_math=lambda: bq.torch_fp4_quantize(x, gs)),  # fmt: skip
+        Step(
+            "fused_add_rmsnorm_quant (FP8)",
+            f"{m}x{h}",
+            add_norm_fp8,
+            ("fp8_code", "exact"),
+            kernel=lambda: moefuse.fused_add_rmsnorm_quant(x, r_t, w, scale, impl="triton"),
+            torch_math=lambda: bq.torch_fused_add_rmsnorm_quant(x, res, w, inv),
+        ),
+        Step(
+            "rmsnorm_fp4_quantize (scales)",
+            f"{m}x{h}",
+            norm_fp4,
+            "exact",
+            kernel=lambda: moefuse.rmsnorm_fp4_quantize(x, w, gs, recipe="ieee", impl="triton"),
+            torch_math=lambda: bq.torch_rmsnorm_fp4(x, w, gs),
+        ),
+        Step(
+            "fp4_quantize (NVFP4)",
+            f"{m}x{h}",
+            lambda impl: moefuse.fp4_quantize(x, gs, recipe="ieee", impl=impl),
+            "exact",
+            torch_math=lambda: bq.torch_fp4_quantize(x, gs),
+        ),
     ]
 
 
@@ -183,8 +234,9 @@ def _gpu_times(step: Step, with_compile: bool) -> tuple[float, float | None, str
         return us, None, f"{step.op}: torch.compile failed ({type(exc).__name__}: {exc})"[:160]
 
 
-def run_demo(hidden: int | None = None, tokens: int | None = None,
-             with_compile: bool = True) -> int:  # fmt: skip
+def run_demo(
+    hidden: int | None = None, tokens: int | None = None, with_compile: bool = True
+) -> int:
     from moefuse.testing import TOLERANCES, assert_close, max_abs_error
 
     on_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -222,25 +274,49 @@ def run_demo(hidden: int | None = None, tokens: int | None = None,
         if on_gpu:  # timed after the check: the in-place kernels' timing buffers are separate
             us, comp, note = _gpu_times(step, with_compile)
             notes += [note] if note else []
-        rows.append((step.op, backend, step.shape, f"{err:.3g}", _us(us), _us(comp),
-                     f"{comp / us:.2f}" if us and comp else "-", status))  # fmt: skip
-    header = ("op", "backend", "shape", "max abs err", "kernel µs", "compile µs", "x compile",
-              "check")  # fmt: skip
+        rows.append(
+            (
+                step.op,
+                backend,
+                step.shape,
+                f"{err:.3g}",
+                _us(us),
+                _us(comp),
+                f"{comp / us:.2f}" if us and comp else "-",
+                status,
+            )
+        )
+    header = (
+        "op",
+        "backend",
+        "shape",
+        "max abs err",
+        "kernel µs",
+        "compile µs",
+        "x compile",
+        "check",
+    )
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(v).ljust(wd) for v, wd in zip(r, widths)))
     if on_gpu:
-        print("\ntimes: µs per call, median of CUDA-graph replays (20 calls per graph, the same "
-              "inputs every call: L2-resident at the default size); compile = torch.compile of "
-              "the same math in plain PyTorch, timed the same way"
-              + ("" if with_compile else " (skipped: --no-compile)"))  # fmt: skip
+        print(
+            "\ntimes: µs per call, median of CUDA-graph replays (20 calls per graph, the same "
+            "inputs every call: L2-resident at the default size); compile = torch.compile of "
+            "the same math in plain PyTorch, timed the same way"
+            + ("" if with_compile else " (skipped: --no-compile)")
+        )
     else:
-        print("\ntimes: none (the kernels ran in Triton's interpreter on the CPU, where a time "
-              "says nothing about the kernel)")  # fmt: skip
+        print(
+            "\ntimes: none (the kernels ran in Triton's interpreter on the CPU, where a time "
+            "says nothing about the kernel)"
+        )
     for note in notes:
         print("note:", note)
-    print(f"\n{len(rows) - failed} passed, {failed} failed (tolerances: "
-          f"{', '.join(sorted(TOLERANCES))}; see moefuse.testing)")  # fmt: skip
+    print(
+        f"\n{len(rows) - failed} passed, {failed} failed (tolerances: "
+        f"{', '.join(sorted(TOLERANCES))}; see moefuse.testing)"
+    )
     return 1 if failed else 0
 
 

@@ -73,23 +73,27 @@ def devices() -> list[dict]:
         dev = torch.device("cuda", i)
         props = torch.cuda.get_device_properties(i)
         reason = kernel_device_reason(dev)
-        out.append({
-            "index": i,
-            "name": props.name,
-            "capability": list(torch.cuda.get_device_capability(i)),
-            "sm_count": props.multi_processor_count,
-            "memory_gib": round(props.total_memory / 2**30, 1),
-            "kernels": "supported" if reason is None else reason,
-            "pdl": pdl_available(dev),
-        })  # fmt: skip
+        out.append(
+            {
+                "index": i,
+                "name": props.name,
+                "capability": list(torch.cuda.get_device_capability(i)),
+                "sm_count": props.multi_processor_count,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "kernels": "supported" if reason is None else reason,
+                "pdl": pdl_available(dev),
+            }
+        )
     return out
 
 
 def peer_access_matrix() -> list[list[bool | None]]:
     """``m[i][j]``: device i can access device j's memory (None on the diagonal)."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return [[None if i == j else bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)]
-            for i in range(n)]  # fmt: skip
+    return [
+        [None if i == j else bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)]
+        for i in range(n)
+    ]
 
 
 # ----------------------------------------------------------------------------- families
@@ -127,24 +131,47 @@ def _probes() -> list[Probe]:
 
     return [
         Probe("norm", "rmsnorm", moefuse.supports_rmsnorm, lambda d: (x(d), vec(d))),
-        Probe("norm", "fused_add_rmsnorm", moefuse.supports_fused_add_rmsnorm,
-              lambda d: (x(d), x(d), vec(d))),  # fmt: skip
-        Probe("norm", "gated_residual_next_rmsnorm", moefuse.supports_gated_residual_next_rmsnorm,
-              lambda d: (x(d), x(d).float(), vec(d), vec(d, f32), vec(d, f32))),  # fmt: skip
-        Probe("norm", "rmsnorm_sigmoid_gate", moefuse.supports_rmsnorm_sigmoid_gate,
-              lambda d: (torch.zeros(2, 32, 128, dtype=bf, device=d),)),  # fmt: skip
+        Probe(
+            "norm",
+            "fused_add_rmsnorm",
+            moefuse.supports_fused_add_rmsnorm,
+            lambda d: (x(d), x(d), vec(d)),
+        ),
+        Probe(
+            "norm",
+            "gated_residual_next_rmsnorm",
+            moefuse.supports_gated_residual_next_rmsnorm,
+            lambda d: (x(d), x(d).float(), vec(d), vec(d, f32), vec(d, f32)),
+        ),
+        Probe(
+            "norm",
+            "rmsnorm_sigmoid_gate",
+            moefuse.supports_rmsnorm_sigmoid_gate,
+            lambda d: (torch.zeros(2, 32, 128, dtype=bf, device=d),),
+        ),
         Probe("moe", "moe_finalize", moefuse.supports_moe_finalize, finalize),
         Probe("moe", "moe_permute", moefuse.supports_moe_permute, permute),
-        Probe("quant", "rmsnorm_quant (FP8)", moefuse.supports_rmsnorm_quant,
-              lambda d: (x(d), vec(d), scalar(d))),  # fmt: skip
-        Probe("quant", "fp4_quantize (NVFP4)", moefuse.supports_fp4_quantize,
-              lambda d: (x(d), scalar(d))),  # fmt: skip
+        Probe(
+            "quant",
+            "rmsnorm_quant (FP8)",
+            moefuse.supports_rmsnorm_quant,
+            lambda d: (x(d), vec(d), scalar(d)),
+        ),
+        Probe(
+            "quant",
+            "fp4_quantize (NVFP4)",
+            moefuse.supports_fp4_quantize,
+            lambda d: (x(d), scalar(d)),
+        ),
     ]
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")  # fmt: skip
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def family_paths(device: torch.device | None = None) -> list[dict]:
@@ -167,13 +194,23 @@ def family_paths(device: torch.device | None = None) -> list[dict]:
             why = f"supports_{p.op.split(' ')[0]} is True on {device}"
         elif device.type != "cuda":
             why = "auto runs the PyTorch reference on non-CUDA tensors"
-            why += ("; impl='triton' runs the kernel in Triton's interpreter"
-                    if ok and interpreter_active()
-                    else f"; impl='triton' cannot run: {reason}")  # fmt: skip
+            why += (
+                "; impl='triton' runs the kernel in Triton's interpreter"
+                if ok and interpreter_active()
+                else f"; impl='triton' cannot run: {reason}"
+            )
         else:
             why = f"fallback to the PyTorch reference (logged once): {reason}"
-        rows.append({"family": p.family, "op": p.op, "device": str(device), "supports": ok,
-                     "auto": picked, "why": why})  # fmt: skip
+        rows.append(
+            {
+                "family": p.family,
+                "op": p.op,
+                "device": str(device),
+                "supports": ok,
+                "auto": picked,
+                "why": why,
+            }
+        )
     return rows
 
 
@@ -187,16 +224,23 @@ def comm_path(peer: list[list[bool | None]], devs: list[dict]) -> dict:
     except ValueError as exc:
         order = [f"invalid: {exc}"]
     p = len(devs)
-    multicast_env = {k: os.environ.get(k) for k in
-                     ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                      "NVSHMEM_DISABLE_NVLS")}  # fmt: skip
-    info = {"world_size_here": p, "transport_order": order, "no_multicast_env": multicast_env,
-            "symmetric_memory_module": _installed("torch.distributed._symmetric_memory")}
+    multicast_env = {
+        k: os.environ.get(k)
+        for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+    }
+    info = {
+        "world_size_here": p,
+        "transport_order": order,
+        "no_multicast_env": multicast_env,
+        "symmetric_memory_module": _installed("torch.distributed._symmetric_memory"),
+    }
     if p < 2:
-        info["path"] = ("no local peers: a workspace over ranks on other hosts, or CPU ranks "
-                        "(gloo), takes the torch.distributed path (all-gather + rank-order sum); "
-                        "CPU ranks with TRITON_INTERPRET=1 run the peer kernels in the "
-                        "interpreter over shared memory")  # fmt: skip
+        info["path"] = (
+            "no local peers: a workspace over ranks on other hosts, or CPU ranks "
+            "(gloo), takes the torch.distributed path (all-gather + rank-order sum); "
+            "CPU ranks with TRITON_INTERPRET=1 run the peer kernels in the "
+            "interpreter over shared memory"
+        )
         return info
     all_peer = all(v for row in peer for v in row if v is not None)
     kernels = all(d["kernels"] == "supported" for d in devs)
@@ -207,8 +251,10 @@ def comm_path(peer: list[list[bool | None]], devs: list[dict]) -> dict:
     else:
         limit = oneshot_max_bytes(p)
         cut = "at every size" if limit is None else f"up to {limit} bytes per rank, then two-shot"
-        info["path"] = (f"peer kernels over {' then '.join(order)} (every pair has peer "
-                        f"access); at P = {p} auto picks one-shot {cut}")  # fmt: skip
+        info["path"] = (
+            f"peer kernels over {' then '.join(order)} (every pair has peer "
+            f"access); at P = {p} auto picks one-shot {cut}"
+        )
     return info
 
 
@@ -243,22 +289,23 @@ def collect() -> dict:
         "knobs": knob_settings(),
         "transformers_integration": _installed("moefuse.integrations.transformers")
         and _installed("transformers"),
-    }  # fmt: skip
+    }
 
 
 def format_report(info: dict) -> str:
     v = info["versions"]
     missing = {"torch_cuda": "none (CPU build)"}
-    lines = ["versions: " + ", ".join(f"{k} {v[k] or missing.get(k, 'not installed')}"
-                                      for k in v)]  # fmt: skip
+    lines = ["versions: " + ", ".join(f"{k} {v[k] or missing.get(k, 'not installed')}" for k in v)]
     lines.append(f"TRITON_INTERPRET: {'on' if info['triton_interpret'] else 'off'}")
     if not info["devices"]:
         lines.append("GPUs: none (CUDA not available); PDL: no (needs an SM90+ GPU)")
     for d in info["devices"]:
         cap = ".".join(map(str, d["capability"]))
-        lines.append(f"cuda:{d['index']} {d['name']}: SM {cap}, {d['sm_count']} SMs, "
-                     f"{d['memory_gib']} GiB; kernels: {d['kernels']}; PDL: "
-                     f"{'yes' if d['pdl'] else 'no'}")  # fmt: skip
+        lines.append(
+            f"cuda:{d['index']} {d['name']}: SM {cap}, {d['sm_count']} SMs, "
+            f"{d['memory_gib']} GiB; kernels: {d['kernels']}; PDL: "
+            f"{'yes' if d['pdl'] else 'no'}"
+        )
     if len(info["peer_access"]) > 1:
         n = len(info["peer_access"])
         lines.append("peer access (row can read column):")
@@ -273,8 +320,10 @@ def format_report(info: dict) -> str:
         lines.append(f"  {name:<{width}}  {r['auto']:<9}  {r['why']}")
     c = info["comm"]
     lines.append(f"  {'comm.allreduce_*':<{width}}  {'':<9}  {c['path']}")
-    lines.append(f"    transports tried: {', '.join(c['transport_order'])}; "
-                 f"no-multicast env: {c['no_multicast_env']}")  # fmt: skip
+    lines.append(
+        f"    transports tried: {', '.join(c['transport_order'])}; "
+        f"no-multicast env: {c['no_multicast_env']}"
+    )
     k = info["knobs"]
     if not k["set"] and not k["unknown"]:
         lines.append("MOEFUSE_* knobs: none set (all defaults; docs/knobs.md lists them)")
@@ -285,8 +334,10 @@ def format_report(info: dict) -> str:
         lines.append(f"  {name}{'*' if row['shared'] else ''}={row['raw']}  {state}")
     for name in k["unknown"]:
         lines.append(f"  {name}: not a moefuse knob, ignored")
-    lines.append("transformers integration: "
-                 + ("available" if info["transformers_integration"] else "not available"))
+    lines.append(
+        "transformers integration: "
+        + ("available" if info["transformers_integration"] else "not available")
+    )
     return "\n".join(lines)
 
 

@@ -80,85 +80,208 @@ def _declare(*knobs: Knob) -> dict[str, Knob]:
 
 KNOBS: dict[str, Knob] = _declare(
     # ----------------------------------------------------------------------------- host path
-    Knob("MOEFUSE_FASTPATH", "bool", True,
-         "Eager launch plans (moefuse._fastpath): 0 turns them off; read at the first call "
-         "of an op.", shared=False),
+    Knob(
+        "MOEFUSE_FASTPATH",
+        "bool",
+        True,
+        "Eager launch plans (moefuse._fastpath): 0 turns them off; read at the first call "
+        "of an op.",
+        shared=False,
+    ),
     # ----------------------------------------------------------------------------- comm core
-    Knob("MOEFUSE_COMM_TRANSPORT", "choice", "auto",
-         "Peer buffers of a workspace created with transport=None: auto = symmetric memory, "
-         "else CUDA IPC; loopback = ranks are threads of one process (tests, benchmarks).",
-         shared=True, choices=("auto", "symm_mem", "cuda_ipc", "loopback")),
-    Knob("MOEFUSE_COMM_ELEMS_PER_THREAD", "int", 16,
-         "Row elements per thread of the communication tiles: num_warps = BLOCK / (32 x this), "
-         "within [4, 32].", shared=True, minimum=1),
-    Knob("MOEFUSE_COMM_CTAS_PER_SM", "int", 0,
-         "Co-resident CTAs per SM that cap the peer kernels' grids; 0 = the estimate from the "
-         "tile's warps.", shared=True, minimum=0),
-    Knob("MOEFUSE_COMM_ONESHOT_PREFETCH", "bool", None,
-         "All-reduce one-shot: 1 = the prefetch pipeline (rows loaded two ahead). Setting any "
-         "of the three one-shot knobs replaces the measured per-M default.", shared=True),
-    Knob("MOEFUSE_COMM_ROWS_PER_CTA", "int", None,
-         "All-reduce one-shot: token rows per CTA (grid = ceil(M / this), capped by the "
-         "co-resident CTAs).", shared=True, minimum=1),
-    Knob("MOEFUSE_COMM_ONESHOT_WARPS", "int", None,
-         "All-reduce one-shot: warps of its kernels; 0 = the tile's.", shared=True,
-         choices=(0, 1, 2, 4, 8, 16, 32)),
+    Knob(
+        "MOEFUSE_COMM_TRANSPORT",
+        "choice",
+        "auto",
+        "Peer buffers of a workspace created with transport=None: auto = symmetric memory, "
+        "else CUDA IPC; loopback = ranks are threads of one process (tests, benchmarks).",
+        shared=True,
+        choices=("auto", "symm_mem", "cuda_ipc", "loopback"),
+    ),
+    Knob(
+        "MOEFUSE_COMM_ELEMS_PER_THREAD",
+        "int",
+        16,
+        "Row elements per thread of the communication tiles: num_warps = BLOCK / (32 x this), "
+        "within [4, 32].",
+        shared=True,
+        minimum=1,
+    ),
+    Knob(
+        "MOEFUSE_COMM_CTAS_PER_SM",
+        "int",
+        0,
+        "Co-resident CTAs per SM that cap the peer kernels' grids; 0 = the estimate from the "
+        "tile's warps.",
+        shared=True,
+        minimum=0,
+    ),
+    Knob(
+        "MOEFUSE_COMM_ONESHOT_PREFETCH",
+        "bool",
+        None,
+        "All-reduce one-shot: 1 = the prefetch pipeline (rows loaded two ahead). Setting any "
+        "of the three one-shot knobs replaces the measured per-M default.",
+        shared=True,
+    ),
+    Knob(
+        "MOEFUSE_COMM_ROWS_PER_CTA",
+        "int",
+        None,
+        "All-reduce one-shot: token rows per CTA (grid = ceil(M / this), capped by the "
+        "co-resident CTAs).",
+        shared=True,
+        minimum=1,
+    ),
+    Knob(
+        "MOEFUSE_COMM_ONESHOT_WARPS",
+        "int",
+        None,
+        "All-reduce one-shot: warps of its kernels; 0 = the tile's.",
+        shared=True,
+        choices=(0, 1, 2, 4, 8, 16, 32),
+    ),
     # ----------------------------------------------------------------------------- all-gather
-    Knob("MOEFUSE_ALLGATHER_ONE_LAUNCH", "bool", None,
-         "All-gather + op at M <= 64: 0 = two launches; 1 = one launch wherever the decode "
-         "kernel can run (also the wide NVFP4 rows that default to two).", shared=True),
-    Knob("MOEFUSE_ALLGATHER_DECODE", "choice", None,
-         "Where the one-launch decode kernel loads the op's parameters and reads the rows; "
-         "unset = the measured choice per op.", shared=True, choices=("late", "early", "slots")),
-    Knob("MOEFUSE_ALLGATHER_LARGE", "choice", None,
-         "All-gather + op above the decode range: fused = one persistent launch (the default), "
-         "chunked = two launches with the chunk pipeline. Set to fused, it also runs the "
-         "persistent kernel at M <= 64 where the decode kernel cannot.", shared=True,
-         choices=("fused", "chunked")),
-    Knob("MOEFUSE_ALLGATHER_CHUNK_ROWS", "int", None,
-         "Rows per chunk of the two-launch pipeline; 0 = no pipelining; unset = 4 chunks "
-         "from 2048 tokens.", shared=True, minimum=0),
-    Knob("MOEFUSE_ALLGATHER_PERSISTENT", "choice", None,
-         "Where the persistent kernel reads each tile: from the gathered buffer, early "
-         "(parameters per tile) or straight from the slots; unset = per op and width.",
-         shared=True, choices=("gathered", "early", "slots")),
-    Knob("MOEFUSE_ALLGATHER_LOOKAHEAD", "int", None,
-         "Tiles the persistent kernel pushes ahead of the one it receives; unset = 1.",
-         shared=True, minimum=1),
-    Knob("MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM", "int", None,
-         "CTAs per SM of the persistent kernel (still capped by what the compiled kernel "
-         "fits); unset = per op.", shared=True, minimum=1),
-    Knob("MOEFUSE_ALLGATHER_FUSED_MAXNREG", "int", 0,
-         "Register cap of the persistent kernel, for experiments; 0 = none.", shared=True,
-         minimum=0),
-    Knob("MOEFUSE_ALLGATHER_FUSED_UNROLL", "bool", None,
-         "Stepped rows of the persistent kernel: 0 = looped, 1 = unrolled; unset = per op.",
-         shared=True),
-    Knob("MOEFUSE_ALLGATHER_FUSED_GRID", "int", 0,
-         "A cap on the persistent kernel's grid (tests give each CTA several tiles); 0 = none.",
-         shared=True, minimum=0),
+    Knob(
+        "MOEFUSE_ALLGATHER_ONE_LAUNCH",
+        "bool",
+        None,
+        "All-gather + op at M <= 64: 0 = two launches; 1 = one launch wherever the decode "
+        "kernel can run (also the wide NVFP4 rows that default to two).",
+        shared=True,
+    ),
+    Knob(
+        "MOEFUSE_ALLGATHER_DECODE",
+        "choice",
+        None,
+        "Where the one-launch decode kernel loads the op's parameters and reads the rows; "
+        "unset = the measured choice per op.",
+        shared=True,
+        choices=("late", "early", "slots"),
+    ),
+    Knob(
+        "MOEFUSE_ALLGATHER_LARGE",
+        "choice",
+        None,
+        "All-gather + op above the decode range: fused = one persistent launch (the default), "
+        "chunked = two launches with the chunk pipeline. Set to fused, it also runs the "
+        "persistent kernel at M <= 64 where the decode kernel cannot.",
+        shared=True,
+        choices=("fused", "chunked"),
+    ),
+    Knob(
+        "MOEFUSE_ALLGATHER_CHUNK_ROWS",
+        "int",
+        None,
+        "Rows per chunk of the two-launch pipeline; 0 = no pipelining; unset = 4 chunks "
+        "from 2048 tokens.",
+        shared=True,
+        minimum=0,
+    ),
+    Knob(
+        "MOEFUSE_ALLGATHER_PERSISTENT",
+        "choice",
+        None,
+        "Where the persistent kernel reads each tile: from the gathered buffer, early "
+        "(parameters per tile) or straight from the slots; unset = per op and width.",
+        shared=True,
+        choices=("gathered", "early", "slots"),
+    ),
+    Knob(
+        "MOEFUSE_ALLGATHER_LOOKAHEAD",
+        "int",
+        None,
+        "Tiles the persistent kernel pushes ahead of the one it receives; unset = 1.",
+        shared=True,
+        minimum=1,
+    ),
+    Knob(
+        "MOEFUSE_ALLGATHER_FUSED_CTAS_PER_SM",
+        "int",
+        None,
+        "CTAs per SM of the persistent kernel (still capped by what the compiled kernel "
+        "fits); unset = per op.",
+        shared=True,
+        minimum=1,
+    ),
+    Knob(
+        "MOEFUSE_ALLGATHER_FUSED_MAXNREG",
+        "int",
+        0,
+        "Register cap of the persistent kernel, for experiments; 0 = none.",
+        shared=True,
+        minimum=0,
+    ),
+    Knob(
+        "MOEFUSE_ALLGATHER_FUSED_UNROLL",
+        "bool",
+        None,
+        "Stepped rows of the persistent kernel: 0 = looped, 1 = unrolled; unset = per op.",
+        shared=True,
+    ),
+    Knob(
+        "MOEFUSE_ALLGATHER_FUSED_GRID",
+        "int",
+        0,
+        "A cap on the persistent kernel's grid (tests give each CTA several tiles); 0 = none.",
+        shared=True,
+        minimum=0,
+    ),
     # ----------------------------------------------------------------------------- expert norm
-    Knob("MOEFUSE_TP_SPLIT_FOLD", "bool", True,
-         "TP per-expert norm, slot_oneshot: 0 = one CTA folds each token instead of its CTAs "
-         "folding column slices together.", shared=True),
-    Knob("MOEFUSE_EP_PREFETCH_ROWS", "bool", None,
-         "EP per-expert norm: 1 = request a token's K rows before normalizing any, at every M; "
-         "0 = slot by slot; unset = rows first when every CTA has one token.", shared=True),
+    Knob(
+        "MOEFUSE_TP_SPLIT_FOLD",
+        "bool",
+        True,
+        "TP per-expert norm, slot_oneshot: 0 = one CTA folds each token instead of its CTAs "
+        "folding column slices together.",
+        shared=True,
+    ),
+    Knob(
+        "MOEFUSE_EP_PREFETCH_ROWS",
+        "bool",
+        None,
+        "EP per-expert norm: 1 = request a token's K rows before normalizing any, at every M; "
+        "0 = slot by slot; unset = rows first when every CTA has one token.",
+        shared=True,
+    ),
     # ----------------------------------------------------------------------------- MoE reduction
-    Knob("MOEFUSE_MOE_COMM_CTAS_PER_SM", "int", None,
-         "Co-resident CTAs per SM of the MoE reduction / finalize peer kernels; unset = the "
-         "measured table per M and H.", shared=True, choices=(1, 2, 4)),
-    Knob("MOEFUSE_MOE_COMM_VARIANT", "choice", "auto",
-         "One-shot MoE reduction kernel: fused (one CTA per row) or split (several CTAs per "
-         "row, decode); auto = split up to 64 tokens.", shared=True,
-         choices=("auto", "fused", "split")),
-    Knob("MOEFUSE_MOE_COMM_SPLIT_CTAS", "int", 0,
-         "CTAs per row of the split variant (a power of two dividing the row tile); 0 = the "
-         "measured default.", shared=True, minimum=0, power_of_two=True),
+    Knob(
+        "MOEFUSE_MOE_COMM_CTAS_PER_SM",
+        "int",
+        None,
+        "Co-resident CTAs per SM of the MoE reduction / finalize peer kernels; unset = the "
+        "measured table per M and H.",
+        shared=True,
+        choices=(1, 2, 4),
+    ),
+    Knob(
+        "MOEFUSE_MOE_COMM_VARIANT",
+        "choice",
+        "auto",
+        "One-shot MoE reduction kernel: fused (one CTA per row) or split (several CTAs per "
+        "row, decode); auto = split up to 64 tokens.",
+        shared=True,
+        choices=("auto", "fused", "split"),
+    ),
+    Knob(
+        "MOEFUSE_MOE_COMM_SPLIT_CTAS",
+        "int",
+        0,
+        "CTAs per row of the split variant (a power of two dividing the row tile); 0 = the "
+        "measured default.",
+        shared=True,
+        minimum=0,
+        power_of_two=True,
+    ),
     # ----------------------------------------------------------------------------- benchmarks
-    Knob("MOEFUSE_COMMIT", "str", None,
-         "The commit recorded in benchmark results instead of git's HEAD (a copied tree, "
-         "an installed package).", shared=False),
+    Knob(
+        "MOEFUSE_COMMIT",
+        "str",
+        None,
+        "The commit recorded in benchmark results instead of git's HEAD (a copied tree, "
+        "an installed package).",
+        shared=False,
+    ),
 )
 
 
@@ -240,8 +363,12 @@ def warn_unknown() -> list[str]:
         _warned.add(n)
         close = difflib.get_close_matches(n, KNOBS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        warnings.warn(f"{n} is set but moefuse has no such knob{hint}; it is ignored "
-                      "(`python -m moefuse env` lists the knobs)", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{n} is set but moefuse has no such knob{hint}; it is ignored "
+            "(`python -m moefuse env` lists the knobs)",
+            UserWarning,
+            stacklevel=3,
+        )
     return new
 
 
@@ -262,13 +389,18 @@ def check_ranks_agree(per_rank: list[dict[str, str]], where: str = "") -> None:
         for rank, s in enumerate(per_rank):
             by_value.setdefault(s.get(n, ""), []).append(rank)
         if len(by_value) > 1:
-            sides = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: "
-                              + (repr(v) if v else "unset") for v, r in by_value.items())
+            sides = "; ".join(
+                f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: "
+                + (repr(v) if v else "unset")
+                for v, r in by_value.items()
+            )
             problems.append(f"{n} ({sides})")
     if problems:
         prefix = f"{where}: " if where else ""
-        raise RuntimeError(f"{prefix}knobs that every rank must set alike differ between ranks: "
-                           + ", ".join(problems))
+        raise RuntimeError(
+            f"{prefix}knobs that every rank must set alike differ between ranks: "
+            + ", ".join(problems)
+        )
 
 
 # ----------------------------------------------------------------------------- docs
@@ -283,9 +415,9 @@ def markdown_page() -> str:
         "docs/knobs.md`; `tests/test_knobs.py` checks that the two agree.",
         "",
         "Every knob keeps the bits of every op; the defaults come from the H200 measurements in "
-        "`notes/`. Unset or empty means the default (\"op's choice\": the op decides per call). "
+        '`notes/`. Unset or empty means the default ("op\'s choice": the op decides per call). '
         "A knob is read when a call or a workspace needs it, never at import; an invalid value "
-        "raises `ValueError` naming the variable. Knobs marked \"yes\" in the fourth column "
+        'raises `ValueError` naming the variable. Knobs marked "yes" in the fourth column '
         "must be set alike on every rank: a communication workspace compares them when it is "
         "created and raises `RuntimeError` naming the knob and the ranks that differ. A "
         "`MOEFUSE_*` variable that is not listed here is reported by one warning. "
@@ -295,9 +427,12 @@ def markdown_page() -> str:
         "|---|---|---|---|---|",
     ]
     for k in KNOBS.values():
-        default = "op's choice" if k.default is None else (
-            str(int(k.default)) if k.kind == "bool" else str(k.default))
-        lines.append(f"| `{k.name}` | {k.accepts()} | {default} | "
-                     f"{'yes' if k.shared else 'no'} | {k.doc} |")
+        default = (
+            "op's choice"
+            if k.default is None
+            else (str(int(k.default)) if k.kind == "bool" else str(k.default))
+        )
+        lines.append(
+            f"| `{k.name}` | {k.accepts()} | {default} | {'yes' if k.shared else 'no'} | {k.doc} |"
+        )
     return "\n".join(lines) + "\n"
-

@@ -137,7 +137,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: str, what: s
             )
     else:
         torch.testing.assert_close(
-            actual, expected.to(actual.dtype).to(actual.device), rtol=row.rtol, atol=row.atol,
+            actual,
+            expected.to(actual.dtype).to(actual.device),
+            rtol=row.rtol,
+            atol=row.atol,
             msg=lambda m: f"{what}: {m}",
         )
 
@@ -264,8 +267,9 @@ def moe_reduction_case(seed, p, m, h, e, dev):
     return xs, scales, toks, res, w
 
 
-def moe_finalize_case(seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, shared=True,
-                  bias=False):
+def moe_finalize_case(
+    seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, shared=True, bias=False
+):
     """Random inputs of ``moe_finalize_allreduce_residual_rmsnorm`` for ALL ``p`` ranks (the
     same on every rank, from ``seed``): ``(rows, idx, expert_scales, shared_outputs, residual,
     norm_weight, biases, expert_ids)``, per-rank lists where ranks differ. Permuted rows with 5
@@ -289,8 +293,9 @@ def moe_finalize_case(seed, p, m, h, k, dev, *, weights_dtype=torch.bfloat16, sh
         x[:, 0] = -0.0
         ins.append(x)
         ws.append((torch.rand(m, k, generator=g, device=dev) + 0.1).to(weights_dtype))
-        shs.append(torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16) if shared
-                   else None)  # fmt: skip
+        shs.append(
+            torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16) if shared else None
+        )
     res = torch.randn(m, h, generator=g, device=dev).to(torch.bfloat16)
     w = (torch.rand(h, generator=g, device=dev) + 0.5).to(torch.bfloat16)
     bs, eids = None, None

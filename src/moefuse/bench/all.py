@@ -30,8 +30,11 @@ from moefuse.bench.registry import FAMILIES, Family, missing_reason
 from moefuse.bench.summary import first_paragraph
 
 #: NVLink multicast stays off for every multi-GPU run (the machines' NVLS is not usable)
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 @dataclass
@@ -43,8 +46,14 @@ class Job:
     skip: str | None = None  # reason it does not run here
 
 
-def plan(gpus: int, out_dir: str, *, quick: bool = False, only: list[str] | None = None,
-         world_sizes: tuple[int, ...] = (2, 4, 8)) -> list[Job]:  # fmt: skip
+def plan(
+    gpus: int,
+    out_dir: str,
+    *,
+    quick: bool = False,
+    only: list[str] | None = None,
+    world_sizes: tuple[int, ...] = (2, 4, 8),
+) -> list[Job]:
     """The jobs of one ``bench all`` run on a machine with ``gpus`` CUDA GPUs."""
     jobs = []
     for fam in FAMILIES:
@@ -62,8 +71,9 @@ def plan(gpus: int, out_dir: str, *, quick: bool = False, only: list[str] | None
         sizes = [p for p in world_sizes if p >= fam.min_gpus]
         for p in sizes:
             skip = missing or (None if gpus >= p else f"needs {p} GPUs, this machine has {gpus}")
-            jobs.append(Job(fam, f"{fam.name} P={p}", [*base, "--world-size", str(p)],
-                            f"-p{p}", skip))  # fmt: skip
+            jobs.append(
+                Job(fam, f"{fam.name} P={p}", [*base, "--world-size", str(p)], f"-p{p}", skip)
+            )
     return jobs
 
 
@@ -104,8 +114,9 @@ class _Progress:
             self.bar.close()
 
 
-def run_command(cmd: list[str], log_path: Path, progress: _Progress, label: str,
-                timeout_s: float) -> tuple[int, float]:  # fmt: skip
+def run_command(
+    cmd: list[str], log_path: Path, progress: _Progress, label: str, timeout_s: float
+) -> tuple[int, float]:
     """Run ``cmd``, teeing its output (stdout + stderr) into ``log_path`` and the progress
     display; returns (exit status, wall seconds). Past ``timeout_s`` the process and its
     children (the multi-GPU families spawn one per rank) are killed and the status is 124."""
@@ -117,8 +128,14 @@ def run_command(cmd: list[str], log_path: Path, progress: _Progress, label: str,
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         # a process group of its own, so that a timeout can end the whole process group
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
 
         def pump():  # a thread, so that a family printing nothing cannot stall the deadline
             for text in proc.stdout:
@@ -145,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results", help="results directory")
     parser.add_argument("--quick", action="store_true", help="pass --quick to the families")
     parser.add_argument("--only", default="", help="comma-separated families (default: all)")
-    parser.add_argument("--world-sizes", default="2,4,8",
-                        help="world sizes for the multi-GPU families (those that fit)")
+    parser.add_argument(
+        "--world-sizes",
+        default="2,4,8",
+        help="world sizes for the multi-GPU families (those that fit)",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per family")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     parser.add_argument("--no-summary", action="store_true", help="skip bench summary after")
@@ -166,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [j for j in jobs if j.skip is None]
     print(f"moefuse bench all: {gpus} GPU(s); {len(runnable)} of {len(jobs)} runs")
     for j in jobs:
-        print(f"  {j.label:<16} " + (f"skipped: {j.skip}" if j.skip else
-                                     "python -m moefuse bench " + " ".join(j.argv)))  # fmt: skip
+        print(
+            f"  {j.label:<16} "
+            + (f"skipped: {j.skip}" if j.skip else "python -m moefuse bench " + " ".join(j.argv))
+        )
     if args.dry_run:
         return 0
     if not runnable:
@@ -177,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     slug = harness.gpu_slug()
     out = Path(args.out)
     progress = _Progress(len(runnable))
-    records = [{"family": j.family.name, "label": j.label, "status": "skipped", "reason": j.skip}
-               for j in jobs if j.skip]  # fmt: skip
+    records = [
+        {"family": j.family.name, "label": j.label, "status": "skipped", "reason": j.skip}
+        for j in jobs
+        if j.skip
+    ]
     try:
         for j in runnable:
             progress.start(j.label)
@@ -187,17 +212,28 @@ def main(argv: list[str] | None = None) -> int:
             rc, secs = run_command(cmd, log, progress, j.label, args.timeout)
             status = "ok" if rc == 0 else f"failed (exit {rc})"
             progress.finish(j.label, status)
-            records.append({"family": j.family.name, "label": j.label, "status": status,
-                            "rc": rc, "seconds": round(secs, 1), "log": str(log),
-                            "command": " ".join(cmd[1:])})  # fmt: skip
+            records.append(
+                {
+                    "family": j.family.name,
+                    "label": j.label,
+                    "status": status,
+                    "rc": rc,
+                    "seconds": round(secs, 1),
+                    "log": str(log),
+                    "command": " ".join(cmd[1:]),
+                }
+            )
     finally:
         progress.close()
     meta = harness.run_metadata()
-    (out / f"bench-all-{slug}.json").write_text(json.dumps({"meta": meta, "runs": records},
-                                                           indent=1) + "\n")  # fmt: skip
+    (out / f"bench-all-{slug}.json").write_text(
+        json.dumps({"meta": meta, "runs": records}, indent=1) + "\n"
+    )
     for r in records:
-        print(f"  {r['label']:<16} {r['status']}" + (f" ({r['seconds']} s)" if "rc" in r else
-                                                      f": {r['reason']}"))  # fmt: skip
+        print(
+            f"  {r['label']:<16} {r['status']}"
+            + (f" ({r['seconds']} s)" if "rc" in r else f": {r['reason']}")
+        )
     if not args.no_summary:
         from moefuse.bench import summary
 

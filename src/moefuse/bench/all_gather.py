@@ -75,8 +75,10 @@ def peer_copy_gbps(group, dev, harness) -> float:
     peer = hdl.get_remote_tensor((rank + 1) % p, buf.size(), buf.dtype)
     local = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
     best = float("inf")
-    copies = [lambda i, b=block, w=warps: sm_copy(local, peer, b, w)  # SM stores (as the kernel)
-              for block, warps in COPY_CONFIGS] + [lambda i: local.copy_(peer)]  # copy engine
+    copies = [
+        lambda i, b=block, w=warps: sm_copy(local, peer, b, w)  # SM stores (as the kernel)
+        for block, warps in COPY_CONFIGS
+    ] + [lambda i: local.copy_(peer)]  # copy engine
     for fn in copies:
         dist.barrier(group=group)
         try:
@@ -97,16 +99,19 @@ def case_tensors(m: int, h: int, dev) -> dict:
     ``ro`` (FP32), ``out8``, ``q4`` / ``sf4`` (linear NVFP4 codes and scales)."""
     bf = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(4321)
-    return dict(w=(torch.rand(h, generator=g, device=dev) + 0.5).to(bf),
-                res=torch.randn(m, h, generator=g, device=dev),
-                alpha=torch.rand(h, generator=g, device=dev) + 0.5,
-                beta=torch.randn(h, generator=g, device=dev),
-                scale=torch.tensor([0.0125], device=dev),
-                gs=torch.tensor([448.0 * 6 / 5], device=dev),
-                out=torch.empty(m, h, dtype=bf, device=dev), ro=torch.empty(m, h, device=dev),
-                out8=torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
-                q4=torch.empty(m, h // 2, dtype=torch.uint8, device=dev),
-                sf4=torch.empty(m, h // 16, dtype=torch.uint8, device=dev))  # fmt: skip
+    return dict(
+        w=(torch.rand(h, generator=g, device=dev) + 0.5).to(bf),
+        res=torch.randn(m, h, generator=g, device=dev),
+        alpha=torch.rand(h, generator=g, device=dev) + 0.5,
+        beta=torch.randn(h, generator=g, device=dev),
+        scale=torch.tensor([0.0125], device=dev),
+        gs=torch.tensor([448.0 * 6 / 5], device=dev),
+        out=torch.empty(m, h, dtype=bf, device=dev),
+        ro=torch.empty(m, h, device=dev),
+        out8=torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
+        q4=torch.empty(m, h // 2, dtype=torch.uint8, device=dev),
+        sf4=torch.empty(m, h // 16, dtype=torch.uint8, device=dev),
+    )
 
 
 def single_op(moefuse, op, full, c):
@@ -118,8 +123,9 @@ def single_op(moefuse, op, full, c):
         return (moefuse.rmsnorm_quant(full, c["w"], c["scale"], impl="triton").view(torch.uint8),)
     if op == "fp4":
         return moefuse.rmsnorm_fp4_quantize(full, c["w"], c["gs"], layout="linear", impl="triton")
-    return moefuse.gated_residual_next_rmsnorm(full, c["res"], c["w"], c["alpha"], c["beta"],
-                                               residual_out=c["ro"], impl="triton")  # fmt: skip
+    return moefuse.gated_residual_next_rmsnorm(
+        full, c["res"], c["w"], c["alpha"], c["beta"], residual_out=c["ro"], impl="triton"
+    )
 
 
 def fused_op(moefuse, op, shard, c, ws, enable_pdl=None):
@@ -128,14 +134,25 @@ def fused_op(moefuse, op, shard, c, ws, enable_pdl=None):
     if op == "rmsnorm":
         return (moefuse.all_gather_rmsnorm(shard, c["w"], out=c["out"], **kw),)
     if op == "fp8":
-        return (moefuse.all_gather_rmsnorm_fp8(shard, c["w"], c["scale"], out=c["out8"],
-                                               **kw).view(torch.uint8),)  # fmt: skip
+        return (
+            moefuse.all_gather_rmsnorm_fp8(shard, c["w"], c["scale"], out=c["out8"], **kw).view(
+                torch.uint8
+            ),
+        )
     if op == "fp4":
-        return moefuse.all_gather_rmsnorm_fp4_quantize(shard, c["w"], c["gs"], layout="linear",
-                                                       out=c["q4"], scale_out=c["sf4"], **kw)
+        return moefuse.all_gather_rmsnorm_fp4_quantize(
+            shard, c["w"], c["gs"], layout="linear", out=c["q4"], scale_out=c["sf4"], **kw
+        )
     return moefuse.all_gather_gated_residual_next_rmsnorm(
-        shard, c["res"], c["alpha"], c["beta"], c["w"], residual_out=c["ro"], ffn_input=c["out"],
-        **kw)  # fmt: skip
+        shard,
+        c["res"],
+        c["alpha"],
+        c["beta"],
+        c["w"],
+        residual_out=c["ro"],
+        ffn_input=c["out"],
+        **kw,
+    )
 
 
 def _time_case(moefuse, harness, ws, group, op, h, m, replays):
@@ -185,8 +202,9 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
     want = [t.clone() for t in nccl(0)]
     torch.cuda.synchronize(dev)
     dist.barrier(group)  # every rank's symmetric input is written before anyone reads it
-    variants = _checked_variants({"moefuse": fused, "nccl+op": nccl, "symm+op": symm}, want,
-                                 f"{op} H={h} M={m}", group, dev)  # fmt: skip
+    variants = _checked_variants(
+        {"moefuse": fused, "nccl+op": nccl, "symm+op": symm}, want, f"{op} H={h} M={m}", group, dev
+    )
     if op == "rmsnorm":
         variants["moefuse_gather"] = gather_only
     env = _knob_variants(harness, op, h, m)
@@ -199,9 +217,19 @@ def _time_case(moefuse, harness, ws, group, op, h, m, replays):
 
         return run if name in env else None
 
-    times = {name: time_variant(harness, fn, env.get(name, {}), group, f"{name} at {op} H={h} "
-                                f"M={m}", calls=max(20, n), replays=replays, check=check(name, fn))
-             for name, fn in variants.items()}  # fmt: skip
+    times = {
+        name: time_variant(
+            harness,
+            fn,
+            env.get(name, {}),
+            group,
+            f"{name} at {op} H={h} M={m}",
+            calls=max(20, n),
+            replays=replays,
+            check=check(name, fn),
+        )
+        for name, fn in variants.items()
+    }
     ws.check()
     return times
 
@@ -259,12 +287,28 @@ def _knob_variants(harness, op: str, h: int, m: int) -> dict:
         if allgather_ops.chunk_rows(m) < m:  # the chunk pipeline against one chunk
             env["moefuse_nochunk"] = {LARGE_ENV: "chunked", CHUNK_ENV: "0"}
         # the persistent kernel's other modes (rows gathered / parameters early / from slots)
-        env.update(_other_modes(harness, PERSISTENT_ENV, PERSISTENT_MODES, persistent_mode,
-                                OP_CODES[op], fused_tile(h, m, OP_CODES[op])))  # fmt: skip
+        env.update(
+            _other_modes(
+                harness,
+                PERSISTENT_ENV,
+                PERSISTENT_MODES,
+                persistent_mode,
+                OP_CODES[op],
+                fused_tile(h, m, OP_CODES[op]),
+            )
+        )
     else:  # the default is one launch here: time two as well, and its other decode modes
         env["moefuse_2launch"] = {ONE_LAUNCH_ENV: "0"}
-        env.update(_other_modes(harness, DECODE_ENV, DECODE_MODES, decode_mode, OP_CODES[op],
-                                one_launch_tile(h, m, OP_CODES[op])))  # fmt: skip
+        env.update(
+            _other_modes(
+                harness,
+                DECODE_ENV,
+                DECODE_MODES,
+                decode_mode,
+                OP_CODES[op],
+                one_launch_tile(h, m, OP_CODES[op]),
+            )
+        )
     return env
 
 
@@ -283,8 +327,9 @@ def _other_modes(harness, name: str, modes: tuple, choose, op: int, tile) -> dic
     return out
 
 
-def time_variant(harness, fn, env: dict, group, label: str, *, calls: int, replays: int,
-                 check=None) -> float:  # fmt: skip
+def time_variant(
+    harness, fn, env: dict, group, label: str, *, calls: int, replays: int, check=None
+) -> float:
     """Max over the ranks of the median µs per call of ``fn(i)`` in CUDA-graph replays, under the
     knobs ``env`` (read at capture, the same on every rank), ``check()`` first (a failure on any
     rank skips the timing on every rank); NaN (and a printed line naming ``label``) when either
@@ -301,8 +346,10 @@ def time_variant(harness, fn, env: dict, group, label: str, *, calls: int, repla
         dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
         timed = []
         if int(vote.item()) and _attempt(
-                lambda: timed.append(harness.graph_time_us(fn, calls=calls, replays=replays)),
-                label, group):  # fmt: skip
+            lambda: timed.append(harness.graph_time_us(fn, calls=calls, replays=replays)),
+            label,
+            group,
+        ):
             us = timed[0]
     t = torch.tensor([us], dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -342,44 +389,77 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
         print(f"peer-copy bandwidth (one direction, all ranks at once): {bw:.1f} GB/s", flush=True)
     rows = []
     for h in widths:
-        ws = moefuse.AllReduceWorkspace(group, max(tokens), h, torch.bfloat16, dev,
-                                        oneshot_max_tokens=1,
-                                        extra_regions=moefuse.allgather_regions(max(tokens), h))
+        ws = moefuse.AllReduceWorkspace(
+            group,
+            max(tokens),
+            h,
+            torch.bfloat16,
+            dev,
+            oneshot_max_tokens=1,
+            extra_regions=moefuse.allgather_regions(max(tokens), h),
+        )
         for op in ops:
             for m in tokens:
                 times = _time_case(moefuse, harness, ws, group, op, h, m, replays)
-                best = min((times[b] for b in BASELINES if times[b] == times[b]),
-                           default=float("nan"))  # fmt: skip
+                best = min(
+                    (times[b] for b in BASELINES if times[b] == times[b]), default=float("nan")
+                )
                 received = (world_size - 1) * m * h * 2 // world_size
                 bound_us = received / (bw * 1e9) * 1e6
                 for name, us in times.items():
-                    rows.append({
-                        "op": f"all_gather_{op}", "shape": f"P={world_size} H={h}",
-                        "P": world_size, "H": h, "M": m, "variant": name, "us": us,
-                        "received_bytes": received, "nvlink_bound_us": bound_us,
-                        "x_nvlink_bound": bound_us / us, "x_best_unfused": best / us,
-                        "x_nccl": times["nccl+op"] / us,
-                    })  # fmt: skip
+                    rows.append(
+                        {
+                            "op": f"all_gather_{op}",
+                            "shape": f"P={world_size} H={h}",
+                            "P": world_size,
+                            "H": h,
+                            "M": m,
+                            "variant": name,
+                            "us": us,
+                            "received_bytes": received,
+                            "nvlink_bound_us": bound_us,
+                            "x_nvlink_bound": bound_us / us,
+                            "x_best_unfused": best / us,
+                            "x_nccl": times["nccl+op"] / us,
+                        }
+                    )
                 if rank == 0:
-                    print(f"P={world_size} {op:7s} H={h:5d} M={m:6d} " + "  ".join(
-                        f"{k}={v:8.2f}" for k, v in times.items())
-                        + f" us  bound={bound_us:.2f}", flush=True)  # fmt: skip
+                    print(
+                        f"P={world_size} {op:7s} H={h:5d} M={m:6d} "
+                        + "  ".join(f"{k}={v:8.2f}" for k, v in times.items())
+                        + f" us  bound={bound_us:.2f}",
+                        flush=True,
+                    )
         ws.close()
     if rank == 0:
         bar = bar_checks(rows)
-        cols = ["op", "shape", "M", "variant", "us", "nvlink_bound_us", "x_nvlink_bound",
-                "x_best_unfused", "x_nccl"]  # fmt: skip
+        cols = [
+            "op",
+            "shape",
+            "M",
+            "variant",
+            "us",
+            "nvlink_bound_us",
+            "x_nvlink_bound",
+            "x_best_unfused",
+            "x_nccl",
+        ]
         harness.print_table([r for r in rows if r["variant"] == "moefuse"], cols)
         for line in bar:
             print(line)
         meta = harness.run_metadata()
-        meta.update(world_size=world_size, peer_copy_GBps=bw, bar=bar,
-                    note="symm+op = handle barrier + per-rank SM copies through the peer "
-                         "mappings (inputs preloaded); moefuse_gather = the fused op's "
-                         "all-gather launch alone")  # fmt: skip
+        meta.update(
+            world_size=world_size,
+            peer_copy_GBps=bw,
+            bar=bar,
+            note="symm+op = handle barrier + per-rank SM copies through the peer "
+            "mappings (inputs preloaded); moefuse_gather = the fused op's "
+            "all-gather launch alone",
+        )
         if args.save:
-            paths = harness.save_results("all-gather", rows, meta, args.out,
-                                         suffix=f"-p{world_size}")  # fmt: skip
+            paths = harness.save_results(
+                "all-gather", rows, meta, args.out, suffix=f"-p{world_size}"
+            )
             print("wrote", *[str(p) for p in paths if p])
     dist.barrier()
     dist.destroy_process_group()
@@ -404,8 +484,11 @@ def bar_checks(rows: list[dict]) -> list[str]:
         if r["M"] == 1 and r["H"] == 4096:
             verdict(r["us"] <= 5.0, f"{tag} <= 5.0")
         if r["M"] >= 4096:
-            verdict(r["x_nvlink_bound"] >= 0.8, f"{tag}: NVLink bound {r['nvlink_bound_us']:.2f}"
-                                                f" us / time = {r['x_nvlink_bound']:.2f} >= 0.8")
+            verdict(
+                r["x_nvlink_bound"] >= 0.8,
+                f"{tag}: NVLink bound {r['nvlink_bound_us']:.2f}"
+                f" us / time = {r['x_nvlink_bound']:.2f} >= 0.8",
+            )
     return out
 
 

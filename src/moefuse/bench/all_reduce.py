@@ -35,8 +35,10 @@ WIDTHS = [4096, 7168]
 EPS = 1e-6
 NO_MULTICAST = ranks.NO_MULTICAST
 #: FlashInfer 0.7.2.post1 one-shot AR + residual + RMSNorm, H = 4096 BF16 (µs; measurements file)
-FLASHINFER_ONESHOT = {2: {1: 4.6, 8: 5.2, 64: 6.6, 512: 19.5, 2048: 85.0, 16384: 665.0},
-                      4: {1: 5.2, 8: 6.1, 64: 10.2, 512: 49.7, 2048: 201.0, 16384: 1605.1}}
+FLASHINFER_ONESHOT = {
+    2: {1: 4.6, 8: 5.2, 64: 6.6, 512: 19.5, 2048: 85.0, 16384: 665.0},
+    4: {1: 5.2, 8: 6.1, 64: 10.2, 512: 49.7, 2048: 201.0, 16384: 1605.1},
+}
 BASELINES = ("nccl+compile", "symm1+compile", "symm2+compile")
 
 
@@ -61,8 +63,9 @@ def _check(moefuse, ws, x, res, w, group) -> None:
     h_ref, n_ref = ref.allreduce_residual_rmsnorm_from_partials(parts, res, w)
     first = None
     for algo in ("auto", "oneshot", "twoshot", "torch"):
-        outs = moefuse.allreduce_residual_rmsnorm(x, res, w, workspace=ws, algorithm=algo,
-                                                  impl="triton")  # fmt: skip
+        outs = moefuse.allreduce_residual_rmsnorm(
+            x, res, w, workspace=ws, algorithm=algo, impl="triton"
+        )
         assert_bitwise_equal(outs[0], h_ref, f"{algo} residual_out")
         assert_close(outs[1], n_ref, "rsqrt_half", f"{algo} norm_out")
         first = first or outs
@@ -98,9 +101,15 @@ def _time_case(moefuse, harness, ws, group, h, m, norm_c, replays):
             k = 0 if inputs == "same" else i % n
             o = fixed if outputs == "fixed" else outs[i % n]
             return moefuse.allreduce_residual_rmsnorm(
-                xs[k], rs[k], w, workspace=ws, algorithm=algo, impl="triton",
-                residual_out=o[0], norm_out=o[1],
-            )  # fmt: skip
+                xs[k],
+                rs[k],
+                w,
+                workspace=ws,
+                algorithm=algo,
+                impl="triton",
+                residual_out=o[0],
+                norm_out=o[1],
+            )
 
         return call
 
@@ -115,11 +124,16 @@ def _time_case(moefuse, harness, ws, group, h, m, norm_c, replays):
         torch.ops.symm_mem.two_shot_all_reduce_(sym, "sum", gname)
         return norm_c(sym, rs[i % n], w)
 
-    variants = {"moefuse": fused("auto"), "moefuse_oneshot": fused("oneshot"),
-                "moefuse_twoshot": fused("twoshot"),
-                "moefuse_rot_out": fused("auto", outputs="rotate"),
-                "moefuse_same_inputs": fused("auto", inputs="same"), "nccl+compile": nccl,
-                "symm1+compile": symm1, "symm2+compile": symm2}  # fmt: skip
+    variants = {
+        "moefuse": fused("auto"),
+        "moefuse_oneshot": fused("oneshot"),
+        "moefuse_twoshot": fused("twoshot"),
+        "moefuse_rot_out": fused("auto", outputs="rotate"),
+        "moefuse_same_inputs": fused("auto", inputs="same"),
+        "nccl+compile": nccl,
+        "symm1+compile": symm1,
+        "symm2+compile": symm2,
+    }
     times = {}
     for name, fn in variants.items():
         dist.barrier(group=group)
@@ -151,26 +165,39 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
     ceiling = harness.copy_ceiling_tbs() if rank == 0 else float("nan")
     rows = []
     for h in widths:
-        ws = moefuse.AllReduceWorkspace(group, max(tokens), h, torch.bfloat16, dev,
-                                        oneshot_max_tokens=max(tokens))  # fmt: skip
+        ws = moefuse.AllReduceWorkspace(
+            group, max(tokens), h, torch.bfloat16, dev, oneshot_max_tokens=max(tokens)
+        )
         norm_c = harness.compile_baseline(residual_rmsnorm)
         for m in tokens:
             times, auto_algo = _time_case(moefuse, harness, ws, group, h, m, norm_c, replays)
             best = min(times[b] for b in BASELINES if times[b] == times[b])
             payload = m * h * 2
             for name, us in times.items():
-                rows.append({
-                    "op": "allreduce_residual_rmsnorm", "shape": f"P={world_size} H={h}",
-                    "P": world_size, "H": h, "M": m, "variant": name, "us": us,
-                    "algbw_GBps": payload / (us * 1e-6) / 1e9,
-                    "tbs": 4 * payload / (us * 1e-6) / 1e12,
-                    "frac_ceiling": 4 * payload / (us * 1e-6) / 1e12 / ceiling,
-                    "x_best_unfused": best / us, "x_nccl": times["nccl+compile"] / us,
-                    "auto_algorithm": auto_algo,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "op": "allreduce_residual_rmsnorm",
+                        "shape": f"P={world_size} H={h}",
+                        "P": world_size,
+                        "H": h,
+                        "M": m,
+                        "variant": name,
+                        "us": us,
+                        "algbw_GBps": payload / (us * 1e-6) / 1e9,
+                        "tbs": 4 * payload / (us * 1e-6) / 1e12,
+                        "frac_ceiling": 4 * payload / (us * 1e-6) / 1e12 / ceiling,
+                        "x_best_unfused": best / us,
+                        "x_nccl": times["nccl+compile"] / us,
+                        "auto_algorithm": auto_algo,
+                    }
+                )
             if rank == 0:
-                print(f"P={world_size} H={h:5d} M={m:6d} auto={auto_algo:8s} " + "  ".join(
-                    f"{k}={v:8.2f}" for k, v in times.items()) + " us", flush=True)  # fmt: skip
+                print(
+                    f"P={world_size} H={h:5d} M={m:6d} auto={auto_algo:8s} "
+                    + "  ".join(f"{k}={v:8.2f}" for k, v in times.items())
+                    + " us",
+                    flush=True,
+                )
         ws.close()
     if rank == 0:
         bar = bar_checks(rows, world_size)
@@ -179,13 +206,18 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
         for line in bar:
             print(line)
         meta = harness.run_metadata()
-        meta.update(ceiling_tbs=ceiling, world_size=world_size, bar=bar,
-                    note="symm-mem baselines time one symmetric input buffer (no L2 rotation); "
-                         "moefuse variants write one fixed output pair per case except "
-                         "moefuse_rot_out; moefuse_same_inputs reuses one input set")  # fmt: skip
+        meta.update(
+            ceiling_tbs=ceiling,
+            world_size=world_size,
+            bar=bar,
+            note="symm-mem baselines time one symmetric input buffer (no L2 rotation); "
+            "moefuse variants write one fixed output pair per case except "
+            "moefuse_rot_out; moefuse_same_inputs reuses one input set",
+        )
         if args.save:
-            paths = harness.save_results("all-reduce", rows, meta, args.out,
-                                         suffix=f"-p{world_size}")  # fmt: skip
+            paths = harness.save_results(
+                "all-reduce", rows, meta, args.out, suffix=f"-p{world_size}"
+            )
             print("wrote", *[str(p) for p in paths if p])
     dist.barrier()
     dist.destroy_process_group()
@@ -208,19 +240,23 @@ def bar_checks(rows: list[dict], world_size: int) -> list[str]:
         if h == 4096 and world_size == 2 and m <= 512:
             fi = FLASHINFER_ONESHOT[2].get(m)
             if fi is not None:
-                verdict(us * 1.15 <= fi, f"P=2 M={m}: {us:.2f} us (inputs rotated) vs "
-                                         f"FlashInfer {fi} / 1.15")  # fmt: skip
+                verdict(
+                    us * 1.15 <= fi,
+                    f"P=2 M={m}: {us:.2f} us (inputs rotated) vs FlashInfer {fi} / 1.15",
+                )
                 same = t.get((h, m, "moefuse_same_inputs"))
                 if same is not None:
-                    verdict(same * 1.15 <= fi, f"P=2 M={m}: {same:.2f} us (same inputs every "
-                                               f"call, the FlashInfer figures' method) vs "
-                                               f"FlashInfer {fi} / 1.15")  # fmt: skip
+                    verdict(
+                        same * 1.15 <= fi,
+                        f"P=2 M={m}: {same:.2f} us (same inputs every "
+                        f"call, the FlashInfer figures' method) vs "
+                        f"FlashInfer {fi} / 1.15",
+                    )
             verdict(us * 2 <= nccl, f"P=2 M={m}: {us:.2f} us <= NCCL+compile {nccl:.2f} / 2")
         if h == 4096 and world_size == 4 and m <= 64:
             verdict(us * 2 <= nccl, f"P=4 M={m}: {us:.2f} us <= NCCL+compile {nccl:.2f} / 2")
         if h == 7168 and world_size == 8 and m <= 64:  # FlashInfer's published 8-GPU decode case
-            verdict(us * 2 <= best, f"P=8 H=7168 M={m}: {us:.2f} us <= best unfused "
-                                    f"{best:.2f} / 2")  # fmt: skip
+            verdict(us * 2 <= best, f"P=8 H=7168 M={m}: {us:.2f} us <= best unfused {best:.2f} / 2")
         if h == 4096 and world_size == 2 and m == 1:
             verdict(us <= 4.0, f"P=2 M=1: {us:.2f} us <= 4.0")
         if h == 4096 and world_size == 2 and m == 16384:

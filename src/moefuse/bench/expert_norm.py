@@ -83,9 +83,21 @@ def _rows(op, times, m, h, k, p, nbytes, extra=None) -> list[dict]:
     best = min((times[b] for b in UNFUSED if times[b] == times[b]), default=float("nan"))
     out = []
     for name, us in times.items():
-        out.append({"op": op, "shape": f"P={p} H={h} K={k}", "variant": name, "M": m, "H": h,
-                    "K": k, "P": p, "us": us, "tbs": nbytes / (us * 1e-6) / 1e12,
-                    "x_best_unfused": best / us, **(extra or {})})  # fmt: skip
+        out.append(
+            {
+                "op": op,
+                "shape": f"P={p} H={h} K={k}",
+                "variant": name,
+                "M": m,
+                "H": h,
+                "K": k,
+                "P": p,
+                "us": us,
+                "tbs": nbytes / (us * 1e-6) / 1e12,
+                "x_best_unfused": best / us,
+                **(extra or {}),
+            }
+        )
     return out
 
 
@@ -101,8 +113,9 @@ def _tp_inputs(m, h, k, p, rank, dev, seed):
 
 
 # ----------------------------------------------------------------------------- TP
-def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int = 15,
-                 post_compiled=None) -> list[dict]:  # fmt: skip
+def time_tp_case(
+    group, m: int, h: int, k: int, *, workspace=None, replays: int = 15, post_compiled=None
+) -> list[dict]:
     """Time ``tp_moe_finalize_rmsnorm`` against its unfused chain on this rank (collective over
     ``group``; every rank calls with the same arguments). ``workspace``: an
     :class:`ExpertNormWorkspace` for (H, K) (created and closed here when None);
@@ -119,8 +132,9 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     own = workspace is None
     xws = moefuse.ExpertNormWorkspace(group, h, k, dev) if own else workspace
     post_c = post_compiled or harness.compile_baseline(expert_norm_weighted_sum)
-    nw = (torch.rand(h, generator=torch.Generator(device=dev).manual_seed(7), device=dev)
-          + 0.5).to(torch.bfloat16)  # fmt: skip
+    nw = (torch.rand(h, generator=torch.Generator(device=dev).manual_seed(7), device=dev) + 0.5).to(
+        torch.bfloat16
+    )
     nbytes = m * k * h * 2 + m * h * 2
     n = harness.rotation_sets(nbytes)
     sets = [_tp_inputs(m, h, k, p, rank, dev, 100 + i) for i in range(n)]
@@ -134,14 +148,16 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     want = ref.tp_moe_finalize_rmsnorm_from_ranks(parts, w, idx, nw, **opts)
     first = None
     for algo in ("slot_oneshot", "expert_owner", "token_owner", "staged", "torch"):
-        got = moefuse.tp_moe_finalize_rmsnorm(rows, w, idx, nw, workspace=xws, algorithm=algo,
-                                              impl="triton", **opts)  # fmt: skip
+        got = moefuse.tp_moe_finalize_rmsnorm(
+            rows, w, idx, nw, workspace=xws, algorithm=algo, impl="triton", **opts
+        )
         first = got if first is None else first
         if not torch.equal(got.view(torch.int16), first.view(torch.int16)):
             raise AssertionError(f"TP M={m} H={h} K={k}: {algo} differs bitwise")
     with harness.knobs({SPLIT_FOLD_ENV: "0"}):  # slot_oneshot's fold in one CTA: the same bits
-        got = moefuse.tp_moe_finalize_rmsnorm(rows, w, idx, nw, workspace=xws,
-                                              algorithm="slot_oneshot", impl="triton", **opts)
+        got = moefuse.tp_moe_finalize_rmsnorm(
+            rows, w, idx, nw, workspace=xws, algorithm="slot_oneshot", impl="triton", **opts
+        )
         if not torch.equal(got.view(torch.int16), first.view(torch.int16)):
             raise AssertionError(f"TP M={m} H={h} K={k}: slot_oneshot folded by one CTA differs")
     err = (first.float() - want.float()).abs().max().item()
@@ -151,8 +167,16 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
     def fused(algo):
         return lambda i: moefuse.tp_moe_finalize_rmsnorm(
-            sets[i % n][0], sets[i % n][2], sets[i % n][1], nw, out, workspace=xws,
-            algorithm=algo, impl="triton", **opts)  # fmt: skip
+            sets[i % n][0],
+            sets[i % n][2],
+            sets[i % n][1],
+            nw,
+            out,
+            workspace=xws,
+            algorithm=algo,
+            impl="triton",
+            **opts,
+        )
 
     def unfused(post):
         def call(i):
@@ -162,27 +186,39 @@ def time_tp_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
         return call
 
-    variants = {"moefuse": fused("auto"), "moefuse_slot_oneshot": fused("slot_oneshot"),
-                "moefuse_expert_owner": fused("expert_owner"),
-                "moefuse_token_owner": fused("token_owner"), "moefuse_staged": fused("staged"),
-                "moefuse_torch": fused("torch"),
-                "unfused_eager": unfused(expert_norm_weighted_sum),
-                "unfused_compile": unfused(post_c)}  # fmt: skip
+    variants = {
+        "moefuse": fused("auto"),
+        "moefuse_slot_oneshot": fused("slot_oneshot"),
+        "moefuse_expert_owner": fused("expert_owner"),
+        "moefuse_token_owner": fused("token_owner"),
+        "moefuse_staged": fused("staged"),
+        "moefuse_torch": fused("torch"),
+        "unfused_eager": unfused(expert_norm_weighted_sum),
+        "unfused_compile": unfused(post_c),
+    }
     times = _time_variants(harness, variants, n, group, dev, replays)
     with harness.knobs({SPLIT_FOLD_ENV: "0"}):  # slot_oneshot with one folding CTA per token
-        times.update(_time_variants(harness, {"moefuse_slot_oneshot_fold1":
-                                              fused("slot_oneshot")}, n, group, dev, replays))
+        times.update(
+            _time_variants(
+                harness,
+                {"moefuse_slot_oneshot_fold1": fused("slot_oneshot")},
+                n,
+                group,
+                dev,
+                replays,
+            )
+        )
     xws.check()
     auto = xws.choose_algorithm(m)
     if own:
         xws.close()
-    return _rows("tp_moe_finalize_rmsnorm", times, m, h, k, p, nbytes,
-                 {"auto_algorithm": auto})  # fmt: skip
+    return _rows("tp_moe_finalize_rmsnorm", times, m, h, k, p, nbytes, {"auto_algorithm": auto})
 
 
 # ----------------------------------------------------------------------------- EP
-def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int = 15,
-                 pre_compiled=None) -> list[dict]:  # fmt: skip
+def time_ep_case(
+    group, m: int, h: int, k: int, *, workspace=None, replays: int = 15, pre_compiled=None
+) -> list[dict]:
     """Time ``moe_finalize_rmsnorm_allreduce`` (EP: each rank owns ~K/P of every token's routes)
     against local finalize + norm (eager / compiled) then NCCL ``all_reduce`` of [M, H]."""
     import torch.distributed as dist
@@ -196,8 +232,9 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     own = workspace is None
     ws = moefuse.AllReduceWorkspace(group, m, h, torch.bfloat16, dev) if own else workspace
     pre_c = pre_compiled or harness.compile_baseline(expert_norm_weighted_sum)
-    nw = (torch.rand(h, generator=torch.Generator(device=dev).manual_seed(7), device=dev)
-          + 0.5).to(torch.bfloat16)  # fmt: skip
+    nw = (torch.rand(h, generator=torch.Generator(device=dev).manual_seed(7), device=dev) + 0.5).to(
+        torch.bfloat16
+    )
     nbytes = m * k * h * 2 // p + m * h * 2
     n = harness.rotation_sets(nbytes)
     sets = []
@@ -210,8 +247,9 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     rows, idx, w = sets[0]
     first = None
     for algo in ("oneshot", "twoshot", "torch"):
-        got = moefuse.moe_finalize_rmsnorm_allreduce(rows, w, idx, nw, workspace=ws,
-                                                     algorithm=algo, impl="triton", **opts)
+        got = moefuse.moe_finalize_rmsnorm_allreduce(
+            rows, w, idx, nw, workspace=ws, algorithm=algo, impl="triton", **opts
+        )
         first = got if first is None else first
         if not torch.equal(got.view(torch.int16), first.view(torch.int16)):
             raise AssertionError(f"EP M={m} H={h} K={k}: {algo} differs bitwise")
@@ -223,8 +261,16 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
     def fused(algo):
         return lambda i: moefuse.moe_finalize_rmsnorm_allreduce(
-            sets[i % n][0], sets[i % n][2], sets[i % n][1], nw, out, workspace=ws,
-            algorithm=algo, impl="triton", **opts)  # fmt: skip
+            sets[i % n][0],
+            sets[i % n][2],
+            sets[i % n][1],
+            nw,
+            out,
+            workspace=ws,
+            algorithm=algo,
+            impl="triton",
+            **opts,
+        )
 
     def unfused(pre):
         def call(i):
@@ -234,10 +280,13 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
 
         return call
 
-    variants = {"moefuse": fused("auto"), "moefuse_oneshot": fused("oneshot"),
-                "moefuse_twoshot": fused("twoshot"),
-                "unfused_eager": unfused(expert_norm_weighted_sum),
-                "unfused_compile": unfused(pre_c)}  # fmt: skip
+    variants = {
+        "moefuse": fused("auto"),
+        "moefuse_oneshot": fused("oneshot"),
+        "moefuse_twoshot": fused("twoshot"),
+        "unfused_eager": unfused(expert_norm_weighted_sum),
+        "unfused_compile": unfused(pre_c),
+    }
     times = _time_variants(harness, variants, n, group, dev, replays)
     outs = {}
     for setting in ("0", "1"):  # the one-shot kernel loading slot by slot / all rows first
@@ -246,8 +295,11 @@ def time_ep_case(group, m: int, h: int, k: int, *, workspace=None, replays: int 
     if not torch.equal(outs["0"].view(torch.int16), outs["1"].view(torch.int16)):
         raise AssertionError(f"EP M={m} H={h} K={k}: rows first vs slot by slot differ bitwise")
     with harness.knobs({PREFETCH_ENV: "0"}):
-        times.update(_time_variants(harness, {"moefuse_oneshot_slotwise": fused("oneshot")}, n,
-                                    group, dev, replays))  # fmt: skip
+        times.update(
+            _time_variants(
+                harness, {"moefuse_oneshot_slotwise": fused("oneshot")}, n, group, dev, replays
+            )
+        )
     ws.check()
     if own:
         ws.close()
@@ -264,9 +316,11 @@ def bar_checks(rows: list[dict]) -> list[str]:
             continue
         need = 2.0 if r["M"] <= 64 else 1.0
         ok = r["x_best_unfused"] >= need
-        out.append(f"BAR {'PASS' if ok else 'FAIL'}: tp_moe_finalize_rmsnorm P={r['P']} "
-                   f"H={r['H']} K={r['K']} M={r['M']}: {r['us']:.2f} us, "
-                   f"{r['x_best_unfused']:.2f} x best unfused (need >= {need})")  # fmt: skip
+        out.append(
+            f"BAR {'PASS' if ok else 'FAIL'}: tp_moe_finalize_rmsnorm P={r['P']} "
+            f"H={r['H']} K={r['K']} M={r['M']}: {r['us']:.2f} us, "
+            f"{r['x_best_unfused']:.2f} x best unfused (need >= {need})"
+        )
     return out
 
 
@@ -287,16 +341,21 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
         xws = moefuse.ExpertNormWorkspace(group, h, args.topk, dev)
         ws = moefuse.AllReduceWorkspace(group, max(tokens), h, torch.bfloat16, dev)
         for m in tokens:
-            case = time_tp_case(group, m, h, args.topk, workspace=xws, replays=replays,
-                                post_compiled=post_c)  # fmt: skip
+            case = time_tp_case(
+                group, m, h, args.topk, workspace=xws, replays=replays, post_compiled=post_c
+            )
             if not args.tp_only:
-                case += time_ep_case(group, m, h, args.topk, workspace=ws, replays=replays,
-                                     pre_compiled=post_c)  # fmt: skip
+                case += time_ep_case(
+                    group, m, h, args.topk, workspace=ws, replays=replays, pre_compiled=post_c
+                )
             rows += case
             if rank == 0:
                 for r in case:
-                    print(f"{r['op']:31s} {r['shape']:16s} M={m:6d} {r['variant']:22s} "
-                          f"{r['us']:9.2f} us  {r['x_best_unfused']:5.2f} x", flush=True)
+                    print(
+                        f"{r['op']:31s} {r['shape']:16s} M={m:6d} {r['variant']:22s} "
+                        f"{r['us']:9.2f} us  {r['x_best_unfused']:5.2f} x",
+                        flush=True,
+                    )
         xws.close()
         ws.close()
     if rank == 0:
@@ -305,8 +364,12 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
             print(line)
     if rank == 0 and args.save:  # JSON only: bench summary draws the speed-up figure
         meta = harness.run_metadata()
-        meta.update(world_size=world_size, top_k=args.topk, bar=bar,
-                    command="python -m moefuse bench expert-norm " + " ".join(args.argv))
+        meta.update(
+            world_size=world_size,
+            top_k=args.topk,
+            bar=bar,
+            command="python -m moefuse bench expert-norm " + " ".join(args.argv),
+        )
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"expert-norm-{harness.gpu_slug()}-p{world_size}.json"
@@ -317,8 +380,7 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = ranks.rank_parser("moefuse bench expert-norm",
-                               "M in {1, 8, 64, 2048}, H = 4096")  # fmt: skip
+    parser = ranks.rank_parser("moefuse bench expert-norm", "M in {1, 8, 64, 2048}, H = 4096")
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--tp-only", action="store_true", help="skip the EP op")
     args = parser.parse_args(argv)

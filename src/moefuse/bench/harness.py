@@ -107,9 +107,13 @@ def copy_time_us(nbytes: int) -> float:
     from moefuse.bench._copy import COPY_CONFIGS, sm_copy
 
     n = max(1, nbytes // 4)  # 16-bit elements copied
-    sets = [(torch.empty(n, device="cuda", dtype=torch.bfloat16).normal_(),
-             torch.empty(n, device="cuda", dtype=torch.bfloat16))
-            for _ in range(rotation_sets(nbytes))]  # fmt: skip
+    sets = [
+        (
+            torch.empty(n, device="cuda", dtype=torch.bfloat16).normal_(),
+            torch.empty(n, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(rotation_sets(nbytes))
+    ]
     k = len(sets)
     best = float("inf")
     for block, warps in COPY_CONFIGS:
@@ -239,8 +243,14 @@ def plot_rows(rows: list[dict], path: Path, *, title: str, metric: str = "us") -
     for ax, (key, variants) in zip(axes.flat, panels.items()):
         for variant, pts in sorted(variants.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=variant,
-                    color=color[variant])  # fmt: skip
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                ms=3,
+                label=variant,
+                color=color[variant],
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(key, fontsize=8)

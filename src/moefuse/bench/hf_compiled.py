@@ -120,8 +120,10 @@ def profile_step(graph, replays: int = 3) -> list[dict]:
             k = kernels.setdefault(ev.name, [0, 0.0])
             k[0] += 1
             k[1] += ev.device_time
-    rows = [{"kernel": name[:90], "launches": n / replays, "us": t / replays}
-            for name, (n, t) in kernels.items()]  # fmt: skip
+    rows = [
+        {"kernel": name[:90], "launches": n / replays, "us": t / replays}
+        for name, (n, t) in kernels.items()
+    ]
     return sorted(rows, key=lambda r: -r["us"])
 
 
@@ -140,8 +142,13 @@ class Variant:
         n = prompt.shape[1]
         cache = StaticCache(config=self.model.config, max_cache_len=self.args.cache_len)
         pos = torch.arange(n, device=self.device)
-        logits = self.model(input_ids=prompt, past_key_values=cache, cache_position=pos,
-                            use_cache=True, logits_to_keep=1).logits  # fmt: skip
+        logits = self.model(
+            input_ids=prompt,
+            past_key_values=cache,
+            cache_position=pos,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         # transformers' static cache layers may keep a device counter of the tokens written (the
         # next write position); it is set back before every step so that every call writes the
@@ -153,8 +160,13 @@ class Variant:
         ]
         self.start = [c.clone() for c in self.counters]
         where = torch.tensor([n], device=self.device)
-        return dict(input_ids=nxt, past_key_values=cache, cache_position=where,
-                    position_ids=where[None].clone(), use_cache=True)  # fmt: skip
+        return dict(
+            input_ids=nxt,
+            past_key_values=cache,
+            cache_position=where,
+            position_ids=where[None].clone(),
+            use_cache=True,
+        )
 
     def run_step(self):
         if self.counters:
@@ -173,12 +185,18 @@ class Variant:
             _sync(self.device)
             graph_same = torch.equal(self.out.logits.view(torch.int16), eager[0].view(torch.int16))
         same = all(torch.equal(e.view(torch.int16), eager[0].view(torch.int16)) for e in eager)
-        us = replay_us(self.graph, self.run_step, self.device, self.args.replays,
-                       self.args.samples)  # fmt: skip
-        return {"op": "compiled decode step", "variant": self.name, "M": 1, "us": us,
-                "graph_bits_equal": graph_same, "eager_runs_equal": bool(same),
-                "graph_breaks": c.breaks, "graphs": c.graphs,
-                "break_reasons": c.reasons}  # fmt: skip
+        us = replay_us(self.graph, self.run_step, self.device, self.args.replays, self.args.samples)
+        return {
+            "op": "compiled decode step",
+            "variant": self.name,
+            "M": 1,
+            "us": us,
+            "graph_bits_equal": graph_same,
+            "eager_runs_equal": bool(same),
+            "graph_breaks": c.breaks,
+            "graphs": c.graphs,
+            "break_reasons": c.reasons,
+        }
 
     def teacher_forced(self, tokens) -> list[torch.Tensor]:
         """Logits [V] of the captured step fed ``tokens`` one by one from the step's position."""
@@ -197,10 +215,17 @@ class Variant:
         return out
 
     def generate(self, prompt, n: int, compile_config=None, **kw):
-        return self.model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                   pad_token_id=0, eos_token_id=None,
-                                   cache_implementation="static", compile_config=compile_config,
-                                   **kw)  # fmt: skip
+        return self.model.generate(
+            prompt,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            cache_implementation="static",
+            compile_config=compile_config,
+            **kw,
+        )
 
     def generate_rate(self, prompt, compile_config) -> tuple[dict, torch.Tensor]:
         args = self.args
@@ -217,12 +242,17 @@ class Variant:
                 _sync(self.device)
                 samples.append(time.perf_counter() - t0)
             times[n] = statistics.median(samples)
-        row = {"op": "compiled generate", "variant": self.name, "new_tokens": args.new,
-               "tok_s": (args.new - 1) / (times[args.new] - times[1]),
-               "tok_s_with_prefill": args.new / times[args.new],
-               "same_tokens_as_first_run": bool(torch.equal(tokens_n, tokens)),
-               "graph_breaks": c.breaks, "graphs": c.graphs,
-               "break_reasons": c.reasons}  # fmt: skip
+        row = {
+            "op": "compiled generate",
+            "variant": self.name,
+            "new_tokens": args.new,
+            "tok_s": (args.new - 1) / (times[args.new] - times[1]),
+            "tok_s_with_prefill": args.new / times[args.new],
+            "same_tokens_as_first_run": bool(torch.equal(tokens_n, tokens)),
+            "graph_breaks": c.breaks,
+            "graphs": c.graphs,
+            "break_reasons": c.reasons,
+        }
         return row, tokens
 
     def prefill(self, tokens: int) -> dict:
@@ -260,12 +290,20 @@ def qwen3_config(args, layers: int):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.dense_inter,
-        moe_intermediate_size=args.inter, num_hidden_layers=layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, num_experts=args.experts, num_experts_per_tok=args.topk,
-        norm_topk_prob=True, max_position_embeddings=4096, initializer_range=0.02,
-    )  # fmt: skip
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.dense_inter,
+        moe_intermediate_size=args.inter,
+        num_hidden_layers=layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        num_experts=args.experts,
+        num_experts_per_tok=args.topk,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+    )
 
 
 @torch.no_grad()  # as generate: the patched modules run their original forwards under autograd
@@ -286,11 +324,11 @@ def run(args, device) -> list[dict]:
     report = patch(patched)
     models = {"shipped": shipped, "patched": patched}
     variants = [Variant(name, models[name], args, device) for name in args.variants]
-    prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator()
-                           .manual_seed(1)).to(device)  # fmt: skip
+    prompt = torch.randint(
+        0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(1)
+    ).to(device)
     rows: list[dict] = []
-    stages = [s for s in ("step", "profile", "generate", "prefill", "fp32")
-              if s not in args.skip]  # fmt: skip
+    stages = [s for s in ("step", "profile", "generate", "prefill", "fp32") if s not in args.skip]
     tokens: dict[str, torch.Tensor] = {}
     for stage in stages:
         t0 = time.perf_counter()
@@ -301,11 +339,17 @@ def run(args, device) -> list[dict]:
                 for v in variants:
                     kernels = profile_step(v.graph)
                     ours = [k for k in kernels if k["kernel"].endswith("_kernel")]
-                    rows.append({"op": "step profile", "variant": v.name, "kernels": kernels[:40],
-                                 "us_total": sum(k["us"] for k in kernels),
-                                 "launches": sum(k["launches"] for k in kernels),
-                                 "moefuse_us": sum(k["us"] for k in ours),
-                                 "moefuse_launches": sum(k["launches"] for k in ours)})  # fmt: skip
+                    rows.append(
+                        {
+                            "op": "step profile",
+                            "variant": v.name,
+                            "kernels": kernels[:40],
+                            "us_total": sum(k["us"] for k in kernels),
+                            "launches": sum(k["launches"] for k in kernels),
+                            "moefuse_us": sum(k["us"] for k in ours),
+                            "moefuse_launches": sum(k["launches"] for k in ours),
+                        }
+                    )
             elif stage == "fp32":
                 rows += fp32_closeness(args, shipped, variants, prompt, tokens)
             elif stage == "generate":
@@ -322,8 +366,13 @@ def run(args, device) -> list[dict]:
             elif stage == "prefill":
                 rows += [v.prefill(t) for t in args.prefill for v in variants]
         except Exception as exc:  # a stage that fails is reported; the others still run
-            rows.append({"op": f"{stage} FAILED", "variant": "-",
-                         "error": f"{type(exc).__name__}: {exc}"[:2000]})  # fmt: skip
+            rows.append(
+                {
+                    "op": f"{stage} FAILED",
+                    "variant": "-",
+                    "error": f"{type(exc).__name__}: {exc}"[:2000],
+                }
+            )
             print(f"stage {stage} failed: {type(exc).__name__}: {exc}", flush=True)
         print(f"stage {stage}: {time.perf_counter() - t0:.1f} s", flush=True)
         for r in rows:  # greedy tokens of the compiled generate vs the FP32 model's
@@ -341,9 +390,16 @@ def fp32_closeness(args, shipped, variants, prompt, tokens) -> list[dict]:
     fp32 = copy.deepcopy(shipped).float()
     fp32.set_experts_implementation("eager")  # the per-expert loop: FP32 matmuls, no grouped_mm
     n = min(args.teacher, args.new - 1)
-    want = fp32.generate(prompt, max_new_tokens=args.new, min_new_tokens=args.new,
-                         do_sample=False, pad_token_id=0, eos_token_id=None,
-                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    want = fp32.generate(
+        prompt,
+        max_new_tokens=args.new,
+        min_new_tokens=args.new,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     tokens["fp32_generate"] = want.sequences[:, prompt.shape[1] :]
     cont = want.sequences[0, prompt.shape[1] :]
     ref = [lg[0].float() for lg in want.logits]  # ref[i]: logits after the prompt + cont[:i]
@@ -354,13 +410,21 @@ def fp32_closeness(args, shipped, variants, prompt, tokens) -> list[dict]:
         # the prompt: restart from the FP32 continuation's first token at the same position
         v.kw["cache_position"].fill_(prompt.shape[1])
         got = v.teacher_forced(cont[:n])
-        err = [float(((g - r) ** 2).mean().sqrt() / (r**2).mean().sqrt())
-               for g, r in zip(got, ref[1:n + 1])]  # fmt: skip
+        err = [
+            float(((g - r) ** 2).mean().sqrt() / (r**2).mean().sqrt())
+            for g, r in zip(got, ref[1 : n + 1])
+        ]
         argmax = [int(g.argmax()) == int(r.argmax()) for g, r in zip(got, ref[1 : n + 1])]
-        rows.append({"op": "fp32 closeness", "variant": v.name, "steps": len(err),
-                     "rel_rms_logit_err_median": statistics.median(err),
-                     "rel_rms_logit_err_max": max(err),
-                     "argmax_agrees_fraction": sum(argmax) / len(argmax)})  # fmt: skip
+        rows.append(
+            {
+                "op": "fp32 closeness",
+                "variant": v.name,
+                "steps": len(err),
+                "rel_rms_logit_err_median": statistics.median(err),
+                "rel_rms_logit_err_max": max(err),
+                "argmax_agrees_fraction": sum(argmax) / len(argmax),
+            }
+        )
     return rows
 
 
@@ -379,15 +443,32 @@ def ratios(rows: list[dict]) -> None:
 
 def print_summary(rows: list[dict]) -> None:
     table = [r for r in rows if "kernels" not in r]
-    print_table(table, ["op", "variant", "M", "us", "tok_s", "x_shipped", "graph_breaks",
-                        "graphs", "graph_bits_equal", "rel_rms_logit_err_median",
-                        "argmax_agrees_fraction", "vs_shipped_equal_fraction",
-                        "vs_fp32_equal_fraction", "error"])  # fmt: skip
+    print_table(
+        table,
+        [
+            "op",
+            "variant",
+            "M",
+            "us",
+            "tok_s",
+            "x_shipped",
+            "graph_breaks",
+            "graphs",
+            "graph_bits_equal",
+            "rel_rms_logit_err_median",
+            "argmax_agrees_fraction",
+            "vs_shipped_equal_fraction",
+            "vs_fp32_equal_fraction",
+            "error",
+        ],
+    )
     for r in rows:
         if "kernels" in r:
-            print(f"\n{r['variant']}: {r['us_total']:.1f} us of kernels, "
-                  f"{r['launches']:.0f} launches per step; moefuse's (names *_kernel): "
-                  f"{r['moefuse_us']:.1f} us, {r['moefuse_launches']:.0f} launches")  # fmt: skip
+            print(
+                f"\n{r['variant']}: {r['us_total']:.1f} us of kernels, "
+                f"{r['launches']:.0f} launches per step; moefuse's (names *_kernel): "
+                f"{r['moefuse_us']:.1f} us, {r['moefuse_launches']:.0f} launches"
+            )
             print_table(r["kernels"][:14], ["us", "launches", "kernel"])
 
 
@@ -407,8 +488,9 @@ def main(args) -> dict:
 
     def save(rows, report):
         meta["patched"] = report
-        paths["json"], paths["png"] = save_results("hf_moe", rows, meta, args.out,
-                                                   suffix="-compiled")  # fmt: skip
+        paths["json"], paths["png"] = save_results(
+            "hf_moe", rows, meta, args.out, suffix="-compiled"
+        )
 
     args.save = save
     rows = run(args, device)

@@ -87,9 +87,16 @@ def bench_block(args, device) -> list[dict]:
             if err > 3e-2:
                 raise AssertionError(f"{name} at T={t}: relative error {err:.3g} vs grouped_mm")
             us = eager_us(lambda: block(x), device, args.calls, args.repeats)  # noqa: B023
-            rows.append({"op": "qwen3_moe_block", "shape": f"H{args.hidden} E{args.experts} "
-                         f"K{args.topk} I{args.inter}", "variant": name, "M": t, "us": us,
-                         "rel_err_vs_grouped_mm": err})  # fmt: skip
+            rows.append(
+                {
+                    "op": "qwen3_moe_block",
+                    "shape": f"H{args.hidden} E{args.experts} K{args.topk} I{args.inter}",
+                    "variant": name,
+                    "M": t,
+                    "us": us,
+                    "rel_err_vs_grouped_mm": err,
+                }
+            )
     by = {(r["variant"], r["M"]): r["us"] for r in rows}
     for r in rows:
         if r["variant"] == "moefuse":
@@ -113,8 +120,14 @@ def bench_decode(args, device) -> list[dict]:
     prompt = torch.randint(0, args.vocab, (1, 16), device=device)
 
     def gen(n):
-        return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              pad_token_id=0, eos_token_id=None)  # fmt: skip
+        return model.generate(
+            prompt,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
 
     def rate():
         gen(args.short)  # warm-up (kernels compiled, caches allocated)
@@ -132,15 +145,28 @@ def bench_decode(args, device) -> list[dict]:
 
     rows = []
     shipped_rate, shipped_tokens = rate()
-    rows.append({"op": "decode", "variant": "shipped", "tok_s": shipped_rate,
-                 "experts": model.config._experts_implementation})  # fmt: skip
+    rows.append(
+        {
+            "op": "decode",
+            "variant": "shipped",
+            "tok_s": shipped_rate,
+            "experts": model.config._experts_implementation,
+        }
+    )
     report = patch(model)
     patched_rate, patched_tokens = rate()
     same = float((patched_tokens == shipped_tokens).float().mean())
-    rows.append({"op": "decode", "variant": "moefuse patch", "tok_s": patched_rate,
-                 "experts": model.config._experts_implementation, "patched": report,
-                 "x_shipped": patched_rate / shipped_rate,
-                 "greedy_tokens_equal_fraction": same})  # fmt: skip
+    rows.append(
+        {
+            "op": "decode",
+            "variant": "moefuse patch",
+            "tok_s": patched_rate,
+            "experts": model.config._experts_implementation,
+            "patched": report,
+            "x_shipped": patched_rate / shipped_rate,
+            "greedy_tokens_equal_fraction": same,
+        }
+    )
     return rows
 
 
@@ -166,16 +192,36 @@ def parse_args(argv=None):
     c.add_argument("--prefill", type=int, nargs="*", default=[512, 2048])
     c.add_argument("--replays", type=int, default=40, help="graph replays per timing sample")
     c.add_argument("--samples", type=int, default=7)
-    c.add_argument("--variants", nargs="+", default=["shipped", "patched"],
-                   choices=["shipped", "patched"])  # fmt: skip
-    c.add_argument("--skip", nargs="*", default=[], help="stages to skip: step profile fp32 "
-                   "generate prefill")  # fmt: skip
+    c.add_argument(
+        "--variants", nargs="+", default=["shipped", "patched"], choices=["shipped", "patched"]
+    )
+    c.add_argument(
+        "--skip", nargs="*", default=[], help="stages to skip: step profile fp32 generate prefill"
+    )
     args = p.parse_args(argv)
-    shapes = dict(hidden=2048, experts=128, topk=8, inter=768, dense_inter=6144, heads=32,
-                  kv_heads=4, head_dim=128, vocab=151936)  # fmt: skip
+    shapes = dict(
+        hidden=2048,
+        experts=128,
+        topk=8,
+        inter=768,
+        dense_inter=6144,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+    )
     if args.smoke:
-        shapes = dict(hidden=64, experts=8, topk=2, inter=32, dense_inter=96, heads=4,
-                      kv_heads=2, head_dim=16, vocab=256)  # fmt: skip
+        shapes = dict(
+            hidden=64,
+            experts=8,
+            topk=2,
+            inter=32,
+            dense_inter=96,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            vocab=256,
+        )
         args.tokens, args.calls, args.repeats = [1, 16, 40], 2, 1
         args.layers, args.short, args.long, args.decode_repeats = 2, 2, 4, 1
         args.new, args.teacher, args.prefill, args.replays, args.samples = 6, 4, [24], 2, 1
@@ -194,18 +240,22 @@ def main(argv=None) -> dict:
         return hf_compiled.main(args)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     rows = bench_block(args, device)
-    print_table(rows, ["variant", "M", "us", "x_best_transformers", "x_grouped_mm",
-                       "rel_err_vs_grouped_mm"])  # fmt: skip
+    print_table(
+        rows, ["variant", "M", "us", "x_best_transformers", "x_grouped_mm", "rel_err_vs_grouped_mm"]
+    )
     if not args.skip_decode:
         decode = bench_decode(args, device)
-        print_table(decode, ["variant", "experts", "tok_s", "x_shipped",
-                             "greedy_tokens_equal_fraction"])  # fmt: skip
+        print_table(
+            decode, ["variant", "experts", "tok_s", "x_shipped", "greedy_tokens_equal_fraction"]
+        )
         rows += decode
     meta = run_metadata()
     meta["command"] = "python -m moefuse.bench.hf_moe"
-    meta["method"] = ("eager: wall time of back-to-back calls between synchronizations / calls "
-                      "(host time included), median of repeats; decode: greedy generate, "
-                      "(n_long - n_short) / (t_long - t_short)")  # fmt: skip
+    meta["method"] = (
+        "eager: wall time of back-to-back calls between synchronizations / calls "
+        "(host time included), median of repeats; decode: greedy generate, "
+        "(n_long - n_short) / (t_long - t_short)"
+    )
     try:
         import transformers
 

@@ -40,10 +40,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=TOP_K)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--no-layer", action="store_true", help="skip the layer pipeline")
-    p.add_argument("--layer-intermediate", type=int, default=1024,
-                   help="expert intermediate size of the layer pipeline")  # fmt: skip
-    p.add_argument("--tune", action="store_true",
-                   help="also sweep the finalize tile (BLOCK x warps): bits never change")
+    p.add_argument(
+        "--layer-intermediate",
+        type=int,
+        default=1024,
+        help="expert intermediate size of the layer pipeline",
+    )
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="also sweep the finalize tile (BLOCK x warps): bits never change",
+    )
     return p.parse_args(argv)
 
 
@@ -85,8 +92,9 @@ def check_correctness(device, h: int = 4096, k: int = TOP_K, m: int = 128) -> li
     g = torch.Generator(device=device).manual_seed(2)
     ext = dict(
         bias=torch.randn(NUM_EXPERTS, h, device=device, generator=g).bfloat16(),
-        expert_ids=torch.randint(0, NUM_EXPERTS, (m, k), device=device, generator=g,
-                                 dtype=torch.int32),  # fmt: skip
+        expert_ids=torch.randint(
+            0, NUM_EXPERTS, (m, k), device=device, generator=g, dtype=torch.int32
+        ),
         routed_scaling_factor=2.5,
         shared_expert_output=torch.randn(m, h, device=device, generator=g).bfloat16(),
     )
@@ -98,10 +106,14 @@ def check_correctness(device, h: int = 4096, k: int = TOP_K, m: int = 128) -> li
             problems.append(f"finalize ({name}) differs bitwise from the CPU reference")
     det = moefuse.moe_finalize(rows, idx, w, impl="triton")
     for name, other in (
-        ("scatter-add", moefuse.moe_finalize_scatter_add(
-            rows, plan.permuted_idx_to_expanded_idx, w, impl="triton")),
+        (
+            "scatter-add",
+            moefuse.moe_finalize_scatter_add(
+                rows, plan.permuted_idx_to_expanded_idx, w, impl="triton"
+            ),
+        ),
         ("torch eager", torch_finalize(rows, idx, w)),
-    ):  # fmt: skip
+    ):
         # FP32 summation order, rounded products and FTZ only: about one BF16 rounding apart
         if not torch.allclose(other.float(), det.float(), rtol=1.6e-2, atol=1e-3):
             err = float((other.float() - det.float()).abs().max())
@@ -111,8 +123,14 @@ def check_correctness(device, h: int = 4096, k: int = TOP_K, m: int = 128) -> li
 
 # ----------------------------------------------------------------------------- timing
 def _row(op, shape, m, variant, us, nbytes, extra=None):
-    r = {"op": op, "shape": shape, "M": m, "variant": variant, "us": us,
-         "tbs": (nbytes / (us * 1e-6) / 1e12) if us and nbytes else None}  # fmt: skip
+    r = {
+        "op": op,
+        "shape": shape,
+        "M": m,
+        "variant": variant,
+        "us": us,
+        "tbs": (nbytes / (us * 1e-6) / 1e12) if us and nbytes else None,
+    }
     r.update(extra or {})
     return r
 
@@ -134,15 +152,17 @@ def _finalize_variants(sets, outs, compiled, use_pdl) -> dict:
     def det(pdl):
         def fn(i):
             rows, plan, w = sets[i % n]
-            moefuse.moe_finalize(rows, plan.expanded_idx_to_permuted_idx, w, out=outs[i % n],
-                                 enable_pdl=pdl)  # fmt: skip
+            moefuse.moe_finalize(
+                rows, plan.expanded_idx_to_permuted_idx, w, out=outs[i % n], enable_pdl=pdl
+            )
 
         return fn
 
     def scatter(i):
         rows, plan, w = sets[i % n]
-        moefuse.moe_finalize_scatter_add(rows, plan.permuted_idx_to_expanded_idx, w,
-                                         out=outs[i % n])  # fmt: skip
+        moefuse.moe_finalize_scatter_add(
+            rows, plan.permuted_idx_to_expanded_idx, w, out=outs[i % n]
+        )
 
     def baseline(f):
         def fn(i):
@@ -167,9 +187,20 @@ def _tile_variant(sets, outs, block, warps, use_pdl):
 
     def fn(i):
         rows, plan, w = sets[i % len(sets)]
-        launch_moe_finalize(rows, plan.expanded_idx_to_permuted_idx, w, outs[i % len(sets)],
-                            None, None, 1.0, None, False, use_pdl, block=block,
-                            num_warps=warps)  # fmt: skip
+        launch_moe_finalize(
+            rows,
+            plan.expanded_idx_to_permuted_idx,
+            w,
+            outs[i % len(sets)],
+            None,
+            None,
+            1.0,
+            None,
+            False,
+            use_pdl,
+            block=block,
+            num_warps=warps,
+        )
 
     return fn
 
@@ -186,8 +217,9 @@ def bench_finalize(device, tokens, hidden, k, use_compile, tune) -> list[dict]:
     for h in hidden:
         for m in tokens:
             nbytes = finalize_bytes(m, k, h)
-            sets = [make_inputs(m, k, h, device, seed=s)
-                    for s in range(harness.rotation_sets(nbytes))]  # fmt: skip
+            sets = [
+                make_inputs(m, k, h, device, seed=s) for s in range(harness.rotation_sets(nbytes))
+            ]
             outs = [torch.empty(m, h, dtype=torch.bfloat16, device=device) for _ in sets]
             variants = _finalize_variants(sets, outs, compiled, use_pdl)
             times = {name: _time(fn) for name, fn in variants.items()}
@@ -201,8 +233,9 @@ def bench_finalize(device, tokens, hidden, k, use_compile, tune) -> list[dict]:
             if tune:
                 for block, warps in TUNE_TILES:
                     us = _time(_tile_variant(sets, outs, block, warps, use_pdl))
-                    rows_out.append(_row("finalize tile", shape, m, f"{block}x{warps}w", us,
-                                         nbytes))  # fmt: skip
+                    rows_out.append(
+                        _row("finalize tile", shape, m, f"{block}x{warps}w", us, nbytes)
+                    )
     return rows_out
 
 
@@ -231,13 +264,30 @@ def bench_chain(device, tokens, h, k) -> list[dict]:
         on, off = _time(_chain_variant(sets, k, True)), _time(_chain_variant(sets, k, False))
         default = _time(_chain_variant(sets, k, None))
         shape = f"K={k} H={h}"
-        rows_out.append(_row("permute->finalize", shape, m, "PDL on", on, nbytes,
-                             {"x_vs_PDL off": (off / on) if on and off else None}))  # fmt: skip
+        rows_out.append(
+            _row(
+                "permute->finalize",
+                shape,
+                m,
+                "PDL on",
+                on,
+                nbytes,
+                {"x_vs_PDL off": (off / on) if on and off else None},
+            )
+        )
         rows_out.append(_row("permute->finalize", shape, m, "PDL off", off, nbytes))
         best = min(on, off) if on and off else None
-        rows_out.append(_row("permute->finalize", shape, m, "PDL default", default, nbytes,
-                             {"x_vs_best of on/off": best / default if best and default
-                              else None}))  # fmt: skip
+        rows_out.append(
+            _row(
+                "permute->finalize",
+                shape,
+                m,
+                "PDL default",
+                default,
+                nbytes,
+                {"x_vs_best of on/off": best / default if best and default else None},
+            )
+        )
     return rows_out
 
 
@@ -245,8 +295,9 @@ def _layer_variant(xs, outs, weights, k, fused):
     import moefuse
 
     def fn(i):
-        moefuse.moe_layer(xs[i % len(xs)], weights, k, use_fused_finalize=fused,
-                          out=outs[i % len(xs)], pad_to=16)  # fmt: skip
+        moefuse.moe_layer(
+            xs[i % len(xs)], weights, k, use_fused_finalize=fused, out=outs[i % len(xs)], pad_to=16
+        )
 
     return fn
 
@@ -262,9 +313,18 @@ def bench_layer(device, tokens, h, k, intermediate) -> list[dict]:
         det = _time(_layer_variant(xs, outs, weights, k, False), calls=5, replays=7)
         sc = _time(_layer_variant(xs, outs, weights, k, True), calls=5, replays=7)
         shape = f"K={k} H={h} I={intermediate} E={NUM_EXPERTS}"
-        rows_out.append(_row("layer", shape, m, "deterministic finalize", det, 0,
-                             {"x_vs_scatter-add": (sc / det) if det and sc else None}))
-        rows_out.append(_row("layer", shape, m, "scatter-add finalize", sc, 0))  # fmt: skip
+        rows_out.append(
+            _row(
+                "layer",
+                shape,
+                m,
+                "deterministic finalize",
+                det,
+                0,
+                {"x_vs_scatter-add": (sc / det) if det and sc else None},
+            )
+        )
+        rows_out.append(_row("layer", shape, m, "scatter-add finalize", sc, 0))
     return rows_out
 
 
@@ -274,23 +334,36 @@ def check_bars(rows: list[dict], k: int) -> list[dict]:
     by = {(r["op"], r["shape"], r["M"], r["variant"]): r for r in rows}
     bars = []
     for (op, shape, m, variant), r in by.items():
-        if op == "permute->finalize" and variant == "PDL default" \
-                and r.get("x_vs_best of on/off") is not None:  # fmt: skip
+        if (
+            op == "permute->finalize"
+            and variant == "PDL default"
+            and r.get("x_vs_best of on/off") is not None
+        ):
             value = r["x_vs_best of on/off"]
-            bars.append({"bar": f"{shape} M={m}: PDL default >= faster of on/off (2% noise)",
-                         "value": value, "ok": value >= 0.98})  # fmt: skip
+            bars.append(
+                {
+                    "bar": f"{shape} M={m}: PDL default >= faster of on/off (2% noise)",
+                    "value": value,
+                    "ok": value >= 0.98,
+                }
+            )
         if op != "finalize" or variant != "moefuse" or r["us"] is None:
             continue
         if shape == f"K={k} H=4096" and m >= 2048:
-            bars.append({"bar": f"{shape} M={m}: >= 3.5 TB/s", "value": r["tbs"],
-                         "ok": r["tbs"] >= 3.5})  # fmt: skip
+            bars.append(
+                {"bar": f"{shape} M={m}: >= 3.5 TB/s", "value": r["tbs"], "ok": r["tbs"] >= 3.5}
+            )
         if m == 1:
-            bars.append({"bar": f"{shape} M=1: <= 2.5 us", "value": r["us"],
-                         "ok": r["us"] <= 2.5})  # fmt: skip
+            bars.append({"bar": f"{shape} M=1: <= 2.5 us", "value": r["us"], "ok": r["us"] <= 2.5})
         sc = by.get((op, shape, m, "scatter-add"))
         if sc and sc["us"]:
-            bars.append({"bar": f"{shape} M={m}: deterministic <= scatter-add",
-                         "value": r["us"] / sc["us"], "ok": r["us"] <= sc["us"]})  # fmt: skip
+            bars.append(
+                {
+                    "bar": f"{shape} M={m}: deterministic <= scatter-add",
+                    "value": r["us"] / sc["us"],
+                    "ok": r["us"] <= sc["us"],
+                }
+            )
     return bars
 
 
@@ -310,16 +383,34 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
     for r in rows:
         if r.get("tbs") is not None:
             r["of_ceiling"] = r["tbs"] / ceiling
-    harness.print_table(rows, ["op", "shape", "M", "variant", "us", "tbs", "of_ceiling",
-                               "x_vs_torch.compile", "x_vs_torch eager", "x_vs_scatter-add",
-                               "x_vs_PDL off", "x_vs_best of on/off"])  # fmt: skip
+    harness.print_table(
+        rows,
+        [
+            "op",
+            "shape",
+            "M",
+            "variant",
+            "us",
+            "tbs",
+            "of_ceiling",
+            "x_vs_torch.compile",
+            "x_vs_torch eager",
+            "x_vs_scatter-add",
+            "x_vs_PDL off",
+            "x_vs_best of on/off",
+        ],
+    )
     bars = check_bars(rows, k)
     for b in bars:
         print(f"{'PASS' if b['ok'] else 'FAIL'}  {b['bar']}  ({b['value']:.3g})")
     if args.save:
         meta = harness.run_metadata()
-        meta.update(ceiling_tbs=ceiling, correctness=problems or "ok", bars=bars,
-                    bytes="finalize: M*K*H + M*H BF16 elements + M*K*(4+4) index/scale bytes")
+        meta.update(
+            ceiling_tbs=ceiling,
+            correctness=problems or "ok",
+            bars=bars,
+            bytes="finalize: M*K*H + M*H BF16 elements + M*K*(4+4) index/scale bytes",
+        )
         paths = harness.save_results("moe", rows, meta, args.out)
         print("wrote", *[p for p in paths if p])
     return 1 if problems else 0

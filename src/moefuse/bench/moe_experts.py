@@ -100,7 +100,7 @@ def check_invariance(shape: dict, gu, dn, device) -> bool:
     b64 = moefuse.moe_experts(x[:64], gu, dn, idx[:64], w[:64])
     ok = True
     for j in (0, 17, 63):
-        alone = moefuse.moe_experts(x[j:j + 1], gu, dn, idx[j:j + 1], w[j:j + 1])
+        alone = moefuse.moe_experts(x[j : j + 1], gu, dn, idx[j : j + 1], w[j : j + 1])
         for batch in (b64, full):
             ok &= bool(torch.equal(alone[0].view(torch.int16), batch[j].view(torch.int16)))
     return ok
@@ -177,21 +177,34 @@ def bench_shape(name: str, shape: dict, tokens_list, args, device, ceiling_tbs) 
         calls = int(max(3, min(20, 20000 / (3 * floor + 20))))
         times = {}
         for vname, fn in variants.items():
-            times[vname] = graph_time_us(lambda i, f=fn, sets=sets: f(*sets[i % len(sets)]),
-                                         calls=calls, replays=args.replays)  # fmt: skip
+            times[vname] = graph_time_us(
+                lambda i, f=fn, sets=sets: f(*sets[i % len(sets)]),
+                calls=calls,
+                replays=args.replays,
+            )
         kernels = kernel_times(lambda f=variants["moefuse"], a=sets[0]: f(*a), device)
         for vname, us in times.items():
-            row = {"op": "moe_experts", "shape": desc, "M": t, "variant": vname, "us": us,
-                   "distinct_experts": distinct, "floor_us": floor, "x_floor": us / floor,
-                   "x_floor_copy": us / floor_copy}  # fmt: skip
+            row = {
+                "op": "moe_experts",
+                "shape": desc,
+                "M": t,
+                "variant": vname,
+                "us": us,
+                "distinct_experts": distinct,
+                "floor_us": floor,
+                "x_floor": us / floor,
+                "x_floor_copy": us / floor_copy,
+            }
             if vname == "moefuse":
                 row.update(rel_err=errs, batch_invariant=invariant, kernels_us=kernels)
                 for base in ("grouped_mm", "batched_mm", "moefuse_composed"):
                     if base in times:
                         row[f"x_{base}"] = times[base] / us
             rows.append(row)
-        print_table([r for r in rows if r["M"] == t], ["shape", "M", "variant", "us", "floor_us",
-                                                       "x_floor", "x_grouped_mm"])  # fmt: skip
+        print_table(
+            [r for r in rows if r["M"] == t],
+            ["shape", "M", "variant", "us", "floor_us", "x_floor", "x_grouped_mm"],
+        )
     return rows
 
 
@@ -223,13 +236,26 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()  # the shape's weights are gone with bench_shape's frame
         if args.save:  # after every shape: a run cut short keeps what it measured
             save(rows, ceiling, args)
-    print_table([r for r in rows if r["variant"] == "moefuse"],
-                ["shape", "M", "distinct_experts", "us", "floor_us", "x_floor", "x_grouped_mm",
-                 "x_batched_mm", "x_moefuse_composed", "batch_invariant"])  # fmt: skip
+    print_table(
+        [r for r in rows if r["variant"] == "moefuse"],
+        [
+            "shape",
+            "M",
+            "distinct_experts",
+            "us",
+            "floor_us",
+            "x_floor",
+            "x_grouped_mm",
+            "x_batched_mm",
+            "x_moefuse_composed",
+            "batch_invariant",
+        ],
+    )
     for r in rows:
         if r["variant"] == "moefuse":
-            top = ", ".join(f"{k.split('(')[0][:32]} {v:.1f}" for k, v in
-                            list(r["kernels_us"].items())[:5])  # fmt: skip
+            top = ", ".join(
+                f"{k.split('(')[0][:32]} {v:.1f}" for k, v in list(r["kernels_us"].items())[:5]
+            )
             print(f"{r['shape'].split()[0]} T={r['M']}: {top}")
     return 0
 
@@ -237,11 +263,15 @@ def main(argv=None) -> int:
 def save(rows, ceiling, args) -> None:
     """Write the JSON + PNG of the rows so far (with the run metadata)."""
     meta = run_metadata()
-    meta.update(copy_ceiling_tbs=ceiling, peak_tbs=PEAK_TBS, routing_sets=ROUTING_SETS,
-                floor="bytes of gate+up+down of the distinct routed experts / 4.8 TB/s; "
-                "x_floor_copy: the same bytes over the copy ceiling measured in this run",
-                baseline_note="transformers.integrations.moe grouped_mm / batched_mm experts "
-                "functions and moefuse's composed path, same inputs")  # fmt: skip
+    meta.update(
+        copy_ceiling_tbs=ceiling,
+        peak_tbs=PEAK_TBS,
+        routing_sets=ROUTING_SETS,
+        floor="bytes of gate+up+down of the distinct routed experts / 4.8 TB/s; "
+        "x_floor_copy: the same bytes over the copy ceiling measured in this run",
+        baseline_note="transformers.integrations.moe grouped_mm / batched_mm experts "
+        "functions and moefuse's composed path, same inputs",
+    )
     try:
         import transformers
 

@@ -94,8 +94,14 @@ class Ctx:
 
             m = max(self.tokens)
             self._workspaces[h] = self.moefuse.AllReduceWorkspace(
-                self.group, m, h, torch.bfloat16, self.device, oneshot_max_tokens=m,
-                extra_regions=extra_regions(m, h))  # fmt: skip
+                self.group,
+                m,
+                h,
+                torch.bfloat16,
+                self.device,
+                oneshot_max_tokens=m,
+                extra_regions=extra_regions(m, h),
+            )
         return self._workspaces[h]
 
     def time(self, fn) -> float:
@@ -147,10 +153,22 @@ def _gather(ctx, t):
 def _rows(op, h, m, k, p, variants: dict, nbytes: int) -> list[dict]:
     """``nbytes``: the HBM bytes the fused op must move per rank (inputs read once, outputs
     written once; peer slots and NVLink traffic not counted) -> ``GBps``."""
-    return [{"op": op, "shape": f"P={p} H={h} K={k}", "P": p, "H": h, "M": m, "K": k,
-             "variant": name, "us": us, "role": role, "bytes": nbytes,
-             "GBps": nbytes / (us * 1e3) if us == us else float("nan")}
-            for name, (us, role) in variants.items()]  # fmt: skip
+    return [
+        {
+            "op": op,
+            "shape": f"P={p} H={h} K={k}",
+            "P": p,
+            "H": h,
+            "M": m,
+            "K": k,
+            "variant": name,
+            "us": us,
+            "role": role,
+            "bytes": nbytes,
+            "GBps": nbytes / (us * 1e3) if us == us else float("nan"),
+        }
+        for name, (us, role) in variants.items()
+    ]
 
 
 # ----------------------------------------------------------------------------- MoE finalize
@@ -189,9 +207,18 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
 
     def fused(algo, acc="stepwise"):
         return lambda i: mf.moe_finalize_allreduce_residual_rmsnorm(
-            rows[i % n], res[i % n], w, maps[i % n], workspace=ws,
-            expert_scale_factor=wts[i % n], accumulate=acc, algorithm=algo,
-            impl="triton", residual_out=ro, norm_out=no)  # fmt: skip
+            rows[i % n],
+            res[i % n],
+            w,
+            maps[i % n],
+            workspace=ws,
+            expert_scale_factor=wts[i % n],
+            accumulate=acc,
+            algorithm=algo,
+            impl="triton",
+            residual_out=ro,
+            norm_out=no,
+        )
 
     two_ctas = with_env({"MOEFUSE_MOE_COMM_CTAS_PER_SM": "2"}, fused("auto"))
     twoshot_one_cta = with_env(ONE_CTA_PER_SM, fused("twoshot"))
@@ -199,12 +226,14 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
     # bench_moe_reduction_variants.py times it); "fused" is the auto choice above 64 tokens
     single, split, split_fp32 = (
         with_env({"MOEFUSE_MOE_COMM_VARIANT": v}, fused("oneshot", acc))
-        for v, acc in (("fused", "stepwise"), ("split", "stepwise"), ("split", "fp32")))
+        for v, acc in (("fused", "stepwise"), ("split", "stepwise"), ("split", "fp32"))
+    )
 
     def chain_a(i):
         mf.moe_finalize(rows[i % n], maps[i % n], wts[i % n], out=part, impl="triton")
-        return mf.allreduce_residual_rmsnorm(part, res[i % n], w, workspace=ws,
-                                             impl="triton", residual_out=ro, norm_out=no)
+        return mf.allreduce_residual_rmsnorm(
+            part, res[i % n], w, workspace=ws, impl="triton", residual_out=ro, norm_out=no
+        )
 
     def chain_b(i):
         mf.moe_finalize(rows[i % n], maps[i % n], wts[i % n], out=part, impl="triton")
@@ -218,33 +247,42 @@ def _finalize_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
 
     # correctness first: every algorithm bitwise equal, residual_out against the oracle
     first = None
-    for name, fn in (("auto", fused("auto")), ("oneshot", fused("oneshot")),
-                     ("twoshot", fused("twoshot")), ("torch", fused("torch")),
-                     ("2 CTAs per SM", two_ctas), ("split", split),
-                     ("single-CTA rows", single)):  # fmt: skip
+    for name, fn in (
+        ("auto", fused("auto")),
+        ("oneshot", fused("oneshot")),
+        ("twoshot", fused("twoshot")),
+        ("torch", fused("torch")),
+        ("2 CTAs per SM", two_ctas),
+        ("split", split),
+        ("single-CTA rows", single),
+    ):
         got = fn(0)
         first = first or tuple(t.clone() for t in got)
         for a, b in zip(got, first):
             assert_bitwise_equal(a, b, f"finalize H={h} M={m} {name} vs auto")
     if m <= CHECK_MAX_TOKENS:
         want = mref.moe_finalize_allreduce_from_ranks(
-            _gather(ctx, rows[0]), maps[0], res[0], w, expert_scale_factors=wts[0])
+            _gather(ctx, rows[0]), maps[0], res[0], w, expert_scale_factors=wts[0]
+        )
         assert_bitwise_equal(first[0], want["residual_out"], f"finalize H={h} M={m}")
-    variants = {"fused": (ctx.time(fused("auto")), "fused"),
-                "fused_fp32": (ctx.time(fused("auto", "fp32")), "fused"),
-                "fused_oneshot": (ctx.time(fused("oneshot")), "fused"),
-                "fused_twoshot": (ctx.time(fused("twoshot")), "fused"),
-                "fused_2ctas_per_sm": (ctx.time(two_ctas), "fused"),
-                "fused_twoshot_1cta_per_sm": (ctx.time(twoshot_one_cta), "fused"),
-                "fused_split": (ctx.time(split), "fused"),
-                "fused_split_fp32": (ctx.time(split_fp32), "fused"),
-                "fused_single_cta_rows": (ctx.time(single), "fused"),
-                "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
-                "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline"),
-                "(b') compile_finalize+nccl+compile": (ctx.time(chain_b2), "baseline")}
+    variants = {
+        "fused": (ctx.time(fused("auto")), "fused"),
+        "fused_fp32": (ctx.time(fused("auto", "fp32")), "fused"),
+        "fused_oneshot": (ctx.time(fused("oneshot")), "fused"),
+        "fused_twoshot": (ctx.time(fused("twoshot")), "fused"),
+        "fused_2ctas_per_sm": (ctx.time(two_ctas), "fused"),
+        "fused_twoshot_1cta_per_sm": (ctx.time(twoshot_one_cta), "fused"),
+        "fused_split": (ctx.time(split), "fused"),
+        "fused_split_fp32": (ctx.time(split_fp32), "fused"),
+        "fused_single_cta_rows": (ctx.time(single), "fused"),
+        "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
+        "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline"),
+        "(b') compile_finalize+nccl+compile": (ctx.time(chain_b2), "baseline"),
+    }
     nbytes = (k + 3) * m * h * 2 + m * k * 8  # rows, residual, 2 outputs, map + weights
-    rows_out = _rows("moe_finalize_allreduce_residual_rmsnorm", h, m, k, ctx.world_size,
-                     variants, nbytes)  # fmt: skip
+    rows_out = _rows(
+        "moe_finalize_allreduce_residual_rmsnorm", h, m, k, ctx.world_size, variants, nbytes
+    )
     _progress(ctx, rows_out)
     return rows_out
 
@@ -271,24 +309,41 @@ def _reduction_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
     scs_t = [s.t().contiguous() for s in scs]  # [M, E] for moe_finalize (outside timing)
     toks = [torch.randn(m, h, generator=g, device=dev).to(bf) for _ in range(n)]
     # the chains finalize x viewed as [E*M, H] rows through map[t, e] = e*M + t
-    idx = (torch.arange(e, device=dev)[None, :] * m
-           + torch.arange(m, device=dev)[:, None]).to(torch.int32)  # fmt: skip
+    idx = (torch.arange(e, device=dev)[None, :] * m + torch.arange(m, device=dev)[:, None]).to(
+        torch.int32
+    )
     ro, no, part = (torch.empty(m, h, dtype=bf, device=dev) for _ in range(3))
 
     def fused(algo, acc="stepwise"):
         return lambda i: mf.moe_allreduce_residual_rmsnorm(
-            xs[i % n], scs[i % n], toks[i % n], res[i % n], w, workspace=ws,
-            accumulate=acc, algorithm=algo, impl="triton", residual_out=ro,
-            norm_out=no)  # fmt: skip
+            xs[i % n],
+            scs[i % n],
+            toks[i % n],
+            res[i % n],
+            w,
+            workspace=ws,
+            accumulate=acc,
+            algorithm=algo,
+            impl="triton",
+            residual_out=ro,
+            norm_out=no,
+        )
 
     def finalize(i):
-        return mf.moe_finalize(xs[i % n].view(e * m, h), idx, scs_t[i % n], out=part,
-                               shared_expert_output=toks[i % n], impl="triton")
+        return mf.moe_finalize(
+            xs[i % n].view(e * m, h),
+            idx,
+            scs_t[i % n],
+            out=part,
+            shared_expert_output=toks[i % n],
+            impl="triton",
+        )
 
     def chain_a(i):
         finalize(i)
-        return mf.allreduce_residual_rmsnorm(part, res[i % n], w, workspace=ws,
-                                             impl="triton", residual_out=ro, norm_out=no)
+        return mf.allreduce_residual_rmsnorm(
+            part, res[i % n], w, workspace=ws, impl="triton", residual_out=ro, norm_out=no
+        )
 
     def chain_b(i):
         finalize(i)
@@ -302,17 +357,22 @@ def _reduction_case(ctx: Ctx, ws, h: int, m: int) -> list[dict]:
         for a, b in zip(got, first):
             assert_bitwise_equal(a, b, f"reduction H={h} M={m} {algo} vs auto")
     if m <= CHECK_MAX_TOKENS:
-        want = mref.moe_allreduce_from_ranks(_gather(ctx, xs[0]), _gather(ctx, scs[0]),
-                                             _gather(ctx, toks[0]), res[0], w)
+        want = mref.moe_allreduce_from_ranks(
+            _gather(ctx, xs[0]), _gather(ctx, scs[0]), _gather(ctx, toks[0]), res[0], w
+        )
         assert_bitwise_equal(first[0], want["residual_out"], f"reduction H={h} M={m}")
-    variants = {"fused": (ctx.time(fused("auto")), "fused"),
-                "fused_fp32": (ctx.time(fused("auto", "fp32")), "fused"),
-                "fused_oneshot": (ctx.time(fused("oneshot")), "fused"),
-                "fused_twoshot": (ctx.time(fused("twoshot")), "fused"),
-                "fused_twoshot_1cta_per_sm": (ctx.time(with_env(ONE_CTA_PER_SM,
-                                                                fused("twoshot"))), "fused"),
-                "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
-                "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline")}
+    variants = {
+        "fused": (ctx.time(fused("auto")), "fused"),
+        "fused_fp32": (ctx.time(fused("auto", "fp32")), "fused"),
+        "fused_oneshot": (ctx.time(fused("oneshot")), "fused"),
+        "fused_twoshot": (ctx.time(fused("twoshot")), "fused"),
+        "fused_twoshot_1cta_per_sm": (
+            ctx.time(with_env(ONE_CTA_PER_SM, fused("twoshot"))),
+            "fused",
+        ),
+        "(a) moe_finalize+ar_norm": (ctx.time(chain_a), "baseline"),
+        "(b) moe_finalize+nccl+compile": (ctx.time(chain_b), "baseline"),
+    }
     nbytes = (e + 4) * m * h * 2 + e * m * 4  # experts, token, residual, 2 outputs, scales
     rows_out = _rows("moe_allreduce_residual_rmsnorm", h, m, e, ctx.world_size, variants, nbytes)
     _progress(ctx, rows_out)
@@ -326,8 +386,12 @@ PROVIDERS: list[Callable[[Ctx], list[dict]]] = [finalize_cases, reduction_cases]
 def _progress(ctx, rows) -> None:
     if ctx.rank == 0 and rows:
         r = rows[0]
-        print(f"{r['op']} H={r['H']} M={r['M']}: " + "  ".join(
-            f"{x['variant']}={x['us']:.2f}" for x in rows) + " us", flush=True)  # fmt: skip
+        print(
+            f"{r['op']} H={r['H']} M={r['M']}: "
+            + "  ".join(f"{x['variant']}={x['us']:.2f}" for x in rows)
+            + " us",
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------- ratios, bar
@@ -365,8 +429,11 @@ def bar_checks(rows: list[dict], world_size: int) -> list[str]:
                 verdict(us <= 4.0, f"{name} <= 4.0 us")
             fi = FLASHINFER_ANCHORS[r["op"]].get(m)
             if m >= 512 and fi is not None:
-                verdict(us * 3 <= fi, f"{name} >= 3 x FlashInfer's fused kernel ({fi} us, "
-                                      "issue anchor, not measured in this run)")  # fmt: skip
+                verdict(
+                    us * 3 <= fi,
+                    f"{name} >= 3 x FlashInfer's fused kernel ({fi} us, "
+                    "issue anchor, not measured in this run)",
+                )
     return out
 
 
@@ -381,11 +448,20 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
     group = dist.group.WORLD
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tokens, widths = ranks.token_and_width_lists(args, TOKENS, WIDTHS, [1, 64, 2048])
-    ctx = Ctx(rank=rank, world_size=world_size, group=group, device=dev,
-              tokens=tokens, widths=widths, top_k=args.top_k, replays=8 if args.quick else 15,
-              harness=harness, moefuse=moefuse,
-              norm_c=harness.compile_baseline(residual_rmsnorm),
-              finalize_c=harness.compile_baseline(gather_finalize))  # fmt: skip
+    ctx = Ctx(
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        device=dev,
+        tokens=tokens,
+        widths=widths,
+        top_k=args.top_k,
+        replays=8 if args.quick else 15,
+        harness=harness,
+        moefuse=moefuse,
+        norm_c=harness.compile_baseline(residual_rmsnorm),
+        finalize_c=harness.compile_baseline(gather_finalize),
+    )
     rows = []
     for provider in PROVIDERS:
         rows += provider(ctx)
@@ -393,20 +469,27 @@ def _worker(rank: int, world_size: int, args, init_method: str | None) -> None:
     if rank == 0:
         add_ratios(rows)
         bar = bar_checks(rows, world_size)
-        harness.print_table(rows, ["op", "shape", "M", "variant", "us", "GBps", "x_best_unfused",
-                                   "x_flashinfer_anchor"])  # fmt: skip
+        harness.print_table(
+            rows,
+            ["op", "shape", "M", "variant", "us", "GBps", "x_best_unfused", "x_flashinfer_anchor"],
+        )
         for line in bar:
             print(line)
         fi = importlib.util.find_spec("flashinfer") is not None
         meta = harness.run_metadata()
-        meta.update(world_size=world_size, bar=bar, flashinfer_importable=fi,
-                    flashinfer_anchors=FLASHINFER_ANCHORS,
-                    note="(c) FlashInfer's fused kernels are not timed by this benchmark "
-                         f"(importable here: {fi}); x_flashinfer_anchor uses the "
-                         "2 x H200 anchors (H = 4096, K = 8)")  # fmt: skip
+        meta.update(
+            world_size=world_size,
+            bar=bar,
+            flashinfer_importable=fi,
+            flashinfer_anchors=FLASHINFER_ANCHORS,
+            note="(c) FlashInfer's fused kernels are not timed by this benchmark "
+            f"(importable here: {fi}); x_flashinfer_anchor uses the "
+            "2 x H200 anchors (H = 4096, K = 8)",
+        )
         if args.save:
-            paths = harness.save_results("moe-reduction", rows, meta, args.out,
-                                         suffix=f"-p{world_size}")  # fmt: skip
+            paths = harness.save_results(
+                "moe-reduction", rows, meta, args.out, suffix=f"-p{world_size}"
+            )
             print("wrote", *[str(p) for p in paths if p])
     dist.barrier()
     dist.destroy_process_group()

@@ -80,8 +80,10 @@ def torch_rmsnorm_sigmoid_gate_inplace(x, g):
 
 
 #: in-place ops -> their in-place PyTorch math (compiled as the like-for-like baseline)
-INPLACE_MATH = {"fused_add_rmsnorm": torch_fused_add_rmsnorm_inplace,
-                "rmsnorm_sigmoid_gate": torch_rmsnorm_sigmoid_gate_inplace}  # fmt: skip
+INPLACE_MATH = {
+    "fused_add_rmsnorm": torch_fused_add_rmsnorm_inplace,
+    "rmsnorm_sigmoid_gate": torch_rmsnorm_sigmoid_gate_inplace,
+}
 
 
 # ----------------------------------------------------------------------------- cases
@@ -101,8 +103,13 @@ class Case:
 
 def _make_case(op: str, m: int, h: int, head_dim: int | None) -> tuple[Case, dict]:
     dev, bf = "cuda", torch.bfloat16
-    per_elem = {"rmsnorm": 4, "fused_add_rmsnorm": 8, "gated_residual_rmsnorm": 10,
-                "gated_residual_next_rmsnorm": 12, "rmsnorm_sigmoid_gate": 6}[op]  # fmt: skip
+    per_elem = {
+        "rmsnorm": 4,
+        "fused_add_rmsnorm": 8,
+        "gated_residual_rmsnorm": 10,
+        "gated_residual_next_rmsnorm": 12,
+        "rmsnorm_sigmoid_gate": 6,
+    }[op]
     width = HEADS * head_dim if head_dim else h
     nbytes = per_elem * m * width
     case = Case(op, f"{HEADS}x{head_dim}" if head_dim else f"H={h}", m, nbytes)
@@ -113,20 +120,40 @@ def _make_case(op: str, m: int, h: int, head_dim: int | None) -> tuple[Case, dic
             x = torch.randn(m, h, device=dev).to(bf)
             case.sets.append((x, w, torch.empty_like(x)))
         elif op == "fused_add_rmsnorm":
-            case.sets.append((torch.randn(m, h, device=dev).to(bf),
-                              torch.randn(m, h, device=dev).to(bf), w))  # fmt: skip
+            case.sets.append(
+                (torch.randn(m, h, device=dev).to(bf), torch.randn(m, h, device=dev).to(bf), w)
+            )
         elif op == "gated_residual_rmsnorm":
-            case.sets.append((torch.randn(m, h, device=dev).to(bf), torch.randn(m, h, device=dev),
-                              alpha, beta, torch.empty(m, h, device=dev)))  # fmt: skip
+            case.sets.append(
+                (
+                    torch.randn(m, h, device=dev).to(bf),
+                    torch.randn(m, h, device=dev),
+                    alpha,
+                    beta,
+                    torch.empty(m, h, device=dev),
+                )
+            )
         elif op == "gated_residual_next_rmsnorm":
-            case.sets.append((torch.randn(m, h, device=dev).to(bf), torch.randn(m, h, device=dev),
-                              w, alpha, beta, torch.empty(m, h, device=dev),
-                              torch.empty(m, h, device=dev, dtype=bf)))  # fmt: skip
+            case.sets.append(
+                (
+                    torch.randn(m, h, device=dev).to(bf),
+                    torch.randn(m, h, device=dev),
+                    w,
+                    alpha,
+                    beta,
+                    torch.empty(m, h, device=dev),
+                    torch.empty(m, h, device=dev, dtype=bf),
+                )
+            )
         else:
-            case.sets.append((torch.randn(m, HEADS, head_dim, device=dev).to(bf),
-                              torch.randn(m, HEADS, head_dim, device=dev).to(bf)))  # fmt: skip
+            case.sets.append(
+                (
+                    torch.randn(m, HEADS, head_dim, device=dev).to(bf),
+                    torch.randn(m, HEADS, head_dim, device=dev).to(bf),
+                )
+            )
     if op in OUTPUTS_FROM:  # the output buffers end each set: one more set of them, shared
-        case.fixed_out = tuple(torch.empty_like(t) for t in case.sets[0][OUTPUTS_FROM[op]:])
+        case.fixed_out = tuple(torch.empty_like(t) for t in case.sets[0][OUTPUTS_FROM[op] :])
     return case, {}
 
 
@@ -136,18 +163,34 @@ def _variants(op: str, compiled: dict, fixed_out: tuple):
 
     def fused(pdl, fixed):
         if op == "rmsnorm":
-            return lambda s: moefuse.rmsnorm(s[0], s[1], out=fixed[0] if fixed else s[2],
-                                             enable_pdl=pdl, impl="triton")  # fmt: skip
+            return lambda s: moefuse.rmsnorm(
+                s[0], s[1], out=fixed[0] if fixed else s[2], enable_pdl=pdl, impl="triton"
+            )
         if op == "fused_add_rmsnorm":
             return lambda s: moefuse.fused_add_rmsnorm(*s, enable_pdl=pdl, impl="triton")
         if op == "gated_residual_rmsnorm":
             return lambda s: moefuse.gated_residual_rmsnorm(
-                s[0], s[1], None, s[2], s[3], out=fixed[0] if fixed else s[4], enable_pdl=pdl,
-                impl="triton")  # fmt: skip
+                s[0],
+                s[1],
+                None,
+                s[2],
+                s[3],
+                out=fixed[0] if fixed else s[4],
+                enable_pdl=pdl,
+                impl="triton",
+            )
         if op == "gated_residual_next_rmsnorm":
             return lambda s: moefuse.gated_residual_next_rmsnorm(
-                s[0], s[1], s[2], s[3], s[4], residual_out=fixed[0] if fixed else s[5],
-                ffn_input=fixed[1] if fixed else s[6], enable_pdl=pdl, impl="triton")  # fmt: skip
+                s[0],
+                s[1],
+                s[2],
+                s[3],
+                s[4],
+                residual_out=fixed[0] if fixed else s[5],
+                ffn_input=fixed[1] if fixed else s[6],
+                enable_pdl=pdl,
+                impl="triton",
+            )
         return lambda s: moefuse.rmsnorm_sigmoid_gate(s[0], s[1], enable_pdl=pdl, impl="triton")
 
     torch_fn = {
@@ -202,8 +245,14 @@ def pdl_default_bars(rows: list[dict]) -> list[dict]:
         ratio = off / us
         if op not in worst or ratio < worst[op][0]:
             worst[op] = (ratio, f"{shape} M={m}")
-    return [{"bar": f"{op}: PDL default >= off at every case (2% noise; worst {where})",
-             "value": ratio, "ok": ratio >= 0.98} for op, (ratio, where) in worst.items()]
+    return [
+        {
+            "bar": f"{op}: PDL default >= off at every case (2% noise; worst {where})",
+            "value": ratio,
+            "ok": ratio >= 0.98,
+        }
+        for op, (ratio, where) in worst.items()
+    ]
 
 
 def _check(op: str, s) -> None:
@@ -238,16 +287,24 @@ def main(argv: list[str]) -> int:
 
     tokens = [1, 2048] if args.quick else TOKENS
     widths = [4096] if args.quick else WIDTHS
-    ops = ["rmsnorm", "fused_add_rmsnorm", "gated_residual_rmsnorm",
-           "gated_residual_next_rmsnorm", "rmsnorm_sigmoid_gate"]  # fmt: skip
+    ops = [
+        "rmsnorm",
+        "fused_add_rmsnorm",
+        "gated_residual_rmsnorm",
+        "gated_residual_next_rmsnorm",
+        "rmsnorm_sigmoid_gate",
+    ]
     if args.ops:
         ops = [o for o in ops if o in args.ops.split(",")]
     ceiling = harness.copy_ceiling_tbs()
     print(f"SM copy ceiling: {ceiling:.2f} TB/s")
     rows, compiled = [], {}
     for op in ops:
-        shapes = [(None, d) for d in HEAD_DIMS] if op == "rmsnorm_sigmoid_gate" else \
-            [(h, None) for h in widths]  # fmt: skip
+        shapes = (
+            [(None, d) for d in HEAD_DIMS]
+            if op == "rmsnorm_sigmoid_gate"
+            else [(h, None) for h in widths]
+        )
         for h, d in shapes:
             for m in tokens:
                 case, _ = _make_case(op, m, h or 0, d)
@@ -262,31 +319,44 @@ def main(argv: list[str]) -> int:
                 for name, us in times.items():
                     tbs = case.bytes / (us * 1e-6) / 1e12
                     row = {
-                        "op": op, "shape": case.shape, "M": m, "variant": name, "us": us,
-                        "tbs": tbs, "frac_ceiling": tbs / ceiling,
-                        "x_compile": times["compile"] / us, "x_eager": times["eager"] / us,
+                        "op": op,
+                        "shape": case.shape,
+                        "M": m,
+                        "variant": name,
+                        "us": us,
+                        "tbs": tbs,
+                        "frac_ceiling": tbs / ceiling,
+                        "x_compile": times["compile"] / us,
+                        "x_eager": times["eager"] / us,
                         "x_copy_same_bytes": times["sm_copy"] / us,
-                    }  # fmt: skip
+                    }
                     if "compile_inplace" in times:
                         row["x_compile_inplace"] = times["compile_inplace"] / us
                     rows.append(row)
-                inplace = (f"  x_compile_inplace={times['compile_inplace'] / times['moefuse']:.2f}"
-                           if "compile_inplace" in times else "")  # fmt: skip
-                print(f"{op:28s} {case.shape:8s} M={m:6d} " + "  ".join(
-                    f"{k}={v:8.2f}us" for k, v in times.items()) +
-                    f"  moefuse {case.bytes / times['moefuse'] / 1e6:.2f} TB/s"
+                inplace = (
+                    f"  x_compile_inplace={times['compile_inplace'] / times['moefuse']:.2f}"
+                    if "compile_inplace" in times
+                    else ""
+                )
+                print(
+                    f"{op:28s} {case.shape:8s} M={m:6d} "
+                    + "  ".join(f"{k}={v:8.2f}us" for k, v in times.items())
+                    + f"  moefuse {case.bytes / times['moefuse'] / 1e6:.2f} TB/s"
                     f"  x_compile={times['compile'] / times['moefuse']:.2f}{inplace}"
-                    f"  x_copy={times['sm_copy'] / times['moefuse']:.2f}")  # fmt: skip
+                    f"  x_copy={times['sm_copy'] / times['moefuse']:.2f}"
+                )
     meta = harness.run_metadata()
     meta["bars"] = pdl_default_bars(rows)
     for b in meta["bars"]:
         print(f"{'PASS' if b['ok'] else 'FAIL'}  {b['bar']}  ({b['value']:.3g})")
     meta["ceiling_tbs"] = ceiling
     meta["ceiling_method"] = "Triton SM copy kernel of 1 GiB, CUDA-graph replay"
-    meta["outputs"] = ("inputs rotate over sets > L2; moefuse / moefuse_nopdl write one fixed "
-                       "output per case (like compile's graph pool); moefuse_rot_out one output "
-                       "per input set; in-place ops write into their inputs, like "
-                       "compile_inplace (compile writes to pool outputs)")  # fmt: skip
+    meta["outputs"] = (
+        "inputs rotate over sets > L2; moefuse / moefuse_nopdl write one fixed "
+        "output per case (like compile's graph pool); moefuse_rot_out one output "
+        "per input set; in-place ops write into their inputs, like "
+        "compile_inplace (compile writes to pool outputs)"
+    )
     if args.save:
         paths = harness.save_results("norm", rows, meta, args.out)
         print("wrote", *[str(p) for p in paths if p])

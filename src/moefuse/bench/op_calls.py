@@ -28,13 +28,21 @@ TOP_K = 8
 NUM_EXPERTS = 16
 #: the public communication ops, in the order :func:`comm_calls` calls them
 COMM_OPS = (
-    "allreduce", "allreduce_residual_rmsnorm", "allreduce_residual_rmsnorm_fp8",
-    "allreduce_residual_rmsnorm_out_fp8", "allreduce_residual_rmsnorm_nvfp4",
-    "allreduce_residual_rmsnorm_out_nvfp4", "all_gather_rmsnorm", "all_gather_rmsnorm_fp8",
-    "all_gather_rmsnorm_fp4_quantize", "all_gather_gated_residual_next_rmsnorm",
-    "moe_allreduce_residual_rmsnorm", "moe_finalize_allreduce_residual_rmsnorm",
-    "tp_moe_finalize_rmsnorm", "moe_finalize_rmsnorm_allreduce",
-)  # fmt: skip
+    "allreduce",
+    "allreduce_residual_rmsnorm",
+    "allreduce_residual_rmsnorm_fp8",
+    "allreduce_residual_rmsnorm_out_fp8",
+    "allreduce_residual_rmsnorm_nvfp4",
+    "allreduce_residual_rmsnorm_out_nvfp4",
+    "all_gather_rmsnorm",
+    "all_gather_rmsnorm_fp8",
+    "all_gather_rmsnorm_fp4_quantize",
+    "all_gather_gated_residual_next_rmsnorm",
+    "moe_allreduce_residual_rmsnorm",
+    "moe_finalize_allreduce_residual_rmsnorm",
+    "tp_moe_finalize_rmsnorm",
+    "moe_finalize_rmsnorm_allreduce",
+)
 
 
 class _Inputs:
@@ -95,8 +103,9 @@ def single_gpu_calls(dev, *, m: int = 1, h: int = 4096, impl: str = "auto"):
     ins.refresh()
     # quantized inputs of the dequantize ops: fixed codes of random rows
     q8 = torch.randn(m, h, generator=g, device=dev).to(torch.float8_e4m3fn)
-    packed, scales = moefuse.fp4_quantize(torch.randn(m, h, generator=g, device=dev).to(bf),
-                                          gscale, impl=impl)  # fmt: skip
+    packed, scales = moefuse.fp4_quantize(
+        torch.randn(m, h, generator=g, device=dev).to(bf), gscale, impl=impl
+    )
     e2p, p2e = plan.expanded_idx_to_permuted_idx, plan.permuted_idx_to_expanded_idx
     inter = 64  # routed experts: transformers' layouts, E experts of width I
     gate_up = (torch.randn(NUM_EXPERTS, 2 * inter, h, generator=g, device=dev) * h**-0.5).to(bf)
@@ -142,8 +151,9 @@ def single_gpu_calls(dev, *, m: int = 1, h: int = 4096, impl: str = "auto"):
     return calls, ins.refresh
 
 
-def comm_calls(dev, group, *, m: int = 1, h: int = 4096, impl: str = "auto",
-               timeout_s: float | None = None):  # fmt: skip
+def comm_calls(
+    dev, group, *, m: int = 1, h: int = 4096, impl: str = "auto", timeout_s: float | None = None
+):
     """``(calls, refresh, close)``: ``calls`` is a list of ``(public op name, fn)``, one per
     public communication op (:data:`moefuse.comm.__all__` ops with launch plans), each ``fn()``
     making one call of that op on this rank; ``close()`` closes the workspaces (collective)."""
@@ -155,8 +165,9 @@ def comm_calls(dev, group, *, m: int = 1, h: int = 4096, impl: str = "auto",
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     shared, mine = _Inputs(dev, 1234), _Inputs(dev, 77 + rank)  # same on every rank / per rank
     regions = {**moefuse.allgather_regions(m, h), **extra_regions(m, h)}
-    ws = moefuse.AllReduceWorkspace(group, m, h, torch.bfloat16, dev, extra_regions=regions,
-                                    timeout_s=timeout_s)  # fmt: skip
+    ws = moefuse.AllReduceWorkspace(
+        group, m, h, torch.bfloat16, dev, extra_regions=regions, timeout_s=timeout_s
+    )
     moefuse.prepare_allgather(ws, torch.bfloat16)
     ens = moefuse.ExpertNormWorkspace(group, h, TOP_K, dev, timeout_s=timeout_s)
     t = _comm_tensors(dev, shared, mine, m, h, rank, world)

@@ -26,8 +26,11 @@ import torch
 H = 4096
 HEADS, HEAD_DIM = 32, 128
 TOP_K = 8
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def per_call_us(fns: list, calls: int, repeats: int) -> list[float]:
@@ -145,8 +148,9 @@ def _measure(cases, calls, repeats, rank0=True) -> list[dict]:
             row["launch_plan"] = _plan_state(op)
         rows.append(row)
         if rank0:
-            print(f"{op:34s} {impl:10s} {us:8.2f} us/call  {row.get('launch_plan', '')}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{op:34s} {impl:10s} {us:8.2f} us/call  {row.get('launch_plan', '')}", flush=True
+            )
     return rows
 
 
@@ -166,28 +170,37 @@ def add_ratios(rows: list[dict]) -> list[str]:
     base = next((r["us_per_call"] for r in rows if r["op"] == "rms_norm"), None)
     fi = {r["op"]: r["us_per_call"] for r in rows if r["impl"] == "flashinfer"}
     lines = []
-    ar = {r.get("ranks"): r["us_per_call"] for r in rows
-          if r["op"] == "allreduce_residual_rmsnorm" and r["impl"] == "moefuse"}  # fmt: skip
+    ar = {
+        r.get("ranks"): r["us_per_call"]
+        for r in rows
+        if r["op"] == "allreduce_residual_rmsnorm" and r["impl"] == "moefuse"
+    }
     for r in rows:
         if r["impl"] == "moefuse" and r.get("ranks") in ar:  # communication ops: same run
             r["x_allreduce_residual_rmsnorm"] = x = r["us_per_call"] / ar[r["ranks"]]
             ok = x <= 1.5 and r.get("launch_plan") == "replayed"
-            lines.append(f"{'PASS' if ok else 'FAIL'} {r['op']} [{r['ranks']}]: "
-                         f"{r['us_per_call']:.2f} us = {x:.2f} x allreduce_residual_rmsnorm "
-                         f"(bar <= 1.5, replayed: {r.get('launch_plan')})")  # fmt: skip
+            lines.append(
+                f"{'PASS' if ok else 'FAIL'} {r['op']} [{r['ranks']}]: "
+                f"{r['us_per_call']:.2f} us = {x:.2f} x allreduce_residual_rmsnorm "
+                f"(bar <= 1.5, replayed: {r.get('launch_plan')})"
+            )
         if r["impl"] != "moefuse" or base is None or r.get("ranks") == "loopback":
             continue
         r["x_rms_norm"] = r["us_per_call"] / base
         op = r["op"].split("(")[0]
         limit = 2.0 if op.startswith("allreduce") else 1.2
         ok = r["x_rms_norm"] <= limit
-        lines.append(f"{'PASS' if ok else 'FAIL'} {r['op']}: {r['us_per_call']:.2f} us = "
-                     f"{r['x_rms_norm']:.2f} x F.rms_norm (bar <= {limit})")  # fmt: skip
+        lines.append(
+            f"{'PASS' if ok else 'FAIL'} {r['op']}: {r['us_per_call']:.2f} us = "
+            f"{r['x_rms_norm']:.2f} x F.rms_norm (bar <= {limit})"
+        )
         if op in fi:
             r["x_flashinfer"] = r["us_per_call"] / fi[op]
             ok = r["x_flashinfer"] <= 1.5
-            lines.append(f"{'PASS' if ok else 'FAIL'} {r['op']}: {r['x_flashinfer']:.2f} x "
-                         "FlashInfer (bar <= 1.5)")  # fmt: skip
+            lines.append(
+                f"{'PASS' if ok else 'FAIL'} {r['op']}: {r['x_flashinfer']:.2f} x "
+                "FlashInfer (bar <= 1.5)"
+            )
     return lines
 
 
@@ -197,12 +210,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"moefuse": "tab:blue", "torch": "tab:gray", "flashinfer": "tab:orange",
-              "nccl": "tab:green"}  # fmt: skip
+    colors = {
+        "moefuse": "tab:blue",
+        "torch": "tab:gray",
+        "flashinfer": "tab:orange",
+        "nccl": "tab:green",
+    }
     fig, ax = plt.subplots(figsize=(9, 0.28 * len(rows) + 1.2))
     labels = [f"{r['op']} [{r['impl']}]" for r in rows]
-    ax.barh(range(len(rows)), [r["us_per_call"] for r in rows],
-            color=[colors.get(r["impl"], "tab:purple") for r in rows])  # fmt: skip
+    ax.barh(
+        range(len(rows)),
+        [r["us_per_call"] for r in rows],
+        color=[colors.get(r["impl"], "tab:purple") for r in rows],
+    )
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
     base = next((r["us_per_call"] for r in rows if r["op"] == "rms_norm"), None)
@@ -242,9 +262,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="time the communication ops on P GPUs (default: every GPU there "
-                        "when there are two or more; on one GPU two loopback ranks; 0: skip)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="time the communication ops on P GPUs (default: every GPU there "
+        "when there are two or more; on one GPU two loopback ranks; 0: skip)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench overhead needs a CUDA GPU (host time of eager calls on the real launcher)")
@@ -257,10 +281,13 @@ def main(argv: list[str]) -> int:
     if world == 1 or (world >= 2 and torch.cuda.device_count() < world):
         from moefuse.testing_ranks import run_loopback_ranks
 
-        print("communication ops on two loopback ranks (threads of this process, one GPU): "
-              "host time with two ranks sharing one Python process")  # fmt: skip
-        rows += run_loopback_ranks(_loopback_rank, 2, dev, args.calls, args.repeats,
-                                   timeout_s=1200)[0]  # fmt: skip
+        print(
+            "communication ops on two loopback ranks (threads of this process, one GPU): "
+            "host time with two ranks sharing one Python process"
+        )
+        rows += run_loopback_ranks(
+            _loopback_rank, 2, dev, args.calls, args.repeats, timeout_s=1200
+        )[0]
     elif world >= 2:
         import torch.multiprocessing as mp
 
@@ -269,8 +296,10 @@ def main(argv: list[str]) -> int:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         init = f"tcp://127.0.0.1:{free_port()}"
-        procs = [ctx.Process(target=_worker, args=(r, args.world_size, args, init, queue))
-                 for r in range(args.world_size)]  # fmt: skip
+        procs = [
+            ctx.Process(target=_worker, args=(r, args.world_size, args, init, queue))
+            for r in range(args.world_size)
+        ]
         for p in procs:
             p.start()
         rows += queue.get(timeout=600)
@@ -280,9 +309,13 @@ def main(argv: list[str]) -> int:
     print("\n".join(bars))
     if args.save:
         meta = harness.run_metadata()
-        meta.update(method="host µs per eager call: wall time of back-to-back calls with one "
-                    "final synchronize / calls, median of repeats; M = 1, H = 4096, BF16",
-                    calls=args.calls, repeats=args.repeats, bar=bars)  # fmt: skip
+        meta.update(
+            method="host µs per eager call: wall time of back-to-back calls with one "
+            "final synchronize / calls, median of repeats; M = 1, H = 4096, BF16",
+            calls=args.calls,
+            repeats=args.repeats,
+            bar=bars,
+        )
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         import json

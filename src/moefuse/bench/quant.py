@@ -37,11 +37,22 @@ BYTES_PER_ELEM = {
     "rmsnorm_fp4_quantize": 2.5625,
     "fused_add_rmsnorm_fp4_quantize": 6.5625,
 }
-FUSED = ("rmsnorm_quant", "fused_add_rmsnorm_quant", "rmsnorm_fp4_quantize",
-         "fused_add_rmsnorm_fp4_quantize")  # fmt: skip
+FUSED = (
+    "rmsnorm_quant",
+    "fused_add_rmsnorm_quant",
+    "rmsnorm_fp4_quantize",
+    "fused_add_rmsnorm_fp4_quantize",
+)
 _R6 = F.R6
-_THRESHOLDS = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True),
-               (3.5, False), (5.0, True))  # fmt: skip
+_THRESHOLDS = (
+    (0.25, True),
+    (0.75, False),
+    (1.25, True),
+    (1.75, False),
+    (2.5, True),
+    (3.5, False),
+    (5.0, True),
+)
 
 
 # ----------------------------------------------------------------------------- PyTorch math
@@ -114,8 +125,10 @@ TORCH_FNS = {
 def _make_outs(op: str, m: int, h: int) -> tuple:
     """One set of ``op``'s output buffers: (packed, scales) for NVFP4, (q,) for FP8."""
     if "fp4" in op:
-        return (torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
-                torch.empty(moefuse.scale_shape(m, h), dtype=torch.uint8, device=DEV))  # fmt: skip
+        return (
+            torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
+            torch.empty(moefuse.scale_shape(m, h), dtype=torch.uint8, device=DEV),
+        )
     return (torch.empty(m, h, dtype=E4M3, device=DEV),)
 
 
@@ -133,19 +146,24 @@ def _moefuse_fn(op: str, w, scale, gs, pdl: bool):
     if op == "fp8_quantize":
         return lambda s: moefuse.fp8_quantize(s[0], scale, out=s[2], enable_pdl=pdl, impl="triton")
     if op == "fp4_quantize":
-        return lambda s: moefuse.fp4_quantize(s[0], gs, out=s[2], scale_out=s[3],
-                                              enable_pdl=pdl, impl="triton")  # fmt: skip
+        return lambda s: moefuse.fp4_quantize(
+            s[0], gs, out=s[2], scale_out=s[3], enable_pdl=pdl, impl="triton"
+        )
     if op == "rmsnorm_quant":
-        return lambda s: moefuse.rmsnorm_quant(s[0], w, scale, out=s[2], enable_pdl=pdl,
-                                               impl="triton")  # fmt: skip
+        return lambda s: moefuse.rmsnorm_quant(
+            s[0], w, scale, out=s[2], enable_pdl=pdl, impl="triton"
+        )
     if op == "fused_add_rmsnorm_quant":
-        return lambda s: moefuse.fused_add_rmsnorm_quant(s[0], s[1], w, scale, out=s[2],
-                                                         enable_pdl=pdl, impl="triton")
+        return lambda s: moefuse.fused_add_rmsnorm_quant(
+            s[0], s[1], w, scale, out=s[2], enable_pdl=pdl, impl="triton"
+        )
     if op == "rmsnorm_fp4_quantize":
-        return lambda s: moefuse.rmsnorm_fp4_quantize(s[0], w, gs, out=s[2], scale_out=s[3],
-                                                      enable_pdl=pdl, impl="triton")
+        return lambda s: moefuse.rmsnorm_fp4_quantize(
+            s[0], w, gs, out=s[2], scale_out=s[3], enable_pdl=pdl, impl="triton"
+        )
     return lambda s: moefuse.fused_add_rmsnorm_fp4_quantize(
-        s[0], s[1], w, gs, out=s[2], scale_out=s[3], enable_pdl=pdl, impl="triton")
+        s[0], s[1], w, gs, out=s[2], scale_out=s[3], enable_pdl=pdl, impl="triton"
+    )
 
 
 def _torch_call(op: str, fn, w, inv, gs):
@@ -162,11 +180,13 @@ def _torch_call(op: str, fn, w, inv, gs):
 def _unfused_moefuse(op: str, w, scale, gs):
     """moefuse's own two-kernel path (norm, then the standalone quantizer) for the fused ops."""
     if op == "rmsnorm_quant":
-        return lambda s: moefuse.fp8_quantize(moefuse.rmsnorm(s[0], w, impl="triton"), scale,
-                                              out=s[2], impl="triton")  # fmt: skip
+        return lambda s: moefuse.fp8_quantize(
+            moefuse.rmsnorm(s[0], w, impl="triton"), scale, out=s[2], impl="triton"
+        )
     if op == "rmsnorm_fp4_quantize":
-        return lambda s: moefuse.fp4_quantize(moefuse.rmsnorm(s[0], w, impl="triton"), gs,
-                                              out=s[2], scale_out=s[3], impl="triton")
+        return lambda s: moefuse.fp4_quantize(
+            moefuse.rmsnorm(s[0], w, impl="triton"), gs, out=s[2], scale_out=s[3], impl="triton"
+        )
     return None
 
 
@@ -175,8 +195,9 @@ def _check(op: str, s, w, scale, gs) -> None:
     x, r = s[0], (s[1].clone() if s[1] is not None else None)
     if op == "fp8_quantize":
         got = moefuse.fp8_quantize(x, scale, impl="triton")
-        assert torch.equal(got.view(torch.uint8), ref.fp8_quantize_reference(x, scale).view(
-            torch.uint8)), op  # fmt: skip
+        assert torch.equal(
+            got.view(torch.uint8), ref.fp8_quantize_reference(x, scale).view(torch.uint8)
+        ), op
     elif op == "fp4_quantize":
         p, sc = moefuse.fp4_quantize(x, gs, recipe="ieee", impl="triton")
         ep, es = ref.fp4_quantize_reference(x, gs, recipe="ieee")
@@ -198,8 +219,9 @@ def _check(op: str, s, w, scale, gs) -> None:
         if r is None:
             p, sc = moefuse.rmsnorm_fp4_quantize(x, w, gs, norm_out=y, recipe="ieee", impl="triton")
         else:
-            p, sc = moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gs, norm_out=y, recipe="ieee",
-                                                           impl="triton")  # fmt: skip
+            p, sc = moefuse.fused_add_rmsnorm_fp4_quantize(
+                x, r, w, gs, norm_out=y, recipe="ieee", impl="triton"
+            )
         ep, es = ref.fp4_quantize_reference(y, gs, recipe="ieee")
         assert torch.equal(p, ep) and torch.equal(sc, es), op
 
@@ -216,10 +238,23 @@ def _tile_fn(op: str, tile, w, scale, gs):
     if "fp4" in op:
         res = "add" in op
         return lambda s: qf.launch_rmsnorm_fp4(
-            s[0], s[1] if res else None, w, gs, s[2], s[3], None, EPS, 0.0, "swizzled_128x4",
-            "fast", True, tile=tile)  # fmt: skip
-    return lambda s: qf.launch_rmsnorm_fp8(s[0], None, w, scale, s[2].view(torch.uint8), 0, EPS,
-                                           0.0, True, tile=tile)  # fmt: skip
+            s[0],
+            s[1] if res else None,
+            w,
+            gs,
+            s[2],
+            s[3],
+            None,
+            EPS,
+            0.0,
+            "swizzled_128x4",
+            "fast",
+            True,
+            tile=tile,
+        )
+    return lambda s: qf.launch_rmsnorm_fp8(
+        s[0], None, w, scale, s[2].view(torch.uint8), 0, EPS, 0.0, True, tile=tile
+    )
 
 
 def _sweep(widths, tokens, ceiling) -> list[dict]:
@@ -234,8 +269,9 @@ def _sweep(widths, tokens, ceiling) -> list[dict]:
         for m in tokens:
             for op in ("rmsnorm_quant", "rmsnorm_fp4_quantize", "fused_add_rmsnorm_fp4_quantize"):
                 # the op's own tile (the label's "default"); alternatives keep its block
-                base = (qf.quant_fp4_row_tile(h, "add" in op) if "fp4" in op
-                        else qf.quant_row_tile(h))  # fmt: skip
+                base = (
+                    qf.quant_fp4_row_tile(h, "add" in op) if "fp4" in op else qf.quant_row_tile(h)
+                )
                 nbytes = int(BYTES_PER_ELEM[op] * m * h)
                 sets = _make_sets(op, m, h, harness.rotation_sets(nbytes))
                 line = []
@@ -246,13 +282,66 @@ def _sweep(widths, tokens, ceiling) -> list[dict]:
                         tile = RowTile(base.block, base.num_chunks, rows, warps)
                         us = _time(_tile_fn(op, tile, w, scale, gs), sets)
                         tbs = nbytes / (us * 1e-6) / 1e12
-                        rows_out.append({"op": op, "shape": f"H={h}", "M": m,
-                                         "variant": f"sweep r{rows}w{warps}", "us": us,
-                                         "tbs": tbs, "frac_ceiling": tbs / ceiling})  # fmt: skip
+                        rows_out.append(
+                            {
+                                "op": op,
+                                "shape": f"H={h}",
+                                "M": m,
+                                "variant": f"sweep r{rows}w{warps}",
+                                "us": us,
+                                "tbs": tbs,
+                                "frac_ceiling": tbs / ceiling,
+                            }
+                        )
                         line.append(f"r{rows}w{warps} {us:7.2f}us {tbs:.2f}")
-                print(f"sweep {op:30s} H={h} M={m:6d} (default r{base.rows}w{base.num_warps}) | "
-                      + " | ".join(line))  # fmt: skip
+                print(
+                    f"sweep {op:30s} H={h} M={m:6d} (default r{base.rows}w{base.num_warps}) | "
+                    + " | ".join(line)
+                )
     return rows_out
+
+
+def _case_times(op: str, m: int, h: int, w, scale, inv, gs, compiled_fn) -> tuple[int, dict]:
+    """``(bytes moved, {variant: median us})`` of one case: checked against the reference first,
+    then moefuse's variants, the eager and compiled torch baselines and the same-bytes copy."""
+    nbytes = int(BYTES_PER_ELEM[op] * m * h)
+    sets = _make_sets(op, m, h, harness.rotation_sets(nbytes))
+    _check(op, sets[0], w, scale, gs)
+    # outputs: one fixed set per case, like compile's graph-pool outputs (norm.py's
+    # docstring); moefuse_rot_out writes one output set per input set instead
+    fixed = _make_outs(op, m, h)
+    fixed_sets = [(x, r, *fixed) for x, r, *_ in sets]
+    mf = {
+        "moefuse": _moefuse_fn(op, w, scale, gs, True),
+        "moefuse_nopdl": _moefuse_fn(op, w, scale, gs, False),
+    }
+    unfused = _unfused_moefuse(op, w, scale, gs)
+    if unfused is not None:
+        mf["moefuse_unfused"] = unfused
+    times = {name: _time(fn, fixed_sets) for name, fn in mf.items()}
+    times["moefuse_rot_out"] = _time(mf["moefuse"], sets)
+    baselines = {
+        "eager": _torch_call(op, TORCH_FNS[op], w, inv, gs),
+        "compile": _torch_call(op, compiled_fn, w, inv, gs),
+    }
+    times.update({name: _time(fn, sets) for name, fn in baselines.items()})
+    times["sm_copy"] = harness.copy_time_us(nbytes)
+    return nbytes, times
+
+
+def _print_bar(verdicts: list[dict]) -> None:
+    """One PASS / FAIL line per fused case of the bar."""
+    print(
+        "\nbar (M >= 2048, H = 4096: >= 0.85 x ceiling [rotating outputs] and >= 1.5 x "
+        "torch.compile [fixed outputs, like compile's]):"
+    )
+    for v in verdicts:
+        print(
+            f"  {'PASS' if v['pass'] else 'FAIL'} {v['op']:31s} M={v['M']:6d} "
+            f"{v['frac_ceiling']:.2f} x ceiling ({v['frac_ceiling_fixed_outputs']:.2f} fixed)  "
+            f"{v['x_compile']:.2f} x compile  "
+            f"{v['x_copy_same_bytes']:.2f} x same-bytes copy"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -280,36 +369,23 @@ def main(argv: list[str]) -> int:
             inv = 1.0 / scale
             gs = torch.tensor([448.0 * 6.0 / 5.0], device=DEV)
             for m in tokens:
-                nbytes = int(BYTES_PER_ELEM[op] * m * h)
-                sets = _make_sets(op, m, h, harness.rotation_sets(nbytes))
-                _check(op, sets[0], w, scale, gs)
-                # outputs: one fixed set per case, like compile's graph-pool outputs (norm.py's
-                # docstring); moefuse_rot_out writes one output set per input set instead
-                fixed = _make_outs(op, m, h)
-                fixed_sets = [(x, r, *fixed) for x, r, *_ in sets]
-                mf = {
-                    "moefuse": _moefuse_fn(op, w, scale, gs, True),
-                    "moefuse_nopdl": _moefuse_fn(op, w, scale, gs, False),
-                }
-                unfused = _unfused_moefuse(op, w, scale, gs)
-                if unfused is not None:
-                    mf["moefuse_unfused"] = unfused
-                times = {name: _time(fn, fixed_sets) for name, fn in mf.items()}
-                times["moefuse_rot_out"] = _time(mf["moefuse"], sets)
-                baselines = {
-                    "eager": _torch_call(op, TORCH_FNS[op], w, inv, gs),
-                    "compile": _torch_call(op, compiled[op], w, inv, gs),
-                }
-                times.update({name: _time(fn, sets) for name, fn in baselines.items()})
-                times["sm_copy"] = harness.copy_time_us(nbytes)
+                nbytes, times = _case_times(op, m, h, w, scale, inv, gs, compiled[op])
                 for name, us in times.items():
                     tbs = nbytes / (us * 1e-6) / 1e12
-                    rows.append({
-                        "op": op, "shape": f"H={h}", "M": m, "variant": name, "us": us,
-                        "tbs": tbs, "frac_ceiling": tbs / ceiling,
-                        "x_compile": times["compile"] / us, "x_eager": times["eager"] / us,
-                        "x_copy_same_bytes": times["sm_copy"] / us,
-                    })  # fmt: skip
+                    rows.append(
+                        {
+                            "op": op,
+                            "shape": f"H={h}",
+                            "M": m,
+                            "variant": name,
+                            "us": us,
+                            "tbs": tbs,
+                            "frac_ceiling": tbs / ceiling,
+                            "x_compile": times["compile"] / us,
+                            "x_eager": times["eager"] / us,
+                            "x_copy_same_bytes": times["sm_copy"] / us,
+                        }
+                    )
                 best = min(times["moefuse"], times["moefuse_nopdl"])
                 # the ceiling fraction from the rotating outputs (DRAM writes of every output,
                 # the conservative reading); x compile from the fixed ones (compile's policy)
@@ -317,31 +393,39 @@ def main(argv: list[str]) -> int:
                 frac_fixed = nbytes / (best * 1e-6) / 1e12 / ceiling
                 x_comp = times["compile"] / best
                 x_copy = times["sm_copy"] / times["moefuse_rot_out"]
-                print(f"{op:31s} H={h:5d} M={m:6d} " + "  ".join(
-                    f"{k}={v:8.2f}us" for k, v in times.items())
+                print(
+                    f"{op:31s} H={h:5d} M={m:6d} "
+                    + "  ".join(f"{k}={v:8.2f}us" for k, v in times.items())
                     + f"  | moefuse {frac:.2f} x ceiling ({frac_fixed:.2f} fixed outputs),"
-                    f" {x_comp:.2f} x compile, {x_copy:.2f} x same-bytes copy")  # fmt: skip
+                    f" {x_comp:.2f} x compile, {x_copy:.2f} x same-bytes copy"
+                )
                 if op in FUSED and m >= 2048 and h == 4096:
                     ok = frac >= 0.85 and x_comp >= 1.5
-                    verdicts.append({"op": op, "M": m, "H": h, "frac_ceiling": frac,
-                                     "frac_ceiling_fixed_outputs": frac_fixed,
-                                     "x_compile": x_comp, "x_copy_same_bytes": x_copy,
-                                     "pass": ok})  # fmt: skip
+                    verdicts.append(
+                        {
+                            "op": op,
+                            "M": m,
+                            "H": h,
+                            "frac_ceiling": frac,
+                            "frac_ceiling_fixed_outputs": frac_fixed,
+                            "x_compile": x_comp,
+                            "x_copy_same_bytes": x_copy,
+                            "pass": ok,
+                        }
+                    )
     if args.sweep:
         rows += _sweep(widths, [t for t in tokens if t >= 2048] or tokens, ceiling)
-    print("\nbar (M >= 2048, H = 4096: >= 0.85 x ceiling [rotating outputs] and >= 1.5 x "
-          "torch.compile [fixed outputs, like compile's]):")  # fmt: skip
-    for v in verdicts:
-        print(f"  {'PASS' if v['pass'] else 'FAIL'} {v['op']:31s} M={v['M']:6d} "
-              f"{v['frac_ceiling']:.2f} x ceiling ({v['frac_ceiling_fixed_outputs']:.2f} fixed)  "
-              f"{v['x_compile']:.2f} x compile  "
-              f"{v['x_copy_same_bytes']:.2f} x same-bytes copy")  # fmt: skip
+    _print_bar(verdicts)
     meta = harness.run_metadata()
-    meta.update(ceiling_tbs=ceiling, bytes_per_element=BYTES_PER_ELEM, bar=verdicts,
-                ceiling_method="best Triton SM copy kernel over 1 GiB, CUDA-graph replay",
-                outputs="inputs rotate over sets > L2; moefuse / moefuse_nopdl / moefuse_unfused "
-                        "write one fixed output set per case (like compile's graph pool); "
-                        "moefuse_rot_out one output set per input set")  # fmt: skip
+    meta.update(
+        ceiling_tbs=ceiling,
+        bytes_per_element=BYTES_PER_ELEM,
+        bar=verdicts,
+        ceiling_method="best Triton SM copy kernel over 1 GiB, CUDA-graph replay",
+        outputs="inputs rotate over sets > L2; moefuse / moefuse_nopdl / moefuse_unfused "
+        "write one fixed output set per case (like compile's graph pool); "
+        "moefuse_rot_out one output set per input set",
+    )
     if args.save:
         paths = harness.save_results("quant", rows, meta, args.out)
         print("wrote", *[str(p) for p in paths if p])

@@ -14,8 +14,11 @@ import socket
 
 import torch
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def no_multicast() -> None:
@@ -40,10 +43,16 @@ def rank_parser(prog: str, quick_help: str, *, save: bool = True) -> argparse.Ar
 
 def token_and_width_lists(args, tokens, widths, quick_tokens) -> tuple[list[int], list[int]]:
     """M and H values of a run: ``--tokens`` / ``--hidden``, else the quick or full defaults."""
-    m = [int(t) for t in args.tokens.split(",")] if args.tokens else \
-        (list(quick_tokens) if args.quick else list(tokens))  # fmt: skip
-    h = [int(v) for v in args.hidden.split(",")] if args.hidden else \
-        ([4096] if args.quick else list(widths))  # fmt: skip
+    m = (
+        [int(t) for t in args.tokens.split(",")]
+        if args.tokens
+        else (list(quick_tokens) if args.quick else list(tokens))
+    )
+    h = (
+        [int(v) for v in args.hidden.split(",")]
+        if args.hidden
+        else ([4096] if args.quick else list(widths))
+    )
     return m, h
 
 
@@ -57,8 +66,7 @@ def init_rank(rank: int, world_size: int, init_method: str | None) -> torch.devi
     if init_method is None:
         dist.init_process_group("nccl")
     else:
-        dist.init_process_group("nccl", init_method=init_method, rank=rank,
-                                world_size=world_size)  # fmt: skip
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size)
     return torch.device("cuda", local)
 
 
@@ -81,6 +89,7 @@ def run_ranks(worker, args) -> int:
     import torch.multiprocessing as mp
 
     init = f"tcp://127.0.0.1:{free_port()}"
-    mp.start_processes(worker, args=(args.world_size, args, init), nprocs=args.world_size,
-                       start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        worker, args=(args.world_size, args, init), nprocs=args.world_size, start_method="spawn"
+    )
     return 0

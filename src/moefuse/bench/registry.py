@@ -45,21 +45,34 @@ FAMILIES: tuple[Family, ...] = (
     Family("quant", "moefuse.bench.quant"),
     # finalize: "moefuse"; the layer pipeline: "deterministic finalize" against the scatter-add
     # (atomics) finalize; permute -> finalize: PDL on against off (no baseline: not summarised)
-    Family("moe", "moefuse.bench.moe",
-           ours=("moefuse", "deterministic finalize", "PDL on"),
-           not_baselines=("PDL off", "PDL default")),
+    Family(
+        "moe",
+        "moefuse.bench.moe",
+        ours=("moefuse", "deterministic finalize", "PDL on"),
+        not_baselines=("PDL off", "PDL default"),
+    ),
     # fused routed experts against transformers' grouped_mm / batched_mm experts functions and
     # moefuse's composed path ("moefuse_composed", one of ours: not a baseline of the summary)
     Family("moe-experts", "moefuse.bench.moe_experts", not_baselines=("moefuse_composed",)),
     # host µs per eager call; F.rms_norm (op "rms_norm", impl "torch") is rmsnorm's baseline
-    Family("overhead", "moefuse.bench.overhead", quick=False, optional_world_size=True,
-           op_aliases=(("rms_norm", "rmsnorm"),)),
+    Family(
+        "overhead",
+        "moefuse.bench.overhead",
+        quick=False,
+        optional_world_size=True,
+        op_aliases=(("rms_norm", "rmsnorm"),),
+    ),
     Family("all-reduce", "moefuse.bench.all_reduce", min_gpus=2, multi_rank=True),
     # MoE-reduction and MoE-finalize all-reduce fusions: "fused" (algorithm and variant
     # "auto"); its rows carry "role" ("fused" | "baseline": the unfused chains), which names the
     # baselines
-    Family("moe-reduction", "moefuse.bench.moe_reduction", min_gpus=2, multi_rank=True,
-           ours=("fused", "moefuse")),
+    Family(
+        "moe-reduction",
+        "moefuse.bench.moe_reduction",
+        min_gpus=2,
+        multi_rank=True,
+        ours=("fused", "moefuse"),
+    ),
     # per-expert-norm finalize (tp_moe_finalize_rmsnorm, moe_finalize_rmsnorm_allreduce):
     # "moefuse" against the unfused chains (the naming rule)
     Family("expert-norm", "moefuse.bench.expert_norm", min_gpus=2, multi_rank=True),

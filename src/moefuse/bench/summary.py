@@ -107,16 +107,25 @@ def _example_rows(data: dict) -> tuple[dict, list[dict]]:
     written before the example kept a ``meta`` block carry only its top-level fields."""
     meta = dict(data.get("meta") or {})
     meta.setdefault("world_size", data.get("world_size"))
-    shape = f"P={data.get('world_size')} H={data.get('hidden')} E={data.get('experts')} " \
-            f"K={data.get('top_k')}"
+    shape = (
+        f"P={data.get('world_size')} H={data.get('hidden')} E={data.get('experts')} "
+        f"K={data.get('top_k')}"
+    )
     rows = []
     for r in data["rows"]:
         for part in _EXAMPLE_PARTS:
             for variant, kind in (("moefuse", "fused"), ("unfused", "unfused")):
                 us = r.get(f"{part}_{kind}_us")
                 if us is not None:
-                    rows.append({"op": f"tp_moe_layer {part}", "shape": shape,
-                                 "M": r.get("tokens"), "variant": variant, "us": us})  # fmt: skip
+                    rows.append(
+                        {
+                            "op": f"tp_moe_layer {part}",
+                            "shape": shape,
+                            "M": r.get("tokens"),
+                            "variant": variant,
+                            "us": us,
+                        }
+                    )
     return meta, rows
 
 
@@ -152,9 +161,11 @@ def _fmt_us(us: float) -> str:
 
 
 def overview_table(results: list[Result]) -> str:
-    lines = ["| family | file | GPU | date | commit | cases | speed-up over best baseline "
-             "(min / median / max) | cases >= 1.0 x | plots |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| family | file | GPU | date | commit | cases | speed-up over best baseline "
+        "(min / median / max) | cases >= 1.0 x | plots |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for res in results:
         xs = sorted(c.speedup for c in res.cases)
         m = res.meta
@@ -163,12 +174,17 @@ def overview_table(results: list[Result]) -> str:
         plots = [f"[µs]({stem}.png)"] if res.path.with_suffix(".png").exists() else []
         if xs:
             plots.append(f"[speed-up]({stem}-speedup.png)")
-        span = (f"{_fmt_x(xs[0])} / {_fmt_x(statistics.median(xs))} / {_fmt_x(xs[-1])}"
-                if xs else "no baseline in the file")  # fmt: skip
+        span = (
+            f"{_fmt_x(xs[0])} / {_fmt_x(statistics.median(xs))} / {_fmt_x(xs[-1])}"
+            if xs
+            else "no baseline in the file"
+        )
         wins = f"{sum(x >= 1.0 for x in xs)} / {len(xs)}" if xs else "-"
-        lines.append(f"| {res.family} | {res.path.name} | {gpu} | {str(m.get('date', '?'))[:10]} "
-                     f"| {str(m.get('commit', '?'))[:10]} | {len(xs)} | {span} | {wins} | "
-                     f"{' · '.join(plots) or '-'} |")  # fmt: skip
+        lines.append(
+            f"| {res.family} | {res.path.name} | {gpu} | {str(m.get('date', '?'))[:10]} "
+            f"| {str(m.get('commit', '?'))[:10]} | {len(xs)} | {span} | {wins} | "
+            f"{' · '.join(plots) or '-'} |"
+        )
     return "\n".join(lines)
 
 
@@ -181,14 +197,17 @@ def detail_table(res: Result) -> str:
     ms = sorted({c.m for c in res.cases}, key=lambda m: (m is None, m or 0))
     keys = list(dict.fromkeys((c.op, c.shape) for c in res.cases))
     cell = {(c.op, c.shape, c.m): c for c in res.cases}
-    lines = ["| op | shape | " + " | ".join(_label_m(m) for m in ms) + " |",
-             "|---|---|" + "---|" * len(ms)]  # fmt: skip
+    lines = [
+        "| op | shape | " + " | ".join(_label_m(m) for m in ms) + " |",
+        "|---|---|" + "---|" * len(ms),
+    ]
     for op, shape in keys:
         cells = []
         for m in ms:
             c = cell.get((op, shape, m))
-            cells.append("" if c is None else
-                         f"{_fmt_x(c.speedup)} x {c.best} ({_fmt_us(c.ours_us)} µs)")  # fmt: skip
+            cells.append(
+                "" if c is None else f"{_fmt_x(c.speedup)} x {c.best} ({_fmt_us(c.ours_us)} µs)"
+            )
         lines.append(f"| {op} | {shape} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -210,10 +229,16 @@ def summary_markdown(results: list[Result]) -> str:
         if not res.cases:
             continue
         m = res.meta
-        parts += ["", f"## {res.family}: {res.path.name}", "",
-                  f"{m.get('gpu', '?')}, commit {m.get('commit', '?')}, {m.get('date', '?')}; "
-                  f"command `{m.get('command', '?')}`. Cell: speed-up x the best baseline at "
-                  "that M (moefuse's µs per call).", "", detail_table(res)]  # fmt: skip
+        parts += [
+            "",
+            f"## {res.family}: {res.path.name}",
+            "",
+            f"{m.get('gpu', '?')}, commit {m.get('commit', '?')}, {m.get('date', '?')}; "
+            f"command `{m.get('command', '?')}`. Cell: speed-up x the best baseline at "
+            "that M (moefuse's µs per call).",
+            "",
+            detail_table(res),
+        ]
     return "\n".join(parts) + "\n"
 
 
@@ -230,12 +255,16 @@ def status_lines(results: list[Result], details: str) -> str:
     for res in results:
         xs = sorted(c.speedup for c in res.cases)
         if xs:
-            figure = (f"{_fmt_x(statistics.median(xs))} x the best baseline (median of "
-                      f"{len(xs)} cases, {_fmt_x(xs[0])}-{_fmt_x(xs[-1])})")  # fmt: skip
+            figure = (
+                f"{_fmt_x(statistics.median(xs))} x the best baseline (median of "
+                f"{len(xs)} cases, {_fmt_x(xs[0])}-{_fmt_x(xs[-1])})"
+            )
         else:
             figure = "times only (no baseline in the file)"
-        lines.append(f"* **{res.family}** ({_where(res)}): {figure} · "
-                     f"[details]({details}#{res.path.stem.lower()})")  # fmt: skip
+        lines.append(
+            f"* **{res.family}** ({_where(res)}): {figure} · "
+            f"[details]({details}#{res.path.stem.lower()})"
+        )
     return "\n".join(lines)
 
 
@@ -246,12 +275,20 @@ def details_markdown(results: list[Result], prefix: str) -> str:
     for res in results:
         m = res.meta
         link = f"[{res.path.name}]({prefix}{res.path.name})"
-        parts += ["", f"### {res.path.stem}", "",
-                  f"{res.family} · {link} · {_where(res)} · commit {m.get('commit', '?')} · "
-                  f"command `{m.get('command', '?')}`."]  # fmt: skip
+        parts += [
+            "",
+            f"### {res.path.stem}",
+            "",
+            f"{res.family} · {link} · {_where(res)} · commit {m.get('commit', '?')} · "
+            f"command `{m.get('command', '?')}`.",
+        ]
         if res.cases:
-            parts += ["", "Cell: speed-up x the best baseline at that M (moefuse's µs per call).",
-                      "", detail_table(res)]  # fmt: skip
+            parts += [
+                "",
+                "Cell: speed-up x the best baseline at that M (moefuse's µs per call).",
+                "",
+                detail_table(res),
+            ]
         else:
             parts += ["", "No baseline in the file: see its plot and JSON for the times."]
     return "\n".join(parts)
@@ -290,24 +327,31 @@ def plot_speedup(res: Result, path: Path) -> Path | None:
         else:  # no M (host overhead): one bar per op
             xs, ys = list(range(len(cases))), [c.speedup for c in cases]
             ax.bar(xs, ys, color="tab:blue")
-            ax.set_xticks(xs, [f"{c.op} {c.shape}".strip() for c in cases], rotation=45,
-                          ha="right")  # fmt: skip
+            ax.set_xticks(xs, [f"{c.op} {c.shape}".strip() for c in cases], rotation=45, ha="right")
             labelled = cases
         for x, c in zip(xs, labelled):
-            ax.annotate(c.best, (x, c.speedup), fontsize=5, rotation=30, xytext=(2, 3),
-                        textcoords="offset points")  # fmt: skip
+            ax.annotate(
+                c.best,
+                (x, c.speedup),
+                fontsize=5,
+                rotation=30,
+                xytext=(2, 3),
+                textcoords="offset points",
+            )
         ax.axhline(1.0, color="tab:red", lw=1, ls="--")
         ax.set_ylim(0, max(1.2, 1.15 * max(ys)))
         ax.set_title(key, fontsize=8)
         ax.set_ylabel("speed-up over best baseline", fontsize=7)
         ax.tick_params(labelsize=6)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     meta = res.meta
-    fig.suptitle(f"moefuse {res.family}: speed-up over the best baseline\n"
-                 f"{meta.get('gpu', '?')}, {str(meta.get('date', '?'))[:10]}, {res.path.name}",
-                 fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"moefuse {res.family}: speed-up over the best baseline\n"
+        f"{meta.get('gpu', '?')}, {str(meta.get('date', '?'))[:10]}, {res.path.name}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -334,8 +378,11 @@ def update_readme(readme: Path, table: str, start: str = START, end: str = END) 
     return True
 
 
-def write_summary(results_dir: str | Path = "bench/results", readme: str | Path | None = None,
-                  docs: str | Path | None = None) -> list[Path]:  # fmt: skip
+def write_summary(
+    results_dir: str | Path = "bench/results",
+    readme: str | Path | None = None,
+    docs: str | Path | None = None,
+) -> list[Path]:
     """Write SUMMARY.md and the speed-up plots under ``results_dir``, the details block of
     ``docs`` and the status block of ``readme`` (each when given and marked); returns the paths."""
     out = Path(results_dir)
@@ -376,19 +423,29 @@ def first_paragraph(doc: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moefuse bench summary",
-                                     description=first_paragraph(__doc__))  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="moefuse bench summary", description=first_paragraph(__doc__)
+    )
     parser.add_argument("--dir", default="bench/results", help="results directory")
-    parser.add_argument("--readme", default=None,
-                        help="file whose marked block receives one status line per results file "
-                        "(default: README.md when it has the markers)")  # fmt: skip
-    parser.add_argument("--write", default=None, metavar="PATH",
-                        help="page whose marked block receives the overview and per-file tables "
-                        f"(default: {DOCS} when it has the markers)")  # fmt: skip
+    parser.add_argument(
+        "--readme",
+        default=None,
+        help="file whose marked block receives one status line per results file "
+        "(default: README.md when it has the markers)",
+    )
+    parser.add_argument(
+        "--write",
+        default=None,
+        metavar="PATH",
+        help="page whose marked block receives the overview and per-file tables "
+        f"(default: {DOCS} when it has the markers)",
+    )
     args = parser.parse_args(argv)
     if not Path(args.dir).is_dir():
-        print(f"moefuse bench summary: no results directory {args.dir!r} here; run it from the "
-              "repository root or pass --dir with the path of bench/results")  # fmt: skip
+        print(
+            f"moefuse bench summary: no results directory {args.dir!r} here; run it from the "
+            "repository root or pass --dir with the path of bench/results"
+        )
         return 2
     readme, docs = args.readme, args.write
     # the README and the docs page describe the committed results: only they update them by default

@@ -28,10 +28,14 @@ def split_sweeps(rest: list[str]) -> tuple[list[tuple[str, list[str]]], list[str
     while i < len(rest):
         arg = rest[i]
         spec = None
-        if arg.startswith("--sweep=") and "=" in arg[len("--sweep="):]:
-            spec = arg[len("--sweep="):]
-        elif (arg == "--sweep" and i + 1 < len(rest) and "=" in rest[i + 1]
-              and not rest[i + 1].startswith("-")):  # fmt: skip
+        if arg.startswith("--sweep=") and "=" in arg[len("--sweep=") :]:
+            spec = arg[len("--sweep=") :]
+        elif (
+            arg == "--sweep"
+            and i + 1 < len(rest)
+            and "=" in rest[i + 1]
+            and not rest[i + 1].startswith("-")
+        ):
             spec = rest[i + 1]
             i += 1
         if spec is None:

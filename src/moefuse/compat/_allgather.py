@@ -35,29 +35,53 @@ class _AllGatherWorkspace:
 
     _NAME = "MNNVLCuteDSLAllGatherWorkspace"
 
-    def __init__(self, tp_size: int, tp_rank: int, max_token_num: int, hidden_dim: int, *,
-                 group=None, tuning=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        tp_size: int,
+        tp_rank: int,
+        max_token_num: int,
+        hidden_dim: int,
+        *,
+        group=None,
+        tuning=None,
+        device=None,
+    ):
         import torch.distributed as dist
 
         group = group if group is not None else dist.group.WORLD
         if not isinstance(tp_size, int) or tp_size < 2 or tp_size != dist.get_world_size(group):
-            raise ValueError(f"{self._NAME}: argument 'tp_size' must be the group size "
-                             f"{dist.get_world_size(group)} (>= 2), got {tp_size!r}")  # fmt: skip
+            raise ValueError(
+                f"{self._NAME}: argument 'tp_size' must be the group size "
+                f"{dist.get_world_size(group)} (>= 2), got {tp_size!r}"
+            )
         if tp_rank != dist.get_rank(group):
-            raise ValueError(f"{self._NAME}: argument 'tp_rank' must be this rank's group rank "
-                             f"{dist.get_rank(group)}, got {tp_rank!r}")  # fmt: skip
+            raise ValueError(
+                f"{self._NAME}: argument 'tp_rank' must be this rank's group rank "
+                f"{dist.get_rank(group)}, got {tp_rank!r}"
+            )
         if not isinstance(hidden_dim, int) or hidden_dim < 1 or hidden_dim % tp_size:
-            raise ValueError(f"{self._NAME}: argument 'hidden_dim' must be a positive multiple of "
-                             f"tp_size, got {hidden_dim!r}")  # fmt: skip
+            raise ValueError(
+                f"{self._NAME}: argument 'hidden_dim' must be a positive multiple of "
+                f"tp_size, got {hidden_dim!r}"
+            )
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.max_token_num, self.hidden_dim = max_token_num, hidden_dim
         self.tuning = tuning
         self.workspace = comm.AllReduceWorkspace(
-            group, max_token_num, hidden_dim, torch.bfloat16, device, oneshot_max_tokens=1,
-            extra_regions=comm.allgather_regions(max_token_num, hidden_dim))  # fmt: skip
+            group,
+            max_token_num,
+            hidden_dim,
+            torch.bfloat16,
+            device,
+            oneshot_max_tokens=1,
+            extra_regions=comm.allgather_regions(max_token_num, hidden_dim),
+        )
         self.compiled: dict | None = None
 
     def _compile(self, **constants) -> None:
@@ -69,8 +93,10 @@ class _AllGatherWorkspace:
             return
         for name, value in constants.items():
             if self.compiled.get(name, value) != value:
-                raise ValueError(f"{op}: argument '{name}' is {value!r} but the workspace was "
-                                 f"compiled with {self.compiled[name]!r}")  # fmt: skip
+                raise ValueError(
+                    f"{op}: argument '{name}' is {value!r} but the workspace was "
+                    f"compiled with {self.compiled[name]!r}"
+                )
 
     def check_support(self) -> bool:
         """True when the fused peer-memory path can run here (collective vote of all ranks)."""
@@ -79,9 +105,12 @@ class _AllGatherWorkspace:
         return ws.vote(ok)
 
     def fits(self, shard: torch.Tensor) -> bool:
-        return (isinstance(shard, torch.Tensor) and shard.dim() == 2
-                and 1 <= shard.shape[0] <= self.max_token_num
-                and shard.shape[1] * self.tp_size == self.hidden_dim)  # fmt: skip
+        return (
+            isinstance(shard, torch.Tensor)
+            and shard.dim() == 2
+            and 1 <= shard.shape[0] <= self.max_token_num
+            and shard.shape[1] * self.tp_size == self.hidden_dim
+        )
 
     def destroy(self) -> None:
         self.workspace.close()
@@ -92,12 +121,21 @@ class MNNVLCuteDSLAllGatherDualNormWorkspace(_AllGatherWorkspace):
 
     _NAME = "MNNVLCuteDSLAllGatherDualNormWorkspace"
 
-    def compile(self, post_eps: float, next_eps: float, next_gain_center: float = 0.0,
-                has_post_weight: bool = False, post_gain_center: float = 0.0) -> None:
-        self._compile(post_eps=float(post_eps), next_eps=float(next_eps),
-                      next_gain_center=float(next_gain_center),
-                      has_post_weight=bool(has_post_weight),
-                      post_gain_center=float(post_gain_center))  # fmt: skip
+    def compile(
+        self,
+        post_eps: float,
+        next_eps: float,
+        next_gain_center: float = 0.0,
+        has_post_weight: bool = False,
+        post_gain_center: float = 0.0,
+    ) -> None:
+        self._compile(
+            post_eps=float(post_eps),
+            next_eps=float(next_eps),
+            next_gain_center=float(next_gain_center),
+            has_post_weight=bool(has_post_weight),
+            post_gain_center=float(post_gain_center),
+        )
 
 
 class MNNVLCuteDSLAllGatherNormQuantWorkspace(_AllGatherWorkspace):
@@ -111,53 +149,101 @@ class MNNVLCuteDSLAllGatherNormQuantWorkspace(_AllGatherWorkspace):
 
 def _ws(op: str, workspace, cls) -> comm.AllReduceWorkspace:
     if not isinstance(workspace, cls):
-        raise ValueError(f"{op}: argument 'workspace' must be a {cls.__name__}, "
-                         f"got {type(workspace).__name__}")  # fmt: skip
+        raise ValueError(
+            f"{op}: argument 'workspace' must be a {cls.__name__}, got {type(workspace).__name__}"
+        )
     return workspace.workspace
 
 
-def all_gather_gated_residual_next_rmsnorm(branch_shard, residual, alpha, beta, next_weight,
-                                           workspace, *, post_eps: float, next_eps: float,
-                                           next_gain_center: float = 0.0, post_weight=None,
-                                           post_gain_center: float = 0.0, impl: str = "auto"):
+def all_gather_gated_residual_next_rmsnorm(
+    branch_shard,
+    residual,
+    alpha,
+    beta,
+    next_weight,
+    workspace,
+    *,
+    post_eps: float,
+    next_eps: float,
+    next_gain_center: float = 0.0,
+    post_weight=None,
+    post_gain_center: float = 0.0,
+    impl: str = "auto",
+):
     """FlashInfer's call: returns freshly allocated ``(residual_out FP32, ffn_input BF16)``."""
     op = "all_gather_gated_residual_next_rmsnorm"
     ws = _ws(op, workspace, MNNVLCuteDSLAllGatherDualNormWorkspace)
-    workspace._check_compiled(op, post_eps=float(post_eps), next_eps=float(next_eps),
-                              next_gain_center=float(next_gain_center),
-                              has_post_weight=post_weight is not None,
-                              post_gain_center=float(post_gain_center))  # fmt: skip
+    workspace._check_compiled(
+        op,
+        post_eps=float(post_eps),
+        next_eps=float(next_eps),
+        next_gain_center=float(next_gain_center),
+        has_post_weight=post_weight is not None,
+        post_gain_center=float(post_gain_center),
+    )
     return comm.all_gather_gated_residual_next_rmsnorm(
-        branch_shard, residual, alpha, beta, next_weight, workspace=ws, post_eps=post_eps,
-        next_eps=next_eps, next_gain_center=next_gain_center, post_weight=post_weight,
-        post_gain_center=post_gain_center, impl=impl)  # fmt: skip
+        branch_shard,
+        residual,
+        alpha,
+        beta,
+        next_weight,
+        workspace=ws,
+        post_eps=post_eps,
+        next_eps=next_eps,
+        next_gain_center=next_gain_center,
+        post_weight=post_weight,
+        post_gain_center=post_gain_center,
+        impl=impl,
+    )
 
 
-def supports_all_gather_gated_residual_next_rmsnorm(workspace, branch_shard, residual, alpha,
-                                                    beta, next_weight,
-                                                    post_weight=None) -> bool:  # fmt: skip
+def supports_all_gather_gated_residual_next_rmsnorm(
+    workspace, branch_shard, residual, alpha, beta, next_weight, post_weight=None
+) -> bool:
     if not isinstance(workspace, MNNVLCuteDSLAllGatherDualNormWorkspace):
         return False
     return comm.supports_all_gather_gated_residual_next_rmsnorm(
-        branch_shard, residual, alpha, beta, next_weight, workspace=workspace.workspace,
-        post_weight=post_weight)  # fmt: skip
+        branch_shard,
+        residual,
+        alpha,
+        beta,
+        next_weight,
+        workspace=workspace.workspace,
+        post_weight=post_weight,
+    )
 
 
-def all_gather_rmsnorm_fp4_quantize(shard, weight, global_scale, workspace, *, eps: float,
-                                    gain_center: float = 0.0, impl: str = "auto"):  # fmt: skip
+def all_gather_rmsnorm_fp4_quantize(
+    shard,
+    weight,
+    global_scale,
+    workspace,
+    *,
+    eps: float,
+    gain_center: float = 0.0,
+    impl: str = "auto",
+):
     """FlashInfer's call: returns ``(packed uint8 [M, H/2], scales uint8 [M, H/16])``, LINEAR
     scales, recipe "fast" (spec: All-gather fusions)."""
     op = "all_gather_rmsnorm_fp4_quantize"
     ws = _ws(op, workspace, MNNVLCuteDSLAllGatherNormQuantWorkspace)
     workspace._check_compiled(op, eps=float(eps), gain_center=float(gain_center))
-    return comm.all_gather_rmsnorm_fp4_quantize(shard, weight, global_scale, workspace=ws,
-                                                eps=eps, gain_center=gain_center,
-                                                layout="linear", recipe="fast",
-                                                impl=impl)  # fmt: skip
+    return comm.all_gather_rmsnorm_fp4_quantize(
+        shard,
+        weight,
+        global_scale,
+        workspace=ws,
+        eps=eps,
+        gain_center=gain_center,
+        layout="linear",
+        recipe="fast",
+        impl=impl,
+    )
 
 
 def supports_all_gather_rmsnorm_fp4_quantize(workspace, shard, weight, global_scale) -> bool:
     if not isinstance(workspace, MNNVLCuteDSLAllGatherNormQuantWorkspace):
         return False
-    return comm.supports_all_gather_rmsnorm_fp4_quantize(shard, weight, global_scale,
-                                                         workspace=workspace.workspace)
+    return comm.supports_all_gather_rmsnorm_fp4_quantize(
+        shard, weight, global_scale, workspace=workspace.workspace
+    )

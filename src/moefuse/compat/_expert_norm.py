@@ -45,37 +45,67 @@ class MNNVLCuteDSLMoEFinalizeAllReduceWorkspace:
     compiles per shape lazily; warm up before capture); ``check_support(local)`` is the MIN vote;
     ``destroy()`` = device sync + barrier (required)."""
 
-    def __init__(self, tp_size: int, tp_rank: int, max_token_num: int, hidden_dim: int,
-                 top_k: int, *, group=None, enable_pdl: bool = True, device=None,
-                 timeout_s: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tp_size: int,
+        tp_rank: int,
+        max_token_num: int,
+        hidden_dim: int,
+        top_k: int,
+        *,
+        group=None,
+        enable_pdl: bool = True,
+        device=None,
+        timeout_s: float | None = None,
+    ):
         g = group if group is not None else dist.group.WORLD
         if tp_size < 2 or tp_size != dist.get_world_size(g) or tp_rank != dist.get_rank(g):
-            raise ValueError(f"MNNVLCuteDSLMoEFinalizeAllReduceWorkspace: tp_size/tp_rank "
-                             f"({tp_size}, {tp_rank}) do not match the group "
-                             f"({dist.get_world_size(g)}, {dist.get_rank(g)})")  # fmt: skip
+            raise ValueError(
+                f"MNNVLCuteDSLMoEFinalizeAllReduceWorkspace: tp_size/tp_rank "
+                f"({tp_size}, {tp_rank}) do not match the group "
+                f"({dist.get_world_size(g)}, {dist.get_rank(g)})"
+            )
         if not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"MNNVLCuteDSLMoEFinalizeAllReduceWorkspace: top_k must be a "
-                             f"positive int, got {top_k!r}")  # fmt: skip
+            raise ValueError(
+                f"MNNVLCuteDSLMoEFinalizeAllReduceWorkspace: top_k must be a "
+                f"positive int, got {top_k!r}"
+            )
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
         self.top_k = top_k
         self.enable_pdl = bool(enable_pdl)
-        self.workspace = AllReduceWorkspace(g, max_token_num, hidden_dim, torch.bfloat16, device,
-                                            timeout_s=timeout_s)  # fmt: skip
+        self.workspace = AllReduceWorkspace(
+            g, max_token_num, hidden_dim, torch.bfloat16, device, timeout_s=timeout_s
+        )
         self.compiled: dict | None = None
 
-    def compile(self, row_stride: int, weight_dtype: torch.dtype, eps: float,
-                gain_center: float = 0.0, weight_before_norm: bool = True) -> None:  # fmt: skip
+    def compile(
+        self,
+        row_stride: int,
+        weight_dtype: torch.dtype,
+        eps: float,
+        gain_center: float = 0.0,
+        weight_before_norm: bool = True,
+    ) -> None:
         if weight_dtype not in api.WEIGHT_DTYPES:
-            raise ValueError(f"compile: weight_dtype must be one of {api.WEIGHT_DTYPES}, "
-                             f"got {weight_dtype}")  # fmt: skip
+            raise ValueError(
+                f"compile: weight_dtype must be one of {api.WEIGHT_DTYPES}, got {weight_dtype}"
+            )
         if row_stride < self.workspace.hidden_size:
-            raise ValueError(f"compile: row_stride {row_stride} < hidden_dim "
-                             f"{self.workspace.hidden_size}")  # fmt: skip
-        self.compiled = dict(row_stride=int(row_stride), weight_dtype=weight_dtype,
-                             eps=float(eps), gain_center=float(gain_center),
-                             weight_before_norm=bool(weight_before_norm))  # fmt: skip
+            raise ValueError(
+                f"compile: row_stride {row_stride} < hidden_dim {self.workspace.hidden_size}"
+            )
+        self.compiled = dict(
+            row_stride=int(row_stride),
+            weight_dtype=weight_dtype,
+            eps=float(eps),
+            gain_center=float(gain_center),
+            weight_before_norm=bool(weight_before_norm),
+        )
 
     def check_support(self, local_ok: bool) -> bool:
         return self.workspace.vote(bool(local_ok))
@@ -90,15 +120,27 @@ def _ar_workspace(workspace) -> AllReduceWorkspace:
     return workspace
 
 
-def supports_moe_finalize_rmsnorm_allreduce(workspace, routed_rows, route_weights, permuted_idx,
-                                            norm_weight, output) -> bool:  # fmt: skip
+def supports_moe_finalize_rmsnorm_allreduce(
+    workspace, routed_rows, route_weights, permuted_idx, norm_weight, output
+) -> bool:
     return api.supports_moe_finalize_rmsnorm_allreduce(
-        _ar_workspace(workspace), routed_rows, route_weights, permuted_idx, norm_weight, output)
+        _ar_workspace(workspace), routed_rows, route_weights, permuted_idx, norm_weight, output
+    )
 
 
-def moe_finalize_rmsnorm_allreduce(routed_rows, route_weights, permuted_idx, norm_weight, output,
-                                   workspace, *, eps=None, gain_center=None,
-                                   weight_before_norm=None, enable_pdl=None):  # fmt: skip
+def moe_finalize_rmsnorm_allreduce(
+    routed_rows,
+    route_weights,
+    permuted_idx,
+    norm_weight,
+    output,
+    workspace,
+    *,
+    eps=None,
+    gain_center=None,
+    weight_before_norm=None,
+    enable_pdl=None,
+):
     """FlashInfer's call; ``eps`` / ``gain_center`` / ``weight_before_norm`` default to the
     values given to ``workspace.compile`` (``eps`` is required one way or the other)."""
     consts = {}
@@ -113,7 +155,14 @@ def moe_finalize_rmsnorm_allreduce(routed_rows, route_weights, permuted_idx, nor
     if enable_pdl is None and isinstance(workspace, MNNVLCuteDSLMoEFinalizeAllReduceWorkspace):
         enable_pdl = workspace.enable_pdl
     return api.moe_finalize_rmsnorm_allreduce(
-        routed_rows, route_weights, permuted_idx, norm_weight, output,
-        workspace=_ar_workspace(workspace), eps=eps, gain_center=gain_center,
-        weight_before_norm=weight_before_norm, enable_pdl=enable_pdl,
-    )  # fmt: skip
+        routed_rows,
+        route_weights,
+        permuted_idx,
+        norm_weight,
+        output,
+        workspace=_ar_workspace(workspace),
+        eps=eps,
+        gain_center=gain_center,
+        weight_before_norm=weight_before_norm,
+        enable_pdl=enable_pdl,
+    )

@@ -29,21 +29,28 @@ def moe_unpermute(
     op = "moe_unpermute"
     for name, value, low in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"moefuse.{op}: argument '{name}' must be an int >= {low}, "
-                             f"got {value!r}")  # fmt: skip
+            raise ValueError(
+                f"moefuse.{op}: argument '{name}' must be an int >= {low}, got {value!r}"
+            )
     for name, t in (
         ("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx),
         ("topk_scales", topk_scales),
         ("output", output),
     ):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < num_tokens:
-            raise ValueError(f"moefuse.{op}: argument '{name}' must be a 2-D tensor with at "
-                             f"least num_tokens = {num_tokens} rows")  # fmt: skip
-    for name, t in (("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx),
-                    ("topk_scales", topk_scales)):  # fmt: skip
+            raise ValueError(
+                f"moefuse.{op}: argument '{name}' must be a 2-D tensor with at "
+                f"least num_tokens = {num_tokens} rows"
+            )
+    for name, t in (
+        ("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx),
+        ("topk_scales", topk_scales),
+    ):
         if t.shape[1] != top_k:
-            raise ValueError(f"moefuse.{op}: argument '{name}' must have top_k = {top_k} "
-                             f"columns, got {t.shape[1]}")  # fmt: skip
+            raise ValueError(
+                f"moefuse.{op}: argument '{name}' must have top_k = {top_k} "
+                f"columns, got {t.shape[1]}"
+            )
     moe_finalize(
         permuted_input,
         expanded_idx_to_permuted_idx[:num_tokens],

@@ -78,8 +78,13 @@ def fp4_quantize(
         layout = "linear"
     else:
         layout = "swizzled_8x4" if is_sf_8x4_layout else "swizzled_128x4"
-    packed, scales = api.fp4_quantize(x, _global_scale(global_scale, x.device), layout=layout,
-                                      recipe="fast", enable_pdl=enable_pdl)  # fmt: skip
+    packed, scales = api.fp4_quantize(
+        x,
+        _global_scale(global_scale, x.device),
+        layout=layout,
+        recipe="fast",
+        enable_pdl=enable_pdl,
+    )
     kb = x.shape[-1] // 16
     if kb and scales.numel() % kb == 0:
         scales = scales.reshape(-1, kb)
@@ -102,9 +107,13 @@ def nvfp4_quantize(
     _nvfp4_only(sf_vec_size)
     if do_shuffle:
         raise NotImplementedError("moefuse does not shuffle weights for TRT-LLM GEMMs")
-    return api.fp4_quantize(a, _global_scale(a_global_sf, a.device),
-                            layout=_LAYOUT_NAMES[SfLayout(sfLayout).value], recipe="fast",
-                            enable_pdl=enable_pdl)  # fmt: skip
+    return api.fp4_quantize(
+        a,
+        _global_scale(a_global_sf, a.device),
+        layout=_LAYOUT_NAMES[SfLayout(sfLayout).value],
+        recipe="fast",
+        enable_pdl=enable_pdl,
+    )
 
 
 def e2m1_and_ufp8sf_scale_to_float(
@@ -132,8 +141,12 @@ def e2m1_and_ufp8sf_scale_to_float(
 def _fp8_scale(scale, device) -> torch.Tensor:
     if isinstance(scale, torch.Tensor):
         return scale.reshape(1).float()
-    warnings.warn("passing the FP8 scale as a Python float is deprecated (as in FlashInfer); "
-                  "pass a [1] FP32 device tensor", DeprecationWarning, stacklevel=3)  # fmt: skip
+    warnings.warn(
+        "passing the FP8 scale as a Python float is deprecated (as in FlashInfer); "
+        "pass a [1] FP32 device tensor",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     return torch.tensor([float(scale)], dtype=torch.float32, device=device)
 
 
@@ -148,8 +161,9 @@ def rmsnorm_quant(
     """FlashInfer ``rmsnorm_quant(out, input, weight, scale, eps, enable_pdl)``: ``out`` (FP8,
     E4M3 or E5M2) receives ``e8((x * r) * w * (1/scale))``. moefuse divides ``1/scale`` in IEEE
     FP32 (FlashInfer's kernels use rcp.approx)."""
-    api.rmsnorm_quant(input, weight, _fp8_scale(scale, input.device), eps, out=out,
-                      enable_pdl=enable_pdl)  # fmt: skip
+    api.rmsnorm_quant(
+        input, weight, _fp8_scale(scale, input.device), eps, out=out, enable_pdl=enable_pdl
+    )
 
 
 def fused_add_rmsnorm_quant(
@@ -163,8 +177,15 @@ def fused_add_rmsnorm_quant(
 ) -> None:
     """FlashInfer ``fused_add_rmsnorm_quant``: ``residual += input`` (rounded), ``out`` receives the
     FP8 norm of the FP32 sum; ``input`` is left untouched."""
-    api.fused_add_rmsnorm_quant(input, residual, weight, _fp8_scale(scale, input.device), eps,
-                                out=out, enable_pdl=enable_pdl)  # fmt: skip
+    api.fused_add_rmsnorm_quant(
+        input,
+        residual,
+        weight,
+        _fp8_scale(scale, input.device),
+        eps,
+        out=out,
+        enable_pdl=enable_pdl,
+    )
 
 
 def _fp4_norm_args(block_size, scale_format, is_sf_swizzled_layout):
@@ -199,10 +220,19 @@ def rmsnorm_fp4quant(
     layout = _fp4_norm_args(block_size, scale_format, is_sf_swizzled_layout)
     out, sc = _fp4_outputs(input, layout, y_fp4, block_scale)
     packed, scales = api.rmsnorm_fp4_quantize(
-        input, weight, _global_scale(global_scale, input.device), eps, layout=layout,
-        recipe="fast", out=out, scale_out=sc)  # fmt: skip
-    return (y_fp4 if y_fp4 is not None else packed,
-            block_scale if block_scale is not None else scales)  # fmt: skip
+        input,
+        weight,
+        _global_scale(global_scale, input.device),
+        eps,
+        layout=layout,
+        recipe="fast",
+        out=out,
+        scale_out=sc,
+    )
+    return (
+        y_fp4 if y_fp4 is not None else packed,
+        block_scale if block_scale is not None else scales,
+    )
 
 
 def add_rmsnorm_fp4quant(
@@ -223,16 +253,28 @@ def add_rmsnorm_fp4quant(
     RMSNorm of the FP32 sum rounded to the input dtype, NVFP4 ("fast"). With
     ``output_both_sf_layouts`` also returns the LINEAR scales (computed by a second, identical
     quantization of the same norm output). Returns ``(y_fp4, block_scale[, unswizzled])``."""
-    layout = _fp4_norm_args(block_size, scale_format, is_sf_swizzled_layout or
-                            output_both_sf_layouts)  # fmt: skip
+    layout = _fp4_norm_args(
+        block_size, scale_format, is_sf_swizzled_layout or output_both_sf_layouts
+    )
     out, sc = _fp4_outputs(input, layout, y_fp4, block_scale)
     gs = _global_scale(global_scale, input.device)
     norm_out = torch.empty_like(input) if output_both_sf_layouts else None
     packed, scales = api.fused_add_rmsnorm_fp4_quantize(
-        input, residual, weight, gs, eps, layout=layout, recipe="fast", out=out, scale_out=sc,
-        norm_out=norm_out)  # fmt: skip
-    result = (y_fp4 if y_fp4 is not None else packed,
-              block_scale if block_scale is not None else scales)  # fmt: skip
+        input,
+        residual,
+        weight,
+        gs,
+        eps,
+        layout=layout,
+        recipe="fast",
+        out=out,
+        scale_out=sc,
+        norm_out=norm_out,
+    )
+    result = (
+        y_fp4 if y_fp4 is not None else packed,
+        block_scale if block_scale is not None else scales,
+    )
     if not output_both_sf_layouts:
         return result
     m, h = input.shape

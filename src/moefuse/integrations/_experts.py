@@ -151,8 +151,9 @@ def _experts_by_slot(self, x, top_k_index, top_k_weights, impl, expert_parallel:
     if act.dtype != x.dtype:
         act = act.to(x.dtype)
     y = torch.bmm(self.down_proj[ids], act.unsqueeze(-1)).squeeze(-1)
-    return moe_finalize(y, slots, top_k_weights, impl=impl,
-                        shared_expert_output=self.__dict__.get(SHARED_ATTR))  # fmt: skip
+    return moe_finalize(
+        y, slots, top_k_weights, impl=impl, shared_expert_output=self.__dict__.get(SHARED_ATTR)
+    )
 
 
 #: modules whose layout :func:`moefuse.moe_experts` covers run it (the fused kernels, one op);
@@ -211,11 +212,15 @@ def moefuse_experts_forward(
     if _fused_layout(self, hidden_states, top_k_index):
         x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
         return moe_experts(
-            x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
+            x,
+            self.gate_up_proj,
+            self.down_proj,
+            top_k_index,
+            top_k_weights,
             transposed=bool(getattr(self, "is_transposed", False)),
             shared_expert_output=self.__dict__.get(SHARED_ATTR),
             impl=self.__dict__.get(IMPL_ATTR, "auto"),
-        )  # fmt: skip
+        )
     reason = _unsupported_reason(self, hidden_states)
     if reason is not None:
         return _fallback(self, hidden_states, top_k_index, top_k_weights, reason)
@@ -232,5 +237,10 @@ def moefuse_experts_forward(
     if act.dtype != xp.dtype:  # an activation that upcasts must not change the GEMM dtype
         act = act.to(xp.dtype)
     y = grouped_linear(act, self.down_proj, plan.expert_offsets)
-    return moe_finalize(y, plan.expanded_idx_to_permuted_idx, top_k_weights, impl=impl,
-                        shared_expert_output=self.__dict__.get(SHARED_ATTR))  # fmt: skip
+    return moe_finalize(
+        y,
+        plan.expanded_idx_to_permuted_idx,
+        top_k_weights,
+        impl=impl,
+        shared_expert_output=self.__dict__.get(SHARED_ATTR),
+    )

@@ -49,11 +49,18 @@ from moefuse.norm.api import (
 #: decoder layers whose forward is exactly the pre-norm pattern
 #: ``r = x; x = attn(input_layernorm(x)); x = r + x; r = x; x = mlp(post_attention_layernorm(x));
 #: return r + x`` (read in transformers 5.x); only these get the fused residual adds.
-FUSABLE_LAYERS = frozenset({
-    "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoderLayer",
-    "DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer", "Qwen3DecoderLayer", "LlamaDecoderLayer",
-    "MistralDecoderLayer",
-})  # fmt: skip
+FUSABLE_LAYERS = frozenset(
+    {
+        "Qwen3MoeDecoderLayer",
+        "Qwen2MoeDecoderLayer",
+        "MixtralDecoderLayer",
+        "DeepseekV3DecoderLayer",
+        "DeepseekV2DecoderLayer",
+        "Qwen3DecoderLayer",
+        "LlamaDecoderLayer",
+        "MistralDecoderLayer",
+    }
+)
 #: MoE blocks computing ``experts(x) + shared_experts(x)`` (read in transformers 5.x); with the
 #: "moefuse" experts the shared output is added inside the finalize (FP32, one rounding)
 SHARED_EXPERT_BLOCKS = frozenset({"DeepseekV3MoE"})
@@ -142,8 +149,9 @@ def _patch_norm(module, impl: str) -> bool:
     center = _probe_gain_center(module, eps)
     if center is None:
         return False
-    module.__dict__[_STATE] = _NormState(module.forward, eps, center,
-                                         module.__dict__.get("forward"), impl)  # fmt: skip
+    module.__dict__[_STATE] = _NormState(
+        module.forward, eps, center, module.__dict__.get("forward"), impl
+    )
     module.forward = types.MethodType(_norm_forward, module)
     return True
 
@@ -191,8 +199,9 @@ def _patch_shared_blocks(model) -> int:
     for module in model.modules():
         if type(module).__name__ in SHARED_EXPERT_BLOCKS and _STATE not in module.__dict__:
             if all(hasattr(module, a) for a in ("experts", "gate", "shared_experts")):
-                module.__dict__[_STATE] = _BlockState(module.forward,
-                                                      module.__dict__.get("forward"))  # fmt: skip
+                module.__dict__[_STATE] = _BlockState(
+                    module.forward, module.__dict__.get("forward")
+                )
                 module.forward = types.MethodType(_shared_block_forward, module)
                 n += 1
     return n
@@ -210,8 +219,13 @@ def _add_norm(norm, x: torch.Tensor, residual: torch.Tensor) -> None:
     """``residual <- x + residual``; ``x <- norm(x + residual)`` (in place, one kernel)."""
     st = norm.__dict__[_STATE]
     fn = gemma_fused_add_rmsnorm if st.center else fused_add_rmsnorm
-    fn(x.view(-1, x.shape[-1]), residual.view(-1, residual.shape[-1]), norm.weight, st.eps,
-       impl=st.impl)
+    fn(
+        x.view(-1, x.shape[-1]),
+        residual.view(-1, residual.shape[-1]),
+        norm.weight,
+        st.eps,
+        impl=st.impl,
+    )
 
 
 def _fusable_input(x: torch.Tensor) -> bool:
@@ -257,8 +271,10 @@ def _patch_layers(model) -> int:
         for i, layer in enumerate(layers):
             if type(layer).__name__ not in FUSABLE_LAYERS or _STATE in layer.__dict__:
                 continue
-            norms = (getattr(layer, "input_layernorm", None),
-                     getattr(layer, "post_attention_layernorm", None))  # fmt: skip
+            norms = (
+                getattr(layer, "input_layernorm", None),
+                getattr(layer, "post_attention_layernorm", None),
+            )
             if not all(n is not None and _STATE in n.__dict__ for n in norms):
                 continue
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
@@ -271,8 +287,14 @@ def _patch_layers(model) -> int:
 
 
 # ----------------------------------------------------------------------------- patch / unpatch
-def patch(model, *, experts: bool = True, norms: bool = True, fuse_residual: bool = True,
-          impl: str = "auto") -> dict:  # fmt: skip
+def patch(
+    model,
+    *,
+    experts: bool = True,
+    norms: bool = True,
+    fuse_residual: bool = True,
+    impl: str = "auto",
+) -> dict:
     """Run ``model`` (a transformers ``PreTrainedModel``) on moefuse; returns what was patched:
     ``{"experts": previous implementation or None, "norms": n, "fused_layers": n,
     "shared_expert_blocks": n}``.
@@ -287,8 +309,9 @@ def patch(model, *, experts: bool = True, norms: bool = True, fuse_residual: boo
     ``torch.nn.Module`` or an unknown ``impl``.
     """
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"moefuse.patch: argument 'model' must be a torch.nn.Module, "
-                         f"got {type(model).__name__}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.patch: argument 'model' must be a torch.nn.Module, got {type(model).__name__}"
+        )
     if impl not in IMPLS:
         raise ValueError(f"moefuse.patch: argument 'impl' must be one of {IMPLS}, got {impl!r}")
     report = {"experts": None, "norms": 0, "fused_layers": 0}

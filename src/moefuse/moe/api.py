@@ -33,13 +33,16 @@ def check_expert_bias(op, bias, expert_ids, hidden: int, ids_shape: tuple, devic
     or neither, the dtypes of :data:`EXTRA_DTYPES` / :data:`EXPERT_ID_DTYPES`, on ``device``."""
     if (bias is None) != (expert_ids is None):
         missing = "expert_ids" if expert_ids is None else "bias"
-        raise ValueError(f"moefuse.{op}: argument '{missing}' is required when the other of "
-                         "'bias' / 'expert_ids' is given")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument '{missing}' is required when the other of "
+            "'bias' / 'expert_ids' is given"
+        )
     if bias is not None:
         v.check_tensor(op, "bias", bias, dtypes=EXTRA_DTYPES, ndims=(2,), device=device)
         v.check_tensor(op, "bias", bias, shape=(-1, hidden))
-        v.check_tensor(op, "expert_ids", expert_ids, dtypes=EXPERT_ID_DTYPES, shape=ids_shape,
-                       device=device)  # fmt: skip
+        v.check_tensor(
+            op, "expert_ids", expert_ids, dtypes=EXPERT_ID_DTYPES, shape=ids_shape, device=device
+        )
 
 
 def _check_finalize(
@@ -48,11 +51,13 @@ def _check_finalize(
     v.check_tensor(op, "permuted_input", permuted_input, dtypes=HALF, ndims=(2,))
     dev = permuted_input.device
     n_rows, hidden = permuted_input.shape
-    v.check_tensor(op, "expanded_idx_to_permuted_idx", idx_map, dtypes=INDEX_DTYPES, ndims=(2,),
-                   device=dev)  # fmt: skip
+    v.check_tensor(
+        op, "expanded_idx_to_permuted_idx", idx_map, dtypes=INDEX_DTYPES, ndims=(2,), device=dev
+    )
     m, top_k = idx_map.shape
-    v.check_tensor(op, "topk_scales", topk_scales, dtypes=SCALE_DTYPES, shape=(m, top_k),
-                   device=dev)  # fmt: skip
+    v.check_tensor(
+        op, "topk_scales", topk_scales, dtypes=SCALE_DTYPES, shape=(m, top_k), device=dev
+    )
     if not isinstance(expanded, bool):
         raise ValueError(f"moefuse.{op}: argument 'input_is_expanded' must be a bool")
     if expanded and n_rows < m * top_k:
@@ -63,11 +68,13 @@ def _check_finalize(
     check_expert_bias(op, bias, expert_ids, hidden, (m, top_k), dev)
     v.check_real(op, "routed_scaling_factor", rsf)
     if shared is not None:
-        v.check_tensor(op, "shared_expert_output", shared, dtypes=EXTRA_DTYPES,
-                       shape=(m, hidden), device=dev)  # fmt: skip
+        v.check_tensor(
+            op, "shared_expert_output", shared, dtypes=EXTRA_DTYPES, shape=(m, hidden), device=dev
+        )
     if out is not None:
-        v.check_tensor(op, "out", out, dtypes=(permuted_input.dtype,), shape=(m, hidden),
-                       device=dev)  # fmt: skip
+        v.check_tensor(
+            op, "out", out, dtypes=(permuted_input.dtype,), shape=(m, hidden), device=dev
+        )
         for name, t in (
             ("permuted_input", permuted_input),
             ("expanded_idx_to_permuted_idx", idx_map),
@@ -143,9 +150,18 @@ def moe_finalize(
     Returns ``out``.
     """
     op = "moe_finalize"
-    _check_finalize(op, permuted_input, expanded_idx_to_permuted_idx, topk_scales, out, bias,
-                    expert_ids, routed_scaling_factor, shared_expert_output,
-                    input_is_expanded)  # fmt: skip
+    _check_finalize(
+        op,
+        permuted_input,
+        expanded_idx_to_permuted_idx,
+        topk_scales,
+        out,
+        bias,
+        expert_ids,
+        routed_scaling_factor,
+        shared_expert_output,
+        input_is_expanded,
+    )
     m = expanded_idx_to_permuted_idx.shape[0]
     hidden = permuted_input.shape[1]
     if out is None:
@@ -155,18 +171,34 @@ def moe_finalize(
     rsf = float(routed_scaling_factor)
     reason = _kernel_reason(permuted_input, m, hidden)
     if choose_impl(op, impl, permuted_input.device, reason) == "reference":
-        out.copy_(ref.moe_finalize_reference(
-            permuted_input, expanded_idx_to_permuted_idx, topk_scales, bias=bias,
-            expert_ids=expert_ids, routed_scaling_factor=rsf,
-            shared_expert_output=shared_expert_output, input_is_expanded=input_is_expanded,
-        ))  # fmt: skip
+        out.copy_(
+            ref.moe_finalize_reference(
+                permuted_input,
+                expanded_idx_to_permuted_idx,
+                topk_scales,
+                bias=bias,
+                expert_ids=expert_ids,
+                routed_scaling_factor=rsf,
+                shared_expert_output=shared_expert_output,
+                input_is_expanded=input_is_expanded,
+            )
+        )
         return out
-    use_pdl = resolve_pdl(enable_pdl, permuted_input.device,
-                          pdl_default(out.shape[0], out.shape[1]))  # fmt: skip
+    use_pdl = resolve_pdl(
+        enable_pdl, permuted_input.device, pdl_default(out.shape[0], out.shape[1])
+    )
     ops.moe_finalize_op(
-        permuted_input, expanded_idx_to_permuted_idx, topk_scales, out, bias, expert_ids, rsf,
-        shared_expert_output, input_is_expanded, use_pdl,
-    )  # fmt: skip
+        permuted_input,
+        expanded_idx_to_permuted_idx,
+        topk_scales,
+        out,
+        bias,
+        expert_ids,
+        rsf,
+        shared_expert_output,
+        input_is_expanded,
+        use_pdl,
+    )
     return out
 
 
@@ -183,8 +215,17 @@ def supports_moe_finalize(
     input_is_expanded: bool = False,
 ) -> bool:
     """True when the Triton kernel can run these arguments on their device (no side effects)."""
-    args = (permuted_input, expanded_idx_to_permuted_idx, topk_scales, out, bias, expert_ids,
-            routed_scaling_factor, shared_expert_output, input_is_expanded)  # fmt: skip
+    args = (
+        permuted_input,
+        expanded_idx_to_permuted_idx,
+        topk_scales,
+        out,
+        bias,
+        expert_ids,
+        routed_scaling_factor,
+        shared_expert_output,
+        input_is_expanded,
+    )
     return _supported(
         lambda: _check_finalize("moe_finalize", *args),
         lambda: _kernel_reason(
@@ -197,16 +238,30 @@ def supports_moe_finalize(
 def _check_scatter(op, permuted_input, inv, topk_scales, out, rsf) -> None:
     v.check_tensor(op, "permuted_input", permuted_input, dtypes=HALF, ndims=(2,))
     dev = permuted_input.device
-    v.check_tensor(op, "permuted_idx_to_expanded_idx", inv, dtypes=INDEX_DTYPES,
-                   shape=(permuted_input.shape[0],), device=dev)  # fmt: skip
+    v.check_tensor(
+        op,
+        "permuted_idx_to_expanded_idx",
+        inv,
+        dtypes=INDEX_DTYPES,
+        shape=(permuted_input.shape[0],),
+        device=dev,
+    )
     v.check_tensor(op, "topk_scales", topk_scales, dtypes=SCALE_DTYPES, ndims=(2,), device=dev)
     v.check_real(op, "routed_scaling_factor", rsf)
     if out is not None:
-        v.check_tensor(op, "out", out, dtypes=(permuted_input.dtype,),
-                       shape=(topk_scales.shape[0], permuted_input.shape[1]),
-                       device=dev)  # fmt: skip
-        for name, t in (("permuted_input", permuted_input), ("topk_scales", topk_scales),
-                        ("permuted_idx_to_expanded_idx", inv)):  # fmt: skip
+        v.check_tensor(
+            op,
+            "out",
+            out,
+            dtypes=(permuted_input.dtype,),
+            shape=(topk_scales.shape[0], permuted_input.shape[1]),
+            device=dev,
+        )
+        for name, t in (
+            ("permuted_input", permuted_input),
+            ("topk_scales", topk_scales),
+            ("permuted_idx_to_expanded_idx", inv),
+        ):
             v.check_no_overlap(op, "out", out, name, t)
 
 
@@ -235,8 +290,9 @@ def moe_finalize_scatter_add(
     (negative = padding row), ``topk_scales`` [M, K]; ``out`` [M, H]. Returns ``out``.
     """
     op = "moe_finalize_scatter_add"
-    _check_scatter(op, permuted_input, permuted_idx_to_expanded_idx, topk_scales, out,
-                   routed_scaling_factor)  # fmt: skip
+    _check_scatter(
+        op, permuted_input, permuted_idx_to_expanded_idx, topk_scales, out, routed_scaling_factor
+    )
     m, hidden = topk_scales.shape[0], permuted_input.shape[1]
     if out is None:
         out = torch.empty(m, hidden, dtype=permuted_input.dtype, device=permuted_input.device)
@@ -245,9 +301,11 @@ def moe_finalize_scatter_add(
     rsf = float(routed_scaling_factor)
     reason = _kernel_reason(permuted_input, permuted_input.shape[0], hidden)
     if choose_impl(op, impl, permuted_input.device, reason) == "reference":
-        out.copy_(ref.moe_finalize_scatter_add_reference(
-            permuted_input, permuted_idx_to_expanded_idx, topk_scales, routed_scaling_factor=rsf
-        ))  # fmt: skip
+        out.copy_(
+            ref.moe_finalize_scatter_add_reference(
+                permuted_input, permuted_idx_to_expanded_idx, topk_scales, routed_scaling_factor=rsf
+            )
+        )
         return out
     use_pdl = resolve_pdl(enable_pdl, permuted_input.device)
     ops.moe_finalize_scatter_add_op(
@@ -260,22 +318,40 @@ def supports_moe_finalize_scatter_add(
     permuted_input, permuted_idx_to_expanded_idx, topk_scales, *, out=None
 ) -> bool:
     return _supported(
-        lambda: _check_scatter("moe_finalize_scatter_add", permuted_input,
-                               permuted_idx_to_expanded_idx, topk_scales, out, 1.0),
+        lambda: _check_scatter(
+            "moe_finalize_scatter_add",
+            permuted_input,
+            permuted_idx_to_expanded_idx,
+            topk_scales,
+            out,
+            1.0,
+        ),
         lambda: _kernel_reason(permuted_input, permuted_input.shape[0], permuted_input.shape[1]),
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------- permute
 def _check_permute(op, input, inv, top_k, out) -> None:
     v.check_tensor(op, "input", input, dtypes=HALF + (torch.float32,), ndims=(2,))
-    v.check_tensor(op, "permuted_idx_to_expanded_idx", inv, dtypes=INDEX_DTYPES, ndims=(1,),
-                   device=input.device)  # fmt: skip
+    v.check_tensor(
+        op,
+        "permuted_idx_to_expanded_idx",
+        inv,
+        dtypes=INDEX_DTYPES,
+        ndims=(1,),
+        device=input.device,
+    )
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"moefuse.{op}: argument 'top_k' must be an int >= 1, got {top_k!r}")
     if out is not None:
-        v.check_tensor(op, "out", out, dtypes=(input.dtype,),
-                       shape=(inv.shape[0], input.shape[1]), device=input.device)  # fmt: skip
+        v.check_tensor(
+            op,
+            "out",
+            out,
+            dtypes=(input.dtype,),
+            shape=(inv.shape[0], input.shape[1]),
+            device=input.device,
+        )
         v.check_no_overlap(op, "out", out, "input", input)
         v.check_no_overlap(op, "out", out, "permuted_idx_to_expanded_idx", inv)
 

@@ -28,8 +28,9 @@ ACTIVATIONS = ("silu",)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _check_experts(op, x, gate_up, down, idx, weights, activation, transposed, bias, shared,
-                   rsf, out) -> tuple[int, int, int, int, int]:  # fmt: skip
+def _check_experts(
+    op, x, gate_up, down, idx, weights, activation, transposed, bias, shared, rsf, out
+) -> tuple[int, int, int, int, int]:
     """Validate; returns (T, H, E, I, K)."""
     v.check_tensor(op, "hidden_states", x, dtypes=HALF, ndims=(2,))
     dev = x.device
@@ -37,45 +38,74 @@ def _check_experts(op, x, gate_up, down, idx, weights, activation, transposed, b
     if not isinstance(transposed, bool):
         raise ValueError(f"moefuse.{op}: argument 'transposed' must be a bool")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"moefuse.{op}: argument 'activation' must be one of {ACTIVATIONS}, "
-                         f"got {activation!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'activation' must be one of {ACTIVATIONS}, got {activation!r}"
+        )
     v.check_tensor(op, "gate_up_proj", gate_up, dtypes=(x.dtype,), ndims=(3,), device=dev)
     experts = gate_up.shape[0]
     two_i = gate_up.shape[2] if transposed else gate_up.shape[1]
     if two_i < 2 or two_i % 2:
-        raise ValueError(f"moefuse.{op}: argument 'gate_up_proj' must hold 2*I >= 2 gate and up "
-                         f"rows, got shape {tuple(gate_up.shape)} "
-                         f"(transposed={transposed})")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'gate_up_proj' must hold 2*I >= 2 gate and up "
+            f"rows, got shape {tuple(gate_up.shape)} "
+            f"(transposed={transposed})"
+        )
     inter = two_i // 2
     layout = "[E, H, 2I]" if transposed else "[E, 2I, H]"
     want = (experts, hidden, two_i) if transposed else (experts, two_i, hidden)
     if tuple(gate_up.shape) != want:
-        raise ValueError(f"moefuse.{op}: argument 'gate_up_proj' must be {layout} = {want} for "
-                         f"hidden_states of width {hidden}, "
-                         f"got {tuple(gate_up.shape)}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'gate_up_proj' must be {layout} = {want} for "
+            f"hidden_states of width {hidden}, "
+            f"got {tuple(gate_up.shape)}"
+        )
     want = (experts, inter, hidden) if transposed else (experts, hidden, inter)
     v.check_tensor(op, "down_proj", down, dtypes=(x.dtype,), shape=want, device=dev)
-    v.check_tensor(op, "top_k_index", idx, dtypes=INDEX_DTYPES, ndims=(2,), device=dev,
-                   last_dim_contiguous=False)  # fmt: skip
+    v.check_tensor(
+        op,
+        "top_k_index",
+        idx,
+        dtypes=INDEX_DTYPES,
+        ndims=(2,),
+        device=dev,
+        last_dim_contiguous=False,
+    )
     if idx.shape[0] != tokens or idx.shape[1] < 1:
-        raise ValueError(f"moefuse.{op}: argument 'top_k_index' must be [T, K] = [{tokens}, K >= 1]"
-                         f", got {tuple(idx.shape)}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'top_k_index' must be [T, K] = [{tokens}, K >= 1]"
+            f", got {tuple(idx.shape)}"
+        )
     top_k = idx.shape[1]
-    v.check_tensor(op, "top_k_weights", weights, dtypes=SCALE_DTYPES, shape=(tokens, top_k),
-                   device=dev)  # fmt: skip
+    v.check_tensor(
+        op, "top_k_weights", weights, dtypes=SCALE_DTYPES, shape=(tokens, top_k), device=dev
+    )
     check_expert_bias(op, bias, idx if bias is not None else None, hidden, (tokens, top_k), dev)
     if bias is not None and bias.shape[0] != experts:
-        raise ValueError(f"moefuse.{op}: argument 'bias' must be [E, H] = [{experts}, {hidden}], "
-                         f"got {tuple(bias.shape)}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'bias' must be [E, H] = [{experts}, {hidden}], "
+            f"got {tuple(bias.shape)}"
+        )
     v.check_real(op, "routed_scaling_factor", rsf)
     if shared is not None:
-        v.check_tensor(op, "shared_expert_output", shared, dtypes=EXTRA_DTYPES,
-                       shape=(tokens, hidden), device=dev)  # fmt: skip
+        v.check_tensor(
+            op,
+            "shared_expert_output",
+            shared,
+            dtypes=EXTRA_DTYPES,
+            shape=(tokens, hidden),
+            device=dev,
+        )
     if out is not None:
         v.check_tensor(op, "out", out, dtypes=(x.dtype,), shape=(tokens, hidden), device=dev)
-        for name, t in (("hidden_states", x), ("gate_up_proj", gate_up), ("down_proj", down),
-                        ("top_k_index", idx), ("top_k_weights", weights), ("bias", bias),
-                        ("shared_expert_output", shared)):  # fmt: skip
+        for name, t in (
+            ("hidden_states", x),
+            ("gate_up_proj", gate_up),
+            ("down_proj", down),
+            ("top_k_index", idx),
+            ("top_k_weights", weights),
+            ("bias", bias),
+            ("shared_expert_output", shared),
+        ):
             if t is not None:
                 v.check_no_overlap(op, "out", out, name, t)
     return tokens, hidden, experts, inter, top_k
@@ -141,9 +171,19 @@ def moe_experts(
     """
     op = "moe_experts"
     tokens, hidden, experts, inter, top_k = _check_experts(
-        op, hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation,
-        transposed, bias, shared_expert_output, routed_scaling_factor, out,
-    )  # fmt: skip
+        op,
+        hidden_states,
+        gate_up_proj,
+        down_proj,
+        top_k_index,
+        top_k_weights,
+        activation,
+        transposed,
+        bias,
+        shared_expert_output,
+        routed_scaling_factor,
+        out,
+    )
     if out is None:
         out = torch.empty(tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     if tokens == 0 or hidden == 0:
@@ -153,9 +193,19 @@ def moe_experts(
     backend = choose_impl(op, impl, hidden_states.device, reason)
     use_pdl = backend == "triton" and resolve_pdl(enable_pdl, hidden_states.device)
     ops.moe_experts_op(
-        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, out, bias,
-        shared_expert_output, rsf, transposed, use_pdl, backend,
-    )  # fmt: skip
+        hidden_states,
+        gate_up_proj,
+        down_proj,
+        top_k_index,
+        top_k_weights,
+        out,
+        bias,
+        shared_expert_output,
+        rsf,
+        transposed,
+        use_pdl,
+        backend,
+    )
     return out
 
 
@@ -174,9 +224,20 @@ def supports_moe_experts(
     out: torch.Tensor | None = None,
 ) -> bool:
     """True when the Triton kernels can run these arguments on their device (no side effects)."""
-    args = ("moe_experts", hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights,
-            activation, transposed, bias, shared_expert_output, routed_scaling_factor,
-            out)  # fmt: skip
+    args = (
+        "moe_experts",
+        hidden_states,
+        gate_up_proj,
+        down_proj,
+        top_k_index,
+        top_k_weights,
+        activation,
+        transposed,
+        bias,
+        shared_expert_output,
+        routed_scaling_factor,
+        out,
+    )
     try:
         dims = _check_experts(*args)
     except ValueError:

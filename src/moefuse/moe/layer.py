@@ -146,8 +146,7 @@ def moe_experts(
     logits = F.linear(x, weights.router)
     topk_weights, topk_ids = route_topk(logits, top_k, scoring=scoring, renormalize=renormalize)
     plan = sort_by_expert(topk_ids, weights.num_experts, pad_to=pad_to)
-    xp = moe_permute(x, plan.permuted_idx_to_expanded_idx, top_k, enable_pdl=enable_pdl,
-                     impl=impl)  # fmt: skip
+    xp = moe_permute(x, plan.permuted_idx_to_expanded_idx, top_k, enable_pdl=enable_pdl, impl=impl)
     h = grouped_mm(xp, weights.w13, plan.expert_offsets)
     inter = weights.w13.shape[1] // 2
     act = F.silu(h[:, :inter]) * h[:, inter:]
@@ -167,32 +166,58 @@ def finalize(
     """The last step of :func:`moe_layer`, selected by ``use_fused_finalize`` (module docstring)."""
     if use_fused_finalize:
         return moe_finalize_scatter_add(
-            inter.gemm2_out, inter.plan.permuted_idx_to_expanded_idx, inter.topk_weights,
-            out=out, routed_scaling_factor=routed_scaling_factor, enable_pdl=enable_pdl, impl=impl,
-        )  # fmt: skip
+            inter.gemm2_out,
+            inter.plan.permuted_idx_to_expanded_idx,
+            inter.topk_weights,
+            out=out,
+            routed_scaling_factor=routed_scaling_factor,
+            enable_pdl=enable_pdl,
+            impl=impl,
+        )
     return moe_finalize(
-        inter.gemm2_out, inter.plan.expanded_idx_to_permuted_idx, inter.topk_weights, out=out,
-        routed_scaling_factor=routed_scaling_factor, enable_pdl=enable_pdl, impl=impl,
-    )  # fmt: skip
+        inter.gemm2_out,
+        inter.plan.expanded_idx_to_permuted_idx,
+        inter.topk_weights,
+        out=out,
+        routed_scaling_factor=routed_scaling_factor,
+        enable_pdl=enable_pdl,
+        impl=impl,
+    )
 
 
-def _check_layer(op, x, weights, top_k, use_fused_finalize, scoring, renormalize, rsf, pad_to,
-                 out) -> None:  # fmt: skip
+def _check_layer(
+    op, x, weights, top_k, use_fused_finalize, scoring, renormalize, rsf, pad_to, out
+) -> None:
     """Every argument of :func:`moe_layer`, checked before any step runs."""
     v.check_tensor(op, "x", x, dtypes=v.FLOAT16S, ndims=(2,))
     m, hidden = x.shape
     if not isinstance(weights, MoEWeights):
-        raise ValueError(f"moefuse.{op}: argument 'weights' must be a MoEWeights, "
-                         f"got {type(weights).__name__}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'weights' must be a MoEWeights, got {type(weights).__name__}"
+        )
     v.check_tensor(op, "weights.w13", weights.w13, dtypes=(x.dtype,), ndims=(3,), device=x.device)
     experts, two_i = weights.w13.shape[0], weights.w13.shape[1]
     if two_i < 2 or two_i % 2 or weights.w13.shape[2] != hidden:
-        raise ValueError(f"moefuse.{op}: argument 'weights.w13' must be [E, 2I, H] with H = "
-                         f"{hidden}, got {tuple(weights.w13.shape)}")  # fmt: skip
-    v.check_tensor(op, "weights.router", weights.router, dtypes=(x.dtype,),
-                   shape=(experts, hidden), device=x.device)  # fmt: skip
-    v.check_tensor(op, "weights.w2", weights.w2, dtypes=(x.dtype,),
-                   shape=(experts, hidden, two_i // 2), device=x.device)  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'weights.w13' must be [E, 2I, H] with H = "
+            f"{hidden}, got {tuple(weights.w13.shape)}"
+        )
+    v.check_tensor(
+        op,
+        "weights.router",
+        weights.router,
+        dtypes=(x.dtype,),
+        shape=(experts, hidden),
+        device=x.device,
+    )
+    v.check_tensor(
+        op,
+        "weights.w2",
+        weights.w2,
+        dtypes=(x.dtype,),
+        shape=(experts, hidden, two_i // 2),
+        device=x.device,
+    )
     if not isinstance(use_fused_finalize, bool):
         raise ValueError(f"moefuse.{op}: argument 'use_fused_finalize' must be a bool")
     check_routing(op, experts, top_k, scoring, renormalize)
@@ -201,8 +226,12 @@ def _check_layer(op, x, weights, top_k, use_fused_finalize, scoring, renormalize
         raise ValueError(f"moefuse.{op}: argument 'pad_to' must be an int >= 1, got {pad_to!r}")
     if out is not None:
         v.check_tensor(op, "out", out, dtypes=(x.dtype,), shape=(m, hidden), device=x.device)
-        for name, t in (("x", x), ("weights.router", weights.router), ("weights.w13", weights.w13),
-                        ("weights.w2", weights.w2)):  # fmt: skip
+        for name, t in (
+            ("x", x),
+            ("weights.router", weights.router),
+            ("weights.w13", weights.w13),
+            ("weights.w2", weights.w2),
+        ):
             v.check_no_overlap(op, "out", out, name, t)
 
 
@@ -228,10 +257,33 @@ def moe_layer(
     function of the GEMM2 output. Every argument is checked before the first step runs
     (``ValueError`` naming it; the ``weights`` fields as ``weights.router`` etc.).
     """
-    _check_layer("moe_layer", x, weights, top_k, use_fused_finalize, scoring, renormalize,
-                 routed_scaling_factor, pad_to, out)  # fmt: skip
-    inter = moe_experts(x, weights, top_k, scoring=scoring, renormalize=renormalize,
-                        pad_to=pad_to, enable_pdl=enable_pdl, impl=impl)  # fmt: skip
-    return finalize(inter, use_fused_finalize=use_fused_finalize,
-                    routed_scaling_factor=routed_scaling_factor, out=out, enable_pdl=enable_pdl,
-                    impl=impl)  # fmt: skip
+    _check_layer(
+        "moe_layer",
+        x,
+        weights,
+        top_k,
+        use_fused_finalize,
+        scoring,
+        renormalize,
+        routed_scaling_factor,
+        pad_to,
+        out,
+    )
+    inter = moe_experts(
+        x,
+        weights,
+        top_k,
+        scoring=scoring,
+        renormalize=renormalize,
+        pad_to=pad_to,
+        enable_pdl=enable_pdl,
+        impl=impl,
+    )
+    return finalize(
+        inter,
+        use_fused_finalize=use_fused_finalize,
+        routed_scaling_factor=routed_scaling_factor,
+        out=out,
+        enable_pdl=enable_pdl,
+        impl=impl,
+    )

@@ -6,7 +6,6 @@ happens in :mod:`moefuse.moe.api` before these are called. The real implementati
 Triton launchers lazily (TRITON_INTERPRET must be set before triton is imported).
 """
 
-
 import torch
 
 from moefuse._dispatch import custom_op
@@ -30,14 +29,32 @@ def moe_finalize_op(
     from moefuse.moe.triton import launch_moe_finalize
 
     launch_moe_finalize(
-        permuted_input, expanded_idx_to_permuted_idx, topk_scales, out, bias, expert_ids,
-        routed_scaling_factor, shared_expert_output, input_is_expanded, use_pdl,
-    )  # fmt: skip
+        permuted_input,
+        expanded_idx_to_permuted_idx,
+        topk_scales,
+        out,
+        bias,
+        expert_ids,
+        routed_scaling_factor,
+        shared_expert_output,
+        input_is_expanded,
+        use_pdl,
+    )
 
 
 @moe_finalize_op.register_fake
-def _(permuted_input, expanded_idx_to_permuted_idx, topk_scales, out, bias, expert_ids,
-      routed_scaling_factor, shared_expert_output, input_is_expanded, use_pdl):  # fmt: skip
+def _(
+    permuted_input,
+    expanded_idx_to_permuted_idx,
+    topk_scales,
+    out,
+    bias,
+    expert_ids,
+    routed_scaling_factor,
+    shared_expert_output,
+    input_is_expanded,
+    use_pdl,
+):
     return None
 
 
@@ -53,14 +70,19 @@ def moe_finalize_scatter_add_op(
     from moefuse.moe.triton import launch_moe_finalize_scatter_add
 
     launch_moe_finalize_scatter_add(
-        permuted_input, permuted_idx_to_expanded_idx, topk_scales, out, routed_scaling_factor,
+        permuted_input,
+        permuted_idx_to_expanded_idx,
+        topk_scales,
+        out,
+        routed_scaling_factor,
         use_pdl,
-    )  # fmt: skip
+    )
 
 
 @moe_finalize_scatter_add_op.register_fake
-def _(permuted_input, permuted_idx_to_expanded_idx, topk_scales, out, routed_scaling_factor,
-      use_pdl):  # fmt: skip
+def _(
+    permuted_input, permuted_idx_to_expanded_idx, topk_scales, out, routed_scaling_factor, use_pdl
+):
     return None
 
 
@@ -98,21 +120,50 @@ def moe_experts_op(
     if backend == "reference":
         from moefuse.moe.reference import moe_experts_reference
 
-        out.copy_(moe_experts_reference(
-            hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights,
-            transposed=transposed, bias=bias, shared_expert_output=shared_expert_output,
-            routed_scaling_factor=routed_scaling_factor,
-        ))  # fmt: skip
+        out.copy_(
+            moe_experts_reference(
+                hidden_states,
+                gate_up_proj,
+                down_proj,
+                top_k_index,
+                top_k_weights,
+                transposed=transposed,
+                bias=bias,
+                shared_expert_output=shared_expert_output,
+                routed_scaling_factor=routed_scaling_factor,
+            )
+        )
         return
     from moefuse.moe.experts_triton import launch_moe_experts
 
     launch_moe_experts(
-        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, out, bias,
-        shared_expert_output, routed_scaling_factor, transposed, use_pdl,
-    )  # fmt: skip
+        hidden_states,
+        gate_up_proj,
+        down_proj,
+        top_k_index,
+        top_k_weights,
+        out,
+        bias,
+        shared_expert_output,
+        routed_scaling_factor,
+        transposed,
+        use_pdl,
+    )
 
 
 @moe_experts_op.register_fake
-def _(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, out, bias,
-      shared_expert_output, routed_scaling_factor, transposed, use_pdl, backend):  # fmt: skip
+def _(
+    hidden_states,
+    gate_up_proj,
+    down_proj,
+    top_k_index,
+    top_k_weights,
+    out,
+    bias,
+    shared_expert_output,
+    routed_scaling_factor,
+    transposed,
+    use_pdl,
+    backend,
+):
     return None

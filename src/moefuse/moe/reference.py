@@ -224,8 +224,9 @@ def moe_experts_reference(
     and the CPU path, not a fast path.
     """
     if activation != "silu":
-        raise ValueError(f"moefuse.moe_experts: argument 'activation' must be 'silu', got "
-                         f"{activation!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.moe_experts: argument 'activation' must be 'silu', got {activation!r}"
+        )
     w_gu = gate_up_proj.transpose(1, 2) if transposed else gate_up_proj  # [E, 2I, H]
     w_d = down_proj.transpose(1, 2) if transposed else down_proj  # [E, H, I]
     tokens, top_k = top_k_index.shape
@@ -246,8 +247,13 @@ def moe_experts_reference(
     slot_map = torch.arange(tokens * top_k, dtype=torch.int32, device=hidden_states.device)
     slot_map = torch.where(flat_valid, slot_map, -1).view(tokens, top_k)
     return moe_finalize_reference(
-        y, slot_map, top_k_weights, bias=bias,
+        y,
+        slot_map,
+        top_k_weights,
+        bias=bias,
         expert_ids=top_k_index if bias is not None else None,
-        routed_scaling_factor=routed_scaling_factor, shared_expert_output=shared_expert_output,
-        input_is_expanded=True, out_dtype=hidden_states.dtype,
-    )  # fmt: skip
+        routed_scaling_factor=routed_scaling_factor,
+        shared_expert_output=shared_expert_output,
+        input_is_expanded=True,
+        out_dtype=hidden_states.dtype,
+    )

@@ -38,8 +38,14 @@ def route_topk(
     their sum when ``renormalize`` (Mixtral / Qwen-MoE style for softmax, DeepSeek-V3 style for
     sigmoid).
     """
-    v.check_tensor("route_topk", "router_logits", router_logits, dtypes=LOGIT_DTYPES, ndims=(2,),
-                   last_dim_contiguous=False)  # fmt: skip
+    v.check_tensor(
+        "route_topk",
+        "router_logits",
+        router_logits,
+        dtypes=LOGIT_DTYPES,
+        ndims=(2,),
+        last_dim_contiguous=False,
+    )
     check_routing("route_topk", router_logits.shape[1], top_k, scoring, renormalize)
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
@@ -55,15 +61,16 @@ def check_routing(op: str, n_experts: int, top_k, scoring, renormalize) -> None:
     the argument of ``op``)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
         raise ValueError(
-            f"moefuse.{op}: argument 'top_k' must be an int in [1, {n_experts}], "
-            f"got {top_k!r}"
+            f"moefuse.{op}: argument 'top_k' must be an int in [1, {n_experts}], got {top_k!r}"
         )
     if not isinstance(scoring, str) or scoring not in SCORINGS:
-        raise ValueError(f"moefuse.{op}: argument 'scoring' must be one of {SCORINGS}, "
-                         f"got {scoring!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'scoring' must be one of {SCORINGS}, got {scoring!r}"
+        )
     if not isinstance(renormalize, bool):
-        raise ValueError(f"moefuse.{op}: argument 'renormalize' must be a bool, "
-                         f"got {renormalize!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'renormalize' must be a bool, got {renormalize!r}"
+        )
 
 
 class RoutingPlan(NamedTuple):
@@ -93,8 +100,14 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, pad_to: int = 1)
     is a deterministic function of ``topk_ids``. ``pad_to`` rounds every expert's row count up to a
     multiple (GEMM tile alignment); padding rows map to -1.
     """
-    v.check_tensor("sort_by_expert", "topk_ids", topk_ids, dtypes=(torch.int32, torch.int64),
-                   ndims=(2,), last_dim_contiguous=False)  # fmt: skip
+    v.check_tensor(
+        "sort_by_expert",
+        "topk_ids",
+        topk_ids,
+        dtypes=(torch.int32, torch.int64),
+        ndims=(2,),
+        last_dim_contiguous=False,
+    )
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError("moefuse.sort_by_expert: argument 'num_experts' must be an int >= 1")
     if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < 1:

@@ -82,10 +82,15 @@ def experts_tile(hidden: int, inter: int) -> dict:
     ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots",
     "fuse_finalize_slots"}``
     (a function of the widths only)."""
-    return {"bn_gate_up": EXPERTS_BN_GATE_UP, "bn_down": EXPERTS_BN_DOWN, "bk": EXPERTS_BK,
-            "warps": EXPERTS_WARPS, "stages": EXPERTS_STAGES,
-            "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS,
-            "fuse_finalize_slots": EXPERTS_FUSE_FINALIZE_SLOTS}  # fmt: skip
+    return {
+        "bn_gate_up": EXPERTS_BN_GATE_UP,
+        "bn_down": EXPERTS_BN_DOWN,
+        "bk": EXPERTS_BK,
+        "warps": EXPERTS_WARPS,
+        "stages": EXPERTS_STAGES,
+        "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS,
+        "fuse_finalize_slots": EXPERTS_FUSE_FINALIZE_SLOTS,
+    }
 
 
 def experts_token_tile(slots: int, experts: int) -> int:

@@ -52,8 +52,9 @@ def _as_rows(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
 
 def _check_fused_add(op, input, residual, weight, eps) -> None:
     v.check_tensor(op, "input", input, dtypes=HALF, ndims=(2, 3))
-    v.check_tensor(op, "residual", residual, dtypes=(input.dtype,), shape=input.shape,
-                   device=input.device)  # fmt: skip
+    v.check_tensor(
+        op, "residual", residual, dtypes=(input.dtype,), shape=input.shape, device=input.device
+    )
     _check_vector(op, "weight", weight, input.shape[-1], WEIGHT_DTYPES, input.device)
     v.check_rows_addressable(op, "input", input)
     v.check_rows_addressable(op, "residual", residual)
@@ -218,8 +219,11 @@ def gated_residual_rmsnorm(
     if branch.numel() == 0:
         return out
     if choose_impl(op, impl, branch.device, _device_reason(branch)) == "reference":
-        out.copy_(ref.gated_residual_rmsnorm_reference(
-            branch, residual, weight, alpha, beta, eps, gain_center))  # fmt: skip
+        out.copy_(
+            ref.gated_residual_rmsnorm_reference(
+                branch, residual, weight, alpha, beta, eps, gain_center
+            )
+        )
         return out
     use_pdl = resolve_pdl(enable_pdl, branch.device)
     ops.gated_residual_rmsnorm_op(
@@ -234,8 +238,20 @@ def supports_gated_residual_rmsnorm(branch, residual, weight, alpha, beta) -> bo
     )
 
 
-def _check_gated_next(op, branch, residual, next_weight, alpha, beta, post_eps, next_eps,
-                      residual_out, ffn_input, post_weight, router_input) -> None:  # fmt: skip
+def _check_gated_next(
+    op,
+    branch,
+    residual,
+    next_weight,
+    alpha,
+    beta,
+    post_eps,
+    next_eps,
+    residual_out,
+    ffn_input,
+    post_weight,
+    router_input,
+) -> None:
     _check_gated_common(op, branch, residual, alpha, beta, alpha_may_be_scalar=True)
     m, width = branch.shape
     dev = branch.device
@@ -252,8 +268,9 @@ def _check_gated_next(op, branch, residual, next_weight, alpha, beta, post_eps, 
         v.check_no_overlap(op, "residual_out", residual_out, "branch", branch)
         outs.append(("residual_out", residual_out))
     if ffn_input is not None:
-        v.check_tensor(op, "ffn_input", ffn_input, dtypes=(branch.dtype,), shape=(m, width),
-                       device=dev)  # fmt: skip
+        v.check_tensor(
+            op, "ffn_input", ffn_input, dtypes=(branch.dtype,), shape=(m, width), device=dev
+        )
         for name, t in (("branch", branch), ("residual", residual)):
             v.check_no_overlap(op, "ffn_input", ffn_input, name, t)
         outs.append(("ffn_input", ffn_input))
@@ -273,8 +290,10 @@ def _check_gated_next(op, branch, residual, next_weight, alpha, beta, post_eps, 
 
 
 @fast_op
-@v.checked(writes=("residual_out", "ffn_input", "router_input"),
-           reals=("next_gain_center", "post_gain_center"))  # fmt: skip
+@v.checked(
+    writes=("residual_out", "ffn_input", "router_input"),
+    reals=("next_gain_center", "post_gain_center"),
+)
 def gated_residual_next_rmsnorm(
     branch,
     residual,
@@ -305,8 +324,20 @@ def gated_residual_next_rmsnorm(
     ``router_input`` [M, H] FP32 is written only when given. Returns ``(residual_out, ffn_input)``.
     """
     op = "gated_residual_next_rmsnorm"
-    _check_gated_next(op, branch, residual, next_weight, alpha, beta, post_eps, next_eps,
-                      residual_out, ffn_input, post_weight, router_input)  # fmt: skip
+    _check_gated_next(
+        op,
+        branch,
+        residual,
+        next_weight,
+        alpha,
+        beta,
+        post_eps,
+        next_eps,
+        residual_out,
+        ffn_input,
+        post_weight,
+        router_input,
+    )
     if residual_out is None:
         residual_out = torch.empty_like(residual)
     if ffn_input is None:
@@ -315,9 +346,17 @@ def gated_residual_next_rmsnorm(
         return residual_out, ffn_input
     if choose_impl(op, impl, branch.device, _device_reason(branch)) == "reference":
         ro, ffn, router = ref.gated_residual_next_rmsnorm_reference(
-            branch, residual, next_weight, alpha, beta, post_eps, next_eps, next_gain_center,
-            post_weight, post_gain_center,
-        )  # fmt: skip
+            branch,
+            residual,
+            next_weight,
+            alpha,
+            beta,
+            post_eps,
+            next_eps,
+            next_gain_center,
+            post_weight,
+            post_gain_center,
+        )
         residual_out.copy_(ro)
         ffn_input.copy_(ffn)
         if router_input is not None:
@@ -326,10 +365,22 @@ def gated_residual_next_rmsnorm(
     alpha_t = alpha if isinstance(alpha, torch.Tensor) else None
     alpha_scalar = 1.0 if alpha_t is not None else float(alpha)
     ops.gated_residual_next_rmsnorm_op(
-        branch, residual, next_weight, alpha_t, alpha_scalar, beta, post_weight, residual_out,
-        ffn_input, router_input, float(post_eps), float(next_eps), float(next_gain_center),
-        float(post_gain_center), resolve_pdl(enable_pdl, branch.device),
-    )  # fmt: skip
+        branch,
+        residual,
+        next_weight,
+        alpha_t,
+        alpha_scalar,
+        beta,
+        post_weight,
+        residual_out,
+        ffn_input,
+        router_input,
+        float(post_eps),
+        float(next_eps),
+        float(next_gain_center),
+        float(post_gain_center),
+        resolve_pdl(enable_pdl, branch.device),
+    )
     return residual_out, ffn_input
 
 
@@ -337,9 +388,20 @@ def supports_gated_residual_next_rmsnorm(
     branch, residual, next_weight, alpha, beta, *, post_weight=None
 ) -> bool:
     return _supported(
-        _check_gated_next, "gated_residual_next_rmsnorm", branch, residual, next_weight, alpha,
-        beta, 1e-6, 1e-6, None, None, post_weight, None,
-    )  # fmt: skip
+        _check_gated_next,
+        "gated_residual_next_rmsnorm",
+        branch,
+        residual,
+        next_weight,
+        alpha,
+        beta,
+        1e-6,
+        1e-6,
+        None,
+        None,
+        post_weight,
+        None,
+    )
 
 
 # ----------------------------------------------------------------------------- sigmoid gate
@@ -375,6 +437,9 @@ def rmsnorm_sigmoid_gate(input, gate, eps: float = 1e-5, *, enable_pdl=None, imp
 def supports_rmsnorm_sigmoid_gate(input, gate=None, eps: float = 1e-5) -> bool:
     """Strides and dtypes are part of the answer (FlashInfer checks them only at call time)."""
     return _supported(
-        _check_sigmoid_gate, "rmsnorm_sigmoid_gate", input,
-        gate if gate is not None else input.new_empty(input.shape), eps,
-    )  # fmt: skip
+        _check_sigmoid_gate,
+        "rmsnorm_sigmoid_gate",
+        input,
+        gate if gate is not None else input.new_empty(input.shape),
+        eps,
+    )

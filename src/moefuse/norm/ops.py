@@ -6,7 +6,6 @@ Validation happens in :mod:`moefuse.norm.api` before these are called. The real 
 import the Triton launchers lazily (TRITON_INTERPRET must be set before triton is imported).
 """
 
-
 import torch
 
 from moefuse._dispatch import custom_op
@@ -18,7 +17,7 @@ Tensor = torch.Tensor
 def rmsnorm_op(
     input: Tensor, weight: Tensor, out: Tensor, eps: float, gain_center: float, use_pdl: bool
 ) -> None:
-    from moefuse.norm.triton import launch_rmsnorm
+    from moefuse.norm.rms import launch_rmsnorm
 
     launch_rmsnorm(input, weight, out, eps, gain_center, use_pdl)
 
@@ -32,7 +31,7 @@ def _(input, weight, out, eps, gain_center, use_pdl):
 def fused_add_rmsnorm_op(
     input: Tensor, residual: Tensor, weight: Tensor, eps: float, gain_center: float, use_pdl: bool
 ) -> None:
-    from moefuse.norm.triton import launch_fused_add_rmsnorm
+    from moefuse.norm.rms import launch_fused_add_rmsnorm
 
     launch_fused_add_rmsnorm(input, residual, weight, eps, gain_center, use_pdl)
 
@@ -90,21 +89,48 @@ def gated_residual_next_rmsnorm_op(
     from moefuse.norm.gated import launch_gated_residual_next_rmsnorm
 
     launch_gated_residual_next_rmsnorm(
-        branch, residual, next_weight, alpha, alpha_scalar, beta, post_weight, residual_out,
-        ffn_input, router_input, post_eps, next_eps, next_gain_center, post_gain_center, use_pdl,
-    )  # fmt: skip
+        branch,
+        residual,
+        next_weight,
+        alpha,
+        alpha_scalar,
+        beta,
+        post_weight,
+        residual_out,
+        ffn_input,
+        router_input,
+        post_eps,
+        next_eps,
+        next_gain_center,
+        post_gain_center,
+        use_pdl,
+    )
 
 
 @gated_residual_next_rmsnorm_op.register_fake
-def _(branch, residual, next_weight, alpha, alpha_scalar, beta, post_weight, residual_out,
-      ffn_input, router_input, post_eps, next_eps, next_gain_center, post_gain_center,
-      use_pdl):  # fmt: skip
+def _(
+    branch,
+    residual,
+    next_weight,
+    alpha,
+    alpha_scalar,
+    beta,
+    post_weight,
+    residual_out,
+    ffn_input,
+    router_input,
+    post_eps,
+    next_eps,
+    next_gain_center,
+    post_gain_center,
+    use_pdl,
+):
     return None
 
 
 @custom_op("moefuse::rmsnorm_sigmoid_gate", mutates_args=("input",))
 def rmsnorm_sigmoid_gate_op(input: Tensor, gate: Tensor, eps: float, use_pdl: bool) -> None:
-    from moefuse.norm.triton import launch_rmsnorm
+    from moefuse.norm.rms import launch_rmsnorm
 
     launch_rmsnorm(input, None, input, eps, 0.0, use_pdl, gate=gate)
 

@@ -75,10 +75,10 @@ def gated_residual_next_rmsnorm_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(residual_out FP32, ffn_input, router_input FP32)`` (spec)::
 
-        b = f32(branch) [* (f32(post_weight) + post_gain_center)]
-        residual_out = u + (beta * b) * rsqrt(mean_sq(b) + post_eps),  u = alpha * residual
-        router_input = (residual_out * rsqrt(mean_sq(residual_out) + next_eps)) * g_next
-        ffn_input = cast(router_input)                     # the only rounding
+    b = f32(branch) [* (f32(post_weight) + post_gain_center)]
+    residual_out = u + (beta * b) * rsqrt(mean_sq(b) + post_eps),  u = alpha * residual
+    router_input = (residual_out * rsqrt(mean_sq(residual_out) + next_eps)) * g_next
+    ffn_input = cast(router_input)                     # the only rounding
     """
     b = branch.float()
     if post_weight is not None:

@@ -129,8 +129,14 @@ GATED_POLICY = TilePolicy(max_warps=4, programs_per_sm=0, step_min_width=2048)
 #: 221.2 / 255.4). At 2880 and 5120 stepped rows lost (sweep-stepped-norms-2026-11-30.log).
 #: (Persistent loop: at 4 programs per SM the prefetching one-pass kernel spilled at H = 4096 and
 #: at 3 it ran 143.4 vs 136.0 us at 16384 x 4096, so it stays off.)
-FUSED_ADD_POLICY = TilePolicy(programs_per_sm=0, step_min_width=4095, step_max_width=8192,
-                              step_min_fill=0.8, step_warps=16, step_vec=8)  # fmt: skip
+FUSED_ADD_POLICY = TilePolicy(
+    programs_per_sm=0,
+    step_min_width=4095,
+    step_max_width=8192,
+    step_min_fill=0.8,
+    step_warps=16,
+    step_vec=8,
+)
 #: rmsnorm_sigmoid_gate: the gate doubles the loads; 2 prefetching programs per SM ran 69.7 us vs
 #: 50.8 us for one program per tile (16384 x 32 x 64): off
 SIGMOID_GATE_POLICY = TilePolicy(programs_per_sm=0)
@@ -153,11 +159,15 @@ def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
         raise ValueError(f"row width must be >= 1, got {width}")
     step = 32 * policy.step_warps * policy.step_vec
     steps = -(-width // step)
-    if (policy.step_min_width is not None and width > policy.step_min_width
-            and (policy.step_max_width is None or width <= policy.step_max_width)
-            and width >= policy.step_min_fill * steps * step):  # fmt: skip
-        return RowTile(block=step, num_chunks=steps, rows=1, num_warps=policy.step_warps,
-                       stepped=True)  # fmt: skip
+    if (
+        policy.step_min_width is not None
+        and width > policy.step_min_width
+        and (policy.step_max_width is None or width <= policy.step_max_width)
+        and width >= policy.step_min_fill * steps * step
+    ):
+        return RowTile(
+            block=step, num_chunks=steps, rows=1, num_warps=policy.step_warps, stepped=True
+        )
     if width <= max_single:
         block, chunks = next_pow2(width), 1
     else:
@@ -178,5 +188,11 @@ def row_tile(width: int, policy: TilePolicy = TilePolicy()) -> RowTile:
         per_sm = 0  # the chunked (wide-row) path keeps one program per row tile
     if per_sm == 0:
         prefetch = False
-    return RowTile(block=block, num_chunks=chunks, rows=rows, num_warps=warps,
-                   programs_per_sm=per_sm, prefetch=prefetch)
+    return RowTile(
+        block=block,
+        num_chunks=chunks,
+        rows=rows,
+        num_warps=warps,
+        programs_per_sm=per_sm,
+        prefetch=prefetch,
+    )

@@ -1,4 +1,4 @@
-"""Triton kernels of the RMSNorm family (spec: Norms) and their launchers.
+"""The row code of the RMSNorm family (spec: Norms): device functions and launch helpers.
 
 Every kernel works on a ``[ROWS, BLOCK]`` tile of rows (see :mod:`moefuse.norm.tiles`): row sums
 are ``tl.sum`` over a tile whose shape depends on the width only, so the reduction tree is fixed per
@@ -33,13 +33,7 @@ from moefuse._device import rcp_fast, round_to, rsqrt_fast
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, sm_count
 from moefuse.norm import tiles
-from moefuse.norm.tiles import (
-    FUSED_ADD_POLICY,
-    RMSNORM_POLICY,
-    SIGMOID_GATE_POLICY,
-    RowTile,
-    row_tile,
-)
+from moefuse.norm.tiles import RowTile
 
 LOG2E = 1.4426950408889634
 #: evict-first cache hint on activation loads; measured slower on H200 by 1-4 % (notes/norm.md),
@@ -160,8 +154,15 @@ def _param(ptr, cols, cm, center, MASKED: tl.constexpr, PRESENT: tl.constexpr):
 
 
 @triton.jit
-def step_params(ptr, H, center, STEP: tl.constexpr, STEPS: tl.constexpr, MASKED: tl.constexpr,
-                PRESENT: tl.constexpr):  # fmt: skip
+def step_params(
+    ptr,
+    H,
+    center,
+    STEP: tl.constexpr,
+    STEPS: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRESENT: tl.constexpr,
+):
     """Every step's FP32 parameter vector [+ center] (1.0 when absent) as a tuple: the unrolled
     mode loads its parameters before gdc_wait."""
     ps = ()
@@ -187,8 +188,17 @@ def _weighted_sumsq(xs, ws, STEP: tl.constexpr, STEPS: tl.constexpr, HAS_W: tl.c
 
 
 @triton.jit
-def _step_in(a_ptr, b_ptr, a_row, b_row, cols, cm, MASKED: tl.constexpr, POLICY: tl.constexpr,
-             ADD: tl.constexpr):  # fmt: skip
+def _step_in(
+    a_ptr,
+    b_ptr,
+    a_row,
+    b_row,
+    cols,
+    cm,
+    MASKED: tl.constexpr,
+    POLICY: tl.constexpr,
+    ADD: tl.constexpr,
+):
     """One step's FP32 input: f32(a), or f32(a) + f32(b) when ADD (fused_add's h)."""
     v = ldp(a_ptr + a_row + cols, cm, MASKED, POLICY)
     if ADD:
@@ -209,9 +219,22 @@ def st_cast(ptrs, y, aux, mask, MASKED: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP: tl.constexpr,
-                      STEPS: tl.constexpr, MASKED: tl.constexpr, PTX: tl.constexpr,
-                      AUX: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
+def norm_unrolled_row(
+    vs,
+    ws,
+    out_ptr,
+    o_row,
+    H,
+    Hf,
+    eps,
+    aux_ptr,
+    STEP: tl.constexpr,
+    STEPS: tl.constexpr,
+    MASKED: tl.constexpr,
+    PTX: tl.constexpr,
+    AUX: tl.constexpr,
+    OUT: tl.constexpr,
+):
     """The statistic and outputs of an unrolled stepped row from its FP32 steps ``vs`` and
     weights ``ws`` (``step_params``): ``norm_stepped``'s code, also run by the fused
     all-gather decode kernel on steps read from its slots (comm/all_gather/decode.py)."""
@@ -224,11 +247,30 @@ def norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP: tl.cons
 
 
 @triton.jit
-def norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps, gc, aux_ptr,
-                 STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
-                 MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-                 ADD: tl.constexpr, POLICY: tl.constexpr, AUX: tl.constexpr,
-                 OUT: tl.constexpr):  # fmt: skip
+def norm_stepped(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    x_row,
+    r_row,
+    o_row,
+    H,
+    Hf,
+    eps,
+    gc,
+    aux_ptr,
+    STEP: tl.constexpr,
+    STEPS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    MASKED: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    ADD: tl.constexpr,
+    POLICY: tl.constexpr,
+    AUX: tl.constexpr,
+    OUT: tl.constexpr,
+):
     """One stepped row of rmsnorm (out <- cast((x * r) * (f32(w) + gc))) or, when ADD, of
     fused_add_rmsnorm (h = f32(x) + f32(res); res <- cast(h); out <- cast((h * r) * (f32(w) +
     gc)), out = x). Unrolled: weights before gdc_wait, every load in flight at once (``POLICY``),
@@ -254,8 +296,9 @@ def norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps
             for k in tl.static_range(STEPS):
                 cols, cm = step_cols(k, H, STEP)
                 _st(res_ptr + r_row + cols, vs[k], cm, MASKED, PTX)
-        norm_unrolled_row(vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP, STEPS, MASKED, PTX,
-                           AUX, OUT)  # fmt: skip
+        norm_unrolled_row(
+            vs, ws, out_ptr, o_row, H, Hf, eps, aux_ptr, STEP, STEPS, MASKED, PTX, AUX, OUT
+        )
     else:
         if USE_PDL:
             gdc_wait()
@@ -271,8 +314,14 @@ def norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps
             v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_first", ADD)
             if ADD:
                 _st(res_ptr + r_row + cols, v, cm, MASKED, PTX)
-            OUT(out_ptr + o_row + cols, (v * r) * _param(w_ptr, cols, cm, gc, MASKED, True), aux,
-                cm, MASKED, PTX)  # fmt: skip
+            OUT(
+                out_ptr + o_row + cols,
+                (v * r) * _param(w_ptr, cols, cm, gc, MASKED, True),
+                aux,
+                cm,
+                MASKED,
+                PTX,
+            )
         if USE_PDL:
             gdc_launch_dependents()
 
@@ -282,20 +331,53 @@ def norm_stepped(x_ptr, res_ptr, w_ptr, out_ptr, x_row, r_row, o_row, H, Hf, eps
 # tile's arithmetic and stores from the FP32 values. The straight-line kernel (PERSISTENT = False)
 # and the persistent loop call the same two helpers, so a row's arithmetic is one piece of code.
 @triton.jit
-def rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st, g_sh,
-             MASKED: tl.constexpr, STREAM: tl.constexpr, HAS_GATE: tl.constexpr):  # fmt: skip
-    x = ld_raw(x_ptr + row_base(rows, HEADS, x_st, x_sh)[:, None] + cols[None, :], mask,
-                MASKED, STREAM)  # fmt: skip
+def rms_load(
+    x_ptr,
+    gate_ptr,
+    rows,
+    cols,
+    mask,
+    HEADS,
+    x_st,
+    x_sh,
+    g_st,
+    g_sh,
+    MASKED: tl.constexpr,
+    STREAM: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+):
+    x = ld_raw(
+        x_ptr + row_base(rows, HEADS, x_st, x_sh)[:, None] + cols[None, :], mask, MASKED, STREAM
+    )
     g = x
     if HAS_GATE:
-        g = ld_raw(gate_ptr + row_base(rows, HEADS, g_st, g_sh)[:, None] + cols[None, :], mask,
-                    MASKED, STREAM)  # fmt: skip
+        g = ld_raw(
+            gate_ptr + row_base(rows, HEADS, g_st, g_sh)[:, None] + cols[None, :],
+            mask,
+            MASKED,
+            STREAM,
+        )
     return x, g
 
 
 @triton.jit
-def rms_tile(x, g, w, rows, cols, mask, out_ptr, HEADS, o_st, o_sh, Hf, eps,
-             MASKED: tl.constexpr, HAS_GATE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def rms_tile(
+    x,
+    g,
+    w,
+    rows,
+    cols,
+    mask,
+    out_ptr,
+    HEADS,
+    o_st,
+    o_sh,
+    Hf,
+    eps,
+    MASKED: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """out = cast((x * r) * w); w = sigmoid(g) when HAS_GATE (x, g FP32)."""
     if HAS_GATE:
         w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
@@ -305,8 +387,9 @@ def rms_tile(x, g, w, rows, cols, mask, out_ptr, HEADS, o_st, o_sh, Hf, eps,
 
 
 @triton.jit
-def add_load(a_ptr, b_ptr, rows, cols, mask, a_st, b_st, MASKED: tl.constexpr,
-             STREAM: tl.constexpr):  # fmt: skip
+def add_load(
+    a_ptr, b_ptr, rows, cols, mask, a_st, b_st, MASKED: tl.constexpr, STREAM: tl.constexpr
+):
     """Two activation tiles of one 2-D row block (input + residual, or branch + stream)."""
     r64 = rows.to(tl.int64)[:, None]
     a = ld_raw(a_ptr + r64 * a_st + cols[None, :], mask, MASKED, STREAM)
@@ -314,10 +397,34 @@ def add_load(a_ptr, b_ptr, rows, cols, mask, a_st, b_st, MASKED: tl.constexpr,
     return a, b
 
 
+# Persistent row loop (one-pass tiles, NUM_CHUNKS == 1): program ``pid`` of ``nprog`` computes the
+# row tiles t = pid, pid + nprog, ... < n_tiles (grid = n_tiles makes it one tile per program).
+# With PREFETCH, the activation loads of tile t + nprog are issued (raw dtype, row-masked) before
+# tile t is reduced and stored, so a program has two rows' loads in flight. A row's arithmetic is
+# the same code as with one tile per program: the loop only chooses which program computes a row.
+# In-place ops (fused_add's residual, the sigmoid gate's input, gated ``out is residual``) stay
+# safe: tile t + nprog belongs to this program alone and is read before it is written.
+# PDL: gdc_wait before the first activation load; gdc_launch_dependents in the last iteration,
+# after its loads (one tile per program: the same place as before the loop existed).
 @triton.jit
-def _loop_tile(t, nprog, b_nx, r_nx, b_ptr, res_ptr, cols, n_rows, H, b_st, r_st,
-               ROWS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
-               EVICT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+def _loop_tile(
+    t,
+    nprog,
+    b_nx,
+    r_nx,
+    b_ptr,
+    res_ptr,
+    cols,
+    n_rows,
+    H,
+    b_st,
+    r_st,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     """Row tile ``t`` of a persistent loop over :func:`add_load` pairs (input + residual, or
     branch + stream): (rows, mask, first, second, next first, next second). With PREFETCH the
     tile comes from the registers loaded one iteration earlier (``b_nx``, ``r_nx``) and tile
@@ -329,199 +436,33 @@ def _loop_tile(t, nprog, b_nx, r_nx, b_ptr, res_ptr, cols, n_rows, H, b_st, r_st
         rr = r_nx
         rows_n, mask_n = tile_rows(t + nprog, cols, n_rows, H, ROWS)
         mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-        b_nx, r_nx = add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True,
-                                EVICT_FIRST)  # fmt: skip
+        b_nx, r_nx = add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True, EVICT_FIRST)
     else:
         br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
     return rows, mask, br, rr, b_nx, r_nx
 
 
 @triton.jit
-def _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps,
-              MASKED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def _add_tile(
+    h,
+    w,
+    rows,
+    cols,
+    mask,
+    x_ptr,
+    res_ptr,
+    x_st,
+    r_st,
+    Hf,
+    eps,
+    MASKED: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """res <- cast(h); x <- cast((h * r) * w), r from the FP32 h."""
     r64 = rows.to(tl.int64)[:, None]
     _st(res_ptr + r64 * r_st + cols[None, :], h, mask, MASKED, PTX)
     r = _inv_rms(tl.sum(h * h, axis=1), Hf, eps)[:, None]
     _st(x_ptr + r64 * x_st + cols[None, :], (h * r) * w, mask, MASKED, PTX)
-
-
-# ----------------------------------------------------------------------------- kernels
-# Persistent row loop (one-pass tiles, NUM_CHUNKS == 1): program ``pid`` of ``nprog`` computes the
-# row tiles t = pid, pid + nprog, ... < n_tiles (grid = n_tiles makes it one tile per program).
-# With PREFETCH, the activation loads of tile t + nprog are issued (raw dtype, row-masked) before
-# tile t is reduced and stored, so a program has two rows' loads in flight. A row's arithmetic is
-# the same code as with one tile per program: the loop only chooses which program computes a row.
-# In-place ops (fused_add's residual, the sigmoid gate's input, gated ``out is residual``) stay
-# safe: tile t + nprog belongs to this program alone and is read before it is written.
-# PDL: gdc_wait before the first activation load; gdc_launch_dependents in the last iteration,
-# after its loads (one tile per program: the same place as before the loop existed).
-@triton.jit(do_not_specialize=["n_rows"])
-def _rmsnorm_kernel(
-    x_ptr, w_ptr, gate_ptr, out_ptr,
-    n_rows, H, Hf, HEADS,
-    x_st, x_sh, g_st, g_sh, o_st, o_sh,
-    eps, gain_center,
-    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    HAS_GATE: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr, STEPPED: tl.constexpr = False, UNROLL: tl.constexpr = False,
-):  # fmt: skip
-    """out = cast((x * r) * m), m = f32(w) + gain_center, or sigmoid(gate) when HAS_GATE.
-    STEPPED (no gate): one row per program in NUM_CHUNKS steps of BLOCK columns (norm_stepped)."""
-    pid = tl.program_id(0)
-    if STEPPED:
-        norm_stepped(x_ptr, x_ptr, w_ptr, out_ptr, row_base(pid, HEADS, x_st, x_sh), 0,
-                      row_base(pid, HEADS, o_st, o_sh), H, Hf, eps, gain_center, x_ptr, BLOCK,
-                      NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, False, "evict_first", no_aux,
-                      st_cast)  # fmt: skip
-    elif NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK)
-        w = 1.0  # replaced by sigmoid(gate) per tile when HAS_GATE
-        if not HAS_GATE:
-            w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
-        if USE_PDL:
-            gdc_wait()
-        if not PERSISTENT:
-            rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
-            x, g = rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st, g_sh,
-                             MASKED, EVICT_FIRST, HAS_GATE)  # fmt: skip
-            if USE_PDL:
-                gdc_launch_dependents()
-            rms_tile(x.to(tl.float32), g.to(tl.float32), w, rows, cols, mask, out_ptr, HEADS,
-                      o_st, o_sh, Hf, eps, MASKED, HAS_GATE, PTX)  # fmt: skip
-        else:
-            nprog = tl.num_programs(0)
-            n_tiles = tl.cdiv(n_rows, ROWS)
-            t = pid
-            if PREFETCH:
-                rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
-                x_nx, g_nx = rms_load(x_ptr, gate_ptr, rows0, cols, mask0, HEADS, x_st, x_sh,
-                                       g_st, g_sh, MASKED, EVICT_FIRST, HAS_GATE)  # fmt: skip
-            while t < n_tiles:
-                rows, mask = tile_rows(t, cols, n_rows, H, ROWS)
-                if PREFETCH:
-                    x = x_nx.to(tl.float32)
-                    g = g_nx.to(tl.float32)
-                    rows_n, mask_n = tile_rows(t + nprog, cols, n_rows, H, ROWS)
-                    mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-                    x_nx, g_nx = rms_load(x_ptr, gate_ptr, rows_n, cols, mask_n, HEADS,
-                                           x_st, x_sh, g_st, g_sh, True, EVICT_FIRST,
-                                           HAS_GATE)  # fmt: skip
-                else:
-                    x, g = rms_load(x_ptr, gate_ptr, rows, cols, mask, HEADS, x_st, x_sh, g_st,
-                                     g_sh, MASKED, EVICT_FIRST, HAS_GATE)  # fmt: skip
-                    x = x.to(tl.float32)
-                    g = g.to(tl.float32)
-                if USE_PDL:
-                    if t + nprog >= n_tiles:
-                        gdc_launch_dependents()
-                rms_tile(x, g, w, rows, cols, mask, out_ptr, HEADS, o_st, o_sh, Hf, eps, MASKED,
-                          HAS_GATE, PTX)  # fmt: skip
-                t += nprog
-    else:
-        rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
-        x_row = row_base(rows, HEADS, x_st, x_sh)[:, None]
-        o_row = row_base(rows, HEADS, o_st, o_sh)[:, None]
-        g_row = row_base(rows, HEADS, g_st, g_sh)[:, None]
-        if USE_PDL:
-            gdc_wait()
-        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.range(NUM_CHUNKS):
-            rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            x = ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
-            acc += x * x
-        r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
-        for c in tl.range(NUM_CHUNKS):
-            rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            x = ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            if HAS_GATE:
-                g = ld(gate_ptr + g_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-                w = rcp_fast(tl.math.exp2(-g * 1.4426950408889634) + 1.0, PTX)
-            else:
-                w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
-            _st(out_ptr + o_row + cols[None, :], (x * r) * w, mask, MASKED, PTX)
-        if USE_PDL:
-            gdc_launch_dependents()
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def _fused_add_rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr,
-    n_rows, H, Hf,
-    x_st, r_st,
-    eps, gain_center,
-    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr, STEPPED: tl.constexpr = False, UNROLL: tl.constexpr = False,
-):  # fmt: skip
-    """h = f32(x) + f32(res); res <- cast(h); x <- cast((h * r) * g), r from the FP32 h.
-    STEPPED: one row per program in NUM_CHUNKS steps of BLOCK columns (norm_stepped)."""
-    pid = tl.program_id(0)
-    if STEPPED:
-        row = pid.to(tl.int64)
-        norm_stepped(x_ptr, res_ptr, w_ptr, x_ptr, row * x_st, row * r_st, row * x_st, H, Hf,
-                      eps, gain_center, x_ptr, BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL,
-                      True, "", no_aux, st_cast)  # fmt: skip
-    elif NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK)
-        w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
-        if USE_PDL:
-            gdc_wait()
-        if not PERSISTENT:
-            rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
-            xr, rr = add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED, EVICT_FIRST)
-            h = xr.to(tl.float32)
-            h += rr.to(tl.float32)
-            if USE_PDL:
-                gdc_launch_dependents()
-            _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps, MASKED, PTX)
-        else:
-            nprog = tl.num_programs(0)
-            n_tiles = tl.cdiv(n_rows, ROWS)
-            t = pid
-            x_nx = 0.0  # (unused placeholders without PREFETCH)
-            r_nx = 0.0
-            if PREFETCH:
-                rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
-                x_nx, r_nx = add_load(x_ptr, res_ptr, rows0, cols, mask0, x_st, r_st, MASKED,
-                                       EVICT_FIRST)  # fmt: skip
-            while t < n_tiles:
-                rows, mask, xr, rr, x_nx, r_nx = _loop_tile(
-                    t, nprog, x_nx, r_nx, x_ptr, res_ptr, cols, n_rows, H, x_st, r_st, ROWS,
-                    BLOCK, MASKED, EVICT_FIRST, PREFETCH)  # fmt: skip
-                h = xr.to(tl.float32)
-                h += rr.to(tl.float32)
-                if USE_PDL:
-                    if t + nprog >= n_tiles:
-                        gdc_launch_dependents()
-                _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps, MASKED,
-                          PTX)  # fmt: skip
-                t += nprog
-    else:
-        rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
-        x_row = rows.to(tl.int64)[:, None] * x_st
-        r_row = rows.to(tl.int64)[:, None] * r_st
-        if USE_PDL:
-            gdc_wait()
-        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for c in tl.range(NUM_CHUNKS):
-            rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            h = ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
-            h += ld(res_ptr + r_row + cols[None, :], mask, MASKED, False)
-            acc += h * h
-        r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
-        # second pass recomputes the same FP32 h (both inputs are still unmodified for this chunk)
-        for c in tl.range(NUM_CHUNKS):
-            rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
-            h = ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            h += ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
-            w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
-            _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
-            _st(x_ptr + x_row + cols[None, :], (h * r) * w, mask, MASKED, PTX)
-        if USE_PDL:
-            gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -576,8 +517,9 @@ def _unroll(tile: RowTile, n_rows: int, unroll: bool | None, loop_min_rows: int)
     if unroll is None:
         return fits and n_rows < loop_min_rows
     if unroll and not fits:
-        raise ValueError(f"unrolled stepped rows: {tile.num_chunks} steps > "
-                         f"{tiles.STEP_UNROLL_MAX_STEPS}")  # fmt: skip
+        raise ValueError(
+            f"unrolled stepped rows: {tile.num_chunks} steps > {tiles.STEP_UNROLL_MAX_STEPS}"
+        )
     return unroll
 
 
@@ -591,88 +533,33 @@ def _launch(kernel, grid, args, consts, tile: RowTile) -> None:
     (unrolled / looped) of the same specialisation, so that a later token count crossing the
     op's loop threshold never triggers a compilation (serving changes M every step). Cost on a
     cached launch: two looks at the size of Triton's kernel cache."""
-    warm = (tile.stepped and not interpreter_active()
-            and tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS)  # fmt: skip
+    warm = (
+        tile.stepped and not interpreter_active() and tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS
+    )
     before = _compiled(kernel) if warm else 0
     launch(kernel, grid, *args, **consts)
     if warm and _compiled(kernel) > before:
         kernel.warmup(*args, grid=grid, **{**consts, "UNROLL": not consts["UNROLL"]})
 
 
-def _row_consts(tile: RowTile, width: int, n_rows: int, unroll: bool | None,
-                loop_min_rows: int, use_pdl: bool) -> dict:  # fmt: skip
+def _row_consts(
+    tile: RowTile, width: int, n_rows: int, unroll: bool | None, loop_min_rows: int, use_pdl: bool
+) -> dict:
     """Constexprs and launch options every row kernel of the family takes (rmsnorm, fused_add,
     both gated ops): tile shape and masking, launch mode (persistent loop; stepped rows unrolled
     below ``loop_min_rows`` rows or looped), PDL, warps and the persistent register cap."""
     return dict(
-        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows,
-        MASKED=tile.rows > 1 or not tile.even(width), EVICT_FIRST=STREAM_EVICT_FIRST,
-        PTX=not interpreter_active(), USE_PDL=use_pdl,
-        PERSISTENT=_persistent(tile), PREFETCH=_prefetch(tile), STEPPED=tile.stepped,
+        BLOCK=tile.block,
+        NUM_CHUNKS=tile.num_chunks,
+        ROWS=tile.rows,
+        MASKED=tile.rows > 1 or not tile.even(width),
+        EVICT_FIRST=STREAM_EVICT_FIRST,
+        PTX=not interpreter_active(),
+        USE_PDL=use_pdl,
+        PERSISTENT=_persistent(tile),
+        PREFETCH=_prefetch(tile),
+        STEPPED=tile.stepped,
         UNROLL=_unroll(tile, n_rows, unroll, loop_min_rows),
-        num_warps=tile.num_warps, **_launch_kwargs(tile, use_pdl),
-    )  # fmt: skip
-
-
-def launch_rmsnorm(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    out: torch.Tensor,
-    eps: float,
-    gain_center: float,
-    use_pdl: bool,
-    gate: torch.Tensor | None = None,
-    tile: RowTile | None = None,
-    unroll: bool | None = None,
-) -> None:
-    """rmsnorm / gemma_rmsnorm (``weight``) or rmsnorm_sigmoid_gate (``gate``) over [.., H].
-    ``tile`` / ``unroll`` override the width's tile and the stepped mode (tests and sweeps;
-    neither changes a bit)."""
-    width = input.shape[-1]
-    n_rows, x_st, x_sh = _row_strides(input)
-    if n_rows == 0:
-        return
-    heads = input.shape[1] if input.dim() == 3 else 1
-    _, o_st, o_sh = _row_strides(out)
-    g_st, g_sh = (_row_strides(gate)[1:] if gate is not None else (0, 0))
-    tile = tile or row_tile(width, SIGMOID_GATE_POLICY if gate is not None else RMSNORM_POLICY)
-    if tile.stepped and gate is not None:
-        raise ValueError("stepped rows are not implemented for the sigmoid gate")
-    args = (
-        input, weight if weight is not None else input, gate if gate is not None else input, out,
-        n_rows, width, float(width), heads,
-        x_st, x_sh, g_st, g_sh, o_st, o_sh,
-        eps, gain_center,
-    )  # fmt: skip
-    consts = _row_consts(tile, width, n_rows, unroll, tiles.RMSNORM_LOOP_MIN_ROWS, use_pdl)
-    _launch(_rmsnorm_kernel, _grid(tile, tile.grid(n_rows)[0], input.device), args,
-            {**consts, "HAS_GATE": gate is not None}, tile)  # fmt: skip
-
-
-def launch_fused_add_rmsnorm(
-    input: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    gain_center: float,
-    use_pdl: bool,
-    tile: RowTile | None = None,
-    unroll: bool | None = None,
-) -> None:
-    """In place on ``input`` and ``residual`` ([M, H] each, row strides free). ``tile`` /
-    ``unroll`` override the width's tile and the stepped mode (tests and sweeps; neither changes
-    a bit)."""
-    n_rows, width = input.shape
-    if n_rows == 0:
-        return
-    tile = tile or row_tile(width, FUSED_ADD_POLICY)
-    args = (
-        input, residual, weight,
-        n_rows, width, float(width),
-        input.stride(0), residual.stride(0),
-        eps, gain_center,
-    )  # fmt: skip
-    consts = _row_consts(tile, width, n_rows, unroll, tiles.FUSED_ADD_LOOP_MIN_ROWS, use_pdl)
-    _launch(_fused_add_rmsnorm_kernel, _grid(tile, tile.grid(n_rows)[0], input.device), args,
-            consts, tile)  # fmt: skip
-
+        num_warps=tile.num_warps,
+        **_launch_kwargs(tile, use_pdl),
+    )

@@ -49,8 +49,9 @@ def _check_scalar_tensor(op: str, name: str, t, device) -> None:
 
 def _check_choice(op: str, name: str, value, choices) -> None:
     if value not in choices:
-        raise ValueError(f"moefuse.{op}: argument '{name}' must be one of {tuple(choices)}, "
-                         f"got {value!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument '{name}' must be one of {tuple(choices)}, got {value!r}"
+        )
 
 
 def _check_rows(op: str, name: str, t, dtypes, ndims=(1, 2, 3)) -> None:
@@ -78,8 +79,10 @@ def _as_kernel_rows(t: torch.Tensor) -> torch.Tensor:
 def _check_fp4_input(op: str, input) -> None:
     v.check_tensor(op, "input", input, dtypes=ACT, ndims=(2,))
     if input.shape[1] % 16 != 0:
-        raise ValueError(f"moefuse.{op}: argument 'input' must have a last dimension divisible by "
-                         f"16 (NVFP4 blocks), got {input.shape[1]}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'input' must have a last dimension divisible by "
+            f"16 (NVFP4 blocks), got {input.shape[1]}"
+        )
 
 
 def _check_fp4_outputs(op, input, layout, out, scale_out) -> None:
@@ -88,8 +91,7 @@ def _check_fp4_outputs(op, input, layout, out, scale_out) -> None:
         v.check_tensor(op, "out", out, dtypes=U8, shape=(m, h // 2), device=input.device)
         v.check_no_overlap(op, "out", out, "input", input)
     if scale_out is not None:
-        _check_out(op, "scale_out", scale_out, scale_shape(m, h, layout), torch.uint8,
-                   input.device)  # fmt: skip
+        _check_out(op, "scale_out", scale_out, scale_shape(m, h, layout), torch.uint8, input.device)
         v.check_no_overlap(op, "scale_out", scale_out, "input", input)
         if out is not None:
             v.check_no_overlap(op, "scale_out", scale_out, "out", out)
@@ -116,8 +118,9 @@ def _check_fp8_quantize(op, input, scale, dtype, out) -> None:
 
 @fast_op
 @v.checked(writes=("out",))
-def fp8_quantize(input, scale, *, dtype=torch.float8_e4m3fn, out=None, enable_pdl=None,
-                 impl: str = "auto"):  # fmt: skip
+def fp8_quantize(
+    input, scale, *, dtype=torch.float8_e4m3fn, out=None, enable_pdl=None, impl: str = "auto"
+):
     """Static per-tensor FP8 (spec: FP8 format): ``out = e8(f32(input) * (1/scale))``.
 
     ``input`` [H], [M, H] or [M, heads, H] BF16/FP16/FP32 (last dim contiguous, rows uniformly
@@ -135,8 +138,13 @@ def fp8_quantize(input, scale, *, dtype=torch.float8_e4m3fn, out=None, enable_pd
     if choose_impl(op, impl, input.device, _reason(input)) == "reference":
         out.copy_(ref.fp8_quantize_reference(input, scale, dtype))
         return out
-    ops.fp8_quantize_op(_as_kernel_rows(input), scale, _as_kernel_rows(_u8(out)),
-                        F.FP8_CODE[dtype], resolve_pdl(enable_pdl, input.device))  # fmt: skip
+    ops.fp8_quantize_op(
+        _as_kernel_rows(input),
+        scale,
+        _as_kernel_rows(_u8(out)),
+        F.FP8_CODE[dtype],
+        resolve_pdl(enable_pdl, input.device),
+    )
     return out
 
 
@@ -150,15 +158,13 @@ def _check_per_token(op, input, out, scale_out) -> None:
         _check_out(op, "out", out, input.shape, torch.float8_e4m3fn, input.device)
         v.check_no_overlap(op, "out", out, "input", input)
     if scale_out is not None:
-        _check_out(op, "scale_out", scale_out, (*input.shape[:-1], 1), torch.float32,
-                   input.device)  # fmt: skip
+        _check_out(op, "scale_out", scale_out, (*input.shape[:-1], 1), torch.float32, input.device)
         v.check_no_overlap(op, "scale_out", scale_out, "input", input)
 
 
 @fast_op
 @v.checked(writes=("out", "scale_out"))
-def fp8_quantize_per_token(input, *, out=None, scale_out=None, enable_pdl=None,
-                           impl: str = "auto"):  # fmt: skip
+def fp8_quantize_per_token(input, *, out=None, scale_out=None, enable_pdl=None, impl: str = "auto"):
     """Dynamic per-token E4M3 (spec) over the last dim of ``input`` ([H], [M, H], [M, h, H]).
 
     ``s = max(amax_row / 448, 2^-9 / 448)`` (FP32, IEEE division; a row containing NaN gets
@@ -178,8 +184,12 @@ def fp8_quantize_per_token(input, *, out=None, scale_out=None, enable_pdl=None,
         out.copy_(q)
         scale_out.copy_(s)
         return out, scale_out
-    ops.fp8_quantize_per_token_op(_as_kernel_rows(input), _as_kernel_rows(_u8(out)), scale_out,
-                                  resolve_pdl(enable_pdl, input.device))  # fmt: skip
+    ops.fp8_quantize_per_token_op(
+        _as_kernel_rows(input),
+        _as_kernel_rows(_u8(out)),
+        scale_out,
+        resolve_pdl(enable_pdl, input.device),
+    )
     return out, scale_out
 
 
@@ -192,8 +202,10 @@ def _check_fp8_dequantize(op, input, scale, out_dtype, out) -> None:
     v.check_tensor(op, "scale", scale, dtypes=F32, device=input.device, last_dim_contiguous=False)
     per_row = (*input.shape[:-1], 1)
     if scale.numel() != 1 and (tuple(scale.shape) != per_row or not scale.is_contiguous()):
-        raise ValueError(f"moefuse.{op}: argument 'scale' must be a [1] tensor or a contiguous "
-                         f"per-row tensor of shape {per_row}, got {tuple(scale.shape)}")
+        raise ValueError(
+            f"moefuse.{op}: argument 'scale' must be a [1] tensor or a contiguous "
+            f"per-row tensor of shape {per_row}, got {tuple(scale.shape)}"
+        )
     _check_choice(op, "out_dtype", out_dtype, ACT)
     if out is not None:
         _check_out(op, "out", out, input.shape, out_dtype, input.device)
@@ -202,8 +214,9 @@ def _check_fp8_dequantize(op, input, scale, out_dtype, out) -> None:
 
 @fast_op
 @v.checked(writes=("out",))
-def fp8_dequantize(input, scale, *, out_dtype=torch.bfloat16, out=None, enable_pdl=None,
-                   impl: str = "auto"):  # fmt: skip
+def fp8_dequantize(
+    input, scale, *, out_dtype=torch.bfloat16, out=None, enable_pdl=None, impl: str = "auto"
+):
     """``out = cast(f32(q) * scale)``: ``scale`` ``[1]`` (per tensor) or ``[..., 1]`` (per row, as
     returned by :func:`fp8_quantize_per_token`). ``out_dtype`` BF16/FP16/FP32. Returns ``out``."""
     op = "fp8_dequantize"
@@ -215,8 +228,13 @@ def fp8_dequantize(input, scale, *, out_dtype=torch.bfloat16, out=None, enable_p
     if choose_impl(op, impl, input.device, _reason(input)) == "reference":
         out.copy_(ref.fp8_dequantize_reference(input, scale, out_dtype))
         return out
-    ops.fp8_dequantize_op(_as_kernel_rows(_u8(input)), scale, _as_kernel_rows(out),
-                          F.FP8_CODE[input.dtype], resolve_pdl(enable_pdl, input.device))
+    ops.fp8_dequantize_op(
+        _as_kernel_rows(_u8(input)),
+        scale,
+        _as_kernel_rows(out),
+        F.FP8_CODE[input.dtype],
+        resolve_pdl(enable_pdl, input.device),
+    )
     return out
 
 
@@ -244,8 +262,17 @@ def _alloc_fp4(input, layout, out, scale_out):
 
 @fast_op
 @v.checked(writes=("out", "scale_out"))
-def fp4_quantize(input, global_scale, *, layout: str = "swizzled_128x4", recipe: str = "fast",
-                 out=None, scale_out=None, enable_pdl=None, impl: str = "auto"):  # fmt: skip
+def fp4_quantize(
+    input,
+    global_scale,
+    *,
+    layout: str = "swizzled_128x4",
+    recipe: str = "fast",
+    out=None,
+    scale_out=None,
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """NVFP4 quantization (spec: NVFP4 format) of ``input`` [M, H] (BF16/FP16/FP32, H % 16 == 0).
 
     Per 16-element block: ``sf = e4m3(gs * (amax * R6))`` (R6 = RNE(1/6)); block zeroed when
@@ -266,15 +293,18 @@ def fp4_quantize(input, global_scale, *, layout: str = "swizzled_128x4", recipe:
         out.copy_(packed)
         scale_out.copy_(scales)
         return out, scale_out
-    ops.fp4_quantize_op(input, global_scale, out, scale_out, layout, recipe,
-                        resolve_pdl(enable_pdl, input.device))  # fmt: skip
+    ops.fp4_quantize_op(
+        input, global_scale, out, scale_out, layout, recipe, resolve_pdl(enable_pdl, input.device)
+    )
     return out, scale_out
 
 
-def supports_fp4_quantize(input, global_scale, layout: str = "swizzled_128x4",
-                          recipe: str = "fast") -> bool:  # fmt: skip
-    return _supported(_check_fp4_quantize, "fp4_quantize", input, global_scale, layout, recipe,
-                      None, None)  # fmt: skip
+def supports_fp4_quantize(
+    input, global_scale, layout: str = "swizzled_128x4", recipe: str = "fast"
+) -> bool:
+    return _supported(
+        _check_fp4_quantize, "fp4_quantize", input, global_scale, layout, recipe, None, None
+    )
 
 
 def _check_fp4_dequantize(op, packed, scales, global_scale, layout, out_dtype, out) -> None:
@@ -282,8 +312,10 @@ def _check_fp4_dequantize(op, packed, scales, global_scale, layout, out_dtype, o
     _check_choice(op, "layout", layout, F.LAYOUTS)
     m, half = packed.shape
     if (2 * half) % 16 != 0:
-        raise ValueError(f"moefuse.{op}: argument 'packed' must have H/2 columns with H % 16 == 0, "
-                         f"got {half} columns")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'packed' must have H/2 columns with H % 16 == 0, "
+            f"got {half} columns"
+        )
     _check_out(op, "scales", scales, scale_shape(m, 2 * half, layout), torch.uint8, packed.device)
     _check_scalar_tensor(op, "global_scale", global_scale, packed.device)
     _check_choice(op, "out_dtype", out_dtype, ACT)
@@ -295,9 +327,17 @@ def _check_fp4_dequantize(op, packed, scales, global_scale, layout, out_dtype, o
 
 @fast_op
 @v.checked(writes=("out",))
-def fp4_dequantize(packed, scales, global_scale, *, layout: str = "swizzled_128x4",
-                   out_dtype=torch.float32, out=None, enable_pdl=None,
-                   impl: str = "auto"):  # fmt: skip
+def fp4_dequantize(
+    packed,
+    scales,
+    global_scale,
+    *,
+    layout: str = "swizzled_128x4",
+    out_dtype=torch.float32,
+    out=None,
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """Inverse of :func:`fp4_quantize`: ``x = cast((e2m1(code) * f32(sf)) / gs)`` (the product is
     exact, the division IEEE). ``packed`` [M, H/2] uint8, ``scales`` in ``layout``. Returns ``out``
     [M, H] of ``out_dtype``."""
@@ -311,26 +351,38 @@ def fp4_dequantize(packed, scales, global_scale, *, layout: str = "swizzled_128x
     if choose_impl(op, impl, packed.device, _reason(packed)) == "reference":
         out.copy_(ref.fp4_dequantize_reference(packed, scales, global_scale, layout, out_dtype))
         return out
-    ops.fp4_dequantize_op(packed, scales, global_scale, out, layout,
-                          resolve_pdl(enable_pdl, packed.device))  # fmt: skip
+    ops.fp4_dequantize_op(
+        packed, scales, global_scale, out, layout, resolve_pdl(enable_pdl, packed.device)
+    )
     return out
 
 
-def supports_fp4_dequantize(packed, scales, global_scale, layout: str = "swizzled_128x4",
-                            out_dtype=torch.float32) -> bool:  # fmt: skip
-    return _supported(_check_fp4_dequantize, "fp4_dequantize", packed, scales, global_scale,
-                      layout, out_dtype, None)  # fmt: skip
+def supports_fp4_dequantize(
+    packed, scales, global_scale, layout: str = "swizzled_128x4", out_dtype=torch.float32
+) -> bool:
+    return _supported(
+        _check_fp4_dequantize,
+        "fp4_dequantize",
+        packed,
+        scales,
+        global_scale,
+        layout,
+        out_dtype,
+        None,
+    )
 
 
 # ----------------------------------------------------------------------------- fused FP8
 def _check_norm_common(op, input, residual, weight, eps, ndims, fused) -> None:
     """``fused``: the op adds ``residual`` (required) before the norm."""
     _check_rows(op, "input", input, HALF, ndims)
-    v.check_tensor(op, "weight", weight, dtypes=WEIGHT_DTYPES, shape=(input.shape[-1],),
-                   device=input.device)  # fmt: skip
+    v.check_tensor(
+        op, "weight", weight, dtypes=WEIGHT_DTYPES, shape=(input.shape[-1],), device=input.device
+    )
     if fused:
-        v.check_tensor(op, "residual", residual, dtypes=(input.dtype,), shape=input.shape,
-                       device=input.device)  # fmt: skip
+        v.check_tensor(
+            op, "residual", residual, dtypes=(input.dtype,), shape=input.shape, device=input.device
+        )
         v.check_no_overlap(op, "residual", residual, "input", input)
         v.check_no_overlap(op, "residual", residual, "weight", weight)
     v.check_eps(op, "eps", eps)
@@ -348,8 +400,14 @@ def _check_norm_fp8(op, input, residual, weight, scale, eps, dtype, out, fused=F
     _check_scalar_tensor(op, "scale", scale, input.device)
     _check_choice(op, "dtype", _fp8_dtype(dtype, None), F.FP8_DTYPES)
     if out is not None:
-        v.check_tensor(op, "out", out, dtypes=F.FP8_DTYPES if dtype is None else (dtype,),
-                       shape=input.shape, device=input.device)  # fmt: skip
+        v.check_tensor(
+            op,
+            "out",
+            out,
+            dtypes=F.FP8_DTYPES if dtype is None else (dtype,),
+            shape=input.shape,
+            device=input.device,
+        )
         for name, t in (("input", input), ("weight", weight), ("residual", residual)):
             if t is not None:
                 v.check_no_overlap(op, "out", out, name, t)
@@ -357,9 +415,18 @@ def _check_norm_fp8(op, input, residual, weight, scale, eps, dtype, out, fused=F
 
 @fast_op
 @v.checked(writes=("out",), reals=("gain_center",))
-def rmsnorm_quant(input, weight, scale, eps: float = 1e-6, *, out=None,
-                  dtype=None, gain_center: float = 0.0, enable_pdl=None,
-                  impl: str = "auto"):  # fmt: skip
+def rmsnorm_quant(
+    input,
+    weight,
+    scale,
+    eps: float = 1e-6,
+    *,
+    out=None,
+    dtype=None,
+    gain_center: float = 0.0,
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """RMSNorm + static FP8 (spec): ``out = e8(((x * r) * g) * (1/scale))``, the UNROUNDED
     FP32 norm output quantized, ``g = f32(weight) + gain_center`` (1.0 = Gemma).
 
@@ -378,21 +445,40 @@ def rmsnorm_quant(input, weight, scale, eps: float = 1e-6, *, out=None,
     if choose_impl(op, impl, input.device, _reason(input)) == "reference":
         out.copy_(ref.rmsnorm_quant_reference(input, weight, scale, eps, dtype, gain_center))
         return out
-    ops.rmsnorm_quant_op(input, weight, scale, _u8(out), F.FP8_CODE[dtype], float(eps),
-                         float(gain_center), resolve_pdl(enable_pdl, input.device))
+    ops.rmsnorm_quant_op(
+        input,
+        weight,
+        scale,
+        _u8(out),
+        F.FP8_CODE[dtype],
+        float(eps),
+        float(gain_center),
+        resolve_pdl(enable_pdl, input.device),
+    )
     return out
 
 
 def supports_rmsnorm_quant(input, weight, scale, dtype=None) -> bool:
-    return _supported(_check_norm_fp8, "rmsnorm_quant", input, None, weight, scale, 1e-6, dtype,
-                      None)  # fmt: skip
+    return _supported(
+        _check_norm_fp8, "rmsnorm_quant", input, None, weight, scale, 1e-6, dtype, None
+    )
 
 
 @fast_op
 @v.checked(writes=("out", "residual"), reals=("gain_center",))
-def fused_add_rmsnorm_quant(input, residual, weight, scale, eps: float = 1e-6, *, out=None,
-                            dtype=None, gain_center: float = 0.0,
-                            enable_pdl=None, impl: str = "auto"):  # fmt: skip
+def fused_add_rmsnorm_quant(
+    input,
+    residual,
+    weight,
+    scale,
+    eps: float = 1e-6,
+    *,
+    out=None,
+    dtype=None,
+    gain_center: float = 0.0,
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """Residual add + RMSNorm + static FP8 (spec: fused_add_rmsnorm_quant)::
 
         h = f32(input) + f32(residual);  residual <- cast(h)          # in place
@@ -410,24 +496,55 @@ def fused_add_rmsnorm_quant(input, residual, weight, scale, eps: float = 1e-6, *
         return out
     if choose_impl(op, impl, input.device, _reason(input)) == "reference":
         q, res_out = ref.fused_add_rmsnorm_quant_reference(
-            input, residual, weight, scale, eps, dtype, gain_center)  # fmt: skip
+            input, residual, weight, scale, eps, dtype, gain_center
+        )
         out.copy_(q)
         residual.copy_(res_out)
         return out
-    ops.fused_add_rmsnorm_quant_op(input, residual, weight, scale, _u8(out), F.FP8_CODE[dtype],
-                                   float(eps), float(gain_center),
-                                   resolve_pdl(enable_pdl, input.device))  # fmt: skip
+    ops.fused_add_rmsnorm_quant_op(
+        input,
+        residual,
+        weight,
+        scale,
+        _u8(out),
+        F.FP8_CODE[dtype],
+        float(eps),
+        float(gain_center),
+        resolve_pdl(enable_pdl, input.device),
+    )
     return out
 
 
 def supports_fused_add_rmsnorm_quant(input, residual, weight, scale, dtype=None) -> bool:
-    return _supported(_check_norm_fp8, "fused_add_rmsnorm_quant", input, residual, weight, scale,
-                      1e-6, dtype, None, True)  # fmt: skip
+    return _supported(
+        _check_norm_fp8,
+        "fused_add_rmsnorm_quant",
+        input,
+        residual,
+        weight,
+        scale,
+        1e-6,
+        dtype,
+        None,
+        True,
+    )
 
 
 # ----------------------------------------------------------------------------- fused NVFP4
-def _check_norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, out,
-                    scale_out, norm_out, fused=False) -> None:  # fmt: skip
+def _check_norm_fp4(
+    op,
+    input,
+    residual,
+    weight,
+    global_scale,
+    eps,
+    layout,
+    recipe,
+    out,
+    scale_out,
+    norm_out,
+    fused=False,
+) -> None:
     _check_fp4_input(op, input)
     _check_norm_common(op, input, residual, weight, eps, (2,), fused)
     _check_scalar_tensor(op, "global_scale", global_scale, input.device)
@@ -436,8 +553,9 @@ def _check_norm_fp4(op, input, residual, weight, global_scale, eps, layout, reci
     _check_fp4_outputs(op, input, layout, out, scale_out)
     outs = [("out", out), ("scale_out", scale_out)]
     if norm_out is not None:
-        v.check_tensor(op, "norm_out", norm_out, dtypes=(input.dtype,), shape=input.shape,
-                       device=input.device)  # fmt: skip
+        v.check_tensor(
+            op, "norm_out", norm_out, dtypes=(input.dtype,), shape=input.shape, device=input.device
+        )
         v.check_alias_exact_or_disjoint(op, "norm_out", norm_out, "input", input)
         outs.append(("norm_out", norm_out))
     if residual is not None:
@@ -451,20 +569,49 @@ def _check_norm_fp4(op, input, residual, weight, global_scale, eps, layout, reci
                 v.check_no_overlap(op, name_a, a, name_b, b)
 
 
-def _norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, gain_center, out,
-              scale_out, norm_out, enable_pdl, impl, fused):  # fmt: skip
-    _check_norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, out,
-                    scale_out, norm_out, fused)  # fmt: skip
+def _norm_fp4(
+    op,
+    input,
+    residual,
+    weight,
+    global_scale,
+    eps,
+    layout,
+    recipe,
+    gain_center,
+    out,
+    scale_out,
+    norm_out,
+    enable_pdl,
+    impl,
+    fused,
+):
+    _check_norm_fp4(
+        op,
+        input,
+        residual,
+        weight,
+        global_scale,
+        eps,
+        layout,
+        recipe,
+        out,
+        scale_out,
+        norm_out,
+        fused,
+    )
     out, scale_out = _alloc_fp4(input, layout, out, scale_out)
     if scale_out.numel() == 0:
         return out, scale_out
     if choose_impl(op, impl, input.device, _reason(input)) == "reference":
         if not fused:
             packed, scales, y = ref.rmsnorm_fp4_quantize_reference(
-                input, weight, global_scale, eps, layout, recipe, gain_center)  # fmt: skip
+                input, weight, global_scale, eps, layout, recipe, gain_center
+            )
         else:
             packed, scales, y, res_out = ref.fused_add_rmsnorm_fp4_quantize_reference(
-                input, residual, weight, global_scale, eps, layout, recipe, gain_center)
+                input, residual, weight, global_scale, eps, layout, recipe, gain_center
+            )
             residual.copy_(res_out)
         out.copy_(packed)
         scale_out.copy_(scales)
@@ -473,21 +620,54 @@ def _norm_fp4(op, input, residual, weight, global_scale, eps, layout, recipe, ga
         return out, scale_out
     use_pdl = resolve_pdl(enable_pdl, input.device)
     if not fused:
-        ops.rmsnorm_fp4_quantize_op(input, weight, global_scale, out, scale_out, norm_out,
-                                    float(eps), float(gain_center), layout, recipe, use_pdl)
+        ops.rmsnorm_fp4_quantize_op(
+            input,
+            weight,
+            global_scale,
+            out,
+            scale_out,
+            norm_out,
+            float(eps),
+            float(gain_center),
+            layout,
+            recipe,
+            use_pdl,
+        )
     else:
         ops.fused_add_rmsnorm_fp4_quantize_op(
-            input, residual, weight, global_scale, out, scale_out, norm_out, float(eps),
-            float(gain_center), layout, recipe, use_pdl)  # fmt: skip
+            input,
+            residual,
+            weight,
+            global_scale,
+            out,
+            scale_out,
+            norm_out,
+            float(eps),
+            float(gain_center),
+            layout,
+            recipe,
+            use_pdl,
+        )
     return out, scale_out
 
 
 @fast_op
 @v.checked(writes=("out", "scale_out", "norm_out"), reals=("gain_center",))
-def rmsnorm_fp4_quantize(input, weight, global_scale, eps: float = 1e-6, *,
-                         layout: str = "swizzled_128x4", recipe: str = "fast",
-                         gain_center: float = 0.0, out=None, scale_out=None, norm_out=None,
-                         enable_pdl=None, impl: str = "auto"):  # fmt: skip
+def rmsnorm_fp4_quantize(
+    input,
+    weight,
+    global_scale,
+    eps: float = 1e-6,
+    *,
+    layout: str = "swizzled_128x4",
+    recipe: str = "fast",
+    gain_center: float = 0.0,
+    out=None,
+    scale_out=None,
+    norm_out=None,
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """RMSNorm + NVFP4 in one pass: ``y = cast((x * r) * g)`` rounded to the input dtype (as the
     unfused pipeline would store it), then :func:`fp4_quantize` of ``y``.
 
@@ -495,33 +675,100 @@ def rmsnorm_fp4_quantize(input, weight, global_scale, eps: float = 1e-6, *,
     ``norm_out`` (optional, like ``input``, may be ``input`` itself) also receives ``y``.
     Returns ``(out uint8 [M, H/2], scale_out uint8 scale_shape(M, H, layout))``.
     """
-    return _norm_fp4("rmsnorm_fp4_quantize", input, None, weight, global_scale, eps, layout,
-                     recipe, gain_center, out, scale_out, norm_out, enable_pdl, impl, False)
+    return _norm_fp4(
+        "rmsnorm_fp4_quantize",
+        input,
+        None,
+        weight,
+        global_scale,
+        eps,
+        layout,
+        recipe,
+        gain_center,
+        out,
+        scale_out,
+        norm_out,
+        enable_pdl,
+        impl,
+        False,
+    )
 
 
 @fast_op
 @v.checked(writes=("out", "scale_out", "norm_out", "residual"), reals=("gain_center",))
-def fused_add_rmsnorm_fp4_quantize(input, residual, weight, global_scale, eps: float = 1e-6, *,
-                                   layout: str = "swizzled_128x4", recipe: str = "fast",
-                                   gain_center: float = 0.0, out=None, scale_out=None,
-                                   norm_out=None, enable_pdl=None,
-                                   impl: str = "auto"):  # fmt: skip
+def fused_add_rmsnorm_fp4_quantize(
+    input,
+    residual,
+    weight,
+    global_scale,
+    eps: float = 1e-6,
+    *,
+    layout: str = "swizzled_128x4",
+    recipe: str = "fast",
+    gain_center: float = 0.0,
+    out=None,
+    scale_out=None,
+    norm_out=None,
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """Residual add + RMSNorm + NVFP4: ``h = f32(input) + f32(residual)``, ``residual <- cast(h)``
     (in place), ``y = cast((h * r) * g)`` with r from the FP32 h (spec), then NVFP4 of ``y``.
     ``input`` is not modified unless it is passed as ``norm_out``. Returns ``(out, scale_out)``.
     """
-    return _norm_fp4("fused_add_rmsnorm_fp4_quantize", input, residual, weight, global_scale, eps,
-                     layout, recipe, gain_center, out, scale_out, norm_out, enable_pdl, impl,
-                     True)
+    return _norm_fp4(
+        "fused_add_rmsnorm_fp4_quantize",
+        input,
+        residual,
+        weight,
+        global_scale,
+        eps,
+        layout,
+        recipe,
+        gain_center,
+        out,
+        scale_out,
+        norm_out,
+        enable_pdl,
+        impl,
+        True,
+    )
 
 
-def supports_rmsnorm_fp4_quantize(input, weight, global_scale, layout="swizzled_128x4",
-                                  recipe="fast") -> bool:  # fmt: skip
-    return _supported(_check_norm_fp4, "rmsnorm_fp4_quantize", input, None, weight, global_scale,
-                      1e-6, layout, recipe, None, None, None)  # fmt: skip
+def supports_rmsnorm_fp4_quantize(
+    input, weight, global_scale, layout="swizzled_128x4", recipe="fast"
+) -> bool:
+    return _supported(
+        _check_norm_fp4,
+        "rmsnorm_fp4_quantize",
+        input,
+        None,
+        weight,
+        global_scale,
+        1e-6,
+        layout,
+        recipe,
+        None,
+        None,
+        None,
+    )
 
 
-def supports_fused_add_rmsnorm_fp4_quantize(input, residual, weight, global_scale,
-                                            layout="swizzled_128x4", recipe="fast") -> bool:
-    return _supported(_check_norm_fp4, "fused_add_rmsnorm_fp4_quantize", input, residual, weight,
-                      global_scale, 1e-6, layout, recipe, None, None, None, True)  # fmt: skip
+def supports_fused_add_rmsnorm_fp4_quantize(
+    input, residual, weight, global_scale, layout="swizzled_128x4", recipe="fast"
+) -> bool:
+    return _supported(
+        _check_norm_fp4,
+        "fused_add_rmsnorm_fp4_quantize",
+        input,
+        residual,
+        weight,
+        global_scale,
+        1e-6,
+        layout,
+        recipe,
+        None,
+        None,
+        None,
+        True,
+    )

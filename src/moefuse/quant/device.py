@@ -108,8 +108,12 @@ def _e4m3_ptx(x):
         "and.b32 u, u, t;\n"
         "and.b32 u, u, 0x80808080;\n"
         "xor.b32 $0, t, u; }",
-        "=r,r,r,r,r", [x], dtype=tl.uint8, is_pure=True, pack=4,
-    )  # fmt: skip
+        "=r,r,r,r,r",
+        [x],
+        dtype=tl.uint8,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -144,8 +148,9 @@ def fp8_encode(x, FMT: tl.constexpr, PTX: tl.constexpr, PACKED: tl.constexpr = T
 
 
 @triton.jit
-def _fp8_decode_fmt(q, MAN: tl.constexpr, BIAS: tl.constexpr, SUB_UNIT: tl.constexpr,
-                    HAS_INF: tl.constexpr):
+def _fp8_decode_fmt(
+    q, MAN: tl.constexpr, BIAS: tl.constexpr, SUB_UNIT: tl.constexpr, HAS_INF: tl.constexpr
+):
     qi = q.to(tl.uint32) & 0xFF
     sign = (qi & 0x80) << 24
     mag = qi & 0x7F
@@ -204,8 +209,12 @@ def _e2m1_round(a, PTX: tl.constexpr):
             "shr.u32 s, t, 22;\n"
             "add.u32 t, t, s;\n"
             "add.rn.f32 $0, c, t; }",
-            "=r,r", [a], dtype=tl.uint32, is_pure=True, pack=1,
-        )  # fmt: skip
+            "=r,r",
+            [a],
+            dtype=tl.uint32,
+            is_pure=True,
+            pack=1,
+        )
     else:
         X: tl.constexpr = (22 << 23) - 297  # 0x0AFFFED7
         B: tl.constexpr = (127 << 23) + X  # 0x4A7FFED7: e' >= 0 (E2M1's minimum normal exponent)
@@ -333,16 +342,18 @@ def nvfp4_quantize_blocks(v, gs, rcp_gs, RECIPE: tl.constexpr, PTX: tl.constexpr
 
 
 @triton.jit
-def nvfp4_quantize_rows(v, gs, rcp_gs, BLOCK_H: tl.constexpr, RECIPE: tl.constexpr,
-                        PTX: tl.constexpr):
+def nvfp4_quantize_rows(
+    v, gs, rcp_gs, BLOCK_H: tl.constexpr, RECIPE: tl.constexpr, PTX: tl.constexpr
+):
     """NVFP4-quantize a ``[ROWS, BLOCK_H]`` FP32 tile of whole rows (BLOCK_H % 16 == 0).
 
     Returns ``(packed [ROWS, BLOCK_H // 2] uint8, sf [ROWS, BLOCK_H // 16] uint8)``. Columns past
     the real H must hold 0; the caller masks their stores. Numerics of ``nvfp4_quantize_3d``.
     """
     ROWS: tl.constexpr = v.shape[0]
-    packed, sf = nvfp4_quantize_3d(tl.reshape(v, (ROWS, BLOCK_H // 16, 16)), gs, rcp_gs, RECIPE,
-                                   PTX)
+    packed, sf = nvfp4_quantize_3d(
+        tl.reshape(v, (ROWS, BLOCK_H // 16, 16)), gs, rcp_gs, RECIPE, PTX
+    )
     return tl.reshape(packed, (ROWS, BLOCK_H // 2)), sf
 
 

@@ -25,8 +25,15 @@ R6 = torch.tensor([0x3E2AAAAB], dtype=torch.int32).view(torch.float32).item()  #
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # (threshold, strict): code += 1 when |x| > t (strict) or |x| >= t (not strict).
-_E2M1_STEPS = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False),
-               (5.0, True))
+_E2M1_STEPS = (
+    (0.25, True),
+    (0.75, False),
+    (1.25, True),
+    (1.75, False),
+    (2.5, True),
+    (3.5, False),
+    (5.0, True),
+)
 
 
 def round_up(x: int, m: int) -> int:
@@ -164,8 +171,9 @@ def scale_offsets(m: int, kb: int, layout: str) -> torch.Tensor:
         return r * kb + k
     kp = round_up(kb, 4)
     if layout == "swizzled_128x4":
-        return (r // 128) * (kp * 128) + (k // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 \
-            + k % 4
+        return (
+            (r // 128) * (kp * 128) + (k // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + k % 4
+        )
     return (r // 8) * (kp * 8) + (k // 4) * 32 + (r % 8) * 4 + k % 4
 
 

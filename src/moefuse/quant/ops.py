@@ -128,9 +128,7 @@ def _(input, residual, weight, scale, out, fmt, eps, gain_center, use_pdl):
     return None
 
 
-@custom_op(
-    "moefuse::rmsnorm_fp4_quantize", mutates_args=("packed", "scales", "norm_out")
-)
+@custom_op("moefuse::rmsnorm_fp4_quantize", mutates_args=("packed", "scales", "norm_out"))
 def rmsnorm_fp4_quantize_op(
     input: Tensor,
     weight: Tensor,
@@ -146,13 +144,26 @@ def rmsnorm_fp4_quantize_op(
 ) -> None:
     from moefuse.quant.fused import launch_rmsnorm_fp4
 
-    launch_rmsnorm_fp4(input, None, weight, global_scale, packed, scales, norm_out, eps,
-                       gain_center, layout, recipe, use_pdl)  # fmt: skip
+    launch_rmsnorm_fp4(
+        input,
+        None,
+        weight,
+        global_scale,
+        packed,
+        scales,
+        norm_out,
+        eps,
+        gain_center,
+        layout,
+        recipe,
+        use_pdl,
+    )
 
 
 @rmsnorm_fp4_quantize_op.register_fake
-def _(input, weight, global_scale, packed, scales, norm_out, eps, gain_center, layout, recipe,
-      use_pdl):  # fmt: skip
+def _(
+    input, weight, global_scale, packed, scales, norm_out, eps, gain_center, layout, recipe, use_pdl
+):
     return None
 
 
@@ -176,11 +187,35 @@ def fused_add_rmsnorm_fp4_quantize_op(
 ) -> None:
     from moefuse.quant.fused import launch_rmsnorm_fp4
 
-    launch_rmsnorm_fp4(input, residual, weight, global_scale, packed, scales, norm_out, eps,
-                       gain_center, layout, recipe, use_pdl)  # fmt: skip
+    launch_rmsnorm_fp4(
+        input,
+        residual,
+        weight,
+        global_scale,
+        packed,
+        scales,
+        norm_out,
+        eps,
+        gain_center,
+        layout,
+        recipe,
+        use_pdl,
+    )
 
 
 @fused_add_rmsnorm_fp4_quantize_op.register_fake
-def _(input, residual, weight, global_scale, packed, scales, norm_out, eps, gain_center, layout,
-      recipe, use_pdl):  # fmt: skip
+def _(
+    input,
+    residual,
+    weight,
+    global_scale,
+    packed,
+    scales,
+    norm_out,
+    eps,
+    gain_center,
+    layout,
+    recipe,
+    use_pdl,
+):
     return None

@@ -42,25 +42,39 @@ def _ptx() -> bool:
 
 def _fp8_metadata(grid, kernel, args):
     n, h = args["n_rows"], args["H"]
-    return {"name": f"fp8_quantize M={n} H={h}",
-            "bytes": n * h * (args["x_ptr"].element_size() + 1)}  # fmt: skip
+    return {
+        "name": f"fp8_quantize M={n} H={h}",
+        "bytes": n * h * (args["x_ptr"].element_size() + 1),
+    }
 
 
 def _fp4_metadata(grid, kernel, args):
     n, kb = args["n_rows"], args["KB"]
     scales = args["n_rows_padded"] * args["n_kcols"]
-    return {"name": f"fp4_quantize M={n} H={16 * kb}",
-            "bytes": n * kb * 16 * args["x_ptr"].element_size() + n * kb * 8 + scales}
+    return {
+        "name": f"fp4_quantize M={n} H={16 * kb}",
+        "bytes": n * kb * 16 * args["x_ptr"].element_size() + n * kb * 8 + scales,
+    }
 
 
 # ----------------------------------------------------------------------------- FP8 static
 @triton.jit(do_not_specialize=["n_rows"], launch_metadata=_fp8_metadata)
 def _fp8_quantize_kernel(
-    x_ptr, scale_ptr, q_ptr,
-    n_rows, H, HEADS, x_st, x_sh, q_st,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    scale_ptr,
+    q_ptr,
+    n_rows,
+    H,
+    HEADS,
+    x_st,
+    x_sh,
+    q_st,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """q[row, col] = e8(f32(x) * (1/scale)); rows addressed (row // HEADS, row % HEADS)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,8 +84,9 @@ def _fp8_quantize_kernel(
     if USE_PDL:
         gdc_wait()
     inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
-    x = tl.load(x_ptr + x_row + cols[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+    x = tl.load(
+        x_ptr + x_row + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+    ).to(tl.float32)
     if USE_PDL:
         gdc_launch_dependents()
     q = D.fp8_encode(x * inv, FMT, PTX)
@@ -91,8 +106,9 @@ def _rows_of(t: torch.Tensor) -> tuple[int, int, int, int]:
     return t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1)
 
 
-def launch_fp8_quantize(input, scale, q, fmt: int, use_pdl: bool,
-                        tile: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+def launch_fp8_quantize(
+    input, scale, q, fmt: int, use_pdl: bool, tile: tuple[int, int, int] | None = None
+) -> None:
     """``input`` 2-D/3-D (last dim contiguous), ``q`` contiguous uint8 (FP8 bits, format ``fmt``)
     of the same shape. ``tile`` = (BLOCK_M, BLOCK_N, warps) overrides the width's tile (sweeps)."""
     n_rows, heads, x_st, x_sh = _rows_of(input)
@@ -101,22 +117,46 @@ def launch_fp8_quantize(input, scale, q, fmt: int, use_pdl: bool,
         return
     bm, bn, warps = tile or _elementwise_tile(width)
     grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
-    launch(_fp8_quantize_kernel, grid,
-        input, scale, q,
-        n_rows, width, heads, x_st, x_sh, width,
-        BLOCK_M=bm, BLOCK_N=bn, FMT=fmt, PTX=_ptx(), USE_PDL=use_pdl,
-        num_warps=warps, **_pdl_kwargs(use_pdl),
-    )  # fmt: skip
+    launch(
+        _fp8_quantize_kernel,
+        grid,
+        input,
+        scale,
+        q,
+        n_rows,
+        width,
+        heads,
+        x_st,
+        x_sh,
+        width,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        FMT=fmt,
+        PTX=_ptx(),
+        USE_PDL=use_pdl,
+        num_warps=warps,
+        **_pdl_kwargs(use_pdl),
+    )
 
 
 # ----------------------------------------------------------------------------- FP8 per token
 @triton.jit(do_not_specialize=["n_rows"])
 def _fp8_per_token_kernel(
-    x_ptr, q_ptr, s_ptr,
-    n_rows, H, HEADS, x_st, x_sh, q_st,
-    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    n_rows,
+    H,
+    HEADS,
+    x_st,
+    x_sh,
+    q_st,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    ROWS: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """s = max(amax/448, 2^-9/448) per row (NaN propagates); q = e4m3(v / s), IEEE division."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < n_rows
@@ -168,22 +208,47 @@ def launch_fp8_quantize_per_token(input, q, scales, use_pdl: bool) -> None:
     if n_rows == 0:
         return
     tile = row_tile(max(width, 1))
-    launch(_fp8_per_token_kernel, tile.grid(n_rows),
-        input, q, scales,
-        n_rows, width, heads, x_st, x_sh, width,
-        BLOCK=tile.block, NUM_CHUNKS=tile.num_chunks, ROWS=tile.rows, PTX=_ptx(),
-        USE_PDL=use_pdl, num_warps=tile.num_warps, **_pdl_kwargs(use_pdl),
-    )  # fmt: skip
+    launch(
+        _fp8_per_token_kernel,
+        tile.grid(n_rows),
+        input,
+        q,
+        scales,
+        n_rows,
+        width,
+        heads,
+        x_st,
+        x_sh,
+        width,
+        BLOCK=tile.block,
+        NUM_CHUNKS=tile.num_chunks,
+        ROWS=tile.rows,
+        PTX=_ptx(),
+        USE_PDL=use_pdl,
+        num_warps=tile.num_warps,
+        **_pdl_kwargs(use_pdl),
+    )
 
 
 # ----------------------------------------------------------------------------- FP8 dequant
 @triton.jit(do_not_specialize=["n_rows"])
 def _fp8_dequantize_kernel(
-    q_ptr, scale_ptr, out_ptr,
-    n_rows, H, HEADS, q_st, q_sh, o_st, s_st,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    scale_ptr,
+    out_ptr,
+    n_rows,
+    H,
+    HEADS,
+    q_st,
+    q_sh,
+    o_st,
+    s_st,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """out = cast(f32(q) * scale[row * s_st]) (s_st = 0: one per-tensor scale)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,8 +263,11 @@ def _fp8_dequantize_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     val = D.fp8_decode(qb, FMT) * s
-    tl.store(out_ptr + (r64 * o_st)[:, None] + cols[None, :],
-             round_to(val, out_ptr.dtype.element_ty, PTX), mask=mask)  # fmt: skip
+    tl.store(
+        out_ptr + (r64 * o_st)[:, None] + cols[None, :],
+        round_to(val, out_ptr.dtype.element_ty, PTX),
+        mask=mask,
+    )
 
 
 def launch_fp8_dequantize(input, scale, out, fmt: int, use_pdl: bool) -> None:
@@ -209,22 +277,49 @@ def launch_fp8_dequantize(input, scale, out, fmt: int, use_pdl: bool) -> None:
         return
     bm, bn, warps = _elementwise_tile(width)
     grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
-    launch(_fp8_dequantize_kernel, grid,
-        input, scale, out,
-        n_rows, width, heads, q_st, q_sh, width, 0 if scale.numel() == 1 else 1,
-        BLOCK_M=bm, BLOCK_N=bn, FMT=fmt, PTX=_ptx(), USE_PDL=use_pdl,
-        num_warps=warps, **_pdl_kwargs(use_pdl),
-    )  # fmt: skip
+    launch(
+        _fp8_dequantize_kernel,
+        grid,
+        input,
+        scale,
+        out,
+        n_rows,
+        width,
+        heads,
+        q_st,
+        q_sh,
+        width,
+        0 if scale.numel() == 1 else 1,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        FMT=fmt,
+        PTX=_ptx(),
+        USE_PDL=use_pdl,
+        num_warps=warps,
+        **_pdl_kwargs(use_pdl),
+    )
 
 
 # ----------------------------------------------------------------------------- NVFP4
 @triton.jit(do_not_specialize=["n_rows", "n_rows_padded"], launch_metadata=_fp4_metadata)
 def _fp4_quantize_kernel(
-    x_ptr, gs_ptr, p_ptr, s_ptr,
-    n_rows, n_rows_padded, KB, n_kcols, x_st, p_st,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RECIPE: tl.constexpr, LAYOUT: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    gs_ptr,
+    p_ptr,
+    s_ptr,
+    n_rows,
+    n_rows_padded,
+    KB,
+    n_kcols,
+    x_st,
+    p_st,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RECIPE: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """One [BLOCK_M rows, BLOCK_K blocks, 16] tile; the grid covers the padded scale matrix."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -235,14 +330,17 @@ def _fp4_quantize_kernel(
     if USE_PDL:
         gdc_wait()
     gs = tl.load(gs_ptr).to(tl.float32)
-    x = tl.load(x_ptr + (r64 * x_st)[:, None, None] + cols[None, :, :], mask=live[:, :, None],
-                other=0.0, eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+    x = tl.load(
+        x_ptr + (r64 * x_st)[:, None, None] + cols[None, :, :],
+        mask=live[:, :, None],
+        other=0.0,
+        eviction_policy="evict_first",
+    ).to(tl.float32)
     if USE_PDL:
         gdc_launch_dependents()
     packed, sf = D.nvfp4_quantize_3d(x, gs, rcp_fast(gs, PTX), RECIPE, PTX)
     pcols = ks[:, None] * 8 + tl.arange(0, 8)[None, :]
-    tl.store(p_ptr + (r64 * p_st)[:, None, None] + pcols[None, :, :], packed,
-             mask=live[:, :, None])  # fmt: skip
+    tl.store(p_ptr + (r64 * p_st)[:, None, None] + pcols[None, :, :], packed, mask=live[:, :, None])
     off = D.scale_offset(r64[:, None], ks[None, :].to(tl.int64), n_kcols, LAYOUT)
     smask = (rows < n_rows_padded)[:, None] & (ks < n_kcols)[None, :]
     tl.store(s_ptr + off, tl.where(live, sf, 0), mask=smask)
@@ -266,9 +364,16 @@ def _fp4_tile(kb: int, max_blocks: int = 8) -> tuple[int, int, int]:
     return block_m, block_k, 4
 
 
-def launch_fp4_quantize(input, global_scale, packed, scales, layout: str, recipe: str,
-                        use_pdl: bool,
-                        tile: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+def launch_fp4_quantize(
+    input,
+    global_scale,
+    packed,
+    scales,
+    layout: str,
+    recipe: str,
+    use_pdl: bool,
+    tile: tuple[int, int, int] | None = None,
+) -> None:
     """``input`` [M, H] (H % 16 == 0, unit last stride); outputs allocated by the caller.
     ``tile`` = (BLOCK_M, BLOCK_K, warps) overrides the width's tile (sweeps; no bit changes)."""
     m, width = input.shape
@@ -278,21 +383,47 @@ def launch_fp4_quantize(input, global_scale, packed, scales, layout: str, recipe
         return
     bm, bk, warps = tile or _fp4_tile(kb, FP4_QUANT_MAX_BLOCKS)
     grid = (triton.cdiv(rows_p, bm), triton.cdiv(n_kcols, bk))
-    launch(_fp4_quantize_kernel, grid,
-        input, global_scale, packed, scales,
-        m, rows_p, kb, n_kcols, input.stride(0), packed.stride(0),
-        BLOCK_M=bm, BLOCK_K=bk, RECIPE=RECIPES[recipe], LAYOUT=LAYOUTS[layout], PTX=_ptx(),
-        USE_PDL=use_pdl, num_warps=warps, **_pdl_kwargs(use_pdl),
-    )  # fmt: skip
+    launch(
+        _fp4_quantize_kernel,
+        grid,
+        input,
+        global_scale,
+        packed,
+        scales,
+        m,
+        rows_p,
+        kb,
+        n_kcols,
+        input.stride(0),
+        packed.stride(0),
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+        RECIPE=RECIPES[recipe],
+        LAYOUT=LAYOUTS[layout],
+        PTX=_ptx(),
+        USE_PDL=use_pdl,
+        num_warps=warps,
+        **_pdl_kwargs(use_pdl),
+    )
 
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _fp4_dequantize_kernel(
-    p_ptr, s_ptr, gs_ptr, out_ptr,
-    n_rows, KB, n_kcols, p_st, o_st,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LAYOUT: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    p_ptr,
+    s_ptr,
+    gs_ptr,
+    out_ptr,
+    n_rows,
+    KB,
+    n_kcols,
+    p_st,
+    o_st,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """out = cast((e2m1(code) * f32(sf)) / gs) over [BLOCK_M, BLOCK_K, 16] tiles."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -302,8 +433,9 @@ def _fp4_dequantize_kernel(
     if USE_PDL:
         gdc_wait()
     gs = tl.load(gs_ptr).to(tl.float32)
-    pk = tl.load(p_ptr + (r64 * p_st)[:, None, None] + pcols[None, :, :],
-                 mask=live[:, :, None], other=0).to(tl.int32)  # fmt: skip
+    pk = tl.load(
+        p_ptr + (r64 * p_st)[:, None, None] + pcols[None, :, :], mask=live[:, :, None], other=0
+    ).to(tl.int32)
     off = D.scale_offset(r64[:, None], ks[None, :].to(tl.int64), n_kcols, LAYOUT)
     sf = tl.load(s_ptr + off, mask=live, other=0)
     if USE_PDL:
@@ -312,8 +444,11 @@ def _fp4_dequantize_kernel(
     prod = D.e2m1_decode(nib) * D.fp8_decode(sf, 0)[:, :, None]
     val = tl.math.div_rn(prod, tl.zeros_like(prod) + gs)
     cols = ks[:, None] * 16 + tl.arange(0, 16)[None, :]
-    tl.store(out_ptr + (r64 * o_st)[:, None, None] + cols[None, :, :],
-             round_to(val, out_ptr.dtype.element_ty, PTX), mask=live[:, :, None])  # fmt: skip
+    tl.store(
+        out_ptr + (r64 * o_st)[:, None, None] + cols[None, :, :],
+        round_to(val, out_ptr.dtype.element_ty, PTX),
+        mask=live[:, :, None],
+    )
 
 
 def launch_fp4_dequantize(packed, scales, global_scale, out, layout: str, use_pdl: bool) -> None:
@@ -324,12 +459,26 @@ def launch_fp4_dequantize(packed, scales, global_scale, out, layout: str, use_pd
     n_kcols = scale_layout_shape(m, kb, layout)[1]
     bm, bk, warps = _fp4_tile(kb)
     grid = (triton.cdiv(m, bm), triton.cdiv(kb, bk))
-    launch(_fp4_dequantize_kernel, grid,
-        packed, scales, global_scale, out,
-        m, kb, n_kcols, packed.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_K=bk, LAYOUT=LAYOUTS[layout], PTX=_ptx(), USE_PDL=use_pdl,
-        num_warps=warps, **_pdl_kwargs(use_pdl),
-    )  # fmt: skip
+    launch(
+        _fp4_dequantize_kernel,
+        grid,
+        packed,
+        scales,
+        global_scale,
+        out,
+        m,
+        kb,
+        n_kcols,
+        packed.stride(0),
+        out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+        LAYOUT=LAYOUTS[layout],
+        PTX=_ptx(),
+        USE_PDL=use_pdl,
+        num_warps=warps,
+        **_pdl_kwargs(use_pdl),
+    )
 
 
 # ----------------------------------------------------------------------------- test helper
@@ -346,6 +495,13 @@ def rcp_approx(x: torch.Tensor) -> torch.Tensor:
     x = x.float().contiguous()
     y = torch.empty_like(x)
     if x.numel():
-        launch(_rcp_approx_kernel, (triton.cdiv(x.numel(), 1024),), x, y, x.numel(), BLOCK=1024,
-                                                              PTX=_ptx())  # fmt: skip
+        launch(
+            _rcp_approx_kernel,
+            (triton.cdiv(x.numel(), 1024),),
+            x,
+            y,
+            x.numel(),
+            BLOCK=1024,
+            PTX=_ptx(),
+        )
     return y

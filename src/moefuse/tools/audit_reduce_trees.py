@@ -32,7 +32,7 @@ import triton
 from moefuse.comm.all_gather import decode as dec
 from moefuse.comm.all_gather import kernels as AG
 from moefuse.comm.all_gather import persistent as fused
-from moefuse.norm import gated, tiles
+from moefuse.norm import gated, rms, tiles
 from moefuse.norm import triton as nt
 from moefuse.tools.compile_check_allgather import DIVISIBLE, OP_TYPES, TYPES, norm_consts
 from moefuse.tools.ptxas import TARGET, specialised_source, with_constexpr_defaults
@@ -47,10 +47,18 @@ def int_values(h: int, p: int) -> dict[str, int]:
     """The integer arguments whose divisibility by 16 the launch sees, for contiguous [M, h] rows
     (row strides h, shard width h / P, head strides 0); other names of compile_check_allgather's
     DIVISIBLE list (capacities, offsets in 16-byte units) count as multiples of 16."""
-    rows = {name: h for name in ("H", "b_st", "r_st", "ro_st", "f_st", "rt_st", "x_st", "o_st",
-                                 "g_st")}  # fmt: skip
-    return {**{name: 16 for name in DIVISIBLE}, **rows, "x_sh": 0, "o_sh": 0, "g_sh": 0,
-            "S": h // p, "s_st": h // p}  # fmt: skip
+    rows = {
+        name: h for name in ("H", "b_st", "r_st", "ro_st", "f_st", "rt_st", "x_st", "o_st", "g_st")
+    }
+    return {
+        **{name: 16 for name in DIVISIBLE},
+        **rows,
+        "x_sh": 0,
+        "o_sh": 0,
+        "g_sh": 0,
+        "S": h // p,
+        "s_st": h // p,
+    }
 
 
 def ttgir(kernel, consts: dict, num_warps: int, types: dict, ints: dict[str, int]) -> str:
@@ -59,8 +67,9 @@ def ttgir(kernel, consts: dict, num_warps: int, types: dict, ints: dict[str, int
     params = inspect.signature(kernel.fn).parameters
     consts = {**{k: v for k, v in EQUAL_TO_ONE.items() if k in params}, **consts}
     consts = with_constexpr_defaults(kernel, {k: v for k, v in consts.items() if k in params})
-    src = specialised_source(kernel, consts, types,
-                             lambda name, t: t.startswith("*") or ints.get(name, 1) % 16 == 0)
+    src = specialised_source(
+        kernel, consts, types, lambda name, t: t.startswith("*") or ints.get(name, 1) % 16 == 0
+    )
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ttgir"]
 
 
@@ -73,8 +82,9 @@ def reduce_trees(ir: str) -> list[str]:
         axis, (shape, dtype, name) = int(head.group(1)), end.groups()
         if not dtype.startswith("f") or axis != shape.count("x"):
             continue  # not a float sum along the row (e.g. a poll over the slots of a tile)
-        fields = re.findall(r"(sizePerThread|threadsPerWarp|warpsPerCTA) = (\[[^\]]*\])",
-                            layouts.get(name, name))  # fmt: skip
+        fields = re.findall(
+            r"(sizePerThread|threadsPerWarp|warpsPerCTA) = (\[[^\]]*\])", layouts.get(name, name)
+        )
         out.append(f"axis {axis} of {shape}: " + " ".join(f"{k}={v}" for k, v in fields))
     return out
 
@@ -84,10 +94,20 @@ def single_gated_next(h: int, router: bool, m: int) -> list[str]:
     consts = nt._row_consts(tile, h, m, None, tiles.STEP_LOOP_MIN_ROWS, True)
     consts.update(ALPHA_MODE=2, HAS_POST_WEIGHT=True, HAS_ROUTER=router)
     warps = consts.pop("num_warps")
-    types = {n: "*fp32" for n in GATED_FP32} | {n: "fp32" for n in (
-        "Hf", "alpha_scalar", "post_eps", "next_eps", "next_gain_center", "post_gain_center")}
-    return reduce_trees(ttgir(gated._gated_residual_next_kernel, consts, warps, types,
-                              int_values(h, 1)))  # fmt: skip
+    types = {n: "*fp32" for n in GATED_FP32} | {
+        n: "fp32"
+        for n in (
+            "Hf",
+            "alpha_scalar",
+            "post_eps",
+            "next_eps",
+            "next_gain_center",
+            "post_gain_center",
+        )
+    }
+    return reduce_trees(
+        ttgir(gated._gated_residual_next_kernel, consts, warps, types, int_values(h, 1))
+    )
 
 
 def single_rmsnorm(h: int, m: int) -> list[str]:
@@ -96,7 +116,7 @@ def single_rmsnorm(h: int, m: int) -> list[str]:
     consts["HAS_GATE"] = False
     warps = consts.pop("num_warps")
     types = {"Hf": "fp32", "eps": "fp32", "gain_center": "fp32"}
-    return reduce_trees(ttgir(nt._rmsnorm_kernel, consts, warps, types, int_values(h, 1)))
+    return reduce_trees(ttgir(rms._rmsnorm_kernel, consts, warps, types, int_values(h, 1)))
 
 
 def allgather_trees(op: int, h: int, p: int, router: bool | None) -> dict[str, list[str]]:
@@ -107,10 +127,11 @@ def allgather_trees(op: int, h: int, p: int, router: bool | None) -> dict[str, l
     if router is not None:
         consts["HAS_ROUTER"] = router
     types = {**TYPES, **OP_TYPES[op]}
-    for name, kernel in (("decode", dec._ag_rmsnorm_kernel),
-                         ("persistent", fused._ag_rmsnorm_persistent_kernel)):  # fmt: skip
-        ir = ttgir(kernel, {**consts, "P": p, "BLOCK_S": block_s}, warps, types,
-                   int_values(h, p))  # fmt: skip
+    for name, kernel in (
+        ("decode", dec._ag_rmsnorm_kernel),
+        ("persistent", fused._ag_rmsnorm_persistent_kernel),
+    ):
+        ir = ttgir(kernel, {**consts, "P": p, "BLOCK_S": block_s}, warps, types, int_values(h, p))
         out[name] = reduce_trees(ir)
     return out
 
@@ -135,13 +156,17 @@ def main() -> int:
     for h in map(int, args.widths.split(",")):
         with_router = single_gated_next(h, True, 16384)
         without = single_gated_next(h, False, 16384)
-        diffs += not _compare(f"H={h} gated_next: without router_input vs with", with_router,
-                              without)  # fmt: skip
+        diffs += not _compare(
+            f"H={h} gated_next: without router_input vs with", with_router, without
+        )
         if dec.fusable(dec.GATED, dec.op_tile(dec.GATED, h)) and h % args.p == 0:
             for router, ref in ((True, with_router), (False, without)):
                 for kname, trees in allgather_trees(dec.GATED, h, args.p, router).items():
-                    diffs += not _compare(f"H={h} all_gather gated {kname} (router={router}) vs "
-                                          f"gated_next", ref, trees)  # fmt: skip
+                    diffs += not _compare(
+                        f"H={h} all_gather gated {kname} (router={router}) vs gated_next",
+                        ref,
+                        trees,
+                    )
         if dec.fusable(dec.RMSNORM, dec.op_tile(dec.RMSNORM, h)) and h % args.p == 0:
             ref = single_rmsnorm(h, 16384)
             for kname, trees in allgather_trees(dec.RMSNORM, h, args.p, None).items():

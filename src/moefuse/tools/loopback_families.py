@@ -54,8 +54,16 @@ def checksum(*tensors) -> int:
 
 
 def record(family, op, algo, m, h, ok, detail="", sums=None, status=None) -> dict:
-    return dict(family=family, op=op, algo=algo, M=m, H=h,
-                status=status or ("PASS" if ok else "FAIL"), detail=detail, checksum=sums)
+    return dict(
+        family=family,
+        op=op,
+        algo=algo,
+        M=m,
+        H=h,
+        status=status or ("PASS" if ok else "FAIL"),
+        detail=detail,
+        checksum=sums,
+    )
 
 
 def gen(seed, dev):
@@ -90,8 +98,9 @@ def _fused_options(algo: str) -> dict:
 def _chain_norm(moefuse, ws, part, res, w, pdl):
     """The unfused chains' second step: ``allreduce_residual_rmsnorm`` of the finalized
     partial (the bench's chain (a))."""
-    return moefuse.allreduce_residual_rmsnorm(part, res, w, workspace=ws, impl="triton",
-                                              enable_pdl=pdl)  # fmt: skip
+    return moefuse.allreduce_residual_rmsnorm(
+        part, res, w, workspace=ws, impl="triton", enable_pdl=pdl
+    )
 
 
 # ----------------------------------------------------------------------------- families
@@ -102,8 +111,9 @@ class AllReduceNorm:
 
     @staticmethod
     def workspace(moefuse, m_cap, h, dev, timeout_s):
-        return moefuse.AllReduceWorkspace(None, m_cap, h, BF16, dev, timeout_s=timeout_s,
-                                          oneshot_max_tokens=m_cap)  # fmt: skip
+        return moefuse.AllReduceWorkspace(
+            None, m_cap, h, BF16, dev, timeout_s=timeout_s, oneshot_max_tokens=m_cap
+        )
 
     @staticmethod
     def inputs(seed, m, h, dev):
@@ -122,8 +132,9 @@ class AllReduceNorm:
     @staticmethod
     def call(moefuse, ws, rank, case, algo, pdl=None):
         parts, res, w = case
-        return moefuse.allreduce_residual_rmsnorm(parts[rank], res, w, workspace=ws,
-                                                  algorithm=algo, impl="triton", enable_pdl=pdl)
+        return moefuse.allreduce_residual_rmsnorm(
+            parts[rank], res, w, workspace=ws, algorithm=algo, impl="triton", enable_pdl=pdl
+        )
 
     @staticmethod
     def check(case, outs):
@@ -140,16 +151,26 @@ class MoeFinalize:
     """``moe_finalize_allreduce_residual_rmsnorm`` (K = 8, shared expert, stepwise) one-shot /
     two-shot."""
 
-    name, op, algos = "moe_finalize", "moe_finalize_allreduce_residual_rmsnorm", \
-        ("oneshot", "twoshot")  # fmt: skip
+    name, op, algos = (
+        "moe_finalize",
+        "moe_finalize_allreduce_residual_rmsnorm",
+        ("oneshot", "twoshot"),
+    )
 
     @staticmethod
     def workspace(moefuse, m_cap, h, dev, timeout_s):
         from moefuse.comm.moe_reduction.ops import extra_regions
 
-        return moefuse.AllReduceWorkspace(None, m_cap, h, BF16, dev, timeout_s=timeout_s,
-                                          oneshot_max_tokens=m_cap,
-                                          extra_regions=extra_regions(m_cap, h))  # fmt: skip
+        return moefuse.AllReduceWorkspace(
+            None,
+            m_cap,
+            h,
+            BF16,
+            dev,
+            timeout_s=timeout_s,
+            oneshot_max_tokens=m_cap,
+            extra_regions=extra_regions(m_cap, h),
+        )
 
     @staticmethod
     def inputs(seed, m, h, dev):
@@ -166,13 +187,30 @@ class MoeFinalize:
         ins, perm, wts, shs, res, w = case
         if algo == "chain":
             part = _scratch(res)
-            moefuse.moe_finalize(ins[rank], perm, wts[rank], out=part, routed_scaling_factor=RSF,
-                                 shared_expert_output=shs[rank], impl="triton", enable_pdl=pdl)
+            moefuse.moe_finalize(
+                ins[rank],
+                perm,
+                wts[rank],
+                out=part,
+                routed_scaling_factor=RSF,
+                shared_expert_output=shs[rank],
+                impl="triton",
+                enable_pdl=pdl,
+            )
             return _chain_norm(moefuse, ws, part, res, w, pdl)
         return moefuse.moe_finalize_allreduce_residual_rmsnorm(
-            ins[rank], res, w, perm, workspace=ws, expert_scale_factor=wts[rank],
-            routed_scaling_factor=RSF, shared_expert_output=shs[rank], impl="triton",
-            enable_pdl=pdl, **_fused_options(algo))  # fmt: skip
+            ins[rank],
+            res,
+            w,
+            perm,
+            workspace=ws,
+            expert_scale_factor=wts[rank],
+            routed_scaling_factor=RSF,
+            shared_expert_output=shs[rank],
+            impl="triton",
+            enable_pdl=pdl,
+            **_fused_options(algo),
+        )
 
     @staticmethod
     def check(case, outs):
@@ -180,8 +218,14 @@ class MoeFinalize:
 
         ins, perm, wts, shs, res, w = case
         want = mref.moe_finalize_allreduce_from_ranks(
-            ins, perm, res, w, expert_scale_factors=wts, routed_scaling_factor=RSF,
-            shared_expert_outputs=shs)  # fmt: skip
+            ins,
+            perm,
+            res,
+            w,
+            expert_scale_factors=wts,
+            routed_scaling_factor=RSF,
+            shared_expert_outputs=shs,
+        )
         bitwise = same_bits(outs[0], want["residual_out"])
         ulp = max_ulp(outs[1], want["norm_out"])
         return bitwise and ulp <= 1, f"residual_out bitwise={bitwise} norm_out ulp={ulp}"
@@ -206,8 +250,9 @@ class MoeReduce:
         from moefuse.testing import moe_reduction_case
 
         xs, scs, toks, res, w = moe_reduction_case(seed, P, m, h, K, dev)
-        idx = (torch.arange(K, device=dev)[None, :] * m
-               + torch.arange(m, device=dev)[:, None]).to(torch.int32)  # fmt: skip
+        idx = (torch.arange(K, device=dev)[None, :] * m + torch.arange(m, device=dev)[:, None]).to(
+            torch.int32
+        )
         scs_t = [s.t().contiguous() for s in scs]
         return xs, scs, toks, res, w, idx, scs_t
 
@@ -218,13 +263,27 @@ class MoeReduce:
         if algo == "chain":
             m, h = res.shape
             part = _scratch(res)
-            moefuse.moe_finalize(xs[rank].view(K * m, h), idx, scs_t[rank], out=part,
-                                 shared_expert_output=toks[rank], impl="triton",
-                                 enable_pdl=pdl)  # fmt: skip
+            moefuse.moe_finalize(
+                xs[rank].view(K * m, h),
+                idx,
+                scs_t[rank],
+                out=part,
+                shared_expert_output=toks[rank],
+                impl="triton",
+                enable_pdl=pdl,
+            )
             return _chain_norm(moefuse, ws, part, res, w, pdl)
         return moefuse.moe_allreduce_residual_rmsnorm(
-            xs[rank], scs[rank], toks[rank], res, w, workspace=ws, impl="triton", enable_pdl=pdl,
-            **_fused_options(algo))  # fmt: skip
+            xs[rank],
+            scs[rank],
+            toks[rank],
+            res,
+            w,
+            workspace=ws,
+            impl="triton",
+            enable_pdl=pdl,
+            **_fused_options(algo),
+        )
 
     @staticmethod
     def check(case, outs):
@@ -247,9 +306,16 @@ class AllGatherNorm:
 
     @staticmethod
     def workspace(moefuse, m_cap, h, dev, timeout_s):
-        ws = moefuse.AllReduceWorkspace(None, m_cap, h, BF16, dev, timeout_s=timeout_s,
-                                        oneshot_max_tokens=1,
-                                        extra_regions=moefuse.allgather_regions(m_cap, h))
+        ws = moefuse.AllReduceWorkspace(
+            None,
+            m_cap,
+            h,
+            BF16,
+            dev,
+            timeout_s=timeout_s,
+            oneshot_max_tokens=1,
+            extra_regions=moefuse.allgather_regions(m_cap, h),
+        )
         moefuse.prepare_allgather(ws, BF16)  # (outside any capture)
         return ws
 
@@ -345,9 +411,19 @@ class TpFinalize:
     @classmethod
     def call(cls, moefuse, ws, rank, case, algo, pdl=None):
         parts, w, idx, nw = case
-        return (moefuse.tp_moe_finalize_rmsnorm(parts[rank], w, idx, nw, workspace=ws,
-                                                algorithm=algo, impl="triton", enable_pdl=pdl,
-                                                **cls.opts),)  # fmt: skip
+        return (
+            moefuse.tp_moe_finalize_rmsnorm(
+                parts[rank],
+                w,
+                idx,
+                nw,
+                workspace=ws,
+                algorithm=algo,
+                impl="triton",
+                enable_pdl=pdl,
+                **cls.opts,
+            ),
+        )
 
     @classmethod
     def check(cls, case, outs):
@@ -366,8 +442,13 @@ class TpFinalize:
         try:  # sum_k |y_k w_k| over the valid slots (the spec's cancellation bound)
             valid, x = ref._slot_rows(parts, idx, nw.shape[0])
             y = torch.zeros_like(x)
-            y[valid] = ref.expert_norm(x[valid], nw, cls.opts["eps"], cls.opts["gain_center"],
-                                       cls.opts["weight_before_norm"]).abs()  # fmt: skip
+            y[valid] = ref.expert_norm(
+                x[valid],
+                nw,
+                cls.opts["eps"],
+                cls.opts["gain_center"],
+                cls.opts["weight_before_norm"],
+            ).abs()
             mag = (y * torch.where(valid, w.float(), 0.0).abs()[..., None]).sum(1)
             bound, how = ulp + mag * 2.0**-20, "1 ulp + 2^-20 sum|y w|"
         except Exception as exc:  # the reference's private helpers changed: 2 ulp only
@@ -397,10 +478,19 @@ class EpFinalize:
     @classmethod
     def call(cls, moefuse, ws, rank, case, algo, pdl=None):
         parts, w, idxs, nw = case
-        return (moefuse.moe_finalize_rmsnorm_allreduce(parts[rank], w, idxs[rank], nw,
-                                                       workspace=ws, algorithm=algo,
-                                                       impl="triton", enable_pdl=pdl,
-                                                       **cls.opts),)  # fmt: skip
+        return (
+            moefuse.moe_finalize_rmsnorm_allreduce(
+                parts[rank],
+                w,
+                idxs[rank],
+                nw,
+                workspace=ws,
+                algorithm=algo,
+                impl="triton",
+                enable_pdl=pdl,
+                **cls.opts,
+            ),
+        )
 
     @classmethod
     def check(cls, case, outs):
@@ -426,14 +516,32 @@ class EpFinalize:
             allow = allow + 2 * ulp(ref.ep_local_partial(rows, w, idx, nw, **cls.opts))
             valid, x = ref._slot_rows([rows], idx, nw.shape[0])
             y = torch.zeros_like(x)
-            y[valid] = ref.expert_norm(x[valid], nw, cls.opts["eps"], cls.opts["gain_center"],
-                                       cls.opts["weight_before_norm"]).abs()  # fmt: skip
-            allow = allow + (y * torch.where(valid, w.float(), 0.0).abs()[..., None]).sum(1) \
-                * 2.0**-20  # fmt: skip
+            y[valid] = ref.expert_norm(
+                x[valid],
+                nw,
+                cls.opts["eps"],
+                cls.opts["gain_center"],
+                cls.opts["weight_before_norm"],
+            ).abs()
+            allow = (
+                allow + (y * torch.where(valid, w.float(), 0.0).abs()[..., None]).sum(1) * 2.0**-20
+            )
         diff = (out.float() - exp.float()).abs()
         bad = int((diff > allow).sum())
         return bad == 0, f"{bad} elements outside the EP bound; max |diff| {float(diff.max()):.3g}"
 
 
-FAMILIES = {f.name: f for f in (AllReduceNorm, MoeFinalize, MoeReduce, AllGatherNorm, AllGatherFp8,
-                                AllGatherFp4, AllGatherGated, TpFinalize, EpFinalize)}
+FAMILIES = {
+    f.name: f
+    for f in (
+        AllReduceNorm,
+        MoeFinalize,
+        MoeReduce,
+        AllGatherNorm,
+        AllGatherFp8,
+        AllGatherFp4,
+        AllGatherGated,
+        TpFinalize,
+        EpFinalize,
+    )
+}

@@ -115,13 +115,26 @@ def scenario_check(rank, world_size, fam_name, widths, tokens, deadline, timeout
         try:
             ws = fam.workspace(moefuse, max(tokens), h, dev, timeout_s)
         except Exception as exc:
-            records.append(fams.record(fam.name, fam.op, "*", 0, h, False,
-                                       f"workspace creation: {type(exc).__name__}: {exc}"))
+            records.append(
+                fams.record(
+                    fam.name,
+                    fam.op,
+                    "*",
+                    0,
+                    h,
+                    False,
+                    f"workspace creation: {type(exc).__name__}: {exc}",
+                )
+            )
             continue
         for m in tokens:
             if not ws.vote(time.monotonic() < deadline):
-                records += [fams.record(fam.name, fam.op, a, m, h, False, "time budget spent",
-                                        status="SKIP") for a in fam.algos]  # fmt: skip
+                records += [
+                    fams.record(
+                        fam.name, fam.op, a, m, h, False, "time budget spent", status="SKIP"
+                    )
+                    for a in fam.algos
+                ]
                 continue
             crashed, algo = None, "inputs"
             try:
@@ -144,15 +157,34 @@ def scenario_check(rank, world_size, fam_name, widths, tokens, deadline, timeout
                         first = outs
                     elif not all(fams.same_bits(a, b) for a, b in zip(outs, first)):
                         ok, detail = False, f"{detail}; differs bitwise from {fam.algos[0]}"
-                    records.append(fams.record(fam.name, fam.op, algo, m, h, ok, detail,
-                                               fams.checksum(*outs)))  # fmt: skip
+                    records.append(
+                        fams.record(fam.name, fam.op, algo, m, h, ok, detail, fams.checksum(*outs))
+                    )
             except Exception as exc:
                 crashed = f"{type(exc).__name__}: {exc}"
-                records.append(fams.record(fam.name, fam.op, algo, m, h, False,
-                                           crashed + "\n" + traceback.format_exc(limit=6)))
+                records.append(
+                    fams.record(
+                        fam.name,
+                        fam.op,
+                        algo,
+                        m,
+                        h,
+                        False,
+                        crashed + "\n" + traceback.format_exc(limit=6),
+                    )
+                )
             if not ws.vote(crashed is None):
-                records.append(fams.record(fam.name, fam.op, "*", m, h, False,
-                                           "a rank raised: the rest of this H is not run"))
+                records.append(
+                    fams.record(
+                        fam.name,
+                        fam.op,
+                        "*",
+                        m,
+                        h,
+                        False,
+                        "a rank raised: the rest of this H is not run",
+                    )
+                )
                 break
         try:
             ws.check()
@@ -175,8 +207,11 @@ def scenario_stress(rank, world_size, fam_name, rounds, widths, tokens, timeout_
     counts = {"pass": 0, "wrong": 0, "fault": 0}
     details: list[str] = []
     for i in range(rounds):
-        algo, m, h = fam.algos[i % len(fam.algos)], tokens[i % len(tokens)], \
-            widths[(i // len(tokens)) % len(widths)]  # fmt: skip
+        algo, m, h = (
+            fam.algos[i % len(fam.algos)],
+            tokens[i % len(tokens)],
+            widths[(i // len(tokens)) % len(widths)],
+        )
         ws = fam.workspace(moefuse, m, h, dev, timeout_s)
         try:
             case = fam.inputs(7919 * i + m, m, h, dev)
@@ -197,8 +232,9 @@ def scenario_stress(rank, world_size, fam_name, rounds, widths, tokens, timeout_
     return dict(family=fam.name, op=fam.op, rounds=rounds, **counts, details=details[:5])
 
 
-def scenario_time(rank, world_size, fam_name, h, tokens, algos, deadline, timeout_s, pdl, inner,
-                  replays):  # fmt: skip
+def scenario_time(
+    rank, world_size, fam_name, h, tokens, algos, deadline, timeout_s, pdl, inner, replays
+):
     """CUDA-graph replays of ``inner`` calls: median microseconds per call on this rank."""
     import torch
     import torch.distributed as dist
@@ -245,16 +281,26 @@ def scenario_time(rank, world_size, fam_name, h, tokens, algos, deadline, timeou
                 except Exception as exc:
                     err = f"capture: {type(exc).__name__}: {exc}"
             if not ws.vote(err is None):
-                out.append(dict(family=fam.name, algo=algo, M=m, H=h, status="FAIL",
-                                detail=err or "failed on the other rank"))
+                out.append(
+                    dict(
+                        family=fam.name,
+                        algo=algo,
+                        M=m,
+                        H=h,
+                        status="FAIL",
+                        detail=err or "failed on the other rank",
+                    )
+                )
                 continue
             dist.barrier()
             for _ in range(5):
                 graph.replay()
             stream.synchronize()
             dist.barrier()  # both ranks start the timed replays together
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(replays)]  # fmt: skip
+            ev = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(replays)
+            ]
             for a, b in ev:
                 a.record()
                 graph.replay()
@@ -266,8 +312,18 @@ def scenario_time(rank, world_size, fam_name, h, tokens, algos, deadline, timeou
                 status, detail = "OK", ""
             except Exception as exc:
                 status, detail = "FAIL", f"fault during replays: {exc}"
-            out.append(dict(family=fam.name, algo=algo, M=m, H=h, status=status, detail=detail,
-                            median_us=us[len(us) // 2], min_us=us[0]))
+            out.append(
+                dict(
+                    family=fam.name,
+                    algo=algo,
+                    M=m,
+                    H=h,
+                    status=status,
+                    detail=detail,
+                    median_us=us[len(us) // 2],
+                    min_us=us[0],
+                )
+            )
     ws.close()
     dist.barrier()
     graphs.clear()
@@ -333,46 +389,85 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="directory for loopback_gpu_check.json")
     parser.add_argument("--quick", action="store_true", help="H = 4096, M in {1, 64} only")
     parser.add_argument("--no-timing", action="store_true", help="correctness only")
-    parser.add_argument("--families", default=",".join(FAMILY_NAMES),
-                        help=f"comma-separated subset of {','.join(FAMILY_NAMES)}")
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILY_NAMES),
+        help=f"comma-separated subset of {','.join(FAMILY_NAMES)}",
+    )
     parser.add_argument("--tokens", default="", help="comma-separated M (default 1,7,64,300)")
     parser.add_argument("--hidden", default="", help="comma-separated H (default 4096,7168)")
-    parser.add_argument("--budget-s", type=float, default=200.0,
-                        help="wall-clock budget; cases past it are skipped (SKIP)")
-    parser.add_argument("--timeout-s", type=float, default=30.0,
-                        help="bounded-wait timeout of the workspaces")
-    parser.add_argument("--pdl", action="store_true",
-                        help="launch with PDL (default off: see the module docstring)")
-    parser.add_argument("--tp-algos", default="auto",
-                        help="comma-separated tp_moe_finalize_rmsnorm algorithms to time")
-    parser.add_argument("--moe-tokens", default="",
-                        help="comma-separated M of the MoE fusions' timings (default: those of "
-                             "--tokens in {1, 8, 64})")
-    parser.add_argument("--moe-hidden", default="",
-                        help="comma-separated H of the MoE fusions' timings (default: the "
-                             "largest of --hidden)")
-    parser.add_argument("--moe-algos", default="",
-                        help="comma-separated algorithms of the MoE fusions' timings: oneshot, "
-                             "twoshot, auto, ALGO_fp32 (accumulate='fp32') and 'chain' (the "
-                             "unfused moe_finalize + allreduce_residual_rmsnorm); default "
-                             "oneshot,twoshot")
-    parser.add_argument("--variants", default="",
-                        help="timing variants 'NAME:KEY=VAL,KEY=VAL;NAME2:...' (environment "
-                             "knobs set around each timing, same on both ranks; the default "
-                             "variant 'default' is always timed first)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="timing rounds; each round times every variant once, in order, so "
-                             "variants alternate (A B A B) and drift shows")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=200.0,
+        help="wall-clock budget; cases past it are skipped (SKIP)",
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=30.0, help="bounded-wait timeout of the workspaces"
+    )
+    parser.add_argument(
+        "--pdl", action="store_true", help="launch with PDL (default off: see the module docstring)"
+    )
+    parser.add_argument(
+        "--tp-algos",
+        default="auto",
+        help="comma-separated tp_moe_finalize_rmsnorm algorithms to time",
+    )
+    parser.add_argument(
+        "--moe-tokens",
+        default="",
+        help="comma-separated M of the MoE fusions' timings (default: those of "
+        "--tokens in {1, 8, 64})",
+    )
+    parser.add_argument(
+        "--moe-hidden",
+        default="",
+        help="comma-separated H of the MoE fusions' timings (default: the largest of --hidden)",
+    )
+    parser.add_argument(
+        "--moe-algos",
+        default="",
+        help="comma-separated algorithms of the MoE fusions' timings: oneshot, "
+        "twoshot, auto, ALGO_fp32 (accumulate='fp32') and 'chain' (the "
+        "unfused moe_finalize + allreduce_residual_rmsnorm); default "
+        "oneshot,twoshot",
+    )
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="timing variants 'NAME:KEY=VAL,KEY=VAL;NAME2:...' (environment "
+        "knobs set around each timing, same on both ranks; the default "
+        "variant 'default' is always timed first)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="timing rounds; each round times every variant once, in order, so "
+        "variants alternate (A B A B) and drift shows",
+    )
     parser.add_argument("--inner", type=int, default=10, help="calls per captured graph")
     parser.add_argument("--replays", type=int, default=50, help="timed replays per case")
-    parser.add_argument("--reserve-mib", type=int, default=1024,
-                        help="caching-allocator reserve per rank (run_loopback_ranks)")
+    parser.add_argument(
+        "--reserve-mib",
+        type=int,
+        default=1024,
+        help="caching-allocator reserve per rank (run_loopback_ranks)",
+    )
     parser.add_argument("--verbose", action="store_true", help="trace every call of every rank")
-    parser.add_argument("--stress", type=int, default=0,
-                        help="per family, this many rounds of: fresh workspace, first call, "
-                        "fault check, bitwise check, close (instead of the correctness sweep)")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: dry run of this script in the Triton interpreter")
+    parser.add_argument(
+        "--stress",
+        type=int,
+        default=0,
+        help="per family, this many rounds of: fresh workspace, first call, "
+        "fault check, bitwise check, close (instead of the correctness sweep)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: dry run of this script in the Triton interpreter",
+    )
     return parser
 
 
@@ -384,8 +479,16 @@ def _stress_phase(
     result["stress"] = []
     for name in families if args.stress else ():
         t0 = time.monotonic()
-        per_rank = run(scenario_stress, name, args.stress, widths, tokens, args.timeout_s,
-                       args.pdl, bound_s=args.stress * (4 * args.timeout_s + 10) + 60)
+        per_rank = run(
+            scenario_stress,
+            name,
+            args.stress,
+            widths,
+            tokens,
+            args.timeout_s,
+            args.pdl,
+            bound_s=args.stress * (4 * args.timeout_s + 10) + 60,
+        )
         if per_rank is None:
             save()
             continue
@@ -396,12 +499,17 @@ def _stress_phase(
             row["details"] += [f"rank {rank}: {d}" for d in other["details"]]
         result["stress"].append(row)
         status = "PASS" if row["wrong"] == 0 and row["fault"] == 0 else "FAIL"
-        result["cases"].append(fams.record(name, row["op"], "stress", 0, 0, status == "PASS",
-                                           "; ".join(row["details"][:3])))  # fmt: skip
-        print(f"STRESS {status} {row['op']:40s} {row['rounds']} rounds: {row['pass']} pass, "
-              f"{row['wrong']} wrong, {row['fault']} faults ({row['seconds']} s)", flush=True)
+        result["cases"].append(
+            fams.record(
+                name, row["op"], "stress", 0, 0, status == "PASS", "; ".join(row["details"][:3])
+            )
+        )
+        print(
+            f"STRESS {status} {row['op']:40s} {row['rounds']} rounds: {row['pass']} pass, "
+            f"{row['wrong']} wrong, {row['fault']} faults ({row['seconds']} s)",
+            flush=True,
+        )
         save()
-
 
 
 def _correctness_phase(
@@ -411,26 +519,39 @@ def _correctness_phase(
     # ------------------------------------------------------------------ correctness
     for name in families if not args.stress else ():
         t0 = time.monotonic()
-        per_rank = run(scenario_check, name, widths, tokens, deadline, args.timeout_s, args.pdl,
-                       bound_s=max(60.0, deadline - time.monotonic() + 4 * args.timeout_s))
+        per_rank = run(
+            scenario_check,
+            name,
+            widths,
+            tokens,
+            deadline,
+            args.timeout_s,
+            args.pdl,
+            bound_s=max(60.0, deadline - time.monotonic() + 4 * args.timeout_s),
+        )
         if per_rank is None:
             save()
             continue
         rows = merge_ranks(per_rank)
         for row in rows:
-            print(f"{row['status']:4s} {row['op']:40s} {row['algo']:18s} M={row['M']:<4d} "
-                  f"H={row['H']:<5d} {row['detail'].splitlines()[0] if row['detail'] else ''}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{row['status']:4s} {row['op']:40s} {row['algo']:18s} M={row['M']:<4d} "
+                f"H={row['H']:<5d} {row['detail'].splitlines()[0] if row['detail'] else ''}",
+                flush=True,
+            )
             if row["status"] == "FAIL" and "\n" in row["detail"]:
                 print("     " + row["detail"].replace("\n", "\n     "), flush=True)
-            if row["status"] == "FAIL" and ("never arrived" in row["detail"]
-                                            or "gave up" in row["detail"]):  # fmt: skip
-                print("     (a bounded wait ran out: a kernel bug, or in loopback the two ranks' "
-                      "grids did not fit on the GPU at once)", flush=True)
+            if row["status"] == "FAIL" and (
+                "never arrived" in row["detail"] or "gave up" in row["detail"]
+            ):
+                print(
+                    "     (a bounded wait ran out: a kernel bug, or in loopback the two ranks' "
+                    "grids did not fit on the GPU at once)",
+                    flush=True,
+                )
         result["cases"] += rows
         print(f"  [{name}: {time.monotonic() - t0:.1f} s]", flush=True)
         save()
-
 
 
 def _timing_phase(
@@ -442,16 +563,34 @@ def _timing_phase(
     # ------------------------------------------------------------------ timing
     if args.device == "cuda" and not args.no_timing:
         h_big = max(widths)
-        plan = [("ar_norm", h, [m for m in tokens if m in (1, 64, 300)] or tokens[:1],
-                 fams.AllReduceNorm.algos) for h in widths]  # fmt: skip
+        plan = [
+            (
+                "ar_norm",
+                h,
+                [m for m in tokens if m in (1, 64, 300)] or tokens[:1],
+                fams.AllReduceNorm.algos,
+            )
+            for h in widths
+        ]
         small = [m for m in tokens if m in (1, 8, 64)] or tokens[:1]
         moe_ms = [int(t) for t in args.moe_tokens.split(",")] if args.moe_tokens else small
         moe_hs = [int(v) for v in args.moe_hidden.split(",")] if args.moe_hidden else [h_big]
-        plan += [(name, h, moe_ms,
-                  tuple(args.moe_algos.split(",")) if args.moe_algos else fams.FAMILIES[name].algos)
-                 for name in ("moe_finalize", "moe_reduce") for h in moe_hs]  # fmt: skip
-        plan += [(name, h, tokens, ("oneshot",)) for name in fams.FAMILIES
-                 if name.startswith("allgather") for h in widths]  # fmt: skip
+        plan += [
+            (
+                name,
+                h,
+                moe_ms,
+                tuple(args.moe_algos.split(",")) if args.moe_algos else fams.FAMILIES[name].algos,
+            )
+            for name in ("moe_finalize", "moe_reduce")
+            for h in moe_hs
+        ]
+        plan += [
+            (name, h, tokens, ("oneshot",))
+            for name in fams.FAMILIES
+            if name.startswith("allgather")
+            for h in widths
+        ]
         plan += [("tp_finalize", h_big, small, tuple(args.tp_algos.split(",")))]
         plan += [("ep_finalize", h_big, small, ("oneshot",))]
         variants = parse_variants(args.variants)
@@ -463,10 +602,19 @@ def _timing_phase(
                 result["timing"].append(dict(family=name, H=h, variant=variant, status="SKIP"))
                 continue
             with harness.knobs(knobs):
-                per_rank = run(scenario_time, name, h, ms, algos, timing_deadline, args.timeout_s,
-                               args.pdl, args.inner, args.replays,
-                               bound_s=max(60.0, timing_deadline - time.monotonic()
-                                           + 4 * args.timeout_s))  # fmt: skip
+                per_rank = run(
+                    scenario_time,
+                    name,
+                    h,
+                    ms,
+                    algos,
+                    timing_deadline,
+                    args.timeout_s,
+                    args.pdl,
+                    args.inner,
+                    args.replays,
+                    bound_s=max(60.0, timing_deadline - time.monotonic() + 4 * args.timeout_s),
+                )
                 if per_rank is None:
                     save()
                     continue
@@ -481,14 +629,19 @@ def _timing_phase(
                         row["detail"] = "; ".join(r.get("detail", "") for r in ranks)
                     row.update(variant=variant, round=rnd)
                     result["timing"].append(row)
-                    us = f"{row['median_us']:9.2f} us (max over ranks; per rank " \
-                         f"{row['median_us_per_rank']})" if "median_us" in row else \
-                        row.get("detail", "")  # fmt: skip
-                    print(f"TIME {row['status']:4s} {name:16s} {variant:12s} {row['algo']:18s} "
-                          f"M={row['M']:<4d} "
-                          f"H={row['H']:<5d} {us}", flush=True)  # fmt: skip
+                    us = (
+                        f"{row['median_us']:9.2f} us (max over ranks; per rank "
+                        f"{row['median_us_per_rank']})"
+                        if "median_us" in row
+                        else row.get("detail", "")
+                    )
+                    print(
+                        f"TIME {row['status']:4s} {name:16s} {variant:12s} {row['algo']:18s} "
+                        f"M={row['M']:<4d} "
+                        f"H={row['H']:<5d} {us}",
+                        flush=True,
+                    )
             save()
-
 
 
 def _summary(result, save, start, path) -> int:
@@ -497,11 +650,52 @@ def _summary(result, save, start, path) -> int:
     bad_timing = sum(t.get("status") == "FAIL" for t in result["timing"])
     result["summary"] = dict(n, timing_fail=bad_timing, errors=len(result["errors"]))
     save()
-    print(f"summary: {n['PASS']} PASS, {n['FAIL']} FAIL, {n['SKIP']} SKIP; timing failures "
-          f"{bad_timing}; errors {len(result['errors'])}; {time.monotonic() - start:.0f} s; "
-          f"{path}", flush=True)  # fmt: skip
+    print(
+        f"summary: {n['PASS']} PASS, {n['FAIL']} FAIL, {n['SKIP']} SKIP; timing failures "
+        f"{bad_timing}; errors {len(result['errors'])}; {time.monotonic() - start:.0f} s; "
+        f"{path}",
+        flush=True,
+    )
     return 0 if n["FAIL"] == 0 and not result["errors"] and bad_timing == 0 else 1
 
+
+def _record_env(args, result: dict, save) -> bool:
+    """Versions (python, torch, triton) and the GPU into ``result["env"]``, printed; False, with
+    the error recorded and saved, when ``--device cuda`` finds no CUDA device."""
+    import torch
+
+    fams.BF16 = torch.bfloat16
+    env = result["env"]
+    env.update(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda_available=torch.cuda.is_available(),
+        device=args.device,
+        cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING"),
+    )
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception as exc:
+        env["triton"] = f"unavailable: {exc}"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            result["errors"].append("no CUDA device")
+            save()
+            print("FAIL: torch.cuda.is_available() is False", flush=True)
+            return False
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            gpu=props.name,
+            sms=props.multi_processor_count,
+            capability=list(torch.cuda.get_device_capability(0)),
+            gpus=torch.cuda.device_count(),
+            cuda=torch.version.cuda,
+        )
+        torch.cuda.set_device(0)
+    print(f"env: {json.dumps(env)}", flush=True)
+    return True
 
 
 def main() -> int:
@@ -511,8 +705,11 @@ def main() -> int:
     VERBOSE[0] = args.verbose
     if args.verbose:
         threading.Thread(target=_watchdog, daemon=True).start()
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
+    for key, value in (
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+    ):
         os.environ.setdefault(key, value)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
@@ -530,39 +727,22 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    import torch
-
-    fams.BF16 = torch.bfloat16
-    env = result["env"]
-    env.update(python=platform.python_version(), torch=torch.__version__,
-               cuda_available=torch.cuda.is_available(), device=args.device,
-               cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING"))
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception as exc:
-        env["triton"] = f"unavailable: {exc}"
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            result["errors"].append("no CUDA device")
-            save()
-            print("FAIL: torch.cuda.is_available() is False", flush=True)
-            return 2
-        props = torch.cuda.get_device_properties(0)
-        env.update(gpu=props.name, sms=props.multi_processor_count,
-                   capability=list(torch.cuda.get_device_capability(0)),
-                   gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
-        torch.cuda.set_device(0)
-    print(f"env: {json.dumps(env)}", flush=True)
+    if not _record_env(args, result, save):
+        return 2
     import moefuse  # noqa: F401  (import errors show here, before any thread starts)
     from moefuse.testing_ranks import run_loopback_ranks
 
     dev = "cuda:0" if args.device == "cuda" else "cpu"
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
-        ([1, 64] if args.quick else [1, 7, 64, 300])  # fmt: skip
-    widths = [int(v) for v in args.hidden.split(",")] if args.hidden else \
-        ([4096] if args.quick else [4096, 7168])  # fmt: skip
+    tokens = (
+        [int(t) for t in args.tokens.split(",")]
+        if args.tokens
+        else ([1, 64] if args.quick else [1, 7, 64, 300])
+    )
+    widths = (
+        [int(v) for v in args.hidden.split(",")]
+        if args.hidden
+        else ([4096] if args.quick else [4096, 7168])
+    )
     families = [f for f in args.families.split(",") if f]
     unknown = [f for f in families if f not in FAMILY_NAMES]
     if unknown:
@@ -573,8 +753,9 @@ def main() -> int:
     def run(fn, *fn_args, bound_s):
         """run_loopback_ranks with a bound; a hang ends the process (threads stay stuck)."""
         try:
-            return run_loopback_ranks(fn, P, dev, *fn_args, timeout_s=bound_s,
-                                      reserve_bytes=args.reserve_mib << 20)
+            return run_loopback_ranks(
+                fn, P, dev, *fn_args, timeout_s=bound_s, reserve_bytes=args.reserve_mib << 20
+            )
         except TimeoutError as exc:
             result["errors"].append(f"{fn.__name__}{fn_args[:1]}: {exc}")
             save()
@@ -586,8 +767,18 @@ def main() -> int:
             print(f"ERROR in {fn.__name__}{fn_args[:1]}:\n{exc}", flush=True)
             return None
 
-    ctx = dict(args=args, result=result, save=save, run=run, families=families, widths=widths,
-               tokens=tokens, deadline=deadline, timing_deadline=timing_deadline, path=path)
+    ctx = dict(
+        args=args,
+        result=result,
+        save=save,
+        run=run,
+        families=families,
+        widths=widths,
+        tokens=tokens,
+        deadline=deadline,
+        timing_deadline=timing_deadline,
+        path=path,
+    )
     _stress_phase(**ctx)
     _correctness_phase(**ctx)
     _timing_phase(**ctx)

@@ -33,8 +33,14 @@ def with_constexpr_defaults(kernel, consts: dict) -> dict:
     at a launch (else an offline compile would take it as a run-time int and compile both sides
     of every ``if`` on it)."""
     params = inspect.signature(kernel.fn).parameters
-    return {**{name: p.default for name, p in params.items()
-               if "constexpr" in str(p.annotation) and p.default is not p.empty}, **consts}
+    return {
+        **{
+            name: p.default
+            for name, p in params.items()
+            if "constexpr" in str(p.annotation) and p.default is not p.empty
+        },
+        **consts,
+    }
 
 
 def tuple_fields(kernel) -> dict[str, tuple[str, ...]]:
@@ -45,10 +51,14 @@ def tuple_fields(kernel) -> dict[str, tuple[str, ...]]:
     body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
     out = {}
     for node in body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.value, ast.Name) and node.value.id in params
-                and isinstance(node.targets[0], ast.Tuple)
-                and all(isinstance(e, ast.Name) for e in node.targets[0].elts)):  # fmt: skip
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.value, ast.Name)
+            and node.value.id in params
+            and isinstance(node.targets[0], ast.Tuple)
+            and all(isinstance(e, ast.Name) for e in node.targets[0].elts)
+        ):
             out[node.value.id] = tuple(e.id for e in node.targets[0].elts)
     return out
 
@@ -99,9 +109,14 @@ def ptxas_report(ptx: str) -> PtxasReport:
         path = os.path.join(folder, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                             capture_output=True, text=True)  # fmt: skip
+        out = subprocess.run(
+            [PTXAS, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True
+        )
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spill = re.search(r"(\d+) bytes spill stores", out.stderr)
-    return PtxasReport(int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1,
-                       out.returncode, out.stderr)  # fmt: skip
+    return PtxasReport(
+        int(regs.group(1)) if regs else -1,
+        int(spill.group(1)) if spill else -1,
+        out.returncode,
+        out.stderr,
+    )

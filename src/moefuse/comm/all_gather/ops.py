@@ -233,7 +233,7 @@ def _run_one_launch(ws, state, shard: Tensor, gathered: Tensor, epilogue, use_pd
 def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_id: int,
                           eps: float, gain_center: float, algorithm: str, use_pdl: bool,
                           backend: str) -> None:  # fmt: skip
-    from moefuse.norm.triton import launch_rmsnorm
+    from moefuse.norm.rms import launch_rmsnorm
 
     def run_rows(x, a, b, pdl):
         launch_rmsnorm(x, weight, out[a:b], eps, gain_center, pdl)
