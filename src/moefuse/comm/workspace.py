@@ -572,9 +572,14 @@ class AllReduceWorkspace:
             waited = 0
             for w in words:
                 waited |= (w >> 1) if w else 0
-            codes = [faults.GAVE_UP if notices >> r & 1
-                     else faults.MISSING if (waited >> r & 1) and r != self.rank else 0
-                     for r in range(self.world_size)]  # fmt: skip
+            codes = [
+                faults.GAVE_UP
+                if notices >> r & 1
+                else faults.MISSING
+                if (waited >> r & 1) and r != self.rank
+                else 0
+                for r in range(self.world_size)
+            ]
             self._fail(codes, notices)
         self.poll_status()
 

@@ -209,8 +209,14 @@ def all_gather_rmsnorm_fp8(
     h = _check_fp8(op, shard, weight, scale, workspace, eps, gain_center, dtype, algorithm)
     m = shard.shape[0]
     if out is not None:
-        v.check_tensor(op, "out", out, dtypes=F.FP8_DTYPES if dtype is None else (dtype,),
-                       shape=(m, h), device=shard.device)  # fmt: skip
+        v.check_tensor(
+            op,
+            "out",
+            out,
+            dtypes=F.FP8_DTYPES if dtype is None else (dtype,),
+            shape=(m, h),
+            device=shard.device,
+        )
     if dtype is None:
         dtype = out.dtype if out is not None else torch.float8_e4m3fn
     _check_outs(op, [("out", out)], [("shard", shard), ("weight", weight), ("scale", scale)])
@@ -235,9 +241,7 @@ def all_gather_rmsnorm_fp8(
     return out
 
 
-def supports_all_gather_rmsnorm_fp8(
-    shard, weight, scale, *, workspace, dtype=None
-) -> bool:
+def supports_all_gather_rmsnorm_fp8(shard, weight, scale, *, workspace, dtype=None) -> bool:
     return (
         v.accepts(
             _check_fp8,

@@ -413,8 +413,9 @@ def receive_steps(
 
 
 @triton.jit
-def finish(agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P: tl.constexpr,
-           PTX: tl.constexpr):  # fmt: skip
+def finish(
+    agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P: tl.constexpr, PTX: tl.constexpr
+):
     """A CTA whose wait ended without its data leaves the protocol (``D.leave``: the fault is
     recorded, and a timed-out rank tells its peers that it gave up); the CTA that arrives last
     resets the counter and advances the generation (device-resident: correct under CUDA-graph

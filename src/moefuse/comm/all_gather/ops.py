@@ -71,16 +71,20 @@ class AllGatherState:
 
 def _refuse_in_capture(what: str) -> None:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"moefuse.comm all-gather: cannot {what} during CUDA-graph capture; "
-                           "run the op once eagerly first (warm-up), or call "
-                           "moefuse.comm.prepare_allgather(workspace, dtype)")  # fmt: skip
+        raise RuntimeError(
+            f"moefuse.comm all-gather: cannot {what} during CUDA-graph capture; "
+            "run the op once eagerly first (warm-up), or call "
+            "moefuse.comm.prepare_allgather(workspace, dtype)"
+        )
 
 
 def region_reason(ws) -> str | None:
     """Why ``ws`` cannot carry the Lamport all-gather (None if it can)."""
     if REGION not in ws.regions:
-        return ("the workspace has no 'allgather' region: create it with "
-                "extra_regions=moefuse.comm.allgather_regions(max_tokens, hidden_size)")
+        return (
+            "the workspace has no 'allgather' region: create it with "
+            "extra_regions=moefuse.comm.allgather_regions(max_tokens, hidden_size)"
+        )
     need = allgather_regions(ws.max_tokens, ws.hidden_size)[REGION]
     if ws.regions[REGION][1] < need:
         return f"the workspace's 'allgather' region holds {ws.regions[REGION][1]} bytes < {need}"
@@ -102,7 +106,7 @@ def prepare_allgather(ws, dtype: torch.dtype = torch.bfloat16) -> None:
 
 
 def choose_algorithm(ws, m: int, algorithm: str) -> str:
-    """"oneshot" (peer buffers, M <= max_tokens) or "torch"; an explicit "oneshot" that cannot
+    """ "oneshot" (peer buffers, M <= max_tokens) or "torch"; an explicit "oneshot" that cannot
     run raises. The same answer on every rank for the same M."""
     if algorithm == "torch":
         return "torch"
@@ -156,8 +160,17 @@ def _comm_stream(device: torch.device):
     return stream
 
 
-def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: bool, run_rows,
-             reference, row_multiple: int = 1, epilogue=None) -> None:  # fmt: skip
+def _execute(
+    ws_id: int,
+    shard: Tensor,
+    algorithm: str,
+    backend: str,
+    use_pdl: bool,
+    run_rows,
+    reference,
+    row_multiple: int = 1,
+    epilogue=None,
+) -> None:
     """Gather, then the single-GPU op.
 
     ``run_rows(x, a, b, pdl)`` launches the single-GPU kernel on the gathered rows ``x`` (rows
@@ -189,8 +202,9 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
     state = allgather_state(ws)
     gathered = state.gathered(shard.dtype, m)
     step = chunk_rows(m, row_multiple)
-    if epilogue is not None and _run_one_launch(ws, state, shard, gathered, epilogue, use_pdl,
-                                                step >= m):  # fmt: skip
+    if epilogue is not None and _run_one_launch(
+        ws, state, shard, gathered, epilogue, use_pdl, step >= m
+    ):
         pass
     elif step >= m:
         launch_allgather(ws, state, shard, gathered, use_pdl)
@@ -216,8 +230,9 @@ def _execute(ws_id: int, shard: Tensor, algorithm: str, backend: str, use_pdl: b
         ws.poll_status()
 
 
-def _run_one_launch(ws, state, shard: Tensor, gathered: Tensor, epilogue, use_pdl: bool,
-                    unchunked: bool) -> bool:  # fmt: skip
+def _run_one_launch(
+    ws, state, shard: Tensor, gathered: Tensor, epilogue, use_pdl: bool, unchunked: bool
+) -> bool:
     """Gather + the op of ``epilogue`` as one kernel where one can run it
     (:func:`moefuse.comm.all_gather.persistent.run_one_launch`; False: the caller runs two
     launches).
@@ -230,9 +245,17 @@ def _run_one_launch(ws, state, shard: Tensor, gathered: Tensor, epilogue, use_pd
 
 # ----------------------------------------------------------------------------- ops
 @custom_op("moefuse::all_gather_rmsnorm", mutates_args=("out",))
-def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_id: int,
-                          eps: float, gain_center: float, algorithm: str, use_pdl: bool,
-                          backend: str) -> None:  # fmt: skip
+def all_gather_rmsnorm_op(
+    shard: Tensor,
+    weight: Tensor,
+    out: Tensor,
+    workspace_id: int,
+    eps: float,
+    gain_center: float,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
     from moefuse.norm.rms import launch_rmsnorm
 
     def run_rows(x, a, b, pdl):
@@ -244,8 +267,9 @@ def all_gather_rmsnorm_op(shard: Tensor, weight: Tensor, out: Tensor, workspace_
     def epilogue(dec):
         return dec.Epilogue(dec.RMSNORM, weight, out, eps, gain_center)
 
-    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,
-             epilogue=epilogue)
+    _execute(
+        workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, epilogue=epilogue
+    )
 
 
 @all_gather_rmsnorm_op.register_fake
@@ -254,9 +278,19 @@ def _(shard, weight, out, workspace_id, eps, gain_center, algorithm, use_pdl, ba
 
 
 @custom_op("moefuse::all_gather_rmsnorm_fp8", mutates_args=("out",))
-def all_gather_rmsnorm_fp8_op(shard: Tensor, weight: Tensor, scale: Tensor, out: Tensor,
-                              fmt: int, workspace_id: int, eps: float, gain_center: float,
-                              algorithm: str, use_pdl: bool, backend: str) -> None:  # fmt: skip
+def all_gather_rmsnorm_fp8_op(
+    shard: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    out: Tensor,
+    fmt: int,
+    workspace_id: int,
+    eps: float,
+    gain_center: float,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
     """``out``: the FP8 bytes (uint8) of format ``fmt`` (moefuse.quant.formats.FP8_CODE)."""
     from moefuse.quant import formats as F
     from moefuse.quant.fused import launch_rmsnorm_fp8
@@ -272,13 +306,13 @@ def all_gather_rmsnorm_fp8_op(shard: Tensor, weight: Tensor, scale: Tensor, out:
     def epilogue(dec):
         return dec.Epilogue(dec.FP8, weight, out, eps, gain_center, aux=scale, fmt=fmt)
 
-    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference,
-             epilogue=epilogue)
+    _execute(
+        workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, epilogue=epilogue
+    )
 
 
 @all_gather_rmsnorm_fp8_op.register_fake
-def _(shard, weight, scale, out, fmt, workspace_id, eps, gain_center, algorithm, use_pdl,
-      backend):  # fmt: skip
+def _(shard, weight, scale, out, fmt, workspace_id, eps, gain_center, algorithm, use_pdl, backend):
     return None
 
 
@@ -286,13 +320,22 @@ def _(shard, weight, scale, out, fmt, workspace_id, eps, gain_center, algorithm,
 _SCALE_ROW_TILE = {"swizzled_128x4": 128, "swizzled_8x4": 8, "linear": 1}
 
 
-@custom_op("moefuse::all_gather_rmsnorm_fp4_quantize",
-                         mutates_args=("packed", "scales"))  # fmt: skip
-def all_gather_rmsnorm_fp4_quantize_op(shard: Tensor, weight: Tensor, global_scale: Tensor,
-                                       packed: Tensor, scales: Tensor, workspace_id: int,
-                                       eps: float, gain_center: float, layout: str, recipe: str,
-                                       algorithm: str, use_pdl: bool,
-                                       backend: str) -> None:  # fmt: skip
+@custom_op("moefuse::all_gather_rmsnorm_fp4_quantize", mutates_args=("packed", "scales"))
+def all_gather_rmsnorm_fp4_quantize_op(
+    shard: Tensor,
+    weight: Tensor,
+    global_scale: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    workspace_id: int,
+    eps: float,
+    gain_center: float,
+    layout: str,
+    recipe: str,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
     from moefuse.quant.fused import launch_rmsnorm_fp4
 
     tile = _SCALE_ROW_TILE[layout]
@@ -301,26 +344,60 @@ def all_gather_rmsnorm_fp4_quantize_op(shard: Tensor, weight: Tensor, global_sca
         # rows a:b (a on a tile boundary) own scale rows a : a + round_up(b - a, tile) of the
         # padded [Mp, Kp] matrix: the last chunk also writes the padding rows (zeros)
         sf = scales[a : a + -(-(b - a) // tile) * tile]
-        launch_rmsnorm_fp4(x, None, weight, global_scale, packed[a:b], sf, None, eps,
-                           gain_center, layout, recipe, pdl)  # fmt: skip
+        launch_rmsnorm_fp4(
+            x,
+            None,
+            weight,
+            global_scale,
+            packed[a:b],
+            sf,
+            None,
+            eps,
+            gain_center,
+            layout,
+            recipe,
+            pdl,
+        )
 
     def reference(x):
-        p, sf, _ = ref.quant_ref.rmsnorm_fp4_quantize_reference(x, weight, global_scale, eps,
-                                                                layout, recipe, gain_center)
+        p, sf, _ = ref.quant_ref.rmsnorm_fp4_quantize_reference(
+            x, weight, global_scale, eps, layout, recipe, gain_center
+        )
         packed.copy_(p)
         scales.copy_(sf.reshape(scales.shape))
 
     def epilogue(dec):
-        return dec.Epilogue(dec.FP4, weight, packed, eps, gain_center, aux=global_scale,
-                            scales=scales, layout=layout, recipe=recipe)  # fmt: skip
+        return dec.Epilogue(
+            dec.FP4,
+            weight,
+            packed,
+            eps,
+            gain_center,
+            aux=global_scale,
+            scales=scales,
+            layout=layout,
+            recipe=recipe,
+        )
 
-    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, tile,
-             epilogue)
+    _execute(workspace_id, shard, algorithm, backend, use_pdl, run_rows, reference, tile, epilogue)
 
 
 @all_gather_rmsnorm_fp4_quantize_op.register_fake
-def _(shard, weight, global_scale, packed, scales, workspace_id, eps, gain_center, layout, recipe,
-      algorithm, use_pdl, backend):  # fmt: skip
+def _(
+    shard,
+    weight,
+    global_scale,
+    packed,
+    scales,
+    workspace_id,
+    eps,
+    gain_center,
+    layout,
+    recipe,
+    algorithm,
+    use_pdl,
+    backend,
+):
     return None
 
 
@@ -329,28 +406,61 @@ def _(shard, weight, global_scale, packed, scales, workspace_id, eps, gain_cente
     mutates_args=("residual_out", "ffn_input", "router_input"),
 )
 def all_gather_gated_residual_next_rmsnorm_op(
-    branch_shard: Tensor, residual: Tensor, next_weight: Tensor, alpha: Tensor | None,
-    alpha_scalar: float, beta: Tensor, post_weight: Tensor | None, residual_out: Tensor,
-    ffn_input: Tensor, router_input: Tensor | None, workspace_id: int, post_eps: float,
-    next_eps: float, next_gain_center: float, post_gain_center: float, algorithm: str,
-    use_pdl: bool, backend: str,
-) -> None:  # fmt: skip
+    branch_shard: Tensor,
+    residual: Tensor,
+    next_weight: Tensor,
+    alpha: Tensor | None,
+    alpha_scalar: float,
+    beta: Tensor,
+    post_weight: Tensor | None,
+    residual_out: Tensor,
+    ffn_input: Tensor,
+    router_input: Tensor | None,
+    workspace_id: int,
+    post_eps: float,
+    next_eps: float,
+    next_gain_center: float,
+    post_gain_center: float,
+    algorithm: str,
+    use_pdl: bool,
+    backend: str,
+) -> None:
     from moefuse.norm.gated import launch_gated_residual_next_rmsnorm
 
     def run_rows(x, a, b, pdl):
         router = router_input[a:b] if router_input is not None else None
         launch_gated_residual_next_rmsnorm(
-            x, residual[a:b], next_weight, alpha, alpha_scalar, beta, post_weight,
-            residual_out[a:b], ffn_input[a:b], router, post_eps, next_eps, next_gain_center,
-            post_gain_center, pdl,
-        )  # fmt: skip
+            x,
+            residual[a:b],
+            next_weight,
+            alpha,
+            alpha_scalar,
+            beta,
+            post_weight,
+            residual_out[a:b],
+            ffn_input[a:b],
+            router,
+            post_eps,
+            next_eps,
+            next_gain_center,
+            post_gain_center,
+            pdl,
+        )
 
     def reference(x):
         a = alpha if alpha is not None else alpha_scalar
         ro, ffn, router = ref.norm_ref.gated_residual_next_rmsnorm_reference(
-            x, residual, next_weight, a, beta, post_eps, next_eps, next_gain_center, post_weight,
+            x,
+            residual,
+            next_weight,
+            a,
+            beta,
+            post_eps,
+            next_eps,
+            next_gain_center,
+            post_weight,
             post_gain_center,
-        )  # fmt: skip
+        )
         # residual_out may be residual (in place): everything is computed before it is written
         residual_out.copy_(ro)
         ffn_input.copy_(ffn)
@@ -358,16 +468,50 @@ def all_gather_gated_residual_next_rmsnorm_op(
             router_input.copy_(router)
 
     def epilogue(dec):
-        g = dec.GatedArgs(residual, alpha, alpha_scalar, beta, post_weight, residual_out,
-                          router_input, post_eps, post_gain_center)  # fmt: skip
+        g = dec.GatedArgs(
+            residual,
+            alpha,
+            alpha_scalar,
+            beta,
+            post_weight,
+            residual_out,
+            router_input,
+            post_eps,
+            post_gain_center,
+        )
         return dec.Epilogue(dec.GATED, next_weight, ffn_input, next_eps, next_gain_center, gated=g)
 
-    _execute(workspace_id, branch_shard, algorithm, backend, use_pdl, run_rows, reference,
-             epilogue=epilogue)
+    _execute(
+        workspace_id,
+        branch_shard,
+        algorithm,
+        backend,
+        use_pdl,
+        run_rows,
+        reference,
+        epilogue=epilogue,
+    )
 
 
 @all_gather_gated_residual_next_rmsnorm_op.register_fake
-def _(branch_shard, residual, next_weight, alpha, alpha_scalar, beta, post_weight, residual_out,
-      ffn_input, router_input, workspace_id, post_eps, next_eps, next_gain_center,
-      post_gain_center, algorithm, use_pdl, backend):  # fmt: skip
+def _(
+    branch_shard,
+    residual,
+    next_weight,
+    alpha,
+    alpha_scalar,
+    beta,
+    post_weight,
+    residual_out,
+    ffn_input,
+    router_input,
+    workspace_id,
+    post_eps,
+    next_eps,
+    next_gain_center,
+    post_gain_center,
+    algorithm,
+    use_pdl,
+    backend,
+):
     return None

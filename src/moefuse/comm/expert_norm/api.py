@@ -72,19 +72,26 @@ def init_tp_moe_finalize_rmsnorm(group=None, *, device=None, **options) -> bool:
     group = group if group is not None else dist.group.WORLD
     if _TP_STATE["group"] is not None:
         if _TP_STATE["group"] is not group:
-            raise ValueError("moefuse.init_tp_moe_finalize_rmsnorm: already initialised with "
-                             "another group; call shutdown_tp_moe_finalize_rmsnorm() first")
+            raise ValueError(
+                "moefuse.init_tp_moe_finalize_rmsnorm: already initialised with "
+                "another group; call shutdown_tp_moe_finalize_rmsnorm() first"
+            )
         return _TP_STATE["ok"]
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     device = torch.device(device)
     local = dist.get_world_size(group) >= 2 and kernel_device_reason(device) is None
-    t = torch.tensor([1 if local else 0], dtype=torch.int32,
-                     device=_collective_device(group, device))  # fmt: skip
+    t = torch.tensor(
+        [1 if local else 0], dtype=torch.int32, device=_collective_device(group, device)
+    )
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    _TP_STATE.update(group=group, ok=bool(t.item()), device=device, options=dict(options),
-                     spaces={})  # fmt: skip
+    _TP_STATE.update(
+        group=group, ok=bool(t.item()), device=device, options=dict(options), spaces={}
+    )
     return _TP_STATE["ok"]
 
 
@@ -97,8 +104,9 @@ def shutdown_tp_moe_finalize_rmsnorm() -> None:
 
 def _process_workspace(op: str, hidden: int, top_k: int) -> ExpertNormWorkspace:
     if _TP_STATE["group"] is None:
-        raise RuntimeError(f"moefuse.{op}: pass workspace= or call "
-                           "init_tp_moe_finalize_rmsnorm(group) first")  # fmt: skip
+        raise RuntimeError(
+            f"moefuse.{op}: pass workspace= or call init_tp_moe_finalize_rmsnorm(group) first"
+        )
     key = (hidden, top_k)
     xws = _TP_STATE["spaces"].get(key)
     if xws is None:
@@ -108,17 +116,20 @@ def _process_workspace(op: str, hidden: int, top_k: int) -> ExpertNormWorkspace:
         if torch.compiler.is_compiling() or (
             dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
         ):
-            raise RuntimeError(f"moefuse.{op}: first call for H={hidden}, K={top_k} during CUDA "
-                               "graph capture or torch.compile tracing; warm every shape up "
-                               "eagerly first")  # fmt: skip
+            raise RuntimeError(
+                f"moefuse.{op}: first call for H={hidden}, K={top_k} during CUDA "
+                "graph capture or torch.compile tracing; warm every shape up "
+                "eagerly first"
+            )
         xws = ExpertNormWorkspace(_TP_STATE["group"], hidden, top_k, dev, **_TP_STATE["options"])
         _TP_STATE["spaces"][key] = xws
     return xws
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_routes(op, rows, weights, idx, norm_weight, output, eps, gain_center, wbn, rows_name,
-                  w_name, idx_name) -> None:  # fmt: skip
+def _check_routes(
+    op, rows, weights, idx, norm_weight, output, eps, gain_center, wbn, rows_name, w_name, idx_name
+) -> None:
     v.check_tensor(op, rows_name, rows, dtypes=(torch.bfloat16,), ndims=(2,))
     dev = rows.device
     v.check_tensor(op, idx_name, idx, dtypes=(torch.int32,), ndims=(2,), device=dev)
@@ -126,60 +137,105 @@ def _check_routes(op, rows, weights, idx, norm_weight, output, eps, gain_center,
     if k < 1:
         raise ValueError(f"moefuse.{op}: argument '{idx_name}' must have K >= 1 columns")
     v.check_tensor(op, w_name, weights, dtypes=WEIGHT_DTYPES, shape=(m, k), device=dev)
-    v.check_tensor(op, "norm_weight", norm_weight, dtypes=(torch.bfloat16,), ndims=(1,),
-                   device=dev)  # fmt: skip
+    v.check_tensor(op, "norm_weight", norm_weight, dtypes=(torch.bfloat16,), ndims=(1,), device=dev)
     h = norm_weight.shape[0]
     if h < 1 or h > MAX_HIDDEN:
-        raise ValueError(f"moefuse.{op}: argument 'norm_weight' must have 1 <= H <= {MAX_HIDDEN}"
-                         f", got {h}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'norm_weight' must have 1 <= H <= {MAX_HIDDEN}, got {h}"
+        )
     if rows.shape[1] < h:
-        raise ValueError(f"moefuse.{op}: argument '{rows_name}' must have at least H={h} "
-                         f"columns, got {tuple(rows.shape)}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument '{rows_name}' must have at least H={h} "
+            f"columns, got {tuple(rows.shape)}"
+        )
     if output is not None:
         v.check_tensor(op, "output", output, dtypes=(torch.bfloat16,), shape=(m, h), device=dev)
-        for name, t in ((rows_name, rows), (w_name, weights), (idx_name, idx),
-                        ("norm_weight", norm_weight)):  # fmt: skip
+        for name, t in (
+            (rows_name, rows),
+            (w_name, weights),
+            (idx_name, idx),
+            ("norm_weight", norm_weight),
+        ):
             v.check_no_overlap(op, "output", output, name, t)
     v.check_eps(op, "eps", eps)
     v.check_real(op, "gain_center", gain_center)
     if not isinstance(wbn, bool):
-        raise ValueError(f"moefuse.{op}: argument 'weight_before_norm' must be a bool, "
-                         f"got {wbn!r}")  # fmt: skip
+        raise ValueError(f"moefuse.{op}: argument 'weight_before_norm' must be a bool, got {wbn!r}")
 
 
-def _check_tp(op, gemm2_permuted, expert_weights, idx, norm_weight, output, eps, gain_center,
-              wbn, workspace, algorithm) -> None:  # fmt: skip
-    _check_routes(op, gemm2_permuted, expert_weights, idx, norm_weight, output, eps, gain_center,
-                  wbn, "gemm2_permuted", "expert_weights",
-                  "expanded_idx_to_permuted_idx")  # fmt: skip
+def _check_tp(
+    op,
+    gemm2_permuted,
+    expert_weights,
+    idx,
+    norm_weight,
+    output,
+    eps,
+    gain_center,
+    wbn,
+    workspace,
+    algorithm,
+) -> None:
+    _check_routes(
+        op,
+        gemm2_permuted,
+        expert_weights,
+        idx,
+        norm_weight,
+        output,
+        eps,
+        gain_center,
+        wbn,
+        "gemm2_permuted",
+        "expert_weights",
+        "expanded_idx_to_permuted_idx",
+    )
     if algorithm not in TP_ALGORITHMS:
-        raise ValueError(f"moefuse.{op}: argument 'algorithm' must be one of {TP_ALGORITHMS}, "
-                         f"got {algorithm!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'algorithm' must be one of {TP_ALGORITHMS}, got {algorithm!r}"
+        )
     if workspace is not None:
-        _check_tp_workspace(op, workspace, norm_weight.shape[0], idx.shape[1],
-                            gemm2_permuted.device)  # fmt: skip
+        _check_tp_workspace(
+            op, workspace, norm_weight.shape[0], idx.shape[1], gemm2_permuted.device
+        )
 
 
 def _check_tp_workspace(op, workspace, hidden, top_k, device) -> None:
     if not isinstance(workspace, ExpertNormWorkspace):
-        raise ValueError(f"moefuse.{op}: argument 'workspace' must be an ExpertNormWorkspace, "
-                         f"got {type(workspace).__name__}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'workspace' must be an ExpertNormWorkspace, "
+            f"got {type(workspace).__name__}"
+        )
     if (workspace.hidden_size, workspace.top_k) != (hidden, top_k):
-        raise ValueError(f"moefuse.{op}: argument 'workspace' was created for (H, K) = "
-                         f"({workspace.hidden_size}, {workspace.top_k}), got ({hidden}, "
-                         f"{top_k})")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'workspace' was created for (H, K) = "
+            f"({workspace.hidden_size}, {workspace.top_k}), got ({hidden}, "
+            f"{top_k})"
+        )
     if workspace.device != device:
-        raise ValueError(f"moefuse.{op}: argument 'workspace' is on {workspace.device}, the "
-                         f"tensors on {device}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'workspace' is on {workspace.device}, the tensors on {device}"
+        )
 
 
 # --------------------------------------------------------------------- tp_moe_finalize_rmsnorm (TP)
 @fast_op(guards=("workspace",))
 @v.checked(writes=("output",))
-def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
-                            norm_weight, output=None, *, eps: float, gain_center: float,
-                            weight_before_norm: bool, workspace=None, algorithm: str = "auto",
-                            enable_pdl=None, impl: str = "auto"):  # fmt: skip
+def tp_moe_finalize_rmsnorm(
+    gemm2_permuted,
+    expert_weights,
+    expanded_idx_to_permuted_idx,
+    norm_weight,
+    output=None,
+    *,
+    eps: float,
+    gain_center: float,
+    weight_before_norm: bool,
+    workspace=None,
+    algorithm: str = "auto",
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """TP MoE finalize with a per-expert RMSNorm (the spec's tp_moe_finalize_rmsnorm); returns
     ``output``.
 
@@ -204,8 +260,19 @@ def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_perm
     """
     op = "tp_moe_finalize_rmsnorm"
     idx = expanded_idx_to_permuted_idx
-    _check_tp(op, gemm2_permuted, expert_weights, idx, norm_weight, output, eps, gain_center,
-              weight_before_norm, workspace, algorithm)  # fmt: skip
+    _check_tp(
+        op,
+        gemm2_permuted,
+        expert_weights,
+        idx,
+        norm_weight,
+        output,
+        eps,
+        gain_center,
+        weight_before_norm,
+        workspace,
+        algorithm,
+    )
     m, h = idx.shape[0], norm_weight.shape[0]
     if output is None:
         output = torch.empty((m, h), dtype=torch.bfloat16, device=gemm2_permuted.device)
@@ -216,22 +283,49 @@ def tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights, expanded_idx_to_perm
         _check_tp_workspace(op, workspace, h, idx.shape[1], gemm2_permuted.device)
     backend = choose_impl(op, impl, gemm2_permuted.device, workspace.unsupported_reason())
     ops.tp_moe_finalize_rmsnorm_op(
-        gemm2_permuted, expert_weights, idx, norm_weight, output, workspace.id, float(eps),
-        float(gain_center), weight_before_norm, algorithm,
-        resolve_pdl(enable_pdl, gemm2_permuted.device), backend,
-    )  # fmt: skip
+        gemm2_permuted,
+        expert_weights,
+        idx,
+        norm_weight,
+        output,
+        workspace.id,
+        float(eps),
+        float(gain_center),
+        weight_before_norm,
+        algorithm,
+        resolve_pdl(enable_pdl, gemm2_permuted.device),
+        backend,
+    )
     return output
 
 
-def supports_tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights,
-                                     expanded_idx_to_permuted_idx, norm_weight, output=None, *,
-                                     workspace=None) -> bool:  # fmt: skip
+def supports_tp_moe_finalize_rmsnorm(
+    gemm2_permuted,
+    expert_weights,
+    expanded_idx_to_permuted_idx,
+    norm_weight,
+    output=None,
+    *,
+    workspace=None,
+) -> bool:
     """Local answer, no side effects (combine across ranks with a MIN vote before capture): the
     arguments are acceptable, a workspace exists (``workspace=`` or a successful
     :func:`init_tp_moe_finalize_rmsnorm`) and the Triton kernels can run on the device."""
     op = "tp_moe_finalize_rmsnorm"
-    if not v.accepts(_check_tp, op, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
-                     norm_weight, output, 1e-6, 0.0, True, workspace, "auto"):  # fmt: skip
+    if not v.accepts(
+        _check_tp,
+        op,
+        gemm2_permuted,
+        expert_weights,
+        expanded_idx_to_permuted_idx,
+        norm_weight,
+        output,
+        1e-6,
+        0.0,
+        True,
+        workspace,
+        "auto",
+    ):
         return False
     if workspace is None:
         if not _TP_STATE["ok"] or _TP_STATE["device"] != gemm2_permuted.device:
@@ -241,31 +335,72 @@ def supports_tp_moe_finalize_rmsnorm(gemm2_permuted, expert_weights,
 
 
 # -------------------------------------------------------------- moe_finalize_rmsnorm_allreduce (EP)
-def _check_ep(op, routed_rows, route_weights, permuted_idx, norm_weight, output, workspace, eps,
-              gain_center, wbn, algorithm) -> None:  # fmt: skip
-    _check_routes(op, routed_rows, route_weights, permuted_idx, norm_weight, output, eps,
-                  gain_center, wbn, "routed_rows", "route_weights", "permuted_idx")  # fmt: skip
+def _check_ep(
+    op,
+    routed_rows,
+    route_weights,
+    permuted_idx,
+    norm_weight,
+    output,
+    workspace,
+    eps,
+    gain_center,
+    wbn,
+    algorithm,
+) -> None:
+    _check_routes(
+        op,
+        routed_rows,
+        route_weights,
+        permuted_idx,
+        norm_weight,
+        output,
+        eps,
+        gain_center,
+        wbn,
+        "routed_rows",
+        "route_weights",
+        "permuted_idx",
+    )
     if not isinstance(workspace, AllReduceWorkspace):
-        raise ValueError(f"moefuse.{op}: argument 'workspace' must be an AllReduceWorkspace, "
-                         f"got {type(workspace).__name__}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'workspace' must be an AllReduceWorkspace, "
+            f"got {type(workspace).__name__}"
+        )
     if workspace.dtype != torch.bfloat16 or workspace.hidden_size != norm_weight.shape[0]:
-        raise ValueError(f"moefuse.{op}: argument 'workspace' must be a BF16 workspace of hidden "
-                         f"size {norm_weight.shape[0]}, got {workspace.dtype} / "
-                         f"{workspace.hidden_size}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'workspace' must be a BF16 workspace of hidden "
+            f"size {norm_weight.shape[0]}, got {workspace.dtype} / "
+            f"{workspace.hidden_size}"
+        )
     if workspace.device != routed_rows.device:
-        raise ValueError(f"moefuse.{op}: argument 'workspace' is on {workspace.device}, the "
-                         f"tensors on {routed_rows.device}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'workspace' is on {workspace.device}, the "
+            f"tensors on {routed_rows.device}"
+        )
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"moefuse.{op}: argument 'algorithm' must be one of {ALGORITHMS}, "
-                         f"got {algorithm!r}")  # fmt: skip
+        raise ValueError(
+            f"moefuse.{op}: argument 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}"
+        )
 
 
 @fast_op(guards=("workspace",))
 @v.checked(writes=("output",))
-def moe_finalize_rmsnorm_allreduce(routed_rows, route_weights, permuted_idx, norm_weight,
-                                   output=None, *, workspace, eps: float, gain_center: float = 0.0,
-                                   weight_before_norm: bool = True, algorithm: str = "auto",
-                                   enable_pdl=None, impl: str = "auto"):  # fmt: skip
+def moe_finalize_rmsnorm_allreduce(
+    routed_rows,
+    route_weights,
+    permuted_idx,
+    norm_weight,
+    output=None,
+    *,
+    workspace,
+    eps: float,
+    gain_center: float = 0.0,
+    weight_before_norm: bool = True,
+    algorithm: str = "auto",
+    enable_pdl=None,
+    impl: str = "auto",
+):
     """EP MoE finalize with a per-expert RMSNorm, then all-reduce (the spec's
     moe_finalize_rmsnorm_allreduce); returns ``output``.
 
@@ -278,8 +413,19 @@ def moe_finalize_rmsnorm_allreduce(routed_rows, route_weights, permuted_idx, nor
     all-reduce algorithm ("auto" | "oneshot" | "twoshot" | "torch", same bits).
     """
     op = "moe_finalize_rmsnorm_allreduce"
-    _check_ep(op, routed_rows, route_weights, permuted_idx, norm_weight, output, workspace, eps,
-              gain_center, weight_before_norm, algorithm)  # fmt: skip
+    _check_ep(
+        op,
+        routed_rows,
+        route_weights,
+        permuted_idx,
+        norm_weight,
+        output,
+        workspace,
+        eps,
+        gain_center,
+        weight_before_norm,
+        algorithm,
+    )
     m, h = permuted_idx.shape[0], norm_weight.shape[0]
     if output is None:
         output = torch.empty((m, h), dtype=torch.bfloat16, device=routed_rows.device)
@@ -287,21 +433,43 @@ def moe_finalize_rmsnorm_allreduce(routed_rows, route_weights, permuted_idx, nor
         return output
     backend = choose_impl(op, impl, routed_rows.device, workspace.unsupported_reason(output))
     ops.moe_finalize_rmsnorm_allreduce_op(
-        routed_rows, route_weights, permuted_idx, norm_weight, output, workspace.id, float(eps),
-        float(gain_center), weight_before_norm, algorithm,
-        resolve_pdl(enable_pdl, routed_rows.device), backend,
-    )  # fmt: skip
+        routed_rows,
+        route_weights,
+        permuted_idx,
+        norm_weight,
+        output,
+        workspace.id,
+        float(eps),
+        float(gain_center),
+        weight_before_norm,
+        algorithm,
+        resolve_pdl(enable_pdl, routed_rows.device),
+        backend,
+    )
     return output
 
 
-def supports_moe_finalize_rmsnorm_allreduce(workspace, routed_rows, route_weights, permuted_idx,
-                                            norm_weight, output) -> bool:  # fmt: skip
+def supports_moe_finalize_rmsnorm_allreduce(
+    workspace, routed_rows, route_weights, permuted_idx, norm_weight, output
+) -> bool:
     """Local answer, no side effects (FlashInfer's argument order): ``1 <= M <= max_tokens``,
     shapes/dtypes as :func:`moe_finalize_rmsnorm_allreduce`, on the workspace device, kernels
     runnable there. Combine across ranks with ``workspace.vote``."""
     op = "moe_finalize_rmsnorm_allreduce"
-    if not v.accepts(_check_ep, op, routed_rows, route_weights, permuted_idx, norm_weight, output,
-                     workspace, 1e-6, 0.0, True, "auto"):  # fmt: skip
+    if not v.accepts(
+        _check_ep,
+        op,
+        routed_rows,
+        route_weights,
+        permuted_idx,
+        norm_weight,
+        output,
+        workspace,
+        1e-6,
+        0.0,
+        True,
+        "auto",
+    ):
         return False
     if output is None or output.shape[0] < 1:
         return False

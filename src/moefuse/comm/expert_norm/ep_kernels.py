@@ -35,14 +35,28 @@ from moefuse.comm.expert_norm.tp_kernels import (
 
 
 @triton.jit
-def _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols, cmask, Hf,
-                    eps, K: tl.constexpr, WBN: tl.constexpr, PTX: tl.constexpr,
-                    PREFETCH: tl.constexpr = False):  # fmt: skip
+def _ep_partial_row(
+    src,
+    t64,
+    R,
+    g,
+    cols,
+    cmask,
+    Hf,
+    eps,
+    K: tl.constexpr,
+    WBN: tl.constexpr,
+    PTX: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+):
     """This rank's FP32 partial of token t: fma chain over its local valid slots of y_k * w_k.
+    ``src`` = (rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st): the expert rows, the routing
+    weights and the index map, with their row strides.
     ``PREFETCH``: the K slots' rows and weights are requested first (masked: a non-local slot's
     row and weight are never read), so their memory latency overlaps instead of adding up slot
     by slot (more registers: 191 against 106 for the one-shot kernel at H = 4096, sm_90a);
     then each local slot is normalized and folded in slot order. Same values, same chain."""
+    rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st = src
     if not PREFETCH:
         acc = tl.zeros(cols.shape, tl.float32)
         for k in tl.static_range(K):
@@ -70,31 +84,117 @@ def _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, c
 
 @triton.jit(do_not_specialize=["M", "R"])
 def _ep_partial_kernel(
-    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
-    M, R, H, Hf, eps, gain_center,
-    K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr, USE_PDL: tl.constexpr,
-    PTX: tl.constexpr, PREFETCH: tl.constexpr = False,
-):  # fmt: skip
+    rows_ptr,
+    w_ptr,
+    idx_ptr,
+    nw_ptr,
+    out_ptr,
+    row_st,
+    w_st,
+    idx_st,
+    out_st,
+    M,
+    R,
+    H,
+    Hf,
+    eps,
+    gain_center,
+    K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    WBN: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+):
     """This rank's partial ``scrub(bf16(...))`` into ``out`` (two-shot and torch paths)."""
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
+    src = (rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st)
     t = pid
     while t < M:
         t64 = t.to(tl.int64)
-        acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st, t64, R, g, cols,
-                              cmask, Hf, eps, K, WBN, PTX, PREFETCH)  # fmt: skip
-        _store_out(out_ptr, out_st, t64, D.as_bits(round_to(acc, tl.bfloat16, PTX), 16), cols,
-                   cmask)  # fmt: skip
+        acc = _ep_partial_row(src, t64, R, g, cols, cmask, Hf, eps, K, WBN, PTX, PREFETCH)
+        bits = D.as_bits(round_to(acc, tl.bfloat16, PTX), 16)
+        _store_out(out_ptr, out_st, t64, bits, cols, cmask)
         t += G
+
+
+@triton.jit
+def _receive_row(
+    missing,
+    prev,
+    tp,
+    mine,
+    region,
+    rank,
+    cols,
+    cmask,
+    H,
+    wait,
+    out_ptr,
+    out_st,
+    T: tl.constexpr,
+    P: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """Rank-order FP32 sum of row ``tp`` (this rank's ``prev`` in its place, the peers' rows
+    polled from their Lamport slots of ``region`` in ``mine``; ``wait`` = (deadline, clock_ptr,
+    empty row)), rounded to T into ``out``. Returns ``missing`` with the late peers' bits set."""
+    deadline, clock_ptr, empty = wait
+    s, miss = D.receive_sum(
+        prev,
+        tp,
+        mine,
+        region,
+        rank,
+        cols,
+        cmask,
+        H,
+        deadline,
+        clock_ptr,
+        empty,
+        T,
+        P,
+        16,
+        True,
+        PTX,
+    )
+    missing = missing | miss
+    tl.store(out_ptr + tp * out_st + cols, round_to(s, T, PTX), mask=cmask)
+    return missing
 
 
 @triton.jit(do_not_specialize=["M", "R", "rank"])
 def _ep_oneshot_kernel(
-    rows_ptr, w_ptr, idx_ptr, nw_ptr, out_ptr, row_st, w_st, idx_st, out_st,
-    table_ptr, lam_off16, ctrl_ptr, clock_ptr,
-    M, R, H, Hf, rank, cap, eps, gain_center, timeout_us,
-    P: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, WBN: tl.constexpr,
-    USE_PDL: tl.constexpr, PTX: tl.constexpr, PREFETCH: tl.constexpr = False,
-):  # fmt: skip
+    rows_ptr,
+    w_ptr,
+    idx_ptr,
+    nw_ptr,
+    out_ptr,
+    row_st,
+    w_st,
+    idx_st,
+    out_st,
+    table_ptr,
+    lam_off16,
+    ctrl_ptr,
+    clock_ptr,
+    M,
+    R,
+    H,
+    Hf,
+    rank,
+    cap,
+    eps,
+    gain_center,
+    timeout_us,
+    P: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    WBN: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+):
     """Partial + Lamport all-reduce in one kernel, on the all-reduce workspace's one-shot slots
     and generation (same protocol and bits as ``comm.triton._oneshot_kernel`` pattern 0, whose
     ``D.push_vals`` / ``D.receive_sum`` it uses): iteration i computes and pushes row i, then
@@ -102,9 +202,12 @@ def _ep_oneshot_kernel(
     T: tl.constexpr = out_ptr.dtype.element_ty
     pid, G, cols, cmask, g = _prologue(nw_ptr, gain_center, H, BLOCK_H, USE_PDL)
     deadline, gen, n_mine, region = D.oneshot_state(
-        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX)  # fmt: skip
+        ctrl_ptr, table_ptr, rank, clock_ptr, timeout_us, M, pid, G, cap, P, PTX
+    )
     mine = D.peer_base(table_ptr, rank, lam_off16, 16)
     empty = D.empty_row(BLOCK_H, 16)
+    src = (rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st)
+    wait = (deadline, clock_ptr, empty)
     prev = tl.zeros([BLOCK_H], T)
     missing = 0
     i = 0
@@ -112,28 +215,69 @@ def _ep_oneshot_kernel(
         x = prev
         if i < n_mine:
             t = pid + i * G
-            acc = _ep_partial_row(rows_ptr, row_st, w_ptr, w_st, idx_ptr, idx_st,
-                                  t.to(tl.int64), R, g, cols, cmask, Hf, eps, K, WBN,
-                                  PTX, PREFETCH)  # fmt: skip
+            acc = _ep_partial_row(
+                src, t.to(tl.int64), R, g, cols, cmask, Hf, eps, K, WBN, PTX, PREFETCH
+            )
             x = round_to(acc, T, PTX)
             D.push_vals(x, t, cols, cmask, table_ptr, lam_off16, region, rank, H, P, 16)
         if i > 0:
             tp = (pid + (i - 1) * G).to(tl.int64)
-            s, miss = D.receive_sum(prev, tp, mine, region, rank, cols, cmask, H, deadline,
-                                   clock_ptr, empty, T, P, 16, True, PTX)  # fmt: skip
-            missing = missing | miss
-            tl.store(out_ptr + tp * out_st + cols, round_to(s, T, PTX), mask=cmask)
+            missing = _receive_row(
+                missing,
+                prev,
+                tp,
+                mine,
+                region,
+                rank,
+                cols,
+                cmask,
+                H,
+                wait,
+                out_ptr,
+                out_st,
+                T,
+                P,
+                PTX,
+            )
         prev = x
         i += 1
-    D.oneshot_finish(ctrl_ptr, table_ptr, rank, gen, missing, ctrl_ptr, M, M, 0, pid, G, P, 0,
-                    0, 16, USE_PDL, PTX)  # fmt: skip
+    D.oneshot_finish(
+        ctrl_ptr,
+        table_ptr,
+        rank,
+        gen,
+        missing,
+        ctrl_ptr,
+        M,
+        M,
+        0,
+        pid,
+        G,
+        P,
+        0,
+        0,
+        16,
+        USE_PDL,
+        PTX,
+    )
 
 
 # ----------------------------------------------------------------------------- launcher
-def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx, norm_weight,
-                                          out, *, eps: float, gain_center: float,
-                                          weight_before_norm: bool, use_pdl: bool = False,
-                                          gather=None) -> None:  # fmt: skip
+def launch_moe_finalize_rmsnorm_allreduce(
+    ws,
+    algorithm: str,
+    rows,
+    weights,
+    idx,
+    norm_weight,
+    out,
+    *,
+    eps: float,
+    gain_center: float,
+    weight_before_norm: bool,
+    use_pdl: bool = False,
+    gather=None,
+) -> None:
     """moe_finalize_rmsnorm_allreduce on the all-reduce workspace ``ws``. "oneshot": one fused
     kernel (partial + Lamport all-reduce); "twoshot" / "torch": the local partial kernel, then the
     all-reduce kernel of that algorithm (``gather(partial)`` -> [P, M, H] for torch). Same bits."""
@@ -145,25 +289,76 @@ def launch_moe_finalize_rmsnorm_allreduce(ws, algorithm: str, rows, weights, idx
     if algorithm == "oneshot":
         ws.refresh_clock()
         grid = (max(1, min(m, ws.num_sms)),)
-        launch(_ep_oneshot_kernel, grid,
-            rows, weights, idx, norm_weight, out, rows.stride(0), weights.stride(0),
-            idx.stride(0), out.stride(0), ws.table, ws.offset16("lamport"), ws.ctrl, ws.clock,
-            m, rows.shape[0], h, float(h), ws.rank, ws.oneshot_max_tokens, float(eps),
-            float(gain_center), ws.timeout_us, P=ws.world_size, K=k,
-            WBN=bool(weight_before_norm), PREFETCH=prefetch_rows(m, grid[0]), **common,
-        )  # fmt: skip
+        launch(
+            _ep_oneshot_kernel,
+            grid,
+            rows,
+            weights,
+            idx,
+            norm_weight,
+            out,
+            rows.stride(0),
+            weights.stride(0),
+            idx.stride(0),
+            out.stride(0),
+            ws.table,
+            ws.offset16("lamport"),
+            ws.ctrl,
+            ws.clock,
+            m,
+            rows.shape[0],
+            h,
+            float(h),
+            ws.rank,
+            ws.oneshot_max_tokens,
+            float(eps),
+            float(gain_center),
+            ws.timeout_us,
+            P=ws.world_size,
+            K=k,
+            WBN=bool(weight_before_norm),
+            PREFETCH=prefetch_rows(m, grid[0]),
+            **common,
+        )
         return
     partial = torch.empty((m, h), dtype=torch.bfloat16, device=out.device)
     grid = (max(1, min(m, ws.max_ctas(warps))),)
-    launch(_ep_partial_kernel, grid,
-        rows, weights, idx, norm_weight, partial, rows.stride(0), weights.stride(0),
-        idx.stride(0), partial.stride(0), m, rows.shape[0], h, float(h), float(eps),
-        float(gain_center), K=k, WBN=bool(weight_before_norm),
-        PREFETCH=prefetch_rows(m, grid[0]), **common,
-    )  # fmt: skip
+    launch(
+        _ep_partial_kernel,
+        grid,
+        rows,
+        weights,
+        idx,
+        norm_weight,
+        partial,
+        rows.stride(0),
+        weights.stride(0),
+        idx.stride(0),
+        partial.stride(0),
+        m,
+        rows.shape[0],
+        h,
+        float(h),
+        float(eps),
+        float(gain_center),
+        K=k,
+        WBN=bool(weight_before_norm),
+        PREFETCH=prefetch_rows(m, grid[0]),
+        **common,
+    )
     gathered = gather(partial) if algorithm == "torch" else None
-    ALLREDUCE[0](ws, algorithm, 0, partial, None, None, out=out, fp32_acc=True, use_pdl=use_pdl,
-                 gathered=gathered)  # fmt: skip
+    ALLREDUCE[0](
+        ws,
+        algorithm,
+        0,
+        partial,
+        None,
+        None,
+        out=out,
+        fp32_acc=True,
+        use_pdl=use_pdl,
+        gathered=gathered,
+    )
 
 
 PREFETCH_ENV = "MOEFUSE_EP_PREFETCH_ROWS"
