@@ -7,7 +7,7 @@ import torch
 
 import moefuse
 from moefuse import _fastpath as fp
-from moefuse.norm import triton as norm_triton
+from moefuse.norm import rms as norm_rms
 
 pytestmark = pytest.mark.interpreter
 H = 40
@@ -58,13 +58,13 @@ def test_replayed_plan_gives_the_custom_op_bits(name, seed):
 
 def test_second_call_builds_no_launch_configuration(monkeypatch):
     calls = []
-    real = norm_triton.launch_fused_add_rmsnorm
+    real = norm_rms.launch_fused_add_rmsnorm
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(norm_triton, "launch_fused_add_rmsnorm", counting)
+    monkeypatch.setattr(norm_rms, "launch_fused_add_rmsnorm", counting)
     x, r, w = _rand(2, H), _rand(2, H), _rand(H)
     moefuse.fused_add_rmsnorm(x, r, w, impl="triton")
     assert len(calls) == 1

@@ -206,7 +206,7 @@ def _compiled_variants(kernel) -> int:
 
 
 def test_new_token_count_never_recompiles():
-    from moefuse.norm import triton as tk
+    from moefuse.norm import rms as tk
 
     width = 4096
     w = _rand(width)
@@ -229,8 +229,8 @@ def test_stepped_rows_never_recompile_across_token_counts():
     """rmsnorm (6145-8192 columns) and fused_add_rmsnorm (4096, 6554-8192) rows are stepped:
     unrolled below the op's loop threshold (tiles.RMSNORM_LOOP_MIN_ROWS /
     FUSED_ADD_LOOP_MIN_ROWS), looped from there; the first launch compiles both modes."""
+    from moefuse.norm import rms as tk
     from moefuse.norm import tiles
-    from moefuse.norm import triton as tk
 
     cases = (
         (tk._rmsnorm_kernel, tiles.RMSNORM_POLICY, tiles.RMSNORM_LOOP_MIN_ROWS, (7168, 8192),

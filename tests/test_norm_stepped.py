@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moefuse
-from moefuse.norm import gated, tiles
+from moefuse.norm import gated, rms, tiles
 from moefuse.norm import reference as ref
 from moefuse.norm import triton as nt
 from moefuse.quant import formats as F
@@ -189,9 +189,9 @@ def test_rmsnorm_stepped(case, in_place, three_d, seed):
         xi.copy_(x)
         ob, oi = (xb, xi) if in_place else _framed(m, width, BF)
         if three_d:  # [1, m, H] with heads = m: the row base walks stride_h
-            nt.launch_rmsnorm(xi[None], w, oi[None], 1e-6, 1.0, False, tile=tile, unroll=unroll)
+            rms.launch_rmsnorm(xi[None], w, oi[None], 1e-6, 1.0, False, tile=tile, unroll=unroll)
         else:
-            nt.launch_rmsnorm(xi, w, oi, 1e-6, 1.0, False, tile=tile, unroll=unroll)
+            rms.launch_rmsnorm(xi, w, oi, 1e-6, 1.0, False, tile=tile, unroll=unroll)
         _assert_frames([ob])
         outs.append(ob)
     for other in outs[1:]:
@@ -227,7 +227,7 @@ def test_sigmoid_gate_refuses_a_stepped_tile():
     x, g = _rand(2, 4, 64), _rand(2, 4, 64)
     before = x.clone()
     with pytest.raises(ValueError, match="sigmoid gate"):
-        nt.launch_rmsnorm(x, None, x, 1e-5, 0.0, False, gate=g, tile=_tile(64, 32))
+        rms.launch_rmsnorm(x, None, x, 1e-5, 0.0, False, gate=g, tile=_tile(64, 32))
     assert_bitwise_equal(x, before, "nothing written")
 
 
@@ -242,7 +242,7 @@ def test_fused_add_stepped(case, seed):
         rb, ri = _framed(m, width, BF)
         xi.copy_(x)
         ri.copy_(r)
-        nt.launch_fused_add_rmsnorm(xi, ri, w, 1e-6, 1.0, False, tile=tile, unroll=unroll)
+        rms.launch_fused_add_rmsnorm(xi, ri, w, 1e-6, 1.0, False, tile=tile, unroll=unroll)
         _assert_frames([xb, rb])
         outs.append((xb, rb))
     for other in outs[1:]:

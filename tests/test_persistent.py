@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from moefuse.norm import gated, tiles
-from moefuse.norm import triton as nt
+from moefuse.norm import gated, rms, tiles
 from moefuse.quant import fused as qf
 from moefuse.testing import assert_bitwise_equal, poison_
 
@@ -69,7 +68,7 @@ def test_rmsnorm_and_sigmoid_gate(width, seed):
 
     def run(tile):
         buf, out = _framed(ROWS, width, dtype=BF)
-        nt.launch_rmsnorm(x, w, out, 1e-6, 0.0, False, tile=tile)
+        rms.launch_rmsnorm(x, w, out, 1e-6, 0.0, False, tile=tile)
         return (buf,)
 
     _check(run, width, tiles.TilePolicy(), 1)
@@ -83,7 +82,7 @@ def test_rmsnorm_and_sigmoid_gate(width, seed):
         buf, inp = _framed(ROWS, heads, width + 8, dtype=BF)
         inp = inp[..., :width]
         inp.copy_(xg)
-        nt.launch_rmsnorm(inp, None, inp, 1e-5, 0.0, False, gate=gate, tile=tile)
+        rms.launch_rmsnorm(inp, None, inp, 1e-5, 0.0, False, gate=gate, tile=tile)
         return (buf,)
 
     _check(run_gate, width, tiles.SIGMOID_GATE_POLICY, 1)
@@ -98,7 +97,7 @@ def test_fused_add_rmsnorm(width, seed):
         rb, ri = _framed(ROWS, width, dtype=BF)
         xi.copy_(x)
         ri.copy_(res)
-        nt.launch_fused_add_rmsnorm(xi, ri, w, 1e-6, 0.0, False, tile=tile)
+        rms.launch_fused_add_rmsnorm(xi, ri, w, 1e-6, 0.0, False, tile=tile)
         return xb, rb
 
     _check(run, width, tiles.FUSED_ADD_POLICY, 2)
