@@ -1,6 +1,6 @@
 """The fault protocol of every communication (family, algorithm, kernel variant), on CPU: the
-real kernels in Triton's interpreter, two ranks as threads (``moefuse.testing_ranks``) for every
-case, and as processes (gloo, shared-memory peer buffers) for a representative subset.
+real kernels in Triton's interpreter, two ranks as threads (``moefuse.testing_ranks``) and as
+processes (gloo, shared-memory peer buffers), every case both ways.
 
 Per case (tests/fault_cases.py): a rank failing validation leaves its peer a bounded wait that
 names it; a rank arriving after its peer gave up raises at once naming the rank that gave up,
@@ -47,25 +47,26 @@ def test_idle_rank_learns_by_check_threads():
                                       TIMEOUT, timeout_s=600))  # fmt: skip
 
 
-#: processes: the issue's three reports (one-shot all-gather, two-shot MoE finalize, staged
-#: expert-norm), one Lamport all-reduce, in the same two processes
-PROCESS_CASES = ("all_gather/oneshot-decode", "moe_reduction/twoshot", "expert_norm/tp-staged",
-                 "all_reduce/oneshot")  # fmt: skip
+#: processes: every case, one test per family (its cases in the same two processes)
+FAMILIES = sorted({name.split("/")[0] for name in CASES})
 
 
 def _process_scenario(rank, p, names, timeout_s):
     out = {}
     for name in names:
         with case_env(name):
-            out[name] = scenario_fault_protocol(rank, p, name, "cpu", timeout_s)
-    with case_env("expert_norm/tp-staged"):
-        scenario_idle_rank_learns_by_check(rank, p, "expert_norm/tp-staged", "cpu", timeout_s)
+            out[name] = scenario_fault_protocol(rank, p, name, "cpu", SLOW.get(name, timeout_s))
+    if "expert_norm/tp-staged" in names:
+        with case_env("expert_norm/tp-staged"):
+            scenario_idle_rank_learns_by_check(rank, p, "expert_norm/tp-staged", "cpu", timeout_s)
     return out
 
 
-def test_fault_protocol_processes():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fault_protocol_processes(family):
     from comm_mp import run_group
 
-    got = run_group(2, _process_scenario, PROCESS_CASES, TIMEOUT, timeout_s=900)
-    for name in PROCESS_CASES:
+    names = tuple(n for n in sorted(CASES) if n.startswith(family + "/"))
+    got = run_group(2, _process_scenario, names, TIMEOUT, timeout_s=900, ranks="processes")
+    for name in names:
         _check([got[0][name], got[1][name]], name)
