@@ -215,25 +215,34 @@ def _raises(fn, ws, match):
     raise AssertionError(f"no RuntimeError (expected /{match}/)")
 
 
-def scenario_fault_protocol(rank, p, name, device, timeout_s):
-    """See the module docstring. Returns {"alone": s, "late": s}: seconds of rank 1's lone call
-    and of rank 0's late call."""
+def _warm_then_fresh(rank, p, name, device, timeout_s):
+    """One healthy call of case ``name`` on a workspace with a generous bound (the interpreter's,
+    or Triton's, first run of a kernel must not count against the short one), closed; then a
+    fresh workspace on ``timeout_s`` and a barrier. No call on the short bound before the fault:
+    a healthy call of two interpreted ranks (threads sharing the GIL) can take longer than it on
+    a loaded machine. Returns ``(device, workspace, call)``."""
     import torch.distributed as dist
 
     _, make, call = CASES[name]
     device = torch.device(device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    # first call on a generous bound: the interpreter's (or Triton's) first run of a kernel
-    # must not count against the short one
     warm = make(rank, p, device, 120.0)
     call(warm, rank, p, device)
     _sync_raise(warm)
     warm.close()
-    # no call on the short bound before the fault: a healthy call of two interpreted ranks
-    # (threads sharing the GIL) can take longer than it on a loaded machine
     ws = make(rank, p, device, timeout_s)
     dist.barrier()
+    return device, ws, call
+
+
+def scenario_fault_protocol(rank, p, name, device, timeout_s):
+    """See the module docstring. Returns {"alone": s, "late": s}: seconds of rank 1's lone call
+    and of rank 0's late call."""
+    import torch.distributed as dist
+
+    device, ws, call = _warm_then_fresh(rank, p, name, device, timeout_s)
+    make = CASES[name][1]
     took = {}
     if rank == 0:
         # 1. this rank's input fails validation: nothing launched, the workspace untouched
@@ -281,16 +290,7 @@ def scenario_idle_rank_learns_by_check(rank, p, name, device, timeout_s):
     notice and raises naming rank 1, after which ``ws.failed()`` reports it without a sync."""
     import torch.distributed as dist
 
-    _, make, call = CASES[name]
-    device = torch.device(device)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    warm = make(rank, p, device, 120.0)
-    call(warm, rank, p, device)
-    _sync_raise(warm)
-    warm.close()
-    ws = make(rank, p, device, timeout_s)
-    dist.barrier()
+    device, ws, call = _warm_then_fresh(rank, p, name, device, timeout_s)
     if rank == 1:
         _raises(lambda: call(ws, rank, p, device), ws, r"rank\(s\) 0 .* never arrived")
         dist.barrier()
