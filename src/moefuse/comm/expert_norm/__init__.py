@@ -3,7 +3,8 @@
 expert-parallel (``moefuse.moe_finalize_rmsnorm_allreduce``: normed locally, then all-reduced).
 
 Faces: ``api``, ``workspace`` (:class:`ExpertNormWorkspace` and its registry), ``ops``,
-``tp_kernels``, ``ep_kernels``, ``reference``. It imports only the shared core of
+``tp_kernels`` (with ``slot_oneshot``, ``token_owner`` and the shared device functions of
+``slot_math``), ``ep_kernels``, ``reference``. It imports only the shared core of
 :mod:`moefuse.comm`, never another family."""
 
 #: The all-reduce launcher (``moefuse.comm.all_reduce.kernels.launch_allreduce_fusion``) that the

@@ -9,7 +9,7 @@
   torch.distributed paths then run the existing all-reduce kernels on it. Same bits.
 
 Non-local routes (index < 0 or >= R) are never loaded, normalized or weighted. The per-slot math
-(:func:`moefuse.comm.expert_norm.tp_kernels._expert_norm`) is shared with the TP kernels.
+(:func:`moefuse.comm.expert_norm.slot_math._expert_norm`) is shared with the TP kernels.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse.comm import device as D
 from moefuse.comm.expert_norm import ALLREDUCE
-from moefuse.comm.expert_norm.tp_kernels import (
-    _common,
+from moefuse.comm.expert_norm.slot_math import (
     _expert_norm,
     _load_row,
     _prologue,
@@ -32,6 +31,7 @@ from moefuse.comm.expert_norm.tp_kernels import (
     _store_out,
     _weight,
 )
+from moefuse.comm.expert_norm.tp_kernels import _common
 
 
 @triton.jit
