@@ -16,13 +16,39 @@ from moefuse.comm.moe_reduction.producer import _finish_row, _partial_row, _rank
 
 @triton.jit(do_not_specialize=["M", "n_rows", "n_experts"])
 def _moe_partial_kernel(
-    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr, out_ptr,
-    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st, out_st, M, H, n_rows, n_experts, rsf,
-    BLOCK_H: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr,
+    src_ptr,
+    map_ptr,
+    w_ptr,
+    sh_ptr,
+    b_ptr,
+    e_ptr,
+    out_ptr,
+    src_st,
+    src_kst,
+    map_st,
+    w_tst,
+    w_kst,
+    sh_st,
+    b_st,
+    e_st,
+    out_st,
+    M,
+    H,
+    n_rows,
+    n_experts,
+    rsf,
+    BLOCK_H: tl.constexpr,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    DENSE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RSF: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     STEPWISE: tl.constexpr,
-    USE_PDL: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
+    USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """This rank's partial rows, materialised ([M, H], T) for the all-gather of the torch path."""
     T: tl.constexpr = out_ptr.dtype.element_ty
     src = (src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr)
@@ -46,12 +72,37 @@ def _moe_partial_kernel(
 
 @triton.jit(do_not_specialize=["M", "M_pad"])
 def _moe_gathered_kernel(
-    g_ptr, res_ptr, gw_ptr, arout_ptr, rout_ptr, nout_ptr, q_ptr, sf_ptr, scale_ptr,
-    res_st, arout_st, rout_st, nout_st, q_st, M, M_pad, H, Hf, n_kcols, eps, weight_bias,
-    P: tl.constexpr, BLOCK_H: tl.constexpr, PATTERN: tl.constexpr, LAYOUT: tl.constexpr,
-    KP_BLOCK: tl.constexpr, STEPWISE: tl.constexpr, WRITE_AR: tl.constexpr,
-    USE_PDL: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
+    g_ptr,
+    res_ptr,
+    gw_ptr,
+    arout_ptr,
+    rout_ptr,
+    nout_ptr,
+    q_ptr,
+    sf_ptr,
+    scale_ptr,
+    res_st,
+    arout_st,
+    rout_st,
+    nout_st,
+    q_st,
+    M,
+    M_pad,
+    H,
+    Hf,
+    n_kcols,
+    eps,
+    weight_bias,
+    P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PATTERN: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    KP_BLOCK: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    WRITE_AR: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """``g_ptr``: all ranks' partials, contiguous [P, M, H]; rank-order sum + epilogue."""
     T: tl.constexpr = g_ptr.dtype.element_ty
     outs = (arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr)
