@@ -1,8 +1,10 @@
 """Device functions of the MoE-reduction family (the spec's MoE-reduction and MoE-finalize
-all-reduce fusions), shared by the kernels of :mod:`moefuse.comm.moe_reduction.kernels`: the
+all-reduce fusions), shared by its kernels (:mod:`~moefuse.comm.moe_reduction.oneshot`,
+:mod:`~moefuse.comm.moe_reduction.twoshot`, :mod:`~moefuse.comm.moe_reduction.torch_path`): the
 producer stage (this rank's MoE partial row, from the permuted GEMM2 rows through the index map or
 from the dense expert rows), the rank-order step and the epilogue wrapper. One copy of each: every
-algorithm computes the same bits.
+algorithm computes the same bits. The kernels pass their arguments grouped into tuples (pointers,
+strides, constexprs: each function's docstring names the elements).
 
 ``PTX`` (constexpr) is False in Triton's interpreter; the off-path computes the same values.
 """
