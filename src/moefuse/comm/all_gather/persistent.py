@@ -33,10 +33,10 @@ the norm visible at large M. Here every CTA of one persistent grid does both, ti
 * or, mode "slots" (``MOEFUSE_ALLGATHER_PERSISTENT``, default per op and width:
   :func:`persistent_mode`): every rank pushes into this rank's slot too, and iteration i polls
   tile i straight from the slot in the op's own tile (``AG.receive_tile``) and runs the op's
-  one-pass row code on it in registers (``dec.one_pass_tile``), with the parameters loaded once
+  one-pass row code on it in registers (``one_pass_tile``), with the parameters loaded once
   per CTA (NVFP4: per tile): no gathered store, CTA barrier or re-read; stepped rows (rmsnorm
   6145-8192 columns, the gated op) run the decode kernel's row code
-  (``dec.norm_tile_early``: the steps polled from the slots, ``AG.receive_steps``);
+  (``norm_tiles.norm_tile_early``: the steps polled from the slots, ``AG.receive_steps``);
 * or, mode "early": the decode kernel's row code with the rows gathered: the op's parameters
   and the gated op's FP32 residual are requested before the poll, so their latency overlaps it.
 
@@ -79,6 +79,15 @@ from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.comm.all_gather import decode as dec
 from moefuse.comm.all_gather import kernels as AG
+from moefuse.comm.all_gather.norm_tiles import (
+    OP_FP4,
+    norm_tile,
+    norm_tile_early,
+    one_pass_params,
+    one_pass_tile,
+    push_rows,
+    receive_rows,
+)
 from moefuse.comm.tiles import resident_ctas_per_sm
 from moefuse.norm import triton as nt
 from moefuse.norm.tiles import STEP_UNROLL_MAX_STEPS
@@ -151,15 +160,17 @@ def _ag_rmsnorm_persistent_kernel(
 ):  # fmt: skip
     """``ptrs``, ``counts``, ``ws`` as ``dec._ag_rmsnorm_kernel``'s; ``dims`` = (H, Hf, KB,
     n_kcols, x_st, o_st, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc)
-    (one head, no head strides)."""
+    (one head, no head strides). The tile code is :mod:`moefuse.comm.all_gather.norm_tiles`'s."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
     (H, Hf, KB, n_kcols, x_st, o_st, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
-     post_gc) = dims
+     post_gc) = dims  # fmt: skip
     table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr = ws
-    # the row functions' dims (dec.norm_tile): HEADS 1 and head strides 0 as constants
+    # the row functions' dims (norm_tile): HEADS 1 and head strides 0 as constants
     tile_dims = (H, Hf, KB, n_kcols, 1, x_st, 0, o_st, 0, eps, gain_center, r_st, ro_st, rt_st,
-                 alpha_scalar, post_eps, post_gc)
+                 alpha_scalar, post_eps, post_gc)  # fmt: skip
+    TILE: tl.constexpr = (BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL)
+    OPC: tl.constexpr = (OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     # one-pass FROM_SLOTS (not EARLY): the parameters once per CTA, constant over the launch
@@ -167,77 +178,105 @@ def _ag_rmsnorm_persistent_kernel(
     # NVFP4 reloads them per tile instead (its 4-warp tile would hold 32-64 weights per thread)
     IN_LOOP: tl.constexpr = FROM_SLOTS and not EARLY
     cols = tl.arange(0, BLOCK)
-    w, inv = dec.one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED, PTX, OP,
-                                 IN_LOOP and OP != dec.OP_FP4)  # fmt: skip
+    LOAD: tl.constexpr = IN_LOOP and OP != OP_FP4
+    w, inv = one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED, PTX, OP, LOAD)
     if USE_PDL:
         gdc_wait()  # the shard is the previous kernel's output
-    deadline, gen, healthy, region, mine = AG.prelude(table_ptr, ag_off16, agctrl_ptr,
-                                                      ctrl_ptr, clock_ptr, rank, cap,
-                                                      timeout_us, P, PTX)  # fmt: skip
+    deadline, gen, healthy, region, mine = AG.prelude(
+        table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr, rank, cap, timeout_us, P, PTX
+    )
     scols = tl.arange(0, BLOCK_S)
     scm = scols < S
+    src = (shard_ptr, s_st, x_ptr, x_st)
+    dst = (table_ptr, ag_off16, region, rank, S)
     # norm tiles cover n_norm rows (NVFP4: the layout's padded rows, whose tiles only write zero
     # scale bytes); the gathered ones are the first cdiv(n_rows, ROWS): this CTA's first n_gat
     n_mine = tl.where(healthy, (tl.cdiv(n_norm, ROWS) - pid + G - 1) // G, 0)
     n_gat = tl.minimum(n_mine, (tl.cdiv(n_rows, ROWS) - pid + G - 1) // G)
     k = 0
     while k < tl.minimum(lookahead, n_gat):  # prologue: the first `lookahead` tiles' fragments
-        _push_tile(shard_ptr, s_st, x_ptr, x_st, pid + k * G, n_rows, scols, scm, table_ptr,
-                   ag_off16, region, rank, S, H, ROWS, P, FROM_SLOTS)  # fmt: skip
+        _push_tile(src, pid + k * G, n_rows, scols, scm, dst, H, ROWS, P, FROM_SLOTS)
         k += 1
     if USE_PDL:
         # every CTA is resident (grid <= co-resident count): the next kernel may be scheduled
         # into the space left; its own gdc_wait orders it after this whole grid
         gdc_launch_dependents()
     empty = tl.zeros([BLOCK_S], tl.int16)
+    gather = (scols, scm, empty, mine, region, rank, S, deadline, clock_ptr)
     # one-row tiles: the shard fragment of the next tile to push is loaded one iteration early,
     # so its HBM latency overlaps the poll and the norm instead of delaying them
-    x_nx = _prefetch(shard_ptr, s_st, pid + lookahead * G, lookahead < n_gat, scols, scm,
-                     ROWS)  # fmt: skip
+    x_nx = _prefetch(shard_ptr, s_st, pid + lookahead * G, lookahead < n_gat, scols, scm, ROWS)
     missing = 0
     i = 0
     while (i < n_mine) & (missing == 0):
         if i + lookahead < n_gat:
             t_push = pid + (i + lookahead) * G
             if ROWS == 1:
-                AG.store_fragment(x_nx, x_ptr, x_st, t_push, scols, scm, table_ptr, ag_off16,
-                                  region, rank, rank * S, H, P, FROM_SLOTS)  # fmt: skip
-                x_nx = _prefetch(shard_ptr, s_st, t_push + G, i + lookahead + 1 < n_gat, scols,
-                                 scm, ROWS)  # fmt: skip
+                _store_fragment(x_nx, x_ptr, x_st, t_push, scols, scm, dst, H, P, FROM_SLOTS)
+                x_nx = _prefetch(
+                    shard_ptr, s_st, t_push + G, i + lookahead + 1 < n_gat, scols, scm, ROWS
+                )
             else:
-                _push_tile(shard_ptr, s_st, x_ptr, x_st, t_push, n_rows, scols, scm, table_ptr,
-                           ag_off16, region, rank, S, H, ROWS, P, FROM_SLOTS)  # fmt: skip
+                _push_tile(src, t_push, n_rows, scols, scm, dst, H, ROWS, P, FROM_SLOTS)
         t = pid + i * G
         first = t * ROWS
         if EARLY:  # the decode kernel's tile code: parameters (and residual) before the poll
             n_t = tl.where(i < n_gat, tl.minimum(ROWS, n_rows - first), 0)
-            missing = dec.norm_tile_early(t, n_t, first, scols, scm, empty, mine, region, rank,
-                                          S, deadline, clock_ptr, x_ptr, ptrs, counts, tile_dims,
-                                          BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, OP,
-                                          FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT,
-                                          HAS_ROUTER, P, FROM_SLOTS, STEPPED)  # fmt: skip
+            missing = norm_tile_early(
+                t, n_t, first, gather, x_ptr, ptrs, counts, tile_dims, TILE, OPC, P, FROM_SLOTS
+            )
         elif FROM_SLOTS:  # the tile polled straight from the slots (decode "slots" mode)
-            rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
-            wt, invt = dec.one_pass_params(w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED,
-                                           PTX, OP, OP == dec.OP_FP4)  # fmt: skip
-            x, missing = AG.receive_tile(mine, region, rows, cols, mask, i < n_gat, S, H,
-                                         deadline, clock_ptr, x_ptr.dtype.element_ty, MASKED, P,
-                                         PTX)  # fmt: skip
-            if OP != dec.OP_FP4:
-                wt, invt = w, inv
-            dec.one_pass_tile(x, wt, invt, t, rows, cols, mask, x_ptr, out_ptr, aux_ptr, sf_ptr,
-                              n_rows, n_norm, H, Hf, KB, n_kcols, o_st, 0, eps, BLOCK, ROWS,
-                              MASKED, EVICT_FIRST, PTX, OP, FMT, LAYOUT, RECIPE)  # fmt: skip
+            missing = _slots_tile(
+                t, i, n_gat, w, inv, cols, gather, x_ptr, ptrs, counts, tile_dims, TILE, OPC, P
+            )
         else:
             if i < n_gat:
-                missing = dec.receive_rows(x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first),
-                                           scols, scm, mine, region, rank, S, H, deadline,
-                                           clock_ptr, empty, P, PTX)  # fmt: skip
-            dec.norm_tile(t, x_ptr, ptrs, counts, tile_dims, BLOCK, NUM_CHUNKS, ROWS, MASKED,
-                          EVICT_FIRST, PTX, STEPPED, UNROLL, OP, FMT, LAYOUT, RECIPE, ALPHA_MODE,
-                          HAS_POST_WEIGHT, HAS_ROUTER)  # fmt: skip
+                n_t = tl.minimum(ROWS, n_rows - first)
+                missing = receive_rows(x_ptr, x_st, first, n_t, gather, H, P, PTX)
+            norm_tile(t, x_ptr, ptrs, counts, tile_dims, TILE, OPC)
         i += 1
     AG.finish(agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P, PTX)
+
+
+@triton.jit
+def _slots_tile(
+    t, i, n_gat, w, inv, cols, gather, x_ptr, ptrs, counts, dims, TILE, OPC, P: tl.constexpr
+):
+    """One-pass tile ``t`` (the CTA's ``i``-th; gathered when ``i < n_gat``) polled straight
+    from the slots (``AG.receive_tile``) and normed in registers (``one_pass_tile``) with the
+    CTA's parameters ``w`` / ``inv`` (NVFP4: reloaded per tile). Returns the bit mask of late
+    peers."""
+    w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
+    n_rows, n_norm = counts
+    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
+     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
+    OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
+    scols, scm, empty, mine, region, rank, S, deadline, clock_ptr = gather
+    rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
+    wt, invt = one_pass_params(
+        w_ptr, aux_ptr, cols, H, gain_center, BLOCK, MASKED, PTX, OP, OP == OP_FP4
+    )
+    x, missing = AG.receive_tile(
+        mine,
+        region,
+        rows,
+        cols,
+        mask,
+        i < n_gat,
+        S,
+        H,
+        deadline,
+        clock_ptr,
+        x_ptr.dtype.element_ty,
+        MASKED,
+        P,
+        PTX,
+    )
+    if OP != OP_FP4:
+        wt, invt = w, inv
+    one_pass_tile(x, wt, invt, t, rows, cols, mask, x_ptr, ptrs, counts, dims, 0, TILE, OPC)
+    return missing
 
 
 @triton.jit
@@ -251,13 +290,34 @@ def _prefetch(shard_ptr, s_st, t, valid, scols, scm, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _push_tile(shard_ptr, s_st, x_ptr, x_st, t, n_rows, scols, scm, table_ptr, ag_off16, region,
-               rank, S, H, ROWS: tl.constexpr, P: tl.constexpr,
-               OWN_SLOT: tl.constexpr = False):  # fmt: skip
-    """Push this rank's fragments of the rows of norm tile ``t`` (clipped to ``n_rows``)."""
+def _store_fragment(x, x_ptr, x_st, t, scols, scm, dst, H, P: tl.constexpr, OWN_SLOT: tl.constexpr):
+    """``AG.store_fragment`` of one-row tile ``t``'s prefetched fragment ``x`` (``dst`` as
+    :func:`norm_tiles.push_rows`'s)."""
+    table_ptr, ag_off16, region, rank, S = dst
+    AG.store_fragment(
+        x, x_ptr, x_st, t, scols, scm, table_ptr, ag_off16, region, rank, rank * S, H, P, OWN_SLOT
+    )
+
+
+@triton.jit
+def _push_tile(
+    src,
+    t,
+    n_rows,
+    scols,
+    scm,
+    dst,
+    H,
+    ROWS: tl.constexpr,
+    P: tl.constexpr,
+    OWN_SLOT: tl.constexpr = False,
+):
+    """Push this rank's fragments of the rows of norm tile ``t`` (clipped to ``n_rows``); ``src``
+    = (shard_ptr, s_st, x_ptr, x_st), ``dst`` as :func:`norm_tiles.push_rows`'s."""
+    shard_ptr, s_st, x_ptr, x_st = src
     first = t * ROWS
-    dec.push_rows(shard_ptr, s_st, x_ptr, x_st, first, tl.minimum(ROWS, n_rows - first), scols,
-                  scm, table_ptr, ag_off16, region, rank, S, H, P, OWN_SLOT)  # fmt: skip
+    n = tl.minimum(ROWS, n_rows - first)
+    push_rows(shard_ptr, s_st, x_ptr, x_st, first, n, scols, scm, dst, H, P, OWN_SLOT)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -278,9 +338,14 @@ def fused_tile(width: int, m: int | None = None, op: int = dec.RMSNORM):
     if m is not None and m <= dec.ONE_LAUNCH_MAX_TOKENS and not knobs.is_set(LARGE_ENV):
         return None
     tile = dec.op_tile(op, width)
-    if (op == dec.GATED and not tile.stepped and m is not None
-            and m > GATED_ONE_PASS_PERSISTENT_MAX_TOKENS and not knobs.is_set(LARGE_ENV)):
-        return None  # fmt: skip
+    if (
+        op == dec.GATED
+        and not tile.stepped
+        and m is not None
+        and m > GATED_ONE_PASS_PERSISTENT_MAX_TOKENS
+        and not knobs.is_set(LARGE_ENV)
+    ):
+        return None
     return tile if dec.fusable(op, tile) else None
 
 
@@ -300,18 +365,19 @@ def persistent_mode(op: int, tile) -> tuple[bool, bool]:
       slots with the parameters loaded once per CTA (NVFP4: per tile; held for the whole loop,
       its 4-warp tiles' 32-64 weights per thread took 146 registers at H = 4096 on sm_90a, 3
       CTAs per SM instead of 4, and spilled at 7168 / 8192); ``early`` runs the decode kernel's
-      tile code (:func:`dec.norm_tile_early`: parameters per tile, rows gathered);
+      tile code (:func:`norm_tile_early`: parameters per tile, rows gathered);
     * stepped rows of rmsnorm and the gated op that can be unrolled (at most
       ``STEP_UNROLL_MAX_STEPS`` steps): ``early`` / ``slots`` run
-      :func:`dec.norm_tile_early` per row: the parameters and the gated op's FP32 residual
+      :func:`norm_tile_early` per row: the parameters and the gated op's FP32 residual
       requested before the poll, the row from the gathered buffer or straight from the slots.
       The unrolled row code gives the bits of the looped one (the tests compare with the
       single-GPU op, which loops at these M);
     * anything else: ``gathered``."""
     setting = knobs.get(PERSISTENT_ENV)
     if dec.one_pass_in_registers(op, tile):
-        mode = setting or ("slots" if tile.block <= PERSISTENT_SLOTS_MAX_BLOCK.get(op, 0)
-                           else "gathered")  # fmt: skip
+        mode = setting or (
+            "slots" if tile.block <= PERSISTENT_SLOTS_MAX_BLOCK.get(op, 0) else "gathered"
+        )
         return mode == "early", mode == "slots"
     if tile.stepped and op in (dec.RMSNORM, dec.GATED) and tile.num_chunks <= STEP_UNROLL_MAX_STEPS:
         mode = setting or PERSISTENT_DEFAULT.get(op, "gathered")
@@ -351,9 +417,14 @@ def _compiled_fit(args, consts) -> int:
 def _divisibility(args) -> tuple:
     """Per argument (tuples walked): 16-byte alignment of a tensor, divisibility by 16 of an
     int, None otherwise; what, with the constexprs, selects the compiled variant."""
-    return tuple(_divisibility(a) if isinstance(a, tuple) else
-                 a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else
-                 (a % 16 == 0 if isinstance(a, int) else None) for a in args)  # fmt: skip
+    return tuple(
+        _divisibility(a)
+        if isinstance(a, tuple)
+        else a.data_ptr() % 16 == 0
+        if isinstance(a, torch.Tensor)
+        else (a % 16 == 0 if isinstance(a, int) else None)
+        for a in args
+    )
 
 
 def persistent_unroll(op: int, tile, unroll: bool) -> bool:
@@ -384,8 +455,9 @@ def fused_grid(ws, tile, n_tiles: int, fit=None, op: int = dec.RMSNORM) -> int:
     return max(1, min(ctas, cap) if cap else ctas)
 
 
-def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch.Tensor,
-                                 ep: dec.Epilogue, use_pdl: bool, tile) -> None:  # fmt: skip
+def launch_ag_rmsnorm_persistent(
+    ws, state, shard: torch.Tensor, gathered: torch.Tensor, ep: dec.Epilogue, use_pdl: bool, tile
+) -> None:
     """Gather + the op of ``ep`` over M rows in one persistent launch (``tile`` from
     :func:`fused_tile`). ``gathered`` [M, H] rows contiguous; collective (same M on every
     rank)."""
@@ -398,11 +470,30 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
     consts["EARLY"], consts["FROM_SLOTS"] = persistent_mode(ep.op, tile)
     consts["UNROLL"] = persistent_unroll(ep.op, tile, consts["UNROLL"])
     ws.refresh_clock()
-    args = (shard, shard.stride(0), gathered, ep.pointers(), (m, n_norm),
-            (width, float(width), kb, n_kcols, gathered.stride(0), ep.out.stride(0),
-             float(ep.eps), float(ep.gain_center), *ep.gated_scalars()),
-            (ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl, ws.clock), s, ws.rank,
-            ws.max_tokens, ws.timeout_us, lookahead)  # fmt: skip
+    args = (
+        shard,
+        shard.stride(0),
+        gathered,
+        ep.pointers(),
+        (m, n_norm),
+        (
+            width,
+            float(width),
+            kb,
+            n_kcols,
+            gathered.stride(0),
+            ep.out.stride(0),
+            float(ep.eps),
+            float(ep.gain_center),
+            *ep.gated_scalars(),
+        ),
+        (ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl, ws.clock),
+        s,
+        ws.rank,
+        ws.max_tokens,
+        ws.timeout_us,
+        lookahead,
+    )
     consts.update(P=ws.world_size, BLOCK_S=block_s)
     maxnreg = knobs.get(MAXNREG_ENV)
     if maxnreg and not interpreter_active():
@@ -415,8 +506,15 @@ def launch_ag_rmsnorm_persistent(ws, state, shard: torch.Tensor, gathered: torch
         nt._launch(_ag_rmsnorm_persistent_kernel, grid, args, consts, tile)
 
 
-def run_one_launch(ws, state, shard: torch.Tensor, gathered: torch.Tensor, ep: dec.Epilogue,
-                   use_pdl: bool, unchunked: bool) -> bool:  # fmt: skip
+def run_one_launch(
+    ws,
+    state,
+    shard: torch.Tensor,
+    gathered: torch.Tensor,
+    ep: dec.Epilogue,
+    use_pdl: bool,
+    unchunked: bool,
+) -> bool:
     """Gather + the op of ``ep`` as one kernel when one can run it (else False: the caller
     runs the two-launch path): the decode kernel at M <= 64 (``unchunked``: the two-launch path
     would run one chunk), the persistent kernel above it unless MOEFUSE_ALLGATHER_LARGE=chunked.

@@ -1,8 +1,10 @@
 """Device functions of the MoE-reduction family (the spec's MoE-reduction and MoE-finalize
-all-reduce fusions), shared by the kernels of :mod:`moefuse.comm.moe_reduction.kernels`: the
+all-reduce fusions), shared by its kernels (:mod:`~moefuse.comm.moe_reduction.oneshot`,
+:mod:`~moefuse.comm.moe_reduction.twoshot`, :mod:`~moefuse.comm.moe_reduction.torch_path`): the
 producer stage (this rank's MoE partial row, from the permuted GEMM2 rows through the index map or
 from the dense expert rows), the rank-order step and the epilogue wrapper. One copy of each: every
-algorithm computes the same bits.
+algorithm computes the same bits. The kernels pass their arguments grouped into tuples (pointers,
+strides, constexprs: each function's docstring names the elements).
 
 ``PTX`` (constexpr) is False in Triton's interpreter; the off-path computes the same values.
 """
@@ -16,30 +18,12 @@ from moefuse.comm import device as D
 
 # ----------------------------------------------------------------------------- producer
 @triton.jit
-def _slot_meta(
-    t,
-    src_ptr,
-    map_ptr,
-    w_ptr,
-    b_ptr,
-    e_ptr,
-    n_rows,
-    n_experts,
-    src_st,
-    src_kst,
-    map_st,
-    w_tst,
-    w_kst,
-    b_st,
-    e_st,
-    K: tl.constexpr,
-    DENSE: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PTX: tl.constexpr,
-):
+def _slot_meta(t, src, strides, counts, PROD):
     """Routing data of token ``t``'s K slots: ``(valids, row pointers, weights, bias valids,
-    bias row pointers)``, tuples of K scalars.
+    bias row pointers)``, tuples of K scalars. ``src`` = (src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr,
+    e_ptr), ``strides`` = (src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st), ``counts``
+    = (n_rows, n_experts) and the constexprs ``PROD`` = (K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF,
+    HAS_SHARED, STEPWISE, PTX), as the kernels group them.
 
     DENSE (the spec's MoE-reduction fusion): rows ``src[k, t]`` (``src_kst`` expert stride,
     ``src_st`` token stride), all valid. Otherwise (MoE finalize): row ``map[t, k]``, invalid —
@@ -47,6 +31,10 @@ def _slot_meta(
     ``[0, n_rows)``. Weight ``w[t * w_tst + k * w_kst]`` when HAS_W (else 1). HAS_BIAS: expert
     ``e_ptr[t, k]``'s bias row (moefuse extension, the spec's moe_finalize; ids outside [0, E):
     none)."""
+    src_ptr, map_ptr, w_ptr, sh_ptr, b_ptr, e_ptr = src
+    src_st, src_kst, map_st, w_tst, w_kst, sh_st, b_st, e_st = strides
+    n_rows, n_experts = counts
+    K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX = PROD
     t64 = t.to(tl.int64)
     valids = ()
     ptrs = ()
@@ -123,26 +111,13 @@ def _first_loads(
 
 
 @triton.jit
-def _partial_from_first(
-    meta,
-    first,
-    cols,
-    cmask,
-    rsf,
-    T: tl.constexpr,
-    K: tl.constexpr,
-    KB: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_RSF: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    STEPWISE: tl.constexpr,
-    PTX: tl.constexpr,
-):
+def _partial_from_first(meta, first, cols, cmask, rsf, T: tl.constexpr, PROD):
     """This rank's partial of a token from its routing data ``meta`` (:func:`_slot_meta`) and
-    its :func:`_first_loads`: FP32 values of a T-rounded row, masked lanes 0. Rows are loaded in
-    batches of KB (all K at once when they fit in registers) and chained in ascending k: KB and
-    where the first batch was loaded change the schedule, never the bits."""
+    its :func:`_first_loads` (constexprs ``PROD`` as :func:`_slot_meta`'s): FP32 values of a
+    T-rounded row, masked lanes 0. Rows are loaded in batches of KB (all K at once when they fit
+    in registers) and chained in ascending k: KB and where the first batch was loaded change the
+    schedule, never the bits."""
+    K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX = PROD
     valids, ptrs, ws, has_bs, bptrs = meta
     xs0, bs0, sh = first
     acc = tl.zeros(sh.shape, tl.float32)
@@ -176,141 +151,28 @@ def _partial_from_first(
 
 
 @triton.jit
-def _partial_from_meta(
-    meta,
-    t,
-    cols,
-    cmask,
-    sh_ptr,
-    sh_st,
-    rsf,
-    T: tl.constexpr,
-    K: tl.constexpr,
-    KB: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_RSF: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    STEPWISE: tl.constexpr,
-    PTX: tl.constexpr,
-):
-    """:func:`_first_loads` then :func:`_partial_from_first` for token ``t``."""
+def _partial_row(t, cols, cmask, src, strides, counts, rsf, T: tl.constexpr, PROD):
+    """:func:`_slot_meta`, :func:`_first_loads` then :func:`_partial_from_first` for token ``t``
+    (arguments grouped as :func:`_slot_meta`'s)."""
+    K, KB, DENSE, HAS_W, HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX = PROD
+    meta = _slot_meta(t, src, strides, counts, PROD)
+    sh_ptr, sh_st = src[3], strides[5]
     first = _first_loads(meta, t, cols, cmask, sh_ptr, sh_st, KB, HAS_BIAS, HAS_SHARED, PTX)
-    return _partial_from_first(
-        meta, first, cols, cmask, rsf, T, K, KB, HAS_W, HAS_BIAS, HAS_RSF, HAS_SHARED, STEPWISE, PTX
-    )
+    return _partial_from_first(meta, first, cols, cmask, rsf, T, PROD)
 
 
 @triton.jit
-def _partial_row(
-    t,
-    cols,
-    cmask,
-    src_ptr,
-    map_ptr,
-    w_ptr,
-    sh_ptr,
-    b_ptr,
-    e_ptr,
-    n_rows,
-    n_experts,
-    src_st,
-    src_kst,
-    map_st,
-    w_tst,
-    w_kst,
-    sh_st,
-    b_st,
-    e_st,
-    rsf,
-    T: tl.constexpr,
-    K: tl.constexpr,
-    KB: tl.constexpr,
-    DENSE: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_RSF: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    STEPWISE: tl.constexpr,
-    PTX: tl.constexpr,
-):
-    """:func:`_slot_meta` then :func:`_partial_from_meta` for token ``t``."""
-    meta = _slot_meta(
-        t,
-        src_ptr,
-        map_ptr,
-        w_ptr,
-        b_ptr,
-        e_ptr,
-        n_rows,
-        n_experts,
-        src_st,
-        src_kst,
-        map_st,
-        w_tst,
-        w_kst,
-        b_st,
-        e_st,
-        K,
-        DENSE,
-        HAS_W,
-        HAS_BIAS,
-        PTX,
-    )
-    return _partial_from_meta(
-        meta,
-        t,
-        cols,
-        cmask,
-        sh_ptr,
-        sh_st,
-        rsf,
-        T,
-        K,
-        KB,
-        HAS_W,
-        HAS_BIAS,
-        HAS_RSF,
-        HAS_SHARED,
-        STEPWISE,
-        PTX,
-    )
-
-
-@triton.jit
-def _finish_row(
-    s,
-    res,
-    t,
-    cols,
-    cmask,
-    g,
-    H,
-    Hf,
-    eps,
-    inv_scale,
-    gs,
-    rcp_gs,
-    n_kcols,
-    arout_ptr,
-    arout_st,
-    rout_ptr,
-    rout_st,
-    nout_ptr,
-    nout_st,
-    q_ptr,
-    q_st,
-    sf_ptr,
-    T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    PATTERN: tl.constexpr,
-    LAYOUT: tl.constexpr,
-    WRITE_AR: tl.constexpr,
-    PTX: tl.constexpr,
-):
+def _finish_row(s, res, t, cols, cmask, g, norm, scales, outs, T: tl.constexpr, EPI):
     """``allreduce_out = T(s)`` (when WRITE_AR), then the shared epilogue with recipe "fast".
     ``s`` is the rank-order sum: T-rounded (stepwise) or FP32 (rounded once with the residual);
-    ``res`` the residual row widened to FP32."""
+    ``res`` the residual row widened to FP32. ``norm`` = (H, Hf, eps, n_kcols), ``scales`` =
+    (inv_scale, gs, rcp_gs) (:func:`moefuse.comm.device.quant_scales`), ``outs`` = (arout_ptr,
+    arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr), constexprs ``EPI`` =
+    (BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX)."""
+    H, Hf, eps, n_kcols = norm
+    inv_scale, gs, rcp_gs = scales
+    arout_ptr, arout_st, rout_ptr, rout_st, nout_ptr, nout_st, q_ptr, q_st, sf_ptr = outs
+    BLOCK_H, PATTERN, LAYOUT, WRITE_AR, PTX = EPI
     t64 = t.to(tl.int64)
     if WRITE_AR:
         tl.store(arout_ptr + t64 * arout_st + cols, round_to(s, T, PTX), mask=cmask)
