@@ -54,6 +54,8 @@ MODULES = {
     "norm.rms": ("moefuse.norm.rms", "moefuse.norm.triton"),
     "norm.gated": ("moefuse.norm.gated",),
     "quant": ("moefuse.quant.fused",),
+    "moe": ("moefuse.moe.triton",),
+    "moe.experts": ("moefuse.moe.experts_triton",),
 }
 
 #: pointer types other than BF16, by argument name (per family where names mean different things)
@@ -84,6 +86,18 @@ POINTERS = {
         "gs_ptr": "*fp32",
         "part_ptr": "*fp32",
         "ctr_ptr": "*i32",
+    },
+    "moe": {
+        "map_ptr": "*i32",
+        "eid_ptr": "*i32",
+        "inv_ptr": "*i32",
+        "buf_ptr": "*fp32",
+        "idx_ptr": "*i32",
+        "items_ptr": "*i32",
+        "sorted_ptr": "*i32",
+        "slot_map_ptr": "*i32",
+        "count_ptr": "*i32",
+        "y_ptr": "*fp32",
     },
 }
 #: floating-point scalar arguments (all others are i32)
@@ -498,12 +512,76 @@ def norm_quant_cases(mods) -> list[dict]:
     return out
 
 
+def moe_cases(mods) -> list[dict]:
+    """The finalize family (K = 8 unrolled, K = 32 looped at H = 2880: columns masked) and the
+    fused experts' kernels (plan kernel or inline plan, split or fused finalize) at their
+    launchers' constexprs, H = 4096, I = 1536."""
+    from moefuse.moe.tiles import experts_tile, finalize_tile
+
+    out = []
+    for h, k, extras in ((4096, 8, False), (4096, 8, True), (2880, 32, True)):
+        block, warps = finalize_tile(h)
+        consts = dict(
+            VEC=8,
+            BLOCK=block,
+            UNROLL=k if k <= 16 else 0,
+            EVEN=h % block == 0,
+            EXPANDED=extras,
+            HAS_BIAS=extras,
+            HAS_RSF=extras,
+            HAS_SHARED=extras,
+            PTX=True,
+            USE_PDL=True,
+        )
+        tag = f"H={h} K={k}" + (" extras" if extras else "")
+        options = dict(num_warps=warps, enable_fp_fusion=False, launch_pdl=True)
+        out.append(_case("moe", "_moe_finalize_kernel", tag, consts, **options))
+    block, warps = finalize_tile(H)
+    pdl = dict(num_warps=warps, launch_pdl=True)
+    out.append(
+        _case(
+            "moe", "_moe_scatter_add_kernel", "", dict(BLOCK=block, PTX=True, USE_PDL=True), **pdl
+        )
+    )
+    out.append(
+        _case("moe", "_moe_permute_kernel", "", dict(VEC=8, BLOCK=block, USE_PDL=True), **pdl)
+    )
+    plan = dict(BS=32, BC=128, EP=128, BT=16, USE_PDL=True)
+    out.append(_case("moe.experts", "_experts_plan_kernel", "", plan, num_warps=4, launch_pdl=True))
+    cfg = experts_tile(H, 1536)
+    common = dict(BK=cfg["bk"], STAGES=cfg["stages"], PTX=True, USE_PDL=True)
+    options = dict(num_warps=cfg["warps"], launch_pdl=True)
+    for sp, bt in ((0, 16), (0, 64), (32, 16)):
+        gate_up = dict(common, KDIM=H, INTER=1536, BN=cfg["bn_gate_up"], BT=bt, SP=sp)
+        out.append(
+            _case("moe.experts", "_experts_gate_up_kernel", f"SP={sp} BT={bt}", gate_up, **options)
+        )
+    for sp, bt, fused, extras in (
+        (0, 16, False, (False,) * 3),
+        (8, 16, True, (False,) * 3),
+        (8, 16, True, (True,) * 3),
+    ):
+        down = dict(
+            common, KDIM=1536, H=H, BN=cfg["bn_down"], BT=bt, SP=sp, FINALIZE=fused, EXTRAS=extras
+        )
+        tag = (
+            f"SP={sp} BT={bt}" + (" finalize" if fused else "") + (" extras" if any(extras) else "")
+        )
+        out.append(
+            _case(
+                "moe.experts", "_experts_down_kernel", tag, down, enable_fp_fusion=False, **options
+            )
+        )
+    return out
+
+
 CASES = (
     all_reduce_cases,
     all_gather_cases,
     moe_reduction_cases,
     expert_norm_cases,
     norm_quant_cases,
+    moe_cases,
 )
 
 
