@@ -53,6 +53,7 @@ MODULES = {
     "norm": ("moefuse.norm.triton",),
     "norm.rms": ("moefuse.norm.rms", "moefuse.norm.triton"),
     "norm.gated": ("moefuse.norm.gated",),
+    "norm.gated_residual": ("moefuse.norm.gated_residual", "moefuse.norm.gated"),
     "quant": ("moefuse.quant.fused",),
     "moe": ("moefuse.moe.triton",),
     "moe.experts": ("moefuse.moe.experts_triton",),
@@ -449,7 +450,13 @@ def norm_quant_cases(mods) -> list[dict]:
             {"HAS_GATE": True},
         ),
         ("norm.rms", "_fused_add_rmsnorm_kernel", "", tiles.FUSED_ADD_POLICY, {}),
-        ("norm.gated", "_gated_residual_kernel", "", tiles.GATED_POLICY, {"HAS_WEIGHT": True}),
+        (
+            "norm.gated_residual",
+            "_gated_residual_kernel",
+            "",
+            tiles.GATED_POLICY,
+            {"HAS_WEIGHT": True},
+        ),
         (
             "norm.gated",
             "_gated_residual_next_kernel",

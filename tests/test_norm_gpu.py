@@ -90,12 +90,12 @@ def test_gated_residual_rmsnorm_gpu(width, with_weight):
         )
         _assert_same(res, "gated modes")
         if _both_stepped_modes(width):  # unrolled and looped rows: the same bits at every M
-            from moefuse.norm import gated
+            from moefuse.norm import gated_residual
 
             for unroll in (False, True):
                 other = poison_(torch.empty_like(r))
-                gated.launch_gated_residual_rmsnorm(b, r, w, a, be, other, 1e-6, 1.0, False,
-                                                    unroll=unroll)  # fmt: skip
+                gated_residual.launch_gated_residual_rmsnorm(b, r, w, a, be, other, 1e-6, 1.0,
+                                                             False, unroll=unroll)  # fmt: skip
                 assert_bitwise_equal(other, res[0][0], f"unroll={unroll} {m}x{width}")
         i = m - 1  # batch invariance: the row alone (another launch mode at large M)
         alone = moefuse.gated_residual_rmsnorm(b[i : i + 1], r[i : i + 1], w, a, be,
