@@ -17,7 +17,7 @@ its name in the first module of its family that the tree has (the flat modules b
 rebuild, ``comm.triton``, ``comm.moe_fusion_triton``, ..., or the family folders after it), so
 a kernel that one tree lacks is reported as such (deleted variants drop out).
 
-Run: python scripts/comm_ptx_compare.py [--before REV] [--after PATH] [--only SUBSTRING]
+Run: python scripts/comm_ptx_compare.py [--before REV] [--after PATH] [--only SUBSTRING[,...]]
      [--report notes/comm-layout-ptx.md] [--json notes/comm-layout-ptx.json] [--dump DIR]
 (``--before`` / ``--after``: a git revision of this repository, extracted with ``git archive``
 into a temporary folder, or a path to a source tree; default 872b0f3 / this checkout.) Exit status 1
@@ -582,6 +582,36 @@ def moe_cases(mods) -> list[dict]:
     return out
 
 
+def quant_mode_cases(mods) -> list[dict]:
+    """The fused norm + quant kernels' row modes that the default tiles above do not reach: two
+    passes over chunks (H = 32768), one FP8 tile per program, the E5M2 stepped hook, and the
+    NVFP4 persistent row loop with and without prefetch (a benchmark sweep's tile)."""
+    from moefuse.norm import tiles
+
+    nt, qf = mods["norm"], mods["quant"]
+    row_consts = getattr(nt, "row_consts", None) or nt._row_consts
+    fp8, fp8_add = {"HAS_RESIDUAL": False, "FMT": 1}, {"HAS_RESIDUAL": True, "FMT": 0}
+    fp4 = {"HAS_RESIDUAL": True, "HAS_NORM_OUT": True, "RECIPE": 0, "EVICT_FIRST": True}
+    one_tile = tiles.TilePolicy(programs_per_sm=0)
+    loop = tiles.TilePolicy(programs_per_sm=2)
+    loop_prefetch = tiles.TilePolicy(programs_per_sm=2, prefetch=True)
+    grid = (
+        ("_rmsnorm_fp8_kernel", "two-pass", 32768, qf.QUANT_POLICY, fp8_add),
+        ("_rmsnorm_fp8_kernel", "one tile", 4096, one_tile, fp8),
+        ("_rmsnorm_fp8_kernel", "stepped e5m2", 4096, qf.QUANT_ADD_POLICY, dict(fp8_add, FMT=1)),
+        ("_rmsnorm_fp4_kernel", "two-pass", 32768, qf.QUANT_FP4_POLICY, dict(fp4, LAYOUT=1)),
+        ("_rmsnorm_fp4_kernel", "persistent", 4096, loop, dict(fp4, LAYOUT=0)),
+        ("_rmsnorm_fp4_kernel", "prefetch", 4096, loop_prefetch, dict(fp4, LAYOUT=1)),
+    )
+    out = []
+    for kernel, tag, h, policy, extra in grid:
+        tile = tiles.row_tile(h, policy)
+        consts, opts = _split(row_consts(tile, h, 1, None, tiles.STEP_LOOP_MIN_ROWS, True))
+        consts = {**consts, "EVICT_FIRST": tile.num_chunks == 1, **extra}
+        out.append(_case("quant", kernel, f"{tag} H={h}", consts, **opts))
+    return out
+
+
 CASES = (
     all_reduce_cases,
     all_gather_cases,
@@ -589,6 +619,7 @@ CASES = (
     expert_norm_cases,
     norm_quant_cases,
     moe_cases,
+    quant_mode_cases,
 )
 
 
@@ -701,7 +732,7 @@ def worker(dump: str, only: str) -> int:
     for make in CASES:
         for case in make(mods):
             cid = case_id(case)
-            if only and only not in cid:
+            if only and not any(part in cid for part in only.split(",")):
                 continue
             entry = {
                 "kernel": case["kernel"],
@@ -911,7 +942,11 @@ def main(argv=None) -> int:
         help="git revision or source tree compiled as 'after' (default: this "
         "checkout, uncommitted changes included)",
     )
-    parser.add_argument("--only", default="", help="only the cases whose name contains this")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="only the cases whose name contains this (or one of these, comma-separated)",
+    )
     parser.add_argument("--report", default="", help="Markdown report to write")
     parser.add_argument("--json", default="", help="JSON report to write")
     parser.add_argument("--dump", default="", help="keep the normalised PTX in this folder")
@@ -939,7 +974,8 @@ def main(argv=None) -> int:
         cached = os.path.join(dumps[0], "index.json")
         if args.reuse_before and os.path.exists(cached):
             with open(cached) as f:
-                first = {k: v for k, v in json.load(f).items() if args.only in k}
+                parts = args.only.split(",")
+                first = {k: v for k, v in json.load(f).items() if any(p in k for p in parts)}
             indices = [first, run_tree(after, dumps[1], args.only)]
         else:
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
