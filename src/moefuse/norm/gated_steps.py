@@ -1,6 +1,7 @@
 """Element math and step loads shared by the gated residual RMSNorm rows
-(:mod:`moefuse.norm.gated`): the gated output and stream update with their one explicit FMA, the
-ffn / router stores, and the branch and activation steps of the stepped layout.
+(:mod:`moefuse.norm.gated`, :mod:`moefuse.norm.gated_residual`): the gated output and stream
+update with their one explicit FMA, the ffn / router stores, and the branch and activation steps
+of the stepped layout.
 """
 
 from __future__ import annotations
