@@ -257,10 +257,10 @@ def test_stepped_rows_never_recompile_across_token_counts():
 def test_gated_ops_never_recompile_across_token_counts():
     """Stepped rows pick the unrolled or the looped kernel by M; the first launch compiles both,
     so no later token count (crossing tiles.STEP_LOOP_MIN_ROWS included) compiles anything."""
-    from moefuse.norm import gated, tiles
+    from moefuse.norm import gated, gated_residual, tiles
 
     assert tiles.STEP_LOOP_MIN_ROWS < 4096
-    kernels = (gated._gated_residual_kernel, gated._gated_residual_next_kernel)
+    kernels = (gated_residual._gated_residual_kernel, gated._gated_residual_next_kernel)
     tokens = sorted({*range(1, 4097, 97), tiles.STEP_LOOP_MIN_ROWS - 1, tiles.STEP_LOOP_MIN_ROWS,
                      4096})  # fmt: skip
     for width in (2048, 4096, 8192):  # narrow tile, 2 and 4 steps
