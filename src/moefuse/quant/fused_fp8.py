@@ -208,12 +208,34 @@ def _fp8_stepped(
 
 
 @triton.jit
-def _fp8_load_at(ptrs, strides, rows, cols, mask, HEADS, MASKED: tl.constexpr,
-                 STREAM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+def _fp8_load_at(
+    ptrs,
+    strides,
+    rows,
+    cols,
+    mask,
+    HEADS,
+    MASKED: tl.constexpr,
+    STREAM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
     """:func:`fp8_load` of the tile at ``rows`` from the grouped arguments."""
     x_st, x_sh, r_st, r_sh, q_st, q_sh = strides
-    return fp8_load(ptrs[0], ptrs[1], rows, cols, mask, HEADS, x_st, x_sh, r_st, r_sh, MASKED,
-                    STREAM, HAS_RESIDUAL)  # fmt: skip
+    return fp8_load(
+        ptrs[0],
+        ptrs[1],
+        rows,
+        cols,
+        mask,
+        HEADS,
+        x_st,
+        x_sh,
+        r_st,
+        r_sh,
+        MASKED,
+        STREAM,
+        HAS_RESIDUAL,
+    )
 
 
 @triton.jit
