@@ -17,7 +17,7 @@ its name in the first module of its family that the tree has (the flat modules b
 rebuild, ``comm.triton``, ``comm.moe_fusion_triton``, ..., or the family folders after it), so
 a kernel that one tree lacks is reported as such (deleted variants drop out).
 
-Run: python scripts/comm_ptx_compare.py [--before REV] [--after PATH] [--only SUBSTRING]
+Run: python scripts/comm_ptx_compare.py [--before REV] [--after PATH] [--only SUBSTRING[,...]]
      [--report notes/comm-layout-ptx.md] [--json notes/comm-layout-ptx.json] [--dump DIR]
 (``--before`` / ``--after``: a git revision of this repository, extracted with ``git archive``
 into a temporary folder, or a path to a source tree; default 872b0f3 / this checkout.) Exit status 1
@@ -53,7 +53,10 @@ MODULES = {
     "norm": ("moefuse.norm.triton",),
     "norm.rms": ("moefuse.norm.rms", "moefuse.norm.triton"),
     "norm.gated": ("moefuse.norm.gated",),
+    "norm.gated_residual": ("moefuse.norm.gated_residual", "moefuse.norm.gated"),
     "quant": ("moefuse.quant.fused",),
+    "moe": ("moefuse.moe.triton",),
+    "moe.experts": ("moefuse.moe.experts_triton",),
 }
 
 #: pointer types other than BF16, by argument name (per family where names mean different things)
@@ -84,6 +87,18 @@ POINTERS = {
         "gs_ptr": "*fp32",
         "part_ptr": "*fp32",
         "ctr_ptr": "*i32",
+    },
+    "moe": {
+        "map_ptr": "*i32",
+        "eid_ptr": "*i32",
+        "inv_ptr": "*i32",
+        "buf_ptr": "*fp32",
+        "idx_ptr": "*i32",
+        "items_ptr": "*i32",
+        "sorted_ptr": "*i32",
+        "slot_map_ptr": "*i32",
+        "count_ptr": "*i32",
+        "y_ptr": "*fp32",
     },
 }
 #: floating-point scalar arguments (all others are i32)
@@ -435,7 +450,13 @@ def norm_quant_cases(mods) -> list[dict]:
             {"HAS_GATE": True},
         ),
         ("norm.rms", "_fused_add_rmsnorm_kernel", "", tiles.FUSED_ADD_POLICY, {}),
-        ("norm.gated", "_gated_residual_kernel", "", tiles.GATED_POLICY, {"HAS_WEIGHT": True}),
+        (
+            "norm.gated_residual",
+            "_gated_residual_kernel",
+            "",
+            tiles.GATED_POLICY,
+            {"HAS_WEIGHT": True},
+        ),
         (
             "norm.gated",
             "_gated_residual_next_kernel",
@@ -498,12 +519,107 @@ def norm_quant_cases(mods) -> list[dict]:
     return out
 
 
+def moe_cases(mods) -> list[dict]:
+    """The finalize family (K = 8 unrolled, K = 32 looped at H = 2880: columns masked) and the
+    fused experts' kernels (plan kernel or inline plan, split or fused finalize) at their
+    launchers' constexprs, H = 4096, I = 1536."""
+    from moefuse.moe.tiles import experts_tile, finalize_tile
+
+    out = []
+    for h, k, extras in ((4096, 8, False), (4096, 8, True), (2880, 32, True)):
+        block, warps = finalize_tile(h)
+        consts = dict(
+            VEC=8,
+            BLOCK=block,
+            UNROLL=k if k <= 16 else 0,
+            EVEN=h % block == 0,
+            EXPANDED=extras,
+            HAS_BIAS=extras,
+            HAS_RSF=extras,
+            HAS_SHARED=extras,
+            PTX=True,
+            USE_PDL=True,
+        )
+        tag = f"H={h} K={k}" + (" extras" if extras else "")
+        options = dict(num_warps=warps, enable_fp_fusion=False, launch_pdl=True)
+        out.append(_case("moe", "_moe_finalize_kernel", tag, consts, **options))
+    block, warps = finalize_tile(H)
+    pdl = dict(num_warps=warps, launch_pdl=True)
+    out.append(
+        _case(
+            "moe", "_moe_scatter_add_kernel", "", dict(BLOCK=block, PTX=True, USE_PDL=True), **pdl
+        )
+    )
+    out.append(
+        _case("moe", "_moe_permute_kernel", "", dict(VEC=8, BLOCK=block, USE_PDL=True), **pdl)
+    )
+    plan = dict(BS=32, BC=128, EP=128, BT=16, USE_PDL=True)
+    out.append(_case("moe.experts", "_experts_plan_kernel", "", plan, num_warps=4, launch_pdl=True))
+    cfg = experts_tile(H, 1536)
+    common = dict(BK=cfg["bk"], STAGES=cfg["stages"], PTX=True, USE_PDL=True)
+    options = dict(num_warps=cfg["warps"], launch_pdl=True)
+    for sp, bt in ((0, 16), (0, 64), (32, 16)):
+        gate_up = dict(common, KDIM=H, INTER=1536, BN=cfg["bn_gate_up"], BT=bt, SP=sp)
+        out.append(
+            _case("moe.experts", "_experts_gate_up_kernel", f"SP={sp} BT={bt}", gate_up, **options)
+        )
+    for sp, bt, fused, extras in (
+        (0, 16, False, (False,) * 3),
+        (8, 16, True, (False,) * 3),
+        (8, 16, True, (True,) * 3),
+    ):
+        down = dict(
+            common, KDIM=1536, H=H, BN=cfg["bn_down"], BT=bt, SP=sp, FINALIZE=fused, EXTRAS=extras
+        )
+        tag = (
+            f"SP={sp} BT={bt}" + (" finalize" if fused else "") + (" extras" if any(extras) else "")
+        )
+        out.append(
+            _case(
+                "moe.experts", "_experts_down_kernel", tag, down, enable_fp_fusion=False, **options
+            )
+        )
+    return out
+
+
+def quant_mode_cases(mods) -> list[dict]:
+    """The fused norm + quant kernels' row modes that the default tiles above do not reach: two
+    passes over chunks (H = 32768), one FP8 tile per program, the E5M2 stepped hook, and the
+    NVFP4 persistent row loop with and without prefetch (a benchmark sweep's tile)."""
+    from moefuse.norm import tiles
+
+    nt, qf = mods["norm"], mods["quant"]
+    row_consts = getattr(nt, "row_consts", None) or nt._row_consts
+    fp8, fp8_add = {"HAS_RESIDUAL": False, "FMT": 1}, {"HAS_RESIDUAL": True, "FMT": 0}
+    fp4 = {"HAS_RESIDUAL": True, "HAS_NORM_OUT": True, "RECIPE": 0, "EVICT_FIRST": True}
+    one_tile = tiles.TilePolicy(programs_per_sm=0)
+    loop = tiles.TilePolicy(programs_per_sm=2)
+    loop_prefetch = tiles.TilePolicy(programs_per_sm=2, prefetch=True)
+    grid = (
+        ("_rmsnorm_fp8_kernel", "two-pass", 32768, qf.QUANT_POLICY, fp8_add),
+        ("_rmsnorm_fp8_kernel", "one tile", 4096, one_tile, fp8),
+        ("_rmsnorm_fp8_kernel", "stepped e5m2", 4096, qf.QUANT_ADD_POLICY, dict(fp8_add, FMT=1)),
+        ("_rmsnorm_fp4_kernel", "two-pass", 32768, qf.QUANT_FP4_POLICY, dict(fp4, LAYOUT=1)),
+        ("_rmsnorm_fp4_kernel", "persistent", 4096, loop, dict(fp4, LAYOUT=0)),
+        ("_rmsnorm_fp4_kernel", "prefetch", 4096, loop_prefetch, dict(fp4, LAYOUT=1)),
+    )
+    out = []
+    for kernel, tag, h, policy, extra in grid:
+        tile = tiles.row_tile(h, policy)
+        consts, opts = _split(row_consts(tile, h, 1, None, tiles.STEP_LOOP_MIN_ROWS, True))
+        consts = {**consts, "EVICT_FIRST": tile.num_chunks == 1, **extra}
+        out.append(_case("quant", kernel, f"{tag} H={h}", consts, **opts))
+    return out
+
+
 CASES = (
     all_reduce_cases,
     all_gather_cases,
     moe_reduction_cases,
     expert_norm_cases,
     norm_quant_cases,
+    moe_cases,
+    quant_mode_cases,
 )
 
 
@@ -616,7 +732,7 @@ def worker(dump: str, only: str) -> int:
     for make in CASES:
         for case in make(mods):
             cid = case_id(case)
-            if only and only not in cid:
+            if only and not any(part in cid for part in only.split(",")):
                 continue
             entry = {
                 "kernel": case["kernel"],
@@ -826,7 +942,11 @@ def main(argv=None) -> int:
         help="git revision or source tree compiled as 'after' (default: this "
         "checkout, uncommitted changes included)",
     )
-    parser.add_argument("--only", default="", help="only the cases whose name contains this")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="only the cases whose name contains this (or one of these, comma-separated)",
+    )
     parser.add_argument("--report", default="", help="Markdown report to write")
     parser.add_argument("--json", default="", help="JSON report to write")
     parser.add_argument("--dump", default="", help="keep the normalised PTX in this folder")
@@ -854,7 +974,8 @@ def main(argv=None) -> int:
         cached = os.path.join(dumps[0], "index.json")
         if args.reuse_before and os.path.exists(cached):
             with open(cached) as f:
-                first = {k: v for k, v in json.load(f).items() if args.only in k}
+                parts = args.only.split(",")
+                first = {k: v for k, v in json.load(f).items() if any(p in k for p in parts)}
             indices = [first, run_tree(after, dumps[1], args.only)]
         else:
             with concurrent.futures.ThreadPoolExecutor(2) as pool:

@@ -17,7 +17,7 @@ import inspect
 import triton
 from triton.compiler import ASTSource
 
-from moefuse.norm import gated, rms, tiles
+from moefuse.norm import gated, gated_residual, rms, tiles
 from moefuse.tools.ptxas import TARGET, ptxas_report, tuple_fields
 
 FP32_PTRS = {
@@ -159,7 +159,7 @@ def _cases():
         ("fused_add", rms._fused_add_rmsnorm_kernel, {}, (), tiles.FUSED_ADD_POLICY),
         (
             "gated",
-            gated._gated_residual_kernel,
+            gated_residual._gated_residual_kernel,
             {"HAS_WEIGHT": True},
             ("res_ptr", "alpha_ptr", "beta_ptr", "out_ptr"),
             tiles.GATED_POLICY,

@@ -90,12 +90,12 @@ def test_gated_residual_rmsnorm_gpu(width, with_weight):
         )
         _assert_same(res, "gated modes")
         if _both_stepped_modes(width):  # unrolled and looped rows: the same bits at every M
-            from moefuse.norm import gated
+            from moefuse.norm import gated_residual
 
             for unroll in (False, True):
                 other = poison_(torch.empty_like(r))
-                gated.launch_gated_residual_rmsnorm(b, r, w, a, be, other, 1e-6, 1.0, False,
-                                                    unroll=unroll)  # fmt: skip
+                gated_residual.launch_gated_residual_rmsnorm(b, r, w, a, be, other, 1e-6, 1.0,
+                                                             False, unroll=unroll)  # fmt: skip
                 assert_bitwise_equal(other, res[0][0], f"unroll={unroll} {m}x{width}")
         i = m - 1  # batch invariance: the row alone (another launch mode at large M)
         alone = moefuse.gated_residual_rmsnorm(b[i : i + 1], r[i : i + 1], w, a, be,
@@ -257,10 +257,10 @@ def test_stepped_rows_never_recompile_across_token_counts():
 def test_gated_ops_never_recompile_across_token_counts():
     """Stepped rows pick the unrolled or the looped kernel by M; the first launch compiles both,
     so no later token count (crossing tiles.STEP_LOOP_MIN_ROWS included) compiles anything."""
-    from moefuse.norm import gated, tiles
+    from moefuse.norm import gated, gated_residual, tiles
 
     assert tiles.STEP_LOOP_MIN_ROWS < 4096
-    kernels = (gated._gated_residual_kernel, gated._gated_residual_next_kernel)
+    kernels = (gated_residual._gated_residual_kernel, gated._gated_residual_next_kernel)
     tokens = sorted({*range(1, 4097, 97), tiles.STEP_LOOP_MIN_ROWS - 1, tiles.STEP_LOOP_MIN_ROWS,
                      4096})  # fmt: skip
     for width in (2048, 4096, 8192):  # narrow tile, 2 and 4 steps

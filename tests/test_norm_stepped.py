@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moefuse
-from moefuse.norm import gated, rms, tiles
+from moefuse.norm import gated, gated_residual, rms, tiles
 from moefuse.norm import reference as ref
 from moefuse.norm import triton as nt
 from moefuse.quant import formats as F
@@ -63,8 +63,8 @@ def test_gated_residual_stepped(case, with_weight, in_place, seed):
         rb, ri = _framed(m, width, F32)
         ri.copy_(res)
         ob, oi = (rb, ri) if in_place else _framed(m, width, F32)
-        gated.launch_gated_residual_rmsnorm(b, ri, w, a, be, oi, 1e-6, 0.5, False, tile=tile,
-                                            unroll=unroll)  # fmt: skip
+        gated_residual.launch_gated_residual_rmsnorm(b, ri, w, a, be, oi, 1e-6, 0.5, False,
+                                                     tile=tile, unroll=unroll)  # fmt: skip
         _assert_frames([ob])
         outs.append(ob)
     for other in outs[1:]:
@@ -135,8 +135,9 @@ def test_unroll_beyond_the_register_limit_is_refused():
     a, be = _rand(width, dtype=F32), _rand(width, dtype=F32)
     out = poison_(torch.empty(1, width))
     with pytest.raises(ValueError, match="unrolled stepped rows"):
-        gated.launch_gated_residual_rmsnorm(b, res, None, a, be, out, 1e-6, 0.0, False,
-                                            tile=_tile(width, step), unroll=True)  # fmt: skip
+        gated_residual.launch_gated_residual_rmsnorm(b, res, None, a, be, out, 1e-6, 0.0,
+                                                     False, tile=_tile(width, step),
+                                                     unroll=True)  # fmt: skip
     assert torch.isnan(out).all()
 
 

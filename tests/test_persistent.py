@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from moefuse.norm import gated, rms, tiles
+from moefuse.norm import gated, gated_residual, rms, tiles
 from moefuse.quant import fused as qf
 from moefuse.testing import assert_bitwise_equal, poison_
 
@@ -111,7 +111,9 @@ def test_gated_residual_in_place(width, seed):
     def run(tile):
         rb, ri = _framed(ROWS, width, dtype=F32)
         ri.copy_(res)
-        gated.launch_gated_residual_rmsnorm(b, ri, w, a, be, ri, 1e-6, 0.0, False, tile=tile)
+        gated_residual.launch_gated_residual_rmsnorm(
+            b, ri, w, a, be, ri, 1e-6, 0.0, False, tile=tile
+        )
         return (rb,)
 
     _check(run, width, tiles.GATED_POLICY, 1)

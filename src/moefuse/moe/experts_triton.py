@@ -33,6 +33,8 @@ operands are widened to FP32 first (exact) and the product is an IEEE FP32 matmu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -59,8 +61,10 @@ def _pdl_kwargs(use_pdl: bool) -> dict:
 # items included (an upper bound of what the launch reads)
 def _gemm_metadata(grid, kernel, args):
     rows = args["BN"] * (2 if "gate_up" in kernel.name else 1)
-    return {"name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
-            "bytes": grid[0] * grid[1] * rows * args["KDIM"] * 2}  # fmt: skip
+    return {
+        "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
+        "bytes": grid[0] * grid[1] * rows * args["KDIM"] * 2,
+    }
 
 
 # ----------------------------------------------------------------------------- plan
@@ -78,11 +82,22 @@ def _load_experts(idx_ptr, s, s_in, top_k, st0, st1, n_experts):
 
 @triton.jit(do_not_specialize=["n_slots", "n_experts", "n_items"])
 def _experts_plan_kernel(
-    idx_ptr, items_ptr, sorted_ptr, slot_map_ptr,
-    n_slots, top_k, n_experts, n_items, idx_st0, idx_st1,
-    BS: tl.constexpr, BC: tl.constexpr, EP: tl.constexpr, BT: tl.constexpr,
+    idx_ptr,
+    items_ptr,
+    sorted_ptr,
+    slot_map_ptr,
+    n_slots,
+    top_k,
+    n_experts,
+    n_items,
+    idx_st0,
+    idx_st1,
+    BS: tl.constexpr,
+    BC: tl.constexpr,
+    EP: tl.constexpr,
+    BT: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """Routing plan (module docstring, step 1) for this program's ``BS`` slots. Integer work
     only: every program reads all T*K expert ids, so the grid cannot change the plan.
 
@@ -149,8 +164,9 @@ def _item_tokens(items_ptr, sorted_ptr, top_k, BT: tl.constexpr):
 
 
 @triton.jit
-def _inline_item_tokens(idx_ptr, n_slots, top_k, n_experts, st0, st1,
-                        SP: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+def _inline_item_tokens(
+    idx_ptr, n_slots, top_k, n_experts, st0, st1, SP: tl.constexpr, BT: tl.constexpr
+):
     """:func:`_item_tokens` computed in the program from ``top_k_index`` itself, for T*K <= SP
     slots: the same work items as the plan kernel (experts ascending, ``BT`` slots per item,
     slots ascending within an expert), from pairwise compares of all slots' expert ids."""
@@ -173,8 +189,7 @@ def _inline_item_tokens(idx_ptr, n_slots, top_k, n_experts, st0, st1,
 
 
 @triton.jit
-def _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, st0, st1,
-                    SP: tl.constexpr):  # fmt: skip
+def _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, st0, st1, SP: tl.constexpr):
     """``slot_map[s] = s`` for a valid slot, -1 for a sentinel (the finalize's mask)."""
     sl = tl.arange(0, SP)
     sl_in = sl < n_slots
@@ -183,8 +198,18 @@ def _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, st0, st1,
 
 
 @triton.jit
-def _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, st0, st1,
-               SP: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+def _work_item(
+    items_ptr,
+    sorted_ptr,
+    idx_ptr,
+    n_slots,
+    top_k,
+    n_experts,
+    st0,
+    st1,
+    SP: tl.constexpr,
+    BT: tl.constexpr,
+):
     """This program's work item: from the plan kernel's buffers (``SP`` = 0) or computed in the
     program (``SP`` > 0: :func:`_inline_item_tokens`)."""
     if SP > 0:
@@ -204,12 +229,35 @@ def _mma(w, xt, acc, PTX: tl.constexpr):
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_gate_up_kernel(
-    x_ptr, w_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr, count_ptr,
-    top_k, x_st, w_st_e, w_st_n, w_st_k, act_st, n_slots, n_experts, idx_st0, idx_st1, n_count,
-    KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BT: tl.constexpr, STAGES: tl.constexpr, SP: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    items_ptr,
+    sorted_ptr,
+    act_ptr,
+    idx_ptr,
+    slot_map_ptr,
+    count_ptr,
+    top_k,
+    x_st,
+    w_st_e,
+    w_st_n,
+    w_st_k,
+    act_st,
+    n_slots,
+    n_experts,
+    idx_st0,
+    idx_st1,
+    n_count,
+    KDIM: tl.constexpr,
+    INTER: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    SP: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """act[s, n] = cast(silu(gate_n . x_t) * (up_n . x_t)) for the item's slots s (token t) and
     this program's BN rows n of I = ``INTER``. ``KDIM`` = H (the reduction). The widths are
     compile-time constants (one build per model shape: static trip counts, no column masks when
@@ -220,15 +268,15 @@ def _experts_gate_up_kernel(
         gdc_wait()  # the plan, or with SP > 0 the top_k_index of the kernel before
     if SP > 0:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1,
-                            SP)  # fmt: skip
+            _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP)
             c0 = 0
             while c0 < n_count:
                 cs = c0 + tl.arange(0, 128)
                 tl.store(count_ptr + cs, tl.zeros([128], tl.int32), mask=cs < n_count)
                 c0 += 128
-    e, s, r_in, tok = _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts,
-                                 idx_st0, idx_st1, SP, BT)  # fmt: skip
+    e, s, r_in, tok = _work_item(
+        items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
+    )
     if e >= 0:
         # one [2*BN, BK] weight tile per step: BN gate rows, then the BN up rows that pair with
         # them (rows n and INTER + n): a 64-row MMA operand for BN = 32
@@ -241,10 +289,14 @@ def _experts_gate_up_kernel(
         for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
             kk = k0 + tl.arange(0, BK)
             k_in = kk < KDIM
-            w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :],
-                        other=0.0)  # fmt: skip
-            xt = tl.load(x_ptr + tok[None, :] * x_st + kk[:, None],
-                         mask=r_in[None, :] & k_in[:, None], other=0.0)  # fmt: skip
+            w = tl.load(
+                w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0
+            )
+            xt = tl.load(
+                x_ptr + tok[None, :] * x_st + kk[:, None],
+                mask=r_in[None, :] & k_in[:, None],
+                other=0.0,
+            )
             acc = _mma(w, xt, acc, PTX)
         if USE_PDL:
             gdc_launch_dependents()
@@ -252,19 +304,47 @@ def _experts_gate_up_kernel(
         act = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, FP32
         n_out = tl.program_id(1) * BN + tl.arange(0, BN)
         ptrs = act_ptr + s.to(tl.int64)[None, :] * act_st + n_out[:, None]
-        tl.store(ptrs, round_to(act, act_ptr.dtype.element_ty, PTX),
-                 mask=(n_out < INTER)[:, None] & r_in[None, :])  # fmt: skip
+        tl.store(
+            ptrs,
+            round_to(act, act_ptr.dtype.element_ty, PTX),
+            mask=(n_out < INTER)[:, None] & r_in[None, :],
+        )
 
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_down_kernel(
-    act_ptr, w_ptr, items_ptr, sorted_ptr, y_ptr, idx_ptr,
-    map_ptr, scale_ptr, bias_ptr, shared_ptr, out_ptr, count_ptr,
-    top_k, n_slots, n_experts, row_strides, w_strides, idx_strides, fin_strides, rsf,
-    KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    STAGES: tl.constexpr, SP: tl.constexpr, FINALIZE: tl.constexpr, EXTRAS: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    w_ptr,
+    items_ptr,
+    sorted_ptr,
+    y_ptr,
+    idx_ptr,
+    map_ptr,
+    scale_ptr,
+    bias_ptr,
+    shared_ptr,
+    out_ptr,
+    count_ptr,
+    top_k,
+    n_slots,
+    n_experts,
+    row_strides,
+    w_strides,
+    idx_strides,
+    fin_strides,
+    rsf,
+    KDIM: tl.constexpr,
+    H: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    SP: tl.constexpr,
+    FINALIZE: tl.constexpr,
+    EXTRAS: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """y[s, h] = down_h . act[s] (FP32, unrounded) for the item's slots s and this program's BN
     rows h of H. ``KDIM`` = I (the reduction). ``row_strides`` = (act, y), ``w_strides`` =
     (expert, output row, reduction), ``idx_strides`` those of ``top_k_index``.
@@ -278,10 +358,12 @@ def _experts_down_kernel(
     act_st, y_st = row_strides
     w_st_e, w_st_n, w_st_k = w_strides
     idx_st0, idx_st1 = idx_strides
+    fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
     if USE_PDL:
         gdc_wait()  # act from the gate|up kernel
-    e, s, r_in, tok = _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts,
-                                 idx_st0, idx_st1, SP, BT)  # fmt: skip
+    e, s, r_in, tok = _work_item(
+        items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
+    )
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_in = n < H
     if e >= 0:
@@ -291,34 +373,108 @@ def _experts_down_kernel(
         for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
             kk = k0 + tl.arange(0, BK)
             k_in = kk < KDIM
-            w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :],
-                        other=0.0)  # fmt: skip
-            at = tl.load(act_ptr + s64[None, :] * act_st + kk[:, None],
-                         mask=r_in[None, :] & k_in[:, None], other=0.0)  # fmt: skip
+            w = tl.load(
+                w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0
+            )
+            at = tl.load(
+                act_ptr + s64[None, :] * act_st + kk[:, None],
+                mask=r_in[None, :] & k_in[:, None],
+                other=0.0,
+            )
             acc = _mma(w, at, acc, PTX)
         if USE_PDL:
             gdc_launch_dependents()
-        tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc,
-                 mask=n_in[:, None] & r_in[None, :])  # fmt: skip
+        tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc, mask=n_in[:, None] & r_in[None, :])
     if FINALIZE:
         map_st, scale_st, bias_st, shared_st, out_st = fin_strides
-        tl.debug_barrier()  # every thread's y stores precede the release below
-        old = tl.atomic_add(count_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
-        if old == tl.num_programs(0) - 1:
-            tl.debug_barrier()  # the acquire precedes every thread's loads
-            _finalize_rows(y_ptr, map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr, n,
-                           n_in, n_slots // top_k, top_k, n_experts, y_st, map_st, scale_st,
-                           bias_st, idx_st0, idx_st1, shared_st, out_st, rsf, EXTRAS[0],
-                           EXTRAS[1], EXTRAS[2], PTX)  # fmt: skip
+        fin_st = (y_st, map_st, scale_st, bias_st, idx_st0, idx_st1, shared_st, out_st)
+        _finalize_if_last(
+            y_ptr, fin_ptrs, count_ptr, n, n_in, n_slots, top_k, n_experts, fin_st, rsf, EXTRAS, PTX
+        )
+
+
+@triton.jit
+def _finalize_if_last(
+    y_ptr,
+    fin_ptrs,
+    count_ptr,
+    n,
+    n_in,
+    n_slots,
+    top_k,
+    n_experts,
+    fin_st,
+    rsf,
+    EXTRAS: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """The down kernel's ``FINALIZE`` tail: count this program in ``counters[tile]`` after its
+    ``y`` stores; the tile's last program runs :func:`_finalize_rows` on columns ``n``.
+    ``fin_ptrs`` = (slot_map, top_k_weights, bias, top_k_index, shared, out), ``fin_st`` = row
+    strides of (y, slot_map, top_k_weights, bias, top_k_index (2), shared, out)."""
+    map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr = fin_ptrs
+    y_st, map_st, scale_st, bias_st, idx_st0, idx_st1, shared_st, out_st = fin_st
+    tl.debug_barrier()  # every thread's y stores precede the release below
+    old = tl.atomic_add(count_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
+    if old == tl.num_programs(0) - 1:
+        tl.debug_barrier()  # the acquire precedes every thread's loads
+        _finalize_rows(
+            y_ptr,
+            map_ptr,
+            scale_ptr,
+            bias_ptr,
+            idx_ptr,
+            shared_ptr,
+            out_ptr,
+            n,
+            n_in,
+            n_slots // top_k,
+            top_k,
+            n_experts,
+            y_st,
+            map_st,
+            scale_st,
+            bias_st,
+            idx_st0,
+            idx_st1,
+            shared_st,
+            out_st,
+            rsf,
+            EXTRAS[0],
+            EXTRAS[1],
+            EXTRAS[2],
+            PTX,
+        )
 
 
 @triton.jit
 def _finalize_rows(
-    y_ptr, map_ptr, scale_ptr, bias_ptr, eid_ptr, shared_ptr, out_ptr, n, n_in,
-    n_tokens, top_k, n_experts, y_st, map_st, scale_st, bias_st, eid_st0, eid_st1, shared_st,
-    out_st, rsf,
-    HAS_BIAS: tl.constexpr, HAS_RSF: tl.constexpr, HAS_SHARED: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    map_ptr,
+    scale_ptr,
+    bias_ptr,
+    eid_ptr,
+    shared_ptr,
+    out_ptr,
+    n,
+    n_in,
+    n_tokens,
+    top_k,
+    n_experts,
+    y_st,
+    map_st,
+    scale_st,
+    bias_st,
+    eid_st0,
+    eid_st1,
+    shared_st,
+    out_st,
+    rsf,
+    HAS_BIAS: tl.constexpr,
+    HAS_RSF: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """The deterministic finalize (module docstring, step 4) of columns ``n`` of every token,
     op for op that of :func:`moefuse.moe.triton.launch_moe_finalize` on expanded rows (same
     bits). ``y`` rows were written by other programs of this launch: read through L2 (``.cg``)."""
@@ -330,23 +486,31 @@ def _finalize_rows(
         while k < top_k:
             valid = tl.load(map_ptr + t64 * map_st + k) >= 0
             w = widen_f32(tl.load(scale_ptr + t64 * scale_st + k), PTX)
-            x = tl.load(y_ptr + (t64 * top_k + k) * y_st + n, mask=n_in & valid, other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
+            x = tl.load(
+                y_ptr + (t64 * top_k + k) * y_st + n,
+                mask=n_in & valid,
+                other=0.0,
+                cache_modifier=".cg",
+            )
             if HAS_BIAS:
                 e = tl.load(eid_ptr + t64 * eid_st0 + k * eid_st1)
                 has_b = valid & (e >= 0) & (e < n_experts)
-                b = widen_f32(tl.load(bias_ptr + e.to(tl.int64) * bias_st + n,
-                                      mask=n_in & has_b, other=0.0), PTX)  # fmt: skip
+                b = widen_f32(
+                    tl.load(bias_ptr + e.to(tl.int64) * bias_st + n, mask=n_in & has_b, other=0.0),
+                    PTX,
+                )
                 x = tl.where(has_b, x + b, x)
             acc = tl.where(valid, fma_ftz(x, w, acc, PTX), acc)
             k += 1
         if HAS_RSF:
             acc = acc * rsf
         if HAS_SHARED:
-            acc = acc + widen_f32(tl.load(shared_ptr + t64 * shared_st + n, mask=n_in, other=0.0),
-                                  PTX)  # fmt: skip
-        tl.store(out_ptr + t64 * out_st + n, round_to(acc, out_ptr.dtype.element_ty, PTX),
-                 mask=n_in)  # fmt: skip
+            acc = acc + widen_f32(
+                tl.load(shared_ptr + t64 * shared_st + n, mask=n_in, other=0.0), PTX
+            )
+        tl.store(
+            out_ptr + t64 * out_st + n, round_to(acc, out_ptr.dtype.element_ty, PTX), mask=n_in
+        )
         t += 1
 
 
@@ -367,9 +531,11 @@ def experts_item_count(slots: int, experts: int, token_tile: int) -> int:
 
 def experts_plan_buffers(tokens: int, top_k: int, n_items: int, device):
     """``(items [n_items * 3], sorted_slots [T*K], slot_map [T, K])`` int32, uninitialised."""
-    return (torch.empty(n_items * ITEM_FIELDS, dtype=torch.int32, device=device),
-            torch.empty(tokens * top_k, dtype=torch.int32, device=device),
-            torch.empty(tokens, top_k, dtype=torch.int32, device=device))  # fmt: skip
+    return (
+        torch.empty(n_items * ITEM_FIELDS, dtype=torch.int32, device=device),
+        torch.empty(tokens * top_k, dtype=torch.int32, device=device),
+        torch.empty(tokens, top_k, dtype=torch.int32, device=device),
+    )
 
 
 def launch_experts_plan(
@@ -386,13 +552,152 @@ def launch_experts_plan(
     ``sorted_slots`` (valid slots by expert; the tail past the valid count is not written) and
     ``slot_map`` [T, K] (s or -1)."""
     slots = top_k_index.numel()
-    launch(_experts_plan_kernel, (triton.cdiv(slots, PLAN_SLOTS),),
+    args = (
         top_k_index, items, sorted_slots, slot_map,
         slots, top_k_index.shape[1], experts, items.numel() // ITEM_FIELDS,
         top_k_index.stride(0), top_k_index.stride(1),
-        BS=PLAN_SLOTS, BC=PLAN_CHUNK, EP=max(16, next_pow2(experts)), BT=token_tile,
-        USE_PDL=use_pdl, num_warps=4, **_pdl_kwargs(use_pdl),
     )  # fmt: skip
+    launch(
+        _experts_plan_kernel,
+        (triton.cdiv(slots, PLAN_SLOTS),),
+        *args,
+        BS=PLAN_SLOTS,
+        BC=PLAN_CHUNK,
+        EP=max(16, next_pow2(experts)),
+        BT=token_tile,
+        USE_PDL=use_pdl,
+        num_warps=4,
+        **_pdl_kwargs(use_pdl),
+    )
+
+
+class _Plan(NamedTuple):
+    """Work of one :func:`launch_moe_experts` call: token tile ``bt``, work items, inline plan
+    width ``sp`` (0: the plan kernel runs), whether the down kernel finalizes (``fused``), the
+    plan buffers, the down kernel's per-H-tile counters and the ``act`` / ``y`` scratch rows."""
+
+    bt: int
+    n_items: int
+    sp: int
+    fused: bool
+    items: torch.Tensor
+    sorted_slots: torch.Tensor
+    slot_map: torch.Tensor
+    counters: torch.Tensor
+    act: torch.Tensor
+    y: torch.Tensor
+
+
+def _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl) -> _Plan:
+    """The routing plan's buffers and sizes; runs the plan kernel unless the plan is inline."""
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    slots = tokens * top_k
+    bt = token_tile or experts_token_tile(slots, experts)
+    n_items = experts_item_count(slots, experts, bt)
+    dev = hidden_states.device
+    items, sorted_slots, slot_map = experts_plan_buffers(tokens, top_k, n_items, dev)
+    act = torch.empty(slots, inter, dtype=hidden_states.dtype, device=dev)
+    y = torch.empty(slots, hidden, dtype=torch.float32, device=dev)
+    sp = next_pow2(slots) if slots <= cfg["inline_plan_slots"] else 0
+    fused = bool(sp) and slots <= cfg["fuse_finalize_slots"]
+    n_htiles = triton.cdiv(hidden, cfg["bn_down"])
+    counters = torch.empty(n_htiles if fused else 1, dtype=torch.int32, device=dev)
+    if not sp:
+        launch_experts_plan(top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl)
+    return _Plan(bt, n_items, sp, fused, items, sorted_slots, slot_map, counters, act, y)
+
+
+def _launch_gate_up(
+    hidden_states,
+    gate_up_proj,
+    top_k_index,
+    experts,
+    plan: _Plan,
+    cfg,
+    transposed: bool,
+    use_pdl: bool,
+) -> None:
+    """``act = cast(silu(gate x) * (up x))`` per slot (module docstring, step 2)."""
+    hidden = hidden_states.shape[1]
+    inter = plan.act.shape[1]
+    args = (
+        hidden_states, gate_up_proj, plan.items, plan.sorted_slots, plan.act, top_k_index,
+        plan.slot_map, plan.counters,
+        top_k_index.shape[1], hidden_states.stride(0), *_weight_strides(gate_up_proj, transposed),
+        plan.act.stride(0), top_k_index.numel(), experts,
+        top_k_index.stride(0), top_k_index.stride(1), plan.counters.numel() if plan.fused else 0,
+    )  # fmt: skip
+    launch(
+        _experts_gate_up_kernel,
+        (plan.n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
+        *args,
+        KDIM=hidden,
+        INTER=inter,
+        BN=cfg["bn_gate_up"],
+        BK=cfg["bk"],
+        BT=plan.bt,
+        STAGES=cfg["stages"],
+        SP=plan.sp,
+        PTX=not interpreter_active(),
+        USE_PDL=use_pdl,
+        num_warps=cfg["warps"],
+        **_pdl_kwargs(use_pdl),
+    )
+
+
+def _launch_down(
+    down_proj,
+    top_k_index,
+    top_k_weights,
+    out,
+    bias,
+    shared_expert_output,
+    rsf,
+    experts,
+    plan: _Plan,
+    cfg,
+    transposed: bool,
+    use_pdl: bool,
+) -> None:
+    """``y = down act`` per slot (module docstring, step 3), and with ``plan.fused`` the
+    finalize into ``out`` (step 4)."""
+    act, y = plan.act, plan.y
+    hidden = y.shape[1]
+    fin_strides = (
+        plan.slot_map.stride(0),
+        top_k_weights.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        shared_expert_output.stride(0) if shared_expert_output is not None else 0,
+        out.stride(0),
+    )
+    args = (
+        act, down_proj, plan.items, plan.sorted_slots, y, top_k_index,
+        plan.slot_map, top_k_weights, bias if bias is not None else y,
+        shared_expert_output if shared_expert_output is not None else y, out, plan.counters,
+        top_k_index.shape[1], top_k_index.numel(), experts, (act.stride(0), y.stride(0)),
+        _weight_strides(down_proj, transposed), (top_k_index.stride(0), top_k_index.stride(1)),
+        fin_strides, rsf,
+    )  # fmt: skip
+    launch(
+        _experts_down_kernel,
+        (plan.n_items, triton.cdiv(hidden, cfg["bn_down"])),
+        *args,
+        KDIM=act.shape[1],
+        H=hidden,
+        BN=cfg["bn_down"],
+        BK=cfg["bk"],
+        BT=plan.bt,
+        STAGES=cfg["stages"],
+        SP=plan.sp,
+        FINALIZE=plan.fused,
+        EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None),
+        PTX=not interpreter_active(),
+        USE_PDL=use_pdl,
+        num_warps=cfg["warps"],
+        enable_fp_fusion=False,
+        **_pdl_kwargs(use_pdl),
+    )
 
 
 def launch_moe_experts(
@@ -414,60 +719,45 @@ def launch_moe_experts(
     """Writes ``out`` [T, H] (module docstring). ``tile`` / ``token_tile`` override the policy
     of :mod:`moefuse.moe.tiles` (benchmarks and the invariance tests only)."""
     tokens, hidden = hidden_states.shape
-    top_k = top_k_index.shape[1]
     experts = gate_up_proj.shape[0]
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
-    slots = tokens * top_k
     if tokens == 0 or hidden == 0:
         return
     cfg = dict(experts_tile(hidden, inter), **(tile or {}))
-    bt = token_tile or experts_token_tile(slots, experts)
-    n_items = experts_item_count(slots, experts, bt)
-    dev = hidden_states.device
-    items, sorted_slots, slot_map = experts_plan_buffers(tokens, top_k, n_items, dev)
-    act = torch.empty(slots, inter, dtype=hidden_states.dtype, device=dev)
-    y = torch.empty(slots, hidden, dtype=torch.float32, device=dev)
-    ptx = not interpreter_active()
-    pdl = _pdl_kwargs(use_pdl)
-    sp = next_pow2(slots) if slots <= cfg["inline_plan_slots"] else 0
-    fused = bool(sp) and slots <= cfg["fuse_finalize_slots"]
-    n_htiles = triton.cdiv(hidden, cfg["bn_down"])
-    counters = torch.empty(n_htiles if fused else 1, dtype=torch.int32, device=dev)
-    if not sp:
-        launch_experts_plan(top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl)
-    ids = (top_k_index, slots, experts, top_k_index.stride(0), top_k_index.stride(1))
-    gu_tiles = triton.cdiv(inter, cfg["bn_gate_up"])
-    dn_strides = _weight_strides(down_proj, transposed)
-    launch(_experts_gate_up_kernel, (n_items, gu_tiles),
-        hidden_states, gate_up_proj, items, sorted_slots, act, top_k_index, slot_map, counters,
-        top_k, hidden_states.stride(0), *_weight_strides(gate_up_proj, transposed),
-        act.stride(0), *ids[1:], counters.numel() if fused else 0,
-        KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BK=cfg["bk"], BT=bt, STAGES=cfg["stages"],
-        SP=sp, PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], **pdl,
-    )  # fmt: skip
-    fin_strides = (slot_map.stride(0), top_k_weights.stride(0),
-                   bias.stride(0) if bias is not None else 0,
-                   shared_expert_output.stride(0) if shared_expert_output is not None else 0,
-                   out.stride(0))  # fmt: skip
+    plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
+    _launch_gate_up(
+        hidden_states, gate_up_proj, top_k_index, experts, plan, cfg, transposed, use_pdl
+    )
     rsf = float(routed_scaling_factor)
-    launch(_experts_down_kernel, (n_items, n_htiles),
-        act, down_proj, items, sorted_slots, y, top_k_index,
-        slot_map, top_k_weights, bias if bias is not None else y,
-        shared_expert_output if shared_expert_output is not None else y, out, counters,
-        top_k, slots, experts, (act.stride(0), y.stride(0)),
-        dn_strides, ids[3:], fin_strides, rsf,
-        KDIM=inter, H=hidden, BN=cfg["bn_down"], BK=cfg["bk"], BT=bt, STAGES=cfg["stages"],
-        SP=sp, FINALIZE=fused,
-        EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None),
-        PTX=ptx, USE_PDL=use_pdl, num_warps=cfg["warps"], enable_fp_fusion=False, **pdl,
-    )  # fmt: skip
-    if fused:
+    _launch_down(
+        down_proj,
+        top_k_index,
+        top_k_weights,
+        out,
+        bias,
+        shared_expert_output,
+        rsf,
+        experts,
+        plan,
+        cfg,
+        transposed,
+        use_pdl,
+    )
+    if plan.fused:
         return
     # the finalize reads expert ids (for the bias) at unit stride along K
     eids = None
     if bias is not None:
         eids = top_k_index if top_k_index.stride(1) == 1 else top_k_index.contiguous()
     launch_moe_finalize(
-        y, slot_map, top_k_weights, out, bias, eids, routed_scaling_factor,
-        shared_expert_output, True, use_pdl,
-    )  # fmt: skip
+        plan.y,
+        plan.slot_map,
+        top_k_weights,
+        out,
+        bias,
+        eids,
+        routed_scaling_factor,
+        shared_expert_output,
+        True,
+        use_pdl,
+    )

@@ -1,4 +1,6 @@
-"""Gated residual RMSNorm kernels and their launchers (spec: gated_residual_*).
+"""The gated_residual_next_rmsnorm kernel, its rows and its launcher (spec:
+gated_residual_next_rmsnorm); the gated_residual_rmsnorm kernel (:mod:`moefuse.norm.gated_residual`)
+has the same layouts and modes.
 
 Two row layouts, chosen from the width alone (:func:`moefuse.norm.tiles.row_tile` with
 ``GATED_POLICY``), so a row's bits never depend on the token count:
@@ -31,6 +33,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse.norm import tiles
 from moefuse.norm import triton as nt
+from moefuse.norm.gated_steps import (
+    _branch_step,
+    _branch_sumsq_loop,
+    _load_steps,
+    _store_ffn,
+    _stream_update,
+)
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
 from moefuse.norm.triton import (
     _inv_rms,
@@ -48,59 +57,35 @@ from moefuse.norm.triton import (
 )
 
 
-# ----------------------------------------------------------------------------- element math
-@triton.jit
-def _gated_out(a, res, be, x, r):
-    """alpha * residual + beta * (x * r), with the one FMA written out (see norm.triton)."""
-    return tl.fma(a, res, be * (x * r))
-
-
-@triton.jit
-def _stream_update(res, b, a, be, alpha_scalar, r1, ALPHA_MODE: tl.constexpr):
-    """residual_out = u + (beta * b) * r1; u = residual, scalar * residual or alpha * residual."""
-    if ALPHA_MODE == 1:
-        res = alpha_scalar * res
-    elif ALPHA_MODE == 2:
-        res = a * res
-    # explicit FMA: left to the compiler, contraction can differ between copies of the expression
-    # that Triton rematerialises for different layouts, giving two values of one element
-    return tl.fma(be * b, tl.broadcast_to(r1, b.shape), res)
-
-
-@triton.jit
-def _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED: tl.constexpr, HAS_ROUTER: tl.constexpr,
-               PTX: tl.constexpr):  # fmt: skip
-    """ffn_input = cast(y) and, when asked, router_input = y (FP32).
-
-    With a router output, ffn_input is rounded from the stored router values re-read by the same
-    threads: Triton may recompute ``y`` in a second register layout for the 16-bit store, and on
-    H200 that copy differed from the FP32 one by an ulp now and then (ffn != cast(router)).
-    """
-    if HAS_ROUTER:
-        _st(router_ptrs, y, mask, MASKED, PTX)
-        tl.debug_barrier()
-        y = ld(router_ptrs, mask, MASKED, False)
-    _st(ffn_ptrs, y, mask, MASKED, PTX)
-
-
 # ----------------------------------------------------------------------------- narrow rows
 @triton.jit
-def _gated_tile(x, res, a, be, w, rows, cols, mask, out_ptr, o_st, Hf, eps, MASKED: tl.constexpr,
-                HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """out = alpha * res + beta * (x * r), x = branch [* w] (FP32)."""
-    if HAS_WEIGHT:
-        x = x * w
-    r = tl.broadcast_to(_inv_rms(tl.sum(x * x, axis=1)[:, None], Hf, eps), x.shape)
-    o_row = rows.to(tl.int64)[:, None] * o_st
-    _st(out_ptr + o_row + cols[None, :], _gated_out(a, res, be, x, r), mask, MASKED, PTX)
-
-
-@triton.jit
-def gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_ptr, rout_ptr,
-                    ffn_ptr, router_ptr, ro_st, f_st, rt_st, alpha_scalar, Hf, post_eps,
-                    next_eps, ALPHA_MODE: tl.constexpr, MASKED: tl.constexpr,
-                    HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
-                    PTX: tl.constexpr):  # fmt: skip
+def gated_next_tile(
+    b,
+    res,
+    nw,
+    pw,
+    rows,
+    cols,
+    pmask,
+    mask,
+    alpha_ptr,
+    beta_ptr,
+    rout_ptr,
+    ffn_ptr,
+    router_ptr,
+    ro_st,
+    f_st,
+    rt_st,
+    alpha_scalar,
+    Hf,
+    post_eps,
+    next_eps,
+    ALPHA_MODE: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_POST_WEIGHT: tl.constexpr,
+    HAS_ROUTER: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """One-pass tile of _gated_residual_next_kernel from the FP32 branch and stream (the
     comment at the router row says why its stores come in that order)."""
     r64 = rows.to(tl.int64)[:, None]
@@ -136,86 +121,32 @@ def gated_next_tile(b, res, nw, pw, rows, cols, pmask, mask, alpha_ptr, beta_ptr
 
 # ----------------------------------------------------------------------------- stepped rows
 @triton.jit
-def _branch_step(b_ptr, b_row, w_ptr, cols, cm, gc, MASKED: tl.constexpr,
-                 HAS_WEIGHT: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
-    """x = f32(branch) [* (w + c)] of one step (looped mode)."""
-    x = ldp(b_ptr + b_row + cols, cm, MASKED, POLICY)
-    if HAS_WEIGHT:
-        x = x * _param(w_ptr, cols, cm, gc, MASKED, True)
-    return x
-
-
-@triton.jit
-def _branch_sumsq_loop(b_ptr, b_row, w_ptr, H, gc, STEP: tl.constexpr, STEPS: tl.constexpr,
-                       MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr):  # fmt: skip
-    """[1, 1] statistic of x over the row, looped; loads keep the row in L2 for the next pass."""
-    acc = tl.zeros([1, STEP], dtype=tl.float32)
-    for k in tl.range(0, STEPS):
-        cols, cm = step_cols(k, H, STEP)
-        x = _branch_step(b_ptr, b_row, w_ptr, cols, cm, gc, MASKED, HAS_WEIGHT, "evict_last")
-        acc = tl.fma(x, x, acc)
-    return tl.sum(acc, axis=1)[:, None]
-
-
-@triton.jit
-def _load_steps(a_ptr, b_ptr, a_row, b_row, H, STEP: tl.constexpr, STEPS: tl.constexpr,
-                MASKED: tl.constexpr):  # fmt: skip
-    """Every step of two activation rows as FP32 tuples, all loads issued together."""
-    xs = ()
-    ys = ()
-    for k in tl.static_range(STEPS):
-        cols, cm = step_cols(k, H, STEP)
-        xs = xs + (ldp(a_ptr + a_row + cols, cm, MASKED, "evict_first"),)
-        ys = ys + (ldp(b_ptr + b_row + cols, cm, MASKED, "evict_first"),)
-    return xs, ys
-
-
-@triton.jit
-def _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, row, H, Hf, b_st, r_st,
-                   o_st, eps, gc, STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
-                   MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr,
-                   USE_PDL: tl.constexpr):  # fmt: skip
-    """One row of _gated_residual_kernel, stepped layout (see the module docstring)."""
-    b_row = row * b_st
-    r_row = row * r_st
-    o_row = row * o_st
-    if UNROLL:
-        als = step_params(alpha_ptr, H, 0.0, STEP, STEPS, MASKED, True)
-        bes = step_params(beta_ptr, H, 0.0, STEP, STEPS, MASKED, True)
-        ws = step_params(w_ptr, H, gc, STEP, STEPS, MASKED, HAS_WEIGHT)
-        if USE_PDL:
-            gdc_wait()
-        xs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
-        if USE_PDL:
-            gdc_launch_dependents()
-        xws, ss = _weighted_sumsq(xs, ws, STEP, STEPS, HAS_WEIGHT)
-        r = _inv_rms(ss, Hf, eps)
-        for k in tl.static_range(STEPS):
-            cols, cm = step_cols(k, H, STEP)
-            _st(out_ptr + o_row + cols, _gated_out(als[k], rs[k], bes[k], xws[k], r), cm, MASKED,
-                PTX)  # fmt: skip
-    else:
-        if USE_PDL:
-            gdc_wait()
-        r = _inv_rms(_branch_sumsq_loop(b_ptr, b_row, w_ptr, H, gc, STEP, STEPS, MASKED,
-                                        HAS_WEIGHT), Hf, eps)  # fmt: skip
-        for k in tl.range(0, STEPS):
-            cols, cm = step_cols(k, H, STEP)
-            x = _branch_step(b_ptr, b_row, w_ptr, cols, cm, gc, MASKED, HAS_WEIGHT, "evict_first")
-            res = ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first")
-            a = _param(alpha_ptr, cols, cm, 0.0, MASKED, True)
-            be = _param(beta_ptr, cols, cm, 0.0, MASKED, True)
-            _st(out_ptr + o_row + cols, _gated_out(a, res, be, x, r), cm, MASKED, PTX)
-        if USE_PDL:
-            gdc_launch_dependents()
-
-
-@triton.jit
-def next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr, ro_row, f_row,
-                      rt_row, H, Hf, alpha_scalar, post_eps, next_eps, STEP: tl.constexpr,
-                      STEPS: tl.constexpr, MASKED: tl.constexpr, ALPHA_MODE: tl.constexpr,
-                      HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
-                      PTX: tl.constexpr):  # fmt: skip
+def next_unrolled_row(
+    bs,
+    rs,
+    nws,
+    pws,
+    als,
+    bes,
+    rout_ptr,
+    ffn_ptr,
+    router_ptr,
+    ro_row,
+    f_row,
+    rt_row,
+    H,
+    Hf,
+    alpha_scalar,
+    post_eps,
+    next_eps,
+    STEP: tl.constexpr,
+    STEPS: tl.constexpr,
+    MASKED: tl.constexpr,
+    ALPHA_MODE: tl.constexpr,
+    HAS_POST_WEIGHT: tl.constexpr,
+    HAS_ROUTER: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """The math and stores of an unrolled stepped row of _gated_residual_next_kernel from its
     steps in registers: branch ``bs`` and residual ``rs`` (FP32 tuples), parameters ``nws`` /
     ``pws`` / ``als`` / ``bes`` (``step_params``). Also run by the fused all-gather decode
@@ -233,137 +164,419 @@ def next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr,
     r2 = _inv_rms(tl.sum(acc2, axis=1)[:, None], Hf, next_eps)
     for k in tl.static_range(STEPS):
         cols, cm = step_cols(k, H, STEP)
-        _store_ffn(ffn_ptr + f_row + cols, router_ptr + rt_row + cols, (ros[k] * r2) * nws[k],
-                   cm, MASKED, HAS_ROUTER, PTX)  # fmt: skip
+        _store_ffn(
+            ffn_ptr + f_row + cols,
+            router_ptr + rt_row + cols,
+            (ros[k] * r2) * nws[k],
+            cm,
+            MASKED,
+            HAS_ROUTER,
+            PTX,
+        )
+
+
+# ``ptrs`` = (b, res, nw, alpha, beta, pw, rout, ffn, router) pointers, ``row_offs`` = the row's
+# offsets (b, res, residual_out, ffn, router) and ``scalars`` = (alpha_scalar, post_eps,
+# next_eps, next_gain_center, post_gain_center): next_stepped's arguments, grouped for its modes.
+@triton.jit
+def _next_stepped_unrolled(
+    ptrs,
+    row_offs,
+    scalars,
+    H,
+    Hf,
+    STEP: tl.constexpr,
+    STEPS: tl.constexpr,
+    MASKED: tl.constexpr,
+    ALPHA_MODE: tl.constexpr,
+    HAS_POST_WEIGHT: tl.constexpr,
+    HAS_ROUTER: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """:func:`next_stepped`'s unrolled mode: parameters before ``gdc_wait``, every step of the
+    branch and residual rows in flight together, then :func:`next_unrolled_row`."""
+    b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr = ptrs
+    b_row, r_row, ro_row, f_row, rt_row = row_offs
+    alpha_scalar, post_eps, next_eps, ngc, pgc = scalars
+    nws = step_params(nw_ptr, H, ngc, STEP, STEPS, MASKED, True)
+    pws = step_params(pw_ptr, H, pgc, STEP, STEPS, MASKED, HAS_POST_WEIGHT)
+    als = step_params(alpha_ptr, H, 0.0, STEP, STEPS, MASKED, ALPHA_MODE == 2)
+    bes = step_params(beta_ptr, H, 0.0, STEP, STEPS, MASKED, True)
+    if USE_PDL:
+        gdc_wait()
+    bs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
+    if USE_PDL:
+        gdc_launch_dependents()
+    next_unrolled_row(
+        bs,
+        rs,
+        nws,
+        pws,
+        als,
+        bes,
+        rout_ptr,
+        ffn_ptr,
+        router_ptr,
+        ro_row,
+        f_row,
+        rt_row,
+        H,
+        Hf,
+        alpha_scalar,
+        post_eps,
+        next_eps,
+        STEP,
+        STEPS,
+        MASKED,
+        ALPHA_MODE,
+        HAS_POST_WEIGHT,
+        HAS_ROUTER,
+        PTX,
+    )
 
 
 @triton.jit
-def next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr,
-                 router_ptr, row, H, Hf, b_st, r_st, ro_st, f_st, rt_st, alpha_scalar, post_eps,
-                 next_eps, ngc, pgc, STEP: tl.constexpr, STEPS: tl.constexpr,
-                 UNROLL: tl.constexpr, MASKED: tl.constexpr, ALPHA_MODE: tl.constexpr,
-                 HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr, PTX: tl.constexpr,
-                 USE_PDL: tl.constexpr):  # fmt: skip
+def _next_stepped_looped(
+    ptrs,
+    row_offs,
+    scalars,
+    H,
+    Hf,
+    STEP: tl.constexpr,
+    STEPS: tl.constexpr,
+    MASKED: tl.constexpr,
+    ALPHA_MODE: tl.constexpr,
+    HAS_POST_WEIGHT: tl.constexpr,
+    HAS_ROUTER: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """:func:`next_stepped`'s looped mode: the branch statistic, then residual_out step by step
+    (stored, its statistic accumulated), then ffn / router from the stored residual_out."""
+    b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr = ptrs
+    b_row, r_row, ro_row, f_row, rt_row = row_offs
+    alpha_scalar, post_eps, next_eps, ngc, pgc = scalars
+    acc2 = tl.zeros([1, STEP], dtype=tl.float32)
+    if USE_PDL:
+        gdc_wait()
+    ss1 = _branch_sumsq_loop(b_ptr, b_row, pw_ptr, H, pgc, STEP, STEPS, MASKED, HAS_POST_WEIGHT)
+    r1 = _inv_rms(ss1, Hf, post_eps)
+    for k in tl.range(0, STEPS):
+        cols, cm = step_cols(k, H, STEP)
+        b = _branch_step(
+            b_ptr, b_row, pw_ptr, cols, cm, pgc, MASKED, HAS_POST_WEIGHT, "evict_first"
+        )
+        res = ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first")
+        a = _param(alpha_ptr, cols, cm, 0.0, MASKED, ALPHA_MODE == 2)
+        be = _param(beta_ptr, cols, cm, 0.0, MASKED, True)
+        ro = _stream_update(res, b, a, be, alpha_scalar, r1, ALPHA_MODE)
+        _st(rout_ptr + ro_row + cols, ro, cm, MASKED, PTX)
+        acc2 = tl.fma(ro, ro, acc2)
+    if USE_PDL:
+        gdc_launch_dependents()
+    r2 = _inv_rms(tl.sum(acc2, axis=1)[:, None], Hf, next_eps)
+    # this program's residual_out stores visible to all of its threads before the re-read
+    tl.debug_barrier()
+    for k in tl.range(0, STEPS):
+        cols, cm = step_cols(k, H, STEP)
+        nw = _param(nw_ptr, cols, cm, ngc, MASKED, True)
+        ro = ldp(rout_ptr + ro_row + cols, cm, MASKED, "evict_first")
+        ffn_ptrs = ffn_ptr + f_row + cols
+        router_ptrs = router_ptr + rt_row + cols
+        _store_ffn(ffn_ptrs, router_ptrs, (ro * r2) * nw, cm, MASKED, HAS_ROUTER, PTX)
+
+
+@triton.jit
+def next_stepped(
+    b_ptr,
+    res_ptr,
+    nw_ptr,
+    alpha_ptr,
+    beta_ptr,
+    pw_ptr,
+    rout_ptr,
+    ffn_ptr,
+    router_ptr,
+    row,
+    H,
+    Hf,
+    b_st,
+    r_st,
+    ro_st,
+    f_st,
+    rt_st,
+    alpha_scalar,
+    post_eps,
+    next_eps,
+    ngc,
+    pgc,
+    STEP: tl.constexpr,
+    STEPS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    MASKED: tl.constexpr,
+    ALPHA_MODE: tl.constexpr,
+    HAS_POST_WEIGHT: tl.constexpr,
+    HAS_ROUTER: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """One row of _gated_residual_next_kernel, stepped layout: statistic of b, residual_out step
     by step (stored; its statistic accumulated), then ffn / router from residual_out (registers
     when unrolled, the stored FP32 values otherwise: the same bits)."""
-    b_row = row * b_st
-    r_row = row * r_st
-    ro_row = row * ro_st
-    f_row = row * f_st
-    rt_row = row * rt_st
-    acc2 = tl.zeros([1, STEP], dtype=tl.float32)
+    ptrs = (b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr)
+    row_offs = (row * b_st, row * r_st, row * ro_st, row * f_st, row * rt_st)
+    scalars = (alpha_scalar, post_eps, next_eps, ngc, pgc)
     if UNROLL:
-        nws = step_params(nw_ptr, H, ngc, STEP, STEPS, MASKED, True)
-        pws = step_params(pw_ptr, H, pgc, STEP, STEPS, MASKED, HAS_POST_WEIGHT)
-        als = step_params(alpha_ptr, H, 0.0, STEP, STEPS, MASKED, ALPHA_MODE == 2)
-        bes = step_params(beta_ptr, H, 0.0, STEP, STEPS, MASKED, True)
-        if USE_PDL:
-            gdc_wait()
-        bs, rs = _load_steps(b_ptr, res_ptr, b_row, r_row, H, STEP, STEPS, MASKED)
-        if USE_PDL:
-            gdc_launch_dependents()
-        next_unrolled_row(bs, rs, nws, pws, als, bes, rout_ptr, ffn_ptr, router_ptr, ro_row,
-                           f_row, rt_row, H, Hf, alpha_scalar, post_eps, next_eps, STEP, STEPS,
-                           MASKED, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
+        _next_stepped_unrolled(
+            ptrs,
+            row_offs,
+            scalars,
+            H,
+            Hf,
+            STEP,
+            STEPS,
+            MASKED,
+            ALPHA_MODE,
+            HAS_POST_WEIGHT,
+            HAS_ROUTER,
+            PTX,
+            USE_PDL,
+        )
     else:
+        _next_stepped_looped(
+            ptrs,
+            row_offs,
+            scalars,
+            H,
+            Hf,
+            STEP,
+            STEPS,
+            MASKED,
+            ALPHA_MODE,
+            HAS_POST_WEIGHT,
+            HAS_ROUTER,
+            PTX,
+            USE_PDL,
+        )
+
+
+# ``ptrs`` = (b, res, nw, alpha, beta, pw, rout, ffn, router) pointers, ``strides`` = (b_st, r_st,
+# ro_st, f_st, rt_st), ``scalars`` as the kernel's: _gated_residual_next_kernel's arguments.
+@triton.jit
+def _next_persistent(
+    ptrs,
+    strides,
+    scalars,
+    nw,
+    pw,
+    pid,
+    cols,
+    pm,
+    n_rows,
+    H,
+    Hf,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+    ALPHA_MODE: tl.constexpr,
+    HAS_POST_WEIGHT: tl.constexpr,
+    HAS_ROUTER: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """The persistent row loop of :func:`gated_next_tile` tiles (see ``_loop_tile``), optional
+    prefetch of the next tile; ``nw``, ``pw`` the weight rows (loaded before ``gdc_wait``)."""
+    b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr = ptrs
+    b_st, r_st, ro_st, f_st, rt_st = strides
+    alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center = scalars
+    nprog = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    t = pid
+    b_nx = 0.0
+    r_nx = 0.0
+    if PREFETCH:
+        rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
+        b_nx, r_nx = add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED, EVICT_FIRST)
+    while t < n_tiles:
+        rows, mask, br, rr, b_nx, r_nx = _loop_tile(
+            t,
+            nprog,
+            b_nx,
+            r_nx,
+            b_ptr,
+            res_ptr,
+            cols,
+            n_rows,
+            H,
+            b_st,
+            r_st,
+            ROWS,
+            BLOCK,
+            MASKED,
+            EVICT_FIRST,
+            PREFETCH,
+        )
         if USE_PDL:
-            gdc_wait()
-        r1 = _inv_rms(_branch_sumsq_loop(b_ptr, b_row, pw_ptr, H, pgc, STEP, STEPS, MASKED,
-                                         HAS_POST_WEIGHT), Hf, post_eps)  # fmt: skip
-        for k in tl.range(0, STEPS):
-            cols, cm = step_cols(k, H, STEP)
-            b = _branch_step(b_ptr, b_row, pw_ptr, cols, cm, pgc, MASKED, HAS_POST_WEIGHT,
-                             "evict_first")  # fmt: skip
-            res = ldp(res_ptr + r_row + cols, cm, MASKED, "evict_first")
-            a = _param(alpha_ptr, cols, cm, 0.0, MASKED, ALPHA_MODE == 2)
-            be = _param(beta_ptr, cols, cm, 0.0, MASKED, True)
-            ro = _stream_update(res, b, a, be, alpha_scalar, r1, ALPHA_MODE)
-            _st(rout_ptr + ro_row + cols, ro, cm, MASKED, PTX)
-            acc2 = tl.fma(ro, ro, acc2)
+            if t + nprog >= n_tiles:
+                gdc_launch_dependents()
+        gated_next_tile(
+            br.to(tl.float32),
+            rr.to(tl.float32),
+            nw,
+            pw,
+            rows,
+            cols,
+            pm,
+            mask,
+            alpha_ptr,
+            beta_ptr,
+            rout_ptr,
+            ffn_ptr,
+            router_ptr,
+            ro_st,
+            f_st,
+            rt_st,
+            alpha_scalar,
+            Hf,
+            post_eps,
+            next_eps,
+            ALPHA_MODE,
+            MASKED,
+            HAS_POST_WEIGHT,
+            HAS_ROUTER,
+            PTX,
+        )
+        t += nprog
+
+
+@triton.jit
+def _next_one_pass(
+    ptrs,
+    strides,
+    scalars,
+    pid,
+    n_rows,
+    H,
+    Hf,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+    ALPHA_MODE: tl.constexpr,
+    HAS_POST_WEIGHT: tl.constexpr,
+    HAS_ROUTER: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """Rows that fit one block: this program's tile, or its tiles of the persistent loop."""
+    b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr = ptrs
+    b_st, r_st, ro_st, f_st, rt_st = strides
+    alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center = scalars
+    cols = tl.arange(0, BLOCK)
+    pm = cols < H
+    nw = ld(nw_ptr + cols, pm, MASKED, False)[None, :] + next_gain_center
+    pw = 1.0
+    if HAS_POST_WEIGHT:
+        pw = ld(pw_ptr + cols, pm, MASKED, False)[None, :] + post_gain_center
+    if USE_PDL:
+        gdc_wait()
+    if not PERSISTENT:
+        rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
+        br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
         if USE_PDL:
             gdc_launch_dependents()
-        r2 = _inv_rms(tl.sum(acc2, axis=1)[:, None], Hf, next_eps)
-        # this program's residual_out stores visible to all of its threads before the re-read
-        tl.debug_barrier()
-        for k in tl.range(0, STEPS):
-            cols, cm = step_cols(k, H, STEP)
-            nw = _param(nw_ptr, cols, cm, ngc, MASKED, True)
-            ro = ldp(rout_ptr + ro_row + cols, cm, MASKED, "evict_first")
-            _store_ffn(ffn_ptr + f_row + cols, router_ptr + rt_row + cols, (ro * r2) * nw, cm,
-                       MASKED, HAS_ROUTER, PTX)  # fmt: skip
+        gated_next_tile(
+            br.to(tl.float32),
+            rr.to(tl.float32),
+            nw,
+            pw,
+            rows,
+            cols,
+            pm,
+            mask,
+            alpha_ptr,
+            beta_ptr,
+            rout_ptr,
+            ffn_ptr,
+            router_ptr,
+            ro_st,
+            f_st,
+            rt_st,
+            alpha_scalar,
+            Hf,
+            post_eps,
+            next_eps,
+            ALPHA_MODE,
+            MASKED,
+            HAS_POST_WEIGHT,
+            HAS_ROUTER,
+            PTX,
+        )
+    else:
+        _next_persistent(
+            ptrs,
+            strides,
+            scalars,
+            nw,
+            pw,
+            pid,
+            cols,
+            pm,
+            n_rows,
+            H,
+            Hf,
+            BLOCK,
+            ROWS,
+            MASKED,
+            EVICT_FIRST,
+            ALPHA_MODE,
+            HAS_POST_WEIGHT,
+            HAS_ROUTER,
+            PTX,
+            USE_PDL,
+            PREFETCH,
+        )
 
 
-# ----------------------------------------------------------------------------- kernels
+# ----------------------------------------------------------------------------- kernel
 # Narrow rows: one [ROWS, BLOCK] tile per program, or the persistent row loop (see norm.triton).
 # Stepped rows: one row per program (UNROLL or looped).
 @triton.jit(do_not_specialize=["n_rows"])
-def _gated_residual_kernel(
-    b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr,
-    n_rows, H, Hf,
-    b_st, r_st, o_st,
-    eps, gain_center,
-    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr, STEPPED: tl.constexpr, UNROLL: tl.constexpr,
-):  # fmt: skip
-    """x = f32(branch) [* (f32(w) + c)]; out = alpha * residual + beta * (x * r)  (all FP32)."""
-    pid = tl.program_id(0)
-    if STEPPED:
-        _gated_stepped(b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr, pid.to(tl.int64), H,
-                       Hf, b_st, r_st, o_st, eps, gain_center, BLOCK, NUM_CHUNKS, UNROLL, MASKED,
-                       HAS_WEIGHT, PTX, USE_PDL)  # fmt: skip
-    else:
-        cols = tl.arange(0, BLOCK)
-        pm = cols < H
-        a = ld(alpha_ptr + cols, pm, MASKED, False)[None, :]
-        be = ld(beta_ptr + cols, pm, MASKED, False)[None, :]
-        w = 1.0
-        if HAS_WEIGHT:
-            w = ld(w_ptr + cols, pm, MASKED, False)[None, :] + gain_center
-        if USE_PDL:
-            gdc_wait()
-        if not PERSISTENT:
-            rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
-            br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
-            if USE_PDL:
-                gdc_launch_dependents()
-            _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, rows, cols, mask, out_ptr,
-                        o_st, Hf, eps, MASKED, HAS_WEIGHT, PTX)  # fmt: skip
-        else:
-            nprog = tl.num_programs(0)
-            n_tiles = tl.cdiv(n_rows, ROWS)
-            t = pid
-            b_nx = 0.0
-            r_nx = 0.0
-            if PREFETCH:
-                rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
-                b_nx, r_nx = add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
-                                        EVICT_FIRST)  # fmt: skip
-            while t < n_tiles:
-                rows, mask, br, rr, b_nx, r_nx = _loop_tile(
-                    t, nprog, b_nx, r_nx, b_ptr, res_ptr, cols, n_rows, H, b_st, r_st, ROWS,
-                    BLOCK, MASKED, EVICT_FIRST, PREFETCH)  # fmt: skip
-                if USE_PDL:
-                    if t + nprog >= n_tiles:
-                        gdc_launch_dependents()
-                _gated_tile(br.to(tl.float32), rr.to(tl.float32), a, be, w, rows, cols, mask,
-                            out_ptr, o_st, Hf, eps, MASKED, HAS_WEIGHT, PTX)  # fmt: skip
-                t += nprog
-
-
-@triton.jit(do_not_specialize=["n_rows"])
 def _gated_residual_next_kernel(
-    b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr,
-    n_rows, H, Hf,
-    strides, scalars,
-    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    b_ptr,
+    res_ptr,
+    nw_ptr,
+    alpha_ptr,
+    beta_ptr,
+    pw_ptr,
+    rout_ptr,
+    ffn_ptr,
+    router_ptr,
+    n_rows,
+    H,
+    Hf,
+    strides,
+    scalars,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    ROWS: tl.constexpr,
+    MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
-    ALPHA_MODE: tl.constexpr, HAS_POST_WEIGHT: tl.constexpr, HAS_ROUTER: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr, STEPPED: tl.constexpr, UNROLL: tl.constexpr,
-):  # fmt: skip
+    ALPHA_MODE: tl.constexpr,
+    HAS_POST_WEIGHT: tl.constexpr,
+    HAS_ROUTER: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    STEPPED: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
     """Gated stream update, then the next RMSNorm of the FP32 residual_out.
 
     ALPHA_MODE: 0 = scalar 1.0 (u = residual), 1 = other scalar, 2 = per-channel tensor.
@@ -374,87 +587,64 @@ def _gated_residual_next_kernel(
     alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center = scalars
     pid = tl.program_id(0)
     if STEPPED:
-        next_stepped(b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr,
-                      router_ptr, pid.to(tl.int64), H, Hf, b_st, r_st, ro_st, f_st, rt_st,
-                      alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center,
-                      BLOCK, NUM_CHUNKS, UNROLL, MASKED, ALPHA_MODE, HAS_POST_WEIGHT,
-                      HAS_ROUTER, PTX, USE_PDL)  # fmt: skip
+        next_stepped(
+            b_ptr,
+            res_ptr,
+            nw_ptr,
+            alpha_ptr,
+            beta_ptr,
+            pw_ptr,
+            rout_ptr,
+            ffn_ptr,
+            router_ptr,
+            pid.to(tl.int64),
+            H,
+            Hf,
+            b_st,
+            r_st,
+            ro_st,
+            f_st,
+            rt_st,
+            alpha_scalar,
+            post_eps,
+            next_eps,
+            next_gain_center,
+            post_gain_center,
+            BLOCK,
+            NUM_CHUNKS,
+            UNROLL,
+            MASKED,
+            ALPHA_MODE,
+            HAS_POST_WEIGHT,
+            HAS_ROUTER,
+            PTX,
+            USE_PDL,
+        )
     else:
-        cols = tl.arange(0, BLOCK)
-        pm = cols < H
-        nw = ld(nw_ptr + cols, pm, MASKED, False)[None, :] + next_gain_center
-        pw = 1.0
-        if HAS_POST_WEIGHT:
-            pw = ld(pw_ptr + cols, pm, MASKED, False)[None, :] + post_gain_center
-        if USE_PDL:
-            gdc_wait()
-        if not PERSISTENT:
-            rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
-            br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
-            if USE_PDL:
-                gdc_launch_dependents()
-            gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm, mask,
-                             alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr, ro_st, f_st,
-                             rt_st, alpha_scalar, Hf, post_eps, next_eps, ALPHA_MODE, MASKED,
-                             HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
-        else:
-            nprog = tl.num_programs(0)
-            n_tiles = tl.cdiv(n_rows, ROWS)
-            t = pid
-            b_nx = 0.0
-            r_nx = 0.0
-            if PREFETCH:
-                rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
-                b_nx, r_nx = add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED,
-                                        EVICT_FIRST)  # fmt: skip
-            while t < n_tiles:
-                rows, mask, br, rr, b_nx, r_nx = _loop_tile(
-                    t, nprog, b_nx, r_nx, b_ptr, res_ptr, cols, n_rows, H, b_st, r_st, ROWS,
-                    BLOCK, MASKED, EVICT_FIRST, PREFETCH)  # fmt: skip
-                if USE_PDL:
-                    if t + nprog >= n_tiles:
-                        gdc_launch_dependents()
-                gated_next_tile(br.to(tl.float32), rr.to(tl.float32), nw, pw, rows, cols, pm,
-                                 mask, alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr, ro_st,
-                                 f_st, rt_st, alpha_scalar, Hf, post_eps, next_eps, ALPHA_MODE,
-                                 MASKED, HAS_POST_WEIGHT, HAS_ROUTER, PTX)  # fmt: skip
-                t += nprog
+        ptrs = (b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr)
+        _next_one_pass(
+            ptrs,
+            strides,
+            scalars,
+            pid,
+            n_rows,
+            H,
+            Hf,
+            BLOCK,
+            ROWS,
+            MASKED,
+            EVICT_FIRST,
+            ALPHA_MODE,
+            HAS_POST_WEIGHT,
+            HAS_ROUTER,
+            PTX,
+            USE_PDL,
+            PERSISTENT,
+            PREFETCH,
+        )
 
 
-# ----------------------------------------------------------------------------- launchers
-def launch_gated_residual_rmsnorm(
-    branch: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    alpha: torch.Tensor,
-    beta: torch.Tensor,
-    out: torch.Tensor,
-    eps: float,
-    gain_center: float,
-    use_pdl: bool,
-    tile: RowTile | None = None,
-    unroll: bool | None = None,
-) -> None:
-    """gated_residual_rmsnorm on validated tensors: ``out = alpha * residual + beta * (x * r)`` with
-    ``x = f32(branch) [* (f32(weight) + gain_center)]``. branch [M, H] BF16/FP16, residual and
-    out [M, H] FP32 (row strides free; out may be residual), alpha / beta [H] FP32, weight [H].
-    Writes ``out`` only. ``tile`` / ``unroll`` override the width's tile and the stepped mode
-    (tests and sweeps; neither changes a bit)."""
-    n_rows, width = branch.shape
-    if n_rows == 0:
-        return
-    tile = tile or row_tile(width, GATED_POLICY)
-    args = (
-        branch, residual, weight if weight is not None else alpha, alpha, beta, out,
-        n_rows, width, float(width),
-        branch.stride(0), residual.stride(0), out.stride(0),
-        eps, gain_center,
-    )  # fmt: skip
-    consts = nt._row_consts(tile, width, n_rows, unroll, tiles.STEP_LOOP_MIN_ROWS, use_pdl)
-    _launch(_gated_residual_kernel, nt._grid(tile, tile.grid(n_rows)[0], branch.device), args,
-            {**consts, "HAS_WEIGHT": weight is not None}, tile)  # fmt: skip
-
-
+# ----------------------------------------------------------------------------- launcher
 def launch_gated_residual_next_rmsnorm(
     branch: torch.Tensor,
     residual: torch.Tensor,
@@ -480,7 +670,7 @@ def launch_gated_residual_next_rmsnorm(
     router = (residual_out * rsqrt(mean_sq(residual_out) + next_eps)) * (next_weight + c),
     ffn_input = cast(router) in branch's dtype, router_input (FP32) when given. Writes
     residual_out, ffn_input and router_input only. ``tile`` / ``unroll``: see
-    launch_gated_residual_rmsnorm."""
+    :func:`moefuse.norm.gated_residual.launch_gated_residual_rmsnorm`."""
     n_rows, width = branch.shape
     if n_rows == 0:
         return
@@ -497,7 +687,15 @@ def launch_gated_residual_next_rmsnorm(
         (alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center),
     )  # fmt: skip
     consts = nt._row_consts(tile, width, n_rows, unroll, tiles.STEP_LOOP_MIN_ROWS, use_pdl)
-    consts.update(ALPHA_MODE=alpha_mode, HAS_POST_WEIGHT=post_weight is not None,
-                  HAS_ROUTER=router_input is not None)  # fmt: skip
-    _launch(_gated_residual_next_kernel, nt._grid(tile, tile.grid(n_rows)[0], branch.device),
-            args, consts, tile)  # fmt: skip
+    consts.update(
+        ALPHA_MODE=alpha_mode,
+        HAS_POST_WEIGHT=post_weight is not None,
+        HAS_ROUTER=router_input is not None,
+    )
+    _launch(
+        _gated_residual_next_kernel,
+        nt._grid(tile, tile.grid(n_rows)[0], branch.device),
+        args,
+        consts,
+        tile,
+    )

@@ -53,7 +53,7 @@ def gated_residual_rmsnorm_op(
     gain_center: float,
     use_pdl: bool,
 ) -> None:
-    from moefuse.norm.gated import launch_gated_residual_rmsnorm
+    from moefuse.norm.gated_residual import launch_gated_residual_rmsnorm
 
     launch_gated_residual_rmsnorm(
         branch, residual, weight, alpha, beta, out, eps, gain_center, use_pdl

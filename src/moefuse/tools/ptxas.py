@@ -45,12 +45,15 @@ def with_constexpr_defaults(kernel, consts: dict) -> dict:
 
 def tuple_fields(kernel) -> dict[str, tuple[str, ...]]:
     """The element names of ``kernel``'s tuple parameters, read from the kernel's own unpacking
-    statements at the top level of its body (``b_st, r_st = strides``): a grouped argument list
-    keeps the names that ``types``, ``consts`` and ``divisible`` below use for its elements."""
+    statements at the top level of its body or of an ``if`` there (``b_st, r_st = strides``): a
+    grouped argument list keeps the names that ``types``, ``consts`` and ``divisible`` below use
+    for its elements."""
     params = set(inspect.signature(kernel.fn).parameters)
-    body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
+    body = list(ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body)
     out = {}
     for node in body:
+        if isinstance(node, ast.If):
+            body.extend(node.body + node.orelse)
         if (
             isinstance(node, ast.Assign)
             and len(node.targets) == 1
