@@ -70,60 +70,117 @@ def local_cases(dev) -> dict:
         "fused_add_rmsnorm": lambda: dict(input=r(m, h), residual=r(m, h), weight=r(h)),
         "gemma_fused_add_rmsnorm": lambda: dict(input=r(m, h), residual=r(m, h), weight=r(h)),
         "gated_residual_rmsnorm": lambda: dict(
-            branch=r(m, h), residual=r(m, h, dtype=F32), weight=r(h), alpha=r(h, dtype=F32),
-            beta=r(h, dtype=F32), gain_center=0.0, out=e(m, h, dtype=F32)),
+            branch=r(m, h),
+            residual=r(m, h, dtype=F32),
+            weight=r(h),
+            alpha=r(h, dtype=F32),
+            beta=r(h, dtype=F32),
+            gain_center=0.0,
+            out=e(m, h, dtype=F32),
+        ),
         "gated_residual_next_rmsnorm": lambda: dict(
-            branch=r(m, h), residual=r(m, h, dtype=F32), next_weight=r(h),
-            alpha=r(h, dtype=F32), beta=r(h, dtype=F32), next_gain_center=1.0,
-            residual_out=e(m, h, dtype=F32), ffn_input=e(m, h),
-            router_input=e(m, h, dtype=F32)),
+            branch=r(m, h),
+            residual=r(m, h, dtype=F32),
+            next_weight=r(h),
+            alpha=r(h, dtype=F32),
+            beta=r(h, dtype=F32),
+            next_gain_center=1.0,
+            residual_out=e(m, h, dtype=F32),
+            ffn_input=e(m, h),
+            router_input=e(m, h, dtype=F32),
+        ),
         "rmsnorm_sigmoid_gate": lambda: dict(input=r(m, 2, 16), gate=r(m, 2, 16)),
         "moe_finalize": lambda: dict(
-            permuted_input=r(8, h), expanded_idx_to_permuted_idx=i32(*perm, shape=(m, 2)),
-            topk_scales=r(m, 2, dtype=F32), out=e(m, h), routed_scaling_factor=2.0),
+            permuted_input=r(8, h),
+            expanded_idx_to_permuted_idx=i32(*perm, shape=(m, 2)),
+            topk_scales=r(m, 2, dtype=F32),
+            out=e(m, h),
+            routed_scaling_factor=2.0,
+        ),
         "moe_finalize_scatter_add": lambda: dict(
-            permuted_input=r(8, h), permuted_idx_to_expanded_idx=i32(*perm),
-            topk_scales=r(m, 2, dtype=F32), out=e(m, h)),
-        "moe_permute": lambda: dict(input=r(m, h), permuted_idx_to_expanded_idx=i32(*perm),
-                                    top_k=2, out=e(8, h)),
+            permuted_input=r(8, h),
+            permuted_idx_to_expanded_idx=i32(*perm),
+            topk_scales=r(m, 2, dtype=F32),
+            out=e(m, h),
+        ),
+        "moe_permute": lambda: dict(
+            input=r(m, h), permuted_idx_to_expanded_idx=i32(*perm), top_k=2, out=e(8, h)
+        ),
         "moe_experts": lambda: dict(
-            hidden_states=r(m, h), gate_up_proj=r(3, 16, h) * 0.1, down_proj=r(3, h, 8) * 0.1,
+            hidden_states=r(m, h),
+            gate_up_proj=r(3, 16, h) * 0.1,
+            down_proj=r(3, h, 8) * 0.1,
             top_k_index=i32(0, 2, 1, 0, 2, 2, 1, 0, shape=(m, 2)),
-            top_k_weights=r(m, 2, dtype=F32), out=e(m, h)),
+            top_k_weights=r(m, 2, dtype=F32),
+            out=e(m, h),
+        ),
         "route_topk": lambda: dict(router_logits=r(m, 6, dtype=F32), top_k=2, scoring="softmax"),
-        "sort_by_expert": lambda: dict(topk_ids=i32(0, 2, 1, 0, 2, 2, 1, 0, shape=(m, 2)),
-                                       num_experts=3, pad_to=2),
+        "sort_by_expert": lambda: dict(
+            topk_ids=i32(0, 2, 1, 0, 2, 2, 1, 0, shape=(m, 2)), num_experts=3, pad_to=2
+        ),
         "moe_layer": lambda: dict(
-            x=r(m, h), weights=moefuse.MoEWeights.random(3, h, 8, generator=g, device=dev),
-            top_k=2, out=e(m, h)),
-        "fp8_quantize": lambda: dict(input=r(m, h), scale=r(1, dtype=F32).abs() + 0.01,
-                                     out=e(m, h, dtype=E4M3)),
-        "fp8_quantize_per_token": lambda: dict(input=r(m, h), out=e(m, h, dtype=E4M3),
-                                               scale_out=e(m, 1, dtype=F32)),
-        "fp8_dequantize": lambda: dict(input=r(m, h).to(E4M3), scale=r(m, 1, dtype=F32),
-                                       out=e(m, h)),
-        "fp4_quantize": lambda: dict(input=r(m, h), global_scale=r(1, dtype=F32).abs() + 1,
-                                     layout="linear", out=e(m, h // 2, dtype=torch.uint8),
-                                     scale_out=e(m, h // 16, dtype=torch.uint8)),
+            x=r(m, h),
+            weights=moefuse.MoEWeights.random(3, h, 8, generator=g, device=dev),
+            top_k=2,
+            out=e(m, h),
+        ),
+        "fp8_quantize": lambda: dict(
+            input=r(m, h), scale=r(1, dtype=F32).abs() + 0.01, out=e(m, h, dtype=E4M3)
+        ),
+        "fp8_quantize_per_token": lambda: dict(
+            input=r(m, h), out=e(m, h, dtype=E4M3), scale_out=e(m, 1, dtype=F32)
+        ),
+        "fp8_dequantize": lambda: dict(
+            input=r(m, h).to(E4M3), scale=r(m, 1, dtype=F32), out=e(m, h)
+        ),
+        "fp4_quantize": lambda: dict(
+            input=r(m, h),
+            global_scale=r(1, dtype=F32).abs() + 1,
+            layout="linear",
+            out=e(m, h // 2, dtype=torch.uint8),
+            scale_out=e(m, h // 16, dtype=torch.uint8),
+        ),
         "fp4_dequantize": lambda: dict(
             packed=torch.randint(0, 256, (m, h // 2), generator=g).to(torch.uint8).to(dev),
             scales=torch.full((m, h // 16), 0x38, dtype=torch.uint8, device=dev),
-            global_scale=r(1, dtype=F32).abs() + 1, layout="linear", out=e(m, h, dtype=F32)),
-        "rmsnorm_quant": lambda: dict(input=r(m, h), weight=r(h),
-                                      scale=r(1, dtype=F32).abs() + 0.01, gain_center=0.0,
-                                      out=e(m, h, dtype=E4M3)),
+            global_scale=r(1, dtype=F32).abs() + 1,
+            layout="linear",
+            out=e(m, h, dtype=F32),
+        ),
+        "rmsnorm_quant": lambda: dict(
+            input=r(m, h),
+            weight=r(h),
+            scale=r(1, dtype=F32).abs() + 0.01,
+            gain_center=0.0,
+            out=e(m, h, dtype=E4M3),
+        ),
         "fused_add_rmsnorm_quant": lambda: dict(
-            input=r(m, h), residual=r(m, h), weight=r(h), scale=r(1, dtype=F32).abs() + 0.01,
-            out=e(m, h, dtype=E4M3)),
+            input=r(m, h),
+            residual=r(m, h),
+            weight=r(h),
+            scale=r(1, dtype=F32).abs() + 0.01,
+            out=e(m, h, dtype=E4M3),
+        ),
         "rmsnorm_fp4_quantize": lambda: dict(
-            input=r(m, h), weight=r(h), global_scale=r(1, dtype=F32).abs() + 1, layout="linear",
-            out=e(m, h // 2, dtype=torch.uint8), scale_out=e(m, h // 16, dtype=torch.uint8),
-            norm_out=e(m, h)),
+            input=r(m, h),
+            weight=r(h),
+            global_scale=r(1, dtype=F32).abs() + 1,
+            layout="linear",
+            out=e(m, h // 2, dtype=torch.uint8),
+            scale_out=e(m, h // 16, dtype=torch.uint8),
+            norm_out=e(m, h),
+        ),
         "fused_add_rmsnorm_fp4_quantize": lambda: dict(
-            input=r(m, h), residual=r(m, h), weight=r(h), global_scale=r(1, dtype=F32).abs() + 1,
-            layout="linear", out=e(m, h // 2, dtype=torch.uint8),
-            scale_out=e(m, h // 16, dtype=torch.uint8), norm_out=e(m, h)),
-    }  # fmt: skip
+            input=r(m, h),
+            residual=r(m, h),
+            weight=r(h),
+            global_scale=r(1, dtype=F32).abs() + 1,
+            layout="linear",
+            out=e(m, h // 2, dtype=torch.uint8),
+            scale_out=e(m, h // 16, dtype=torch.uint8),
+            norm_out=e(m, h),
+        ),
+    }
 
 
 def comm_cases(dev, ws) -> dict:
@@ -144,51 +201,127 @@ def comm_cases(dev, ws) -> dict:
     return {
         "allreduce": lambda: dict(input=r(m, h), workspace=ws, out=e(m, h)),
         "allreduce_residual_rmsnorm": lambda: dict(
-            input=r(m, h), residual=r(m, h), weight=r(h), workspace=ws, residual_out=e(m, h),
-            norm_out=e(m, h)),
+            input=r(m, h),
+            residual=r(m, h),
+            weight=r(h),
+            workspace=ws,
+            residual_out=e(m, h),
+            norm_out=e(m, h),
+        ),
         "allreduce_residual_rmsnorm_fp8": lambda: dict(
-            input=r(m, h), residual=r(m, h), weight=r(h), scale=one.clone(), workspace=ws,
-            residual_out=e(m, h), quant_out=e(m, h, dtype=E4M3)),
+            input=r(m, h),
+            residual=r(m, h),
+            weight=r(h),
+            scale=one.clone(),
+            workspace=ws,
+            residual_out=e(m, h),
+            quant_out=e(m, h, dtype=E4M3),
+        ),
         "allreduce_residual_rmsnorm_out_fp8": lambda: dict(
-            input=r(m, h), residual=r(m, h), weight=r(h), scale=one.clone(), workspace=ws,
-            residual_out=e(m, h), norm_out=e(m, h), quant_out=e(m, h, dtype=E4M3)),
+            input=r(m, h),
+            residual=r(m, h),
+            weight=r(h),
+            scale=one.clone(),
+            workspace=ws,
+            residual_out=e(m, h),
+            norm_out=e(m, h),
+            quant_out=e(m, h, dtype=E4M3),
+        ),
         "allreduce_residual_rmsnorm_nvfp4": lambda: dict(
-            input=r(m, h), residual=r(m, h), weight=r(h), global_scale=one.clone(),
-            workspace=ws, layout="linear", residual_out=e(m, h), quant_out=e(m, h // 2, dtype=u8),
-            scale_out=e(m, h // 16, dtype=u8)),
+            input=r(m, h),
+            residual=r(m, h),
+            weight=r(h),
+            global_scale=one.clone(),
+            workspace=ws,
+            layout="linear",
+            residual_out=e(m, h),
+            quant_out=e(m, h // 2, dtype=u8),
+            scale_out=e(m, h // 16, dtype=u8),
+        ),
         "allreduce_residual_rmsnorm_out_nvfp4": lambda: dict(
-            input=r(m, h), residual=r(m, h), weight=r(h), global_scale=one.clone(),
-            workspace=ws, layout="linear", residual_out=e(m, h), norm_out=e(m, h),
-            quant_out=e(m, h // 2, dtype=u8), scale_out=e(m, h // 16, dtype=u8)),
-        "all_gather_rmsnorm": lambda: dict(shard=r(m, h // 2), weight=r(h), workspace=ws,
-                                           out=e(m, h)),
-        "all_gather_rmsnorm_fp8": lambda: dict(shard=r(m, h // 2), weight=r(h),
-                                               scale=one.clone(), workspace=ws,
-                                               out=e(m, h, dtype=E4M3)),
+            input=r(m, h),
+            residual=r(m, h),
+            weight=r(h),
+            global_scale=one.clone(),
+            workspace=ws,
+            layout="linear",
+            residual_out=e(m, h),
+            norm_out=e(m, h),
+            quant_out=e(m, h // 2, dtype=u8),
+            scale_out=e(m, h // 16, dtype=u8),
+        ),
+        "all_gather_rmsnorm": lambda: dict(
+            shard=r(m, h // 2), weight=r(h), workspace=ws, out=e(m, h)
+        ),
+        "all_gather_rmsnorm_fp8": lambda: dict(
+            shard=r(m, h // 2),
+            weight=r(h),
+            scale=one.clone(),
+            workspace=ws,
+            out=e(m, h, dtype=E4M3),
+        ),
         "all_gather_rmsnorm_fp4_quantize": lambda: dict(
-            shard=r(m, h // 2), weight=r(h), global_scale=one.clone(), workspace=ws,
-            layout="linear", out=e(m, h // 2, dtype=u8), scale_out=e(m, h // 16, dtype=u8)),
+            shard=r(m, h // 2),
+            weight=r(h),
+            global_scale=one.clone(),
+            workspace=ws,
+            layout="linear",
+            out=e(m, h // 2, dtype=u8),
+            scale_out=e(m, h // 16, dtype=u8),
+        ),
         "all_gather_gated_residual_next_rmsnorm": lambda: dict(
-            branch_shard=r(m, h // 2), residual=r(m, h, dtype=F32), alpha=r(h, dtype=F32),
-            beta=r(h, dtype=F32), next_weight=r(h), workspace=ws,
-            residual_out=e(m, h, dtype=F32), ffn_input=e(m, h), router_input=e(m, h, dtype=F32)),
+            branch_shard=r(m, h // 2),
+            residual=r(m, h, dtype=F32),
+            alpha=r(h, dtype=F32),
+            beta=r(h, dtype=F32),
+            next_weight=r(h),
+            workspace=ws,
+            residual_out=e(m, h, dtype=F32),
+            ffn_input=e(m, h),
+            router_input=e(m, h, dtype=F32),
+        ),
         "moe_allreduce_residual_rmsnorm": lambda: dict(
-            active_experts_token_input=r(2, m, h), scale_input=r(2, m, dtype=F32),
-            token_input=r(m, h), residual=r(m, h), weight=r(h), workspace=ws,
-            allreduce_out=e(m, h), residual_out=e(m, h), norm_out=e(m, h)),
+            active_experts_token_input=r(2, m, h),
+            scale_input=r(2, m, dtype=F32),
+            token_input=r(m, h),
+            residual=r(m, h),
+            weight=r(h),
+            workspace=ws,
+            allreduce_out=e(m, h),
+            residual_out=e(m, h),
+            norm_out=e(m, h),
+        ),
         "moe_finalize_allreduce_residual_rmsnorm": lambda: dict(
-            allreduce_in=r(4, h), residual=r(m, h), norm_weight=r(h),
-            expanded_idx_to_permuted_idx=idx.clone(), workspace=ws,
-            expert_scale_factor=r(m, 2, dtype=F32), residual_out=e(m, h), norm_out=e(m, h)),
+            allreduce_in=r(4, h),
+            residual=r(m, h),
+            norm_weight=r(h),
+            expanded_idx_to_permuted_idx=idx.clone(),
+            workspace=ws,
+            expert_scale_factor=r(m, 2, dtype=F32),
+            residual_out=e(m, h),
+            norm_out=e(m, h),
+        ),
         "moe_finalize_rmsnorm_allreduce": lambda: dict(
-            routed_rows=r(4, h), route_weights=r(m, 2, dtype=F32), permuted_idx=idx.clone(),
-            norm_weight=r(h), output=e(m, h), workspace=ws, eps=1e-6),
+            routed_rows=r(4, h),
+            route_weights=r(m, 2, dtype=F32),
+            permuted_idx=idx.clone(),
+            norm_weight=r(h),
+            output=e(m, h),
+            workspace=ws,
+            eps=1e-6,
+        ),
         # no workspace: every refused call is refused before one is looked for
         "tp_moe_finalize_rmsnorm": lambda: dict(
-            gemm2_permuted=r(4, h), expert_weights=r(m, 2, dtype=F32),
-            expanded_idx_to_permuted_idx=idx.clone(), norm_weight=r(h), output=e(m, h),
-            eps=1e-6, gain_center=0.0, weight_before_norm=True),
-    }  # fmt: skip
+            gemm2_permuted=r(4, h),
+            expert_weights=r(m, 2, dtype=F32),
+            expanded_idx_to_permuted_idx=idx.clone(),
+            norm_weight=r(h),
+            output=e(m, h),
+            eps=1e-6,
+            gain_center=0.0,
+            weight_before_norm=True,
+        ),
+    }
 
 
 # ----------------------------------------------------------------------------- mutations
@@ -199,8 +332,17 @@ def _params(fn) -> list[str]:
 def _written(fn) -> tuple[str, ...]:
     """The tensor arguments an op writes (the names its shared checks were declared with)."""
     names = set(_params(fn))
-    written = {"out", "residual_out", "norm_out", "quant_out", "scale_out", "allreduce_out",
-               "ffn_input", "router_input", "output"}  # fmt: skip
+    written = {
+        "out",
+        "residual_out",
+        "norm_out",
+        "quant_out",
+        "scale_out",
+        "allreduce_out",
+        "ffn_input",
+        "router_input",
+        "output",
+    }
     if fn.__name__ in ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "rmsnorm_sigmoid_gate"):
         written |= {"input"}
     if fn.__name__.startswith("fused_add_rmsnorm_") or fn.__name__.endswith("fused_add_rmsnorm"):
@@ -247,8 +389,14 @@ def draw_mutation(data, fn, kw: dict, *, comm: bool):
     if kind == "alias":
         name = data.draw(st.sampled_from(written), label="written")
         out = kw[name]
-        others = [k for k in tensors if k != name and kw[k].numel() > out.shape[-1] > 0
-                  and kw[k].dtype == out.dtype and kw[k].dim() == out.dim() >= 2]  # fmt: skip
+        others = [
+            k
+            for k in tensors
+            if k != name
+            and kw[k].numel() > out.shape[-1] > 0
+            and kw[k].dtype == out.dtype
+            and kw[k].dim() == out.dim() >= 2
+        ]
         if not others:
             kind, name = "shape", name
         else:
@@ -269,8 +417,13 @@ def draw_mutation(data, fn, kw: dict, *, comm: bool):
         dt = data.draw(st.sampled_from([d for d in choices if d != t.dtype]), label="dtype")
         kw[name] = t.to(dt)
     elif kind == "shape":
-        how = "unsqueeze" if comm else data.draw(
-            st.sampled_from(["unsqueeze", "drop_col", "drop_row", "flat"]), label="how")
+        how = (
+            "unsqueeze"
+            if comm
+            else data.draw(
+                st.sampled_from(["unsqueeze", "drop_col", "drop_row", "flat"]), label="how"
+            )
+        )
         if how == "drop_col" and t.dim() >= 1 and t.shape[-1] > 1:
             kw[name] = t[..., :-1].contiguous()
         elif how == "drop_row" and t.dim() >= 2 and t.shape[0] > 1:

@@ -56,9 +56,12 @@ def _entry(rank, world_size, init_file, backend, fn, args, results):
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=600),
-        )  # fmt: skip
+        )
         try:
             from moefuse.testing_ranks import interpreter_session  # (a no-op on GPUs)
 
@@ -75,8 +78,14 @@ def _entry(rank, world_size, init_file, backend, fn, args, results):
 FORCE_PROCESSES = False
 
 
-def run_group(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 900.0,
-              ranks: str | None = None):  # fmt: skip
+def run_group(
+    world_size: int,
+    fn,
+    *args,
+    backend: str = "gloo",
+    timeout_s: float = 900.0,
+    ranks: str | None = None,
+):
     """``fn(rank, world_size, *args)`` on every rank; the results in rank order. ``ranks``:
     "threads" (default for gloo) or "processes" (default for nccl, and for every group under
     ``--rank-processes``). See the module docstring."""
@@ -127,8 +136,9 @@ def run_group(world_size: int, fn, *args, backend: str = "gloo", timeout_s: floa
     return [got[r][1] for r in range(world_size)]
 
 
-def run_group_one_killed(world_size: int, fn, *args, killed: int = 1, backend: str = "gloo",
-                         timeout_s: float = 300.0) -> dict:  # fmt: skip
+def run_group_one_killed(
+    world_size: int, fn, *args, killed: int = 1, backend: str = "gloo", timeout_s: float = 300.0
+) -> dict:
     """:func:`run_group` for a scenario in which rank ``killed`` dies by SIGKILL (fault tests):
     returns the survivors' results ``{rank: value}`` once all of them reported, checks that the
     killed rank ended by SIGKILL, then ends the survivors (their process-group teardown may wait
@@ -140,8 +150,10 @@ def run_group_one_killed(world_size: int, fn, *args, killed: int = 1, backend: s
     fd, init_file = tempfile.mkstemp(prefix="moefuse-test-store-")
     os.close(fd)
     os.unlink(init_file)
-    procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, backend, fn, args, results))
-             for r in range(world_size)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, init_file, backend, fn, args, results))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     got: dict[int, object] = {}
@@ -150,8 +162,9 @@ def run_group_one_killed(world_size: int, fn, *args, killed: int = 1, backend: s
             try:
                 rank, status, value = results.get(timeout=timeout_s)
             except queue.Empty:
-                raise AssertionError(f"survivors did not finish in {timeout_s:g} s "
-                                     f"(reported: {sorted(got)})") from None  # fmt: skip
+                raise AssertionError(
+                    f"survivors did not finish in {timeout_s:g} s (reported: {sorted(got)})"
+                ) from None
             if status != "ok":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             got[rank] = value
@@ -245,8 +258,11 @@ def _module_state() -> dict:
         package = importlib.import_module(name)
         for info in pkgutil.walk_packages(package.__path__, name + "."):
             importlib.import_module(info.name)
-    return {name: (mod, dict(vars(mod))) for name, mod in list(sys.modules.items())
-            if mod is not None and (name == "moefuse" or name.startswith("moefuse."))}  # fmt: skip
+    return {
+        name: (mod, dict(vars(mod)))
+        for name, mod in list(sys.modules.items())
+        if mod is not None and (name == "moefuse" or name.startswith("moefuse."))
+    }
 
 
 def _restore_modules(saved: dict) -> None:

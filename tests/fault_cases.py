@@ -62,8 +62,9 @@ def _ar_call(algo):
         res = torch.randn(M, H, generator=g).to(BF16).to(device)
         w = torch.ones(H + bad, dtype=BF16, device=device)  # bad: a weight of the wrong width
         ro, no = _poisoned(x, x)
-        moefuse.allreduce_residual_rmsnorm(x, res, w, workspace=ws, algorithm=algo,
-                                           impl="triton", residual_out=ro, norm_out=no)  # fmt: skip
+        moefuse.allreduce_residual_rmsnorm(
+            x, res, w, workspace=ws, algorithm=algo, impl="triton", residual_out=ro, norm_out=no
+        )
         return [ro, no]
 
     return call
@@ -72,8 +73,9 @@ def _ar_call(algo):
 def _ag_make(rank, p, device, timeout_s):
     import moefuse
 
-    return moefuse.AllReduceWorkspace(None, 8, H, BF16, device, timeout_s=timeout_s,
-                                      extra_regions=moefuse.allgather_regions(8, H))  # fmt: skip
+    return moefuse.AllReduceWorkspace(
+        None, 8, H, BF16, device, timeout_s=timeout_s, extra_regions=moefuse.allgather_regions(8, H)
+    )
 
 
 def _ag_call(ws, rank, p, device, bad=False):
@@ -97,9 +99,18 @@ def _moe_call(algo):
         w = w[:-1] if bad else w
         ro, no = _poisoned(res, res)
         moefuse.moe_finalize_allreduce_residual_rmsnorm(
-            to(ins[rank]), to(res), to(w), to(perm), workspace=ws,
-            expert_scale_factor=to(wts[rank]), shared_expert_output=to(shs[rank]),
-            algorithm=algo, impl="triton", residual_out=to(ro), norm_out=to(no))  # fmt: skip
+            to(ins[rank]),
+            to(res),
+            to(w),
+            to(perm),
+            workspace=ws,
+            expert_scale_factor=to(wts[rank]),
+            shared_expert_output=to(shs[rank]),
+            algorithm=algo,
+            impl="triton",
+            residual_out=to(ro),
+            norm_out=to(no),
+        )
         return [ro, no]
 
     return call
@@ -120,10 +131,19 @@ def _tp_call(algo):
         nw = nw[:-1] if bad else nw
         (out,) = _poisoned(torch.empty(M, H, dtype=BF16))
         out = out.to(device)
-        moefuse.tp_moe_finalize_rmsnorm(partials[rank].to(device), weights.to(device),
-                                        idx.to(device), nw.to(device), out, eps=1e-6,
-                                        gain_center=0.0, weight_before_norm=False, workspace=ws,
-                                        algorithm=algo, impl="triton")  # fmt: skip
+        moefuse.tp_moe_finalize_rmsnorm(
+            partials[rank].to(device),
+            weights.to(device),
+            idx.to(device),
+            nw.to(device),
+            out,
+            eps=1e-6,
+            gain_center=0.0,
+            weight_before_norm=False,
+            workspace=ws,
+            algorithm=algo,
+            impl="triton",
+        )
         return [out]
 
     return call
@@ -138,10 +158,17 @@ def _ep_call(algo):
         nw = nw[:-1] if bad else nw
         (out,) = _poisoned(torch.empty(M, H, dtype=BF16))
         out = out.to(device)
-        moefuse.moe_finalize_rmsnorm_allreduce(rows[rank].to(device), weights.to(device),
-                                               idxs[rank].to(device), nw.to(device), out,
-                                               workspace=ws, eps=1e-6, algorithm=algo,
-                                               impl="triton")  # fmt: skip
+        moefuse.moe_finalize_rmsnorm_allreduce(
+            rows[rank].to(device),
+            weights.to(device),
+            idxs[rank].to(device),
+            nw.to(device),
+            out,
+            workspace=ws,
+            eps=1e-6,
+            algorithm=algo,
+            impl="triton",
+        )
         return [out]
 
     return call
@@ -256,8 +283,11 @@ def scenario_fault_protocol(rank, p, name, device, timeout_s):
         dist.barrier()  # rank 1 has given up
         # 2. late: raises at once naming the rank that gave up, reads and writes nothing
         outs = []
-        took["late"], msg = _raises(lambda: outs.extend(call(ws, rank, p, device)), ws,
-                                    r"rank\(s\) 1 \(global rank 1\) gave up")  # fmt: skip
+        took["late"], msg = _raises(
+            lambda: outs.extend(call(ws, rank, p, device)),
+            ws,
+            r"rank\(s\) 1 \(global rank 1\) gave up",
+        )
         assert took["late"] < timeout_s, f"{name}: the late rank waited {took['late']:.2f} s"
         assert "never arrived" not in msg, msg
         if device.type == "cpu" and name not in WRITES_ON_FAILURE:
@@ -265,8 +295,9 @@ def scenario_fault_protocol(rank, p, name, device, timeout_s):
                 assert bool(t.isnan().all()), f"{name}: the late rank wrote an output"
     else:
         # 1. the peer never comes to this call: bounded, names it
-        took["alone"], msg = _raises(lambda: call(ws, rank, p, device), ws,
-                                     r"rank\(s\) 0 \(global rank 0\) never arrived")  # fmt: skip
+        took["alone"], msg = _raises(
+            lambda: call(ws, rank, p, device), ws, r"rank\(s\) 0 \(global rank 0\) never arrived"
+        )
         assert took["alone"] >= timeout_s * 0.9, f"{name}: gave up after {took['alone']:.2f} s"
         dist.barrier()
     assert ws.failed() is not None, f"{name}: ws.failed() is None on rank {rank}"

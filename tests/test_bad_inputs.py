@@ -63,8 +63,13 @@ def comm_scenario(rank, world_size, device, ops):
 
 
 def test_every_public_op_is_walked():
-    ops = {n for n in moefuse.__all__ if not n.startswith("supports_")
-           and callable(getattr(moefuse, n)) and not inspect.isclass(getattr(moefuse, n))}
+    ops = {
+        n
+        for n in moefuse.__all__
+        if not n.startswith("supports_")
+        and callable(getattr(moefuse, n))
+        and not inspect.isclass(getattr(moefuse, n))
+    }
     walked = set(local_cases(DEVICE)) | set(comm_cases(DEVICE, None))
     assert ops - NOT_OPS == walked, (ops - NOT_OPS) ^ walked
 

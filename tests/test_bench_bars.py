@@ -13,8 +13,9 @@ BASE = {"nccl+compile": 20.0, "symm1+compile": 18.0, "symm2+compile": float("nan
 
 
 def test_p8_bar_needs_twice_the_best_unfused_at_small_m():
-    rows = _rows(8, 7168, 64, {"moefuse": 8.9, **BASE}) + _rows(8, 7168, 512, {"moefuse": 17.0,
-                                                                              **BASE})  # fmt: skip
+    rows = _rows(8, 7168, 64, {"moefuse": 8.9, **BASE}) + _rows(
+        8, 7168, 512, {"moefuse": 17.0, **BASE}
+    )
     lines = bar_checks(rows, 8)
     assert "BAR PASS: P=8 H=7168 M=64: 8.90 us <= best unfused 18.00 / 2" in lines
     assert "BAR PASS: P=8 H=7168 M=512: 17.00 us <= best unfused 18.00" in lines

@@ -15,8 +15,14 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
 def _write(path: Path, rows, **meta) -> Path:
-    path.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200", "date": "2026-11-30",
-                                         "commit": "abc", **meta}, "rows": rows}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "meta": {"gpu": "NVIDIA H200", "date": "2026-11-30", "commit": "abc", **meta},
+                "rows": rows,
+            }
+        )
+    )
     return path
 
 
@@ -26,8 +32,9 @@ def _rows(op, shape, m, **us):
 
 def test_speedup_is_best_baseline_over_ours(tmp_path):
     # our own variants (moefuse_nopdl) and the ceiling (sm_copy) are never the baseline
-    rows = _rows("rmsnorm", "H=4096", 1, moefuse=2.0, moefuse_nopdl=1.0, sm_copy=0.5, eager=9.0,
-                 compile=3.0)  # fmt: skip
+    rows = _rows(
+        "rmsnorm", "H=4096", 1, moefuse=2.0, moefuse_nopdl=1.0, sm_copy=0.5, eager=9.0, compile=3.0
+    )
     rows += _rows("rmsnorm", "H=4096", 16, moefuse=4.0, compile=5.0, compile_inplace=3.0)
     rows += _rows("rmsnorm", "H=4096", 64, moefuse=4.0, moefuse_nopdl=5.0)  # no baseline: left out
     _write(tmp_path / "norm-h200.json", rows)
@@ -39,21 +46,24 @@ def test_speedup_is_best_baseline_over_ours(tmp_path):
 
 def test_family_overrides_and_formats(tmp_path):
     # moe: the layer pipeline's ours is "deterministic finalize"; PDL on/off has no baseline
-    rows = _rows("layer", "K=8", 1, **{"deterministic finalize": 2.0,
-                                       "scatter-add finalize": 3.0})  # fmt: skip
+    rows = _rows("layer", "K=8", 1, **{"deterministic finalize": 2.0, "scatter-add finalize": 3.0})
     rows += _rows("permute->finalize", "K=8", 1, **{"PDL on": 2.0, "PDL off": 1.0})
     _write(tmp_path / "moe-h200.json", rows)
     # moe-reduction is not taken for moe; the file may name its baselines itself
     rows = _rows("moe_finalize_allreduce", "P=2", 8, moefuse=2.0, moefuse_unfused=4.0, nccl=8.0)
     _write(tmp_path / "moe-reduction-h200-p2.json", rows, baselines=["moefuse_unfused", "nccl"])
     # overhead: impl / us_per_call, no M; F.rms_norm's row ("rms_norm") is rmsnorm's baseline
-    _write(tmp_path / "overhead-h200.json",
-           [{"op": "rmsnorm", "impl": "moefuse", "us_per_call": 5.0},
+    _write(
+        tmp_path / "overhead-h200.json",
+        [
+            {"op": "rmsnorm", "impl": "moefuse", "us_per_call": 5.0},
             {"op": "rmsnorm", "impl": "flashinfer", "us_per_call": 10.0},
             {"op": "rms_norm", "impl": "torch", "us_per_call": 4.0},
             {"op": "moe_finalize", "impl": "moefuse", "us_per_call": 6.0},
             {"op": "moe_finalize", "impl": "torch", "us_per_call": 12.0},
-            {"op": "moe_permute", "impl": "moefuse", "us_per_call": 6.0}])  # fmt: skip
+            {"op": "moe_permute", "impl": "moefuse", "us_per_call": 6.0},
+        ],
+    )
     (tmp_path / "bench-all-h200.json").write_text(json.dumps({"runs": []}))  # not a result
     by_family = {r.family: r for r in summary.load(tmp_path)}
     assert list(by_family) == ["moe", "overhead", "moe-reduction"]  # registry order
@@ -80,8 +90,10 @@ def test_write_summary_and_readme_block(tmp_path):
     assert "| norm | norm-h200.json |" in md and "1.50 x compile (2.00 µs)" in md
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\nbefore\n") and "after" in text
-    assert ("* **norm** (NVIDIA H200, 2026-11-30): 1.50 x the best baseline (median of 1 cases, "
-            "1.50-1.50) · [details](docs/benchmarks.md#norm-h200)") in text  # fmt: skip
+    assert (
+        "* **norm** (NVIDIA H200, 2026-11-30): 1.50 x the best baseline (median of 1 cases, "
+        "1.50-1.50) · [details](docs/benchmarks.md#norm-h200)"
+    ) in text
     page = docs.read_text()
     assert page.startswith("# b\n") and page.endswith("tail\n") and "\nold\n" not in page
     assert "| 1.50 / 1.50 / 1.50 | 1 / 1 |" in page and "### norm-h200" in page
@@ -117,19 +129,27 @@ def test_committed_summary_is_current(tmp_path):
 
 # ----------------------------------------------------------------------------- bench all
 def test_plan_skips_what_the_machine_cannot_run(monkeypatch):
-    fams = (registry.Family("norm", "moefuse.bench.norm"),
-            registry.Family("ghost", "moefuse.bench.no_such_module"),
-            registry.Family("all-reduce", "moefuse.bench.all_reduce", min_gpus=2, multi_rank=True),
-            registry.Family("overhead", "moefuse.bench.norm", quick=False,
-                            optional_world_size=True))  # fmt: skip
+    fams = (
+        registry.Family("norm", "moefuse.bench.norm"),
+        registry.Family("ghost", "moefuse.bench.no_such_module"),
+        registry.Family("all-reduce", "moefuse.bench.all_reduce", min_gpus=2, multi_rank=True),
+        registry.Family("overhead", "moefuse.bench.norm", quick=False, optional_world_size=True),
+    )
     monkeypatch.setattr(bench_all, "FAMILIES", fams)
     jobs = {j.label: j for j in bench_all.plan(2, "OUT", quick=True, world_sizes=(2, 4))}
     assert list(jobs) == ["norm", "ghost", "all-reduce P=2", "all-reduce P=4", "overhead"]
-    assert jobs["norm"].skip is None and jobs["norm"].argv == ["norm", "--save", "--out", "OUT",
-                                                               "--quick"]  # fmt: skip
+    assert jobs["norm"].skip is None and jobs["norm"].argv == [
+        "norm",
+        "--save",
+        "--out",
+        "OUT",
+        "--quick",
+    ]
     assert "not in this build" in jobs["ghost"].skip
     assert jobs["all-reduce P=2"].skip is None and jobs["all-reduce P=2"].argv[-2:] == [
-        "--world-size", "2"]  # fmt: skip
+        "--world-size",
+        "2",
+    ]
     assert jobs["all-reduce P=4"].skip == "needs 4 GPUs, this machine has 2"
     assert jobs["overhead"].argv == ["overhead", "--save", "--out", "OUT", "--world-size", "2"]
     one_gpu = {j.label: j for j in bench_all.plan(1, "OUT", world_sizes=(2,))}
@@ -140,11 +160,17 @@ def test_plan_skips_what_the_machine_cannot_run(monkeypatch):
 def test_run_command_logs_and_times_out(tmp_path, capsys):
     progress = bench_all._Progress(2)
     log = tmp_path / "x.log"
-    rc, _ = bench_all.run_command([sys.executable, "-c", "print('case 1'); print('case 2')"],
-                                  log, progress, "fake", timeout_s=60)  # fmt: skip
+    rc, _ = bench_all.run_command(
+        [sys.executable, "-c", "print('case 1'); print('case 2')"],
+        log,
+        progress,
+        "fake",
+        timeout_s=60,
+    )
     assert rc == 0 and "case 2" in log.read_text()
-    rc, secs = bench_all.run_command([sys.executable, "-c", "import time; time.sleep(60)"],
-                                     log, progress, "hang", timeout_s=1)  # fmt: skip
+    rc, secs = bench_all.run_command(
+        [sys.executable, "-c", "import time; time.sleep(60)"], log, progress, "hang", timeout_s=1
+    )
     progress.close()
     assert rc == 124 and secs < 30 and "killed after" in log.read_text()
 
@@ -167,10 +193,11 @@ def test_bench_all_runs_the_plan_then_the_summary(monkeypatch, tmp_path, capsys)
 
     from moefuse.bench import harness
 
-    fams = (registry.Family("norm", "moefuse.bench.norm"),
-            registry.Family("quant", "moefuse.bench.quant"),
-            registry.Family("all-reduce", "moefuse.bench.all_reduce", min_gpus=2,
-                            multi_rank=True))  # fmt: skip
+    fams = (
+        registry.Family("norm", "moefuse.bench.norm"),
+        registry.Family("quant", "moefuse.bench.quant"),
+        registry.Family("all-reduce", "moefuse.bench.all_reduce", min_gpus=2, multi_rank=True),
+    )
     monkeypatch.setattr(bench_all, "FAMILIES", fams)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -179,7 +206,7 @@ def test_bench_all_runs_the_plan_then_the_summary(monkeypatch, tmp_path, capsys)
     ran = []
 
     def fake_run(cmd, log, progress, label, timeout_s):
-        ran.append(cmd[cmd.index("bench") + 1:])
+        ran.append(cmd[cmd.index("bench") + 1 :])
         if label == "quant":
             return 3, 0.1
         _write(tmp_path / "norm-fake.json", _rows("rmsnorm", "H=8", 1, moefuse=1.0, compile=2.0))
@@ -188,8 +215,10 @@ def test_bench_all_runs_the_plan_then_the_summary(monkeypatch, tmp_path, capsys)
     monkeypatch.setattr(bench_all, "run_command", fake_run)
     rc = bench_all.main(["--out", str(tmp_path), "--world-sizes", "2"])
     assert rc == 1  # quant failed
-    assert ran == [["norm", "--save", "--out", str(tmp_path)],
-                   ["quant", "--save", "--out", str(tmp_path)]]  # fmt: skip
+    assert ran == [
+        ["norm", "--save", "--out", str(tmp_path)],
+        ["quant", "--save", "--out", str(tmp_path)],
+    ]
     runs = json.loads((tmp_path / "bench-all-fake.json").read_text())["runs"]
     status = {r["label"]: r["status"] for r in runs}
     assert status == {"norm": "ok", "quant": "failed (exit 3)", "all-reduce P=2": "skipped"}
@@ -198,17 +227,35 @@ def test_bench_all_runs_the_plan_then_the_summary(monkeypatch, tmp_path, capsys)
 
 def test_tp_moe_layer_example_file(tmp_path):
     # examples/tp_moe_layer.py writes <part>_fused_us / <part>_unfused_us per token count
-    rows = [{"phase": "decode", "tokens": 1, "epilogue_fused_us": 12.0, "epilogue_unfused_us": 42.0,
-             "layer_fused_us": 200.0, "layer_unfused_us": 250.0, "timing": "graph"},
-            {"phase": "prefill", "tokens": 512, "epilogue_fused_us": 40.0,
-             "epilogue_unfused_us": 240.0, "layer_fused_us": 1000.0, "layer_unfused_us": 900.0}]
-    (tmp_path / "tp_moe_layer-h200-p2.json").write_text(json.dumps(
-        {"world_size": 2, "hidden": 4096, "experts": 128, "top_k": 8, "rows": rows}))
+    rows = [
+        {
+            "phase": "decode",
+            "tokens": 1,
+            "epilogue_fused_us": 12.0,
+            "epilogue_unfused_us": 42.0,
+            "layer_fused_us": 200.0,
+            "layer_unfused_us": 250.0,
+            "timing": "graph",
+        },
+        {
+            "phase": "prefill",
+            "tokens": 512,
+            "epilogue_fused_us": 40.0,
+            "epilogue_unfused_us": 240.0,
+            "layer_fused_us": 1000.0,
+            "layer_unfused_us": 900.0,
+        },
+    ]
+    (tmp_path / "tp_moe_layer-h200-p2.json").write_text(
+        json.dumps({"world_size": 2, "hidden": 4096, "experts": 128, "top_k": 8, "rows": rows})
+    )
     (res,) = summary.load(tmp_path)
     got = {(c.op, c.m): (c.best, round(c.speedup, 3)) for c in res.cases}
-    assert got == {("tp_moe_layer epilogue", 1): ("unfused", 3.5),
-                   ("tp_moe_layer layer", 1): ("unfused", 1.25),
-                   ("tp_moe_layer epilogue", 512): ("unfused", 6.0),
-                   ("tp_moe_layer layer", 512): ("unfused", 0.9)}  # fmt: skip
+    assert got == {
+        ("tp_moe_layer epilogue", 1): ("unfused", 3.5),
+        ("tp_moe_layer layer", 1): ("unfused", 1.25),
+        ("tp_moe_layer epilogue", 512): ("unfused", 6.0),
+        ("tp_moe_layer layer", 512): ("unfused", 0.9),
+    }
     assert {c.shape for c in res.cases} == {"P=2 H=4096 E=128 K=8"}
     assert "x 2" in summary.overview_table([res])  # world size from the file's own fields

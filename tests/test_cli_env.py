@@ -72,8 +72,9 @@ def test_env_on_gpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without GPU")
-@pytest.mark.parametrize("family",
-                         ["norm", "quant", "moe", "moe-experts", "all-reduce", "overhead"])
+@pytest.mark.parametrize(
+    "family", ["norm", "quant", "moe", "moe-experts", "all-reduce", "overhead"]
+)
 def test_bench_without_gpu_says_what_is_missing(family, capsys):
     from moefuse.cli import main
 

@@ -22,8 +22,13 @@ def _is_jit(node: ast.FunctionDef) -> bool:
 
 def _params(node: ast.FunctionDef) -> int:
     a = node.args
-    return (len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None)
-            + (a.kwarg is not None))  # fmt: skip
+    return (
+        len(a.posonlyargs)
+        + len(a.args)
+        + len(a.kwonlyargs)
+        + (a.vararg is not None)
+        + (a.kwarg is not None)
+    )
 
 
 def over_limits(root: Path = SRC) -> dict[tuple[str, str], str]:
@@ -50,7 +55,8 @@ def test_no_function_over_the_limits():
     found = over_limits()
     assert not found, (
         f"over {MAX_JIT_PARAMS} parameters (@triton.jit) or {MAX_LINES} lines: {found}; group the "
-        "arguments into tuples (notes/kernel-arguments.md) or split the function")
+        "arguments into tuples (notes/kernel-arguments.md) or split the function"
+    )
 
 
 def test_the_walk_finds_what_it_must(tmp_path):
@@ -64,6 +70,8 @@ def test_the_walk_finds_what_it_must(tmp_path):
         f"@triton.jit\ndef narrow({params[: params.rindex(',')]}):\n    pass\n\n\n"
         f"def long():\n{body}\n\n\n"
         f"def short():\n{body[: body.rindex(chr(10))]}\n"
-    )  # fmt: skip
-    assert over_limits(tmp_path) == {("m.py", "wide"): f"{MAX_JIT_PARAMS + 1} parameters",
-                                     ("m.py", "long"): f"{MAX_LINES + 1} lines"}  # fmt: skip
+    )
+    assert over_limits(tmp_path) == {
+        ("m.py", "wide"): f"{MAX_JIT_PARAMS + 1} parameters",
+        ("m.py", "long"): f"{MAX_LINES + 1} lines",
+    }

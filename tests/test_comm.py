@@ -56,8 +56,20 @@ def norm_tol(dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- one call
-def run_pattern(moefuse, ws, pattern, x, res, w, algo, *, weight_bias=0.0, fp32_acc=True,
-                layout="swizzled_128x4", impl="triton"):  # fmt: skip
+def run_pattern(
+    moefuse,
+    ws,
+    pattern,
+    x,
+    res,
+    w,
+    algo,
+    *,
+    weight_bias=0.0,
+    fp32_acc=True,
+    layout="swizzled_128x4",
+    impl="triton",
+):
     """Run ``pattern`` with poisoned caller-provided outputs; returns the output tuple."""
     kw = dict(workspace=ws, algorithm=algo, impl=impl, fp32_acc=fp32_acc)
     m, h = x.shape
@@ -67,16 +79,18 @@ def run_pattern(moefuse, ws, pattern, x, res, w, algo, *, weight_bias=0.0, fp32_
         return (moefuse.allreduce(x, out=like(), **kw),)
     kw.update(weight_bias=weight_bias)
     if pattern == "norm":
-        return moefuse.allreduce_residual_rmsnorm(x, res, w, residual_out=like(), norm_out=like(),
-                                                  **kw)  # fmt: skip
+        return moefuse.allreduce_residual_rmsnorm(
+            x, res, w, residual_out=like(), norm_out=like(), **kw
+        )
     if pattern in ("fp8", "fp8_out"):
         q = like(torch.uint8).view(torch.float8_e4m3fn)
         if pattern == "fp8":
             return moefuse.allreduce_residual_rmsnorm_fp8(
-                x, res, w, scale, residual_out=like(), quant_out=q, **kw)  # fmt: skip
+                x, res, w, scale, residual_out=like(), quant_out=q, **kw
+            )
         return moefuse.allreduce_residual_rmsnorm_out_fp8(
             x, res, w, scale, residual_out=like(), norm_out=like(), quant_out=q, **kw
-        )  # fmt: skip
+        )
     from moefuse.quant.formats import scale_layout_shape
 
     gs = torch.tensor([NVFP4_GS])
@@ -84,15 +98,25 @@ def run_pattern(moefuse, ws, pattern, x, res, w, algo, *, weight_bias=0.0, fp32_
     sf = like(torch.uint8, scale_layout_shape(m, h // 16, layout))
     if pattern == "nvfp4":
         return moefuse.allreduce_residual_rmsnorm_nvfp4(
-            x, res, w, gs, layout=layout, residual_out=like(), quant_out=q, scale_out=sf, **kw)
+            x, res, w, gs, layout=layout, residual_out=like(), quant_out=q, scale_out=sf, **kw
+        )
     return moefuse.allreduce_residual_rmsnorm_out_nvfp4(
-        x, res, w, gs, layout=layout, residual_out=like(), norm_out=like(), quant_out=q,
-        scale_out=sf, **kw,
-    )  # fmt: skip
+        x,
+        res,
+        w,
+        gs,
+        layout=layout,
+        residual_out=like(),
+        norm_out=like(),
+        quant_out=q,
+        scale_out=sf,
+        **kw,
+    )
 
 
-def check_against_oracle(pattern, outs, partials, res, w, weight_bias, fp32_acc, layout, n_kernel,
-                         what):  # fmt: skip
+def check_against_oracle(
+    pattern, outs, partials, res, w, weight_bias, fp32_acc, layout, n_kernel, what
+):
     """Bitwise where the math is exact (sum, residual_out, quantization of the kernel's own rounded
     norm output ``n_kernel``), <= 1 ulp on norm_out (rsqrt.approx, FP32 vs FP64 statistic)."""
     if pattern == "ar":
@@ -133,18 +157,22 @@ def scenario_patterns(rank, world_size, cfg):
     digests = []
     for dtype in cfg["dtypes"]:
         for h in cfg["widths"]:
-            ws = moefuse.AllReduceWorkspace(None, max(cfg["tokens"]), h, dtype, "cpu",
-                                            timeout_s=120)  # fmt: skip
+            ws = moefuse.AllReduceWorkspace(
+                None, max(cfg["tokens"]), h, dtype, "cpu", timeout_s=120
+            )
             for m in cfg["tokens"]:
                 for k, pattern in enumerate(cfg["patterns"]):
                     if pattern.startswith("nvfp4") and h % 16:
                         continue
-                    partials, res, w = make_case(case_seed(str(dtype), h, m, pattern),
-                                                 world_size, m, h, dtype)  # fmt: skip
+                    partials, res, w = make_case(
+                        case_seed(str(dtype), h, m, pattern), world_size, m, h, dtype
+                    )
                     x = partials[rank]
-                    opts = dict(weight_bias=float((m + k) % 2),  # plain and Gemma gains
-                                fp32_acc=FP32_ACC[cfg.get("fp32_acc", "mixed")](m + k),
-                                layout=LAYOUTS[(m + k) % 3])  # fmt: skip
+                    opts = dict(
+                        weight_bias=float((m + k) % 2),  # plain and Gemma gains
+                        fp32_acc=FP32_ACC[cfg.get("fp32_acc", "mixed")](m + k),
+                        layout=LAYOUTS[(m + k) % 3],
+                    )
                     n_kernel = None
                     if pattern not in ("ar", "norm"):
                         n_kernel = run_pattern(moefuse, ws, "norm", x, res, w, algos[0], **opts)[1]
@@ -152,16 +180,34 @@ def scenario_patterns(rank, world_size, cfg):
                     for algo in algos:
                         what = f"rank {rank} {dtype} H={h} M={m} {pattern} {opts} {algo}"
                         outs = run_pattern(moefuse, ws, pattern, x, res, w, algo, **opts)
-                        check_against_oracle(pattern, outs, partials, res, w, opts["weight_bias"],
-                                             opts["fp32_acc"], opts["layout"], n_kernel, what)
+                        check_against_oracle(
+                            pattern,
+                            outs,
+                            partials,
+                            res,
+                            w,
+                            opts["weight_bias"],
+                            opts["fp32_acc"],
+                            opts["layout"],
+                            n_kernel,
+                            what,
+                        )
                         if first is None:
                             first = outs
                         for a, b in zip(outs, first):
                             assert_bitwise_equal(a, b, f"{what} vs {algos[0]}")
                         if m > 1 and pattern == "norm" and cfg.get("batch_invariance", True):
                             row = m // 2
-                            alone = run_pattern(moefuse, ws, pattern, x[row : row + 1],
-                                                res[row : row + 1], w, algo, **opts)  # fmt: skip
+                            alone = run_pattern(
+                                moefuse,
+                                ws,
+                                pattern,
+                                x[row : row + 1],
+                                res[row : row + 1],
+                                w,
+                                algo,
+                                **opts,
+                            )
                             for a, b in zip(alone, outs):
                                 assert_bitwise_equal(a, b[row : row + 1], f"{what} row alone")
                     digests.append(digest(*first))
@@ -198,35 +244,63 @@ def test_reference_matches_fp64_oracle():
 
 
 def test_two_ranks_every_pattern():
-    cfg = dict(dtypes=(torch.bfloat16, torch.float16), widths=(48, 64, 200), tokens=(1, 3, 17),
-               patterns=("ar", "norm"))  # fmt: skip
+    cfg = dict(
+        dtypes=(torch.bfloat16, torch.float16),
+        widths=(48, 64, 200),
+        tokens=(1, 3, 17),
+        patterns=("ar", "norm"),
+    )
     _assert_ranks_agree(run_group(2, scenario_patterns, cfg))
 
 
 def test_two_ranks_quant_patterns():
-    cfg = dict(dtypes=(torch.bfloat16,), widths=(48, 64), tokens=(1, 17),
-               patterns=("fp8", "fp8_out", "nvfp4", "nvfp4_out"))  # fmt: skip
+    cfg = dict(
+        dtypes=(torch.bfloat16,),
+        widths=(48, 64),
+        tokens=(1, 17),
+        patterns=("fp8", "fp8_out", "nvfp4", "nvfp4_out"),
+    )
     _assert_ranks_agree(run_group(2, scenario_patterns, cfg))
 
 
 def test_fp32_activations_and_stepwise_accumulation():
-    cfg = dict(dtypes=(torch.float32, torch.float16), widths=(64,), tokens=(3,),
-               patterns=("ar", "norm"), fp32_acc=False)  # fmt: skip
+    cfg = dict(
+        dtypes=(torch.float32, torch.float16),
+        widths=(64,),
+        tokens=(3,),
+        patterns=("ar", "norm"),
+        fp32_acc=False,
+    )
     _assert_ranks_agree(run_group(2, scenario_patterns, cfg))
 
 
 def test_three_and_four_ranks():
-    cfg = dict(dtypes=(torch.bfloat16,), widths=(200,), tokens=(1, 17), patterns=("norm",),
-               batch_invariance=False)  # fmt: skip
+    cfg = dict(
+        dtypes=(torch.bfloat16,),
+        widths=(200,),
+        tokens=(1, 17),
+        patterns=("norm",),
+        batch_invariance=False,
+    )
     _assert_ranks_agree(run_group(3, scenario_patterns, cfg))
-    cfg = dict(dtypes=(torch.float16,), widths=(64,), tokens=(3,), patterns=("ar", "norm"),
-               batch_invariance=False)  # fmt: skip
+    cfg = dict(
+        dtypes=(torch.float16,),
+        widths=(64,),
+        tokens=(3,),
+        patterns=("ar", "norm"),
+        batch_invariance=False,
+    )
     _assert_ranks_agree(run_group(4, scenario_patterns, cfg))
 
 
 def test_eight_ranks_basic_pattern():
-    cfg = dict(dtypes=(torch.bfloat16,), widths=(48,), tokens=(3,), patterns=("norm",),
-               batch_invariance=False)  # fmt: skip
+    cfg = dict(
+        dtypes=(torch.bfloat16,),
+        widths=(48,),
+        tokens=(3,),
+        patterns=("norm",),
+        batch_invariance=False,
+    )
     _assert_ranks_agree(run_group(8, scenario_patterns, cfg))
 
 
@@ -248,12 +322,12 @@ def scenario_variant(rank, world_size, env, patterns, widths, tokens):
 
     digests = []
     for h in widths:
-        ws = moefuse.AllReduceWorkspace(None, max(tokens), h, torch.bfloat16, "cpu",
-                                        timeout_s=120)  # fmt: skip
+        ws = moefuse.AllReduceWorkspace(None, max(tokens), h, torch.bfloat16, "cpu", timeout_s=120)
         for m in tokens:
             for pattern in patterns:
-                partials, res, w = make_case(case_seed("variant", h, m, pattern), world_size, m,
-                                             h, torch.bfloat16)  # fmt: skip
+                partials, res, w = make_case(
+                    case_seed("variant", h, m, pattern), world_size, m, h, torch.bfloat16
+                )
                 x = partials[rank]
                 base = run_pattern(moefuse, ws, pattern, x, res, w, "oneshot")
                 os.environ.update(env)
@@ -261,8 +335,9 @@ def scenario_variant(rank, world_size, env, patterns, widths, tokens):
                     for rep in range(2):
                         outs = run_pattern(moefuse, ws, pattern, x, res, w, "oneshot")
                         for a, b in zip(outs, base):
-                            assert_bitwise_equal(a, b, f"rank {rank} {env} H={h} M={m} "
-                                                 f"{pattern} call {rep}")  # fmt: skip
+                            assert_bitwise_equal(
+                                a, b, f"rank {rank} {env} H={h} M={m} {pattern} call {rep}"
+                            )
                 finally:
                     for key in env:
                         del os.environ[key]

@@ -48,28 +48,41 @@ def shard_of(full, rank, p):
 ALL_OPS = ("rms", "gemma", "fp8", "fp4", "gated")
 
 
-def run_all(moefuse, ws, c, rank, p, algo, impl="triton", alpha_mode="tensor", layout="linear",
-            ops=ALL_OPS):  # fmt: skip
+def run_all(
+    moefuse, ws, c, rank, p, algo, impl="triton", alpha_mode="tensor", layout="linear", ops=ALL_OPS
+):
     """The ops ``ops`` on this rank's shard; returns a dict of outputs (bytes views for FP8)."""
     x = shard_of(c["full"], rank, p)
     m, h = c["full"].shape
     kw = dict(workspace=ws, algorithm=algo, impl=impl)
     out = {}
-    out["rms"] = moefuse.all_gather_rmsnorm(x, c["weight"], eps=1e-6,
-                                            out=poison_(torch.empty(m, h, dtype=x.dtype)), **kw)
+    out["rms"] = moefuse.all_gather_rmsnorm(
+        x, c["weight"], eps=1e-6, out=poison_(torch.empty(m, h, dtype=x.dtype)), **kw
+    )
     if "gemma" in ops:
         out["gemma"] = moefuse.all_gather_rmsnorm(x, c["weight"], gain_center=1.0, **kw)
     if "fp8" in ops:
         out["fp8"] = moefuse.all_gather_rmsnorm_fp8(x, c["weight"], c["scale"], **kw).view(
-            torch.uint8)
+            torch.uint8
+        )
     if h % 16 == 0 and "fp4" in ops:
-        out["fp4"] = moefuse.all_gather_rmsnorm_fp4_quantize(x, c["weight"], c["gs"],
-                                                             layout=layout, **kw)  # fmt: skip
+        out["fp4"] = moefuse.all_gather_rmsnorm_fp4_quantize(
+            x, c["weight"], c["gs"], layout=layout, **kw
+        )
     alpha = {"tensor": c["alpha"], "one": 1.0, "scalar": 0.75}[alpha_mode]
     router = poison_(torch.empty(m, h))
     ro, ffn = moefuse.all_gather_gated_residual_next_rmsnorm(
-        x, c["residual"], alpha, c["beta"], c["weight"], post_eps=1e-5, next_eps=1e-6,
-        post_weight=c["post_weight"], router_input=router, **kw)  # fmt: skip
+        x,
+        c["residual"],
+        alpha,
+        c["beta"],
+        c["weight"],
+        post_eps=1e-5,
+        next_eps=1e-6,
+        post_weight=c["post_weight"],
+        router_input=router,
+        **kw,
+    )
     out["gated"] = (ro, ffn, router)
     return out
 
@@ -84,15 +97,26 @@ def run_single(moefuse, c, layout="linear", alpha_mode="tensor", impl="triton", 
         out["gemma"] = moefuse.gemma_rmsnorm(full, c["weight"], impl=impl)
     if "fp8" in ops:
         out["fp8"] = moefuse.rmsnorm_quant(full, c["weight"], c["scale"], impl=impl).view(
-            torch.uint8)
+            torch.uint8
+        )
     if h % 16 == 0 and "fp4" in ops:
-        out["fp4"] = moefuse.rmsnorm_fp4_quantize(full, c["weight"], c["gs"], layout=layout,
-                                                  impl=impl)  # fmt: skip
+        out["fp4"] = moefuse.rmsnorm_fp4_quantize(
+            full, c["weight"], c["gs"], layout=layout, impl=impl
+        )
     alpha = {"tensor": c["alpha"], "one": 1.0, "scalar": 0.75}[alpha_mode]
     router = torch.empty(m, h)
     ro, ffn = moefuse.gated_residual_next_rmsnorm(
-        full, c["residual"], c["weight"], alpha, c["beta"], 1e-5, 1e-6,
-        post_weight=c["post_weight"], router_input=router, impl=impl)  # fmt: skip
+        full,
+        c["residual"],
+        c["weight"],
+        alpha,
+        c["beta"],
+        1e-5,
+        1e-6,
+        post_weight=c["post_weight"],
+        router_input=router,
+        impl=impl,
+    )
     out["gated"] = (ro, ffn, router)
     return out
 
@@ -135,16 +159,19 @@ def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full, chunk):
         os.environ["MOEFUSE_ALLGATHER_CHUNK_ROWS"] = str(chunk)
         os.environ["MOEFUSE_ALLGATHER_LARGE"] = "chunked"
     ops = ALL_OPS if full else ("rms", "gated")
-    ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60,
-                                    extra_regions=moefuse.allgather_regions(8, h))  # fmt: skip
+    ws = moefuse.AllReduceWorkspace(
+        None, 8, h, BF16, "cpu", timeout_s=60, extra_regions=moefuse.allgather_regions(8, h)
+    )
     try:
         for i, m in enumerate(ms):
             c = make_case(100 + i, p, m, h)
-            want = run_single(moefuse, c, layout, alpha_mode, ops=ops) \
-                if full or rank == 0 else None  # fmt: skip
+            want = (
+                run_single(moefuse, c, layout, alpha_mode, ops=ops) if full or rank == 0 else None
+            )
             for algo in ("oneshot", "torch") if full else ("oneshot",):
-                got = run_all(moefuse, ws, c, rank, p, algo, layout=layout, alpha_mode=alpha_mode,
-                              ops=ops)  # fmt: skip
+                got = run_all(
+                    moefuse, ws, c, rank, p, algo, layout=layout, alpha_mode=alpha_mode, ops=ops
+                )
                 if want is not None:
                     assert_same(got, want, f"P={p} H={h} M={m} {algo}")
                 digests = [None] * p
@@ -152,16 +179,19 @@ def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full, chunk):
                 assert len(set(digests)) == 1, f"P={p} H={h} M={m} {algo}: ranks differ"
         if full:  # a token alone equals the same token inside a batch (row 3 of the last case)
             c = make_case(100 + len(ms) - 1, p, ms[-1], h)
-            batch = run_all(moefuse, ws, c, rank, p, "oneshot", layout=layout,
-                            alpha_mode=alpha_mode)  # fmt: skip
+            batch = run_all(
+                moefuse, ws, c, rank, p, "oneshot", layout=layout, alpha_mode=alpha_mode
+            )
             one = dict(c, full=c["full"][3:4].clone(), residual=c["residual"][3:4].clone())
-            alone = run_all(moefuse, ws, one, rank, p, "oneshot", layout=layout,
-                            alpha_mode=alpha_mode)  # fmt: skip
+            alone = run_all(
+                moefuse, ws, one, rank, p, "oneshot", layout=layout, alpha_mode=alpha_mode
+            )
             for key in ("rms", "fp8"):
                 assert_bitwise_equal(alone[key], batch[key][3:4], f"row alone: {key}")
             for i in range(3):
-                assert_bitwise_equal(alone["gated"][i], batch["gated"][i][3:4],
-                                     f"row alone: gated[{i}]")  # fmt: skip
+                assert_bitwise_equal(
+                    alone["gated"][i], batch["gated"][i][3:4], f"row alone: gated[{i}]"
+                )
         return int(moefuse.comm.all_gather.ops.allgather_state(ws).agctrl[0])
     finally:
         ws.close()
@@ -185,8 +215,9 @@ def scenario_contract(rank, p):
     from moefuse.testing import assert_close, expect_value_error
 
     h, m = 64, 3
-    ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=60,
-                                    extra_regions=moefuse.allgather_regions(8, h))  # fmt: skip
+    ws = moefuse.AllReduceWorkspace(
+        None, 8, h, BF16, "cpu", timeout_s=60, extra_regions=moefuse.allgather_regions(8, h)
+    )
     c = make_case(7, p, m, h)
     x = shard_of(c["full"], rank, p)
     w, res = c["weight"], c["residual"]
@@ -201,37 +232,53 @@ def scenario_contract(rank, p):
     expect_value_error(lambda: ag(x, w, out=out, eps=-1.0, **kw), "eps", out)
     expect_value_error(lambda: ag(x, w, out=out, algorithm="twoshot", **kw), "algorithm", out)
     expect_value_error(lambda: ag(x, w, out=out, workspace=None), "workspace", out)
-    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp8(x, w, c["scale"][:0], **kw),
-                       "scale")  # fmt: skip
-    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp4_quantize(x, w, c["gs"],
-                                                                       layout="tiled", **kw),
-                       "layout")  # fmt: skip
+    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp8(x, w, c["scale"][:0], **kw), "scale")
+    expect_value_error(
+        lambda: moefuse.all_gather_rmsnorm_fp4_quantize(x, w, c["gs"], layout="tiled", **kw),
+        "layout",
+    )
     ro = poison_(torch.empty(m, h))
     gated = moefuse.all_gather_gated_residual_next_rmsnorm
-    expect_value_error(lambda: gated(x, res.to(BF16), c["alpha"], c["beta"], w, residual_out=ro,
-                                     **kw), "residual", ro)  # fmt: skip
-    expect_value_error(lambda: gated(x, res, True, c["beta"], w, residual_out=ro, **kw), "alpha",
-                       ro)  # fmt: skip
-    expect_value_error(lambda: gated(x, res, c["alpha"], c["beta"], w, residual_out=res[:, 1:],
-                                     **kw), "residual_out", res)  # fmt: skip
+    expect_value_error(
+        lambda: gated(x, res.to(BF16), c["alpha"], c["beta"], w, residual_out=ro, **kw),
+        "residual",
+        ro,
+    )
+    expect_value_error(
+        lambda: gated(x, res, True, c["beta"], w, residual_out=ro, **kw), "alpha", ro
+    )
+    expect_value_error(
+        lambda: gated(x, res, c["alpha"], c["beta"], w, residual_out=res[:, 1:], **kw),
+        "residual_out",
+        res,
+    )
     ws40 = moefuse.AllReduceWorkspace(None, 4, 40, BF16, "cpu", peer_access=False)
     x40 = torch.randn(2, 40 // p).to(BF16)
-    expect_value_error(lambda: moefuse.all_gather_rmsnorm_fp4_quantize(
-        x40, torch.ones(40, dtype=BF16), c["gs"], workspace=ws40), "shard")
+    expect_value_error(
+        lambda: moefuse.all_gather_rmsnorm_fp4_quantize(
+            x40, torch.ones(40, dtype=BF16), c["gs"], workspace=ws40
+        ),
+        "shard",
+    )
     ws40.close()
     # --- the references (FP64 statistics, exact rsqrt) within the single-GPU tolerances
     fused = run_all(moefuse, ws, c, rank, p, "auto")
     refs = run_all(moefuse, ws, c, rank, p, "auto", impl="reference")
     assert_close(fused["rms"], refs["rms"], "rsqrt_half", "rmsnorm vs reference")
-    assert_close(fused["fp8"].view(torch.float8_e4m3fn), refs["fp8"].view(torch.float8_e4m3fn),
-                 "fp8_code", "fp8 vs reference")  # fmt: skip
+    assert_close(
+        fused["fp8"].view(torch.float8_e4m3fn),
+        refs["fp8"].view(torch.float8_e4m3fn),
+        "fp8_code",
+        "fp8 vs reference",
+    )
     assert_close(fused["gated"][0], refs["gated"][0], "fp32_stream", "residual_out vs reference")
     assert_close(fused["gated"][1], refs["gated"][1], "rsqrt_half", "ffn_input vs reference")
     # --- in place (residual_out is residual), pipelined in 2-row chunks (env: same on all ranks)
     import os
 
-    want_ro, want_ffn = moefuse.gated_residual_next_rmsnorm(c["full"], res, w, c["alpha"],
-                                                            c["beta"], impl="triton")
+    want_ro, want_ffn = moefuse.gated_residual_next_rmsnorm(
+        c["full"], res, w, c["alpha"], c["beta"], impl="triton"
+    )
     stream = res.clone()
     os.environ["MOEFUSE_ALLGATHER_CHUNK_ROWS"] = "2"
     try:
@@ -250,14 +297,18 @@ def scenario_contract(rank, p):
     assert_bitwise_equal(one, fused["rms"], "one-launch all_gather_rmsnorm")
     # --- FP16 shards (the gathered buffer is per dtype)
     xh = shard_of(c["full"].half(), rank, p)
-    assert_bitwise_equal(ag(xh, w.half(), **kw), moefuse.rmsnorm(c["full"].half(), w.half(),
-                                                                 impl="triton"), "FP16 shards")
+    assert_bitwise_equal(
+        ag(xh, w.half(), **kw),
+        moefuse.rmsnorm(c["full"].half(), w.half(), impl="triton"),
+        "FP16 shards",
+    )
     # --- supports_*, and workspaces that cannot run the one-shot path: same bits via torch
     assert moefuse.supports_all_gather_rmsnorm(x, w, workspace=ws)
     assert not moefuse.supports_all_gather_rmsnorm(x[:, :-1], w, workspace=ws)
     plain = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu")  # no "allgather" region
-    nopeer = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", peer_access=False,
-                                        extra_regions=moefuse.allgather_regions(8, h))
+    nopeer = moefuse.AllReduceWorkspace(
+        None, 8, h, BF16, "cpu", peer_access=False, extra_regions=moefuse.allgather_regions(8, h)
+    )
     for other in (plain, nopeer):
         assert not moefuse.supports_all_gather_rmsnorm(x, w, workspace=other)
         got = ag(x, w, workspace=other, impl="triton")
@@ -276,15 +327,52 @@ def scenario_contract(rank, p):
     e = lambda dt=BF16, shape=(m, h): torch.empty(shape, dtype=dt)  # noqa: E731
     cases = [
         (ops.all_gather_rmsnorm_op, (x, w, e(), ws.id, 1e-6, 0.0, "oneshot", False, "triton")),
-        (ops.all_gather_rmsnorm_fp8_op,
-         (x, w, c["scale"], e(torch.uint8), 0, ws.id, 1e-6, 0.0, "torch", False, "triton")),
-        (ops.all_gather_rmsnorm_fp4_quantize_op,
-         (x, w, c["gs"], e(torch.uint8, (m, h // 2)), e(torch.uint8, (m, h // 16)), ws.id, 1e-6,
-          0.0, "linear", "fast", "oneshot", False, "triton")),
-        (ops.all_gather_gated_residual_next_rmsnorm_op,
-         (x, res, w, c["alpha"], 1.0, c["beta"], None, e(torch.float32), e(), None, ws.id, 1e-6,
-          1e-6, 0.0, 0.0, "oneshot", False, "triton")),
-    ]  # fmt: skip
+        (
+            ops.all_gather_rmsnorm_fp8_op,
+            (x, w, c["scale"], e(torch.uint8), 0, ws.id, 1e-6, 0.0, "torch", False, "triton"),
+        ),
+        (
+            ops.all_gather_rmsnorm_fp4_quantize_op,
+            (
+                x,
+                w,
+                c["gs"],
+                e(torch.uint8, (m, h // 2)),
+                e(torch.uint8, (m, h // 16)),
+                ws.id,
+                1e-6,
+                0.0,
+                "linear",
+                "fast",
+                "oneshot",
+                False,
+                "triton",
+            ),
+        ),
+        (
+            ops.all_gather_gated_residual_next_rmsnorm_op,
+            (
+                x,
+                res,
+                w,
+                c["alpha"],
+                1.0,
+                c["beta"],
+                None,
+                e(torch.float32),
+                e(),
+                None,
+                ws.id,
+                1e-6,
+                1e-6,
+                0.0,
+                0.0,
+                "oneshot",
+                False,
+                "triton",
+            ),
+        ),
+    ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
@@ -304,15 +392,18 @@ def scenario_contract(rank, p):
     dual = fi.MNNVLCuteDSLAllGatherDualNormWorkspace(p, rank, 8, h, device="cpu")
     dual.compile(post_eps=1e-6, next_eps=1e-6)
     assert dual.check_support() and dual.fits(x) and not dual.fits(x[:, :-1])
-    assert fi.supports_all_gather_gated_residual_next_rmsnorm(dual, x, res, c["alpha"], c["beta"],
-                                                              w)  # fmt: skip
+    assert fi.supports_all_gather_gated_residual_next_rmsnorm(
+        dual, x, res, c["alpha"], c["beta"], w
+    )
     ro_fi, ffn_fi = fi.all_gather_gated_residual_next_rmsnorm(
-        x, res, c["alpha"], c["beta"], w, dual, post_eps=1e-6, next_eps=1e-6, impl="triton")
+        x, res, c["alpha"], c["beta"], w, dual, post_eps=1e-6, next_eps=1e-6, impl="triton"
+    )
     for a, b in zip((ro_fi, ffn_fi), expected[:2]):
         assert_bitwise_equal(a, b, "FlashInfer call style == moefuse")
     with pytest.raises(ValueError, match="'next_eps'"):
-        fi.all_gather_gated_residual_next_rmsnorm(x, res, c["alpha"], c["beta"], w, dual,
-                                                  post_eps=1e-6, next_eps=1e-5)  # fmt: skip
+        fi.all_gather_gated_residual_next_rmsnorm(
+            x, res, c["alpha"], c["beta"], w, dual, post_eps=1e-6, next_eps=1e-5
+        )
     dual.destroy()
     nq = fi.MNNVLCuteDSLAllGatherNormQuantWorkspace(p, rank, 8, h, device="cpu")
     nq.compile(eps=1e-6)
@@ -337,9 +428,15 @@ def scenario_bounded_wait(rank, p):
     c = make_case(3, p, 2, h)
     x = shard_of(c["full"], rank, p)
     make = lambda t=timeout: moefuse.AllReduceWorkspace(  # noqa: E731
-        None, 4, h, BF16, "cpu", timeout_s=t, extra_regions=moefuse.allgather_regions(4, h))
-    call = lambda ws: moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws,  # noqa: E731
-                                                 algorithm="oneshot", impl="triton")
+        None, 4, h, BF16, "cpu", timeout_s=t, extra_regions=moefuse.allgather_regions(4, h)
+    )
+    call = lambda ws: moefuse.all_gather_rmsnorm(
+        x,
+        c["weight"],
+        workspace=ws,  # noqa: E731
+        algorithm="oneshot",
+        impl="triton",
+    )
     # a first call on a generous workspace: each process's first interpretation of the kernels
     # can take longer than the 2 s bound on a loaded 2-core machine
     ws = make(120.0)
@@ -385,12 +482,21 @@ def test_bench_bar_lines():
     from moefuse.bench.all_gather import bar_checks
 
     def row(m, us, best, bound):
-        return {"variant": "moefuse", "op": "all_gather_rmsnorm", "P": 2, "H": 4096, "M": m,
-                "us": us, "x_best_unfused": best / us, "x_nvlink_bound": bound / us,
-                "nvlink_bound_us": bound}  # fmt: skip
+        return {
+            "variant": "moefuse",
+            "op": "all_gather_rmsnorm",
+            "P": 2,
+            "H": 4096,
+            "M": m,
+            "us": us,
+            "x_best_unfused": best / us,
+            "x_nvlink_bound": bound / us,
+            "nvlink_bound_us": bound,
+        }
 
-    lines = bar_checks([row(1, 4.5, 10.0, 0.01), row(64, 8.0, 14.0, 0.6),
-                        row(4096, 120.0, 147.0, 100.0)])  # fmt: skip
+    lines = bar_checks(
+        [row(1, 4.5, 10.0, 0.01), row(64, 8.0, 14.0, 0.6), row(4096, 120.0, 147.0, 100.0)]
+    )
     fails = [x for x in lines if x.startswith("BAR FAIL")]
     assert len(lines) == 7 and len(fails) == 1 and "M=64" in fails[0] and "/ 2" in fails[0]
     lines = bar_checks([row(1, 5.5, 12.0, 0.01), row(16384, 700.0, 515.0, 300.0)])
@@ -407,8 +513,9 @@ def scenario_one_launch_stepped(rank, p):
     import moefuse
 
     h = 8192
-    ws = moefuse.AllReduceWorkspace(None, 2, h, BF16, "cpu", oneshot_max_tokens=1,
-                                    extra_regions=moefuse.allgather_regions(2, h))  # fmt: skip
+    ws = moefuse.AllReduceWorkspace(
+        None, 2, h, BF16, "cpu", oneshot_max_tokens=1, extra_regions=moefuse.allgather_regions(2, h)
+    )
     c = make_case(11, p, 2, h)
     x, w = shard_of(c["full"], rank, p), c["weight"]
     want = moefuse.rmsnorm(c["full"], w, impl="triton")
@@ -420,8 +527,11 @@ def scenario_one_launch_stepped(rank, p):
             assert_bitwise_equal(one, want, f"one launch, stepped rows, {mode}")
     finally:
         del os.environ["MOEFUSE_ALLGATHER_ONE_LAUNCH"], os.environ["MOEFUSE_ALLGATHER_DECODE"]
-    assert_bitwise_equal(moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton"), want,
-                         "two launches, stepped rows")  # fmt: skip
+    assert_bitwise_equal(
+        moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton"),
+        want,
+        "two launches, stepped rows",
+    )
     ws.close()
     return True
 
@@ -449,13 +559,19 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""
     count_calls(allgather_fused, "launch_ag_rmsnorm_persistent", counts, "persistent")
     if loop_min_rows:
         tiles.RMSNORM_LOOP_MIN_ROWS = loop_min_rows
-    os.environ.update({"MOEFUSE_ALLGATHER_ONE_LAUNCH": "0", "MOEFUSE_ALLGATHER_LARGE": "fused",
-                       "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
-                       "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead),
-                       "MOEFUSE_ALLGATHER_PERSISTENT": mode})  # fmt: skip
+    os.environ.update(
+        {
+            "MOEFUSE_ALLGATHER_ONE_LAUNCH": "0",
+            "MOEFUSE_ALLGATHER_LARGE": "fused",
+            "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
+            "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead),
+            "MOEFUSE_ALLGATHER_PERSISTENT": mode,
+        }
+    )
     cap = max(ms)
-    ws = moefuse.AllReduceWorkspace(None, cap, h, BF16, "cpu", timeout_s=60,
-                                    extra_regions=moefuse.allgather_regions(cap, h))  # fmt: skip
+    ws = moefuse.AllReduceWorkspace(
+        None, cap, h, BF16, "cpu", timeout_s=60, extra_regions=moefuse.allgather_regions(cap, h)
+    )
     try:
         for i, m in enumerate(ms):
             c = make_case(200 + i, p, m, h)
@@ -465,8 +581,15 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""
                 want = single(c["full"], w, 1e-6, impl="triton")
                 for algo in ("oneshot", "torch"):
                     out = poison_(torch.empty(m, h, dtype=BF16))
-                    got = moefuse.all_gather_rmsnorm(x, w, workspace=ws, gain_center=center,
-                                                     algorithm=algo, impl="triton", out=out)
+                    got = moefuse.all_gather_rmsnorm(
+                        x,
+                        w,
+                        workspace=ws,
+                        gain_center=center,
+                        algorithm=algo,
+                        impl="triton",
+                        out=out,
+                    )
                     assert_bitwise_equal(got, want, f"P={p} H={h} M={m} c={center} {algo}")
         ws.check()
         assert counts["persistent"] == 2 * len(ms), counts  # the one-shot calls ran the new kernel
@@ -534,8 +657,12 @@ def test_decode_and_persistent_modes(monkeypatch):
     from moefuse.comm.all_gather import decode as dec
     from moefuse.comm.all_gather import persistent as fused
 
-    for op, want in ((dec.RMSNORM, (True, True)), (dec.FP8, (True, True)),
-                     (dec.FP4, (False, False)), (dec.GATED, (False, False))):  # fmt: skip
+    for op, want in (
+        (dec.RMSNORM, (True, True)),
+        (dec.FP8, (True, True)),
+        (dec.FP4, (False, False)),
+        (dec.GATED, (False, False)),
+    ):
         assert dec.decode_mode(op, dec.op_tile(op, 4096)) == want, op
     assert dec.decode_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192)) == (False, False)
     assert fused.persistent_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 4096)) == (False, True)
@@ -544,8 +671,10 @@ def test_decode_and_persistent_modes(monkeypatch):
     assert fused.persistent_mode(dec.FP4, dec.op_tile(dec.FP4, 4096)) == (False, False)
     for op, h in ((dec.RMSNORM, 8192), (dec.GATED, 4096)):  # stepped rows: the table's mode
         mode = fused.PERSISTENT_DEFAULT[op]
-        assert fused.persistent_mode(op, dec.op_tile(op, h)) == (mode != "gathered",
-                                                                 mode == "slots"), op
+        assert fused.persistent_mode(op, dec.op_tile(op, h)) == (
+            mode != "gathered",
+            mode == "slots",
+        ), op
     monkeypatch.setenv("MOEFUSE_ALLGATHER_DECODE", "early")
     assert dec.decode_mode(dec.GATED, dec.op_tile(dec.GATED, 4096)) == (True, False)
     assert dec.decode_mode(dec.RMSNORM, dec.op_tile(dec.RMSNORM, 8192)) == (True, False)
@@ -569,8 +698,9 @@ def test_decode_and_persistent_modes(monkeypatch):
 
 
 # --------------------------------------------------------------------- FP8 / NVFP4 one launch
-def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_rows=0,
-                       decode_mode=""):  # fmt: skip
+def scenario_fused_ops(
+    rank, p, h, ms, grid, lookahead, decode, cases, loop_min_rows=0, decode_mode=""
+):
     """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on the one-launch
     kernels: the decode kernel at M <= 64 when ``decode``, else the persistent
     kernel forced (grid cap ``grid``: several tiles per CTA, ``lookahead`` tiles ahead); outputs
@@ -593,16 +723,24 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
     counts = {"decode": 0, "persistent": 0}
     count_calls(allgather_decode, "launch_ag_rmsnorm", counts, "decode")
     count_calls(allgather_fused, "launch_ag_rmsnorm_persistent", counts, "persistent")
-    os.environ.update({"MOEFUSE_ALLGATHER_ONE_LAUNCH": "1" if decode else "0",
-                       "MOEFUSE_ALLGATHER_DECODE": decode_mode,
-                       "MOEFUSE_ALLGATHER_PERSISTENT": {"slots": "slots", "late": "gathered",
-                                                        "early": "early"}.get(decode_mode, ""),
-                       "MOEFUSE_ALLGATHER_LARGE": "fused",
-                       "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
-                       "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead)})  # fmt: skip
+    os.environ.update(
+        {
+            "MOEFUSE_ALLGATHER_ONE_LAUNCH": "1" if decode else "0",
+            "MOEFUSE_ALLGATHER_DECODE": decode_mode,
+            "MOEFUSE_ALLGATHER_PERSISTENT": {
+                "slots": "slots",
+                "late": "gathered",
+                "early": "early",
+            }.get(decode_mode, ""),
+            "MOEFUSE_ALLGATHER_LARGE": "fused",
+            "MOEFUSE_ALLGATHER_FUSED_GRID": str(grid),
+            "MOEFUSE_ALLGATHER_LOOKAHEAD": str(lookahead),
+        }
+    )
     cap = max(ms)
-    ws = moefuse.AllReduceWorkspace(None, cap, h, BF16, "cpu", timeout_s=60,
-                                    extra_regions=moefuse.allgather_regions(cap, h))  # fmt: skip
+    ws = moefuse.AllReduceWorkspace(
+        None, cap, h, BF16, "cpu", timeout_s=60, extra_regions=moefuse.allgather_regions(cap, h)
+    )
     fp8_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
     want_counts = {"decode": 0, "persistent": 0}
     try:
@@ -614,45 +752,78 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
                 want_counts["decode" if decode and m <= 64 else "persistent"] += 1
                 if kind == "fp8":
                     dt = fp8_dtypes[arg]
-                    want = moefuse.rmsnorm_quant(c["full"], w, c["scale"], dtype=dt,
-                                                 impl="triton")  # fmt: skip
+                    want = moefuse.rmsnorm_quant(c["full"], w, c["scale"], dtype=dt, impl="triton")
                     out = poison_(torch.empty(m, h, dtype=torch.uint8)).view(dt)
-                    got = moefuse.all_gather_rmsnorm_fp8(x, w, c["scale"], workspace=ws, out=out,
-                                                         algorithm="oneshot", impl="triton")
+                    got = moefuse.all_gather_rmsnorm_fp8(
+                        x, w, c["scale"], workspace=ws, out=out, algorithm="oneshot", impl="triton"
+                    )
                     assert got is out
-                    assert_bitwise_equal(got.view(torch.uint8), want.view(torch.uint8),
-                                         f"{what} fp8 {dt}")  # fmt: skip
+                    assert_bitwise_equal(
+                        got.view(torch.uint8), want.view(torch.uint8), f"{what} fp8 {dt}"
+                    )
                 elif kind == "gated":  # "tensor": alpha tensor, post weight, router output;
                     # "scalar": scalar alpha, Gemma next gain, in place (residual_out = residual)
                     tensor = arg == "tensor"
-                    kw = dict(post_weight=c["post_weight"] if tensor else None,
-                              next_gain_center=0.0 if tensor else 1.0)  # fmt: skip
+                    kw = dict(
+                        post_weight=c["post_weight"] if tensor else None,
+                        next_gain_center=0.0 if tensor else 1.0,
+                    )
                     alpha = c["alpha"] if tensor else 0.75
                     router_want = torch.empty(m, h) if tensor else None
                     want = moefuse.gated_residual_next_rmsnorm(
-                        c["full"], c["residual"], w, alpha, c["beta"], 1e-5, 1e-6,
-                        router_input=router_want, impl="triton", **kw)  # fmt: skip
+                        c["full"],
+                        c["residual"],
+                        w,
+                        alpha,
+                        c["beta"],
+                        1e-5,
+                        1e-6,
+                        router_input=router_want,
+                        impl="triton",
+                        **kw,
+                    )
                     stream = c["residual"].clone()
                     ro = stream if not tensor else poison_(torch.empty(m, h))
                     router = poison_(torch.empty(m, h)) if tensor else None
                     ffn = poison_(torch.empty(m, h, dtype=BF16))
                     got = moefuse.all_gather_gated_residual_next_rmsnorm(
-                        x, stream, alpha, c["beta"], w, workspace=ws, post_eps=1e-5,
-                        next_eps=1e-6, residual_out=ro, ffn_input=ffn, router_input=router,
-                        algorithm="oneshot", impl="triton", **kw)  # fmt: skip
+                        x,
+                        stream,
+                        alpha,
+                        c["beta"],
+                        w,
+                        workspace=ws,
+                        post_eps=1e-5,
+                        next_eps=1e-6,
+                        residual_out=ro,
+                        ffn_input=ffn,
+                        router_input=router,
+                        algorithm="oneshot",
+                        impl="triton",
+                        **kw,
+                    )
                     assert got[0] is ro and got[1] is ffn
                     assert_bitwise_equal(ro, want[0], f"{what} gated {arg} residual_out")
                     assert_bitwise_equal(ffn, want[1], f"{what} gated {arg} ffn_input")
                     if tensor:
                         assert_bitwise_equal(router, router_want, f"{what} gated router")
                 else:
-                    want_q, want_sf = moefuse.rmsnorm_fp4_quantize(c["full"], w, c["gs"],
-                                                                   layout=arg, impl="triton")
+                    want_q, want_sf = moefuse.rmsnorm_fp4_quantize(
+                        c["full"], w, c["gs"], layout=arg, impl="triton"
+                    )
                     q = poison_(torch.empty_like(want_q))
                     sf = poison_(torch.empty_like(want_sf))
                     got_q, got_sf = moefuse.all_gather_rmsnorm_fp4_quantize(
-                        x, w, c["gs"], workspace=ws, layout=arg, out=q, scale_out=sf,
-                        algorithm="oneshot", impl="triton")  # fmt: skip
+                        x,
+                        w,
+                        c["gs"],
+                        workspace=ws,
+                        layout=arg,
+                        out=q,
+                        scale_out=sf,
+                        algorithm="oneshot",
+                        impl="triton",
+                    )
                     assert got_q is q and got_sf is sf
                     assert_bitwise_equal(got_q, want_q, f"{what} fp4 {arg} packed")
                     assert_bitwise_equal(got_sf, want_sf, f"{what} fp4 {arg} scales")
@@ -691,8 +862,10 @@ def scenario_fused_ops(rank, p, h, ms, grid, lookahead, decode, cases, loop_min_
     (3, 2400, (5,), 0, 1, True, (("fp8", 0), ("fp4", "swizzled_128x4"), ("gated", "scalar")), 0,
      "slots"),
 ])  # fmt: skip
-def test_fused_ops_one_launch_kernels_bitwise(p, h, ms, grid, lookahead, decode, cases,
-                                              loop_min_rows, decode_mode):  # fmt: skip
-    gens = run_group(p, scenario_fused_ops, h, ms, grid, lookahead, decode, cases, loop_min_rows,
-                     decode_mode)  # fmt: skip
+def test_fused_ops_one_launch_kernels_bitwise(
+    p, h, ms, grid, lookahead, decode, cases, loop_min_rows, decode_mode
+):
+    gens = run_group(
+        p, scenario_fused_ops, h, ms, grid, lookahead, decode, cases, loop_min_rows, decode_mode
+    )
     assert len(set(gens)) == 1

@@ -80,15 +80,26 @@ def fused(moefuse, ws, c, rank, algo, *, pdl=None, variant=0):
     kw = dict(workspace=ws, algorithm=algo, impl="triton", enable_pdl=pdl)
     m, h = c["full"].shape
     gc = float(variant)
-    out = [moefuse.all_gather_rmsnorm(x, c["weight"], gain_center=gc, **kw),
-           moefuse.all_gather_rmsnorm_fp8(x, c["weight"], c["scale"], **kw).view(torch.uint8)]
+    out = [
+        moefuse.all_gather_rmsnorm(x, c["weight"], gain_center=gc, **kw),
+        moefuse.all_gather_rmsnorm_fp8(x, c["weight"], c["scale"], **kw).view(torch.uint8),
+    ]
     out += moefuse.all_gather_rmsnorm_fp4_quantize(
-        x, c["weight"], c["gs"], layout=("linear", "swizzled_128x4")[variant], **kw)
+        x, c["weight"], c["gs"], layout=("linear", "swizzled_128x4")[variant], **kw
+    )
     router = torch.full((m, h), float("nan"), device=x.device) if variant == 0 else None
     out += moefuse.all_gather_gated_residual_next_rmsnorm(
-        x, c["residual"], c["alpha"] if variant == 0 else 0.75, c["beta"], c["weight"],
-        post_eps=1e-5, next_eps=1e-6, post_weight=c["post_weight"] if variant == 0 else None,
-        router_input=router, **kw)  # fmt: skip
+        x,
+        c["residual"],
+        c["alpha"] if variant == 0 else 0.75,
+        c["beta"],
+        c["weight"],
+        post_eps=1e-5,
+        next_eps=1e-6,
+        post_weight=c["post_weight"] if variant == 0 else None,
+        router_input=router,
+        **kw,
+    )
     if router is not None:
         out.append(router)
     return out
@@ -98,24 +109,43 @@ def single(moefuse, c, *, variant=0):
     """The same outputs from the full rows with the single-GPU ops (the definition)."""
     full = c["full"]
     m, h = full.shape
-    out = [moefuse.rmsnorm(full, c["weight"], 1e-6) if variant == 0 else
-           moefuse.gemma_rmsnorm(full, c["weight"], 1e-6),
-           moefuse.rmsnorm_quant(full, c["weight"], c["scale"]).view(torch.uint8)]
-    out += moefuse.rmsnorm_fp4_quantize(full, c["weight"], c["gs"], gain_center=0.0,
-                                        layout=("linear", "swizzled_128x4")[variant])
+    out = [
+        moefuse.rmsnorm(full, c["weight"], 1e-6)
+        if variant == 0
+        else moefuse.gemma_rmsnorm(full, c["weight"], 1e-6),
+        moefuse.rmsnorm_quant(full, c["weight"], c["scale"]).view(torch.uint8),
+    ]
+    out += moefuse.rmsnorm_fp4_quantize(
+        full, c["weight"], c["gs"], gain_center=0.0, layout=("linear", "swizzled_128x4")[variant]
+    )
     router = torch.empty(m, h, device=full.device) if variant == 0 else None
     out += moefuse.gated_residual_next_rmsnorm(
-        full, c["residual"], c["weight"], c["alpha"] if variant == 0 else 0.75, c["beta"], 1e-5,
-        1e-6, post_weight=c["post_weight"] if variant == 0 else None, router_input=router)
+        full,
+        c["residual"],
+        c["weight"],
+        c["alpha"] if variant == 0 else 0.75,
+        c["beta"],
+        1e-5,
+        1e-6,
+        post_weight=c["post_weight"] if variant == 0 else None,
+        router_input=router,
+    )
     if router is not None:
         out.append(router)
     return out
 
 
 def make_ws(moefuse, max_tokens, h, dev, **kw):
-    return moefuse.AllReduceWorkspace(None, max_tokens, h, BF16, dev, oneshot_max_tokens=1,
-                                      extra_regions=moefuse.allgather_regions(max_tokens, h),
-                                      **kw)  # fmt: skip
+    return moefuse.AllReduceWorkspace(
+        None,
+        max_tokens,
+        h,
+        BF16,
+        dev,
+        oneshot_max_tokens=1,
+        extra_regions=moefuse.allgather_regions(max_tokens, h),
+        **kw,
+    )
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -128,10 +158,11 @@ def scenario_shapes(rank, _):
     dev = torch.device("cuda", rank)
     for h in WIDTHS:
         ws = make_ws(moefuse, max(TOKENS), h, dev)
-        assert moefuse.supports_all_gather_rmsnorm(shard_of(torch.zeros(1, h, device=dev,
-                                                                        dtype=BF16), rank),
-                                                   torch.ones(h, device=dev, dtype=BF16),
-                                                   workspace=ws)  # fmt: skip
+        assert moefuse.supports_all_gather_rmsnorm(
+            shard_of(torch.zeros(1, h, device=dev, dtype=BF16), rank),
+            torch.ones(h, device=dev, dtype=BF16),
+            workspace=ws,
+        )
         for m in TOKENS:
             for variant in (0, 1):
                 c = make_case(m * 31 + h + variant, m, h, dev)
@@ -147,8 +178,11 @@ def scenario_shapes(rank, _):
                     for i, (a, b) in enumerate(zip(off, want)):
                         same_bits(a, b, f"{what} PDL off output {i}")
                     t = m // 2
-                    one = dict(c, full=c["full"][t : t + 1].contiguous(),
-                               residual=c["residual"][t : t + 1].contiguous())
+                    one = dict(
+                        c,
+                        full=c["full"][t : t + 1].contiguous(),
+                        residual=c["residual"][t : t + 1].contiguous(),
+                    )
                     alone = fused(moefuse, ws, one, rank, "oneshot", variant=variant)
                     for i in (0, 1, 4, 5):  # row-wise outputs (scale layouts pad rows)
                         same_bits(alone[i], want[i][t : t + 1], f"{what} row alone output {i}")
@@ -160,8 +194,16 @@ def scenario_shapes(rank, _):
                     r = moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws, impl="reference")
                     assert_close(want[0], r, "rsqrt_half", f"{what} rmsnorm vs reference")
                     ro, ffn = moefuse.all_gather_gated_residual_next_rmsnorm(
-                        x, c["residual"], c["alpha"], c["beta"], c["weight"], post_eps=1e-5,
-                        post_weight=c["post_weight"], workspace=ws, impl="reference")
+                        x,
+                        c["residual"],
+                        c["alpha"],
+                        c["beta"],
+                        c["weight"],
+                        post_eps=1e-5,
+                        post_weight=c["post_weight"],
+                        workspace=ws,
+                        impl="reference",
+                    )
                     assert_close(want[4], ro, "fp32_stream", f"{what} residual_out vs reference")
         ws.check()
         ws.close()
@@ -182,22 +224,38 @@ def scenario_graph_replays(rank, _, replays):
         c = make_case(0, m, h, dev)
         x = shard_of(c["full"], rank)
         res = c["residual"].clone()
-        outs = [torch.empty(m, h, dtype=BF16, device=dev),
-                torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
-                torch.empty(m, h // 2, dtype=torch.uint8, device=dev),
-                torch.empty(128, h // 16, dtype=torch.uint8, device=dev),
-                torch.empty(m, h, device=dev), torch.empty(m, h, dtype=BF16, device=dev)]
+        outs = [
+            torch.empty(m, h, dtype=BF16, device=dev),
+            torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
+            torch.empty(m, h // 2, dtype=torch.uint8, device=dev),
+            torch.empty(128, h // 16, dtype=torch.uint8, device=dev),
+            torch.empty(m, h, device=dev),
+            torch.empty(m, h, dtype=BF16, device=dev),
+        ]
 
         def run():
             kw = dict(workspace=ws, algorithm="oneshot", impl="triton", enable_pdl=True)
             moefuse.all_gather_rmsnorm(x, c["weight"], out=outs[0], **kw)
             moefuse.all_gather_rmsnorm_fp8(x, c["weight"], c["scale"], out=outs[1], **kw)
-            moefuse.all_gather_rmsnorm_fp4_quantize(x, c["weight"], c["gs"], out=outs[2],
-                                                    scale_out=outs[3], layout="swizzled_128x4",
-                                                    **kw)  # fmt: skip
+            moefuse.all_gather_rmsnorm_fp4_quantize(
+                x,
+                c["weight"],
+                c["gs"],
+                out=outs[2],
+                scale_out=outs[3],
+                layout="swizzled_128x4",
+                **kw,
+            )
             moefuse.all_gather_gated_residual_next_rmsnorm(
-                x, res, c["alpha"], c["beta"], c["weight"], residual_out=outs[4],
-                ffn_input=outs[5], **kw)  # fmt: skip
+                x,
+                res,
+                c["alpha"],
+                c["beta"],
+                c["weight"],
+                residual_out=outs[4],
+                ffn_input=outs[5],
+                **kw,
+            )
 
         graph = capture_graph(run, ws)  # (the warm-up also allocates the gathered buffer)
         for i in range(replays):
@@ -207,18 +265,26 @@ def scenario_graph_replays(rank, _, replays):
             for o in outs:
                 o.view(torch.uint8).fill_(0xFF)
             graph.replay()
-            c_i.update(weight=c["weight"], alpha=c["alpha"], beta=c["beta"], scale=c["scale"],
-                       gs=c["gs"])
+            c_i.update(
+                weight=c["weight"], alpha=c["alpha"], beta=c["beta"], scale=c["scale"], gs=c["gs"]
+            )
             full = c_i["full"]
-            want = [moefuse.rmsnorm(full, c["weight"]),
-                    moefuse.rmsnorm_quant(full, c["weight"], c["scale"])]
-            want += moefuse.rmsnorm_fp4_quantize(full, c["weight"], c["gs"],
-                                                 layout="swizzled_128x4")
-            want += moefuse.gated_residual_next_rmsnorm(full, c_i["residual"], c["weight"],
-                                                        c["alpha"], c["beta"])
+            want = [
+                moefuse.rmsnorm(full, c["weight"]),
+                moefuse.rmsnorm_quant(full, c["weight"], c["scale"]),
+            ]
+            want += moefuse.rmsnorm_fp4_quantize(
+                full, c["weight"], c["gs"], layout="swizzled_128x4"
+            )
+            want += moefuse.gated_residual_next_rmsnorm(
+                full, c_i["residual"], c["weight"], c["alpha"], c["beta"]
+            )
             for j, (a, b) in enumerate(zip(outs, want)):
-                same_bits(a.view(torch.uint8) if j == 1 else a,
-                          b.view(torch.uint8) if j == 1 else b, f"M={m} replay {i} output {j}")
+                same_bits(
+                    a.view(torch.uint8) if j == 1 else a,
+                    b.view(torch.uint8) if j == 1 else b,
+                    f"M={m} replay {i} output {j}",
+                )
         del graph
         ws.check()
         ws.close()
@@ -237,8 +303,13 @@ def scenario_bounded_wait(rank, _, m=4):
     c = make_case(5, m, h, dev)
     x = shard_of(c["full"], rank)
     ws = make_ws(moefuse, m, h, dev, timeout_s=timeout)
-    call = lambda: moefuse.all_gather_rmsnorm(x, c["weight"], workspace=ws,  # noqa: E731
-                                              algorithm="oneshot", impl="triton")
+    call = lambda: moefuse.all_gather_rmsnorm(
+        x,
+        c["weight"],
+        workspace=ws,  # noqa: E731
+        algorithm="oneshot",
+        impl="triton",
+    )
     call()
     ws.check()
     elapsed = None
@@ -269,8 +340,9 @@ def scenario_persistent(rank, _, env):
     """The persistent gather + rmsnorm kernel (comm/all_gather/persistent.py, the default above
     M = 64) under the knobs ``env``: bitwise equal to moefuse.rmsnorm eager (PDL on / off) and
     in replayed CUDA graphs, at token counts that are not multiples of anything."""
-    return one_kernel_checks(rank, {"MOEFUSE_ALLGATHER_LARGE": "fused", **env}, (65, 1000, 4097),
-                             f"persistent {env}")  # fmt: skip
+    return one_kernel_checks(
+        rank, {"MOEFUSE_ALLGATHER_LARGE": "fused", **env}, (65, 1000, 4097), f"persistent {env}"
+    )
 
 
 def op_outputs(moefuse, op, x, c, ws, *, pdl=None, outs=None):
@@ -281,29 +353,49 @@ def op_outputs(moefuse, op, x, c, ws, *, pdl=None, outs=None):
         m, h = c["residual"].shape
         outs = outs or (None, None, torch.empty(m, h, device=x.device))
         ro, ffn = moefuse.all_gather_gated_residual_next_rmsnorm(
-            x, c["residual"], c["alpha"], c["beta"], c["weight"], post_weight=c["post_weight"],
-            residual_out=outs[0], ffn_input=outs[1], router_input=outs[2], **kw)  # fmt: skip
+            x,
+            c["residual"],
+            c["alpha"],
+            c["beta"],
+            c["weight"],
+            post_weight=c["post_weight"],
+            residual_out=outs[0],
+            ffn_input=outs[1],
+            router_input=outs[2],
+            **kw,
+        )
         return ro, ffn, outs[2]
     outs = outs or (None, None)
     if op == "rmsnorm":
         return (moefuse.all_gather_rmsnorm(x, c["weight"], out=outs[0], **kw),)
     if op == "fp8":
         out = outs[0].view(torch.float8_e4m3fn) if outs[0] is not None else None
-        return (moefuse.all_gather_rmsnorm_fp8(x, c["weight"], c["scale"], out=out,
-                                               **kw).view(torch.uint8),)  # fmt: skip
+        return (
+            moefuse.all_gather_rmsnorm_fp8(x, c["weight"], c["scale"], out=out, **kw).view(
+                torch.uint8
+            ),
+        )
     layout = "swizzled_128x4" if op == "fp4_swz" else "linear"
-    return tuple(moefuse.all_gather_rmsnorm_fp4_quantize(x, c["weight"], c["gs"], layout=layout,
-                                                         out=outs[0], scale_out=outs[1], **kw))
+    return tuple(
+        moefuse.all_gather_rmsnorm_fp4_quantize(
+            x, c["weight"], c["gs"], layout=layout, out=outs[0], scale_out=outs[1], **kw
+        )
+    )
 
 
 def op_reference(moefuse, op, full, c):
     """The single-GPU op of ``op`` on the full rows (the definition)."""
     if op == "gated":
         router = torch.empty(full.shape, device=full.device)
-        ro, ffn = moefuse.gated_residual_next_rmsnorm(full, c["residual"], c["weight"],
-                                                      c["alpha"], c["beta"],
-                                                      post_weight=c["post_weight"],
-                                                      router_input=router)  # fmt: skip
+        ro, ffn = moefuse.gated_residual_next_rmsnorm(
+            full,
+            c["residual"],
+            c["weight"],
+            c["alpha"],
+            c["beta"],
+            post_weight=c["post_weight"],
+            router_input=router,
+        )
         return ro, ffn, router
     if op == "rmsnorm":
         return (moefuse.rmsnorm(full, c["weight"]),)
@@ -367,8 +459,10 @@ def scenario_quant_one_launch(rank, _, op):
     from moefuse.comm.all_gather import persistent as allgather_fused
 
     counts = {"decode": 0, "persistent": 0}
-    for module, name, key in ((allgather_decode, "launch_ag_rmsnorm", "decode"),
-                              (allgather_fused, "launch_ag_rmsnorm_persistent", "persistent")):
+    for module, name, key in (
+        (allgather_decode, "launch_ag_rmsnorm", "decode"),
+        (allgather_fused, "launch_ag_rmsnorm_persistent", "persistent"),
+    ):
         real = getattr(module, name)
 
         def counted(*args, _real=real, _key=key, **kwargs):
@@ -380,9 +474,17 @@ def scenario_quant_one_launch(rank, _, op):
     one_kernel_checks(rank, {}, (1, 7, 64, 300, 1000, 4096), "defaults", op)
     assert counts["decode"] > 0 and counts["persistent"] > 0, counts
     n = dict(counts)
-    one_kernel_checks(rank, {"MOEFUSE_ALLGATHER_LARGE": "fused", "MOEFUSE_ALLGATHER_FUSED_GRID":
-                             "7", "MOEFUSE_ALLGATHER_ONE_LAUNCH": "0"}, (65, 4097),
-                      "persistent grid 7", op)  # fmt: skip
+    one_kernel_checks(
+        rank,
+        {
+            "MOEFUSE_ALLGATHER_LARGE": "fused",
+            "MOEFUSE_ALLGATHER_FUSED_GRID": "7",
+            "MOEFUSE_ALLGATHER_ONE_LAUNCH": "0",
+        },
+        (65, 4097),
+        "persistent grid 7",
+        op,
+    )
     assert counts["decode"] == n["decode"] and counts["persistent"] > n["persistent"], counts
     return True
 

@@ -63,26 +63,44 @@ def scenario_validation(rank, world_size):
     _expect(ValueError, call(impl="cuda"), "impl", ro, no)
     _expect(ValueError, call(residual_out=torch.empty(3, h)), "'residual_out'", ro, no)
     q = poison_(torch.empty(3, h, dtype=torch.uint8))
-    _expect(ValueError, lambda: moefuse.allreduce_residual_rmsnorm_fp8(
-        x, res, w, torch.ones(2), workspace=ws, impl="triton"), "'scale'")  # fmt: skip
-    _expect(ValueError, lambda: moefuse.allreduce_residual_rmsnorm_nvfp4(
-        x, res, w, torch.ones(1), workspace=ws, layout="swizzled", impl="triton"), "'layout'")
+    _expect(
+        ValueError,
+        lambda: moefuse.allreduce_residual_rmsnorm_fp8(
+            x, res, w, torch.ones(2), workspace=ws, impl="triton"
+        ),
+        "'scale'",
+    )
+    _expect(
+        ValueError,
+        lambda: moefuse.allreduce_residual_rmsnorm_nvfp4(
+            x, res, w, torch.ones(1), workspace=ws, layout="swizzled", impl="triton"
+        ),
+        "'layout'",
+    )
     x200 = torch.randn(3, 200).to(BF16)
-    _expect(ValueError, lambda: moefuse.allreduce_residual_rmsnorm_nvfp4(
-        x200, x200, torch.ones(200, dtype=BF16), torch.ones(1), workspace=ws80),
-        "divisible by 16")  # fmt: skip
+    _expect(
+        ValueError,
+        lambda: moefuse.allreduce_residual_rmsnorm_nvfp4(
+            x200, x200, torch.ones(200, dtype=BF16), torch.ones(1), workspace=ws80
+        ),
+        "divisible by 16",
+    )
     _expect(ValueError, lambda: moefuse.allreduce(x, workspace=ws, out=q), "'out'", q)
     assert not moefuse.supports_allreduce_residual_rmsnorm(x, res[:2], w, workspace=ws)
     assert not moefuse.supports_allreduce_residual_rmsnorm_nvfp4(
-        x200, x200, torch.ones(200, dtype=BF16), torch.ones(1), workspace=ws80)  # fmt: skip
+        x200, x200, torch.ones(200, dtype=BF16), torch.ones(1), workspace=ws80
+    )
     assert moefuse.supports_allreduce_residual_rmsnorm(x, res, w, workspace=ws)
     assert moefuse.supports_allreduce_residual_rmsnorm_fp8(x, res, w, torch.ones(1), workspace=ws)
 
     # explicit requests that cannot run raise (same decision on every rank: no desync)
     small = moefuse.AllReduceWorkspace(None, 2, h, BF16, "cpu", oneshot_max_tokens=1)
     _expect(RuntimeError, call(workspace=small), "cannot run", ro, no)  # 3 tokens > max_tokens
-    _expect(RuntimeError, lambda: moefuse.allreduce(x[:2], workspace=small, algorithm="oneshot",
-                                                    impl="triton"), "one-shot holds")  # fmt: skip
+    _expect(
+        RuntimeError,
+        lambda: moefuse.allreduce(x[:2], workspace=small, algorithm="oneshot", impl="triton"),
+        "one-shot holds",
+    )
     small.close()
     ws80.close()
 
@@ -94,8 +112,9 @@ def scenario_validation(rank, world_size):
     for algo in ("oneshot", "twoshot", "torch"):
         # in place: residual_out is residual, norm_out is input
         xi, ri = x.clone(), res.clone()
-        out = ar(xi, ri, w, workspace=ws, residual_out=ri, norm_out=xi, algorithm=algo,
-                 impl="triton")  # fmt: skip
+        out = ar(
+            xi, ri, w, workspace=ws, residual_out=ri, norm_out=xi, algorithm=algo, impl="triton"
+        )
         assert out[0] is ri and out[1] is xi
         ro_k, no_k = ar(x, res, w, workspace=ws, algorithm=algo, impl="triton")
         assert_bitwise_equal(ri, h_ref, f"{algo} in-place residual_out")
@@ -120,8 +139,11 @@ def scenario_lifecycle(rank, world_size):
     h = 64
     ws = moefuse.AllReduceWorkspace(None, 16, h, BF16, "cpu", timeout_s=60)
     assert ws.peer_access and ws.transport.kind == "shm"
-    shm = [f for f in os.listdir("/dev/shm") if f"moefuse-comm-{os.getpid()}-" in f] \
-        if os.path.isdir("/dev/shm") else []  # fmt: skip
+    shm = (
+        [f for f in os.listdir("/dev/shm") if f"moefuse-comm-{os.getpid()}-" in f]
+        if os.path.isdir("/dev/shm")
+        else []
+    )
     assert shm == [], f"shared-memory names must be unlinked once mapped: {shm}"
     x = torch.randn(5, h).to(BF16)
     assert ws.supports(x) and not ws.supports(x[:, :32]) and not ws.supports(x.half())
@@ -140,10 +162,12 @@ def scenario_lifecycle(rank, world_size):
     assert not nopeer.peer_access and nopeer.choose_algorithm(5) == "torch"
     partials, res, w = make_case(5, world_size, 5, h, BF16)
     with ws.capture():
-        expected = moefuse.allreduce_residual_rmsnorm(partials[rank], res, w, workspace=ws,
-                                                      impl="triton")  # fmt: skip
-    got = moefuse.allreduce_residual_rmsnorm(partials[rank], res, w, workspace=nopeer,
-                                             impl="triton")  # fmt: skip
+        expected = moefuse.allreduce_residual_rmsnorm(
+            partials[rank], res, w, workspace=ws, impl="triton"
+        )
+    got = moefuse.allreduce_residual_rmsnorm(
+        partials[rank], res, w, workspace=nopeer, impl="triton"
+    )
     for a, b in zip(got, expected):
         assert_bitwise_equal(a, b, "torch.distributed-only workspace")
     with pytest.raises(RuntimeError, match="peer"):
@@ -171,7 +195,8 @@ def scenario_bounded_wait(rank, world_size, algo):
     x = partials[rank]
     ws = moefuse.AllReduceWorkspace(None, 8, h, BF16, "cpu", timeout_s=timeout)
     call = lambda ws: moefuse.allreduce_residual_rmsnorm(  # noqa: E731
-        x, res, w, workspace=ws, algorithm=algo, impl="triton")
+        x, res, w, workspace=ws, algorithm=algo, impl="triton"
+    )
     call(ws)
     elapsed = None
     if rank != skipper:
@@ -207,19 +232,56 @@ def scenario_opcheck_compile(rank, world_size):
     sc = torch.tensor([0.5])
     cases = [
         (ops.allreduce_op, (x, e(), ws.id, True, "oneshot", False, "triton")),
-        (ops.allreduce_residual_rmsnorm_op,
-         (x, res, w, e(), e(), ws.id, 1e-6, 0.0, True, "twoshot", False, "triton")),
-        (ops.allreduce_residual_rmsnorm_fp8_op,
-         (x, res, w, sc, e(), None, e(torch.uint8), ws.id, 1e-6, 1.0, True, "torch",
-          False, "triton")),
-        (ops.allreduce_residual_rmsnorm_nvfp4_op,
-         (x, res, w, sc, e(), e(), e(torch.uint8, (3, h // 2)), e(torch.uint8, (128, 4)), ws.id,
-          1e-6, 0.0, 0, False, "oneshot", False, "triton")),
-    ]  # fmt: skip
+        (
+            ops.allreduce_residual_rmsnorm_op,
+            (x, res, w, e(), e(), ws.id, 1e-6, 0.0, True, "twoshot", False, "triton"),
+        ),
+        (
+            ops.allreduce_residual_rmsnorm_fp8_op,
+            (
+                x,
+                res,
+                w,
+                sc,
+                e(),
+                None,
+                e(torch.uint8),
+                ws.id,
+                1e-6,
+                1.0,
+                True,
+                "torch",
+                False,
+                "triton",
+            ),
+        ),
+        (
+            ops.allreduce_residual_rmsnorm_nvfp4_op,
+            (
+                x,
+                res,
+                w,
+                sc,
+                e(),
+                e(),
+                e(torch.uint8, (3, h // 2)),
+                e(torch.uint8, (128, 4)),
+                ws.id,
+                1e-6,
+                0.0,
+                0,
+                False,
+                "oneshot",
+                False,
+                "triton",
+            ),
+        ),
+    ]
     for i, (op, args) in enumerate(cases):
         utils = None if i == 1 else ("test_schema", "test_faketensor")
-        torch.library.opcheck(op, args, test_utils=utils) if utils else \
-            torch.library.opcheck(op, args)  # fmt: skip
+        torch.library.opcheck(op, args, test_utils=utils) if utils else torch.library.opcheck(
+            op, args
+        )
 
     def layer(x, res, w):
         s = moefuse.allreduce(x, workspace=ws, impl="triton", algorithm="twoshot")
@@ -276,41 +338,84 @@ def scenario_compat(rank, world_size):
     for use_oneshot in (None, True, False):
         algo = {None: "auto", True: "oneshot", False: "twoshot"}[use_oneshot]
         out = e()
-        trtllm_allreduce_fusion(x, *common, Pat.kAllReduce, use_oneshot, allreduce_out=out,
-                                impl="triton")  # fmt: skip
+        trtllm_allreduce_fusion(
+            x, *common, Pat.kAllReduce, use_oneshot, allreduce_out=out, impl="triton"
+        )
         assert_bitwise_equal(out, moefuse.allreduce(x, workspace=ws, impl="triton"), "pattern 0")
         ro, no = e(), e()
-        trtllm_allreduce_fusion(x, *common, Pat.kARResidualRMSNorm, use_oneshot, residual_in=res,
-                                residual_out=ro, norm_out=no, rms_gamma=w, rms_eps=1e-6,
-                                weight_bias=1.0, impl="triton")  # fmt: skip
+        trtllm_allreduce_fusion(
+            x,
+            *common,
+            Pat.kARResidualRMSNorm,
+            use_oneshot,
+            residual_in=res,
+            residual_out=ro,
+            norm_out=no,
+            rms_gamma=w,
+            rms_eps=1e-6,
+            weight_bias=1.0,
+            impl="triton",
+        )
         exp = moefuse.allreduce_residual_rmsnorm(x, res, w, algorithm=algo, **kw)
         assert_bitwise_equal(ro, exp[0], "pattern 1 residual_out")
         assert_bitwise_equal(no, exp[1], "pattern 1 norm_out")
         ro, no, q = e(), e(), e(torch.uint8).view(torch.float8_e4m3fn)
-        trtllm_allreduce_fusion(x, *common, Pat.kARResidualRMSNormOutFP8Quant, use_oneshot,
-                                residual_in=res, residual_out=ro, norm_out=no, quant_out=q,
-                                rms_gamma=w, rms_eps=1e-6, scale_factor=0.5, weight_bias=1.0,
-                                impl="triton")  # fmt: skip
+        trtllm_allreduce_fusion(
+            x,
+            *common,
+            Pat.kARResidualRMSNormOutFP8Quant,
+            use_oneshot,
+            residual_in=res,
+            residual_out=ro,
+            norm_out=no,
+            quant_out=q,
+            rms_gamma=w,
+            rms_eps=1e-6,
+            scale_factor=0.5,
+            weight_bias=1.0,
+            impl="triton",
+        )
         exp = moefuse.allreduce_residual_rmsnorm_out_fp8(x, res, w, sc, **kw)
         for a, b in zip((ro, no, q), exp):
-            assert_bitwise_equal(a.view(torch.uint8) if a.dtype == q.dtype else a,
-                                 b.view(torch.uint8) if b.dtype == q.dtype else b, "pattern 4")
+            assert_bitwise_equal(
+                a.view(torch.uint8) if a.dtype == q.dtype else a,
+                b.view(torch.uint8) if b.dtype == q.dtype else b,
+                "pattern 4",
+            )
         for code, layout in ((0, "swizzled_128x4"), (2, "linear")):
             ro, pk = e(), e(torch.uint8, (m, h // 2))
             sf = e(torch.uint8, scale_layout_shape(m, h // 16, layout))
-            trtllm_allreduce_fusion(x, *common, Pat.kARResidualRMSNormFP4Quant, use_oneshot,
-                                    residual_in=res, residual_out=ro, quant_out=pk,
-                                    scale_out=sf.view(-1), rms_gamma=w, rms_eps=1e-6,
-                                    scale_factor=sc, layout_code=code, weight_bias=1.0,
-                                    impl="triton")  # fmt: skip
+            trtllm_allreduce_fusion(
+                x,
+                *common,
+                Pat.kARResidualRMSNormFP4Quant,
+                use_oneshot,
+                residual_in=res,
+                residual_out=ro,
+                quant_out=pk,
+                scale_out=sf.view(-1),
+                rms_gamma=w,
+                rms_eps=1e-6,
+                scale_factor=sc,
+                layout_code=code,
+                weight_bias=1.0,
+                impl="triton",
+            )
             exp = moefuse.allreduce_residual_rmsnorm_nvfp4(x, res, w, sc, layout=layout, **kw)
             for a, b in zip((ro, pk, sf), exp):
                 assert_bitwise_equal(a, b, f"pattern 3 {layout}")
     # pattern 7 is moefuse.compat._moe_reduction's (tests/test_comm_moe_reduction.py): its MoE
     # arguments are required keywords
     with pytest.raises(ValueError, match="expanded_idx_to_permuted_idx"):
-        trtllm_allreduce_fusion(x, *common, Pat.kMoEFinalizeARResidualRMSNorm, None,
-                                residual_in=res, residual_out=e(), rms_gamma=w)  # fmt: skip
+        trtllm_allreduce_fusion(
+            x,
+            *common,
+            Pat.kMoEFinalizeARResidualRMSNorm,
+            None,
+            residual_in=res,
+            residual_out=e(),
+            rms_gamma=w,
+        )
     ws.close()
     return True
 

@@ -111,8 +111,9 @@ def _weighted_magnitude(rows, weights, idx, norm_weight, opts):
     valid, x = ref._slot_rows(rows, idx, h)
     y = torch.zeros_like(x)
     if valid.any():
-        y[valid] = ref.expert_norm(x[valid], norm_weight, opts["eps"], opts["gain_center"],
-                                   opts["weight_before_norm"]).abs()  # fmt: skip
+        y[valid] = ref.expert_norm(
+            x[valid], norm_weight, opts["eps"], opts["gain_center"], opts["weight_before_norm"]
+        ).abs()
     w = torch.where(valid, weights.float(), 0.0).abs()
     return (y * w[..., None]).sum(1)
 
@@ -138,22 +139,36 @@ def assert_ep_close(out, rows, weights, idxs, norm_weight, opts, what):
     rounding may cross into the next binade), and the rounded rank sum by that total plus one
     ulp of the larger of the result and the expected value (round-to-nearest on both sides).
     A skipped or doubled slot is off by far more."""
-    exp = ref.moe_finalize_rmsnorm_allreduce_from_ranks(rows, [weights] * len(rows), idxs,
-                                                        norm_weight, **opts)  # fmt: skip
+    exp = ref.moe_finalize_rmsnorm_allreduce_from_ranks(
+        rows, [weights] * len(rows), idxs, norm_weight, **opts
+    )
     parts = [ref.ep_local_partial(r, weights, i, norm_weight, **opts) for r, i in zip(rows, idxs)]
     assert not out.isnan().any(), f"{what}: NaN in the output (a non-local row was read)"
     larger = torch.maximum(out.float().abs(), exp.float().abs())
     allow = _bf16_ulp(larger) + sum(2 * _bf16_ulp(p) for p in parts)
-    allow = allow + sum(_weighted_magnitude([r], weights, i, norm_weight, opts) * 2.0**-20
-                        for r, i in zip(rows, idxs))  # fmt: skip
+    allow = allow + sum(
+        _weighted_magnitude([r], weights, i, norm_weight, opts) * 2.0**-20
+        for r, i in zip(rows, idxs)
+    )
     diff = (out.float() - exp.float()).abs()
     bad = diff > allow
     if bad.any():
         where = bad.nonzero()[:4].tolist()
-        detail = [(t, c, float(out[t, c]), float(exp[t, c]), [float(p[t, c]) for p in parts],
-                   float(allow[t, c])) for t, c in where]  # fmt: skip
-        raise AssertionError(f"{what}: {int(bad.sum())} elements off, max diff {diff.max()}; "
-                             f"(token, column, out, expected, rank partials, allowed): {detail}")
+        detail = [
+            (
+                t,
+                c,
+                float(out[t, c]),
+                float(exp[t, c]),
+                [float(p[t, c]) for p in parts],
+                float(allow[t, c]),
+            )
+            for t, c in where
+        ]
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} elements off, max diff {diff.max()}; "
+            f"(token, column, out, expected, rank partials, allowed): {detail}"
+        )
 
 
 # ----------------------------------------------------------------------------- references
@@ -162,8 +177,9 @@ def test_tp_reference_matches_formulas():
     grouped order)."""
     partials, weights, idx, nw = make_tp_case(5, 3, 4, 40, 5)
     for wbn, gc in ((True, 0.0), (False, 1.0)):
-        got = ref.tp_moe_finalize_rmsnorm_from_ranks(partials, weights, idx, nw, eps=1e-6,
-                                                     gain_center=gc, weight_before_norm=wbn)
+        got = ref.tp_moe_finalize_rmsnorm_from_ranks(
+            partials, weights, idx, nw, eps=1e-6, gain_center=gc, weight_before_norm=wbn
+        )
         g = nw.double() + gc
         for t in range(4):
             out = torch.zeros(40, dtype=torch.float64)
@@ -191,8 +207,10 @@ def test_ep_reference_skips_nonlocal_routes():
     out = ref.moe_finalize_rmsnorm_allreduce_from_ranks(rows, [weights] * 2, idxs, nw, eps=1e-6)
     assert not out.isnan().any()
     assert bits(out[1]).eq(0).all()
-    parts = [ref.ep_local_partial(r, weights, i, nw, eps=1e-6, gain_center=0.0,
-                                  weight_before_norm=True) for r, i in zip(rows, idxs)]
+    parts = [
+        ref.ep_local_partial(r, weights, i, nw, eps=1e-6, gain_center=0.0, weight_before_norm=True)
+        for r, i in zip(rows, idxs)
+    ]
     assert_bitwise_equal(out, (parts[0].float() + parts[1].float()).to(BF16), "rank-order sum")
 
 
@@ -222,11 +240,13 @@ def scenario_tp(rank, world_size, cases, capacity):
     spaces = {}
     for i, (h, k, m) in enumerate(cases):
         if (h, k) not in spaces:
-            spaces[(h, k)] = moefuse.ExpertNormWorkspace(None, h, k, "cpu", timeout_s=120,
-                                                         max_tokens=capacity)  # fmt: skip
+            spaces[(h, k)] = moefuse.ExpertNormWorkspace(
+                None, h, k, "cpu", timeout_s=120, max_tokens=capacity
+            )
         xws = spaces[(h, k)]
-        partials, weights, idx, nw = make_tp_case(seed_of("tp", h, k, m), world_size, m, h, k,
-                                                  (torch.float32, BF16)[i % 2])  # fmt: skip
+        partials, weights, idx, nw = make_tp_case(
+            seed_of("tp", h, k, m), world_size, m, h, k, (torch.float32, BF16)[i % 2]
+        )
         opts = _tp_opts(i)
         rows = partials[rank]
         what = f"rank {rank} P={world_size} H={h} K={k} M={m} {opts}"
@@ -234,8 +254,9 @@ def scenario_tp(rank, world_size, cases, capacity):
         for algo in TP_ALGOS:
             out = poison_(torch.empty(m, h, dtype=BF16))
             gen = _generation(xws.ar)
-            got = moefuse.tp_moe_finalize_rmsnorm(rows, weights, idx, nw, out, workspace=xws,
-                                                  algorithm=algo, impl="triton", **opts)
+            got = moefuse.tp_moe_finalize_rmsnorm(
+                rows, weights, idx, nw, out, workspace=xws, algorithm=algo, impl="triton", **opts
+            )
             assert got is out
             if algo == "slot_oneshot":  # one generation per launch (chunks of slot_capacity)
                 launches = -(-m // xws.slot_capacity)
@@ -243,8 +264,9 @@ def scenario_tp(rank, world_size, cases, capacity):
             assert_tp_close(out, partials, weights, idx, nw, opts, f"{what} {algo}")
             first = out if first is None else first
             assert_bitwise_equal(out, first, f"{what} {algo} vs {TP_ALGOS[0]}")
-        ref_out = moefuse.tp_moe_finalize_rmsnorm(rows, weights, idx, nw, workspace=xws,
-                                                  impl="reference", **opts)  # fmt: skip
+        ref_out = moefuse.tp_moe_finalize_rmsnorm(
+            rows, weights, idx, nw, workspace=xws, impl="reference", **opts
+        )
         exp = ref.tp_moe_finalize_rmsnorm_from_ranks(partials, weights, idx, nw, **opts)
         assert_bitwise_equal(ref_out, exp, f"{what} impl=reference")
         # auto runs one token (and these small batches) with "slot_oneshot"; the batch matched
@@ -252,8 +274,9 @@ def scenario_tp(rank, world_size, cases, capacity):
         assert xws.choose_algorithm(1) == "slot_oneshot", xws.choose_algorithm(1)
         if m > 1:
             t = m // 2 + 1
-            alone = moefuse.tp_moe_finalize_rmsnorm(rows, weights[t : t + 1], idx[t : t + 1], nw,
-                                                    workspace=xws, impl="triton", **opts)
+            alone = moefuse.tp_moe_finalize_rmsnorm(
+                rows, weights[t : t + 1], idx[t : t + 1], nw, workspace=xws, impl="triton", **opts
+            )
             assert_bitwise_equal(alone, first[t : t + 1], f"{what} token {t} alone")
         digests.append(hashlib.sha1(bits(first).numpy().tobytes()).hexdigest())
     for xws in spaces.values():
@@ -269,8 +292,9 @@ def _assert_ranks_agree(results):
 
 def scenario_tp_ep(rank, world_size, tp_cases, capacity, ep_cases):
     """One process group for both ops (process start-up dominates the CPU run time)."""
-    return scenario_tp(rank, world_size, tp_cases, capacity) + \
-        scenario_ep(rank, world_size, ep_cases)  # fmt: skip
+    return scenario_tp(rank, world_size, tp_cases, capacity) + scenario_ep(
+        rank, world_size, ep_cases
+    )
 
 
 def test_two_ranks():
@@ -285,8 +309,7 @@ def test_two_ranks():
 def test_three_ranks():
     """P = 3: K = 5 (groups of 2: 2 + 2 + 1), K = 2 < P (rank 2 owns no group); EP at M = 1.
     (More ranks than the CI machine's 2 cores: waiting ranks spin, so the cases stay small.)"""
-    _assert_ranks_agree(run_group(3, scenario_tp_ep, [(40, 5, 3), (40, 2, 1)], None,
-                                  [(40, 3, 1)]))  # fmt: skip
+    _assert_ranks_agree(run_group(3, scenario_tp_ep, [(40, 5, 3), (40, 2, 1)], None, [(40, 3, 1)]))
 
 
 def test_four_ranks_smallest():
@@ -306,8 +329,9 @@ def scenario_ep(rank, world_size, cases):
     digests = []
     for i, (h, k, m) in enumerate(cases):
         ws = moefuse.AllReduceWorkspace(None, max(8, m), h, BF16, "cpu", timeout_s=120)
-        rows, weights, idxs, nw = make_ep_case(seed_of("ep", h, k, m), world_size, m, h, k,
-                                               (BF16, torch.float32)[i % 2])  # fmt: skip
+        rows, weights, idxs, nw = make_ep_case(
+            seed_of("ep", h, k, m), world_size, m, h, k, (BF16, torch.float32)[i % 2]
+        )
         opts = _tp_opts(i)
         what = f"rank {rank} P={world_size} H={h} K={k} M={m} {opts}"
         first = None
@@ -316,23 +340,34 @@ def scenario_ep(rank, world_size, cases):
             os.environ["MOEFUSE_EP_PREFETCH_ROWS"] = prefetch
             fastpath.clear()  # recorded launch plans do not read the environment
             out = poison_(torch.empty(m, h, dtype=BF16))
-            moefuse.moe_finalize_rmsnorm_allreduce(rows[rank], weights, idxs[rank], nw, out,
-                                                   workspace=ws, algorithm=algo, impl="triton",
-                                                   **opts)  # fmt: skip
+            moefuse.moe_finalize_rmsnorm_allreduce(
+                rows[rank],
+                weights,
+                idxs[rank],
+                nw,
+                out,
+                workspace=ws,
+                algorithm=algo,
+                impl="triton",
+                **opts,
+            )
             assert_ep_close(out, rows, weights, idxs, nw, opts, f"{what} {algo} pf={prefetch}")
             first = out if first is None else first
             assert_bitwise_equal(out, first, f"{what} {algo} pf={prefetch} vs {EP_ALGOS[0]}")
         os.environ.pop("MOEFUSE_EP_PREFETCH_ROWS")
         fastpath.clear()
-        ref_out = moefuse.moe_finalize_rmsnorm_allreduce(rows[rank], weights, idxs[rank], nw,
-                                                         workspace=ws, impl="reference", **opts)
-        exp = ref.moe_finalize_rmsnorm_allreduce_from_ranks(rows, [weights] * world_size, idxs,
-                                                            nw, **opts)  # fmt: skip
+        ref_out = moefuse.moe_finalize_rmsnorm_allreduce(
+            rows[rank], weights, idxs[rank], nw, workspace=ws, impl="reference", **opts
+        )
+        exp = ref.moe_finalize_rmsnorm_allreduce_from_ranks(
+            rows, [weights] * world_size, idxs, nw, **opts
+        )
         assert_bitwise_equal(ref_out, exp, f"{what} impl=reference")
         if m > 1:
             t = m - 1
             alone = moefuse.moe_finalize_rmsnorm_allreduce(
-                rows[rank], weights[t:], idxs[rank][t:], nw, workspace=ws, impl="triton", **opts)
+                rows[rank], weights[t:], idxs[rank][t:], nw, workspace=ws, impl="triton", **opts
+            )
             assert_bitwise_equal(alone, first[t:], f"{what} token alone")
         digests.append(hashlib.sha1(bits(first).numpy().tobytes()).hexdigest())
         ws.close()
@@ -356,8 +391,14 @@ def scenario_api(rank, world_size):
     out = poison_(torch.empty(m, h, dtype=BF16))
 
     def expect(match, **change):
-        args = dict(gemm2_permuted=rows, expert_weights=weights,
-                    expanded_idx_to_permuted_idx=idx, norm_weight=nw, output=out, **opts)
+        args = dict(
+            gemm2_permuted=rows,
+            expert_weights=weights,
+            expanded_idx_to_permuted_idx=idx,
+            norm_weight=nw,
+            output=out,
+            **opts,
+        )
         args.update(change)
         with pytest.raises(ValueError, match=match):
             moefuse.tp_moe_finalize_rmsnorm(**args)
@@ -393,21 +434,25 @@ def scenario_api(rank, world_size):
     empty = moefuse.tp_moe_finalize_rmsnorm(rows, weights[:0], idx[:0], nw, **opts)
     assert empty.shape == (0, h)
     for algo in ("expert_owner", "staged"):  # R = 0: every slot invalid, nothing read: +0.0
-        zero = moefuse.tp_moe_finalize_rmsnorm(rows[:0], weights, idx, nw, algorithm=algo,
-                                               impl="triton", **opts)  # fmt: skip
+        zero = moefuse.tp_moe_finalize_rmsnorm(
+            rows[:0], weights, idx, nw, algorithm=algo, impl="triton", **opts
+        )
         assert bits(zero).eq(0).all(), algo
     moefuse.shutdown_tp_moe_finalize_rmsnorm()
 
     # custom ops: opcheck and torch.compile
     xws = moefuse.ExpertNormWorkspace(None, h, k, "cpu", timeout_s=120)
     e = torch.empty(m, h, dtype=BF16)
-    torch.library.opcheck(xops.tp_moe_finalize_rmsnorm_op,
-                          (rows, weights, idx, nw, e, xws.id, 1e-6, 0.0, True, "token_owner",
-                           False, "triton"), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        xops.tp_moe_finalize_rmsnorm_op,
+        (rows, weights, idx, nw, e, xws.id, 1e-6, 0.0, True, "token_owner", False, "triton"),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
     def layer(rows, weights, idx, nw):
-        return moefuse.tp_moe_finalize_rmsnorm(rows, weights, idx, nw, workspace=xws,
-                                               impl="triton", **opts)  # fmt: skip
+        return moefuse.tp_moe_finalize_rmsnorm(
+            rows, weights, idx, nw, workspace=xws, impl="triton", **opts
+        )
 
     eager = layer(rows, weights, idx, nw)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(rows, weights, idx, nw)
@@ -417,24 +462,49 @@ def scenario_api(rank, world_size):
 
     # EP: compat workspace class (FlashInfer's lifecycle) and call style
     rws, ew, eidx, enw = make_ep_case(12, world_size, m, 48, k)
-    cws = fi.MNNVLCuteDSLMoEFinalizeAllReduceWorkspace(world_size, rank, 8, 48, k, group=None,
-                                                       device="cpu")  # fmt: skip
+    cws = fi.MNNVLCuteDSLMoEFinalizeAllReduceWorkspace(
+        world_size, rank, 8, 48, k, group=None, device="cpu"
+    )
     cws.compile(rws[rank].stride(0), ew.dtype, 1e-6)
     eout = torch.empty(m, 48, dtype=BF16)
-    assert cws.check_support(fi.supports_moe_finalize_rmsnorm_allreduce(
-        cws, rws[rank], ew, eidx[rank], enw, eout))  # fmt: skip
+    assert cws.check_support(
+        fi.supports_moe_finalize_rmsnorm_allreduce(cws, rws[rank], ew, eidx[rank], enw, eout)
+    )
     fi.moe_finalize_rmsnorm_allreduce(rws[rank], ew, eidx[rank], enw, eout, cws, eps=1e-6)
-    assert_ep_close(eout, rws, ew, eidx, enw,
-                    dict(eps=1e-6, gain_center=0.0, weight_before_norm=True), "compat EP")
-    torch.library.opcheck(xops.moe_finalize_rmsnorm_allreduce_op,
-                          (rws[rank], ew, eidx[rank], enw, torch.empty(m, 48, dtype=BF16),
-                           cws.workspace.id, 1e-6, 0.0, True, "oneshot", False, "triton"),
-                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    assert_ep_close(
+        eout,
+        rws,
+        ew,
+        eidx,
+        enw,
+        dict(eps=1e-6, gain_center=0.0, weight_before_norm=True),
+        "compat EP",
+    )
+    torch.library.opcheck(
+        xops.moe_finalize_rmsnorm_allreduce_op,
+        (
+            rws[rank],
+            ew,
+            eidx[rank],
+            enw,
+            torch.empty(m, 48, dtype=BF16),
+            cws.workspace.id,
+            1e-6,
+            0.0,
+            True,
+            "oneshot",
+            False,
+            "triton",
+        ),
+        test_utils=("test_schema", "test_faketensor"),
+    )
     with pytest.raises(ValueError, match="'workspace'"):
-        moefuse.moe_finalize_rmsnorm_allreduce(rws[rank], ew, eidx[rank], enw, workspace=None,
-                                               eps=1e-6)  # fmt: skip
-    none = moefuse.moe_finalize_rmsnorm_allreduce(rws[rank], ew[:0], eidx[rank][:0], enw,
-                                                  workspace=cws.workspace, eps=1e-6)
+        moefuse.moe_finalize_rmsnorm_allreduce(
+            rws[rank], ew, eidx[rank], enw, workspace=None, eps=1e-6
+        )
+    none = moefuse.moe_finalize_rmsnorm_allreduce(
+        rws[rank], ew[:0], eidx[rank][:0], enw, workspace=cws.workspace, eps=1e-6
+    )
     assert none.shape == (0, 48)  # M = 0: no communication
     cws.destroy()
     return scenario_bounded_wait(rank, world_size)
@@ -459,8 +529,16 @@ def scenario_bounded_wait(rank, world_size):
         xws = moefuse.ExpertNormWorkspace(None, h, k, "cpu", timeout_s=2.0)
         if rank != world_size - 1:
             with pytest.raises(RuntimeError, match=rf"rank\(s\) {world_size - 1} "):
-                moefuse.tp_moe_finalize_rmsnorm(partials[rank], weights, idx, nw, workspace=xws,
-                                                algorithm=algo, impl="triton", **opts)
+                moefuse.tp_moe_finalize_rmsnorm(
+                    partials[rank],
+                    weights,
+                    idx,
+                    nw,
+                    workspace=xws,
+                    algorithm=algo,
+                    impl="triton",
+                    **opts,
+                )
         dist.barrier()
         xws.close()
     return True

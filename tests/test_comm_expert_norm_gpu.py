@@ -137,26 +137,42 @@ def scenario_tp_full(rank, world_size):
             i += 1  # options per (H, K), not per M: fewer kernel specializations to compile
             opts = _opts(i)
             for m in TOKENS:
-                parts, w, idx, nw = tp_case(1000 * h + 10 * k + m, world_size, m, h, k, dev,
-                                            (torch.float32, BF16)[i % 2])  # fmt: skip
+                parts, w, idx, nw = tp_case(
+                    1000 * h + 10 * k + m, world_size, m, h, k, dev, (torch.float32, BF16)[i % 2]
+                )
                 what = f"TP H={h} K={k} M={m} {opts}"
                 first = None
                 for j, algo in enumerate(TP_ALGOS):
                     out = moefuse.tp_moe_finalize_rmsnorm(
-                        parts[rank], w, idx, nw, workspace=xws, algorithm=algo, impl="triton",
-                        enable_pdl=j % 2 == 0, **opts)  # fmt: skip
+                        parts[rank],
+                        w,
+                        idx,
+                        nw,
+                        workspace=xws,
+                        algorithm=algo,
+                        impl="triton",
+                        enable_pdl=j % 2 == 0,
+                        **opts,
+                    )
                     if first is None:
                         assert_tp_close(out, parts, w, idx, nw, opts, f"{what} {algo}")
                         first = out
                     same_bits(out, first, f"{what} {algo} vs {TP_ALGOS[0]}")
-                auto = moefuse.tp_moe_finalize_rmsnorm(parts[rank], w, idx, nw, workspace=xws,
-                                                       impl="triton", **opts)  # fmt: skip
+                auto = moefuse.tp_moe_finalize_rmsnorm(
+                    parts[rank], w, idx, nw, workspace=xws, impl="triton", **opts
+                )
                 same_bits(auto, first, f"{what} auto")
                 if m == max(TOKENS):
                     for t in (0, 1, m // 2, m - 1):
                         alone = moefuse.tp_moe_finalize_rmsnorm(
-                            parts[rank], w[t : t + 1], idx[t : t + 1], nw, workspace=xws,
-                            impl="triton", **opts)  # fmt: skip
+                            parts[rank],
+                            w[t : t + 1],
+                            idx[t : t + 1],
+                            nw,
+                            workspace=xws,
+                            impl="triton",
+                            **opts,
+                        )
                         same_bits(alone, first[t : t + 1], f"{what} token {t} alone")
                 assert_ranks_agree(checksum(first), what)
             xws.check()
@@ -175,14 +191,23 @@ def scenario_ep_full(rank, world_size):
             i += 1
             opts = _opts(i)
             for m in TOKENS:
-                rows, w, idxs, nw = ep_case(1000 * h + 10 * k + m, world_size, m, h, k, dev,
-                                            (BF16, torch.float32)[i % 2])  # fmt: skip
+                rows, w, idxs, nw = ep_case(
+                    1000 * h + 10 * k + m, world_size, m, h, k, dev, (BF16, torch.float32)[i % 2]
+                )
                 what = f"EP H={h} K={k} M={m} {opts}"
                 first = None
                 for j, algo in enumerate(EP_ALGOS):
                     out = moefuse.moe_finalize_rmsnorm_allreduce(
-                        rows[rank], w, idxs[rank], nw, workspace=ws, algorithm=algo,
-                        impl="triton", enable_pdl=j % 2 == 0, **opts)  # fmt: skip
+                        rows[rank],
+                        w,
+                        idxs[rank],
+                        nw,
+                        workspace=ws,
+                        algorithm=algo,
+                        impl="triton",
+                        enable_pdl=j % 2 == 0,
+                        **opts,
+                    )
                     if first is None:
                         assert_ep_close(out, rows, w, idxs, nw, opts, f"{what} {algo}")
                         first = out
@@ -190,8 +215,14 @@ def scenario_ep_full(rank, world_size):
                 if m == max(TOKENS):
                     t = m // 2
                     alone = moefuse.moe_finalize_rmsnorm_allreduce(
-                        rows[rank], w[t : t + 1], idxs[rank][t : t + 1], nw, workspace=ws,
-                        impl="triton", **opts)  # fmt: skip
+                        rows[rank],
+                        w[t : t + 1],
+                        idxs[rank][t : t + 1],
+                        nw,
+                        workspace=ws,
+                        impl="triton",
+                        **opts,
+                    )
                     same_bits(alone, first[t : t + 1], f"{what} token {t} alone")
                 assert_ranks_agree(checksum(first), what)
         ws.check()
@@ -217,12 +248,42 @@ def scenario_graph_replays(rank, world_size, replays):
     r_cap = m * k + 2  # fixed row count: any case's local routes fit
     er, ew, eidxs, _ = ep_case(8, world_size, m, h, k, dev, r_cap=r_cap)
     erows, ewb, eib = er[rank].clone(), ew.clone(), eidxs[rank].clone()
-    runs = [(f"tp-{a}", lambda a=a, o=None, pdl=None: moefuse.tp_moe_finalize_rmsnorm(
-                rows, wb, ib, nw, o, workspace=xws, algorithm=a, impl="triton", enable_pdl=pdl,
-                **opts)) for a in TP_ALGOS]
-    runs += [(f"ep-{a}", lambda a=a, o=None, pdl=None: moefuse.moe_finalize_rmsnorm_allreduce(
-                erows, ewb, eib, nw, o, workspace=ews, algorithm=a, impl="triton",
-                enable_pdl=pdl, **opts)) for a in EP_ALGOS]  # fmt: skip
+    runs = [
+        (
+            f"tp-{a}",
+            lambda a=a, o=None, pdl=None: moefuse.tp_moe_finalize_rmsnorm(
+                rows,
+                wb,
+                ib,
+                nw,
+                o,
+                workspace=xws,
+                algorithm=a,
+                impl="triton",
+                enable_pdl=pdl,
+                **opts,
+            ),
+        )
+        for a in TP_ALGOS
+    ]
+    runs += [
+        (
+            f"ep-{a}",
+            lambda a=a, o=None, pdl=None: moefuse.moe_finalize_rmsnorm_allreduce(
+                erows,
+                ewb,
+                eib,
+                nw,
+                o,
+                workspace=ews,
+                algorithm=a,
+                impl="triton",
+                enable_pdl=pdl,
+                **opts,
+            ),
+        )
+        for a in EP_ALGOS
+    ]
     for name, run in runs:
         out = torch.empty(m, h, dtype=BF16, device=dev)
         graph = capture_graph(lambda: run(o=out), xws, ews)

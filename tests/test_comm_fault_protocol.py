@@ -35,16 +35,20 @@ def _check(took, name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fault_protocol_threads(name):
     with case_env(name):
-        took = run_loopback_ranks(scenario_fault_protocol, 2, "cpu", name, "cpu",
-                                  SLOW.get(name, TIMEOUT), timeout_s=600)  # fmt: skip
+        took = run_loopback_ranks(
+            scenario_fault_protocol, 2, "cpu", name, "cpu", SLOW.get(name, TIMEOUT), timeout_s=600
+        )
     _check(took, name)
 
 
 def test_idle_rank_learns_by_check_threads():
     name = "all_reduce/twoshot"
     with case_env(name):
-        assert all(run_loopback_ranks(scenario_idle_rank_learns_by_check, 2, "cpu", name, "cpu",
-                                      TIMEOUT, timeout_s=600))  # fmt: skip
+        assert all(
+            run_loopback_ranks(
+                scenario_idle_rank_learns_by_check, 2, "cpu", name, "cpu", TIMEOUT, timeout_s=600
+            )
+        )
 
 
 #: processes: every case, one test per family (its cases in the same two processes)

@@ -46,8 +46,9 @@ def make_case(call_index, world_size):
 def run_call(moefuse, ws, rank, world_size, index, algo):
     """Call number ``index``: checks the result bitwise against the reference when it returns."""
     parts, res, w = make_case(index, world_size)
-    ro, no = moefuse.allreduce_residual_rmsnorm(parts[rank], res, w, workspace=ws,
-                                                algorithm=algo, impl="triton")  # fmt: skip
+    ro, no = moefuse.allreduce_residual_rmsnorm(
+        parts[rank], res, w, workspace=ws, algorithm=algo, impl="triton"
+    )
     h_ref, _ = ref.allreduce_residual_rmsnorm_from_partials(parts, res, w)
     assert_bitwise_equal(ro, h_ref, f"rank {rank} call {index} {algo}")
     return ro, no
@@ -94,8 +95,9 @@ def scenario_late_rank(rank, world_size, algos):
             per_call = min(timeit.repeat(ws.raise_if_failed, number=20000, repeat=5)) / 20000
         call = lambda i: run_call(moefuse, ws, rank, world_size, 10 * k + i, algo)  # noqa: E731
         if rank == 0:
-            elapsed, msg = timed_raise(lambda: call(1),
-                                       r"rank\(s\) 1 \(global rank 1\) never arrived")
+            elapsed, msg = timed_raise(
+                lambda: call(1), r"rank\(s\) 1 \(global rank 1\) never arrived"
+            )
             assert "group" in msg and "close()" in msg, msg
             assert ws.host_status.codes(world_size) == [0, faults.MISSING], "written by kernel"
             dist.barrier()  # rank 1 may come now: after rank 0 gave up
@@ -208,11 +210,18 @@ def test_symm_mem_group_enable_only_where_needed():
 def test_fault_message_names_ranks_and_group():
     from moefuse.comm import faults
 
-    msg = faults.describe([0, faults.MISSING, faults.GAVE_UP, 0], 0b110, rank=0, group="tp",
-                          timeout_s=3, global_rank=lambda r: r + 8)  # fmt: skip
+    msg = faults.describe(
+        [0, faults.MISSING, faults.GAVE_UP, 0],
+        0b110,
+        rank=0,
+        group="tp",
+        timeout_s=3,
+        global_rank=lambda r: r + 8,
+    )
     assert "rank(s) 1 (global rank 9) never arrived within timeout_s=3" in msg, msg
     assert "rank(s) 2 (global rank 10) gave up" in msg and "group 'tp'" in msg, msg
     # a summary bit whose code word is not visible yet still names the rank
-    msg = faults.describe([0, 0, 0, 0], 0b1000, rank=0, group="tp", timeout_s=3,
-                          global_rank=lambda r: r)  # fmt: skip
+    msg = faults.describe(
+        [0, 0, 0, 0], 0b1000, rank=0, group="tp", timeout_s=3, global_rank=lambda r: r
+    )
     assert "rank(s) 3 (global rank 3) never arrived" in msg, msg

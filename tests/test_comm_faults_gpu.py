@@ -60,8 +60,9 @@ def call(moefuse, ws, rank, index, algo, *, check=True):
     from moefuse.testing import assert_bitwise_equal
 
     parts, res, w = make_case(index, P, ws.device)
-    ro, no = moefuse.allreduce_residual_rmsnorm(parts[rank], res, w, workspace=ws,
-                                                algorithm=algo, impl="triton")  # fmt: skip
+    ro, no = moefuse.allreduce_residual_rmsnorm(
+        parts[rank], res, w, workspace=ws, algorithm=algo, impl="triton"
+    )
     if check:
         torch.cuda.synchronize(ws.device)
         ws.raise_if_failed()
@@ -121,8 +122,9 @@ def scenario_late_rank(rank, world_size, algo):
     with pytest.raises(RuntimeError, match="never arrived|gave up"):
         ws.check()
     ws.close()
-    ws = moefuse.AllReduceWorkspace(None, M, H, torch.bfloat16, torch.device("cuda", rank),
-                                    timeout_s=TIMEOUT)  # fmt: skip
+    ws = moefuse.AllReduceWorkspace(
+        None, M, H, torch.bfloat16, torch.device("cuda", rank), timeout_s=TIMEOUT
+    )
     dist.barrier()
     for i, again in ((5, "oneshot"), (6, "twoshot"), (7, "torch")):
         call(moefuse, ws, rank, i, again)
@@ -194,7 +196,8 @@ def scenario_graph_replays(rank, world_size, replays):
     for algo in ("oneshot", "twoshot"):
         ro, no = torch.empty_like(x), torch.empty_like(x)
         run = lambda: moefuse.allreduce_residual_rmsnorm(  # noqa: E731
-            x, res, w, workspace=ws, algorithm=algo, impl="triton", residual_out=ro, norm_out=no)
+            x, res, w, workspace=ws, algorithm=algo, impl="triton", residual_out=ro, norm_out=no
+        )
         graph = capture_graph(run, ws)
         g = torch.Generator(device=dev).manual_seed(77 + rank)
         bad = torch.zeros((), dtype=torch.int64, device=dev)
@@ -205,7 +208,8 @@ def scenario_graph_replays(rank, world_size, replays):
             ro.fill_(float("nan"))
             graph.replay()
             want_ro, want_no = moefuse.allreduce_residual_rmsnorm(
-                x, res, w, workspace=ws, algorithm="torch", impl="triton")
+                x, res, w, workspace=ws, algorithm="torch", impl="triton"
+            )
             bad += (ro.view(torch.int16) != want_ro.view(torch.int16)).sum()
             bad += (no.view(torch.int16) != want_no.view(torch.int16)).sum()
         counts[algo] = int(bad)
@@ -236,7 +240,8 @@ def scenario_graph_failure(rank, world_size, algo):
     x = parts[rank].clone()
     ro, no = torch.empty_like(x), torch.empty_like(x)
     run = lambda: moefuse.allreduce_residual_rmsnorm(  # noqa: E731
-        x, res, w, workspace=ws, algorithm=algo, impl="triton", residual_out=ro, norm_out=no)
+        x, res, w, workspace=ws, algorithm=algo, impl="triton", residual_out=ro, norm_out=no
+    )
     run()
     with ws.capture():
         graph = torch.cuda.CUDAGraph()
@@ -251,8 +256,11 @@ def scenario_graph_failure(rank, world_size, algo):
     torch.cuda.synchronize()
     elapsed = time.monotonic() - t0
     msg = ws.failed()
-    who = "rank(s) 1 (global rank 1) never arrived" if rank == 0 else \
-        "rank(s) 0 (global rank 0) gave up"  # fmt: skip
+    who = (
+        "rank(s) 1 (global rank 1) never arrived"
+        if rank == 0
+        else "rank(s) 0 (global rank 0) gave up"
+    )
     assert msg is not None and who in msg, msg
     with pytest.raises(RuntimeError, match="never arrived|gave up"):
         run()  # the next eager call
@@ -290,8 +298,9 @@ def scenario_no_future_warning(rank, world_size):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ws = moefuse.AllReduceWorkspace(None, M, H, torch.bfloat16, torch.device("cuda", rank),
-                                        transport="symm_mem")  # fmt: skip
+        ws = moefuse.AllReduceWorkspace(
+            None, M, H, torch.bfloat16, torch.device("cuda", rank), transport="symm_mem"
+        )
         assert ws.transport is not None and ws.transport.kind == "symm_mem", repr(ws)
         call(moefuse, ws, rank, 1, "oneshot")
         ws.close()

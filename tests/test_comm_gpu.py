@@ -73,8 +73,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     from moefuse.testing import assert_bitwise_equal
 
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
-    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(
-            a.contiguous().view(view), b.contiguous().view(view)):  # fmt: skip
+    if (
+        a.shape != b.shape
+        or a.dtype != b.dtype
+        or not torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+    ):
         assert_bitwise_equal(a, b, what)
 
 
@@ -111,10 +114,12 @@ def call(moefuse, pattern, ws, x, res, w, algo, *, pdl=None, layout="swizzled_12
         return moefuse.allreduce_residual_rmsnorm(x, res, w, **kw)
     if pattern == "fp8":
         return moefuse.allreduce_residual_rmsnorm_fp8(
-            x, res, w, torch.tensor([FP8_SCALE], device=dev), **kw)
+            x, res, w, torch.tensor([FP8_SCALE], device=dev), **kw
+        )
     if pattern == "fp8_out":
         return moefuse.allreduce_residual_rmsnorm_out_fp8(
-            x, res, w, torch.tensor([FP8_SCALE], device=dev), **kw)
+            x, res, w, torch.tensor([FP8_SCALE], device=dev), **kw
+        )
     gs = torch.tensor([NVFP4_GS], device=dev)
     if pattern == "nvfp4":
         return moefuse.allreduce_residual_rmsnorm_nvfp4(x, res, w, gs, layout=layout, **kw)
@@ -131,8 +136,9 @@ def scenario_full_shapes(rank, world_size):
     dev = _dev(rank)
     for dtype in DTYPES:
         for h in WIDTHS:
-            ws = moefuse.AllReduceWorkspace(None, max(TOKENS), h, dtype, dev,
-                                            oneshot_max_tokens=max(TOKENS))  # fmt: skip
+            ws = moefuse.AllReduceWorkspace(
+                None, max(TOKENS), h, dtype, dev, oneshot_max_tokens=max(TOKENS)
+            )
             for m in TOKENS:
                 parts, res, w = make_case(m * 7 + h, world_size, m, h, dtype, dev)
                 x = parts[rank]
@@ -154,8 +160,9 @@ def scenario_full_shapes(rank, world_size):
                             for a, b in zip(off, outs):
                                 same_bits(a, b, f"{what} PDL off")
                         i = m // 2
-                        alone = call(moefuse, "norm", ws, x[i : i + 1], res[i : i + 1], w, algo,
-                                     wb=wb)  # fmt: skip
+                        alone = call(
+                            moefuse, "norm", ws, x[i : i + 1], res[i : i + 1], w, algo, wb=wb
+                        )
                         for a, b in zip(alone, outs):
                             same_bits(a, b[i : i + 1], f"{what} row alone")
                 assert_ranks_agree(checksum(*first), f"{dtype} H={h} M={m}")
@@ -176,12 +183,17 @@ def scenario_quant(rank, world_size):
     from moefuse.quant import reference as quant_ref
 
     dev = _dev(rank)
-    cases = [("fp8", "swizzled_128x4"), ("fp8_out", "swizzled_128x4"),
-             ("nvfp4", "swizzled_128x4"), ("nvfp4_out", "swizzled_8x4"),
-             ("nvfp4_out", "linear")]  # fmt: skip
+    cases = [
+        ("fp8", "swizzled_128x4"),
+        ("fp8_out", "swizzled_128x4"),
+        ("nvfp4", "swizzled_128x4"),
+        ("nvfp4_out", "swizzled_8x4"),
+        ("nvfp4_out", "linear"),
+    ]
     for h in QUANT_WIDTHS:
-        ws = moefuse.AllReduceWorkspace(None, max(QUANT_TOKENS), h, torch.bfloat16, dev,
-                                        oneshot_max_tokens=max(QUANT_TOKENS))  # fmt: skip
+        ws = moefuse.AllReduceWorkspace(
+            None, max(QUANT_TOKENS), h, torch.bfloat16, dev, oneshot_max_tokens=max(QUANT_TOKENS)
+        )
         for m in QUANT_TOKENS:
             parts, res, w = make_case(m + h, world_size, m, h, torch.bfloat16, dev)
             x = parts[rank]
@@ -194,12 +206,14 @@ def scenario_quant(rank, world_size):
                     if pattern.endswith("_out"):
                         same_bits(outs[1], n_kernel, f"{what} norm_out")
                     if pattern.startswith("fp8"):
-                        q = quant_ref.fp8_quantize_reference(n_kernel,
-                                                             torch.tensor([FP8_SCALE], device=dev))
+                        q = quant_ref.fp8_quantize_reference(
+                            n_kernel, torch.tensor([FP8_SCALE], device=dev)
+                        )
                         same_bits(outs[-1].view(torch.uint8), q.view(torch.uint8), what)
                     else:
                         pk, sf = quant_ref.fp4_quantize_reference(
-                            n_kernel, torch.tensor([NVFP4_GS], device=dev), layout, recipe="ieee")
+                            n_kernel, torch.tensor([NVFP4_GS], device=dev), layout, recipe="ieee"
+                        )
                         same_bits(outs[-2], pk, f"{what} codes")
                         same_bits(outs[-1], sf, f"{what} scales")
                     first = first or outs
@@ -227,7 +241,8 @@ def scenario_graph_replays(rank, world_size, replays):
     for algo in ALGOS:
         ro, no = torch.empty_like(x), torch.empty_like(x)
         run = lambda: moefuse.allreduce_residual_rmsnorm(  # noqa: E731
-            x, res, w, workspace=ws, algorithm=algo, impl="triton", residual_out=ro, norm_out=no)
+            x, res, w, workspace=ws, algorithm=algo, impl="triton", residual_out=ro, norm_out=no
+        )
         graph = capture_graph(run, ws)
         for i in range(replays):
             parts, r_i, _ = make_case(1000 + i, world_size, m, h, torch.bfloat16, dev)
@@ -239,7 +254,8 @@ def scenario_graph_replays(rank, world_size, replays):
             assert_bitwise_equal(ro, h_ref, f"{algo} replay {i} residual_out")
             if i % 100 == 0:
                 eager = moefuse.allreduce_residual_rmsnorm(
-                    x, res, w, workspace=ws, algorithm=algo, impl="triton", enable_pdl=False)
+                    x, res, w, workspace=ws, algorithm=algo, impl="triton", enable_pdl=False
+                )
                 assert_bitwise_equal(no, eager[1], f"{algo} replay {i} norm_out vs eager")
         del graph
     ws.check()
@@ -257,7 +273,8 @@ def scenario_bounded_wait(rank, world_size, algo):
     skipper = world_size - 1
     parts, res, w = make_case(3, world_size, m, h, torch.bfloat16, dev)
     run = lambda ws: moefuse.allreduce_residual_rmsnorm(  # noqa: E731
-        parts[rank], res, w, workspace=ws, algorithm=algo, impl="triton")
+        parts[rank], res, w, workspace=ws, algorithm=algo, impl="triton"
+    )
     # compile with a generous timeout first: ranks finish JIT compilation at different times
     ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev)
     run(ws)
@@ -292,9 +309,12 @@ def scenario_transports(rank, world_size):
 
     dev = _dev(rank)
     h, cap = 4096, 1000
-    spaces = {kind: moefuse.AllReduceWorkspace(None, cap, h, torch.bfloat16, dev, transport=kind,
-                                               oneshot_max_tokens=cap)  # fmt: skip
-              for kind in ("symm_mem", "cuda_ipc")}
+    spaces = {
+        kind: moefuse.AllReduceWorkspace(
+            None, cap, h, torch.bfloat16, dev, transport=kind, oneshot_max_tokens=cap
+        )
+        for kind in ("symm_mem", "cuda_ipc")
+    }
     for kind, ws in spaces.items():
         assert ws.transport is not None and ws.transport.kind == kind, repr(ws)
     for m in (1, 64, 1000):
@@ -311,13 +331,15 @@ def scenario_transports(rank, world_size):
     parts, res, w = make_case(5, world_size, 64, h, torch.bfloat16, dev)
     x, res_out, norm_out = parts[rank], torch.empty_like(res), torch.empty_like(res)
     want = call(moefuse, "norm", spaces["symm_mem"], x, res, w, "auto")
-    moefuse.allreduce_residual_rmsnorm(x, res, w, workspace=ws, residual_out=res_out,
-                                       norm_out=norm_out, impl="triton")  # warm-up (compiles)
+    moefuse.allreduce_residual_rmsnorm(
+        x, res, w, workspace=ws, residual_out=res_out, norm_out=norm_out, impl="triton"
+    )  # warm-up (compiles)
     with ws.capture():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            moefuse.allreduce_residual_rmsnorm(x, res, w, workspace=ws, residual_out=res_out,
-                                               norm_out=norm_out, impl="triton")  # fmt: skip
+            moefuse.allreduce_residual_rmsnorm(
+                x, res, w, workspace=ws, residual_out=res_out, norm_out=norm_out, impl="triton"
+            )
     for rep in range(5):
         res_out.fill_(float("nan"))
         graph.replay()
@@ -348,8 +370,7 @@ def test_quant_patterns(world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_graph_replays_fresh_data(world_size):
     _need(world_size)
-    assert all(run_group(world_size, scenario_graph_replays, 1000, backend="nccl",
-                         timeout_s=600))  # fmt: skip
+    assert all(run_group(world_size, scenario_graph_replays, 1000, backend="nccl", timeout_s=600))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

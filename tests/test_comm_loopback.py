@@ -36,16 +36,26 @@ def scenario_norm(rank, world_size, cfg):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_allreduce_residual_rmsnorm_loopback_ranks(world_size):
-    cfg = dict(dtypes=(torch.bfloat16,), widths=(64, 200), tokens=(1, 5), patterns=("norm",),
-               algorithms=("oneshot", "twoshot", "torch"), batch_invariance=world_size == 2)
+    cfg = dict(
+        dtypes=(torch.bfloat16,),
+        widths=(64, 200),
+        tokens=(1, 5),
+        patterns=("norm",),
+        algorithms=("oneshot", "twoshot", "torch"),
+        batch_invariance=world_size == 2,
+    )
     _assert_ranks_agree(run_loopback_ranks(scenario_norm, world_size, "cpu", cfg))
 
 
 def test_moe_finalize_loopback_ranks():
     from test_comm_moe_reduction import scenario as moe_scenario
 
-    cfg = dict(shapes=((40, (1, 5)),), cases=(("finalize", 2, "stepwise", None),),
-               algorithms=("oneshot", "twoshot", "torch"), alone=False)  # fmt: skip
+    cfg = dict(
+        shapes=((40, (1, 5)),),
+        cases=(("finalize", 2, "stepwise", None),),
+        algorithms=("oneshot", "twoshot", "torch"),
+        alone=False,
+    )
     _assert_ranks_agree(run_loopback_ranks(moe_scenario, 2, "cpu", cfg))
 
 
@@ -83,8 +93,9 @@ def test_loopback_refuses_ranks_in_separate_processes():
     assert got == [(True, False), (True, False)]
 
 
-def run_check_script(out_dir, *options, timeout_s: float = 300.0,
-                     families: tuple | None = None) -> None:  # fmt: skip
+def run_check_script(
+    out_dir, *options, timeout_s: float = 300.0, families: tuple | None = None
+) -> None:
     """``python -m moefuse.tools.loopback_gpu_check`` with ``options`` in a fresh process: exit
     status 0, no case failed or skipped, the op of every family (or of ``families``, the names
     the options pass with ``--families``) passed (used by the GPU file too)."""
@@ -96,13 +107,23 @@ def run_check_script(out_dir, *options, timeout_s: float = 300.0,
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself for --device cpu
-    cmd = [sys.executable, "-m", "moefuse.tools.loopback_gpu_check", "--out", str(out_dir),
-           *options]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moefuse.tools.loopback_gpu_check",
+        "--out",
+        str(out_dir),
+        *options,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    failed = [line for line in proc.stdout.splitlines()
-              if line.startswith(("FAIL", "     ", "HANG", "ERROR"))]  # fmt: skip
-    assert proc.returncode == 0, ("\n".join(failed[:60]) + "\n...\n" + proc.stdout[-3000:]
-                                  + proc.stderr[-3000:])  # fmt: skip
+    failed = [
+        line
+        for line in proc.stdout.splitlines()
+        if line.startswith(("FAIL", "     ", "HANG", "ERROR"))
+    ]
+    assert proc.returncode == 0, (
+        "\n".join(failed[:60]) + "\n...\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    )
     report = json.loads((out_dir / "loopback_gpu_check.json").read_text())
     summary = report.get("summary", {})
     assert summary.get("FAIL") == 0 and summary.get("SKIP") == 0, summary
@@ -125,8 +146,20 @@ def test_first_call_stress_in_the_interpreter(tmp_path):
     On one GPU the same script runs it with ``--stress 200`` (test_comm_loopback_gpu.py)."""
     # bounded waits of 120 s: on a loaded 2-core machine an interpreted peer can be late by
     # more than the script's 30 s default without anything being wrong
-    run_check_script(tmp_path, "--device", "cpu", "--stress", "6", "--hidden", "64,96",
-                     "--tokens", "1,3", "--timeout-s", "120", timeout_s=600)  # fmt: skip
+    run_check_script(
+        tmp_path,
+        "--device",
+        "cpu",
+        "--stress",
+        "6",
+        "--hidden",
+        "64,96",
+        "--tokens",
+        "1,3",
+        "--timeout-s",
+        "120",
+        timeout_s=600,
+    )
 
 
 def test_compile_lock_hands_a_cached_kernel_to_a_waiting_rank():
@@ -165,8 +198,9 @@ def test_compile_lock_hands_a_cached_kernel_to_a_waiting_rank():
             first = threading.Thread(target=lambda: do_compile(fake, "k", None, 0))
             first.start()
             compiled_once.wait(5)
-            waiter = threading.Thread(target=lambda: got.setdefault("k", do_compile(
-                fake, "k", None, 0)))  # fmt: skip
+            waiter = threading.Thread(
+                target=lambda: got.setdefault("k", do_compile(fake, "k", None, 0))
+            )
             waiter.start()
             waiter.join(2)
             assert not waiter.is_alive() and got["k"] == "kernel k"  # did not wait for the lock

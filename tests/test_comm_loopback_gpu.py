@@ -31,9 +31,20 @@ def test_loopback_gpu_check_allgather_persistent(tmp_path):
     mode: one-pass tiles from the slots or gathered, stepped rows early / slots, the gated op at
     two CTAs per SM) at a 2-step and a 4-step width, bitwise against the single-GPU op."""
     families = ("allgather_norm", "allgather_fp8", "allgather_fp4", "allgather_gated")
-    run_check_script(tmp_path, "--no-timing", "--budget-s", "240", "--families",
-                     ",".join(families), "--tokens", "65,300,1000", "--hidden", "4096,8192",
-                     timeout_s=420, families=families)  # fmt: skip
+    run_check_script(
+        tmp_path,
+        "--no-timing",
+        "--budget-s",
+        "240",
+        "--families",
+        ",".join(families),
+        "--tokens",
+        "65,300,1000",
+        "--hidden",
+        "4096,8192",
+        timeout_s=420,
+        families=families,
+    )
 
 
 def test_loopback_gpu_check_moe_large(tmp_path):
@@ -42,9 +53,20 @@ def test_loopback_gpu_check_moe_large(tmp_path):
     two-shot at H 7168 / 2880, M 2048 / 2049 / 4097, against the oracle of both ranks' inputs
     and bitwise equal to each other."""
     families = ("moe_reduce", "moe_finalize")
-    run_check_script(tmp_path, "--no-timing", "--budget-s", "240", "--families",
-                     ",".join(families), "--tokens", "2048,2049,4097", "--hidden", "7168,2880",
-                     timeout_s=420, families=families)  # fmt: skip
+    run_check_script(
+        tmp_path,
+        "--no-timing",
+        "--budget-s",
+        "240",
+        "--families",
+        ",".join(families),
+        "--tokens",
+        "2048,2049,4097",
+        "--hidden",
+        "7168,2880",
+        timeout_s=420,
+        families=families,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -58,7 +80,8 @@ def test_fault_protocol_loopback_gpu(name):
 
     timeout = 2.0
     with case_env(name):
-        took = run_loopback_ranks(scenario_fault_protocol, 2, "cuda", name, "cuda", timeout,
-                                  timeout_s=300)  # fmt: skip
+        took = run_loopback_ranks(
+            scenario_fault_protocol, 2, "cuda", name, "cuda", timeout, timeout_s=300
+        )
     assert took[1]["alone"] >= timeout * 0.9, (name, took)
     assert took[0]["late"] < timeout, (name, took)

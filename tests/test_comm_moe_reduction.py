@@ -119,8 +119,9 @@ def test_reference_partial_matches_scalar_oracle():
     # fp32 mode is the deterministic finalize of spec: moe_finalize
     from moefuse.moe.reference import moe_finalize_reference
 
-    want = moe_finalize_reference(x, perm, w, routed_scaling_factor=RSF, shared_expert_output=sh,
-                                  bias=b, expert_ids=eids)  # fmt: skip
+    want = moe_finalize_reference(
+        x, perm, w, routed_scaling_factor=RSF, shared_expert_output=sh, bias=b, expert_ids=eids
+    )
     got = mref.finalize_partial(x, perm, w, RSF, sh, "fp32", b, eids)
     assert_bitwise_equal(got, want, "fp32 partial")
 
@@ -143,8 +144,9 @@ def _check(outs, want, quant, layout, what):
         q = quant_ref.fp8_quantize_reference(outs[1], torch.tensor([FP8_SCALE]))
         assert_bitwise_equal(outs[2].view(torch.uint8), q.view(torch.uint8), f"{what} fp8")
     elif quant == "nvfp4":  # interpreter: rcp_fast is the IEEE reciprocal, as the reference's
-        q, sf = quant_ref.fp4_quantize_reference(outs[1], torch.tensor([NVFP4_GS]), layout,
-                                                 recipe="fast")  # fmt: skip
+        q, sf = quant_ref.fp4_quantize_reference(
+            outs[1], torch.tensor([NVFP4_GS]), layout, recipe="fast"
+        )
         assert_bitwise_equal(outs[2], q, f"{what} nvfp4 codes")
         assert_bitwise_equal(outs[3], sf.reshape(outs[3].shape), f"{what} nvfp4 scales")
 
@@ -162,17 +164,28 @@ def _finalize_call(moefuse, ws, rank, case, rows, opts, algo, impl="triton"):
     sl = slice(*rows) if rows is not None else slice(None)
     if bs is not None:
         opts = dict(opts, bias=bs[rank], expert_ids=eids[sl])
-    kw = dict(workspace=ws, algorithm=algo, impl=impl, expert_scale_factor=wts[rank][sl],
-              routed_scaling_factor=opts["rsf"], weight_bias=opts["weight_bias"],
-              accumulate=opts["accumulate"], **_quant_kw(opts["quant"], opts["layout"]),
-              bias=opts.get("bias"), expert_ids=opts.get("expert_ids"))
+    kw = dict(
+        workspace=ws,
+        algorithm=algo,
+        impl=impl,
+        expert_scale_factor=wts[rank][sl],
+        routed_scaling_factor=opts["rsf"],
+        weight_bias=opts["weight_bias"],
+        accumulate=opts["accumulate"],
+        **_quant_kw(opts["quant"], opts["layout"]),
+        bias=opts.get("bias"),
+        expert_ids=opts.get("expert_ids"),
+    )
     if shs[rank] is not None:
         kw["shared_expert_output"] = shs[rank][sl]
     m = res[sl].shape[0]
     kw["residual_out"] = poison_(torch.empty_like(res[sl]))
     kw["norm_out"] = poison_(torch.empty_like(res[sl]))
-    return moefuse.moe_finalize_allreduce_residual_rmsnorm(ins[rank], res[sl], w, perm[sl],
-                                                           **kw)[:4] if m else None
+    return (
+        moefuse.moe_finalize_allreduce_residual_rmsnorm(ins[rank], res[sl], w, perm[sl], **kw)[:4]
+        if m
+        else None
+    )
 
 
 def _reduction_call(moefuse, ws, rank, case, rows, opts, algo, impl="triton"):
@@ -180,12 +193,21 @@ def _reduction_call(moefuse, ws, rank, case, rows, opts, algo, impl="triton"):
     sl = slice(*rows) if rows is not None else slice(None)
     ar = poison_(torch.empty_like(res[sl]))
     outs = moefuse.moe_allreduce_residual_rmsnorm(
-        xs[rank][:, sl].contiguous(), scales[rank][:, sl].contiguous(), toks[rank][sl], res[sl],
-        w, workspace=ws, algorithm=algo, impl=impl, weight_bias=opts["weight_bias"],
-        accumulate=opts["accumulate"], allreduce_out=ar,
+        xs[rank][:, sl].contiguous(),
+        scales[rank][:, sl].contiguous(),
+        toks[rank][sl],
+        res[sl],
+        w,
+        workspace=ws,
+        algorithm=algo,
+        impl=impl,
+        weight_bias=opts["weight_bias"],
+        accumulate=opts["accumulate"],
+        allreduce_out=ar,
         residual_out=poison_(torch.empty_like(res[sl])),
-        norm_out=poison_(torch.empty_like(res[sl])), **_quant_kw(opts["quant"], opts["layout"]),
-    )  # fmt: skip
+        norm_out=poison_(torch.empty_like(res[sl])),
+        **_quant_kw(opts["quant"], opts["layout"]),
+    )
     return (*outs, ar)
 
 
@@ -193,18 +215,37 @@ def _case_and_oracle(op, i, world_size, m, h, k, opts, bias=False):
     """(inputs of every rank, oracle outputs, call function) of one case."""
     key = (op, h, m, k, opts["accumulate"], opts["quant"])
     sf = torch.tensor([FP8_SCALE if opts["quant"] == "fp8" else NVFP4_GS])
-    common = dict(weight_bias=opts["weight_bias"], accumulate=opts["accumulate"],
-                  quant=opts["quant"], scale_factor=sf, layout=opts["layout"])  # fmt: skip
+    common = dict(
+        weight_bias=opts["weight_bias"],
+        accumulate=opts["accumulate"],
+        quant=opts["quant"],
+        scale_factor=sf,
+        layout=opts["layout"],
+    )
     if op == "finalize":
-        case = finalize_case(seed_of(*key), world_size, m, h, k,
-                             weights_dtype=(torch.bfloat16, torch.float32)[i % 2],
-                             shared=i % 2 == 0, bias=bias)  # fmt: skip
+        case = finalize_case(
+            seed_of(*key),
+            world_size,
+            m,
+            h,
+            k,
+            weights_dtype=(torch.bfloat16, torch.float32)[i % 2],
+            shared=i % 2 == 0,
+            bias=bias,
+        )
         ins, perm, wts, shs, res, w, bs, eids = case
         want = mref.moe_finalize_allreduce_from_ranks(
-            ins, perm, res, w, expert_scale_factors=wts, routed_scaling_factor=opts["rsf"],
-            shared_expert_outputs=shs if shs[0] is not None else None, biases=bs,
-            expert_ids=eids, **common,
-        )  # fmt: skip
+            ins,
+            perm,
+            res,
+            w,
+            expert_scale_factors=wts,
+            routed_scaling_factor=opts["rsf"],
+            shared_expert_outputs=shs if shs[0] is not None else None,
+            biases=bs,
+            expert_ids=eids,
+            **common,
+        )
         return case, want, _finalize_call
     case = moe_reduction_case(seed_of(*key), world_size, m, h, k, "cpu")
     xs, scales, toks, res, w = case
@@ -261,15 +302,26 @@ def scenario(rank, world_size, cfg):
     digests = []
     for h, tokens in cfg["shapes"]:
         m_cap = max(tokens)
-        ws = moefuse.AllReduceWorkspace(None, m_cap, h, torch.bfloat16, "cpu", timeout_s=120,
-                                        extra_regions=extra_regions(m_cap, h))  # fmt: skip
+        ws = moefuse.AllReduceWorkspace(
+            None,
+            m_cap,
+            h,
+            torch.bfloat16,
+            "cpu",
+            timeout_s=120,
+            extra_regions=extra_regions(m_cap, h),
+        )
         for m in tokens:
             for i, (op, k, accumulate, quant) in enumerate(cfg["cases"]):
                 if quant == "nvfp4" and h % 16:
                     continue
-                opts = dict(accumulate=accumulate, quant=quant, weight_bias=float(i % 2),
-                            layout=("swizzled_128x4", "linear", "swizzled_8x4")[i % 3],
-                            rsf=RSF if i % 2 == 0 else 1.0)  # fmt: skip
+                opts = dict(
+                    accumulate=accumulate,
+                    quant=quant,
+                    weight_bias=float(i % 2),
+                    layout=("swizzled_128x4", "linear", "swizzled_8x4")[i % 3],
+                    rsf=RSF if i % 2 == 0 else 1.0,
+                )
                 bias = cfg.get("bias", False) or i % 4 in (2, 3)  # per-expert bias + ids
                 case, want, call = _case_and_oracle(op, i, world_size, m, h, k, opts, bias)
                 first = None
@@ -282,14 +334,19 @@ def scenario(rank, world_size, cfg):
                     if algo.startswith("oneshot"):  # one Lamport generation per one-shot call
                         assert int(ws.ctrl[CTRL_GEN]) == (gen + 1) % 3, f"{what} generation"
                     if algo == "auto" and cfg.get("wide_from"):  # two-shot keeps the generation
-                        twoshot = (op == "reduction" and accumulate == "stepwise"
-                                   and h >= cfg["wide_from"][0] and m >= cfg["wide_from"][1])
+                        twoshot = (
+                            op == "reduction"
+                            and accumulate == "stepwise"
+                            and h >= cfg["wide_from"][0]
+                            and m >= cfg["wide_from"][1]
+                        )
                         moved = int(ws.ctrl[CTRL_GEN]) != gen
                         assert moved != twoshot, f"{what}: auto took two-shot? {not moved}"
                     _check(outs, want, quant, opts["layout"], what)
                     if op == "reduction":
-                        assert_bitwise_equal(outs[-1], want["allreduce_out"],
-                                             f"{what} allreduce_out")  # fmt: skip
+                        assert_bitwise_equal(
+                            outs[-1], want["allreduce_out"], f"{what} allreduce_out"
+                        )
                     if first is None:
                         first = outs
                     for a, b in zip(outs, first):
@@ -315,20 +372,27 @@ def _bad_inputs(moefuse, ws, h):
     out = poison_(torch.empty_like(res))
     f = moefuse.moe_finalize_allreduce_residual_rmsnorm
     kw = dict(workspace=ws, residual_out=out)
-    expect_value_error(lambda: f(ins[0], res, w, perm.long(), **kw), "expanded_idx_to_permuted_idx",
-                       out)  # fmt: skip
+    expect_value_error(
+        lambda: f(ins[0], res, w, perm.long(), **kw), "expanded_idx_to_permuted_idx", out
+    )
     expect_value_error(lambda: f(ins[0].float(), res, w, perm, **kw), "allreduce_in", out)
-    expect_value_error(lambda: f(ins[0], res, w, perm, expert_scale_factor=wts[0][:, :1], **kw),
-                       "expert_scale_factor", out)  # fmt: skip
-    expect_value_error(lambda: f(ins[0], res, w, perm, routed_scaling_factor=float("inf"), **kw),
-                       "routed_scaling_factor", out)  # fmt: skip
+    expect_value_error(
+        lambda: f(ins[0], res, w, perm, expert_scale_factor=wts[0][:, :1], **kw),
+        "expert_scale_factor",
+        out,
+    )
+    expect_value_error(
+        lambda: f(ins[0], res, w, perm, routed_scaling_factor=float("inf"), **kw),
+        "routed_scaling_factor",
+        out,
+    )
     expect_value_error(lambda: f(ins[0], res, w, perm, quant="fp8", **kw), "scale_factor", out)
-    expect_value_error(lambda: f(ins[0], res, w, perm, accumulate="fp64", **kw), "accumulate",
-                       out)  # fmt: skip
+    expect_value_error(lambda: f(ins[0], res, w, perm, accumulate="fp64", **kw), "accumulate", out)
     expect_value_error(lambda: f(ins[0], res, w, perm, workspace=None), "workspace")
     expect_value_error(lambda: f(ins[0], res, w, perm, norm_out=res, **kw), "norm_out", out)
-    expect_value_error(lambda: f(ins[0], res, w, perm, bias=torch.zeros(4, h), **kw), "expert_ids",
-                       out)  # fmt: skip
+    expect_value_error(
+        lambda: f(ins[0], res, w, perm, bias=torch.zeros(4, h), **kw), "expert_ids", out
+    )
     sup = moefuse.supports_moe_finalize_allreduce_residual_rmsnorm
     assert sup(ins[0], res, w, perm, workspace=ws, expert_scale_factor=wts[0])  # interpreter
     assert not sup(ins[0], res, w, perm.long(), workspace=ws)
@@ -338,10 +402,16 @@ def _bad_inputs(moefuse, ws, h):
     assert sup(xs[0], scales[0], toks[0], res2, w2, workspace=ws)
     assert not sup(xs[0], scales[0][:1], toks[0], res2, w2, workspace=ws)
     g = moefuse.moe_allreduce_residual_rmsnorm
-    expect_value_error(lambda: g(xs[0], scales[0][:1], toks[0], res2, w2, workspace=ws,
-                                 residual_out=out), "scale_input", out)  # fmt: skip
-    expect_value_error(lambda: g(xs[0][:, :1], scales[0], toks[0], res2, w2, workspace=ws,
-                                 residual_out=out), "active_experts_token_input", out)  # fmt: skip
+    expect_value_error(
+        lambda: g(xs[0], scales[0][:1], toks[0], res2, w2, workspace=ws, residual_out=out),
+        "scale_input",
+        out,
+    )
+    expect_value_error(
+        lambda: g(xs[0][:, :1], scales[0], toks[0], res2, w2, workspace=ws, residual_out=out),
+        "active_experts_token_input",
+        out,
+    )
 
 
 def _compat(moefuse, ws, rank, world_size, h):
@@ -352,31 +422,86 @@ def _compat(moefuse, ws, rank, world_size, h):
     m, k = 3, 2
     ins, perm, wts, shs, res, w, *_ = finalize_case(11, world_size, m, h, k)
     want = moefuse.moe_finalize_allreduce_residual_rmsnorm(
-        ins[rank], res, w, perm, workspace=ws, expert_scale_factor=wts[rank],
-        routed_scaling_factor=RSF, shared_expert_output=shs[rank], impl="reference")
+        ins[rank],
+        res,
+        w,
+        perm,
+        workspace=ws,
+        expert_scale_factor=wts[rank],
+        routed_scaling_factor=RSF,
+        shared_expert_output=shs[rank],
+        impl="reference",
+    )
     ro, no = poison_(torch.empty_like(res)), poison_(torch.empty_like(res))
-    fi.trtllm_moe_finalize_allreduce_fusion(ins[rank], res, w, perm, no, ro, ws, False, rank,
-                                            world_size, 1e-6, shs[rank], wts[rank], RSF,
-                                            impl="reference")  # fmt: skip
+    fi.trtllm_moe_finalize_allreduce_fusion(
+        ins[rank],
+        res,
+        w,
+        perm,
+        no,
+        ro,
+        ws,
+        False,
+        rank,
+        world_size,
+        1e-6,
+        shs[rank],
+        wts[rank],
+        RSF,
+        impl="reference",
+    )
     assert_bitwise_equal(ro, want[0], "compat pattern 7 residual_out")
     assert_bitwise_equal(no, want[1], "compat pattern 7 norm_out")
     ro2, no2 = poison_(torch.empty_like(res)), poison_(torch.empty_like(res))
-    fi.trtllm_allreduce_fusion(ins[rank], world_size, rank, m, h, ws, False, False, True, 7,
-                               residual_in=res, residual_out=ro2, norm_out=no2, rms_gamma=w,
-                               rms_eps=1e-6, expanded_idx_to_permuted_idx=perm,
-                               expert_scale_factor=wts[rank], routed_scaling_factor=RSF,
-                               shared_expert_output=shs[rank], impl="reference")  # fmt: skip
+    fi.trtllm_allreduce_fusion(
+        ins[rank],
+        world_size,
+        rank,
+        m,
+        h,
+        ws,
+        False,
+        False,
+        True,
+        7,
+        residual_in=res,
+        residual_out=ro2,
+        norm_out=no2,
+        rms_gamma=w,
+        rms_eps=1e-6,
+        expanded_idx_to_permuted_idx=perm,
+        expert_scale_factor=wts[rank],
+        routed_scaling_factor=RSF,
+        shared_expert_output=shs[rank],
+        impl="reference",
+    )
     assert_bitwise_equal(ro2, want[0], "compat trtllm_allreduce_fusion(7)")
     xs, scales, toks, res, w = moe_reduction_case(12, world_size, m, h, k, "cpu")
-    want = moefuse.moe_allreduce_residual_rmsnorm(xs[rank], scales[rank], toks[rank], res, w,
-                                                  workspace=ws, impl="reference")  # fmt: skip
+    want = moefuse.moe_allreduce_residual_rmsnorm(
+        xs[rank], scales[rank], toks[rank], res, w, workspace=ws, impl="reference"
+    )
     ro3, no3 = poison_(torch.empty_like(res)), poison_(torch.empty_like(res))
-    fi.trtllm_allreduce_fusion(toks[rank], world_size, rank, m, h, ws, False, False, True, 6,
-                               residual_in=res, residual_out=ro3, norm_out=no3, rms_gamma=w,
-                               rms_eps=1e-6, moe_reduction_device_num_experts=k,
-                               moe_reduction_scale_input=scales[rank].reshape(-1),
-                               moe_reduction_active_experts_token_input=xs[rank],
-                               impl="reference")  # fmt: skip
+    fi.trtllm_allreduce_fusion(
+        toks[rank],
+        world_size,
+        rank,
+        m,
+        h,
+        ws,
+        False,
+        False,
+        True,
+        6,
+        residual_in=res,
+        residual_out=ro3,
+        norm_out=no3,
+        rms_gamma=w,
+        rms_eps=1e-6,
+        moe_reduction_device_num_experts=k,
+        moe_reduction_scale_input=scales[rank].reshape(-1),
+        moe_reduction_active_experts_token_input=xs[rank],
+        impl="reference",
+    )
     assert_bitwise_equal(ro3, want[0], "compat trtllm_allreduce_fusion(6) residual_out")
     assert_bitwise_equal(no3, want[1], "compat trtllm_allreduce_fusion(6) norm_out")
 
@@ -389,20 +514,72 @@ def _opcheck_compile(moefuse, ws, rank, world_size, h):
     m, k = 3, 2
     ins, perm, wts, shs, res, w, *_ = finalize_case(13, world_size, m, h, k)
     e = lambda: torch.empty_like(res)  # noqa: E731
-    torch.library.opcheck(ops.moe_finalize_allreduce_residual_rmsnorm_op,
-                          (ins[rank], perm, wts[rank], shs[rank], None, None, res, w, None, e(),
-                           e(), None, None, ws.id, RSF, 1e-6, 0.0, True, 1, 0, "auto", False,
-                           "reference"))  # fmt: skip
+    torch.library.opcheck(
+        ops.moe_finalize_allreduce_residual_rmsnorm_op,
+        (
+            ins[rank],
+            perm,
+            wts[rank],
+            shs[rank],
+            None,
+            None,
+            res,
+            w,
+            None,
+            e(),
+            e(),
+            None,
+            None,
+            ws.id,
+            RSF,
+            1e-6,
+            0.0,
+            True,
+            1,
+            0,
+            "auto",
+            False,
+            "reference",
+        ),
+    )
     xs, scales, toks, res2, w2 = moe_reduction_case(14, world_size, m, h, k, "cpu")
-    torch.library.opcheck(ops.moe_allreduce_residual_rmsnorm_op,
-                          (xs[rank], scales[rank], toks[rank], res2, w2, None, e(), e(), e(),
-                           None, None, ws.id, 1e-6, 0.0, False, 1, 0, "auto", False,
-                           "reference"))  # fmt: skip
+    torch.library.opcheck(
+        ops.moe_allreduce_residual_rmsnorm_op,
+        (
+            xs[rank],
+            scales[rank],
+            toks[rank],
+            res2,
+            w2,
+            None,
+            e(),
+            e(),
+            e(),
+            None,
+            None,
+            ws.id,
+            1e-6,
+            0.0,
+            False,
+            1,
+            0,
+            "auto",
+            False,
+            "reference",
+        ),
+    )
 
     def layer(x, res, w, perm, wt, sh):
         return moefuse.moe_finalize_allreduce_residual_rmsnorm(
-            x, res, w, perm, workspace=ws, expert_scale_factor=wt, shared_expert_output=sh,
-            impl="reference")
+            x,
+            res,
+            w,
+            perm,
+            workspace=ws,
+            expert_scale_factor=wt,
+            shared_expert_output=sh,
+            impl="reference",
+        )
 
     args = (ins[rank], res, w, perm, wts[rank], shs[rank])
     expected = layer(*args)
@@ -419,11 +596,17 @@ def _ranks_agree(results):
 def test_two_ranks():
     """H = 40 (not a power of two; NVFP4 cases skipped; M in {1, 5}) and 48 (M = 5), K in
     {2, 3}; bad inputs; FlashInfer call styles; opcheck and torch.compile."""
-    cfg = dict(shapes=((40, (1, 5)), (48, (5,))),
-               cases=(("finalize", 2, "stepwise", None), ("reduction", 3, "fp32", None),
-                      ("finalize", 3, "fp32", "fp8"), ("finalize", 3, "stepwise", "nvfp4"),
-                      ("reduction", 2, "stepwise", "nvfp4")),
-               algorithms=ALGOS)  # fmt: skip
+    cfg = dict(
+        shapes=((40, (1, 5)), (48, (5,))),
+        cases=(
+            ("finalize", 2, "stepwise", None),
+            ("reduction", 3, "fp32", None),
+            ("finalize", 3, "fp32", "fp8"),
+            ("finalize", 3, "stepwise", "nvfp4"),
+            ("reduction", 2, "stepwise", "nvfp4"),
+        ),
+        algorithms=ALGOS,
+    )
     _ranks_agree(run_group(2, scenario, cfg))
     # the API checks on the first shape's workspace, as processes: ranks that trace (opcheck,
     # torch.compile) cannot be threads of one process
@@ -434,9 +617,15 @@ def test_two_ranks():
 def test_three_ranks():
     """P = 3; the expert rows loaded one at a time (rows_per_batch 1) and 2 CTAs per SM (another
     grid): same bits; expert bias."""
-    cfg = dict(shapes=((72, (5,)),), cases=(("finalize", 3, "stepwise", "fp8"),),
-               algorithms=ALGOS, alone=False, rows_per_batch=1, bias=True,
-               ctas_per_sm=2)  # fmt: skip
+    cfg = dict(
+        shapes=((72, (5,)),),
+        cases=(("finalize", 3, "stepwise", "fp8"),),
+        algorithms=ALGOS,
+        alone=False,
+        rows_per_batch=1,
+        bias=True,
+        ctas_per_sm=2,
+    )
     _ranks_agree(run_group(3, scenario, cfg))
 
 
@@ -444,21 +633,32 @@ def test_two_ranks_oneshot_variants():
     """The column-split one-shot (4 CTAs per row, 2 row groups: rows loop) against the oracle
     and bitwise equal to the fused one-shot and the torch path:
     both ops, stepwise / fp32, FP8 / NVFP4, bias, a token alone vs in the batch."""
-    cfg = dict(shapes=((40, (1, 5)), (48, (5,))),
-               cases=(("finalize", 2, "stepwise", None), ("finalize", 3, "fp32", "fp8"),
-                      ("finalize", 3, "stepwise", "nvfp4"), ("reduction", 2, "fp32", None)),
-               algorithms=("oneshot", "oneshot/split", "torch"),
-               split_ctas=4)  # fmt: skip
+    cfg = dict(
+        shapes=((40, (1, 5)), (48, (5,))),
+        cases=(
+            ("finalize", 2, "stepwise", None),
+            ("finalize", 3, "fp32", "fp8"),
+            ("finalize", 3, "stepwise", "nvfp4"),
+            ("reduction", 2, "fp32", None),
+        ),
+        algorithms=("oneshot", "oneshot/split", "torch"),
+        split_ctas=4,
+    )
     _ranks_agree(run_group(2, scenario, cfg))
 
 
 def test_three_ranks_oneshot_variants():
     """P = 3: split (2 CTAs per row, rows loaded one at a time, bias) bitwise equal to the fused
     one-shot."""
-    cfg = dict(shapes=((72, (5,)),), cases=(("finalize", 3, "stepwise", "fp8"),
-                                            ("finalize", 2, "fp32", None)),
-               algorithms=("oneshot", "oneshot/split"), alone=False,
-               rows_per_batch=1, bias=True, split_ctas=2)  # fmt: skip
+    cfg = dict(
+        shapes=((72, (5,)),),
+        cases=(("finalize", 3, "stepwise", "fp8"), ("finalize", 2, "fp32", None)),
+        algorithms=("oneshot", "oneshot/split"),
+        alone=False,
+        rows_per_batch=1,
+        bias=True,
+        split_ctas=2,
+    )
     _ranks_agree(run_group(3, scenario, cfg))
 
 
@@ -467,10 +667,16 @@ def test_two_ranks_wide_rows_auto():
     reduction (stepwise) takes two-shot at M = 5 and one-shot at M = 1 (seen from the
     Lamport generation), fp32 and MoE finalize keep one-shot; the two-shot runs 2 CTAs per SM; all
     bitwise equal to the explicit algorithms and the oracle."""
-    cfg = dict(shapes=((40, (1, 5)),),
-               cases=(("reduction", 3, "stepwise", None), ("reduction", 2, "fp32", "fp8"),
-                      ("finalize", 2, "stepwise", None)),
-               algorithms=("auto", "oneshot", "twoshot"), wide_from=(33, 5))  # fmt: skip
+    cfg = dict(
+        shapes=((40, (1, 5)),),
+        cases=(
+            ("reduction", 3, "stepwise", None),
+            ("reduction", 2, "fp32", "fp8"),
+            ("finalize", 2, "stepwise", None),
+        ),
+        algorithms=("auto", "oneshot", "twoshot"),
+        wide_from=(33, 5),
+    )
     _ranks_agree(run_group(2, scenario, cfg))
 
 
@@ -500,6 +706,5 @@ def test_wide_row_choices(monkeypatch):
 
 
 def test_four_ranks_smallest():
-    cfg = dict(shapes=((40, (1,)),), cases=(("finalize", 2, "stepwise", None),),
-               algorithms=ALGOS)  # fmt: skip
+    cfg = dict(shapes=((40, (1,)),), cases=(("finalize", 2, "stepwise", None),), algorithms=ALGOS)
     _ranks_agree(run_group(4, scenario, cfg))

@@ -44,10 +44,17 @@ def _need(world_size):
 def call_finalize(moefuse, ws, rank, case, algo, opts, rows=None, pdl=None, impl="triton"):
     ins, perm, wts, shs, res, w, bs, eids = case
     sl = slice(*rows) if rows is not None else slice(None)
-    kw = dict(workspace=ws, algorithm=algo, impl=impl, enable_pdl=pdl,
-              expert_scale_factor=wts[rank][sl], routed_scaling_factor=opts["rsf"],
-              accumulate=opts["accumulate"], weight_bias=opts["weight_bias"],
-              **opts.get("quant_kw", {}))  # fmt: skip
+    kw = dict(
+        workspace=ws,
+        algorithm=algo,
+        impl=impl,
+        enable_pdl=pdl,
+        expert_scale_factor=wts[rank][sl],
+        routed_scaling_factor=opts["rsf"],
+        accumulate=opts["accumulate"],
+        weight_bias=opts["weight_bias"],
+        **opts.get("quant_kw", {}),
+    )
     if shs[rank] is not None:
         kw["shared_expert_output"] = shs[rank][sl]
     if bs is not None:
@@ -59,10 +66,19 @@ def call_reduction(moefuse, ws, rank, case, algo, opts, rows=None, pdl=None, imp
     xs, scales, toks, res, w = case
     sl = slice(*rows) if rows is not None else slice(None)
     return moefuse.moe_allreduce_residual_rmsnorm(
-        xs[rank][:, sl], scales[rank][:, sl], toks[rank][sl], res[sl], w, workspace=ws,
-        algorithm=algo, impl=impl, enable_pdl=pdl, accumulate=opts["accumulate"],
-        weight_bias=opts["weight_bias"], **opts.get("quant_kw", {}),
-    )  # fmt: skip
+        xs[rank][:, sl],
+        scales[rank][:, sl],
+        toks[rank][sl],
+        res[sl],
+        w,
+        workspace=ws,
+        algorithm=algo,
+        impl=impl,
+        enable_pdl=pdl,
+        accumulate=opts["accumulate"],
+        weight_bias=opts["weight_bias"],
+        **opts.get("quant_kw", {}),
+    )
 
 
 def oracle(op, case, opts):
@@ -72,9 +88,17 @@ def oracle(op, case, opts):
     if op == "finalize":
         ins, perm, wts, shs, res, w, bs, eids = case
         return mref.moe_finalize_allreduce_from_ranks(
-            ins, perm, res, w, expert_scale_factors=wts, routed_scaling_factor=opts["rsf"],
-            shared_expert_outputs=shs if shs[0] is not None else None, biases=bs,
-            expert_ids=eids, **kw)
+            ins,
+            perm,
+            res,
+            w,
+            expert_scale_factors=wts,
+            routed_scaling_factor=opts["rsf"],
+            shared_expert_outputs=shs if shs[0] is not None else None,
+            biases=bs,
+            expert_ids=eids,
+            **kw,
+        )
     xs, scales, toks, res, w = case
     return mref.moe_allreduce_from_ranks(xs, scales, toks, res, w, **kw)
 
@@ -88,21 +112,38 @@ def scenario_full_shapes(rank, world_size):
 
     dev = _dev(rank)
     for h in WIDTHS:
-        ws = moefuse.AllReduceWorkspace(None, max(TOKENS), h, torch.bfloat16, dev,
-                                        oneshot_max_tokens=max(TOKENS),
-                                        extra_regions=extra_regions(max(TOKENS), h))  # fmt: skip
+        ws = moefuse.AllReduceWorkspace(
+            None,
+            max(TOKENS),
+            h,
+            torch.bfloat16,
+            dev,
+            oneshot_max_tokens=max(TOKENS),
+            extra_regions=extra_regions(max(TOKENS), h),
+        )
         for k in TOP_K:
             for m in TOKENS:
                 for op in ("finalize", "reduction"):
                     # options vary with (H, K) only: every combination is one compilation
                     hi, ki = WIDTHS.index(h), TOP_K.index(k)
-                    opts = dict(accumulate=("stepwise", "fp32")[(hi + ki) % 2],
-                                weight_bias=float(ki % 2), rsf=(RSF, 1.0)[ki % 2])  # fmt: skip
+                    opts = dict(
+                        accumulate=("stepwise", "fp32")[(hi + ki) % 2],
+                        weight_bias=float(ki % 2),
+                        rsf=(RSF, 1.0)[ki % 2],
+                    )
                     seed = h * 131 + k * 17 + m
                     if op == "finalize":
-                        case = finalize_case(seed, world_size, m, h, k, dev,
-                                             weights_dtype=(torch.bfloat16, torch.float32)[hi % 2],
-                                             shared=k != 6, bias=k == 6)  # fmt: skip
+                        case = finalize_case(
+                            seed,
+                            world_size,
+                            m,
+                            h,
+                            k,
+                            dev,
+                            weights_dtype=(torch.bfloat16, torch.float32)[hi % 2],
+                            shared=k != 6,
+                            bias=k == 6,
+                        )
                         run = call_finalize
                     else:
                         case = reduction_case(seed, world_size, m, h, k, dev)
@@ -112,8 +153,15 @@ def scenario_full_shapes(rank, world_size):
                     for algo in (*ALGOS, "reference"):
                         what = f"{op} H={h} K={k} M={m} {opts} {algo}"
                         impl = "reference" if algo == "reference" else "triton"
-                        outs = run(moefuse, ws, rank, case, "auto" if impl == "reference" else algo,
-                                   opts, impl=impl)  # fmt: skip
+                        outs = run(
+                            moefuse,
+                            ws,
+                            rank,
+                            case,
+                            "auto" if impl == "reference" else algo,
+                            opts,
+                            impl=impl,
+                        )
                         same_bits(outs[0], want["residual_out"], f"{what} residual_out")
                         if first is None:
                             within_one_ulp(outs[1], want["norm_out"], f"{what} norm_out")
@@ -146,14 +194,25 @@ def scenario_quant(rank, world_size):
     h, k = 4096, 8
     ws = moefuse.AllReduceWorkspace(None, 200, h, torch.bfloat16, dev)
     for m in (1, 200):
-        for quant, layout in (("fp8", "swizzled_128x4"), ("nvfp4", "swizzled_128x4"),
-                              ("nvfp4", "swizzled_8x4"), ("nvfp4", "linear")):  # fmt: skip
+        for quant, layout in (
+            ("fp8", "swizzled_128x4"),
+            ("nvfp4", "swizzled_128x4"),
+            ("nvfp4", "swizzled_8x4"),
+            ("nvfp4", "linear"),
+        ):
             sf = torch.tensor([FP8_SCALE if quant == "fp8" else NVFP4_GS], device=dev)
-            opts = dict(accumulate="stepwise", weight_bias=0.0, rsf=RSF,
-                        quant_kw=dict(quant=quant, scale_factor=sf, layout=layout))  # fmt: skip
+            opts = dict(
+                accumulate="stepwise",
+                weight_bias=0.0,
+                rsf=RSF,
+                quant_kw=dict(quant=quant, scale_factor=sf, layout=layout),
+            )
             for op, run in (("finalize", call_finalize), ("reduction", call_reduction)):
-                case = finalize_case(m, world_size, m, h, k, dev) if op == "finalize" else \
-                    reduction_case(m, world_size, m, h, k, dev)  # fmt: skip
+                case = (
+                    finalize_case(m, world_size, m, h, k, dev)
+                    if op == "finalize"
+                    else reduction_case(m, world_size, m, h, k, dev)
+                )
                 first = None
                 for algo in ALGOS:
                     what = f"{op} M={m} {quant} {layout} {algo}"
@@ -162,8 +221,9 @@ def scenario_quant(rank, world_size):
                         q = quant_ref.fp8_quantize_reference(outs[1], sf)
                         same_bits(outs[2].view(torch.uint8), q.view(torch.uint8), what)
                     else:
-                        pk, sc = quant_ref.fp4_quantize_reference(outs[1], sf, layout, "fast",
-                                                                  rcp=rcp_approx)  # fmt: skip
+                        pk, sc = quant_ref.fp4_quantize_reference(
+                            outs[1], sf, layout, "fast", rcp=rcp_approx
+                        )
                         same_bits(outs[2], pk, f"{what} codes")
                         same_bits(outs[3], sc.reshape(outs[3].shape), f"{what} scales")
                     first = first or outs
@@ -184,8 +244,9 @@ def scenario_graph_replays(rank, world_size, replays):
 
     dev = _dev(rank)
     m, h, k = 64, 4096, 8
-    ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev, oneshot_max_tokens=m,
-                                    extra_regions=extra_regions(m, h))  # fmt: skip
+    ws = moefuse.AllReduceWorkspace(
+        None, m, h, torch.bfloat16, dev, oneshot_max_tokens=m, extra_regions=extra_regions(m, h)
+    )
     base = finalize_case(0, world_size, m, h, k, dev)[:6]
     buf = [t[rank].clone() if isinstance(t, list) else t.clone() for t in base]  # static inputs
     x, perm, wt, sh, res, w = buf
@@ -193,9 +254,20 @@ def scenario_graph_replays(rank, world_size, replays):
         for algo in ALGOS:
             ro, no = torch.empty_like(res), torch.empty_like(res)
             run = lambda: moefuse.moe_finalize_allreduce_residual_rmsnorm(  # noqa: E731
-                x, res, w, perm, workspace=ws, expert_scale_factor=wt, routed_scaling_factor=RSF,
-                shared_expert_output=sh, accumulate=accumulate, algorithm=algo, impl="triton",
-                residual_out=ro, norm_out=no)
+                x,
+                res,
+                w,
+                perm,
+                workspace=ws,
+                expert_scale_factor=wt,
+                routed_scaling_factor=RSF,
+                shared_expert_output=sh,
+                accumulate=accumulate,
+                algorithm=algo,
+                impl="triton",
+                residual_out=ro,
+                norm_out=no,
+            )
             graph = capture_graph(run, ws)
             for i in range(replays):
                 case = finalize_case(1000 + i, world_size, m, h, k, dev)
@@ -203,8 +275,9 @@ def scenario_graph_replays(rank, world_size, replays):
                     dst.copy_(src[rank] if isinstance(src, list) else src)
                 ro.fill_(float("nan"))
                 graph.replay()
-                want = oracle("finalize", case, dict(accumulate=accumulate, weight_bias=0.0,
-                                                     rsf=RSF))  # fmt: skip
+                want = oracle(
+                    "finalize", case, dict(accumulate=accumulate, weight_bias=0.0, rsf=RSF)
+                )
                 assert_bitwise_equal(ro, want["residual_out"], f"{algo} {accumulate} replay {i}")
             del graph
     ws.check()
@@ -232,8 +305,17 @@ def scenario_graph_replays_wide(rank, world_size, replays):
     for algo in ("auto", "oneshot"):
         outs[algo] = (torch.empty_like(res), torch.empty_like(res))
         run = lambda a=algo: moefuse.moe_allreduce_residual_rmsnorm(  # noqa: E731
-            x, sc, tok, res, w, workspace=ws, algorithm=a, impl="triton",
-            residual_out=outs[a][0], norm_out=outs[a][1])
+            x,
+            sc,
+            tok,
+            res,
+            w,
+            workspace=ws,
+            algorithm=a,
+            impl="triton",
+            residual_out=outs[a][0],
+            norm_out=outs[a][1],
+        )
         graphs[algo] = capture_graph(run, ws)
     for i in range(replays):
         case = reduction_case(3000 + i, world_size, m, h, e, dev)
@@ -287,11 +369,21 @@ def scenario_oneshot_variants(rank, world_size):
     sf = torch.tensor([FP8_SCALE], device=dev)
     for h in VARIANT_WIDTHS:
         cap = max(VARIANT_TOKENS)
-        ws = moefuse.AllReduceWorkspace(None, cap, h, torch.bfloat16, dev, oneshot_max_tokens=cap,
-                                        extra_regions=extra_regions(cap, h))  # fmt: skip
+        ws = moefuse.AllReduceWorkspace(
+            None,
+            cap,
+            h,
+            torch.bfloat16,
+            dev,
+            oneshot_max_tokens=cap,
+            extra_regions=extra_regions(cap, h),
+        )
         for m in VARIANT_TOKENS:
-            for op, acc in (("finalize", "stepwise"), ("finalize", "fp32"),
-                            ("reduction", "stepwise")):  # fmt: skip
+            for op, acc in (
+                ("finalize", "stepwise"),
+                ("finalize", "fp32"),
+                ("reduction", "stepwise"),
+            ):
                 opts = dict(accumulate=acc, weight_bias=0.0, rsf=RSF)
                 if m == 64:
                     opts["quant_kw"] = dict(quant="fp8", scale_factor=sf)
@@ -302,22 +394,23 @@ def scenario_oneshot_variants(rank, world_size):
                 else:
                     case = reduction_case(seed, world_size, m, h, k, dev)
                     run = call_reduction
-                base = _with_variant("fused", lambda: run(moefuse, ws, rank, case, "oneshot",
-                                                          opts))  # fmt: skip
+                base = _with_variant("fused", lambda: run(moefuse, ws, rank, case, "oneshot", opts))
                 want = oracle(op, case, opts)
                 same_bits(base[0], want["residual_out"], f"{op} H={h} M={m} {acc} fused")
                 for variant in ("split",):
                     what = f"{op} H={h} M={m} {acc} {variant}"
                     for pdl in (None, False):
-                        got = _with_variant(variant, lambda: run(moefuse, ws, rank, case,
-                                                                 "oneshot", opts, pdl=pdl))
+                        got = _with_variant(
+                            variant, lambda: run(moefuse, ws, rank, case, "oneshot", opts, pdl=pdl)
+                        )
                         for a, b in zip(got, base):
                             same_bits(a, b, f"{what} pdl={pdl} vs fused")
                     if m in (7, 200):
                         j = m // 2
-                        alone = _with_variant(variant, lambda: run(moefuse, ws, rank, case,
-                                                                   "oneshot", opts,
-                                                                   rows=(j, j + 1)))
+                        alone = _with_variant(
+                            variant,
+                            lambda: run(moefuse, ws, rank, case, "oneshot", opts, rows=(j, j + 1)),
+                        )
                         for a, b in zip(alone, base):
                             same_bits(a, b[j : j + 1], f"{what} token alone")
                 assert_ranks_agree(checksum(*base), f"{op} H={h} M={m} {acc}")
@@ -327,17 +420,29 @@ def scenario_oneshot_variants(rank, world_size):
         return True
     m, h = 8, 4096
     ws = moefuse.AllReduceWorkspace(None, m, h, torch.bfloat16, dev, oneshot_max_tokens=m)
-    buf = [t[rank].clone() if isinstance(t, list) else t.clone()
-           for t in finalize_case(0, world_size, m, h, k, dev)[:6]]  # fmt: skip
+    buf = [
+        t[rank].clone() if isinstance(t, list) else t.clone()
+        for t in finalize_case(0, world_size, m, h, k, dev)[:6]
+    ]
     x, perm, wt, sh, res, w = buf
     for variant in ("split",):
         ro, no = torch.empty_like(res), torch.empty_like(res)
 
         def once():
             return moefuse.moe_finalize_allreduce_residual_rmsnorm(
-                x, res, w, perm, workspace=ws, expert_scale_factor=wt, routed_scaling_factor=RSF,
-                shared_expert_output=sh, algorithm="oneshot", impl="triton", residual_out=ro,
-                norm_out=no)  # fmt: skip
+                x,
+                res,
+                w,
+                perm,
+                workspace=ws,
+                expert_scale_factor=wt,
+                routed_scaling_factor=RSF,
+                shared_expert_output=sh,
+                algorithm="oneshot",
+                impl="triton",
+                residual_out=ro,
+                norm_out=no,
+            )
 
         graph = _with_variant(variant, lambda: capture_graph(once, ws))
         for i in range(200):
@@ -376,12 +481,12 @@ def test_quant_outputs(world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_graph_replays_fresh_data(world_size):
     _need(world_size)
-    assert all(run_group(world_size, scenario_graph_replays, 1000, backend="nccl",
-                         timeout_s=1200))  # fmt: skip
+    assert all(run_group(world_size, scenario_graph_replays, 1000, backend="nccl", timeout_s=1200))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_graph_replays_wide_reduction(world_size):
     _need(world_size)
-    assert all(run_group(world_size, scenario_graph_replays_wide, 50, backend="nccl",
-                         timeout_s=900))  # fmt: skip
+    assert all(
+        run_group(world_size, scenario_graph_replays_wide, 50, backend="nccl", timeout_s=900)
+    )

@@ -28,11 +28,23 @@ def _inputs(seed: int) -> dict:
         return torch.randn(*shape, generator=g).to(dtype)
 
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
-    return dict(x=rand(M, H), r=rand(M, H), w=rand(H), r32=rand(M, H, dtype=torch.float32),
-                a=torch.rand(H, generator=g), b=torch.rand(H, generator=g),
-                heads=rand(M, 2, 16), gate=rand(M, 2, 16), logits=rand(M, E, dtype=torch.float32),
-                ids=ids, scales=torch.rand(M, K, generator=g), scale=torch.tensor([0.05]),
-                gs=torch.tensor([80.0]), w13=rand(E, 16, H), w2=rand(E, H, 8))  # fmt: skip
+    return dict(
+        x=rand(M, H),
+        r=rand(M, H),
+        w=rand(H),
+        r32=rand(M, H, dtype=torch.float32),
+        a=torch.rand(H, generator=g),
+        b=torch.rand(H, generator=g),
+        heads=rand(M, 2, 16),
+        gate=rand(M, 2, 16),
+        logits=rand(M, E, dtype=torch.float32),
+        ids=ids,
+        scales=torch.rand(M, K, generator=g),
+        scale=torch.tensor([0.05]),
+        gs=torch.tensor([80.0]),
+        w13=rand(E, 16, H),
+        w2=rand(E, H, 8),
+    )
 
 
 def every_op(t: dict, impl: str) -> dict:
@@ -46,9 +58,11 @@ def every_op(t: dict, impl: str) -> dict:
     moefuse.gemma_fused_add_rmsnorm(x, r, w, impl=impl)
     out["gemma_fused_add_rmsnorm"] = (x.clone(), r.clone())
     out["gated_residual_rmsnorm"] = moefuse.gated_residual_rmsnorm(
-        x, t["r32"], w, t["a"], t["b"], impl=impl)  # fmt: skip
+        x, t["r32"], w, t["a"], t["b"], impl=impl
+    )
     out["gated_residual_next_rmsnorm"] = moefuse.gated_residual_next_rmsnorm(
-        x, t["r32"], w, t["a"], t["b"], impl=impl)  # fmt: skip
+        x, t["r32"], w, t["a"], t["b"], impl=impl
+    )
     out["rmsnorm_sigmoid_gate"] = moefuse.rmsnorm_sigmoid_gate(t["heads"], t["gate"], impl=impl)
     weights, ids = moefuse.route_topk(t["logits"], K)
     out["route_topk"] = (weights, ids)
@@ -56,12 +70,13 @@ def every_op(t: dict, impl: str) -> dict:
     out["sort_by_expert"] = tuple(plan[:3])
     xp = moefuse.moe_permute(x, plan.permuted_idx_to_expanded_idx, K, impl=impl)
     out["moe_permute"] = xp
-    out["moe_finalize"] = moefuse.moe_finalize(xp, plan.expanded_idx_to_permuted_idx,
-                                               t["scales"], impl=impl)  # fmt: skip
+    out["moe_finalize"] = moefuse.moe_finalize(
+        xp, plan.expanded_idx_to_permuted_idx, t["scales"], impl=impl
+    )
     out["moe_finalize_scatter_add"] = moefuse.moe_finalize_scatter_add(
-        xp, plan.permuted_idx_to_expanded_idx, t["scales"], impl=impl)  # fmt: skip
-    out["moe_experts"] = moefuse.moe_experts(x, t["w13"], t["w2"], t["ids"], t["scales"],
-                                             impl=impl)  # fmt: skip
+        xp, plan.permuted_idx_to_expanded_idx, t["scales"], impl=impl
+    )
+    out["moe_experts"] = moefuse.moe_experts(x, t["w13"], t["w2"], t["ids"], t["scales"], impl=impl)
     layer_w = moefuse.MoEWeights(t["logits"].new_ones(E, H).to(BF16), t["w13"], t["w2"])
     out["moe_layer"] = moefuse.moe_layer(x, layer_w, K, impl=impl)
     s, gs = t["scale"], t["gs"]
@@ -86,8 +101,11 @@ def every_op(t: dict, impl: str) -> dict:
 
 
 def test_every_public_op_is_walked():
-    public = {n for n in (*norm.__all__, *moe.__all__, *quant.__all__)
-              if not n.startswith("supports_") and n not in NOT_OPS}  # fmt: skip
+    public = {
+        n
+        for n in (*norm.__all__, *moe.__all__, *quant.__all__)
+        if not n.startswith("supports_") and n not in NOT_OPS
+    }
     assert set(every_op(_inputs(0), "reference")) == public
 
 

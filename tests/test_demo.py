@@ -14,7 +14,7 @@ def test_demo_passes_at_a_small_size(capsys):
     assert "times: none" in out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("op "))
-    rows = [line for line in lines[header + 1:] if "triton (interpreter)" in line]
+    rows = [line for line in lines[header + 1 :] if "triton (interpreter)" in line]
     assert len(rows) == 10
     for line in rows:
         assert line.split()[-4:] == ["-", "-", "-", "ok"], line

@@ -134,13 +134,14 @@ def test_layout_guard_misses_on_any_layout_change(guard, monkeypatch):
     x, w = _rand(3, H), _rand(H)
     check = fp._layout_check([x, w])
     assert (type(getattr(check, "__self__", None)).__name__ == "TensorGuards") == (
-        guard == "dynamo")  # fmt: skip
+        guard == "dynamo"
+    )
     assert check(x, w) and check(_rand(3, H), _rand(H))
     assert not check(x, w.float()) and not check(_rand(4, H), w) and not check(x, _rand(H, 2)[:, 0])
     moefuse.rmsnorm(x, w, impl="triton")
     variants = [
-        (x, w.float()),                                  # weight dtype
-        (_rand(3, 2 * H)[:, :H], w),                     # row stride 2H, same shape
+        (x, w.float()),  # weight dtype
+        (_rand(3, 2 * H)[:, :H], w),  # row stride 2H, same shape
         (x, torch.nn.Parameter(w.clone(), requires_grad=False)),  # another tensor type
     ]
     for n, (xi, wi) in enumerate(variants, start=2):

@@ -31,8 +31,10 @@ def _flat(r):
 
 
 def _bits(r) -> list[torch.Tensor]:
-    return [t.detach().clone().view(torch.uint8) if t.dtype.itemsize == 1 else
-            t.detach().clone() for t in _flat(r)]  # fmt: skip
+    return [
+        t.detach().clone().view(torch.uint8) if t.dtype.itemsize == 1 else t.detach().clone()
+        for t in _flat(r)
+    ]
 
 
 def _slow(fn):
@@ -69,8 +71,11 @@ def _check_op(name, fn, refresh) -> str | None:
     fn()  # records
     if name in NO_PLAN:
         refused = fp.refusals(public)
-        return None if refused and all(NO_PLAN[name] in r for r in refused) else \
-            f"{name}: expected the refusal {NO_PLAN[name]!r}, got {refused}"  # fmt: skip
+        return (
+            None
+            if refused and all(NO_PLAN[name] in r for r in refused)
+            else f"{name}: expected the refusal {NO_PLAN[name]!r}, got {refused}"
+        )
     if fp.refusals(public):
         return f"{name}: refused: {fp.refusals(public)}"
     for seed in SEEDS:
@@ -109,8 +114,9 @@ def test_single_gpu_ops_replay_plans_with_custom_op_bits():
 def _comm_scenario(rank, world_size, h, dev="cpu"):
     """Every communication op on this rank: recorded, then replayed (:func:`_check_op`); also
     run on CUDA by tests/test_fastpath_gpu.py."""
-    calls, refresh, close = op_calls.comm_calls(torch.device(dev), None, m=2, h=h,
-                                                impl="triton", timeout_s=30)  # fmt: skip
+    calls, refresh, close = op_calls.comm_calls(
+        torch.device(dev), None, m=2, h=h, impl="triton", timeout_s=30
+    )
     try:
         return [_check_op(name, fn, refresh) for name, fn in calls], [n for n, _ in calls]
     finally:
@@ -160,8 +166,11 @@ def test_tuple_of_tensors_replays_on_fresh_tensors():
     x0_bits, p0_bits = x0.clone(), p0.clone()
     body = _tuple_op.__wrapped__.__code__
     entered = []
-    sys.setprofile(lambda frame, event, arg: entered.append(1)
-                   if event == "call" and frame.f_code is body else None)  # fmt: skip
+    sys.setprofile(
+        lambda frame, event, arg: (
+            entered.append(1) if event == "call" and frame.f_code is body else None
+        )
+    )
     try:
         got = _tuple_op(x1, p1)
     finally:

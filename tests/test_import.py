@@ -14,15 +14,18 @@ def _fresh(code: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.path.join(root, "src")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_import_loads_neither_triton_nor_dynamo():
-    out = _fresh("import sys, moefuse; print(sorted(m for m in ('triton', 'torch._dynamo') "
-                 "if m in sys.modules))")  # fmt: skip
+    out = _fresh(
+        "import sys, moefuse; print(sorted(m for m in ('triton', 'torch._dynamo') "
+        "if m in sys.modules))"
+    )
     assert out.strip() == "[]", out
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-tf = pytest.importorskip("transformers", reason="transformers is not installed "
-                         "(pip install moefuse[transformers])")  # fmt: skip
+tf = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install moefuse[transformers])"
+)
 
 from torch._dynamo.utils import counters  # noqa: E402
 
@@ -36,8 +37,7 @@ class GraphRecorder:
         def backend(gm, example_inputs):
             from torch._dynamo.backends.common import aot_autograd
 
-            self.targets.append({str(n.target) for n in gm.graph.nodes
-                                 if n.op == "call_function"})  # fmt: skip
+            self.targets.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
             return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
 
         self.backend = backend

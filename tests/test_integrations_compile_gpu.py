@@ -10,8 +10,9 @@ import types
 import pytest
 import torch
 
-tf = pytest.importorskip("transformers", reason="transformers is not installed "
-                         "(pip install moefuse[transformers])")  # fmt: skip
+tf = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install moefuse[transformers])"
+)
 
 from torch._dynamo.utils import counters  # noqa: E402
 

@@ -12,8 +12,9 @@ import copy
 import pytest
 import torch
 
-tf = pytest.importorskip("transformers", reason="transformers is not installed "
-                         "(pip install moefuse[transformers])")  # fmt: skip
+tf = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install moefuse[transformers])"
+)
 
 from moefuse.integrations import transformers as mt  # noqa: E402
 from moefuse.testing import assert_bitwise_equal, assert_close, expect_value_error  # noqa: E402
@@ -31,24 +32,49 @@ SEEDS = {"qwen3_moe": 2, "mixtral": 2, "deepseek_v3": 2}
 def build(kind: str, seed: int, *, hidden=64, layers=2, vocab=VOCAB):
     """A tiny random model of ``kind`` (weights from ``seed``; std 0.1 so activations are O(1))."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  initializer_range=0.1, rms_norm_eps=1e-6)  # fmt: skip
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.1,
+        rms_norm_eps=1e-6,
+    )
     if kind == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, head_dim=16,
-                                num_experts=8, num_experts_per_tok=3, norm_topk_prob=True,
-                                **common)  # fmt: skip
+        cfg = tf.Qwen3MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            **common,
+        )
         return tf.Qwen3MoeForCausalLM(cfg).eval()
     if kind == "mixtral":
-        cfg = tf.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
-                               head_dim=16, **common)  # fmt: skip
+        cfg = tf.MixtralConfig(
+            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=16, **common
+        )
         return tf.MixtralForCausalLM(cfg).eval()
-    cfg = tf.DeepseekV3Config(intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8,
-                              num_experts_per_tok=3, n_group=2, topk_group=1,
-                              first_k_dense_replace=1, n_shared_experts=1,
-                              routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16,
-                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                              **common)  # fmt: skip
+    cfg = tf.DeepseekV3Config(
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        **common,
+    )
     return tf.DeepseekV3ForCausalLM(cfg).eval()
 
 
@@ -97,8 +123,9 @@ def test_greedy_generation_equals_fp32(kind):
     interpreted kernels): 16 decode steps of interpreted kernels would take minutes."""
     fp32, _, patched, ids = copies(kind, impl="reference")
     prompt = ids[:1, :5]
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
-              eos_token_id=None)  # fmt: skip
+    kw = dict(
+        max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
     want = fp32.generate(prompt, **kw)
     got = patched.generate(prompt, **kw)
     assert got.shape == (1, 21)
@@ -154,8 +181,9 @@ def test_supported_modules_run_the_fused_op(monkeypatch):
         calls.clear()
         got = ex.moefuse_experts_forward(experts, x, idx, w)
         assert calls, f"{kind}: the fused op was not called"
-        want = moefuse.moe_experts(x, experts.gate_up_proj, experts.down_proj, idx, w,
-                                   impl="triton")  # fmt: skip
+        want = moefuse.moe_experts(
+            x, experts.gate_up_proj, experts.down_proj, idx, w, impl="triton"
+        )
         assert_bitwise_equal(got, want, kind)
         experts.config.hidden_act = "gelu"
         calls.clear()
@@ -208,8 +236,9 @@ def test_unpatch_restores_and_bad_input():
         assert len(got.hidden_states) == len(ref.hidden_states) == 4
         assert_bitwise_equal(got.hidden_states[0], ref.hidden_states[0], "embeddings")
         for i in (1, 2):
-            torch.testing.assert_close(got.hidden_states[i], ref.hidden_states[i], rtol=0.05,
-                                       atol=0.05)  # fmt: skip
+            torch.testing.assert_close(
+                got.hidden_states[i], ref.hidden_states[i], rtol=0.05, atol=0.05
+            )
         assert mt.is_patched(model)
         assert mt.patch(model)["fused_layers"] == 0  # already patched: nothing new
         mt.unpatch(model)
@@ -238,5 +267,8 @@ def test_expert_plan_is_sort_by_expert(ep):
         for name in ("expanded_idx_to_permuted_idx", "expert_offsets"):
             assert_bitwise_equal(getattr(got, name), getattr(want, name), name)
         # rows behind the local ones: -1 in both (ep), else every row is in use
-        assert_bitwise_equal(got.permuted_idx_to_expanded_idx, want.permuted_idx_to_expanded_idx,
-                             "permuted_idx_to_expanded_idx")  # fmt: skip
+        assert_bitwise_equal(
+            got.permuted_idx_to_expanded_idx,
+            want.permuted_idx_to_expanded_idx,
+            "permuted_idx_to_expanded_idx",
+        )

@@ -9,8 +9,9 @@ import copy
 import pytest
 import torch
 
-tf = pytest.importorskip("transformers", reason="transformers is not installed "
-                         "(pip install moefuse[transformers])")  # fmt: skip
+tf = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install moefuse[transformers])"
+)
 
 from moefuse.integrations import transformers as mt  # noqa: E402
 from moefuse.testing import assert_bitwise_equal, assert_close  # noqa: E402
@@ -39,8 +40,11 @@ def logits_and_routing(model, ids):
         index = args[1] if len(args) > 1 else kwargs["top_k_index"]
         seen.append(index.sort(-1).values.reshape(*ids.shape, -1).cpu())
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
-               if hasattr(m, "gate_up_proj") and not isinstance(m, torch.nn.Linear)]  # fmt: skip
+    handles = [
+        m.register_forward_pre_hook(hook, with_kwargs=True)
+        for m in model.modules()
+        if hasattr(m, "gate_up_proj") and not isinstance(m, torch.nn.Linear)
+    ]
     try:
         logits = model(ids).logits
     finally:
@@ -83,8 +87,9 @@ def test_greedy_generation_gpu():
     """16 greedy tokens: the patched BF16 models follow the FP32 models' continuation at least
     as far as the unpatched BF16 models do (common-prefix lengths summed over models and seeds:
     random tiny models have near-ties that any BF16 rounding may break)."""
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
-              eos_token_id=None)  # fmt: skip
+    kw = dict(
+        max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
     agree_patched = agree_unpatched = 0
     for kind in KINDS:
         for seed in range(3):
@@ -105,8 +110,13 @@ def test_qwen3_block_shapes_and_graph(tokens):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     mt.register()
-    cfg = tf.Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
-                            num_experts_per_tok=8, norm_topk_prob=True)  # fmt: skip
+    cfg = tf.Qwen3MoeConfig(
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+    )
     torch.manual_seed(0)
     block = Qwen3MoeSparseMoeBlock(cfg)
     for p in block.parameters():

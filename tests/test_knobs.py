@@ -73,9 +73,13 @@ def test_a_bad_value_names_the_knob(clean_env, name):
 
 
 def test_integer_bounds(clean_env):
-    for name, raw in (("MOEFUSE_ALLGATHER_LOOKAHEAD", "0"), ("MOEFUSE_COMM_ONESHOT_WARPS", "3"),
-                      ("MOEFUSE_MOE_COMM_CTAS_PER_SM", "3"), ("MOEFUSE_MOE_COMM_SPLIT_CTAS", "6"),
-                      ("MOEFUSE_ALLGATHER_FUSED_GRID", "-1")):  # fmt: skip
+    for name, raw in (
+        ("MOEFUSE_ALLGATHER_LOOKAHEAD", "0"),
+        ("MOEFUSE_COMM_ONESHOT_WARPS", "3"),
+        ("MOEFUSE_MOE_COMM_CTAS_PER_SM", "3"),
+        ("MOEFUSE_MOE_COMM_SPLIT_CTAS", "6"),
+        ("MOEFUSE_ALLGATHER_FUSED_GRID", "-1"),
+    ):
         clean_env.setenv(name, raw)
         with pytest.raises(ValueError, match=f"{name} must be"):
             knobs.get(name)
@@ -85,8 +89,11 @@ def test_knob_choices_match_the_code():
     from moefuse.comm import transport as tp
     from moefuse.comm.moe_reduction import kernels as mk
 
-    assert knobs.KNOBS["MOEFUSE_COMM_TRANSPORT"].choices == ("auto", *tp.CUDA_TRANSPORTS,
-                                                             tp.LOOPBACK)
+    assert knobs.KNOBS["MOEFUSE_COMM_TRANSPORT"].choices == (
+        "auto",
+        *tp.CUDA_TRANSPORTS,
+        tp.LOOPBACK,
+    )
     assert knobs.KNOBS["MOEFUSE_MOE_COMM_VARIANT"].choices == ("auto", *mk.ONESHOT_VARIANTS)
 
 
@@ -121,16 +128,18 @@ def test_every_name_in_the_code_and_docs_is_declared():
     readers = re.compile(r"(os\.environ\.get|os\.getenv|os\.environ\[)\(?\s*[\"']MOEFUSE_")
     # (testing_ranks saves and restores the transport it sets for its threads)
     allowed = {"knobs.py", "testing_ranks.py"}
-    direct = [str(f) for f in SRC.rglob("*.py")
-              if f.name not in allowed and readers.search(f.read_text())]  # fmt: skip
+    direct = [
+        str(f) for f in SRC.rglob("*.py") if f.name not in allowed and readers.search(f.read_text())
+    ]
     assert not direct, direct
 
 
 def test_docs_page_is_generated_from_the_declarations():
     page = (ROOT / "docs" / "knobs.md").read_text()
     assert page == knobs.markdown_page(), (
-        "docs/knobs.md is out of date: python -c \"from moefuse import knobs; "
-        "print(knobs.markdown_page(), end='')\" > docs/knobs.md")
+        'docs/knobs.md is out of date: python -c "from moefuse import knobs; '
+        "print(knobs.markdown_page(), end='')\" > docs/knobs.md"
+    )
     for n in knobs.KNOBS:
         assert f"`{n}`" in page
 
@@ -188,8 +197,9 @@ print(json.dumps({"at_import": at_import, "skipped": skipped, "error": error,
     env.update({n: BAD.get(k.kind, "x") for n, k in knobs.KNOBS.items()})
     env["MOEFUSE_NO_SUCH_KNOB"] = "1"
     env["PYTHONPATH"] = str(ROOT / "src")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["at_import"] == [[], []], got
@@ -235,9 +245,14 @@ def test_rank_agreement_check_names_the_knob_and_ranks():
     knobs.check_ranks_agree([{"MOEFUSE_A": "1"}, {"MOEFUSE_A": "1"}])
     knobs.check_ranks_agree([{}, {}, {}])
     with pytest.raises(RuntimeError) as err:
-        knobs.check_ranks_agree([{"MOEFUSE_ALLGATHER_LARGE": "fused"}, {},
-                                 {"MOEFUSE_ALLGATHER_LARGE": "fused",
-                                  "MOEFUSE_TP_SPLIT_FOLD": "0"}], "here")  # fmt: skip
+        knobs.check_ranks_agree(
+            [
+                {"MOEFUSE_ALLGATHER_LARGE": "fused"},
+                {},
+                {"MOEFUSE_ALLGATHER_LARGE": "fused", "MOEFUSE_TP_SPLIT_FOLD": "0"},
+            ],
+            "here",
+        )
     msg = str(err.value)
     assert msg.startswith("here: knobs that every rank must set alike differ between ranks")
     assert "MOEFUSE_ALLGATHER_LARGE (ranks 0, 2: 'fused'; rank 1: unset)" in msg
@@ -278,8 +293,9 @@ def test_workspace_creation_compares_shared_knobs(monkeypatch):
         monkeypatch.delenv(name)
     assert run_loopback_ranks(_create, 2, "cpu", timeout_s=120) == ["created", "created"]
 
-    monkeypatch.setattr(knobs, "shared_settings",
-                        _per_rank({1: {"MOEFUSE_MOE_COMM_VARIANT": "split"}}))
+    monkeypatch.setattr(
+        knobs, "shared_settings", _per_rank({1: {"MOEFUSE_MOE_COMM_VARIANT": "split"}})
+    )
     got = run_loopback_ranks(_create, 2, "cpu", timeout_s=120)
     assert got[0] == got[1], got
     assert got[0].startswith("RuntimeError: AllReduceWorkspace: knobs that every rank must set")
@@ -295,5 +311,11 @@ def test_workspace_creation_compares_shared_knobs(monkeypatch):
     monkeypatch.setattr(knobs, "shared_settings", _per_rank({}))
     monkeypatch.setattr(knobs, "check_all", bad_on_rank_one)
     got = run_loopback_ranks(_create, 2, "cpu", timeout_s=120)
-    assert got[0] == got[1] == ("ValueError: AllReduceWorkspace: rank 1: "
-                                "MOEFUSE_ALLGATHER_LOOKAHEAD must be an integer >= 1, got '0'")
+    assert (
+        got[0]
+        == got[1]
+        == (
+            "ValueError: AllReduceWorkspace: rank 1: "
+            "MOEFUSE_ALLGATHER_LOOKAHEAD must be an integer >= 1, got '0'"
+        )
+    )

@@ -51,8 +51,9 @@ def fma_ftz_oracle(a: float, b: float, c: float) -> float:
     return _flush(_round_f32(exact))
 
 
-def finalize_oracle(inp, idx_map, scales, *, bias=None, expert_ids=None, rsf=1.0, shared=None,
-                    expanded=False):  # fmt: skip
+def finalize_oracle(
+    inp, idx_map, scales, *, bias=None, expert_ids=None, rsf=1.0, shared=None, expanded=False
+):
     """spec: moe_finalize written out element by element with the rational FMA oracle."""
     m, k_slots = idx_map.shape
     n_rows, h = inp.shape
@@ -148,8 +149,19 @@ def test_fma_ftz_device_helper_matches_reference():
 
 
 # ----------------------------------------------------------------------------- inputs
-def make_case(m, k, h, *, dtype=torch.bfloat16, scale_dtype=torch.float32, n_rows=None,
-              expanded=False, ext=False, seed=0, special=True):  # fmt: skip
+def make_case(
+    m,
+    k,
+    h,
+    *,
+    dtype=torch.bfloat16,
+    scale_dtype=torch.float32,
+    n_rows=None,
+    expanded=False,
+    ext=False,
+    seed=0,
+    special=True,
+):
     """Random finalize inputs with invalid slots, NaN rows behind them, an all-masked token,
     BF16/FP16 subnormals and -0.0 in the expert rows."""
     g = torch.Generator().manual_seed(seed)
@@ -193,10 +205,16 @@ def make_case(m, k, h, *, dtype=torch.bfloat16, scale_dtype=torch.float32, n_row
 def test_reference_matches_oracle(expanded, ext, dtype):
     inp, idx_map, scales, kw = make_case(4, 3, 9, dtype=dtype, expanded=expanded, ext=ext, seed=3)
     got = ref.moe_finalize_reference(inp, idx_map, scales, input_is_expanded=expanded, **kw)
-    want = finalize_oracle(inp, idx_map, scales, bias=kw.get("bias"),
-                           expert_ids=kw.get("expert_ids"),
-                           rsf=kw.get("routed_scaling_factor", 1.0),
-                           shared=kw.get("shared_expert_output"), expanded=expanded)  # fmt: skip
+    want = finalize_oracle(
+        inp,
+        idx_map,
+        scales,
+        bias=kw.get("bias"),
+        expert_ids=kw.get("expert_ids"),
+        rsf=kw.get("routed_scaling_factor", 1.0),
+        shared=kw.get("shared_expert_output"),
+        expanded=expanded,
+    )
     assert_bitwise_equal(got, want, "reference vs oracle")
     if not ext:  # spec: moe_finalize: a fully masked token writes exactly +0.0
         assert int(bits(got[2]).abs().sum()) == 0
@@ -205,8 +223,9 @@ def test_reference_matches_oracle(expanded, ext, dtype):
 def test_reference_flushes_subnormal_products():
     """A product below 2^-126 contributes +-0 (FTZ), although BF16 could represent it."""
     inp = torch.tensor([[2.0**-100]], dtype=torch.bfloat16)
-    got = ref.moe_finalize_reference(inp, torch.tensor([[0]], dtype=torch.int32),
-                                     torch.tensor([[2.0**-30]]))  # fmt: skip
+    got = ref.moe_finalize_reference(
+        inp, torch.tensor([[0]], dtype=torch.int32), torch.tensor([[2.0**-30]])
+    )
     assert int(bits(got)) == 0
 
 
@@ -214,11 +233,13 @@ def test_reference_flushes_subnormal_products():
 def _run_both(inp, idx_map, scales, kw, expanded=False):
     m, h = idx_map.shape[0], inp.shape[1]
     out = poison_(torch.empty(m, h, dtype=inp.dtype))
-    got = moefuse.moe_finalize(inp, idx_map, scales, out=out, input_is_expanded=expanded,
-                               impl="triton", **kw)  # fmt: skip
+    got = moefuse.moe_finalize(
+        inp, idx_map, scales, out=out, input_is_expanded=expanded, impl="triton", **kw
+    )
     assert got is out
-    want = moefuse.moe_finalize(inp, idx_map, scales, input_is_expanded=expanded,
-                                impl="reference", **kw)  # fmt: skip
+    want = moefuse.moe_finalize(
+        inp, idx_map, scales, input_is_expanded=expanded, impl="reference", **kw
+    )
     return got, want
 
 
@@ -229,8 +250,9 @@ def test_kernel_bitwise_equals_reference(dtype, width, ext):
     for i, m in enumerate(TOKENS):
         k = (1, 4, 8)[i]
         sdt = SCALE_DTYPES[(i + width) % 3]
-        inp, idx_map, scales, kw = make_case(m, k, width, dtype=dtype, scale_dtype=sdt, ext=ext,
-                                             seed=width + i)  # fmt: skip
+        inp, idx_map, scales, kw = make_case(
+            m, k, width, dtype=dtype, scale_dtype=sdt, ext=ext, seed=width + i
+        )
         got, want = _run_both(inp, idx_map, scales, kw)
         assert_bitwise_equal(got, want, f"M={m} K={k} H={width} scales={sdt} ext={ext}")
 
@@ -325,8 +347,11 @@ def test_batch_invariance_and_launch_geometry_bitwise():
     batch = moefuse.moe_finalize(inp, idx_map, scales, impl="triton", **kw)
 
     def sub(rows):
-        kws = dict(kw, expert_ids=kw["expert_ids"][rows],
-                   shared_expert_output=kw["shared_expert_output"][rows])  # fmt: skip
+        kws = dict(
+            kw,
+            expert_ids=kw["expert_ids"][rows],
+            shared_expert_output=kw["shared_expert_output"][rows],
+        )
         return moefuse.moe_finalize(inp, idx_map[rows], scales[rows], impl="triton", **kws)
 
     for i in (0, 8, 16):
@@ -335,17 +360,30 @@ def test_batch_invariance_and_launch_geometry_bitwise():
     assert_bitwise_equal(sub(perm), batch[perm], "another batch composition")
     for block, warps in ((32, 1), (64, 2), (256, 4)):
         out = poison_(torch.empty_like(batch))
-        launch_moe_finalize(inp, idx_map, scales, out, kw["bias"], kw["expert_ids"],
-                            kw["routed_scaling_factor"], kw["shared_expert_output"], False, False,
-                            block=block, num_warps=warps)  # fmt: skip
+        launch_moe_finalize(
+            inp,
+            idx_map,
+            scales,
+            out,
+            kw["bias"],
+            kw["expert_ids"],
+            kw["routed_scaling_factor"],
+            kw["shared_expert_output"],
+            False,
+            False,
+            block=block,
+            num_warps=warps,
+        )
         assert_bitwise_equal(out, batch, f"tile {block}x{warps} warps")
 
 
 # ----------------------------------------------------------------------------- API contract
 def test_auto_on_cpu_uses_the_reference():
     inp, idx_map, scales, kw = make_case(3, 2, 16, seed=13)
-    assert_bitwise_equal(moefuse.moe_finalize(inp, idx_map, scales, **kw),
-                         ref.moe_finalize_reference(inp, idx_map, scales, **kw))  # fmt: skip
+    assert_bitwise_equal(
+        moefuse.moe_finalize(inp, idx_map, scales, **kw),
+        ref.moe_finalize_reference(inp, idx_map, scales, **kw),
+    )
 
 
 def test_triton_without_interpreter_raises(monkeypatch):
@@ -393,12 +431,17 @@ def _bad_calls(inp, idx_map, scales, kw):
 def test_bad_inputs_raise_value_error_naming_the_argument(impl):
     inp, idx_map, scales, kw = make_case(3, 2, 16, ext=True, seed=16)
     for name, change in _bad_calls(inp, idx_map, scales, kw):
-        args = dict(permuted_input=inp, expanded_idx_to_permuted_idx=idx_map, topk_scales=scales,
-                    out=poison_(torch.empty(3, 16, dtype=torch.bfloat16)))  # fmt: skip
+        args = dict(
+            permuted_input=inp,
+            expanded_idx_to_permuted_idx=idx_map,
+            topk_scales=scales,
+            out=poison_(torch.empty(3, 16, dtype=torch.bfloat16)),
+        )
         args.update(change)
         before = bits(args["out"]).clone()
-        pos = [args.pop(n) for n in ("permuted_input", "expanded_idx_to_permuted_idx",
-                                     "topk_scales")]  # fmt: skip
+        pos = [
+            args.pop(n) for n in ("permuted_input", "expanded_idx_to_permuted_idx", "topk_scales")
+        ]
         with pytest.raises(ValueError, match=name):
             moefuse.moe_finalize(*pos, impl=impl, **args)
         assert torch.equal(bits(args["out"]), before), f"{name}: output written"
@@ -414,25 +457,42 @@ def test_opcheck_custom_ops():
     out = torch.empty(3, 24, dtype=torch.bfloat16)
     torch.library.opcheck(
         ops.moe_finalize_op,
-        (inp, idx_map, scales, out, kw["bias"], kw["expert_ids"], 2.5,
-         kw["shared_expert_output"], False, False),
-    )  # fmt: skip
-    torch.library.opcheck(ops.moe_finalize_op, (inp, idx_map, scales, out, None, None, 1.0, None,
-                                                False, False))  # fmt: skip
+        (
+            inp,
+            idx_map,
+            scales,
+            out,
+            kw["bias"],
+            kw["expert_ids"],
+            2.5,
+            kw["shared_expert_output"],
+            False,
+            False,
+        ),
+    )
+    torch.library.opcheck(
+        ops.moe_finalize_op, (inp, idx_map, scales, out, None, None, 1.0, None, False, False)
+    )
     inv = torch.full((inp.shape[0],), -1, dtype=torch.int32)
     inv[:6] = torch.arange(6, dtype=torch.int32)
     torch.library.opcheck(ops.moe_finalize_scatter_add_op, (inp, inv, scales, out, 1.0, False))
-    torch.library.opcheck(ops.moe_permute_op,
-                          (out, inv, 4, torch.empty_like(inp), False))  # fmt: skip
+    torch.library.opcheck(ops.moe_permute_op, (out, inv, 4, torch.empty_like(inp), False))
 
 
 def test_compiles_fullgraph():
     inp, idx_map, scales, kw = make_case(3, 4, 24, ext=True, seed=18)
 
     def f(a, b, c, bias, eids, shared):
-        out = moefuse.moe_finalize(a, b, c, bias=bias, expert_ids=eids,
-                                   shared_expert_output=shared, routed_scaling_factor=2.5,
-                                   impl="triton")  # fmt: skip
+        out = moefuse.moe_finalize(
+            a,
+            b,
+            c,
+            bias=bias,
+            expert_ids=eids,
+            shared_expert_output=shared,
+            routed_scaling_factor=2.5,
+            impl="triton",
+        )
         return out * 1
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -517,6 +577,7 @@ def test_kernels_compile_for_sm90_with_the_intended_instructions():
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    res = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert "SM90-OK" in res.stdout, res.stderr[-3000:]

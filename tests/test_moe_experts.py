@@ -20,8 +20,18 @@ from moefuse.testing import assert_bitwise_equal, bits, expect_value_error, pois
 pytestmark = pytest.mark.interpreter
 
 
-def case(tokens, hidden, inter, experts, top_k, *, dtype=torch.bfloat16, seed=0,
-         sentinels=False, index_dtype=torch.int64):  # fmt: skip
+def case(
+    tokens,
+    hidden,
+    inter,
+    experts,
+    top_k,
+    *,
+    dtype=torch.bfloat16,
+    seed=0,
+    sentinels=False,
+    index_dtype=torch.int64,
+):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     gu = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
@@ -43,9 +53,16 @@ def rel_err(got, want):
 ])  # fmt: skip
 def test_kernels_match_reference(tokens, hidden, inter, experts, top_k):
     for sentinels, dtype in ((False, torch.bfloat16), (True, torch.float16)):
-        x, gu, dn, idx, w = case(tokens, hidden, inter, experts, top_k, dtype=dtype,
-                                 sentinels=sentinels and top_k > 1,
-                                 seed=tokens + top_k)  # fmt: skip
+        x, gu, dn, idx, w = case(
+            tokens,
+            hidden,
+            inter,
+            experts,
+            top_k,
+            dtype=dtype,
+            sentinels=sentinels and top_k > 1,
+            seed=tokens + top_k,
+        )
         out = poison_(torch.empty(tokens, hidden, dtype=dtype))
         got = moefuse.moe_experts(x, gu, dn, idx, w, out=out, impl="triton")
         assert got is out
@@ -57,21 +74,38 @@ def test_kernels_match_reference(tokens, hidden, inter, experts, top_k):
 def test_extensions_transposed_and_token_tiles():
     x, gu, dn, idx, w = case(12, 48, 24, 6, 3, sentinels=True, seed=3, index_dtype=torch.int32)
     g = torch.Generator().manual_seed(4)
-    kw = dict(bias=torch.randn(6, 48, generator=g).to(torch.bfloat16),
-              shared_expert_output=torch.randn(12, 48, generator=g).to(torch.bfloat16),
-              routed_scaling_factor=2.5)  # fmt: skip
+    kw = dict(
+        bias=torch.randn(6, 48, generator=g).to(torch.bfloat16),
+        shared_expert_output=torch.randn(12, 48, generator=g).to(torch.bfloat16),
+        routed_scaling_factor=2.5,
+    )
     got = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton", **kw)
     want = ref.moe_experts_reference(x, gu, dn, idx, w, **kw)
     assert rel_err(got, want) < 1e-2
     gu_t, dn_t = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
     tr = moefuse.moe_experts(x, gu_t, dn_t, idx, w, transposed=True, impl="triton", **kw)
     assert_bitwise_equal(tr, got, "transposed storage")
-    assert_bitwise_equal(ref.moe_experts_reference(x, gu_t, dn_t, idx, w, transposed=True, **kw),
-                         want, "transposed reference")  # fmt: skip
+    assert_bitwise_equal(
+        ref.moe_experts_reference(x, gu_t, dn_t, idx, w, transposed=True, **kw),
+        want,
+        "transposed reference",
+    )
     for bt in (16, 32):  # the interpreter's FP32 matmul has its own order: compare to reference
         out = poison_(torch.empty_like(got))
-        launch_moe_experts(x, gu, dn, idx, w, out, kw["bias"], kw["shared_expert_output"], 2.5,
-                           False, False, token_tile=bt)  # fmt: skip
+        launch_moe_experts(
+            x,
+            gu,
+            dn,
+            idx,
+            w,
+            out,
+            kw["bias"],
+            kw["shared_expert_output"],
+            2.5,
+            False,
+            False,
+            token_tile=bt,
+        )
         assert rel_err(out, want) < 1e-2
 
 
@@ -89,28 +123,32 @@ def _plan_model(idx, experts, bt):
     return items, [s for _, s in order], [s if valid[s] else -1 for s in range(len(flat))]
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,bt", [(1, 8, 128, 16), (70, 4, 5, 16),
-                                                     (9, 3, 300, 32), (40, 2, 3, 16)])
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,bt", [(1, 8, 128, 16), (70, 4, 5, 16), (9, 3, 300, 32), (40, 2, 3, 16)]
+)
 def test_plan_kernel(tokens, top_k, experts, bt):
     """Items (expert, first sorted slot, slots), sorted slots and the slot map against a Python
     model, with duplicates, sentinels, a transposed (strided) index and the -1 tail."""
     g = torch.Generator().manual_seed(tokens)
     idx = torch.randint(-2, experts + 2, (top_k, tokens), generator=g).t()  # strided view
     items, sorted_slots, slot_map = experts_plan_buffers(
-        tokens, top_k, experts_item_count(tokens * top_k, experts, bt), torch.device("cpu"))
+        tokens, top_k, experts_item_count(tokens * top_k, experts, bt), torch.device("cpu")
+    )
     for t in (items, sorted_slots, slot_map):
         t.fill_(-7)
     launch_experts_plan(idx, experts, bt, items, sorted_slots, slot_map, False)
     want_items, want_sorted, want_map = _plan_model(idx, experts, bt)
     got = items.view(-1, 3).tolist()
     assert [tuple(r) for r in got[: len(want_items)]] == want_items
-    assert all(r[0] == -1 for r in got[len(want_items):])
+    assert all(r[0] == -1 for r in got[len(want_items) :])
     assert sorted_slots[: len(want_sorted)].tolist() == want_sorted
     assert slot_map.reshape(-1).tolist() == want_map
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,bt", [(1, 8, 128, 16), (40, 2, 3, 16),
-                                                     (9, 3, 7, 16), (5, 4, 300, 32), (3, 2, 4, 16)])
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,bt",
+    [(1, 8, 128, 16), (40, 2, 3, 16), (9, 3, 7, 16), (5, 4, 300, 32), (3, 2, 4, 16)],
+)
 def test_inline_plan_and_fused_finalize_match_plan_kernel(tokens, top_k, experts, bt):
     """At T*K <= the inline limit each GEMM program computes its work item from the ids and the
     down kernel's last program per H tile runs the finalize: same items, same finalize, so the
@@ -125,18 +163,35 @@ def test_inline_plan_and_fused_finalize_match_plan_kernel(tokens, top_k, experts
     if experts == 4:
         idx = idx + 10  # every slot a sentinel
     w = torch.rand(tokens, top_k, generator=g)
-    kw = dict(bias=torch.randn(experts, hidden, generator=g).to(torch.bfloat16),
-              shared_expert_output=torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),
-              routed_scaling_factor=2.5)  # fmt: skip
+    kw = dict(
+        bias=torch.randn(experts, hidden, generator=g).to(torch.bfloat16),
+        shared_expert_output=torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),
+        routed_scaling_factor=2.5,
+    )
     want = ref.moe_experts_reference(x, gu, dn, idx, w, **kw)
     outs = {}
-    modes = {"plan": {"inline_plan_slots": 0},
-             "inline": {"inline_plan_slots": 128, "fuse_finalize_slots": 0},
-             "fused": {"inline_plan_slots": 128, "fuse_finalize_slots": 128}}  # fmt: skip
+    modes = {
+        "plan": {"inline_plan_slots": 0},
+        "inline": {"inline_plan_slots": 128, "fuse_finalize_slots": 0},
+        "fused": {"inline_plan_slots": 128, "fuse_finalize_slots": 128},
+    }
     for mode, tile in modes.items():
         out = poison_(torch.empty(tokens, hidden, dtype=torch.bfloat16))
-        launch_moe_experts(x, gu, dn, idx, w, out, kw["bias"], kw["shared_expert_output"], 2.5,
-                           False, False, tile=tile, token_tile=bt)  # fmt: skip
+        launch_moe_experts(
+            x,
+            gu,
+            dn,
+            idx,
+            w,
+            out,
+            kw["bias"],
+            kw["shared_expert_output"],
+            2.5,
+            False,
+            False,
+            tile=tile,
+            token_tile=bt,
+        )
         assert rel_err(out, want) < 1e-2, (mode, rel_err(out, want))
         outs[mode] = out
     assert_bitwise_equal(outs["inline"], outs["plan"], "inline plan vs plan kernel")
@@ -148,8 +203,15 @@ def test_bad_inputs_raise_and_write_nothing():
     out = poison_(torch.empty(3, 16, dtype=torch.bfloat16))
 
     def call(**change):
-        args = dict(hidden_states=x, gate_up_proj=gu, down_proj=dn, top_k_index=idx,
-                    top_k_weights=w, out=out, impl="triton")  # fmt: skip
+        args = dict(
+            hidden_states=x,
+            gate_up_proj=gu,
+            down_proj=dn,
+            top_k_index=idx,
+            top_k_weights=w,
+            out=out,
+            impl="triton",
+        )
         args.update(change)
         return lambda: moefuse.moe_experts(**args)
 
@@ -186,8 +248,9 @@ def test_custom_op_compile_and_plans():
     bias = torch.randn(4, 16).to(torch.bfloat16)
     out = torch.empty(4, 16, dtype=torch.bfloat16)
     for backend in ("triton", "reference"):
-        torch.library.opcheck(ops.moe_experts_op, (x, gu, dn, idx, w, out, bias, None, 0.5,
-                                                   False, False, backend))  # fmt: skip
+        torch.library.opcheck(
+            ops.moe_experts_op, (x, gu, dn, idx, w, out, bias, None, 0.5, False, False, backend)
+        )
     eager = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton")
     again = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton")
     assert _fastpath.plan_count(moefuse.moe_experts) == 1, _fastpath.refusals(moefuse.moe_experts)

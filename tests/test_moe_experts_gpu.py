@@ -70,13 +70,16 @@ def test_batch_invariant_bits(name):
     full = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton")
     b64 = moefuse.moe_experts(x[:64], gu, dn, idx[:64], w[:64], impl="triton")
     for j in (0, 3, 17, 63):
-        alone = moefuse.moe_experts(x[j:j + 1], gu, dn, idx[j:j + 1], w[j:j + 1], impl="triton")
+        alone = moefuse.moe_experts(
+            x[j : j + 1], gu, dn, idx[j : j + 1], w[j : j + 1], impl="triton"
+        )
         assert_bitwise_equal(alone[0], b64[j], f"{name} token {j}: alone vs batch of 64")
         assert_bitwise_equal(alone[0], full[j], f"{name} token {j}: alone vs batch of 256")
     for bt in EXPERTS_TOKEN_TILES:
         out = poison_(torch.empty(64, h, device=DEV, dtype=torch.bfloat16))
-        launch_moe_experts(x[:64], gu, dn, idx[:64], w[:64], out, None, None, 1.0, False, False,
-                           token_tile=bt)  # fmt: skip
+        launch_moe_experts(
+            x[:64], gu, dn, idx[:64], w[:64], out, None, None, 1.0, False, False, token_tile=bt
+        )
         assert_bitwise_equal(out, b64, f"{name}: token tile {bt}")
     rolled = moefuse.moe_experts(x.roll(5, 0), gu, dn, idx.roll(5, 0), w.roll(5, 0))
     assert_bitwise_equal(rolled.roll(-5, 0), full, f"{name}: batch order")

@@ -54,8 +54,7 @@ def gpu_case(m, k, h, *, dtype, scale_dtype=torch.float32, ext=False, expanded=F
         e = 8
         kw = dict(
             bias=torch.randn(e, h, device=DEV, generator=g).to(dtype),
-            expert_ids=torch.randint(-1, e + 1, (m, k), device=DEV, generator=g,
-                                     dtype=torch.int32),  # fmt: skip
+            expert_ids=torch.randint(-1, e + 1, (m, k), device=DEV, generator=g, dtype=torch.int32),
             routed_scaling_factor=0.75,
             shared_expert_output=torch.randn(m, h, device=DEV, generator=g).to(dtype),
         )
@@ -64,8 +63,9 @@ def gpu_case(m, k, h, *, dtype, scale_dtype=torch.float32, ext=False, expanded=F
 
 def cpu_reference(inp, idx, scales, kw, expanded=False):
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    return ref.moe_finalize_reference(inp.cpu(), idx.cpu(), scales.cpu(),
-                                      input_is_expanded=expanded, **cpu)  # fmt: skip
+    return ref.moe_finalize_reference(
+        inp.cpu(), idx.cpu(), scales.cpu(), input_is_expanded=expanded, **cpu
+    )
 
 
 def run_variants(inp, idx, scales, kw, expanded=False, *, graph=True):
@@ -73,15 +73,31 @@ def run_variants(inp, idx, scales, kw, expanded=False, *, graph=True):
     outs = {}
     for pdl in (False, True):
         out = poison_(torch.empty(idx.shape[0], inp.shape[1], dtype=inp.dtype, device=DEV))
-        moefuse.moe_finalize(inp, idx, scales, out=out, input_is_expanded=expanded,
-                             enable_pdl=pdl, impl="triton", **kw)  # fmt: skip
+        moefuse.moe_finalize(
+            inp,
+            idx,
+            scales,
+            out=out,
+            input_is_expanded=expanded,
+            enable_pdl=pdl,
+            impl="triton",
+            **kw,
+        )
         outs[f"eager pdl={pdl}"] = out
     if graph:
         out = poison_(torch.empty(idx.shape[0], inp.shape[1], dtype=inp.dtype, device=DEV))
         graph_ = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph_):
-            moefuse.moe_finalize(inp, idx, scales, out=out, input_is_expanded=expanded,
-                                 enable_pdl=True, impl="triton", **kw)  # fmt: skip
+            moefuse.moe_finalize(
+                inp,
+                idx,
+                scales,
+                out=out,
+                input_is_expanded=expanded,
+                enable_pdl=True,
+                impl="triton",
+                **kw,
+            )
         poison_(out)
         graph_.replay()
         outs["graph pdl=True"] = out
@@ -102,21 +118,24 @@ def test_finalize_matches_cpu_reference_bitwise(hi, di):
         for m in MS:
             if not _selected(m, ki, hi, di):
                 continue
-            for ext in ((False, True) if m < 4096 else (ki % 2 == 1,)):
+            for ext in (False, True) if m < 4096 else (ki % 2 == 1,):
                 sdt = SCALE_DTYPES[(ki + hi) % 3]
-                inp, idx, scales, kw = gpu_case(m, k, h, dtype=dtype, scale_dtype=sdt, ext=ext,
-                                                seed=1000 * ki + m + hi)  # fmt: skip
+                inp, idx, scales, kw = gpu_case(
+                    m, k, h, dtype=dtype, scale_dtype=sdt, ext=ext, seed=1000 * ki + m + hi
+                )
                 want = cpu_reference(inp, idx, scales, kw)
                 for name, out in run_variants(inp, idx, scales, kw, graph=m <= 128).items():
-                    assert_bitwise_equal(out, want, f"M={m} K={k} H={h} {dtype} scales={sdt} "
-                                                    f"ext={ext} {name}")  # fmt: skip
+                    assert_bitwise_equal(
+                        out, want, f"M={m} K={k} H={h} {dtype} scales={sdt} ext={ext} {name}"
+                    )
 
 
 @pytest.mark.parametrize("h", [128, 2880, 7168])
 def test_expanded_input_bitwise(h):
     for k, ext in ((1, False), (8, True), (10, False)):
-        inp, idx, scales, kw = gpu_case(128, k, h, dtype=torch.bfloat16, ext=ext, expanded=True,
-                                        seed=k)  # fmt: skip
+        inp, idx, scales, kw = gpu_case(
+            128, k, h, dtype=torch.bfloat16, ext=ext, expanded=True, seed=k
+        )
         want = cpu_reference(inp, idx, scales, kw, expanded=True)
         for name, out in run_variants(inp, idx, scales, kw, expanded=True).items():
             assert_bitwise_equal(out, want, f"expanded K={k} H={h} {name}")
@@ -140,14 +159,28 @@ def test_determinism_runs_geometries_and_batches():
         assert_bitwise_equal(again, full, f"run {run}")
     for block, warps in ((256, 1), (512, 2), (2048, 8), (4096, 8)):
         out = poison_(torch.empty_like(full))
-        launch_moe_finalize(inp, idx, scales, out, kw["bias"], kw["expert_ids"],
-                            kw["routed_scaling_factor"], kw["shared_expert_output"], False, True,
-                            block=block, num_warps=warps)  # fmt: skip
+        launch_moe_finalize(
+            inp,
+            idx,
+            scales,
+            out,
+            kw["bias"],
+            kw["expert_ids"],
+            kw["routed_scaling_factor"],
+            kw["shared_expert_output"],
+            False,
+            True,
+            block=block,
+            num_warps=warps,
+        )
         assert_bitwise_equal(out, full, f"tile {block} x {warps} warps")
 
     def sub(rows):
-        kws = dict(kw, expert_ids=kw["expert_ids"][rows],
-                   shared_expert_output=kw["shared_expert_output"][rows])  # fmt: skip
+        kws = dict(
+            kw,
+            expert_ids=kw["expert_ids"][rows],
+            shared_expert_output=kw["shared_expert_output"][rows],
+        )
         return moefuse.moe_finalize(inp, idx[rows], scales[rows], impl="triton", **kws)
 
     for t in (0, 2048, 4095):
@@ -170,18 +203,21 @@ def test_graph_replays_with_new_inputs_and_a_pdl_producer():
     out = torch.empty(m, h, dtype=torch.bfloat16, device=DEV)
 
     def chain():
-        moefuse.moe_permute(x, plan.permuted_idx_to_expanded_idx, k, out=xp, enable_pdl=True,
-                            impl="triton")  # fmt: skip
-        moefuse.moe_finalize(xp, plan.expanded_idx_to_permuted_idx, w, out=out, enable_pdl=True,
-                             impl="triton")  # fmt: skip
+        moefuse.moe_permute(
+            x, plan.permuted_idx_to_expanded_idx, k, out=xp, enable_pdl=True, impl="triton"
+        )
+        moefuse.moe_finalize(
+            xp, plan.expanded_idx_to_permuted_idx, w, out=out, enable_pdl=True, impl="triton"
+        )
 
     x.normal_(generator=g)
     chain()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chain()
-    cpu_plan = [t.cpu() for t in (plan.permuted_idx_to_expanded_idx,
-                                  plan.expanded_idx_to_permuted_idx)]  # fmt: skip
+    cpu_plan = [
+        t.cpu() for t in (plan.permuted_idx_to_expanded_idx, plan.expanded_idx_to_permuted_idx)
+    ]
     for replay in range(4):
         x.normal_(generator=g)
         poison_(xp)
@@ -209,7 +245,7 @@ def test_scatter_add_close_to_exact_and_deterministic_finalize_close_to_it():
     ulp = 2.0 ** (torch.floor(torch.log2(det.float().abs().clamp_min(2.0**-126))) - 7)
     mags = torch.zeros(m, h, device=DEV)
     for s in range(k):
-        mags += (y[plan.expanded_idx_to_permuted_idx[:, s].long()].float() * w[:, s:s + 1]).abs()
+        mags += (y[plan.expanded_idx_to_permuted_idx[:, s].long()].float() * w[:, s : s + 1]).abs()
     assert bool((diff <= 2 * ulp + k * 2.0**-22 * mags).all()), float(diff.max())
 
 
@@ -235,8 +271,9 @@ def test_moe_layer_on_gpu(use_fused_finalize, monkeypatch):
     weights = moefuse.MoEWeights.random(n_experts, h, inter, device=DEV, generator=g)
     x = torch.randn(m, h, generator=g).bfloat16().to(DEV)
     got = moefuse.moe_layer(x, weights, k, use_fused_finalize=use_fused_finalize, pad_to=16)
-    assert [c[0] for c in calls] == (["moe_finalize_scatter_add"] if use_fused_finalize
-                                     else ["moe_finalize"])  # fmt: skip
+    assert [c[0] for c in calls] == (
+        ["moe_finalize_scatter_add"] if use_fused_finalize else ["moe_finalize"]
+    )
     y, index, w = (t.cpu() for t in calls[0][1][:3])
     # the GEMM rows: expert e of slot (t, s) applied to token t, computed in FP64 on the CPU
     _, ids = route_topk(torch.nn.functional.linear(x, weights.router), k)
@@ -248,8 +285,7 @@ def test_moe_layer_on_gpu(use_fused_finalize, monkeypatch):
             e = int(ids[t, s])
             hh = w13[e] @ xc[t]
             want_row = w2[e] @ (torch.nn.functional.silu(hh[:inter]) * hh[inter:])
-            torch.testing.assert_close(y[int(rows[t, s])].double(), want_row, rtol=5e-2,
-                                       atol=3e-2)  # fmt: skip
+            torch.testing.assert_close(y[int(rows[t, s])].double(), want_row, rtol=5e-2, atol=3e-2)
     if use_fused_finalize:
         exact = ref.moe_finalize_scatter_add_reference(y, index, w)
         torch.testing.assert_close(got.cpu().float(), exact.float(), rtol=1.6e-2, atol=1e-5)
@@ -266,8 +302,15 @@ def test_torch_compile_fullgraph_and_compat_on_gpu():
     want = cpu_reference(inp, idx, scales, kw)
 
     def f(a, b, c, bias, eids, shared):
-        return moefuse.moe_finalize(a, b, c, bias=bias, expert_ids=eids,
-                                    shared_expert_output=shared, routed_scaling_factor=0.75)
+        return moefuse.moe_finalize(
+            a,
+            b,
+            c,
+            bias=bias,
+            expert_ids=eids,
+            shared_expert_output=shared,
+            routed_scaling_factor=0.75,
+        )
 
     compiled = torch.compile(f, fullgraph=True)
     got = compiled(inp, idx, scales, kw["bias"], kw["expert_ids"], kw["shared_expert_output"])

@@ -99,8 +99,9 @@ def test_permute_kernel_matches_loops(dtype, width):
     ids[1, 1] = -1
     plan = sort_by_expert(ids, 3, pad_to=4)
     out = poison_(torch.empty(plan.num_rows, width, dtype=dtype))
-    assert moefuse.moe_permute(x, plan.permuted_idx_to_expanded_idx, k, out=out,
-                               impl="triton") is out  # fmt: skip
+    assert (
+        moefuse.moe_permute(x, plan.permuted_idx_to_expanded_idx, k, out=out, impl="triton") is out
+    )
     for p, e in enumerate(plan.permuted_idx_to_expanded_idx.tolist()):
         want = x[e // k] if e >= 0 else torch.zeros(width, dtype=dtype)
         assert torch.equal(bits(out[p]), bits(want)), f"row {p}"
@@ -154,8 +155,9 @@ def test_scatter_add_finalize(impl):
     y = torch.randn(plan.num_rows, h, generator=g).bfloat16()
     y[plan.permuted_idx_to_expanded_idx < 0] = float("nan")  # padding rows are never read
     out = poison_(torch.empty(m, h, dtype=torch.bfloat16))
-    moefuse.moe_finalize_scatter_add(y, plan.permuted_idx_to_expanded_idx, w, out=out,
-                                     routed_scaling_factor=0.5, impl=impl)  # fmt: skip
+    moefuse.moe_finalize_scatter_add(
+        y, plan.permuted_idx_to_expanded_idx, w, out=out, routed_scaling_factor=0.5, impl=impl
+    )
     _scatter_close(out, plan, y, w, rsf=0.5)
     with pytest.raises(ValueError, match="permuted_idx_to_expanded_idx"):
         moefuse.moe_finalize_scatter_add(y, plan.permuted_idx_to_expanded_idx[:-1], w)
@@ -185,8 +187,9 @@ def test_moe_layer_is_correct_in_both_finalize_modes(use_fused_finalize, impl):
     m, h, inter, n_experts, k = 9, 32, 16, 6, 2
     weights = moefuse.MoEWeights.random(n_experts, h, inter, generator=g)
     x = torch.randn(m, h, generator=g).bfloat16()
-    got = moefuse.moe_layer(x, weights, k, use_fused_finalize=use_fused_finalize, pad_to=4,
-                            impl=impl)  # fmt: skip
+    got = moefuse.moe_layer(
+        x, weights, k, use_fused_finalize=use_fused_finalize, pad_to=4, impl=impl
+    )
     want = _dense_moe(x, weights, k)
     # BF16 GEMM inputs/outputs round at every stage: compare at BF16-level accuracy
     torch.testing.assert_close(got.double(), want, rtol=5e-2, atol=5e-2)
@@ -258,16 +261,36 @@ def test_benchmark_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "graph_time_us", fake_time)
     monkeypatch.setattr(harness, "copy_ceiling_tbs", lambda *a, **k: 4.0)
     monkeypatch.setattr(bench, "NUM_EXPERTS", 4)
-    args = bench.parse_args(["--save", "--out", str(tmp_path), "--tokens", "1", "3",
-                             "--hidden", "48", "--top-k", "2", "--no-compile", "--tune",
-                             "--layer-intermediate", "16"])  # fmt: skip
+    args = bench.parse_args(
+        [
+            "--save",
+            "--out",
+            str(tmp_path),
+            "--tokens",
+            "1",
+            "3",
+            "--hidden",
+            "48",
+            "--top-k",
+            "2",
+            "--no-compile",
+            "--tune",
+            "--layer-intermediate",
+            "16",
+        ]
+    )
     assert bench.run(args, torch.device("cpu")) == 0
     (json_path,) = tmp_path.glob("moe-*.json")
     data = json.loads(json_path.read_text())
     variants = {(r["op"], r["variant"]) for r in data["rows"]}
-    assert {("finalize", "moefuse"), ("finalize", "scatter-add"), ("finalize", "torch eager"),
-            ("permute->finalize", "PDL on"), ("layer", "scatter-add finalize"),
-            ("finalize tile", "256x1w")} <= variants  # fmt: skip
+    assert {
+        ("finalize", "moefuse"),
+        ("finalize", "scatter-add"),
+        ("finalize", "torch eager"),
+        ("permute->finalize", "PDL on"),
+        ("layer", "scatter-add finalize"),
+        ("finalize tile", "256x1w"),
+    } <= variants
     assert all(r["us"] is not None for r in data["rows"]), "a variant failed to run"
     assert data["meta"]["correctness"] == "ok" and data["meta"]["bars"]
     assert list(tmp_path.glob("moe-*.png"))

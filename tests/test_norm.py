@@ -115,9 +115,17 @@ def test_gated_residual_next_rmsnorm_kernel(dtype, width, alpha_kind, with_post_
         ro, ffn = poison_(torch.empty(m, width)), poisoned_like(branch)
         router = poison_(torch.empty(m, width))
         got = moefuse.gated_residual_next_rmsnorm(
-            branch, residual, nw, alpha, beta, residual_out=ro, ffn_input=ffn,
-            router_input=router, impl="triton", **kw,
-        )  # fmt: skip
+            branch,
+            residual,
+            nw,
+            alpha,
+            beta,
+            residual_out=ro,
+            ffn_input=ffn,
+            router_input=router,
+            impl="triton",
+            **kw,
+        )
         assert got[0] is ro and got[1] is ffn
         exp_ro, _ = moefuse.gated_residual_next_rmsnorm(
             branch, residual, nw, alpha, beta, impl="reference", **kw

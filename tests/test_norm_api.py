@@ -53,8 +53,9 @@ def test_gated_bad_inputs(impl):
     out = torch.zeros(4, 64)
     expect_value_error(
         lambda: moefuse.gated_residual_rmsnorm(b, r.bfloat16(), None, a, a, impl=impl),
-        "residual", r,
-    )  # fmt: skip
+        "residual",
+        r,
+    )
     expect_value_error(
         lambda: moefuse.gated_residual_rmsnorm(b, r, None, a.double(), a, impl=impl), "alpha", r
     )
@@ -66,8 +67,9 @@ def test_gated_bad_inputs(impl):
         lambda: moefuse.gated_residual_rmsnorm(
             alias.view(torch.bfloat16)[:, :64], r, None, a, a, out=alias, impl=impl
         ),
-        "out", alias,
-    )  # fmt: skip
+        "out",
+        alias,
+    )
     expect_value_error(
         lambda: moefuse.gated_residual_next_rmsnorm(b, r, _rand(64), "1", a, impl=impl), "alpha", r
     )
@@ -75,22 +77,23 @@ def test_gated_bad_inputs(impl):
         lambda: moefuse.gated_residual_next_rmsnorm(
             b, r, _rand(64), 1.0, a, ffn_input=torch.empty(4, 64), impl=impl
         ),
-        "ffn_input", r,
-    )  # fmt: skip
+        "ffn_input",
+        r,
+    )
     expect_value_error(
         lambda: moefuse.gated_residual_next_rmsnorm(
             b, r, _rand(64), 1.0, a, residual_out=r[:, :32], impl=impl
         ),
-        "residual_out", r, out,
-    )  # fmt: skip
+        "residual_out",
+        r,
+        out,
+    )
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_sigmoid_gate_bad_inputs(impl):
     x = _rand(2, 4, 64)
-    expect_value_error(
-        lambda: moefuse.rmsnorm_sigmoid_gate(x, x, impl=impl), "gate", x
-    )
+    expect_value_error(lambda: moefuse.rmsnorm_sigmoid_gate(x, x, impl=impl), "gate", x)
     expect_value_error(
         lambda: moefuse.rmsnorm_sigmoid_gate(x, _rand(2, 4, 32), impl=impl), "gate", x
     )
@@ -114,14 +117,44 @@ def _op_cases():
         (ops.gated_residual_rmsnorm_op, (b, r32, None, a, a, torch.empty(3, h), 1e-6, 0.0, False)),
         (
             ops.gated_residual_next_rmsnorm_op,
-            (b, r32, w, a, 1.0, a, w, torch.empty(3, h), torch.empty_like(b), torch.empty(3, h),
-             1e-6, 1e-6, 0.0, 1.0, False),
-        ),  # fmt: skip
+            (
+                b,
+                r32,
+                w,
+                a,
+                1.0,
+                a,
+                w,
+                torch.empty(3, h),
+                torch.empty_like(b),
+                torch.empty(3, h),
+                1e-6,
+                1e-6,
+                0.0,
+                1.0,
+                False,
+            ),
+        ),
         (
             ops.gated_residual_next_rmsnorm_op,
-            (b, r32, w, None, 0.5, a, None, torch.empty(3, h), torch.empty_like(b), None,
-             1e-6, 1e-6, 0.0, 0.0, False),
-        ),  # fmt: skip
+            (
+                b,
+                r32,
+                w,
+                None,
+                0.5,
+                a,
+                None,
+                torch.empty(3, h),
+                torch.empty_like(b),
+                None,
+                1e-6,
+                1e-6,
+                0.0,
+                0.0,
+                False,
+            ),
+        ),
         (ops.rmsnorm_sigmoid_gate_op, (_rand(2, 4, 16), _rand(2, 4, 16), 1e-5, False)),
     ]
 

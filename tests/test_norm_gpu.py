@@ -94,12 +94,14 @@ def test_gated_residual_rmsnorm_gpu(width, with_weight):
 
             for unroll in (False, True):
                 other = poison_(torch.empty_like(r))
-                gated_residual.launch_gated_residual_rmsnorm(b, r, w, a, be, other, 1e-6, 1.0,
-                                                             False, unroll=unroll)  # fmt: skip
+                gated_residual.launch_gated_residual_rmsnorm(
+                    b, r, w, a, be, other, 1e-6, 1.0, False, unroll=unroll
+                )
                 assert_bitwise_equal(other, res[0][0], f"unroll={unroll} {m}x{width}")
         i = m - 1  # batch invariance: the row alone (another launch mode at large M)
-        alone = moefuse.gated_residual_rmsnorm(b[i : i + 1], r[i : i + 1], w, a, be,
-                                               gain_center=1.0, impl="triton")  # fmt: skip
+        alone = moefuse.gated_residual_rmsnorm(
+            b[i : i + 1], r[i : i + 1], w, a, be, gain_center=1.0, impl="triton"
+        )
         assert_bitwise_equal(alone, res[0][0][i : i + 1], f"gated row alone {m}x{width}")
         expected = ref.gated_residual_rmsnorm_reference(b, r, w, a, be, 1e-6, 1.0)
         assert_close(res[0][0], expected, "fp32_stream", f"gated {m}x{width}")
@@ -118,14 +120,26 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
 
         def run(outs, pdl):
             moefuse.gated_residual_next_rmsnorm(
-                b, r, nw, alpha, be, residual_out=outs[0], ffn_input=outs[1],
-                router_input=outs[2], enable_pdl=pdl, impl="triton", **kw,
-            )  # fmt: skip
+                b,
+                r,
+                nw,
+                alpha,
+                be,
+                residual_out=outs[0],
+                ffn_input=outs[1],
+                router_input=outs[2],
+                enable_pdl=pdl,
+                impl="triton",
+                **kw,
+            )
 
         res = run_eager_pdl_and_graph(
             run,
-            lambda: [poison_(torch.empty_like(r)), poison_(torch.empty_like(b)),
-                     poison_(torch.empty_like(r))],  # fmt: skip
+            lambda: [
+                poison_(torch.empty_like(r)),
+                poison_(torch.empty_like(b)),
+                poison_(torch.empty_like(r)),
+            ],
         )
         _assert_same(res, "gated_next modes")
         ro, ffn, router = res[0]
@@ -135,9 +149,21 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
             for unroll in (False, True):
                 other = [poison_(torch.empty_like(t)) for t in (r, b, r)]
                 gated.launch_gated_residual_next_rmsnorm(
-                    b, r, nw, alpha if alpha_kind == "tensor" else None, 1.0, be, pw, *other,
-                    1e-6, 1e-6, 0.0, 1.0, False, unroll=unroll,
-                )  # fmt: skip
+                    b,
+                    r,
+                    nw,
+                    alpha if alpha_kind == "tensor" else None,
+                    1.0,
+                    be,
+                    pw,
+                    *other,
+                    1e-6,
+                    1e-6,
+                    0.0,
+                    1.0,
+                    False,
+                    unroll=unroll,
+                )
                 for got, exp in zip(other, res[0]):
                     assert_bitwise_equal(got, exp, f"unroll={unroll} {m}x{width}")
         i = m - 1  # batch invariance: the row alone (another launch mode at large M), with and
@@ -149,8 +175,9 @@ def test_gated_residual_next_rmsnorm_gpu(dtype, width, alpha_kind):
         for got, exp in zip((*alone, rt_alone), (ro, ffn, router)):
             assert_bitwise_equal(got, exp[i : i + 1], f"gated_next row alone {m}x{width}")
         plain = moefuse.gated_residual_next_rmsnorm(b, r, nw, alpha, be, impl="triton", **kw)
-        plain_alone = moefuse.gated_residual_next_rmsnorm(b[i : i + 1], r[i : i + 1], nw, alpha,
-                                                          be, impl="triton", **kw)  # fmt: skip
+        plain_alone = moefuse.gated_residual_next_rmsnorm(
+            b[i : i + 1], r[i : i + 1], nw, alpha, be, impl="triton", **kw
+        )
         for got, exp in zip(plain_alone, plain):
             assert_bitwise_equal(got, exp[i : i + 1], f"gated_next (no router) alone {m}x{width}")
         assert_bitwise_equal(plain[0], ro, "residual_out with / without router_input")
@@ -233,11 +260,21 @@ def test_stepped_rows_never_recompile_across_token_counts():
     from moefuse.norm import tiles
 
     cases = (
-        (tk._rmsnorm_kernel, tiles.RMSNORM_POLICY, tiles.RMSNORM_LOOP_MIN_ROWS, (7168, 8192),
-         lambda x, r, w: moefuse.rmsnorm(x, w, impl="triton")),
-        (tk._fused_add_rmsnorm_kernel, tiles.FUSED_ADD_POLICY, tiles.FUSED_ADD_LOOP_MIN_ROWS,
-         (4096, 8192), lambda x, r, w: moefuse.fused_add_rmsnorm(x, r, w, impl="triton")),
-    )  # fmt: skip
+        (
+            tk._rmsnorm_kernel,
+            tiles.RMSNORM_POLICY,
+            tiles.RMSNORM_LOOP_MIN_ROWS,
+            (7168, 8192),
+            lambda x, r, w: moefuse.rmsnorm(x, w, impl="triton"),
+        ),
+        (
+            tk._fused_add_rmsnorm_kernel,
+            tiles.FUSED_ADD_POLICY,
+            tiles.FUSED_ADD_LOOP_MIN_ROWS,
+            (4096, 8192),
+            lambda x, r, w: moefuse.fused_add_rmsnorm(x, r, w, impl="triton"),
+        ),
+    )
     for kernel, policy, threshold, widths, run in cases:
         n = threshold + 64
         tokens = sorted({*range(1, n + 1, 61), threshold - 1, threshold, n})
@@ -261,8 +298,9 @@ def test_gated_ops_never_recompile_across_token_counts():
 
     assert tiles.STEP_LOOP_MIN_ROWS < 4096
     kernels = (gated_residual._gated_residual_kernel, gated._gated_residual_next_kernel)
-    tokens = sorted({*range(1, 4097, 97), tiles.STEP_LOOP_MIN_ROWS - 1, tiles.STEP_LOOP_MIN_ROWS,
-                     4096})  # fmt: skip
+    tokens = sorted(
+        {*range(1, 4097, 97), tiles.STEP_LOOP_MIN_ROWS - 1, tiles.STEP_LOOP_MIN_ROWS, 4096}
+    )
     for width in (2048, 4096, 8192):  # narrow tile, 2 and 4 steps
         b, r = _rand(4096, width), torch.randn(4096, width, device=DEV)
         nw, a, be = _rand(width), torch.rand(width, device=DEV), torch.rand(width, device=DEV)

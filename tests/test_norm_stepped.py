@@ -26,8 +26,9 @@ CASES = [(192, 64), (200, 64), (64, 64), (217, 32)]
 
 
 def _tile(width, step):
-    return tiles.RowTile(block=step, num_chunks=-(-width // step), rows=1, num_warps=1,
-                         stepped=True)  # fmt: skip
+    return tiles.RowTile(
+        block=step, num_chunks=-(-width // step), rows=1, num_warps=1, stepped=True
+    )
 
 
 def _modes(tile):
@@ -45,8 +46,9 @@ def _framed(m, width, dtype):
 
 def _assert_frames(bufs):
     for buf in bufs:
-        assert torch.isnan(buf[0].float()).all() and torch.isnan(buf[-1].float()).all(), \
-            "wrote outside the rows"  # fmt: skip
+        assert torch.isnan(buf[0].float()).all() and torch.isnan(buf[-1].float()).all(), (
+            "wrote outside the rows"
+        )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -63,8 +65,9 @@ def test_gated_residual_stepped(case, with_weight, in_place, seed):
         rb, ri = _framed(m, width, F32)
         ri.copy_(res)
         ob, oi = (rb, ri) if in_place else _framed(m, width, F32)
-        gated_residual.launch_gated_residual_rmsnorm(b, ri, w, a, be, oi, 1e-6, 0.5, False,
-                                                     tile=tile, unroll=unroll)  # fmt: skip
+        gated_residual.launch_gated_residual_rmsnorm(
+            b, ri, w, a, be, oi, 1e-6, 0.5, False, tile=tile, unroll=unroll
+        )
         _assert_frames([ob])
         outs.append(ob)
     for other in outs[1:]:
@@ -89,9 +92,25 @@ def test_gated_residual_next_stepped(case, alpha_mode, extras, seed):
         roi.copy_(res)  # in place: residual_out is the residual
         fb, fi = _framed(m, width, BF)
         tb, ti = _framed(m, width, F32) if extras else (None, None)
-        gated.launch_gated_residual_next_rmsnorm(b, roi, nw, alpha, scalar, be, pw, roi, fi, ti,
-                                                 1e-6, 1e-5, 1.0, 0.5, False, tile=tile,
-                                                 unroll=unroll)  # fmt: skip
+        gated.launch_gated_residual_next_rmsnorm(
+            b,
+            roi,
+            nw,
+            alpha,
+            scalar,
+            be,
+            pw,
+            roi,
+            fi,
+            ti,
+            1e-6,
+            1e-5,
+            1.0,
+            0.5,
+            False,
+            tile=tile,
+            unroll=unroll,
+        )
         got = [rob, fb] + ([tb] if extras else [])
         _assert_frames(got)
         outs.append(got)
@@ -100,8 +119,9 @@ def test_gated_residual_next_stepped(case, alpha_mode, extras, seed):
             assert_bitwise_equal(x, y, "unrolled vs looped")
     ro, ffn = outs[0][0][1:-1], outs[0][1][1:-1]
     full_alpha = a if alpha_mode == "tensor" else scalar
-    exp_ro, _, _ = ref.gated_residual_next_rmsnorm_reference(b, res, nw, full_alpha, be, 1e-6,
-                                                             1e-5, 1.0, pw, 0.5)  # fmt: skip
+    exp_ro, _, _ = ref.gated_residual_next_rmsnorm_reference(
+        b, res, nw, full_alpha, be, 1e-6, 1e-5, 1.0, pw, 0.5
+    )
     assert_close(ro, exp_ro, "fp32_stream", "residual_out")
     own = (ro * ref.inv_rms(ro, 1e-5)) * ref.gain(nw, 1.0)
     assert_close(ffn, own.to(BF), "rsqrt_half", "ffn_input")
@@ -120,11 +140,13 @@ def test_row_alone_equals_row_in_a_looped_batch(monkeypatch, seed):
     out = moefuse.gated_residual_rmsnorm(b, res, None, a, be, impl="triton")
     ro, ffn = moefuse.gated_residual_next_rmsnorm(b, res, nw, a, be, impl="triton")
     for i in (0, m - 1):
-        alone = moefuse.gated_residual_rmsnorm(b[i : i + 1], res[i : i + 1], None, a, be,
-                                               impl="triton")  # fmt: skip
+        alone = moefuse.gated_residual_rmsnorm(
+            b[i : i + 1], res[i : i + 1], None, a, be, impl="triton"
+        )
         assert_bitwise_equal(alone, out[i : i + 1], "gated row alone")
-        ro_i, ffn_i = moefuse.gated_residual_next_rmsnorm(b[i : i + 1], res[i : i + 1], nw, a, be,
-                                                          impl="triton")  # fmt: skip
+        ro_i, ffn_i = moefuse.gated_residual_next_rmsnorm(
+            b[i : i + 1], res[i : i + 1], nw, a, be, impl="triton"
+        )
         assert_bitwise_equal(ro_i, ro[i : i + 1], "residual_out row alone")
         assert_bitwise_equal(ffn_i, ffn[i : i + 1], "ffn_input row alone")
 
@@ -135,9 +157,9 @@ def test_unroll_beyond_the_register_limit_is_refused():
     a, be = _rand(width, dtype=F32), _rand(width, dtype=F32)
     out = poison_(torch.empty(1, width))
     with pytest.raises(ValueError, match="unrolled stepped rows"):
-        gated_residual.launch_gated_residual_rmsnorm(b, res, None, a, be, out, 1e-6, 0.0,
-                                                     False, tile=_tile(width, step),
-                                                     unroll=True)  # fmt: skip
+        gated_residual.launch_gated_residual_rmsnorm(
+            b, res, None, a, be, out, 1e-6, 0.0, False, tile=_tile(width, step), unroll=True
+        )
     assert torch.isnan(out).all()
 
 
@@ -219,8 +241,9 @@ def test_rmsnorm_row_alone_equals_row_in_a_looped_batch(monkeypatch, seed):
     x, w = _rand(m, width), _rand(width)
     out = moefuse.rmsnorm(x, w, impl="triton")
     for i in (0, m - 1):
-        assert_bitwise_equal(moefuse.rmsnorm(x[i : i + 1], w, impl="triton"), out[i : i + 1],
-                             "rmsnorm row alone")  # fmt: skip
+        assert_bitwise_equal(
+            moefuse.rmsnorm(x[i : i + 1], w, impl="triton"), out[i : i + 1], "rmsnorm row alone"
+        )
     assert_close(out, ref.rmsnorm_reference(x, w), "rsqrt_half", "rmsnorm 7000")
 
 
@@ -299,8 +322,19 @@ def test_fp8_quant_stepped(case, residual, fmt, seed):
         rb, ri = _framed(m, width, BF)
         ri.copy_(res)
         x_in = x.clone()
-        qf.launch_rmsnorm_fp8(x_in, ri if residual else None, w, scale, qi, fmt, 1e-6, 0.5, False,
-                              tile=tile, unroll=unroll)  # fmt: skip
+        qf.launch_rmsnorm_fp8(
+            x_in,
+            ri if residual else None,
+            w,
+            scale,
+            qi,
+            fmt,
+            1e-6,
+            0.5,
+            False,
+            tile=tile,
+            unroll=unroll,
+        )
         assert (qb[0] == 0xAA).all() and (qb[-1] == 0xAA).all(), "wrote outside the rows"
         _assert_frames([rb])
         assert_bitwise_equal(x_in, x, "input untouched")
@@ -311,8 +345,9 @@ def test_fp8_quant_stepped(case, residual, fmt, seed):
         assert_bitwise_equal(r, residuals[0], "residual, unrolled vs looped")
     qdtype = torch.float8_e4m3fn if fmt == 0 else torch.float8_e5m2
     if residual:
-        exp, res_exp = qref.fused_add_rmsnorm_quant_reference(x, res.clone(), w, scale, 1e-6,
-                                                              quant_dtype=qdtype, gain_center=0.5)
+        exp, res_exp = qref.fused_add_rmsnorm_quant_reference(
+            x, res.clone(), w, scale, 1e-6, quant_dtype=qdtype, gain_center=0.5
+        )
         assert_bitwise_equal(residuals[0][1:-1], res_exp, "residual = cast(h)")
     else:
         exp = qref.rmsnorm_quant_reference(x, w, scale, 1e-6, quant_dtype=qdtype, gain_center=0.5)
@@ -329,8 +364,10 @@ def test_fp8_policy_and_row_alone_equals_row_in_a_looped_batch(monkeypatch, seed
     from moefuse.quant import fused as qf
 
     for width in (4096, 7168, 8192, 2880, 5120):
-        assert qf.quant_row_tile(width, True).stepped == tiles.row_tile(
-            width, tiles.FUSED_ADD_POLICY).stepped  # fmt: skip
+        assert (
+            qf.quant_row_tile(width, True).stepped
+            == tiles.row_tile(width, tiles.FUSED_ADD_POLICY).stepped
+        )
     assert not qf.quant_row_tile(4096).stepped  # rmsnorm_quant keeps its persistent tile
     assert qf.fp8_loop_min_rows(qf.quant_row_tile(8192, True), 8192) > 2**40
     monkeypatch.setattr(qf, "FP8_LOOP_MIN_ROWS", 4)
@@ -360,12 +397,24 @@ def test_fp8_quant_stepped_3d_strided_rows(seed):
     for unroll in _modes(tile):
         r3 = rbase.clone()
         q3 = torch.empty(3, 3, width, dtype=torch.uint8)
-        qf.launch_rmsnorm_fp8(x, r3[:, 2:5, 8 : 8 + width], w, scale, q3, 0, 1e-6, 0.0, False,
-                              tile=tile, unroll=unroll)  # fmt: skip
+        qf.launch_rmsnorm_fp8(
+            x,
+            r3[:, 2:5, 8 : 8 + width],
+            w,
+            scale,
+            q3,
+            0,
+            1e-6,
+            0.0,
+            False,
+            tile=tile,
+            unroll=unroll,
+        )
         r2 = rbase[:, 2:5, 8 : 8 + width].reshape(9, width).clone()
         q2 = torch.empty(9, width, dtype=torch.uint8)
-        qf.launch_rmsnorm_fp8(x.reshape(9, width), r2, w, scale, q2, 0, 1e-6, 0.0, False,
-                              tile=tile, unroll=unroll)  # fmt: skip
+        qf.launch_rmsnorm_fp8(
+            x.reshape(9, width), r2, w, scale, q2, 0, 1e-6, 0.0, False, tile=tile, unroll=unroll
+        )
         assert_bitwise_equal(q3.reshape(9, width), q2, "3-D rows vs 2-D rows")
         assert_bitwise_equal(r3[:, 2:5, 8 : 8 + width].reshape(9, width), r2, "3-D residual")
         untouched = rbase.clone()

@@ -51,8 +51,13 @@ def test_docs_links_resolve():
 def test_every_public_op_has_a_formula_line():
     ops = (ROOT / "docs" / "ops.md").read_text()
     helpers = {"scale_shape"}
-    names = [n for n in moefuse.__all__ if not n.startswith("supports_") and n not in helpers
-             and inspect.isfunction(getattr(moefuse, n))]  # fmt: skip
+    names = [
+        n
+        for n in moefuse.__all__
+        if not n.startswith("supports_")
+        and n not in helpers
+        and inspect.isfunction(getattr(moefuse, n))
+    ]
     assert len(names) >= 25
     missing = [n for n in names if f"`{n}(" not in ops and f"`{n}`" not in ops]
     assert not missing, f"docs/ops.md has no line for {missing}"
@@ -63,9 +68,9 @@ def test_every_public_op_is_in_the_spec():
     import moefuse.comm
 
     spec = (ROOT / "docs" / "spec.md").read_text()
-    names = dict.fromkeys(n for n in [*moefuse.__all__, *moefuse.comm.__all__]
-                          if not n.startswith("supports_"))  # fmt: skip
+    names = dict.fromkeys(
+        n for n in [*moefuse.__all__, *moefuse.comm.__all__] if not n.startswith("supports_")
+    )
     assert len(names) >= 40
-    missing = [n for n in names
-               if not re.search(rf"`{n}[`(]|^###.*\b{n}\b", spec, re.M)]  # fmt: skip
+    missing = [n for n in names if not re.search(rf"`{n}[`(]|^###.*\b{n}\b", spec, re.M)]
     assert not missing, f"docs/spec.md does not say what {missing} compute"

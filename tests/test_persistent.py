@@ -39,8 +39,9 @@ def _framed(*shape, dtype):
 def _tiles(width, policy):
     base = tiles.row_tile(width, policy)
     one = dataclasses.replace(base, programs_per_sm=0, prefetch=False)
-    return one, [dataclasses.replace(base, programs_per_sm=PROGRAMS, prefetch=p)
-                 for p in (False, True)]  # fmt: skip
+    return one, [
+        dataclasses.replace(base, programs_per_sm=PROGRAMS, prefetch=p) for p in (False, True)
+    ]
 
 
 def _check(run, width, policy, n_outputs, unframed=()):
@@ -130,8 +131,9 @@ def test_gated_residual_next_in_place(width, seed):
         fb, fi = _framed(ROWS, width, dtype=BF)
         tb, ti = _framed(ROWS, width, dtype=F32)
         ri.copy_(res)
-        gated.launch_gated_residual_next_rmsnorm(b, ri, nw, a, 1.0, be, pw, ri, fi, ti, 1e-6, 1e-6,
-                                              0.0, 0.0, False, tile=tile)  # fmt: skip
+        gated.launch_gated_residual_next_rmsnorm(
+            b, ri, nw, a, 1.0, be, pw, ri, fi, ti, 1e-6, 1e-6, 0.0, 0.0, False, tile=tile
+        )
         return rb, fb, tb
 
     _check(run, width, tiles.GATED_POLICY, 3)
@@ -147,8 +149,9 @@ def test_rmsnorm_fp8(width, residual, seed):
         qb, qi = _framed(ROWS, width, dtype=torch.uint8)
         rb, ri = _framed(ROWS, width, dtype=BF)
         ri.copy_(res)
-        qf.launch_rmsnorm_fp8(x, ri if residual else None, w, scale, qi, 0, 1e-6, 0.0, False,
-                              tile=tile)  # fmt: skip
+        qf.launch_rmsnorm_fp8(
+            x, ri if residual else None, w, scale, qi, 0, 1e-6, 0.0, False, tile=tile
+        )
         return (qb, rb) if residual else (qb,)
 
     _check(run, width, qf.QUANT_ADD_POLICY if residual else qf.QUANT_POLICY, 1 + residual)
@@ -168,8 +171,21 @@ def test_rmsnorm_fp4(width, residual, seed):
         rb, ri = _framed(ROWS, width, dtype=BF)
         yb, yi = _framed(ROWS, width, dtype=BF)
         ri.copy_(res)
-        qf.launch_rmsnorm_fp4(x, ri if residual else None, w, gs, pi, sb, yi, 1e-6, 0.0,
-                              "swizzled_128x4", "fast", False, tile=tile)  # fmt: skip
+        qf.launch_rmsnorm_fp4(
+            x,
+            ri if residual else None,
+            w,
+            gs,
+            pi,
+            sb,
+            yi,
+            1e-6,
+            0.0,
+            "swizzled_128x4",
+            "fast",
+            False,
+            tile=tile,
+        )
         return pb, sb, rb, yb
 
     _check(run, width, qf.QUANT_FP4_POLICY, 4, unframed=(1,))

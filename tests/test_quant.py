@@ -41,8 +41,11 @@ def _probe_values(seed=0, n=200_000) -> torch.Tensor:
         ties.append(((v[1:] + v[:-1]) / 2).float())
     ties.append(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 448.0, 464.0]))
     t = torch.cat(ties)
-    parts += [t, torch.nextafter(t, torch.full_like(t, np.inf)),
-              torch.nextafter(t, torch.full_like(t, -np.inf))]  # fmt: skip
+    parts += [
+        t,
+        torch.nextafter(t, torch.full_like(t, np.inf)),
+        torch.nextafter(t, torch.full_like(t, -np.inf)),
+    ]
     special = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126, 3e38, np.inf, np.nan])
     parts.append(special)
     x = torch.cat(parts)
@@ -63,8 +66,11 @@ def _fp8_oracle(x: torch.Tensor, dtype) -> torch.Tensor:
     man, bias, max_byte = (3, 7, 0x7E) if dtype == torch.float8_e4m3fn else (2, 15, 0x7B)
     codes = torch.arange(max_byte + 1, dtype=torch.int64)
     e, m = codes >> man, codes & ((1 << man) - 1)
-    vals = torch.where(e == 0, m.double() * 2.0 ** (1 - bias - man),
-                       (1 + m.double() / 2**man) * torch.pow(2.0, (e - bias).double()))  # fmt: skip
+    vals = torch.where(
+        e == 0,
+        m.double() * 2.0 ** (1 - bias - man),
+        (1 + m.double() / 2**man) * torch.pow(2.0, (e - bias).double()),
+    )
     a = x.double().abs()
     out = torch.empty(x.shape, dtype=torch.int64)
     for chunk in torch.arange(x.numel()).split(20_000):
@@ -217,18 +223,29 @@ def test_device_scale_offset_int64_rows(layout, seed):
     in Python integers, with int64 rows whose offsets pass 2^31 and 2^32."""
     g = torch.Generator().manual_seed(seed)
     kp = 260  # H = 4160: KB = 260, a multiple of 4
-    m = torch.cat([torch.randint(0, 1 << 12, (256,), generator=g),
-                   torch.randint((1 << 31) // kp, (1 << 34) // kp, (256,), generator=g)])
+    m = torch.cat(
+        [
+            torch.randint(0, 1 << 12, (256,), generator=g),
+            torch.randint((1 << 31) // kp, (1 << 34) // kp, (256,), generator=g),
+        ]
+    )
     k = torch.randint(0, kp, (512,), generator=g)
     out = torch.empty(512, dtype=torch.int64)
     _offset_kernel[(1,)](m, k, out, kp, N=512, LAYOUT=F.LAYOUTS[layout])
+
     def spec(mm, kk):
         if layout == "linear":
             return mm * kp + kk
         if layout == "swizzled_128x4":
-            return ((mm // 128) * kp * 128 + (kk // 4) * 512 + (mm % 32) * 16
-                    + ((mm % 128) // 32) * 4 + kk % 4)
+            return (
+                (mm // 128) * kp * 128
+                + (kk // 4) * 512
+                + (mm % 32) * 16
+                + ((mm % 128) // 32) * 4
+                + kk % 4
+            )
         return (mm // 8) * kp * 8 + (kk // 4) * 32 + (mm % 8) * 4 + kk % 4
+
     expect = torch.tensor([spec(a, b) for a, b in zip(m.tolist(), k.tolist())])
     assert_bitwise_equal(out, expect, f"scale_offset {layout}")
 
@@ -269,8 +286,9 @@ def test_nvfp4_blocks_exhaustive_over_bf16(gs, seed):
         _blocks_kernel[(1,)](x, gst, packed, sf, B=4096, RECIPE=F.RECIPES[recipe])
         nib, esf = F.nvfp4_block_quant(x.reshape(1, -1), gst, recipe)
         assert_bitwise_equal(sf, esf.reshape(4096), f"scale bytes gs={gs} {recipe}")
-        assert_bitwise_equal(packed, F.pack_nibbles(nib).reshape(4096, 8),
-                             f"packed gs={gs} {recipe}")  # fmt: skip
+        assert_bitwise_equal(
+            packed, F.pack_nibbles(nib).reshape(4096, 8), f"packed gs={gs} {recipe}"
+        )
 
 
 @triton.jit
@@ -333,8 +351,10 @@ def test_fp8_per_token_kernel(seed):
         if x.view(-1, shape[-1]).shape[0] > 2:
             x.view(-1, shape[-1])[1, 3] = torch.nan
             x.view(-1, shape[-1])[2, 0] = torch.inf
-        q, s = poison_(torch.empty(shape, dtype=torch.float8_e4m3fn)), poison_(
-            torch.empty(*shape[:-1], 1))
+        q, s = (
+            poison_(torch.empty(shape, dtype=torch.float8_e4m3fn)),
+            poison_(torch.empty(*shape[:-1], 1)),
+        )
         moefuse.fp8_quantize_per_token(x, out=q, scale_out=s, impl="triton")
         eq, es = moefuse.fp8_quantize_per_token(x, impl="reference")
         assert_bitwise_equal(q, eq, f"per-token codes {shape}")
@@ -373,8 +393,9 @@ def test_fp4_quantize_kernel(layout, recipe, seed):
             gs = torch.tensor([448 * 6 / x.float().abs().max().item()])
             out = poison_(torch.empty(m, h // 2, dtype=torch.uint8))
             sc = poison_(torch.empty(moefuse.scale_shape(m, h, layout), dtype=torch.uint8))
-            moefuse.fp4_quantize(x, gs, layout=layout, recipe=recipe, out=out, scale_out=sc,
-                                 impl="triton")  # fmt: skip
+            moefuse.fp4_quantize(
+                x, gs, layout=layout, recipe=recipe, out=out, scale_out=sc, impl="triton"
+            )
             ep, es = moefuse.fp4_quantize(x, gs, layout=layout, recipe=recipe, impl="reference")
             assert_bitwise_equal(out, ep, f"packed {m}x{h} {dtype}")
             assert_bitwise_equal(sc, es, f"scales {m}x{h} {dtype} (padding included)")

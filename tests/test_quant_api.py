@@ -22,8 +22,9 @@ def _rand(*shape, dtype=torch.bfloat16):
 def test_fp8_bad_inputs(impl):
     x, s = _rand(4, 64), torch.tensor([0.1])
     out = torch.zeros(4, 64, dtype=E4M3)
-    q = lambda **kw: moefuse.fp8_quantize(**{"input": x, "scale": s, "out": out, "impl": impl,
-                                             **kw})  # fmt: skip
+    q = lambda **kw: moefuse.fp8_quantize(
+        **{"input": x, "scale": s, "out": out, "impl": impl, **kw}
+    )
     expect_value_error(lambda: q(input=x.to(torch.int32)), "input", out)
     expect_value_error(lambda: q(scale=torch.tensor([0.1, 0.2])), "scale", out)
     expect_value_error(lambda: q(scale=torch.tensor([1], dtype=torch.float16)), "scale", out)
@@ -38,34 +39,43 @@ def test_fp8_bad_inputs(impl):
     bad_sc = torch.zeros(4)
     expect_value_error(
         lambda: moefuse.fp8_quantize_per_token(x, out=o, scale_out=bad_sc, impl=impl),
-        "scale_out", o,
-    )  # fmt: skip
-    expect_value_error(lambda: moefuse.fp8_quantize_per_token(
-        x, out=torch.zeros(4, 64, dtype=torch.float8_e5m2), scale_out=sc, impl=impl), "out", sc)
+        "scale_out",
+        o,
+    )
+    expect_value_error(
+        lambda: moefuse.fp8_quantize_per_token(
+            x, out=torch.zeros(4, 64, dtype=torch.float8_e5m2), scale_out=sc, impl=impl
+        ),
+        "out",
+        sc,
+    )
     expect_value_error(lambda: moefuse.fp8_dequantize(o, torch.ones(3, 1), impl=impl), "scale")
     expect_value_error(lambda: moefuse.fp8_dequantize(x, s, impl=impl), "input")
-    expect_value_error(lambda: moefuse.fp8_dequantize(o, s, out_dtype=torch.int8, impl=impl),
-                        "out_dtype")  # fmt: skip
+    expect_value_error(
+        lambda: moefuse.fp8_dequantize(o, s, out_dtype=torch.int8, impl=impl), "out_dtype"
+    )
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_fp4_bad_inputs(impl):
     x, gs = _rand(4, 64), torch.tensor([100.0])
     out, sc = torch.full((4, 32), 7, dtype=torch.uint8), torch.full((128, 4), 7, dtype=torch.uint8)
-    q = lambda **kw: moefuse.fp4_quantize(**{"input": x, "global_scale": gs, "out": out,
-                                             "scale_out": sc, "impl": impl, **kw})  # fmt: skip
+    q = lambda **kw: moefuse.fp4_quantize(
+        **{"input": x, "global_scale": gs, "out": out, "scale_out": sc, "impl": impl, **kw}
+    )
     expect_value_error(lambda: q(input=_rand(4, 40), out=None, scale_out=None), "input")
     expect_value_error(lambda: q(input=_rand(2, 4, 64)), "input", out, sc)
-    expect_value_error(lambda: q(global_scale=torch.tensor(100.0).double()), "global_scale",
-                        out, sc)  # fmt: skip
+    expect_value_error(
+        lambda: q(global_scale=torch.tensor(100.0).double()), "global_scale", out, sc
+    )
     expect_value_error(lambda: q(layout="swizzled"), "layout", out, sc)
     expect_value_error(lambda: q(recipe="exact"), "recipe", out, sc)
-    expect_value_error(lambda: q(scale_out=torch.zeros(4, 4, dtype=torch.uint8)), "scale_out",
-                        out)  # fmt: skip
+    expect_value_error(lambda: q(scale_out=torch.zeros(4, 4, dtype=torch.uint8)), "scale_out", out)
     expect_value_error(lambda: q(out=torch.zeros(4, 32, dtype=torch.int8)), "out", sc)
     buf = torch.zeros(700, dtype=torch.uint8)
-    expect_value_error(lambda: q(out=buf[:128].view(4, 32), scale_out=buf[64:576].view(128, 4)),
-                        "scale_out", buf)  # fmt: skip
+    expect_value_error(
+        lambda: q(out=buf[:128].view(4, 32), scale_out=buf[64:576].view(128, 4)), "scale_out", buf
+    )
     expect_value_error(
         lambda: moefuse.fp4_dequantize(out, sc, gs, layout="linear", impl=impl), "scales", out
     )
@@ -81,44 +91,60 @@ def test_fused_bad_inputs(impl):
     expect_value_error(lambda: moefuse.rmsnorm_quant(x, w[:63], s, impl=impl), "weight")
     expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, 0.1, impl=impl), "scale")
     expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, eps=-1.0, impl=impl), "eps")
-    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, out=torch.zeros(4, 64),
-                                                      impl=impl), "out")  # fmt: skip
-    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, out=out, dtype=torch.float8_e5m2,
-                                                      impl=impl), "out", out)  # fmt: skip
-    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, dtype=torch.bfloat16, impl=impl),
-                       "dtype")  # fmt: skip
-    expect_value_error(lambda: moefuse.rmsnorm_quant(x, w, s, gain_center="1", impl=impl),
-                       "gain_center")  # fmt: skip
-    expect_value_error(lambda: moefuse.fused_add_rmsnorm_quant(x, None, w, s, impl=impl),
-                       "residual")  # fmt: skip
-    expect_value_error(lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, None, w, gs, impl=impl),
-                       "residual")  # fmt: skip
+    expect_value_error(
+        lambda: moefuse.rmsnorm_quant(x, w, s, out=torch.zeros(4, 64), impl=impl), "out"
+    )
+    expect_value_error(
+        lambda: moefuse.rmsnorm_quant(x, w, s, out=out, dtype=torch.float8_e5m2, impl=impl),
+        "out",
+        out,
+    )
+    expect_value_error(
+        lambda: moefuse.rmsnorm_quant(x, w, s, dtype=torch.bfloat16, impl=impl), "dtype"
+    )
+    expect_value_error(
+        lambda: moefuse.rmsnorm_quant(x, w, s, gain_center="1", impl=impl), "gain_center"
+    )
+    expect_value_error(
+        lambda: moefuse.fused_add_rmsnorm_quant(x, None, w, s, impl=impl), "residual"
+    )
+    expect_value_error(
+        lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, None, w, gs, impl=impl), "residual"
+    )
     expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_quant(x, r.half(), w, s, out=out, impl=impl),
-        "residual", x, out,
-    )  # fmt: skip
+        "residual",
+        x,
+        out,
+    )
     expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_quant(x, x, w, s, out=out, impl=impl), "residual", out
     )
     expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_quant(x, r, w, s, out=r.view(E4M3)[:, :64], impl=impl),
-        "out", r,
-    )  # fmt: skip
+        "out",
+        r,
+    )
     expect_value_error(
         lambda: moefuse.rmsnorm_fp4_quantize(_rand(4, 40), _rand(40), gs, impl=impl), "input"
     )
     expect_value_error(
         lambda: moefuse.rmsnorm_fp4_quantize(x, w, gs, norm_out=x[:, :32], impl=impl),
-        "norm_out", x,
-    )  # fmt: skip
+        "norm_out",
+        x,
+    )
     expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gs, norm_out=r, impl=impl),
-        "norm_out", x, r,
-    )  # fmt: skip
+        "norm_out",
+        x,
+        r,
+    )
     expect_value_error(
         lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gs, layout="8x4", impl=impl),
-        "layout", x, r,
-    )  # fmt: skip
+        "layout",
+        x,
+        r,
+    )
 
 
 def test_bad_impl_name():
@@ -135,19 +161,57 @@ def _op_cases():
     return [
         (ops.fp8_quantize_op, (x, s, u8(3, h), 0, False)),
         (ops.fp8_quantize_per_token_op, (x, q8.clone(), torch.empty(3, 1), False)),
-        (ops.fp8_dequantize_op, (torch.randint(0, 256, (3, h), dtype=torch.uint8), s,
-                                 torch.empty(3, h), 1, False)),  # fmt: skip
+        (
+            ops.fp8_dequantize_op,
+            (torch.randint(0, 256, (3, h), dtype=torch.uint8), s, torch.empty(3, h), 1, False),
+        ),
         (ops.fp4_quantize_op, (x, gs, u8(3, h // 2), u8(128, 4), "swizzled_128x4", "fast", False)),
-        (ops.fp4_dequantize_op, (torch.randint(0, 256, (3, h // 2), dtype=torch.uint8),
-                                 torch.randint(0, 120, (8, 4), dtype=torch.uint8), gs,
-                                 torch.empty(3, h), "swizzled_8x4", False)),  # fmt: skip
+        (
+            ops.fp4_dequantize_op,
+            (
+                torch.randint(0, 256, (3, h // 2), dtype=torch.uint8),
+                torch.randint(0, 120, (8, 4), dtype=torch.uint8),
+                gs,
+                torch.empty(3, h),
+                "swizzled_8x4",
+                False,
+            ),
+        ),
         (ops.rmsnorm_quant_op, (x, w, s, q8.clone(), 0, 1e-6, 0.0, False)),
         (ops.fused_add_rmsnorm_quant_op, (x, r.clone(), w, s, q8.clone(), 1, 1e-6, 1.0, False)),
-        (ops.rmsnorm_fp4_quantize_op, (x, w, gs, u8(3, h // 2), u8(3, 2), torch.empty_like(x),
-                                       1e-6, 0.0, "linear", "ieee", False)),  # fmt: skip
-        (ops.fused_add_rmsnorm_fp4_quantize_op, (x, r.clone(), w, gs, u8(3, h // 2), u8(128, 4),
-                                                 None, 1e-6, 0.0, "swizzled_128x4", "fast",
-                                                 False)),  # fmt: skip
+        (
+            ops.rmsnorm_fp4_quantize_op,
+            (
+                x,
+                w,
+                gs,
+                u8(3, h // 2),
+                u8(3, 2),
+                torch.empty_like(x),
+                1e-6,
+                0.0,
+                "linear",
+                "ieee",
+                False,
+            ),
+        ),
+        (
+            ops.fused_add_rmsnorm_fp4_quantize_op,
+            (
+                x,
+                r.clone(),
+                w,
+                gs,
+                u8(3, h // 2),
+                u8(128, 4),
+                None,
+                1e-6,
+                0.0,
+                "swizzled_128x4",
+                "fast",
+                False,
+            ),
+        ),
     ]
 
 
@@ -179,8 +243,9 @@ def test_torch_compile_fullgraph_traces_the_custom_ops():
 
 def test_auto_on_cpu_uses_the_reference(seed):
     x, s = _rand(3, 16), torch.tensor([0.1])
-    assert_bitwise_equal(moefuse.fp8_quantize(x, s), moefuse.fp8_quantize(x, s, impl="reference"),
-                         "auto on CPU")  # fmt: skip
+    assert_bitwise_equal(
+        moefuse.fp8_quantize(x, s), moefuse.fp8_quantize(x, s, impl="reference"), "auto on CPU"
+    )
 
 
 def test_triton_without_interpreter_raises(monkeypatch):

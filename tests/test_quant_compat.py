@@ -19,8 +19,11 @@ def _rand(*shape):
 
 def test_fp4_quantize_maps_layout_flags_and_shapes():
     x, gs = _rand(5, 64), torch.tensor([200.0])
-    for swz, eight, layout in ((True, False, "swizzled_128x4"), (True, True, "swizzled_8x4"),
-                               (False, False, "linear")):  # fmt: skip
+    for swz, eight, layout in (
+        (True, False, "swizzled_128x4"),
+        (True, True, "swizzled_8x4"),
+        (False, False, "linear"),
+    ):
         p, s = fi.fp4_quantize(x, gs, is_sf_swizzled_layout=swz, is_sf_8x4_layout=eight)
         ep, es = ref.fp4_quantize_reference(x, gs, layout, "fast")
         assert_bitwise_equal(p, ep, layout)
@@ -78,8 +81,9 @@ def test_fp4_norms():
     assert_bitwise_equal(s, es, "rmsnorm_fp4quant linear scales")
     y, bs = torch.empty(5, 32, dtype=torch.uint8), torch.empty(128 * 4, dtype=torch.uint8)
     r_k, r_m = r.clone(), r.clone()
-    out = fi.add_rmsnorm_fp4quant(x, r_k, w, y, bs, gs, is_sf_swizzled_layout=True,
-                                  output_both_sf_layouts=True)  # fmt: skip
+    out = fi.add_rmsnorm_fp4quant(
+        x, r_k, w, y, bs, gs, is_sf_swizzled_layout=True, output_both_sf_layouts=True
+    )
     ep, es = moefuse.fused_add_rmsnorm_fp4_quantize(x, r_m, w, gs)
     assert out[0] is y and out[1] is bs and len(out) == 3
     assert_bitwise_equal(y, ep, "add_rmsnorm_fp4quant packed")

@@ -38,8 +38,9 @@ def test_fp8_references_match_fp64_oracle(seed):
         h64 = x.double() + res.double()
         y64 = h64 / torch.sqrt(h64.square().mean(-1, keepdim=True) + 1e-6)
         y64 = y64 * (w.double() + gain_center) / 0.01
-        q, res_out = ref.fused_add_rmsnorm_quant_reference(x, res, w, scale, 1e-6,
-                                                          gain_center=gain_center)  # fmt: skip
+        q, res_out = ref.fused_add_rmsnorm_quant_reference(
+            x, res, w, scale, 1e-6, gain_center=gain_center
+        )
         assert_bitwise_equal(res_out, h64.to(torch.bfloat16), "residual = cast(h)")
         _assert_within_one_step(q, F.fp8_bits(y64.float()), "fused add quant ref vs FP64")
         x64 = x.double()
@@ -60,7 +61,8 @@ def test_fp4_references_are_norm_then_quantize(seed):
     assert_bitwise_equal(packed, F.pack_nibbles(nib), "packed = nvfp4(rounded norm)")
     assert_bitwise_equal(scales, sf, "scales")
     packed, scales, y, res_out = ref.fused_add_rmsnorm_fp4_quantize_reference(
-        x, res, w, gs, 1e-6, "linear", "ieee")  # fmt: skip
+        x, res, w, gs, 1e-6, "linear", "ieee"
+    )
     y2, r2 = norm_ref.fused_add_rmsnorm_reference(x, res, w)
     assert_bitwise_equal(y, y2, "fused add norm_out")
     assert_bitwise_equal(res_out, r2, "fused add residual")
@@ -118,8 +120,16 @@ def _check_fp4_against_own_norm(fn, args, kwargs, layout, recipe, what):
     norm_out = poison_(torch.empty_like(x))
     out = poison_(torch.empty(m, h // 2, dtype=torch.uint8))
     sc = poison_(torch.empty(moefuse.scale_shape(m, h, layout), dtype=torch.uint8))
-    fn(*args, layout=layout, recipe=recipe, out=out, scale_out=sc, norm_out=norm_out,
-       impl="triton", **kwargs)  # fmt: skip
+    fn(
+        *args,
+        layout=layout,
+        recipe=recipe,
+        out=out,
+        scale_out=sc,
+        norm_out=norm_out,
+        impl="triton",
+        **kwargs,
+    )
     ep, es = ref.fp4_quantize_reference(norm_out, args[-1], layout, recipe)
     assert_bitwise_equal(out, ep, f"{what}: packed == nvfp4(own norm_out)")
     assert_bitwise_equal(sc, es, f"{what}: scales == nvfp4(own norm_out), padding 0")
@@ -135,12 +145,18 @@ def test_rmsnorm_fp4_quantize_kernel(width, layout, seed):
         x, w = _rand(m, width, dtype=dtype, scale=3.0), _rand(width, dtype=dtype)
         gs = torch.tensor([448 * 6 / 8.0])
         y, out, sc = _check_fp4_against_own_norm(
-            moefuse.rmsnorm_fp4_quantize, (x, w, gs), {"gain_center": 1.0}, layout, recipe,
-            f"rmsnorm_fp4 {m}x{width}")  # fmt: skip
+            moefuse.rmsnorm_fp4_quantize,
+            (x, w, gs),
+            {"gain_center": 1.0},
+            layout,
+            recipe,
+            f"rmsnorm_fp4 {m}x{width}",
+        )
         assert_close(y, norm_ref.rmsnorm_reference(x, w, 1e-6, 1.0), "rsqrt_half", "norm_out")
         # without norm_out: the same bytes
-        out2, sc2 = moefuse.rmsnorm_fp4_quantize(x, w, gs, layout=layout, recipe=recipe,
-                                                 gain_center=1.0, impl="triton")  # fmt: skip
+        out2, sc2 = moefuse.rmsnorm_fp4_quantize(
+            x, w, gs, layout=layout, recipe=recipe, gain_center=1.0, impl="triton"
+        )
         assert_bitwise_equal(out2, out, "packed without norm_out")
         assert_bitwise_equal(sc2, sc, "scales without norm_out")
 
@@ -155,8 +171,13 @@ def test_fused_add_rmsnorm_fp4_quantize_kernel(width, seed):
         res_k, res_r = res.clone(), res.clone()
         x_in = x.clone()
         y, _, _ = _check_fp4_against_own_norm(
-            moefuse.fused_add_rmsnorm_fp4_quantize, (x_in, res_k, w, gs), {}, layout, recipe,
-            f"fused_add_fp4 {m}x{width}")  # fmt: skip
+            moefuse.fused_add_rmsnorm_fp4_quantize,
+            (x_in, res_k, w, gs),
+            {},
+            layout,
+            recipe,
+            f"fused_add_fp4 {m}x{width}",
+        )
         y_ref, r_ref = norm_ref.fused_add_rmsnorm_reference(x, res_r, w)
         assert_bitwise_equal(x_in, x, "input untouched")
         assert_bitwise_equal(res_k, r_ref, "residual = cast(h)")
@@ -167,8 +188,7 @@ def test_fused_add_fp4_norm_out_in_place(seed):
     x, res, w = _rand(3, 64), _rand(3, 64), _rand(64)
     gs = torch.tensor([50.0])
     x_k, res_k = x.clone(), res.clone()
-    out, sc = moefuse.fused_add_rmsnorm_fp4_quantize(x_k, res_k, w, gs, norm_out=x_k,
-                                                     impl="triton")  # fmt: skip
+    out, sc = moefuse.fused_add_rmsnorm_fp4_quantize(x_k, res_k, w, gs, norm_out=x_k, impl="triton")
     ep, es = ref.fp4_quantize_reference(x_k, gs)
     assert_bitwise_equal(out, ep, "in-place norm_out: packed")
     assert_bitwise_equal(sc, es, "in-place norm_out: scales")
@@ -189,15 +209,15 @@ def test_fused_batch_invariance_bitwise(seed):
     pa_all, _ = moefuse.fused_add_rmsnorm_fp4_quantize(x, res.clone(), w, gs, impl="triton")
     for i in (0, 9, 16):
         sl = slice(i, i + 1)
-        assert_bitwise_equal(moefuse.rmsnorm_quant(x[sl], w, scale, impl="triton")[0], q_all[i],
-                             "rmsnorm_quant row")  # fmt: skip
+        assert_bitwise_equal(
+            moefuse.rmsnorm_quant(x[sl], w, scale, impl="triton")[0], q_all[i], "rmsnorm_quant row"
+        )
         qa = moefuse.fused_add_rmsnorm_quant(x[sl], res[sl].clone(), w, scale, impl="triton")
         assert_bitwise_equal(qa[0], qa_all[i], "fused_add_rmsnorm_quant row")
         p, s = moefuse.rmsnorm_fp4_quantize(x[sl], w, gs, layout="linear", impl="triton")
         assert_bitwise_equal(p[0], p_all[i], "rmsnorm_fp4 packed row")
         assert_bitwise_equal(s[0], s_all[i], "rmsnorm_fp4 scale row")
-        pa, _ = moefuse.fused_add_rmsnorm_fp4_quantize(x[sl], res[sl].clone(), w, gs,
-                                                       impl="triton")  # fmt: skip
+        pa, _ = moefuse.fused_add_rmsnorm_fp4_quantize(x[sl], res[sl].clone(), w, gs, impl="triton")
         assert_bitwise_equal(pa[0], pa_all[i], "fused_add_fp4 packed row")
 
 

@@ -67,9 +67,15 @@ def _sweep_kernel(out_ptr, base, BLOCK: tl.constexpr):
     bad5 = D.fp8_encode(x, 1, True) != D.fp8_encode(x, 1, False)
     # independent E2M1 encoder: the spec's thresholds as float compares, NaN -> 7
     a = tl.abs(x)
-    thr = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-           + (a > 5.0).to(tl.int32))  # fmt: skip
+    thr = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
     thr = tl.where(x != x, 7, thr) | tl.where(x < 0, 8, 0)
     bad2 = D.e2m1_encode(x, True) != thr
     first = tl.full((BLOCK,), 0xFFFFFFFF, tl.uint32)
@@ -167,8 +173,9 @@ def test_fp8_per_token_and_dequantize_gpu():
             assert_bitwise_equal(q, eq, f"per-token codes {m}x{h}")
             assert_bitwise_equal(s, es, f"per-token scales {m}x{h}")
             back = moefuse.fp8_dequantize(q, s, out_dtype=torch.float32, impl="triton")
-            assert_bitwise_equal(back, ref.fp8_dequantize_reference(q, s, torch.float32),
-                                 "dequantize")  # fmt: skip
+            assert_bitwise_equal(
+                back, ref.fp8_dequantize_reference(q, s, torch.float32), "dequantize"
+            )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -180,10 +187,12 @@ def test_fp4_quantize_gpu(layout):
             gs = _gs(x)
             for recipe in RECIPES:
                 out = poison_(torch.empty(m, h // 2, dtype=torch.uint8, device=DEV))
-                sc = poison_(torch.empty(moefuse.scale_shape(m, h, layout), dtype=torch.uint8,
-                                         device=DEV))  # fmt: skip
-                moefuse.fp4_quantize(x, gs, layout=layout, recipe=recipe, out=out, scale_out=sc,
-                                     impl="triton")  # fmt: skip
+                sc = poison_(
+                    torch.empty(moefuse.scale_shape(m, h, layout), dtype=torch.uint8, device=DEV)
+                )
+                moefuse.fp4_quantize(
+                    x, gs, layout=layout, recipe=recipe, out=out, scale_out=sc, impl="triton"
+                )
                 ep, es = ref.fp4_quantize_reference(x, gs, layout, recipe, rcp=rcp_approx)
                 what = f"fp4 {m}x{h} {layout} {recipe}"
                 assert_bitwise_equal(sc, es, f"{what}: scales (padding included)")
@@ -235,8 +244,12 @@ def test_rmsnorm_quant_gpu(dtype):
             gc = float(h % 2 == 0 and m % 2 == 0)
             out = poison_(torch.empty(m, h, dtype=E4M3, device=DEV))
             moefuse.rmsnorm_quant(x, w, s, out=out, gain_center=gc, impl="triton")
-            _assert_fp8_close(out, ref.rmsnorm_quant_reference(x, w, s, 1e-6, E4M3, gc),
-                              f"rmsnorm_quant {m}x{h}", tally)  # fmt: skip
+            _assert_fp8_close(
+                out,
+                ref.rmsnorm_quant_reference(x, w, s, 1e-6, E4M3, gc),
+                f"rmsnorm_quant {m}x{h}",
+                tally,
+            )
             r_k = res.clone()
             out = moefuse.fused_add_rmsnorm_quant(x, r_k, w, s, impl="triton")
             eq, er = ref.fused_add_rmsnorm_quant_reference(x, res, w, s, 1e-6, E4M3)
@@ -245,8 +258,11 @@ def test_rmsnorm_quant_gpu(dtype):
     assert tally[0] <= 1e-3 * tally[1], f"{tally[0]} of {tally[1]} FP8 codes one step off"
     x, w = _rand(33, 4096, dtype=dtype), _rand(4096, dtype=dtype)
     s = torch.tensor([0.5], device=DEV)
-    _assert_fp8_close(moefuse.rmsnorm_quant(x, w, s, dtype=E5M2, impl="triton"),
-                      ref.rmsnorm_quant_reference(x, w, s, 1e-6, E5M2), "E5M2")  # fmt: skip
+    _assert_fp8_close(
+        moefuse.rmsnorm_quant(x, w, s, dtype=E5M2, impl="triton"),
+        ref.rmsnorm_quant_reference(x, w, s, 1e-6, E5M2),
+        "E5M2",
+    )
 
 
 def _fp4_fused_case(m, h, layout, recipe, residual: bool):
@@ -256,8 +272,7 @@ def _fp4_fused_case(m, h, layout, recipe, residual: bool):
     norm_out = poison_(torch.empty_like(x))
     out = poison_(torch.empty(m, h // 2, dtype=torch.uint8, device=DEV))
     sc = poison_(torch.empty(moefuse.scale_shape(m, h, layout), dtype=torch.uint8, device=DEV))
-    kw = dict(layout=layout, recipe=recipe, out=out, scale_out=sc, norm_out=norm_out,
-              impl="triton")  # fmt: skip
+    kw = dict(layout=layout, recipe=recipe, out=out, scale_out=sc, norm_out=norm_out, impl="triton")
     what = f"{'fused_add_' if residual else ''}rmsnorm_fp4 {m}x{h} {layout} {recipe}"
     if residual:
         r_k = res.clone()
@@ -297,8 +312,11 @@ def test_wide_rows_chunked_path_gpu():
     for h in (20000, 20480):
         x, w, res = _rand(3, h), _rand(h), _rand(3, h)
         s = torch.tensor([0.02], device=DEV)
-        _assert_fp8_close(moefuse.rmsnorm_quant(x, w, s, impl="triton"),
-                          ref.rmsnorm_quant_reference(x, w, s), f"wide fp8 {h}")  # fmt: skip
+        _assert_fp8_close(
+            moefuse.rmsnorm_quant(x, w, s, impl="triton"),
+            ref.rmsnorm_quant_reference(x, w, s),
+            f"wide fp8 {h}",
+        )
         r_k = res.clone()
         q = moefuse.fused_add_rmsnorm_quant(x, r_k, w, s, impl="triton")
         eq, er = ref.fused_add_rmsnorm_quant_reference(x, res, w, s)
@@ -316,27 +334,47 @@ def test_eager_pdl_and_graph_replay_bitwise(m):
     s, gs = torch.tensor([0.02], device=DEV), torch.tensor([300.0], device=DEV)
 
     def make():
-        return (torch.empty(m, h, dtype=torch.uint8, device=DEV),
-                torch.empty(m, h, dtype=torch.uint8, device=DEV),
-                torch.empty(m, 1, device=DEV),
-                torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
-                torch.empty(moefuse.scale_shape(m, h), dtype=torch.uint8, device=DEV),
-                torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
-                torch.empty(moefuse.scale_shape(m, h, "linear"), dtype=torch.uint8, device=DEV),
-                torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
-                torch.empty(moefuse.scale_shape(m, h, "swizzled_8x4"), dtype=torch.uint8,
-                            device=DEV))  # fmt: skip
+        return (
+            torch.empty(m, h, dtype=torch.uint8, device=DEV),
+            torch.empty(m, h, dtype=torch.uint8, device=DEV),
+            torch.empty(m, 1, device=DEV),
+            torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
+            torch.empty(moefuse.scale_shape(m, h), dtype=torch.uint8, device=DEV),
+            torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
+            torch.empty(moefuse.scale_shape(m, h, "linear"), dtype=torch.uint8, device=DEV),
+            torch.empty(m, h // 2, dtype=torch.uint8, device=DEV),
+            torch.empty(moefuse.scale_shape(m, h, "swizzled_8x4"), dtype=torch.uint8, device=DEV),
+        )
 
     def run(o, pdl):
         r = res0.clone()  # the fused-add op updates the residual: every run starts from res0
         moefuse.rmsnorm_quant(x, w, s, out=o[0].view(E4M3), enable_pdl=pdl, impl="triton")
-        moefuse.fp8_quantize_per_token(x, out=o[1].view(E4M3), scale_out=o[2], enable_pdl=pdl,
-                                       impl="triton")  # fmt: skip
+        moefuse.fp8_quantize_per_token(
+            x, out=o[1].view(E4M3), scale_out=o[2], enable_pdl=pdl, impl="triton"
+        )
         moefuse.fp4_quantize(x, gs, out=o[3], scale_out=o[4], enable_pdl=pdl, impl="triton")
-        moefuse.rmsnorm_fp4_quantize(x, w, gs, layout="linear", recipe="ieee", out=o[5],
-                                     scale_out=o[6], enable_pdl=pdl, impl="triton")  # fmt: skip
-        moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gs, layout="swizzled_8x4", out=o[7],
-                                               scale_out=o[8], enable_pdl=pdl, impl="triton")
+        moefuse.rmsnorm_fp4_quantize(
+            x,
+            w,
+            gs,
+            layout="linear",
+            recipe="ieee",
+            out=o[5],
+            scale_out=o[6],
+            enable_pdl=pdl,
+            impl="triton",
+        )
+        moefuse.fused_add_rmsnorm_fp4_quantize(
+            x,
+            r,
+            w,
+            gs,
+            layout="swizzled_8x4",
+            out=o[7],
+            scale_out=o[8],
+            enable_pdl=pdl,
+            impl="triton",
+        )
 
     results = run_eager_pdl_and_graph(run, make)
     for other in results[1:]:
@@ -349,18 +387,21 @@ def test_batch_invariance_gpu():
     x, w, res = _rand(m, h), _rand(h), _rand(m, h)
     s, gs = torch.tensor([0.02], device=DEV), torch.tensor([300.0], device=DEV)
     q_all = moefuse.rmsnorm_quant(x, w, s, impl="triton")
-    p_all, s_all = moefuse.fused_add_rmsnorm_fp4_quantize(x, res.clone(), w, gs, layout="linear",
-                                                          impl="triton")  # fmt: skip
+    p_all, s_all = moefuse.fused_add_rmsnorm_fp4_quantize(
+        x, res.clone(), w, gs, layout="linear", impl="triton"
+    )
     # 7168 columns: stepped FP8 rows, looped at 4096 rows and unrolled for a row alone
     qa_all = moefuse.fused_add_rmsnorm_quant(x, res.clone(), w, s, impl="triton")
     for i in (0, 1, 777, 4095):
         sl = slice(i, i + 1)
-        assert_bitwise_equal(moefuse.rmsnorm_quant(x[sl], w, s, impl="triton")[0], q_all[i],
-                             f"fp8 row {i}")  # fmt: skip
+        assert_bitwise_equal(
+            moefuse.rmsnorm_quant(x[sl], w, s, impl="triton")[0], q_all[i], f"fp8 row {i}"
+        )
         qa = moefuse.fused_add_rmsnorm_quant(x[sl], res[sl].clone(), w, s, impl="triton")
         assert_bitwise_equal(qa[0], qa_all[i], f"fused_add fp8 row {i}")
-        p, sc = moefuse.fused_add_rmsnorm_fp4_quantize(x[sl], res[sl].clone(), w, gs,
-                                                       layout="linear", impl="triton")
+        p, sc = moefuse.fused_add_rmsnorm_fp4_quantize(
+            x[sl], res[sl].clone(), w, gs, layout="linear", impl="triton"
+        )
         assert_bitwise_equal(p[0], p_all[i], f"fp4 packed row {i}")
         assert_bitwise_equal(sc[0], s_all[i], f"fp4 scales row {i}")
 
@@ -387,8 +428,12 @@ def test_new_token_count_never_recompiles():
         moefuse.fp8_quantize(x[:m], s, impl="triton")
 
     call(1)
-    kernels = (qf._rmsnorm_fp8_kernel, qf._rmsnorm_fp4_kernel, qt._fp4_quantize_kernel,
-               qt._fp8_quantize_kernel)  # fmt: skip
+    kernels = (
+        qf._rmsnorm_fp8_kernel,
+        qf._rmsnorm_fp4_kernel,
+        qt._fp4_quantize_kernel,
+        qt._fp8_quantize_kernel,
+    )
     before = [_variants(k) for k in kernels]
     for m in (2, 3, 16, 17, 100, 127, 128, 129, 1000, 4096):
         call(m)
@@ -404,9 +449,23 @@ def test_torch_compile_inductor_and_opcheck_gpu():
     s, gs = torch.tensor([0.02], device=DEV), torch.tensor([300.0], device=DEV)
     u8 = lambda *shape: torch.empty(*shape, dtype=torch.uint8, device=DEV)  # noqa: E731
     torch.library.opcheck(ops.rmsnorm_quant_op, (x, w, s, u8(m, h), 0, 1e-6, 0.0, True))
-    torch.library.opcheck(ops.fused_add_rmsnorm_fp4_quantize_op,
-                          (x, r.clone(), w, gs, u8(m, h // 2), u8(128, h // 16), None, 1e-6, 0.0,
-                           "swizzled_128x4", "fast", True))  # fmt: skip
+    torch.library.opcheck(
+        ops.fused_add_rmsnorm_fp4_quantize_op,
+        (
+            x,
+            r.clone(),
+            w,
+            gs,
+            u8(m, h // 2),
+            u8(128, h // 16),
+            None,
+            1e-6,
+            0.0,
+            "swizzled_128x4",
+            "fast",
+            True,
+        ),
+    )
 
     def layer(x, r, w):
         q = moefuse.fused_add_rmsnorm_quant(x, r, w, s)

@@ -21,8 +21,11 @@ def test_kernels_sum_rows_in_the_same_order():
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run(
         [sys.executable, "-m", "moefuse.tools.audit_reduce_trees", "--widths", WIDTHS],
-        env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith(("MATCH", "DIFF"))]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert len(lines) == CASES_PER_WIDTH * len(WIDTHS.split(",")), out.stdout
@@ -47,7 +50,8 @@ def test_audit_tells_layouts_apart():
         return template.replace("SPT", spt)
 
     four, eight = audit.reduce_trees(ir("4")), audit.reduce_trees(ir("8"))
-    assert four == ["axis 1 of 32x64: sizePerThread=[1, 4] threadsPerWarp=[4, 8] "
-                    "warpsPerCTA=[4, 1]"]  # fmt: skip
+    assert four == [
+        "axis 1 of 32x64: sizePerThread=[1, 4] threadsPerWarp=[4, 8] warpsPerCTA=[4, 1]"
+    ]
     assert four != eight
     assert not audit._compare("four vs eight", four, eight)

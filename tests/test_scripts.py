@@ -35,8 +35,9 @@ def test_tool_answers_help(name):
         cmd = [sys.executable, "-m", name]
     else:
         cmd = [sys.executable if name.endswith(".py") else "bash", str(ROOT / "scripts" / name)]
-    out = subprocess.run([*cmd, "--help"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [*cmd, "--help"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     text = out.stdout.strip()
     assert len(text.splitlines()) >= 2, text

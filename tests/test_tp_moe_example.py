@@ -28,8 +28,24 @@ def _run(rank, world, argv):
 
 @pytest.mark.interpreter
 def test_tp_moe_layer_example_cpu(tmp_path):
-    argv = ["--device", "cpu", "--iters", "1", "--decode", "3", "--prefill", "17",
-            "--hidden", "48", "--inter", "24", "--impl", "triton", "--out", str(tmp_path)]
+    argv = [
+        "--device",
+        "cpu",
+        "--iters",
+        "1",
+        "--decode",
+        "3",
+        "--prefill",
+        "17",
+        "--hidden",
+        "48",
+        "--inter",
+        "24",
+        "--impl",
+        "triton",
+        "--out",
+        str(tmp_path),
+    ]
     results = run_group(2, _run, argv, timeout_s=240)
     for res in results:
         assert res["world_size"] == 2
@@ -49,8 +65,19 @@ def test_tp_moe_layer_example_two_gpus(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    argv = ["--device", "cuda", "--iters", "10", "--decode", "1", "64", "--prefill", "512",
-            "--out", str(tmp_path)]
+    argv = [
+        "--device",
+        "cuda",
+        "--iters",
+        "10",
+        "--decode",
+        "1",
+        "64",
+        "--prefill",
+        "512",
+        "--out",
+        str(tmp_path),
+    ]
     results = run_group(2, _run, argv, backend="nccl", timeout_s=600)
     for row in results[0]["rows"]:
         assert row["timing"] == "graph", row

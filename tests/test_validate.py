@@ -17,8 +17,10 @@ def test_meta_tensors_alias_only_through_their_storage():
 
 def test_meta_call_passes_the_alias_checks():
     """A call on meta tensors fails, if at all, for a reason other than a false alias."""
-    x, r = torch.empty(2, 64, device="meta", dtype=torch.bfloat16), \
-        torch.empty(2, 64, device="meta", dtype=torch.bfloat16)  # fmt: skip
+    x, r = (
+        torch.empty(2, 64, device="meta", dtype=torch.bfloat16),
+        torch.empty(2, 64, device="meta", dtype=torch.bfloat16),
+    )
     w = torch.empty(64, device="meta", dtype=torch.bfloat16)
     try:
         moefuse.fused_add_rmsnorm(x, r, w, impl="reference")
@@ -57,6 +59,7 @@ def test_documented_limits_hold_on_both_impls():
     rows, idx = torch.randn(2, 8).to(torch.bfloat16), torch.zeros(3, 0, dtype=torch.int32)
     shared = torch.randn(3, 8).to(torch.bfloat16)
     for impl in ("reference", "triton"):
-        out = moefuse.moe_finalize(rows, idx, torch.zeros(3, 0), shared_expert_output=shared,
-                                   impl=impl)  # fmt: skip
+        out = moefuse.moe_finalize(
+            rows, idx, torch.zeros(3, 0), shared_expert_output=shared, impl=impl
+        )
         assert torch.equal(out, shared)

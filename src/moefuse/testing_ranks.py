@@ -76,8 +76,9 @@ import torch
 _RUN_LOCK = threading.Lock()
 
 
-def run_loopback_ranks(fn, world_size: int, device, *args, timeout_s: float = 300.0,
-                       reserve_bytes: int = 1 << 30) -> list:  # fmt: skip
+def run_loopback_ranks(
+    fn, world_size: int, device, *args, timeout_s: float = 300.0, reserve_bytes: int = 1 << 30
+) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` threads joined by a threaded
     torch.distributed group (loopback workspaces, one stream per rank on CUDA); returns the
     results in rank order. ``reserve_bytes``: caching-allocator reserve per rank (CUDA). See
@@ -86,8 +87,9 @@ def run_loopback_ranks(fn, world_size: int, device, *args, timeout_s: float = 30
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"run_loopback_ranks: world_size must be a positive int, got "
-                         f"{world_size!r}")  # fmt: skip
+        raise ValueError(
+            f"run_loopback_ranks: world_size must be a positive int, got {world_size!r}"
+        )
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -113,12 +115,18 @@ def run_loopback_ranks(fn, world_size: int, device, *args, timeout_s: float = 30
 
             def worker(rank: int) -> None:
                 try:
-                    dist.init_process_group("threaded", rank=rank, world_size=world_size,
-                                            store=store,
-                                            timeout=datetime.timedelta(seconds=timeout_s))
+                    dist.init_process_group(
+                        "threaded",
+                        rank=rank,
+                        world_size=world_size,
+                        store=store,
+                        timeout=datetime.timedelta(seconds=timeout_s),
+                    )
                     try:
-                        results[rank] = ("ok", _call_on_own_stream(fn, rank, world_size, args,
-                                                                   device, reserve_bytes))
+                        results[rank] = (
+                            "ok",
+                            _call_on_own_stream(fn, rank, world_size, args, device, reserve_bytes),
+                        )
                     finally:
                         dist.destroy_process_group()
                 except SystemExit:  # woken out of a collective because another rank failed
@@ -127,8 +135,10 @@ def run_loopback_ranks(fn, world_size: int, device, *args, timeout_s: float = 30
                     results[rank] = ("error", traceback.format_exc())
                     mtpg.ProcessLocalGroup.exception_handle(exc)  # wake ranks in collectives
 
-            threads = [threading.Thread(target=worker, args=(r,), name=f"moefuse-rank-{r}",
-                                        daemon=True) for r in range(world_size)]  # fmt: skip
+            threads = [
+                threading.Thread(target=worker, args=(r,), name=f"moefuse-rank-{r}", daemon=True)
+                for r in range(world_size)
+            ]
             for t in threads:
                 t.start()
             deadline = time.monotonic() + timeout_s
@@ -272,6 +282,7 @@ def _pausing(masked_load):
 
     return pausing_masked_load
 
+
 _INSTALLED = [False]  # whether _thread_safe_interpreter's patches are in place (process-wide)
 
 
@@ -333,8 +344,9 @@ def _thread_safe_interpreter():
     def deferred_patch_lang(fn):
         langs = langs_of.get(fn)
         if langs is None:  # the modules Triton's _patch_lang finds in the function's globals
-            langs = frozenset(id(v) for v in list(fn.__globals__.values())
-                              if any(v is m for m in lang_modules))  # fmt: skip
+            langs = frozenset(
+                id(v) for v in list(fn.__globals__.values()) if any(v is m for m in lang_modules)
+            )
             langs_of[fn] = langs
         with lock:
             if not (state["active"] and langs and langs <= state["patched"]):
@@ -356,8 +368,9 @@ def _thread_safe_interpreter():
                     state["patched"].clear()
 
     def per_thread(name):
-        return property(lambda self: getattr(local, name, None),
-                        lambda self, value: setattr(local, name, value))  # fmt: skip
+        return property(
+            lambda self: getattr(local, name, None), lambda self, value: setattr(local, name, value)
+        )
 
     rewrite = interp.InterpretedFunction.rewrite
     rewrite_lock = threading.Lock()
