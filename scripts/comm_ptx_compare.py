@@ -18,7 +18,8 @@ rebuild, ``comm.triton``, ``comm.moe_fusion_triton``, ..., or the family folders
 a kernel that one tree lacks is reported as such (deleted variants drop out).
 
 Run: python scripts/comm_ptx_compare.py [--before REV] [--after PATH] [--only SUBSTRING[,...]]
-     [--report notes/comm-layout-ptx.md] [--json notes/comm-layout-ptx.json] [--dump DIR]
+     [--hidden H] [--report notes/comm-layout-ptx.md] [--json notes/comm-layout-ptx.json]
+     [--dump DIR]
 (``--before`` / ``--after``: a git revision of this repository, extracted with ``git archive``
 into a temporary folder, or a path to a source tree; default 872b0f3 / this checkout.) Exit status 1
 when a kernel that both trees have compiles to different PTX, or fails to compile.
@@ -137,7 +138,8 @@ NOT_DIVISIBLE = {
 #: launch keywords that are compile options, not kernel arguments
 OPTIONS = ("num_warps", "maxnreg", "enable_fp_fusion", "launch_pdl", "num_stages")
 
-H, P, K = 4096, 2, 8
+#: the row width of the cases: ``--hidden`` (passed to the per-tree workers in the environment)
+H, P, K = int(os.environ.get("COMM_PTX_COMPARE_HIDDEN", "4096")), 2, 8
 
 #: what became of the kernels and constexprs of 872b0f3 that the rebuild deleted
 DELETED = {
@@ -877,7 +879,8 @@ def write_report(rows: list[dict], args, path: str) -> None:
         f"Verdict: {', '.join(f'{n} {v}' for v, n in sorted(counts.items()))} "
         f"({len(rows)} compiled cases of {len(kernels)} kernels).",
         "",
-        "Each case is one kernel at one launch's constexprs and compile options (H = 4096, "
+        "Each case is one kernel at one launch's constexprs and compile options "
+        f"(H = {args.hidden} unless the case names its own, "
         "P = 2, K = 8, BF16, PDL on; patterns, modes and variants as listed). PTX normalised: "
         "debug sections, `.file` / `.loc` lines, line-info labels (`$L__tmpN:`) and comments "
         'dropped, kernel and function names replaced by placeholders. "only before": the '
@@ -947,6 +950,12 @@ def main(argv=None) -> int:
         default="",
         help="only the cases whose name contains this (or one of these, comma-separated)",
     )
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=H,
+        help="row width H of the cases (default 4096; 8192 reaches the stepped rmsnorm rows)",
+    )
     parser.add_argument("--report", default="", help="Markdown report to write")
     parser.add_argument("--json", default="", help="JSON report to write")
     parser.add_argument("--dump", default="", help="keep the normalised PTX in this folder")
@@ -959,6 +968,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.only)
+    os.environ["COMM_PTX_COMPARE_HIDDEN"] = str(args.hidden)
     with tempfile.TemporaryDirectory() as tmp:
         dump = args.dump or tmp
         before = args.before
