@@ -101,10 +101,21 @@ def test_gated_residual_rmsnorm_kernel(width, with_weight, seed):
         assert_bitwise_equal(inplace, out, "out is residual")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("alpha_kind", ["one", "scalar", "tensor"])
-@pytest.mark.parametrize("with_post_weight", [False, True])
+#: gated-next cases: every (dtype, alpha, post weight) at every width but the widest, whose
+#: looped steps take three that cover each per-step load (alpha and post weight tensors, their
+#: constexpr-skipped forms) in each dtype
+_WIDE_GATED_NEXT = {(0, "tensor", True), (1, "one", False), (1, "scalar", True)}
+GATED_NEXT_CASES = [
+    (dtype, width, alpha_kind, post)
+    for width in WIDTHS
+    for d, dtype in enumerate(DTYPES)
+    for alpha_kind in ("one", "scalar", "tensor")
+    for post in (False, True)
+    if width != WIDTHS[-1] or (d, alpha_kind, post) in _WIDE_GATED_NEXT
+]
+
+
+@pytest.mark.parametrize("dtype,width,alpha_kind,with_post_weight", GATED_NEXT_CASES)
 def test_gated_residual_next_rmsnorm_kernel(dtype, width, alpha_kind, with_post_weight, seed):
     for m in TOKENS:
         branch, residual = _rand(m, width, dtype=dtype), torch.randn(m, width)
