@@ -78,6 +78,15 @@ def _entry(rank, world_size, init_file, backend, fn, args, results):
 FORCE_PROCESSES = False
 
 
+def _rank_context():
+    """Where rank processes come from: a fork server that imported torch, Triton and moefuse
+    once (each rank is forked from it: no second import of torch per rank, no thread of this
+    process inherited)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "triton", "moefuse", "comm_mp"])
+    return ctx
+
+
 def run_group(
     world_size: int,
     fn,
@@ -97,7 +106,7 @@ def run_group(
         if backend != "gloo":
             raise ValueError(f"run_group: ranks as threads run on CPU (gloo), not {backend!r}")
         return _run_threads(world_size, fn, args, timeout_s)
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="moefuse-test-store-")
     os.close(fd)
@@ -145,7 +154,7 @@ def run_group_one_killed(
     on the dead peer)."""
     import signal
 
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="moefuse-test-store-")
     os.close(fd)
