@@ -180,3 +180,26 @@ def test_forget_drops_only_the_plans_holding_an_object():
     assert fp.plan_count(moefuse.rmsnorm) == 1
     fp.forget(torch.Tensor)  # the tensors' type is part of every key of this signature
     assert fp.plan_count(moefuse.rmsnorm) == 0
+
+
+def test_another_threads_recording_is_not_a_foreign_launch_hook():
+    """A recording adds its launch counter to Triton's process-wide hook chain while it runs; a
+    plan built meanwhile on another thread (ranks as threads, an engine's thread per GPU) must not
+    take that counter for a profiler's hook and refuse. A profiler's hook still refuses."""
+    from triton import knobs
+
+    chain = knobs.runtime.launch_enter_hook
+    assert not fp._hooked(chain)
+    with fp._Recorder():  # what a slow call on another thread holds while it runs
+        assert len(chain.calls) == 1
+        assert not fp._hooked(chain)
+
+        def profiler_hook(*args):
+            pass
+
+        chain.add(profiler_hook)
+        try:
+            assert fp._hooked(chain)
+        finally:
+            chain.remove(profiler_hook)
+    assert not chain.calls

@@ -458,8 +458,16 @@ def _launcher_arg(code: _Code, value, by_id: dict) -> str:
 
 
 def _hooked(hook) -> bool:
-    """Triton 3.6 keeps launch hooks in a ``HookChain`` (empty unless a profiler added one)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+    """Whether a launch hook other than a recorder's launch counter is installed. Triton 3.6
+    keeps launch hooks in a ``HookChain``, empty unless a profiler added one; a recording on
+    another thread of this process (ranks as threads, an engine's thread per GPU) has its own
+    counter in the chain while it runs, which a plan built on this thread can ignore."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    if calls is None:
+        return True
+    return any(getattr(c, "__func__", None) is not _Recorder._count_launch for c in calls)
 
 
 def _interpreted_launch(code: _Code, kernel, grid, kargs, consts, located) -> str:
