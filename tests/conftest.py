@@ -3,7 +3,11 @@ switched on before triton is imported by any kernel module."""
 
 import os
 
-import torch
+# loopback ranks share one CUDA context, where a kernel module loaded lazily at its first use
+# waits for a peer's running kernel (moefuse.testing_ranks): every module is loaded at start-up
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import torch  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:

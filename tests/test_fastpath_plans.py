@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -63,11 +64,13 @@ def _replayed(public, fn):
     return out, not entered
 
 
-def _check_op(name, fn, refresh) -> str | None:
+def _check_op(name, fn, refresh, settle=lambda: None) -> str | None:
     """Record a plan, then for each seed: the custom-op path's bits vs a replay's on the same
-    fresh inputs. None, or what went wrong."""
+    fresh inputs. None, or what went wrong. ``settle()`` runs before every call: a barrier of the
+    ranks, so that no rank still does host work while a peer's kernel already waits for it."""
     public = getattr(moefuse, name)
     refresh(RECORD_SEED)
+    settle()
     fn()  # records
     if name in NO_PLAN:
         refused = fp.refusals(public)
@@ -80,8 +83,10 @@ def _check_op(name, fn, refresh) -> str | None:
         return f"{name}: refused: {fp.refusals(public)}"
     for seed in SEEDS:
         refresh(seed)
+        settle()
         want = _slow(fn)
         refresh(seed)
+        settle()
         got, replayed = _replayed(public, fn)
         if not replayed:
             return f"{name}: the call after recording ran the op's Python function (no replay)"
@@ -118,7 +123,8 @@ def _comm_scenario(rank, world_size, h, dev="cpu"):
         torch.device(dev), None, m=2, h=h, impl="triton", timeout_s=30
     )
     try:
-        return [_check_op(name, fn, refresh) for name, fn in calls], [n for n, _ in calls]
+        checks = [_check_op(name, fn, refresh, settle=dist.barrier) for name, fn in calls]
+        return checks, [n for n, _ in calls]
     finally:
         close()
 

@@ -44,7 +44,8 @@ One context (CUDA): the ranks share one CUDA context, and some CUDA calls wait f
 already running on the device: loading a kernel's module (measured on H200 / CUDA 13: a second
 load of a Triton kernel waited for the peer's running kernel, which waited for this rank, until
 the bounded wait expired; CUDA's lazy loading of a kernel at its first use loads modules too,
-``CUDA_MODULE_LOADING=EAGER`` avoids that), ``cudaFree`` (``torch.cuda.empty_cache()``, which
+``CUDA_MODULE_LOADING=EAGER`` avoids that: the runner sets it where CUDA is not initialized yet,
+and tests/conftest.py for every test process), ``cudaFree`` (``torch.cuda.empty_cache()``, which
 ``torch.cuda.graph`` calls on entry), and per the CUDA programming guide's "implicit
 synchronization" list device-memory and pinned-host allocation. Issued by one rank while a
 peer's kernel waits for that rank, they stall both until the wait runs out. The runner loads
@@ -91,6 +92,9 @@ def run_loopback_ranks(
             f"run_loopback_ranks: world_size must be a positive int, got {world_size!r}"
         )
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_initialized():
+        # one context for every rank: load every module at start-up (see "One context")
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if not _RUN_LOCK.acquire(blocking=False):
