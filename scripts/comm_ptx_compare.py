@@ -558,7 +558,13 @@ def moe_cases(mods) -> list[dict]:
     plan = dict(BS=32, BC=128, EP=128, BT=16, USE_PDL=True)
     out.append(_case("moe.experts", "_experts_plan_kernel", "", plan, num_warps=4, launch_pdl=True))
     cfg = experts_tile(H, 1536)
-    common = dict(BK=cfg["bk"], STAGES=cfg["stages"], PTX=True, USE_PDL=True)
+    common = dict(
+        BK=cfg["bk"],
+        STAGES=cfg["stages"],
+        EARLY_TRIGGER=bool(cfg.get("early_trigger", False)),
+        PTX=True,
+        USE_PDL=True,
+    )
     options = dict(num_warps=cfg["warps"], launch_pdl=True)
     for sp, bt in ((0, 16), (0, 64), (32, 16)):
         gate_up = dict(common, KDIM=H, INTER=1536, BN=cfg["bn_gate_up"], BT=bt, SP=sp)

@@ -9,7 +9,7 @@ and at T = 1 the device µs per kernel of one eager call (torch.profiler).
 
 ``--variant plan='{"inline_plan_slots": 0}'`` overrides keys of
 :func:`moefuse.moe.tiles.experts_tile` (default variants: the default tile, the plan kernel, the
-separate finalize). Writes ``experts_variants.json`` under
+separate finalize, the early PDL trigger). Writes ``experts_variants.json`` under
 ``--out`` (default: the current directory).
 """
 
@@ -23,6 +23,7 @@ DEFAULT_VARIANTS = {
     "default": {},
     "plan_kernel": {"inline_plan_slots": 0},
     "finalize_kernel": {"fuse_finalize_slots": 0},
+    "early_trigger": {"early_trigger": True},
 }
 
 

@@ -255,6 +255,7 @@ def _experts_gate_up_kernel(
     BT: tl.constexpr,
     STAGES: tl.constexpr,
     SP: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -263,9 +264,12 @@ def _experts_gate_up_kernel(
     compile-time constants (one build per model shape: static trip counts, no column masks when
     aligned). ``SP`` > 0: no plan kernel ran; each program computes its work item from the ids
     and program (0, 0) writes ``slot_map`` and zeroes the down kernel's ``n_count`` finalize
-    counters."""
+    counters. ``EARLY_TRIGGER``: with PDL, let the down kernel launch as soon as every program has
+    started (its programs then wait in ``gdc_wait`` for this grid's end), not after the K loops."""
     if USE_PDL:
         gdc_wait()  # the plan, or with SP > 0 the top_k_index of the kernel before
+        if EARLY_TRIGGER:
+            gdc_launch_dependents()
     if SP > 0:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP)
@@ -298,7 +302,7 @@ def _experts_gate_up_kernel(
                 other=0.0,
             )
             acc = _mma(w, xt, acc, PTX)
-        if USE_PDL:
+        if USE_PDL and not EARLY_TRIGGER:
             gdc_launch_dependents()
         g, u = tl.split(tl.permute(tl.reshape(acc, [2, BN, BT]), (1, 2, 0)))
         act = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, FP32
@@ -342,6 +346,7 @@ def _experts_down_kernel(
     SP: tl.constexpr,
     FINALIZE: tl.constexpr,
     EXTRAS: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -354,13 +359,16 @@ def _experts_down_kernel(
     and the last one of the tile (the grid's first dimension: used and unused items alike) sums
     the tile's columns of every token (:func:`_finalize_rows`) into ``out``. ``fin_strides`` =
     row strides of (slot_map, top_k_weights, bias, shared, out); ``EXTRAS`` = (bias, routed
-    scaling factor, shared expert output) present."""
+    scaling factor, shared expert output) present. ``EARLY_TRIGGER``: as in the gate|up kernel,
+    for the kernel after this one."""
     act_st, y_st = row_strides
     w_st_e, w_st_n, w_st_k = w_strides
     idx_st0, idx_st1 = idx_strides
     fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
     if USE_PDL:
         gdc_wait()  # act from the gate|up kernel
+        if EARLY_TRIGGER:
+            gdc_launch_dependents()
     e, s, r_in, tok = _work_item(
         items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
     )
@@ -382,7 +390,7 @@ def _experts_down_kernel(
                 other=0.0,
             )
             acc = _mma(w, at, acc, PTX)
-        if USE_PDL:
+        if USE_PDL and not EARLY_TRIGGER:
             gdc_launch_dependents()
         tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc, mask=n_in[:, None] & r_in[None, :])
     if FINALIZE:
@@ -639,6 +647,7 @@ def _launch_gate_up(
         BT=plan.bt,
         STAGES=cfg["stages"],
         SP=plan.sp,
+        EARLY_TRIGGER=bool(cfg["early_trigger"]),
         PTX=not interpreter_active(),
         USE_PDL=use_pdl,
         num_warps=cfg["warps"],
@@ -692,6 +701,7 @@ def _launch_down(
         SP=plan.sp,
         FINALIZE=plan.fused,
         EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None),
+        EARLY_TRIGGER=bool(cfg["early_trigger"]),
         PTX=not interpreter_active(),
         USE_PDL=use_pdl,
         num_warps=cfg["warps"],

@@ -75,12 +75,17 @@ EXPERTS_INLINE_PLAN_SLOTS = 32
 #: Measured: a gain at T*K <= 8 (0.2-0.9 us), a loss from 16 slots on (the last program's serial
 #: sum over tokens).
 EXPERTS_FUSE_FINALIZE_SLOTS = 8
+#: with PDL, each GEMM kernel lets the next launch once all of its programs have started (the
+#: next kernel's programs take free SMs and wait for this grid's end in ``gdc_wait``), instead of
+#: after each program's reduction loop: meant to hide the next launch behind the gate|up tail at
+#: decode. Off until measured (``scripts/probe_experts_variants.py``'s ``early_trigger``).
+EXPERTS_EARLY_TRIGGER = False
 
 
 def experts_tile(hidden: int, inter: int) -> dict:
     """Tile of the fused experts kernels for hidden size ``hidden`` and expert width ``inter``:
     ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots",
-    "fuse_finalize_slots"}``
+    "fuse_finalize_slots", "early_trigger"}``
     (a function of the widths only)."""
     return {
         "bn_gate_up": EXPERTS_BN_GATE_UP,
@@ -90,6 +95,7 @@ def experts_tile(hidden: int, inter: int) -> dict:
         "stages": EXPERTS_STAGES,
         "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS,
         "fuse_finalize_slots": EXPERTS_FUSE_FINALIZE_SLOTS,
+        "early_trigger": EXPERTS_EARLY_TRIGGER,
     }
 
 
