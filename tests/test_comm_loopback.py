@@ -6,6 +6,8 @@ across algorithms and ranks. The GPU counterpart is moefuse.tools.loopback_gpu_c
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -209,3 +211,26 @@ def test_compile_lock_hands_a_cached_kernel_to_a_waiting_rank():
     finally:
         release.set()
         JITFunction._do_compile = real
+
+
+def test_loopback_ranks_on_cuda_ask_for_eager_module_loading(monkeypatch, caplog):
+    """Loopback ranks share one CUDA context, where a module loaded at a kernel's first use waits
+    for a peer's running kernel: before CUDA starts the runner asks for eager loading; after a
+    lazy start it says once why a bounded wait may run out."""
+    import logging
+
+    from moefuse import _runtime, testing_ranks
+
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    testing_ranks._eager_module_loading()
+    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(_runtime, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="moefuse"):
+        testing_ranks._eager_module_loading()
+        testing_ranks._eager_module_loading()
+    said = [r.getMessage() for r in caplog.records if "lazy module loading" in r.getMessage()]
+    assert len(said) == 1 and "CUDA_MODULE_LOADING=EAGER" in said[0]

@@ -92,9 +92,8 @@ def run_loopback_ranks(
             f"run_loopback_ranks: world_size must be a positive int, got {world_size!r}"
         )
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_initialized():
-        # one context for every rank: load every module at start-up (see "One context")
-        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    if device.type == "cuda":
+        _eager_module_loading()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if not _RUN_LOCK.acquire(blocking=False):
@@ -193,6 +192,23 @@ def _reserve(device, nbytes: int) -> None:
         big = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
         small = [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(64)]
         del big, small
+
+
+def _eager_module_loading() -> None:
+    """One context for every rank: load every module at start-up (see "One context"). Where CUDA
+    started already with lazy loading, say so once: a kernel's first use on one rank may then
+    stall a peer's waiting kernel until its bounded wait runs out."""
+    if not torch.cuda.is_initialized():
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    elif os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER":
+        from moefuse._runtime import log_once
+
+        log_once(
+            "testing_ranks",
+            "CUDA started with lazy module loading: a module loaded at a kernel's first use by "
+            "one loopback rank waits for the other rank's running kernel; set "
+            "CUDA_MODULE_LOADING=EAGER before CUDA starts",
+        )
 
 
 def _interpreting() -> bool:

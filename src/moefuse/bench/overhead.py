@@ -291,6 +291,8 @@ def main(argv: list[str]) -> int:
         "when there are two or more; on one GPU two loopback ranks; 0: skip)",
     )
     args = parser.parse_args(argv)
+    # the loopback ranks share one context: every module loaded at start-up (moefuse.testing_ranks)
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     if not torch.cuda.is_available():
         print("bench overhead needs a CUDA GPU (host time of eager calls on the real launcher)")
         return 2
