@@ -666,7 +666,8 @@ def compile_case(case: dict, mods: dict) -> str:
     )
     group = case["family"].split(".")[0]
     ptrs = {**POINTERS["*"], **POINTERS.get(group, {})}
-    # tuple parameters are typed element by element, by the names the kernel unpacks them into
+    # tuple parameters (nested ones too) are typed element by element, by the names the kernel
+    # unpacks them into
     fields = tuple_fields(kernel)
     names = [*params, *leaf_names(fields.values())]
     types = {

@@ -124,14 +124,14 @@ def _ag_rmsnorm_kernel(
     """Gather this program's rows, then run the op's row tile on them (module docstring).
     ``ptrs`` = (w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr,
     rt_ptr) (``Epilogue.pointers``); ``counts`` = (n_rows, n_norm) (not specialised); ``dims`` =
-    (width, fp4_grid, addressing, norm, gate): ``addressing`` = (HEADS, x_st, x_sh, o_st, o_sh)
-    gives the tile code's ``dims`` their ``strides`` and ``heads``, the other groups are as
-    :mod:`moefuse.comm.all_gather.norm_tiles` describes them; ``ws`` = (table_ptr, ag_off16,
-    agctrl_ptr, ctrl_ptr, clock_ptr). The tile code is
+    (width, fp4_grid, addressing, norm, gate), the groups of
+    :mod:`moefuse.comm.all_gather.norm_tiles` but ``addressing`` = (HEADS, x_st, x_sh, o_st,
+    o_sh), which splits into the tile code's ``strides`` and ``heads``; ``ws`` = (table_ptr,
+    ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr). The tile code is
     :mod:`moefuse.comm.all_gather.norm_tiles`'s."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    # every group named here: the offline compile checks type its elements by these names
+    # every group named here: offline compiles type its elements by these names (ptxas.tuple_fields)
     width, fp4_grid, addressing, norm, gate = dims
     H, Hf = width
     KB, n_kcols = fp4_grid

@@ -163,7 +163,7 @@ def _ag_rmsnorm_persistent_kernel(
     (one head, no head strides). The tile code is :mod:`moefuse.comm.all_gather.norm_tiles`'s."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    # every group named here: the offline compile checks type its elements by these names
+    # every group named here: offline compiles type its elements by these names (ptxas.tuple_fields)
     width, fp4_grid, strides, norm, gate = dims
     H, Hf = width
     KB, n_kcols = fp4_grid
