@@ -664,6 +664,7 @@ def compile_case(case: dict, mods: dict) -> str:
     ptxas = ptxas_helpers()
     TARGET, specialised_source = ptxas.TARGET, ptxas.specialised_source
     with_constexpr_defaults, tuple_fields = ptxas.with_constexpr_defaults, ptxas.tuple_fields
+    leaf_names = ptxas.leaf_names
     kernel = getattr(mods[case["family"]], case["kernel"])
     params = inspect.signature(kernel.fn).parameters
     consts = with_constexpr_defaults(
@@ -671,8 +672,10 @@ def compile_case(case: dict, mods: dict) -> str:
     )
     group = case["family"].split(".")[0]
     ptrs = {**POINTERS["*"], **POINTERS.get(group, {})}
-    # tuple parameters are typed element by element, by the names the kernel unpacks them into
-    names = [*params, *(f for fields in tuple_fields(kernel).values() for f in fields)]
+    # tuple parameters (nested ones too) are typed element by element, by the names the kernel
+    # unpacks them into
+    fields = tuple_fields(kernel)
+    names = [*params, *leaf_names(fields.values())]
     types = {
         name: ptrs.get(name, "*bf16")
         if name.endswith("_ptr")
@@ -684,7 +687,7 @@ def compile_case(case: dict, mods: dict) -> str:
     skip = set(getattr(kernel, "do_not_specialize", ()) or ())
     skip = {params_name(kernel, s) for s in skip}
     # do_not_specialize names a whole parameter: a tuple's elements are all left unspecialised
-    skip = {e for s in skip for e in tuple_fields(kernel).get(s, (s,))}
+    skip = {e for s in skip for e in leaf_names(fields.get(s, (s,)))}
     src = specialised_source(
         kernel,
         consts,

@@ -70,14 +70,13 @@ def _type(name, consts, fp32_ptrs):
 
 def _signature(kernel, consts, fp32_ptrs):
     """Each parameter's type by name; a tuple parameter's, element by element by the names
-    the kernel unpacks it into (moefuse.tools.ptxas.tuple_fields)."""
+    the kernel unpacks it into (moefuse.tools.ptxas.tuple_fields; nested tuples walked)."""
     fields = tuple_fields(kernel)
-    return {
-        name: tuple(_type(f, consts, fp32_ptrs) for f in fields[name])
-        if name in fields
-        else _type(name, consts, fp32_ptrs)
-        for name in inspect.signature(kernel.fn).parameters
-    }
+
+    def typed(f):
+        return tuple(map(typed, f)) if isinstance(f, tuple) else _type(f, consts, fp32_ptrs)
+
+    return {name: typed(fields.get(name, name)) for name in inspect.signature(kernel.fn).parameters}
 
 
 def compile_report(kernel, consts, num_warps, fp32_ptrs=(), maxnreg=None):

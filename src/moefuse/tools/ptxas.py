@@ -43,14 +43,15 @@ def with_constexpr_defaults(kernel, consts: dict) -> dict:
     }
 
 
-def tuple_fields(kernel) -> dict[str, tuple[str, ...]]:
+def tuple_fields(kernel) -> dict[str, tuple]:
     """The element names of ``kernel``'s tuple parameters, read from the kernel's own unpacking
     statements at the top level of its body or of an ``if`` there (``b_st, r_st = strides``): a
     grouped argument list keeps the names that ``types``, ``consts`` and ``divisible`` below use
-    for its elements."""
+    for its elements. An element that the kernel unpacks in turn (``H, Hf = width`` after
+    ``width, norm = dims``: a nested tuple argument) is the tuple of its own element names."""
     params = set(inspect.signature(kernel.fn).parameters)
     body = list(ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body)
-    out = {}
+    unpacked = {}
     for node in body:
         if isinstance(node, ast.If):
             body.extend(node.body + node.orelse)
@@ -58,11 +59,24 @@ def tuple_fields(kernel) -> dict[str, tuple[str, ...]]:
             isinstance(node, ast.Assign)
             and len(node.targets) == 1
             and isinstance(node.value, ast.Name)
-            and node.value.id in params
+            and (node.value.id in params or node.value.id in leaf_names(unpacked.values()))
             and isinstance(node.targets[0], ast.Tuple)
             and all(isinstance(e, ast.Name) for e in node.targets[0].elts)
         ):
-            out[node.value.id] = tuple(e.id for e in node.targets[0].elts)
+            unpacked[node.value.id] = tuple(e.id for e in node.targets[0].elts)
+
+    def nested(name: str) -> tuple:
+        return tuple(nested(e) if e in unpacked else e for e in unpacked[name])
+
+    return {name: nested(name) for name in unpacked if name in params}
+
+
+def leaf_names(fields) -> list[str]:
+    """The element names of ``fields`` (a tuple parameter's :func:`tuple_fields` entry, or
+    several), nested tuples walked in order."""
+    out = []
+    for f in fields:
+        out.extend(leaf_names(f) if isinstance(f, tuple) else [f])
     return out
 
 
@@ -71,27 +85,28 @@ def specialised_source(kernel, consts: dict, types: dict, divisible) -> ASTSourc
     arguments typed from ``types`` (pointers default to BF16, the rest to i32), and the
     divisibility-by-16 attribute on each argument for which ``divisible(name, type)`` is true,
     as the JIT's specialisation gives it (it changes vector widths and register layouts).
-    A tuple parameter (:func:`tuple_fields`) is typed, made constant and specialised element
-    by element under its elements' names, as the JIT does at a launch."""
+    A tuple parameter (:func:`tuple_fields`, nested ones too) is typed, made constant and
+    specialised element by element under its elements' names, as the JIT does at a launch."""
     sig, attrs, constexprs = {}, {}, {}
     fields = tuple_fields(kernel)
+
+    def element(elem, path):
+        if isinstance(elem, tuple):
+            return tuple(element(e, (*path, j)) for j, e in enumerate(elem))
+        if elem in consts:
+            constexprs[path] = consts[elem]
+            return "constexpr"
+        t = types.get(elem, "*bf16" if elem.endswith("_ptr") else "i32")
+        if divisible(elem, t):
+            attrs[path] = [["tt.divisibility", 16]]
+        return t
+
     for i, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in consts:
             sig[name] = "constexpr"
             constexprs[(i,)] = consts[name]
-            continue
-        elements = fields.get(name)
-        for j, elem in enumerate(elements or (name,)):
-            path = (i, j) if elements else (i,)
-            if elem in consts:
-                t = "constexpr"
-                constexprs[path] = consts[elem]
-            else:
-                t = types.get(elem, "*bf16" if elem.endswith("_ptr") else "i32")
-                if divisible(elem, t):
-                    attrs[path] = [["tt.divisibility", 16]]
-            sig.setdefault(name, []).append(t)
-        sig[name] = tuple(sig[name]) if elements else sig[name][0]
+        else:
+            sig[name] = element(fields[name], (i,)) if name in fields else element(name, (i,))
     return ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
 
 

@@ -124,14 +124,23 @@ def _ag_rmsnorm_kernel(
     """Gather this program's rows, then run the op's row tile on them (module docstring).
     ``ptrs`` = (w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr,
     rt_ptr) (``Epilogue.pointers``); ``counts`` = (n_rows, n_norm) (not specialised); ``dims`` =
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-    alpha_scalar, post_eps, post_gc); ``ws`` = (table_ptr, ag_off16, agctrl_ptr, ctrl_ptr,
-    clock_ptr). The tile code is :mod:`moefuse.comm.all_gather.norm_tiles`'s."""
+    (width, fp4_grid, addressing, norm, gate), the groups of
+    :mod:`moefuse.comm.all_gather.norm_tiles` but ``addressing`` = (HEADS, x_st, x_sh, o_st,
+    o_sh), which splits into the tile code's ``strides`` and ``heads``; ``ws`` = (table_ptr,
+    ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr). The tile code is
+    :mod:`moefuse.comm.all_gather.norm_tiles`'s."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    # every group named here: offline compiles type its elements by these names (ptxas.tuple_fields)
+    width, fp4_grid, addressing, norm, gate = dims
+    H, Hf = width
+    KB, n_kcols = fp4_grid
+    HEADS, x_st, x_sh, o_st, o_sh = addressing
+    eps, gain_center = norm
+    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc = gate
     table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr = ws
+    # the tile code's groups (norm_tiles)
+    tile_dims = (width, fp4_grid, (x_st, o_st), (HEADS, x_sh, o_sh), norm, gate)
     TILE: tl.constexpr = (BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL)
     OPC: tl.constexpr = (OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER)
     pid = tl.program_id(0)
@@ -159,13 +168,13 @@ def _ag_rmsnorm_kernel(
     if EARLY:
         # --- the op's parameters first, then its tile (from the slots, or the gathered rows)
         missing = norm_tile_early(
-            pid, n_mine, first, gather, x_ptr, ptrs, counts, dims, TILE, OPC, P, FROM_SLOTS
+            pid, n_mine, first, gather, x_ptr, ptrs, counts, tile_dims, TILE, OPC, P, FROM_SLOTS
         )
     else:
         missing = receive_rows(x_ptr, x_st, first, n_mine, gather, H, P, PTX)
         # --- the single-GPU op's row tile (OP: rmsnorm, rmsnorm_quant, rmsnorm_fp4_quantize,
         # gated)
-        norm_tile(pid, x_ptr, ptrs, counts, dims, TILE, OPC)
+        norm_tile(pid, x_ptr, ptrs, counts, tile_dims, TILE, OPC)
     AG.finish(agctrl_ptr, ctrl_ptr, table_ptr, rank, gen, missing, pid, G, P, PTX)
 
 
@@ -302,6 +311,10 @@ class Epilogue:
             g.router_input if g.router_input is not None else g.residual_out,
         )
 
+    def norm_scalars(self) -> tuple:
+        """(eps, gain_center) of the kernels: the norm's (the gated op's next norm's)."""
+        return (float(self.eps), float(self.gain_center))
+
     def gated_scalars(self) -> tuple:
         """(r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc) of the kernels."""
         g = self.gated
@@ -378,18 +391,11 @@ def launch_ag_rmsnorm(
         ep.pointers(),
         (n_rows, n_norm),
         (
-            width,
-            float(width),
-            kb,
-            n_kcols,
-            1,
-            x_st,
-            x_sh,
-            o_st,
-            0,
-            float(ep.eps),
-            float(ep.gain_center),
-            *ep.gated_scalars(),
+            (width, float(width)),
+            (kb, n_kcols),
+            (1, x_st, x_sh, o_st, 0),
+            ep.norm_scalars(),
+            ep.gated_scalars(),
         ),
         (ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl, ws.clock),
         s,

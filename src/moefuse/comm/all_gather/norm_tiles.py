@@ -6,7 +6,16 @@ after the gather (:func:`norm_tile`) or with the op's parameters loaded before i
 (:func:`norm_tile_early`). The row code is the single-GPU kernels' own, with their constexprs:
 same tile, same reduction tree, same bits.
 
-Arguments as the kernels group them: ``ptrs`` / ``counts`` / ``dims`` as ``_ag_rmsnorm_kernel``'s;
+Arguments as the kernels group them: ``ptrs`` / ``counts`` as ``_ag_rmsnorm_kernel``'s; ``dims``
+= (width, fp4_grid, strides, heads, norm, gate): the rows' dimensions and the op's scalars in
+groups, which :func:`norm_tile` and :func:`norm_tile_early` hand on, each row function taking
+the groups it uses: ``width`` = (H, Hf), the row width as int and float; ``fp4_grid`` = (KB,
+n_kcols), NVFP4's 16-element blocks per row and scale layout columns; ``strides`` = (x_st, o_st),
+the row strides of the gathered rows and of the output; ``heads`` = (HEADS, x_sh, o_sh), heads per
+row and the head strides of both (the rmsnorm and FP8 tiles after the gather; one head
+elsewhere); ``norm`` = (eps, gain_center), the norm's; ``gate`` = (r_st, ro_st, rt_st,
+alpha_scalar, post_eps, post_gc), the row strides of the gated op's residual, residual_out and
+router output, and its scalars;
 ``gather`` = (scols, scm, empty, mine, region, rank, S, deadline, clock_ptr): the shard columns
 and their mask, an empty slot row, this rank's slots, the generation's region, this rank, the
 shard width and the wait bound; ``dst`` = (table_ptr, ag_off16, region, rank, S): where a push
@@ -169,16 +178,20 @@ def one_pass_params(
 
 
 @triton.jit
-def one_pass_tile(x, w, inv, t, rows, cols, mask, x_ptr, ptrs, counts, dims, o_sh, TILE, OPC):
+def one_pass_tile(x, w, inv, t, rows, cols, mask, x_ptr, ptrs, counts, dims, TILE, OPC):
     """The single-GPU op ``OP``'s one-pass tile ``t`` on its rows ``x`` [ROWS, BLOCK] (stored
     dtype, masked elements 0) with the parameters of :func:`one_pass_params`: the row code of
     ``_rmsnorm_kernel`` (``rms_tile``), ``_rmsnorm_fp8_kernel`` (``fp8_tile``) or
     ``_rmsnorm_fp4_kernel`` (``fp4_tile`` with the rows given), so the same tree and bits.
-    ``o_sh``: the output's head stride."""
+    One head (the rows are in registers): of ``heads``, the output's head stride."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, _o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    width, fp4_grid, strides, heads, norm, _gate = dims
+    H, Hf = width
+    KB, n_kcols = fp4_grid
+    _x_st, o_st = strides
+    _HEADS, _x_sh, o_sh = heads
+    eps, gain_center = norm
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
     if OP == OP_FP8:
@@ -270,17 +283,32 @@ def norm_tile_early(
     :func:`receive_rows`, or with ``FROM_SLOTS`` straight from this rank's slot
     (``AG.receive_tile`` / ``AG.receive_steps``: polled in the op's own tile, no gathered
     round trip, no CTA barrier). Returns the bit mask of the peers that did not deliver.
-    ``dims``: HEADS and x_sh unused."""
+    One head per row: of ``heads``, the one-pass tiles use the output's head stride."""
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
+    width, _fp4_grid, strides, _heads, norm, gate = dims
     live = n_mine > 0
     if OP == OP_RMSNORM and STEPPED:  # unrolled (ROWS = 1): BLOCK = STEP, NUM_CHUNKS = STEPS
         missing = _early_rms_stepped(
-            t, live, n_mine, first, gather, x_ptr, ptrs, dims, TILE, P, FROM_SLOTS
+            t, live, n_mine, first, gather, x_ptr, ptrs, width, strides, norm, TILE, P, FROM_SLOTS
         )
     elif OP == OP_GATED:  # stepped rows, unrolled (ROWS = 1): BLOCK = STEP, NUM_CHUNKS = STEPS
         missing = _early_gated(
-            t, live, n_mine, first, gather, x_ptr, ptrs, dims, TILE, OPC, P, FROM_SLOTS
+            t,
+            live,
+            n_mine,
+            first,
+            gather,
+            x_ptr,
+            ptrs,
+            width,
+            strides,
+            norm,
+            gate,
+            TILE,
+            OPC,
+            P,
+            FROM_SLOTS,
         )
     else:
         missing = _early_one_pass(
@@ -298,15 +326,18 @@ def _early_rms_stepped(
     gather,
     x_ptr,
     ptrs,
-    dims,
+    width,
+    strides,
+    norm,
     TILE,
     P: tl.constexpr,
     FROM_SLOTS: tl.constexpr,
 ):
     """:func:`norm_tile_early` for the unrolled stepped rows of rmsnorm."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    H, Hf = width
+    x_st, o_st = strides
+    eps, gain_center = norm
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     T: tl.constexpr = x_ptr.dtype.element_ty
     row = t.to(tl.int64)
@@ -356,7 +387,10 @@ def _early_gated(
     gather,
     x_ptr,
     ptrs,
-    dims,
+    width,
+    strides,
+    norm,
+    gate,
     TILE,
     OPC,
     P: tl.constexpr,
@@ -365,8 +399,10 @@ def _early_gated(
     """:func:`norm_tile_early` for the gated op's unrolled stepped rows (its FP32 residual
     loaded with the parameters)."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    H, Hf = width
+    x_st, o_st = strides
+    eps, gain_center = norm
+    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc = gate
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
     T: tl.constexpr = x_ptr.dtype.element_ty
@@ -444,8 +480,10 @@ def _early_one_pass(
     """:func:`norm_tile_early` for the one-pass tiles of rmsnorm, FP8 and NVFP4."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    width, _fp4_grid, strides, _heads, norm, _gate = dims
+    H, _Hf = width
+    x_st, _o_st = strides
+    _eps, gain_center = norm
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
     T: tl.constexpr = x_ptr.dtype.element_ty
@@ -460,7 +498,7 @@ def _early_one_pass(
     else:
         missing = receive_rows(x_ptr, x_st, first, n_mine, gather, H, P, PTX)
         x = nt.ld_raw(x_ptr + (rows * x_st)[:, None] + cols[None, :], mask, MASKED, EVICT_FIRST)
-    one_pass_tile(x, w, inv, t, rows, cols, mask, x_ptr, ptrs, counts, dims, o_sh, TILE, OPC)
+    one_pass_tile(x, w, inv, t, rows, cols, mask, x_ptr, ptrs, counts, dims, TILE, OPC)
     return missing
 
 
@@ -487,27 +525,30 @@ def norm_tile(t, x_ptr, ptrs, counts, dims, TILE, OPC):
       tiles ``add_load`` + ``gated_next_tile``."""
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
+    width, fp4_grid, strides, heads, norm, gate = dims
     if OP == OP_GATED:
         if STEPPED:
-            _gated_stepped(t, x_ptr, ptrs, dims, TILE, OPC)
+            _gated_stepped(t, x_ptr, ptrs, width, strides, norm, gate, TILE, OPC)
         else:
-            _gated_one_pass(t, x_ptr, ptrs, counts, dims, TILE, OPC)
+            _gated_one_pass(t, x_ptr, ptrs, counts, width, strides, norm, gate, TILE, OPC)
     elif OP == OP_FP8:
-        _fp8_one_pass(t, x_ptr, ptrs, counts, dims, TILE, OPC)
+        _fp8_one_pass(t, x_ptr, ptrs, counts, width, strides, heads, norm, TILE, OPC)
     elif OP == OP_FP4:
-        _fp4_one_pass(t, x_ptr, ptrs, counts, dims, TILE, OPC)
+        _fp4_one_pass(t, x_ptr, ptrs, counts, width, fp4_grid, strides, norm, TILE, OPC)
     elif STEPPED:
-        _rms_stepped(t, x_ptr, ptrs, dims, TILE)
+        _rms_stepped(t, x_ptr, ptrs, width, strides, heads, norm, TILE)
     else:
-        _rms_one_pass(t, x_ptr, ptrs, counts, dims, TILE)
+        _rms_one_pass(t, x_ptr, ptrs, counts, width, strides, heads, norm, TILE)
 
 
 @triton.jit
-def _gated_stepped(t, x_ptr, ptrs, dims, TILE, OPC):
+def _gated_stepped(t, x_ptr, ptrs, width, strides, norm, gate, TILE, OPC):
     """:func:`norm_tile` for the gated op's stepped rows: ``gd.next_stepped``."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    H, Hf = width
+    x_st, o_st = strides
+    eps, gain_center = norm
+    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc = gate
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
     gd.next_stepped(
@@ -546,12 +587,14 @@ def _gated_stepped(t, x_ptr, ptrs, dims, TILE, OPC):
 
 
 @triton.jit
-def _gated_one_pass(t, x_ptr, ptrs, counts, dims, TILE, OPC):
+def _gated_one_pass(t, x_ptr, ptrs, counts, width, strides, norm, gate, TILE, OPC):
     """:func:`norm_tile` for the gated op's one-pass tiles: ``add_load`` + ``gated_next_tile``."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    H, Hf = width
+    x_st, o_st = strides
+    eps, gain_center = norm
+    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc = gate
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
     cols = tl.arange(0, BLOCK)
@@ -592,12 +635,14 @@ def _gated_one_pass(t, x_ptr, ptrs, counts, dims, TILE, OPC):
 
 
 @triton.jit
-def _fp8_one_pass(t, x_ptr, ptrs, counts, dims, TILE, OPC):
+def _fp8_one_pass(t, x_ptr, ptrs, counts, width, strides, heads, norm, TILE, OPC):
     """:func:`norm_tile` for FP8: ``fp8_load`` + ``widen_h`` + ``fp8_tile``."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    H, Hf = width
+    x_st, o_st = strides
+    HEADS, x_sh, o_sh = heads
+    eps, gain_center = norm
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
     cols = tl.arange(0, BLOCK)
@@ -632,12 +677,14 @@ def _fp8_one_pass(t, x_ptr, ptrs, counts, dims, TILE, OPC):
 
 
 @triton.jit
-def _fp4_one_pass(t, x_ptr, ptrs, counts, dims, TILE, OPC):
+def _fp4_one_pass(t, x_ptr, ptrs, counts, width, fp4_grid, strides, norm, TILE, OPC):
     """:func:`norm_tile` for NVFP4: ``fp4_tile``."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    H, Hf = width
+    KB, n_kcols = fp4_grid
+    x_st, o_st = strides
+    eps, gain_center = norm
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
     cols = tl.arange(0, BLOCK)
@@ -676,11 +723,13 @@ def _fp4_one_pass(t, x_ptr, ptrs, counts, dims, TILE, OPC):
 
 
 @triton.jit
-def _rms_stepped(t, x_ptr, ptrs, dims, TILE):
+def _rms_stepped(t, x_ptr, ptrs, width, strides, heads, norm, TILE):
     """:func:`norm_tile` for rmsnorm's stepped rows: ``norm_stepped``."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    H, Hf = width
+    x_st, o_st = strides
+    HEADS, x_sh, o_sh = heads
+    eps, gain_center = norm
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     nt.norm_stepped(
         x_ptr,
@@ -709,12 +758,14 @@ def _rms_stepped(t, x_ptr, ptrs, dims, TILE):
 
 
 @triton.jit
-def _rms_one_pass(t, x_ptr, ptrs, counts, dims, TILE):
+def _rms_one_pass(t, x_ptr, ptrs, counts, width, strides, heads, norm, TILE):
     """:func:`norm_tile` for rmsnorm's one-pass tiles: ``rms_load`` + ``rms_tile``."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    H, Hf = width
+    x_st, o_st = strides
+    HEADS, x_sh, o_sh = heads
+    eps, gain_center = norm
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     cols = tl.arange(0, BLOCK)
     w = nt.ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center

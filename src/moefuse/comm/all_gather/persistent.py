@@ -158,17 +158,21 @@ def _ag_rmsnorm_persistent_kernel(
     HAS_ROUTER: tl.constexpr = False, FROM_SLOTS: tl.constexpr = False,
     EARLY: tl.constexpr = False,
 ):  # fmt: skip
-    """``ptrs``, ``counts``, ``ws`` as ``dec._ag_rmsnorm_kernel``'s; ``dims`` = (H, Hf, KB,
-    n_kcols, x_st, o_st, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc)
+    """``ptrs``, ``counts``, ``ws`` as ``dec._ag_rmsnorm_kernel``'s; ``dims`` = (width,
+    fp4_grid, strides, norm, gate) as :mod:`moefuse.comm.all_gather.norm_tiles` describes them
     (one head, no head strides). The tile code is :mod:`moefuse.comm.all_gather.norm_tiles`'s."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    (H, Hf, KB, n_kcols, x_st, o_st, eps, gain_center, r_st, ro_st, rt_st, alpha_scalar, post_eps,
-     post_gc) = dims  # fmt: skip
+    # every group named here: offline compiles type its elements by these names (ptxas.tuple_fields)
+    width, fp4_grid, strides, norm, gate = dims
+    H, Hf = width
+    KB, n_kcols = fp4_grid
+    x_st, o_st = strides
+    eps, gain_center = norm
+    r_st, ro_st, rt_st, alpha_scalar, post_eps, post_gc = gate
     table_ptr, ag_off16, agctrl_ptr, ctrl_ptr, clock_ptr = ws
-    # the row functions' dims (norm_tile): HEADS 1 and head strides 0 as constants
-    tile_dims = (H, Hf, KB, n_kcols, 1, x_st, 0, o_st, 0, eps, gain_center, r_st, ro_st, rt_st,
-                 alpha_scalar, post_eps, post_gc)  # fmt: skip
+    # the tile code's groups (norm_tiles): HEADS 1 and head strides 0 as constants
+    tile_dims = (width, fp4_grid, strides, (1, 0, 0), norm, gate)
     TILE: tl.constexpr = (BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL)
     OPC: tl.constexpr = (OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER)
     pid = tl.program_id(0)
@@ -244,12 +248,13 @@ def _slots_tile(
 ):
     """One-pass tile ``t`` (the CTA's ``i``-th; gathered when ``i < n_gat``) polled straight
     from the slots (``AG.receive_tile``) and normed in registers (``one_pass_tile``) with the
-    CTA's parameters ``w`` / ``inv`` (NVFP4: reloaded per tile). Returns the bit mask of late
-    peers."""
+    CTA's parameters ``w`` / ``inv`` (NVFP4: reloaded per tile); ``dims`` as ``norm_tile``'s.
+    Returns the bit mask of late peers."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
-    (H, Hf, KB, n_kcols, HEADS, x_st, x_sh, o_st, o_sh, eps, gain_center, r_st, ro_st, rt_st,
-     alpha_scalar, post_eps, post_gc) = dims  # fmt: skip
+    width, _fp4_grid, _strides, _heads, norm, _gate = dims
+    H, _Hf = width
+    _eps, gain_center = norm
     BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, STEPPED, UNROLL = TILE
     OP, FMT, LAYOUT, RECIPE, ALPHA_MODE, HAS_POST_WEIGHT, HAS_ROUTER = OPC
     scols, scm, empty, mine, region, rank, S, deadline, clock_ptr = gather
@@ -275,7 +280,7 @@ def _slots_tile(
     )
     if OP != OP_FP4:
         wt, invt = w, inv
-    one_pass_tile(x, wt, invt, t, rows, cols, mask, x_ptr, ptrs, counts, dims, 0, TILE, OPC)
+    one_pass_tile(x, wt, invt, t, rows, cols, mask, x_ptr, ptrs, counts, dims, TILE, OPC)
     return missing
 
 
@@ -477,15 +482,11 @@ def launch_ag_rmsnorm_persistent(
         ep.pointers(),
         (m, n_norm),
         (
-            width,
-            float(width),
-            kb,
-            n_kcols,
-            gathered.stride(0),
-            ep.out.stride(0),
-            float(ep.eps),
-            float(ep.gain_center),
-            *ep.gated_scalars(),
+            (width, float(width)),
+            (kb, n_kcols),
+            (gathered.stride(0), ep.out.stride(0)),
+            ep.norm_scalars(),
+            ep.gated_scalars(),
         ),
         (ws.table, ws.offset16("allgather"), state.agctrl, ws.ctrl, ws.clock),
         s,
