@@ -5,7 +5,9 @@ fusion family, renamed device functions, split functions, grouped kernel argumen
 Every kernel that a communication launcher runs, and the single-GPU norm / quant kernels whose
 row functions the all-gather kernels reuse, is compiled for sm_90a (Triton's CUDA backend, no
 device) at the constexprs, compile options and argument types its launcher uses
-(H = 4096, P = 2, BF16, PDL on; several patterns, modes and variants per kernel), once per tree.
+(H = 4096, P = 2, BF16, PDL on; several patterns, modes and variants per kernel), once per tree;
+the norm kernels also in the row modes their default tiles do not reach (``norm_mode_cases``:
+one tile per program, the persistent loop with and without prefetch, two passes).
 The PTX is then normalised: the debug sections, ``.file`` / ``.loc`` lines, line-info labels and
 comments are dropped (line numbers, file names and inlined scopes move with the code) and the
 kernel's and every ``.func``'s name is replaced by a placeholder in order of appearance
@@ -521,6 +523,53 @@ def norm_quant_cases(mods) -> list[dict]:
     return out
 
 
+def norm_mode_cases(mods) -> list[dict]:
+    """The norm kernels' row modes that the default tiles above do not reach: one tile per
+    program for the gated ops and fused_add (their defaults step these widths), the persistent
+    row loop with and without prefetch (wide rows and several masked rows per tile, PDL on and
+    off), and two passes over chunks (H = 32768)."""
+    from moefuse.norm import tiles
+
+    nt = mods["norm"]
+    row_consts = getattr(nt, "row_consts", None) or nt._row_consts
+    kernels = (
+        ("norm.rms", "_rmsnorm_kernel", "rmsnorm", {"HAS_GATE": False}, 4),
+        ("norm.rms", "_rmsnorm_kernel", "sigmoid_gate", {"HAS_GATE": True}, 4),
+        ("norm.rms", "_fused_add_rmsnorm_kernel", "", {}, 4),
+        ("norm.gated_residual", "_gated_residual_kernel", "", {"HAS_WEIGHT": True}, 2),
+        (
+            "norm.gated",
+            "_gated_residual_next_kernel",
+            "",
+            {"ALPHA_MODE": 2, "HAS_POST_WEIGHT": True, "HAS_ROUTER": True},
+            2,
+        ),
+    )
+    one_tile = tiles.TilePolicy(max_warps=4, programs_per_sm=0)
+    loop = tiles.TilePolicy(max_warps=4, programs_per_sm=2, prefetch=False)
+    loop_prefetch = tiles.TilePolicy(max_warps=4, programs_per_sm=2, prefetch=True)
+    modes = (
+        ("one tile", 2048, one_tile, True),
+        ("persistent", None, loop, True),
+        ("prefetch", None, loop_prefetch, True),
+        ("prefetch no-pdl", None, loop_prefetch, False),
+        ("persistent", 100, loop, True),
+        ("prefetch", 100, loop_prefetch, True),
+        ("two-pass", 32768, tiles.TilePolicy(), True),
+    )
+    out = []
+    for family, kernel, tag, extra, wide in kernels:
+        for mode, h, policy, pdl in modes:
+            h = h or wide * 1024
+            tile = tiles.row_tile(h, policy)
+            if tile.num_chunks > 1 and family != "norm.rms":
+                continue  # the gated ops step wide rows: no two-pass mode
+            consts, opts = _split(row_consts(tile, h, 1, None, tiles.STEP_LOOP_MIN_ROWS, pdl))
+            name = f"{tag} {mode} H={h}".strip()
+            out.append(_case(family, kernel, name, dict(consts, **extra), **opts))
+    return out
+
+
 def moe_cases(mods) -> list[dict]:
     """The finalize family (K = 8 unrolled, K = 32 looped at H = 2880: columns masked) and the
     fused experts' kernels (plan kernel or inline plan, split or fused finalize) at their
@@ -626,6 +675,7 @@ CASES = (
     moe_reduction_cases,
     expert_norm_cases,
     norm_quant_cases,
+    norm_mode_cases,
     moe_cases,
     quant_mode_cases,
 )

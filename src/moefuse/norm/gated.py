@@ -40,20 +40,18 @@ from moefuse.norm.gated_steps import (
     _store_ffn,
     _stream_update,
 )
+from moefuse.norm.row_loop import add_pair, keep_pair, one_pass_rows
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
 from moefuse.norm.triton import (
     _inv_rms,
     _launch,
-    _loop_tile,
     _param,
     _st,
     _weighted_sumsq,
-    add_load,
     ld,
     ldp,
     step_cols,
     step_params,
-    tile_rows,
 )
 
 
@@ -361,97 +359,54 @@ def next_stepped(
         )
 
 
+@triton.jit
+def _next_tile_at(pair, rows, cols, mask, args):
+    """:func:`gated_next_tile` of a (branch, residual) tile ``pair`` in the stored dtypes: the
+    ``TILE`` of :func:`moefuse.norm.row_loop.one_pass_rows`. ``args`` = ((nw, pw, pmask) rows,
+    (alpha, beta, rout, ffn, router) pointers, (ro_st, f_st, rt_st), (alpha_scalar, Hf,
+    post_eps, next_eps), ALPHA_MODE, MASKED, HAS_POST_WEIGHT, HAS_ROUTER, PTX); the strides
+    may be unpacked: :func:`_next_one_pass` has unpacked the kernel's tuple already."""
+    nw, pw, pm = args[0]
+    alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr = args[1]
+    ro_st, f_st, rt_st = args[2]
+    alpha_scalar, Hf, post_eps, next_eps = args[3]
+    # constexprs by index: an unpacking assignment would turn them into tensors
+    ALPHA_MODE: tl.constexpr = args[4]
+    MASKED: tl.constexpr = args[5]
+    HAS_POST_WEIGHT: tl.constexpr = args[6]
+    HAS_ROUTER: tl.constexpr = args[7]
+    PTX: tl.constexpr = args[8]
+    gated_next_tile(
+        pair[0].to(tl.float32),
+        pair[1].to(tl.float32),
+        nw,
+        pw,
+        rows,
+        cols,
+        pm,
+        mask,
+        alpha_ptr,
+        beta_ptr,
+        rout_ptr,
+        ffn_ptr,
+        router_ptr,
+        ro_st,
+        f_st,
+        rt_st,
+        alpha_scalar,
+        Hf,
+        post_eps,
+        next_eps,
+        ALPHA_MODE,
+        MASKED,
+        HAS_POST_WEIGHT,
+        HAS_ROUTER,
+        PTX,
+    )
+
+
 # ``ptrs`` = (b, res, nw, alpha, beta, pw, rout, ffn, router) pointers, ``strides`` = (b_st, r_st,
 # ro_st, f_st, rt_st), ``scalars`` as the kernel's: _gated_residual_next_kernel's arguments.
-@triton.jit
-def _next_persistent(
-    ptrs,
-    strides,
-    scalars,
-    nw,
-    pw,
-    pid,
-    cols,
-    pm,
-    n_rows,
-    H,
-    Hf,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    MASKED: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    ALPHA_MODE: tl.constexpr,
-    HAS_POST_WEIGHT: tl.constexpr,
-    HAS_ROUTER: tl.constexpr,
-    PTX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """The persistent row loop of :func:`gated_next_tile` tiles (see ``_loop_tile``), optional
-    prefetch of the next tile; ``nw``, ``pw`` the weight rows (loaded before ``gdc_wait``)."""
-    b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr = ptrs
-    b_st, r_st, ro_st, f_st, rt_st = strides
-    alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center = scalars
-    nprog = tl.num_programs(0)
-    n_tiles = tl.cdiv(n_rows, ROWS)
-    t = pid
-    b_nx = 0.0
-    r_nx = 0.0
-    if PREFETCH:
-        rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
-        b_nx, r_nx = add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED, EVICT_FIRST)
-    while t < n_tiles:
-        rows, mask, br, rr, b_nx, r_nx = _loop_tile(
-            t,
-            nprog,
-            b_nx,
-            r_nx,
-            b_ptr,
-            res_ptr,
-            cols,
-            n_rows,
-            H,
-            b_st,
-            r_st,
-            ROWS,
-            BLOCK,
-            MASKED,
-            EVICT_FIRST,
-            PREFETCH,
-        )
-        if USE_PDL:
-            if t + nprog >= n_tiles:
-                gdc_launch_dependents()
-        gated_next_tile(
-            br.to(tl.float32),
-            rr.to(tl.float32),
-            nw,
-            pw,
-            rows,
-            cols,
-            pm,
-            mask,
-            alpha_ptr,
-            beta_ptr,
-            rout_ptr,
-            ffn_ptr,
-            router_ptr,
-            ro_st,
-            f_st,
-            rt_st,
-            alpha_scalar,
-            Hf,
-            post_eps,
-            next_eps,
-            ALPHA_MODE,
-            MASKED,
-            HAS_POST_WEIGHT,
-            HAS_ROUTER,
-            PTX,
-        )
-        t += nprog
-
-
 @triton.jit
 def _next_one_pass(
     ptrs,
@@ -473,7 +428,8 @@ def _next_one_pass(
     PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """Rows that fit one block: this program's tile, or its tiles of the persistent loop."""
+    """Rows that fit one block: the weight rows (before ``gdc_wait``), then
+    :func:`gated_next_tile` of this program's tile or of its tiles of the persistent loop."""
     b_ptr, res_ptr, nw_ptr, alpha_ptr, beta_ptr, pw_ptr, rout_ptr, ffn_ptr, router_ptr = ptrs
     b_st, r_st, ro_st, f_st, rt_st = strides
     alpha_scalar, post_eps, next_eps, next_gain_center, post_gain_center = scalars
@@ -483,64 +439,36 @@ def _next_one_pass(
     pw = 1.0
     if HAS_POST_WEIGHT:
         pw = ld(pw_ptr + cols, pm, MASKED, False)[None, :] + post_gain_center
-    if USE_PDL:
-        gdc_wait()
-    if not PERSISTENT:
-        rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
-        br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
-        if USE_PDL:
-            gdc_launch_dependents()
-        gated_next_tile(
-            br.to(tl.float32),
-            rr.to(tl.float32),
-            nw,
-            pw,
-            rows,
-            cols,
-            pm,
-            mask,
-            alpha_ptr,
-            beta_ptr,
-            rout_ptr,
-            ffn_ptr,
-            router_ptr,
-            ro_st,
-            f_st,
-            rt_st,
-            alpha_scalar,
-            Hf,
-            post_eps,
-            next_eps,
+    # the tile's arguments built in the call: a tuple assigned to a name holds no constexprs
+    one_pass_rows(
+        add_pair,
+        (b_ptr, res_ptr, b_st, r_st),
+        keep_pair,
+        _next_tile_at,
+        (
+            (nw, pw, pm),
+            (alpha_ptr, beta_ptr, rout_ptr, ffn_ptr, router_ptr),
+            (ro_st, f_st, rt_st),
+            (alpha_scalar, Hf, post_eps, next_eps),
             ALPHA_MODE,
             MASKED,
             HAS_POST_WEIGHT,
             HAS_ROUTER,
             PTX,
-        )
-    else:
-        _next_persistent(
-            ptrs,
-            strides,
-            scalars,
-            nw,
-            pw,
-            pid,
-            cols,
-            pm,
-            n_rows,
-            H,
-            Hf,
-            BLOCK,
-            ROWS,
-            MASKED,
-            EVICT_FIRST,
-            ALPHA_MODE,
-            HAS_POST_WEIGHT,
-            HAS_ROUTER,
-            PTX,
-            USE_PDL,
-            PREFETCH,
-        )
+        ),
+        pid,
+        cols,
+        n_rows,
+        H,
+        ROWS,
+        BLOCK,
+        MASKED,
+        EVICT_FIRST,
+        USE_PDL,
+        PERSISTENT,
+        PREFETCH,
+        False,
+    )
 
 
 # ----------------------------------------------------------------------------- kernel

@@ -16,43 +16,36 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse.norm import tiles
 from moefuse.norm import triton as nt
 from moefuse.norm.gated_steps import _branch_step, _branch_sumsq_loop, _gated_out, _load_steps
+from moefuse.norm.row_loop import add_pair, keep_pair, one_pass_rows
 from moefuse.norm.tiles import GATED_POLICY, RowTile, row_tile
 from moefuse.norm.triton import (
     _inv_rms,
     _launch,
-    _loop_tile,
     _param,
     _st,
     _weighted_sumsq,
-    add_load,
     ld,
     ldp,
     step_cols,
     step_params,
-    tile_rows,
 )
 
 
 # ----------------------------------------------------------------------------- rows
 @triton.jit
-def _gated_tile(
-    x,
-    res,
-    a,
-    be,
-    w,
-    rows,
-    cols,
-    mask,
-    out_ptr,
-    o_st,
-    Hf,
-    eps,
-    MASKED: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    PTX: tl.constexpr,
-):
-    """out = alpha * res + beta * (x * r), x = branch [* w] (FP32)."""
+def _gated_tile(pair, rows, cols, mask, args):
+    """out = alpha * res + beta * (x * r), x = branch [* w] (FP32) of one ``[ROWS, BLOCK]`` tile
+    from its (branch, residual) ``pair`` (stored dtypes): the ``TILE`` of
+    :func:`moefuse.norm.row_loop.one_pass_rows`. ``args`` = ((alpha row, beta row, w row, out_ptr,
+    o_st, Hf, eps), MASKED, HAS_WEIGHT, PTX); o_st may be unpacked: :func:`_gated_one_pass`
+    has unpacked the kernel's tuple already."""
+    a, be, w, out_ptr, o_st, Hf, eps = args[0]
+    # constexprs by index: an unpacking assignment would turn them into tensors
+    MASKED: tl.constexpr = args[1]
+    HAS_WEIGHT: tl.constexpr = args[2]
+    PTX: tl.constexpr = args[3]
+    x = pair[0].to(tl.float32)
+    res = pair[1].to(tl.float32)
     if HAS_WEIGHT:
         x = x * w
     r = tl.broadcast_to(_inv_rms(tl.sum(x * x, axis=1)[:, None], Hf, eps), x.shape)
@@ -129,82 +122,6 @@ def _gated_stepped(
 # ``ptrs`` = (b, res, w, alpha, beta, out) pointers and ``strides`` = (b_st, r_st, o_st):
 # _gated_residual_kernel's arguments, grouped for its row modes.
 @triton.jit
-def _gated_persistent(
-    ptrs,
-    strides,
-    a,
-    be,
-    w,
-    pid,
-    cols,
-    n_rows,
-    H,
-    Hf,
-    eps,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    MASKED: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    PTX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """The persistent row loop over one-pass tiles (see ``_loop_tile``), optional prefetch of
-    the next tile; ``a``, ``be``, ``w`` the parameter rows (loaded before ``gdc_wait``)."""
-    b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr = ptrs
-    b_st, r_st, o_st = strides
-    nprog = tl.num_programs(0)
-    n_tiles = tl.cdiv(n_rows, ROWS)
-    t = pid
-    b_nx = 0.0
-    r_nx = 0.0
-    if PREFETCH:
-        rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
-        b_nx, r_nx = add_load(b_ptr, res_ptr, rows0, cols, mask0, b_st, r_st, MASKED, EVICT_FIRST)
-    while t < n_tiles:
-        rows, mask, br, rr, b_nx, r_nx = _loop_tile(
-            t,
-            nprog,
-            b_nx,
-            r_nx,
-            b_ptr,
-            res_ptr,
-            cols,
-            n_rows,
-            H,
-            b_st,
-            r_st,
-            ROWS,
-            BLOCK,
-            MASKED,
-            EVICT_FIRST,
-            PREFETCH,
-        )
-        if USE_PDL:
-            if t + nprog >= n_tiles:
-                gdc_launch_dependents()
-        _gated_tile(
-            br.to(tl.float32),
-            rr.to(tl.float32),
-            a,
-            be,
-            w,
-            rows,
-            cols,
-            mask,
-            out_ptr,
-            o_st,
-            Hf,
-            eps,
-            MASKED,
-            HAS_WEIGHT,
-            PTX,
-        )
-        t += nprog
-
-
-@triton.jit
 def _gated_one_pass(
     ptrs,
     strides,
@@ -224,7 +141,8 @@ def _gated_one_pass(
     PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """Rows that fit one block: this program's tile, or its tiles of the persistent loop."""
+    """Rows that fit one block: the parameter rows (before ``gdc_wait``), then
+    :func:`_gated_tile` of this program's tile or of its tiles of the persistent loop."""
     b_ptr, res_ptr, w_ptr, alpha_ptr, beta_ptr, out_ptr = ptrs
     b_st, r_st, o_st = strides
     cols = tl.arange(0, BLOCK)
@@ -234,52 +152,25 @@ def _gated_one_pass(
     w = 1.0
     if HAS_WEIGHT:
         w = ld(w_ptr + cols, pm, MASKED, False)[None, :] + gain_center
-    if USE_PDL:
-        gdc_wait()
-    if not PERSISTENT:
-        rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
-        br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
-        if USE_PDL:
-            gdc_launch_dependents()
-        _gated_tile(
-            br.to(tl.float32),
-            rr.to(tl.float32),
-            a,
-            be,
-            w,
-            rows,
-            cols,
-            mask,
-            out_ptr,
-            o_st,
-            Hf,
-            eps,
-            MASKED,
-            HAS_WEIGHT,
-            PTX,
-        )
-    else:
-        _gated_persistent(
-            ptrs,
-            strides,
-            a,
-            be,
-            w,
-            pid,
-            cols,
-            n_rows,
-            H,
-            Hf,
-            eps,
-            BLOCK,
-            ROWS,
-            MASKED,
-            EVICT_FIRST,
-            HAS_WEIGHT,
-            PTX,
-            USE_PDL,
-            PREFETCH,
-        )
+    one_pass_rows(
+        add_pair,
+        (b_ptr, res_ptr, b_st, r_st),
+        keep_pair,
+        _gated_tile,
+        ((a, be, w, out_ptr, o_st, Hf, eps), MASKED, HAS_WEIGHT, PTX),
+        pid,
+        cols,
+        n_rows,
+        H,
+        ROWS,
+        BLOCK,
+        MASKED,
+        EVICT_FIRST,
+        USE_PDL,
+        PERSISTENT,
+        PREFETCH,
+        False,
+    )
 
 
 # ----------------------------------------------------------------------------- kernel

@@ -1,12 +1,14 @@
 """rmsnorm / gemma_rmsnorm / rmsnorm_sigmoid_gate and fused_add_rmsnorm: kernels and launchers
 (spec: Norms).
 
-The row code (tile shapes, loads, the one ``tl.sum`` per row, stores, stepped rows, the
-persistent loop) is :mod:`moefuse.norm.triton`'s, shared with the gated norms, the fused
-quantizers and the all-gather family; this module holds the two kernels built from it and
-their launchers. Each kernel has three row modes, chosen per launch by constexprs: stepped rows
-(``STEPPED``, ``norm_stepped``), one-pass tiles (``NUM_CHUNKS == 1``, straight-line or
-persistent) and two-pass chunked rows (the row does not fit in one block).
+The row code (tile shapes, loads, the one ``tl.sum`` per row, stores, stepped rows) is
+:mod:`moefuse.norm.triton`'s, shared with the gated norms, the fused quantizers and the
+all-gather family; this module holds the two kernels built from it and their launchers. Each
+kernel has three row modes, chosen per launch by constexprs: stepped rows (``STEPPED``,
+``norm_stepped``), one-pass tiles (``NUM_CHUNKS == 1``, straight-line or persistent) and
+two-pass chunked rows (the row does not fit in one block). The one-pass modes are
+:func:`moefuse.norm.row_loop.one_pass_rows` (shared with the gated norms) around each kernel's
+tile.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast
 from moefuse.norm import tiles
+from moefuse.norm.row_loop import add_pair, keep_pair, one_pass_rows, widen_pair
 from moefuse.norm.tiles import (
     FUSED_ADD_POLICY,
     RMSNORM_POLICY,
@@ -30,13 +33,10 @@ from moefuse.norm.triton import (
     _grid,
     _inv_rms,
     _launch,
-    _loop_tile,
-    _pf_mask,
     _row_consts,
     _row_strides,
     _st,
     _tile,
-    add_load,
     ld,
     no_aux,
     norm_stepped,
@@ -44,7 +44,6 @@ from moefuse.norm.triton import (
     rms_tile,
     row_base,
     st_cast,
-    tile_rows,
 )
 
 
@@ -52,29 +51,24 @@ from moefuse.norm.triton import (
 # ``ptrs`` = (x, w, gate, out) and ``strides`` = (x_st, x_sh, g_st, g_sh, o_st, o_sh): the
 # kernel's arguments, grouped for its row-mode device functions.
 @triton.jit
-def _rms_load_at(
-    ptrs,
-    strides,
-    rows,
-    cols,
-    mask,
-    HEADS,
-    MASKED: tl.constexpr,
-    STREAM: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-):
-    """:func:`rms_load` of the x (and gate) tile at ``rows``."""
+def _rms_load_at(load_args, rows, cols, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+    """:func:`rms_load` of the x (and gate) tile at ``rows``: the ``LOAD`` of
+    :func:`moefuse.norm.row_loop.one_pass_rows`. ``load_args`` = ((x_ptr, gate_ptr), (HEADS,
+    x_st, x_sh, g_st, g_sh), HAS_GATE); the integers are read by index (an unpacking assignment
+    would turn one that the launch specialised to 1 into a tensor)."""
+    x_ptr, gate_ptr = load_args[0]
+    HAS_GATE: tl.constexpr = load_args[2]
     return rms_load(
-        ptrs[0],
-        ptrs[2],
+        x_ptr,
+        gate_ptr,
         rows,
         cols,
         mask,
-        HEADS,
-        strides[0],
-        strides[1],
-        strides[2],
-        strides[3],
+        load_args[1][0],
+        load_args[1][1],
+        load_args[1][2],
+        load_args[1][3],
+        load_args[1][4],
         MASKED,
         STREAM,
         HAS_GATE,
@@ -82,34 +76,27 @@ def _rms_load_at(
 
 
 @triton.jit
-def _rms_tile_at(
-    x,
-    g,
-    w,
-    rows,
-    cols,
-    mask,
-    ptrs,
-    strides,
-    HEADS,
-    Hf,
-    eps,
-    MASKED: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    PTX: tl.constexpr,
-):
-    """:func:`rms_tile` into the out tile at ``rows``."""
+def _rms_tile_at(pair, rows, cols, mask, args):
+    """:func:`rms_tile` of the (x, gate) tile ``pair`` (stored dtypes or FP32) into the out tile
+    at ``rows``: the ``TILE`` of :func:`moefuse.norm.row_loop.one_pass_rows`. ``args`` = ((w,
+    out_ptr, Hf, eps), (HEADS, o_st, o_sh), MASKED, HAS_GATE, PTX); the integers are read by
+    index (an unpacking assignment would turn one that the launch specialised to 1 into a
+    tensor)."""
+    w, out_ptr, Hf, eps = args[0]
+    MASKED: tl.constexpr = args[2]
+    HAS_GATE: tl.constexpr = args[3]
+    PTX: tl.constexpr = args[4]
     rms_tile(
-        x,
-        g,
+        pair[0].to(tl.float32),
+        pair[1].to(tl.float32),
         w,
         rows,
         cols,
         mask,
-        ptrs[3],
-        HEADS,
-        strides[4],
-        strides[5],
+        out_ptr,
+        args[1][0],
+        args[1][1],
+        args[1][2],
         Hf,
         eps,
         MASKED,
@@ -138,112 +125,34 @@ def _rmsnorm_one_pass(
     PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """Rows that fit one block: this program's tile, or its tiles of the persistent loop."""
+    """Rows that fit one block: the weight row (before ``gdc_wait``), then :func:`rms_tile` of
+    this program's tile or of its tiles of the persistent loop. The one tile of a program is
+    widened after ``gdc_launch_dependents``; the loop widens each tile before it (a prefetched
+    one before the next tile's loads are issued)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     w = 1.0  # replaced by sigmoid(gate) per tile when HAS_GATE
     if not HAS_GATE:
         w = ld(ptrs[1] + cols, cols < H, MASKED, False)[None, :] + gain_center
-    if USE_PDL:
-        gdc_wait()
-    if not PERSISTENT:
-        rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
-        x, g = _rms_load_at(ptrs, strides, rows, cols, mask, HEADS, MASKED, EVICT_FIRST, HAS_GATE)
-        if USE_PDL:
-            gdc_launch_dependents()
-        _rms_tile_at(
-            x.to(tl.float32),
-            g.to(tl.float32),
-            w,
-            rows,
-            cols,
-            mask,
-            ptrs,
-            strides,
-            HEADS,
-            Hf,
-            eps,
-            MASKED,
-            HAS_GATE,
-            PTX,
-        )
-    else:
-        _rmsnorm_persistent(
-            ptrs,
-            strides,
-            w,
-            pid,
-            cols,
-            n_rows,
-            H,
-            Hf,
-            HEADS,
-            eps,
-            BLOCK,
-            ROWS,
-            MASKED,
-            EVICT_FIRST,
-            HAS_GATE,
-            PTX,
-            USE_PDL,
-            PREFETCH,
-        )
-
-
-@triton.jit
-def _rmsnorm_persistent(
-    ptrs,
-    strides,
-    w,
-    pid,
-    cols,
-    n_rows,
-    H,
-    Hf,
-    HEADS,
-    eps,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    MASKED: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    PTX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """The persistent row loop over one-pass tiles (see ``_loop_tile``), optional prefetch of
-    the next tile; ``w`` the weight row (loaded before ``gdc_wait``)."""
-    nprog = tl.num_programs(0)
-    n_tiles = tl.cdiv(n_rows, ROWS)
-    t = pid
-    if PREFETCH:
-        rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
-        x_nx, g_nx = _rms_load_at(
-            ptrs, strides, rows0, cols, mask0, HEADS, MASKED, EVICT_FIRST, HAS_GATE
-        )
-    while t < n_tiles:
-        rows, mask = tile_rows(t, cols, n_rows, H, ROWS)
-        if PREFETCH:
-            x = x_nx.to(tl.float32)
-            g = g_nx.to(tl.float32)
-            rows_n, mask_n = tile_rows(t + nprog, cols, n_rows, H, ROWS)
-            mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-            x_nx, g_nx = _rms_load_at(
-                ptrs, strides, rows_n, cols, mask_n, HEADS, True, EVICT_FIRST, HAS_GATE
-            )
-        else:
-            x, g = _rms_load_at(
-                ptrs, strides, rows, cols, mask, HEADS, MASKED, EVICT_FIRST, HAS_GATE
-            )
-            x = x.to(tl.float32)
-            g = g.to(tl.float32)
-        if USE_PDL:
-            if t + nprog >= n_tiles:
-                gdc_launch_dependents()
-        _rms_tile_at(
-            x, g, w, rows, cols, mask, ptrs, strides, HEADS, Hf, eps, MASKED, HAS_GATE, PTX
-        )
-        t += nprog
+    one_pass_rows(
+        _rms_load_at,
+        ((ptrs[0], ptrs[2]), (HEADS, strides[0], strides[1], strides[2], strides[3]), HAS_GATE),
+        widen_pair if PERSISTENT else keep_pair,
+        _rms_tile_at,
+        ((w, ptrs[3], Hf, eps), (HEADS, strides[4], strides[5]), MASKED, HAS_GATE, PTX),
+        pid,
+        cols,
+        n_rows,
+        H,
+        ROWS,
+        BLOCK,
+        MASKED,
+        EVICT_FIRST,
+        USE_PDL,
+        PERSISTENT,
+        PREFETCH,
+        True,
+    )
 
 
 @triton.jit
@@ -397,6 +306,27 @@ def _rmsnorm_kernel(
 
 # ----------------------------------------------------------------------------- fused_add_rmsnorm
 @triton.jit
+def _add_f32(x, res):
+    """``COMBINE`` hook of fused_add_rmsnorm: h = f32(x) + f32(res), computed before
+    ``gdc_launch_dependents``."""
+    h = x.to(tl.float32)
+    h += res.to(tl.float32)
+    return h
+
+
+@triton.jit
+def _fused_add_tile(h, rows, cols, mask, args):
+    """:func:`_add_tile` of the FP32 tile ``h``: the ``TILE`` of
+    :func:`moefuse.norm.row_loop.one_pass_rows`. ``args`` = ((w, x_ptr, res_ptr, Hf, eps),
+    (x_st, r_st), MASKED, PTX); the strides are read by index (an unpacking assignment would
+    turn one that the launch specialised to 1 into a tensor)."""
+    w, x_ptr, res_ptr, Hf, eps = args[0]
+    MASKED: tl.constexpr = args[2]
+    PTX: tl.constexpr = args[3]
+    _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, args[1][0], args[1][1], Hf, eps, MASKED, PTX)
+
+
+@triton.jit
 def _fused_add_one_pass(
     x_ptr,
     res_ptr,
@@ -417,58 +347,30 @@ def _fused_add_one_pass(
     PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """Rows that fit one block: this program's tile, or its tiles of the persistent loop
-    (``_loop_tile``, optional prefetch of the next tile)."""
+    """Rows that fit one block: the weight row (before ``gdc_wait``), then
+    :func:`_fused_add_tile` of this program's tile or of its tiles of the persistent loop."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
-    if USE_PDL:
-        gdc_wait()
-    if not PERSISTENT:
-        rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
-        xr, rr = add_load(x_ptr, res_ptr, rows, cols, mask, x_st, r_st, MASKED, EVICT_FIRST)
-        h = xr.to(tl.float32)
-        h += rr.to(tl.float32)
-        if USE_PDL:
-            gdc_launch_dependents()
-        _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps, MASKED, PTX)
-    else:
-        nprog = tl.num_programs(0)
-        n_tiles = tl.cdiv(n_rows, ROWS)
-        t = pid
-        x_nx = 0.0  # (unused placeholders without PREFETCH)
-        r_nx = 0.0
-        if PREFETCH:
-            rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
-            x_nx, r_nx = add_load(
-                x_ptr, res_ptr, rows0, cols, mask0, x_st, r_st, MASKED, EVICT_FIRST
-            )
-        while t < n_tiles:
-            rows, mask, xr, rr, x_nx, r_nx = _loop_tile(
-                t,
-                nprog,
-                x_nx,
-                r_nx,
-                x_ptr,
-                res_ptr,
-                cols,
-                n_rows,
-                H,
-                x_st,
-                r_st,
-                ROWS,
-                BLOCK,
-                MASKED,
-                EVICT_FIRST,
-                PREFETCH,
-            )
-            h = xr.to(tl.float32)
-            h += rr.to(tl.float32)
-            if USE_PDL:
-                if t + nprog >= n_tiles:
-                    gdc_launch_dependents()
-            _add_tile(h, w, rows, cols, mask, x_ptr, res_ptr, x_st, r_st, Hf, eps, MASKED, PTX)
-            t += nprog
+    one_pass_rows(
+        add_pair,
+        (x_ptr, res_ptr, x_st, r_st),
+        _add_f32,
+        _fused_add_tile,
+        ((w, x_ptr, res_ptr, Hf, eps), (x_st, r_st), MASKED, PTX),
+        pid,
+        cols,
+        n_rows,
+        H,
+        ROWS,
+        BLOCK,
+        MASKED,
+        EVICT_FIRST,
+        USE_PDL,
+        PERSISTENT,
+        PREFETCH,
+        False,
+    )
 
 
 @triton.jit

@@ -397,51 +397,6 @@ def add_load(
     return a, b
 
 
-# Persistent row loop (one-pass tiles, NUM_CHUNKS == 1): program ``pid`` of ``nprog`` computes the
-# row tiles t = pid, pid + nprog, ... < n_tiles (grid = n_tiles makes it one tile per program).
-# With PREFETCH, the activation loads of tile t + nprog are issued (raw dtype, row-masked) before
-# tile t is reduced and stored, so a program has two rows' loads in flight. A row's arithmetic is
-# the same code as with one tile per program: the loop only chooses which program computes a row.
-# In-place ops (fused_add's residual, the sigmoid gate's input, gated ``out is residual``) stay
-# safe: tile t + nprog belongs to this program alone and is read before it is written.
-# PDL: gdc_wait before the first activation load; gdc_launch_dependents in the last iteration,
-# after its loads (one tile per program: the same place as before the loop existed).
-@triton.jit
-def _loop_tile(
-    t,
-    nprog,
-    b_nx,
-    r_nx,
-    b_ptr,
-    res_ptr,
-    cols,
-    n_rows,
-    H,
-    b_st,
-    r_st,
-    ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    MASKED: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """Row tile ``t`` of a persistent loop over :func:`add_load` pairs (input + residual, or
-    branch + stream): (rows, mask, first, second, next first, next second). With PREFETCH the
-    tile comes from the registers loaded one iteration earlier (``b_nx``, ``r_nx``) and tile
-    ``t + nprog``'s loads are issued now; otherwise it is loaded here and ``b_nx``, ``r_nx`` pass
-    through untouched."""
-    rows, mask = tile_rows(t, cols, n_rows, H, ROWS)
-    if PREFETCH:
-        br = b_nx
-        rr = r_nx
-        rows_n, mask_n = tile_rows(t + nprog, cols, n_rows, H, ROWS)
-        mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-        b_nx, r_nx = add_load(b_ptr, res_ptr, rows_n, cols, mask_n, b_st, r_st, True, EVICT_FIRST)
-    else:
-        br, rr = add_load(b_ptr, res_ptr, rows, cols, mask, b_st, r_st, MASKED, EVICT_FIRST)
-    return rows, mask, br, rr, b_nx, r_nx
-
-
 @triton.jit
 def _add_tile(
     h,
