@@ -933,7 +933,10 @@ def write_report(rows: list[dict], args, path: str) -> None:
         "# Compiled code of the communication kernels: before / after",
         "",
         f"Made by `python scripts/comm_ptx_compare.py --before {args.before_label} "
-        f"--after {args.after_label}` (offline, sm_90a, Triton's CUDA backend; no GPU).",
+        f"--after {args.after_label}"
+        + (f" --hidden {args.hidden}" if args.hidden != 4096 else "")
+        + (f" --only {args.only}" if args.only else "")
+        + "` (offline, sm_90a, Triton's CUDA backend; no GPU).",
         "",
         f"Verdict: {', '.join(f'{n} {v}' for v, n in sorted(counts.items()))} "
         f"({len(rows)} compiled cases of {len(kernels)} kernels).",
