@@ -641,8 +641,10 @@ def moe_cases(mods) -> list[dict]:
 
 def quant_mode_cases(mods) -> list[dict]:
     """The fused norm + quant kernels' row modes that the default tiles above do not reach: two
-    passes over chunks (H = 32768), one FP8 tile per program, the E5M2 stepped hook, and the
-    NVFP4 persistent row loop with and without prefetch (a benchmark sweep's tile)."""
+    passes over chunks (H = 32768), one FP8 tile per program, the E5M2 stepped hook, the FP8
+    persistent row loop with and without prefetch (with and without the residual, PDL on and
+    off, several masked rows per tile at H = 100), and the NVFP4 persistent row loop with and
+    without prefetch (a benchmark sweep's tile)."""
     from moefuse.norm import tiles
 
     nt, qf = mods["norm"], mods["quant"]
@@ -650,12 +652,19 @@ def quant_mode_cases(mods) -> list[dict]:
     fp8, fp8_add = {"HAS_RESIDUAL": False, "FMT": 1}, {"HAS_RESIDUAL": True, "FMT": 0}
     fp4 = {"HAS_RESIDUAL": True, "HAS_NORM_OUT": True, "RECIPE": 0, "EVICT_FIRST": True}
     one_tile = tiles.TilePolicy(programs_per_sm=0)
-    loop = tiles.TilePolicy(programs_per_sm=2)
+    loop = tiles.TilePolicy(programs_per_sm=2, prefetch=False)
     loop_prefetch = tiles.TilePolicy(programs_per_sm=2, prefetch=True)
     grid = (
         ("_rmsnorm_fp8_kernel", "two-pass", 32768, qf.QUANT_POLICY, fp8_add),
         ("_rmsnorm_fp8_kernel", "one tile", 4096, one_tile, fp8),
         ("_rmsnorm_fp8_kernel", "stepped e5m2", 4096, qf.QUANT_ADD_POLICY, dict(fp8_add, FMT=1)),
+        ("_rmsnorm_fp8_kernel", "one tile residual", 4096, one_tile, fp8_add),
+        ("_rmsnorm_fp8_kernel", "persistent", 4096, loop, fp8),
+        ("_rmsnorm_fp8_kernel", "persistent residual", 4096, loop, fp8_add),
+        ("_rmsnorm_fp8_kernel", "prefetch residual", 4096, loop_prefetch, fp8_add),
+        ("_rmsnorm_fp8_kernel", "prefetch no-pdl", 4096, loop_prefetch, fp8),
+        ("_rmsnorm_fp8_kernel", "persistent", 100, loop, fp8_add),
+        ("_rmsnorm_fp8_kernel", "prefetch", 100, loop_prefetch, fp8),
         ("_rmsnorm_fp4_kernel", "two-pass", 32768, qf.QUANT_FP4_POLICY, dict(fp4, LAYOUT=1)),
         ("_rmsnorm_fp4_kernel", "persistent", 4096, loop, dict(fp4, LAYOUT=0)),
         ("_rmsnorm_fp4_kernel", "prefetch", 4096, loop_prefetch, dict(fp4, LAYOUT=1)),
@@ -663,7 +672,8 @@ def quant_mode_cases(mods) -> list[dict]:
     out = []
     for kernel, tag, h, policy, extra in grid:
         tile = tiles.row_tile(h, policy)
-        consts, opts = _split(row_consts(tile, h, 1, None, tiles.STEP_LOOP_MIN_ROWS, True))
+        pdl = "no-pdl" not in tag
+        consts, opts = _split(row_consts(tile, h, 1, None, tiles.STEP_LOOP_MIN_ROWS, pdl))
         consts = {**consts, "EVICT_FIRST": tile.num_chunks == 1, **extra}
         out.append(_case("quant", kernel, f"{tag} H={h}", consts, **opts))
     return out

@@ -1,6 +1,7 @@
 """The one-pass row modes of the norm kernels (rmsnorm, rmsnorm_sigmoid_gate, fused_add_rmsnorm,
-gated_residual_rmsnorm and gated_residual_next_rmsnorm): one ``[ROWS, BLOCK]`` row tile per
-program, or the persistent row loop, around each kernel's own tile.
+gated_residual_rmsnorm and gated_residual_next_rmsnorm) and of the fused RMSNorm + FP8 kernel
+(:mod:`moefuse.quant.fused_fp8`): one ``[ROWS, BLOCK]`` row tile per program, or the persistent
+row loop, around each kernel's own tile.
 
 A kernel hands :func:`one_pass_rows` three device functions as constexprs:
 
@@ -33,8 +34,9 @@ tile t is reduced and stored, so a program has two rows' loads in flight. In-pla
 t + nprog belongs to this program alone and is read before it is written.
 
 PDL: the kernel loads its parameters before calling :func:`one_pass_rows`, which waits
-(``gdc_wait``) before the first activation load; ``gdc_launch_dependents`` follows the loads
-(and COMBINE) of the program's last tile.
+(``gdc_wait``) before the first activation load (a kernel with a parameter that the previous
+kernel may write, the FP8 scale, waits and loads it itself and passes ``WAITED``);
+``gdc_launch_dependents`` follows the loads (and COMBINE) of the program's last tile.
 """
 
 from __future__ import annotations
@@ -188,15 +190,18 @@ def one_pass_rows(
     PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr,
     COMBINE_FIRST: tl.constexpr,
+    WAITED: tl.constexpr = False,
 ):
-    """Rows that fit one block, after the kernel's parameter loads: ``gdc_wait``, then
+    """Rows that fit one block, after the kernel's parameter loads: ``gdc_wait`` (not when
+    WAITED: the kernel waited itself, to load a parameter the previous kernel may write), then
     ``TILE(COMBINE(a, b), rows, cols, mask, tile_args)`` of program ``pid``'s row tile (``a, b =
     LOAD(load_args, rows, cols, mask, MASKED, EVICT_FIRST)``; ``gdc_launch_dependents`` after
     COMBINE) or, when PERSISTENT, of its tiles of the persistent loop
     (:func:`persistent_rows`). COMBINE_FIRST: with PREFETCH, a prefetched tile is combined
     before the next tile's loads are issued (after them otherwise)."""
     if USE_PDL:
-        gdc_wait()
+        if not WAITED:
+            gdc_wait()
     if not PERSISTENT:
         rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
         a, b = LOAD(load_args, rows, cols, mask, MASKED, EVICT_FIRST)

@@ -11,18 +11,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse.norm.triton import (
-    _inv_rms,
-    _pf_mask,
-    _st,
-    ld,
-    ld_raw,
-    norm_stepped,
-    row_base,
-    tile_rows,
-)
+from moefuse.norm.row_loop import one_pass_rows
+from moefuse.norm.triton import _inv_rms, _st, ld, ld_raw, norm_stepped, row_base
 from moefuse.quant import device as D
-from moefuse.quant.fused_rows import _load_h, _st_maybe, widen_h
+from moefuse.quant.fused_rows import _load_h, _st_maybe, widen_sum, widen_x
 
 
 def _fp8_metadata(grid, kernel, args):
@@ -208,30 +200,24 @@ def _fp8_stepped(
 
 
 @triton.jit
-def _fp8_load_at(
-    ptrs,
-    strides,
-    rows,
-    cols,
-    mask,
-    HEADS,
-    MASKED: tl.constexpr,
-    STREAM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    """:func:`fp8_load` of the tile at ``rows`` from the grouped arguments."""
-    x_st, x_sh, r_st, r_sh, q_st, q_sh = strides
+def _fp8_load_at(load_args, rows, cols, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+    """:func:`fp8_load` of the x (and residual) tile at ``rows``: the ``LOAD`` of
+    :func:`moefuse.norm.row_loop.one_pass_rows`. ``load_args`` = ((x_ptr, res_ptr), (HEADS,
+    x_st, x_sh, r_st, r_sh), HAS_RESIDUAL); the integers are read by index (an unpacking
+    assignment would turn one that the launch specialised to 1 into a tensor)."""
+    x_ptr, res_ptr = load_args[0]
+    HAS_RESIDUAL: tl.constexpr = load_args[2]
     return fp8_load(
-        ptrs[0],
-        ptrs[1],
+        x_ptr,
+        res_ptr,
         rows,
         cols,
         mask,
-        HEADS,
-        x_st,
-        x_sh,
-        r_st,
-        r_sh,
+        load_args[1][0],
+        load_args[1][1],
+        load_args[1][2],
+        load_args[1][3],
+        load_args[1][4],
         MASKED,
         STREAM,
         HAS_RESIDUAL,
@@ -239,80 +225,40 @@ def _fp8_load_at(
 
 
 @triton.jit
-def _fp8_persistent(
-    ptrs,
-    strides,
-    w,
-    inv,
-    pid,
-    cols,
-    n_rows,
-    H,
-    Hf,
-    HEADS,
-    eps,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    FMT: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    PTX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """The persistent row loop over one-pass tiles, optional prefetch of the next tile (see
-    moefuse.norm.triton); ``w`` and ``inv`` loaded before it."""
-    x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr = ptrs
-    x_st, x_sh, r_st, r_sh, q_st, q_sh = strides
-    nprog = tl.num_programs(0)
-    n_tiles = tl.cdiv(n_rows, ROWS)
-    t = pid
-    if PREFETCH:
-        rows0, mask0 = tile_rows(t, cols, n_rows, H, ROWS)
-        x_nx, r_nx = _fp8_load_at(
-            ptrs, strides, rows0, cols, mask0, HEADS, MASKED, EVICT_FIRST, HAS_RESIDUAL
-        )
-    while t < n_tiles:
-        rows, mask = tile_rows(t, cols, n_rows, H, ROWS)
-        if PREFETCH:
-            h = widen_h(x_nx, r_nx, HAS_RESIDUAL)
-            rows_n, mask_n = tile_rows(t + nprog, cols, n_rows, H, ROWS)
-            mask_n = _pf_mask(rows_n, mask_n, n_rows, MASKED, ROWS, BLOCK)
-            x_nx, r_nx = _fp8_load_at(
-                ptrs, strides, rows_n, cols, mask_n, HEADS, True, EVICT_FIRST, HAS_RESIDUAL
-            )
-        else:
-            xr, rr = _fp8_load_at(
-                ptrs, strides, rows, cols, mask, HEADS, MASKED, EVICT_FIRST, HAS_RESIDUAL
-            )
-            h = widen_h(xr, rr, HAS_RESIDUAL)
-        if USE_PDL:
-            if t + nprog >= n_tiles:
-                gdc_launch_dependents()
-        fp8_tile(
-            h,
-            w,
-            inv,
-            rows,
-            cols,
-            mask,
-            res_ptr,
-            q_ptr,
-            HEADS,
-            r_st,
-            r_sh,
-            q_st,
-            q_sh,
-            Hf,
-            eps,
-            MASKED,
-            HAS_RESIDUAL,
-            FMT,
-            PTX,
-            False,
-        )
-        t += nprog
+def _fp8_tile_at(h, rows, cols, mask, args):
+    """:func:`fp8_tile` of the FP32 tile ``h`` into the residual and FP8 tiles at ``rows``: the
+    ``TILE`` of :func:`moefuse.norm.row_loop.one_pass_rows`. ``args`` = ((w, inv, res_ptr,
+    q_ptr, Hf, eps), (HEADS, r_st, r_sh, q_st, q_sh), MASKED, HAS_RESIDUAL, FMT, PTX, PACKED);
+    the integers are read by index (an unpacking assignment would turn one that the launch
+    specialised to 1 into a tensor)."""
+    w, inv, res_ptr, q_ptr, Hf, eps = args[0]
+    MASKED: tl.constexpr = args[2]
+    HAS_RESIDUAL: tl.constexpr = args[3]
+    FMT: tl.constexpr = args[4]
+    PTX: tl.constexpr = args[5]
+    PACKED: tl.constexpr = args[6]
+    fp8_tile(
+        h,
+        w,
+        inv,
+        rows,
+        cols,
+        mask,
+        res_ptr,
+        q_ptr,
+        args[1][0],
+        args[1][1],
+        args[1][2],
+        args[1][3],
+        args[1][4],
+        Hf,
+        eps,
+        MASKED,
+        HAS_RESIDUAL,
+        FMT,
+        PTX,
+        PACKED,
+    )
 
 
 @triton.jit
@@ -337,67 +283,48 @@ def _fp8_one_pass(
     PERSISTENT: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """Rows that fit one block: this program's tile, or its tiles of the persistent loop."""
-    x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr = ptrs
-    x_st, x_sh, r_st, r_sh, q_st, q_sh = strides
+    """Rows that fit one block: the weight row (before ``gdc_wait``) and ``inv`` = 1 / scale
+    (after it: the scale may come from the previous kernel), then :func:`fp8_tile` of ``h =
+    f32(x) [+ f32(res)]`` (widened before ``gdc_launch_dependents``; a prefetched tile before
+    the next tile's loads are issued) of this program's tile, with the packed E4M3 encoder, or
+    of its tiles of the persistent loop, without it (:func:`fp8_tile` says why)."""
     cols = tl.arange(0, BLOCK)
-    w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+    w = ld(ptrs[2] + cols, cols < H, MASKED, False)[None, :] + gain_center
     if USE_PDL:
         gdc_wait()
-    inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
-    if not PERSISTENT:
-        rows, mask = tile_rows(pid, cols, n_rows, H, ROWS)
-        xr, rr = _fp8_load_at(
-            ptrs, strides, rows, cols, mask, HEADS, MASKED, EVICT_FIRST, HAS_RESIDUAL
-        )
-        h = widen_h(xr, rr, HAS_RESIDUAL)
-        if USE_PDL:
-            gdc_launch_dependents()
-        fp8_tile(
-            h,
-            w,
-            inv,
-            rows,
-            cols,
-            mask,
-            res_ptr,
-            q_ptr,
-            HEADS,
-            r_st,
-            r_sh,
-            q_st,
-            q_sh,
-            Hf,
-            eps,
+    inv = tl.math.div_rn(1.0, tl.load(ptrs[3]).to(tl.float32))
+    one_pass_rows(
+        _fp8_load_at,
+        (
+            (ptrs[0], ptrs[1]),
+            (HEADS, strides[0], strides[1], strides[2], strides[3]),
+            HAS_RESIDUAL,
+        ),
+        widen_sum if HAS_RESIDUAL else widen_x,
+        _fp8_tile_at,
+        (
+            (w, inv, ptrs[1], ptrs[4], Hf, eps),
+            (HEADS, strides[2], strides[3], strides[4], strides[5]),
             MASKED,
             HAS_RESIDUAL,
             FMT,
             PTX,
-            True,
-        )
-    else:
-        _fp8_persistent(
-            ptrs,
-            strides,
-            w,
-            inv,
-            pid,
-            cols,
-            n_rows,
-            H,
-            Hf,
-            HEADS,
-            eps,
-            BLOCK,
-            ROWS,
-            MASKED,
-            HAS_RESIDUAL,
-            FMT,
-            EVICT_FIRST,
-            PTX,
-            USE_PDL,
-            PREFETCH,
-        )
+            not PERSISTENT,
+        ),
+        pid,
+        cols,
+        n_rows,
+        H,
+        ROWS,
+        BLOCK,
+        MASKED,
+        EVICT_FIRST,
+        USE_PDL,
+        PERSISTENT,
+        PREFETCH,
+        True,
+        True,
+    )
 
 
 @triton.jit

@@ -52,6 +52,20 @@ def widen_h(x, r, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
+def widen_x(x, r):
+    """``COMBINE`` hook (:func:`moefuse.norm.row_loop.one_pass_rows`) of rows without a
+    residual: f32(x), :func:`widen_h` without the residual."""
+    return widen_h(x, r, False)
+
+
+@triton.jit
+def widen_sum(x, r):
+    """``COMBINE`` hook (:func:`moefuse.norm.row_loop.one_pass_rows`) of rows with a residual:
+    f32(x) + f32(res), :func:`widen_h` with the residual."""
+    return widen_h(x, r, True)
+
+
+@triton.jit
 def _st_maybe(ptrs, v, mask, MASKED: tl.constexpr):
     """tl.store, with ``mask`` only when MASKED."""
     if MASKED:
