@@ -641,7 +641,7 @@ def moe_cases(mods) -> list[dict]:
 
 def quant_mode_cases(mods) -> list[dict]:
     """The fused norm + quant kernels' row modes that the default tiles above do not reach: two
-    passes over chunks (H = 32768), one FP8 tile per program, the E5M2 stepped hook, the FP8
+    passes over chunks (H = 32768), the E5M2 stepped hook, one FP8 tile per program and the FP8
     persistent row loop with and without prefetch (with and without the residual, PDL on and
     off, several masked rows per tile at H = 100), and the NVFP4 persistent row loop with and
     without prefetch (a benchmark sweep's tile)."""
@@ -659,6 +659,8 @@ def quant_mode_cases(mods) -> list[dict]:
         ("_rmsnorm_fp8_kernel", "one tile", 4096, one_tile, fp8),
         ("_rmsnorm_fp8_kernel", "stepped e5m2", 4096, qf.QUANT_ADD_POLICY, dict(fp8_add, FMT=1)),
         ("_rmsnorm_fp8_kernel", "one tile residual", 4096, one_tile, fp8_add),
+        ("_rmsnorm_fp8_kernel", "one tile no-pdl", 4096, one_tile, fp8_add),
+        ("_rmsnorm_fp8_kernel", "one tile", 100, one_tile, fp8_add),
         ("_rmsnorm_fp8_kernel", "persistent", 4096, loop, fp8),
         ("_rmsnorm_fp8_kernel", "persistent residual", 4096, loop, fp8_add),
         ("_rmsnorm_fp8_kernel", "prefetch residual", 4096, loop_prefetch, fp8_add),

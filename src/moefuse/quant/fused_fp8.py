@@ -1,8 +1,9 @@
 """The fused RMSNorm (+ residual add) + FP8 kernel (:mod:`moefuse.quant.fused` has the numbers,
 the tile policies and the launcher): ``q = e8(((h * r) * g) * (1 / scale))`` in one-pass tiles
-(one per program or the persistent loop), two passes over chunks, or the norm's stepped row with
-FP8 output hooks. Also the FP8 row functions the all-gather family reuses (``fp8_load``,
-``fp8_tile``).
+(one per program or the persistent loop: the norm kernels'
+:func:`moefuse.norm.row_loop.one_pass_rows` with the FP8 tile), two passes over chunks, or the
+norm's stepped row with FP8 output hooks. Also the FP8 row functions the all-gather family
+reuses (``fp8_load``, ``fp8_tile``).
 """
 
 from __future__ import annotations
