@@ -97,3 +97,20 @@ def test_static_cache_generate_compiled_fullgraph(kind):
     assert {"rmsnorm", "fused_add_rmsnorm"} <= seen and seen & {"moe_experts", "moe_finalize"}, seen
     assert "moe_permute" not in seen
     assert torch.equal(got, want), (got.tolist(), want.tolist())
+
+
+def test_compiled_generate_bench_times_a_reused_cache_too(tmp_path):
+    """``bench hf_moe --compiled``'s generate stage (tiny shapes, aot_eager): besides
+    transformers' default (a new static cache per call), a row that resets and reuses one static
+    cache across calls (its tensors keep their addresses, so CUDA-graph trees replay instead of
+    recording again), with the same greedy tokens."""
+    from moefuse.bench import hf_moe
+
+    argv = ["--smoke", "--compiled", "--skip", "step", "profile", "fp32", "prefill"]
+    result = hf_moe.main([*argv, "--repeats", "1", "--new", "4", "--out", str(tmp_path)])
+    rows = result["rows"]
+    for variant in ("shipped", "patched"):
+        by_op = {r["op"]: r for r in rows if r.get("variant") == variant}
+        reused = by_op["compiled generate, one reused cache"]
+        assert reused["same_tokens_as_new_cache"] and reused["tok_s"] > 0
+        assert by_op["compiled generate"]["graph_breaks"] == 0
