@@ -20,7 +20,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast
 from moefuse.norm import tiles
-from moefuse.norm.row_loop import add_pair, keep_pair, one_pass_rows, widen_pair
+from moefuse.norm.row_loop import add_pair, head_pair, keep_pair, one_pass_rows, widen_pair
 from moefuse.norm.tiles import (
     FUSED_ADD_POLICY,
     RMSNORM_POLICY,
@@ -40,7 +40,6 @@ from moefuse.norm.triton import (
     ld,
     no_aux,
     norm_stepped,
-    rms_load,
     rms_tile,
     row_base,
     st_cast,
@@ -50,31 +49,6 @@ from moefuse.norm.triton import (
 # ----------------------------------------------------------------------------- rmsnorm
 # ``ptrs`` = (x, w, gate, out) and ``strides`` = (x_st, x_sh, g_st, g_sh, o_st, o_sh): the
 # kernel's arguments, grouped for its row-mode device functions.
-@triton.jit
-def _rms_load_at(load_args, rows, cols, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
-    """:func:`rms_load` of the x (and gate) tile at ``rows``: the ``LOAD`` of
-    :func:`moefuse.norm.row_loop.one_pass_rows`. ``load_args`` = ((x_ptr, gate_ptr), (HEADS,
-    x_st, x_sh, g_st, g_sh), HAS_GATE); the integers are read by index (an unpacking assignment
-    would turn one that the launch specialised to 1 into a tensor)."""
-    x_ptr, gate_ptr = load_args[0]
-    HAS_GATE: tl.constexpr = load_args[2]
-    return rms_load(
-        x_ptr,
-        gate_ptr,
-        rows,
-        cols,
-        mask,
-        load_args[1][0],
-        load_args[1][1],
-        load_args[1][2],
-        load_args[1][3],
-        load_args[1][4],
-        MASKED,
-        STREAM,
-        HAS_GATE,
-    )
-
-
 @triton.jit
 def _rms_tile_at(pair, rows, cols, mask, args):
     """:func:`rms_tile` of the (x, gate) tile ``pair`` (stored dtypes or FP32) into the out tile
@@ -135,7 +109,7 @@ def _rmsnorm_one_pass(
     if not HAS_GATE:
         w = ld(ptrs[1] + cols, cols < H, MASKED, False)[None, :] + gain_center
     one_pass_rows(
-        _rms_load_at,
+        head_pair,
         ((ptrs[0], ptrs[2]), (HEADS, strides[0], strides[1], strides[2], strides[3]), HAS_GATE),
         widen_pair if PERSISTENT else keep_pair,
         _rms_tile_at,

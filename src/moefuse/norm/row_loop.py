@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse.norm.triton import _pf_mask, add_load, tile_rows
+from moefuse.norm.triton import _pf_mask, add_load, rms_load, tile_rows
 
 
 @triton.jit
@@ -56,6 +56,32 @@ def add_pair(load_args, rows, cols, mask, MASKED: tl.constexpr, STREAM: tl.const
     specialised to a constant into a tensor."""
     return add_load(
         load_args[0], load_args[1], rows, cols, mask, load_args[2], load_args[3], MASKED, STREAM
+    )
+
+
+@triton.jit
+def head_pair(load_args, rows, cols, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+    """``LOAD`` hook of an activation and an optional second one (rmsnorm's gate, the FP8
+    kernel's residual) with per-head row addressing: :func:`rms_load` with ``load_args`` =
+    ((a_ptr, b_ptr), (HEADS, a_st, a_sh, b_st, b_sh), HAS_B); (a tile, b tile or a) in the stored
+    dtypes. The integers are read by index (an unpacking assignment would turn one that the
+    launch specialised to 1 into a tensor)."""
+    a_ptr, b_ptr = load_args[0]
+    HAS_B: tl.constexpr = load_args[2]
+    return rms_load(
+        a_ptr,
+        b_ptr,
+        rows,
+        cols,
+        mask,
+        load_args[1][0],
+        load_args[1][1],
+        load_args[1][2],
+        load_args[1][3],
+        load_args[1][4],
+        MASKED,
+        STREAM,
+        HAS_B,
     )
 
 

@@ -21,7 +21,7 @@ statistic and normalization use the unrounded FP32 ``h`` (spec); ``input`` is no
 This module holds the tile policies and the launchers; the kernels are in
 :mod:`moefuse.quant.fused_fp8` and :mod:`moefuse.quant.fused_fp4`, the shared row loads and stores
 in :mod:`moefuse.quant.fused_rows`. Public device functions (no leading underscore), importable
-from here: ``ld32``, ``widen_h``, ``fp8_load``, ``fp8_tile`` and ``fp4_tile``, the rows that the
+from here: ``ld32``, ``widen_h``, ``fp8_tile`` and ``fp4_tile``, the rows that the
 all-gather family (``moefuse.comm.all_gather.decode``) reuses for its fused FP8 / NVFP4 ops (same
 tree, same bits).
 """
@@ -38,7 +38,6 @@ from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 from moefuse.quant.fused_fp4 import _rmsnorm_fp4_kernel
 from moefuse.quant.fused_fp4 import fp4_tile as fp4_tile
 from moefuse.quant.fused_fp8 import _rmsnorm_fp8_kernel
-from moefuse.quant.fused_fp8 import fp8_load as fp8_load
 from moefuse.quant.fused_fp8 import fp8_tile as fp8_tile
 from moefuse.quant.fused_rows import ld32 as ld32
 from moefuse.quant.fused_rows import widen_h as widen_h

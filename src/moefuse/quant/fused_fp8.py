@@ -3,7 +3,7 @@ the tile policies and the launcher): ``q = e8(((h * r) * g) * (1 / scale))`` in 
 (one per program or the persistent loop: the norm kernels'
 :func:`moefuse.norm.row_loop.one_pass_rows` with the FP8 tile), two passes over chunks, or the
 norm's stepped row with FP8 output hooks. Also the FP8 row functions the all-gather family
-reuses (``fp8_load``, ``fp8_tile``).
+reuses (``fp8_tile``; its loads are the norm's ``rms_load``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse.norm.row_loop import one_pass_rows
-from moefuse.norm.triton import _inv_rms, _st, ld, ld_raw, norm_stepped, row_base
+from moefuse.norm.row_loop import head_pair, one_pass_rows
+from moefuse.norm.triton import _inv_rms, _st, ld, norm_stepped, row_base
 from moefuse.quant import device as D
 from moefuse.quant.fused_rows import _load_h, _st_maybe, widen_sum, widen_x
 
@@ -25,37 +25,6 @@ def _fp8_metadata(grid, kernel, args):
 
 
 # ----------------------------------------------------------------------------- rows
-@triton.jit
-def fp8_load(
-    x_ptr,
-    res_ptr,
-    rows,
-    cols,
-    mask,
-    HEADS,
-    x_st,
-    x_sh,
-    r_st,
-    r_sh,
-    MASKED: tl.constexpr,
-    STREAM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    """The activation loads of one tile (stored dtype); the residual is ``x`` when absent."""
-    x = ld_raw(
-        x_ptr + row_base(rows, HEADS, x_st, x_sh)[:, None] + cols[None, :], mask, MASKED, STREAM
-    )
-    r = x
-    if HAS_RESIDUAL:
-        r = ld_raw(
-            res_ptr + row_base(rows, HEADS, r_st, r_sh)[:, None] + cols[None, :],
-            mask,
-            MASKED,
-            STREAM,
-        )
-    return x, r
-
-
 @triton.jit
 def fp8_tile(
     h,
@@ -201,31 +170,6 @@ def _fp8_stepped(
 
 
 @triton.jit
-def _fp8_load_at(load_args, rows, cols, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
-    """:func:`fp8_load` of the x (and residual) tile at ``rows``: the ``LOAD`` of
-    :func:`moefuse.norm.row_loop.one_pass_rows`. ``load_args`` = ((x_ptr, res_ptr), (HEADS,
-    x_st, x_sh, r_st, r_sh), HAS_RESIDUAL); the integers are read by index (an unpacking
-    assignment would turn one that the launch specialised to 1 into a tensor)."""
-    x_ptr, res_ptr = load_args[0]
-    HAS_RESIDUAL: tl.constexpr = load_args[2]
-    return fp8_load(
-        x_ptr,
-        res_ptr,
-        rows,
-        cols,
-        mask,
-        load_args[1][0],
-        load_args[1][1],
-        load_args[1][2],
-        load_args[1][3],
-        load_args[1][4],
-        MASKED,
-        STREAM,
-        HAS_RESIDUAL,
-    )
-
-
-@triton.jit
 def _fp8_tile_at(h, rows, cols, mask, args):
     """:func:`fp8_tile` of the FP32 tile ``h`` into the residual and FP8 tiles at ``rows``: the
     ``TILE`` of :func:`moefuse.norm.row_loop.one_pass_rows`. ``args`` = ((w, inv, res_ptr,
@@ -295,7 +239,7 @@ def _fp8_one_pass(
         gdc_wait()
     inv = tl.math.div_rn(1.0, tl.load(ptrs[3]).to(tl.float32))
     one_pass_rows(
-        _fp8_load_at,
+        head_pair,
         (
             (ptrs[0], ptrs[1]),
             (HEADS, strides[0], strides[1], strides[2], strides[3]),

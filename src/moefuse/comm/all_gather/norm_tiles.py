@@ -512,7 +512,7 @@ def norm_tile(t, x_ptr, ptrs, counts, dims, TILE, OPC):
       ``norm_stepped`` unrolled or looped as ``UNROLL`` says; one-pass tiles ``rms_load`` +
       ``rms_tile``. ``out_ptr``: the output rows.
     * OP_FP8 (``moefuse.quant.fused._rmsnorm_fp8_kernel``, one-pass tiles, no residual): the tile
-      of its row loop, ``fp8_load`` + ``widen_h`` + ``fp8_tile`` (PACKED False, as its loop);
+      of its row loop, ``rms_load`` + ``widen_h`` + ``fp8_tile`` (PACKED False, as its loop);
       ``aux_ptr``: the scale, ``out_ptr``: the FP8 bytes.
     * OP_FP4 (``_rmsnorm_fp4_kernel``, one tile per program): ``fp4_tile``; tiles cover the
       layout's ``n_norm`` padded rows (``KB`` blocks per row, ``n_kcols`` scale columns);
@@ -636,7 +636,7 @@ def _gated_one_pass(t, x_ptr, ptrs, counts, width, strides, norm, gate, TILE, OP
 
 @triton.jit
 def _fp8_one_pass(t, x_ptr, ptrs, counts, width, strides, heads, norm, TILE, OPC):
-    """:func:`norm_tile` for FP8: ``fp8_load`` + ``widen_h`` + ``fp8_tile``."""
+    """:func:`norm_tile` for FP8: ``rms_load`` + ``widen_h`` + ``fp8_tile``."""
     w_ptr, out_ptr, aux_ptr, sf_ptr, res_ptr, alpha_ptr, beta_ptr, pw_ptr, ro_ptr, rt_ptr = ptrs
     n_rows, n_norm = counts
     H, Hf = width
@@ -649,7 +649,7 @@ def _fp8_one_pass(t, x_ptr, ptrs, counts, width, strides, heads, norm, TILE, OPC
     w = nt.ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
     inv = tl.math.div_rn(1.0, tl.load(aux_ptr).to(tl.float32))
     rows, mask = nt.tile_rows(t, cols, n_rows, H, ROWS)
-    xr, rr = qf.fp8_load(
+    xr, rr = nt.rms_load(
         x_ptr, x_ptr, rows, cols, mask, HEADS, x_st, x_sh, 0, 0, MASKED, EVICT_FIRST, False
     )
     qf.fp8_tile(
