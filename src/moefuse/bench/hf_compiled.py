@@ -127,6 +127,10 @@ def profile_step(graph, replays: int = 3) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+#: the row of ``generate`` with one static cache reset and reused across calls
+REUSED_CACHE_OP = "compiled generate, one reused cache"
+
+
 class Variant:
     """One model (shipped or patched), its compiled forward and its decode-step inputs."""
 
@@ -259,7 +263,7 @@ class Variant:
                 samples.append(time.perf_counter() - t0)
             times[n] = statistics.median(samples)
         row = {
-            "op": "compiled generate, one reused cache" if reuse_cache else "compiled generate",
+            "op": REUSED_CACHE_OP if reuse_cache else "compiled generate",
             "variant": self.name,
             "new_tokens": args.new,
             "tok_s": (args.new - 1) / (times[args.new] - times[1]),
@@ -447,11 +451,14 @@ def fp32_closeness(args, shipped, variants, prompt, tokens) -> list[dict]:
 def _reused_cache_rate(v, prompt, config, new_cache_tokens) -> dict:
     """The reused-cache row of ``v.generate_rate``; an error row where that path fails (the
     default rows stand either way)."""
-    op = "compiled generate, one reused cache"
     try:
         row, seq = v.generate_rate(prompt, config, reuse_cache=True)
     except Exception as exc:  # reported in the results, the other rows still count
-        return {"op": op, "variant": v.name, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        return {
+            "op": REUSED_CACHE_OP,
+            "variant": v.name,
+            "error": f"{type(exc).__name__}: {exc}"[:2000],
+        }
     row["same_tokens_as_new_cache"] = bool(torch.equal(seq[:, prompt.shape[1] :], new_cache_tokens))
     return row
 
