@@ -38,15 +38,28 @@ def main():
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rows = []
     for name, (h, i) in SHAPES.items():
-        tile = experts_tile(h, i)
-        for bt in (16, 128):
-            common = dict(BK=tile["bk"], BT=bt, STAGES=tile["stages"], PTX=True, USE_PDL=True)
+        for bt in (16, 128, 256):
+            tile = experts_tile(h, i, bt)
+            common = dict(
+                BK=tile["bk"], BT=bt, STAGES=tile["stages"], SP=0, EARLY_TRIGGER=False, PTX=True,
+                USE_PDL=True,
+            )  # fmt: skip
             for kern, consts in (
                 (
                     xt._experts_gate_up_kernel,
                     dict(KDIM=h, INTER=i, BN=tile["bn_gate_up"], **common),
                 ),
-                (xt._experts_down_kernel, dict(KDIM=i, H=h, BN=tile["bn_down"], **common)),
+                (
+                    xt._experts_down_kernel,
+                    dict(
+                        KDIM=i,
+                        H=h,
+                        BN=tile["bn_down"],
+                        FINALIZE=False,
+                        EXTRAS=(False,) * 3,
+                        **common,
+                    ),
+                ),
             ):
                 c = build(kern, consts, tile["warps"])
                 ptx = c.asm["ptx"]

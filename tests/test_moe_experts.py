@@ -90,7 +90,9 @@ def test_extensions_transposed_and_token_tiles():
         want,
         "transposed reference",
     )
-    for bt in (16, 32):  # the interpreter's FP32 matmul has its own order: compare to reference
+    # the interpreter's FP32 matmul has its own order: compare to reference. 256 columns take the
+    # wide tile (two 64-row gate|up blocks, 128 down rows, BK 64)
+    for bt in (16, 32, 256):
         out = poison_(torch.empty_like(got))
         launch_moe_experts(
             x,
@@ -124,11 +126,14 @@ def _plan_model(idx, experts, bt):
 
 
 @pytest.mark.parametrize(
-    "tokens,top_k,experts,bt", [(1, 8, 128, 16), (70, 4, 5, 16), (9, 3, 300, 32), (40, 2, 3, 16)]
-)
+    "tokens,top_k,experts,bt",
+    [(1, 8, 128, 16), (70, 4, 5, 16), (9, 3, 300, 32), (40, 2, 3, 16), (300, 8, 40, 256),
+     (700, 3, 6, 128)],
+)  # fmt: skip
 def test_plan_kernel(tokens, top_k, experts, bt):
     """Items (expert, first sorted slot, slots), sorted slots and the slot map against a Python
-    model, with duplicates, sentinels, a transposed (strided) index and the -1 tail."""
+    model, with duplicates, sentinels, a transposed (strided) index and the -1 tail; the last
+    two over several plan programs (blocks of 1,024 slots), experts spanning blocks."""
     g = torch.Generator().manual_seed(tokens)
     idx = torch.randint(-2, experts + 2, (top_k, tokens), generator=g).t()  # strided view
     items, sorted_slots, slot_map = experts_plan_buffers(

@@ -46,9 +46,10 @@ from moefuse._runtime import interpreter_active
 from moefuse.moe.tiles import experts_tile, experts_token_tile, next_pow2
 from moefuse.moe.triton import launch_moe_finalize
 
-#: slots ranked per plan program, and slots compared per step of its loop
-PLAN_SLOTS = 32
-PLAN_CHUNK = 128
+#: most slots sorted per plan program (a block of next_pow2(T*K) slots up to this, at least 32),
+#: and ids read per step of its histogram loop
+PLAN_SLOTS = 1024
+PLAN_CHUNK = 1024
 #: int32 fields of one work item: expert (-1 = unused), first sorted slot, slot count
 ITEM_FIELDS = 3
 
@@ -98,45 +99,51 @@ def _experts_plan_kernel(
     BT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Routing plan (module docstring, step 1) for this program's ``BS`` slots. Integer work
-    only: every program reads all T*K expert ids, so the grid cannot change the plan.
+    """Routing plan (module docstring, step 1) for this program's block of ``BS`` slots. Integer
+    work only: every program reads all T*K expert ids, so the grid cannot change the plan.
 
-    A slot's sorted position is the number of valid slots before it in (expert, slot) order; its
-    expert's first sorted position, slot count and first work item come from a histogram of all
-    ids. The slot at offset j of its expert with j % BT == 0 heads a work item and writes it."""
+    Two histograms of all ids (every valid slot, and those before this block) give each expert's
+    first sorted position and how many of its slots the earlier blocks hold; the block's own
+    slots are put in (expert, slot) order by one ``tl.sort`` of the keys ``expert * BS +
+    offset``. A slot's rank j within its expert is the earlier blocks' count plus its place among
+    the block's slots of that expert; the slot with j % BT == 0 heads a work item and writes it.
+    Work per program: T*K histogram updates and one sort of ``BS`` keys."""
     pid = tl.program_id(0)
     if USE_PDL:
         gdc_wait()  # top_k_index may come from the kernel before
-    mine = pid * BS + tl.arange(0, BS)
-    m_in = mine < n_slots
-    e_m, v_m = _load_experts(idx_ptr, mine, m_in, top_k, idx_st0, idx_st1, n_experts)
-    less = tl.zeros([BS, BC], dtype=tl.int32)
+    b0 = pid * BS
     counts = tl.zeros([EP], dtype=tl.int32)
+    before = tl.zeros([EP], dtype=tl.int32)
     c0 = 0
     while c0 < n_slots:
         cs = c0 + tl.arange(0, BC)
         e_c, v_c = _load_experts(idx_ptr, cs, cs < n_slots, top_k, idx_st0, idx_st1, n_experts)
-        before = (e_c[None, :] < e_m[:, None]) | (
-            (e_c[None, :] == e_m[:, None]) & (cs[None, :] < mine[:, None])
-        )
-        less += before.to(tl.int32)
-        counts += tl.histogram(tl.where(v_c, e_c, 0), EP, mask=v_c)
+        e_c = tl.where(v_c, e_c, 0)
+        counts += tl.histogram(e_c, EP, mask=v_c)
+        before += tl.histogram(e_c, EP, mask=v_c & (cs < b0))
         c0 += BC
-    pos = tl.sum(less, axis=1)
     tiles = (counts + BT - 1) // BT
     first_item = tl.cumsum(tiles, 0) - tiles
     starts = tl.cumsum(counts, 0) - counts
-    mine_e = tl.arange(0, EP)[None, :] == e_m[:, None]  # [BS, EP] one-hot of each slot's expert
-    start_m = tl.sum(tl.where(mine_e, starts[None, :], 0), axis=1)
-    count_m = tl.sum(tl.where(mine_e, counts[None, :], 0), axis=1)
-    item_m = tl.sum(tl.where(mine_e, first_item[None, :], 0), axis=1)
-    j = pos - start_m
-    head = v_m & (j % BT == 0)
-    rec = items_ptr + (item_m + j // BT) * 3
-    tl.store(rec, e_m, mask=head)
+    off = tl.arange(0, BS)
+    mine = b0 + off
+    m_in = mine < n_slots
+    e_m, v_m = _load_experts(idx_ptr, mine, m_in, top_k, idx_st0, idx_st1, n_experts)
+    in_block = tl.histogram(tl.where(v_m, e_m, 0), EP, mask=v_m)
+    block_start = tl.cumsum(in_block, 0) - in_block  # an expert's first place in the sorted block
+    key = tl.sort(tl.where(v_m, e_m, EP) * BS + off)  # invalid slots sort last (expert EP)
+    e_q = key // BS  # the expert and the slot at each place of the sorted block
+    v_q = e_q < EP
+    e_g = tl.minimum(e_q, EP - 1)
+    slot = b0 + key % BS
+    j = tl.gather(before, e_g, 0) + off - tl.gather(block_start, e_g, 0)  # rank within expert
+    pos = tl.gather(starts, e_g, 0) + j
+    head = v_q & (j % BT == 0)
+    rec = items_ptr + (tl.gather(first_item, e_g, 0) + j // BT) * 3
+    tl.store(rec, e_q, mask=head)
     tl.store(rec + 1, pos, mask=head)
-    tl.store(rec + 2, tl.minimum(count_m - j, BT), mask=head)
-    tl.store(sorted_ptr + pos, mine, mask=v_m)
+    tl.store(rec + 2, tl.minimum(tl.gather(counts, e_g, 0) - j, BT), mask=head)
+    tl.store(sorted_ptr + pos, slot, mask=v_q)
     tl.store(slot_map_ptr + mine, tl.where(v_m, mine, -1), mask=m_in)
     if pid == 0:  # the static item count's unused tail
         i0 = tl.sum(tiles, 0)
@@ -282,12 +289,12 @@ def _experts_gate_up_kernel(
         items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
     )
     if e >= 0:
-        # one [2*BN, BK] weight tile per step: BN gate rows, then the BN up rows that pair with
-        # them (rows n and INTER + n): a 64-row MMA operand for BN = 32
+        # one [2*BN, BK] weight tile per step, in blocks of 64 rows: 32 gate rows, then the 32 up
+        # rows that pair with them (rows n and INTER + n); one 64-row MMA operand per block
         r = tl.arange(0, 2 * BN)
-        n = tl.program_id(1) * BN + r % BN
+        n = tl.program_id(1) * BN + (r // 64) * 32 + r % 32
         n_in = n < INTER
-        rows = (n + (r // BN) * INTER).to(tl.int64)
+        rows = (n + ((r // 32) % 2) * INTER).to(tl.int64)
         w_rows = w_ptr + e.to(tl.int64) * w_st_e + rows[:, None] * w_st_n
         acc = tl.zeros([2 * BN, BT], dtype=tl.float32)
         for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
@@ -304,8 +311,8 @@ def _experts_gate_up_kernel(
             acc = _mma(w, xt, acc, PTX)
         if USE_PDL and not EARLY_TRIGGER:
             gdc_launch_dependents()
-        g, u = tl.split(tl.permute(tl.reshape(acc, [2, BN, BT]), (1, 2, 0)))
-        act = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, FP32
+        g, u = tl.split(tl.permute(tl.reshape(acc, [BN // 32, 2, 32, BT]), (0, 2, 3, 1)))
+        act = tl.reshape(g / (1.0 + tl.exp(-g)) * u, [BN, BT])  # silu(gate) * up, FP32
         n_out = tl.program_id(1) * BN + tl.arange(0, BN)
         ptrs = act_ptr + s.to(tl.int64)[None, :] * act_st + n_out[:, None]
         tl.store(
@@ -560,6 +567,7 @@ def launch_experts_plan(
     ``sorted_slots`` (valid slots by expert; the tail past the valid count is not written) and
     ``slot_map`` [T, K] (s or -1)."""
     slots = top_k_index.numel()
+    block = min(PLAN_SLOTS, max(32, next_pow2(slots)))
     args = (
         top_k_index, items, sorted_slots, slot_map,
         slots, top_k_index.shape[1], experts, items.numel() // ITEM_FIELDS,
@@ -567,9 +575,9 @@ def launch_experts_plan(
     )  # fmt: skip
     launch(
         _experts_plan_kernel,
-        (triton.cdiv(slots, PLAN_SLOTS),),
+        (triton.cdiv(slots, block),),
         *args,
-        BS=PLAN_SLOTS,
+        BS=block,
         BC=PLAN_CHUNK,
         EP=max(16, next_pow2(experts)),
         BT=token_tile,
@@ -601,7 +609,7 @@ def _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl) 
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
     slots = tokens * top_k
-    bt = token_tile or experts_token_tile(slots, experts)
+    bt = token_tile
     n_items = experts_item_count(slots, experts, bt)
     dev = hidden_states.device
     items, sorted_slots, slot_map = experts_plan_buffers(tokens, top_k, n_items, dev)
@@ -733,7 +741,8 @@ def launch_moe_experts(
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
     if tokens == 0 or hidden == 0:
         return
-    cfg = dict(experts_tile(hidden, inter), **(tile or {}))
+    token_tile = token_tile or experts_token_tile(tokens * top_k_index.shape[1], experts)
+    cfg = dict(experts_tile(hidden, inter, token_tile), **(tile or {}))
     plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
     _launch_gate_up(
         hidden_states, gate_up_proj, top_k_index, experts, plan, cfg, transposed, use_pdl

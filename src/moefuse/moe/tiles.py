@@ -61,7 +61,16 @@ EXPERTS_STAGES = 4
 #: A column's result is a chain of m16n8k16 MMAs over k whatever the number of columns, so the
 #: width may follow the expected load per expert (more columns: each weight tile is read once for
 #: more tokens); the GPU tests check that a token's bits do not depend on it.
-EXPERTS_TOKEN_TILES = (16, 32, 64, 128)
+EXPERTS_TOKEN_TILES = (16, 32, 64, 128, 256)
+#: from this token tile on (prefill-sized loads: ~85 or more slots per expert), the wide tile
+#: below replaces the keys above it names: more weight rows and token columns per program, so
+#: each program moves fewer bytes per MMA (the weight tile is re-read once per token tile, the
+#: token rows once per weight tile). The gate|up tile is whole 64-row blocks (32 gate + 32 up
+#: rows), BK = 64 keeps the stages in shared memory, and the reduction is still k16 steps in
+#: ascending k, so no bit moves (the GPU tests and ``scripts/probe_experts_variants.py`` compare
+#: the bits of both tiles).
+EXPERTS_WIDE_FROM_TILE = 256
+EXPERTS_WIDE = {"bn_gate_up": 64, "bn_down": 128, "bk": 64, "warps": 8, "stages": 3}
 #: experts up to this many (the plan kernel's per-expert histogram is one block)
 EXPERTS_MAX = 4096
 #: up to this many routed slots (T*K), no plan kernel runs: each GEMM program computes its work
@@ -82,11 +91,12 @@ EXPERTS_FUSE_FINALIZE_SLOTS = 8
 EXPERTS_EARLY_TRIGGER = False
 
 
-def experts_tile(hidden: int, inter: int) -> dict:
-    """Tile of the fused experts kernels for hidden size ``hidden`` and expert width ``inter``:
-    ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots",
-    "fuse_finalize_slots", "early_trigger"}``
-    (a function of the widths only)."""
+def experts_tile(hidden: int, inter: int, token_tile: int = 16) -> dict:
+    """Tile of the fused experts kernels for hidden size ``hidden``, expert width ``inter`` and
+    token tile ``token_tile`` (:func:`experts_token_tile`): ``{"bn_gate_up", "bn_down", "bk",
+    "warps", "stages", "inline_plan_slots", "fuse_finalize_slots", "early_trigger"}``, with
+    :data:`EXPERTS_WIDE`'s keys from :data:`EXPERTS_WIDE_FROM_TILE` token columns on."""
+    wide = EXPERTS_WIDE if token_tile >= EXPERTS_WIDE_FROM_TILE else {}
     return {
         "bn_gate_up": EXPERTS_BN_GATE_UP,
         "bn_down": EXPERTS_BN_DOWN,
@@ -96,6 +106,7 @@ def experts_tile(hidden: int, inter: int) -> dict:
         "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS,
         "fuse_finalize_slots": EXPERTS_FUSE_FINALIZE_SLOTS,
         "early_trigger": EXPERTS_EARLY_TRIGGER,
+        **wide,
     }
 
 
