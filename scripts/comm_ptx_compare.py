@@ -610,7 +610,6 @@ def moe_cases(mods) -> list[dict]:
     common = dict(
         BK=cfg["bk"],
         STAGES=cfg["stages"],
-        EARLY_TRIGGER=bool(cfg.get("early_trigger", False)),
         PTX=True,
         USE_PDL=True,
     )

@@ -41,7 +41,7 @@ def main():
         for bt in (16, 128, 256):
             tile = experts_tile(h, i, bt)
             common = dict(
-                BK=tile["bk"], BT=bt, STAGES=tile["stages"], SP=0, EARLY_TRIGGER=False, PTX=True,
+                BK=tile["bk"], BT=bt, STAGES=tile["stages"], SP=0, PTX=True,
                 USE_PDL=True,
             )  # fmt: skip
             for kern, consts in (

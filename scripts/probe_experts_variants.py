@@ -10,7 +10,7 @@ and at T = 1 (every T with ``--kernels``) the device µs per kernel of one eager
 
 ``--variant plan='{"inline_plan_slots": 0}'`` overrides keys of
 :func:`moefuse.moe.tiles.experts_tile`, and ``"token_tile"`` forces the token columns (default
-variants: the default tile, the plan kernel, the separate finalize, the early PDL trigger;
+variants: the default tile, the plan kernel, the separate finalize;
 ``--only`` drops them). Writes ``experts_variants.json`` under ``--out`` (default: the current
 directory) after every row.
 """
@@ -25,7 +25,6 @@ DEFAULT_VARIANTS = {
     "default": {},
     "plan_kernel": {"inline_plan_slots": 0},
     "finalize_kernel": {"fuse_finalize_slots": 0},
-    "early_trigger": {"early_trigger": True},
 }
 
 

@@ -3,12 +3,13 @@
 Four launches, no weight copy, every routed expert's weights read once per token tile:
 
 1. ``_experts_plan_kernel`` — the routing plan from ``top_k_index`` alone. Slot ``s = t*K + k``
-   is valid when its expert id lies in [0, E). Each program ranks its slots against all slots
-   (key ``id * T*K + s``, unique), so ``sorted_slots`` lists the valid slots by expert, ascending
-   slot within an expert; program 0 also counts the slots per expert (``tl.histogram``) and writes
-   one *work item* ``(expert, first sorted slot, slots)`` per tile of at most ``BT`` tokens of an
-   expert, then ``expert = -1`` for the unused items of the static item count. ``slot_map[t, k]``
-   is ``s`` or -1 (the finalize's validity mask).
+   is valid when its expert id lies in [0, E). Each program takes a block of up to 1,024 slots:
+   histograms of all ids (``tl.histogram``) give every expert's slot count and how many of its
+   slots earlier blocks hold, and one ``tl.sort`` orders the block by (expert, slot), so
+   ``sorted_slots`` lists the valid slots by expert, ascending slot within an expert. The slot
+   that starts each tile of at most ``BT`` tokens of an expert writes that *work item*
+   ``(expert, first sorted slot, slots)``; program 0 writes ``expert = -1`` into the unused items
+   of the static item count. ``slot_map[t, k]`` is ``s`` or -1 (the finalize's validity mask).
 2. ``_experts_gate_up_kernel`` — grid (item, tile of I): streams the item's expert's gate rows and
    the matching up rows once ([BN, H] each) and multiplies them with the item's tokens (gathered
    rows of ``hidden_states``): ``g, u = W_gate x, W_up x`` in FP32 (tensor-core MMAs, k16 steps in
@@ -20,12 +21,16 @@ Four launches, no weight copy, every routed expert's weights read once per token
    FP32 input): ``out[t] = cast(((Σ_k ascending fma_ftz(y[t*K+k] + bias, w[t,k], acc)) * rsf) +
    shared)`` — one rounding.
 
-Batch invariance: the weights are the MMA's M operand and the tokens its N operand (16, 32, 64 or
-128 columns: tiles of 16). Each output element is a chain of m16n8k16 MMAs over the reduction
-dimension in ascending k-steps of a fixed ``BK`` — the same chain whatever the other columns hold,
-how many there are, and which column a token occupies; masked columns are zeros and never mix with
-others. So a token's ``act``, ``y`` and output bits depend on its own row, its experts and the
-weights only (GPU tests: a token alone, in batches of 64 and 256, at every token-tile width).
+Batch invariance: the weights are the MMA's M operand and the tokens its N operand (16, 32, 64,
+128 or 256 columns: tiles of 16). Each output element is a chain of k16 MMA steps over the
+reduction dimension in ascending k — the same chain whatever the other columns hold, how many
+there are, which column a token occupies, how many weight rows share the program and how many k16
+steps one loop step takes (``BK`` 128, or 64 in the wide tile of prefill-sized loads,
+:data:`moefuse.moe.tiles.EXPERTS_WIDE`); masked columns are zeros and never mix with others. So a
+token's ``act``, ``y`` and output bits depend on its own row, its experts and the weights only
+(GPU tests: a token alone, in batches of 64 and 256, at every token-tile width, the wide tile's
+256 included; ``scripts/probe_experts_variants.py``: narrow and wide tiles bitwise equal at 2,048
+and 8,192 tokens).
 
 Interpreter: ``tl.dot`` there multiplies BF16 bit patterns as integers, so off the PTX path both
 operands are widened to FP32 first (exact) and the product is an IEEE FP32 matmul.
@@ -262,7 +267,6 @@ def _experts_gate_up_kernel(
     BT: tl.constexpr,
     STAGES: tl.constexpr,
     SP: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -271,12 +275,10 @@ def _experts_gate_up_kernel(
     compile-time constants (one build per model shape: static trip counts, no column masks when
     aligned). ``SP`` > 0: no plan kernel ran; each program computes its work item from the ids
     and program (0, 0) writes ``slot_map`` and zeroes the down kernel's ``n_count`` finalize
-    counters. ``EARLY_TRIGGER``: with PDL, let the down kernel launch as soon as every program has
-    started (its programs then wait in ``gdc_wait`` for this grid's end), not after the K loops."""
+    counters. With PDL the down kernel may launch once each program's reduction loop is done
+    (an earlier trigger, right after ``gdc_wait``, measured no gain: notes/moe-experts.md)."""
     if USE_PDL:
         gdc_wait()  # the plan, or with SP > 0 the top_k_index of the kernel before
-        if EARLY_TRIGGER:
-            gdc_launch_dependents()
     if SP > 0:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP)
@@ -309,7 +311,7 @@ def _experts_gate_up_kernel(
                 other=0.0,
             )
             acc = _mma(w, xt, acc, PTX)
-        if USE_PDL and not EARLY_TRIGGER:
+        if USE_PDL:
             gdc_launch_dependents()
         g, u = tl.split(tl.permute(tl.reshape(acc, [BN // 32, 2, 32, BT]), (0, 2, 3, 1)))
         act = tl.reshape(g / (1.0 + tl.exp(-g)) * u, [BN, BT])  # silu(gate) * up, FP32
@@ -353,7 +355,6 @@ def _experts_down_kernel(
     SP: tl.constexpr,
     FINALIZE: tl.constexpr,
     EXTRAS: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -366,16 +367,13 @@ def _experts_down_kernel(
     and the last one of the tile (the grid's first dimension: used and unused items alike) sums
     the tile's columns of every token (:func:`_finalize_rows`) into ``out``. ``fin_strides`` =
     row strides of (slot_map, top_k_weights, bias, shared, out); ``EXTRAS`` = (bias, routed
-    scaling factor, shared expert output) present. ``EARLY_TRIGGER``: as in the gate|up kernel,
-    for the kernel after this one."""
+    scaling factor, shared expert output) present."""
     act_st, y_st = row_strides
     w_st_e, w_st_n, w_st_k = w_strides
     idx_st0, idx_st1 = idx_strides
     fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
     if USE_PDL:
         gdc_wait()  # act from the gate|up kernel
-        if EARLY_TRIGGER:
-            gdc_launch_dependents()
     e, s, r_in, tok = _work_item(
         items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
     )
@@ -397,7 +395,7 @@ def _experts_down_kernel(
                 other=0.0,
             )
             acc = _mma(w, at, acc, PTX)
-        if USE_PDL and not EARLY_TRIGGER:
+        if USE_PDL:
             gdc_launch_dependents()
         tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc, mask=n_in[:, None] & r_in[None, :])
     if FINALIZE:
@@ -655,7 +653,6 @@ def _launch_gate_up(
         BT=plan.bt,
         STAGES=cfg["stages"],
         SP=plan.sp,
-        EARLY_TRIGGER=bool(cfg["early_trigger"]),
         PTX=not interpreter_active(),
         USE_PDL=use_pdl,
         num_warps=cfg["warps"],
@@ -709,7 +706,6 @@ def _launch_down(
         SP=plan.sp,
         FINALIZE=plan.fused,
         EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None),
-        EARLY_TRIGGER=bool(cfg["early_trigger"]),
         PTX=not interpreter_active(),
         USE_PDL=use_pdl,
         num_warps=cfg["warps"],

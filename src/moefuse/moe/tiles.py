@@ -68,7 +68,9 @@ EXPERTS_TOKEN_TILES = (16, 32, 64, 128, 256)
 #: token rows once per weight tile). The gate|up tile is whole 64-row blocks (32 gate + 32 up
 #: rows), BK = 64 keeps the stages in shared memory, and the reduction is still k16 steps in
 #: ascending k, so no bit moves (the GPU tests and ``scripts/probe_experts_variants.py`` compare
-#: the bits of both tiles).
+#: the bits of both tiles). MEASURED (H200, 2026-12-03, 5fd72aa, notes/moe-experts.md), us of
+#: the narrow tile at 128 columns -> this one: Qwen3 T = 2048 864 -> 721, T = 8192 2936 -> 1977,
+#: Mixtral 2048 4764 -> 3221, 8192 22202 -> 11685, DeepSeek-V3 8192 27682 -> 18736.
 EXPERTS_WIDE_FROM_TILE = 256
 EXPERTS_WIDE = {"bn_gate_up": 64, "bn_down": 128, "bk": 64, "warps": 8, "stages": 3}
 #: experts up to this many (the plan kernel's per-expert histogram is one block)
@@ -84,17 +86,12 @@ EXPERTS_INLINE_PLAN_SLOTS = 32
 #: Measured: a gain at T*K <= 8 (0.2-0.9 us), a loss from 16 slots on (the last program's serial
 #: sum over tokens).
 EXPERTS_FUSE_FINALIZE_SLOTS = 8
-#: with PDL, each GEMM kernel lets the next launch once all of its programs have started (the
-#: next kernel's programs take free SMs and wait for this grid's end in ``gdc_wait``), instead of
-#: after each program's reduction loop: meant to hide the next launch behind the gate|up tail at
-#: decode. Off until measured (``scripts/probe_experts_variants.py``'s ``early_trigger``).
-EXPERTS_EARLY_TRIGGER = False
 
 
 def experts_tile(hidden: int, inter: int, token_tile: int = 16) -> dict:
     """Tile of the fused experts kernels for hidden size ``hidden``, expert width ``inter`` and
     token tile ``token_tile`` (:func:`experts_token_tile`): ``{"bn_gate_up", "bn_down", "bk",
-    "warps", "stages", "inline_plan_slots", "fuse_finalize_slots", "early_trigger"}``, with
+    "warps", "stages", "inline_plan_slots", "fuse_finalize_slots"}``, with
     :data:`EXPERTS_WIDE`'s keys from :data:`EXPERTS_WIDE_FROM_TILE` token columns on."""
     wide = EXPERTS_WIDE if token_tile >= EXPERTS_WIDE_FROM_TILE else {}
     return {
@@ -105,7 +102,6 @@ def experts_tile(hidden: int, inter: int, token_tile: int = 16) -> dict:
         "stages": EXPERTS_STAGES,
         "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS,
         "fuse_finalize_slots": EXPERTS_FUSE_FINALIZE_SLOTS,
-        "early_trigger": EXPERTS_EARLY_TRIGGER,
         **wide,
     }
 
