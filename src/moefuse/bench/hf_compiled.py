@@ -23,7 +23,8 @@ experts); "patched" is a deep copy after ``moefuse.integrations.transformers.pat
    tokens / s = (new - 1) / (t(new) - t(1)) (the prefill, eager, cancels out), medians of
    ``--repeats``; greedy-token agreement with the other variant and with the FP32 model.
 5. ``prefill``: the compiled forward over ``--prefill`` tokens (no cache, ``logits_to_keep=1``
-   as generate's prefill), captured and replayed like the step.
+   as generate's prefill), captured and replayed like the step; on a GPU, the kernels of one
+   replay at the largest ``--prefill`` (row ``prefill <T> profile``, as ``profile``).
 
 Every compile is counted: dynamo's ``graph_break`` counter and graph count per stage and variant
 (``graph_breaks``, ``graphs``). Writes ``hf_moe-<gpu>-compiled.json`` and ``.png`` after every
@@ -125,6 +126,21 @@ def profile_step(graph, replays: int = 3) -> list[dict]:
         for name, (n, t) in kernels.items()
     ]
     return sorted(rows, key=lambda r: -r["us"])
+
+
+def profile_row(op: str, variant: str, kernels: list[dict]) -> dict:
+    """A profile row: the 40 largest kernels, the totals, and moefuse's share (names
+    ``*_kernel``)."""
+    ours = [k for k in kernels if k["kernel"].endswith("_kernel")]
+    return {
+        "op": op,
+        "variant": variant,
+        "kernels": kernels[:40],
+        "us_total": sum(k["us"] for k in kernels),
+        "launches": sum(k["launches"] for k in kernels),
+        "moefuse_us": sum(k["us"] for k in ours),
+        "moefuse_launches": sum(k["launches"] for k in ours),
+    }
 
 
 #: the row of ``generate`` with one static cache reset and reused across calls
@@ -275,7 +291,9 @@ class Variant:
         }
         return row, tokens
 
-    def prefill(self, tokens: int) -> dict:
+    def prefill(self, tokens: int, profile: bool = False) -> tuple[dict, list[dict] | None]:
+        """The ``prefill`` stage's row for ``tokens`` tokens and, with ``profile`` on a GPU, the
+        kernels of one replay (:func:`profile_step`)."""
         g = torch.Generator().manual_seed(tokens)
         ids = torch.randint(0, self.args.vocab, (1, tokens), generator=g).to(self.device)
 
@@ -286,6 +304,7 @@ class Variant:
             run()
         graph, _ = capture(run, self.device)
         us = replay_us(graph, run, self.device, max(1, self.args.replays // 4), self.args.samples)
+        kernels = profile_step(graph, replays=1) if profile and self.device.type == "cuda" else None
         del graph
         return {
             "op": "compiled prefill",
@@ -295,7 +314,7 @@ class Variant:
             "graph_breaks": c.breaks,
             "graphs": c.graphs,
             "break_reasons": c.reasons,
-        }
+        }, kernels
 
 
 def _agree(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -356,20 +375,9 @@ def run(args, device) -> list[dict]:
             if stage == "step":
                 rows += [v.step(prompt) for v in variants]
             elif stage == "profile" and device.type == "cuda":
-                for v in variants:
-                    kernels = profile_step(v.graph)
-                    ours = [k for k in kernels if k["kernel"].endswith("_kernel")]
-                    rows.append(
-                        {
-                            "op": "step profile",
-                            "variant": v.name,
-                            "kernels": kernels[:40],
-                            "us_total": sum(k["us"] for k in kernels),
-                            "launches": sum(k["launches"] for k in kernels),
-                            "moefuse_us": sum(k["us"] for k in ours),
-                            "moefuse_launches": sum(k["launches"] for k in ours),
-                        }
-                    )
+                rows += [
+                    profile_row("step profile", v.name, profile_step(v.graph)) for v in variants
+                ]
             elif stage == "fp32":
                 rows += fp32_closeness(args, shipped, variants, prompt, tokens)
             elif stage == "generate":
@@ -384,7 +392,12 @@ def run(args, device) -> list[dict]:
                     agree = _agree(tokens["shipped"], tokens["patched"])
                     rows[-2].update({f"vs_shipped_{k}": x for k, x in agree.items()})
             elif stage == "prefill":
-                rows += [v.prefill(t) for t in args.prefill for v in variants]
+                for t in args.prefill:
+                    for v in variants:
+                        row, kernels = v.prefill(t, profile=t == max(args.prefill))
+                        rows.append(row)
+                        if kernels:
+                            rows.append(profile_row(f"prefill {t} profile", v.name, kernels))
         except Exception as exc:  # a stage that fails is reported; the others still run
             rows.append(
                 {
@@ -500,8 +513,8 @@ def print_summary(rows: list[dict]) -> None:
     for r in rows:
         if "kernels" in r:
             print(
-                f"\n{r['variant']}: {r['us_total']:.1f} us of kernels, "
-                f"{r['launches']:.0f} launches per step; moefuse's (names *_kernel): "
+                f"\n{r['op']}, {r['variant']}: {r['us_total']:.1f} us of kernels, "
+                f"{r['launches']:.0f} launches per call; moefuse's (names *_kernel): "
                 f"{r['moefuse_us']:.1f} us, {r['moefuse_launches']:.0f} launches"
             )
             print_table(r["kernels"][:14], ["us", "launches", "kernel"])
