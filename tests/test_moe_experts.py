@@ -111,6 +111,30 @@ def test_extensions_transposed_and_token_tiles():
         assert rel_err(out, want) < 1e-2
 
 
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,want_tile,want_wide",
+    [
+        (1, 8, 128, 16, False),  # decode: narrow tile, 16 columns
+        (256, 8, 128, 32, False),  # Qwen3 T = 256: mean 16 slots per expert
+        (1024, 8, 128, 128, True),  # Qwen3 T = 1024: mean 64 -> wide tile at 128 columns
+        (2048, 8, 128, 128, True),  # mean 128 fills half of 256 columns: 128 (measured faster)
+        (8192, 8, 128, 256, True),  # mean 512: 256 columns
+        (256, 2, 8, 128, True),  # Mixtral T = 256: mean 64
+        (1024, 2, 8, 256, True),  # Mixtral T = 1024: mean 256 fills 256 columns
+        (1024, 8, 256, 64, False),  # DeepSeek-V3 T = 1024: mean 32
+        (0, 8, 128, 16, False),
+    ],
+)
+def test_token_tile_policy(tokens, top_k, experts, want_tile, want_wide):
+    """The measured token-tile policy (moefuse.moe.tiles): which columns and which tile serve."""
+    from moefuse.moe.tiles import EXPERTS_WIDE, experts_tile, experts_token_tile
+
+    token_tile = experts_token_tile(tokens * top_k, experts)
+    assert token_tile == want_tile
+    tile = experts_tile(2048, 768, token_tile)
+    assert all(tile[k] == v for k, v in EXPERTS_WIDE.items()) == want_wide
+
+
 def _plan_model(idx, experts, bt):
     flat = idx.reshape(-1).tolist()
     valid = [0 <= e < experts for e in flat]

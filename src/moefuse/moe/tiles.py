@@ -62,17 +62,26 @@ EXPERTS_STAGES = 4
 #: width may follow the expected load per expert (more columns: each weight tile is read once for
 #: more tokens); the GPU tests check that a token's bits do not depend on it.
 EXPERTS_TOKEN_TILES = (16, 32, 64, 128, 256)
-#: from this token tile on (prefill-sized loads: ~85 or more slots per expert), the wide tile
-#: below replaces the keys above it names: more weight rows and token columns per program, so
-#: each program moves fewer bytes per MMA (the weight tile is re-read once per token tile, the
-#: token rows once per weight tile). The gate|up tile is whole 64-row blocks (32 gate + 32 up
-#: rows), BK = 64 keeps the stages in shared memory, and the reduction is still k16 steps in
-#: ascending k, so no bit moves (the GPU tests and ``scripts/probe_experts_variants.py`` compare
-#: the bits of both tiles). MEASURED (H200, 2026-12-03, 5fd72aa, notes/moe-experts.md), us of
-#: the narrow tile at 128 columns -> this one: Qwen3 T = 2048 864 -> 721, T = 8192 2936 -> 1977,
-#: Mixtral 2048 4764 -> 3221, 8192 22202 -> 11685, DeepSeek-V3 8192 27682 -> 18736.
-EXPERTS_WIDE_FROM_TILE = 256
+#: from this token tile on (a mean load over 40 slots per expert), the wide tile below replaces the
+#: keys above it names: more weight rows and token columns per program, so each program moves
+#: fewer bytes per MMA (the weight tile is re-read once per token tile, the token rows once per
+#: weight tile). The gate|up tile is whole 64-row blocks (32 gate + 32 up rows), BK = 64 keeps
+#: the stages in shared memory, and the reduction is still k16 steps in ascending k, so no bit
+#: moves (the GPU tests and ``scripts/probe_experts_variants.py`` compare the bits of both
+#: tiles). MEASURED (H200, 2026-12-04, b21ac12, notes/moe-experts.md), us at 128 columns narrow
+#: -> wide: Qwen3 T = 256 518 -> 358, 1024 574 -> 421, 2048 869 -> 609; Mixtral 256 994 -> 746,
+#: 1024 2455 -> 1779, 2048 4636 -> 3304; DeepSeek-V3 256 7647 -> 5653, 1024 8072 -> 6393, 2048
+#: 9551 -> 7319 (at 256 columns, 2026-12-03, 5fd72aa: Qwen3 8192 2936 -> 1977, Mixtral 8192
+#: 22202 -> 11685, DeepSeek-V3 8192 27682 -> 18736).
+EXPERTS_WIDE_FROM_TILE = 128
 EXPERTS_WIDE = {"bn_gate_up": 64, "bn_down": 128, "bk": 64, "warps": 8, "stages": 3}
+#: the widest token tile (256 columns) only when the mean load per expert fills this share of it;
+#: below, 128 columns and several programs for the busiest experts. MEASURED (H200, 2026-12-04,
+#: b21ac12, wide tile, us at 256 -> 128 columns): Qwen3 T = 2048 (mean 128 slots per expert)
+#: 708 -> 609; Mixtral 1024 (mean 256) 1723 -> 1779, 2048 (512) 3129 -> 3304; 2026-12-03,
+#: 5fd72aa: Qwen3 8192 (512) 1977 -> 2127, DeepSeek-V3 8192 (256) 18736 -> 19271. The cut
+#: between 128 and 256 is unmeasured; 3/4 splits it.
+EXPERTS_WIDEST_TILE_FILL = 0.75
 #: experts up to this many (the plan kernel's per-expert histogram is one block)
 EXPERTS_MAX = 4096
 #: up to this many routed slots (T*K), no plan kernel runs: each GEMM program computes its work
@@ -109,9 +118,13 @@ def experts_tile(hidden: int, inter: int, token_tile: int = 16) -> dict:
 def experts_token_tile(slots: int, experts: int) -> int:
     """Token columns per program for ``slots`` = T*K routed slots over ``experts`` experts: room
     for about 1.5x the mean load per expert plus 4 (random routing's busiest experts), rounded up
-    to :data:`EXPERTS_TOKEN_TILES`. Experts with more tokens take several programs."""
-    want = (3 * slots) // (2 * max(1, experts)) + 4
-    for width in EXPERTS_TOKEN_TILES:
-        if want <= width:
-            return width
-    return EXPERTS_TOKEN_TILES[-1]
+    to :data:`EXPERTS_TOKEN_TILES`; the widest only where the mean load fills at least
+    :data:`EXPERTS_WIDEST_TILE_FILL` of it (the next one below otherwise). Experts with more
+    tokens take several programs."""
+    experts = max(1, experts)
+    want = (3 * slots) // (2 * experts) + 4
+    widest = EXPERTS_TOKEN_TILES[-1]
+    width = next((w for w in EXPERTS_TOKEN_TILES if want <= w), widest)
+    if width == widest and slots < EXPERTS_WIDEST_TILE_FILL * widest * experts:
+        return EXPERTS_TOKEN_TILES[-2]
+    return width
