@@ -29,8 +29,8 @@ steps one loop step takes (``BK`` 128, or 64 in the wide tile of prefill-sized l
 :data:`moefuse.moe.tiles.EXPERTS_WIDE`); masked columns are zeros and never mix with others. So a
 token's ``act``, ``y`` and output bits depend on its own row, its experts and the weights only
 (GPU tests: a token alone, in batches of 64 and 256, at every token-tile width, the wide tile's
-256 included; ``scripts/probe_experts_variants.py``: narrow and wide tiles bitwise equal at 2,048
-and 8,192 tokens).
+128 and 256 included; ``scripts/probe_experts_variants.py``: narrow and wide tiles bitwise equal
+at 256 to 8,192 tokens).
 
 Interpreter: ``tl.dot`` there multiplies BF16 bit patterns as integers, so off the PTX path both
 operands are widened to FP32 first (exact) and the product is an IEEE FP32 matmul.
