@@ -40,9 +40,11 @@ def main():
     for name, (h, i) in SHAPES.items():
         for bt in (16, 128, 256):
             tile = experts_tile(h, i, bt)
+            # w_st_k = 1: weights stored [E, N, K] with K contiguous, which a launch passes as
+            # 1 and the JIT makes a constant (an integer argument equal to 1 is specialised so)
             common = dict(
                 BK=tile["bk"], BT=bt, STAGES=tile["stages"], SP=0, PTX=True,
-                USE_PDL=True,
+                USE_PDL=True, w_st_k=1,
             )  # fmt: skip
             for kern, consts in (
                 (
