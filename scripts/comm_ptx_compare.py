@@ -607,11 +607,13 @@ def moe_cases(mods) -> list[dict]:
     plan = dict(BS=32, BC=128, EP=128, BT=16, USE_PDL=True)
     out.append(_case("moe.experts", "_experts_plan_kernel", "", plan, num_warps=4, launch_pdl=True))
     cfg = experts_tile(H, 1536)
+    # w_st_k = 1: weights K-contiguous, which a launch passes as 1 and the JIT makes a constant
     common = dict(
         BK=cfg["bk"],
         STAGES=cfg["stages"],
         PTX=True,
         USE_PDL=True,
+        w_st_k=1,
     )
     options = dict(num_warps=cfg["warps"], launch_pdl=True)
     for sp, bt in ((0, 16), (0, 64), (32, 16)):
