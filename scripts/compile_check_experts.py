@@ -38,13 +38,13 @@ def main():
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rows = []
     for name, (h, i) in SHAPES.items():
-        for bt in (16, 128, 256):
-            tile = experts_tile(h, i, bt)
+        for bt, slots in ((16, 0), (128, 0), (128, 16384), (256, 0)):
+            tile = experts_tile(h, i, bt, slots)
             # w_st_k = 1: weights stored [E, N, K] with K contiguous, which a launch passes as
             # 1 and the JIT makes a constant (an integer argument equal to 1 is specialised so)
             common = dict(
-                BK=tile["bk"], BT=bt, STAGES=tile["stages"], SP=0, PTX=True,
-                USE_PDL=True, w_st_k=1,
+                BK=tile["bk"], BT=bt, BR=tile["tail_tile"], STAGES=tile["stages"], SP=0,
+                PTX=True, USE_PDL=True, w_st_k=1,
             )  # fmt: skip
             for kern, consts in (
                 (
@@ -64,25 +64,26 @@ def main():
                 ),
             ):
                 c = build(kern, consts, tile["warps"])
+                weight_rows = consts["BN"] * (2 if "INTER" in consts else 1)
                 ptx = c.asm["ptx"]
                 rep = ptxas_report(ptx)
                 rows.append(
                     (
                         name,
-                        bt,
+                        f"{bt}/{tile['tail_tile']}/{weight_rows}",
                         kern.fn.__name__,
                         rep.regs,
                         rep.spills,
                         c.metadata.shared,
                         "mma" if "mma.sync" in ptx else ("wgmma" if "wgmma" in ptx else "-"),
-                        bool(re.search(r"cp\.async\.\w+\.shared\.global.*16", ptx)),
+                        bool(re.search(r"cp\.async\.\w+\.shared\.global.*(?:16|0x10)", ptx)),
                         "griddepcontrol.wait" in ptx,
                     )
                 )
     c = build(
         xt._experts_plan_kernel,
         dict(BS=xt.PLAN_SLOTS, BC=xt.PLAN_CHUNK, EP=256, BT=16, USE_PDL=True),
-        4,
+        xt.PLAN_WIDE_CHUNK_WARPS,
     )
     rows.append(
         (
@@ -97,7 +98,7 @@ def main():
             "griddepcontrol.wait" in c.asm["ptx"],
         )
     )
-    print("shape bt kernel regs spills smem mma cp.async16 pdl")
+    print("shape bt/tail/rows kernel regs spills smem mma cp.async16 pdl")
     for r in rows:
         print(*r)
 

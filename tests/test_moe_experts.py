@@ -15,6 +15,7 @@ from moefuse.moe.experts_triton import (
     launch_experts_plan,
     launch_moe_experts,
 )
+from moefuse.moe.tiles import EXPERTS_WIDE, EXPERTS_WIDE_ROWS
 from moefuse.testing import assert_bitwise_equal, bits, expect_value_error, poison_
 
 pytestmark = pytest.mark.interpreter
@@ -91,8 +92,10 @@ def test_extensions_transposed_and_token_tiles():
         "transposed reference",
     )
     # the interpreter's FP32 matmul has its own order: compare to reference. 256 columns take the
-    # wide tile (two 64-row gate|up blocks, 128 down rows, BK 64)
-    for bt in (16, 32, 256):
+    # wide tile (two 64-row gate|up blocks, 128 down rows, BK 64); the last case its 256-row
+    # form at 128 columns, with items of up to 16 slots in the tail tile
+    rows = {**EXPERTS_WIDE, **EXPERTS_WIDE_ROWS, "tail_tile": 16, "inline_plan_slots": 0}
+    for bt, tile in ((16, None), (32, None), (256, None), (128, rows)):
         out = poison_(torch.empty_like(got))
         launch_moe_experts(
             x,
@@ -106,33 +109,40 @@ def test_extensions_transposed_and_token_tiles():
             2.5,
             False,
             False,
+            tile=tile,
             token_tile=bt,
         )
-        assert rel_err(out, want) < 1e-2
+        assert rel_err(out, want) < 1e-2, (bt, rel_err(out, want))
 
 
 @pytest.mark.parametrize(
-    "tokens,top_k,experts,want_tile,want_wide",
+    "tokens,top_k,experts,want_tile,want_wide,want_rows",
     [
-        (1, 8, 128, 16, False),  # decode: narrow tile, 16 columns
-        (256, 8, 128, 32, False),  # Qwen3 T = 256: mean 16 slots per expert
-        (1024, 8, 128, 128, True),  # Qwen3 T = 1024: mean 64 -> wide tile at 128 columns
-        (2048, 8, 128, 128, True),  # mean 128 fills half of 256 columns: 128 (measured faster)
-        (8192, 8, 128, 256, True),  # mean 512: 256 columns
-        (256, 2, 8, 128, True),  # Mixtral T = 256: mean 64
-        (1024, 2, 8, 256, True),  # Mixtral T = 1024: mean 256 fills 256 columns
-        (1024, 8, 256, 64, False),  # DeepSeek-V3 T = 1024: mean 32
-        (0, 8, 128, 16, False),
+        (1, 8, 128, 16, False, False),  # decode: narrow tile, 16 columns
+        (256, 8, 128, 32, False, False),  # Qwen3 T = 256: mean 16 slots per expert
+        (1024, 8, 128, 128, True, False),  # Qwen3 T = 1024: mean 64 -> wide tile, 128 columns
+        (2048, 8, 128, 128, True, True),  # mean 128: 128 columns (measured faster than 256),
+        # and 16,384 slots: 256 weight rows per program
+        (8192, 8, 128, 256, True, False),  # mean 512: 256 columns
+        (256, 2, 8, 128, True, False),  # Mixtral T = 256: mean 64
+        (1024, 2, 8, 256, True, False),  # Mixtral T = 1024: mean 256 fills 256 columns
+        (1024, 8, 256, 64, False, False),  # DeepSeek-V3 T = 1024: mean 32
+        (2048, 8, 256, 128, True, True),  # DeepSeek-V3 T = 2048: mean 64, 16,384 slots
+        (0, 8, 128, 16, False, False),
     ],
 )
-def test_token_tile_policy(tokens, top_k, experts, want_tile, want_wide):
-    """The measured token-tile policy (moefuse.moe.tiles): which columns and which tile serve."""
-    from moefuse.moe.tiles import EXPERTS_WIDE, experts_tile, experts_token_tile
+def test_token_tile_policy(tokens, top_k, experts, want_tile, want_wide, want_rows):
+    """The measured tile policy (moefuse.moe.tiles): which columns, which tile, which rows; and
+    the tail tile from 64 columns on."""
+    from moefuse.moe.tiles import EXPERTS_WIDE, EXPERTS_WIDE_ROWS, experts_tile, experts_token_tile
 
-    token_tile = experts_token_tile(tokens * top_k, experts)
+    slots = tokens * top_k
+    token_tile = experts_token_tile(slots, experts)
     assert token_tile == want_tile
-    tile = experts_tile(2048, 768, token_tile)
-    assert all(tile[k] == v for k, v in EXPERTS_WIDE.items()) == want_wide
+    tile = experts_tile(2048, 768, token_tile, slots)
+    wide = {**EXPERTS_WIDE, **EXPERTS_WIDE_ROWS} if want_rows else EXPERTS_WIDE
+    assert all(tile[k] == v for k, v in wide.items()) == want_wide
+    assert tile["tail_tile"] == (32 if token_tile >= 64 else 0)
 
 
 def _plan_model(idx, experts, bt):
@@ -163,21 +173,25 @@ def test_plan_kernel(tokens, top_k, experts, bt):
     items, sorted_slots, slot_map = experts_plan_buffers(
         tokens, top_k, experts_item_count(tokens * top_k, experts, bt), torch.device("cpu")
     )
-    for t in (items, sorted_slots, slot_map):
-        t.fill_(-7)
-    launch_experts_plan(idx, experts, bt, items, sorted_slots, slot_map, False)
     want_items, want_sorted, want_map = _plan_model(idx, experts, bt)
-    got = items.view(-1, 3).tolist()
-    assert [tuple(r) for r in got[: len(want_items)]] == want_items
-    assert all(r[0] == -1 for r in got[len(want_items) :])
-    assert sorted_slots[: len(want_sorted)].tolist() == want_sorted
-    assert slot_map.reshape(-1).tolist() == want_map
+    # chunks of ids as wide as a block, and (several blocks) 4x wider: a chunk then holds
+    # earlier blocks' slots and this block's, and takes the second histogram
+    for chunk in (1024, 4096) if tokens * top_k > 1024 else (1024,):
+        for t in (items, sorted_slots, slot_map):
+            t.fill_(-7)
+        launch_experts_plan(idx, experts, bt, items, sorted_slots, slot_map, False, chunk=chunk)
+        got = items.view(-1, 3).tolist()
+        assert [tuple(r) for r in got[: len(want_items)]] == want_items, chunk
+        assert all(r[0] == -1 for r in got[len(want_items) :])
+        assert sorted_slots[: len(want_sorted)].tolist() == want_sorted
+        assert slot_map.reshape(-1).tolist() == want_map
 
 
 @pytest.mark.parametrize(
     "tokens,top_k,experts,bt",
-    [(1, 8, 128, 16), (40, 2, 3, 16), (9, 3, 7, 16), (5, 4, 300, 32), (3, 2, 4, 16)],
-)
+    [(1, 8, 128, 16), (40, 2, 3, 16), (9, 3, 7, 16), (5, 4, 300, 32), (3, 2, 4, 16),
+     (40, 2, 3, 32)],
+)  # fmt: skip
 def test_inline_plan_and_fused_finalize_match_plan_kernel(tokens, top_k, experts, bt):
     """At T*K <= the inline limit each GEMM program computes its work item from the ids and the
     down kernel's last program per H tile runs the finalize: same items, same finalize, so the
@@ -203,6 +217,10 @@ def test_inline_plan_and_fused_finalize_match_plan_kernel(tokens, top_k, experts
         "plan": {"inline_plan_slots": 0},
         "inline": {"inline_plan_slots": 128, "fuse_finalize_slots": 0},
         "fused": {"inline_plan_slots": 128, "fuse_finalize_slots": 128},
+        # items of at most 16 slots run the 16-column tail tile (40 x 2 over 3 experts at 32
+        # columns: full items and an expert's few left over); the interpreter's matmul may order
+        # a narrower product differently, so values here, bits in the GPU tests
+        "tail": {"inline_plan_slots": 0, "tail_tile": 16},
     }
     for mode, tile in modes.items():
         out = poison_(torch.empty(tokens, hidden, dtype=torch.bfloat16))
@@ -223,6 +241,8 @@ def test_inline_plan_and_fused_finalize_match_plan_kernel(tokens, top_k, experts
         )
         assert rel_err(out, want) < 1e-2, (mode, rel_err(out, want))
         outs[mode] = out
+    tail_items = [r for r in _plan_model(idx, experts, bt)[0] if r[2] <= 16]
+    assert bt == 16 or tail_items, "the tail tile must run"
     assert_bitwise_equal(outs["inline"], outs["plan"], "inline plan vs plan kernel")
     assert_bitwise_equal(outs["fused"], outs["plan"], "fused finalize vs finalize kernel")
 

@@ -9,7 +9,7 @@ import torch
 import moefuse
 from moefuse.moe import reference as ref
 from moefuse.moe.experts_triton import launch_moe_experts
-from moefuse.moe.tiles import EXPERTS_TOKEN_TILES
+from moefuse.moe.tiles import EXPERTS_TOKEN_TILES, EXPERTS_WIDE, EXPERTS_WIDE_ROWS
 from moefuse.testing import assert_bitwise_equal, capture_graph, poison_
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +63,8 @@ def test_matches_reference(name):
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_batch_invariant_bits(name):
-    """A token's bits alone == inside batches of 64 and 256, and at every token-tile width."""
+    """A token's bits alone == inside batches of 64 and 256, at every token-tile width and with
+    tail tiles."""
     gu, dn = weights(name)
     h = SHAPES[name][0]
     x, idx, w = routing(name, 256, seed=7, sentinels=True)
@@ -81,6 +82,18 @@ def test_batch_invariant_bits(name):
             x[:64], gu, dn, idx[:64], w[:64], out, None, None, 1.0, False, False, token_tile=bt
         )
         assert_bitwise_equal(out, b64, f"{name}: token tile {bt}")
+    # tail tiles: an item of at most BR slots runs BR columns (mixed with full items at 256
+    # tokens: 16, 64 and 8 slots per expert on average over the three shapes)
+    # and the 256-row wide tile (EXPERTS_WIDE_ROWS) with and without a tail
+    rows = {**EXPERTS_WIDE, **EXPERTS_WIDE_ROWS}
+    for bt, br, more in ((32, 16, {}), (128, 64, {}), (256, 128, {}), (128, 32, rows),
+                         (128, 0, rows)):  # fmt: skip
+        out = poison_(torch.empty(256, h, device=DEV, dtype=torch.bfloat16))
+        launch_moe_experts(
+            x, gu, dn, idx, w, out, None, None, 1.0, False, False,
+            tile={"tail_tile": br, **more}, token_tile=bt,
+        )  # fmt: skip
+        assert_bitwise_equal(out, full, f"{name}: token tile {bt}, tail tile {br}, {more}")
     rolled = moefuse.moe_experts(x.roll(5, 0), gu, dn, idx.roll(5, 0), w.roll(5, 0))
     assert_bitwise_equal(rolled.roll(-5, 0), full, f"{name}: batch order")
 

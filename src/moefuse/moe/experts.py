@@ -119,7 +119,7 @@ def _kernel_reason(x, tokens, hidden, experts, inter, top_k) -> str | None:
         return f"{experts} experts exceed the plan kernel's {EXPERTS_MAX}"
     slots = tokens * top_k
     token_tile = experts_token_tile(slots, experts)
-    tile = experts_tile(hidden, inter, token_tile)
+    tile = experts_tile(hidden, inter, token_tile, slots)
     items = min(experts, slots) + slots // token_tile
     if items > MAX_PROGRAMS or max(inter // tile["bn_gate_up"], hidden // tile["bn_down"]) >= 65535:
         return f"T*K = {slots} slots at H = {hidden}, I = {inter} exceed one launch grid"

@@ -51,10 +51,15 @@ from moefuse._runtime import interpreter_active
 from moefuse.moe.tiles import experts_tile, experts_token_tile, next_pow2
 from moefuse.moe.triton import launch_moe_finalize
 
-#: most slots sorted per plan program (a block of next_pow2(T*K) slots up to this, at least 32),
-#: and ids read per step of its histogram loop
+#: most slots sorted per plan program (a block of next_pow2(T*K) slots up to this, at least 32)
 PLAN_SLOTS = 1024
-PLAN_CHUNK = 1024
+#: most ids read per step of a plan program's histogram loop (next_pow2(T*K) up to this, at least
+#: a block), and its warps: 8 from 4,096-id chunks on, else 4. MEASURED (H200, 2026-12-04,
+#: notes/moe-experts.md), plan kernel us with 1,024-id chunks and 4 warps -> 4,096 and 8: Qwen3
+#: T = 1024 22.3 -> 16.4, 2048 37.0 -> 26.0, 4096 59.4 -> 39.6; DeepSeek-V3 1024 27.5 -> 19.1,
+#: 2048 45.0 -> 31.6; Mixtral 1024 (2,048 ids) 13.8 -> 11.2.
+PLAN_CHUNK = 4096
+PLAN_WIDE_CHUNK_WARPS = 8
 #: int32 fields of one work item: expert (-1 = unused), first sorted slot, slot count
 ITEM_FIELDS = 3
 
@@ -112,7 +117,8 @@ def _experts_plan_kernel(
     slots are put in (expert, slot) order by one ``tl.sort`` of the keys ``expert * BS +
     offset``. A slot's rank j within its expert is the earlier blocks' count plus its place among
     the block's slots of that expert; the slot with j % BT == 0 heads a work item and writes it.
-    Work per program: T*K histogram updates and one sort of ``BS`` keys."""
+    Work per program: T*K histogram updates (one histogram per chunk of ``BC`` ids; a second one
+    only for the chunk that holds this block's first slot) and one sort of ``BS`` keys."""
     pid = tl.program_id(0)
     if USE_PDL:
         gdc_wait()  # top_k_index may come from the kernel before
@@ -124,8 +130,12 @@ def _experts_plan_kernel(
         cs = c0 + tl.arange(0, BC)
         e_c, v_c = _load_experts(idx_ptr, cs, cs < n_slots, top_k, idx_st0, idx_st1, n_experts)
         e_c = tl.where(v_c, e_c, 0)
-        counts += tl.histogram(e_c, EP, mask=v_c)
-        before += tl.histogram(e_c, EP, mask=v_c & (cs < b0))
+        chunk = tl.histogram(e_c, EP, mask=v_c)
+        counts += chunk
+        if c0 + BC <= b0:  # the whole chunk is before this block: its histogram counts too
+            before += chunk
+        elif c0 < b0:
+            before += tl.histogram(e_c, EP, mask=v_c & (cs < b0))
         c0 += BC
     tiles = (counts + BT - 1) // BT
     first_item = tl.cumsum(tiles, 0) - tiles
@@ -231,12 +241,64 @@ def _work_item(
 
 
 @triton.jit
+def _tail_item(items_ptr, BR: tl.constexpr):
+    """Whether this program's work item (from the plan kernel) is in use and holds at most
+    ``BR`` slots (``BR`` > 0): the GEMM kernels then run a tile of ``BR`` token columns, not
+    ``BT``. An expert's last item holds what its full items leave (with random routing at a mean
+    load near ``BT``, a few slots): the narrow tile spends MMAs on ``BR`` columns where the full
+    one would on ``BT``, and reads the same weight tile, which the expert's full item, next in
+    launch order, has just brought into L2. A column's bits do not depend on the tile's width
+    (module docstring)."""
+    rec = items_ptr + tl.program_id(0) * 3  # ITEM_FIELDS
+    return (tl.load(rec) >= 0) & (tl.load(rec + 2) <= BR)
+
+
+@triton.jit
 def _mma(w, xt, acc, PTX: tl.constexpr):
     """``acc + w @ xt`` with FP32 accumulation (interpreter: widened operands, module docstring)."""
     if PTX:
         return tl.dot(w, xt, acc)
     else:
         return tl.dot(widen_f32(w, PTX), widen_f32(xt, PTX), acc, input_precision="ieee")
+
+
+@triton.jit
+def _gate_up_item(
+    x_ptr, w_ptr, act_ptr, e, s, r_in, tok, x_st, w_st_e, w_st_n, w_st_k, act_st,
+    KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``act`` of this program's BN rows of I for the ``BT`` columns ``s`` / ``tok`` (in use
+    where ``r_in``) of expert ``e`` (:func:`_experts_gate_up_kernel`)."""
+    # one [2*BN, BK] weight tile per step, in blocks of 64 rows: 32 gate rows, then the 32 up
+    # rows that pair with them (rows n and INTER + n); one 64-row MMA operand per block
+    r = tl.arange(0, 2 * BN)
+    n = tl.program_id(1) * BN + (r // 64) * 32 + r % 32
+    n_in = n < INTER
+    rows = (n + ((r // 32) % 2) * INTER).to(tl.int64)
+    w_rows = w_ptr + e.to(tl.int64) * w_st_e + rows[:, None] * w_st_n
+    acc = tl.zeros([2 * BN, BT], dtype=tl.float32)
+    for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < KDIM
+        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
+        xt = tl.load(
+            x_ptr + tok[None, :] * x_st + kk[:, None],
+            mask=r_in[None, :] & k_in[:, None],
+            other=0.0,
+        )
+        acc = _mma(w, xt, acc, PTX)
+    if USE_PDL:
+        gdc_launch_dependents()
+    g, u = tl.split(tl.permute(tl.reshape(acc, [BN // 32, 2, 32, BT]), (0, 2, 3, 1)))
+    act = tl.reshape(g / (1.0 + tl.exp(-g)) * u, [BN, BT])  # silu(gate) * up, FP32
+    n_out = tl.program_id(1) * BN + tl.arange(0, BN)
+    ptrs = act_ptr + s.to(tl.int64)[None, :] * act_st + n_out[:, None]
+    tl.store(
+        ptrs,
+        round_to(act, act_ptr.dtype.element_ty, PTX),
+        mask=(n_out < INTER)[:, None] & r_in[None, :],
+    )
 
 
 @triton.jit(launch_metadata=_gemm_metadata)
@@ -269,14 +331,17 @@ def _experts_gate_up_kernel(
     SP: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
+    BR: tl.constexpr = 0,
 ):
     """act[s, n] = cast(silu(gate_n . x_t) * (up_n . x_t)) for the item's slots s (token t) and
     this program's BN rows n of I = ``INTER``. ``KDIM`` = H (the reduction). The widths are
     compile-time constants (one build per model shape: static trip counts, no column masks when
-    aligned). ``SP`` > 0: no plan kernel ran; each program computes its work item from the ids
-    and program (0, 0) writes ``slot_map`` and zeroes the down kernel's ``n_count`` finalize
-    counters. With PDL the down kernel may launch once each program's reduction loop is done
-    (an earlier trigger, right after ``gdc_wait``, measured no gain: notes/moe-experts.md)."""
+    aligned). ``BR`` > 0 (plan kernel only): an item of at most ``BR`` slots runs a tile of
+    ``BR`` token columns (:func:`_tail_item`). ``SP`` > 0: no plan kernel ran; each program
+    computes its work item from the ids and program (0, 0) writes ``slot_map`` and zeroes the
+    down kernel's ``n_count`` finalize counters. With PDL the down kernel may launch once each
+    program's reduction loop is done (an earlier trigger, right after ``gdc_wait``, measured no
+    gain: notes/moe-experts.md)."""
     if USE_PDL:
         gdc_wait()  # the plan, or with SP > 0 the top_k_index of the kernel before
     if SP > 0:
@@ -287,41 +352,49 @@ def _experts_gate_up_kernel(
                 cs = c0 + tl.arange(0, 128)
                 tl.store(count_ptr + cs, tl.zeros([128], tl.int32), mask=cs < n_count)
                 c0 += 128
-    e, s, r_in, tok = _work_item(
-        items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
-    )
-    if e >= 0:
-        # one [2*BN, BK] weight tile per step, in blocks of 64 rows: 32 gate rows, then the 32 up
-        # rows that pair with them (rows n and INTER + n); one 64-row MMA operand per block
-        r = tl.arange(0, 2 * BN)
-        n = tl.program_id(1) * BN + (r // 64) * 32 + r % 32
-        n_in = n < INTER
-        rows = (n + ((r // 32) % 2) * INTER).to(tl.int64)
-        w_rows = w_ptr + e.to(tl.int64) * w_st_e + rows[:, None] * w_st_n
-        acc = tl.zeros([2 * BN, BT], dtype=tl.float32)
-        for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
-            kk = k0 + tl.arange(0, BK)
-            k_in = kk < KDIM
-            w = tl.load(
-                w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0
-            )
-            xt = tl.load(
-                x_ptr + tok[None, :] * x_st + kk[:, None],
-                mask=r_in[None, :] & k_in[:, None],
-                other=0.0,
-            )
-            acc = _mma(w, xt, acc, PTX)
-        if USE_PDL:
-            gdc_launch_dependents()
-        g, u = tl.split(tl.permute(tl.reshape(acc, [BN // 32, 2, 32, BT]), (0, 2, 3, 1)))
-        act = tl.reshape(g / (1.0 + tl.exp(-g)) * u, [BN, BT])  # silu(gate) * up, FP32
-        n_out = tl.program_id(1) * BN + tl.arange(0, BN)
-        ptrs = act_ptr + s.to(tl.int64)[None, :] * act_st + n_out[:, None]
-        tl.store(
-            ptrs,
-            round_to(act, act_ptr.dtype.element_ty, PTX),
-            mask=(n_out < INTER)[:, None] & r_in[None, :],
+    # an item of at most BR slots runs the BR-column tile (a constexpr test first: with BR = 0
+    # the narrow tile is not built)
+    if BR > 0 and _tail_item(items_ptr, BR):
+        e_r, s_r, in_r, tok_r = _item_tokens(items_ptr, sorted_ptr, top_k, BR)  # own names: [BR]
+        _gate_up_item(
+            x_ptr, w_ptr, act_ptr, e_r, s_r, in_r, tok_r, x_st, w_st_e, w_st_n, w_st_k, act_st,
+            KDIM, INTER, BN, BK, BR, STAGES, PTX, USE_PDL,
+        )  # fmt: skip
+    else:
+        e, s, r_in, tok = _work_item(
+            items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
+        if e >= 0:
+            _gate_up_item(
+                x_ptr, w_ptr, act_ptr, e, s, r_in, tok, x_st, w_st_e, w_st_n, w_st_k, act_st,
+                KDIM, INTER, BN, BK, BT, STAGES, PTX, USE_PDL,
+            )  # fmt: skip
+
+
+@triton.jit
+def _down_item(
+    act_ptr, w_ptr, y_ptr, e, s, r_in, n, n_in, act_st, y_st, w_st_e, w_st_n, w_st_k,
+    KDIM: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``y`` of rows ``n`` of H for the ``BT`` columns ``s`` (in use where ``r_in``) of expert
+    ``e`` (:func:`_experts_down_kernel`)."""
+    w_rows = w_ptr + e.to(tl.int64) * w_st_e + n.to(tl.int64)[:, None] * w_st_n
+    s64 = s.to(tl.int64)
+    acc = tl.zeros([n.shape[0], BT], dtype=tl.float32)
+    for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < KDIM
+        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
+        at = tl.load(
+            act_ptr + s64[None, :] * act_st + kk[:, None],
+            mask=r_in[None, :] & k_in[:, None],
+            other=0.0,
+        )
+        acc = _mma(w, at, acc, PTX)
+    if USE_PDL:
+        gdc_launch_dependents()
+    tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc, mask=n_in[:, None] & r_in[None, :])
 
 
 @triton.jit(launch_metadata=_gemm_metadata)
@@ -357,10 +430,12 @@ def _experts_down_kernel(
     EXTRAS: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
+    BR: tl.constexpr = 0,
 ):
     """y[s, h] = down_h . act[s] (FP32, unrounded) for the item's slots s and this program's BN
-    rows h of H. ``KDIM`` = I (the reduction). ``row_strides`` = (act, y), ``w_strides`` =
-    (expert, output row, reduction), ``idx_strides`` those of ``top_k_index``.
+    rows h of H. ``KDIM`` = I (the reduction); ``BR`` as in :func:`_experts_gate_up_kernel`.
+    ``row_strides`` = (act, y), ``w_strides`` = (expert, output row, reduction), ``idx_strides``
+    those of ``top_k_index``.
 
     ``FINALIZE``: the finalize runs here, not in a launch of its own: every program of an H tile
     counts itself in ``counters[tile]`` (zeroed by the gate|up kernel) after its ``y`` stores,
@@ -374,30 +449,25 @@ def _experts_down_kernel(
     fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
     if USE_PDL:
         gdc_wait()  # act from the gate|up kernel
-    e, s, r_in, tok = _work_item(
-        items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
-    )
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_in = n < H
-    if e >= 0:
-        w_rows = w_ptr + e.to(tl.int64) * w_st_e + n.to(tl.int64)[:, None] * w_st_n
-        s64 = s.to(tl.int64)
-        acc = tl.zeros([BN, BT], dtype=tl.float32)
-        for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
-            kk = k0 + tl.arange(0, BK)
-            k_in = kk < KDIM
-            w = tl.load(
-                w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0
-            )
-            at = tl.load(
-                act_ptr + s64[None, :] * act_st + kk[:, None],
-                mask=r_in[None, :] & k_in[:, None],
-                other=0.0,
-            )
-            acc = _mma(w, at, acc, PTX)
-        if USE_PDL:
-            gdc_launch_dependents()
-        tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc, mask=n_in[:, None] & r_in[None, :])
+    if BR > 0 and _tail_item(items_ptr, BR):
+        e_r, s_r, in_r, _tok = _item_tokens(items_ptr, sorted_ptr, top_k, BR)  # own names: [BR]
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_in = n < H
+        _down_item(
+            act_ptr, w_ptr, y_ptr, e_r, s_r, in_r, n, n_in, act_st, y_st, w_st_e, w_st_n, w_st_k,
+            KDIM, BK, BR, STAGES, PTX, USE_PDL,
+        )  # fmt: skip
+    else:
+        e, s, r_in, _ = _work_item(
+            items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
+        )
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_in = n < H
+        if e >= 0:
+            _down_item(
+                act_ptr, w_ptr, y_ptr, e, s, r_in, n, n_in, act_st, y_st, w_st_e, w_st_n, w_st_k,
+                KDIM, BK, BT, STAGES, PTX, USE_PDL,
+            )  # fmt: skip
     if FINALIZE:
         map_st, scale_st, bias_st, shared_st, out_st = fin_strides
         fin_st = (y_st, map_st, scale_st, bias_st, idx_st0, idx_st1, shared_st, out_st)
@@ -559,6 +629,8 @@ def launch_experts_plan(
     sorted_slots: torch.Tensor,
     slot_map: torch.Tensor,
     use_pdl: bool,
+    chunk: int = PLAN_CHUNK,
+    warps: int | None = None,
 ) -> None:
     """Writes the routing plan of ``top_k_index`` [T, K] (module docstring, step 1): ``items``
     (``n_items`` records of expert, first sorted slot, slots; expert -1 when unused),
@@ -566,6 +638,8 @@ def launch_experts_plan(
     ``slot_map`` [T, K] (s or -1)."""
     slots = top_k_index.numel()
     block = min(PLAN_SLOTS, max(32, next_pow2(slots)))
+    chunk = max(block, min(chunk, next_pow2(slots)))
+    warps = warps or (PLAN_WIDE_CHUNK_WARPS if chunk >= 4096 else 4)
     args = (
         top_k_index, items, sorted_slots, slot_map,
         slots, top_k_index.shape[1], experts, items.numel() // ITEM_FIELDS,
@@ -576,21 +650,23 @@ def launch_experts_plan(
         (triton.cdiv(slots, block),),
         *args,
         BS=block,
-        BC=PLAN_CHUNK,
+        BC=chunk,
         EP=max(16, next_pow2(experts)),
         BT=token_tile,
         USE_PDL=use_pdl,
-        num_warps=4,
+        num_warps=warps,
         **_pdl_kwargs(use_pdl),
     )
 
 
 class _Plan(NamedTuple):
-    """Work of one :func:`launch_moe_experts` call: token tile ``bt``, work items, inline plan
-    width ``sp`` (0: the plan kernel runs), whether the down kernel finalizes (``fused``), the
-    plan buffers, the down kernel's per-H-tile counters and the ``act`` / ``y`` scratch rows."""
+    """Work of one :func:`launch_moe_experts` call: token tile ``bt``, tail tile ``br`` (0:
+    none), work items, inline plan width ``sp`` (0: the plan kernel runs), whether the down
+    kernel finalizes (``fused``), the plan buffers, the down kernel's per-H-tile counters and
+    the ``act`` / ``y`` scratch rows."""
 
     bt: int
+    br: int
     n_items: int
     sp: int
     fused: bool
@@ -615,11 +691,15 @@ def _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl) 
     y = torch.empty(slots, hidden, dtype=torch.float32, device=dev)
     sp = next_pow2(slots) if slots <= cfg["inline_plan_slots"] else 0
     fused = bool(sp) and slots <= cfg["fuse_finalize_slots"]
+    br = cfg["tail_tile"] if not sp and cfg["tail_tile"] < bt else 0
     n_htiles = triton.cdiv(hidden, cfg["bn_down"])
     counters = torch.empty(n_htiles if fused else 1, dtype=torch.int32, device=dev)
     if not sp:
-        launch_experts_plan(top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl)
-    return _Plan(bt, n_items, sp, fused, items, sorted_slots, slot_map, counters, act, y)
+        launch_experts_plan(
+            top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl,
+            cfg.get("plan_chunk", PLAN_CHUNK), cfg.get("plan_warps"),
+        )  # fmt: skip
+    return _Plan(bt, br, n_items, sp, fused, items, sorted_slots, slot_map, counters, act, y)
 
 
 def _launch_gate_up(
@@ -651,6 +731,7 @@ def _launch_gate_up(
         BN=cfg["bn_gate_up"],
         BK=cfg["bk"],
         BT=plan.bt,
+        BR=plan.br,
         STAGES=cfg["stages"],
         SP=plan.sp,
         PTX=not interpreter_active(),
@@ -702,6 +783,7 @@ def _launch_down(
         BN=cfg["bn_down"],
         BK=cfg["bk"],
         BT=plan.bt,
+        BR=plan.br,
         STAGES=cfg["stages"],
         SP=plan.sp,
         FINALIZE=plan.fused,
@@ -737,8 +819,9 @@ def launch_moe_experts(
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
     if tokens == 0 or hidden == 0:
         return
-    token_tile = token_tile or experts_token_tile(tokens * top_k_index.shape[1], experts)
-    cfg = dict(experts_tile(hidden, inter, token_tile), **(tile or {}))
+    slots = tokens * top_k_index.shape[1]
+    token_tile = token_tile or experts_token_tile(slots, experts)
+    cfg = dict(experts_tile(hidden, inter, token_tile, slots), **(tile or {}))
     plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
     _launch_gate_up(
         hidden_states, gate_up_proj, top_k_index, experts, plan, cfg, transposed, use_pdl

@@ -75,6 +75,17 @@ EXPERTS_TOKEN_TILES = (16, 32, 64, 128, 256)
 #: 22202 -> 11685, DeepSeek-V3 8192 27682 -> 18736).
 EXPERTS_WIDE_FROM_TILE = 128
 EXPERTS_WIDE = {"bn_gate_up": 64, "bn_down": 128, "bk": 64, "warps": 8, "stages": 3}
+#: from this many routed slots (T*K) on, the wide tile at 128 token columns takes 256 weight rows
+#: per program (:data:`EXPERTS_WIDE_ROWS`: 128 gate + 128 up rows, 256 down rows, 16 warps, one
+#: 64-row MMA block per warp group, 4 stages of 48 KB): each k-step moves (256 + 128) x 64 x 2 B
+#: for 256 x 128 x 64 MACs (85 flop/B where 128 rows give 64). MEASURED (H200, 2026-12-04,
+#: notes/moe-experts.md), CUDA-graph us, 128 -> 256 rows: Qwen3 T = 2048 (16,384 slots) 568.1 ->
+#: 543.6 and 590.3 -> 558.9 (two runs), DeepSeek-V3 2048 7207.1 -> 6600.6; below the cut: Qwen3
+#: 1024 410.2 -> 420.5 and 418.2 -> 425.2, 1536 470.9 -> 475.2, Mixtral 256 739.0 -> 723.3 and
+#: 780.1 -> 762.1, 512 1127.7 -> 1152.8, DeepSeek-V3 1536 7109.8 -> 6622.0. At 256 token
+#: columns it does not fit the registers (ptxas: 154 needed, 128 available at 16 warps).
+EXPERTS_WIDE_ROWS_FROM_SLOTS = 16384
+EXPERTS_WIDE_ROWS = {"bn_gate_up": 128, "bn_down": 256, "warps": 16, "stages": 4}
 #: the widest token tile (256 columns) only when the mean load per expert fills this share of it;
 #: below, 128 columns and several programs for the busiest experts. MEASURED (H200, 2026-12-04,
 #: b21ac12, wide tile, us at 256 -> 128 columns): Qwen3 T = 2048 (mean 128 slots per expert)
@@ -82,6 +93,16 @@ EXPERTS_WIDE = {"bn_gate_up": 64, "bn_down": 128, "bk": 64, "warps": 8, "stages"
 #: 5fd72aa: Qwen3 8192 (512) 1977 -> 2127, DeepSeek-V3 8192 (256) 18736 -> 19271. The cut
 #: between 128 and 256 is unmeasured; 3/4 splits it.
 EXPERTS_WIDEST_TILE_FILL = 0.75
+#: token columns of the tail tile: with a token tile of at least :data:`EXPERTS_TAIL_FROM_TILE`
+#: columns, an item of at most this many slots (an expert's last item, holding what its full
+#: items leave) runs a tile this wide (:func:`moefuse.moe.experts_triton._tail_item`); the same
+#: bits. MEASURED (H200, 2026-12-04, notes/moe-experts.md), CUDA-graph us without -> with a
+#: 32-column tail: Qwen3 T = 1024 421.5 -> 419.1, 2048 611.4 -> 587.0, 4096 1097.6 -> 1028.0;
+#: Mixtral 256 750.2 -> 751.4, 1024 1742.9 -> 1700.1; DeepSeek-V3 1024 7188.0 -> 7077.2, 2048
+#: 7273.5 -> 7236.1 (16 and 128 columns: no better anywhere; 64: better at a mean load of half
+#: the token tile, worse at a full one).
+EXPERTS_TAIL_TILE = 32
+EXPERTS_TAIL_FROM_TILE = 64
 #: experts up to this many (the plan kernel's per-expert histogram is one block)
 EXPERTS_MAX = 4096
 #: up to this many routed slots (T*K), no plan kernel runs: each GEMM program computes its work
@@ -97,12 +118,16 @@ EXPERTS_INLINE_PLAN_SLOTS = 32
 EXPERTS_FUSE_FINALIZE_SLOTS = 8
 
 
-def experts_tile(hidden: int, inter: int, token_tile: int = 16) -> dict:
-    """Tile of the fused experts kernels for hidden size ``hidden``, expert width ``inter`` and
-    token tile ``token_tile`` (:func:`experts_token_tile`): ``{"bn_gate_up", "bn_down", "bk",
-    "warps", "stages", "inline_plan_slots", "fuse_finalize_slots"}``, with
-    :data:`EXPERTS_WIDE`'s keys from :data:`EXPERTS_WIDE_FROM_TILE` token columns on."""
+def experts_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
+    """Tile of the fused experts kernels for hidden size ``hidden``, expert width ``inter``,
+    token tile ``token_tile`` (:func:`experts_token_tile`) and ``slots`` = T*K routed slots:
+    ``{"bn_gate_up", "bn_down", "bk", "warps", "stages", "inline_plan_slots",
+    "fuse_finalize_slots", "tail_tile"}``, with :data:`EXPERTS_WIDE`'s keys from
+    :data:`EXPERTS_WIDE_FROM_TILE` token columns on, and :data:`EXPERTS_WIDE_ROWS`' at 128
+    columns from :data:`EXPERTS_WIDE_ROWS_FROM_SLOTS` slots on."""
     wide = EXPERTS_WIDE if token_tile >= EXPERTS_WIDE_FROM_TILE else {}
+    if token_tile == 128 and slots >= EXPERTS_WIDE_ROWS_FROM_SLOTS:
+        wide = {**EXPERTS_WIDE, **EXPERTS_WIDE_ROWS}
     return {
         "bn_gate_up": EXPERTS_BN_GATE_UP,
         "bn_down": EXPERTS_BN_DOWN,
@@ -111,6 +136,7 @@ def experts_tile(hidden: int, inter: int, token_tile: int = 16) -> dict:
         "stages": EXPERTS_STAGES,
         "inline_plan_slots": EXPERTS_INLINE_PLAN_SLOTS,
         "fuse_finalize_slots": EXPERTS_FUSE_FINALIZE_SLOTS,
+        "tail_tile": EXPERTS_TAIL_TILE if token_tile >= EXPERTS_TAIL_FROM_TILE else 0,
         **wide,
     }
 
