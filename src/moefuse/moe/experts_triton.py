@@ -14,7 +14,8 @@ Four launches, no weight copy, every routed expert's weights read once per token
    the matching up rows once ([BN, H] each) and multiplies them with the item's tokens (gathered
    rows of ``hidden_states``): ``g, u = W_gate x, W_up x`` in FP32 (tensor-core MMAs, k16 steps in
    ascending k), ``act = cast(silu(g) * u)`` (FP32 math, one rounding to the activation dtype,
-   as the down GEMM's operand) stored per slot: ``act[s, :]``.
+   as the down GEMM's operand) stored per slot: ``act[s, :]``. An item of at most ``BR`` slots
+   (an expert's last, nearly empty one) runs a ``BR``-column tile instead (:func:`_tail_item`).
 3. ``_experts_down_kernel`` — grid (item, tile of H): ``y[s, :] = W_down act[s]`` in FP32, stored
    unrounded per slot.
 4. the deterministic finalize (:func:`moefuse.moe.triton.launch_moe_finalize`, expanded rows,
@@ -29,8 +30,9 @@ steps one loop step takes (``BK`` 128, or 64 in the wide tile of prefill-sized l
 :data:`moefuse.moe.tiles.EXPERTS_WIDE`); masked columns are zeros and never mix with others. So a
 token's ``act``, ``y`` and output bits depend on its own row, its experts and the weights only
 (GPU tests: a token alone, in batches of 64 and 256, at every token-tile width, the wide tile's
-128 and 256 included; ``scripts/probe_experts_variants.py``: narrow and wide tiles bitwise equal
-at 256 to 8,192 tokens).
+128 and 256 included, with tail tiles and with 256 weight rows per program;
+``scripts/probe_experts_variants.py``: narrow and wide tiles, tails and 256-row tiles bitwise
+equal at 256 to 8,192 tokens).
 
 Interpreter: ``tl.dot`` there multiplies BF16 bit patterns as integers, so off the PTX path both
 operands are widened to FP32 first (exact) and the product is an IEEE FP32 matmul.
