@@ -9,7 +9,9 @@ and at T = 1 (every T with ``--kernels``) the device µs per kernel of one eager
         [--variant NAME=JSON ...] [--only] [--kernels] [--out DIR]
 
 ``--variant plan='{"inline_plan_slots": 0}'`` overrides keys of
-:func:`moefuse.moe.tiles.experts_tile`, and ``"token_tile"`` forces the token columns (default
+:func:`moefuse.moe.tiles.experts_tile` (``"tail_tile"`` included), ``"token_tile"`` forces the
+token columns, and ``"plan_chunk"`` / ``"plan_warps"`` set the plan kernel's ids per histogram
+step and warps (:func:`moefuse.moe.experts_triton.launch_experts_plan`; default
 variants: the default tile, the plan kernel, the separate finalize;
 ``--only`` drops them). Writes ``experts_variants.json`` under ``--out`` (default: the current
 directory) after every row.

@@ -815,7 +815,8 @@ def launch_moe_experts(
     token_tile: int | None = None,
 ) -> None:
     """Writes ``out`` [T, H] (module docstring). ``tile`` / ``token_tile`` override the policy
-    of :mod:`moefuse.moe.tiles` (benchmarks and the invariance tests only)."""
+    of :mod:`moefuse.moe.tiles` (benchmarks and the invariance tests only; ``tile`` may also
+    carry ``plan_chunk`` / ``plan_warps`` for :func:`launch_experts_plan`)."""
     tokens, hidden = hidden_states.shape
     experts = gate_up_proj.shape[0]
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
