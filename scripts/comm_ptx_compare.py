@@ -60,6 +60,7 @@ MODULES = {
     "quant": ("moefuse.quant.fused",),
     "moe": ("moefuse.moe.triton",),
     "moe.experts": ("moefuse.moe.experts_triton",),
+    "moe.experts_plan": ("moefuse.moe.experts_plan", "moefuse.moe.experts_triton"),
 }
 
 #: pointer types other than BF16, by argument name (per family where names mean different things)
@@ -101,6 +102,7 @@ POINTERS = {
         "sorted_ptr": "*i32",
         "slot_map_ptr": "*i32",
         "count_ptr": "*i32",
+        "counts_ptr": "*i32",
         "y_ptr": "*fp32",
     },
 }
@@ -605,7 +607,9 @@ def moe_cases(mods) -> list[dict]:
         _case("moe", "_moe_permute_kernel", "", dict(VEC=8, BLOCK=block, USE_PDL=True), **pdl)
     )
     plan = dict(BS=32, BC=128, EP=128, BT=16, USE_PDL=True)
-    out.append(_case("moe.experts", "_experts_plan_kernel", "", plan, num_warps=4, launch_pdl=True))
+    out.append(
+        _case("moe.experts_plan", "_experts_plan_kernel", "", plan, num_warps=4, launch_pdl=True)
+    )
     cfg = experts_tile(H, 1536)
     # w_st_k = 1: weights K-contiguous, which a launch passes as 1 and the JIT makes a constant
     common = dict(

@@ -9,6 +9,7 @@ import re
 
 import triton
 
+import moefuse.moe.experts_plan as xp
 import moefuse.moe.experts_triton as xt
 from moefuse.moe.tiles import experts_tile
 from moefuse.tools.ptxas import TARGET, ptxas_report, specialised_source, with_constexpr_defaults
@@ -28,6 +29,7 @@ def build(kernel, consts, warps):
         "y_ptr": "*fp32",
         "idx_ptr": "*i64",
         "slot_map_ptr": "*i32",
+        "counts_ptr": "*i32",
     }
     src = specialised_source(kernel, consts, types, _divisible)
     opts = {"num_warps": warps, "launch_pdl": consts.get("USE_PDL", False)}
@@ -80,24 +82,18 @@ def main():
                         "griddepcontrol.wait" in ptx,
                     )
                 )
-    c = build(
-        xt._experts_plan_kernel,
-        dict(BS=xt.PLAN_SLOTS, BC=xt.PLAN_CHUNK, EP=256, BT=16, USE_PDL=True),
-        xt.PLAN_WIDE_CHUNK_WARPS,
-    )
-    rows.append(
-        (
-            "plan",
-            16,
-            "_experts_plan_kernel",
-            ptxas_report(c.asm["ptx"]).regs,
-            0,
-            c.metadata.shared,
-            "-",
-            False,
-            "griddepcontrol.wait" in c.asm["ptx"],
+    plan = dict(BS=xp.PLAN_SLOTS, BC=xp.PLAN_CHUNK, EP=256, BT=16, USE_PDL=True)
+    for tag, kern, consts, warps in (
+        ("plan", xp._experts_plan_kernel, dict(plan, CB=0), xp.PLAN_WIDE_CHUNK_WARPS),
+        ("plan two-phase", xp._experts_plan_kernel, dict(plan, CB=16), xp.PLAN_WIDE_CHUNK_WARPS),
+        ("block counts", xp._experts_block_counts_kernel, dict(BS=1024, EP=256, USE_PDL=True), 4),
+    ):
+        c = build(kern, consts, warps)
+        rep = ptxas_report(c.asm["ptx"])
+        pdl = "griddepcontrol.wait" in c.asm["ptx"]
+        rows.append(
+            (tag, 16, kern.fn.__name__, rep.regs, rep.spills, c.metadata.shared, "-", False, pdl)
         )
-    )
     print("shape bt/tail/rows kernel regs spills smem mma cp.async16 pdl")
     for r in rows:
         print(*r)

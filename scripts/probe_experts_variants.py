@@ -10,11 +10,11 @@ and at T = 1 (every T with ``--kernels``) the device µs per kernel of one eager
 
 ``--variant plan='{"inline_plan_slots": 0}'`` overrides keys of
 :func:`moefuse.moe.tiles.experts_tile` (``"tail_tile"`` included), ``"token_tile"`` forces the
-token columns, and ``"plan_chunk"`` / ``"plan_warps"`` set the plan kernel's ids per histogram
-step and warps (:func:`moefuse.moe.experts_triton.launch_experts_plan`; default
-variants: the default tile, the plan kernel, the separate finalize;
-``--only`` drops them). Writes ``experts_variants.json`` under ``--out`` (default: the current
-directory) after every row.
+token columns, and ``"plan_chunk"`` / ``"plan_warps"`` / ``"plan_two_phase"`` set the plan
+kernel's ids per histogram step, its warps and the two-phase plan
+(:func:`moefuse.moe.experts_plan.launch_experts_plan`). Default variants: the default tile, the
+plan kernel, the separate finalize (``--only`` drops them). Writes ``experts_variants.json``
+under ``--out`` (default: the current directory) after every row.
 """
 
 from __future__ import annotations

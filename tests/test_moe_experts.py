@@ -9,12 +9,12 @@ import torch
 import moefuse
 from moefuse import _fastpath
 from moefuse.moe import reference as ref
-from moefuse.moe.experts_triton import (
+from moefuse.moe.experts_plan import (
     experts_item_count,
     experts_plan_buffers,
     launch_experts_plan,
-    launch_moe_experts,
 )
+from moefuse.moe.experts_triton import launch_moe_experts
 from moefuse.moe.tiles import EXPERTS_WIDE, EXPERTS_WIDE_ROWS
 from moefuse.testing import assert_bitwise_equal, bits, expect_value_error, poison_
 
@@ -175,13 +175,19 @@ def test_plan_kernel(tokens, top_k, experts, bt):
     )
     want_items, want_sorted, want_map = _plan_model(idx, experts, bt)
     # chunks of ids as wide as a block, and (several blocks) 4x wider: a chunk then holds
-    # earlier blocks' slots and this block's, and takes the second histogram
-    for chunk in (1024, 4096) if tokens * top_k > 1024 else (1024,):
+    # earlier blocks' slots and this block's, and takes the second histogram; and the two-phase
+    # plan (per-block counts first)
+    several = tokens * top_k > 1024
+    modes = [(1024, False), (4096, False), (1024, True)] if several else [(1024, False)]
+    for chunk, two_phase in modes:
         for t in (items, sorted_slots, slot_map):
             t.fill_(-7)
-        launch_experts_plan(idx, experts, bt, items, sorted_slots, slot_map, False, chunk=chunk)
+        launch_experts_plan(
+            idx, experts, bt, items, sorted_slots, slot_map, False, chunk=chunk,
+            two_phase=two_phase,
+        )  # fmt: skip
         got = items.view(-1, 3).tolist()
-        assert [tuple(r) for r in got[: len(want_items)]] == want_items, chunk
+        assert [tuple(r) for r in got[: len(want_items)]] == want_items, (chunk, two_phase)
         assert all(r[0] == -1 for r in got[len(want_items) :])
         assert sorted_slots[: len(want_sorted)].tolist() == want_sorted
         assert slot_map.reshape(-1).tolist() == want_map

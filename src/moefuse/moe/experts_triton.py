@@ -2,14 +2,16 @@
 
 Four launches, no weight copy, every routed expert's weights read once per token tile:
 
-1. ``_experts_plan_kernel`` — the routing plan from ``top_k_index`` alone. Slot ``s = t*K + k``
-   is valid when its expert id lies in [0, E). Each program takes a block of up to 1,024 slots:
-   histograms of all ids (``tl.histogram``) give every expert's slot count and how many of its
-   slots earlier blocks hold, and one ``tl.sort`` orders the block by (expert, slot), so
-   ``sorted_slots`` lists the valid slots by expert, ascending slot within an expert. The slot
-   that starts each tile of at most ``BT`` tokens of an expert writes that *work item*
-   ``(expert, first sorted slot, slots)``; program 0 writes ``expert = -1`` into the unused items
-   of the static item count. ``slot_map[t, k]`` is ``s`` or -1 (the finalize's validity mask).
+1. ``_experts_plan_kernel`` (:mod:`moefuse.moe.experts_plan`) — the routing plan from
+   ``top_k_index`` alone. Slot ``s = t*K + k`` is valid when its expert id lies in [0, E). Each
+   program takes a block of up to 1,024 slots: histograms of all ids (``tl.histogram``; or of
+   each block once, in a first launch, with the two-phase plan) give every expert's slot count
+   and how many of its slots earlier blocks hold, and one ``tl.sort`` orders the block by
+   (expert, slot), so ``sorted_slots`` lists the valid slots by expert, ascending slot within an
+   expert. The slot that starts each tile of at most ``BT`` tokens of an expert writes that *work
+   item* ``(expert, first sorted slot, slots)``; program 0 writes ``expert = -1`` into the unused
+   items of the static item count. ``slot_map[t, k]`` is ``s`` or -1 (the finalize's validity
+   mask).
 2. ``_experts_gate_up_kernel`` — grid (item, tile of I): streams the item's expert's gate rows and
    the matching up rows once ([BN, H] each) and multiplies them with the item's tokens (gathered
    rows of ``hidden_states``): ``g, u = W_gate x, W_up x`` in FP32 (tensor-core MMAs, k16 steps in
@@ -50,24 +52,16 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import fma_ftz, round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
+from moefuse.moe.experts_plan import (
+    PLAN_CHUNK,
+    experts_item_count,
+    experts_plan_buffers,
+    launch_experts_plan,
+    load_experts,
+    pdl_kwargs,
+)
 from moefuse.moe.tiles import experts_tile, experts_token_tile, next_pow2
 from moefuse.moe.triton import launch_moe_finalize
-
-#: most slots sorted per plan program (a block of next_pow2(T*K) slots up to this, at least 32)
-PLAN_SLOTS = 1024
-#: most ids read per step of a plan program's histogram loop (next_pow2(T*K) up to this, at least
-#: a block), and its warps: 8 from 4,096-id chunks on, else 4. MEASURED (H200, 2026-12-04,
-#: notes/moe-experts.md), plan kernel us with 1,024-id chunks and 4 warps -> 4,096 and 8: Qwen3
-#: T = 1024 22.3 -> 16.4, 2048 37.0 -> 26.0, 4096 59.4 -> 39.6; DeepSeek-V3 1024 27.5 -> 19.1,
-#: 2048 45.0 -> 31.6; Mixtral 1024 (2,048 ids) 13.8 -> 11.2.
-PLAN_CHUNK = 4096
-PLAN_WIDE_CHUNK_WARPS = 8
-#: int32 fields of one work item: expert (-1 = unused), first sorted slot, slot count
-ITEM_FIELDS = 3
-
-
-def _pdl_kwargs(use_pdl: bool) -> dict:
-    return {"launch_pdl": True} if use_pdl else {}
 
 
 # launch metadata (evaluated only under a profiler hook): weight bytes of the whole grid, unused
@@ -78,98 +72,6 @@ def _gemm_metadata(grid, kernel, args):
         "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
         "bytes": grid[0] * grid[1] * rows * args["KDIM"] * 2,
     }
-
-
-# ----------------------------------------------------------------------------- plan
-@triton.jit
-def _load_experts(idx_ptr, s, s_in, top_k, st0, st1, n_experts):
-    """``(expert, valid)`` of slots ``s`` (int32); the expert is ``n_experts`` for invalid slots
-    (outside [0, E): sentinels) and ``n_experts + 1`` where ``s_in`` is False."""
-    t = s // top_k
-    k = s - t * top_k
-    ids = tl.load(idx_ptr + t.to(tl.int64) * st0 + k * st1, mask=s_in, other=-1).to(tl.int64)
-    valid = s_in & (ids >= 0) & (ids < n_experts)
-    e = tl.where(valid, ids, tl.where(s_in, n_experts, n_experts + 1)).to(tl.int32)
-    return e, valid
-
-
-@triton.jit(do_not_specialize=["n_slots", "n_experts", "n_items"])
-def _experts_plan_kernel(
-    idx_ptr,
-    items_ptr,
-    sorted_ptr,
-    slot_map_ptr,
-    n_slots,
-    top_k,
-    n_experts,
-    n_items,
-    idx_st0,
-    idx_st1,
-    BS: tl.constexpr,
-    BC: tl.constexpr,
-    EP: tl.constexpr,
-    BT: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """Routing plan (module docstring, step 1) for this program's block of ``BS`` slots. Integer
-    work only: every program reads all T*K expert ids, so the grid cannot change the plan.
-
-    Two histograms of all ids (every valid slot, and those before this block) give each expert's
-    first sorted position and how many of its slots the earlier blocks hold; the block's own
-    slots are put in (expert, slot) order by one ``tl.sort`` of the keys ``expert * BS +
-    offset``. A slot's rank j within its expert is the earlier blocks' count plus its place among
-    the block's slots of that expert; the slot with j % BT == 0 heads a work item and writes it.
-    Work per program: T*K histogram updates (one histogram per chunk of ``BC`` ids; a second one
-    only for the chunk that holds this block's first slot) and one sort of ``BS`` keys."""
-    pid = tl.program_id(0)
-    if USE_PDL:
-        gdc_wait()  # top_k_index may come from the kernel before
-    b0 = pid * BS
-    counts = tl.zeros([EP], dtype=tl.int32)
-    before = tl.zeros([EP], dtype=tl.int32)
-    c0 = 0
-    while c0 < n_slots:
-        cs = c0 + tl.arange(0, BC)
-        e_c, v_c = _load_experts(idx_ptr, cs, cs < n_slots, top_k, idx_st0, idx_st1, n_experts)
-        e_c = tl.where(v_c, e_c, 0)
-        chunk = tl.histogram(e_c, EP, mask=v_c)
-        counts += chunk
-        if c0 + BC <= b0:  # the whole chunk is before this block: its histogram counts too
-            before += chunk
-        elif c0 < b0:
-            before += tl.histogram(e_c, EP, mask=v_c & (cs < b0))
-        c0 += BC
-    tiles = (counts + BT - 1) // BT
-    first_item = tl.cumsum(tiles, 0) - tiles
-    starts = tl.cumsum(counts, 0) - counts
-    off = tl.arange(0, BS)
-    mine = b0 + off
-    m_in = mine < n_slots
-    e_m, v_m = _load_experts(idx_ptr, mine, m_in, top_k, idx_st0, idx_st1, n_experts)
-    in_block = tl.histogram(tl.where(v_m, e_m, 0), EP, mask=v_m)
-    block_start = tl.cumsum(in_block, 0) - in_block  # an expert's first place in the sorted block
-    key = tl.sort(tl.where(v_m, e_m, EP) * BS + off)  # invalid slots sort last (expert EP)
-    e_q = key // BS  # the expert and the slot at each place of the sorted block
-    v_q = e_q < EP
-    e_g = tl.minimum(e_q, EP - 1)
-    slot = b0 + key % BS
-    j = tl.gather(before, e_g, 0) + off - tl.gather(block_start, e_g, 0)  # rank within expert
-    pos = tl.gather(starts, e_g, 0) + j
-    head = v_q & (j % BT == 0)
-    rec = items_ptr + (tl.gather(first_item, e_g, 0) + j // BT) * 3
-    tl.store(rec, e_q, mask=head)
-    tl.store(rec + 1, pos, mask=head)
-    tl.store(rec + 2, tl.minimum(tl.gather(counts, e_g, 0) - j, BT), mask=head)
-    tl.store(sorted_ptr + pos, slot, mask=v_q)
-    tl.store(slot_map_ptr + mine, tl.where(v_m, mine, -1), mask=m_in)
-    if pid == 0:  # the static item count's unused tail
-        i0 = tl.sum(tiles, 0)
-        while i0 < n_items:
-            ii = i0 + tl.arange(0, BS)
-            tl.store(items_ptr + ii * 3, tl.full([BS], -1, tl.int32), mask=ii < n_items)
-            i0 += BS
-    if USE_PDL:
-        gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------- GEMMs
@@ -195,7 +97,7 @@ def _inline_item_tokens(
     slots: the same work items as the plan kernel (experts ascending, ``BT`` slots per item,
     slots ascending within an expert), from pairwise compares of all slots' expert ids."""
     sl = tl.arange(0, SP)
-    e_s, v_s = _load_experts(idx_ptr, sl, sl < n_slots, top_k, st0, st1, n_experts)
+    e_s, v_s = load_experts(idx_ptr, sl, sl < n_slots, top_k, st0, st1, n_experts)
     same = (e_s[:, None] == e_s[None, :]) & v_s[:, None] & v_s[None, :]
     rank = tl.sum((same & (sl[None, :] < sl[:, None])).to(tl.int32), axis=1)  # j within expert
     count = tl.sum(same.to(tl.int32), axis=1)
@@ -217,7 +119,7 @@ def _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, st0, st1, 
     """``slot_map[s] = s`` for a valid slot, -1 for a sentinel (the finalize's mask)."""
     sl = tl.arange(0, SP)
     sl_in = sl < n_slots
-    _e, v_s = _load_experts(idx_ptr, sl, sl_in, top_k, st0, st1, n_experts)
+    _e, v_s = load_experts(idx_ptr, sl, sl_in, top_k, st0, st1, n_experts)
     tl.store(slot_map_ptr + sl, tl.where(v_s, sl, -1), mask=sl_in)
 
 
@@ -607,60 +509,6 @@ def _weight_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     return w.stride(0), w.stride(1), w.stride(2)
 
 
-def experts_item_count(slots: int, experts: int, token_tile: int) -> int:
-    """Static upper bound of the plan's work items: sum_e cdiv(c_e, BT) <= D + (T*K - D) // BT
-    with D = min(E, T*K) experts in use."""
-    used = min(experts, slots)
-    return used + (slots - used) // token_tile
-
-
-def experts_plan_buffers(tokens: int, top_k: int, n_items: int, device):
-    """``(items [n_items * 3], sorted_slots [T*K], slot_map [T, K])`` int32, uninitialised."""
-    return (
-        torch.empty(n_items * ITEM_FIELDS, dtype=torch.int32, device=device),
-        torch.empty(tokens * top_k, dtype=torch.int32, device=device),
-        torch.empty(tokens, top_k, dtype=torch.int32, device=device),
-    )
-
-
-def launch_experts_plan(
-    top_k_index: torch.Tensor,
-    experts: int,
-    token_tile: int,
-    items: torch.Tensor,
-    sorted_slots: torch.Tensor,
-    slot_map: torch.Tensor,
-    use_pdl: bool,
-    chunk: int = PLAN_CHUNK,
-    warps: int | None = None,
-) -> None:
-    """Writes the routing plan of ``top_k_index`` [T, K] (module docstring, step 1): ``items``
-    (``n_items`` records of expert, first sorted slot, slots; expert -1 when unused),
-    ``sorted_slots`` (valid slots by expert; the tail past the valid count is not written) and
-    ``slot_map`` [T, K] (s or -1)."""
-    slots = top_k_index.numel()
-    block = min(PLAN_SLOTS, max(32, next_pow2(slots)))
-    chunk = max(block, min(chunk, next_pow2(slots)))
-    warps = warps or (PLAN_WIDE_CHUNK_WARPS if chunk >= 4096 else 4)
-    args = (
-        top_k_index, items, sorted_slots, slot_map,
-        slots, top_k_index.shape[1], experts, items.numel() // ITEM_FIELDS,
-        top_k_index.stride(0), top_k_index.stride(1),
-    )  # fmt: skip
-    launch(
-        _experts_plan_kernel,
-        (triton.cdiv(slots, block),),
-        *args,
-        BS=block,
-        BC=chunk,
-        EP=max(16, next_pow2(experts)),
-        BT=token_tile,
-        USE_PDL=use_pdl,
-        num_warps=warps,
-        **_pdl_kwargs(use_pdl),
-    )
-
-
 class _Plan(NamedTuple):
     """Work of one :func:`launch_moe_experts` call: token tile ``bt``, tail tile ``br`` (0:
     none), work items, inline plan width ``sp`` (0: the plan kernel runs), whether the down
@@ -700,6 +548,7 @@ def _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl) 
         launch_experts_plan(
             top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl,
             cfg.get("plan_chunk", PLAN_CHUNK), cfg.get("plan_warps"),
+            cfg.get("plan_two_phase", False),
         )  # fmt: skip
     return _Plan(bt, br, n_items, sp, fused, items, sorted_slots, slot_map, counters, act, y)
 
@@ -739,7 +588,7 @@ def _launch_gate_up(
         PTX=not interpreter_active(),
         USE_PDL=use_pdl,
         num_warps=cfg["warps"],
-        **_pdl_kwargs(use_pdl),
+        **pdl_kwargs(use_pdl),
     )
 
 
@@ -794,7 +643,7 @@ def _launch_down(
         USE_PDL=use_pdl,
         num_warps=cfg["warps"],
         enable_fp_fusion=False,
-        **_pdl_kwargs(use_pdl),
+        **pdl_kwargs(use_pdl),
     )
 
 
@@ -816,7 +665,7 @@ def launch_moe_experts(
 ) -> None:
     """Writes ``out`` [T, H] (module docstring). ``tile`` / ``token_tile`` override the policy
     of :mod:`moefuse.moe.tiles` (benchmarks and the invariance tests only; ``tile`` may also
-    carry ``plan_chunk`` / ``plan_warps`` for :func:`launch_experts_plan`)."""
+    carry ``plan_chunk`` / ``plan_warps`` / ``plan_two_phase`` for :func:`launch_experts_plan`)."""
     tokens, hidden = hidden_states.shape
     experts = gate_up_proj.shape[0]
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
