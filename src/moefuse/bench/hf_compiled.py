@@ -21,7 +21,11 @@ experts); "patched" is a deep copy after ``moefuse.integrations.transformers.pat
 4. ``generate``: ``generate(..., cache_implementation="static")`` (transformers compiles the
    decode step with mode="reduce-overhead": CUDA graphs), ``--new`` greedy tokens; decode
    tokens / s = (new - 1) / (t(new) - t(1)) (the prefill, eager, cancels out), medians of
-   ``--repeats``; greedy-token agreement with the other variant and with the FP32 model.
+   ``--repeats``; greedy-token agreement with the other variant and with the FP32 model. Each
+   variant starts from ``torch._dynamo.reset()`` (which also drops the CUDA-graph trees), as in
+   a process that serves one model: the other model's compiled frames (the two share
+   transformers' forward wrapper, so their graphs were entries of one frame's cache) and its
+   recorded graphs are gone while it runs.
 5. ``prefill``: the compiled forward over ``--prefill`` tokens (no cache, ``logits_to_keep=1``
    as generate's prefill), captured and replayed like the step; on a GPU, the kernels of one
    replay at the largest ``--prefill`` (row ``prefill <T> profile``, as ``profile``).
@@ -385,6 +389,7 @@ def run(args, device) -> list[dict]:
                 if device.type != "cuda":
                     config.mode, config._compile_all_devices = None, True
                 for v in variants:
+                    torch._dynamo.reset()  # a fresh process's compile state (docstring, 4.)
                     row, seq = v.generate_rate(prompt, config)
                     tokens[v.name] = seq[:, prompt.shape[1] :]
                     rows += [row, _reused_cache_rate(v, prompt, config, tokens[v.name])]
