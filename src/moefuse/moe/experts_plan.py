@@ -217,9 +217,9 @@ def launch_experts_plan(
     """Writes the routing plan of ``top_k_index`` [T, K] (:mod:`moefuse.moe.experts_triton`,
     step 1): ``items`` (``n_items`` records of expert, first sorted slot, slots; expert -1 when
     unused), ``sorted_slots`` (valid slots by expert; the tail past the valid count is not
-    written) and ``slot_map`` [T, K] (s or -1). ``two_phase`` (more than one block of slots): a first launch
-    histograms each block once (:func:`_experts_block_counts_kernel`) and the plan programs sum
-    those counts instead of reading every id; the same plan."""
+    written) and ``slot_map`` [T, K] (s or -1). ``two_phase`` (more than one block of slots): a
+    first launch histograms each block once (:func:`_experts_block_counts_kernel`) and the plan
+    programs sum those counts instead of reading every id; the same plan."""
     slots = top_k_index.numel()
     block = min(PLAN_SLOTS, max(32, next_pow2(slots)))
     chunk = max(block, min(chunk, next_pow2(slots)))
