@@ -183,9 +183,16 @@ def test_plan_kernel(tokens, top_k, experts, bt):
         for t in (items, sorted_slots, slot_map):
             t.fill_(-7)
         launch_experts_plan(
-            idx, experts, bt, items, sorted_slots, slot_map, False, chunk=chunk,
+            idx,
+            experts,
+            bt,
+            items,
+            sorted_slots,
+            slot_map,
+            False,
+            chunk=chunk,
             two_phase=two_phase,
-        )  # fmt: skip
+        )
         got = items.view(-1, 3).tolist()
         assert [tuple(r) for r in got[: len(want_items)]] == want_items, (chunk, two_phase)
         assert all(r[0] == -1 for r in got[len(want_items) :])
@@ -195,9 +202,15 @@ def test_plan_kernel(tokens, top_k, experts, bt):
 
 @pytest.mark.parametrize(
     "tokens,top_k,experts,bt",
-    [(1, 8, 128, 16), (40, 2, 3, 16), (9, 3, 7, 16), (5, 4, 300, 32), (3, 2, 4, 16),
-     (40, 2, 3, 32)],
-)  # fmt: skip
+    [
+        (1, 8, 128, 16),
+        (40, 2, 3, 16),
+        (9, 3, 7, 16),
+        (5, 4, 300, 32),
+        (3, 2, 4, 16),
+        (40, 2, 3, 32),
+    ],
+)
 def test_inline_plan_and_fused_finalize_match_plan_kernel(tokens, top_k, experts, bt):
     """At T*K <= the inline limit each GEMM program computes its work item from the ids and the
     down kernel's last program per H tile runs the finalize: same items, same finalize, so the

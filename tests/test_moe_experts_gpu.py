@@ -86,13 +86,29 @@ def test_batch_invariant_bits(name):
     # tokens: 16, 64 and 8 slots per expert on average over the three shapes)
     # and the 256-row wide tile (EXPERTS_WIDE_ROWS) with and without a tail
     rows = {**EXPERTS_WIDE, **EXPERTS_WIDE_ROWS}
-    for bt, br, more in ((32, 16, {}), (128, 64, {}), (256, 128, {}), (128, 32, rows),
-                         (128, 0, rows)):  # fmt: skip
+    for bt, br, more in (
+        (32, 16, {}),
+        (128, 64, {}),
+        (256, 128, {}),
+        (128, 32, rows),
+        (128, 0, rows),
+    ):
         out = poison_(torch.empty(256, h, device=DEV, dtype=torch.bfloat16))
         launch_moe_experts(
-            x, gu, dn, idx, w, out, None, None, 1.0, False, False,
-            tile={"tail_tile": br, **more}, token_tile=bt,
-        )  # fmt: skip
+            x,
+            gu,
+            dn,
+            idx,
+            w,
+            out,
+            None,
+            None,
+            1.0,
+            False,
+            False,
+            tile={"tail_tile": br, **more},
+            token_tile=bt,
+        )
         assert_bitwise_equal(out, full, f"{name}: token tile {bt}, tail tile {br}, {more}")
     rolled = moefuse.moe_experts(x.roll(5, 0), gu, dn, idx.roll(5, 0), w.roll(5, 0))
     assert_bitwise_equal(rolled.roll(-5, 0), full, f"{name}: batch order")

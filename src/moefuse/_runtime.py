@@ -98,6 +98,12 @@ def resolve_pdl(enable_pdl: bool | None, device: torch.device, default: bool = T
     return False
 
 
+def pdl_launch_kwargs(use_pdl: bool) -> dict:
+    """Launch options of a kernel launched with programmatic dependent launch when ``use_pdl``
+    (nothing otherwise: the option is passed only when it is on)."""
+    return {"launch_pdl": True} if use_pdl else {}
+
+
 def log_once(op: str, message: str) -> None:
     key = (op, message)
     if key not in _logged:

@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._fastpath import launch
+from moefuse._runtime import pdl_launch_kwargs
 from moefuse.moe.tiles import next_pow2
 
 #: most slots sorted per plan program (a block of next_pow2(T*K) slots up to this, at least 32)
@@ -28,11 +29,6 @@ PLAN_WIDE_CHUNK_WARPS = 8
 PLAN_COUNT_STEP = 4096
 #: int32 fields of one work item: expert (-1 = unused), first sorted slot, slot count
 ITEM_FIELDS = 3
-
-
-def pdl_kwargs(use_pdl: bool) -> dict:
-    """Launch options of the experts kernels: programmatic dependent launch when ``use_pdl``."""
-    return {"launch_pdl": True} if use_pdl else {}
 
 
 @triton.jit
@@ -75,9 +71,19 @@ def _experts_block_counts_kernel(
 
 @triton.jit
 def _expert_counts(
-    idx_ptr, counts_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, b0,
-    BS: tl.constexpr, BC: tl.constexpr, EP: tl.constexpr, CB: tl.constexpr,
-):  # fmt: skip
+    idx_ptr,
+    counts_ptr,
+    n_slots,
+    top_k,
+    n_experts,
+    idx_st0,
+    idx_st1,
+    b0,
+    BS: tl.constexpr,
+    BC: tl.constexpr,
+    EP: tl.constexpr,
+    CB: tl.constexpr,
+):
     """``(counts [EP], before [EP])``: every expert's valid slots, and those before slot ``b0``
     (this program's block). ``CB`` = 0: histograms of all ids, one per chunk of ``BC`` (a second
     one only for the chunk that holds ``b0``); ``CB`` > 0: sums of the per-block histograms
@@ -243,13 +249,19 @@ def launch_experts_plan(
             EP=ep,
             USE_PDL=use_pdl,
             num_warps=4,
-            **pdl_kwargs(use_pdl),
+            **pdl_launch_kwargs(use_pdl),
         )
     launch(
         _experts_plan_kernel,
         (grid,),
-        top_k_index, items, sorted_slots, slot_map, counts,
-        *idx_args, items.numel() // ITEM_FIELDS, *strides,
+        top_k_index,
+        items,
+        sorted_slots,
+        slot_map,
+        counts,
+        *idx_args,
+        items.numel() // ITEM_FIELDS,
+        *strides,
         BS=block,
         BC=chunk,
         EP=ep,
@@ -257,5 +269,5 @@ def launch_experts_plan(
         CB=cb,
         USE_PDL=use_pdl,
         num_warps=warps,
-        **pdl_kwargs(use_pdl),
-    )  # fmt: skip
+        **pdl_launch_kwargs(use_pdl),
+    )

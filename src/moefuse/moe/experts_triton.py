@@ -51,14 +51,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import fma_ftz, round_to, widen_f32
 from moefuse._fastpath import launch
-from moefuse._runtime import interpreter_active
+from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.moe.experts_plan import (
     PLAN_CHUNK,
     experts_item_count,
     experts_plan_buffers,
     launch_experts_plan,
     load_experts,
-    pdl_kwargs,
 )
 from moefuse.moe.tiles import experts_tile, experts_token_tile, next_pow2
 from moefuse.moe.triton import launch_moe_finalize
@@ -168,12 +167,25 @@ def _mma(w, xt, acc, PTX: tl.constexpr):
 
 @triton.jit
 def _gate_up_item(
-    x_ptr, w_ptr, act_ptr, e, s, r_in, tok, x_st, w_st_e, w_st_n, w_st_k, act_st,
-    KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BT: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """``act`` of this program's BN rows of I for the ``BT`` columns ``s`` / ``tok`` (in use
-    where ``r_in``) of expert ``e`` (:func:`_experts_gate_up_kernel`)."""
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    item,
+    strides,
+    KDIM: tl.constexpr,
+    INTER: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``act`` of this program's BN rows of I for the ``BT`` columns of ``item`` = (expert,
+    slots, columns in use, token rows) (:func:`_experts_gate_up_kernel`); ``strides`` = (x row,
+    act row, weight expert, weight row, weight reduction)."""
+    e, s, r_in, tok = item
+    x_st, act_st, w_st_e, w_st_n, w_st_k = strides
     # one [2*BN, BK] weight tile per step, in blocks of 64 rows: 32 gate rows, then the 32 up
     # rows that pair with them (rows n and INTER + n); one 64-row MMA operand per block
     r = tl.arange(0, 2 * BN)
@@ -258,31 +270,43 @@ def _experts_gate_up_kernel(
                 c0 += 128
     # an item of at most BR slots runs the BR-column tile (a constexpr test first: with BR = 0
     # the narrow tile is not built)
+    strides = (x_st, act_st, w_st_e, w_st_n, w_st_k)
     if BR > 0 and _tail_item(items_ptr, BR):
-        e_r, s_r, in_r, tok_r = _item_tokens(items_ptr, sorted_ptr, top_k, BR)  # own names: [BR]
+        tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)  # its own name: [BR] columns
         _gate_up_item(
-            x_ptr, w_ptr, act_ptr, e_r, s_r, in_r, tok_r, x_st, w_st_e, w_st_n, w_st_k, act_st,
-            KDIM, INTER, BN, BK, BR, STAGES, PTX, USE_PDL,
-        )  # fmt: skip
+            x_ptr, w_ptr, act_ptr, tail, strides, KDIM, INTER, BN, BK, BR, STAGES, PTX, USE_PDL
+        )
     else:
-        e, s, r_in, tok = _work_item(
+        item = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
-        if e >= 0:
+        if item[0] >= 0:
             _gate_up_item(
-                x_ptr, w_ptr, act_ptr, e, s, r_in, tok, x_st, w_st_e, w_st_n, w_st_k, act_st,
-                KDIM, INTER, BN, BK, BT, STAGES, PTX, USE_PDL,
-            )  # fmt: skip
+                x_ptr, w_ptr, act_ptr, item, strides, KDIM, INTER, BN, BK, BT, STAGES, PTX, USE_PDL
+            )
 
 
 @triton.jit
 def _down_item(
-    act_ptr, w_ptr, y_ptr, e, s, r_in, n, n_in, act_st, y_st, w_st_e, w_st_n, w_st_k,
-    KDIM: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """``y`` of rows ``n`` of H for the ``BT`` columns ``s`` (in use where ``r_in``) of expert
-    ``e`` (:func:`_experts_down_kernel`)."""
+    act_ptr,
+    w_ptr,
+    y_ptr,
+    item,
+    rows,
+    strides,
+    KDIM: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``y`` of ``rows`` = (rows of H, in range) for the ``BT`` columns of ``item`` = (expert,
+    slots, columns in use, token rows) (:func:`_experts_down_kernel`); ``strides`` = (act row,
+    y row, weight expert, weight row, weight reduction)."""
+    e, s, r_in, _tok = item
+    n, n_in = rows
+    act_st, y_st, w_st_e, w_st_n, w_st_k = strides
     w_rows = w_ptr + e.to(tl.int64) * w_st_e + n.to(tl.int64)[:, None] * w_st_n
     s64 = s.to(tl.int64)
     acc = tl.zeros([n.shape[0], BT], dtype=tl.float32)
@@ -353,25 +377,25 @@ def _experts_down_kernel(
     fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
     if USE_PDL:
         gdc_wait()  # act from the gate|up kernel
+    strides = (act_st, y_st, w_st_e, w_st_n, w_st_k)
+    # the rows after the item's fetch in both branches (the order the code had before the tail)
     if BR > 0 and _tail_item(items_ptr, BR):
-        e_r, s_r, in_r, _tok = _item_tokens(items_ptr, sorted_ptr, top_k, BR)  # own names: [BR]
+        tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)  # its own name: [BR] columns
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_in = n < H
         _down_item(
-            act_ptr, w_ptr, y_ptr, e_r, s_r, in_r, n, n_in, act_st, y_st, w_st_e, w_st_n, w_st_k,
-            KDIM, BK, BR, STAGES, PTX, USE_PDL,
-        )  # fmt: skip
+            act_ptr, w_ptr, y_ptr, tail, (n, n_in), strides, KDIM, BK, BR, STAGES, PTX, USE_PDL
+        )
     else:
-        e, s, r_in, _ = _work_item(
+        item = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_in = n < H
-        if e >= 0:
+        if item[0] >= 0:
             _down_item(
-                act_ptr, w_ptr, y_ptr, e, s, r_in, n, n_in, act_st, y_st, w_st_e, w_st_n, w_st_k,
-                KDIM, BK, BT, STAGES, PTX, USE_PDL,
-            )  # fmt: skip
+                act_ptr, w_ptr, y_ptr, item, (n, n_in), strides, KDIM, BK, BT, STAGES, PTX, USE_PDL
+            )
     if FINALIZE:
         map_st, scale_st, bias_st, shared_st, out_st = fin_strides
         fin_st = (y_st, map_st, scale_st, bias_st, idx_st0, idx_st1, shared_st, out_st)
@@ -546,10 +570,17 @@ def _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl) 
     counters = torch.empty(n_htiles if fused else 1, dtype=torch.int32, device=dev)
     if not sp:
         launch_experts_plan(
-            top_k_index, experts, bt, items, sorted_slots, slot_map, use_pdl,
-            cfg.get("plan_chunk", PLAN_CHUNK), cfg.get("plan_warps"),
-            cfg.get("plan_two_phase", False),
-        )  # fmt: skip
+            top_k_index,
+            experts,
+            bt,
+            items,
+            sorted_slots,
+            slot_map,
+            use_pdl,
+            chunk=cfg.get("plan_chunk", PLAN_CHUNK),
+            warps=cfg.get("plan_warps"),
+            two_phase=cfg.get("plan_two_phase", False),
+        )
     return _Plan(bt, br, n_items, sp, fused, items, sorted_slots, slot_map, counters, act, y)
 
 
@@ -588,7 +619,7 @@ def _launch_gate_up(
         PTX=not interpreter_active(),
         USE_PDL=use_pdl,
         num_warps=cfg["warps"],
-        **pdl_kwargs(use_pdl),
+        **pdl_launch_kwargs(use_pdl),
     )
 
 
@@ -643,7 +674,7 @@ def _launch_down(
         USE_PDL=use_pdl,
         num_warps=cfg["warps"],
         enable_fp_fusion=False,
-        **pdl_kwargs(use_pdl),
+        **pdl_launch_kwargs(use_pdl),
     )
 
 

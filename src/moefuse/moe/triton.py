@@ -30,12 +30,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import fma_ftz, round_to, widen_f32
 from moefuse._fastpath import launch
-from moefuse._runtime import interpreter_active
+from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.moe.tiles import MAX_UNROLL_K, finalize_tile, vec_width
-
-
-def _pdl_kwargs(use_pdl: bool) -> dict:
-    return {"launch_pdl": True} if use_pdl else {}
 
 
 # launch metadata: only evaluated while a profiler hook is installed (e.g. proton), so that the
@@ -406,7 +402,7 @@ def launch_moe_finalize(
         USE_PDL=use_pdl,
         num_warps=num_warps,
         enable_fp_fusion=False,
-        **_pdl_kwargs(use_pdl),
+        **pdl_launch_kwargs(use_pdl),
     )
 
 
@@ -439,7 +435,7 @@ def launch_moe_finalize_scatter_add(
             PTX=not interpreter_active(),
             USE_PDL=use_pdl,
             num_warps=num_warps,
-            **_pdl_kwargs(use_pdl),
+            **pdl_launch_kwargs(use_pdl),
         )
     if float(routed_scaling_factor) != 1.0:
         buf.mul_(torch.tensor(float(routed_scaling_factor), dtype=torch.float32))
@@ -472,5 +468,5 @@ def launch_moe_permute(
         BLOCK=block,
         USE_PDL=use_pdl,
         num_warps=num_warps,
-        **_pdl_kwargs(use_pdl),
+        **pdl_launch_kwargs(use_pdl),
     )

@@ -31,7 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to, rsqrt_fast
 from moefuse._fastpath import launch
-from moefuse._runtime import interpreter_active, sm_count
+from moefuse._runtime import interpreter_active, pdl_launch_kwargs, sm_count
 from moefuse.norm import tiles
 from moefuse.norm.tiles import RowTile
 
@@ -447,14 +447,9 @@ def _prefetch(tile: RowTile) -> bool:
     return tile.prefetch and _persistent(tile)
 
 
-def _pdl_kwargs(use_pdl: bool) -> dict:
-    # the interpreter ignores unknown launch options, but only pass it when it is on
-    return {"launch_pdl": True} if use_pdl else {}
-
-
 def _launch_kwargs(tile: RowTile, use_pdl: bool) -> dict:
     """PDL and, for persistent launches, the register cap that keeps programs_per_sm resident."""
-    out = _pdl_kwargs(use_pdl)
+    out = pdl_launch_kwargs(use_pdl)
     cap = tile.max_registers()
     if cap is not None and not interpreter_active():
         out = {**out, "maxnreg": cap}

@@ -24,16 +24,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import rcp_fast, round_to
 from moefuse._fastpath import launch
-from moefuse._runtime import interpreter_active
+from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.norm.tiles import next_pow2, row_tile
 from moefuse.quant import device as D
 from moefuse.quant.formats import LAYOUTS, RECIPES, scale_layout_shape
 
 ELEMENTWISE_TILE = 4096  # elements per program of the elementwise kernels
-
-
-def _pdl_kwargs(use_pdl: bool) -> dict:
-    return {"launch_pdl": True} if use_pdl else {}
 
 
 def _ptx() -> bool:
@@ -135,7 +131,7 @@ def launch_fp8_quantize(
         PTX=_ptx(),
         USE_PDL=use_pdl,
         num_warps=warps,
-        **_pdl_kwargs(use_pdl),
+        **pdl_launch_kwargs(use_pdl),
     )
 
 
@@ -226,7 +222,7 @@ def launch_fp8_quantize_per_token(input, q, scales, use_pdl: bool) -> None:
         PTX=_ptx(),
         USE_PDL=use_pdl,
         num_warps=tile.num_warps,
-        **_pdl_kwargs(use_pdl),
+        **pdl_launch_kwargs(use_pdl),
     )
 
 
@@ -296,7 +292,7 @@ def launch_fp8_dequantize(input, scale, out, fmt: int, use_pdl: bool) -> None:
         PTX=_ptx(),
         USE_PDL=use_pdl,
         num_warps=warps,
-        **_pdl_kwargs(use_pdl),
+        **pdl_launch_kwargs(use_pdl),
     )
 
 
@@ -403,7 +399,7 @@ def launch_fp4_quantize(
         PTX=_ptx(),
         USE_PDL=use_pdl,
         num_warps=warps,
-        **_pdl_kwargs(use_pdl),
+        **pdl_launch_kwargs(use_pdl),
     )
 
 
@@ -477,7 +473,7 @@ def launch_fp4_dequantize(packed, scales, global_scale, out, layout: str, use_pd
         PTX=_ptx(),
         USE_PDL=use_pdl,
         num_warps=warps,
-        **_pdl_kwargs(use_pdl),
+        **pdl_launch_kwargs(use_pdl),
     )
 
 

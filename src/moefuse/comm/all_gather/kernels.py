@@ -43,7 +43,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._fastpath import launch
-from moefuse._runtime import interpreter_active
+from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.comm import device as D
 from moefuse.comm.tiles import next_pow2
 
@@ -454,7 +454,7 @@ def launch_allgather(
     # the grid is the same on every rank (MIN-reduced SM count): in the interpreter, which runs
     # CTAs one after another, CTA j of every rank pushes before it waits on CTA j of the peers
     ctas = max(1, min(m, ws.max_ctas(warps)))
-    extra = {"launch_pdl": True} if use_pdl else {}
+    extra = pdl_launch_kwargs(use_pdl)
     launch(
         _allgather_kernel,
         (ctas,),

@@ -38,7 +38,7 @@ import triton
 
 from moefuse import knobs
 from moefuse._fastpath import launch
-from moefuse._runtime import interpreter_active
+from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.comm.moe_reduction.oneshot import _moe_oneshot_kernel, _moe_split_kernel
 from moefuse.comm.moe_reduction.torch_path import _moe_gathered_kernel, _moe_partial_kernel
 from moefuse.comm.moe_reduction.twoshot import _moe_twoshot_kernel
@@ -361,7 +361,7 @@ def _launch_torch(ws, tile, args, counts, n_kcols, scal, producer, common) -> No
         PTX=common["PTX"],
         num_warps=tile.num_warps,
         enable_fp_fusion=False,
-        **({"launch_pdl": True} if use_pdl else {}),
+        **pdl_launch_kwargs(use_pdl),
         **producer,
     )
     gathered = gather_stacked(part, ws)
