@@ -663,16 +663,16 @@ def _launch_down(
         KDIM=act.shape[1],
         H=hidden,
         BN=cfg["bn_down"],
-        BK=cfg["bk"],
+        BK=cfg.get("down_bk", cfg["bk"]),
         BT=plan.bt,
         BR=plan.br,
-        STAGES=cfg["stages"],
+        STAGES=cfg.get("down_stages", cfg["stages"]),
         SP=plan.sp,
         FINALIZE=plan.fused,
         EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None),
         PTX=not interpreter_active(),
         USE_PDL=use_pdl,
-        num_warps=cfg["warps"],
+        num_warps=cfg.get("down_warps", cfg["warps"]),
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
     )
@@ -696,7 +696,8 @@ def launch_moe_experts(
 ) -> None:
     """Writes ``out`` [T, H] (module docstring). ``tile`` / ``token_tile`` override the policy
     of :mod:`moefuse.moe.tiles` (benchmarks and the invariance tests only; ``tile`` may also
-    carry ``plan_chunk`` / ``plan_warps`` / ``plan_two_phase`` for :func:`launch_experts_plan`)."""
+    carry ``plan_chunk`` / ``plan_warps`` / ``plan_two_phase`` for :func:`launch_experts_plan`, and
+    ``down_bk`` / ``down_stages`` / ``down_warps``: the down kernel's own, else the shared keys)."""
     tokens, hidden = hidden_states.shape
     experts = gate_up_proj.shape[0]
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
