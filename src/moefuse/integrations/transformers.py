@@ -39,6 +39,8 @@ import torch
 
 from moefuse._runtime import IMPLS
 from moefuse.integrations._experts import IMPL_ATTR, NAME, SHARED_ATTR, moefuse_experts_forward
+from moefuse.moe.reference import router_topk_reference
+from moefuse.moe.router import router_topk
 from moefuse.norm.api import (
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
@@ -64,6 +66,19 @@ FUSABLE_LAYERS = frozenset(
 #: MoE blocks computing ``experts(x) + shared_experts(x)`` (read in transformers 5.x); with the
 #: "moefuse" experts the shared output is added inside the finalize (FP32, one rounding)
 SHARED_EXPERT_BLOCKS = frozenset({"DeepseekV3MoE"})
+#: top-k routers whose forward is ``logits = F.linear(x, weight)``, an FP32 softmax, ``topk``, an
+#: optional renormalization (``norm_topk_prob``) and the weights in the logits' dtype or FP32
+#: (read in transformers 5.x); patched ones run :func:`moefuse.router_topk` after the linear
+SOFTMAX_TOPK_ROUTERS = frozenset(
+    {
+        "Qwen3MoeTopKRouter",
+        "Qwen2MoeTopKRouter",
+        "Qwen3NextTopKRouter",
+        "Qwen3VLMoeTextTopKRouter",
+        "OlmoeTopKRouter",
+        "MixtralTopKRouter",
+    }
+)
 _HALF = (torch.bfloat16, torch.float16)
 _STATE = "_moefuse_patch"
 
@@ -207,6 +222,83 @@ def _patch_shared_blocks(model) -> int:
     return n
 
 
+# ----------------------------------------------------------------------------- routers
+class _RouterState:
+    __slots__ = ("forward", "saved", "renormalize", "weights_dtype", "impl")
+
+    def __init__(self, forward, saved, renormalize, weights_dtype, impl):
+        self.forward, self.saved, self.impl = forward, saved, impl
+        self.renormalize, self.weights_dtype = renormalize, weights_dtype
+
+
+def _router_forward(self, hidden_states: torch.Tensor):
+    """Patched top-k router: ``(router_logits, weights, ids)`` as the original returns them, the
+    softmax, top-k and renormalization in one :func:`moefuse.router_topk` launch; the original
+    forward for FP32 inputs or while autograd records."""
+    st = self.__dict__[_STATE]
+    weight = self.weight
+    if (
+        hidden_states.dtype not in _HALF
+        or weight.dtype != hidden_states.dtype
+        or (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad))
+    ):
+        return st.forward(hidden_states)
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, weight.shape[1]), weight)
+    weights, ids = router_topk(
+        logits,
+        self.top_k,
+        renormalize=st.renormalize,
+        weights_dtype=st.weights_dtype,
+        ids_dtype=torch.int64,
+        impl=st.impl,
+    )
+    return logits, weights, ids
+
+
+@torch.no_grad()
+def _probe_router(module) -> tuple[bool, torch.dtype] | None:
+    """``(renormalize, weights dtype)`` of a router in :data:`SOFTMAX_TOPK_ROUTERS`, read from its
+    original forward on probe rows and checked against :func:`router_topk_reference` (the chosen
+    scores equal, the weights within a rounding); None when they disagree."""
+    weight, top_k = getattr(module, "weight", None), getattr(module, "top_k", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.is_meta:
+        return None
+    if weight.dtype not in _HALF or not isinstance(top_k, int) or not 1 <= top_k <= weight.shape[0]:
+        return None
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(4, weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
+    out = module.forward(x)
+    if not (isinstance(out, tuple) and len(out) == 3):
+        return None
+    logits, w, ids = out
+    if w.shape != (4, top_k) or ids.shape != (4, top_k) or ids.dtype != torch.int64:
+        return None
+    renormalize = bool(torch.allclose(w.float().sum(-1), torch.ones(4, device=w.device), atol=2e-2))
+    ref_w, ref_ids = router_topk_reference(logits, top_k, "softmax", renormalize, w.dtype)
+    scores = torch.softmax(logits.float(), dim=-1)
+    same_choice = torch.equal(
+        scores.gather(1, ids).sort(-1).values, scores.gather(1, ref_ids.long()).sort(-1).values
+    )
+    close = torch.allclose(w.float().sort(-1).values, ref_w.float().sort(-1).values, rtol=1e-2)
+    return (renormalize, w.dtype) if same_choice and close else None
+
+
+def _patch_routers(model, impl: str) -> int:
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ not in SOFTMAX_TOPK_ROUTERS or _STATE in module.__dict__:
+            continue
+        semantics = _probe_router(module)
+        if semantics is None:
+            continue
+        module.__dict__[_STATE] = _RouterState(
+            module.forward, module.__dict__.get("forward"), *semantics, impl
+        )
+        module.forward = types.MethodType(_router_forward, module)
+        n += 1
+    return n
+
+
 # ----------------------------------------------------------------------------- decoder layers
 class _LayerState:
     __slots__ = ("forward", "saved", "next_norm")
@@ -291,16 +383,19 @@ def patch(
     model,
     *,
     experts: bool = True,
+    routers: bool = True,
     norms: bool = True,
     fuse_residual: bool = True,
     impl: str = "auto",
 ) -> dict:
     """Run ``model`` (a transformers ``PreTrainedModel``) on moefuse; returns what was patched:
-    ``{"experts": previous implementation or None, "norms": n, "fused_layers": n,
+    ``{"experts": previous implementation or None, "routers": n, "norms": n, "fused_layers": n,
     "shared_expert_blocks": n}``.
 
     ``experts``: register and select the ``"moefuse"`` experts implementation, and add the shared
-    experts of :data:`SHARED_EXPERT_BLOCKS` inside its finalize. ``norms``: RMSNorm
+    experts of :data:`SHARED_EXPERT_BLOCKS` inside its finalize. ``routers``: the softmax top-k
+    routers of :data:`SOFTMAX_TOPK_ROUTERS` onto :func:`moefuse.router_topk` (each checked on
+    probe rows against its original forward at patch time). ``norms``: RMSNorm
     modules onto :func:`moefuse.rmsnorm`. ``fuse_residual`` (needs ``norms``): residual adds of
     :data:`FUSABLE_LAYERS` as :func:`moefuse.fused_add_rmsnorm`. Patching twice is a no-op;
     :func:`unpatch` undoes everything. ``impl`` ("auto" | "triton" | "reference", DESIGN.md) is
@@ -314,7 +409,7 @@ def patch(
         )
     if impl not in IMPLS:
         raise ValueError(f"moefuse.patch: argument 'impl' must be one of {IMPLS}, got {impl!r}")
-    report = {"experts": None, "norms": 0, "fused_layers": 0}
+    report = {"experts": None, "routers": 0, "norms": 0, "fused_layers": 0}
     if experts and hasattr(model, "set_experts_implementation"):
         register()
         previous = model.config._experts_implementation
@@ -326,6 +421,8 @@ def patch(
                 module.__dict__[IMPL_ATTR] = impl
         report["shared_expert_blocks"] = _patch_shared_blocks(model)
         report["experts"] = model.__dict__.get("_moefuse_previous_experts")
+    if routers:
+        report["routers"] = _patch_routers(model, impl)
     if norms:
         for module in model.modules():
             if type(module).__name__.endswith("RMSNorm") and _patch_norm(module, impl):

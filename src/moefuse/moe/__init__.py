@@ -1,6 +1,7 @@
 """The MoE family: the deterministic finalize (spec), its scatter-add baseline, the fused routed
-experts (gate|up, activation, down and finalize at transformers' weight layouts), the routing
-helpers that build a finalize's inputs, and a whole-layer pipeline for benchmarks."""
+experts (gate|up, activation, down and finalize at transformers' weight layouts), the fused
+router top-k, the routing helpers that build a finalize's inputs, and a whole-layer pipeline for
+benchmarks."""
 
 from moefuse.moe.api import (
     moe_finalize,
@@ -12,6 +13,7 @@ from moefuse.moe.api import (
 )
 from moefuse.moe.experts import moe_experts, supports_moe_experts
 from moefuse.moe.layer import MoEWeights, moe_layer
+from moefuse.moe.router import router_topk, supports_router_topk
 from moefuse.moe.routing import RoutingPlan, route_topk, sort_by_expert
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "supports_moe_permute",
     "moe_experts",
     "supports_moe_experts",
+    "router_topk",
+    "supports_router_topk",
     "route_topk",
     "sort_by_expert",
     "RoutingPlan",

@@ -167,3 +167,23 @@ def _(
     backend,
 ):
     return None
+
+
+@custom_op("moefuse::router_topk", mutates_args=("weights", "ids"))
+def router_topk_op(
+    router_logits: Tensor,
+    top_k: int,
+    weights: Tensor,
+    ids: Tensor,
+    softmax: bool,
+    renormalize: bool,
+    use_pdl: bool,
+) -> None:
+    from moefuse.moe.router_triton import launch_router_topk
+
+    launch_router_topk(router_logits, top_k, weights, ids, softmax, renormalize, use_pdl)
+
+
+@router_topk_op.register_fake
+def _(router_logits, top_k, weights, ids, softmax, renormalize, use_pdl):
+    return None

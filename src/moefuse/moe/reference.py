@@ -257,3 +257,31 @@ def moe_experts_reference(
         input_is_expanded=True,
         out_dtype=hidden_states.dtype,
     )
+
+
+def router_topk_reference(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    weights_dtype: torch.dtype = torch.float32,
+    ids_dtype: torch.dtype = torch.int32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moefuse.router_topk` in torch (spec: router_topk): FP32 scores, the K highest in
+    descending order with ties to the lower expert id and NaN below every number (a stable sort),
+    the chosen scores divided by their sum in ascending k, one rounding to ``weights_dtype``."""
+    x = router_logits.float()
+    if scoring == "softmax":
+        p = torch.exp(x - x.max(dim=-1, keepdim=True).values)
+        score = p / p.sum(dim=-1, keepdim=True)
+    else:
+        score = torch.sigmoid(x)
+    rank = torch.where(torch.isnan(score), float("-inf"), score)
+    order = torch.sort(rank, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = torch.gather(score, 1, order)
+    if renormalize:
+        total = torch.zeros_like(weights[:, 0])
+        for k in range(top_k):
+            total = total + weights[:, k]
+        weights = weights / total[:, None]
+    return weights.to(weights_dtype), order.to(ids_dtype)
