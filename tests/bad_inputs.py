@@ -38,7 +38,7 @@ SCALAR_PARAMS = {
     "routed_scaling_factor", "enable_pdl", "impl", "layout", "recipe", "dtype", "out_dtype",
     "top_k", "input_is_expanded", "transposed", "activation", "scoring", "renormalize", "pad_to",
     "num_experts", "use_fused_finalize", "weight_bias", "fp32_acc", "algorithm", "accumulate",
-    "quant", "weight_before_norm",
+    "quant", "weight_before_norm", "weights_dtype", "ids_dtype",
 }  # fmt: skip
 BAD_SCALARS = ("1", True, float("nan"), -1, None, object())
 #: budget: examples per op (fixed, derandomized: the same calls on every run)
@@ -115,6 +115,12 @@ def local_cases(dev) -> dict:
             out=e(m, h),
         ),
         "route_topk": lambda: dict(router_logits=r(m, 6, dtype=F32), top_k=2, scoring="softmax"),
+        "router_topk": lambda: dict(
+            router_logits=r(m, 6),
+            top_k=2,
+            weights_out=e(m, 2, dtype=F32),
+            ids_out=e(m, 2, dtype=torch.int32),
+        ),
         "sort_by_expert": lambda: dict(
             topk_ids=i32(0, 2, 1, 0, 2, 2, 1, 0, shape=(m, 2)), num_experts=3, pad_to=2
         ),

@@ -66,6 +66,9 @@ def every_op(t: dict, impl: str) -> dict:
     out["rmsnorm_sigmoid_gate"] = moefuse.rmsnorm_sigmoid_gate(t["heads"], t["gate"], impl=impl)
     weights, ids = moefuse.route_topk(t["logits"], K)
     out["route_topk"] = (weights, ids)
+    out["router_topk"] = moefuse.router_topk(
+        t["logits"].to(BF16), K, weights_dtype=BF16, ids_dtype=torch.int64, impl=impl
+    )
     plan = moefuse.sort_by_expert(t["ids"], E)
     out["sort_by_expert"] = tuple(plan[:3])
     xp = moefuse.moe_permute(x, plan.permuted_idx_to_expanded_idx, K, impl=impl)

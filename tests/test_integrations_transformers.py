@@ -25,8 +25,10 @@ VOCAB = 256
 #: per model: the seed of the weights and prompt. Chosen (seeds 0-3 measured, notes/integrations.md)
 #: where the random model's greedy FP32 continuation has margins BF16 can keep and no token's
 #: routing flips; the unpatched BF16 DeepSeek model leaves the FP32 continuation at every seed
-#: measured, the patched one keeps it at seeds 1 and 2.
-SEEDS = {"qwen3_moe": 2, "mixtral": 2, "deepseek_v3": 2}
+#: measured, the patched one keeps it at seeds 1 and 2. Mixtral at seed 2 has one token whose two
+#: best router logits are the same BF16 value: the fused router takes the lower expert id
+#: (router_topk's rule), torch's CPU topk the other one.
+SEEDS = {"qwen3_moe": 2, "mixtral": 1, "deepseek_v3": 2}
 
 
 def build(kind: str, seed: int, *, hidden=64, layers=2, vocab=VOCAB):

@@ -98,6 +98,7 @@ def single_gpu_calls(dev, *, m: int = 1, h: int = 4096, impl: str = "auto"):
     _, ids = route_topk(torch.randn(m, NUM_EXPERTS, generator=g, device=dev), TOP_K)
     plan = sort_by_expert(ids, NUM_EXPERTS)
     weights = rnd(m, TOP_K, dtype=torch.float32, kind="positive")
+    logits = rnd(m, NUM_EXPERTS)
     rows = rnd(plan.num_rows, h)
     xp = torch.empty(plan.num_rows, h, dtype=bf, device=dev)
     ins.refresh()
@@ -133,6 +134,9 @@ def single_gpu_calls(dev, *, m: int = 1, h: int = 4096, impl: str = "auto"):
          lambda: moefuse.moe_experts(x, gate_up, down, ids, weights, **kw)),
         ("moe_permute", "moe_permute",
          lambda: moefuse.moe_permute(x, p2e, TOP_K, out=xp, **kw)),
+        ("router_topk", "router_topk",
+         lambda: moefuse.router_topk(logits, TOP_K, weights_dtype=bf, ids_dtype=torch.int64,
+                                     **kw)),
         ("fp8_quantize", "fp8_quantize", lambda: moefuse.fp8_quantize(x, scale, **kw)),
         ("fp8_quantize_per_token", "fp8_quantize_per_token",
          lambda: moefuse.fp8_quantize_per_token(x, **kw)),

@@ -18,6 +18,11 @@ is imported only when one of these functions runs.
   the NEXT norm (the next layer's ``input_layernorm``, or the final ``norm`` after the last layer):
   the layer returns the residual stream as usual and hands the normalized row to that norm, which
   uses it only when it is called with that very tensor (identity check, no data read).
+* Softmax top-k routers (:data:`SOFTMAX_TOPK_ROUTERS`): after the router's linear, the softmax,
+  top-k, renormalization and cast run as one :func:`moefuse.router_topk` launch. The semantics
+  (renormalized or not, weights in the logits' dtype or FP32) are read from the original forward
+  on probe rows at patch time and checked against the reference; a router that disagrees keeps
+  its forward. Ties between equal scores go to the lower expert id.
 * MoE blocks with shared experts (:data:`SHARED_EXPERT_BLOCKS`, DeepSeek-V3): the shared-expert
   output is added inside the ``"moefuse"`` finalize (FP32, before its one rounding) instead of by
   a separate BF16 add after it.
