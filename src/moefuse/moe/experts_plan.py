@@ -27,6 +27,13 @@ PLAN_WIDE_CHUNK_WARPS = 8
 #: block counts summed per step of a two-phase plan program (``CB`` = this // EP blocks, a power
 #: of two, EP the expert count rounded up to one)
 PLAN_COUNT_STEP = 4096
+#: the two-phase plan wherever the slots span more than one block (one block: one launch as
+#: before). MEASURED (H200, 2026-12-04, 5fb90ec, notes/moe-experts.md), plan us one-phase ->
+#: two-phase (counts kernel included): Qwen3 T = 256 (2 blocks) 14.2 -> 12.7, 1024 15.9 -> 12.4,
+#: 2048 23.3 -> 12.5, 4096 41.1 -> 12.9; DeepSeek-V3 512 13.9 -> 11.9, 1024 19.0 -> 12.4, 2048
+#: 33.3 -> 13.9, 4096 58.5 -> 18.7; Mixtral 1024 17.1 -> 14.1; Qwen3 512 11.6 -> 11.7, the one
+#: point without a gain.
+PLAN_TWO_PHASE = True
 #: int32 fields of one work item: expert (-1 = unused), first sorted slot, slot count
 ITEM_FIELDS = 3
 
@@ -218,7 +225,7 @@ def launch_experts_plan(
     use_pdl: bool,
     chunk: int = PLAN_CHUNK,
     warps: int | None = None,
-    two_phase: bool = False,
+    two_phase: bool = PLAN_TWO_PHASE,
 ) -> None:
     """Writes the routing plan of ``top_k_index`` [T, K] (:mod:`moefuse.moe.experts_triton`,
     step 1): ``items`` (``n_items`` records of expert, first sorted slot, slots; expert -1 when

@@ -54,6 +54,7 @@ from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.moe.experts_plan import (
     PLAN_CHUNK,
+    PLAN_TWO_PHASE,
     experts_item_count,
     experts_plan_buffers,
     launch_experts_plan,
@@ -579,7 +580,7 @@ def _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl) 
             use_pdl,
             chunk=cfg.get("plan_chunk", PLAN_CHUNK),
             warps=cfg.get("plan_warps"),
-            two_phase=cfg.get("plan_two_phase", False),
+            two_phase=cfg.get("plan_two_phase", PLAN_TWO_PHASE),
         )
     return _Plan(bt, br, n_items, sp, fused, items, sorted_slots, slot_map, counters, act, y)
 
