@@ -167,6 +167,33 @@ def _mma(w, xt, acc, PTX: tl.constexpr):
 
 
 @triton.jit
+def _weight_times_columns(
+    w_rows,
+    n_in,
+    w_st_k,
+    col_rows,
+    r_in,
+    KDIM: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """FP32 ``W @ X``: ``w_rows`` [rows, 1] points at each weight row (``n_in``: in range,
+    reduction stride ``w_st_k``), ``col_rows`` [1, BT] at the row of each token column
+    (``r_in``: in use, unit stride along the reduction); ``KDIM`` reduced in ``BK`` steps in
+    ascending k, ``STAGES`` deep (the gate|up and down GEMMs of a work item)."""
+    acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
+    for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < KDIM
+        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
+        xt = tl.load(col_rows + kk[:, None], mask=r_in[None, :] & k_in[:, None], other=0.0)
+        acc = _mma(w, xt, acc, PTX)
+    return acc
+
+
+@triton.jit
 def _gate_up_item(
     x_ptr,
     w_ptr,
@@ -194,17 +221,9 @@ def _gate_up_item(
     n_in = n < INTER
     rows = (n + ((r // 32) % 2) * INTER).to(tl.int64)
     w_rows = w_ptr + e.to(tl.int64) * w_st_e + rows[:, None] * w_st_n
-    acc = tl.zeros([2 * BN, BT], dtype=tl.float32)
-    for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
-        kk = k0 + tl.arange(0, BK)
-        k_in = kk < KDIM
-        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
-        xt = tl.load(
-            x_ptr + tok[None, :] * x_st + kk[:, None],
-            mask=r_in[None, :] & k_in[:, None],
-            other=0.0,
-        )
-        acc = _mma(w, xt, acc, PTX)
+    acc = _weight_times_columns(
+        w_rows, n_in, w_st_k, x_ptr + tok[None, :] * x_st, r_in, KDIM, BK, BT, STAGES, PTX
+    )
     if USE_PDL:
         gdc_launch_dependents()
     g, u = tl.split(tl.permute(tl.reshape(acc, [BN // 32, 2, 32, BT]), (0, 2, 3, 1)))
@@ -310,17 +329,9 @@ def _down_item(
     act_st, y_st, w_st_e, w_st_n, w_st_k = strides
     w_rows = w_ptr + e.to(tl.int64) * w_st_e + n.to(tl.int64)[:, None] * w_st_n
     s64 = s.to(tl.int64)
-    acc = tl.zeros([n.shape[0], BT], dtype=tl.float32)
-    for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
-        kk = k0 + tl.arange(0, BK)
-        k_in = kk < KDIM
-        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
-        at = tl.load(
-            act_ptr + s64[None, :] * act_st + kk[:, None],
-            mask=r_in[None, :] & k_in[:, None],
-            other=0.0,
-        )
-        acc = _mma(w, at, acc, PTX)
+    acc = _weight_times_columns(
+        w_rows, n_in, w_st_k, act_ptr + s64[None, :] * act_st, r_in, KDIM, BK, BT, STAGES, PTX
+    )
     if USE_PDL:
         gdc_launch_dependents()
     tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc, mask=n_in[:, None] & r_in[None, :])
