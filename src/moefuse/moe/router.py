@@ -15,6 +15,7 @@ from moefuse import _validate as v
 from moefuse._fastpath import fast_op
 from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
 from moefuse.moe import ops
+from moefuse.moe.api import MAX_PROGRAMS
 from moefuse.moe.reference import router_topk_reference
 from moefuse.moe.routing import check_routing
 
@@ -23,8 +24,6 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int32, torch.int64)
 #: most experts of one row (a program holds a row's scores whole)
 ROUTER_MAX_EXPERTS = 1024
-#: CUDA's limit on grid.x
-_MAX_PROGRAMS = 2**31 - 1
 
 
 def _check_router(
@@ -63,7 +62,7 @@ def _kernel_reason(logits: torch.Tensor, rows: int, experts: int) -> str | None:
         return reason
     if experts > ROUTER_MAX_EXPERTS:
         return f"{experts} experts exceed the kernel's {ROUTER_MAX_EXPERTS} per row"
-    if rows > _MAX_PROGRAMS:
+    if rows > MAX_PROGRAMS:
         return f"{rows} rows exceed one launch grid"
     return None
 
