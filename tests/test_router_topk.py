@@ -89,6 +89,21 @@ def test_ties_take_the_lower_id_and_nan_ranks_last():
     assert 5 not in sig_ids[3].tolist()  # sigmoid: only the NaN logit's score is NaN, ranked last
 
 
+def test_sigmoid_of_infinite_logits():
+    logits = torch.zeros(2, 8)
+    logits[0, 3] = float("inf")  # score 1
+    logits[1, 5] = float("-inf")  # score 0
+    logits[1, 2] = 2.0
+    w, ids = moefuse.router_topk(logits, 3, scoring="sigmoid", renormalize=False, impl="triton")
+    ref_w, ref_ids = router_topk_reference(logits, 3, "sigmoid", False)
+    assert ids.tolist() == ref_ids.tolist() == [[3, 0, 1], [2, 0, 1]]
+    assert_bitwise_equal(w, ref_w, "sigmoid weights")
+    w8, ids8 = moefuse.router_topk(
+        logits[1:], 8, scoring="sigmoid", renormalize=False, impl="triton"
+    )
+    assert ids8[0, -1] == 5 and w8[0, -1] == 0.0
+
+
 def test_a_rows_bits_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(37, 128, generator=g).to(torch.bfloat16)

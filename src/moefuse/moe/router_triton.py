@@ -43,7 +43,7 @@ def _scores(x, e_in, SOFTMAX: tl.constexpr):
         s = tl.sum(p, axis=1)
         return tl.math.div_rn(p, s[:, None])
     else:
-        return tl.math.div_rn(1.0 + 0.0 * x, 1.0 + tl.exp(-x))
+        return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))
 
 
 @triton.jit(do_not_specialize=["n_rows"])
