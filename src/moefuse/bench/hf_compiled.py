@@ -12,7 +12,8 @@ experts); "patched" is a deep copy after ``moefuse.integrations.transformers.pat
    mode) of ONE decode token against a static KV cache (prompt prefilled eagerly, max length
    ``--cache-len``), called eagerly, then captured in a CUDA graph: ``graph_bits_equal`` says
    whether replays give the eager compiled call's logits bit for bit; ``us`` is the median µs of
-   a replay (``--replays`` replays per sample between two events, median of samples).
+   a replay (``--replays`` replays per sample between two events, median of ``--samples``
+   rounds that interleave the variants, order rotated each round; ``us_min`` / ``us_max``).
 2. ``profile``: kernels of one replayed step (torch.profiler): name, launches and µs per step.
 3. ``fp32``: teacher-forced closeness of the compiled step to an FP32 evaluation (a float copy
    of the same weights, eager): the FP32 model's greedy continuation of the prompt is fed one
@@ -27,8 +28,9 @@ experts); "patched" is a deep copy after ``moefuse.integrations.transformers.pat
    transformers' forward wrapper, so their graphs were entries of one frame's cache) and its
    recorded graphs are gone while it runs.
 5. ``prefill``: the compiled forward over ``--prefill`` tokens (no cache, ``logits_to_keep=1``
-   as generate's prefill), captured and replayed like the step; on a GPU, the kernels of one
-   replay at the largest ``--prefill`` (row ``prefill <T> profile``, as ``profile``).
+   as generate's prefill), captured (both variants) and replayed like the step (interleaved);
+   on a GPU, the kernels of one replay at the largest ``--prefill`` (row ``prefill <T>
+   profile``, as ``profile``).
 
 Every compile is counted: dynamo's ``graph_break`` counter and graph count per stage and variant
 (``graph_breaks``, ``graphs``). Writes ``hf_moe-<gpu>-compiled.json`` and ``.png`` after every
@@ -90,24 +92,39 @@ def capture(fn, device):
     return graph, out
 
 
-def replay_us(graph, fn, device, replays: int, samples: int) -> float:
-    """Median µs of one replay (``replays`` back to back between two events); CPU: eager calls."""
-    if graph is None:
-        t0 = time.perf_counter()
-        for _ in range(replays):
-            fn()
-        return (time.perf_counter() - t0) / replays * 1e6
-    graph.replay()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
+def interleaved_replay_us(items: dict, device, replays: int, samples: int) -> dict:
+    """µs of one replay of each of ``items`` (name -> (graph, fn)), timed in ``samples``
+    interleaved rounds: per round, each graph replays ``replays`` times back to back between two
+    CUDA events, in an order rotated by one each round (one untimed replay each first), so that
+    a slow spell of the GPU lands on every variant alike. Returns name -> ``{"us": median,
+    "us_min", "us_max"}``. On CPU (graph None, the smoke run): wall time of eager ``fn()`` calls.
+    """
+    names = list(items)
+    times = {name: [] for name in names}
+    for graph, _ in items.values():
+        if graph is not None:
             graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
-    return statistics.median(times)
+    for rnd in range(samples):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            graph, fn = items[name]
+            if graph is None:
+                t0 = time.perf_counter()
+                for _ in range(replays):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / replays * 1e6)
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / replays)
+    return {
+        name: {"us": statistics.median(t), "us_min": min(t), "us_max": max(t)}
+        for name, t in times.items()
+    }
 
 
 def profile_step(graph, replays: int = 3) -> list[dict]:
@@ -198,6 +215,8 @@ class Variant:
         return self.compiled(**self.kw)
 
     def step(self, prompt) -> dict:
+        """The ``step`` stage's row without its timing (``us``: :func:`time_variants`); keeps
+        the captured step in ``self.graph``."""
         self.kw = self.decode_inputs(prompt)
         with Counted() as c:
             eager = [self.run_step().logits.clone() for _ in range(3)]
@@ -209,12 +228,10 @@ class Variant:
             _sync(self.device)
             graph_same = torch.equal(self.out.logits.view(torch.int16), eager[0].view(torch.int16))
         same = all(torch.equal(e.view(torch.int16), eager[0].view(torch.int16)) for e in eager)
-        us = replay_us(self.graph, self.run_step, self.device, self.args.replays, self.args.samples)
         return {
             "op": "compiled decode step",
             "variant": self.name,
             "M": 1,
-            "us": us,
             "graph_bits_equal": graph_same,
             "eager_runs_equal": bool(same),
             "graph_breaks": c.breaks,
@@ -295,9 +312,9 @@ class Variant:
         }
         return row, tokens
 
-    def prefill(self, tokens: int, profile: bool = False) -> tuple[dict, list[dict] | None]:
-        """The ``prefill`` stage's row for ``tokens`` tokens and, with ``profile`` on a GPU, the
-        kernels of one replay (:func:`profile_step`)."""
+    def prefill(self, tokens: int) -> tuple[dict, object, object]:
+        """The ``prefill`` stage's row for ``tokens`` tokens without its timing, the captured
+        forward and the function it captured (timed by :func:`time_variants`)."""
         g = torch.Generator().manual_seed(tokens)
         ids = torch.randint(0, self.args.vocab, (1, tokens), generator=g).to(self.device)
 
@@ -307,18 +324,23 @@ class Variant:
         with Counted() as c:
             run()
         graph, _ = capture(run, self.device)
-        us = replay_us(graph, run, self.device, max(1, self.args.replays // 4), self.args.samples)
-        kernels = profile_step(graph, replays=1) if profile and self.device.type == "cuda" else None
-        del graph
-        return {
+        row = {
             "op": "compiled prefill",
             "variant": self.name,
             "M": tokens,
-            "us": us,
             "graph_breaks": c.breaks,
             "graphs": c.graphs,
             "break_reasons": c.reasons,
-        }, kernels
+        }
+        return row, graph, run
+
+
+def time_variants(rows: list[dict], items: dict, device, replays: int, samples: int) -> None:
+    """Fill ``us``, ``us_min`` and ``us_max`` of ``rows`` (one per variant, in the order of
+    ``items``: name -> (graph, fn)) from :func:`interleaved_replay_us`."""
+    timed = interleaved_replay_us(items, device, replays, samples)
+    for row, name in zip(rows, items):
+        row.update(timed[name])
 
 
 def _agree(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -377,7 +399,10 @@ def run(args, device) -> list[dict]:
         t0 = time.perf_counter()
         try:
             if stage == "step":
-                rows += [v.step(prompt) for v in variants]
+                step_rows = [v.step(prompt) for v in variants]
+                items = {v.name: (v.graph, v.run_step) for v in variants}
+                time_variants(step_rows, items, device, args.replays, args.samples)
+                rows += step_rows
             elif stage == "profile" and device.type == "cuda":
                 rows += [
                     profile_row("step profile", v.name, profile_step(v.graph)) for v in variants
@@ -398,11 +423,17 @@ def run(args, device) -> list[dict]:
                     rows[-2].update({f"vs_shipped_{k}": x for k, x in agree.items()})
             elif stage == "prefill":
                 for t in args.prefill:
-                    for v in variants:
-                        row, kernels = v.prefill(t, profile=t == max(args.prefill))
-                        rows.append(row)
-                        if kernels:
-                            rows.append(profile_row(f"prefill {t} profile", v.name, kernels))
+                    captured = {v.name: v.prefill(t) for v in variants}
+                    items = {name: (graph, fn) for name, (_, graph, fn) in captured.items()}
+                    prefill_rows = [row for row, _, _ in captured.values()]
+                    replays = max(1, args.replays // 4)
+                    time_variants(prefill_rows, items, device, replays, args.samples)
+                    rows += prefill_rows
+                    for name, (_, graph, _) in captured.items():
+                        if t == max(args.prefill) and graph is not None:
+                            kernels = profile_step(graph, replays=1)
+                            rows.append(profile_row(f"prefill {t} profile", name, kernels))
+                    del captured, items
         except Exception as exc:  # a stage that fails is reported; the others still run
             rows.append(
                 {

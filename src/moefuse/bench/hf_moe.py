@@ -7,15 +7,18 @@
 
 1. Sparse-MoE block (``Qwen3MoeSparseMoeBlock``, router + experts), Qwen3-MoE shapes H = 2048,
    E = 128, K = 8, I = 768, BF16, random weights: µs per block call in EAGER mode (host time
-   included: ``calls`` back-to-back calls between two synchronizations, median of ``repeats``)
-   at T = 1 / 16 / 256 / 2048 / 8192 tokens for the experts implementations "grouped_mm",
-   "batched_mm" (T <= 16 only) and "moefuse". Every implementation's output is first checked
-   against "grouped_mm" (relative max error <= 3e-2 of the output's max: both are BF16 pipelines
-   with other rounding points).
+   included: ``calls`` back-to-back calls between two synchronizations) at T = 1 / 16 / 256 /
+   2048 / 8192 tokens for the experts implementations "grouped_mm", "batched_mm" (T <= 16 only)
+   and "moefuse", timed in ``repeats`` interleaved rounds (every implementation once per round,
+   the order rotated; median, min and max per implementation) after ``--warmup-s`` seconds of
+   block calls. Every implementation's output is first checked against "grouped_mm" (relative
+   max error <= 3e-2 of the output's max: both are BF16 pipelines with other rounding points).
 2. Eager greedy decode, batch 1, of a small whole Qwen3-MoE model with the real block shapes
    (``--layers`` layers, random weights from the config): tokens / s as shipped and after
    ``moefuse.integrations.transformers.patch(model)``, from two ``generate`` lengths
-   (``(n_long - n_short) / (t_long - t_short)``, so prefill cancels out).
+   (``(n_long - n_short) / (t_long - t_short)`` of the medians, so prefill cancels out), in
+   ``decode_repeats`` rounds that alternate the two variants (``patch`` / ``unpatch`` between
+   samples, outside the timings).
 
 Writes ``hf_moe-<gpu>.json`` and ``.png`` (µs per block against T, one line per implementation)
 into DIR and prints both tables with the ratios the issue's bar asks for.
@@ -42,17 +45,41 @@ def _sync(device: torch.device) -> None:
 
 def eager_us(fn, device, calls: int, repeats: int) -> float:
     """Median over ``repeats`` of (wall time of ``calls`` eager calls) / ``calls``, in µs."""
-    fn()
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
+    return interleaved_us({"fn": fn}, device, calls, repeats)["fn"]["us"]
+
+
+def interleaved_us(fns: dict, device, calls: int, repeats: int) -> dict:
+    """µs per eager call of each function in ``fns`` (name -> zero-argument callable), timed in
+    interleaved rounds: one untimed sample of ``calls`` calls each first, then ``repeats`` rounds
+    in which every function runs ``calls`` back-to-back calls between two synchronizations, in an
+    order rotated by one each round. A slow spell of the machine (clocks ramping up after a
+    start, another process) then lands on every function alike instead of on whichever ran
+    during it. Returns name -> ``{"us": median, "us_min", "us_max"}`` over the rounds."""
+    names = list(fns)
+    samples = {name: [] for name in names}
+    for rnd in range(-1, repeats):
+        shift = max(rnd, 0) % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = fns[name]
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            if rnd >= 0:
+                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {
+        name: {"us": statistics.median(s), "us_min": min(s), "us_max": max(s)}
+        for name, s in samples.items()
+    }
+
+
+def spin(fn, device, seconds: float) -> None:
+    """Call ``fn`` until ``seconds`` have passed (GPU and CPU clocks up before the first sample)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        fn()
         _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples)
 
 
 def set_block_impl(block, name: str) -> None:
@@ -74,27 +101,40 @@ def bench_block(args, device) -> list[dict]:
         torch.nn.init.normal_(p, std=0.02)
     block = block.to(device=device, dtype=torch.bfloat16).eval()
     rows = []
+    warm = torch.randn(1, max(args.tokens), args.hidden, device=device, dtype=torch.bfloat16)
+    spin(lambda: block(warm), device, args.warmup_s)
     for t in args.tokens:
         x = torch.randn(1, t, args.hidden, device=device, dtype=torch.bfloat16)
         set_block_impl(block, "grouped_mm")
         want = block(x).float()
         scale = float(want.abs().max()) or 1.0
-        for name in IMPLS:
-            if name == "batched_mm" and t > args.batched_max:
-                continue
+        names = [n for n in IMPLS if n != "batched_mm" or t <= args.batched_max]
+        errors = {}
+        for name in names:
             set_block_impl(block, name)
-            err = float((block(x).float() - want).abs().max()) / scale
-            if err > 3e-2:
-                raise AssertionError(f"{name} at T={t}: relative error {err:.3g} vs grouped_mm")
-            us = eager_us(lambda: block(x), device, args.calls, args.repeats)  # noqa: B023
+            errors[name] = float((block(x).float() - want).abs().max()) / scale
+            if errors[name] > 3e-2:
+                raise AssertionError(
+                    f"{name} at T={t}: relative error {errors[name]:.3g} vs grouped_mm"
+                )
+
+        def call(name):
+            def run():
+                set_block_impl(block, name)
+                block(x)  # noqa: B023
+
+            return run
+
+        timed = interleaved_us({n: call(n) for n in names}, device, args.calls, args.repeats)
+        for name in names:
             rows.append(
                 {
                     "op": "qwen3_moe_block",
                     "shape": f"H{args.hidden} E{args.experts} K{args.topk} I{args.inter}",
                     "variant": name,
                     "M": t,
-                    "us": us,
-                    "rel_err_vs_grouped_mm": err,
+                    **timed[name],
+                    "rel_err_vs_grouped_mm": errors[name],
                 }
             )
     by = {(r["variant"], r["M"]): r["us"] for r in rows}
@@ -110,7 +150,7 @@ def bench_block(args, device) -> list[dict]:
 def bench_decode(args, device) -> list[dict]:
     from transformers import Qwen3MoeForCausalLM
 
-    from moefuse.integrations.transformers import patch
+    from moefuse.integrations.transformers import patch, unpatch
 
     cfg = qwen3_config(args, args.layers)
     torch.manual_seed(0)
@@ -129,45 +169,50 @@ def bench_decode(args, device) -> list[dict]:
             eos_token_id=None,
         )
 
-    def rate():
-        gen(args.short)  # warm-up (kernels compiled, caches allocated)
-        times = {}
-        for n in (args.short, args.long):
-            samples = []
-            for _ in range(args.decode_repeats):
-                _sync(device)
-                t0 = time.perf_counter()
-                out = gen(n)
-                _sync(device)
-                samples.append(time.perf_counter() - t0)
-            times[n] = statistics.median(samples)
-        return (args.long - args.short) / (times[args.long] - times[args.short]), out
+    def seconds(n):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = gen(n)
+        _sync(device)
+        return time.perf_counter() - t0, out
 
-    rows = []
-    shipped_rate, shipped_tokens = rate()
-    rows.append(
-        {
-            "op": "decode",
-            "variant": "shipped",
-            "tok_s": shipped_rate,
-            "experts": model.config._experts_implementation,
-        }
-    )
+    shipped_experts = model.config._experts_implementation
     report = patch(model)
-    patched_rate, patched_tokens = rate()
-    same = float((patched_tokens == shipped_tokens).float().mean())
-    rows.append(
+    variants = {"shipped": lambda: unpatch(model), "moefuse patch": lambda: patch(model)}
+    for apply in variants.values():  # warm-up (kernels compiled, caches allocated)
+        apply()
+        gen(args.short)
+    # interleaved rounds (the model is patched and unpatched between samples, outside the
+    # timings), so a slow spell of the machine lands on both variants alike
+    times = {name: {args.short: [], args.long: []} for name in variants}
+    tokens = {}
+    names = list(variants)
+    for rnd in range(args.decode_repeats):
+        for name in names[rnd % 2 :] + names[: rnd % 2]:
+            variants[name]()
+            for n in (args.short, args.long):
+                dt, tokens[name] = seconds(n)
+                times[name][n].append(dt)
+    unpatch(model)
+
+    def rate(name):
+        t = {n: statistics.median(v) for n, v in times[name].items()}
+        return (args.long - args.short) / (t[args.long] - t[args.short])
+
+    shipped_rate, patched_rate = rate("shipped"), rate("moefuse patch")
+    same = float((tokens["moefuse patch"] == tokens["shipped"]).float().mean())
+    return [
+        {"op": "decode", "variant": "shipped", "tok_s": shipped_rate, "experts": shipped_experts},
         {
             "op": "decode",
             "variant": "moefuse patch",
             "tok_s": patched_rate,
-            "experts": model.config._experts_implementation,
+            "experts": "moefuse",
             "patched": report,
             "x_shipped": patched_rate / shipped_rate,
             "greedy_tokens_equal_fraction": same,
-        }
-    )
-    return rows
+        },
+    ]
 
 
 def parse_args(argv=None):
@@ -177,11 +222,14 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 256, 2048, 8192])
     p.add_argument("--batched-max", type=int, default=16, help="largest T for batched_mm")
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9, help="interleaved timing rounds")
+    p.add_argument(
+        "--warmup-s", type=float, default=2.0, help="seconds of block calls before the first sample"
+    )
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the decode model")
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--long", type=int, default=40)
-    p.add_argument("--decode-repeats", type=int, default=3)
+    p.add_argument("--decode-repeats", type=int, default=4, help="interleaved rounds")
     p.add_argument("--skip-decode", action="store_true")
     c = p.add_argument_group("--compiled (moefuse.bench.hf_compiled)")
     c.add_argument("--compiled", action="store_true", help="compiled model, shipped vs patched")
@@ -222,7 +270,7 @@ def parse_args(argv=None):
             head_dim=16,
             vocab=256,
         )
-        args.tokens, args.calls, args.repeats = [1, 16, 40], 2, 1
+        args.tokens, args.calls, args.repeats, args.warmup_s = [1, 16, 40], 2, 1, 0.0
         args.layers, args.short, args.long, args.decode_repeats = 2, 2, 4, 1
         args.new, args.teacher, args.prefill, args.replays, args.samples = 6, 4, [24], 2, 1
         args.cache_len = 32
@@ -253,8 +301,10 @@ def main(argv=None) -> dict:
     meta["command"] = "python -m moefuse.bench.hf_moe"
     meta["method"] = (
         "eager: wall time of back-to-back calls between synchronizations / calls "
-        "(host time included), median of repeats; decode: greedy generate, "
-        "(n_long - n_short) / (t_long - t_short)"
+        "(host time included), median of interleaved rounds (every implementation once per "
+        "round, rotated order) after a warm-up; decode: greedy generate, "
+        "(n_long - n_short) / (t_long - t_short) of medians over rounds alternating "
+        "shipped and patched"
     )
     try:
         import transformers

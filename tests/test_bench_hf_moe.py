@@ -1,0 +1,58 @@
+"""``bench hf_moe`` (eager): interleaved timing rounds and the CPU smoke run of the script."""
+
+import pytest
+import torch
+
+from moefuse.bench import hf_moe
+
+
+def test_interleaved_rounds_rotate_the_order_and_skip_the_first():
+    """Every function runs ``calls`` calls per round, one untimed round first, the order rotated
+    by one each round; a slow spell in one round lands on every function of that round."""
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    out = hf_moe.interleaved_us(fns, torch.device("cpu"), calls=2, repeats=3)
+    rounds = [order[i : i + 6 : 2] for i in range(0, len(order), 6)]
+    assert rounds == [list("abc"), list("abc"), list("bca"), list("cab")]
+    for row in out.values():
+        assert row["us_min"] <= row["us"] <= row["us_max"]
+
+
+def test_eager_smoke_run_writes_both_tables_and_leaves_no_patch(tmp_path, monkeypatch):
+    """The script's tiny CPU run: block rows for every implementation at every T with the spread
+    of the rounds, and a decode pair from alternating rounds (patched, then unpatched again)."""
+    pytest.importorskip("transformers")
+    from moefuse.integrations import transformers as integ
+
+    patched = []
+    real_patch = integ.patch
+    monkeypatch.setattr(
+        integ, "patch", lambda model, **kw: patched.append(model) or real_patch(model, **kw)
+    )
+    result = hf_moe.main(["--smoke", "--decode-repeats", "2", "--out", str(tmp_path)])
+    rows = result["rows"]
+    block = [r for r in rows if r["op"] == "qwen3_moe_block"]
+    assert {(r["variant"], r["M"]) for r in block} == {
+        *((v, t) for v in hf_moe.IMPLS for t in (1, 16)),
+        ("grouped_mm", 40),
+        ("moefuse", 40),
+    }
+    assert all(r["us_min"] <= r["us"] <= r["us_max"] for r in block)
+    decode = {r["variant"]: r for r in rows if r["op"] == "decode"}
+    assert decode["moefuse patch"]["experts"] == "moefuse" and decode["shipped"]["tok_s"] > 0
+    assert len(patched) >= 3  # report + warm-up + one round
+    assert not integ.is_patched(patched[0])
+
+
+def test_compiled_replays_are_timed_in_rotated_rounds():
+    """``--compiled``'s step and prefill timings: the variants alternate round by round (on CPU,
+    where there is no graph, the captured function's eager calls stand in for replays)."""
+    from moefuse.bench.hf_compiled import interleaved_replay_us, time_variants
+
+    order = []
+    items = {name: (None, lambda name=name: order.append(name)) for name in ("shipped", "patched")}
+    rows = [{"variant": "shipped"}, {"variant": "patched"}]
+    time_variants(rows, items, torch.device("cpu"), replays=1, samples=4)
+    assert order == ["shipped", "patched", "patched", "shipped"] * 2
+    assert all(r["us_min"] <= r["us"] <= r["us_max"] for r in rows)
+    assert set(interleaved_replay_us(items, torch.device("cpu"), 1, 1)) == {"shipped", "patched"}
