@@ -19,8 +19,9 @@ def test_interleaved_rounds_rotate_the_order_and_skip_the_first():
 
 
 def test_eager_smoke_run_writes_both_tables_and_leaves_no_patch(tmp_path, monkeypatch):
-    """The script's tiny CPU run: block rows for every implementation at every T with the spread
-    of the rounds, and a decode pair from alternating rounds (patched, then unpatched again)."""
+    """The script's tiny CPU run: block rows for every variant at every T with the spread of the
+    rounds (the patched block's router runs router_topk), and a decode pair from alternating
+    rounds (patched, then unpatched again)."""
     pytest.importorskip("transformers")
     from moefuse.integrations import transformers as integ
 
@@ -32,16 +33,18 @@ def test_eager_smoke_run_writes_both_tables_and_leaves_no_patch(tmp_path, monkey
     result = hf_moe.main(["--smoke", "--decode-repeats", "2", "--out", str(tmp_path)])
     rows = result["rows"]
     block = [r for r in rows if r["op"] == "qwen3_moe_block"]
+    variants = (*hf_moe.IMPLS, hf_moe.PATCHED_BLOCK)
     assert {(r["variant"], r["M"]) for r in block} == {
-        *((v, t) for v in hf_moe.IMPLS for t in (1, 16)),
-        ("grouped_mm", 40),
-        ("moefuse", 40),
+        *((v, t) for v in variants for t in (1, 16)),
+        *((v, 40) for v in variants if v != "batched_mm"),
     }
     assert all(r["us_min"] <= r["us"] <= r["us_max"] for r in block)
+    assert all("x_best_transformers" in r for r in block if r["variant"].startswith("moefuse"))
     decode = {r["variant"]: r for r in rows if r["op"] == "decode"}
     assert decode["moefuse patch"]["experts"] == "moefuse" and decode["shipped"]["tok_s"] > 0
-    assert len(patched) >= 3  # report + warm-up + one round
-    assert not integ.is_patched(patched[0])
+    block_model, *decode_models = patched  # the block's router, then the decode model's rounds
+    assert integ.is_patched(block_model) and len(decode_models) >= 3  # report, warm-up, round
+    assert len({id(m) for m in decode_models}) == 1 and not integ.is_patched(decode_models[0])
 
 
 def test_compiled_replays_are_timed_in_rotated_rounds():

@@ -9,10 +9,12 @@
    E = 128, K = 8, I = 768, BF16, random weights: µs per block call in EAGER mode (host time
    included: ``calls`` back-to-back calls between two synchronizations) at T = 1 / 16 / 256 /
    2048 / 8192 tokens for the experts implementations "grouped_mm", "batched_mm" (T <= 16 only)
-   and "moefuse", timed in ``repeats`` interleaved rounds (every implementation once per round,
-   the order rotated; median, min and max per implementation) after ``--warmup-s`` seconds of
-   block calls. Every implementation's output is first checked against "grouped_mm" (relative
-   max error <= 3e-2 of the output's max: both are BF16 pipelines with other rounding points).
+   and "moefuse", and for the block as ``patch(model)`` leaves it ("moefuse+router": "moefuse"
+   experts, and the router's softmax, top-k and renormalization on ``router_topk``). Timed in
+   ``repeats`` interleaved rounds (every variant once per round, the order rotated; median, min
+   and max per variant) after ``--warmup-s`` seconds of block calls. Every variant's output is
+   first checked against "grouped_mm" (relative max error <= 3e-2 of the output's max: both are
+   BF16 pipelines with other rounding points).
 2. Eager greedy decode, batch 1, of a small whole Qwen3-MoE model with the real block shapes
    (``--layers`` layers, random weights from the config): tokens / s as shipped and after
    ``moefuse.integrations.transformers.patch(model)``, from two ``generate`` lengths
@@ -27,8 +29,10 @@ into DIR and prints both tables with the ratios the issue's bar asks for.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -36,6 +40,8 @@ from moefuse.bench.harness import print_table, run_metadata, save_results
 from moefuse.bench.hf_compiled import qwen3_config
 
 IMPLS = ("grouped_mm", "batched_mm", "moefuse")
+#: the block as ``patch(model)`` leaves it: "moefuse" experts and the router on ``router_topk``
+PATCHED_BLOCK = "moefuse+router"
 
 
 def _sync(device: torch.device) -> None:
@@ -48,19 +54,22 @@ def eager_us(fn, device, calls: int, repeats: int) -> float:
     return interleaved_us({"fn": fn}, device, calls, repeats)["fn"]["us"]
 
 
-def interleaved_us(fns: dict, device, calls: int, repeats: int) -> dict:
+def interleaved_us(fns: dict, device, calls: int, repeats: int, prepare=None) -> dict:
     """µs per eager call of each function in ``fns`` (name -> zero-argument callable), timed in
     interleaved rounds: one untimed sample of ``calls`` calls each first, then ``repeats`` rounds
     in which every function runs ``calls`` back-to-back calls between two synchronizations, in an
     order rotated by one each round. A slow spell of the machine (clocks ramping up after a
     start, another process) then lands on every function alike instead of on whichever ran
-    during it. Returns name -> ``{"us": median, "us_min", "us_max"}`` over the rounds."""
+    during it. ``prepare`` (name -> callable, optional) runs before each of that function's
+    samples, outside the timing. Returns name -> ``{"us": median, "us_min", "us_max"}``."""
     names = list(fns)
     samples = {name: [] for name in names}
     for rnd in range(-1, repeats):
         shift = max(rnd, 0) % len(names)
         for name in names[shift:] + names[:shift]:
             fn = fns[name]
+            if prepare and name in prepare:
+                prepare[name]()
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -91,7 +100,7 @@ def set_block_impl(block, name: str) -> None:
 def bench_block(args, device) -> list[dict]:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    from moefuse.integrations.transformers import register
+    from moefuse.integrations.transformers import patch, register
 
     register()
     cfg = qwen3_config(args, 1)
@@ -100,6 +109,14 @@ def bench_block(args, device) -> list[dict]:
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
     block = block.to(device=device, dtype=torch.bfloat16).eval()
+    # the block as patch(model) leaves it: moefuse experts and the router on router_topk
+    patched = copy.deepcopy(block)
+    if patch(patched, experts=False, norms=False)["routers"] != 1:
+        raise RuntimeError(f"{type(block.gate).__name__}: router not patched (probe disagreed)")
+    set_block_impl(patched, "moefuse")
+    blocks = {name: block for name in IMPLS} | {PATCHED_BLOCK: patched}
+    prepare = {name: partial(set_block_impl, block, name) for name in IMPLS}
+    prepare[PATCHED_BLOCK] = lambda: None
     rows = []
     warm = torch.randn(1, max(args.tokens), args.hidden, device=device, dtype=torch.bfloat16)
     spin(lambda: block(warm), device, args.warmup_s)
@@ -108,24 +125,22 @@ def bench_block(args, device) -> list[dict]:
         set_block_impl(block, "grouped_mm")
         want = block(x).float()
         scale = float(want.abs().max()) or 1.0
-        names = [n for n in IMPLS if n != "batched_mm" or t <= args.batched_max]
+        names = [n for n in blocks if n != "batched_mm" or t <= args.batched_max]
         errors = {}
         for name in names:
-            set_block_impl(block, name)
-            errors[name] = float((block(x).float() - want).abs().max()) / scale
+            prepare[name]()
+            errors[name] = float((blocks[name](x).float() - want).abs().max()) / scale
             if errors[name] > 3e-2:
                 raise AssertionError(
                     f"{name} at T={t}: relative error {errors[name]:.3g} vs grouped_mm"
                 )
-
-        def call(name):
-            def run():
-                set_block_impl(block, name)
-                block(x)  # noqa: B023
-
-            return run
-
-        timed = interleaved_us({n: call(n) for n in names}, device, args.calls, args.repeats)
+        timed = interleaved_us(
+            {n: partial(blocks[n], x) for n in names},
+            device,
+            args.calls,
+            args.repeats,
+            prepare={n: prepare[n] for n in names},
+        )
         for name in names:
             rows.append(
                 {
@@ -139,7 +154,7 @@ def bench_block(args, device) -> list[dict]:
             )
     by = {(r["variant"], r["M"]): r["us"] for r in rows}
     for r in rows:
-        if r["variant"] == "moefuse":
+        if r["variant"] in ("moefuse", PATCHED_BLOCK):
             base = [by[(n, r["M"])] for n in IMPLS[:2] if (n, r["M"]) in by]
             r["x_best_transformers"] = min(base) / r["us"]
             r["x_grouped_mm"] = by[("grouped_mm", r["M"])] / r["us"]
