@@ -41,7 +41,8 @@ def test_eager_smoke_run_writes_both_tables_and_leaves_no_patch(tmp_path, monkey
     assert all(r["us_min"] <= r["us"] <= r["us_max"] for r in block)
     assert all("x_best_transformers" in r for r in block if r["variant"].startswith("moefuse"))
     decode = {r["variant"]: r for r in rows if r["op"] == "decode"}
-    assert decode["moefuse patch"]["experts"] == "moefuse" and decode["shipped"]["tok_s"] > 0
+    assert decode["moefuse patch"]["experts"] == "moefuse"
+    assert all("tok_s" in r for r in decode.values())  # timed; any value (two tiny lengths)
     block_model, *decode_models = patched  # the block's router, then the decode model's rounds
     assert integ.is_patched(block_model) and len(decode_models) >= 3  # report, warm-up, round
     assert len({id(m) for m in decode_models}) == 1 and not integ.is_patched(decode_models[0])
@@ -59,3 +60,21 @@ def test_compiled_replays_are_timed_in_rotated_rounds():
     assert order == ["shipped", "patched", "patched", "shipped"] * 2
     assert all(r["us_min"] <= r["us"] <= r["us_max"] for r in rows)
     assert set(interleaved_replay_us(items, torch.device("cpu"), 1, 1)) == {"shipped", "patched"}
+
+
+def test_generate_passes_merge_into_one_row():
+    """The generate stage's passes: the median rate, every pass's rate, a flag only if it held in
+    every pass, the most graph breaks; a failed pass makes the row an error row."""
+    from moefuse.bench.hf_compiled import merge_passes
+
+    a = {"op": "g", "tok_s": 10.0, "tok_s_with_prefill": 8.0, "same": True, "graph_breaks": 0}
+    b = {**a, "tok_s": 30.0, "tok_s_with_prefill": 9.0, "same": False, "graph_breaks": 2}
+    c = {**a, "tok_s": 20.0}
+    row = merge_passes([a, b, c])
+    assert (row["tok_s"], row["tok_s_with_prefill"], row["tok_s_passes"]) == (
+        20.0,
+        8.0,
+        [10, 30, 20],
+    )
+    assert row["same"] is False and row["graph_breaks"] == 2
+    assert merge_passes([a, {"op": "g", "error": "boom"}])["error"] == "boom"

@@ -256,6 +256,9 @@ def parse_args(argv=None):
     c.add_argument("--replays", type=int, default=40, help="graph replays per timing sample")
     c.add_argument("--samples", type=int, default=7)
     c.add_argument(
+        "--generate-passes", type=int, default=2, help="generate stage passes over both variants"
+    )
+    c.add_argument(
         "--variants", nargs="+", default=["shipped", "patched"], choices=["shipped", "patched"]
     )
     c.add_argument(
