@@ -197,6 +197,28 @@ def run_group_one_killed(
 _PATCH_LOCK = threading.Lock()
 
 
+def assert_bounded_waits(spans: list, timeout_s: float, most_s: float = 30.0) -> None:
+    """The failing calls of the ranks that waited for an absent peer. ``spans``: per rank,
+    ``(start, end)`` of its failing call in ``time.monotonic()`` seconds (a clock shared by the
+    processes of one machine), None for a rank that did not wait. A wait ends at its own
+    deadline (``timeout_s`` after its call began, at the earliest) or as soon as a peer whose
+    wait timed out posts its notice (moefuse.comm.faults). So no rank raises before the earliest
+    deadline, ``min(start) + timeout_s``; a rank that began its call later than the first one
+    may wait less than ``timeout_s`` itself. Each call also ends within ``most_s``."""
+    waits = [span for span in spans if span is not None]
+    assert waits, "no rank waited"
+    first_deadline = min(start for start, _ in waits) + timeout_s
+    for rank, span in enumerate(spans):
+        if span is None:
+            continue
+        start, end = span
+        assert end >= first_deadline, (
+            f"rank {rank}'s call ended {first_deadline - end:.2f} s before the first deadline "
+            f"(timeout {timeout_s:g} s; spans {spans})"
+        )
+        assert end - start < most_s, f"rank {rank}'s call took {end - start:.1f} s"
+
+
 def count_calls(module, name: str, counts: dict, key) -> None:
     """Wrap ``module.name`` so that this rank's calls add 1 to ``counts[key]``. As threads, every
     rank wraps the same module attribute (the wrappers chain); each wrapper counts only the
