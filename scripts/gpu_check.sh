@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: every GPU test suite, spread over the GPUs present, logs under ${OUT:-out}.
-# Usage (repo root, on an H200 machine): bash scripts/gpu_check.sh [--bench]
-#   single-GPU suites run in parallel, one per GPU; then the communication suite for every world
-#   size the machine has (one GPU: the loopback suite, two ranks on it); with --bench the benchmarks follow (JSON + PNG under $OUT/results).
+# Usage (repo root, on an H200 machine): bash scripts/gpu_check.sh [--bench] [TEST_FILE ...]
+#   the single-GPU suites (every tests/test_*_gpu.py without the multigpu marker, or only the
+#   TEST_FILEs given) run in parallel, one per GPU; then the communication suites for every world
+#   size the machine has (one GPU: the loopback suite, two ranks on it; skipped when TEST_FILEs
+#   are given); with --bench the benchmarks follow (JSON + PNG under $OUT/results).
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the comment block above
   awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0
 fi
@@ -12,7 +14,13 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT/results"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-suites=(tests/test_norm_gpu.py tests/test_moe_gpu.py tests/test_quant_gpu.py)
+bench=0
+if [[ "${1:-}" == "--bench" ]]; then bench=1; shift; fi
+if (( $# > 0 )); then
+  suites=("$@")
+else
+  mapfile -t suites < <(grep -L "multigpu" tests/test_*_gpu.py | grep -v "test_comm_loopback_gpu")
+fi
 pids=()
 for i in "${!suites[@]}"; do
   gpu=$((i % gpus))
@@ -24,15 +32,20 @@ for i in "${!suites[@]}"; do
 done
 wait
 for s in "${suites[@]}"; do name=$(basename "$s" .py); echo "$name: $(tail -1 "$OUT/$name.log")"; done
-if (( gpus >= 2 )); then
-  python3 -m pytest -q -p no:cacheprovider tests/test_comm_gpu.py > "$OUT/test_comm_gpu.log" 2>&1
-  echo "test_comm_gpu: $(tail -1 "$OUT/test_comm_gpu.log")"
+if (( $# > 0 )); then
+  :  # only the files asked for
+elif (( gpus >= 2 )); then
+  for s in $(grep -l "multigpu" tests/test_*_gpu.py); do
+    name=$(basename "$s" .py)
+    python3 -m pytest -q -p no:cacheprovider "$s" > "$OUT/$name.log" 2>&1
+    echo "$name: $(tail -1 "$OUT/$name.log")"
+  done
 else  # one GPU: the communication kernels as two loopback ranks on it
   python3 -m pytest -q -p no:cacheprovider tests/test_comm_loopback_gpu.py \
     > "$OUT/test_comm_loopback_gpu.log" 2>&1
   echo "test_comm_loopback_gpu: $(tail -1 "$OUT/test_comm_loopback_gpu.log")"
 fi
-if [[ "${1:-}" == "--bench" ]]; then
+if (( bench )); then
   for fam in norm moe quant; do
     python3 -m moefuse bench "$fam" --save --out "$OUT/results" > "$OUT/bench_$fam.log" 2>&1
   done
