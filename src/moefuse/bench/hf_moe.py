@@ -49,11 +49,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def eager_us(fn, device, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of (wall time of ``calls`` eager calls) / ``calls``, in µs."""
-    return interleaved_us({"fn": fn}, device, calls, repeats)["fn"]["us"]
-
-
 def interleaved_us(fns: dict, device, calls: int, repeats: int, prepare=None) -> dict:
     """µs per eager call of each function in ``fns`` (name -> zero-argument callable), timed in
     interleaved rounds: one untimed sample of ``calls`` calls each first, then ``repeats`` rounds
