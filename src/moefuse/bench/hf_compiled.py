@@ -32,7 +32,7 @@ experts); "patched" is a deep copy after ``moefuse.integrations.transformers.pat
 5. ``prefill``: the compiled forward over ``--prefill`` tokens (no cache, ``logits_to_keep=1``
    as generate's prefill), captured (both variants) and replayed like the step (interleaved);
    on a GPU, the kernels of one replay at the largest ``--prefill`` (row ``prefill <T>
-   profile``, as ``profile``).
+   profile``, as ``profile``; left out with ``--skip profile``).
 
 Every compile is counted: dynamo's ``graph_break`` counter and graph count per stage and variant
 (``graph_breaks``, ``graphs``). Writes ``hf_moe-<gpu>-compiled.json`` and ``.png`` after every
@@ -431,6 +431,7 @@ def run(args, device) -> list[dict]:
                     agree = _agree(tokens["shipped"], tokens["patched"])
                     rows[-2].update({f"vs_shipped_{k}": x for k, x in agree.items()})
             elif stage == "prefill":
+                profiled = "profile" not in args.skip
                 for t in args.prefill:
                     captured = {v.name: v.prefill(t) for v in variants}
                     items = {name: (graph, fn) for name, (_, graph, fn) in captured.items()}
@@ -439,7 +440,7 @@ def run(args, device) -> list[dict]:
                     time_variants(prefill_rows, items, device, replays, args.samples)
                     rows += prefill_rows
                     for name, (_, graph, _) in captured.items():
-                        if t == max(args.prefill) and graph is not None:
+                        if t == max(args.prefill) and graph is not None and profiled:
                             kernels = profile_step(graph, replays=1)
                             rows.append(profile_row(f"prefill {t} profile", name, kernels))
                     del captured, items
