@@ -114,6 +114,7 @@ def bench_block(args, device) -> list[dict]:
     prepare[PATCHED_BLOCK] = lambda: None
     rows = []
     warm = torch.randn(1, max(args.tokens), args.hidden, device=device, dtype=torch.bfloat16)
+    set_block_impl(block, "grouped_mm")
     spin(lambda: block(warm), device, args.warmup_s)
     for t in args.tokens:
         x = torch.randn(1, t, args.hidden, device=device, dtype=torch.bfloat16)
