@@ -75,6 +75,28 @@ def graph_time_us(
     return statistics.median(times)
 
 
+def rotated(names: list, rnd: int) -> list:
+    """``names`` rotated left by ``rnd``: the order of round ``rnd`` of an interleaved timing, so
+    that each variant runs first, in between and last equally often."""
+    shift = rnd % len(names)
+    return names[shift:] + names[:shift]
+
+
+def interleaved_rounds(names: list, rounds: int, sample: Callable[[str], float]) -> dict:
+    """``sample(name)`` (one timing in µs) of every name in each of ``rounds`` rounds, the order
+    rotated each round (:func:`rotated`): a slow spell of the machine (clocks ramping up after a
+    start, another process) lands on every variant alike instead of on whichever ran during it.
+    Returns name -> ``{"us": median, "us_min", "us_max"}`` over the rounds."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rnd in range(rounds):
+        for name in rotated(names, rnd):
+            times[name].append(sample(name))
+    return {
+        name: {"us": statistics.median(t), "us_min": min(t), "us_max": max(t)}
+        for name, t in times.items()
+    }
+
+
 def compile_baseline(fn: Callable) -> Callable:
     """``torch.compile`` (default mode, static shapes) of a baseline, allowed one graph per shape:
     with dynamo's default limit of 8 recompilations, later shapes would silently run eagerly."""

@@ -47,7 +47,13 @@ import time
 
 import torch
 
-from moefuse.bench.harness import print_table, run_metadata, save_results
+from moefuse.bench.harness import (
+    interleaved_rounds,
+    print_table,
+    rotated,
+    run_metadata,
+    save_results,
+)
 
 VARIANTS = ("shipped", "patched")
 
@@ -96,37 +102,30 @@ def capture(fn, device):
 
 def interleaved_replay_us(items: dict, device, replays: int, samples: int) -> dict:
     """µs of one replay of each of ``items`` (name -> (graph, fn)), timed in ``samples``
-    interleaved rounds: per round, each graph replays ``replays`` times back to back between two
-    CUDA events, in an order rotated by one each round (one untimed replay each first), so that
-    a slow spell of the GPU lands on every variant alike. Returns name -> ``{"us": median,
-    "us_min", "us_max"}``. On CPU (graph None, the smoke run): wall time of eager ``fn()`` calls.
-    """
-    names = list(items)
-    times = {name: [] for name in names}
+    interleaved rounds (:func:`moefuse.bench.harness.interleaved_rounds`): per round, each graph
+    replays ``replays`` times back to back between two CUDA events, the order rotated each round
+    (one untimed replay each first). Returns name -> ``{"us": median, "us_min", "us_max"}``. On
+    CPU (graph None, the smoke run): wall time of eager ``fn()`` calls."""
+
+    def sample(name):
+        graph, fn = items[name]
+        if graph is None:
+            t0 = time.perf_counter()
+            for _ in range(replays):
+                fn()
+            return (time.perf_counter() - t0) / replays * 1e6
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / replays
+
     for graph, _ in items.values():
         if graph is not None:
             graph.replay()
-    for rnd in range(samples):
-        shift = rnd % len(names)
-        for name in names[shift:] + names[:shift]:
-            graph, fn = items[name]
-            if graph is None:
-                t0 = time.perf_counter()
-                for _ in range(replays):
-                    fn()
-                times[name].append((time.perf_counter() - t0) / replays * 1e6)
-                continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3 / replays)
-    return {
-        name: {"us": statistics.median(t), "us_min": min(t), "us_max": max(t)}
-        for name, t in times.items()
-    }
+    return interleaved_rounds(list(items), samples, sample)
 
 
 def profile_step(graph, replays: int = 3) -> list[dict]:
@@ -416,8 +415,8 @@ def run(args, device) -> list[dict]:
                 if device.type != "cuda":
                     config.mode, config._compile_all_devices = None, True
                 passes: dict[tuple, list[dict]] = {}
-                for p in range(args.generate_passes):  # variant order rotated per pass
-                    for v in variants[p % len(variants) :] + variants[: p % len(variants)]:
+                for p in range(args.generate_passes):
+                    for v in rotated(variants, p):
                         torch._dynamo.reset()  # a fresh process's compile state (docstring, 4.)
                         row, seq = v.generate_rate(prompt, config)
                         tokens[v.name] = seq[:, prompt.shape[1] :]

@@ -36,7 +36,13 @@ from functools import partial
 
 import torch
 
-from moefuse.bench.harness import print_table, run_metadata, save_results
+from moefuse.bench.harness import (
+    interleaved_rounds,
+    print_table,
+    rotated,
+    run_metadata,
+    save_results,
+)
 from moefuse.bench.hf_compiled import qwen3_config
 
 IMPLS = ("grouped_mm", "batched_mm", "moefuse")
@@ -50,32 +56,27 @@ def _sync(device: torch.device) -> None:
 
 
 def interleaved_us(fns: dict, device, calls: int, repeats: int, prepare=None) -> dict:
-    """µs per eager call of each function in ``fns`` (name -> zero-argument callable), timed in
-    interleaved rounds: one untimed sample of ``calls`` calls each first, then ``repeats`` rounds
-    in which every function runs ``calls`` back-to-back calls between two synchronizations, in an
-    order rotated by one each round. A slow spell of the machine (clocks ramping up after a
-    start, another process) then lands on every function alike instead of on whichever ran
-    during it. ``prepare`` (name -> callable, optional) runs before each of that function's
-    samples, outside the timing. Returns name -> ``{"us": median, "us_min", "us_max"}``."""
-    names = list(fns)
-    samples = {name: [] for name in names}
-    for rnd in range(-1, repeats):
-        shift = max(rnd, 0) % len(names)
-        for name in names[shift:] + names[:shift]:
-            fn = fns[name]
-            if prepare and name in prepare:
-                prepare[name]()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            _sync(device)
-            if rnd >= 0:
-                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
-    return {
-        name: {"us": statistics.median(s), "us_min": min(s), "us_max": max(s)}
-        for name, s in samples.items()
-    }
+    """µs per eager call of each function in ``fns`` (name -> zero-argument callable): one
+    untimed sample of ``calls`` calls each first, then ``repeats`` rounds in which every function
+    runs ``calls`` back-to-back calls between two synchronizations, the order rotated each round
+    (:func:`moefuse.bench.harness.interleaved_rounds`). ``prepare`` (name -> callable, optional)
+    runs before each of that function's samples, outside the timing. Returns name -> ``{"us":
+    median, "us_min", "us_max"}``."""
+
+    def sample(name):
+        fn = fns[name]
+        if prepare and name in prepare:
+            prepare[name]()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    for name in fns:
+        sample(name)
+    return interleaved_rounds(list(fns), repeats, sample)
 
 
 def spin(fn, device, seconds: float) -> None:
@@ -197,9 +198,8 @@ def bench_decode(args, device) -> list[dict]:
     # timings), so a slow spell of the machine lands on both variants alike
     times = {name: {args.short: [], args.long: []} for name in variants}
     tokens = {}
-    names = list(variants)
     for rnd in range(args.decode_repeats):
-        for name in names[rnd % 2 :] + names[: rnd % 2]:
+        for name in rotated(list(variants), rnd):
             variants[name]()
             for n in (args.short, args.long):
                 dt, tokens[name] = seconds(n)
