@@ -75,6 +75,12 @@ def graph_time_us(
     return statistics.median(times)
 
 
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def rotated(names: list, rnd: int) -> list:
     """``names`` rotated left by ``rnd``: the order of round ``rnd`` of an interleaved timing, so
     that each variant runs first, in between and last equally often."""

@@ -53,14 +53,10 @@ from moefuse.bench.harness import (
     rotated,
     run_metadata,
     save_results,
+    sync,
 )
 
 VARIANTS = ("shipped", "patched")
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Counted:
@@ -226,7 +222,7 @@ class Variant:
         if self.graph is not None:
             self.out.logits.fill_(float("nan"))
             self.graph.replay()
-            _sync(self.device)
+            sync(self.device)
             graph_same = torch.equal(self.out.logits.view(torch.int16), eager[0].view(torch.int16))
         same = all(torch.equal(e.view(torch.int16), eager[0].view(torch.int16)) for e in eager)
         return {
@@ -294,10 +290,10 @@ class Variant:
             self.generate(prompt, n, compile_config, cache)
             samples = []
             for _ in range(args.repeats):
-                _sync(self.device)
+                sync(self.device)
                 t0 = time.perf_counter()
                 tokens_n = self.generate(prompt, n, compile_config, cache)
-                _sync(self.device)
+                sync(self.device)
                 samples.append(time.perf_counter() - t0)
             times[n] = statistics.median(samples)
         row = {

@@ -42,17 +42,13 @@ from moefuse.bench.harness import (
     rotated,
     run_metadata,
     save_results,
+    sync,
 )
 from moefuse.bench.hf_compiled import qwen3_config
 
 IMPLS = ("grouped_mm", "batched_mm", "moefuse")
 #: the block as ``patch(model)`` leaves it: "moefuse" experts and the router on ``router_topk``
 PATCHED_BLOCK = "moefuse+router"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def interleaved_us(fns: dict, device, calls: int, repeats: int, prepare=None) -> dict:
@@ -67,11 +63,11 @@ def interleaved_us(fns: dict, device, calls: int, repeats: int, prepare=None) ->
         fn = fns[name]
         if prepare and name in prepare:
             prepare[name]()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        _sync(device)
+        sync(device)
         return (time.perf_counter() - t0) / calls * 1e6
 
     for name in fns:
@@ -84,7 +80,7 @@ def spin(fn, device, seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         fn()
-        _sync(device)
+        sync(device)
 
 
 def set_block_impl(block, name: str) -> None:
@@ -182,10 +178,10 @@ def bench_decode(args, device) -> list[dict]:
         )
 
     def seconds(n):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = gen(n)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0, out
 
     shipped_experts = model.config._experts_implementation
