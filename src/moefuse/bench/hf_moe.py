@@ -248,7 +248,10 @@ def parse_args(argv=None):
     c.add_argument("--replays", type=int, default=40, help="graph replays per timing sample")
     c.add_argument("--samples", type=int, default=7)
     c.add_argument(
-        "--generate-passes", type=int, default=2, help="generate stage passes over both variants"
+        "--generate-passes",
+        type=int,
+        default=3,
+        help="generate stage passes over both variants (tok_s: their median)",
     )
     c.add_argument(
         "--variants", nargs="+", default=["shipped", "patched"], choices=["shipped", "patched"]
