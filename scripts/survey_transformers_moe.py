@@ -226,8 +226,8 @@ def markdown(rows: list[dict]) -> str:
         "",
         f"{len(clean)} of the {len(ran)} families that run unpatched also run patched and compile "
         "with `fullgraph=True` (no graph break, the compiled logits equal the eager ones bit for "
-        f"bit); {len(rows) - len(ran)} were skipped because the script's generic tiny config "
-        "does not fit them.",
+        f"bit); {len(rows) - len(ran)} were skipped (a composite config, or one that the "
+        "script's generic tiny sizes do not fit: the reason is in the table).",
         "",
         "| family | experts | routers | norms | fused layers | shared blocks | logits vs FP32: "
         "shipped / patched | experts module vs FP32: shipped / patched | compiled fullgraph |",
