@@ -382,9 +382,11 @@ def scenario_contract(rank, p):
         return ro, ffn, n
 
     expected = layer(x, res)
-    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, res)
-    for a, b in zip(got, expected):
-        assert_bitwise_equal(a, b, "compiled == eager")
+    for dynamic in (False, True):  # dynamic: symbolic token count and float arguments
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+        for a, b in zip(compiled(x, res), expected):
+            assert_bitwise_equal(a, b, f"compiled (dynamic={dynamic}) == eager")
     ws.close()
     # --- FlashInfer call styles (moefuse.compat.flashinfer)
     from moefuse.compat import flashinfer as fi

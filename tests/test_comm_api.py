@@ -289,10 +289,12 @@ def scenario_opcheck_compile(rank, world_size):
         return s, ro, no
 
     expected = layer(x, res, w)
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    got = compiled(x, res, w)
-    for a, b in zip(got, expected):
-        assert_bitwise_equal(a, b, "compiled == eager")
+    for dynamic in (False, True):  # dynamic: symbolic token count and float arguments
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+        got = compiled(x, res, w)
+        for a, b in zip(got, expected):
+            assert_bitwise_equal(a, b, f"compiled (dynamic={dynamic}) == eager")
     ws.close()
     return True
 

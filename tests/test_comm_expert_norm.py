@@ -455,8 +455,11 @@ def scenario_api(rank, world_size):
         )
 
     eager = layer(rows, weights, idx, nw)
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(rows, weights, idx, nw)
-    assert_bitwise_equal(compiled, eager, "compiled == eager")
+    for dynamic in (False, True):  # dynamic: symbolic token count and float arguments
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+        got = compiled(rows, weights, idx, nw)
+        assert_bitwise_equal(got, eager, f"compiled (dynamic={dynamic}) == eager")
     assert_bitwise_equal(eager, exp, "explicit workspace == process-wide one")
     xws.close()
 

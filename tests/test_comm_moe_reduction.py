@@ -583,9 +583,11 @@ def _opcheck_compile(moefuse, ws, rank, world_size, h):
 
     args = (ins[rank], res, w, perm, wts[rank], shs[rank])
     expected = layer(*args)
-    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(*args)
-    for a, b in zip(got, expected):
-        assert_bitwise_equal(a, b, "compiled == eager")
+    for dynamic in (False, True):  # dynamic: symbolic token count and float arguments
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+        for a, b in zip(compiled(*args), expected):
+            assert_bitwise_equal(a, b, f"compiled (dynamic={dynamic}) == eager")
 
 
 def _ranks_agree(results):

@@ -1,8 +1,9 @@
 """Every public single-GPU op (norm, MoE, quantization families) traced by
 ``torch.compile(fullgraph=True)`` in one function, with ``impl="triton"`` (the custom-op path a GPU
-traces; the kernels run in Triton's interpreter) and ``impl="reference"``: no graph break, the
-compiled results equal the eager ones bit for bit. The communication ops need a workspace and
-ranks; their files compile them (tests/test_comm_*.py)."""
+traces; the kernels run in Triton's interpreter) and ``impl="reference"``, with static and with
+dynamic shapes: no graph break, the compiled results equal the eager ones bit for bit. The
+communication ops need a workspace and ranks; their files compile them (tests/test_comm_*.py),
+with static and dynamic shapes too."""
 
 from __future__ import annotations
 
@@ -112,12 +113,17 @@ def test_every_public_op_is_walked():
     assert set(every_op(_inputs(0), "reference")) == public
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 @torch.no_grad()
-def test_every_public_op_compiles_fullgraph(impl):
+def test_every_public_op_compiles_fullgraph(impl, dynamic):
+    """``dynamic=True``: the token count and the float arguments (eps, scaling factors, also
+    those left at their defaults) are traced symbolically, as a serving engine compiles."""
     want = every_op(_inputs(1), impl)
     counters.clear()
-    got = torch.compile(every_op, fullgraph=True, backend="aot_eager")(_inputs(1), impl)
+    torch._dynamo.reset()
+    compiled = torch.compile(every_op, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    got = compiled(_inputs(1), impl)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert set(got) == set(want)
     for name, value in want.items():

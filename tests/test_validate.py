@@ -34,6 +34,19 @@ def test_eps_rejects_non_numbers_and_bools(eps):
         v.check_eps("rmsnorm", "eps", eps)
 
 
+@pytest.mark.parametrize(
+    "value", [True, float("nan"), float("inf"), -float("inf"), "1.0", None, torch.tensor(1.0)]
+)
+def test_real_rejects_non_finite_non_numbers_and_bools(value):
+    with pytest.raises(ValueError, match="'routed_scaling_factor' must be a finite float"):
+        v.check_real("moe_finalize", "routed_scaling_factor", value)
+
+
+@pytest.mark.parametrize("value", [0, 1, -2, 0.0, 2.5, -1e30])
+def test_real_accepts_finite_ints_and_floats(value):
+    v.check_real("moe_finalize", "routed_scaling_factor", value)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_written_tensor_that_requires_grad_is_refused_before_any_write(impl):

@@ -163,8 +163,16 @@ def check_outputs(op: str, outs, inputs, in_place) -> None:
 
 
 def check_real(op: str, name: str, value) -> None:
-    """A finite Python int or float (bools and strings are not numbers here)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """A finite Python int or float (bools and strings are not numbers here). Finite is tested
+    by comparisons (NaN != NaN; the two infinities), not ``math.isfinite``: under
+    ``torch.compile(dynamic=True)`` dynamo traces a float argument as a symbolic float, which
+    comparisons accept and ``math.isfinite`` does not."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != value
+        or value in (math.inf, -math.inf)
+    ):
         raise ValueError(f"moefuse.{op}: argument '{name}' must be a finite float, got {value!r}")
 
 
