@@ -4,9 +4,10 @@ needs no C++ compiler). A graph break anywhere fails ``fullgraph=True``. Checks,
 compiled prefill (the routing-plan experts path, the fused residual norms and their next-norm
 hand-off, the shared-expert finalize of DeepSeek-V3) has the patched model's eager logits bit for
 bit and its graph holds the moefuse ops; compiled with ``dynamic=True``, one graph serves two
-prompt lengths with the eager bits; a static-cache ``generate`` whose decode steps run
-compiled (the slot-order experts path, one token) gives the eager static-cache tokens, with no
-graph break counted by dynamo. The GPU file does the same with inductor and CUDA graphs."""
+prompt lengths with the eager bits, and ``torch.export`` with a dynamic length holds them too;
+a static-cache ``generate`` whose decode steps run compiled (the slot-order experts path, one
+token) gives the eager static-cache tokens, with no graph break counted by dynamo. The GPU
+file does the same with inductor and CUDA graphs."""
 
 from __future__ import annotations
 
@@ -77,20 +78,49 @@ def test_compiled_prefill_fullgraph_equals_eager(kind):
     assert_bitwise_equal(got, eager, f"{kind}: compiled prefill")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])  # Mixtral: Qwen3's path
 @torch.inference_mode()
 def test_compiled_dynamic_shapes_one_graph_for_every_length(kind):
     """``torch.compile(dynamic=True)``, as a serving engine compiles: the prompt length is
-    symbolic, one graph serves lengths 4 and 11 without a recompile (at top-3, 12 and 33 routed
-    slots: the fused experts' inline plan and its plan kernel), each with the eager bits."""
+    symbolic, one graph serves lengths 4 and 24 without a recompile, each with the eager bits.
+    At top-3 over 8 experts these are 12 and 72 routed slots: the fused experts' inline plan,
+    then the plan kernel with a wider token tile (32 columns, not 16), which the launcher picks
+    at run time, not at trace time."""
     model = patched(kind)
     counters.clear()
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
-    for length in (4, 11):
+    for length in (4, 24):
         ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
         assert_bitwise_equal(compiled(ids).logits, model(ids).logits, f"{kind}: length {length}")
     assert _breaks() == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids, use_cache=False).logits
+
+
+@torch.no_grad()
+def test_export_with_a_symbolic_length():
+    """``torch.export`` of a patched Qwen3-MoE with the prompt length declared dynamic over
+    2-4,096: no guard of moefuse narrows the range, the program holds the moefuse ops and gives
+    the eager bits at a length it was not traced at. (DeepSeek-V3's attention does not export
+    in transformers itself.)"""
+    kind = "qwen3_moe"
+    model = patched(kind)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
+    length = torch.export.Dim("length", min=2, max=4096)
+    program = torch.export.export(_Logits(model), (ids,), dynamic_shapes={"ids": {1: length}})
+    ops = {str(n.target) for n in program.graph.nodes if str(n.target).startswith("moefuse.")}
+    assert {"moefuse.moe_experts.default", "moefuse.fused_add_rmsnorm.default"} <= ops, ops
+    other = torch.randint(0, VOCAB, (1, 23), generator=torch.Generator().manual_seed(23))
+    want = model(other, use_cache=False).logits
+    assert_bitwise_equal(program.module()(other), want, f"{kind}: exported program")
 
 
 @pytest.mark.parametrize("kind", KINDS[:2])

@@ -22,7 +22,12 @@ from moefuse.moe.api import (
     SCALE_DTYPES,
     check_expert_bias,
 )
-from moefuse.moe.tiles import EXPERTS_MAX, experts_tile, experts_token_tile
+from moefuse.moe.tiles import (
+    EXPERTS_BN_DOWN,
+    EXPERTS_BN_GATE_UP,
+    EXPERTS_MAX,
+    EXPERTS_TOKEN_TILES,
+)
 
 ACTIVATIONS = ("silu",)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -117,11 +122,15 @@ def _kernel_reason(x, tokens, hidden, experts, inter, top_k) -> str | None:
         return reason
     if experts > EXPERTS_MAX:
         return f"{experts} experts exceed the plan kernel's {EXPERTS_MAX}"
+    # the launch grid (work items x weight tiles) bounded over every tile the launcher may pick:
+    # at most E + slots / (narrowest token tile) items, and the narrowest weight tiles. The
+    # tile policy is not consulted, so that the answer does not depend on T through it: a call
+    # traced with a symbolic token count (torch.compile(dynamic=True), torch.export) keeps one
+    # graph for every T instead of one per token tile.
     slots = tokens * top_k
-    token_tile = experts_token_tile(slots, experts)
-    tile = experts_tile(hidden, inter, token_tile, slots)
-    items = min(experts, slots) + slots // token_tile
-    if items > MAX_PROGRAMS or max(inter // tile["bn_gate_up"], hidden // tile["bn_down"]) >= 65535:
+    items = experts + slots // EXPERTS_TOKEN_TILES[0]
+    tiles = max(inter // EXPERTS_BN_GATE_UP, hidden // EXPERTS_BN_DOWN)
+    if items > MAX_PROGRAMS or tiles >= 65535:
         return f"T*K = {slots} slots at H = {hidden}, I = {inter} exceed one launch grid"
     return None
 
