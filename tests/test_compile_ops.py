@@ -22,25 +22,26 @@ NOT_OPS = {"RoutingPlan", "MoEWeights", "scale_shape"}
 M, H, E, K = 5, 32, 4, 2
 
 
-def _inputs(seed: int) -> dict:
+def _inputs(seed: int, m: int = M) -> dict:
+    """Inputs of :func:`every_op` with ``m`` rows (tokens)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, dtype=BF16):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(m)]).to(torch.int32)
     return dict(
-        x=rand(M, H),
-        r=rand(M, H),
+        x=rand(m, H),
+        r=rand(m, H),
         w=rand(H),
-        r32=rand(M, H, dtype=torch.float32),
+        r32=rand(m, H, dtype=torch.float32),
         a=torch.rand(H, generator=g),
         b=torch.rand(H, generator=g),
-        heads=rand(M, 2, 16),
-        gate=rand(M, 2, 16),
-        logits=rand(M, E, dtype=torch.float32),
+        heads=rand(m, 2, 16),
+        gate=rand(m, 2, 16),
+        logits=rand(m, E, dtype=torch.float32),
         ids=ids,
-        scales=torch.rand(M, K, generator=g),
+        scales=torch.rand(m, K, generator=g),
         scale=torch.tensor([0.05]),
         gs=torch.tensor([80.0]),
         w13=rand(E, 16, H),
@@ -118,15 +119,18 @@ def test_every_public_op_is_walked():
 @torch.no_grad()
 def test_every_public_op_compiles_fullgraph(impl, dynamic):
     """``dynamic=True``: the token count and the float arguments (eps, scaling factors, also
-    those left at their defaults) are traced symbolically, as a serving engine compiles."""
-    want = every_op(_inputs(1), impl)
+    those left at their defaults) are traced symbolically, as a serving engine compiles; one
+    graph then serves 5 and 37 rows."""
     counters.clear()
     torch._dynamo.reset()
     compiled = torch.compile(every_op, fullgraph=True, dynamic=dynamic, backend="aot_eager")
-    got = compiled(_inputs(1), impl)
+    for m in (M, 37) if dynamic else (M,):  # dynamic: one graph for both token counts
+        want = every_op(_inputs(1, m), impl)
+        got = compiled(_inputs(1, m), impl)
+        assert set(got) == set(want)
+        for name, value in want.items():
+            pairs = zip(value, got[name]) if isinstance(value, tuple) else [(value, got[name])]
+            for i, (e, g) in enumerate(pairs):
+                assert_bitwise_equal(g, e, f"{name}[{i}] ({impl}, {m} rows): compiled == eager")
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert set(got) == set(want)
-    for name, value in want.items():
-        pairs = zip(value, got[name]) if isinstance(value, tuple) else [(value, got[name])]
-        for i, (e, g) in enumerate(pairs):
-            assert_bitwise_equal(g, e, f"{name}[{i}] ({impl}): compiled == eager")
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -127,9 +127,13 @@ def moe_finalize_reference(
     out = torch.empty(m, h, dtype=out_dtype, device=permuted_input.device)
     n_rows = permuted_input.shape[0]
     rows, valid = slot_rows(expanded_idx_to_permuted_idx, n_rows, input_is_expanded)
+    # token chunks bound the FP32 intermediate; while torch.compile traces, one chunk: a loop
+    # over a symbolic token count would specialise the graph on it (rows are independent, so the
+    # bits are the same either way)
     step = max(1, _CHUNK_ELEMENTS // max(1, h))
-    for t0 in range(0, m, step):
-        sl = slice(t0, min(m, t0 + step))
+    starts = [0] if torch.compiler.is_compiling() else range(0, m, step)
+    for t0 in starts:
+        sl = slice(t0, m) if torch.compiler.is_compiling() else slice(t0, min(m, t0 + step))
         acc = _finalize_rows(
             permuted_input,
             rows[sl],
