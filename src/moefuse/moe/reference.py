@@ -131,9 +131,11 @@ def moe_finalize_reference(
     # over a symbolic token count would specialise the graph on it (rows are independent, so the
     # bits are the same either way)
     step = max(1, _CHUNK_ELEMENTS // max(1, h))
-    starts = [0] if torch.compiler.is_compiling() else range(0, m, step)
-    for t0 in starts:
-        sl = slice(t0, m) if torch.compiler.is_compiling() else slice(t0, min(m, t0 + step))
+    if torch.compiler.is_compiling():
+        chunks = [slice(0, m)]
+    else:
+        chunks = [slice(t0, min(m, t0 + step)) for t0 in range(0, m, step)]
+    for sl in chunks:
         acc = _finalize_rows(
             permuted_input,
             rows[sl],
