@@ -6,6 +6,7 @@ import torch
 
 import moefuse
 from moefuse import _validate as v
+from moefuse.testing import assert_close
 
 
 def test_meta_tensors_alias_only_through_their_storage():
@@ -63,12 +64,16 @@ def test_written_tensor_that_requires_grad_is_refused_before_any_write(impl):
 
 @pytest.mark.interpreter
 def test_documented_limits_hold_on_both_impls():
-    """docs/support.md: norms take any H >= 1 (beyond 65536 too), moe_finalize any K >= 0."""
-    x = torch.randn(1, 65537).to(torch.bfloat16)
-    w = torch.rand(65537).to(torch.bfloat16)
+    """docs/support.md: norms take any H >= 1 (beyond 65536 too), moe_finalize any K >= 0.
+    The norm is held to the reference within the norms' tolerance (``rsqrt_half``: the kernel's
+    FP32 row sum against the reference's FP64 one moves an output by one ulp on some rows; at
+    H = 65,537 this input, generator seed 4, has 7 such elements)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 65537, generator=g).to(torch.bfloat16)
+    w = torch.rand(65537, generator=g).to(torch.bfloat16)
     got = moefuse.rmsnorm(x, w, impl="triton")
     want = moefuse.rmsnorm(x, w, impl="reference")
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert_close(got, want, "rsqrt_half", "rmsnorm at H = 65,537")
     rows, idx = torch.randn(2, 8).to(torch.bfloat16), torch.zeros(3, 0, dtype=torch.int32)
     shared = torch.randn(3, 8).to(torch.bfloat16)
     for impl in ("reference", "triton"):
