@@ -2,6 +2,7 @@
 switched on before triton is imported by any kernel module."""
 
 import os
+import zlib
 
 # loopback ranks share one CUDA context, where a kernel module loaded lazily at its first use
 # waits for a peer's running kernel (moefuse.testing_ranks): every module is loaded at start-up
@@ -85,6 +86,14 @@ def _fresh_launch_plans():
     _fastpath.clear()
     yield
     _fastpath.clear()
+
+
+@pytest.fixture(autouse=True)
+def _seeded_per_test(request):
+    """Every test starts from its own fixed seed (from its id), so the inputs a test draws from
+    torch's global generator do not depend on which tests ran before it in the same worker:
+    a failure reproduces with the test alone."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture
