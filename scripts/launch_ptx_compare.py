@@ -210,18 +210,15 @@ def compile_launch(kernel, args, consts) -> tuple[str, list[str], str]:
 
 
 def sass_text(cubin: bytes) -> str:
-    """The SASS instructions of ``cubin`` (disassembled by the ``cuobjdump`` bundled with Triton),
-    one per line, without addresses, encodings or the kernel's name; empty when the tool is
-    missing."""
-    import triton
+    """The SASS instructions of ``cubin`` (moefuse.tools.ptxas.disassemble: the disassembler
+    bundled with Triton), one per line, without addresses, encodings or the kernel's name;
+    empty when no disassembler ships."""
+    from comm_ptx_compare import ptxas_helpers
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return ""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        out = ptxas_helpers().disassemble(f.name)
     instructions = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", out)
     return "\n".join(instructions)
 

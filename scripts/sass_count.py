@@ -24,16 +24,12 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moefuse.norm.tiles import RowTile
 from moefuse.quant import fused as qf
 from moefuse.quant import triton as qt
-
-TARGET = GPUTarget("cuda", 90, 32)
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-PTXAS = os.path.join(BIN, "ptxas")
+from moefuse.tools.ptxas import PTXAS, TARGET, disassemble
 
 # opcode (first dot-separated part) -> class
 _CLASSES = {
@@ -108,13 +104,7 @@ def compile_sass(kernel, consts, num_warps, dump=None, tag="k"):
             text=True,
             check=True,
         )
-        tool = os.path.join(BIN, "cuobjdump")
-        args = (
-            [tool, "-sass", cubin]
-            if os.path.exists(tool)
-            else [os.path.join(BIN, "nvdisasm"), "-c", cubin]
-        )
-        sass = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        sass = disassemble(cubin)
     if dump:
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, f"{tag}.ptx"), "w") as f:

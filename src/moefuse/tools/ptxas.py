@@ -24,8 +24,10 @@ from triton.compiler import ASTSource
 
 #: the H100 / H200 target every check compiles for
 TARGET = GPUTarget("cuda", 90, 32)
+#: the CUDA tools that ship with Triton's NVIDIA backend (ptxas, cuobjdump, nvdisasm)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 #: the ptxas that ships with Triton's NVIDIA backend
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+PTXAS = os.path.join(BIN, "ptxas")
 
 
 def with_constexpr_defaults(kernel, consts: dict) -> dict:
@@ -138,3 +140,16 @@ def ptxas_report(ptx: str) -> PtxasReport:
         out.returncode,
         out.stderr,
     )
+
+
+def disassemble(cubin: str) -> str:
+    """SASS listing of the cubin file ``cubin``: the bundled ``cuobjdump -sass``, or ``nvdisasm
+    -c`` where cuobjdump does not ship; empty when neither does."""
+    cuobjdump, nvdisasm = os.path.join(BIN, "cuobjdump"), os.path.join(BIN, "nvdisasm")
+    if os.path.exists(cuobjdump):
+        args = [cuobjdump, "-sass", cubin]
+    elif os.path.exists(nvdisasm):
+        args = [nvdisasm, "-c", cubin]
+    else:
+        return ""
+    return subprocess.run(args, capture_output=True, text=True, check=True).stdout
