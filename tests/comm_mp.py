@@ -219,6 +219,25 @@ def assert_bounded_waits(spans: list, timeout_s: float, most_s: float = 30.0) ->
         assert end - start < most_s, f"rank {rank}'s call took {end - start:.1f} s"
 
 
+def assert_compiles_to_eager_bits(layer, args: tuple, expected) -> None:
+    """``layer(*args)`` under ``torch.compile(fullgraph=True)`` (aot_eager), with static and with
+    dynamic shapes (a symbolic token count and symbolic float arguments), gives ``expected`` (a
+    tensor or a tuple of tensors, the eager results) bit for bit."""
+    import torch
+
+    from moefuse.testing import assert_bitwise_equal
+
+    want = expected if isinstance(expected, tuple) else (expected,)
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+        got = compiled(*args)
+        got = got if isinstance(got, tuple) else (got,)
+        assert len(got) == len(want), f"compiled (dynamic={dynamic}): {len(got)} results"
+        for i, (g, e) in enumerate(zip(got, want)):
+            assert_bitwise_equal(g, e, f"compiled (dynamic={dynamic}) result {i} == eager")
+
+
 def count_calls(module, name: str, counts: dict, key) -> None:
     """Wrap ``module.name`` so that this rank's calls add 1 to ``counts[key]``. As threads, every
     rank wraps the same module attribute (the wrappers chain); each wrapper counts only the

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from comm_mp import assert_bounded_waits, run_group
+from comm_mp import assert_bounded_waits, assert_compiles_to_eager_bits, run_group
 from moefuse.comm.all_reduce import reference as ref
 from moefuse.testing import assert_bitwise_equal, bits, poison_
 from test_comm import make_case
@@ -288,13 +288,7 @@ def scenario_opcheck_compile(rank, world_size):
         ro, no = moefuse.allreduce_residual_rmsnorm(s, res, w, workspace=ws, impl="triton")
         return s, ro, no
 
-    expected = layer(x, res, w)
-    for dynamic in (False, True):  # dynamic: symbolic token count and float arguments
-        torch._dynamo.reset()
-        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
-        got = compiled(x, res, w)
-        for a, b in zip(got, expected):
-            assert_bitwise_equal(a, b, f"compiled (dynamic={dynamic}) == eager")
+    assert_compiles_to_eager_bits(layer, (x, res, w), layer(x, res, w))
     ws.close()
     return True
 

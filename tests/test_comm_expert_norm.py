@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 
-from comm_mp import run_group
+from comm_mp import assert_compiles_to_eager_bits, run_group
 from moefuse.comm.expert_norm import reference as ref
 from moefuse.testing import assert_bitwise_equal, bits, poison_
 
@@ -455,11 +455,7 @@ def scenario_api(rank, world_size):
         )
 
     eager = layer(rows, weights, idx, nw)
-    for dynamic in (False, True):  # dynamic: symbolic token count and float arguments
-        torch._dynamo.reset()
-        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
-        got = compiled(rows, weights, idx, nw)
-        assert_bitwise_equal(got, eager, f"compiled (dynamic={dynamic}) == eager")
+    assert_compiles_to_eager_bits(layer, (rows, weights, idx, nw), eager)
     assert_bitwise_equal(eager, exp, "explicit workspace == process-wide one")
     xws.close()
 

@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from comm_mp import run_group
+from comm_mp import assert_compiles_to_eager_bits, run_group
 from moefuse.comm.moe_reduction import reference as mref
 from moefuse.comm.workspace import CTRL_GEN
 from moefuse.quant import reference as quant_ref
@@ -582,12 +582,7 @@ def _opcheck_compile(moefuse, ws, rank, world_size, h):
         )
 
     args = (ins[rank], res, w, perm, wts[rank], shs[rank])
-    expected = layer(*args)
-    for dynamic in (False, True):  # dynamic: symbolic token count and float arguments
-        torch._dynamo.reset()
-        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
-        for a, b in zip(compiled(*args), expected):
-            assert_bitwise_equal(a, b, f"compiled (dynamic={dynamic}) == eager")
+    assert_compiles_to_eager_bits(layer, args, layer(*args))
 
 
 def _ranks_agree(results):
