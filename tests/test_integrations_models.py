@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 from moefuse.integrations import transformers as mt  # noqa: E402
 from moefuse.testing import assert_bitwise_equal  # noqa: E402
-from test_integrations_compile import GraphRecorder  # noqa: E402
+from test_integrations_compile import GraphRecorder, _breaks  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 VOCAB = 96
@@ -106,10 +106,6 @@ def build(model_type: str, seed: int = 0):
         pytest.skip(f"transformers {tf.__version__} has no {model_type}: {exc}")
     torch.manual_seed(seed)
     return tf.AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16)
-
-
-def _breaks() -> int:
-    return sum(counters["graph_break"].values())
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
