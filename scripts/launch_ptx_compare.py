@@ -14,10 +14,10 @@ unchanged. The launch grid is compared as well. Constexprs are not compared by n
 constexpr the kernel no longer reads may be dropped, one it ignores at this value added): the
 report lists the ones that differ beside the verdict, and the PTX shows whether any mattered.
 The PTX is also assembled for sm_90a with the ptxas bundled with Triton and disassembled with its
-``cuobjdump``. Verdicts: ``identical`` (the same normalised PTX); ``same SASS`` (the PTX differs,
-the SASS instructions, addresses and encodings left out, do not); ``reordered`` (the same
-normalised PTX lines, some in another order, and different SASS); ``different``; ``parameters
-differ``; ``grid A -> B``; ``error: ...``.
+``cuobjdump`` (``moefuse.tools.ptxas.disassemble``). Verdicts: ``identical`` (the same
+normalised PTX); ``same SASS`` (the PTX differs, the SASS instructions, addresses and encodings
+left out, do not); ``reordered`` (the same normalised PTX lines, some in another order, and
+different SASS); ``different``; ``parameters differ``; ``grid A -> B``; ``error: ...``.
 
 Families (``--family``):
 * ``gated_next``: ``gated_residual_next_rmsnorm``'s launcher at widths 64, 2048 (one-pass tiles),
