@@ -7,6 +7,8 @@ with static and dynamic shapes too."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -20,6 +22,8 @@ BF16 = torch.bfloat16
 #: public names that are not ops on tensors (types, helpers answering shapes or capabilities)
 NOT_OPS = {"RoutingPlan", "MoEWeights", "scale_shape"}
 M, H, E, K = 5, 32, 4, 2
+#: inductor's CPU code is C++ built by g++ (its default compiler)
+NEEDS_CXX = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs g++")
 
 
 def _inputs(seed: int, m: int = M) -> dict:
@@ -50,15 +54,17 @@ def _inputs(seed: int, m: int = M) -> dict:
 
 
 def every_op(t: dict, impl: str) -> dict:
-    """Call every public op once (in-place ops on the tensors of ``t``); returns the results."""
+    """Call every public op once; returns the results. The in-place ops write copies of the
+    tensors of ``t`` made inside the function (:func:`test_in_place_ops_on_graph_inputs` has
+    them write the compiled function's inputs)."""
     out = {}
     x, r, w = t["x"], t["r"], t["w"]
     out["rmsnorm"] = moefuse.rmsnorm(x, w, impl=impl)
     out["gemma_rmsnorm"] = moefuse.gemma_rmsnorm(x, w, impl=impl)
-    moefuse.fused_add_rmsnorm(x, r, w, impl=impl)
-    out["fused_add_rmsnorm"] = (x.clone(), r.clone())
-    moefuse.gemma_fused_add_rmsnorm(x, r, w, impl=impl)
-    out["gemma_fused_add_rmsnorm"] = (x.clone(), r.clone())
+    for name in ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm"):
+        xa, ra = x.clone(), r.clone()
+        getattr(moefuse, name)(xa, ra, w, impl=impl)
+        out[name] = (xa, ra)
     out["gated_residual_rmsnorm"] = moefuse.gated_residual_rmsnorm(
         x, t["r32"], w, t["a"], t["b"], impl=impl
     )
@@ -93,14 +99,16 @@ def every_op(t: dict, impl: str) -> dict:
     out["fp4_quantize"] = (packed, sf)
     out["fp4_dequantize"] = moefuse.fp4_dequantize(packed, sf, gs, impl=impl)
     out["rmsnorm_quant"] = moefuse.rmsnorm_quant(x, w, s, impl=impl).view(torch.uint8)
+    ra = r.clone()
     out["fused_add_rmsnorm_quant"] = (
-        moefuse.fused_add_rmsnorm_quant(x, r, w, s, impl=impl).view(torch.uint8),
-        r.clone(),
+        moefuse.fused_add_rmsnorm_quant(x, ra, w, s, impl=impl).view(torch.uint8),
+        ra,
     )
     out["rmsnorm_fp4_quantize"] = moefuse.rmsnorm_fp4_quantize(x, w, gs, impl=impl)
+    ra = r.clone()
     out["fused_add_rmsnorm_fp4_quantize"] = (
-        *moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gs, impl=impl),
-        r.clone(),
+        *moefuse.fused_add_rmsnorm_fp4_quantize(x, ra, w, gs, impl=impl),
+        ra,
     )
     return out
 
@@ -114,23 +122,102 @@ def test_every_public_op_is_walked():
     assert set(every_op(_inputs(0), "reference")) == public
 
 
+#: results of plain torch code (``route_topk``'s softmax and sort; ``moe_layer``, whose routing,
+#: GEMMs and activation are torch): under inductor their arithmetic is inductor's own, so there
+#: they are held to the eager result within BF16 rounding (relative RMS difference)
+TORCH_COMPUTED = {"route_topk", "moe_layer"}
+
+
+def _assert_compiled_equals_eager(got: dict, want: dict, what: str, backend: str) -> None:
+    assert set(got) == set(want)
+    for name, value in want.items():
+        pairs = zip(value, got[name]) if isinstance(value, tuple) else [(value, got[name])]
+        for i, (e, g) in enumerate(pairs):
+            label = f"{name}[{i}] ({what}): compiled == eager"
+            if backend == "inductor" and name in TORCH_COMPUTED and e.is_floating_point():
+                rel = ((g.float() - e.float()).norm() / e.float().norm()).item()
+                assert rel < 2**-8, f"{label}: relative RMS difference {rel:.2e}"
+            else:
+                assert_bitwise_equal(g, e, label)
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize(
+    ("backend", "impl"),
+    [
+        ("aot_eager", "triton"),
+        ("aot_eager", "reference"),
+        pytest.param("inductor", "triton", marks=NEEDS_CXX),
+    ],
+)
 @torch.no_grad()
-def test_every_public_op_compiles_fullgraph(impl, dynamic):
+def test_every_public_op_compiles_fullgraph(backend, impl, dynamic):
     """``dynamic=True``: the token count and the float arguments (eps, scaling factors, also
     those left at their defaults) are traced symbolically, as a serving engine compiles; one
-    graph then serves 5 and 37 rows."""
+    graph then serves 5 and 37 rows. Inductor (the default backend, which fuses and reorders
+    the torch code around the ops) keeps every moefuse op's bits: the ops are opaque to it.
+    ``impl="reference"`` is plain torch code, so under inductor its bits are inductor's: not
+    compared."""
     counters.clear()
     torch._dynamo.reset()
-    compiled = torch.compile(every_op, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    compiled = torch.compile(every_op, fullgraph=True, dynamic=dynamic, backend=backend)
     for m in (M, 37) if dynamic else (M,):  # dynamic: one graph for both token counts
         want = every_op(_inputs(1, m), impl)
         got = compiled(_inputs(1, m), impl)
-        assert set(got) == set(want)
-        for name, value in want.items():
-            pairs = zip(value, got[name]) if isinstance(value, tuple) else [(value, got[name])]
-            for i, (e, g) in enumerate(pairs):
-                assert_bitwise_equal(g, e, f"{name}[{i}] ({impl}, {m} rows): compiled == eager")
+        _assert_compiled_equals_eager(got, want, f"{backend}, {impl}, {m} rows", backend)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def _write_inputs(t: dict) -> None:
+    """Every in-place op writes tensors the caller passed in (each written once)."""
+    moefuse.fused_add_rmsnorm(t["x"], t["r"], t["w"], impl="triton")
+    moefuse.gated_residual_next_rmsnorm(
+        t["gate"].view(-1, H),
+        t["r32"],
+        t["w"],
+        t["a"],
+        t["b"],
+        residual_out=t["r32"],
+        impl="triton",
+    )
+    moefuse.rmsnorm(t["gate"][:, 1], t["w"][:16], out=t["heads"][:, 1], impl="triton")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=NEEDS_CXX)])
+@torch.no_grad()
+def test_in_place_ops_on_graph_inputs(backend):
+    """In-place ops and ``out=`` buffers that are the compiled function's own inputs (and views of
+    them) hold the eager bits after the call, as the residual stream of a piecewise-compiled
+    model is."""
+    torch._dynamo.reset()
+    want, got = _inputs(2), _inputs(2)
+    _write_inputs(want)
+    torch.compile(_write_inputs, fullgraph=True, backend=backend)(got)
+    for name in ("x", "r", "r32", "heads"):
+        assert_bitwise_equal(got[name], want[name], f"{name} ({backend}): compiled == eager")
+
+
+def _snapshot_between_writes(x, r, w):
+    moefuse.fused_add_rmsnorm(x, r, w, impl="triton")
+    first = x.clone()
+    moefuse.fused_add_rmsnorm(x, r, w, impl="triton")
+    return first
+
+
+@NEEDS_CXX
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="torch inductor (2.11 and 2.13 at least) miscompiles a clone of a graph input taken "
+    "between two calls of a custom op that mutates it: the clone reads the second call's result. "
+    "docs/ops.md says so; when this passes, torch has fixed it and that paragraph goes.",
+)
+@torch.no_grad()
+def test_inductor_clone_of_an_input_between_two_in_place_calls():
+    t = _inputs(3)
+    want = _snapshot_between_writes(t["x"].clone(), t["r"].clone(), t["w"])
+    torch._dynamo.reset()
+    compiled = torch.compile(_snapshot_between_writes, fullgraph=True, backend="inductor")
+    got = compiled(t["x"].clone(), t["r"].clone(), t["w"])
+    assert_bitwise_equal(got, want, "first result, compiled == eager")

@@ -65,10 +65,13 @@ def test_compiled_decode_step_graph_replay_bits():
 def test_inductor_dynamic_shapes_one_graph_gpu():
     """``torch.compile(dynamic=True)`` with inductor: one graph for prompt lengths 4, 24 and 60
     (the fused experts' inline plan, then token tiles of 32 and 64 columns picked at run time),
-    with no graph break. Inductor may reorder the model's own arithmetic, so the logits are
-    held to the eager ones within BF16 noise, and every length's compiled call repeats its
-    bits."""
+    with no graph break, and every length's compiled call repeats its bits. Inductor reorders
+    the model's own torch arithmetic, and in a tiny random model one reordered rounding can move
+    a router's choice at a near tie (on CPU, inductor against eager differs by 0.4-4 % for the
+    shipped model as for the patched one), so the compiled logits are held to FP32: no further
+    from an FP32 copy of the model than the eager BF16 logits are, with BF16 slack."""
     model = patched_cuda("qwen3_moe")
+    fp32 = build("qwen3_moe", SEEDS["qwen3_moe"]).cuda()
     counters.clear()
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     for length in (4, 24, 60):
@@ -76,8 +79,14 @@ def test_inductor_dynamic_shapes_one_graph_gpu():
         ids = torch.randint(0, VOCAB, (1, length), generator=gen).cuda()
         got = compiled(ids).logits
         assert torch.equal(compiled(ids).logits, got), f"length {length}: compiled run to run"
-        want = model(ids).logits.float()
-        rel = ((got.float() - want).norm() / want.norm()).item()
-        assert rel < 0.02, f"length {length}: compiled {rel:.4f} from eager"
+        exact = fp32(ids).logits
+
+        def off(logits):
+            return ((logits.float() - exact).norm() / exact.norm()).item()
+
+        eager = off(model(ids).logits)
+        assert off(got) <= 1.5 * eager + 0.01, (
+            f"length {length}: compiled {off(got):.4f} from FP32, eager BF16 {eager:.4f}"
+        )
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
