@@ -220,22 +220,28 @@ def assert_bounded_waits(spans: list, timeout_s: float, most_s: float = 30.0) ->
 
 
 def assert_compiles_to_eager_bits(layer, args: tuple, expected) -> None:
-    """``layer(*args)`` under ``torch.compile(fullgraph=True)`` (aot_eager), with static and with
-    dynamic shapes (a symbolic token count and symbolic float arguments), gives ``expected`` (a
-    tensor or a tuple of tensors, the eager results) bit for bit."""
+    """``layer(*args)`` under ``torch.compile(fullgraph=True)``, with ``aot_eager`` and with
+    inductor (which rewrites the graph around the ops: reinplacing, buffer reuse; skipped
+    without g++, which its CPU code needs), with static and with dynamic shapes (a symbolic
+    token count and symbolic float arguments), gives ``expected`` (a tensor or a tuple of
+    tensors, the eager results) bit for bit."""
+    import shutil
+
     import torch
 
     from moefuse.testing import assert_bitwise_equal
 
     want = expected if isinstance(expected, tuple) else (expected,)
-    for dynamic in (False, True):
-        torch._dynamo.reset()
-        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
-        got = compiled(*args)
-        got = got if isinstance(got, tuple) else (got,)
-        assert len(got) == len(want), f"compiled (dynamic={dynamic}): {len(got)} results"
-        for i, (g, e) in enumerate(zip(got, want)):
-            assert_bitwise_equal(g, e, f"compiled (dynamic={dynamic}) result {i} == eager")
+    for backend in ("aot_eager", "inductor") if shutil.which("g++") else ("aot_eager",):
+        for dynamic in (False, True):
+            what = f"compiled ({backend}, dynamic={dynamic})"
+            torch._dynamo.reset()
+            compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend=backend)
+            got = compiled(*args)
+            got = got if isinstance(got, tuple) else (got,)
+            assert len(got) == len(want), f"{what}: {len(got)} results"
+            for i, (g, e) in enumerate(zip(got, want)):
+                assert_bitwise_equal(g, e, f"{what} result {i} == eager")
 
 
 def count_calls(module, name: str, counts: dict, key) -> None:
