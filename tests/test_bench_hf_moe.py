@@ -64,11 +64,14 @@ def test_compiled_replays_are_timed_in_rotated_rounds():
 
 def test_generate_passes_merge_into_one_row():
     """The generate stage's passes: the median rate, every pass's rate, a flag only if it held in
-    every pass, the most graph breaks; a failed pass makes the row an error row."""
+    every pass, the most graph breaks and CUDA-graph skips; a failed pass makes the row an error
+    row."""
     from moefuse.bench.hf_compiled import merge_passes
 
     a = {"op": "g", "tok_s": 10.0, "tok_s_with_prefill": 8.0, "same": True, "graph_breaks": 0}
+    a["cudagraph_skips"] = 1
     b = {**a, "tok_s": 30.0, "tok_s_with_prefill": 9.0, "same": False, "graph_breaks": 2}
+    b["cudagraph_skips"] = 0
     c = {**a, "tok_s": 20.0}
     row = merge_passes([a, b, c])
     assert (row["tok_s"], row["tok_s_with_prefill"], row["tok_s_passes"]) == (
@@ -76,5 +79,5 @@ def test_generate_passes_merge_into_one_row():
         8.0,
         [10, 30, 20],
     )
-    assert row["same"] is False and row["graph_breaks"] == 2
+    assert row["same"] is False and row["graph_breaks"] == 2 and row["cudagraph_skips"] == 1
     assert merge_passes([a, {"op": "g", "error": "boom"}])["error"] == "boom"

@@ -146,6 +146,40 @@ def test_static_cache_generate_compiled_fullgraph(kind):
     assert torch.equal(got, want), (got.tolist(), want.tolist())
 
 
+def _mutated_inputs_of_the_decode_step(model) -> list[tuple]:
+    """Shapes of the graph inputs the compiled decode step of static-cache ``generate`` writes
+    (aot_autograd's input metadata), in input order."""
+    found = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        def fw(g, inputs):
+            info = torch._guards.TracingContext.get().fw_metadata.input_info
+            found.extend(tuple(inputs[i].shape) for i, x in enumerate(info) if x.mutates_data)
+            return g
+
+        return aot_autograd(fw_compiler=fw)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    config = tf.CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    model.generate(prompt, cache_implementation="static", compile_config=config, **GEN)
+    return found
+
+
+@torch.no_grad()
+def test_decode_step_writes_only_the_inputs_shipped_writes():
+    """CUDA-graph trees (``mode="reduce-overhead"``, what ``generate`` compiles with) run a graph
+    without its CUDA graph when it writes an input not known as static. The patched decode step
+    writes exactly the inputs the shipped one writes (the static cache and its position), so
+    the patch cannot cost the graph replay; the GPU test counts inductor's skips."""
+    shipped = _mutated_inputs_of_the_decode_step(build("qwen3_moe", 1).to(torch.bfloat16))
+    got = _mutated_inputs_of_the_decode_step(patched("qwen3_moe"))
+    assert shipped and got == shipped, (got, shipped)
+
+
 def test_compiled_generate_bench_times_a_reused_cache_too(tmp_path):
     """``bench hf_moe --compiled``'s generate stage (tiny shapes, aot_eager): besides
     transformers' default (a new static cache per call), a row that resets and reuses one static
@@ -162,5 +196,6 @@ def test_compiled_generate_bench_times_a_reused_cache_too(tmp_path):
         reused = by_op["compiled generate, one reused cache"]
         assert reused["same_tokens_as_new_cache"] and "tok_s" in reused  # (timed; any value)
         assert by_op["compiled generate"]["graph_breaks"] == 0
+        assert "cudagraph_skips" in by_op["compiled generate"]  # counted on GPUs (inductor)
         for row in by_op.values():  # one row per variant and op, the median of two passes
             assert len(row["tok_s_passes"]) == 2, row

@@ -60,7 +60,10 @@ VARIANTS = ("shipped", "patched")
 
 
 class Counted:
-    """Graph breaks and graphs dynamo counted while the ``with`` block ran."""
+    """Graph breaks and graphs dynamo counted while the ``with`` block ran, and the graphs for
+    which inductor declined its CUDA graphs (``mode="reduce-overhead"``: a graph that mutates an
+    input it does not know as static, or one on a CPU tensor, runs without one, i.e. with every
+    kernel launched from the host)."""
 
     def __enter__(self):
         from torch._dynamo.utils import counters
@@ -68,12 +71,14 @@ class Counted:
         self._c = counters
         self._breaks = sum(counters["graph_break"].values())
         self._graphs = counters["stats"]["unique_graphs"]
+        self._skips = counters["inductor"]["cudagraph_skips"]
         return self
 
     def __exit__(self, *exc):
         self.breaks = sum(self._c["graph_break"].values()) - self._breaks
         self.graphs = self._c["stats"]["unique_graphs"] - self._graphs
         self.reasons = sorted(self._c["graph_break"])[:10]
+        self.cudagraph_skips = self._c["inductor"]["cudagraph_skips"] - self._skips
 
 
 def capture(fn, device):
@@ -306,6 +311,7 @@ class Variant:
             "graph_breaks": c.breaks,
             "graphs": c.graphs,
             "break_reasons": c.reasons,
+            "cudagraph_skips": c.cudagraph_skips,
         }
         return row, tokens
 
@@ -536,7 +542,7 @@ def merge_passes(rows: list[dict]) -> dict:
     for key, value in rows[0].items():
         if isinstance(value, bool):
             out[key] = all(r[key] for r in rows)
-        elif key in ("graph_breaks", "graphs"):
+        elif key in ("graph_breaks", "graphs", "cudagraph_skips"):
             out[key] = max(r[key] for r in rows)
     return out
 
@@ -567,6 +573,7 @@ def print_summary(rows: list[dict]) -> None:
             "x_shipped",
             "graph_breaks",
             "graphs",
+            "cudagraph_skips",
             "graph_bits_equal",
             "rel_rms_logit_err_median",
             "argmax_agrees_fraction",
