@@ -42,8 +42,6 @@ def test_static_cache_generate_compiled_fullgraph_gpu(kind):
     again = model.generate(prompt, cache_implementation="static", compile_config=config, **GEN)
     assert counters["stats"]["unique_graphs"] >= 1, "generate did not compile the decode step"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    # reduce-overhead: a graph inductor runs without its CUDA graph launches every kernel
-    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert torch.equal(got, want), (got.tolist(), want.tolist())
     assert torch.equal(again, got), "second compiled generate (graph replays)"
 
