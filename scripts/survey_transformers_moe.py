@@ -13,12 +13,17 @@ patched BF16 model's logits from an FP32 copy of the model (same weights), the s
 first experts module alone on random routed rows (a router with thresholds can turn a last-bit
 difference of one layer into another expert choice in the next, which the logits then show), and
 ``torch.compile(fullgraph=True)`` of the patched model (``aot_eager``): graph breaks and whether
-its logits equal the eager ones bit for bit. A family whose tiny model cannot be built or run
-unpatched (a config this script's generic sizes do not fit) is listed as skipped, with the reason.
+its logits equal the eager ones bit for bit. With ``--inductor`` also the default backend, on
+the shipped and on the patched model: graph breaks of the patched one and both compiled models'
+distance from FP32 (inductor computes the torch code around the ops with its own arithmetic, so
+bits are not compared; what inductor does to the shipped model is the baseline). A family
+whose tiny model cannot be built or run unpatched (a config this script's generic sizes do not
+fit) is listed as skipped, with the reason.
 
-Run: PYTHONPATH=src python scripts/survey_transformers_moe.py [--only TYPE[,...]] [--report FILE]
-Exit status 1 when a family that runs unpatched fails patched, breaks the graph or changes bits
-under compile.
+Run: PYTHONPATH=src python scripts/survey_transformers_moe.py [--only TYPE[,...]] [--inductor]
+[--report FILE]. Exit status 1 when a family that runs unpatched fails patched, breaks the graph
+or changes bits under compile, or (``--inductor``) breaks the graph under inductor or lands
+further from FP32 than :func:`inductor_bound` allows.
 """
 
 from __future__ import annotations
@@ -139,7 +144,14 @@ def experts_distances(shipped, patched) -> tuple[float, float] | None:
         return _distance(ship(x, idx, w), want), _distance(patch(x, idx, w), want)
 
 
-def survey(model_type: str) -> dict:
+def inductor_bound(row: dict) -> float:
+    """Largest distance from FP32 accepted for the inductor-compiled patched logits: 1.5 x the
+    larger of the eager patched model's and the inductor-compiled shipped model's distance, +
+    0.01 (BF16 rounding of their size, plus a router choice at a near tie)."""
+    return 1.5 * max(row["patched_err"], row["inductor_shipped_err"]) + 0.01
+
+
+def survey(model_type: str, inductor: bool = False) -> dict:
     """One family's row (see the module docstring)."""
     from torch._dynamo.utils import counters
 
@@ -185,6 +197,16 @@ def survey(model_type: str) -> dict:
             got = torch.compile(model, fullgraph=True, backend=backend)(ids).logits
         row["graph_breaks"] = sum(counters["graph_break"].values())
         row["bits_equal"] = torch.equal(got, eager)
+        if inductor:
+            with torch.no_grad():
+                torch._dynamo.reset()
+                got = torch.compile(shipped, fullgraph=True)(ids).logits
+                row["inductor_shipped_err"] = _distance(got, fp32)
+                counters.clear()
+                torch._dynamo.reset()
+                got = torch.compile(model, fullgraph=True)(ids).logits
+            row["inductor_breaks"] = sum(counters["graph_break"].values())
+            row["inductor_err"] = _distance(got, fp32)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     finally:
@@ -215,27 +237,35 @@ def markdown(rows: list[dict]) -> str:
     import transformers as tf
 
     ran = [r for r in rows if "skipped" not in r]
-    clean = [r for r in ran if "error" not in r and not r["graph_breaks"] and r["bits_equal"]]
+    clean = [r for r in ran if not failures(r)]
+    inductor = any("inductor_err" in r for r in rows)
     lines = [
         "# transformers MoE families under `patch(model)`",
         "",
-        f"Made by `PYTHONPATH=src python scripts/survey_transformers_moe.py` on {date.today()} "
+        "Made by `PYTHONPATH=src python scripts/survey_transformers_moe.py"
+        + (" --inductor" if inductor else "")
+        + f"` on {date.today()} "
         f"at {_commit()} (transformers {tf.__version__}, torch {torch.__version__}, CPU, Triton "
         "interpreter; tiny random models, no download). The script's docstring defines the "
         "columns.",
         "",
         f"{len(clean)} of the {len(ran)} families that run unpatched also run patched and compile "
         "with `fullgraph=True` (no graph break, the compiled logits equal the eager ones bit for "
-        f"bit); {len(rows) - len(ran)} were skipped (a composite config, or one that the "
+        "bit"
+        + ("; under inductor no graph break and within the FP32 bound" if inductor else "")
+        + f"); {len(rows) - len(ran)} were skipped (a composite config, or one that the "
         "script's generic tiny sizes do not fit: the reason is in the table).",
         "",
         "| family | experts | routers | norms | fused layers | shared blocks | logits vs FP32: "
-        "shipped / patched | experts module vs FP32: shipped / patched | compiled fullgraph |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "shipped / patched | experts module vs FP32: shipped / patched | compiled fullgraph |"
+        + (" inductor: breaks, logits vs FP32: shipped / patched (bound) |" if inductor else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if inductor else ""),
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['type']} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(
+                f"| {r['type']} | skipped: {r['skipped']} | | | | | | | |" + inductor * " |"
+            )
             continue
         p = r.get("patch", {})
         compiled = (
@@ -248,23 +278,47 @@ def markdown(rows: list[dict]) -> str:
         rel = f"{r['shipped_err']:.4f} / {patched}"
         pair = r.get("experts_err")
         module = f"{pair[0]:.4f} / {pair[1]:.4f}" if pair else "-"
-        lines.append(
+        line = (
             f"| {r['type']} | {r['experts']} | {p.get('routers', '-')} | {p.get('norms', '-')} | "
             f"{p.get('fused_layers', '-')} | {p.get('shared_expert_blocks', '-')} | {rel} | "
             f"{module} | {compiled} |"
         )
+        if inductor:
+            line += (
+                f" {r['inductor_breaks']} breaks, {r['inductor_shipped_err']:.4f} / "
+                f"{r['inductor_err']:.4f} ({inductor_bound(r):.4f}) |"
+                if "inductor_err" in r
+                else " - |"
+            )
+        lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def failures(r: dict) -> list[str]:
+    """What went wrong in a family's row (empty: nothing, or the family was skipped)."""
+    if "skipped" in r:
+        return []
+    if "error" in r:
+        return [r["error"]]
+    bad = [] if not r["graph_breaks"] else [f"{r['graph_breaks']} graph breaks"]
+    bad += [] if r["bits_equal"] else ["compiled bits differ"]
+    if "inductor_err" in r:
+        bad += [] if not r["inductor_breaks"] else [f"inductor: {r['inductor_breaks']} breaks"]
+        if r["inductor_err"] > inductor_bound(r):
+            bad.append(f"inductor: {r['inductor_err']:.4f} from FP32")
+    return bad
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="")
     parser.add_argument("--report", default="")
+    parser.add_argument("--inductor", action="store_true", help="also compile with inductor")
     args = parser.parse_args(argv)
     types = args.only.split(",") if args.only else [t for t in moe_types() if t not in SKIP_TYPES]
     rows = []
     for model_type in types:
-        row = survey(model_type)
+        row = survey(model_type, args.inductor)
         rows.append(row)
         print({k: v for k, v in row.items()}, flush=True)
     text = markdown(rows)
@@ -272,12 +326,7 @@ def main(argv=None) -> int:
     if args.report:
         with open(args.report, "w") as f:
             f.write(text)
-    bad = [
-        r
-        for r in rows
-        if "skipped" not in r and ("error" in r or r["graph_breaks"] or not r["bits_equal"])
-    ]
-    return 1 if bad else 0
+    return 1 if any(failures(r) for r in rows) else 0
 
 
 if __name__ == "__main__":
