@@ -29,3 +29,59 @@ def test_p2_flashinfer_bar_reports_both_methods():
     lines = bar_checks(_rows(2, 4096, 64, times), 2)
     assert any(line.startswith("BAR PASS") and "5.60 us (inputs rotated)" in line for line in lines)
     assert any(line.startswith("BAR FAIL") and "5.75 us (same inputs" in line for line in lines)
+
+
+def test_hf_eager_bars_read_every_token_count_and_the_decode():
+    from moefuse.bench.hf_bars import eager_bars
+
+    def block(m, x):
+        return {"op": "qwen3_moe_block", "variant": "moefuse", "M": m, "us": 9.0,
+                "x_best_transformers": x}  # fmt: skip
+
+    rows = [block(16, 3.7), block(1, 0.62), {"op": "qwen3_moe_block", "variant": "grouped_mm"}]
+    rows.append({"op": "decode", "variant": "moefuse patch", "tok_s": 260.4, "x_shipped": 1.43})
+    lines = eager_bars(rows)
+    assert lines[0] == "BAR FAIL: eager block T=1: 9.0 us, 0.62 x best transformers >= 1.0"
+    assert lines[1].startswith("BAR PASS: eager block T=16")
+    assert lines[2] == "BAR PASS: eager decode: 260.4 tok/s, 1.43 x shipped >= 1.0"
+    assert eager_bars([])[0].startswith("BAR MISSING: eager block")
+
+
+def test_hf_compiled_bars_need_each_ratio_and_no_graph_break():
+    from moefuse.bench.hf_bars import compiled_bars
+
+    def row(op, x, m=None, breaks=0):
+        r = {"op": op, "variant": "patched", "x_shipped": x, "graph_breaks": breaks}
+        return r | ({"M": m} if m else {})
+
+    rows = [
+        row("compiled decode step", 1.35, 1),
+        row("compiled prefill", 0.9, 512),
+        row("compiled prefill", 1.29, 2048),
+        row("compiled generate", 1.14, breaks=1),
+        {"op": "compiled decode step", "variant": "shipped", "graph_breaks": 0},
+    ]
+    lines = compiled_bars(rows)
+    assert lines[0] == "BAR PASS: compiled decode step T=1: 1.35 x shipped >= 1.15"
+    assert lines[1] == "BAR FAIL: compiled prefill T=2048: 1.29 x shipped >= 1.3"
+    assert lines[2] == "BAR PASS: compiled generate: 1.14 x shipped >= 1.0"
+    assert lines[3].startswith("BAR MISSING: compiled generate, one reused cache")
+    assert lines[4] == "BAR FAIL: graph breaks: 1 over 5 rows == 0"
+
+
+def test_hf_bars_of_the_committed_h200_results():
+    """The committed results give the verdicts their notes state (the T = 1 eager block is the
+    one figure under its bar)."""
+    import json
+    from pathlib import Path
+
+    from moefuse.bench.hf_bars import compiled_bars, eager_bars
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    eager = eager_bars(json.loads((results / "hf_moe-h200.json").read_text())["rows"])
+    compiled = compiled_bars(
+        json.loads((results / "hf_moe-h200-compiled.json").read_text())["rows"]
+    )
+    assert [line.split(":")[0] for line in eager] == ["BAR FAIL"] + ["BAR PASS"] * 5, eager
+    assert all(line.startswith("BAR PASS") for line in compiled), compiled
+    assert len(compiled) == 5

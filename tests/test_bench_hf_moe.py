@@ -1,5 +1,8 @@
 """``bench hf_moe`` (eager): interleaved timing rounds and the CPU smoke run of the script."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -43,6 +46,10 @@ def test_eager_smoke_run_writes_both_tables_and_leaves_no_patch(tmp_path, monkey
     decode = {r["variant"]: r for r in rows if r["op"] == "decode"}
     assert decode["moefuse patch"]["experts"] == "moefuse"
     assert all("tok_s" in r for r in decode.values())  # timed; any value (two tiny lengths)
+    # a verdict per token count and the decode, in the JSON too (values: CPU timings, any)
+    bars = json.loads(Path(result["json"]).read_text())["meta"]["bars"]
+    assert bars == result["bars"] and len(bars) == 4
+    assert all(line.startswith(("BAR PASS: eager", "BAR FAIL: eager")) for line in bars)
     block_model, *decode_models = patched  # the block's router, then the decode model's rounds
     assert integ.is_patched(block_model) and len(decode_models) >= 3  # report, warm-up, round
     assert len({id(m) for m in decode_models}) == 1 and not integ.is_patched(decode_models[0])

@@ -190,7 +190,11 @@ def test_compiled_generate_bench_times_a_reused_cache_too(tmp_path):
 
     argv = ["--smoke", "--compiled", "--skip", "step", "profile", "fp32", "prefill"]
     argv += ["--generate-passes", "2", "--repeats", "1", "--new", "4", "--out", str(tmp_path)]
-    rows = hf_moe.main(argv)["rows"]
+    result = hf_moe.main(argv)
+    rows = result["rows"]
+    # skipped stages: their bars say so; the generate bars are read (CPU timings: any verdict)
+    assert [line.split(":")[0] for line in result["bars"][:2]] == ["BAR MISSING"] * 2
+    assert all(line.startswith(("BAR PASS", "BAR FAIL")) for line in result["bars"][2:])
     for variant in ("shipped", "patched"):
         by_op = {r["op"]: r for r in rows if r.get("variant") == variant}
         reused = by_op["compiled generate, one reused cache"]

@@ -55,6 +55,7 @@ from moefuse.bench.harness import (
     save_results,
     sync,
 )
+from moefuse.bench.hf_bars import compiled_bars
 
 VARIANTS = ("shipped", "patched")
 
@@ -608,6 +609,7 @@ def main(args) -> dict:
 
     def save(rows, report):
         meta["patched"] = report
+        meta["bars"] = compiled_bars(rows)
         paths["json"], paths["png"] = save_results(
             "hf_moe", rows, meta, args.out, suffix="-compiled"
         )
@@ -615,5 +617,7 @@ def main(args) -> dict:
     args.save = save
     rows = run(args, device)
     print_summary(rows)
+    meta["bars"] = compiled_bars(rows)
+    print("\n".join(meta["bars"]))
     print(f"wrote {paths['json']}" + (f" and {paths['png']}" if paths["png"] else ""))
-    return {"rows": rows, "json": str(paths["json"])}
+    return {"rows": rows, "json": str(paths["json"]), "bars": meta["bars"]}

@@ -44,6 +44,7 @@ from moefuse.bench.harness import (
     save_results,
     sync,
 )
+from moefuse.bench.hf_bars import eager_bars
 from moefuse.bench.hf_compiled import qwen3_config
 
 IMPLS = ("grouped_mm", "batched_mm", "moefuse")
@@ -325,9 +326,11 @@ def main(argv=None) -> dict:
         meta["transformers"] = transformers.__version__
     except ImportError:  # pragma: no cover
         pass
+    meta["bars"] = eager_bars(rows)
+    print("\n".join(meta["bars"]))
     json_path, png_path = save_results("hf_moe", rows, meta, args.out)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
-    return {"rows": rows, "json": str(json_path)}
+    return {"rows": rows, "json": str(json_path), "bars": meta["bars"]}
 
 
 if __name__ == "__main__":
