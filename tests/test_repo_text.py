@@ -85,6 +85,13 @@ def test_no_session_or_issue_history():
     assert not hits, "say what the thing is, not how it was made:\n" + "\n".join(hits)
 
 
+def test_no_session_in_file_names():
+    """File names too (a log is named by its date and the commit it ran)."""
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    names = [n for n in out.stdout.decode().split("\0") if re.search("sess" + "ion", n, re.I)]
+    assert not names, names
+
+
 def test_the_patterns_match_what_they_forbid():
     assert any(p.search("see " + "SP" + "EC " + SECTION_SIGN + "4.2") for p in OUTSIDE)
     assert any(p.search("x " + "../shared" + "/y.md") for p in OUTSIDE)
