@@ -42,13 +42,18 @@ ALLOWED = [
 ]
 
 
-def _tracked_text_files():
+def _tracked_names() -> list[str]:
+    """Paths of the tracked files (skips the test outside a git checkout)."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs a git checkout (the list of tracked files)")
     out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
-    for name in out.stdout.decode().split("\0"):
+    return [name for name in out.stdout.decode().split("\0") if name]
+
+
+def _tracked_text_files():
+    for name in _tracked_names():
         path = ROOT / name
-        if not name or not path.is_file() or path == Path(__file__).resolve():
+        if not path.is_file() or path == Path(__file__).resolve():
             continue
         data = path.read_bytes()
         if b"\0" in data:
@@ -87,11 +92,8 @@ def test_no_session_or_issue_history():
 
 def test_no_session_in_file_names():
     """File names too (a log is named by its date and the commit it ran)."""
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs a git checkout (the list of tracked files)")
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
     history = re.compile("sess" + "ion|iss" + r"ue[-_ ]?\d", re.I)
-    names = [n for n in out.stdout.decode().split("\0") if history.search(n)]
+    names = [n for n in _tracked_names() if history.search(n)]
     assert not names, names
 
 

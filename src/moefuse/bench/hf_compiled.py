@@ -617,7 +617,6 @@ def main(args) -> dict:
     args.save = save
     rows = run(args, device)
     print_summary(rows)
-    meta["bars"] = compiled_bars(rows)
-    print("\n".join(meta["bars"]))
+    print("\n".join(meta["bars"]))  # the verdicts of the last save: every stage's rows
     print(f"wrote {paths['json']}" + (f" and {paths['png']}" if paths["png"] else ""))
     return {"rows": rows, "json": str(paths["json"]), "bars": meta["bars"]}
