@@ -73,6 +73,73 @@ def fp8_quantize_per_token_reference(input: torch.Tensor) -> tuple[torch.Tensor,
     return F.fp8_bits(x / s).view(torch.float8_e4m3fn), s
 
 
+# ----------------------------------------------------------------------------- per-token-group
+#: largest code of each 8-bit group format: the scale is ``max(amax, eps) / QMAX``
+GROUP_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    """``2^ceil(log2(s))`` exactly for positive finite FP32 ``s`` (UE8M0 scales); NaN, Inf and 0
+    pass through. ``frexp`` gives ``s = m * 2^e`` with ``m`` in [0.5, 1): a power of two has
+    ``m == 0.5`` and stays, anything else rounds up to ``2^e``."""
+    m, e = torch.frexp(s)
+    up = torch.ldexp(torch.ones_like(s), e.to(s.dtype))
+    p2 = torch.where(m == 0.5, s, up)
+    return torch.where(torch.isfinite(s) & (s > 0), p2, s)
+
+
+def group_quant_scale(
+    amax: torch.Tensor, eps: float, qmax: float, scale_ue8m0: bool = False
+) -> torch.Tensor:
+    """spec: per_token_group_quant_8bit: ``s = max(amax, eps) / qmax`` (one IEEE FP32 division,
+    NaN propagating), then ``2^ceil(log2(s))`` when ``scale_ue8m0``."""
+    amax = amax.float()
+    s = _div(torch.maximum(amax, torch.full_like(amax, eps)), qmax)
+    return pow2_ceil(s) if scale_ue8m0 else s
+
+
+def group_quant_codes(v: torch.Tensor, s: torch.Tensor, dst_dtype: torch.dtype) -> torch.Tensor:
+    """Codes of ``v / s`` (IEEE FP32 division per element; ``s`` broadcast): E4M3 with RNE and
+    saturation, NaN -> 0x7F; INT8 with round-half-even, clamp to [-127, 127], NaN -> 0."""
+    q = v.float() / s
+    if dst_dtype == torch.int8:
+        q = torch.nan_to_num(q, nan=0.0).round().clamp(-127.0, 127.0)
+        return q.to(torch.int8)
+    return F.fp8_bits(q, dst_dtype).view(dst_dtype)
+
+
+def per_token_group_quant_8bit_reference(
+    x: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-10,
+    dst_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_ue8m0: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group 8-bit quantization (spec: per_token_group_quant_8bit).
+
+    ``x`` ``[..., H]``; the last dim splits into ``G = ceil(H / group_size)`` groups of
+    ``group_size`` consecutive channels (the last one partial when ``group_size`` does not divide
+    H). Per token and group: ``amax = max |f32(x)|`` (NaN propagating), ``s`` from
+    :func:`group_quant_scale`, ``q`` from :func:`group_quant_codes`. Returns
+    ``(q [..., H] dst_dtype, s [..., G] FP32)`` in row-major layout; new tensors.
+    """
+    h = x.shape[-1]
+    g = -(-h // group_size) if h else 0
+    v = x.float()
+    pad = g * group_size - h
+    vp = torch.nn.functional.pad(v, (0, pad)) if pad else v
+    groups = vp.reshape(*v.shape[:-1], g, group_size)
+    if groups.numel() == 0:
+        amax = groups.new_zeros(*v.shape[:-1], g)
+    else:
+        # amax with NaN propagation (torch.amax propagates NaN)
+        amax = groups.abs().amax(dim=-1)
+    s = group_quant_scale(amax, eps, GROUP_QMAX[dst_dtype], scale_ue8m0)
+    q = group_quant_codes(groups, s.unsqueeze(-1), dst_dtype)
+    q = q.reshape(*v.shape[:-1], g * group_size)[..., :h]
+    return q.contiguous(), s
+
+
 def fp8_dequantize_reference(
     input: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
