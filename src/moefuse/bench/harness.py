@@ -112,6 +112,65 @@ def compile_baseline(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
+# Datasheet HBM bandwidth (TB/s) by the device name torch reports, most specific pattern first
+# ("H20" must not take "H200"'s row, "H100 PCIe" not the SXM's). A floor is the bytes a kernel
+# must move over this figure; the SM copy ceiling measured in the same run is printed beside it,
+# since no kernel reaches the datasheet. A name no pattern matches gets no floor (None), never
+# another GPU's figure.
+DATASHEET_TBS: tuple[tuple[str, str, float], ...] = (
+    (r"\bGB200\b", "GB200", 8.0),
+    (r"\bB200\b", "B200", 8.0),
+    (r"\bB300\b", "B300", 8.0),
+    (r"\bH200\b", "H200", 4.8),  # SXM and NVL: 141 GB HBM3e
+    (r"\bH20\b", "H20", 4.0),
+    (r"\bH100\b.*\bPCIe\b", "H100 PCIe", 2.0),
+    (r"\bH100\b.*\bNVL\b", "H100 NVL", 3.9),
+    (r"\bH100\b.*(\bSXM|\b80GB HBM3\b)", "H100 SXM", 3.35),
+    (r"\bH800\b.*\bPCIe\b", "H800 PCIe", 2.0),
+    (r"\bH800\b", "H800 SXM", 3.35),
+    (r"\bA100\b.*\b80GB\b.*\bPCIe\b", "A100 80GB PCIe", 1.935),
+    (r"\bA100\b.*\bSXM4?-80GB\b", "A100 SXM 80GB", 2.039),
+    (r"\bA100\b.*\b40GB\b", "A100 40GB", 1.555),
+    (r"\bL40S\b", "L40S", 0.864),
+)
+
+
+def datasheet_gpu(name: str | None = None) -> tuple[str, float] | None:
+    """``(label, TB/s)`` of the :data:`DATASHEET_TBS` row naming ``name`` (by default this
+    machine's GPU), or None for a GPU the table does not know."""
+    import re
+
+    if name is None:
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name(0)
+    for pattern, label, tbs in DATASHEET_TBS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return label, tbs
+    return None
+
+
+def datasheet_tbs(name: str | None = None) -> float | None:
+    """Datasheet HBM bandwidth (TB/s) of the GPU called ``name`` (default: this machine's), or
+    None where :data:`DATASHEET_TBS` does not know it."""
+    found = datasheet_gpu(name)
+    return found[1] if found else None
+
+
+def bandwidth_line(ceiling_tbs: float, name: str | None = None) -> str:
+    """One line naming both bandwidths a floor is taken from: the datasheet figure of this GPU
+    (or that it is unknown) and the SM copy ceiling measured in this run."""
+    if name is None:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    found = datasheet_gpu(name)
+    sheet = (
+        f"datasheet {found[1]:.2f} TB/s ({found[0]})"
+        if found
+        else "datasheet bandwidth unknown for this GPU (no datasheet floor)"
+    )
+    return f"{name}: {sheet}; SM copy ceiling {ceiling_tbs:.2f} TB/s (read + write, this run)"
+
+
 def copy_ceiling_tbs(nbytes: int = 1 << 30) -> float:
     """Bandwidth (bytes read + written per second, in TB/s) of the best of a few SM copy kernels
     (Triton, 16-bit elements, several tile sizes) over ``nbytes``."""

@@ -15,8 +15,10 @@ DeepSeek-V3 (H 7168, I 2048, E 256, K 8) expert shapes, BF16, random weights and
   slot's expert matrices: skipped where that copy exceeds 16 GB), and moefuse's composed path
   ("moefuse_composed": routing plan, permute, grouped GEMMs from torch, finalize) on a small
   module with the attributes those functions read;
-* the floor: bytes of the gate, up and down weights of the distinct routed experts over
-  4.8 TB/s (H200's peak), and the same bytes over the SM copy ceiling measured in this run;
+* the floor: bytes of the gate, up and down weights of the distinct routed experts over the
+  datasheet bandwidth of the GPU the run is on (:func:`moefuse.bench.harness.datasheet_tbs`;
+  none for a GPU the table does not know), and the same bytes over the SM copy ceiling measured
+  in this run (``x_floor_copy``);
 * per-kernel µs of one moefuse call (torch.profiler, eager: the device time of each kernel).
 
 Writes ``moe-experts-<gpu>.json`` and ``.png`` with ``--save``.
@@ -30,7 +32,9 @@ import statistics
 import torch
 
 from moefuse.bench.harness import (
+    bandwidth_line,
     copy_ceiling_tbs,
+    datasheet_gpu,
     graph_time_us,
     print_table,
     run_metadata,
@@ -43,7 +47,6 @@ SHAPES = {
     "deepseek_v3": dict(hidden=7168, inter=2048, experts=256, top_k=8),
 }
 TOKENS = (1, 4, 16, 64, 256)
-PEAK_TBS = 4.8
 BATCHED_MAX_BYTES = 16 << 30
 ROUTING_SETS = 8
 
@@ -140,7 +143,8 @@ def bench_shape(name: str, shape: dict, tokens_list, args, device, ceiling_tbs) 
         sets = [make_routing(t, shape, device, seed=1000 * t + s) for s in range(ROUTING_SETS)]
         distinct = statistics.mean(len(torch.unique(idx)) for _, idx, _ in sets)
         nbytes = distinct * expert_bytes(shape)
-        floor = nbytes / (PEAK_TBS * 1e12) * 1e6
+        sheet = datasheet_gpu()
+        floor = nbytes / (sheet[1] * 1e12) * 1e6 if sheet else None
         floor_copy = nbytes / (ceiling_tbs * 1e12) * 1e6
 
         def composed(x, idx, w):
@@ -174,7 +178,7 @@ def bench_shape(name: str, shape: dict, tokens_list, args, device, ceiling_tbs) 
         if t <= 64:
             want = moefuse.moe_experts(x0, gu, dn, i0, w0, impl="reference").float()
             errs["reference"] = float((got - want).norm() / want.norm())
-        calls = int(max(3, min(20, 20000 / (3 * floor + 20))))
+        calls = int(max(3, min(20, 20000 / (3 * floor_copy + 20))))
         times = {}
         for vname, fn in variants.items():
             times[vname] = graph_time_us(
@@ -192,7 +196,8 @@ def bench_shape(name: str, shape: dict, tokens_list, args, device, ceiling_tbs) 
                 "us": us,
                 "distinct_experts": distinct,
                 "floor_us": floor,
-                "x_floor": us / floor,
+                "x_floor": us / floor if floor else None,
+                "floor_copy_us": floor_copy,
                 "x_floor_copy": us / floor_copy,
             }
             if vname == "moefuse":
@@ -203,7 +208,7 @@ def bench_shape(name: str, shape: dict, tokens_list, args, device, ceiling_tbs) 
             rows.append(row)
         print_table(
             [r for r in rows if r["M"] == t],
-            ["shape", "M", "variant", "us", "floor_us", "x_floor", "x_grouped_mm"],
+            ["shape", "M", "variant", "us", "floor_us", "x_floor", "x_floor_copy", "x_grouped_mm"],
         )
     return rows
 
@@ -229,7 +234,7 @@ def main(argv=None) -> int:
         return 1
     device = torch.device("cuda")
     ceiling = copy_ceiling_tbs()
-    print(f"SM copy ceiling {ceiling:.2f} TB/s (read + write)")
+    print(bandwidth_line(ceiling))
     rows = []
     for name in args.shapes:
         rows += bench_shape(name, SHAPES[name], args.tokens, args, device, ceiling)
@@ -245,6 +250,7 @@ def main(argv=None) -> int:
             "us",
             "floor_us",
             "x_floor",
+            "x_floor_copy",
             "x_grouped_mm",
             "x_batched_mm",
             "x_moefuse_composed",
@@ -263,12 +269,15 @@ def main(argv=None) -> int:
 def save(rows, ceiling, args) -> None:
     """Write the JSON + PNG of the rows so far (with the run metadata)."""
     meta = run_metadata()
+    sheet = datasheet_gpu()
     meta.update(
         copy_ceiling_tbs=ceiling,
-        peak_tbs=PEAK_TBS,
+        datasheet_tbs=sheet[1] if sheet else None,
+        datasheet_gpu=sheet[0] if sheet else "unknown",
         routing_sets=ROUTING_SETS,
-        floor="bytes of gate+up+down of the distinct routed experts / 4.8 TB/s; "
-        "x_floor_copy: the same bytes over the copy ceiling measured in this run",
+        floor="bytes of gate+up+down of the distinct routed experts / this GPU's datasheet "
+        "bandwidth (datasheet_tbs; none where unknown); x_floor_copy: the same bytes over the "
+        "copy ceiling measured in this run",
         baseline_note="transformers.integrations.moe grouped_mm / batched_mm experts "
         "functions and moefuse's composed path, same inputs",
     )
