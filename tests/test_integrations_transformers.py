@@ -89,6 +89,9 @@ def copies(kind: str, impl: str = "triton"):
     assert report["norms"] > 0 and report["fused_layers"] == 2, report
     assert report["shared_expert_blocks"] == (1 if kind == "deepseek_v3" else 0), report
     assert patched.config._experts_implementation == "moefuse"
+    # the report names what runs now and what it replaced (the model as shipped)
+    assert report["experts_running"] == "moefuse", report
+    assert report["experts_replaced"] == bf16.config._experts_implementation != "moefuse", report
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(SEEDS[kind]))
     return copy.deepcopy(bf16).float(), bf16, patched, ids
 

@@ -393,9 +393,11 @@ def patch(
     fuse_residual: bool = True,
     impl: str = "auto",
 ) -> dict:
-    """Run ``model`` (a transformers ``PreTrainedModel``) on moefuse; returns what was patched:
-    ``{"experts": previous implementation or None, "routers": n, "norms": n, "fused_layers": n,
-    "shared_expert_blocks": n}``.
+    """Run ``model`` (a transformers ``PreTrainedModel``) on moefuse; returns what runs now:
+    ``{"experts_running": "moefuse" or None, "experts_replaced": the implementation it replaced
+    (transformers' name, e.g. "grouped_mm") or None, "routers": n, "norms": n,
+    "fused_layers": n, "shared_expert_blocks": n}`` (the counts: modules now on moefuse; the
+    experts keys are None where the model has no experts implementation to select).
 
     ``experts``: register and select the ``"moefuse"`` experts implementation, and add the shared
     experts of :data:`SHARED_EXPERT_BLOCKS` inside its finalize. ``routers``: the softmax top-k
@@ -414,7 +416,8 @@ def patch(
         )
     if impl not in IMPLS:
         raise ValueError(f"moefuse.patch: argument 'impl' must be one of {IMPLS}, got {impl!r}")
-    report = {"experts": None, "routers": 0, "norms": 0, "fused_layers": 0}
+    report = {"experts_running": None, "experts_replaced": None}
+    report.update(routers=0, norms=0, fused_layers=0)
     if experts and hasattr(model, "set_experts_implementation"):
         register()
         previous = model.config._experts_implementation
@@ -425,7 +428,8 @@ def patch(
             if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
                 module.__dict__[IMPL_ATTR] = impl
         report["shared_expert_blocks"] = _patch_shared_blocks(model)
-        report["experts"] = model.__dict__.get("_moefuse_previous_experts")
+        report["experts_running"] = model.config._experts_implementation
+        report["experts_replaced"] = model.__dict__.get("_moefuse_previous_experts")
     if routers:
         report["routers"] = _patch_routers(model, impl)
     if norms:
