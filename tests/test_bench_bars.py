@@ -45,6 +45,9 @@ def test_hf_eager_bars_read_every_token_count_and_the_decode():
     assert lines[1].startswith("BAR PASS: eager block T=16")
     assert lines[2] == "BAR PASS: eager decode: 260.4 tok/s, 1.43 x shipped >= 1.0"
     assert eager_bars([])[0].startswith("BAR MISSING: eager block")
+    assert eager_bars([])[1].startswith("BAR MISSING: eager decode")
+    no_decode = eager_bars(rows[:-1])  # the block rows alone: the decode bar is missing, not met
+    assert no_decode[-1].startswith("BAR MISSING: eager decode") and len(no_decode) == 3
 
 
 def test_hf_compiled_bars_need_each_ratio_and_no_graph_break():

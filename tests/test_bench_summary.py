@@ -18,7 +18,13 @@ def _write(path: Path, rows, **meta) -> Path:
     path.write_text(
         json.dumps(
             {
-                "meta": {"gpu": "NVIDIA H200", "date": "2026-11-30", "commit": "abc", **meta},
+                "meta": {
+                    "gpu": "NVIDIA H200",
+                    "date": "2026-11-30",
+                    "commit": "abc",
+                    "command": "python -m moefuse bench x --save",
+                    **meta,
+                },  # fmt: skip
                 "rows": rows,
             }
         )
@@ -56,12 +62,19 @@ def test_family_overrides_and_formats(tmp_path):
     _write(
         tmp_path / "overhead-h200.json",
         [
-            {"op": "rmsnorm", "impl": "moefuse", "us_per_call": 5.0},
+            {"op": "rmsnorm", "impl": "moefuse", "us_per_call": 5.0, "x_rms_norm": 1.25},
             {"op": "rmsnorm", "impl": "flashinfer", "us_per_call": 10.0},
             {"op": "rms_norm", "impl": "torch", "us_per_call": 4.0},
-            {"op": "moe_finalize", "impl": "moefuse", "us_per_call": 6.0},
+            {"op": "moe_finalize", "impl": "moefuse", "us_per_call": 6.0, "x_rms_norm": 1.5},
             {"op": "moe_finalize", "impl": "torch", "us_per_call": 12.0},
-            {"op": "moe_permute", "impl": "moefuse", "us_per_call": 6.0},
+            {"op": "moe_permute", "impl": "moefuse", "us_per_call": 4.4, "x_rms_norm": 1.1},
+            {
+                "op": "allreduce",
+                "impl": "moefuse",
+                "us_per_call": 9.0,
+                "ranks": "loopback",
+                "x_allreduce_residual_rmsnorm": 0.9,
+            },  # fmt: skip
         ],
     )
     (tmp_path / "bench-all-h200.json").write_text(json.dumps({"runs": []}))  # not a result
@@ -73,6 +86,16 @@ def test_family_overrides_and_formats(tmp_path):
     assert (mc.best, mc.speedup) == ("moefuse_unfused", 2.0)
     got = {(c.op, c.m, c.best, c.speedup) for c in by_family["overhead"].cases}
     assert got == {("rmsnorm", None, "torch", 0.8), ("moe_finalize", None, "torch", 2.0)}
+    # a host-time file says what it measures: every op against F.rms_norm's host µs
+    host = (
+        "eager host µs per call, single-GPU ops against F.rms_norm: worst 1.50 x "
+        "(moe_finalize), 1 of 3 within 1.2 x; communication ops (loopback ranks) against "
+        "allreduce_residual_rmsnorm: worst 0.90 x (allreduce), 1 of 1 within 1.5 x"
+    )
+    assert by_family["overhead"].host == host and by_family["moe"].host is None
+    lines = summary.status_lines([by_family["overhead"]], "b.md")
+    assert f"(NVIDIA H200, 2026-11-30): {host} ·" in lines and "best baseline" not in lines
+    assert host in summary.overview_table([by_family["overhead"]])
     assert registry.family_of("moe-reduction-h200-p2").name == "moe-reduction"
     assert registry.family_of("moe-h200").name == "moe"
     assert registry.family_of("other-h200") is None
@@ -104,6 +127,15 @@ def test_write_summary_and_readme_block(tmp_path):
     readme.write_text("no markers\n")
     summary.write_summary(tmp_path, readme)
     assert readme.read_text() == "no markers\n"
+    # a results file without its run's command: the whole summary is refused, nothing written
+    (tmp_path / "SUMMARY.md").unlink()
+    data = json.loads((tmp_path / "norm-h200.json").read_text())
+    del data["meta"]["command"]
+    (tmp_path / "quant-h200.json").write_text(json.dumps(data))
+    with pytest.raises(summary.MissingMeta, match="quant-h200.json: meta has no command"):
+        summary.write_summary(tmp_path, readme)
+    assert not (tmp_path / "SUMMARY.md").exists()
+    assert summary.main(["--dir", str(tmp_path)]) == 2
 
 
 def test_committed_summary_is_current(tmp_path):
@@ -246,9 +278,13 @@ def test_tp_moe_layer_example_file(tmp_path):
             "layer_unfused_us": 900.0,
         },
     ]
-    (tmp_path / "tp_moe_layer-h200-p2.json").write_text(
-        json.dumps({"world_size": 2, "hidden": 4096, "experts": 128, "top_k": 8, "rows": rows})
-    )
+    fields = {"world_size": 2, "hidden": 4096, "experts": 128, "top_k": 8, "rows": rows}
+    path = tmp_path / "tp_moe_layer-h200-p2.json"
+    path.write_text(json.dumps(fields))
+    with pytest.raises(summary.MissingMeta, match="tp_moe_layer-h200-p2.json: meta has no gpu"):
+        summary.load(tmp_path)  # refused, not summarised with question marks
+    meta = {"gpu": "NVIDIA H200", "date": "2026-11-30", "commit": "abc", "command": "torchrun"}
+    path.write_text(json.dumps({"meta": meta, **fields}))
     (res,) = summary.load(tmp_path)
     got = {(c.op, c.m): (c.best, round(c.speedup, 3)) for c in res.cases}
     assert got == {

@@ -39,6 +39,8 @@ def eager_bars(rows: list[dict]) -> list[str]:
     for r in decode:
         text = f"eager decode: {r['tok_s']:.1f} tok/s, {r['x_shipped']:.2f} x shipped >= 1.0"
         lines.append(_verdict(r["x_shipped"] >= 1.0, text))
+    if not decode:
+        lines.append("BAR MISSING: eager decode (no patched decode row with x_shipped)")
     return lines
 
 
@@ -64,4 +66,56 @@ def compiled_bars(rows: list[dict]) -> list[str]:
     breaks = sum(r["graph_breaks"] for r in counted)
     text = f"graph breaks: {breaks} over {len(counted)} rows == 0"
     lines.append(_verdict(breaks == 0, text) if counted else "BAR MISSING: graph breaks")
+    return lines
+
+
+#: (op, token count, variant it is compared with, least ratio) of the FP8 compiled run: the
+#: patched FP8 row's time against that variant's (``python -m moefuse.bench.hf_moe --fp8``)
+FP8_BARS = (
+    ("compiled decode step", 64, "patched bf16", 1.3),
+    ("compiled decode step", 64, "shipped bf16", 1.6),
+    ("compiled decode step", 1, "patched bf16", 1.0),
+    ("compiled prefill", 2048, "patched bf16", 1.2),
+)
+
+
+def fp8_bars(rows: list[dict]) -> list[str]:
+    """The FP8 run's verdicts: :data:`FP8_BARS` (compiled rows only), the faithfulness of the
+    FP8 model (its logits as close to its FP32 evaluation as patched BF16's to its FP32 copy),
+    determinism (every patched FP8 step's logits equal run to run and in the graph, greedy
+    tokens of two ``generate`` calls equal) and graph breaks (compiled rows)."""
+    lines = []
+    us = {(r["op"], r.get("M"), r["variant"]): r.get("us") for r in rows if "variant" in r}
+    compiled = any(r.get("op") == "compiled decode step" for r in rows)
+    for op, tokens, base, least in FP8_BARS if compiled else ():
+        what = f"{op} M={tokens}: patched fp8 vs {base}"
+        a, b = us.get((op, tokens, "patched fp8")), us.get((op, tokens, base))
+        if a is None or b is None:
+            lines.append(f"BAR MISSING: {what} (no timed rows)")
+            continue
+        text = f"{what}: {a:.1f} vs {b:.1f} us, {b / a:.2f} x >= {least}"
+        lines.append(_verdict(b / a >= least, text))
+    own = {r["variant"]: r.get("mean_abs_vs_own_fp32") for r in rows if r.get("op") == "logits"}
+    fp8, bf16 = own.get("patched fp8"), own.get("patched bf16")
+    if fp8 is None or bf16 is None:
+        lines.append("BAR MISSING: faithful FP8 (no logits rows)")
+    else:
+        text = (
+            f"faithful FP8: mean |logit diff| to its FP32 evaluation {fp8:.4g} <= patched "
+            f"bf16's to its FP32 copy {bf16:.4g}"
+        )
+        lines.append(_verdict(fp8 <= bf16, text))
+    steps = [r for r in rows if r.get("op") == "compiled decode step" and r["variant"] == "patched fp8"]
+    gens = [r for r in rows if "same_tokens_as_first_run" in r and r["variant"] == "patched fp8"]
+    if compiled:
+        if not steps or not gens:
+            lines.append("BAR MISSING: FP8 bits and tokens run to run")
+        else:
+            bits = all(r["eager_runs_equal"] and r["graph_bits_equal"] is not False for r in steps)
+            same = all(r["same_tokens_as_first_run"] for r in gens)
+            text = f"FP8 step logits bitwise equal run to run {bits}, greedy tokens equal {same}"
+            lines.append(_verdict(bits and same, text))
+        counted = [r for r in rows if "graph_breaks" in r]
+        breaks = sum(r["graph_breaks"] for r in counted)
+        lines.append(_verdict(breaks == 0, f"graph breaks: {breaks} over {len(counted)} rows == 0"))
     return lines

@@ -11,6 +11,12 @@ For every ``<family>-<gpu>[-pP].json`` under ``--dir`` (default ``bench/results`
   beside it, ``<stem>.png``, are log-log: a 1.3 x gain is hard to see on them);
 * ``SUMMARY.md``: an overview table (one line per file) and a table per file (op x M).
 
+Every results file carries ``meta`` with at least :data:`REQUIRED_META` (GPU, date, commit,
+command): a file without them is refused (:class:`MissingMeta`, nothing written), never summarised
+with question marks. The overhead family's files measure host time, not kernels: their line is
+the eager host µs of every op against ``F.rms_norm``'s (worst ratio, how many ops within the
+1.2 x bar; the communication ops against ``allreduce_residual_rmsnorm``'s, bar 1.5 x).
+
 Two marked blocks in the repository's docs are generated from the same files; nothing outside a
 block changes, and a file without its markers is left alone:
 
@@ -36,6 +42,14 @@ from moefuse.bench.registry import FAMILIES, family_of, roles
 START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
 DOC_START, DOC_END = "<!-- bench-details:start -->", "<!-- bench-details:end -->"
 DOCS = "docs/benchmarks.md"
+#: what every results file's ``meta`` must name: a figure without them cannot be traced
+REQUIRED_META = ("gpu", "date", "commit", "command")
+#: host-time bars of the overhead family (moefuse.bench.overhead.add_ratios)
+HOST_BAR, COMM_HOST_BAR = 1.2, 1.5
+
+
+class MissingMeta(ValueError):
+    """Results files whose ``meta`` lacks a field of :data:`REQUIRED_META`."""
 
 
 @dataclass
@@ -58,6 +72,7 @@ class Result:
     family: str
     meta: dict
     cases: list[Case]
+    host: str | None = None  # the overhead family's host-time figure (host_time_figure)
 
 
 def _row_fields(r: dict) -> tuple[str | None, float | None]:
@@ -103,8 +118,7 @@ _EXAMPLE_PARTS = ("epilogue", "layer")
 
 def _example_rows(data: dict) -> tuple[dict, list[dict]]:
     """(meta, rows) of a results file written by examples/tp_moe_layer.py, in the families'
-    format: variant "moefuse" (the fused epilogue) against "unfused" per (part, shape, M). Files
-    written before the example kept a ``meta`` block carry only its top-level fields."""
+    format: variant "moefuse" (the fused epilogue) against "unfused" per (part, shape, M)."""
     meta = dict(data.get("meta") or {})
     meta.setdefault("world_size", data.get("world_size"))
     shape = (
@@ -129,11 +143,48 @@ def _example_rows(data: dict) -> tuple[dict, list[dict]]:
     return meta, rows
 
 
+def host_time_figure(rows: list[dict]) -> str | None:
+    """What an overhead file measures, in one line: every single-GPU op's eager host µs against
+    ``F.rms_norm``'s (worst ratio, how many ops within 1.2 x) and every communication op's
+    against ``allreduce_residual_rmsnorm``'s (worst, how many within 1.5 x); None without
+    such ratios."""
+
+    def worst(pairs, bar, label):
+        x, op = max(pairs)
+        n = sum(v <= bar for v, _ in pairs)
+        return f"{label}: worst {x:.2f} x ({op}), {n} of {len(pairs)} within {bar} x"
+
+    ours = [r for r in rows if isinstance(r, dict) and r.get("impl") == "moefuse"]
+    single, comm_gpus, comm = [], [], []
+    for r in ours:
+        x, op = r.get("x_rms_norm"), str(r["op"])
+        if isinstance(x, (int, float)) and not r.get("ranks") and not op.startswith("allreduce"):
+            single.append((float(x), op))
+        elif isinstance(r.get("x_allreduce_residual_rmsnorm"), (int, float)):
+            comm.append((float(r["x_allreduce_residual_rmsnorm"]), op))
+        elif isinstance(x, (int, float)):  # files from before that ratio: F.rms_norm's, 2 x
+            comm_gpus.append((float(x), op))
+    parts = []
+    if single:
+        parts.append(worst(single, HOST_BAR, "single-GPU ops against F.rms_norm"))
+    if comm:
+        kinds = sorted({str(r.get("ranks")) for r in ours if "x_allreduce_residual_rmsnorm" in r})
+        label = (
+            f"communication ops ({' and '.join(kinds)} ranks) against allreduce_residual_rmsnorm"
+        )
+        parts.append(worst(comm, COMM_HOST_BAR, label))
+    if comm_gpus:
+        parts.append(worst(comm_gpus, 2.0, "communication ops against F.rms_norm"))
+    return "eager host µs per call, " + "; ".join(parts) if parts else None
+
+
 def load(results_dir: str | Path) -> list[Result]:
     """Every benchmark results file under ``results_dir`` (files without ``rows`` are skipped),
-    in the registry's family order."""
+    in the registry's family order. Raises :class:`MissingMeta` naming every results file whose
+    ``meta`` lacks a field of :data:`REQUIRED_META`."""
     order = {f.name: i for i, f in enumerate(FAMILIES)}
     results = []
+    refused = []
     for path in sorted(Path(results_dir).glob("*.json")):
         try:
             data = json.loads(path.read_text())
@@ -144,9 +195,19 @@ def load(results_dir: str | Path) -> list[Result]:
         fam = family_of(path.stem)
         name = fam.name if fam else path.stem
         meta, rows = data.get("meta") or {}, data["rows"]
+        missing = [k for k in REQUIRED_META if not meta.get(k)]
+        if missing:
+            refused.append(f"{path.name}: meta has no {', '.join(missing)}")
+            continue
+        host = host_time_figure(rows) if name == "overhead" else None
         if any(f"{_EXAMPLE_PARTS[0]}_fused_us" in r for r in rows if isinstance(r, dict)):
             meta, rows = _example_rows(data)
-        results.append(Result(path, name, meta, cases_of(name, meta, rows)))
+        results.append(Result(path, name, meta, cases_of(name, meta, rows), host))
+    if refused:
+        raise MissingMeta(
+            "refusing results files without their run's meta (GPU, date, commit, command; "
+            "moefuse.bench.harness.run_metadata writes them): " + "; ".join(refused)
+        )
     results.sort(key=lambda r: (order.get(r.family, len(order)), r.path.name))
     return results
 
@@ -169,7 +230,7 @@ def overview_table(results: list[Result]) -> str:
     for res in results:
         xs = sorted(c.speedup for c in res.cases)
         m = res.meta
-        gpu = str(m.get("gpu", "?")) + (f" x {m['world_size']}" if m.get("world_size") else "")
+        gpu = str(m["gpu"]) + (f" x {m['world_size']}" if m.get("world_size") else "")
         stem = res.path.stem
         plots = [f"[µs]({stem}.png)"] if res.path.with_suffix(".png").exists() else []
         if xs:
@@ -180,9 +241,11 @@ def overview_table(results: list[Result]) -> str:
             else "no baseline in the file"
         )
         wins = f"{sum(x >= 1.0 for x in xs)} / {len(xs)}" if xs else "-"
+        if res.host:  # host time, not a kernel race: say what it measures
+            span, wins = res.host, "-"
         lines.append(
-            f"| {res.family} | {res.path.name} | {gpu} | {str(m.get('date', '?'))[:10]} "
-            f"| {str(m.get('commit', '?'))[:10]} | {len(xs)} | {span} | {wins} | "
+            f"| {res.family} | {res.path.name} | {gpu} | {str(m['date'])[:10]} "
+            f"| {str(m['commit'])[:10]} | {len(xs)} | {span} | {wins} | "
             f"{' · '.join(plots) or '-'} |"
         )
     return "\n".join(lines)
@@ -233,9 +296,10 @@ def summary_markdown(results: list[Result]) -> str:
             "",
             f"## {res.family}: {res.path.name}",
             "",
-            f"{m.get('gpu', '?')}, commit {m.get('commit', '?')}, {m.get('date', '?')}; "
-            f"command `{m.get('command', '?')}`. Cell: speed-up x the best baseline at "
-            "that M (moefuse's µs per call).",
+            f"{m['gpu']}, commit {m['commit']}, {m['date']}; "
+            f"command `{m['command']}`. "
+            + (f"{res.host[0].upper()}{res.host[1:]}. " if res.host else "")
+            + "Cell: speed-up x the best baseline at that M (moefuse's µs per call).",
             "",
             detail_table(res),
         ]
@@ -244,8 +308,8 @@ def summary_markdown(results: list[Result]) -> str:
 
 def _where(res: Result) -> str:
     m = res.meta
-    gpu = str(m.get("gpu", "?")) + (f" x {m['world_size']}" if m.get("world_size") else "")
-    return f"{gpu}, {str(m.get('date', '?'))[:10]}"
+    gpu = str(m["gpu"]) + (f" x {m['world_size']}" if m.get("world_size") else "")
+    return f"{gpu}, {str(m['date'])[:10]}"
 
 
 def status_lines(results: list[Result], details: str) -> str:
@@ -254,7 +318,9 @@ def status_lines(results: list[Result], details: str) -> str:
     lines = []
     for res in results:
         xs = sorted(c.speedup for c in res.cases)
-        if xs:
+        if res.host:
+            figure = res.host
+        elif xs:
             figure = (
                 f"{_fmt_x(statistics.median(xs))} x the best baseline (median of "
                 f"{len(xs)} cases, {_fmt_x(xs[0])}-{_fmt_x(xs[-1])})"
@@ -279,9 +345,11 @@ def details_markdown(results: list[Result], prefix: str) -> str:
             "",
             f"### {res.path.stem}",
             "",
-            f"{res.family} · {link} · {_where(res)} · commit {m.get('commit', '?')} · "
-            f"command `{m.get('command', '?')}`.",
+            f"{res.family} · {link} · {_where(res)} · commit {m['commit']} · "
+            f"command `{m['command']}`.",
         ]
+        if res.host:
+            parts += ["", f"{res.host[0].upper()}{res.host[1:]}."]
         if res.cases:
             parts += [
                 "",
@@ -349,7 +417,7 @@ def plot_speedup(res: Result, path: Path) -> Path | None:
     meta = res.meta
     fig.suptitle(
         f"moefuse {res.family}: speed-up over the best baseline\n"
-        f"{meta.get('gpu', '?')}, {str(meta.get('date', '?'))[:10]}, {res.path.name}",
+        f"{meta['gpu']}, {str(meta['date'])[:10]}, {res.path.name}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -454,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
         readme = "README.md"
     if docs is None and default_dir and has_markers(Path(DOCS), DOC_START, DOC_END):
         docs = DOCS
-    for path in write_summary(args.dir, readme, docs):
+    try:
+        written = write_summary(args.dir, readme, docs)
+    except MissingMeta as exc:
+        print(f"moefuse bench summary: {exc}")
+        return 2
+    for path in written:
         print("wrote", path)
     return 0
