@@ -317,7 +317,8 @@ def test_custom_op_compile_and_plans():
     out = torch.empty(4, 16, dtype=torch.bfloat16)
     for backend in ("triton", "reference"):
         torch.library.opcheck(
-            ops.moe_experts_op, (x, gu, dn, idx, w, out, bias, None, 0.5, False, False, backend)
+            ops.moe_experts_op,
+            (x, gu, dn, idx, w, out, bias, None, 0.5, False, False, False, backend),
         )
     eager = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton")
     again = moefuse.moe_experts(x, gu, dn, idx, w, impl="triton")

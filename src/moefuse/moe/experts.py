@@ -22,6 +22,8 @@ from moefuse.moe.api import (
     SCALE_DTYPES,
     check_expert_bias,
 )
+from moefuse.moe.reference_fp8 import BLOCK, cdiv
+from moefuse.moe.reference_fp8 import SCALE_DTYPES as FP8_SCALE_DTYPES
 from moefuse.moe.tiles import (
     EXPERTS_BN_DOWN,
     EXPERTS_BN_GATE_UP,
@@ -31,12 +33,62 @@ from moefuse.moe.tiles import (
 
 ACTIVATIONS = ("silu",)
 INDEX_DTYPES = (torch.int32, torch.int64)
+GATE_UP_LAYOUTS = ("stacked", "interleaved")
+FP8 = torch.float8_e4m3fn
+NO_FP8 = {
+    "gate_up_proj_scale_inv": None,
+    "down_proj_scale_inv": None,
+    "block_size": (BLOCK, BLOCK),
+    "gate_up_layout": "stacked",
+}
+
+
+def _check_fp8(op, fp8: dict, gate_up, down, transposed, hidden, inter, experts, dev) -> bool:
+    """The FP8 arguments (``fp8`` = scales, block size, layout); True for FP8 weights."""
+    gu_scale, d_scale = fp8["gate_up_proj_scale_inv"], fp8["down_proj_scale_inv"]
+    if fp8["gate_up_layout"] not in GATE_UP_LAYOUTS:
+        raise ValueError(
+            f"moefuse.{op}: argument 'gate_up_layout' must be one of {GATE_UP_LAYOUTS}, "
+            f"got {fp8['gate_up_layout']!r}"
+        )
+    if gate_up.dtype != FP8:
+        for name in ("gate_up_proj_scale_inv", "down_proj_scale_inv"):
+            if fp8[name] is not None:
+                raise ValueError(
+                    f"moefuse.{op}: argument '{name}' is for float8_e4m3fn weights, got "
+                    f"gate_up_proj of dtype {gate_up.dtype}"
+                )
+        return False
+    block = fp8["block_size"]
+    if not isinstance(block, (tuple, list)) or tuple(block) != (BLOCK, BLOCK):
+        raise ValueError(
+            f"moefuse.{op}: argument 'block_size' must be (128, 128) (the one measured "
+            f"weight block), got {block!r}"
+        )
+    gu_rows = cdiv(2 * inter, BLOCK)
+    v.check_tensor(op, "gate_up_proj_scale_inv", gu_scale, dtypes=FP8_SCALE_DTYPES, ndims=(3,),
+                   device=dev, last_dim_contiguous=False)  # fmt: skip
+    # transformers allocates at least two scale rows for a gate|up matrix under 128 rows
+    rows_ok = gu_scale.shape[1] == gu_rows or (gu_rows == 1 and gu_scale.shape[1] == 2)
+    want = (experts, gu_rows, cdiv(hidden, BLOCK))
+    if not rows_ok or (gu_scale.shape[0], gu_scale.shape[2]) != (want[0], want[2]):
+        raise ValueError(
+            f"moefuse.{op}: argument 'gate_up_proj_scale_inv' must be [E, ceil(2I/128), "
+            f"ceil(H/128)] = {want} (one scale per 128 x 128 block of the gate|up matrix as "
+            f"stored), got {tuple(gu_scale.shape)}"
+        )
+    v.check_tensor(op, "down_proj_scale_inv", d_scale, dtypes=FP8_SCALE_DTYPES,
+                   shape=(experts, cdiv(hidden, BLOCK), cdiv(inter, BLOCK)), device=dev,
+                   last_dim_contiguous=False)  # fmt: skip
+    return True
 
 
 def _check_experts(
-    op, x, gate_up, down, idx, weights, activation, transposed, bias, shared, rsf, out
+    op, x, gate_up, down, idx, weights, activation, transposed, bias, shared, rsf, out, fp8=None
 ) -> tuple[int, int, int, int, int]:
-    """Validate; returns (T, H, E, I, K)."""
+    """Validate; returns (T, H, E, I, K). ``fp8``: the FP8 keyword arguments (scales, block
+    size, gate|up layout; :data:`NO_FP8` when None)."""
+    fp8 = fp8 or NO_FP8
     v.check_tensor(op, "hidden_states", x, dtypes=HALF, ndims=(2,))
     dev = x.device
     tokens, hidden = x.shape
@@ -46,7 +98,12 @@ def _check_experts(
         raise ValueError(
             f"moefuse.{op}: argument 'activation' must be one of {ACTIVATIONS}, got {activation!r}"
         )
-    v.check_tensor(op, "gate_up_proj", gate_up, dtypes=(x.dtype,), ndims=(3,), device=dev)
+    v.check_tensor(op, "gate_up_proj", gate_up, dtypes=(x.dtype, FP8), ndims=(3,), device=dev)
+    if gate_up.dtype == FP8 and transposed:
+        raise ValueError(
+            f"moefuse.{op}: argument 'transposed' must be False for float8_e4m3fn weights "
+            "(FP8 experts store [E, 2I, H] and [E, H, I])"
+        )
     experts = gate_up.shape[0]
     two_i = gate_up.shape[2] if transposed else gate_up.shape[1]
     if two_i < 2 or two_i % 2:
@@ -65,7 +122,8 @@ def _check_experts(
             f"got {tuple(gate_up.shape)}"
         )
     want = (experts, inter, hidden) if transposed else (experts, hidden, inter)
-    v.check_tensor(op, "down_proj", down, dtypes=(x.dtype,), shape=want, device=dev)
+    v.check_tensor(op, "down_proj", down, dtypes=(gate_up.dtype,), shape=want, device=dev)
+    is_fp8 = _check_fp8(op, fp8, gate_up, down, transposed, hidden, inter, experts, dev)
     v.check_tensor(
         op,
         "top_k_index",
@@ -110,16 +168,20 @@ def _check_experts(
             ("top_k_weights", weights),
             ("bias", bias),
             ("shared_expert_output", shared),
+            ("gate_up_proj_scale_inv", fp8["gate_up_proj_scale_inv"] if is_fp8 else None),
+            ("down_proj_scale_inv", fp8["down_proj_scale_inv"] if is_fp8 else None),
         ):
             if t is not None:
                 v.check_no_overlap(op, "out", out, name, t)
     return tokens, hidden, experts, inter, top_k
 
 
-def _kernel_reason(x, tokens, hidden, experts, inter, top_k) -> str | None:
+def _kernel_reason(x, tokens, hidden, experts, inter, top_k, fp8=False) -> str | None:
     reason = kernel_device_reason(x.device)
     if reason is not None:
         return reason
+    if fp8:
+        return "the FP8 experts kernels are not built yet"
     if experts > EXPERTS_MAX:
         return f"{experts} experts exceed the plan kernel's {EXPERTS_MAX}"
     # the launch grid (work items x weight tiles) bounded over every tile the launcher may pick:
@@ -149,6 +211,10 @@ def moe_experts(
     bias: torch.Tensor | None = None,
     shared_expert_output: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
+    gate_up_proj_scale_inv: torch.Tensor | None = None,
+    down_proj_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] = (BLOCK, BLOCK),
+    gate_up_layout: str = "stacked",
     out: torch.Tensor | None = None,
     enable_pdl: bool | None = None,
     impl: str = "auto",
@@ -178,8 +244,34 @@ def moe_experts(
     once per token tile (module :mod:`moefuse.moe.experts_triton`). ``impl="reference"`` runs
     :func:`moefuse.moe.reference.moe_experts_reference` (same formula, FP64 products: a few FP32
     ulps apart before the roundings). Returns ``out``.
+
+    ``gate_up_layout``: ``"stacked"`` (gate rows, then up rows) or ``"interleaved"`` (g0, u0, g1,
+    u1, ...: the layout some transformers versions store), for every weight dtype.
+
+    FP8 weights (``float8_e4m3fn``, block-scaled W8A8; docs/spec.md "moe_experts, FP8
+    weights"): ``gate_up_proj_scale_inv`` [E, ceil(2I/128), ceil(H/128)] and
+    ``down_proj_scale_inv`` [E, ceil(H/128), ceil(I/128)] (FP32 or ``float8_e8m0fnu``: the
+    names and layouts of transformers' FP8 experts and DeepSeek-V3's ``weight_scale_inv``) are
+    required; ``block_size`` must be (128, 128). Gate|up row ``r`` of the matrix as stored takes
+    scale row ``r // 128`` (what transformers' FP8 quantizer writes for the fused matrix; a
+    128-row block may then hold gate and up rows where I % 128 != 0). Per token and valid
+    slot::
+
+        xq, xs = group_quant(x_t)        # per_token_group_quant_8bit: groups of 128, eps 1e-10
+        g|u[n] = sum over K-blocks b of dot_b(xq, W[e][n]) * xs[b] * Ws[e][n // 128, b]
+        a      = cast(silu(g) * u);  aq, as = group_quant(a)
+        y[h]   = sum over K-blocks b of dot_b(aq, Wd[e][h]) * as[b] * Wds[e][h // 128, b]
+
+    then the finalize above. ``dot_b`` is the FP32 sum of a block's products in an order fixed by
+    the kernel's tile, so the bits stay batch-invariant; the reference takes FP64 dots.
     """
     op = "moe_experts"
+    fp8 = {
+        "gate_up_proj_scale_inv": gate_up_proj_scale_inv,
+        "down_proj_scale_inv": down_proj_scale_inv,
+        "block_size": block_size,
+        "gate_up_layout": gate_up_layout,
+    }
     tokens, hidden, experts, inter, top_k = _check_experts(
         op,
         hidden_states,
@@ -193,15 +285,36 @@ def moe_experts(
         shared_expert_output,
         routed_scaling_factor,
         out,
+        fp8,
     )
     if out is None:
         out = torch.empty(tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     if tokens == 0 or hidden == 0:
         return out
     rsf = float(routed_scaling_factor)
-    reason = _kernel_reason(hidden_states, tokens, hidden, experts, inter, top_k)
+    is_fp8 = gate_up_proj.dtype == FP8
+    reason = _kernel_reason(hidden_states, tokens, hidden, experts, inter, top_k, is_fp8)
     backend = choose_impl(op, impl, hidden_states.device, reason)
     use_pdl = backend == "triton" and resolve_pdl(enable_pdl, hidden_states.device)
+    interleaved = gate_up_layout == "interleaved"
+    if is_fp8:
+        ops.moe_experts_fp8_op(
+            hidden_states,
+            gate_up_proj,
+            gate_up_proj_scale_inv,
+            down_proj,
+            down_proj_scale_inv,
+            top_k_index,
+            top_k_weights,
+            out,
+            bias,
+            shared_expert_output,
+            rsf,
+            interleaved,
+            use_pdl,
+            backend,
+        )
+        return out
     ops.moe_experts_op(
         hidden_states,
         gate_up_proj,
@@ -213,6 +326,7 @@ def moe_experts(
         shared_expert_output,
         rsf,
         transposed,
+        interleaved,
         use_pdl,
         backend,
     )
@@ -231,9 +345,19 @@ def supports_moe_experts(
     bias: torch.Tensor | None = None,
     shared_expert_output: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
+    gate_up_proj_scale_inv: torch.Tensor | None = None,
+    down_proj_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] = (BLOCK, BLOCK),
+    gate_up_layout: str = "stacked",
     out: torch.Tensor | None = None,
 ) -> bool:
     """True when the Triton kernels can run these arguments on their device (no side effects)."""
+    fp8 = {
+        "gate_up_proj_scale_inv": gate_up_proj_scale_inv,
+        "down_proj_scale_inv": down_proj_scale_inv,
+        "block_size": block_size,
+        "gate_up_layout": gate_up_layout,
+    }
     args = (
         "moe_experts",
         hidden_states,
@@ -247,9 +371,10 @@ def supports_moe_experts(
         shared_expert_output,
         routed_scaling_factor,
         out,
+        fp8,
     )
     try:
         dims = _check_experts(*args)
     except ValueError:
         return False
-    return _kernel_reason(hidden_states, *dims) is None
+    return _kernel_reason(hidden_states, *dims, gate_up_proj.dtype == FP8) is None

@@ -208,10 +208,12 @@ def _gate_up_item(
     STAGES: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     """``act`` of this program's BN rows of I for the ``BT`` columns of ``item`` = (expert,
     slots, columns in use, token rows) (:func:`_experts_gate_up_kernel`); ``strides`` = (x row,
-    act row, weight expert, weight row, weight reduction)."""
+    act row, weight expert, weight row, weight reduction). ``INTERLEAVED``: gate row n is stored
+    at 2n and up row n at 2n + 1."""
     e, s, r_in, tok = item
     x_st, act_st, w_st_e, w_st_n, w_st_k = strides
     # one [2*BN, BK] weight tile per step, in blocks of 64 rows: 32 gate rows, then the 32 up
@@ -219,7 +221,10 @@ def _gate_up_item(
     r = tl.arange(0, 2 * BN)
     n = tl.program_id(1) * BN + (r // 64) * 32 + r % 32
     n_in = n < INTER
-    rows = (n + ((r // 32) % 2) * INTER).to(tl.int64)
+    if INTERLEAVED:
+        rows = (2 * n + (r // 32) % 2).to(tl.int64)
+    else:
+        rows = (n + ((r // 32) % 2) * INTER).to(tl.int64)
     w_rows = w_ptr + e.to(tl.int64) * w_st_e + rows[:, None] * w_st_n
     acc = _weight_times_columns(
         w_rows, n_in, w_st_k, x_ptr + tok[None, :] * x_st, r_in, KDIM, BK, BT, STAGES, PTX
@@ -268,6 +273,7 @@ def _experts_gate_up_kernel(
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
     BR: tl.constexpr = 0,
+    INTERLEAVED: tl.constexpr = False,
 ):
     """act[s, n] = cast(silu(gate_n . x_t) * (up_n . x_t)) for the item's slots s (token t) and
     this program's BN rows n of I = ``INTER``. ``KDIM`` = H (the reduction). The widths are
@@ -294,7 +300,20 @@ def _experts_gate_up_kernel(
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)  # its own name: [BR] columns
         _gate_up_item(
-            x_ptr, w_ptr, act_ptr, tail, strides, KDIM, INTER, BN, BK, BR, STAGES, PTX, USE_PDL
+            x_ptr,
+            w_ptr,
+            act_ptr,
+            tail,
+            strides,
+            KDIM,
+            INTER,
+            BN,
+            BK,
+            BR,
+            STAGES,
+            PTX,
+            USE_PDL,
+            INTERLEAVED,
         )
     else:
         item = _work_item(
@@ -302,7 +321,20 @@ def _experts_gate_up_kernel(
         )
         if item[0] >= 0:
             _gate_up_item(
-                x_ptr, w_ptr, act_ptr, item, strides, KDIM, INTER, BN, BK, BT, STAGES, PTX, USE_PDL
+                x_ptr,
+                w_ptr,
+                act_ptr,
+                item,
+                strides,
+                KDIM,
+                INTER,
+                BN,
+                BK,
+                BT,
+                STAGES,
+                PTX,
+                USE_PDL,
+                INTERLEAVED,
             )
 
 
@@ -605,6 +637,7 @@ def _launch_gate_up(
     cfg,
     transposed: bool,
     use_pdl: bool,
+    interleaved: bool = False,
 ) -> None:
     """``act = cast(silu(gate x) * (up x))`` per slot (module docstring, step 2)."""
     hidden = hidden_states.shape[1]
@@ -630,6 +663,7 @@ def _launch_gate_up(
         SP=plan.sp,
         PTX=not interpreter_active(),
         USE_PDL=use_pdl,
+        INTERLEAVED=interleaved,
         num_warps=cfg["warps"],
         **pdl_launch_kwargs(use_pdl),
     )
@@ -705,8 +739,10 @@ def launch_moe_experts(
     *,
     tile: dict | None = None,
     token_tile: int | None = None,
+    interleaved: bool = False,
 ) -> None:
-    """Writes ``out`` [T, H] (module docstring). ``tile`` / ``token_tile`` override the policy
+    """Writes ``out`` [T, H] (module docstring); ``interleaved``: gate|up rows stored g0, u0, g1,
+    u1, ... ``tile`` / ``token_tile`` override the policy
     of :mod:`moefuse.moe.tiles` (benchmarks and the invariance tests only; ``tile`` may also
     carry ``plan_chunk`` / ``plan_warps`` / ``plan_two_phase`` for :func:`launch_experts_plan`, and
     ``down_bk`` / ``down_stages`` / ``down_warps``: the down kernel's own, else the shared keys)."""
@@ -720,7 +756,15 @@ def launch_moe_experts(
     cfg = dict(experts_tile(hidden, inter, token_tile, slots), **(tile or {}))
     plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
     _launch_gate_up(
-        hidden_states, gate_up_proj, top_k_index, experts, plan, cfg, transposed, use_pdl
+        hidden_states,
+        gate_up_proj,
+        top_k_index,
+        experts,
+        plan,
+        cfg,
+        transposed,
+        use_pdl,
+        interleaved,
     )
     rsf = float(routed_scaling_factor)
     _launch_down(

@@ -112,6 +112,7 @@ def moe_experts_op(
     shared_expert_output: Tensor | None,
     routed_scaling_factor: float,
     transposed: bool,
+    interleaved: bool,
     use_pdl: bool,
     backend: str,
 ) -> None:
@@ -131,6 +132,7 @@ def moe_experts_op(
                 bias=bias,
                 shared_expert_output=shared_expert_output,
                 routed_scaling_factor=routed_scaling_factor,
+                gate_up_layout="interleaved" if interleaved else "stacked",
             )
         )
         return
@@ -148,6 +150,7 @@ def moe_experts_op(
         routed_scaling_factor,
         transposed,
         use_pdl,
+        interleaved=interleaved,
     )
 
 
@@ -163,6 +166,7 @@ def _(
     shared_expert_output,
     routed_scaling_factor,
     transposed,
+    interleaved,
     use_pdl,
     backend,
 ):
@@ -186,4 +190,112 @@ def router_topk_op(
 
 @router_topk_op.register_fake
 def _(router_logits, top_k, weights, ids, softmax, renormalize, use_pdl):
+    return None
+
+
+@custom_op("moefuse::moe_experts_fp8", mutates_args=("out",))
+def moe_experts_fp8_op(
+    hidden_states: Tensor,
+    gate_up_proj: Tensor,
+    gate_up_proj_scale_inv: Tensor,
+    down_proj: Tensor,
+    down_proj_scale_inv: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    out: Tensor,
+    bias: Tensor | None,
+    shared_expert_output: Tensor | None,
+    routed_scaling_factor: float,
+    interleaved: bool,
+    use_pdl: bool,
+    backend: str,
+) -> None:
+    """The FP8 (block-scaled W8A8) routed experts; ``backend`` as in :func:`moe_experts_op`."""
+    if backend == "reference":
+        from moefuse.moe.reference import moe_experts_reference
+
+        out.copy_(
+            moe_experts_reference(
+                hidden_states,
+                gate_up_proj,
+                down_proj,
+                top_k_index,
+                top_k_weights,
+                bias=bias,
+                shared_expert_output=shared_expert_output,
+                routed_scaling_factor=routed_scaling_factor,
+                gate_up_proj_scale_inv=gate_up_proj_scale_inv,
+                down_proj_scale_inv=down_proj_scale_inv,
+                gate_up_layout="interleaved" if interleaved else "stacked",
+            )
+        )
+        return
+    from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
+
+    launch_moe_experts_fp8(
+        hidden_states,
+        gate_up_proj,
+        gate_up_proj_scale_inv,
+        down_proj,
+        down_proj_scale_inv,
+        top_k_index,
+        top_k_weights,
+        out,
+        bias,
+        shared_expert_output,
+        routed_scaling_factor,
+        interleaved,
+        use_pdl,
+    )
+
+
+@moe_experts_fp8_op.register_fake
+def _(
+    hidden_states,
+    gate_up_proj,
+    gate_up_proj_scale_inv,
+    down_proj,
+    down_proj_scale_inv,
+    top_k_index,
+    top_k_weights,
+    out,
+    bias,
+    shared_expert_output,
+    routed_scaling_factor,
+    interleaved,
+    use_pdl,
+    backend,
+):
+    return None
+
+
+@custom_op("moefuse::fp8_linear", mutates_args=("out",))
+def fp8_linear_op(
+    input: Tensor,
+    weight: Tensor,
+    weight_scale_inv: Tensor,
+    bias: Tensor | None,
+    input_scale: Tensor | None,
+    out: Tensor,
+    use_pdl: bool,
+    backend: str,
+) -> None:
+    """``out`` [M, N] = the block-scaled FP8 product of ``input`` [M, K] (codes when
+    ``input_scale`` is given) and ``weight`` [N, K] (:func:`moefuse.moe.linear.fp8_linear`)."""
+    if backend == "reference":
+        from moefuse.moe.reference_fp8 import fp8_linear_reference
+
+        out.copy_(
+            fp8_linear_reference(
+                input, weight, weight_scale_inv, bias, input_scale=input_scale, out_dtype=out.dtype
+            )
+        )
+        return
+    from moefuse.moe.linear_triton import launch_fp8_linear
+
+    launch_fp8_linear(input, weight, weight_scale_inv, bias, input_scale, out, use_pdl)
+
+
+@fp8_linear_op.register_fake
+def _(input, weight, weight_scale_inv, bias, input_scale, out, use_pdl, backend):
     return None

@@ -210,6 +210,10 @@ def moe_experts_reference(
     bias: torch.Tensor | None = None,
     shared_expert_output: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
+    gate_up_proj_scale_inv: torch.Tensor | None = None,
+    down_proj_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] = (128, 128),
+    gate_up_layout: str = "stacked",
 ) -> torch.Tensor:
     """The routed experts of an MoE layer, new ``[T, H]`` tensor. Per valid slot (t, k), i.e.
     expert ``e = top_k_index[t, k]`` in [0, E) (other ids are expert-parallel sentinels and
@@ -228,16 +232,29 @@ def moe_experts_reference(
     and rounded once to FP32 (the kernels sum in FP32 MMA order: a few FP32 ulps apart, which can
     move ``a`` by one ulp of its dtype). A loop over the distinct experts (host reads): the oracle
     and the CPU path, not a fast path.
+
+    ``gate_up_layout="interleaved"``: the gate|up rows are stored g0, u0, g1, u1, ... FP8 weights
+    (``float8_e4m3fn`` with ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv``, blocks of
+    128 x 128): ``x_t`` and ``a`` are quantized per 128-channel group and each product is the
+    block-scaled one of :mod:`moefuse.moe.reference_fp8` (FP64 dots, one rounding to FP32).
     """
     if activation != "silu":
         raise ValueError(
             f"moefuse.moe_experts: argument 'activation' must be 'silu', got {activation!r}"
+        )
+    from moefuse.moe import reference_fp8 as r8
+
+    if tuple(block_size) != (r8.BLOCK, r8.BLOCK):
+        raise ValueError(
+            f"moefuse.moe_experts: argument 'block_size' must be (128, 128), got {block_size}"
         )
     w_gu = gate_up_proj.transpose(1, 2) if transposed else gate_up_proj  # [E, 2I, H]
     w_d = down_proj.transpose(1, 2) if transposed else down_proj  # [E, H, I]
     tokens, top_k = top_k_index.shape
     experts, two_i, hidden = w_gu.shape
     inter = two_i // 2
+    fp8 = gate_up_proj_scale_inv is not None
+    quant = r8.group_quant_f64 if fp8 else torch.Tensor.double
     ids = top_k_index.long()
     valid = (ids >= 0) & (ids < experts)
     y = torch.zeros(tokens * top_k, hidden, dtype=torch.float32, device=hidden_states.device)
@@ -245,11 +262,18 @@ def moe_experts_reference(
     flat_valid = valid.reshape(-1)
     for e in torch.unique(flat_ids[flat_valid]).tolist():
         slots = (flat_valid & (flat_ids == e)).nonzero().squeeze(1)
-        x = hidden_states.index_select(0, slots // top_k).double()
-        h = (x @ w_gu[e].double().T).float()
+        gu_e, d_e = r8.experts_weights_f64(
+            w_gu[e],
+            w_d[e],
+            gate_up_proj_scale_inv[e] if fp8 else None,
+            down_proj_scale_inv[e] if fp8 else None,
+            gate_up_layout == "interleaved",
+        )
+        x = quant(hidden_states.index_select(0, slots // top_k))
+        h = (x @ gu_e.T).float()
         g, u = h[:, :inter], h[:, inter:]
         a = (g * torch.sigmoid(g) * u).to(hidden_states.dtype)
-        y[slots] = (a.double() @ w_d[e].double().T).float()
+        y[slots] = (quant(a) @ d_e.T).float()
     slot_map = torch.arange(tokens * top_k, dtype=torch.int32, device=hidden_states.device)
     slot_map = torch.where(flat_valid, slot_map, -1).view(tokens, top_k)
     return moe_finalize_reference(
