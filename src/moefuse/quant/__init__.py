@@ -23,6 +23,14 @@ from moefuse.quant.api import (
     supports_rmsnorm_fp4_quantize,
     supports_rmsnorm_quant,
 )
+from moefuse.quant.group_api import (
+    fused_add_rmsnorm_group_quant,
+    per_token_group_quant_8bit,
+    rmsnorm_group_quant,
+    supports_fused_add_rmsnorm_group_quant,
+    supports_per_token_group_quant_8bit,
+    supports_rmsnorm_group_quant,
+)
 
 __all__ = [
     "fp8_quantize",
@@ -35,6 +43,9 @@ __all__ = [
     "fused_add_rmsnorm_quant",
     "rmsnorm_fp4_quantize",
     "fused_add_rmsnorm_fp4_quantize",
+    "per_token_group_quant_8bit",
+    "rmsnorm_group_quant",
+    "fused_add_rmsnorm_group_quant",
     "supports_fp8_quantize",
     "supports_fp8_quantize_per_token",
     "supports_fp8_dequantize",
@@ -44,4 +55,7 @@ __all__ = [
     "supports_fused_add_rmsnorm_quant",
     "supports_rmsnorm_fp4_quantize",
     "supports_fused_add_rmsnorm_fp4_quantize",
+    "supports_per_token_group_quant_8bit",
+    "supports_rmsnorm_group_quant",
+    "supports_fused_add_rmsnorm_group_quant",
 ]

@@ -219,3 +219,84 @@ def _(
     use_pdl,
 ):
     return None
+
+
+# ----------------------------------------------------------------------------- per-token-group
+# codes travel as uint8 (FP8 bits) or int8, scales as FP32 or uint8 (float8_e8m0fnu bytes)
+@custom_op("moefuse::per_token_group_quant_8bit", mutates_args=("out", "scale_out"))
+def per_token_group_quant_8bit_op(
+    input: Tensor,
+    out: Tensor,
+    scale_out: Tensor,
+    group_size: int,
+    eps: float,
+    ue8m0: bool,
+    use_pdl: bool,
+) -> None:
+    from moefuse.quant.group_triton import launch_group_quant
+
+    int8 = out.dtype == torch.int8
+    launch_group_quant(input, out, scale_out, group_size, eps, int8, ue8m0, use_pdl)
+
+
+@per_token_group_quant_8bit_op.register_fake
+def _(input, out, scale_out, group_size, eps, ue8m0, use_pdl):
+    return None
+
+
+@custom_op("moefuse::rmsnorm_group_quant", mutates_args=("out", "scale_out"))
+def rmsnorm_group_quant_op(
+    input: Tensor,
+    weight: Tensor,
+    out: Tensor,
+    scale_out: Tensor,
+    group_size: int,
+    eps: float,
+    gain_center: float,
+    quant_eps: float,
+    ue8m0: bool,
+    use_pdl: bool,
+) -> None:
+    from moefuse.quant.group_fused import launch_norm_group_quant
+
+    int8 = out.dtype == torch.int8
+    launch_norm_group_quant(
+        input, None, weight, out, scale_out, group_size, eps, gain_center, quant_eps, int8,
+        ue8m0, use_pdl,
+    )  # fmt: skip
+
+
+@rmsnorm_group_quant_op.register_fake
+def _(input, weight, out, scale_out, group_size, eps, gain_center, quant_eps, ue8m0, use_pdl):
+    return None
+
+
+@custom_op("moefuse::fused_add_rmsnorm_group_quant", mutates_args=("residual", "out", "scale_out"))
+def fused_add_rmsnorm_group_quant_op(
+    input: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    out: Tensor,
+    scale_out: Tensor,
+    group_size: int,
+    eps: float,
+    gain_center: float,
+    quant_eps: float,
+    ue8m0: bool,
+    use_pdl: bool,
+) -> None:
+    from moefuse.quant.group_fused import launch_norm_group_quant
+
+    int8 = out.dtype == torch.int8
+    launch_norm_group_quant(
+        input, residual, weight, out, scale_out, group_size, eps, gain_center, quant_eps, int8,
+        ue8m0, use_pdl,
+    )  # fmt: skip
+
+
+@fused_add_rmsnorm_group_quant_op.register_fake
+def _(
+    input, residual, weight, out, scale_out, group_size, eps, gain_center, quant_eps, ue8m0,
+    use_pdl,
+):  # fmt: skip
+    return None

@@ -140,6 +140,42 @@ def per_token_group_quant_8bit_reference(
     return q.contiguous(), s
 
 
+def rmsnorm_group_quant_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    group_size: int = 128,
+    gain_center: float = 0.0,
+    quant_eps: float = 1e-10,
+    dst_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_ue8m0: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """spec: rmsnorm_group_quant: the unfused chain, RMSNorm rounded to the input dtype
+    (``moefuse.norm.reference.rmsnorm_reference``) then
+    :func:`per_token_group_quant_8bit_reference` of it. Returns ``(q, s [..., G])``."""
+    y = norm_ref.rmsnorm_reference(input, weight, eps, gain_center)
+    return per_token_group_quant_8bit_reference(y, group_size, quant_eps, dst_dtype, scale_ue8m0)
+
+
+def fused_add_rmsnorm_group_quant_reference(
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    group_size: int = 128,
+    gain_center: float = 0.0,
+    quant_eps: float = 1e-10,
+    dst_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_ue8m0: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """spec: fused_add_rmsnorm_group_quant: ``fused_add_rmsnorm`` (norm of the FP32 sum, rounded
+    to the input dtype) then :func:`per_token_group_quant_8bit_reference` of the norm output.
+    Returns ``(q, s [..., G], residual_out)``."""
+    y, res_out = norm_ref.fused_add_rmsnorm_reference(input, residual, weight, eps, gain_center)
+    q, s = per_token_group_quant_8bit_reference(y, group_size, quant_eps, dst_dtype, scale_ue8m0)
+    return q, s, res_out
+
+
 def fp8_dequantize_reference(
     input: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:

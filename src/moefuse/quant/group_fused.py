@@ -1,0 +1,274 @@
+"""RMSNorm (+ residual add) + per-token-group 8-bit quantization in one kernel (spec:
+rmsnorm_group_quant, fused_add_rmsnorm_group_quant).
+
+The bits are those of the unfused chain ``per_token_group_quant_8bit(rmsnorm(x))`` (or of
+``fused_add_rmsnorm`` then the quantizer), so that fused and unfused engines agree bit for bit.
+That holds by construction: the kernel uses the norm op's own tile (``norm.tiles.row_tile`` with
+``RMSNORM_POLICY`` / ``FUSED_ADD_POLICY``: same block, rows, warps and stepped mode), the norm's
+row code (``one_pass_rows`` with the norm's LOAD / COMBINE hooks, the stepped rows' per-thread
+FMA accumulation and ``_inv_rms``, the two-pass chunk loop) and its arithmetic in the same order;
+only the store differs: ``y`` is rounded to the input dtype as the norm stores it, widened back
+exactly, and quantized by :func:`moefuse.quant.group_triton.group_quant_tile`, the standalone
+quantizer's epilogue. A group never spans two tiles (blocks and steps are powers of two >= the
+group size, or the row fits one block narrower than a group), so wide rows quantize chunk by
+chunk. The GPU tests check fused == unfused bitwise at every benchmarked shape.
+
+With a residual, ``res <- cast(h)`` and the norm uses the FP32 ``h``; ``input`` is not written.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse._device import round_to, widen_f32
+from moefuse.norm import tiles
+from moefuse.norm.rms import _add_f32
+from moefuse.norm.row_loop import add_pair, head_pair, keep_pair, one_pass_rows
+from moefuse.norm.tiles import FUSED_ADD_POLICY, RMSNORM_POLICY, RowTile, row_tile
+from moefuse.norm.triton import (
+    _grid,
+    _inv_rms,
+    _launch,
+    _param,
+    _row_consts,
+    _st,
+    _step_in,
+    _tile,
+    _weighted_sumsq,
+    ld,
+    step_cols,
+    step_params,
+)
+from moefuse.quant.group_triton import group_quant_tile, store_scales
+
+
+def _metadata(grid, kernel, args):
+    n, h = args["n_rows"], args["H"]
+    e = args["x_ptr"].element_size()
+    scales = n * args["G"] * (1 if args["E8M0"] else 4)
+    elem = e * (3 if args["HAS_RESIDUAL"] else 1) + 1
+    return {"name": f"rmsnorm_group_quant M={n} H={h}", "bytes": n * h * elem + scales}
+
+
+# ``qa`` = (q_ptr, s_ptr, q_st, s_st, G, n_rows, qeps, x_ptr, s_sg): where and how the epilogue
+# stores (x_ptr: the input dtype); ``QC`` = (GW, QMAX, UE8M0, INT8, E8M0): its constexprs, a tuple
+# built in each call and read by index (Triton's assignment would turn its elements into tensors).
+@triton.jit
+def _group_out(y, rows, cols, mask, g0, qa, QC, PTX: tl.constexpr):
+    """Store one tile of the norm output ``y`` (FP32 ``[R, B]``, columns ``cols`` [1, B]
+    starting at group ``g0``): round to the input dtype, widen back exactly, zero the lanes
+    outside the data, quantize in groups; codes at ``q_ptr + row * q_st + col``, scales at
+    ``s_ptr + row * s_st + g * s_sg``."""
+    GW: tl.constexpr = QC[0]
+    QMAX: tl.constexpr = QC[1]
+    UE8M0: tl.constexpr = QC[2]
+    INT8: tl.constexpr = QC[3]
+    E8M0: tl.constexpr = QC[4]
+    B: tl.constexpr = y.shape[1]
+    yq = widen_f32(round_to(y, qa[7].dtype.element_ty, PTX), PTX)
+    q, s = group_quant_tile(tl.where(mask, yq, 0.0), qa[6], GW, QMAX, UE8M0, INT8, PTX)
+    r64 = rows.to(tl.int64)[:, None]
+    tl.store(qa[0] + r64 * qa[2] + cols, q, mask=mask)
+    gs = g0 + tl.arange(0, B // GW)[None, :]
+    smask = (rows < qa[5])[:, None] & (gs < qa[4])
+    store_scales(qa[1] + r64 * qa[3] + gs.to(tl.int64) * qa[8], s, smask, E8M0)
+
+
+@triton.jit
+def _norm_tile(pair, rows, cols, mask, args):
+    """The ``TILE`` of :func:`moefuse.norm.row_loop.one_pass_rows`: the norm's tile arithmetic
+    (``rms_tile`` / ``_add_tile``: [res <- cast(h)], ``r`` from ``tl.sum`` of the squares, ``y =
+    (h * r) * w``) with the group-quant store. ``args`` = ((w, res_ptr, r_st, Hf, eps), qa, QC,
+    MASKED, HAS_RESIDUAL, PTX)."""
+    MASKED: tl.constexpr = args[3]
+    HAS_RESIDUAL: tl.constexpr = args[4]
+    PTX: tl.constexpr = args[5]
+    w = args[0][0]
+    if HAS_RESIDUAL:
+        h = pair
+        r64 = rows.to(tl.int64)[:, None]
+        _st(args[0][1] + r64 * args[0][2] + cols[None, :], h, mask, MASKED, PTX)
+    else:
+        h = pair[0].to(tl.float32)
+    r = _inv_rms(tl.sum(h * h, axis=1), args[0][3], args[0][4])[:, None]
+    _group_out((h * r) * w, rows, cols[None, :], mask, 0, args[1], args[2], PTX)
+
+
+@triton.jit
+def _stepped(x_ptr, res_ptr, w_ptr, row, x_st, r_st, H, Hf, eps, gc, qa, QC,
+             STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
+             MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+             ADD: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
+    """One stepped row: ``norm.triton.norm_stepped``'s arithmetic (per-thread FMA of the squares
+    over the steps in ascending order, one tl.sum; unrolled or looped, the same bits) with the
+    group-quant store per step."""
+    x_row = row * x_st
+    r_row = row * r_st
+    rows = tl.full([1], 0, tl.int32) + row
+    if UNROLL:
+        ws = step_params(w_ptr, H, gc, STEP, STEPS, MASKED, True)
+        if USE_PDL:
+            gdc_wait()
+        vs = ()
+        for k in tl.static_range(STEPS):
+            cols, cm = step_cols(k, H, STEP)
+            vs = vs + (_step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, POLICY, ADD),)
+        if USE_PDL:
+            gdc_launch_dependents()
+        if ADD:
+            for k in tl.static_range(STEPS):
+                cols, cm = step_cols(k, H, STEP)
+                _st(res_ptr + r_row + cols, vs[k], cm, MASKED, PTX)
+        _, ss = _weighted_sumsq(vs, ws, STEP, STEPS, False)
+        r = _inv_rms(ss, Hf, eps)
+        for k in tl.static_range(STEPS):
+            cols, cm = step_cols(k, H, STEP)
+            _group_out((vs[k] * r) * ws[k], rows, cols, cm, k * (STEP // QC[0]), qa, QC, PTX)
+    else:
+        if USE_PDL:
+            gdc_wait()
+        acc = tl.zeros([1, STEP], dtype=tl.float32)
+        for k in tl.range(0, STEPS):
+            cols, cm = step_cols(k, H, STEP)
+            v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_last", ADD)
+            acc = tl.fma(v, v, acc)
+        r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
+        for k in tl.range(0, STEPS):
+            cols, cm = step_cols(k, H, STEP)
+            v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_first", ADD)
+            if ADD:
+                _st(res_ptr + r_row + cols, v, cm, MASKED, PTX)
+            y = (v * r) * _param(w_ptr, cols, cm, gc, MASKED, True)
+            _group_out(y, rows, cols, cm, k * (STEP // QC[0]), qa, QC, PTX)
+        if USE_PDL:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def _two_pass(x_ptr, res_ptr, w_ptr, pid, n_rows, x_st, r_st, H, Hf, eps, gc, qa, QC,
+              BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+              MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr, PTX: tl.constexpr,
+              USE_PDL: tl.constexpr, ADD: tl.constexpr):  # fmt: skip
+    """Rows wider than one block: the norms' two-pass loop (``_rmsnorm_two_pass`` /
+    ``_fused_add_two_pass``: squares summed over the chunks, then each chunk re-read and
+    normalized) with the group-quant store per chunk."""
+    rows, cols, mask = _tile(pid, 0, n_rows, H, ROWS, BLOCK)
+    x_row = rows.to(tl.int64)[:, None] * x_st
+    r_row = rows.to(tl.int64)[:, None] * r_st
+    if USE_PDL:
+        gdc_wait()
+    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    for c in tl.range(NUM_CHUNKS):
+        rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
+        h = ld(x_ptr + x_row + cols[None, :], mask, MASKED, False)
+        if ADD:
+            h += ld(res_ptr + r_row + cols[None, :], mask, MASKED, False)
+        acc += h * h
+    r = _inv_rms(tl.sum(acc, axis=1), Hf, eps)[:, None]
+    for c in tl.range(NUM_CHUNKS):
+        rows, cols, mask = _tile(pid, c, n_rows, H, ROWS, BLOCK)
+        h = ld(x_ptr + x_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+        if ADD:
+            h += ld(res_ptr + r_row + cols[None, :], mask, MASKED, EVICT_FIRST)
+        w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gc
+        if ADD:
+            _st(res_ptr + r_row + cols[None, :], h, mask, MASKED, PTX)
+        _group_out((h * r) * w, rows, cols[None, :], mask, c * (BLOCK // QC[0]), qa, QC, PTX)
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit(do_not_specialize=["n_rows"], launch_metadata=_metadata)
+def _norm_group_quant_kernel(
+    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr,
+    n_rows, H, Hf, G,
+    x_st, r_st, q_st, s_st, s_sg,
+    eps, gain_center, qeps,
+    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, STEPPED: tl.constexpr,
+    UNROLL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    GW: tl.constexpr, QMAX: tl.constexpr, UE8M0: tl.constexpr, INT8: tl.constexpr,
+    E8M0: tl.constexpr,
+):  # fmt: skip
+    """codes / scales of ``y = cast((h * r) * g)``, h = f32(x) [+ f32(res), res <- cast(h)]."""
+    pid = tl.program_id(0)
+    qa = (q_ptr, s_ptr, q_st, s_st, G, n_rows, qeps, x_ptr, s_sg)
+    if STEPPED:
+        _stepped(
+            x_ptr, res_ptr, w_ptr, pid.to(tl.int64), x_st, r_st, H, Hf, eps, gain_center, qa,
+            (GW, QMAX, UE8M0, INT8, E8M0),
+            BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, HAS_RESIDUAL,
+            "" if HAS_RESIDUAL else "evict_first",
+        )  # fmt: skip
+    elif NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK)
+        w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+        if HAS_RESIDUAL:
+            one_pass_rows(
+                add_pair, (x_ptr, res_ptr, x_st, r_st), _add_f32, _norm_tile,
+                ((w, res_ptr, r_st, Hf, eps), qa, (GW, QMAX, UE8M0, INT8, E8M0), MASKED, True, PTX),
+                pid, cols, n_rows, H, ROWS, BLOCK, MASKED, EVICT_FIRST, USE_PDL,
+                PERSISTENT, PREFETCH, False,
+            )  # fmt: skip
+        else:
+            one_pass_rows(
+                head_pair, ((x_ptr, x_ptr), (1, x_st, 0, 0, 0), False), keep_pair, _norm_tile,
+                ((w, res_ptr, r_st, Hf, eps), qa, (GW, QMAX, UE8M0, INT8, E8M0), MASKED, False,
+                 PTX),
+                pid, cols, n_rows, H, ROWS, BLOCK, MASKED, EVICT_FIRST, USE_PDL,
+                PERSISTENT, PREFETCH, True,
+            )  # fmt: skip
+    else:
+        _two_pass(
+            x_ptr, res_ptr, w_ptr, pid, n_rows, x_st, r_st, H, Hf, eps, gain_center, qa,
+            (GW, QMAX, UE8M0, INT8, E8M0),
+            BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, USE_PDL, HAS_RESIDUAL,
+        )  # fmt: skip
+
+
+def norm_group_tile(width: int, residual: bool) -> RowTile:
+    """The norm op's own tile (rmsnorm / fused_add_rmsnorm): what makes fused == unfused."""
+    return row_tile(width, FUSED_ADD_POLICY if residual else RMSNORM_POLICY)
+
+
+def launch_norm_group_quant(
+    input, residual, weight, q, scales, group_size: int, eps: float, gain_center: float,
+    quant_eps: float, int8: bool, ue8m0: bool, use_pdl: bool, unroll: bool | None = None,
+) -> None:  # fmt: skip
+    """``input`` (and ``residual``) [M, H] with unit last stride; ``q`` contiguous codes (uint8
+    FP8 bits or int8) [M, H]; ``scales`` [M, G] FP32 or uint8 (E8M0 bytes), any strides.
+    ``unroll`` forces the stepped mode (tests; no bit changes)."""
+    n_rows, width = input.shape
+    if n_rows == 0:
+        return
+    tile = norm_group_tile(width, residual is not None)
+    loop_min = (
+        tiles.FUSED_ADD_LOOP_MIN_ROWS if residual is not None else tiles.RMSNORM_LOOP_MIN_ROWS
+    )
+    gw = min(group_size, tile.block)
+    args = (
+        input, residual if residual is not None else input, weight, q, scales,
+        n_rows, width, float(width), scales.shape[-1],
+        input.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0),
+        scales.stride(0), scales.stride(1),
+        eps, gain_center, quant_eps,
+    )  # fmt: skip
+    consts = {
+        **_row_consts(tile, width, n_rows, unroll, loop_min, use_pdl),
+        "HAS_RESIDUAL": residual is not None,
+        "GW": gw,
+        "QMAX": 127.0 if int8 else 448.0,
+        "UE8M0": ue8m0,
+        "INT8": int8,
+        "E8M0": scales.dtype.itemsize == 1,
+    }
+    _launch(
+        _norm_group_quant_kernel,
+        _grid(tile, tile.grid(n_rows)[0], input.device),
+        args,
+        consts,
+        tile,
+    )

@@ -1,0 +1,196 @@
+"""Per-token-group 8-bit quantization (spec: per_token_group_quant_8bit): the device functions
+shared with the fused norm kernels (:mod:`moefuse.quant.group_fused`), the standalone kernel and
+its launcher.
+
+Per token and group of ``GS`` consecutive channels (the last group partial when GS does not
+divide H): ``amax = max |v|`` as an integer max over the FP32 bits with the sign cleared (exact;
+NaN, the largest pattern, propagates; Triton's float max may drop NaN on the GPU), ``s =
+max(amax, eps) / QMAX`` with one IEEE division (a NaN amax stays NaN), ``s = 2^ceil(log2 s)``
+with UE8M0 scales (integer arithmetic on the bits, subnormals exact), then ``v / s`` with an
+IEEE division per element, encoded as E4M3 (RNE, saturating, NaN -> 0x7F) or INT8 (round half
+to even, clamp to [-127, 127], NaN -> 0). Lanes outside the data must hold 0: a zero never raises
+a group's amax.
+
+Groups never span programs, so no result depends on the tile: the standalone kernel walks
+``[BLOCK_M rows, BLOCK_N columns]`` tiles (BLOCK_N a multiple of GS) chosen from H and GS only;
+the token count is a run-time argument that never recompiles.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse._device import widen_f32
+from moefuse._fastpath import launch
+from moefuse._runtime import interpreter_active, pdl_launch_kwargs
+from moefuse.norm.tiles import next_pow2
+from moefuse.norm.triton import row_base
+from moefuse.quant import device as D
+
+#: elements per program of the standalone kernel and its widest column tile
+GROUP_TILE = 4096
+GROUP_MAX_COLS = 1024
+GROUP_WARPS = 4
+#: the 1.5 * 2^23 of the round-half-even trick: ``(q + M) - M`` rounds |q| < 2^22 to an integer
+_RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
+
+
+# ----------------------------------------------------------------------------- device functions
+@triton.jit
+def pow2_ceil(s):
+    """``2^ceil(log2 s)`` of FP32 ``s`` >= 0, exact; 0, Inf and NaN pass through. A normal value
+    with mantissa bits rounds up to the next exponent; a subnormal's bits, read as an integer
+    (exact in FP32), round the same way and convert back into the subnormal's bits."""
+    b = s.to(tl.uint32, bitcast=True)
+    sub = b < 0x800000
+    f = tl.where(sub, b.to(tl.float32), s).to(tl.uint32, bitcast=True)
+    up = tl.where((f & 0x7FFFFF) != 0, (f & 0x7F800000) + 0x800000, f)
+    nb = tl.where(sub, up.to(tl.float32, bitcast=True).to(tl.uint32), up)
+    nb = tl.where((b == 0) | (b >= 0x7F800000), b, nb)
+    return nb.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def group_scale(amax, eps, QMAX: tl.constexpr, UE8M0: tl.constexpr):
+    """``max(amax, eps) / QMAX`` (IEEE division; NaN amax -> NaN), power-of-two when UE8M0."""
+    m = tl.where(amax < eps, eps, amax)
+    s = tl.math.div_rn(m, tl.full(m.shape, QMAX, tl.float32))
+    if UE8M0:
+        s = pow2_ceil(s)
+    return s
+
+
+@triton.jit
+def group_codes(q, INT8: tl.constexpr, PTX: tl.constexpr):
+    """Codes of the FP32 quotients ``q``: E4M3 bytes (uint8) or INT8 (round half to even by the
+    magic-number add, whose rounding is the FP32 add's RNE; NaN -> 0; clamp first, which gives
+    the same integers as clamping after rounding since the bounds are integers)."""
+    if INT8:
+        q = tl.where(q != q, 0.0, q)
+        q = tl.where(q > 127.0, 127.0, tl.where(q < -127.0, -127.0, q))
+        magic = tl.full(q.shape, _RINT_MAGIC, tl.float32)
+        r = D._add_rn(D._add_rn(q, magic, PTX), -magic, PTX)
+        return r.to(tl.int8)
+    else:
+        return D.fp8_encode(q, 0, PTX)
+
+
+@triton.jit
+def group_quant_tile(
+    v,
+    eps,
+    GW: tl.constexpr,
+    QMAX: tl.constexpr,
+    UE8M0: tl.constexpr,
+    INT8: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """Quantize an FP32 ``[R, B]`` tile in groups of GW columns (B % GW == 0; lanes outside the
+    data hold 0). Returns ``(codes [R, B], scales [R, B // GW] FP32)``."""
+    R: tl.constexpr = v.shape[0]
+    B: tl.constexpr = v.shape[1]
+    g = tl.reshape(v, (R, B // GW, GW))
+    amax = tl.max(g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=2).to(tl.float32, bitcast=True)
+    s = group_scale(amax, eps, QMAX, UE8M0)
+    q = tl.math.div_rn(g, tl.broadcast_to(tl.expand_dims(s, 2), (R, B // GW, GW)))
+    return tl.reshape(group_codes(q, INT8, PTX), (R, B)), s
+
+
+@triton.jit
+def store_scales(ptrs, s, mask, E8M0: tl.constexpr):
+    """FP32 scales, or their float8_e8m0fnu bytes (E8M0: the exponent field of the power-of-two
+    scale; 0 and subnormals -> 0, Inf and NaN -> 0xFF, as torch converts)."""
+    if E8M0:
+        b = s.to(tl.uint32, bitcast=True)
+        tl.store(ptrs, tl.where(b >= 0x7F800000, 255, b >> 23).to(tl.uint8), mask=mask)
+    else:
+        tl.store(ptrs, s, mask=mask)
+
+
+# ----------------------------------------------------------------------------- standalone
+def _metadata(grid, kernel, args):
+    n, h = args["n_rows"], args["H"]
+    scales = n * args["G"] * (1 if args["E8M0"] else 4)
+    return {
+        "name": f"per_token_group_quant_8bit M={n} H={h}",
+        "bytes": n * h * (args["x_ptr"].element_size() + 1) + scales,
+    }
+
+
+# ``strides`` = (x_st, x_sh, s_st, s_sh, s_sg): the rows of x and of the scales addressed as
+# (row // T) * stride_t + (row % T) * stride_h (T = 1 for 2-D), groups at g * s_sg.
+@triton.jit(do_not_specialize=["n_rows"], launch_metadata=_metadata)
+def _group_quant_kernel(
+    x_ptr, q_ptr, s_ptr,
+    n_rows, H, G, T,
+    x_st, x_sh, s_st, s_sh, s_sg,
+    eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GW: tl.constexpr, QMAX: tl.constexpr,
+    UE8M0: tl.constexpr, INT8: tl.constexpr, E8M0: tl.constexpr, PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """codes[row, col] and scales[row, g] of one [BLOCK_M, BLOCK_N] tile (whole groups)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < H)[None, :]
+    if USE_PDL:
+        gdc_wait()
+    x = tl.load(
+        x_ptr + row_base(rows, T, x_st, x_sh)[:, None] + cols[None, :],
+        mask=mask,
+        other=0.0,
+        eviction_policy="evict_first",
+    )
+    if USE_PDL:
+        gdc_launch_dependents()
+    q, s = group_quant_tile(widen_f32(x, PTX), eps, GW, QMAX, UE8M0, INT8, PTX)
+    tl.store(q_ptr + (rows.to(tl.int64) * H)[:, None] + cols[None, :], q, mask=mask)
+    gs = tl.program_id(1) * (BLOCK_N // GW) + tl.arange(0, BLOCK_N // GW)
+    s_off = row_base(rows, T, s_st, s_sh)[:, None] + gs[None, :].to(tl.int64) * s_sg
+    store_scales(s_ptr + s_off, s, rmask[:, None] & (gs < G)[None, :], E8M0)
+
+
+def group_tile(width: int, group_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) of the standalone kernel: up to GROUP_MAX_COLS columns of a row
+    (at least one group), as many rows as make GROUP_TILE elements. Width and group size only."""
+    block_n = max(group_size, min(next_pow2(max(width, 1)), GROUP_MAX_COLS))
+    return max(1, GROUP_TILE // block_n), block_n, GROUP_WARPS
+
+
+def _rows(t):
+    """(rows, T, stride_t, stride_h) of a 2-D or 3-D view (T = 1 for 2-D)."""
+    if t.dim() == 2:
+        return t.shape[0], 1, t.stride(0), 0
+    return t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1)
+
+
+def launch_group_quant(
+    input, q, scales, group_size: int, eps: float, int8: bool, ue8m0: bool, use_pdl: bool
+) -> None:
+    """``input`` 2-D/3-D (last dim contiguous, any row strides); ``q`` contiguous codes (uint8
+    FP8 bits or int8) of its shape; ``scales`` ``[..., G]`` FP32 or uint8 (E8M0 bytes) with any
+    strides."""
+    n_rows, t, x_st, x_sh = _rows(input)
+    width = input.shape[-1]
+    if n_rows == 0 or width == 0:
+        return
+    _, _, s_st, s_sh = _rows(scales)
+    g = scales.shape[-1]
+    bm, bn, warps = group_tile(width, group_size)
+    grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
+    launch(
+        _group_quant_kernel,
+        grid,
+        input, q, scales,
+        n_rows, width, g, t,
+        x_st, x_sh, s_st, s_sh, scales.stride(-1),
+        float(eps),
+        BLOCK_M=bm, BLOCK_N=bn, GW=group_size, QMAX=127.0 if int8 else 448.0,
+        UE8M0=ue8m0, INT8=int8, E8M0=scales.dtype.itemsize == 1, PTX=not interpreter_active(),
+        USE_PDL=use_pdl,
+        num_warps=warps,
+        **pdl_launch_kwargs(use_pdl),
+    )  # fmt: skip
