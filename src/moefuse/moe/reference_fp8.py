@@ -129,8 +129,8 @@ def quantize_weight_blocks(
     """Block-quantize ``weight`` [..., N, K] (any float dtype) for tests and benchmarks with the
     recipe of transformers' FP8 quantizer, also on partial edge blocks: per 128 x 128 block
     ``f = 448 / amax`` (1 for an all-zero block), ``scale_inv = 1 / f`` (UE8M0: rounded up to a
-    power of two, and ``f = 1 / scale_inv``), ``q = e4m3(clamp(w * f, +-448))``. Returns ``(q [..., N, K] float8_e4m3fn, scale_inv [...,
-    ceil(N/128), ceil(K/128)] scale_dtype)``."""
+    power of two, and ``f = 1 / scale_inv``), ``q = e4m3(clamp(w * f, +-448))``. Returns
+    ``(q [..., N, K] float8_e4m3fn, scale_inv [..., ceil(N/128), ceil(K/128)] scale_dtype)``."""
     from moefuse.quant.reference import pow2_ceil
 
     n, k = weight.shape[-2:]

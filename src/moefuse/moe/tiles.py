@@ -154,3 +154,22 @@ def experts_token_tile(slots: int, experts: int) -> int:
     if width == widest and slots < EXPERTS_WIDEST_TILE_FILL * widest * experts:
         return EXPERTS_TOKEN_TILES[-2]
     return width
+
+
+# ----------------------------------------------------------------------------- FP8 experts
+#: Tiles of the FP8 experts kernels (moefuse.moe.experts_fp8). The reduction step is the 128-wide
+#: K-block of the weight scales (fixed: one FP8 MMA chain per block, then scaled), so only the
+#: rows, warps and stages vary. UNMEASURED starting points (the BF16 kernels' rows and token
+#: tiles; one FP8 stage of a 64-row tile is 8 KB of codes), to be replaced by the GPU sweep.
+EXPERTS_FP8_NARROW = {"bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}
+EXPERTS_FP8_WIDE = {"bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3}
+
+
+def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
+    """Tile of the FP8 experts kernels: :func:`experts_tile`'s plan keys (inline plan, fused
+    finalize, tail tile, plan chunks) with the FP8 rows, warps and stages of
+    :data:`EXPERTS_FP8_NARROW`, or :data:`EXPERTS_FP8_WIDE` from :data:`EXPERTS_WIDE_FROM_TILE`
+    token columns on."""
+    base = experts_tile(hidden, inter, token_tile, slots)
+    rows = EXPERTS_FP8_WIDE if token_tile >= EXPERTS_WIDE_FROM_TILE else EXPERTS_FP8_NARROW
+    return {**base, **rows}

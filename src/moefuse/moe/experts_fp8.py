@@ -1,0 +1,283 @@
+"""Triton kernels of the FP8 (block-scaled W8A8) routed experts (:func:`moefuse.moe_experts` with
+``float8_e4m3fn`` weights).
+
+The launches and the work of each are those of the BF16 kernels (:mod:`moefuse.moe.experts_triton`:
+the routing plan, or at decode each program's own work item; gate|up; down; the deterministic
+finalize, inside the down kernel at decode), with the products of
+:func:`moefuse.moe.fp8_device.block_fp8_product`: every program streams its weight tile of one
+expert (E4M3 codes and their 128 x 128 block scales) once for all the item's tokens, quantizes
+each token column per 128-channel group in registers (``x`` in the gate|up kernel, the rounded
+``act`` in the down kernel: the formula of per_token_group_quant_8bit), and sums the FP8 MMA of
+each K-block from zero, scaled, in ascending block order. No weight is copied or dequantized.
+
+Batch invariance: a column's ``dot_b`` is a chain of k32 MMA steps whatever the other columns
+hold; its group scale is its own; the block sums run in ascending ``b``; the epilogues are the BF16
+kernels'. So a token's bits depend on its own row, its experts and the weights only (GPU tests:
+alone, in batches of 64 and 256, at every token tile).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse._device import round_to
+from moefuse._fastpath import launch
+from moefuse._runtime import interpreter_active, pdl_launch_kwargs
+from moefuse.moe.experts_triton import (
+    _finalize_if_last,
+    _item_tokens,
+    _plan,
+    _tail_item,
+    _work_item,
+    _write_slot_map,
+)
+from moefuse.moe.fp8_device import block_fp8_product
+from moefuse.moe.tiles import experts_fp8_tile, experts_token_tile
+from moefuse.moe.triton import launch_moe_finalize
+
+
+def _gemm_metadata(grid, kernel, args):
+    rows = args["BN"] * (2 if "gate_up" in kernel.name else 1)
+    return {
+        "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
+        "bytes": grid[0] * grid[1] * rows * args["KDIM"],
+    }
+
+
+@triton.jit
+def _gate_up_item(
+    x_ptr, w_ptr, s_ptr, act_ptr, item, strides,
+    KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+    STAGES: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, INTERLEAVED: tl.constexpr,
+    E8M0: tl.constexpr,
+):  # fmt: skip
+    """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``strides`` =
+    (x row, act row, weight expert / row / reduction, scale expert / row / block). The weight
+    tile is blocks of 64 rows, 32 gate rows and the 32 up rows that pair with them, as in the
+    BF16 kernel; a row's scale is row ``stored row // 128`` of its expert's scales."""
+    e, s, r_in, tok = item
+    x_st, act_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
+    r = tl.arange(0, 2 * BN)
+    n = tl.program_id(1) * BN + (r // 64) * 32 + r % 32
+    n_in = n < INTER
+    if INTERLEAVED:
+        rows = (2 * n + (r // 32) % 2).to(tl.int64)
+    else:
+        rows = (n + ((r // 32) % 2) * INTER).to(tl.int64)
+    e64 = e.to(tl.int64)
+    w_rows = w_ptr + e64 * w_st_e + rows[:, None] * w_st_n
+    s_rows = s_ptr + e64 * s_st_e + (rows // 128) * s_st_n
+    x_cols = x_ptr + tok[None, :] * x_st
+    acc = block_fp8_product(
+        w_rows, n_in, w_st_k, s_rows, s_st_k, x_cols, r_in, s_rows, KDIM, BT, STAGES, PTX, E8M0,
+        False,
+    )  # fmt: skip
+    if USE_PDL:
+        gdc_launch_dependents()
+    g, u = tl.split(tl.permute(tl.reshape(acc, [BN // 32, 2, 32, BT]), (0, 2, 3, 1)))
+    act = tl.reshape(g / (1.0 + tl.exp(-g)) * u, [BN, BT])  # silu(gate) * up, FP32
+    n_out = tl.program_id(1) * BN + tl.arange(0, BN)
+    ptrs = act_ptr + s.to(tl.int64)[None, :] * act_st + n_out[:, None]
+    tl.store(
+        ptrs,
+        round_to(act, act_ptr.dtype.element_ty, PTX),
+        mask=(n_out < INTER)[:, None] & r_in[None, :],
+    )
+
+
+@triton.jit(launch_metadata=_gemm_metadata)
+def _experts_fp8_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr, count_ptr,
+    strides, idx_strides, top_k, n_slots, n_experts, n_count,
+    KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+    STAGES: tl.constexpr, SP: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    BR: tl.constexpr, INTERLEAVED: tl.constexpr, E8M0: tl.constexpr,
+):  # fmt: skip
+    """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
+    tokens (module docstring); the roles of ``SP``, ``BR`` and the counters are those of the
+    BF16 gate|up kernel (:func:`moefuse.moe.experts_triton._experts_gate_up_kernel`)."""
+    idx_st0, idx_st1 = idx_strides
+    if USE_PDL:
+        gdc_wait()
+    if SP > 0:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP)
+            c0 = 0
+            while c0 < n_count:
+                cs = c0 + tl.arange(0, 128)
+                tl.store(count_ptr + cs, tl.zeros([128], tl.int32), mask=cs < n_count)
+                c0 += 128
+    if BR > 0 and _tail_item(items_ptr, BR):
+        tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
+        _gate_up_item(
+            x_ptr, w_ptr, s_ptr, act_ptr, tail, strides, KDIM, INTER, BN, BR, STAGES, PTX,
+            USE_PDL, INTERLEAVED, E8M0,
+        )  # fmt: skip
+    else:
+        item = _work_item(
+            items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
+        )
+        if item[0] >= 0:
+            _gate_up_item(
+                x_ptr, w_ptr, s_ptr, act_ptr, item, strides, KDIM, INTER, BN, BT, STAGES, PTX,
+                USE_PDL, INTERLEAVED, E8M0,
+            )  # fmt: skip
+
+
+@triton.jit
+def _down_item(
+    act_ptr, w_ptr, s_ptr, y_ptr, item, rows, strides,
+    KDIM: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
+    USE_PDL: tl.constexpr, E8M0: tl.constexpr,
+):  # fmt: skip
+    """``y`` of ``rows`` = (rows of H, in range) for the ``BT`` columns of ``item``; ``strides``
+    = (act row, y row, weight expert / row / reduction, scale expert / row / block)."""
+    e, s, r_in, _tok = item
+    n, n_in = rows
+    act_st, y_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
+    e64 = e.to(tl.int64)
+    n64 = n.to(tl.int64)
+    w_rows = w_ptr + e64 * w_st_e + n64[:, None] * w_st_n
+    s_rows = s_ptr + e64 * s_st_e + (n64 // 128) * s_st_n
+    s64 = s.to(tl.int64)
+    acc = block_fp8_product(
+        w_rows, n_in, w_st_k, s_rows, s_st_k, act_ptr + s64[None, :] * act_st, r_in, s_rows,
+        KDIM, BT, STAGES, PTX, E8M0, False,
+    )  # fmt: skip
+    if USE_PDL:
+        gdc_launch_dependents()
+    tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc, mask=n_in[:, None] & r_in[None, :])
+
+
+@triton.jit(launch_metadata=_gemm_metadata)
+def _experts_fp8_down_kernel(
+    act_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, y_ptr, idx_ptr, map_ptr, scale_ptr, bias_ptr,
+    shared_ptr, out_ptr, count_ptr,
+    strides, idx_strides, fin_strides, top_k, n_slots, n_experts, rsf,
+    KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+    STAGES: tl.constexpr, SP: tl.constexpr, FINALIZE: tl.constexpr, EXTRAS: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr, BR: tl.constexpr, E8M0: tl.constexpr,
+):  # fmt: skip
+    """y[s, h] = the block-scaled FP8 product of act[s] and down row h (FP32, unrounded); with
+    ``FINALIZE`` the last program of each H tile runs the finalize, as in the BF16 down kernel
+    (:func:`moefuse.moe.experts_triton._experts_down_kernel`)."""
+    idx_st0, idx_st1 = idx_strides
+    fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
+    if USE_PDL:
+        gdc_wait()  # act from the gate|up kernel
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_in = n < H
+    if BR > 0 and _tail_item(items_ptr, BR):
+        tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
+        _down_item(
+            act_ptr, w_ptr, s_ptr, y_ptr, tail, (n, n_in), strides, KDIM, BR, STAGES, PTX,
+            USE_PDL, E8M0,
+        )  # fmt: skip
+    else:
+        item = _work_item(
+            items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
+        )
+        if item[0] >= 0:
+            _down_item(
+                act_ptr, w_ptr, s_ptr, y_ptr, item, (n, n_in), strides, KDIM, BT, STAGES, PTX,
+                USE_PDL, E8M0,
+            )  # fmt: skip
+    if FINALIZE:
+        y_st = strides[1]
+        map_st, scale_st, bias_st, shared_st, out_st = fin_strides
+        fin_st = (y_st, map_st, scale_st, bias_st, idx_st0, idx_st1, shared_st, out_st)
+        _finalize_if_last(
+            y_ptr, fin_ptrs, count_ptr, n, n_in, n_slots, top_k, n_experts, fin_st, rsf, EXTRAS, PTX
+        )
+
+
+# ----------------------------------------------------------------------------- launcher
+def _scale_arg(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the tensor the kernel reads, UE8M0): UE8M0 scales as their bytes."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8), True
+    return scale, False
+
+
+def launch_moe_experts_fp8(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_proj_scale_inv: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_proj_scale_inv: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    shared_expert_output: torch.Tensor | None,
+    routed_scaling_factor: float,
+    interleaved: bool,
+    use_pdl: bool,
+    *,
+    tile: dict | None = None,
+    token_tile: int | None = None,
+) -> None:
+    """Writes ``out`` [T, H] (module docstring). ``tile`` / ``token_tile`` override the policy of
+    :func:`moefuse.moe.tiles.experts_fp8_tile` (benchmarks and the invariance tests only)."""
+    tokens, hidden = hidden_states.shape
+    experts, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    if tokens == 0 or hidden == 0:
+        return
+    slots = tokens * top_k_index.shape[1]
+    token_tile = token_tile or experts_token_tile(slots, experts)
+    cfg = dict(experts_fp8_tile(hidden, inter, token_tile, slots), **(tile or {}))
+    plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
+    ptx = not interpreter_active()
+    idx_strides = (top_k_index.stride(0), top_k_index.stride(1))
+    gs, gs_e8 = _scale_arg(gate_up_proj_scale_inv)
+    ds, ds_e8 = _scale_arg(down_proj_scale_inv)
+    gw, dw = gate_up_proj.view(torch.uint8), down_proj.view(torch.uint8)
+    strides = (hidden_states.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
+    launch(
+        _experts_fp8_gate_up_kernel,
+        (plan.n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
+        hidden_states, gw, gs, plan.items, plan.sorted_slots, plan.act, top_k_index,
+        plan.slot_map, plan.counters,
+        strides, idx_strides, top_k_index.shape[1], top_k_index.numel(), experts,
+        plan.counters.numel() if plan.fused else 0,
+        KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BT=plan.bt, STAGES=cfg["stages"],
+        SP=plan.sp, PTX=ptx, USE_PDL=use_pdl, BR=plan.br, INTERLEAVED=interleaved, E8M0=gs_e8,
+        num_warps=cfg["warps"], **pdl_launch_kwargs(use_pdl),
+    )  # fmt: skip
+    rsf = float(routed_scaling_factor)
+    act, y = plan.act, plan.y
+    fin_strides = (
+        plan.slot_map.stride(0),
+        top_k_weights.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        shared_expert_output.stride(0) if shared_expert_output is not None else 0,
+        out.stride(0),
+    )
+    strides = (act.stride(0), y.stride(0), *dw.stride(), *ds.stride())
+    launch(
+        _experts_fp8_down_kernel,
+        (plan.n_items, triton.cdiv(hidden, cfg["bn_down"])),
+        act, dw, ds, plan.items, plan.sorted_slots, y, top_k_index, plan.slot_map, top_k_weights,
+        bias if bias is not None else y,
+        shared_expert_output if shared_expert_output is not None else y, out, plan.counters,
+        strides, idx_strides, fin_strides, top_k_index.shape[1], top_k_index.numel(), experts, rsf,
+        KDIM=inter, H=hidden, BN=cfg["bn_down"], BT=plan.bt,
+        STAGES=cfg.get("down_stages", cfg["stages"]), SP=plan.sp, FINALIZE=plan.fused,
+        EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None), PTX=ptx,
+        USE_PDL=use_pdl, BR=plan.br, E8M0=ds_e8,
+        num_warps=cfg.get("down_warps", cfg["warps"]), enable_fp_fusion=False,
+        **pdl_launch_kwargs(use_pdl),
+    )  # fmt: skip
+    if plan.fused:
+        return
+    eids = None
+    if bias is not None:
+        eids = top_k_index if top_k_index.stride(1) == 1 else top_k_index.contiguous()
+    launch_moe_finalize(
+        y, plan.slot_map, top_k_weights, out, bias, eids, routed_scaling_factor,
+        shared_expert_output, True, use_pdl,
+    )  # fmt: skip

@@ -1,0 +1,110 @@
+"""Triton device functions of the block-scaled FP8 products (spec: Block-scaled FP8 products),
+shared by the FP8 routed experts (:mod:`moefuse.moe.experts_fp8`) and ``fp8_linear``
+(:mod:`moefuse.moe.linear_triton`).
+
+The weights are the MMA's M operand (rows of ``W``), the tokens its N operand (columns), as in
+the BF16 experts kernels. One loop step is one 128-wide K-block ``b``: the block's weight codes,
+its per-row scale, the token columns quantized per 128-channel group in registers (or loaded
+pre-quantized), one FP8 MMA from a zero accumulator (``dot_b``, FP32) and
+``acc = acc + (dot_b * xs[b]) * Ws[row, b]``. Each column's ``dot_b`` is a chain of the MMA's k32
+steps whatever the other columns hold, and the blocks are added in ascending ``b``: a column's
+bits depend on its own row, the weights and the tile, never on the batch.
+
+Interpreter: the FP8 codes are decoded exactly to FP64 and multiplied in FP64 (every ``dot_b`` is
+exact there: products of two E4M3 values have 8 significant bits and 128 of them span under 53
+bits), then rounded to FP32: a deterministic stand-in for the tensor cores' FP32 block sum.
+"""
+
+import triton
+import triton.language as tl
+
+from moefuse._device import widen_f32
+from moefuse.quant.device import fp8_decode, fp8_encode
+
+#: the K-block (and activation group) width: one scale per 128 x 128 weight block
+BLOCK: tl.constexpr = tl.constexpr(128)
+#: E4M3's largest code and the group quantization's epsilon (per_token_group_quant_8bit)
+_QMAX: tl.constexpr = tl.constexpr(448.0)
+_EPS: tl.constexpr = tl.constexpr(1e-10)
+#: FP32 bits of 2^-127 (UE8M0 byte 0, an FP32 subnormal)
+_E8M0_ZERO_BITS: tl.constexpr = tl.constexpr(0x00400000)
+
+
+@triton.jit
+def scale_f32(s, E8M0: tl.constexpr):
+    """FP32 value of a loaded block scale: FP32 as is; UE8M0 bytes ``b`` (uint8) as ``2^(b -
+    127)`` (0: 2^-127, 255: NaN)."""
+    if E8M0:
+        bi = s.to(tl.uint32)
+        v = (bi << 23).to(tl.float32, bitcast=True)
+        v = tl.where(
+            bi == 0, tl.full(bi.shape, _E8M0_ZERO_BITS, tl.uint32).to(tl.float32, bitcast=True), v
+        )
+        return tl.where(bi == 255, float("nan"), v)
+    else:
+        return s
+
+
+@triton.jit
+def group_quant_columns(v, PTX: tl.constexpr):
+    """``(codes [BK, BT] uint8, scales [BT])`` of FP32 columns ``v`` [BK, BT] (one 128-channel
+    group per column): ``s = max(amax, 1e-10) / 448`` and ``q = e4m3(v / s)``, IEEE divisions
+    (the formula of per_token_group_quant_8bit)."""
+    amax = tl.max(tl.abs(v), axis=0)
+    s = tl.math.div_rn(tl.maximum(amax, _EPS), tl.zeros_like(amax) + _QMAX)
+    q = fp8_encode(tl.math.div_rn(v, tl.broadcast_to(s[None, :], v.shape)), 0, PTX)
+    return q, s
+
+
+@triton.jit
+def fp8_block_dot(w, q, PTX: tl.constexpr):
+    """``dot_b`` = FP32 ``w @ q`` of E4M3 codes (uint8) ``w`` [R, BK] and ``q`` [BK, BT] from a
+    zero accumulator (module docstring: the interpreter's exact stand-in)."""
+    if PTX:
+        return tl.dot(w.to(tl.float8e4nv, bitcast=True), q.to(tl.float8e4nv, bitcast=True))
+    else:
+        a = fp8_decode(w, 0).to(tl.float64)
+        b = fp8_decode(q, 0).to(tl.float64)
+        return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
+
+
+@triton.jit
+def block_fp8_product(
+    w_rows,
+    n_in,
+    w_st_k,
+    s_rows,
+    s_st_k,
+    col_rows,
+    r_in,
+    cs_rows,
+    KDIM: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    PTX: tl.constexpr,
+    E8M0: tl.constexpr,
+    PREQUANT: tl.constexpr,
+):
+    """FP32 ``sum over K-blocks b ascending of (dot_b * xs[b]) * Ws[row, b]`` for weight rows
+    ``w_rows`` [R, 1] (uint8 codes, ``n_in``: in range, reduction stride ``w_st_k``) with their
+    block-scale rows ``s_rows`` [R] (block stride ``s_st_k``) and token columns ``col_rows``
+    [1, BT] (``r_in``: in use; unit stride along the reduction): BF16/FP16 values quantized per
+    128-channel group here, or with ``PREQUANT`` E4M3 codes (uint8) whose group scales start at
+    ``cs_rows`` [BT] (FP32, unit stride over the groups). ``KDIM`` reduced in 128-blocks,
+    ``STAGES`` deep; partial blocks read zeros."""
+    acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
+    for b in tl.range(0, tl.cdiv(KDIM, BLOCK), num_stages=STAGES):
+        kk = b * BLOCK + tl.arange(0, BLOCK)
+        k_in = kk < KDIM
+        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0)
+        ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in, other=0), E8M0)
+        c_mask = r_in[None, :] & k_in[:, None]
+        if PREQUANT:
+            q = tl.load(col_rows + kk[:, None], mask=c_mask, other=0)
+            xs = tl.load(cs_rows + b, mask=r_in, other=0.0)
+        else:
+            v = widen_f32(tl.load(col_rows + kk[:, None], mask=c_mask, other=0.0), PTX)
+            q, xs = group_quant_columns(v, PTX)
+        part = fp8_block_dot(w, q, PTX)
+        acc = acc + (part * xs[None, :]) * ws[:, None]
+    return acc
