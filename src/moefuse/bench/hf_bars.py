@@ -104,8 +104,13 @@ def fp8_bars(rows: list[dict]) -> list[str]:
             f"faithful FP8: mean |logit diff| to its FP32 evaluation {fp8:.4g} <= patched "
             f"bf16's to its FP32 copy {bf16:.4g}"
         )
+        ref = own.get("patched fp8, reference ops")
+        if ref is not None:  # what the BF16 activations cost alone, the kernels' ops replaced
+            text += f" (the FP8 model on moefuse's reference ops: {ref:.4g})"
         lines.append(_verdict(fp8 <= bf16, text))
-    steps = [r for r in rows if r.get("op") == "compiled decode step" and r["variant"] == "patched fp8"]
+    steps = [
+        r for r in rows if r.get("op") == "compiled decode step" and r["variant"] == "patched fp8"
+    ]
     gens = [r for r in rows if "same_tokens_as_first_run" in r and r["variant"] == "patched fp8"]
     if compiled:
         if not steps or not gens:

@@ -4,6 +4,8 @@
     python -m moefuse.bench.hf_moe --smoke --out DIR  # tiny shapes on CPU (checks the script)
     python -m moefuse.bench.hf_moe --compiled --out DIR  # torch.compile + CUDA graphs instead
                                                          # (moefuse.bench.hf_compiled)
+    python -m moefuse.bench.hf_moe --fp8 [--compiled] --out DIR  # the model quantized to FP8
+                                                         # (moefuse.bench.hf_fp8)
 
 1. Sparse-MoE block (``Qwen3MoeSparseMoeBlock``, router + experts), Qwen3-MoE shapes H = 2048,
    E = 128, K = 8, I = 768, BF16, random weights: µs per block call in EAGER mode (host time
@@ -227,7 +229,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results", help="directory for JSON + PNG")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (script check)")
-    p.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 256, 2048, 8192])
+    p.add_argument(
+        "--tokens", type=int, nargs="*", help="default 1 16 256 2048 8192 (--fp8: 1 64 2048)"
+    )
     p.add_argument("--batched-max", type=int, default=16, help="largest T for batched_mm")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=9, help="interleaved timing rounds")
@@ -260,7 +264,14 @@ def parse_args(argv=None):
     c.add_argument(
         "--skip", nargs="*", default=[], help="stages to skip: step profile fp32 generate prefill"
     )
+    f = p.add_argument_group("--fp8 (moefuse.bench.hf_fp8)")
+    f.add_argument("--fp8", action="store_true", help="FP8 model: shipped, patched BF16 / FP8")
+    f.add_argument("--batch", type=int, default=64, help="sequences of the batched decode step")
+    f.add_argument("--logit-prompts", type=int, default=4, help="prompts of the logits rows")
+    f.add_argument("--logit-tokens", type=int, default=32, help="tokens per logits prompt")
     args = p.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = [1, 64, 2048] if args.fp8 else [1, 16, 256, 2048, 8192]
     shapes = dict(
         hidden=2048,
         experts=128,
@@ -288,6 +299,9 @@ def parse_args(argv=None):
         args.layers, args.short, args.long, args.decode_repeats = 2, 2, 4, 1
         args.new, args.teacher, args.prefill, args.replays, args.samples = 6, 4, [24], 2, 1
         args.cache_len = 32
+        if args.fp8:  # every FP8 weight a whole number of 128 x 128 blocks
+            shapes.update(hidden=128, inter=128, dense_inter=256, heads=2, kv_heads=2, head_dim=64)
+            args.tokens, args.batch, args.logit_prompts, args.logit_tokens = [1, 8], 3, 2, 6
     for key, value in shapes.items():
         setattr(args, key, value)
     return args
@@ -295,6 +309,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.fp8:
+        from moefuse.bench import hf_fp8
+
+        return hf_fp8.main(args)
     if args.compiled:
         from moefuse.bench import hf_compiled
 

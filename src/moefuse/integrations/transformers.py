@@ -44,6 +44,8 @@ import torch
 
 from moefuse._runtime import IMPLS
 from moefuse.integrations._experts import IMPL_ATTR, NAME, SHARED_ATTR, moefuse_experts_forward
+from moefuse.integrations._fp8 import STATE as _STATE
+from moefuse.integrations._fp8 import fp8_experts_forward, patch_fp8_linears
 from moefuse.moe.reference import router_topk_reference
 from moefuse.moe.router import router_topk
 from moefuse.norm.api import (
@@ -85,16 +87,23 @@ SOFTMAX_TOPK_ROUTERS = frozenset(
     }
 )
 _HALF = (torch.bfloat16, torch.float16)
-_STATE = "_moefuse_patch"
 
 
 # ----------------------------------------------------------------------------- register
 def register() -> None:
-    """Add the ``"moefuse"`` experts implementation to transformers (idempotent)."""
+    """Add the ``"moefuse"`` experts implementation to transformers (idempotent): to
+    ``ALL_EXPERTS_FUNCTIONS`` and, where the installed transformers has block-scaled FP8 experts,
+    to ``ALL_FP8_EXPERTS_FUNCTIONS`` (:func:`moefuse.integrations._fp8.fp8_experts_forward`)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     if ALL_EXPERTS_FUNCTIONS._global_mapping.get(NAME) is not moefuse_experts_forward:
         ALL_EXPERTS_FUNCTIONS.register(NAME, moefuse_experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:  # a transformers without FP8 experts
+        return
+    if ALL_FP8_EXPERTS_FUNCTIONS._global_mapping.get(NAME) is not fp8_experts_forward:
+        ALL_FP8_EXPERTS_FUNCTIONS.register(NAME, fp8_experts_forward)
 
 
 # ----------------------------------------------------------------------------- norms
@@ -391,20 +400,25 @@ def patch(
     routers: bool = True,
     norms: bool = True,
     fuse_residual: bool = True,
+    linears: bool = True,
     impl: str = "auto",
 ) -> dict:
     """Run ``model`` (a transformers ``PreTrainedModel``) on moefuse; returns what runs now:
     ``{"experts_running": "moefuse" or None, "experts_replaced": the implementation it replaced
     (transformers' name, e.g. "grouped_mm") or None, "routers": n, "norms": n,
-    "fused_layers": n, "shared_expert_blocks": n}`` (the counts: modules now on moefuse; the
-    experts keys are None where the model has no experts implementation to select).
+    "fused_layers": n, "fp8_linears": n, "shared_expert_blocks": n}`` (the counts: modules now
+    on moefuse; the experts keys are None where the model has no experts implementation to
+    select).
 
     ``experts``: register and select the ``"moefuse"`` experts implementation, and add the shared
     experts of :data:`SHARED_EXPERT_BLOCKS` inside its finalize. ``routers``: the softmax top-k
     routers of :data:`SOFTMAX_TOPK_ROUTERS` onto :func:`moefuse.router_topk` (each checked on
     probe rows against its original forward at patch time). ``norms``: RMSNorm
     modules onto :func:`moefuse.rmsnorm`. ``fuse_residual`` (needs ``norms``): residual adds of
-    :data:`FUSABLE_LAYERS` as :func:`moefuse.fused_add_rmsnorm`. Patching twice is a no-op;
+    :data:`FUSABLE_LAYERS` as :func:`moefuse.fused_add_rmsnorm`. ``linears``: transformers'
+    block-scaled ``FP8Linear`` layers onto :func:`moefuse.fp8_linear` (FP8 experts run
+    :func:`moefuse.moe_experts` through the experts implementation; what moefuse does not cover
+    keeps transformers' path: :mod:`moefuse.integrations._fp8`). Patching twice is a no-op;
     :func:`unpatch` undoes everything. ``impl`` ("auto" | "triton" | "reference", DESIGN.md) is
     passed to every moefuse op the patched modules call (``"triton"`` on CPU tensors runs the
     kernels in Triton's interpreter). Raises ``ValueError`` for an object that is not a
@@ -417,7 +431,7 @@ def patch(
     if impl not in IMPLS:
         raise ValueError(f"moefuse.patch: argument 'impl' must be one of {IMPLS}, got {impl!r}")
     report = {"experts_running": None, "experts_replaced": None}
-    report.update(routers=0, norms=0, fused_layers=0)
+    report.update(routers=0, norms=0, fused_layers=0, fp8_linears=0)
     if experts and hasattr(model, "set_experts_implementation"):
         register()
         previous = model.config._experts_implementation
@@ -432,6 +446,8 @@ def patch(
         report["experts_replaced"] = model.__dict__.get("_moefuse_previous_experts")
     if routers:
         report["routers"] = _patch_routers(model, impl)
+    if linears:
+        report["fp8_linears"] = patch_fp8_linears(model, impl)
     if norms:
         for module in model.modules():
             if type(module).__name__.endswith("RMSNorm") and _patch_norm(module, impl):
