@@ -33,7 +33,7 @@ steps one loop step takes (``BK`` 128, or 64 in the wide tile of prefill-sized l
 token's ``act``, ``y`` and output bits depend on its own row, its experts and the weights only
 (GPU tests: a token alone, in batches of 64 and 256, at every token-tile width, the wide tile's
 128 and 256 included, with tail tiles and with 256 weight rows per program;
-``scripts/probe_experts_variants.py``: narrow and wide tiles, tails and 256-row tiles bitwise
+``75a3027:scripts/probe_experts_variants.py``: narrow and wide tiles, tails, 256-row tiles bitwise
 equal at 256 to 8,192 tokens).
 
 Interpreter: ``tl.dot`` there multiplies BF16 bit patterns as integers, so off the PTX path both

@@ -109,7 +109,7 @@ def gated_next_tile(
     # the order of a row sum. With residual_out stored first here too (before 2026-12-02) this
     # kernel summed residual_out^2 with 4 columns per thread and the one without a router row
     # with 8, and ffn_input differed by an ulp in up to 3.9 % of the rows at 2048 columns (H200,
-    # scripts/probe_batch_invariance.py). Stored last, it leaves both kernels the same layouts
+    # 75a3027:scripts/probe_batch_invariance.py). Stored last, both kernels keep the same layouts
     # and one sum each (moefuse.tools.audit_reduce_trees, tests/test_reduce_trees.py), at no cost
     # (0.88-1.005 x the old router kernel, notes/norm.md).
     _store_ffn(ffn_ptrs, router_ptrs, y, mask, MASKED, HAS_ROUTER, PTX)

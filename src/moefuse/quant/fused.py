@@ -70,7 +70,7 @@ QUANT_ADD_POLICY = TilePolicy(
 #: NVFP4 kernels (rmsnorm_fp4_quantize, fused_add_rmsnorm_fp4_quantize): instruction-bound, one
 #: tile per program. The persistent loop needs far more registers here (H = 4096, 8 warps: 64 ->
 #: 115 / 128 with prefetch; 4 warps: 128 -> 225 / 255), so at 2-4 programs per SM it spills
-#: (scripts/compile_check.py); 90f68c0:scripts/sweep_persistent.py times it anyway. 4 warps (32
+#: (ptx_check.py registers quant); 90f68c0:scripts/sweep_persistent.py times it anyway. 4 warps (32
 #: elements per thread: per-program work amortised over twice the elements) beat 8 on H200:
 #: rmsnorm_fp4_quantize 16384 x 4096 75.5 vs 90.0 us, 2048 x 4096 12.2 vs 13.9, 16384 x 8192
 #: 155.4 vs 165.5 (sweep-persistent-2026-11-29.log; the residual variant stays at 8 warps there:

@@ -9,5 +9,5 @@ answers ``--help``). Nothing here is imported by ``import moefuse``.
   must give the same bits.
 * ``compile_check_allgather``: offline sm_90a compile of the all-gather + norm kernels:
   registers, spills, CTAs per SM.
-* ``ptxas``: the offline compile helpers they share (and scripts/compile_check*.py).
+* ``ptxas``: the offline compile helpers they share (and scripts/ptx_check.py).
 """

@@ -5,8 +5,9 @@ stepped modes where the rows are stepped), and the CTAs per SM those registers a
 (``--ops``): rmsnorm, fp8 (E4M3), fp4 (linear and swizzled_128x4 scales), gated (tensor alpha,
 post weight, router output).
 
-Run: PYTHONPATH=src python -m moefuse.tools.compile_check_allgather
-     [--widths 4096,7168,8192] [--p 2,4] [--ops rmsnorm,fp8,fp4,fp4_swz,gated]
+Run: python scripts/ptx_check.py registers all-gather (or PYTHONPATH=src python -m
+     moefuse.tools.compile_check_allgather) [--widths 4096,7168,8192] [--p 2,4]
+     [--ops rmsnorm,fp8,fp4,fp4_swz,gated]
 """
 
 import argparse
@@ -115,12 +116,12 @@ def report(tag: str, kernel, consts: dict, warps: int, op: int = dec.RMSNORM) ->
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="ptx_check.py registers all-gather")
     parser.add_argument("--widths", default="4096,7168,8192")
     parser.add_argument("--p", default="2,4")
     parser.add_argument("--ops", default=",".join(OPS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for h in [int(x) for x in args.widths.split(",")]:
         for p in [int(x) for x in args.p.split(",")]:
             block_s, gw = AG.allgather_tile(h // p)

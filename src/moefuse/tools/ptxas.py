@@ -2,8 +2,8 @@
 GPU needed): registers per thread, bytes spilled, ptxas's exit status.
 
 Shared by the compile checks (``moefuse.tools.compile_check_allgather``,
-``moefuse.tools.audit_reduce_trees``, scripts/compile_check*.py, scripts/compile_expert_norm.py)
-and scripts/comm_ptx_compare.py, which loads this file by its path (it imports triton only), so
+``moefuse.tools.audit_reduce_trees``, ``scripts/ptx_check.py registers``) and
+``scripts/ptx_check.py compare``, which loads this file by its path (it imports triton only), so
 that it serves source trees of any revision.
 """
 

@@ -74,7 +74,7 @@ WIDE_TWO_CTAS_MIN_TOKENS = 2048
 #: reduction H = 7168 M = 2048 269-276 vs 226-227, M = 16384 1999-2005 vs 1728; H = 4096 M = 2048
 #: 194 vs 146; MoE finalize H = 7168 M = 2048 252 vs 215, M = 16384 1941 vs 1643; H = 4096 M = 2048
 #: 194 vs 138 — as for the one-shot, one CTA loads rows while the other waits on its peer. ptxas at
-#: 2 CTAs (scripts/compile_check_moe_reduction.py): H = 7168 dense 216 B spilled (32 B at 1), H =
+#: 2 CTAs (ptx_check.py registers moe-reduction): H = 7168 dense 216 B spilled (32 B at 1), H =
 #: 4096 80 B. Not yet timed on 2 GPUs (first on the list of notes/comm-moe-reduction.md).
 TWOSHOT_TWO_CTAS_MIN_TOKENS = 2048
 
@@ -104,7 +104,7 @@ def ctas_per_sm(
 def rows_per_batch(k: int, tile, ctas: int = 1, bias: bool = False) -> int:
     """Expert rows loaded together by the producer: all K when they fit in registers next to
     the rest of the kernel (~96 registers: ptxas -v of the one-shot kernel, H = 4096, K = 8, used
-    238 of 248 with all 8 rows; scripts/compile_check_moe_reduction.py), else fewer. With ``ctas``
+    238 of 248 with all 8 rows; ptx_check.py registers moe-reduction), else fewer. With ``ctas``
     co-resident CTAs per SM a thread may use 65536 / (threads x ctas) registers (at most 255); a
     bias row doubles the registers per slot. Always a divisor of K (no ragged static batch);
     never changes the bits."""
@@ -414,7 +414,7 @@ def _launch_split(ws, tile, k, has_bias, args, tail, consts) -> None:
     grid must be resident (a group's epilogue CTA waits on its producers, and on the peers' CTAs
     of the same group): the grid is capped by :func:`ctas_per_sm` CTAs per SM with a matching
     register cap (default 1 CTA per SM, 248 registers: no spill at H = 4096, K = 8, C = 2-16;
-    scripts/compile_check_moe_reduction.py)."""
+    scripts/ptx_check.py registers moe-reduction)."""
     ptrs, strides, rows, h, hf = args
     m = rows[0]
     resident = ctas_per_sm()
