@@ -38,7 +38,8 @@ SCALAR_PARAMS = {
     "routed_scaling_factor", "enable_pdl", "impl", "layout", "recipe", "dtype", "out_dtype",
     "top_k", "input_is_expanded", "transposed", "activation", "scoring", "renormalize", "pad_to",
     "num_experts", "use_fused_finalize", "weight_bias", "fp32_acc", "algorithm", "accumulate",
-    "quant", "weight_before_norm", "weights_dtype", "ids_dtype",
+    "quant", "weight_before_norm", "weights_dtype", "ids_dtype", "group_size", "dst_dtype",
+    "column_major_scales", "scale_tma_aligned", "scale_ue8m0", "quant_eps",
 }  # fmt: skip
 BAD_SCALARS = ("1", True, float("nan"), -1, None, object())
 #: budget: examples per op (fixed, derandomized: the same calls on every run)
@@ -114,6 +115,13 @@ def local_cases(dev) -> dict:
             top_k_weights=r(m, 2, dtype=F32),
             out=e(m, h),
         ),
+        "fp8_linear": lambda: dict(
+            input=r(m, h),
+            weight=r(24, h).to(E4M3),
+            weight_scale_inv=r(1, 1, dtype=F32).abs() + 0.01,
+            bias=r(24),
+            out=e(m, 24),
+        ),
         "route_topk": lambda: dict(router_logits=r(m, 6, dtype=F32), top_k=2, scoring="softmax"),
         "router_topk": lambda: dict(
             router_logits=r(m, 6),
@@ -185,6 +193,27 @@ def local_cases(dev) -> dict:
             out=e(m, h // 2, dtype=torch.uint8),
             scale_out=e(m, h // 16, dtype=torch.uint8),
             norm_out=e(m, h),
+        ),
+        "per_token_group_quant_8bit": lambda: dict(
+            x=r(m, h),
+            group_size=32,
+            out=e(m, h, dtype=E4M3),
+            scale_out=e(m, -(-h // 32), dtype=F32),
+        ),
+        "rmsnorm_group_quant": lambda: dict(
+            input=r(m, h),
+            weight=r(h),
+            group_size=32,
+            out=e(m, h, dtype=E4M3),
+            scale_out=e(m, -(-h // 32), dtype=F32),
+        ),
+        "fused_add_rmsnorm_group_quant": lambda: dict(
+            input=r(m, h),
+            residual=r(m, h),
+            weight=r(h),
+            group_size=32,
+            out=e(m, h, dtype=E4M3),
+            scale_out=e(m, -(-h // 32), dtype=F32),
         ),
     }
 

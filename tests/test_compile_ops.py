@@ -50,6 +50,8 @@ def _inputs(seed: int, m: int = M) -> dict:
         gs=torch.tensor([80.0]),
         w13=rand(E, 16, H),
         w2=rand(E, H, 8),
+        w8=(rand(24, H) * 0.2).to(torch.float8_e4m3fn),
+        w8s=torch.rand(1, 1, generator=g) + 0.01,
     )
 
 
@@ -88,6 +90,7 @@ def every_op(t: dict, impl: str) -> dict:
         xp, plan.permuted_idx_to_expanded_idx, t["scales"], impl=impl
     )
     out["moe_experts"] = moefuse.moe_experts(x, t["w13"], t["w2"], t["ids"], t["scales"], impl=impl)
+    out["fp8_linear"] = moefuse.fp8_linear(x, t["w8"], t["w8s"], impl=impl)
     layer_w = moefuse.MoEWeights(t["logits"].new_ones(E, H).to(BF16), t["w13"], t["w2"])
     out["moe_layer"] = moefuse.moe_layer(x, layer_w, K, impl=impl)
     s, gs = t["scale"], t["gs"]
@@ -105,6 +108,15 @@ def every_op(t: dict, impl: str) -> dict:
         ra,
     )
     out["rmsnorm_fp4_quantize"] = moefuse.rmsnorm_fp4_quantize(x, w, gs, impl=impl)
+    q, qs = moefuse.per_token_group_quant_8bit(x, 32, column_major_scales=True, impl=impl)
+    out["per_token_group_quant_8bit"] = (q.view(torch.uint8), qs)
+    q, qs = moefuse.rmsnorm_group_quant(x, w, group_size=32, scale_ue8m0=True, impl=impl)
+    out["rmsnorm_group_quant"] = (q.view(torch.uint8), qs)
+    ra = r.clone()
+    q, qs = moefuse.fused_add_rmsnorm_group_quant(
+        x, ra, w, group_size=64, dst_dtype=torch.int8, impl=impl
+    )
+    out["fused_add_rmsnorm_group_quant"] = (q, qs, ra)
     ra = r.clone()
     out["fused_add_rmsnorm_fp4_quantize"] = (
         *moefuse.fused_add_rmsnorm_fp4_quantize(x, ra, w, gs, impl=impl),

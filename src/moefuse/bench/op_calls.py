@@ -111,6 +111,9 @@ def single_gpu_calls(dev, *, m: int = 1, h: int = 4096, impl: str = "auto"):
     inter = 64  # routed experts: transformers' layouts, E experts of width I
     gate_up = (torch.randn(NUM_EXPERTS, 2 * inter, h, generator=g, device=dev) * h**-0.5).to(bf)
     down = (torch.randn(NUM_EXPERTS, h, inter, generator=g, device=dev) * inter**-0.5).to(bf)
+    # fp8_linear: a [256, h] E4M3 weight with its 128 x 128 block scales
+    w8 = (torch.randn(256, h, generator=g, device=dev) * h**-0.5 * 448).to(torch.float8_e4m3fn)
+    w8s = torch.rand(2, -(-h // 128), generator=g, device=dev) * 0.01 + 0.001
     kw = dict(impl=impl)
     calls = [
         ("rmsnorm", "rmsnorm", lambda: moefuse.rmsnorm(x, w, **kw)),
@@ -137,6 +140,7 @@ def single_gpu_calls(dev, *, m: int = 1, h: int = 4096, impl: str = "auto"):
         ("router_topk", "router_topk",
          lambda: moefuse.router_topk(logits, TOP_K, weights_dtype=bf, ids_dtype=torch.int64,
                                      **kw)),
+        ("fp8_linear", "fp8_linear", lambda: moefuse.fp8_linear(x, w8, w8s, **kw)),
         ("fp8_quantize", "fp8_quantize", lambda: moefuse.fp8_quantize(x, scale, **kw)),
         ("fp8_quantize_per_token", "fp8_quantize_per_token",
          lambda: moefuse.fp8_quantize_per_token(x, **kw)),
@@ -151,6 +155,12 @@ def single_gpu_calls(dev, *, m: int = 1, h: int = 4096, impl: str = "auto"):
          lambda: moefuse.rmsnorm_fp4_quantize(x, w, gscale, **kw)),
         ("fused_add_rmsnorm_fp4_quantize", "fused_add_rmsnorm_fp4_quantize",
          lambda: moefuse.fused_add_rmsnorm_fp4_quantize(x, r, w, gscale, **kw)),
+        ("per_token_group_quant_8bit", "per_token_group_quant_8bit",
+         lambda: moefuse.per_token_group_quant_8bit(x, 128, **kw)),
+        ("rmsnorm_group_quant", "rmsnorm_group_quant",
+         lambda: moefuse.rmsnorm_group_quant(x, w, **kw)),
+        ("fused_add_rmsnorm_group_quant", "fused_add_rmsnorm_group_quant",
+         lambda: moefuse.fused_add_rmsnorm_group_quant(x, r, w, **kw)),
     ]  # fmt: skip
     return calls, ins.refresh
 

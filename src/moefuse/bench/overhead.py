@@ -290,6 +290,10 @@ def main(argv: list[str]) -> int:
         help="time the communication ops on P GPUs (default: every GPU there "
         "when there are two or more; on one GPU two loopback ranks; 0: skip)",
     )
+    parser.add_argument(
+        "--ops", default="", help="comma-separated single-GPU ops to time (F.rms_norm always)"
+    )
+    parser.add_argument("--tag", default="", help="results file overhead-<gpu>-<tag>.json")
     args = parser.parse_args(argv)
     # the loopback ranks share one context: every module loaded at start-up (moefuse.testing_ranks)
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
@@ -299,7 +303,11 @@ def main(argv: list[str]) -> int:
     from moefuse.bench import harness
 
     dev = torch.device("cuda", 0)
-    rows = _measure(single_gpu_cases(dev), args.calls, args.repeats)
+    cases = single_gpu_cases(dev)
+    if args.ops:
+        keep = set(args.ops.split(",")) | {"rms_norm"}
+        cases = [c for c in cases if c[0] in keep]
+    rows = _measure(cases, args.calls, args.repeats)
     world = torch.cuda.device_count() if args.world_size is None else args.world_size
     if world == 1 or (world >= 2 and torch.cuda.device_count() < world):
         from moefuse.testing_ranks import run_loopback_ranks
@@ -347,7 +355,7 @@ def main(argv: list[str]) -> int:
         out.mkdir(parents=True, exist_ok=True)
         import json
 
-        stem = out / f"overhead-{harness.gpu_slug()}"
+        stem = out / f"overhead-{harness.gpu_slug()}{'-' + args.tag if args.tag else ''}"
         stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         plot(rows, stem.with_suffix(".png"), f"moefuse eager host overhead on {meta['gpu']}")
         print(f"wrote {stem}.json / .png")

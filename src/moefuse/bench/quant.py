@@ -20,7 +20,7 @@ import argparse
 import torch
 
 import moefuse
-from moefuse.bench import harness
+from moefuse.bench import harness, quant_group
 from moefuse.quant import formats as F
 from moefuse.quant import reference as ref
 
@@ -352,13 +352,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ops", default="", help="comma-separated subset of ops")
     parser.add_argument("--widths", default="", help="comma-separated H values (default 4096)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative row tiles")
+    parser.add_argument(
+        "--tokens", default="", help="comma-separated M values (per-token-group ops only)"
+    )
     args = parser.parse_args(argv)
 
     tokens = [2048, 16384] if args.quick else TOKENS
     widths = [int(v) for v in args.widths.split(",")] if args.widths else WIDTHS
     ops = [o for o in BYTES_PER_ELEM if not args.ops or o in args.ops.split(",")]
+    group_ops = [o for o in quant_group.OPS if not args.ops or o in args.ops.split(",")]
     ceiling = harness.copy_ceiling_tbs()
     print(f"SM copy ceiling: {ceiling:.2f} TB/s")
+    if group_ops:
+        _group_main(args, group_ops, ceiling)
+    if not ops:
+        return 0
     rows, compiled, verdicts = [], {}, []
     for op in ops:
         if op not in compiled:
@@ -430,3 +438,24 @@ def main(argv: list[str]) -> int:
         paths = harness.save_results("quant", rows, meta, args.out)
         print("wrote", *[str(p) for p in paths if p])
     return 0
+
+
+def _group_main(args, ops, ceiling) -> None:
+    """The per-token-group ops (:mod:`moefuse.bench.quant_group`), saved as ``quant-group``."""
+    widths = [int(v) for v in args.widths.split(",")] if args.widths else quant_group.WIDTHS
+    tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else quant_group.TOKENS
+    rows, verdicts = quant_group.run(ops, widths, tokens, ceiling)
+    quant_group.print_bars(verdicts)
+    meta = harness.run_metadata()
+    meta.update(
+        ceiling_tbs=ceiling,
+        bytes_per_element=quant_group.BYTES_PER_ELEM,
+        bars=verdicts,
+        ceiling_method="best Triton SM copy kernel over 1 GiB, CUDA-graph replay",
+        baseline="torch.compile of the unfused chain, M dynamic, H static",
+        outputs="inputs rotate over sets > L2; moefuse / moefuse_unfused write one fixed output "
+        "set per case (like compile's graph pool); moefuse_rot_out one output set per input set",
+    )
+    if args.save:
+        paths = harness.save_results("quant-group", rows, meta, args.out)
+        print("wrote", *[str(p) for p in paths if p])

@@ -14,7 +14,7 @@ from enum import Enum
 
 import torch
 
-from moefuse.quant import api
+from moefuse.quant import api, group_api
 
 __all__ = [
     "SfLayout",
@@ -25,6 +25,7 @@ __all__ = [
     "fused_add_rmsnorm_quant",
     "rmsnorm_fp4quant",
     "add_rmsnorm_fp4quant",
+    "per_token_group_quant_8bit",
 ]
 
 
@@ -283,3 +284,24 @@ def add_rmsnorm_fp4quant(
         lin = block_scale_unswizzled.view(torch.uint8).reshape(m, h // 16)
     _, lin = api.fp4_quantize(norm_out, gs, layout="linear", recipe="fast", scale_out=lin)
     return (*result, block_scale_unswizzled if block_scale_unswizzled is not None else lin)
+
+
+def per_token_group_quant_8bit(
+    x: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-10,
+    dst_dtype: torch.dtype | None = None,
+    column_major_scales: bool = False,
+    scale_tma_aligned: bool = False,
+    scale_ue8m0: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer ``per_token_group_quant_8bit``: ``(x_q, x_s)``, E4M3 (default) or INT8 codes
+    and FP32 scales per token and group, in the same layouts (row-major, column-major,
+    column-major padded to 4 tokens). Differences: any H (a last partial group is its own group;
+    FlashInfer requires ``H % group_size == 0``), row-strided ``x``, and UE8M0 scales in any
+    layout, returned as their FP32 values (FlashInfer's CUDA path packs four exponent bytes into
+    an int32 for DeepGEMM; pass ``scale_out`` of dtype float8_e8m0fnu to
+    ``moefuse.per_token_group_quant_8bit`` for the bytes)."""
+    return group_api.per_token_group_quant_8bit(
+        x, group_size, eps, dst_dtype, column_major_scales, scale_tma_aligned, scale_ue8m0
+    )

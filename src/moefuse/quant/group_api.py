@@ -104,7 +104,7 @@ def _check_outputs(op, x, group_size, dst_dtype, ue8m0, out, scale_out, inputs) 
             device=x.device,
             last_dim_contiguous=False,
         )
-        if scale_out.numel() > 1 and torch._debug_has_internal_overlap(scale_out) != 0:
+        if scale_out.numel() > 1 and torch._debug_has_internal_overlap(scale_out) == 1:
             raise ValueError(
                 f"moefuse.{op}: argument 'scale_out' must not have overlapping elements "
                 f"(strides {tuple(scale_out.stride())})"

@@ -100,13 +100,16 @@ def group_quant_tile(
 
 @triton.jit
 def store_scales(ptrs, s, mask, E8M0: tl.constexpr):
-    """FP32 scales, or their float8_e8m0fnu bytes (E8M0: the exponent field of the power-of-two
-    scale; 0 and subnormals -> 0, Inf and NaN -> 0xFF, as torch converts)."""
+    """FP32 scales (NaN as 0x7FC00000), or their float8_e8m0fnu bytes (E8M0: the exponent field
+    of the power-of-two scale; 0 and subnormals -> 0, Inf and NaN -> 0xFF, as torch converts)."""
     if E8M0:
         b = s.to(tl.uint32, bitcast=True)
         tl.store(ptrs, tl.where(b >= 0x7F800000, 255, b >> 23).to(tl.uint8), mask=mask)
     else:
-        tl.store(ptrs, s, mask=mask)
+        # every NaN scale stored as the canonical 0x7FC00000 (payloads differ between the GPU's
+        # division and the CPU's, as between NaN inputs)
+        nan = tl.full(s.shape, 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)
+        tl.store(ptrs, tl.where(s != s, nan, s), mask=mask)
 
 
 # ----------------------------------------------------------------------------- standalone

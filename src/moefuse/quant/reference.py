@@ -137,6 +137,8 @@ def per_token_group_quant_8bit_reference(
     s = group_quant_scale(amax, eps, GROUP_QMAX[dst_dtype], scale_ue8m0)
     q = group_quant_codes(groups, s.unsqueeze(-1), dst_dtype)
     q = q.reshape(*v.shape[:-1], g * group_size)[..., :h]
+    # a NaN scale is returned as the canonical quiet NaN 0x7FC00000, whatever the input's payload
+    s = torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s)
     return q.contiguous(), s
 
 
