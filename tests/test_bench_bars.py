@@ -87,3 +87,32 @@ def test_hf_bars_of_the_committed_h200_results():
     assert [line.split(":")[0] for line in eager] == ["BAR PASS"] * 6, eager
     assert all(line.startswith("BAR PASS") for line in compiled), compiled
     assert len(compiled) == 5
+
+
+def test_hf_fp8_bars_compare_patched_fp8_with_each_baseline():
+    from moefuse.bench.hf_bars import fp8_bars
+
+    def step(variant, m, us, **kw):
+        flags = {"eager_runs_equal": True, "graph_bits_equal": True, **kw}
+        return {"op": "compiled decode step", "variant": variant, "M": m, "us": us,
+                "graph_breaks": 0, **flags}  # fmt: skip
+
+    rows = [step("shipped bf16", 64, 700.0), step("patched bf16", 64, 600.0)]
+    rows += [step("patched fp8", 64, 450.0), step("patched bf16", 1, 500.0)]
+    rows += [step("patched fp8", 1, 510.0, graph_bits_equal=False)]
+    rows += [{"op": "compiled prefill", "variant": v, "M": 2048, "us": us, "graph_breaks": 1}
+             for v, us in (("patched bf16", 3600.0), ("patched fp8", 2900.0))]  # fmt: skip
+    rows += [{"op": "logits", "variant": "patched bf16", "mean_abs_vs_own_fp32": 0.01},
+             {"op": "logits", "variant": "patched fp8", "mean_abs_vs_own_fp32": 0.02},
+             {"op": "compiled generate, one reused cache", "variant": "patched fp8",
+              "same_tokens_as_first_run": True, "graph_breaks": 0}]  # fmt: skip
+    lines = fp8_bars(rows)
+    assert lines[0].startswith("BAR PASS: compiled decode step M=64: patched fp8 vs patched bf16")
+    assert lines[0].endswith("1.33 x >= 1.3")
+    assert lines[1].startswith("BAR FAIL: compiled decode step M=64: patched fp8 vs shipped bf16")
+    assert lines[2].startswith("BAR FAIL: compiled decode step M=1") and "0.98 x" in lines[2]
+    assert lines[3].startswith("BAR PASS: compiled prefill M=2048") and "1.24 x" in lines[3]
+    assert lines[4].startswith("BAR FAIL: faithful FP8: mean |logit diff| to its FP32 eval")
+    assert lines[5].startswith("BAR FAIL: FP8 step logits bitwise equal run to run False")
+    assert lines[6] == "BAR FAIL: graph breaks: 2 over 8 rows == 0"
+    assert fp8_bars([])[0].startswith("BAR MISSING: faithful FP8")  # eager rows: no step bars
