@@ -88,3 +88,24 @@ def test_generate_passes_merge_into_one_row():
     )
     assert row["same"] is False and row["graph_breaks"] == 2 and row["cudagraph_skips"] == 1
     assert merge_passes([a, {"op": "g", "error": "boom"}])["error"] == "boom"
+
+
+def test_fp8_smoke_run_records_the_shipped_error_and_every_variant(tmp_path):
+    """``--fp8``'s tiny CPU run: the shipped FP8 model's forward fails here (transformers' FP8
+    kernels come from the Hub and need a GPU) and is recorded; the experts and decode rows of
+    the three models that run, the logits rows against both FP32 evaluations, the verdicts."""
+    pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from moefuse.bench import hf_fp8
+
+    result = hf_moe.main(["--fp8", "--smoke", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert rows[0]["variant"] == hf_fp8.SHIPPED_FP8 and rows[0]["error"]
+    runs = (hf_fp8.SHIPPED, hf_fp8.PATCHED, hf_fp8.PATCHED_FP8)
+    experts = {(r["variant"], r["M"]) for r in rows if r["op"] == "experts"}
+    assert experts == {(v, t) for v in runs for t in (1, 8)}
+    assert {r["variant"] for r in rows if r["op"] == "eager decode"} == set(runs)
+    logits = {r["variant"]: r for r in rows if r["op"] == "logits"}
+    assert "mean_abs_vs_own_fp32" in logits[hf_fp8.PATCHED_FP8]
+    assert "mean_abs_vs_patched_fp8" in logits[hf_fp8.REFERENCE_OPS]
+    bars = json.loads(Path(result["json"]).read_text())["meta"]["bars"]
+    assert bars == result["bars"] and len(bars) == 1 and "faithful FP8" in bars[0]
