@@ -148,7 +148,10 @@ def fp32_reference(fp8_model):
     dequantized exactly and every product and sum in FP64 (activations quantized per token and
     128-channel group, :mod:`moefuse.moe.reference_fp8`), the gate ``silu(g) * u`` in FP32 and
     not rounded to BF16. Slow; for closeness checks."""
+    from moefuse.integrations.transformers import unpatch
+
     ref = copy.deepcopy(fp8_model)
+    unpatch(ref)  # transformers' own forwards around the FP8 layers, in FP32
     _widen(ref)
     for module in ref.modules():
         name = type(module).__name__
