@@ -100,6 +100,22 @@ def test_exact_alias_pattern_is_part_of_the_plan(seed):
     assert torch.equal(out, _slow(lambda: moefuse.rmsnorm(keep, w, impl="triton")))
 
 
+def test_a_plan_checks_each_alias_pair_once(seed):
+    """Validation checks residual against weight twice (as a write against a read and as the
+    in-place pair); the plan tests the pair once per replay, and still misses when they overlap."""
+    h = 48  # NVFP4: a multiple of 16
+    x, r, w = _rand(1, h), _rand(1, h), _rand(h)
+    gs = torch.tensor([100.0])
+    op = moefuse.fused_add_rmsnorm_fp4_quantize
+    op(x, r, w, gs, impl="triton")
+    ((plan,),) = op._moefuse_plans.values()
+    checks = [line for line in plan.source.splitlines() if " < " in line]
+    assert checks and len(checks) == len(set(checks)), plan.source
+    buf = _rand(2 * h)  # residual and weight in one buffer, overlapping, recorded layouts
+    with pytest.raises(ValueError, match="'residual' must not alias 'weight'"):
+        op(x, buf[:h].view(1, h), buf[h // 2 : h // 2 + h], gs, impl="triton")
+
+
 def test_reference_and_tensor_subclasses_stay_on_the_slow_path():
     x, w = _rand(2, H), _rand(H)
     moefuse.rmsnorm(x, w, impl="reference")

@@ -573,7 +573,7 @@ def _assemble(
         )
     for a, b in sorted(sources.equal_pairs):
         body.append(f"if p{a} != p{b}: return MISS")
-    for kind, a, b, same in checks:
+    for kind, a, b, same in dict.fromkeys(checks):  # a pair validated twice is checked once
         na, nb = sources.spans[a], sources.spans[b]
         if not na or not nb:
             continue
@@ -743,9 +743,14 @@ def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
         [_first_shape_expr(names[0])]
         + [_key_expr(p.name, p.default is not p.empty) for p in params]
     )
+    # the guard reads the thread's dispatch-mode depth first: at 0 (every eager call) no
+    # recorder can be active on this thread (a recorder is a dispatch mode of its thread's
+    # stack), so the two thread-local reads behind it are skipped
     src = f"""
 def {fn.__name__}({", ".join(decl)}):
-    if _ON[0] and _local.rec is None and not _compiling() and _depth() <= _own.depth:
+    if _ON[0] and not _compiling() and (
+        not _depth() or _local.rec is None and _depth() <= _own.depth
+    ):
         try:
             plans = _plans.get(key := ({key},))
         except TypeError:
