@@ -64,27 +64,37 @@ def _check_quant(x, gs, dst, ue8m0, cm=False, tma=False, sdtype=torch.float32, w
 
 
 # ----------------------------------------------------------------------------- standalone
-@pytest.mark.parametrize("h", [64, 200, 2880, 7168, 16384, 65536])
+@pytest.mark.parametrize("h", [64, 2048, 2880, 4096, 7168, 16384, 65536])
 def test_per_token_group_quant_gpu(h):
+    """E4M3, groups of 128, FP32 row-major scales (the benchmark's configuration) on strided rows
+    with NaN / Inf / zero groups, and column-major TMA-aligned scales."""
+    for m in (1, 100, 2048) if h <= 16384 else (1, 17):
+        x = _specials(_rand(m, h + 64, scale=4.0)[:, 32 : 32 + h])  # strided rows
+        _check_quant(x, 128, E4M3, False, what=f"{m}x{h}")
+    _check_quant(x, 128, E4M3, False, cm=True, tma=True, what=f"{m}x{h} column-major")
+
+
+def test_per_token_group_quant_options_gpu():
+    """Every dtype, group size, INT8, UE8M0 (FP32 values and E8M0 bytes), every layout, 3-D."""
     i = 0
-    for m in (1, 100, 1000) if h <= 16384 else (1, 17):
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            base = _rand(m, h + 64, dtype=dtype, scale=4.0)
-            x = _specials(base[:, 32 : 32 + h])  # strided rows
-            gs = (32, 64, 128, 256)[i % 4]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for gs in (32, 64, 256):
+            x = _specials(_rand(40, 1000, dtype=dtype, scale=3.0))
             dst = (E4M3, torch.int8)[i % 2]
-            ue8m0 = i % 3 == 1
-            cm, tma = i % 3 == 2, i % 6 == 2
-            _check_quant(x, gs, dst, ue8m0, cm, tma, what=f"{m}x{h} {dtype} gs={gs} {dst}")
+            cm, tma = i % 3 > 0, i % 3 == 2
+            _check_quant(x, gs, dst, i % 2 == 0, cm, tma, what=f"{dtype} gs={gs} {dst}")
             i += 1
-    x = _specials(_rand(2, 50, h, scale=3.0))  # 3-D, E8M0 scale bytes
+    x = _specials(_rand(2, 50, 2880, scale=3.0))
     _check_quant(x, 128, E4M3, True, sdtype=E8M0, what="3-D e8m0")
-    _check_quant(x, 128, E4M3, True, cm=True, tma=True, sdtype=E8M0, what="3-D e8m0 column")
+    _check_quant(x, 128, torch.int8, True, cm=True, tma=True, sdtype=E8M0, what="3-D column e8m0")
 
 
 def test_group_quant_extreme_scales_gpu():
-    """Tiny eps and values that make subnormal and huge scales, UE8M0 on and off."""
-    x = torch.tensor([1e-38, 3e-39, 0.0, 1e-45, 3e38, -2.5e38, 7.0, 0.1], device=DEV).repeat(4, 16)
+    """eps = 0 with groups whose scale underflows to 0 or to a subnormal, and huge groups; UE8M0
+    on and off, E4M3 and INT8."""
+    mags = torch.tensor([1e-45, 3e-42, 3e-39, 1e-38, 0.0, 7.0, 1e30, 3e38], device=DEV)
+    idx = (torch.arange(8, device=DEV)[:, None] + torch.arange(8, device=DEV)[None, :]) % 8
+    x = (torch.randn(8, 8, 32, device=DEV).clamp(-1, 1) * mags[idx][..., None]).reshape(8, 256)
     for ue8m0 in (False, True):
         for dst in (E4M3, torch.int8):
             q, s = moefuse.per_token_group_quant_8bit(
@@ -132,15 +142,19 @@ def _fused_case(m, h, residual, dtype=torch.bfloat16, gs=128, dst=E4M3, ue8m0=Fa
 @pytest.mark.parametrize("h", [64, 2048, 2880, 4096, 7168, 8192, 16384, 65536])
 @pytest.mark.parametrize("residual", [False, True])
 def test_fused_group_quant_gpu(h, residual):
-    tokens = (1, 100, 4096) if h <= 8192 else (1, 33)
-    for i, m in enumerate(tokens):
+    """The benchmark's configuration (BF16, E4M3, groups of 128) at every row mode: M = 4096
+    runs the stepped rows looped, fewer rows unrolled."""
+    for m in (1, 100, 4096) if h <= 8192 else (1, 33):
+        _fused_case(m, h, residual)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_group_quant_options_gpu(residual):
+    """FP16, other group sizes, INT8, UE8M0 scales, Gemma gains, column-major scales."""
+    for i, (h, gs) in enumerate(((2880, 64), (7168, 256), (200, 32))):
         _fused_case(
-            m, h, residual,
-            dtype=(torch.bfloat16, torch.float16)[i % 2],
-            gs=(128, 64, 256)[i % 3],
-            dst=(E4M3, torch.int8)[(i + residual) % 2],
-            ue8m0=i == 1,
-            gc=float(i == 2),
+            (3, 64, 5)[i], h, residual, dtype=torch.float16, gs=gs,
+            dst=(torch.int8, E4M3)[i % 2], ue8m0=i < 2, gc=float(i % 2),
         )  # fmt: skip
 
 

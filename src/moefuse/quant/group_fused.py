@@ -70,7 +70,11 @@ def _group_out(y, rows, cols, mask, g0, qa, QC, PTX: tl.constexpr):
     yq = widen_f32(round_to(y, qa[7].dtype.element_ty, PTX), PTX)
     q, s = group_quant_tile(tl.where(mask, yq, 0.0), qa[6], GW, QMAX, UE8M0, INT8, PTX)
     r64 = rows.to(tl.int64)[:, None]
-    tl.store(qa[0] + r64 * qa[2] + cols, q, mask=mask)
+    # codes stored 8 to a vector, as the 16-bit norm output is: a 16-byte vector of codes would
+    # have Triton lay the whole tile out 16 elements per thread, the row sum included, and sum
+    # rows in another order than the norm kernel (bits of r could differ)
+    cols8 = (cols // 8) * 8 + cols % 8  # = cols, provably contiguous in runs of 8 only
+    tl.store(qa[0] + r64 * qa[2] + cols8, q, mask=mask)
     gs = g0 + tl.arange(0, B // GW)[None, :]
     smask = (rows < qa[5])[:, None] & (gs < qa[4])
     store_scales(qa[1] + r64 * qa[3] + gs.to(tl.int64) * qa[8], s, smask, E8M0)
