@@ -13,6 +13,7 @@ from moefuse.moe.api import (
 )
 from moefuse.moe.experts import moe_experts, supports_moe_experts
 from moefuse.moe.layer import MoEWeights, moe_layer
+from moefuse.moe.linear import fp8_linear, supports_fp8_linear
 from moefuse.moe.router import router_topk, supports_router_topk
 from moefuse.moe.routing import RoutingPlan, route_topk, sort_by_expert
 
@@ -25,6 +26,8 @@ __all__ = [
     "supports_moe_permute",
     "moe_experts",
     "supports_moe_experts",
+    "fp8_linear",
+    "supports_fp8_linear",
     "router_topk",
     "supports_router_topk",
     "route_topk",

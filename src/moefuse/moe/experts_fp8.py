@@ -34,7 +34,7 @@ from moefuse.moe.experts_triton import (
     _work_item,
     _write_slot_map,
 )
-from moefuse.moe.fp8_device import block_fp8_product
+from moefuse.moe.fp8_device import GROUP_EPS, block_fp8_product, fp8_codes
 from moefuse.moe.tiles import experts_fp8_tile, experts_token_tile
 from moefuse.moe.triton import launch_moe_finalize
 
@@ -49,17 +49,18 @@ def _gemm_metadata(grid, kernel, args):
 
 @triton.jit
 def _gate_up_item(
-    x_ptr, w_ptr, s_ptr, act_ptr, item, strides,
+    x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, INTERLEAVED: tl.constexpr,
-    E8M0: tl.constexpr,
+    E8M0: tl.constexpr, PREQUANT: tl.constexpr,
 ):  # fmt: skip
     """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``strides`` =
-    (x row, act row, weight expert / row / reduction, scale expert / row / block). The weight
+    (x row, x-scale row, act row, weight expert / row / reduction, scale expert / row / block);
+    with ``PREQUANT`` ``x`` holds the tokens' E4M3 codes and ``xs`` their group scales. The weight
     tile is blocks of 64 rows, 32 gate rows and the 32 up rows that pair with them, as in the
     BF16 kernel; a row's scale is row ``stored row // 128`` of its expert's scales."""
     e, s, r_in, tok = item
-    x_st, act_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
+    x_st, xs_st, act_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
     r = tl.arange(0, 2 * BN)
     n = tl.program_id(1) * BN + (r // 64) * 32 + r % 32
     n_in = n < INTER
@@ -72,8 +73,8 @@ def _gate_up_item(
     s_rows = s_ptr + e64 * s_st_e + (rows // 128) * s_st_n
     x_cols = x_ptr + tok[None, :] * x_st
     acc = block_fp8_product(
-        w_rows, n_in, w_st_k, s_rows, s_st_k, x_cols, r_in, s_rows, KDIM, BT, STAGES, PTX, E8M0,
-        False,
+        w_rows, n_in, w_st_k, s_rows, s_st_k, x_cols, r_in, xs_ptr + tok * xs_st, 0,
+        GROUP_EPS, (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0, PREQUANT,
     )  # fmt: skip
     if USE_PDL:
         gdc_launch_dependents()
@@ -90,11 +91,11 @@ def _gate_up_item(
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_fp8_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr, count_ptr,
-    strides, idx_strides, top_k, n_slots, n_experts, n_count,
+    x_ptr, xs_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr,
+    count_ptr, strides, idx_strides, top_k, n_slots, n_experts, n_count,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, SP: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-    BR: tl.constexpr, INTERLEAVED: tl.constexpr, E8M0: tl.constexpr,
+    BR: tl.constexpr, INTERLEAVED: tl.constexpr, E8M0: tl.constexpr, PREQUANT: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
     tokens (module docstring); the roles of ``SP``, ``BR`` and the counters are those of the
@@ -113,8 +114,8 @@ def _experts_fp8_gate_up_kernel(
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _gate_up_item(
-            x_ptr, w_ptr, s_ptr, act_ptr, tail, strides, KDIM, INTER, BN, BR, STAGES, PTX,
-            USE_PDL, INTERLEAVED, E8M0,
+            x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, tail, strides, KDIM, INTER, BN, BR, STAGES,
+            PTX, USE_PDL, INTERLEAVED, E8M0, PREQUANT,
         )  # fmt: skip
     else:
         item = _work_item(
@@ -122,30 +123,32 @@ def _experts_fp8_gate_up_kernel(
         )
         if item[0] >= 0:
             _gate_up_item(
-                x_ptr, w_ptr, s_ptr, act_ptr, item, strides, KDIM, INTER, BN, BT, STAGES, PTX,
-                USE_PDL, INTERLEAVED, E8M0,
+                x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides, KDIM, INTER, BN, BT, STAGES,
+                PTX, USE_PDL, INTERLEAVED, E8M0, PREQUANT,
             )  # fmt: skip
 
 
 @triton.jit
 def _down_item(
-    act_ptr, w_ptr, s_ptr, y_ptr, item, rows, strides,
+    act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, rows, strides,
     KDIM: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
-    USE_PDL: tl.constexpr, E8M0: tl.constexpr,
+    USE_PDL: tl.constexpr, E8M0: tl.constexpr, PREQUANT: tl.constexpr,
 ):  # fmt: skip
     """``y`` of ``rows`` = (rows of H, in range) for the ``BT`` columns of ``item``; ``strides``
-    = (act row, y row, weight expert / row / reduction, scale expert / row / block)."""
+    = (act row, act-scale row, y row, weight expert / row / reduction, scale expert / row /
+    block); with ``PREQUANT`` ``act`` holds E4M3 codes and ``as`` their group scales."""
     e, s, r_in, _tok = item
     n, n_in = rows
-    act_st, y_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
+    act_st, as_st, y_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
     e64 = e.to(tl.int64)
     n64 = n.to(tl.int64)
     w_rows = w_ptr + e64 * w_st_e + n64[:, None] * w_st_n
     s_rows = s_ptr + e64 * s_st_e + (n64 // 128) * s_st_n
     s64 = s.to(tl.int64)
     acc = block_fp8_product(
-        w_rows, n_in, w_st_k, s_rows, s_st_k, act_ptr + s64[None, :] * act_st, r_in, s_rows,
-        KDIM, BT, STAGES, PTX, E8M0, False,
+        w_rows, n_in, w_st_k, s_rows, s_st_k, act_ptr + s64[None, :] * act_st, r_in,
+        as_ptr + s64 * as_st, 0, GROUP_EPS, (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0,
+        PREQUANT,
     )  # fmt: skip
     if USE_PDL:
         gdc_launch_dependents()
@@ -154,12 +157,13 @@ def _down_item(
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_fp8_down_kernel(
-    act_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, y_ptr, idx_ptr, map_ptr, scale_ptr, bias_ptr,
-    shared_ptr, out_ptr, count_ptr,
+    act_ptr, as_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, y_ptr, idx_ptr, map_ptr, scale_ptr,
+    bias_ptr, shared_ptr, out_ptr, count_ptr,
     strides, idx_strides, fin_strides, top_k, n_slots, n_experts, rsf,
     KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, SP: tl.constexpr, FINALIZE: tl.constexpr, EXTRAS: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr, BR: tl.constexpr, E8M0: tl.constexpr,
+    PREQUANT: tl.constexpr,
 ):  # fmt: skip
     """y[s, h] = the block-scaled FP8 product of act[s] and down row h (FP32, unrounded); with
     ``FINALIZE`` the last program of each H tile runs the finalize, as in the BF16 down kernel
@@ -173,8 +177,8 @@ def _experts_fp8_down_kernel(
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _down_item(
-            act_ptr, w_ptr, s_ptr, y_ptr, tail, (n, n_in), strides, KDIM, BR, STAGES, PTX,
-            USE_PDL, E8M0,
+            act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, tail, (n, n_in), strides, KDIM, BR, STAGES, PTX,
+            USE_PDL, E8M0, PREQUANT,
         )  # fmt: skip
     else:
         item = _work_item(
@@ -182,11 +186,11 @@ def _experts_fp8_down_kernel(
         )
         if item[0] >= 0:
             _down_item(
-                act_ptr, w_ptr, s_ptr, y_ptr, item, (n, n_in), strides, KDIM, BT, STAGES, PTX,
-                USE_PDL, E8M0,
+                act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, (n, n_in), strides, KDIM, BT, STAGES,
+                PTX, USE_PDL, E8M0, PREQUANT,
             )  # fmt: skip
     if FINALIZE:
-        y_st = strides[1]
+        y_st = strides[2]
         map_st, scale_st, bias_st, shared_st, out_st = fin_strides
         fin_st = (y_st, map_st, scale_st, bias_st, idx_st0, idx_st1, shared_st, out_st)
         _finalize_if_last(
@@ -200,6 +204,19 @@ def _scale_arg(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if scale.dtype == torch.float8_e8m0fnu:
         return scale.view(torch.uint8), True
     return scale, False
+
+
+def _group_quant(rows: torch.Tensor, use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 codes [R, W] as the kernels read them, FP32 group scales [R, ceil(W/128)]) of
+    ``rows`` by per_token_group_quant_8bit's kernel (:func:`group_quant_columns` computes the
+    same codes)."""
+    from moefuse.quant.group_triton import launch_group_quant
+
+    r, w = rows.shape
+    codes = torch.empty(r, w, dtype=torch.uint8, device=rows.device)
+    scales = torch.empty(r, triton.cdiv(w, 128), dtype=torch.float32, device=rows.device)
+    launch_group_quant(rows, codes, scales, 128, 1e-10, False, False, use_pdl)
+    return fp8_codes(codes), scales
 
 
 def launch_moe_experts_fp8(
@@ -235,21 +252,29 @@ def launch_moe_experts_fp8(
     idx_strides = (top_k_index.stride(0), top_k_index.stride(1))
     gs, gs_e8 = _scale_arg(gate_up_proj_scale_inv)
     ds, ds_e8 = _scale_arg(down_proj_scale_inv)
-    gw, dw = gate_up_proj.view(torch.uint8), down_proj.view(torch.uint8)
-    strides = (hidden_states.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
+    gw, dw = fp8_codes(gate_up_proj), fp8_codes(down_proj)
+    prequant = bool(cfg["prequant"])
+    x, xs = hidden_states, hidden_states
+    if prequant:  # the tokens quantized once, not once per weight tile (the same codes)
+        x, xs = _group_quant(hidden_states, use_pdl)
+    strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
     launch(
         _experts_fp8_gate_up_kernel,
         (plan.n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
-        hidden_states, gw, gs, plan.items, plan.sorted_slots, plan.act, top_k_index,
+        x, xs, gw, gs, plan.items, plan.sorted_slots, plan.act, top_k_index,
         plan.slot_map, plan.counters,
         strides, idx_strides, top_k_index.shape[1], top_k_index.numel(), experts,
         plan.counters.numel() if plan.fused else 0,
         KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BT=plan.bt, STAGES=cfg["stages"],
         SP=plan.sp, PTX=ptx, USE_PDL=use_pdl, BR=plan.br, INTERLEAVED=interleaved, E8M0=gs_e8,
-        num_warps=cfg["warps"], **pdl_launch_kwargs(use_pdl),
+        PREQUANT=prequant,
+        num_warps=cfg["warps"], enable_fp_fusion=False, **pdl_launch_kwargs(use_pdl),
     )  # fmt: skip
     rsf = float(routed_scaling_factor)
     act, y = plan.act, plan.y
+    a, a_s = act, act
+    if prequant:
+        a, a_s = _group_quant(act, use_pdl)
     fin_strides = (
         plan.slot_map.stride(0),
         top_k_weights.stride(0),
@@ -257,18 +282,18 @@ def launch_moe_experts_fp8(
         shared_expert_output.stride(0) if shared_expert_output is not None else 0,
         out.stride(0),
     )
-    strides = (act.stride(0), y.stride(0), *dw.stride(), *ds.stride())
+    strides = (a.stride(0), a_s.stride(0), y.stride(0), *dw.stride(), *ds.stride())
     launch(
         _experts_fp8_down_kernel,
         (plan.n_items, triton.cdiv(hidden, cfg["bn_down"])),
-        act, dw, ds, plan.items, plan.sorted_slots, y, top_k_index, plan.slot_map, top_k_weights,
-        bias if bias is not None else y,
+        a, a_s, dw, ds, plan.items, plan.sorted_slots, y, top_k_index, plan.slot_map,
+        top_k_weights, bias if bias is not None else y,
         shared_expert_output if shared_expert_output is not None else y, out, plan.counters,
         strides, idx_strides, fin_strides, top_k_index.shape[1], top_k_index.numel(), experts, rsf,
         KDIM=inter, H=hidden, BN=cfg["bn_down"], BT=plan.bt,
         STAGES=cfg.get("down_stages", cfg["stages"]), SP=plan.sp, FINALIZE=plan.fused,
         EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None), PTX=ptx,
-        USE_PDL=use_pdl, BR=plan.br, E8M0=ds_e8,
+        USE_PDL=use_pdl, BR=plan.br, E8M0=ds_e8, PREQUANT=prequant,
         num_warps=cfg.get("down_warps", cfg["warps"]), enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
     )  # fmt: skip

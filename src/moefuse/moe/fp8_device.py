@@ -19,13 +19,14 @@ import triton
 import triton.language as tl
 
 from moefuse._device import widen_f32
-from moefuse.quant.device import fp8_decode, fp8_encode
+from moefuse.quant.device import fp8_decode
+from moefuse.quant.group_triton import group_codes, group_scale
 
 #: the K-block (and activation group) width: one scale per 128 x 128 weight block
 BLOCK: tl.constexpr = tl.constexpr(128)
 #: E4M3's largest code and the group quantization's epsilon (per_token_group_quant_8bit)
 _QMAX: tl.constexpr = tl.constexpr(448.0)
-_EPS: tl.constexpr = tl.constexpr(1e-10)
+GROUP_EPS: tl.constexpr = tl.constexpr(1e-10)
 #: FP32 bits of 2^-127 (UE8M0 byte 0, an FP32 subnormal)
 _E8M0_ZERO_BITS: tl.constexpr = tl.constexpr(0x00400000)
 
@@ -46,25 +47,46 @@ def scale_f32(s, E8M0: tl.constexpr):
 
 
 @triton.jit
-def group_quant_columns(v, PTX: tl.constexpr):
+def group_quant_columns(v, eps, PTX: tl.constexpr):
     """``(codes [BK, BT] uint8, scales [BT])`` of FP32 columns ``v`` [BK, BT] (one 128-channel
-    group per column): ``s = max(amax, 1e-10) / 448`` and ``q = e4m3(v / s)``, IEEE divisions
-    (the formula of per_token_group_quant_8bit)."""
-    amax = tl.max(tl.abs(v), axis=0)
-    s = tl.math.div_rn(tl.maximum(amax, _EPS), tl.zeros_like(amax) + _QMAX)
-    q = fp8_encode(tl.math.div_rn(v, tl.broadcast_to(s[None, :], v.shape)), 0, PTX)
+    group per column): the arithmetic of per_token_group_quant_8bit's kernel
+    (:mod:`moefuse.quant.group_triton`: an integer amax of the bits, ``s = max(amax, eps) /
+    448``, ``q = e4m3(v / s)``, IEEE divisions), so codes quantized here and by that op agree
+    bit for bit."""
+    amax = tl.max(v.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=0).to(tl.float32, bitcast=True)
+    s = group_scale(amax, eps, _QMAX, False)
+    q = group_codes(tl.math.div_rn(v, tl.broadcast_to(s[None, :], v.shape)), False, PTX)
     return q, s
 
 
 @triton.jit
-def fp8_block_dot(w, q, PTX: tl.constexpr):
-    """``dot_b`` = FP32 ``w @ q`` of E4M3 codes (uint8) ``w`` [R, BK] and ``q`` [BK, BT] from a
-    zero accumulator (module docstring: the interpreter's exact stand-in)."""
-    if PTX:
-        return tl.dot(w.to(tl.float8e4nv, bitcast=True), q.to(tl.float8e4nv, bitcast=True))
+def _e4m3(t):
+    """E4M3 codes as the MMA's operand type (uint8 bytes bitcast; E4M3 loads as they are: a
+    load that feeds the MMA directly is pipelined through shared memory)."""
+    if t.dtype == tl.uint8:
+        return t.to(tl.float8e4nv, bitcast=True)
     else:
-        a = fp8_decode(w, 0).to(tl.float64)
-        b = fp8_decode(q, 0).to(tl.float64)
+        return t
+
+
+@triton.jit
+def _bytes(t):
+    if t.dtype == tl.uint8:
+        return t
+    else:
+        return t.to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def fp8_block_dot(w, q, PTX: tl.constexpr):
+    """``dot_b`` = FP32 ``w @ q`` of E4M3 codes (E4M3 or their uint8 bytes) ``w`` [R, BK] and
+    ``q`` [BK, BT] from a zero accumulator (module docstring: the interpreter's exact
+    stand-in)."""
+    if PTX:
+        return tl.dot(_e4m3(w), _e4m3(q))
+    else:
+        a = fp8_decode(_bytes(w), 0).to(tl.float64)
+        b = fp8_decode(_bytes(q), 0).to(tl.float64)
         return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
 
 
@@ -78,33 +100,61 @@ def block_fp8_product(
     col_rows,
     r_in,
     cs_rows,
+    b0,
+    eps,
+    NB: tl.constexpr,
     KDIM: tl.constexpr,
     BT: tl.constexpr,
     STAGES: tl.constexpr,
     PTX: tl.constexpr,
     E8M0: tl.constexpr,
     PREQUANT: tl.constexpr,
+    CHUNK: tl.constexpr = 0,
 ):
-    """FP32 ``sum over K-blocks b ascending of (dot_b * xs[b]) * Ws[row, b]`` for weight rows
-    ``w_rows`` [R, 1] (uint8 codes, ``n_in``: in range, reduction stride ``w_st_k``) with their
+    """FP32 ``sum over K-blocks b ascending of (dot_b * xs[b]) * Ws[row, b]`` for the ``NB``
+    blocks from ``b0`` (blocks past K read nothing and add +0.0), from +0.0, for weight rows
+    ``w_rows`` [R, 1] (E4M3 codes, or their bytes in the interpreter: :func:`fp8_codes`;
+    ``n_in``: in range, reduction stride ``w_st_k``) with their
     block-scale rows ``s_rows`` [R] (block stride ``s_st_k``) and token columns ``col_rows``
     [1, BT] (``r_in``: in use; unit stride along the reduction): BF16/FP16 values quantized per
-    128-channel group here, or with ``PREQUANT`` E4M3 codes (uint8) whose group scales start at
-    ``cs_rows`` [BT] (FP32, unit stride over the groups). ``KDIM`` reduced in 128-blocks,
-    ``STAGES`` deep; partial blocks read zeros."""
+    128-channel group here, or with ``PREQUANT`` E4M3 codes (as the weights) whose group scales
+    start at ``cs_rows`` [BT] (FP32, unit stride over the groups); ``eps`` the group quantization's.
+    ``KDIM`` is the reduction's width (a partial last block reads zeros), ``STAGES`` the
+    pipeline depth. ``CHUNK`` > 0: the sum restarts from +0.0 every ``CHUNK`` blocks (counted
+    from block 0) and the chunk sums are added in ascending order from +0.0 (``fp8_linear``'s
+    split order, :mod:`moefuse.moe.linear_triton`), in one pipelined loop."""
     acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
-    for b in tl.range(0, tl.cdiv(KDIM, BLOCK), num_stages=STAGES):
+    total = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
+    for j in tl.range(0, NB, num_stages=STAGES):
+        b = b0 + j
         kk = b * BLOCK + tl.arange(0, BLOCK)
         k_in = kk < KDIM
-        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0)
-        ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in, other=0), E8M0)
+        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
+        b_in = b * BLOCK < KDIM  # (a chunk of fp8_linear's split may end past K)
+        ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in & b_in, other=0), E8M0)
         c_mask = r_in[None, :] & k_in[:, None]
         if PREQUANT:
-            q = tl.load(col_rows + kk[:, None], mask=c_mask, other=0)
-            xs = tl.load(cs_rows + b, mask=r_in, other=0.0)
+            q = tl.load(col_rows + kk[:, None], mask=c_mask, other=0.0)
+            xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
         else:
             v = widen_f32(tl.load(col_rows + kk[:, None], mask=c_mask, other=0.0), PTX)
-            q, xs = group_quant_columns(v, PTX)
+            q, xs = group_quant_columns(v, eps, PTX)
         part = fp8_block_dot(w, q, PTX)
         acc = acc + (part * xs[None, :]) * ws[:, None]
+        if CHUNK > 0:
+            end = ((b + 1) % CHUNK == 0) | (j + 1 == NB)
+            total = tl.where(end, total + acc, total)
+            acc = tl.where(end, 0.0, acc)
+    if CHUNK > 0:
+        return total
     return acc
+
+
+def fp8_codes(t):
+    """The tensor a kernel reads E4M3 codes from: the E4M3 tensor itself on the GPU (its loads
+    feed the MMA directly), its bytes in the interpreter (decoded in software there)."""
+    import torch
+
+    from moefuse._runtime import interpreter_active
+
+    return t.view(torch.uint8) if interpreter_active() else t.view(torch.float8_e4m3fn)

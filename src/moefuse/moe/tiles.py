@@ -163,6 +163,10 @@ def experts_token_tile(slots: int, experts: int) -> int:
 #: tiles; one FP8 stage of a 64-row tile is 8 KB of codes), to be replaced by the GPU sweep.
 EXPERTS_FP8_NARROW = {"bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}
 EXPERTS_FP8_WIDE = {"bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3}
+#: up to this many routed slots each program quantizes its tokens' groups itself (no launch of
+#: its own); above, the tokens and the activation are quantized once each by the group-quant
+#: kernel (the same codes). UNMEASURED.
+EXPERTS_FP8_QUANT_IN_KERNEL_SLOTS = 8
 
 
 def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
@@ -172,4 +176,49 @@ def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int =
     token columns on."""
     base = experts_tile(hidden, inter, token_tile, slots)
     rows = EXPERTS_FP8_WIDE if token_tile >= EXPERTS_WIDE_FROM_TILE else EXPERTS_FP8_NARROW
-    return {**base, **rows}
+    return {**base, **rows, "prequant": slots > EXPERTS_FP8_QUANT_IN_KERNEL_SLOTS}
+
+
+# ----------------------------------------------------------------------------- fp8_linear
+#: programs the split launch of ``fp8_linear`` aims at (two per SM of a 132-SM H100 / H200): the
+#: K-blocks are cut into chunks so that row tiles x chunks reach it; a function of (N, K) only,
+#: so the summation order never depends on M (moefuse.moe.linear_triton). UNMEASURED.
+LINEAR_FP8_TARGET_PROGRAMS = 264
+#: the fewest K-blocks of one chunk
+LINEAR_FP8_MIN_CHUNK = 2
+#: more rows than this: the activation is quantized once by its own launch (the same codes)
+LINEAR_FP8_PREQUANT_ROWS = 64
+LINEAR_FP8_NARROW = {"bn": 64, "warps": 4, "stages": 4}
+LINEAR_FP8_WIDE = {"bn": 128, "bt": 128, "warps": 8, "stages": 3}
+#: from this many rows the wide tile runs (one launch, chunks summed in registers)
+LINEAR_FP8_WIDE_FROM_ROWS = 256
+
+
+def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
+    """``(splits, chunk)``: the K-blocks of ``fp8_linear`` cut into ``splits`` chunks of ``chunk``
+    blocks (the last may be shorter), from (N, K) alone."""
+    blocks = max(1, -(-k // 128))
+    tiles = -(-n // LINEAR_FP8_NARROW["bn"])
+    want = max(1, min(blocks // LINEAR_FP8_MIN_CHUNK, LINEAR_FP8_TARGET_PROGRAMS // max(1, tiles)))
+    chunk = -(-blocks // want)
+    return -(-blocks // chunk), chunk
+
+
+def linear_fp8_plan(m: int, n: int, k: int) -> dict:
+    """Launch of ``fp8_linear`` for M rows: ``{"bn", "bt", "warps", "stages", "splits", "chunk",
+    "split_programs", "prequant"}``. The tile and whether the chunks run as programs of their
+    own may follow M; the chunks (the summation order) do not."""
+    splits, chunk = linear_fp8_splits(n, k)
+    if m >= LINEAR_FP8_WIDE_FROM_ROWS:
+        tile = dict(LINEAR_FP8_WIDE)
+    else:
+        tile = dict(LINEAR_FP8_NARROW, bt=16 if m <= 16 else 32 if m <= 32 else 64)
+    programs = -(-n // tile["bn"]) * -(-m // tile["bt"])
+    split_programs = splits > 1 and programs < LINEAR_FP8_TARGET_PROGRAMS // 2
+    return {
+        **tile,
+        "splits": splits,
+        "chunk": chunk,
+        "split_programs": split_programs,
+        "prequant": m > LINEAR_FP8_PREQUANT_ROWS,
+    }

@@ -1,0 +1,186 @@
+"""Triton kernels of ``fp8_linear`` (:func:`moefuse.moe.linear.fp8_linear`).
+
+``out [M, N] = cast(y + bias)`` with ``y`` the block-scaled FP8 product of
+:func:`moefuse.moe.fp8_device.block_fp8_product`: the weight rows are the MMA's M operand (``BN``
+rows of W per program), the tokens its N operand (``BT`` columns).
+
+Summation order, fixed by (N, K) alone: the K-blocks are cut into ``SPLITS`` contiguous chunks of
+``CHUNK`` blocks (:func:`moefuse.moe.tiles.linear_fp8_splits`); each chunk is summed in ascending
+block order from +0.0 and the chunk sums are added in ascending order from +0.0, then the bias.
+Two launches compute that same order:
+
+* few programs (decode: M small, W streamed once): one program per (row tile, column tile,
+  chunk) writes its chunk sum to an FP32 scratch ``[SPLITS, M, N]`` and a second kernel adds the
+  chunks and the bias (:func:`_fp8_linear_reduce_kernel`). The split fills the GPU where
+  ``N / BN`` programs alone would leave SMs idle, so the weights stream at full bandwidth.
+* many programs: each loops over the chunks itself, the same additions in registers.
+
+So a row's bits do not depend on M or on which launch ran. With more than
+:data:`moefuse.moe.tiles.LINEAR_FP8_PREQUANT_ROWS` rows the activation is quantized once by
+:func:`moefuse.quant.group_triton.launch_group_quant` (the same arithmetic as the in-kernel
+quantization, so the same codes) instead of once per row tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefuse._device import round_to, widen_f32
+from moefuse._fastpath import launch
+from moefuse._runtime import interpreter_active, pdl_launch_kwargs
+from moefuse.moe.fp8_device import GROUP_EPS, block_fp8_product, fp8_codes
+from moefuse.moe.tiles import linear_fp8_plan
+
+
+def _metadata(grid, kernel, args):
+    return {
+        "name": f"{kernel.name} N={args['N']} K={args['KDIM']} BN={args['BN']} BT={args['BT']}",
+        "bytes": args["N"] * args["KDIM"],
+    }
+
+
+@triton.jit(launch_metadata=_metadata)
+def _fp8_linear_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
+    m_rows, strides,
+    N: tl.constexpr, KDIM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+    SPLITS: tl.constexpr, CHUNK: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
+    STAGES: tl.constexpr, PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, E8M0: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The block-scaled product of ``BN`` weight rows and ``BT`` token columns (module
+    docstring); ``strides`` = (x row, x-scale row, weight row, scale row, out row). With
+    ``SPLIT_PROGRAMS`` grid axis 2 is the chunk and the program stores its chunk sum into
+    ``part`` [SPLITS, M, N]; otherwise it adds all chunks and writes ``out``."""
+    x_st, xs_st, w_st, s_st, out_st = strides
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_in = n < N
+    n64 = n.to(tl.int64)
+    cols = tl.program_id(1) * BT + tl.arange(0, BT)
+    r_in = cols < m_rows
+    c64 = cols.to(tl.int64)
+    w_rows = w_ptr + n64[:, None] * w_st
+    s_rows = s_ptr + (n64 // 128) * s_st
+    x_cols = x_ptr + c64[None, :] * x_st
+    xs_cols = xs_ptr + c64 * xs_st
+    n_blocks: tl.constexpr = (KDIM + 127) // 128
+    if USE_PDL:
+        gdc_wait()
+    if SPLIT_PROGRAMS:
+        c = tl.program_id(2)
+        acc = block_fp8_product(
+            w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, c * CHUNK, GROUP_EPS, CHUNK,
+            KDIM, BT, STAGES, PTX, E8M0, PREQUANT,
+        )  # fmt: skip
+        if USE_PDL:
+            gdc_launch_dependents()
+        ptrs = part_ptr + (c.to(tl.int64) * m_rows + c64[None, :]) * N + n64[:, None]
+        tl.store(ptrs, acc, mask=n_in[:, None] & r_in[None, :])
+    else:
+        acc = block_fp8_product(
+            w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, 0, GROUP_EPS, n_blocks, KDIM,
+            BT, STAGES, PTX, E8M0, PREQUANT, CHUNK if SPLITS > 1 else 0,
+        )  # fmt: skip
+        if USE_PDL:
+            gdc_launch_dependents()
+        if HAS_BIAS:
+            acc = acc + widen_f32(tl.load(bias_ptr + n, mask=n_in, other=0.0), PTX)[:, None]
+        ptrs = out_ptr + c64[None, :] * out_st + n64[:, None]
+        tl.store(
+            ptrs, round_to(acc, out_ptr.dtype.element_ty, PTX), mask=n_in[:, None] & r_in[None, :]
+        )
+
+
+@triton.jit
+def _fp8_linear_reduce_kernel(
+    part_ptr, bias_ptr, out_ptr, m_rows, out_st,
+    N: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``out[m, n] = cast(((+0.0 + part[0]) + part[1]) + ... + bias)``: the chunk sums of the
+    split launch added in ascending order, as the one-launch kernel adds them."""
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_in = n < N
+    if USE_PDL:
+        gdc_wait()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in tl.static_range(SPLITS):
+        acc = acc + tl.load(part_ptr + (c * m_rows + m).to(tl.int64) * N + n, mask=n_in, other=0.0)
+    if HAS_BIAS:
+        acc = acc + widen_f32(tl.load(bias_ptr + n, mask=n_in, other=0.0), PTX)
+    tl.store(
+        out_ptr + m.to(tl.int64) * out_st + n,
+        round_to(acc, out_ptr.dtype.element_ty, PTX),
+        mask=n_in,
+    )
+
+
+def launch_fp8_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    use_pdl: bool,
+    *,
+    tile: dict | None = None,
+) -> None:
+    """Writes ``out`` [M, N] from ``input`` [M, K] (BF16/FP16, or E4M3 codes with
+    ``input_scale`` [M, ceil(K/128)]) (module docstring). ``tile`` overrides the policy of
+    :func:`moefuse.moe.tiles.linear_fp8_plan` (benchmarks and the invariance tests only)."""
+    m, k = input.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0:
+        return
+    cfg = dict(linear_fp8_plan(m, n, k), **(tile or {}))
+    ptx = not interpreter_active()
+    x, xs = input, input_scale
+    if input_scale is not None:
+        x = fp8_codes(input)
+    elif cfg["prequant"]:
+        from moefuse.quant.group_triton import launch_group_quant
+
+        codes = torch.empty(m, k, dtype=torch.uint8, device=input.device)
+        xs = torch.empty(m, triton.cdiv(k, 128), dtype=torch.float32, device=input.device)
+        launch_group_quant(input, codes, xs, 128, 1e-10, False, False, use_pdl)
+        x = fp8_codes(codes)
+    prequant = xs is not None
+    scale = weight_scale_inv
+    e8m0 = scale.dtype == torch.float8_e8m0fnu
+    if e8m0:
+        scale = scale.view(torch.uint8)
+    if scale.stride(1) != 1:
+        scale = scale.contiguous()
+    splits, chunk, split_programs = cfg["splits"], cfg["chunk"], cfg["split_programs"]
+    part = torch.empty(splits if split_programs else 1, m, n, dtype=torch.float32,
+                       device=input.device) if split_programs else out  # fmt: skip
+    strides = (x.stride(0), xs.stride(0) if prequant else 0, weight.stride(0), scale.stride(0),
+               out.stride(0))  # fmt: skip
+    grid = (triton.cdiv(n, cfg["bn"]), triton.cdiv(m, cfg["bt"]), splits if split_programs else 1)
+    launch(
+        _fp8_linear_kernel,
+        grid,
+        x, xs if prequant else x, fp8_codes(weight), scale,
+        bias if bias is not None else out, out, part,
+        m, strides,
+        N=n, KDIM=k, BN=cfg["bn"], BT=cfg["bt"], SPLITS=splits, CHUNK=chunk,
+        SPLIT_PROGRAMS=split_programs, STAGES=cfg["stages"], PREQUANT=prequant,
+        HAS_BIAS=bias is not None, E8M0=e8m0, PTX=ptx, USE_PDL=use_pdl,
+        num_warps=cfg["warps"], enable_fp_fusion=False,
+        **pdl_launch_kwargs(use_pdl),
+    )  # fmt: skip
+    if split_programs:
+        block = 1024
+        launch(
+            _fp8_linear_reduce_kernel,
+            (m, triton.cdiv(n, block)),
+            part, bias if bias is not None else out, out, m, out.stride(0),
+            N=n, SPLITS=splits, BLOCK=block, HAS_BIAS=bias is not None, PTX=ptx,
+            USE_PDL=use_pdl, num_warps=4,
+            **pdl_launch_kwargs(use_pdl),
+        )  # fmt: skip
