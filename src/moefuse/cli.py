@@ -22,11 +22,18 @@ BENCH_FAMILIES = (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moefuse")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="fused epilogue checked against the reference")
+    demo = sub.add_parser(
+        "demo",
+        help="the epilogue ops, routed experts, router, a communication fusion and a patched "
+        "transformers model, each checked against its reference (timed on a GPU)",
+    )
     demo.add_argument("--hidden", type=int, default=None, help="hidden size (default: by device)")
     demo.add_argument("--tokens", type=int, default=None, help="token count (default: by device)")
     demo.add_argument(
         "--no-compile", action="store_true", help="GPU: skip the torch.compile times (faster start)"
+    )
+    demo.add_argument(
+        "--save", default=None, metavar="DIR", help="also write demo-<gpu>.txt / .json / .png"
     )
     bench = sub.add_parser(
         "bench",
@@ -45,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from moefuse.demo import run_demo
 
-        return run_demo(hidden=args.hidden, tokens=args.tokens, with_compile=not args.no_compile)
+        return run_demo(
+            hidden=args.hidden,
+            tokens=args.tokens,
+            with_compile=not args.no_compile,
+            save=args.save,
+        )
     if args.command == "bench":
         from moefuse.bench import sweep
 

@@ -1,23 +1,38 @@
-"""``python -m moefuse demo``: one MoE decoder layer's epilogue, every op checked against the
-reference on the best device present, printed as one table. Exit status 1 if any check fails.
+"""``python -m moefuse demo``: what moefuse does, in one screen. Every op is checked against its
+reference on the best device present; exit status 1 if any check fails.
 
-On a GPU the Triton kernels run at a real model's width (hidden 4096, 128 tokens), and the table
-gives each kernel's time per call from CUDA-graph replays (the method of ``moefuse bench``, with
-the same inputs every call: L2-resident at the default size) next to ``torch.compile`` of the same
-math in plain PyTorch, timed the same way (``--no-compile`` skips it: compiling takes longer than
-the rest of the demo). Without a GPU, the reference runs and the same Triton kernels run in Triton's
-interpreter at a reduced size; no time is printed then (interpreted kernels run on the CPU, one
-program after another: their times say nothing about the kernels).
+1. The ops of one MoE decoder layer, as one table: the epilogue (norms, fused residual adds,
+   the deterministic MoE finalize, FP8 / NVFP4 quantization fused into the norms), the routed
+   experts (``moe_experts``) and the router (``router_topk``).
+2. A communication fusion: ``allreduce_residual_rmsnorm`` on two ranks that are threads of this
+   process sharing one device (loopback ranks), each rank's outputs against the reference of
+   both ranks' inputs.
+3. A transformers Qwen3-MoE model as shipped and after ``patch(model)``: what the patch replaced,
+   and the greedy tokens of both.
+
+On a GPU (SM90+) the Triton kernels run at a real model's sizes and the table gives each
+kernel's time per call from CUDA-graph replays (the method of ``moefuse bench``, the same inputs
+every call) next to a baseline timed the same way: ``torch.compile`` of the same math in plain
+PyTorch for the epilogue ops (``--no-compile`` skips it: compiling takes longer than the rest of
+the demo), transformers' ``grouped_mm`` experts function, and the router tail transformers runs;
+the model section gives the µs per greedy decode step of both models (eager, batch 1). The
+communication fusion is checked, not timed (two ranks sharing one GPU's SMs say nothing about
+two GPUs: ``moefuse bench all-reduce`` times it). Without a GPU, the references run and the same
+Triton kernels run in Triton's interpreter at reduced sizes; no time is printed then
+(interpreted kernels run on the CPU, one program after another). ``--save DIR`` also writes the
+printed text, a JSON of the figures and a PNG (``demo-<gpu>.*``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,6 +51,12 @@ class Step:
     #: plain PyTorch, which the demo times under torch.compile
     kernel: Callable[[], object] | None = None
     torch_math: Callable[[], object] | None = None
+    #: a check of its own instead of ``tol``: (expected, got) -> None or what failed
+    check: Callable[[tuple, tuple], str | None] | None = None
+    check_text: str = ""
+    #: a baseline timed as it is (not compiled), and its name
+    baseline: Callable[[], object] | None = None
+    baseline_name: str = ""
 
 
 def _steps(m: int, h: int, dev: str) -> list[Step]:
@@ -118,6 +139,12 @@ def _steps(m: int, h: int, dev: str) -> list[Step]:
         ),
     ]
     return steps + _moe_steps(m, h, dev, rnd) + _quant_steps(m, h, dev, x, res, w)
+
+
+def _all_steps(m: int, h: int, dev: str, on_gpu: bool) -> list[Step]:
+    from moefuse.demo_system import system_steps
+
+    return _steps(m, h, dev) + system_steps(m, dev, on_gpu)
 
 
 def _ffn_of_own_stream(weight):
@@ -218,27 +245,54 @@ def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
-def _gpu_times(step: Step, with_compile: bool) -> tuple[float, float | None, str | None]:
-    """(kernel µs, torch.compile µs or None, note) per call, each the median of CUDA-graph
-    replays of 20 captured calls (moefuse.bench.harness.graph_time_us)."""
+def _gpu_times(step: Step, with_compile: bool) -> tuple[float, float | None, str, str | None]:
+    """(kernel µs, baseline µs or None, baseline name, note) per call, each the median of
+    CUDA-graph replays of 20 captured calls (moefuse.bench.harness.graph_time_us)."""
     from moefuse.bench import harness
 
     kernel = step.kernel or (lambda: step.run("triton"))
     us = harness.graph_time_us(lambda i: kernel(), calls=20, replays=10)
-    if not with_compile or step.torch_math is None:
-        return us, None, None
+    if step.baseline is not None:
+        base, name = step.baseline, step.baseline_name
+    elif with_compile and step.torch_math is not None:
+        base, name = None, "torch.compile"
+    else:
+        return us, None, "-", None
     try:
-        compiled = harness.compile_baseline(step.torch_math)
-        return us, harness.graph_time_us(lambda i: compiled(), calls=20, replays=10), None
-    except Exception as exc:  # a baseline that does not compile must not fail the demo
-        return us, None, f"{step.op}: torch.compile failed ({type(exc).__name__}: {exc})"[:160]
+        if base is None:
+            base = harness.compile_baseline(step.torch_math)
+        return us, harness.graph_time_us(lambda i: base(), calls=20, replays=10), name, None
+    except Exception as exc:  # a baseline that fails must not fail the demo
+        return us, None, "-", f"{step.op}: {name} failed ({type(exc).__name__}: {exc})"[:160]
+
+
+def _check(step: Step, expected: tuple, got: tuple) -> tuple[str, float]:
+    """("ok" or "FAIL: ...", max abs error over the outputs)."""
+    from moefuse.testing import assert_close, max_abs_error
+
+    err = max(max_abs_error(gt, ex) for gt, ex in zip(got, expected))
+    if step.check is not None:
+        why = step.check(expected, got)
+        return ("ok" if why is None else f"FAIL: {why}"[:90]), err
+    tols = step.tol if isinstance(step.tol, tuple) else (step.tol,) * len(got)
+    for gt, ex, tol in zip(got, expected, tols):
+        try:
+            assert_close(gt, ex, tol, step.op)
+        except AssertionError as exc:
+            return f"FAIL: {str(exc)[:80]}", err
+    return "ok", err
 
 
 def run_demo(
-    hidden: int | None = None, tokens: int | None = None, with_compile: bool = True
+    hidden: int | None = None,
+    tokens: int | None = None,
+    with_compile: bool = True,
+    save: str | None = None,
 ) -> int:
-    from moefuse.testing import TOLERANCES, assert_close, max_abs_error
+    from moefuse.testing import TOLERANCES
 
+    if not torch.cuda.is_initialized():  # the loopback ranks of section 2 share one context:
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # every module loaded at start-up
     on_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         # the interpreter must be on before triton (and its own @jit library) is first imported,
@@ -246,78 +300,145 @@ def run_demo(
         cmd = [sys.executable, "-m", "moefuse", "demo"]
         cmd += [f"--hidden={hidden}"] if hidden else []
         cmd += [f"--tokens={tokens}"] if tokens else []
+        cmd += [f"--save={save}"] if save else []
         return subprocess.call(cmd, env={**os.environ, "TRITON_INTERPRET": "1"})
     dev = "cuda" if on_gpu else "cpu"
     if not on_gpu:  # numpy warnings from masked-out lanes in the interpreter are noise here
         warnings.filterwarnings("ignore", category=RuntimeWarning)
     h = hidden or (4096 if on_gpu else 256)
     m = tokens or (128 if on_gpu else 4)
-    backend = "triton" if on_gpu else "triton (interpreter)"
+    backend = "Triton" if on_gpu else "Triton's interpreter (CPU)"
     name = torch.cuda.get_device_name() if on_gpu else "CPU"
-    print(f"moefuse demo on {name}: hidden {h}, {m} tokens; each op against the reference\n")
+    lines: list[str] = []
+
+    def say(text: str = "") -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    say(f"moefuse demo on {name}: kernels run in {backend}; every op against its reference")
+    say(f"\n1. The ops of an MoE decoder layer ({m} tokens, hidden {h} for the epilogue ops)")
     rows, failed, notes = [], 0, []
-    for step in _steps(m, h, dev):
+    for step in _all_steps(m, h, dev, on_gpu):
         expected = _as_tuple(step.run("reference"))
         got = _as_tuple(step.run("triton"))
         if step.expect is not None:
             expected = step.expect(expected, got)
-        tols = step.tol if isinstance(step.tol, tuple) else (step.tol,) * len(got)
-        status, err = "ok", 0.0
-        for gt, ex, tol in zip(got, expected, tols):
-            err = max(err, max_abs_error(gt, ex))
-            try:
-                assert_close(gt, ex, tol, step.op)
-            except AssertionError as exc:
-                status = f"FAIL: {str(exc)[:80]}"
+        status, err = _check(step, expected, got)
         failed += status != "ok"
-        us = comp = None
+        tols = step.tol if isinstance(step.tol, tuple) else (step.tol,)
+        row = dict(op=step.op, shape=step.shape, max_abs_err=err, check=status)
+        row["checked"] = step.check_text or " / ".join(dict.fromkeys(tols))
         if on_gpu:  # timed after the check: the in-place kernels' timing buffers are separate
-            us, comp, note = _gpu_times(step, with_compile)
+            us, base, base_name, note = _gpu_times(step, with_compile)
             notes += [note] if note else []
-        rows.append(
-            (
-                step.op,
-                backend,
-                step.shape,
-                f"{err:.3g}",
-                _us(us),
-                _us(comp),
-                f"{comp / us:.2f}" if us and comp else "-",
-                status,
-            )
-        )
-    header = (
-        "op",
-        "backend",
-        "shape",
-        "max abs err",
-        "kernel µs",
-        "compile µs",
-        "x compile",
-        "check",
-    )
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        print("  ".join(str(v).ljust(wd) for v, wd in zip(r, widths)))
+            row.update(kernel_us=us, baseline_us=base, baseline=base_name)
+            row["x_baseline"] = base / us if base and us else None
+        rows.append(row)
+    _table(say, rows, on_gpu)
     if on_gpu:
-        print(
-            "\ntimes: µs per call, median of CUDA-graph replays (20 calls per graph, the same "
-            "inputs every call: L2-resident at the default size); compile = torch.compile of "
-            "the same math in plain PyTorch, timed the same way"
-            + ("" if with_compile else " (skipped: --no-compile)")
+        say(
+            "times: µs per call, median of CUDA-graph replays (20 calls per graph, the same "
+            "inputs every call); x = baseline µs / kernel µs"
+            + ("" if with_compile else "; torch.compile baselines skipped (--no-compile)")
         )
     else:
-        print(
-            "\ntimes: none (the kernels ran in Triton's interpreter on the CPU, where a time "
-            "says nothing about the kernel)"
-        )
+        say("times: none (the kernels ran in Triton's interpreter on the CPU, where a time says "
+            "nothing about the kernel)")  # fmt: skip
     for note in notes:
-        print("note:", note)
-    print(
-        f"\n{len(rows) - failed} passed, {failed} failed (tolerances: "
+        say(f"note: {note}")
+    comm, model = _system_sections(say, on_gpu)
+    failed += bool(comm["fails"]) + bool(model.get("fails"))
+    checks = len(rows) + 2
+    say(
+        f"\n{checks - failed} of {checks} checks passed (tolerances: "
         f"{', '.join(sorted(TOLERANCES))}; see moefuse.testing)"
     )
+    if save:
+        _save(Path(save), name, lines, rows, comm, model)
     return 1 if failed else 0
+
+
+def _table(say, rows: list[dict], timed: bool) -> None:
+    """One line per op; the time columns only where the kernels were timed (GPU)."""
+    header = ("op", "shape", "max abs err", "checked against the reference", "check")
+    times = ("kernel µs", "baseline µs", "x", "baseline")
+    header = header[:3] + times + header[4:] if timed else header
+    cells = []
+    for r in rows:
+        cell = (r["op"], r["shape"], f"{r['max_abs_err']:.3g}", r["checked"], r["check"])
+        if timed:
+            x = f"{r['x_baseline']:.2f}" if r.get("x_baseline") else "-"
+            t = (_us(r.get("kernel_us")), _us(r.get("baseline_us")), x, r.get("baseline", "-"))
+            cell = cell[:3] + t + cell[4:]
+        cells.append(cell)
+    widths = [max(len(str(c[i])) for c in [header, *cells]) for i in range(len(header))]
+    for c in [header, *cells]:
+        say("  ".join(str(v).ljust(wd) for v, wd in zip(c, widths)).rstrip())
+
+
+def _system_sections(say, on_gpu: bool) -> tuple[dict, dict]:
+    from moefuse.demo_system import comm_section, model_section
+
+    comm = comm_section(on_gpu)
+    where = "threads sharing one GPU" if on_gpu else "threads, kernels in the interpreter"
+    say(f"\n2. A communication fusion on two loopback ranks ({where})")
+    say(
+        f"{comm['op']} {comm['shape']} per rank: residual_out bitwise "
+        f"{'equal' if comm['residual_bitwise'] else 'NOT equal'} to the reference of both "
+        f"ranks' inputs, norm_out within {comm['norm_max_ulp']} ulp, the two ranks "
+        f"{'bitwise equal' if comm['ranks_bitwise'] else 'DIFFERENT'}: "
+        + ("ok" if not comm["fails"] else "FAIL: " + "; ".join(comm["fails"]))
+    )
+    say(
+        "(not timed: two ranks on one GPU share its SMs; `moefuse bench all-reduce` times it)"
+        if on_gpu
+        else "(not timed: interpreter)"
+    )
+    model = model_section(on_gpu)
+    say("\n3. transformers: patch(model)")
+    if "skipped" in model:
+        say(f"skipped: {model['skipped']}")
+        return comm, model
+    rep = model["report"]
+    say(f"{model['model']}")
+    say(
+        f"patch(model): experts now {rep['experts_running']!r} (replaced "
+        f"{rep['experts_replaced']!r}), {rep['routers']} routers on router_topk, "
+        f"{rep['norms']} RMSNorms, {rep['fused_layers']} residual adds fused into the next norm"
+    )
+    ok = model["tokens_equal"] == model["new_tokens"]
+    model["fails"] = [] if ok else ["greedy tokens differ"]
+    say(
+        f"greedy tokens, patched vs shipped: {model['tokens_equal']} of {model['new_tokens']} "
+        f"equal: {'ok' if ok else 'FAIL'}"
+    )
+    if "shipped_step_us" in model:
+        s, p = model["shipped_step_us"], model["patched_step_us"]
+        say(f"decode step (eager, batch 1): shipped {s:.0f} µs, patched {p:.0f} µs, {s / p:.2f} x")
+    else:
+        say("decode step: not timed (interpreter)")
+    return comm, model
+
+
+def _save(out: Path, name: str, lines, rows, comm, model) -> None:
+    """``demo-<gpu>.txt`` (what was printed), ``.json`` (the figures and the run's meta) and
+    ``.png`` (moefuse.demo_system.plot) under ``out``."""
+    from moefuse.bench.harness import gpu_slug, run_metadata
+    from moefuse.demo_system import plot
+
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"demo-{gpu_slug()}"
+    meta = run_metadata()
+    head = f"{meta['gpu']}, {meta['date'][:10]}, commit {meta['commit']}: {meta['command']}"
+    stem.with_suffix(".txt").write_text(head + "\n\n" + "\n".join(lines) + "\n")
+    model = {k: v for k, v in model.items() if k != "report"} | {"report": model.get("report")}
+    data = {"meta": meta, "ops": rows, "communication": comm, "model": model}
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    try:
+        plot(stem.with_suffix(".png"), f"moefuse demo on {name} ({head})", rows, model)
+    except ImportError:
+        pass
+    print(f"wrote {stem}.txt / .json / .png")
 
 
 def _us(us: float | None) -> str:
