@@ -67,7 +67,7 @@ EXPERTS_TOKEN_TILES = (16, 32, 64, 128, 256)
 #: fewer bytes per MMA (the weight tile is re-read once per token tile, the token rows once per
 #: weight tile). The gate|up tile is whole 64-row blocks (32 gate + 32 up rows), BK = 64 keeps
 #: the stages in shared memory, and the reduction is still k16 steps in ascending k, so no bit
-#: moves (the GPU tests and ``scripts/probe_experts_variants.py`` compare the bits of both
+#: moves (the GPU tests and ``75a3027:scripts/probe_experts_variants.py`` compare the bits of both
 #: tiles). MEASURED (H200, 2026-12-04, b21ac12, notes/moe-experts.md), us at 128 columns narrow
 #: -> wide: Qwen3 T = 256 518 -> 358, 1024 574 -> 421, 2048 869 -> 609; Mixtral 256 994 -> 746,
 #: 1024 2455 -> 1779, 2048 4636 -> 3304; DeepSeek-V3 256 7647 -> 5653, 1024 8072 -> 6393, 2048
