@@ -68,7 +68,8 @@ def _group_out(y, rows, cols, mask, g0, qa, QC, PTX: tl.constexpr):
     E8M0: tl.constexpr = QC[4]
     B: tl.constexpr = y.shape[1]
     yq = widen_f32(round_to(y, qa[7].dtype.element_ty, PTX), PTX)
-    q, s = group_quant_tile(tl.where(mask, yq, 0.0), qa[6], GW, QMAX, UE8M0, INT8, PTX)
+    live = tl.broadcast_to(mask, yq.shape)
+    q, s = group_quant_tile(yq, live, qa[6], GW, QMAX, UE8M0, INT8, PTX)
     r64 = rows.to(tl.int64)[:, None]
     # codes stored 8 to a vector, as the 16-bit norm output is: a 16-byte vector of codes would
     # have Triton lay the whole tile out 16 elements per thread, the row sum included, and sum
