@@ -26,10 +26,11 @@ def test_demo_passes_at_a_small_size(capsys, tmp_path):
     assert "allreduce_residual_rmsnorm 4x64 per rank: residual_out bitwise equal" in out
     # the patched model: what runs now, what it replaced, tokens against the shipped model
     assert "experts now 'moefuse' (replaced 'grouped_mm')" in out
-    assert "greedy tokens, patched vs shipped: 6 of 6 equal: ok" in out
+    assert "greedy tokens, patched vs shipped: the first 6 of 6 equal" in out
+    assert "the same next token at 6 of 6 positions: ok" in out
     saved = json.loads((tmp_path / "demo-cpu.json").read_text())
     assert saved["meta"]["commit"] and len(saved["ops"]) == 12
-    assert saved["communication"]["ranks_bitwise"] and saved["model"]["tokens_equal"] == 6
+    assert saved["communication"]["ranks_bitwise"] and saved["model"]["tokens_equal_leading"] == 6
     assert (tmp_path / "demo-cpu.txt").read_text().count("\n") > 20
 
 

