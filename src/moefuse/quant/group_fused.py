@@ -47,7 +47,7 @@ from moefuse.quant.group_triton import group_quant_tile, store_scales
 def _metadata(grid, kernel, args):
     n, h = args["n_rows"], args["H"]
     e = args["x_ptr"].element_size()
-    scales = n * args["G"] * (1 if args["E8M0"] else 4)
+    scales = n * args["quant"][5] * (1 if args["E8M0"] else 4)
     elem = e * (3 if args["HAS_RESIDUAL"] else 1) + 1
     return {"name": f"rmsnorm_group_quant M={n} H={h}", "bytes": n * h * elem + scales}
 
@@ -187,10 +187,11 @@ def _two_pass(x_ptr, res_ptr, w_ptr, pid, n_rows, x_st, r_st, H, Hf, eps, gc, qa
 
 @triton.jit(do_not_specialize=["n_rows"], launch_metadata=_metadata)
 def _norm_group_quant_kernel(
-    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr,
-    n_rows, H, Hf, G,
-    x_st, r_st, q_st, s_st, s_sg,
-    eps, gain_center, qeps,
+    x_ptr, res_ptr, w_ptr,
+    n_rows, H, Hf,
+    x_st, r_st,
+    eps, gain_center,
+    quant,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
     EVICT_FIRST: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, STEPPED: tl.constexpr,
@@ -198,7 +199,10 @@ def _norm_group_quant_kernel(
     GW: tl.constexpr, QMAX: tl.constexpr, UE8M0: tl.constexpr, INT8: tl.constexpr,
     E8M0: tl.constexpr,
 ):  # fmt: skip
-    """codes / scales of ``y = cast((h * r) * g)``, h = f32(x) [+ f32(res), res <- cast(h)]."""
+    """codes / scales of ``y = cast((h * r) * g)``, h = f32(x) [+ f32(res), res <- cast(h)].
+    ``quant`` = (q_ptr, s_ptr, q_st, s_st, s_sg, G, qeps): the codes, the scales and their
+    strides, the groups per row and the quantization eps."""
+    q_ptr, s_ptr, q_st, s_st, s_sg, G, qeps = quant
     pid = tl.program_id(0)
     qa = (q_ptr, s_ptr, q_st, s_st, G, n_rows, qeps, x_ptr, s_sg)
     if STEPPED:
@@ -255,11 +259,11 @@ def launch_norm_group_quant(
     )
     gw = min(group_size, tile.block)
     args = (
-        input, residual if residual is not None else input, weight, q, scales,
-        n_rows, width, float(width), scales.shape[-1],
-        input.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0),
-        scales.stride(0), scales.stride(1),
-        eps, gain_center, quant_eps,
+        input, residual if residual is not None else input, weight,
+        n_rows, width, float(width),
+        input.stride(0), residual.stride(0) if residual is not None else 0,
+        eps, gain_center,
+        (q, scales, q.stride(0), scales.stride(0), scales.stride(1), scales.shape[-1], quant_eps),
     )  # fmt: skip
     consts = {
         **_row_consts(tile, width, n_rows, unroll, loop_min, use_pdl),
