@@ -3,7 +3,8 @@ row sums, read from the TTGIR that Triton compiles for sm_90a (no GPU needed).
 
 moefuse.tools.audit_reduce_trees runs in a subprocess without TRITON_INTERPRET (this process has
 the interpreter on, which cannot compile). It compares gated_next with and without router_input
-and the all-gather + norm kernels with their single-GPU ops, one-pass and stepped rows."""
+the all-gather + norm kernels with their single-GPU ops, and the per-token-group quant fusions with
+rmsnorm / fused_add_rmsnorm, one-pass and stepped rows."""
 
 import os
 import subprocess
@@ -13,7 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 WIDTHS = "64,2048,4096"  # one-pass tiles of 32 rows and of one row, stepped rows
-CASES_PER_WIDTH = 7  # gated_next router / no router; all-gather gated x 4, rmsnorm x 2
+CASES_PER_WIDTH = 9  # gated_next router / no router; all-gather gated x 4, rmsnorm x 2;
+# rmsnorm_group_quant, fused_add_rmsnorm_group_quant
 
 
 def test_kernels_sum_rows_in_the_same_order():

@@ -14,6 +14,10 @@ each kernel with the single-GPU op it must match. ``DIFF`` means the two sum at 
 statistic in different orders (bits may differ, now and then, by an ulp); a kernel that sums
 one statistic twice, in two layouts, shows more sums than its reference.
 
+The per-token-group quant fusions are compared with rmsnorm / fused_add_rmsnorm too: storing
+their 8-bit codes 16 to a vector once laid the whole tile out 16 elements per thread, row sum
+included, at the one-pass 4096-column tile (caught here, offline).
+
 Written after an H200 run (notes/norm.md) found gated_next's ffn_input differing with
 and without router_input on one-pass rows; this audit showed the two layouts before any GPU time
 and MATCH after the fix. tests/test_reduce_trees.py runs it in CI (exit status 1 on any DIFF).
@@ -34,6 +38,7 @@ from moefuse.comm.all_gather import kernels as AG
 from moefuse.comm.all_gather import persistent as fused
 from moefuse.norm import gated, rms, tiles
 from moefuse.norm import triton as nt
+from moefuse.quant import group_fused
 from moefuse.tools.compile_check_allgather import DIVISIBLE, OP_TYPES, TYPES, norm_consts
 from moefuse.tools.ptxas import TARGET, specialised_source, with_constexpr_defaults
 
@@ -119,6 +124,36 @@ def single_rmsnorm(h: int, m: int) -> list[str]:
     return reduce_trees(ttgir(rms._rmsnorm_kernel, consts, warps, types, int_values(h, 1)))
 
 
+def single_fused_add(h: int, m: int) -> list[str]:
+    tile = tiles.row_tile(h, tiles.FUSED_ADD_POLICY)
+    consts = nt._row_consts(tile, h, m, None, tiles.FUSED_ADD_LOOP_MIN_ROWS, True)
+    warps = consts.pop("num_warps")
+    types = {"Hf": "fp32", "eps": "fp32", "gain_center": "fp32"}
+    return reduce_trees(
+        ttgir(rms._fused_add_rmsnorm_kernel, consts, warps, types, int_values(h, 1))
+    )
+
+
+def group_quant_trees(h: int, residual: bool, m: int) -> list[str]:
+    """rmsnorm_group_quant / fused_add_rmsnorm_group_quant (E4M3, groups of 128): their row sums
+    must be those of rmsnorm / fused_add_rmsnorm (fused == unfused bitwise). The group maxima
+    are integer reductions and are not listed."""
+    tile = group_fused.norm_group_tile(h, residual)
+    loop_min = tiles.FUSED_ADD_LOOP_MIN_ROWS if residual else tiles.RMSNORM_LOOP_MIN_ROWS
+    consts = nt._row_consts(tile, h, m, None, loop_min, True)
+    consts.update(
+        HAS_RESIDUAL=residual, GW=min(128, tile.block), QMAX=448.0, UE8M0=False, INT8=False,
+        E8M0=False,
+    )  # fmt: skip
+    warps = consts.pop("num_warps")
+    types = {
+        "Hf": "fp32", "eps": "fp32", "gain_center": "fp32", "qeps": "fp32", "q_ptr": "*u8",
+        "s_ptr": "*fp32",
+    }  # fmt: skip
+    ints = {**int_values(h, 1), "q_st": h, "s_st": 16, "s_sg": 1, "G": 16}
+    return reduce_trees(ttgir(group_fused._norm_group_quant_kernel, consts, warps, types, ints))
+
+
 def allgather_trees(op: int, h: int, p: int, router: bool | None) -> dict[str, list[str]]:
     """The decode (one-launch) and persistent kernels of the all-gather op, unrolled mode."""
     block_s, _ = AG.allgather_tile(h // p)
@@ -171,6 +206,16 @@ def main() -> int:
             ref = single_rmsnorm(h, 16384)
             for kname, trees in allgather_trees(dec.RMSNORM, h, args.p, None).items():
                 diffs += not _compare(f"H={h} all_gather rmsnorm {kname} vs rmsnorm", ref, trees)
+        diffs += not _compare(
+            f"H={h} rmsnorm_group_quant vs rmsnorm",
+            single_rmsnorm(h, 16384),
+            group_quant_trees(h, False, 16384),
+        )
+        diffs += not _compare(
+            f"H={h} fused_add_rmsnorm_group_quant vs fused_add_rmsnorm",
+            single_fused_add(h, 16384),
+            group_quant_trees(h, True, 16384),
+        )
     print(f"TOTAL differing kernels: {diffs}")
     return diffs
 
