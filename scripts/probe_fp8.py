@@ -54,6 +54,16 @@ def fp8_experts(shape, device, seed=0):
     return out
 
 
+def active(variants: dict, size: int) -> dict:
+    """The variants that run at this token / row count: a variant's ``"at"`` list names its
+    sizes (every size without one); the tile keys without ``"at"``."""
+    return {
+        name: {k: v for k, v in tile.items() if k != "at"}
+        for name, tile in variants.items()
+        if size in tile.get("at", [size])
+    }
+
+
 def bits_equal(a, b):
     return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
@@ -70,6 +80,8 @@ def experts(args, device, sheet, ceiling):
 
         def fp8(x, idx, wt, tile=None, token_tile=None):
             out = torch.empty_like(x)
+            tile = dict(tile or {})
+            token_tile = tile.pop("bt", token_tile)
             launch_moe_experts_fp8(
                 x, gq, gs, dq, ds, idx, wt, out, None, None, 1.0, False, True,
                 tile=tile, token_tile=token_tile,
@@ -100,7 +112,8 @@ def experts(args, device, sheet, ceiling):
                 ).float()  # fmt: skip
                 line += f" relrms={float((base.float() - want).norm() / want.norm()):.2e}"
             same = {}
-            for v, c in list(variants.items()):
+            here = active(variants, t)
+            for v, c in here.items():
                 try:
                     same[v] = bits_equal(fp8(x0, i0, w0, tile=c), base)
                 except Exception as exc:  # noqa: BLE001 (a variant that does not build)
@@ -109,7 +122,7 @@ def experts(args, device, sheet, ceiling):
             print(line, flush=True)
             calls = int(max(3, min(20, 20000 / (3 * floor + 20))))
             times = {"fp8": graph_time_us(lambda i, s=sets: fp8(*s[i % 8]), calls=calls)}
-            for v, c in variants.items():
+            for v, c in here.items():
                 if same[v] in (True, False):
                     times[v] = graph_time_us(
                         lambda i, s=sets, c=c: fp8(*s[i % 8], tile=c), calls=calls
@@ -123,7 +136,7 @@ def experts(args, device, sheet, ceiling):
             cols = "  ".join(f"{k} {v:.1f}" for k, v in times.items())
             print(f"  us: {cols}  x_floor {times['fp8'] / floor:.2f}  "
                   f"bf16/fp8 {times['bf16'] / times['fp8']:.2f}", flush=True)  # fmt: skip
-            if t == args.tokens[0]:
+            if t <= 16:
                 k = kernel_times(lambda: fp8(x0, i0, w0), device)
                 print("  kernels:", {n[:40]: round(u, 1) for n, u in list(k.items())[:6]})
 
@@ -197,10 +210,12 @@ def linear(args, device, sheet, ceiling):
             if m <= 256:
                 want = moefuse.fp8_linear(sets[0], wq, ws, impl="reference").float()
                 line += f" relrms={float((base.float() - want).norm() / want.norm()):.2e}"
-                one = run(sets[0][1:2])
-                line += f" alone==batch {bits_equal(one[0], base[1])}"
+                j = min(1, m - 1)
+                one = run(sets[0][j : j + 1])
+                line += f" alone==batch {bits_equal(one[0], base[j])}"
             same = {}
-            for v, c in variants.items():
+            here = active(variants, m)
+            for v, c in here.items():
                 try:
                     same[v] = bits_equal(run(sets[0], tile=c), base)
                 except Exception as exc:  # noqa: BLE001 (a variant that does not build)
@@ -208,7 +223,7 @@ def linear(args, device, sheet, ceiling):
             print(line + f" bits={same}", flush=True)
             calls = int(max(3, min(20, 20000 / (3 * max(floor, flop_floor) + 20))))
             times = {"fp8": graph_time_us(lambda i: run(sets[i % 4]), calls=calls)}
-            for v, c in variants.items():
+            for v, c in here.items():
                 if same[v] in (True, False):
                     times[v] = graph_time_us(lambda i, c=c: run(sets[i % 4], tile=c), calls=calls)
             times["bf16_mm"] = graph_time_us(lambda i: sets[i % 4] @ wbf.t(), calls=calls)

@@ -190,3 +190,161 @@ def test_fp8_linear_reference_and_bad_inputs():
         args = dict(input=x, weight=wq, weight_scale_inv=ws, bias=bias, out=out)
         args.update(change)
         expect_value_error(lambda a=args: fp8_linear(**a), name, out)
+
+
+# ----------------------------------------------------------------------------- kernels
+def poison_unrouted(fp8, idx):
+    """NaN codes (0x7F) and NaN scales in every expert no slot routes to: never read."""
+    gq, gs, dq, ds = (t.clone() for t in fp8)
+    used = set(idx[(idx >= 0) & (idx < gq.shape[0])].tolist())
+    for e in range(gq.shape[0]):
+        if e not in used:
+            for q, s in ((gq, gs), (dq, ds)):
+                q[e].view(torch.uint8).fill_(0x7F)
+                s[e] = float("nan")
+    return gq, gs, dq, ds
+
+
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k,layout,scale_dtype", [
+    (1, 200, 100, 6, 1, "stacked", torch.float32),
+    (3, 130, 192, 5, 4, "interleaved", E8M0),
+    (5, 256, 72, 9, 8, "stacked", E8M0),
+    (4, 72, 136, 4, 2, "interleaved", torch.float32),
+])  # fmt: skip
+def test_fp8_kernels_match_reference(tokens, hidden, inter, experts, top_k, layout, scale_dtype):
+    """Odd H and I (partial 128-blocks in both GEMMs, I % 128 != 0 so a scale block holds gate
+    and up rows), K = 1..8, sentinels, both layouts and scale dtypes; unrouted experts' codes and
+    scales NaN, the output poisoned: the kernels within 2^-8 relative RMS of the reference; the
+    plan kernel (with and without tail tiles) and the inline plan give the same bits."""
+    from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
+
+    x, (gu, dn), _fp8, idx, w = fp8_case(tokens, hidden, inter, experts, top_k, seed=tokens)
+    if layout == "interleaved":
+        gu = interleave(gu)
+    fp8 = (*r8.quantize_weight_blocks(gu, scale_dtype), *r8.quantize_weight_blocks(dn, scale_dtype))
+    if top_k > 1:
+        idx[0, -1] = experts + 2  # expert-parallel sentinels
+        idx[-1, 0] = -1
+    gq, gs, dq, ds = poison_unrouted(fp8, idx)
+    kw = dict(gate_up_proj_scale_inv=gs, down_proj_scale_inv=ds, gate_up_layout=layout)
+    want = moefuse.moe_experts(x, gq, dq, idx, w, impl="reference", **kw)
+    assert torch.isfinite(want.float()).all()
+    out = poison_(torch.empty_like(x))
+    got = moefuse.moe_experts(x, gq, dq, idx, w, out=out, impl="triton", **kw)
+    assert got is out and rel_rms(got, want) < 2**-8, rel_rms(got, want)
+    for tile in ({"inline_plan_slots": 0}, {"inline_plan_slots": 0, "tail_tile": 16}):
+        out = poison_(torch.empty_like(x))
+        launch_moe_experts_fp8(
+            x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, layout == "interleaved", False,
+            tile=tile,
+        )  # fmt: skip
+        assert_bitwise_equal(out, got, f"{tile}")
+
+
+def test_fp8_batch_invariance_and_extensions():
+    """A token's bits alone == inside the batch, at token tiles of 16 and 32 and with the plan
+    kernel (the interpreter's block dots are exact, so its bits are a fixed function of the
+    codes); bias, shared expert output and routed scaling factor as in the BF16 op."""
+    from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
+
+    x, _m, (gq, gs, dq, ds), idx, w = fp8_case(12, 160, 96, 5, 3, seed=11)
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(5, 160, generator=g).to(torch.bfloat16)
+    shared = torch.randn(12, 160, generator=g).to(torch.bfloat16)
+    kw = dict(bias=bias, shared_expert_output=shared, routed_scaling_factor=1.5)
+    full = moefuse.moe_experts(
+        x, gq, dq, idx, w, gate_up_proj_scale_inv=gs, down_proj_scale_inv=ds, impl="triton", **kw
+    )
+    want = ref.moe_experts_reference(
+        x, gq, dq, idx, w, gate_up_proj_scale_inv=gs, down_proj_scale_inv=ds, **kw
+    )
+    assert rel_rms(full, want) < 2**-8
+    for j in (0, 7):
+        alone = moefuse.moe_experts(
+            x[j : j + 1], gq, dq, idx[j : j + 1], w[j : j + 1], gate_up_proj_scale_inv=gs,
+            down_proj_scale_inv=ds, impl="triton", bias=bias,
+            shared_expert_output=shared[j : j + 1], routed_scaling_factor=1.5,
+        )  # fmt: skip
+        assert_bitwise_equal(alone[0], full[j], f"token {j} alone")
+    for bt, tile in ((16, {"inline_plan_slots": 0}), (32, {"fuse_finalize_slots": 0})):
+        out = poison_(torch.empty_like(full))
+        launch_moe_experts_fp8(
+            x, gq, gs, dq, ds, idx, w, out, bias, shared, 1.5, False, False, tile=tile,
+            token_tile=bt,
+        )  # fmt: skip
+        assert_bitwise_equal(out, full, f"token tile {bt}")
+
+
+def test_fp8_linear_kernel():
+    """fp8_linear in the interpreter: within 2^-8 of the reference with bias and UE8M0 scales,
+    partial blocks in N and K; the split launch, the in-register chunks and the wide tile give
+    the same bits; a row alone == in the batch; pre-quantized input (per_token_group_quant_8bit's
+    codes and scales) == the op's own quantization."""
+    from moefuse.moe.linear_triton import launch_fp8_linear
+
+    g = torch.Generator().manual_seed(21)
+    n, k = 200, 520  # 5 K-blocks: split into chunks (the last one short)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    wq, ws = r8.quantize_weight_blocks(w, E8M0)
+    x = torch.randn(5, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    out = poison_(torch.empty(5, n, dtype=torch.bfloat16))
+    got = moefuse.fp8_linear(x, wq, ws, bias, out=out, impl="triton")
+    want = moefuse.fp8_linear(x, wq, ws, bias, impl="reference")
+    assert got is out and rel_rms(got, want) < 2**-8
+    for tile in (
+        {"split_programs": False},
+        {"split_programs": True},
+        {"bn": 128, "bt": 128, "warps": 8, "split_programs": False},
+    ):
+        o = poison_(torch.empty_like(got))
+        launch_fp8_linear(x, wq, ws, bias, None, o, False, tile=tile)
+        assert_bitwise_equal(o, got, f"{tile}")
+    alone = moefuse.fp8_linear(x[3:4], wq, ws, bias, impl="triton")
+    assert_bitwise_equal(alone[0], got[3], "a row alone")
+    q, s = moefuse.per_token_group_quant_8bit(x, 128, impl="reference")
+    pre = moefuse.fp8_linear(q, wq, ws, bias, input_scale=s, impl="triton")
+    assert_bitwise_equal(pre, got, "pre-quantized input")
+
+
+def test_fp8_custom_ops_compile_and_plans():
+    """opcheck of both custom ops (kernel and reference backends), launch plans replaying the
+    eager bits, and torch.compile(fullgraph=True, dynamic=True): one graph for 3 and 6 tokens."""
+    from moefuse import _fastpath
+    from moefuse.moe import ops
+
+    x, _m, (gq, gs, dq, ds), idx, w = fp8_case(6, 136, 72, 4, 2, seed=31)
+    out = torch.empty_like(x)
+    for backend in ("triton", "reference"):
+        # (opcheck's schema test multiplies inputs, which torch does not implement for FP8)
+        torch.library.opcheck(
+            ops.moe_experts_fp8_op,
+            (x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, False, False, backend),
+            test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+        )
+    wq, ws = r8.quantize_weight_blocks(torch.randn(136, 200) * 0.1)
+    xl = torch.randn(3, 200).to(torch.bfloat16)
+    ol = torch.empty(3, 136, dtype=torch.bfloat16)
+    for backend in ("triton", "reference"):
+        torch.library.opcheck(
+            ops.fp8_linear_op,
+            (xl, wq, ws, None, None, ol, False, backend),
+            test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+        )
+    kw = dict(gate_up_proj_scale_inv=gs, down_proj_scale_inv=ds, impl="triton")
+    eager = moefuse.moe_experts(x, gq, dq, idx, w, **kw)
+    again = moefuse.moe_experts(x, gq, dq, idx, w, **kw)
+    assert _fastpath.plan_count(moefuse.moe_experts) >= 1
+    assert_bitwise_equal(again, eager, "launch plan replay")
+
+    def f(x, idx, w, xl):
+        y = moefuse.moe_experts(x, gq, dq, idx, w, **kw) * 1
+        return y, moefuse.fp8_linear(xl, wq, ws, impl="triton") * 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for t in (3, 6):
+        got = compiled(x[:t], idx[:t], w[:t], xl[: t // 3 + 1])
+        want = f(x[:t], idx[:t], w[:t], xl[: t // 3 + 1])
+        assert_bitwise_equal(got[0], want[0], f"compiled experts, {t} tokens")
+        assert_bitwise_equal(got[1], want[1], f"compiled fp8_linear, {t} tokens")

@@ -1,19 +1,20 @@
 """Triton kernels of the FP8 (block-scaled W8A8) routed experts (:func:`moefuse.moe_experts` with
 ``float8_e4m3fn`` weights).
 
-The launches and the work of each are those of the BF16 kernels (:mod:`moefuse.moe.experts_triton`:
-the routing plan, or at decode each program's own work item; gate|up; down; the deterministic
-finalize, inside the down kernel at decode), with the products of
+Six launches at most: the routing plan (above 32 slots; below, each program computes its own
+work item), the tokens' group quantization (per_token_group_quant_8bit's kernel: E4M3 codes and
+one FP32 scale per 128 channels), gate|up, the activation's group quantization, down, and the
+deterministic finalize (inside the down kernel up to 8 slots). The plan, work items, tail tiles
+and finalize are the BF16 kernels' (:mod:`moefuse.moe.experts_triton`); the products are
 :func:`moefuse.moe.fp8_device.block_fp8_product`: every program streams its weight tile of one
-expert (E4M3 codes and their 128 x 128 block scales) once for all the item's tokens, quantizes
-each token column per 128-channel group in registers (``x`` in the gate|up kernel, the rounded
-``act`` in the down kernel: the formula of per_token_group_quant_8bit), and sums the FP8 MMA of
-each K-block from zero, scaled, in ascending block order. No weight is copied or dequantized.
+expert (E4M3 codes and their 128 x 128 block scales) once for all the item's tokens and sums the
+FP8 MMA of each K-block from zero, scaled, in ascending block order. No weight is copied or
+dequantized.
 
-Batch invariance: a column's ``dot_b`` is a chain of k32 MMA steps whatever the other columns
-hold; its group scale is its own; the block sums run in ascending ``b``; the epilogues are the BF16
-kernels'. So a token's bits depend on its own row, its experts and the weights only (GPU tests:
-alone, in batches of 64 and 256, at every token tile).
+Batch invariance: a column's ``dot_b`` is the MMA's chain of k32 steps whatever the other
+columns hold; its group scale is its own token's; the block sums run in ascending ``b``; the
+epilogues are the BF16 kernels'. So a token's bits depend on its own row, its experts and the
+weights only (GPU tests: alone, in batches of 64 and 256, at every token tile).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from moefuse.moe.experts_triton import (
     _work_item,
     _write_slot_map,
 )
-from moefuse.moe.fp8_device import GROUP_EPS, block_fp8_product, fp8_codes
+from moefuse.moe.fp8_device import block_fp8_product, fp8_codes
 from moefuse.moe.tiles import experts_fp8_tile, experts_token_tile
 from moefuse.moe.triton import launch_moe_finalize
 
@@ -52,11 +53,11 @@ def _gate_up_item(
     x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, INTERLEAVED: tl.constexpr,
-    E8M0: tl.constexpr, PREQUANT: tl.constexpr,
+    E8M0: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``strides`` =
     (x row, x-scale row, act row, weight expert / row / reduction, scale expert / row / block);
-    with ``PREQUANT`` ``x`` holds the tokens' E4M3 codes and ``xs`` their group scales. The weight
+    ``x`` holds the tokens' E4M3 codes and ``xs`` their group scales. The weight
     tile is blocks of 64 rows, 32 gate rows and the 32 up rows that pair with them, as in the
     BF16 kernel; a row's scale is row ``stored row // 128`` of its expert's scales."""
     e, s, r_in, tok = item
@@ -74,7 +75,7 @@ def _gate_up_item(
     x_cols = x_ptr + tok[None, :] * x_st
     acc = block_fp8_product(
         w_rows, n_in, w_st_k, s_rows, s_st_k, x_cols, r_in, xs_ptr + tok * xs_st, 0,
-        GROUP_EPS, (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0, PREQUANT,
+        (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0, PRECISE,
     )  # fmt: skip
     if USE_PDL:
         gdc_launch_dependents()
@@ -95,7 +96,7 @@ def _experts_fp8_gate_up_kernel(
     count_ptr, strides, idx_strides, top_k, n_slots, n_experts, n_count,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, SP: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-    BR: tl.constexpr, INTERLEAVED: tl.constexpr, E8M0: tl.constexpr, PREQUANT: tl.constexpr,
+    BR: tl.constexpr, INTERLEAVED: tl.constexpr, E8M0: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
     tokens (module docstring); the roles of ``SP``, ``BR`` and the counters are those of the
@@ -115,7 +116,7 @@ def _experts_fp8_gate_up_kernel(
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _gate_up_item(
             x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, tail, strides, KDIM, INTER, BN, BR, STAGES,
-            PTX, USE_PDL, INTERLEAVED, E8M0, PREQUANT,
+            PTX, USE_PDL, INTERLEAVED, E8M0, PRECISE,
         )  # fmt: skip
     else:
         item = _work_item(
@@ -124,7 +125,7 @@ def _experts_fp8_gate_up_kernel(
         if item[0] >= 0:
             _gate_up_item(
                 x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides, KDIM, INTER, BN, BT, STAGES,
-                PTX, USE_PDL, INTERLEAVED, E8M0, PREQUANT,
+                PTX, USE_PDL, INTERLEAVED, E8M0, PRECISE,
             )  # fmt: skip
 
 
@@ -132,11 +133,11 @@ def _experts_fp8_gate_up_kernel(
 def _down_item(
     act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, rows, strides,
     KDIM: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
-    USE_PDL: tl.constexpr, E8M0: tl.constexpr, PREQUANT: tl.constexpr,
+    USE_PDL: tl.constexpr, E8M0: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """``y`` of ``rows`` = (rows of H, in range) for the ``BT`` columns of ``item``; ``strides``
     = (act row, act-scale row, y row, weight expert / row / reduction, scale expert / row /
-    block); with ``PREQUANT`` ``act`` holds E4M3 codes and ``as`` their group scales."""
+    block); ``act`` holds the activation's E4M3 codes and ``as`` their group scales."""
     e, s, r_in, _tok = item
     n, n_in = rows
     act_st, as_st, y_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
@@ -147,8 +148,8 @@ def _down_item(
     s64 = s.to(tl.int64)
     acc = block_fp8_product(
         w_rows, n_in, w_st_k, s_rows, s_st_k, act_ptr + s64[None, :] * act_st, r_in,
-        as_ptr + s64 * as_st, 0, GROUP_EPS, (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0,
-        PREQUANT,
+        as_ptr + s64 * as_st, 0, (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0,
+        PRECISE,
     )  # fmt: skip
     if USE_PDL:
         gdc_launch_dependents()
@@ -163,7 +164,7 @@ def _experts_fp8_down_kernel(
     KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, SP: tl.constexpr, FINALIZE: tl.constexpr, EXTRAS: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr, BR: tl.constexpr, E8M0: tl.constexpr,
-    PREQUANT: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):  # fmt: skip
     """y[s, h] = the block-scaled FP8 product of act[s] and down row h (FP32, unrounded); with
     ``FINALIZE`` the last program of each H tile runs the finalize, as in the BF16 down kernel
@@ -178,7 +179,7 @@ def _experts_fp8_down_kernel(
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _down_item(
             act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, tail, (n, n_in), strides, KDIM, BR, STAGES, PTX,
-            USE_PDL, E8M0, PREQUANT,
+            USE_PDL, E8M0, PRECISE,
         )  # fmt: skip
     else:
         item = _work_item(
@@ -187,7 +188,7 @@ def _experts_fp8_down_kernel(
         if item[0] >= 0:
             _down_item(
                 act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, (n, n_in), strides, KDIM, BT, STAGES,
-                PTX, USE_PDL, E8M0, PREQUANT,
+                PTX, USE_PDL, E8M0, PRECISE,
             )  # fmt: skip
     if FINALIZE:
         y_st = strides[2]
@@ -253,10 +254,8 @@ def launch_moe_experts_fp8(
     gs, gs_e8 = _scale_arg(gate_up_proj_scale_inv)
     ds, ds_e8 = _scale_arg(down_proj_scale_inv)
     gw, dw = fp8_codes(gate_up_proj), fp8_codes(down_proj)
-    prequant = bool(cfg["prequant"])
-    x, xs = hidden_states, hidden_states
-    if prequant:  # the tokens quantized once, not once per weight tile (the same codes)
-        x, xs = _group_quant(hidden_states, use_pdl)
+    precise = bool(cfg["precise"])
+    x, xs = _group_quant(hidden_states, use_pdl)
     strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
     launch(
         _experts_fp8_gate_up_kernel,
@@ -267,14 +266,12 @@ def launch_moe_experts_fp8(
         plan.counters.numel() if plan.fused else 0,
         KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BT=plan.bt, STAGES=cfg["stages"],
         SP=plan.sp, PTX=ptx, USE_PDL=use_pdl, BR=plan.br, INTERLEAVED=interleaved, E8M0=gs_e8,
-        PREQUANT=prequant,
+        PRECISE=precise,
         num_warps=cfg["warps"], enable_fp_fusion=False, **pdl_launch_kwargs(use_pdl),
     )  # fmt: skip
     rsf = float(routed_scaling_factor)
     act, y = plan.act, plan.y
-    a, a_s = act, act
-    if prequant:
-        a, a_s = _group_quant(act, use_pdl)
+    a, a_s = _group_quant(act, use_pdl)
     fin_strides = (
         plan.slot_map.stride(0),
         top_k_weights.stride(0),
@@ -293,7 +290,7 @@ def launch_moe_experts_fp8(
         KDIM=inter, H=hidden, BN=cfg["bn_down"], BT=plan.bt,
         STAGES=cfg.get("down_stages", cfg["stages"]), SP=plan.sp, FINALIZE=plan.fused,
         EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None), PTX=ptx,
-        USE_PDL=use_pdl, BR=plan.br, E8M0=ds_e8, PREQUANT=prequant,
+        USE_PDL=use_pdl, BR=plan.br, E8M0=ds_e8, PRECISE=precise,
         num_warps=cfg.get("down_warps", cfg["warps"]), enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
     )  # fmt: skip

@@ -3,30 +3,31 @@ shared by the FP8 routed experts (:mod:`moefuse.moe.experts_fp8`) and ``fp8_line
 (:mod:`moefuse.moe.linear_triton`).
 
 The weights are the MMA's M operand (rows of ``W``), the tokens its N operand (columns), as in
-the BF16 experts kernels. One loop step is one 128-wide K-block ``b``: the block's weight codes,
-its per-row scale, the token columns quantized per 128-channel group in registers (or loaded
-pre-quantized), one FP8 MMA from a zero accumulator (``dot_b``, FP32) and
-``acc = acc + (dot_b * xs[b]) * Ws[row, b]``. Each column's ``dot_b`` is a chain of the MMA's k32
-steps whatever the other columns hold, and the blocks are added in ascending ``b``: a column's
-bits depend on its own row, the weights and the tile, never on the batch.
+the BF16 experts kernels. The token rows arrive quantized (E4M3 codes and one FP32 scale per
+128-channel group, from per_token_group_quant_8bit's kernel). One loop step is one 128-wide
+K-block ``b``: the block's weight codes and per-row scale, the columns' codes and scales, one FP8
+MMA from a zero accumulator (``dot_b``, FP32) and ``acc = fma(dot_b, xs[b] * Ws[row, b], acc)``.
+Each column's ``dot_b`` is the MMA's chain of k32 steps whatever the other columns hold, and the
+blocks are added in ascending ``b``: a column's bits depend on its own row, the weights and the
+accumulation mode, never on the batch or the tile's width.
+
+Quantizing the token groups inside every program (once per weight tile instead of once per
+token) lost everywhere it was measured (H100, notes/moe-experts-fp8.md): 2.6-3.9 x slower at one
+token, 2-5 x at 2,048.
 
 Interpreter: the FP8 codes are decoded exactly to FP64 and multiplied in FP64 (every ``dot_b`` is
 exact there: products of two E4M3 values have 8 significant bits and 128 of them span under 53
-bits), then rounded to FP32: a deterministic stand-in for the tensor cores' FP32 block sum.
+bits), then rounded to FP32: a deterministic stand-in for the tensor cores' block sum.
 """
 
 import triton
 import triton.language as tl
 
-from moefuse._device import widen_f32
+from moefuse._device import fma_ftz
 from moefuse.quant.device import fp8_decode
-from moefuse.quant.group_triton import group_codes, group_scale
 
 #: the K-block (and activation group) width: one scale per 128 x 128 weight block
 BLOCK: tl.constexpr = tl.constexpr(128)
-#: E4M3's largest code and the group quantization's epsilon (per_token_group_quant_8bit)
-_QMAX: tl.constexpr = tl.constexpr(448.0)
-GROUP_EPS: tl.constexpr = tl.constexpr(1e-10)
 #: FP32 bits of 2^-127 (UE8M0 byte 0, an FP32 subnormal)
 _E8M0_ZERO_BITS: tl.constexpr = tl.constexpr(0x00400000)
 
@@ -44,19 +45,6 @@ def scale_f32(s, E8M0: tl.constexpr):
         return tl.where(bi == 255, float("nan"), v)
     else:
         return s
-
-
-@triton.jit
-def group_quant_columns(v, eps, PTX: tl.constexpr):
-    """``(codes [BK, BT] uint8, scales [BT])`` of FP32 columns ``v`` [BK, BT] (one 128-channel
-    group per column): the arithmetic of per_token_group_quant_8bit's kernel
-    (:mod:`moefuse.quant.group_triton`: an integer amax of the bits, ``s = max(amax, eps) /
-    448``, ``q = e4m3(v / s)``, IEEE divisions), so codes quantized here and by that op agree
-    bit for bit."""
-    amax = tl.max(v.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=0).to(tl.float32, bitcast=True)
-    s = group_scale(amax, eps, _QMAX, False)
-    q = group_codes(tl.math.div_rn(v, tl.broadcast_to(s[None, :], v.shape)), False, PTX)
-    return q, s
 
 
 @triton.jit
@@ -78,16 +66,29 @@ def _bytes(t):
 
 
 @triton.jit
-def fp8_block_dot(w, q, PTX: tl.constexpr):
-    """``dot_b`` = FP32 ``w @ q`` of E4M3 codes (E4M3 or their uint8 bytes) ``w`` [R, BK] and
-    ``q`` [BK, BT] from a zero accumulator (module docstring: the interpreter's exact
-    stand-in)."""
+def fp8_block_dot(w, q, PRECISE: tl.constexpr, PTX: tl.constexpr):
+    """``dot_b`` = FP32 ``w @ q`` of E4M3 codes (E4M3 or their uint8 bytes) ``w`` [R, 128] and
+    ``q`` [128, BT] from a zero accumulator. ``PRECISE``: every k32 MMA step is added to the
+    FP32 sum (Hopper's FP8 MMA otherwise carries the block's four steps in its own, narrower
+    accumulator). Interpreter: exact FP64 products and sum, rounded once (module docstring)."""
     if PTX:
-        return tl.dot(_e4m3(w), _e4m3(q))
+        if PRECISE:
+            return tl.dot(_e4m3(w), _e4m3(q), max_num_imprecise_acc=32)
+        else:
+            return tl.dot(_e4m3(w), _e4m3(q))
     else:
         a = fp8_decode(_bytes(w), 0).to(tl.float64)
         b = fp8_decode(_bytes(q), 0).to(tl.float64)
         return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
+
+
+@triton.jit
+def _fma(a, b, c, PTX: tl.constexpr):
+    """``a * b + c`` with one rounding (the interpreter emulates it exactly)."""
+    if PTX:
+        return tl.fma(a, b, c)
+    else:
+        return fma_ftz(a, b, c, PTX)
 
 
 @triton.jit
@@ -101,28 +102,25 @@ def block_fp8_product(
     r_in,
     cs_rows,
     b0,
-    eps,
     NB: tl.constexpr,
     KDIM: tl.constexpr,
     BT: tl.constexpr,
     STAGES: tl.constexpr,
     PTX: tl.constexpr,
     E8M0: tl.constexpr,
-    PREQUANT: tl.constexpr,
+    PRECISE: tl.constexpr,
     CHUNK: tl.constexpr = 0,
 ):
-    """FP32 ``sum over K-blocks b ascending of (dot_b * xs[b]) * Ws[row, b]`` for the ``NB``
-    blocks from ``b0`` (blocks past K read nothing and add +0.0), from +0.0, for weight rows
-    ``w_rows`` [R, 1] (E4M3 codes, or their bytes in the interpreter: :func:`fp8_codes`;
-    ``n_in``: in range, reduction stride ``w_st_k``) with their
-    block-scale rows ``s_rows`` [R] (block stride ``s_st_k``) and token columns ``col_rows``
-    [1, BT] (``r_in``: in use; unit stride along the reduction): BF16/FP16 values quantized per
-    128-channel group here, or with ``PREQUANT`` E4M3 codes (as the weights) whose group scales
-    start at ``cs_rows`` [BT] (FP32, unit stride over the groups); ``eps`` the group quantization's.
-    ``KDIM`` is the reduction's width (a partial last block reads zeros), ``STAGES`` the
-    pipeline depth. ``CHUNK`` > 0: the sum restarts from +0.0 every ``CHUNK`` blocks (counted
-    from block 0) and the chunk sums are added in ascending order from +0.0 (``fp8_linear``'s
-    split order, :mod:`moefuse.moe.linear_triton`), in one pipelined loop."""
+    """FP32 ``acc = fma(dot_b, xs[b] * Ws[row, b], acc)`` over the ``NB`` K-blocks ``b`` from
+    ``b0`` ascending (blocks past K read nothing and add +0.0), from +0.0. Weight rows
+    ``w_rows`` [R, 1] (E4M3 codes: :func:`fp8_codes`; ``n_in``: in range; reduction stride
+    ``w_st_k``) with their block-scale rows ``s_rows`` [R] (block stride ``s_st_k``); token
+    columns ``col_rows`` [1, BT] (E4M3 codes, unit stride along the reduction; ``r_in``: in use)
+    with their group scales from ``cs_rows`` [BT] (FP32, unit stride over the groups). ``KDIM``
+    is the reduction's width (a partial last block reads zeros), ``STAGES`` the pipeline depth.
+    ``CHUNK`` > 0: the sum restarts from +0.0 every ``CHUNK`` blocks (counted from block 0) and
+    the chunk sums are added in ascending order from +0.0 (``fp8_linear``'s split order,
+    :mod:`moefuse.moe.linear_triton`), in one pipelined loop."""
     acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
     total = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
     for j in tl.range(0, NB, num_stages=STAGES):
@@ -132,15 +130,10 @@ def block_fp8_product(
         w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
         b_in = b * BLOCK < KDIM  # (a chunk of fp8_linear's split may end past K)
         ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in & b_in, other=0), E8M0)
-        c_mask = r_in[None, :] & k_in[:, None]
-        if PREQUANT:
-            q = tl.load(col_rows + kk[:, None], mask=c_mask, other=0.0)
-            xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
-        else:
-            v = widen_f32(tl.load(col_rows + kk[:, None], mask=c_mask, other=0.0), PTX)
-            q, xs = group_quant_columns(v, eps, PTX)
-        part = fp8_block_dot(w, q, PTX)
-        acc = acc + (part * xs[None, :]) * ws[:, None]
+        q = tl.load(col_rows + kk[:, None], mask=r_in[None, :] & k_in[:, None], other=0.0)
+        xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
+        part = fp8_block_dot(w, q, PRECISE, PTX)
+        acc = _fma(part, xs[None, :] * ws[:, None], acc, PTX)
         if CHUNK > 0:
             end = ((b + 1) % CHUNK == 0) | (j + 1 == NB)
             total = tl.where(end, total + acc, total)

@@ -15,10 +15,9 @@ Two launches compute that same order:
   ``N / BN`` programs alone would leave SMs idle, so the weights stream at full bandwidth.
 * many programs: each loops over the chunks itself, the same additions in registers.
 
-So a row's bits do not depend on M or on which launch ran. With more than
-:data:`moefuse.moe.tiles.LINEAR_FP8_PREQUANT_ROWS` rows the activation is quantized once by
-:func:`moefuse.quant.group_triton.launch_group_quant` (the same arithmetic as the in-kernel
-quantization, so the same codes) instead of once per row tile.
+So a row's bits do not depend on M or on which launch ran. The activation is quantized once by
+:func:`moefuse.quant.group_triton.launch_group_quant` (per_token_group_quant_8bit's kernel), or
+given pre-quantized (``input_scale``).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
-from moefuse.moe.fp8_device import GROUP_EPS, block_fp8_product, fp8_codes
+from moefuse.moe.fp8_device import block_fp8_product, fp8_codes
 from moefuse.moe.tiles import linear_fp8_plan
 
 
@@ -48,7 +47,7 @@ def _fp8_linear_kernel(
     m_rows, strides,
     N: tl.constexpr, KDIM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     SPLITS: tl.constexpr, CHUNK: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
-    STAGES: tl.constexpr, PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, E8M0: tl.constexpr,
+    STAGES: tl.constexpr, PRECISE: tl.constexpr, HAS_BIAS: tl.constexpr, E8M0: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The block-scaled product of ``BN`` weight rows and ``BT`` token columns (module
@@ -72,8 +71,8 @@ def _fp8_linear_kernel(
     if SPLIT_PROGRAMS:
         c = tl.program_id(2)
         acc = block_fp8_product(
-            w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, c * CHUNK, GROUP_EPS, CHUNK,
-            KDIM, BT, STAGES, PTX, E8M0, PREQUANT,
+            w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, c * CHUNK, CHUNK, KDIM, BT,
+            STAGES, PTX, E8M0, PRECISE,
         )  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
@@ -81,8 +80,8 @@ def _fp8_linear_kernel(
         tl.store(ptrs, acc, mask=n_in[:, None] & r_in[None, :])
     else:
         acc = block_fp8_product(
-            w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, 0, GROUP_EPS, n_blocks, KDIM,
-            BT, STAGES, PTX, E8M0, PREQUANT, CHUNK if SPLITS > 1 else 0,
+            w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, 0, n_blocks, KDIM, BT, STAGES,
+            PTX, E8M0, PRECISE, CHUNK if SPLITS > 1 else 0,
         )  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
@@ -139,17 +138,15 @@ def launch_fp8_linear(
         return
     cfg = dict(linear_fp8_plan(m, n, k), **(tile or {}))
     ptx = not interpreter_active()
-    x, xs = input, input_scale
     if input_scale is not None:
-        x = fp8_codes(input)
-    elif cfg["prequant"]:
+        x, xs = fp8_codes(input), input_scale
+    else:  # quantized once here, not once per row tile (the codes of per_token_group_quant_8bit)
         from moefuse.quant.group_triton import launch_group_quant
 
         codes = torch.empty(m, k, dtype=torch.uint8, device=input.device)
         xs = torch.empty(m, triton.cdiv(k, 128), dtype=torch.float32, device=input.device)
         launch_group_quant(input, codes, xs, 128, 1e-10, False, False, use_pdl)
         x = fp8_codes(codes)
-    prequant = xs is not None
     scale = weight_scale_inv
     e8m0 = scale.dtype == torch.float8_e8m0fnu
     if e8m0:
@@ -159,17 +156,16 @@ def launch_fp8_linear(
     splits, chunk, split_programs = cfg["splits"], cfg["chunk"], cfg["split_programs"]
     part = torch.empty(splits if split_programs else 1, m, n, dtype=torch.float32,
                        device=input.device) if split_programs else out  # fmt: skip
-    strides = (x.stride(0), xs.stride(0) if prequant else 0, weight.stride(0), scale.stride(0),
-               out.stride(0))  # fmt: skip
+    strides = (x.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), out.stride(0))
     grid = (triton.cdiv(n, cfg["bn"]), triton.cdiv(m, cfg["bt"]), splits if split_programs else 1)
     launch(
         _fp8_linear_kernel,
         grid,
-        x, xs if prequant else x, fp8_codes(weight), scale,
+        x, xs, fp8_codes(weight), scale,
         bias if bias is not None else out, out, part,
         m, strides,
         N=n, KDIM=k, BN=cfg["bn"], BT=cfg["bt"], SPLITS=splits, CHUNK=chunk,
-        SPLIT_PROGRAMS=split_programs, STAGES=cfg["stages"], PREQUANT=prequant,
+        SPLIT_PROGRAMS=split_programs, STAGES=cfg["stages"], PRECISE=cfg["precise"],
         HAS_BIAS=bias is not None, E8M0=e8m0, PTX=ptx, USE_PDL=use_pdl,
         num_warps=cfg["warps"], enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),

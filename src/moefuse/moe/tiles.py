@@ -163,10 +163,10 @@ def experts_token_tile(slots: int, experts: int) -> int:
 #: tiles; one FP8 stage of a 64-row tile is 8 KB of codes), to be replaced by the GPU sweep.
 EXPERTS_FP8_NARROW = {"bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}
 EXPERTS_FP8_WIDE = {"bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3}
-#: up to this many routed slots each program quantizes its tokens' groups itself (no launch of
-#: its own); above, the tokens and the activation are quantized once each by the group-quant
-#: kernel (the same codes). UNMEASURED.
-EXPERTS_FP8_QUANT_IN_KERNEL_SLOTS = 8
+#: the FP8 MMA's accumulation: True adds every k32 step to the FP32 sum, False lets Hopper's MMA
+#: carry a block's four steps itself (narrower). One mode for every tile and token count, or the
+#: bits would follow the batch. UNMEASURED.
+FP8_PRECISE_ACCUMULATION = False
 
 
 def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
@@ -176,7 +176,7 @@ def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int =
     token columns on."""
     base = experts_tile(hidden, inter, token_tile, slots)
     rows = EXPERTS_FP8_WIDE if token_tile >= EXPERTS_WIDE_FROM_TILE else EXPERTS_FP8_NARROW
-    return {**base, **rows, "prequant": slots > EXPERTS_FP8_QUANT_IN_KERNEL_SLOTS}
+    return {**base, **rows, "precise": FP8_PRECISE_ACCUMULATION}
 
 
 # ----------------------------------------------------------------------------- fp8_linear
@@ -186,8 +186,6 @@ def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int =
 LINEAR_FP8_TARGET_PROGRAMS = 264
 #: the fewest K-blocks of one chunk
 LINEAR_FP8_MIN_CHUNK = 2
-#: more rows than this: the activation is quantized once by its own launch (the same codes)
-LINEAR_FP8_PREQUANT_ROWS = 64
 LINEAR_FP8_NARROW = {"bn": 64, "warps": 4, "stages": 4}
 LINEAR_FP8_WIDE = {"bn": 128, "bt": 128, "warps": 8, "stages": 3}
 #: from this many rows the wide tile runs (one launch, chunks summed in registers)
@@ -206,7 +204,7 @@ def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
 
 def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     """Launch of ``fp8_linear`` for M rows: ``{"bn", "bt", "warps", "stages", "splits", "chunk",
-    "split_programs", "prequant"}``. The tile and whether the chunks run as programs of their
+    "split_programs", "precise"}``. The tile and whether the chunks run as programs of their
     own may follow M; the chunks (the summation order) do not."""
     splits, chunk = linear_fp8_splits(n, k)
     if m >= LINEAR_FP8_WIDE_FROM_ROWS:
@@ -220,5 +218,5 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
         "splits": splits,
         "chunk": chunk,
         "split_programs": split_programs,
-        "prequant": m > LINEAR_FP8_PREQUANT_ROWS,
+        "precise": FP8_PRECISE_ACCUMULATION,
     }
