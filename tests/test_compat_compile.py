@@ -77,6 +77,8 @@ def every_call(t: dict) -> dict:
     out["rmsnorm_fp4quant"] = fi.rmsnorm_fp4quant(x, w, global_scale=gs)
     b = r.clone()
     out["add_rmsnorm_fp4quant"] = (*fi.add_rmsnorm_fp4quant(x, b, w, global_scale=gs), b)
+    q, s = fi.per_token_group_quant_8bit(x, 32, 1e-10, None, True, True)
+    out["per_token_group_quant_8bit"] = (q.view(torch.uint8), s)
     return out
 
 
