@@ -58,8 +58,8 @@ def _metadata(grid, kernel, args):
 @triton.jit
 def _group_out(y, rows, cols, mask, g0, qa, QC, PTX: tl.constexpr):
     """Store one tile of the norm output ``y`` (FP32 ``[R, B]``, columns ``cols`` [1, B]
-    starting at group ``g0``): round to the input dtype, widen back exactly, zero the lanes
-    outside the data, quantize in groups; codes at ``q_ptr + row * q_st + col``, scales at
+    starting at group ``g0``): round to the input dtype, widen back exactly, quantize in groups
+    (lanes outside ``mask`` count as 0); codes at ``q_ptr + row * q_st + col``, scales at
     ``s_ptr + row * s_st + g * s_sg``."""
     GW: tl.constexpr = QC[0]
     QMAX: tl.constexpr = QC[1]
