@@ -159,6 +159,17 @@ def test_committed_summary_is_current(tmp_path):
             assert (RESULTS / f"{res.path.stem}-speedup.png").is_file(), stale
 
 
+def test_every_committed_results_file_names_its_run():
+    """Every JSON under bench/results/ (results, the demo's figures, the fault bench) carries
+    the meta that `bench summary` requires: GPU, date, commit, command."""
+    files = sorted(RESULTS.glob("*.json"))
+    assert files
+    for path in files:
+        meta = json.loads(path.read_text()).get("meta") or {}
+        missing = [k for k in summary.REQUIRED_META if not meta.get(k)]
+        assert not missing, f"{path.name}: meta has no {missing}"
+
+
 # ----------------------------------------------------------------------------- bench all
 def test_plan_skips_what_the_machine_cannot_run(monkeypatch):
     fams = (
