@@ -84,15 +84,23 @@ def record(model, kinds=("FP8Linear", "FP8Experts")):
 
 
 @torch.no_grad()
-def test_patched_fp8_layers_compute_the_formula_on_transformers_weights(offline):
+def test_patched_fp8_layers_compute_the_formula_on_transformers_weights(offline, monkeypatch):
     fp8 = quantize_fp8(bf16_model())
     report = mt.patch(fp8, impl="triton")  # the kernels, in Triton's interpreter
     assert report["experts_running"] == "moefuse" and report["fp8_linears"] == 8, report
     ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    shared = []
+    real_share = mt.share_quantization
+    monkeypatch.setattr(mt, "share_quantization", lambda p, x: shared.append(p) or real_share(p, x))
     calls, hooks = record(fp8)
-    fp8(ids)
+    logits = fp8(ids).logits
     for h in hooks:
         h.remove()
+    # q, k and v of each layer multiplied the codes of one quantization of the normed rows ...
+    assert [len(p) for p in shared] == [3, 3], shared
+    # ... with the bits of three quantizations
+    monkeypatch.setattr(mt, "share_quantization", lambda p, x: None)
+    assert_bitwise_equal(fp8(ids).logits, logits, "q/k/v input quantized once vs each")
     kinds = [type(m).__name__ for m, _, _ in calls]
     assert kinds.count("FP8Linear") == 8 and kinds.count("FP8Experts") == 2, kinds
     for module, args, out in calls:

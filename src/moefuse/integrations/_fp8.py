@@ -16,6 +16,9 @@ time. It runs them through kernels it downloads from the Hub at the first forwar
 * :func:`patch_fp8_linears` points the forward of every covered ``FP8Linear`` at
   :func:`moefuse.fp8_linear` (same formula: per-token-group activation quantization inside the
   op, block-scaled FP32 accumulation, output in the input's dtype, bias added).
+* In the patched decoder layers, the normalized rows that every attention input projection reads
+  (q, k, v) are quantized once (:func:`share_quantization`) and each projection multiplies those
+  codes: one quantization launch instead of three, the same bits.
 
 Covered: E4M3 weights, 128 x 128 blocks, dynamic activation scales, FP32 or UE8M0
 (``float8_e8m0fnu``) weight scales, BF16/FP16 activations, no autograd; experts with a SiLU
@@ -34,6 +37,7 @@ import torch
 from moefuse._runtime import log_once
 from moefuse.moe.experts import moe_experts
 from moefuse.moe.linear import fp8_linear
+from moefuse.quant.group_api import per_token_group_quant_8bit
 
 #: the instance attribute holding a patched module's state (shared with
 #: :mod:`moefuse.integrations.transformers`, whose ``unpatch`` restores every such module)
@@ -81,21 +85,61 @@ def fp8_linear_reason(module) -> str | None:
 
 
 class _LinearState:
-    __slots__ = ("forward", "saved", "impl")
+    __slots__ = ("forward", "saved", "impl", "pending")
 
     def __init__(self, forward, saved, impl):
-        self.forward, self.saved, self.impl = forward, saved, impl
+        self.forward, self.saved, self.impl, self.pending = forward, saved, impl, None
 
 
 def _fp8_linear_forward(self, input: torch.Tensor) -> torch.Tensor:
     """Patched ``FP8Linear.forward``: :func:`moefuse.fp8_linear` on the module's FP8 weight and
-    block scales; the original forward for FP32 inputs or while autograd records."""
+    block scales, on the codes and scales :func:`share_quantization` left for exactly this input
+    tensor if any (identity check, no data read); the original forward for FP32 inputs or while
+    autograd records."""
     st = self.__dict__[STATE]
+    pending = st.pending
+    if pending is not None:
+        st.pending = None
+        if pending[0] is input:
+            out = input.new_empty(*input.shape[:-1], self.weight.shape[0])
+            return fp8_linear(
+                pending[1], self.weight, self.weight_scale_inv, self.bias, block_size=BLOCK,
+                input_scale=pending[2], out=out, impl=st.impl,
+            )  # fmt: skip
     if input.dtype not in _HALF or (torch.is_grad_enabled() and input.requires_grad):
         return st.forward(input)
     return fp8_linear(
         input, self.weight, self.weight_scale_inv, self.bias, block_size=BLOCK, impl=st.impl
     )
+
+
+#: attention projections that read the normalized hidden states, per attention class family
+#: (q / k / v; DeepSeek's low-rank query and joint key-value projections)
+INPUT_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
+                     ("q_proj", "kv_a_proj_with_mqa"))  # fmt: skip
+
+
+def input_projections(attention) -> tuple | None:
+    """The patched FP8 linears of ``attention`` that all read its input (the first of
+    :data:`INPUT_PROJECTIONS` whose modules it has, all patched), or None."""
+    for names in INPUT_PROJECTIONS:
+        mods = tuple(getattr(attention, n, None) for n in names)
+        if all(m is not None for m in mods):
+            return mods if all(STATE in m.__dict__ for m in mods) else None
+    return None
+
+
+def share_quantization(projections: tuple, x: torch.Tensor) -> None:
+    """Quantize ``x`` once (:func:`moefuse.per_token_group_quant_8bit`, groups of 128: the
+    quantization :func:`moefuse.fp8_linear` runs on its input) for every projection in
+    ``projections`` that will read it: each then multiplies the same codes instead of
+    quantizing ``x`` again. Same bits as without (the same quantization of the same tensor)."""
+    if x.dtype not in _HALF or x.stride(-1) != 1 or torch.is_grad_enabled():
+        return
+    st = projections[0].__dict__[STATE]
+    xq, xs = per_token_group_quant_8bit(x, BLOCK[1], impl=st.impl)
+    for m in projections:
+        m.__dict__[STATE].pending = (x, xq, xs)
 
 
 def patch_fp8_linears(model, impl: str) -> int:

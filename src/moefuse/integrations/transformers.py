@@ -45,7 +45,12 @@ import torch
 from moefuse._runtime import IMPLS
 from moefuse.integrations._experts import IMPL_ATTR, NAME, SHARED_ATTR, moefuse_experts_forward
 from moefuse.integrations._fp8 import STATE as _STATE
-from moefuse.integrations._fp8 import fp8_experts_forward, patch_fp8_linears
+from moefuse.integrations._fp8 import (
+    fp8_experts_forward,
+    input_projections,
+    patch_fp8_linears,
+    share_quantization,
+)
 from moefuse.moe.reference import router_topk_reference
 from moefuse.moe.router import router_topk
 from moefuse.norm.api import (
@@ -315,10 +320,11 @@ def _patch_routers(model, impl: str) -> int:
 
 # ----------------------------------------------------------------------------- decoder layers
 class _LayerState:
-    __slots__ = ("forward", "saved", "next_norm")
+    __slots__ = ("forward", "saved", "next_norm", "fp8_inputs")
 
-    def __init__(self, forward, saved, next_norm):
+    def __init__(self, forward, saved, next_norm, fp8_inputs=None):
         self.forward, self.saved, self.next_norm = forward, saved, next_norm
+        self.fp8_inputs = fp8_inputs  # patched FP8 projections reading the normalized input
 
 
 def _add_norm(norm, x: torch.Tensor, residual: torch.Tensor) -> None:
@@ -346,6 +352,8 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
     if args or not _fusable_input(hidden_states):
         return st.forward(hidden_states, *args, **kwargs)
     normed = self.input_layernorm(hidden_states)
+    if st.fp8_inputs is not None:  # quantized once for every FP8 projection that reads it
+        share_quantization(st.fp8_inputs, normed)
     attn = self.self_attn(hidden_states=normed, **kwargs)
     attn = attn[0] if isinstance(attn, tuple) else attn
     if not (attn.is_contiguous() and attn.dtype == hidden_states.dtype):
@@ -386,7 +394,10 @@ def _patch_layers(model) -> int:
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
             if nxt is not None and _STATE not in getattr(nxt, "__dict__", {}):
                 nxt = None
-            layer.__dict__[_STATE] = _LayerState(layer.forward, layer.__dict__.get("forward"), nxt)
+            fp8_inputs = input_projections(getattr(layer, "self_attn", None))
+            layer.__dict__[_STATE] = _LayerState(
+                layer.forward, layer.__dict__.get("forward"), nxt, fp8_inputs
+            )
             layer.forward = types.MethodType(_layer_forward, layer)
             fused += 1
     return fused
