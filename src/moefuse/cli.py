@@ -10,6 +10,8 @@ BENCH_FAMILIES = (
     "norm",
     "moe",
     "moe-experts",
+    "moe-experts-fp8",
+    "fp8-linear",
     "quant",
     "all-reduce",
     "overhead",

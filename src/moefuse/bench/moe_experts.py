@@ -221,6 +221,12 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--replays", type=int, default=8)
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="fp8: block-scaled FP8 weights (moefuse.bench.moe_experts_fp8)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.replays = [1, 64], 5
@@ -229,6 +235,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dtype == "fp8":
+        from moefuse.bench import moe_experts_fp8
+
+        return moe_experts_fp8.main(argv)
     if not torch.cuda.is_available():
         print("moe-experts: needs a CUDA GPU")
         return 1

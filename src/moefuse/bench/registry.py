@@ -54,6 +54,11 @@ FAMILIES: tuple[Family, ...] = (
     # fused routed experts against transformers' grouped_mm / batched_mm experts functions and
     # moefuse's composed path ("moefuse_composed", one of ours: not a baseline of the summary)
     Family("moe-experts", "moefuse.bench.moe_experts", not_baselines=("moefuse_composed",)),
+    # FP8 routed experts (`bench moe-experts --dtype fp8` runs the same) against moe_experts on
+    # the dequantized BF16 weights ("bf16_moefuse"), grouped_mm and F.scaled_grouped_mm
+    Family("moe-experts-fp8", "moefuse.bench.moe_experts_fp8"),
+    # fp8_linear against BF16 torch.mm and F.scaled_mm
+    Family("fp8-linear", "moefuse.bench.fp8_linear"),
     # host µs per eager call; F.rms_norm (op "rms_norm", impl "torch") is rmsnorm's baseline
     Family(
         "overhead",

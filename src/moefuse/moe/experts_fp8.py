@@ -36,7 +36,7 @@ from moefuse.moe.experts_triton import (
     _write_slot_map,
 )
 from moefuse.moe.fp8_device import block_fp8_product, fp8_codes
-from moefuse.moe.tiles import experts_fp8_tile, experts_token_tile
+from moefuse.moe.tiles import experts_fp8_tile, experts_fp8_token_tile
 from moefuse.moe.triton import launch_moe_finalize
 
 
@@ -246,7 +246,7 @@ def launch_moe_experts_fp8(
     if tokens == 0 or hidden == 0:
         return
     slots = tokens * top_k_index.shape[1]
-    token_tile = token_tile or experts_token_tile(slots, experts)
+    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
     cfg = dict(experts_fp8_tile(hidden, inter, token_tile, slots), **(tile or {}))
     plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
     ptx = not interpreter_active()

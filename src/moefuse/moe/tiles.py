@@ -159,24 +159,40 @@ def experts_token_tile(slots: int, experts: int) -> int:
 # ----------------------------------------------------------------------------- FP8 experts
 #: Tiles of the FP8 experts kernels (moefuse.moe.experts_fp8). The reduction step is the 128-wide
 #: K-block of the weight scales (fixed: one FP8 MMA chain per block, then scaled), so only the
-#: rows, warps and stages vary. UNMEASURED starting points (the BF16 kernels' rows and token
-#: tiles; one FP8 stage of a 64-row tile is 8 KB of codes), to be replaced by the GPU sweep.
+#: rows, warps, stages and token columns vary; a token's bits do not depend on any of them.
+#: MEASURED (H100, 2026-12-06, notes/moe-experts-fp8.md), CUDA-graph us: the BF16 kernels' wide
+#: tile (128 weight rows x 128 columns, 8 warps) lost to this narrow one at 64 columns wherever
+#: the policy would take it: Qwen3 T = 2048 912 -> 780, Mixtral 256 1238 -> 782, 2048 8362 ->
+#: 4733, DeepSeek-V3 2048 10217 -> 7154 (256: 4229 both); 128 rows x 64 columns, 8 warps, lay
+#: between. So the FP8 token tile stops at 64 columns. Six stages at 16 columns (decode): Mixtral
+#: T = 1 148.5 -> 144.5, T = 4 361 -> 346, DeepSeek-V3 T = 4 488 -> 483, Qwen3 25.0 -> 25.2.
 EXPERTS_FP8_NARROW = {"bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}
-EXPERTS_FP8_WIDE = {"bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3}
+EXPERTS_FP8_DECODE_STAGES = 6
+EXPERTS_FP8_MAX_TOKEN_TILE = 64
 #: the FP8 MMA's accumulation: True adds every k32 step to the FP32 sum, False lets Hopper's MMA
 #: carry a block's four steps itself (narrower). One mode for every tile and token count, or the
-#: bits would follow the batch. UNMEASURED.
+#: bits would follow the batch. MEASURED (H100, 2026-12-06): True doubled the time at 2,048
+#: tokens (Qwen3 913 -> 1478 us, Mixtral 8362 -> 17947) and cost 1-3 % at one token.
 FP8_PRECISE_ACCUMULATION = False
 
 
 def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
     """Tile of the FP8 experts kernels: :func:`experts_tile`'s plan keys (inline plan, fused
-    finalize, tail tile, plan chunks) with the FP8 rows, warps and stages of
-    :data:`EXPERTS_FP8_NARROW`, or :data:`EXPERTS_FP8_WIDE` from :data:`EXPERTS_WIDE_FROM_TILE`
-    token columns on."""
+    finalize, tail tile, plan chunks) with the rows and warps of :data:`EXPERTS_FP8_NARROW`
+    (``token_tile``: :func:`experts_fp8_token_tile`)."""
     base = experts_tile(hidden, inter, token_tile, slots)
-    rows = EXPERTS_FP8_WIDE if token_tile >= EXPERTS_WIDE_FROM_TILE else EXPERTS_FP8_NARROW
-    return {**base, **rows, "precise": FP8_PRECISE_ACCUMULATION}
+    stages = EXPERTS_FP8_DECODE_STAGES if token_tile <= 16 else EXPERTS_FP8_NARROW["stages"]
+    return {
+        **base,
+        **EXPERTS_FP8_NARROW,
+        "stages": stages,
+        "precise": FP8_PRECISE_ACCUMULATION,
+    }
+
+
+def experts_fp8_token_tile(slots: int, experts: int) -> int:
+    """:func:`experts_token_tile`, at most :data:`EXPERTS_FP8_MAX_TOKEN_TILE` columns."""
+    return min(experts_token_tile(slots, experts), EXPERTS_FP8_MAX_TOKEN_TILE)
 
 
 # ----------------------------------------------------------------------------- fp8_linear
@@ -186,10 +202,13 @@ def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int =
 LINEAR_FP8_TARGET_PROGRAMS = 264
 #: the fewest K-blocks of one chunk
 LINEAR_FP8_MIN_CHUNK = 2
+#: MEASURED (H100, 2026-12-06, notes/moe-experts-fp8.md), CUDA-graph us at M = 2,048 / 8,192:
+#: 128 rows x 128 columns (8 warps) 4717 / 18892 (DeepSeek-V3 o_proj), 128 x 64 (8 warps) 1543 /
+#: 6080; the experts' 64 x 64 (4 warps) beat 128 x 64 there: it serves every M above 16 here.
+#: Eight stages at M = 16 (DeepSeek-V3 o_proj 53.5 -> 49.1, MLP down 59.2 -> 54.2) lost at M = 1
+#: (46.9 -> 48.2, 52.6 -> 53.3; Qwen3 q_proj 6.6 -> 7.3).
 LINEAR_FP8_NARROW = {"bn": 64, "warps": 4, "stages": 4}
-LINEAR_FP8_WIDE = {"bn": 128, "bt": 128, "warps": 8, "stages": 3}
-#: from this many rows the wide tile runs (one launch, chunks summed in registers)
-LINEAR_FP8_WIDE_FROM_ROWS = 256
+LINEAR_FP8_DECODE_STAGES = 8
 
 
 def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
@@ -207,10 +226,10 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     "split_programs", "precise"}``. The tile and whether the chunks run as programs of their
     own may follow M; the chunks (the summation order) do not."""
     splits, chunk = linear_fp8_splits(n, k)
-    if m >= LINEAR_FP8_WIDE_FROM_ROWS:
-        tile = dict(LINEAR_FP8_WIDE)
-    else:
-        tile = dict(LINEAR_FP8_NARROW, bt=16 if m <= 16 else 32 if m <= 32 else 64)
+    bt = 16 if m <= 16 else 32 if m <= 32 else 64
+    tile = dict(LINEAR_FP8_NARROW, bt=bt)
+    if 1 < m <= 16:
+        tile["stages"] = LINEAR_FP8_DECODE_STAGES
     programs = -(-n // tile["bn"]) * -(-m // tile["bt"])
     split_programs = splits > 1 and programs < LINEAR_FP8_TARGET_PROGRAMS // 2
     return {
