@@ -120,14 +120,18 @@ def test_patched_fp8_layers_compute_the_formula_on_transformers_weights(offline,
         torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
 @torch.no_grad()
-def test_patched_fp8_model_runs_offline_near_its_fp32_evaluation_and_unpatches(offline):
-    fp8 = quantize_fp8(bf16_model(seed=1))
+def test_patched_fp8_model_runs_offline_near_its_fp32_evaluation_and_unpatches(offline, scale_fmt):
+    fp8 = quantize_fp8(bf16_model(seed=1), scale_fmt=scale_fmt)  # FP32 or power-of-two scales
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     with pytest.raises(Offline):  # as shipped: transformers' FP8 path needs the Hub
         fp8(ids)
     want = fp32_reference(fp8)(ids).logits.float()
-    mt.patch(fp8)
+    assert fp8.model.layers[0].self_attn.q_proj.weight_scale_inv.dtype == (
+        torch.float32 if scale_fmt == "float" else torch.float8_e8m0fnu
+    )
+    assert mt.patch(fp8)["fp8_linears"] == 8
     got = fp8(ids).logits
     assert_bitwise_equal(fp8(ids).logits, got, "patched FP8 model run to run")
     # BF16 activations quantize to other E4M3 codes than FP32 ones at a few % of the elements,
