@@ -17,8 +17,10 @@ Eager: the experts module alone (µs per call, host included, interleaved rounds
 block rows) at ``--tokens`` tokens, and greedy decode tokens / s (``--short`` / ``--long``).
 Compiled (stages of :mod:`moefuse.bench.hf_compiled`): the decode step against a static cache
 for 1 and ``--batch`` sequences (one CUDA-graph replay; ``graph_bits_equal`` /
-``eager_runs_equal``), prefill at ``--prefill`` tokens, ``generate`` with one reused static
-cache (``same_tokens_as_first_run``: the greedy tokens of two calls), graph breaks. Both runs:
+``eager_runs_equal``; kernels of one replay of each patched step), prefill at ``--prefill``
+tokens (kernels of one replay of each patched model at the largest), ``generate`` with one
+reused static cache (``same_tokens_as_first_run``: the greedy tokens of two calls), graph
+breaks. Both runs:
 ``logits``, the mean |logit difference| over the same prompts (eager forward, every position)
 of each model to the FP32 copy of the BF16 model, and of each patched model to its own FP32
 evaluation: for BF16 the FP32 copy, for FP8 :func:`fp32_reference` (the quantized weights
@@ -393,6 +395,10 @@ def run_compiled(args, device) -> list[dict]:
                         prefill_rows, items, device, max(1, args.replays // 4), args.samples
                     )
                     rows += prefill_rows
+                    profiled = device.type == "cuda" and "profile" not in args.skip
+                    for v in variants[1:] if profiled and t == max(args.prefill) else ():
+                        kernels = profile_step(captured[v.name][1], replays=1)
+                        rows.append(profile_row(f"prefill {t} profile", v.name, kernels))
                     del variants, captured, items
             elif stage == "generate":
                 config = CompileConfig(backend=args.backend)
