@@ -82,8 +82,15 @@ def scaled_grouped_fn(shape: dict, gbf, dbf):
         s = t.float().abs().amax(-1).clamp_min(1e-12) / 448.0
         return (t.float() / s[..., None]).to(torch.float8_e4m3fn), s
 
-    gq, gs = rowwise(gbf)  # [E, 2I, H], [E, 2I]
-    dq, ds = rowwise(dbf)
+    def per_expert(w):  # one expert at a time: the FP32 temporaries of all would not fit
+        q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+        s = torch.empty(w.shape[:2], device=w.device)
+        for j in range(w.shape[0]):
+            q[j], s[j] = rowwise(w[j])
+        return q, s
+
+    gq, gs = per_expert(gbf)  # [E, 2I, H], [E, 2I]
+    dq, ds = per_expert(dbf)
 
     def fn(x, idx, w):
         t, k = idx.shape
