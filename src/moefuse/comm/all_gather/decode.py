@@ -29,7 +29,7 @@ rows in the op's own tile, straight into registers: no gathered round trip, no C
 (:func:`norm_tile_early`; the values and tile shape are those of the single-GPU kernel's loads,
 so the tree is the same: the tests check the bits). MEASURED on one H200 as two loopback ranks
 (moefuse.tools.loopback_gpu_check, PDL on, per case the median over 3 alternating
-rounds of the faster rank's median; notes/comm-all-gather.md has the tables), µs late -> slots:
+rounds of the faster rank's median; notes/comm-all-gather.md has the figures), µs late -> slots:
 FP8 H = 4096, M = 1 / 8 / 64: 3.93 -> 3.23, 4.43 -> 4.05, 5.31 -> 4.64; H = 8192: 4.74 ->
 4.33, 5.25 -> 4.62, 6.58 -> 6.20; rmsnorm H = 4096 (one-pass tile): 0.2-0.5 µs less; ``early``
 alone did not beat ``late`` for FP8. NVFP4: all modes within the noise (``late`` kept). The

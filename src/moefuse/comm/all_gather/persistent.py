@@ -2,9 +2,8 @@
 ``all_gather_rmsnorm``, ``_fp8``, ``_fp4_quantize`` and the gated op: the
 ``OP`` constexpr of ``norm_tile``): NVLink pushes and the norm overlap inside one kernel.
 
-MEASURED for every op (notes/comm-all-gather.md "Measured: the persistent kernel" and
-"Measured: every op on its one-launch kernels"): rmsnorm, FP8 and NVFP4 0.75-0.94 x the NVLink
-bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's first kernel
+MEASURED for every op (notes/comm-all-gather.md "Current measurements"): rmsnorm, FP8 and
+NVFP4 0.75-0.94 x the NVLink bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's first kernel
 (one 16-warp CTA per SM, rows gathered) lost to the chunk pipeline above 512 tokens on 2 x H200
 (123.3 / 473.0 against 102.8 / 360.5 µs at H = 4096, M = 4096 / 16384). It now runs at
 two CTAs per SM (H <= 4096) or with the residual and parameters requested before the poll (H >
