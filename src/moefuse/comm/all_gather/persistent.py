@@ -2,17 +2,16 @@
 ``all_gather_rmsnorm``, ``_fp8``, ``_fp4_quantize`` and the gated op: the
 ``OP`` constexpr of ``norm_tile``): NVLink pushes and the norm overlap inside one kernel.
 
-MEASURED for every op (notes/comm-all-gather.md "Current measurements"): rmsnorm, FP8 and
-NVFP4 0.75-0.94 x the NVLink bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's first kernel
-(one 16-warp CTA per SM, rows gathered) lost to the chunk pipeline above 512 tokens on 2 x H200
-(123.3 / 473.0 against 102.8 / 360.5 µs at H = 4096, M = 4096 / 16384). It now runs at
-two CTAs per SM (H <= 4096) or with the residual and parameters requested before the poll (H >
-4096): 0.70-0.71 and 0.77-0.80 of its old time in loopback (see :data:`PERSISTENT_DEFAULT`),
-which, applied to the 2 x H200 figures, puts it 7-18 % ahead of the chunk pipeline at M = 4096 /
-16384: a PREDICTION, so it is now the default at every M for the gated op's stepped rows
-(> 2048 columns; :data:`GATED_ONE_PASS_PERSISTENT_MAX_TOKENS` for the narrower ones) and
-``bench all-gather`` times ``moefuse_chunked`` beside it (the next 2-GPU run confirms or
-reverts).
+MEASURED for every op (notes/comm-all-gather.md "Current measurements"): rmsnorm, FP8 and NVFP4
+0.75-0.94 x the NVLink bound at M >= 4096, ahead of the chunk pipeline everywhere. The gated op's
+first kernel (one 16-warp CTA per SM, rows gathered) lost to the chunk pipeline above 512 tokens on
+2 x H200 (123.3 / 473.0 against 102.8 / 360.5 µs at H = 4096, M = 4096 / 16384). It now runs at two
+CTAs per SM (H <= 4096) or with the residual and parameters requested before the poll (H > 4096):
+0.70-0.71 and 0.77-0.80 of its old time in loopback (see :data:`PERSISTENT_DEFAULT`), which, applied
+to the 2 x H200 figures, puts it 7-18 % ahead of the chunk pipeline at M = 4096 / 16384: a
+PREDICTION, so it is now the default at every M for the gated op's stepped rows (> 2048 columns;
+:data:`GATED_ONE_PASS_PERSISTENT_MAX_TOKENS` for the narrower ones) and ``bench all-gather`` times
+``moefuse_chunked`` beside it (the next 2-GPU run confirms or reverts).
 
 The chunked pipeline (gather chunk c+1 on a communication stream while chunk c is normed) left
 the norm visible at large M. Here every CTA of one persistent grid does both, tile by tile:
