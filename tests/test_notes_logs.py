@@ -5,6 +5,8 @@
   (``git show <rev>:notes/gpu-logs/<name>``) and is not checked.
 * Every log in notes/gpu-logs/ is quoted somewhere outside it, by path or by name (a log that
   nothing quotes is history: git keeps it).
+
+Every tracked text file is read except the logs and this file, which spells the patterns.
 """
 
 import fnmatch
@@ -30,6 +32,8 @@ def _texts() -> dict[str, str]:
     for name in out.stdout.decode().split("\0"):
         path = ROOT / name
         if not name or name.startswith("notes/gpu-logs/") or not path.is_file():
+            continue
+        if path == Path(__file__).resolve():  # this file spells the patterns
             continue
         try:
             texts[name] = path.read_text()
