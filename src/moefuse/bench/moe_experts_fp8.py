@@ -15,8 +15,8 @@ weights they dequantize to; random routing (distinct experts per token, softmax 
   ("moefuse"), ``moe_experts`` on the dequantized BF16 weights ("bf16_moefuse"), transformers'
   ``grouped_mm`` experts function on them ("grouped_mm": what an offline transformers user runs
   today) and torch's ``F.scaled_grouped_mm`` with row-wise scales (one scale per token row and
-  per weight column, re-quantized from the BF16 weights: the recipe it runs on SM90; the
-  block-wise 128 x 128 recipe is not among its SM90 kernels) where it runs;
+  per weight column, re-quantized from the BF16 weights; the block-wise recipe is not tried)
+  where it runs;
 * the floor: bytes of the FP8 codes and FP32 scales of the distinct routed experts over the
   datasheet bandwidth of this GPU, and over the SM copy ceiling measured in this run;
 * per-kernel µs of one eager call at T = 1, and BAR lines for the issue's bars.
