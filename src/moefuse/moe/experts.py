@@ -271,64 +271,25 @@ def moe_experts(
         "block_size": block_size,
         "gate_up_layout": gate_up_layout,
     }
-    tokens, hidden, experts, inter, top_k = _check_experts(
-        op,
-        hidden_states,
-        gate_up_proj,
-        down_proj,
-        top_k_index,
-        top_k_weights,
-        activation,
-        transposed,
-        bias,
-        shared_expert_output,
-        routed_scaling_factor,
-        out,
-        fp8,
-    )
+    x, gu, dn, idx, w = hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights
+    rest = (activation, transposed, bias, shared_expert_output, routed_scaling_factor, out, fp8)
+    tokens, hidden, experts, inter, top_k = _check_experts(op, x, gu, dn, idx, w, *rest)
     if out is None:
-        out = torch.empty(tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0 or hidden == 0:
         return out
     rsf = float(routed_scaling_factor)
-    is_fp8 = gate_up_proj.dtype == FP8
-    reason = _kernel_reason(hidden_states, tokens, hidden, experts, inter, top_k, is_fp8)
-    backend = choose_impl(op, impl, hidden_states.device, reason)
-    use_pdl = backend == "triton" and resolve_pdl(enable_pdl, hidden_states.device)
+    is_fp8 = gu.dtype == FP8
+    reason = _kernel_reason(x, tokens, hidden, experts, inter, top_k, is_fp8)
+    backend = choose_impl(op, impl, x.device, reason)
+    use_pdl = backend == "triton" and resolve_pdl(enable_pdl, x.device)
     interleaved = gate_up_layout == "interleaved"
+    extras = (out, bias, shared_expert_output, rsf)
     if is_fp8:
-        ops.moe_experts_fp8_op(
-            hidden_states,
-            gate_up_proj,
-            gate_up_proj_scale_inv,
-            down_proj,
-            down_proj_scale_inv,
-            top_k_index,
-            top_k_weights,
-            out,
-            bias,
-            shared_expert_output,
-            rsf,
-            interleaved,
-            use_pdl,
-            backend,
-        )
+        gs, ds = gate_up_proj_scale_inv, down_proj_scale_inv
+        ops.moe_experts_fp8_op(x, gu, gs, dn, ds, idx, w, *extras, interleaved, use_pdl, backend)
         return out
-    ops.moe_experts_op(
-        hidden_states,
-        gate_up_proj,
-        down_proj,
-        top_k_index,
-        top_k_weights,
-        out,
-        bias,
-        shared_expert_output,
-        rsf,
-        transposed,
-        interleaved,
-        use_pdl,
-        backend,
-    )
+    ops.moe_experts_op(x, gu, dn, idx, w, *extras, transposed, interleaved, use_pdl, backend)
     return out
 
 

@@ -158,8 +158,7 @@ def _down_item(
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_fp8_down_kernel(
-    act_ptr, as_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, y_ptr, idx_ptr, map_ptr, scale_ptr,
-    bias_ptr, shared_ptr, out_ptr, count_ptr,
+    act_ptr, as_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, y_ptr, idx_ptr, fin_out, count_ptr,
     strides, idx_strides, fin_strides, top_k, n_slots, n_experts, rsf,
     KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, SP: tl.constexpr, FINALIZE: tl.constexpr, EXTRAS: tl.constexpr,
@@ -168,7 +167,9 @@ def _experts_fp8_down_kernel(
 ):  # fmt: skip
     """y[s, h] = the block-scaled FP8 product of act[s] and down row h (FP32, unrounded); with
     ``FINALIZE`` the last program of each H tile runs the finalize, as in the BF16 down kernel
-    (:func:`moefuse.moe.experts_triton._experts_down_kernel`)."""
+    (:func:`moefuse.moe.experts_triton._experts_down_kernel`); ``fin_out`` = the finalize's
+    (slot map, top_k_weights, bias, shared expert output, out)."""
+    map_ptr, scale_ptr, bias_ptr, shared_ptr, out_ptr = fin_out
     idx_st0, idx_st1 = idx_strides
     fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
     if USE_PDL:
@@ -283,9 +284,10 @@ def launch_moe_experts_fp8(
     launch(
         _experts_fp8_down_kernel,
         (plan.n_items, triton.cdiv(hidden, cfg["bn_down"])),
-        a, a_s, dw, ds, plan.items, plan.sorted_slots, y, top_k_index, plan.slot_map,
-        top_k_weights, bias if bias is not None else y,
-        shared_expert_output if shared_expert_output is not None else y, out, plan.counters,
+        a, a_s, dw, ds, plan.items, plan.sorted_slots, y, top_k_index,
+        (plan.slot_map, top_k_weights, bias if bias is not None else y,
+         shared_expert_output if shared_expert_output is not None else y, out),
+        plan.counters,
         strides, idx_strides, fin_strides, top_k_index.shape[1], top_k_index.numel(), experts, rsf,
         KDIM=inter, H=hidden, BN=cfg["bn_down"], BT=plan.bt,
         STAGES=cfg.get("down_stages", cfg["stages"]), SP=plan.sp, FINALIZE=plan.fused,
