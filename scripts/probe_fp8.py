@@ -21,8 +21,8 @@ import statistics
 import torch
 
 import moefuse
+from moefuse.bench.experts_setup import SHAPES, kernel_times, make_routing
 from moefuse.bench.harness import bandwidth_line, copy_ceiling_tbs, datasheet_gpu, graph_time_us
-from moefuse.bench.moe_experts import SHAPES, kernel_times, make_routing
 from moefuse.moe import reference_fp8 as r8
 from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
 from moefuse.moe.linear_triton import launch_fp8_linear

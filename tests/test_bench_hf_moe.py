@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moefuse.bench import hf_moe
+from moefuse.bench import harness, hf_moe
 
 
 def test_interleaved_rounds_rotate_the_order_and_skip_the_first():
@@ -14,7 +14,7 @@ def test_interleaved_rounds_rotate_the_order_and_skip_the_first():
     by one each round; a slow spell in one round lands on every function of that round."""
     order = []
     fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
-    out = hf_moe.interleaved_us(fns, torch.device("cpu"), calls=2, repeats=3)
+    out = harness.interleaved_us(fns, torch.device("cpu"), calls=2, repeats=3)
     rounds = [order[i : i + 6 : 2] for i in range(0, len(order), 6)]
     assert rounds == [list("abc"), list("abc"), list("bca"), list("cab")]
     for row in out.values():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import moefuse
+from moefuse.bench.experts_setup import SHAPES, make_routing
 from moefuse.bench.fp8_linear import make_weight
-from moefuse.bench.moe_experts import SHAPES, make_routing
 from moefuse.bench.moe_experts_fp8 import make_fp8_weights
 from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
 from moefuse.moe.linear_triton import launch_fp8_linear

@@ -30,33 +30,11 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-
-@dataclass
-class Step:
-    op: str
-    shape: str
-    run: Callable[[str], object]  # impl -> outputs (tensor or tuple)
-    tol: str | tuple[str, ...]
-    #: (reference outputs, kernel outputs) -> expected outputs, for outputs whose spec meaning
-    #: is a function of another output (None: the reference outputs)
-    expect: Callable[[tuple, tuple], tuple] | None = None
-    #: GPU timing: the kernel call alone (None: ``run("triton")``; in-place ops give a call on
-    #: buffers of their own so the timed call is not a clone + the op) and the same math in
-    #: plain PyTorch, which the demo times under torch.compile
-    kernel: Callable[[], object] | None = None
-    torch_math: Callable[[], object] | None = None
-    #: a check of its own instead of ``tol``: (expected, got) -> None or what failed
-    check: Callable[[tuple, tuple], str | None] | None = None
-    check_text: str = ""
-    #: a baseline timed as it is (not compiled), and its name
-    baseline: Callable[[], object] | None = None
-    baseline_name: str = ""
+from moefuse.demo_system import Step
 
 
 def _steps(m: int, h: int, dev: str) -> list[Step]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -33,14 +35,38 @@ def rel_norm_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------- table rows
+@dataclass
+class Step:
+    """One row of the demo's table: an op, its shape, how to run it per ``impl`` and how its
+    outputs are checked (and, on a GPU, timed)."""
+
+    op: str
+    shape: str
+    run: Callable[[str], object]  # impl -> outputs (tensor or tuple)
+    tol: str | tuple[str, ...]
+    #: (reference outputs, kernel outputs) -> expected outputs, for outputs whose spec meaning
+    #: is a function of another output (None: the reference outputs)
+    expect: Callable[[tuple, tuple], tuple] | None = None
+    #: GPU timing: the kernel call alone (None: ``run("triton")``; in-place ops give a call on
+    #: buffers of their own so the timed call is not a clone + the op) and the same math in
+    #: plain PyTorch, which the demo times under torch.compile
+    kernel: Callable[[], object] | None = None
+    torch_math: Callable[[], object] | None = None
+    #: a check of its own instead of ``tol``: (expected, got) -> None or what failed
+    check: Callable[[tuple, tuple], str | None] | None = None
+    check_text: str = ""
+    #: a baseline timed as it is (not compiled), and its name
+    baseline: Callable[[], object] | None = None
+    baseline_name: str = ""
+
+
 def system_steps(m: int, dev: str, on_gpu: bool) -> list:
-    """The experts and router rows of the demo's table (:class:`moefuse.demo.Step`)."""
+    """The experts and router rows of the demo's table (:class:`Step`)."""
     return [_experts_step(m, dev, on_gpu), _router_step(m, dev, on_gpu)]
 
 
 def _experts_step(m: int, dev: str, on_gpu: bool):
     import moefuse
-    from moefuse.demo import Step
 
     s = EXPERTS_GPU if on_gpu else EXPERTS_CPU
     h, i, e, k = s["hidden"], s["inter"], s["experts"], s["top_k"]
@@ -76,7 +102,7 @@ def _grouped_mm_baseline(gate_up, down, x, idx, w):
     try:
         import transformers.integrations.moe as tf_moe
 
-        from moefuse.bench.moe_experts import FakeExperts
+        from moefuse.bench.experts_setup import FakeExperts
     except ImportError:
         return None
     fn = getattr(tf_moe, "grouped_mm_experts_forward", None)
@@ -88,7 +114,6 @@ def _grouped_mm_baseline(gate_up, down, x, idx, w):
 
 def _router_step(m: int, dev: str, on_gpu: bool):
     import moefuse
-    from moefuse.demo import Step
 
     e, k = (128, 8) if on_gpu else (8, 2)
     g = torch.Generator(device=dev).manual_seed(2)

@@ -17,6 +17,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -399,3 +400,35 @@ def knobs(env: dict[str, str]):
                 os.environ[key] = value
         if env:
             fastpath.clear()
+
+
+def interleaved_us(fns: dict, device, calls: int, repeats: int, prepare=None) -> dict:
+    """µs per eager call of each function in ``fns`` (name -> zero-argument callable): one
+    untimed sample of ``calls`` calls each first, then ``repeats`` rounds in which every function
+    runs ``calls`` back-to-back calls between two synchronizations, the order rotated each round
+    (:func:`moefuse.bench.harness.interleaved_rounds`). ``prepare`` (name -> callable, optional)
+    runs before each of that function's samples, outside the timing. Returns name -> ``{"us":
+    median, "us_min", "us_max"}``."""
+
+    def sample(name):
+        fn = fns[name]
+        if prepare and name in prepare:
+            prepare[name]()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    for name in fns:
+        sample(name)
+    return interleaved_rounds(list(fns), repeats, sample)
+
+
+def spin(fn, device, seconds: float) -> None:
+    """Call ``fn`` until ``seconds`` have passed (GPU and CPU clocks up before the first sample)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        fn()
+        sync(device)

@@ -263,7 +263,7 @@ def _meta(args) -> dict:
 # ----------------------------------------------------------------------------- eager
 @torch.inference_mode()
 def run_eager(args, device) -> list[dict]:
-    from moefuse.bench.hf_moe import interleaved_us, spin
+    from moefuse.bench.harness import interleaved_us, spin
     from moefuse.integrations.transformers import patch
 
     shipped, patched, fp8, ids = build(args, device)

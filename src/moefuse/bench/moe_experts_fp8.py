@@ -31,6 +31,7 @@ import statistics
 
 import torch
 
+from moefuse.bench.experts_setup import SHAPES, FakeExperts, kernel_times, make_routing
 from moefuse.bench.harness import (
     bandwidth_line,
     copy_ceiling_tbs,
@@ -40,7 +41,6 @@ from moefuse.bench.harness import (
     run_metadata,
     save_results,
 )
-from moefuse.bench.moe_experts import SHAPES, FakeExperts, kernel_times, make_routing
 
 TOKENS = (1, 4, 16, 64, 256, 2048, 8192)
 ROUTING_SETS = 8
