@@ -256,6 +256,37 @@ def bar_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def accumulation_check(args, device) -> int:
+    """Relative RMS difference from the FP64 formula of ``moe_experts`` on FP8 weights with the
+    MMA's own accumulation of a K-block (the default) and with every k32 step added to the FP32
+    sum (``moefuse.moe.tiles.FP8_PRECISE_ACCUMULATION``), at T = 64 per shape."""
+    import moefuse
+    from moefuse import _fastpath
+    from moefuse.moe import tiles
+
+    default = tiles.FP8_PRECISE_ACCUMULATION
+    rows = []
+    for name in args.shapes:
+        gq, gs, dq, ds, _, _ = make_fp8_weights(SHAPES[name], device)
+        kw = dict(gate_up_proj_scale_inv=gs, down_proj_scale_inv=ds)
+        x, idx, w = make_routing(64, SHAPES[name], device, seed=5)
+        want = moefuse.moe_experts(x, gq, dq, idx, w, impl="reference", **kw).double()
+        row = {"shape": name, "M": 64}
+        for precise in (False, True):
+            tiles.FP8_PRECISE_ACCUMULATION = precise
+            _fastpath.clear()
+            got = moefuse.moe_experts(x, gq, dq, idx, w, impl="triton", **kw).double()
+            key = "rel_rms_k32_steps_in_fp32" if precise else "rel_rms_mma_block_accumulation"
+            row[key] = float((got - want).norm() / want.norm())
+        rows.append(row)
+        del gq, gs, dq, ds
+        torch.cuda.empty_cache()
+    tiles.FP8_PRECISE_ACCUMULATION = default
+    _fastpath.clear()
+    print_table(rows, list(rows[0]))
+    return 0
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--save", action="store_true", help="write JSON + PNG under --out")
@@ -265,6 +296,11 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--replays", type=int, default=8)
     p.add_argument("--dtype", choices=("fp8",), default="fp8", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--accumulation",
+        action="store_true",
+        help="only compare the two FP8 MMA accumulation modes against the FP64 formula",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.replays = [1, 64, 2048], 5
@@ -277,6 +313,8 @@ def main(argv=None) -> int:
         print("moe-experts-fp8: needs a CUDA GPU")
         return 1
     device = torch.device("cuda")
+    if args.accumulation:
+        return accumulation_check(args, device)
     ceiling = copy_ceiling_tbs()
     print(bandwidth_line(ceiling))
     rows = []
