@@ -123,6 +123,21 @@ def _call_kwargs(x, fp8, idx, w, out):
     )
 
 
+def test_accumulation_knob_picks_one_mode_for_every_tile(monkeypatch):
+    """MOEFUSE_FP8_ACCUMULATION sets the MMA accumulation of the FP8 experts and fp8_linear tiles
+    at every token count (one mode, so the bits never follow the batch); a bad value is named."""
+    from moefuse.moe import tiles
+
+    for value, precise in (("block", False), ("k32", True), ("", False)):
+        monkeypatch.setenv("MOEFUSE_FP8_ACCUMULATION", value)
+        for tokens in (1, 16, 64):
+            assert tiles.experts_fp8_tile(2048, 768, tokens, tokens * 8)["precise"] is precise
+            assert tiles.linear_fp8_plan(tokens, 4096, 7168)["precise"] is precise
+    monkeypatch.setenv("MOEFUSE_FP8_ACCUMULATION", "fast")
+    with pytest.raises(ValueError, match="MOEFUSE_FP8_ACCUMULATION"):
+        tiles.experts_fp8_tile(2048, 768, 1, 8)
+
+
 def test_fp8_bad_inputs_raise_and_write_nothing():
     x, _m, fp8, idx, w = fp8_case(3, 200, 192, 4, 2)
     gq, gs, dq, ds = fp8

@@ -259,12 +259,14 @@ def bar_lines(rows: list[dict]) -> list[str]:
 def accumulation_check(args, device) -> int:
     """Relative RMS difference from the FP64 formula of ``moe_experts`` on FP8 weights with the
     MMA's own accumulation of a K-block (the default) and with every k32 step added to the FP32
-    sum (``moefuse.moe.tiles.FP8_PRECISE_ACCUMULATION``), at T = 64 per shape."""
+    sum (``MOEFUSE_FP8_ACCUMULATION=k32``), at T = 64 per shape."""
+    import os
+
     import moefuse
     from moefuse import _fastpath
-    from moefuse.moe import tiles
 
-    default = tiles.FP8_PRECISE_ACCUMULATION
+    knob = "MOEFUSE_FP8_ACCUMULATION"
+    default = os.environ.get(knob)  # put back afterwards
     rows = []
     for name in args.shapes:
         gq, gs, dq, ds, _, _ = make_fp8_weights(SHAPES[name], device)
@@ -273,7 +275,7 @@ def accumulation_check(args, device) -> int:
         want = moefuse.moe_experts(x, gq, dq, idx, w, impl="reference", **kw).double()
         row = {"shape": name, "M": 64}
         for precise in (False, True):
-            tiles.FP8_PRECISE_ACCUMULATION = precise
+            os.environ[knob] = "k32" if precise else "block"
             _fastpath.clear()
             got = moefuse.moe_experts(x, gq, dq, idx, w, impl="triton", **kw).double()
             key = "rel_rms_k32_steps_in_fp32" if precise else "rel_rms_mma_block_accumulation"
@@ -281,7 +283,9 @@ def accumulation_check(args, device) -> int:
         rows.append(row)
         del gq, gs, dq, ds
         torch.cuda.empty_cache()
-    tiles.FP8_PRECISE_ACCUMULATION = default
+    os.environ.pop(knob)
+    if default is not None:
+        os.environ[knob] = default
     _fastpath.clear()
     print_table(rows, list(rows[0]))
     return 0

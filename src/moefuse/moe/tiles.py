@@ -169,11 +169,19 @@ def experts_token_tile(slots: int, experts: int) -> int:
 EXPERTS_FP8_NARROW = {"bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}
 EXPERTS_FP8_DECODE_STAGES = 6
 EXPERTS_FP8_MAX_TOKEN_TILE = 64
-#: the FP8 MMA's accumulation: True adds every k32 step to the FP32 sum, False lets Hopper's MMA
-#: carry a block's four steps itself (narrower). One mode for every tile and token count, or the
-#: bits would follow the batch. MEASURED (H100, 2026-12-06): True doubled the time at 2,048
-#: tokens (Qwen3 913 -> 1478 us, Mixtral 8362 -> 17947) and cost 1-3 % at one token.
-FP8_PRECISE_ACCUMULATION = False
+
+
+def fp8_precise_accumulation() -> bool:
+    """Whether the FP8 MMA adds every k32 step to the FP32 sum (``MOEFUSE_FP8_ACCUMULATION=k32``)
+    instead of letting Hopper's MMA carry a K-block's four steps in its own, narrower accumulator
+    (``block``, the default). One mode for every tile and token count, or the bits would follow
+    the batch. MEASURED (H100, 2026-12-06, notes/moe-experts-fp8.md): k32 doubled the time at
+    2,048 tokens (Qwen3 913 -> 1478 us, Mixtral 8362 -> 17947) and cost 1-3 % at one token; its
+    relative RMS from the FP64 formula at T = 64 is 3.1-3.6e-3 against 4.8-5.2e-3 for block
+    (``bench moe-experts-fp8 --accumulation``)."""
+    from moefuse import knobs
+
+    return knobs.get("MOEFUSE_FP8_ACCUMULATION") == "k32"
 
 
 def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
@@ -186,7 +194,7 @@ def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int =
         **base,
         **EXPERTS_FP8_NARROW,
         "stages": stages,
-        "precise": FP8_PRECISE_ACCUMULATION,
+        "precise": fp8_precise_accumulation(),
     }
 
 
@@ -237,5 +245,5 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
         "splits": splits,
         "chunk": chunk,
         "split_programs": split_programs,
-        "precise": FP8_PRECISE_ACCUMULATION,
+        "precise": fp8_precise_accumulation(),
     }
