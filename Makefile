@@ -35,7 +35,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP) $(WHEEL_STAMP)
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
 
 # the quick subset while editing: no groups of ranks, no scripts in fresh interpreters (`slow`)
 test-quick: $(STAMP)
