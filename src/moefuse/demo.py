@@ -320,8 +320,10 @@ def run_demo(
             + ("" if with_compile else "; torch.compile baselines skipped (--no-compile)")
         )
     else:
-        say("times: none (the kernels ran in Triton's interpreter on the CPU, where a time says "
-            "nothing about the kernel)")  # fmt: skip
+        say(
+            "times: none (the kernels ran in Triton's interpreter on the CPU, where a time says "
+            "nothing about the kernel)"
+        )
     for note in notes:
         say(f"note: {note}")
     comm, model = _system_sections(say, on_gpu)

@@ -273,16 +273,32 @@ def _qwen3_moe(on_gpu: bool, dev: str):
 
     if on_gpu:  # the decoder blocks of Qwen3-30B-A3B (moefuse.bench.hf_moe's model), 4 layers
         shape = dict(
-            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-            num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-            num_experts=128, num_experts_per_tok=8, initializer_range=0.02,
-        )  # fmt: skip
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            initializer_range=0.02,
+        )
     else:  # tests/test_integrations_transformers.py's tiny Qwen3-MoE at its seed
         shape = dict(
-            vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_experts=8, num_experts_per_tok=3, initializer_range=0.1,
-        )  # fmt: skip
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            initializer_range=0.1,
+        )
     cfg = Qwen3MoeConfig(norm_topk_prob=True, max_position_embeddings=4096, **shape)
     torch.manual_seed(2)
     with torch.device(dev):
@@ -297,9 +313,13 @@ def _qwen3_moe(on_gpu: bool, dev: str):
 
 def _generate(model, prompt, n: int) -> torch.Tensor:
     return model.generate(
-        prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+        prompt,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
         eos_token_id=None,
-    )  # fmt: skip
+    )
 
 
 def _decode_step_us(models: dict, prompt) -> dict:
@@ -344,8 +364,13 @@ def plot(path, title: str, rows: list[dict], model: dict) -> None:
     ax.invert_yaxis()
     ax.axvline(1.0, color="tab:red", lw=1, ls="--")
     for y, r in zip(ys, timed):
-        ax.annotate(f"{r['x_baseline']:.2f} x ({r['kernel_us']:.1f} µs)", (r["x_baseline"], y),
-                    fontsize=6, xytext=(3, -2), textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            f"{r['x_baseline']:.2f} x ({r['kernel_us']:.1f} µs)",
+            (r["x_baseline"], y),
+            fontsize=6,
+            xytext=(3, -2),
+            textcoords="offset points",
+        )
     ax.set_xlim(0, 1.3 * max([r["x_baseline"] for r in timed] + [1.0]))
     ax.set_xlabel("speed-up over the baseline (CUDA-graph µs per call)", fontsize=7)
     ax.tick_params(labelsize=6)
@@ -354,8 +379,14 @@ def plot(path, title: str, rows: list[dict], model: dict) -> None:
         names, us = ["shipped", "patched"], [model["shipped_step_us"], model["patched_step_us"]]
         ax2.bar(names, us, color=["tab:gray", "tab:blue"])
         for x, v in enumerate(us):
-            ax2.annotate(f"{v:.0f} µs", (x, v), ha="center", fontsize=7, xytext=(0, 2),
-                         textcoords="offset points")  # fmt: skip
+            ax2.annotate(
+                f"{v:.0f} µs",
+                (x, v),
+                ha="center",
+                fontsize=7,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
         ax2.set_title(
             f"{model['model'].split(',')[0]} decode step, eager\n"
             f"{us[0] / us[1]:.2f} x, logits within {model['logits_max_diff']:.2g} of shipped",

@@ -74,11 +74,19 @@ def scaled_mm_fn(x, wq, ws, wbf):
     xrq = (x.float() / xr).to(torch.float8_e4m3fn)
     cands = {
         # cuBLAS wants the activation's group scales outer-dim major
-        "block": lambda: F.scaled_mm(xq, wq.t(), xs.t().contiguous().t(), st.BlockWise1x128,
-                                     ws, st.BlockWise128x128, output_dtype=torch.bfloat16),
-        "row": lambda: F.scaled_mm(xrq, wrq.t(), xr, st.RowWise, wr[None, :], st.RowWise,
-                                   output_dtype=torch.bfloat16),
-    }  # fmt: skip
+        "block": lambda: F.scaled_mm(
+            xq,
+            wq.t(),
+            xs.t().contiguous().t(),
+            st.BlockWise1x128,
+            ws,
+            st.BlockWise128x128,
+            output_dtype=torch.bfloat16,
+        ),
+        "row": lambda: F.scaled_mm(
+            xrq, wrq.t(), xr, st.RowWise, wr[None, :], st.RowWise, output_dtype=torch.bfloat16
+        ),
+    }
     for recipe, fn in cands.items():
         try:
             fn()

@@ -306,9 +306,13 @@ def _eager_decode(args, device, models: dict) -> list[dict]:
 
     def gen(model, n):
         return model.generate(
-            prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+            prompt,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
             eos_token_id=None,
-        )  # fmt: skip
+        )
 
     rows = []
     for name, model in models.items():
@@ -431,9 +435,22 @@ def run_compiled(args, device) -> list[dict]:
 
 def print_summary(rows: list[dict]) -> None:
     table = [r for r in rows if "kernels" not in r]
-    cols = ["op", "variant", "M", "us", "tok_s", "x_shipped", "x_patched_bf16", "graph_breaks",
-            "graph_bits_equal", "eager_runs_equal", "same_tokens_as_first_run",
-            "mean_abs_vs_fp32_bf16", "mean_abs_vs_own_fp32", "argmax_vs_fp32_bf16"]  # fmt: skip
+    cols = [
+        "op",
+        "variant",
+        "M",
+        "us",
+        "tok_s",
+        "x_shipped",
+        "x_patched_bf16",
+        "graph_breaks",
+        "graph_bits_equal",
+        "eager_runs_equal",
+        "same_tokens_as_first_run",
+        "mean_abs_vs_fp32_bf16",
+        "mean_abs_vs_own_fp32",
+        "argmax_vs_fp32_bf16",
+    ]
     print_table(table, cols)
     for r in rows:
         if r.get("error"):

@@ -100,12 +100,28 @@ def scaled_grouped_fn(shape: dict, gbf, dbf):
         offs = counts.cumsum(0).to(torch.int32)
         rows = order // k
         xq, xs = rowwise(x[rows])
-        gu = F.scaled_grouped_mm(xq, gq.transpose(1, 2), xs, st.RowWise, gs, st.RowWise,
-                                 offs=offs, output_dtype=torch.bfloat16)  # fmt: skip
+        gu = F.scaled_grouped_mm(
+            xq,
+            gq.transpose(1, 2),
+            xs,
+            st.RowWise,
+            gs,
+            st.RowWise,
+            offs=offs,
+            output_dtype=torch.bfloat16,
+        )
         g, u = gu.chunk(2, dim=-1)
         aq, a_s = rowwise(F.silu(g) * u)
-        y = F.scaled_grouped_mm(aq, dq.transpose(1, 2), a_s, st.RowWise, ds, st.RowWise,
-                                offs=offs, output_dtype=torch.bfloat16)  # fmt: skip
+        y = F.scaled_grouped_mm(
+            aq,
+            dq.transpose(1, 2),
+            a_s,
+            st.RowWise,
+            ds,
+            st.RowWise,
+            offs=offs,
+            output_dtype=torch.bfloat16,
+        )
         out = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)
         out.index_add_(0, rows, y.float() * w.reshape(-1)[order, None])
         return out.to(x.dtype)
@@ -218,9 +234,15 @@ BARS = (
     ("one token vs BF16", ("mixtral", "deepseek_v3"), (1, 1), "x_bf16_moefuse", 1.6, ">="),
     ("one token vs BF16", ("qwen3",), (1, 1), "x_bf16_moefuse", 1.3, ">="),
     ("T 4-256 x floor", ("qwen3", "mixtral", "deepseek_v3"), (4, 256), "x_floor", 1.5, "<="),
-    ("T 2048-8192 vs BF16", ("qwen3", "mixtral", "deepseek_v3"), (2048, 8192),
-     "x_bf16_moefuse", 1.4, ">="),
-)  # fmt: skip
+    (
+        "T 2048-8192 vs BF16",
+        ("qwen3", "mixtral", "deepseek_v3"),
+        (2048, 8192),
+        "x_bf16_moefuse",
+        1.4,
+        ">=",
+    ),
+)
 
 
 def bar_lines(rows: list[dict]) -> list[str]:
@@ -329,9 +351,20 @@ def main(argv=None) -> int:
             save(rows, ceiling, args)
     print_table(
         [r for r in rows if r["variant"] == "moefuse"],
-        ["shape", "M", "distinct_experts", "us", "floor_us", "x_floor", "x_floor_copy",
-         "x_bf16_moefuse", "x_grouped_mm", "x_scaled_grouped_mm", "batch_invariant"],
-    )  # fmt: skip
+        [
+            "shape",
+            "M",
+            "distinct_experts",
+            "us",
+            "floor_us",
+            "x_floor",
+            "x_floor_copy",
+            "x_bf16_moefuse",
+            "x_grouped_mm",
+            "x_scaled_grouped_mm",
+            "batch_invariant",
+        ],
+    )
     for r in rows:
         if r["variant"] == "moefuse" and r["kernels_us"]:
             top = ", ".join(f"{k.split('(')[0][:36]} {v:.1f}" for k, v in r["kernels_us"].items())

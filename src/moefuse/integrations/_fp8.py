@@ -103,9 +103,15 @@ def _fp8_linear_forward(self, input: torch.Tensor) -> torch.Tensor:
         if pending[0] is input:
             out = input.new_empty(*input.shape[:-1], self.weight.shape[0])
             return fp8_linear(
-                pending[1], self.weight, self.weight_scale_inv, self.bias, block_size=BLOCK,
-                input_scale=pending[2], out=out, impl=st.impl,
-            )  # fmt: skip
+                pending[1],
+                self.weight,
+                self.weight_scale_inv,
+                self.bias,
+                block_size=BLOCK,
+                input_scale=pending[2],
+                out=out,
+                impl=st.impl,
+            )
     if input.dtype not in _HALF or (torch.is_grad_enabled() and input.requires_grad):
         return st.forward(input)
     return fp8_linear(
@@ -115,8 +121,11 @@ def _fp8_linear_forward(self, input: torch.Tensor) -> torch.Tensor:
 
 #: attention projections that read the normalized hidden states, per attention class family
 #: (q / k / v; DeepSeek's low-rank query and joint key-value projections)
-INPUT_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
-                     ("q_proj", "kv_a_proj_with_mqa"))  # fmt: skip
+INPUT_PROJECTIONS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("q_proj", "kv_a_proj_with_mqa"),
+)
 
 
 def input_projections(attention) -> tuple | None:
