@@ -155,6 +155,37 @@ def test_fused_equals_unfused_chain(h, m, seed):
         assert_bitwise_equal(s, us, f"fused_add scales H={h}")
 
 
+@pytest.mark.parametrize("h, m", [(200, 40), (2880, 5)], ids=["multi-row", "one-row"])
+def test_launch_modes_change_no_bit(h, m, seed):
+    """The persistent row loop with prefetch (the interpreter counts one SM, so each program
+    walks several row tiles) and other standalone tiles give the default launch's bits."""
+    from moefuse.quant.group_fused import launch_norm_group_quant
+    from moefuse.quant.group_triton import launch_group_quant
+
+    x, w, r = _specials(_rand(m + 2, h, scale=2.0))[2:], _rand(h), _rand(m, h)
+    g = -(-h // 128)
+    for res in (None, r):
+        outs = []
+        for per_sm in (0, 2, 4):
+            q, s = torch.empty(m, h, dtype=torch.uint8), poison_(torch.empty(m, g))
+            rr = res.clone() if res is not None else None
+            launch_norm_group_quant(
+                x, rr, w, q, s, 128, 1e-6, 0.0, 1e-10, False, False, False, per_sm=per_sm
+            )
+            outs.append((q, s) if rr is None else (q, s, rr))
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):
+                assert_bitwise_equal(a, b, f"persistent loop == one tile per program H={h}")
+    outs = []
+    for tile in (None, (8, 1024, 8), (1, 2048, 8), (8, 512, 4)):
+        q, s = torch.empty(m, h, dtype=torch.uint8), poison_(torch.empty(m, g))
+        launch_group_quant(x, q, s, 128, 1e-10, False, False, False, tile=tile)
+        outs.append((q, s))
+    for q, s in outs[1:]:
+        assert_bitwise_equal(q, outs[0][0], f"standalone codes, other tile, H={h}")
+        assert_bitwise_equal(s, outs[0][1], f"standalone scales, other tile, H={h}")
+
+
 def test_fused_references_are_the_chain(seed):
     x, w, r = _rand(4, 96), _rand(96), _rand(4, 96)
     q, s = moefuse.rmsnorm_group_quant(x, w, group_size=32, impl="reference")

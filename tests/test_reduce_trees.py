@@ -14,8 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 WIDTHS = "64,2048,4096"  # one-pass tiles of 32 rows and of one row, stepped rows
-CASES_PER_WIDTH = 9  # gated_next router / no router; all-gather gated x 4, rmsnorm x 2;
-# rmsnorm_group_quant, fused_add_rmsnorm_group_quant
+CASES_PER_WIDTH = 11  # gated_next router / no router; all-gather gated x 4, rmsnorm x 2;
+# rmsnorm_group_quant, fused_add_rmsnorm_group_quant, each also in the persistent row loop
 
 
 def test_kernels_sum_rows_in_the_same_order():

@@ -445,6 +445,8 @@ def _group_main(args, ops, ceiling) -> None:
     widths = [int(v) for v in args.widths.split(",")] if args.widths else quant_group.WIDTHS
     tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else quant_group.TOKENS
     rows, verdicts = quant_group.run(ops, widths, tokens, ceiling)
+    if args.sweep:
+        rows += quant_group.sweep(ops, widths, tokens)
     quant_group.print_bars(verdicts)
     meta = harness.run_metadata()
     meta.update(

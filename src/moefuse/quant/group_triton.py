@@ -178,18 +178,20 @@ def _rows(t):
 
 
 def launch_group_quant(
-    input, q, scales, group_size: int, eps: float, int8: bool, ue8m0: bool, use_pdl: bool
-) -> None:
+    input, q, scales, group_size: int, eps: float, int8: bool, ue8m0: bool, use_pdl: bool,
+    tile: tuple[int, int, int] | None = None,
+) -> None:  # fmt: skip
     """``input`` 2-D/3-D (last dim contiguous, any row strides); ``q`` contiguous codes (uint8
     FP8 bits or int8) of its shape; ``scales`` ``[..., G]`` FP32 or uint8 (E8M0 bytes) with any
-    strides."""
+    strides. ``tile`` overrides ``group_tile``'s (BLOCK_M, BLOCK_N, warps) (benchmark sweeps;
+    no bit depends on it)."""
     n_rows, t, x_st, x_sh = _rows(input)
     width = input.shape[-1]
     if n_rows == 0 or width == 0:
         return
     _, _, s_st, s_sh = _rows(scales)
     g = scales.shape[-1]
-    bm, bn, warps = group_tile(width, group_size)
+    bm, bn, warps = tile or group_tile(width, group_size)
     grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
     launch(
         _group_quant_kernel,

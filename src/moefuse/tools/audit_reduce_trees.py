@@ -134,11 +134,12 @@ def single_fused_add(h: int, m: int) -> list[str]:
     )
 
 
-def group_quant_trees(h: int, residual: bool, m: int) -> list[str]:
+def group_quant_trees(h: int, residual: bool, m: int, per_sm: int = 0) -> list[str]:
     """rmsnorm_group_quant / fused_add_rmsnorm_group_quant (E4M3, groups of 128): their row sums
-    must be those of rmsnorm / fused_add_rmsnorm (fused == unfused bitwise). The group maxima
-    are integer reductions and are not listed."""
-    tile = group_fused.norm_group_tile(h, residual)
+    must be those of rmsnorm / fused_add_rmsnorm (fused == unfused bitwise), with one tile per
+    program and in the persistent row loop with prefetch at ``per_sm`` programs per SM (one-pass
+    rows; other rows ignore it). The group maxima are integer reductions and are not listed."""
+    tile = group_fused.norm_group_tile(h, residual, m, per_sm)
     loop_min = tiles.FUSED_ADD_LOOP_MIN_ROWS if residual else tiles.RMSNORM_LOOP_MIN_ROWS
     consts = nt._row_consts(tile, h, m, None, loop_min, True)
     consts.update(
@@ -206,16 +207,18 @@ def main() -> int:
             ref = single_rmsnorm(h, 16384)
             for kname, trees in allgather_trees(dec.RMSNORM, h, args.p, None).items():
                 diffs += not _compare(f"H={h} all_gather rmsnorm {kname} vs rmsnorm", ref, trees)
-        diffs += not _compare(
-            f"H={h} rmsnorm_group_quant vs rmsnorm",
-            single_rmsnorm(h, 16384),
-            group_quant_trees(h, False, 16384),
-        )
-        diffs += not _compare(
-            f"H={h} fused_add_rmsnorm_group_quant vs fused_add_rmsnorm",
-            single_fused_add(h, 16384),
-            group_quant_trees(h, True, 16384),
-        )
+        for per_sm in (0, group_fused.GROUP_PROGRAMS_PER_SM):
+            loop = f" (persistent, {per_sm} per SM)" if per_sm else ""
+            diffs += not _compare(
+                f"H={h} rmsnorm_group_quant{loop} vs rmsnorm",
+                single_rmsnorm(h, 16384),
+                group_quant_trees(h, False, 16384, per_sm),
+            )
+            diffs += not _compare(
+                f"H={h} fused_add_rmsnorm_group_quant{loop} vs fused_add_rmsnorm",
+                single_fused_add(h, 16384),
+                group_quant_trees(h, True, 16384, per_sm),
+            )
     print(f"TOTAL differing kernels: {diffs}")
     return diffs
 
