@@ -3,7 +3,9 @@
 
 Six launches at most: the routing plan (above 32 slots; below, each program computes its own
 work item), the tokens' group quantization (per_token_group_quant_8bit's kernel: E4M3 codes and
-one FP32 scale per 128 channels), gate|up, the activation's group quantization, down, and the
+one FP32 scale per 128 channels), gate|up, the activation's group quantization (inside the
+gate|up kernel with ``fuse_act_quant``, :data:`moefuse.moe.tiles.EXPERTS_FP8_FUSE_ACT_QUANT_SLOTS`:
+the last program of each 128-column group of I quantizes it, the same bytes), down, and the
 deterministic finalize (inside the down kernel up to 8 slots). The plan, work items, tail tiles
 and finalize are the BF16 kernels' (:mod:`moefuse.moe.experts_triton`); the products are
 :func:`moefuse.moe.fp8_device.block_fp8_product`: every program streams its weight tile of one
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import round_to
+from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.moe.experts_triton import (
@@ -36,8 +38,18 @@ from moefuse.moe.experts_triton import (
     _write_slot_map,
 )
 from moefuse.moe.fp8_device import block_fp8_product, fp8_codes
-from moefuse.moe.tiles import experts_fp8_tile, experts_fp8_token_tile
+from moefuse.moe.tiles import experts_fp8_decode_tile, experts_fp8_tile, experts_fp8_token_tile
 from moefuse.moe.triton import launch_moe_finalize
+from moefuse.quant.group_triton import (
+    _group_quant_kernel,
+    group_quant_tile,
+    group_tile,
+    store_scales,
+)
+
+#: per_token_group_quant_8bit's arguments for the tokens and the activation: 128-channel groups,
+#: E4M3 (largest finite 448), FP32 scales, this eps
+GROUP_EPS = 1e-10
 
 
 def _gemm_metadata(grid, kernel, args):
@@ -50,16 +62,18 @@ def _gemm_metadata(grid, kernel, args):
 
 @triton.jit
 def _gate_up_item(
-    x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides,
+    x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides, aq_ptrs, aq_args,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, INTERLEAVED: tl.constexpr,
-    E8M0: tl.constexpr, PRECISE: tl.constexpr,
+    E8M0: tl.constexpr, PRECISE: tl.constexpr, FUSE_QUANT: tl.constexpr,
 ):  # fmt: skip
     """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``strides`` =
     (x row, x-scale row, act row, weight expert / row / reduction, scale expert / row / block);
     ``x`` holds the tokens' E4M3 codes and ``xs`` their group scales. The weight
     tile is blocks of 64 rows, 32 gate rows and the 32 up rows that pair with them, as in the
-    BF16 kernel; a row's scale is row ``stored row // 128`` of its expert's scales."""
+    BF16 kernel; a row's scale is row ``stored row // 128`` of its expert's scales.
+    ``FUSE_QUANT``: the activation's group quantization follows (:func:`_quantize_group_if_last`,
+    ``aq_ptrs`` / ``aq_args`` its buffers and arguments)."""
     e, s, r_in, tok = item
     x_st, xs_st, act_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
     r = tl.arange(0, 2 * BN)
@@ -88,19 +102,85 @@ def _gate_up_item(
         round_to(act, act_ptr.dtype.element_ty, PTX),
         mask=(n_out < INTER)[:, None] & r_in[None, :],
     )
+    if FUSE_QUANT:
+        _quantize_group_if_last(act_ptr, s, r_in, aq_ptrs, aq_args, INTER, BN, PTX)
+
+
+@triton.jit
+def _quantize_group_if_last(
+    act_ptr, s, r_in, aq_ptrs, aq_args,
+    INTER: tl.constexpr, BN: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """per_token_group_quant_8bit of the rounded activation, inside the gate|up kernel: this
+    program counts itself in ``counters[item, group]`` (group = its 128 columns of I, whole
+    ``BN``-column tiles: 128 % BN == 0; the counters zeroed by :func:`_tokens_quant_kernel`)
+    after its ``act`` stores, and the group's last program loads the group's ``act`` of the
+    item's slots (through L2) and writes their E4M3 codes and FP32 scale with the standalone
+    kernel's device function (:func:`moefuse.quant.group_triton.group_quant_tile`, the same
+    lanes, eps and division): the same bytes as that kernel, at every token count. ``aq_ptrs`` =
+    (codes [slots, I], scales [slots, ceil(I/128)], counters [items * ceil(I/128)]), ``aq_args`` =
+    (act row, codes row, scales row strides, eps)."""
+    codes_ptr, scales_ptr, count_ptr = aq_ptrs
+    act_st, codes_st, scales_st, eps = aq_args
+    grp = (tl.program_id(1) * BN) // 128
+    first = grp * 128
+    tiles = (tl.minimum(first + 128, INTER) - first + BN - 1) // BN  # programs of this group
+    n_groups: tl.constexpr = (INTER + 127) // 128
+    tl.debug_barrier()  # every thread's act stores precede the release below
+    old = tl.atomic_add(
+        count_ptr + tl.program_id(0) * n_groups + grp, 1, sem="acq_rel", scope="gpu"
+    )
+    if old == tiles - 1:
+        tl.debug_barrier()  # the acquire precedes every thread's loads
+        cols = first + tl.arange(0, 128)
+        s64 = s.to(tl.int64)
+        live = r_in[:, None] & (cols < INTER)[None, :]
+        v = tl.load(
+            act_ptr + s64[:, None] * act_st + cols[None, :],
+            mask=live,
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        q, sc = group_quant_tile(widen_f32(v, PTX), live, eps, 128, 448.0, False, False, PTX)
+        tl.store(codes_ptr + s64[:, None] * codes_st + cols[None, :], q, mask=live)
+        store_scales(scales_ptr + s64[:, None] * scales_st + grp, sc, r_in[:, None], False)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_count"])
+def _tokens_quant_kernel(
+    x_ptr, q_ptr, s_ptr, count_ptr, n_rows, H, G, x_st, s_st, eps, n_count,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """per_token_group_quant_8bit of the tokens (its kernel's body, called as a device function:
+    the same codes and scales), then zeroes ``n_count`` counters of
+    :func:`_quantize_group_if_last` (after the body's ``gdc_wait``: the gate|up kernel, next in
+    the stream, waits for this grid)."""
+    _group_quant_kernel(
+        x_ptr, q_ptr, s_ptr, n_rows, H, G, 1, x_st, 0, s_st, 0, 1, eps,
+        BLOCK_M, BLOCK_N, 128, 448.0, False, False, False, PTX, USE_PDL,
+    )  # fmt: skip
+    p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    step = tl.num_programs(0) * tl.num_programs(1) * 128
+    c0 = p * 128
+    while c0 < n_count:
+        cs = c0 + tl.arange(0, 128)
+        tl.store(count_ptr + cs, tl.zeros([128], tl.int32), mask=cs < n_count)
+        c0 += step
 
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_fp8_gate_up_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr,
-    count_ptr, strides, idx_strides, top_k, n_slots, n_experts, n_count,
+    count_ptr, aq_ptrs, strides, idx_strides, aq_args, top_k, n_slots, n_experts, n_count,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, SP: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
     BR: tl.constexpr, INTERLEAVED: tl.constexpr, E8M0: tl.constexpr, PRECISE: tl.constexpr,
+    FUSE_QUANT: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
     tokens (module docstring); the roles of ``SP``, ``BR`` and the counters are those of the
-    BF16 gate|up kernel (:func:`moefuse.moe.experts_triton._experts_gate_up_kernel`)."""
+    BF16 gate|up kernel (:func:`moefuse.moe.experts_triton._experts_gate_up_kernel`);
+    ``FUSE_QUANT``: the activation's codes and scales too (:func:`_quantize_group_if_last`)."""
     idx_st0, idx_st1 = idx_strides
     if USE_PDL:
         gdc_wait()
@@ -115,8 +195,8 @@ def _experts_fp8_gate_up_kernel(
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _gate_up_item(
-            x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, tail, strides, KDIM, INTER, BN, BR, STAGES,
-            PTX, USE_PDL, INTERLEAVED, E8M0, PRECISE,
+            x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, tail, strides, aq_ptrs, aq_args, KDIM, INTER,
+            BN, BR, STAGES, PTX, USE_PDL, INTERLEAVED, E8M0, PRECISE, FUSE_QUANT,
         )  # fmt: skip
     else:
         item = _work_item(
@@ -124,8 +204,8 @@ def _experts_fp8_gate_up_kernel(
         )
         if item[0] >= 0:
             _gate_up_item(
-                x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides, KDIM, INTER, BN, BT, STAGES,
-                PTX, USE_PDL, INTERLEAVED, E8M0, PRECISE,
+                x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides, aq_ptrs, aq_args, KDIM,
+                INTER, BN, BT, STAGES, PTX, USE_PDL, INTERLEAVED, E8M0, PRECISE, FUSE_QUANT,
             )  # fmt: skip
 
 
@@ -217,8 +297,72 @@ def _group_quant(rows: torch.Tensor, use_pdl: bool) -> tuple[torch.Tensor, torch
     r, w = rows.shape
     codes = torch.empty(r, w, dtype=torch.uint8, device=rows.device)
     scales = torch.empty(r, triton.cdiv(w, 128), dtype=torch.float32, device=rows.device)
-    launch_group_quant(rows, codes, scales, 128, 1e-10, False, False, use_pdl)
+    launch_group_quant(rows, codes, scales, 128, GROUP_EPS, False, False, use_pdl)
     return fp8_codes(codes), scales
+
+
+def _tokens_quant(
+    rows: torch.Tensor, counters: torch.Tensor, n_count: int, use_pdl: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_group_quant` of the tokens (the same codes and scales, per_token_group_quant_8bit's
+    tile) by :func:`_tokens_quant_kernel`, which also zeroes ``counters[:n_count]``."""
+    r, w = rows.shape
+    codes = torch.empty(r, w, dtype=torch.uint8, device=rows.device)
+    scales = torch.empty(r, triton.cdiv(w, 128), dtype=torch.float32, device=rows.device)
+    bm, bn, warps = group_tile(w, 128)
+    launch(
+        _tokens_quant_kernel,
+        (triton.cdiv(r, bm), triton.cdiv(w, bn)),
+        rows, codes, scales, counters, r, w, scales.shape[1], rows.stride(0), scales.stride(0),
+        GROUP_EPS, n_count,
+        BLOCK_M=bm, BLOCK_N=bn, PTX=not interpreter_active(), USE_PDL=use_pdl,
+        num_warps=warps, **pdl_launch_kwargs(use_pdl),
+    )  # fmt: skip
+    return fp8_codes(codes), scales
+
+
+def _launch_gate_up_fp8(
+    hidden_states, gate_up_proj, gate_up_proj_scale_inv, top_k_index, experts, plan, cfg,
+    interleaved: bool, use_pdl: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The tokens' group quantization and the gate|up kernel: ``plan.act`` and the activation's
+    (E4M3 codes [T*K, I] as the down kernel reads them, FP32 group scales [T*K, ceil(I/128)]),
+    from the gate|up kernel itself with ``cfg["fuse_act_quant"]`` (rows of valid slots written)
+    or from per_token_group_quant_8bit's kernel on ``plan.act`` (every row)."""
+    hidden = hidden_states.shape[1]
+    inter = plan.act.shape[1]
+    ptx = not interpreter_active()
+    idx_strides = (top_k_index.stride(0), top_k_index.stride(1))
+    gs, gs_e8 = _scale_arg(gate_up_proj_scale_inv)
+    gw = fp8_codes(gate_up_proj)
+    slots_all, dev = top_k_index.numel(), hidden_states.device
+    n_groups = triton.cdiv(inter, 128)
+    fuse_quant = bool(cfg.get("fuse_act_quant")) and 128 % cfg["bn_gate_up"] == 0
+    if fuse_quant:  # the activation's codes and scales, written by the gate|up kernel
+        a = torch.empty(slots_all, inter, dtype=torch.uint8, device=dev)
+        a_s = torch.empty(slots_all, n_groups, dtype=torch.float32, device=dev)
+        q_count = torch.empty(plan.n_items * n_groups, dtype=torch.int32, device=dev)
+        x, xs = _tokens_quant(hidden_states, q_count, q_count.numel(), use_pdl)
+    else:
+        a = a_s = q_count = plan.act
+        x, xs = _group_quant(hidden_states, use_pdl)
+    aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
+    strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
+    launch(
+        _experts_fp8_gate_up_kernel,
+        (plan.n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
+        x, xs, gw, gs, plan.items, plan.sorted_slots, plan.act, top_k_index,
+        plan.slot_map, plan.counters, (a, a_s, q_count),
+        strides, idx_strides, aq_args, top_k_index.shape[1], slots_all, experts,
+        plan.counters.numel() if plan.fused else 0,
+        KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BT=plan.bt, STAGES=cfg["stages"],
+        SP=plan.sp, PTX=ptx, USE_PDL=use_pdl, BR=plan.br, INTERLEAVED=interleaved, E8M0=gs_e8,
+        PRECISE=bool(cfg["precise"]), FUSE_QUANT=fuse_quant,
+        num_warps=cfg["warps"], enable_fp_fusion=False, **pdl_launch_kwargs(use_pdl),
+    )  # fmt: skip
+    if fuse_quant:
+        return fp8_codes(a), a_s
+    return _group_quant(plan.act, use_pdl)
 
 
 def launch_moe_experts_fp8(
@@ -248,31 +392,23 @@ def launch_moe_experts_fp8(
         return
     slots = tokens * top_k_index.shape[1]
     token_tile = token_tile or experts_fp8_token_tile(slots, experts)
-    cfg = dict(experts_fp8_tile(hidden, inter, token_tile, slots), **(tile or {}))
+    cfg = {
+        **experts_fp8_tile(hidden, inter, token_tile, slots),
+        **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
+        **(tile or {}),
+    }
     plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
+    a, a_s = _launch_gate_up_fp8(
+        hidden_states, gate_up_proj, gate_up_proj_scale_inv, top_k_index, experts, plan, cfg,
+        interleaved, use_pdl,
+    )  # fmt: skip
     ptx = not interpreter_active()
     idx_strides = (top_k_index.stride(0), top_k_index.stride(1))
-    gs, gs_e8 = _scale_arg(gate_up_proj_scale_inv)
     ds, ds_e8 = _scale_arg(down_proj_scale_inv)
-    gw, dw = fp8_codes(gate_up_proj), fp8_codes(down_proj)
+    dw = fp8_codes(down_proj)
     precise = bool(cfg["precise"])
-    x, xs = _group_quant(hidden_states, use_pdl)
-    strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
-    launch(
-        _experts_fp8_gate_up_kernel,
-        (plan.n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
-        x, xs, gw, gs, plan.items, plan.sorted_slots, plan.act, top_k_index,
-        plan.slot_map, plan.counters,
-        strides, idx_strides, top_k_index.shape[1], top_k_index.numel(), experts,
-        plan.counters.numel() if plan.fused else 0,
-        KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BT=plan.bt, STAGES=cfg["stages"],
-        SP=plan.sp, PTX=ptx, USE_PDL=use_pdl, BR=plan.br, INTERLEAVED=interleaved, E8M0=gs_e8,
-        PRECISE=precise,
-        num_warps=cfg["warps"], enable_fp_fusion=False, **pdl_launch_kwargs(use_pdl),
-    )  # fmt: skip
     rsf = float(routed_scaling_factor)
-    act, y = plan.act, plan.y
-    a, a_s = _group_quant(act, use_pdl)
+    y = plan.y
     fin_strides = (
         plan.slot_map.stride(0),
         top_k_weights.stride(0),
@@ -305,3 +441,29 @@ def launch_moe_experts_fp8(
         y, plan.slot_map, top_k_weights, out, bias, eids, routed_scaling_factor,
         shared_expert_output, True, use_pdl,
     )  # fmt: skip
+
+
+def gate_up_activation_codes(
+    hidden_states, gate_up_proj, gate_up_proj_scale_inv, top_k_index, *, interleaved=False,
+    use_pdl=False, tile: dict | None = None, token_tile: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(``act`` [T*K, I], its E4M3 codes as uint8, its FP32 group scales, valid slots [T*K]
+    bool) after the gate|up stage of :func:`launch_moe_experts_fp8` with the same tile policy
+    and overrides: what the down kernel reads (tests: the fused quantization's bytes against
+    per_token_group_quant_8bit of ``act``, on the valid slots' rows)."""
+    slots = top_k_index.numel()
+    experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
+    cfg = {
+        **experts_fp8_tile(hidden, inter, token_tile, slots),
+        **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
+        **(tile or {}),
+    }
+    plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
+    a, a_s = _launch_gate_up_fp8(
+        hidden_states, gate_up_proj, gate_up_proj_scale_inv, top_k_index, experts, plan, cfg,
+        interleaved, use_pdl,
+    )  # fmt: skip
+    valid = (top_k_index >= 0) & (top_k_index < experts)
+    return plan.act, a.view(torch.uint8), a_s, valid.reshape(-1)

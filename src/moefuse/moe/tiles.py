@@ -247,3 +247,18 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
         "split_programs": split_programs,
         "precise": fp8_precise_accumulation(),
     }
+
+
+# ----------------------------------------------------------------------------- FP8 experts, decode
+#: up to this many routed slots (T*K), the gate|up kernel writes the activation's E4M3 codes and
+#: group scales itself (the last program of each 128-column group of I quantizes it for the work
+#: item's tokens with per_token_group_quant_8bit's device function): one launch fewer, the same
+#: bytes, so a token's bits do not depend on this cut. UNMEASURED (pending the H100 run).
+EXPERTS_FP8_FUSE_ACT_QUANT_SLOTS = 2048
+
+
+def experts_fp8_decode_tile(hidden: int, inter: int, token_tile: int, slots: int) -> dict:
+    """Keys the FP8 experts launcher lays over :func:`experts_fp8_tile` (its own function: the
+    large-token tiles live there): ``fuse_act_quant`` up to
+    :data:`EXPERTS_FP8_FUSE_ACT_QUANT_SLOTS` slots."""
+    return {"fuse_act_quant": slots <= EXPERTS_FP8_FUSE_ACT_QUANT_SLOTS}

@@ -1,0 +1,222 @@
+"""Decode variants of the FP8 routed experts (T = 1 .. 256) at the Qwen3, Mixtral and DeepSeek-V3
+shapes: the launcher's ``tile`` / ``token_tile`` overrides against the default, CUDA-graph µs,
+and whether each variant's output is bitwise the default's.
+
+    python scripts/bench_fp8_decode_variants.py warm [--jobs N]    compile every variant (parallel)
+    python scripts/bench_fp8_decode_variants.py time [--out FILE]  time them (one process)
+
+``warm`` runs each (shape, variant) once per token count in its own process (16 experts for
+the 128- and 256-expert shapes: the kernels' compile keys do not depend on E, the token tile is
+the one of the real E), so that ``time`` finds every kernel in Triton's cache. ``time`` goes
+token count first (T = 1 for every shape before T = 4) and appends one JSON line per point to
+``--out``. ``base`` is the activation quantized by its own launch (the previous default);
+``fq`` the gate|up kernel quantizing it; the others are ``fq`` with one tile change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+TOKENS = (1, 4, 16, 64, 256)
+SHAPE_NAMES = ("qwen3", "mixtral", "deepseek_v3")
+#: name -> (tile overrides, token-tile factor, token counts it runs at)
+VARIANTS = {
+    "base": ({"fuse_act_quant": False}, 1, TOKENS),
+    "fq": ({"fuse_act_quant": True}, 1, TOKENS),
+    "fq_dst8": ({"fuse_act_quant": True, "down_stages": 8}, 1, TOKENS),
+    "fq_gst8": ({"fuse_act_quant": True, "stages": 8, "down_stages": None}, 1, (1, 4, 16, 64)),
+    "fq_bnd32": ({"fuse_act_quant": True, "bn_down": 32}, 1, (1, 4, 16, 64)),
+    "fq_bnd128w8": ({"fuse_act_quant": True, "bn_down": 128, "down_warps": 8}, 1, (1, 4)),
+    "fq_dw8": ({"fuse_act_quant": True, "down_warps": 8}, 1, (1, 4, 16, 64)),
+    "fq_bng64": ({"fuse_act_quant": True, "bn_gate_up": 64}, 1, (1, 4, 16, 64)),
+    "fq_bt2x": ({"fuse_act_quant": True}, 2, (64, 256)),
+    "fq_bt2xw8": ({"fuse_act_quant": True, "warps": 8}, 2, (256,)),
+}
+
+
+def _shape(name):
+    from moefuse.bench.experts_setup import SHAPES
+
+    return SHAPES[name]
+
+
+def variant_args(name, variant, t, experts=None):
+    """(tile, token_tile) of ``variant`` at T = t for shape ``name`` (token tile of the real E)."""
+    from moefuse.moe.tiles import experts_fp8_tile, experts_fp8_token_tile
+
+    shape = _shape(name)
+    tile, factor, _ = VARIANTS[variant]
+    slots = t * shape["top_k"]
+    bt = experts_fp8_token_tile(slots, shape["experts"])
+    tile = dict(tile)
+    if tile.get("down_stages", 0) is None:  # the gate|up stages alone: the down kernel's default
+        tile["down_stages"] = experts_fp8_tile(shape["hidden"], shape["inter"], bt, slots)["stages"]
+    return tile, min(128, bt * factor)
+
+
+def call(x, idx, w, fp8, tile, bt, out=None):
+    from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
+
+    gq, gs, dq, ds = fp8
+    out = torch.empty_like(x) if out is None else out
+    launch_moe_experts_fp8(
+        x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, False, True, tile=tile, token_tile=bt
+    )
+    return out
+
+
+def warm_one(name, variant) -> None:
+    from moefuse.bench.experts_setup import make_routing
+
+    shape = dict(_shape(name))
+    e_real = shape["experts"]
+    shape["experts"] = min(e_real, 16)
+    dev = torch.device("cuda")
+    h, i, e = shape["hidden"], shape["inter"], shape["experts"]
+    gq = torch.zeros(e, 2 * i, h, dtype=torch.float8_e4m3fn, device=dev)
+    gs = torch.ones(e, -(-2 * i // 128), -(-h // 128), device=dev)
+    dq = torch.zeros(e, h, i, dtype=torch.float8_e4m3fn, device=dev)
+    ds = torch.ones(e, -(-h // 128), -(-i // 128), device=dev)
+    for t in VARIANTS[variant][2]:
+        x, idx, w = make_routing(t, shape, dev, seed=t)
+        tile, bt = variant_args(name, variant, t)
+        t0 = time.time()
+        call(x, idx, w, (gq, gs, dq, ds), tile, bt)
+        torch.cuda.synchronize()
+        print(f"warm {name} {variant} T={t} bt={bt} {time.time() - t0:.1f}s", flush=True)
+    if variant == "base":  # the BF16 experts at one token (the bar's baseline)
+        import moefuse
+
+        x, idx, w = make_routing(1, shape, dev, seed=1)
+        gb = torch.zeros(e, 2 * i, h, dtype=torch.bfloat16, device=dev)
+        db = torch.zeros(e, h, i, dtype=torch.bfloat16, device=dev)
+        moefuse.moe_experts(x, gb, db, idx, w)
+        torch.cuda.synchronize()
+
+
+def warm(args) -> int:
+    jobs = [(n, v) for n in SHAPE_NAMES for v in VARIANTS]
+    running, failed = [], 0
+    t0 = time.time()
+    while jobs or running:
+        while jobs and len(running) < args.jobs:
+            n, v = jobs.pop(0)
+            cmd = [sys.executable, __file__, "warm-one", n, v]
+            running.append((n, v, subprocess.Popen(cmd)))
+        time.sleep(0.2)
+        for job in list(running):
+            if job[2].poll() is not None:
+                running.remove(job)
+                if job[2].returncode:
+                    failed += 1
+                    print(f"warm FAILED {job[0]} {job[1]} rc={job[2].returncode}", flush=True)
+    print(f"warm done in {time.time() - t0:.0f}s, {failed} failed", flush=True)
+    return 0
+
+
+def timing(args) -> int:
+    import moefuse
+    from moefuse.bench.experts_setup import make_routing
+    from moefuse.bench.harness import datasheet_gpu, graph_time_us
+    from moefuse.bench.moe_experts_fp8 import make_fp8_weights
+
+    dev = torch.device("cuda")
+    sheet = datasheet_gpu()
+    tbs = sheet[1] if sheet else 3.35
+    print(f"GPU {torch.cuda.get_device_name(0)} datasheet {tbs} TB/s", flush=True)
+    weights = {}
+    for n in args.shapes:
+        gq, gs, dq, ds, gb, db = make_fp8_weights(_shape(n), dev)
+        weights[n] = ((gq, gs, dq, ds), (gb, db))
+        per_expert = gq[0].numel() + dq[0].numel() + 4 * (gs[0].numel() + ds[0].numel())
+        weights[n] += (per_expert,)
+    torch.cuda.synchronize()
+    out = open(args.out, "a") if args.out else None
+    for t in args.tokens:
+        for n in args.shapes:
+            shape = _shape(n)
+            fp8, bf16, per_expert = weights[n]
+            sets = [make_routing(t, shape, dev, seed=1000 * t + s) for s in range(8)]
+            distinct = statistics.mean(len(torch.unique(i)) for _, i, _ in sets)
+            floor = distinct * per_expert / (tbs * 1e12) * 1e6
+            calls = int(max(3, min(20, 20000 / (3 * floor + 20))))
+            x0, i0, w0 = sets[0]
+            ref = None
+            names = [v for v in VARIANTS if t in VARIANTS[v][2]]
+            results = {}
+            for v in names + ["base"]:  # base again last: the drift of the run
+                tile, bt = variant_args(n, v, t)
+                got = call(x0, i0, w0, fp8, tile, bt)
+                if ref is None:
+                    ref = got
+                same = bool(torch.equal(got.view(torch.int16), ref.view(torch.int16)))
+                fns = [lambda s=s, tl=tile, b=bt: call(*s, fp8, tl, b) for s in sets]
+                us = graph_time_us(lambda k, f=fns: f[k % len(f)](), calls=calls, replays=10)
+                key = v if v not in results else "base_again"
+                results[key] = us
+                row = {
+                    "shape": n,
+                    "T": t,
+                    "variant": key,
+                    "us": round(us, 2),
+                    "bt": bt,
+                    "tile": tile,
+                    "floor_us": round(floor, 2),
+                    "x_floor": round(us / floor, 3),
+                    "bitwise_base": same,
+                }
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                print(
+                    f"{n:12s} T={t:4d} {key:12s} bt={bt:3d} {us:9.1f} us  x floor "
+                    f"{us / floor:5.2f}  bits==base {same}",
+                    flush=True,
+                )
+            if t == 1:
+                gb, db = bf16
+                fns = [lambda s=s: moefuse.moe_experts(s[0], gb, db, s[1], s[2]) for s in sets]
+                us = graph_time_us(lambda k, f=fns: f[k % len(f)](), calls=calls, replays=10)
+                best = min(results.values())
+                print(
+                    f"{n:12s} T={t:4d} {'bf16':12s}        {us:9.1f} us  x fp8-best "
+                    f"{us / best:5.2f} x fp8-fq {us / results['fq']:5.2f}",
+                    flush=True,
+                )
+                if out:
+                    row = {"shape": n, "T": t, "variant": "bf16_moefuse", "us": round(us, 2)}
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("warm")
+    w.add_argument("--jobs", type=int, default=12)
+    one = sub.add_parser("warm-one")
+    one.add_argument("shape")
+    one.add_argument("variant")
+    tm = sub.add_parser("time")
+    tm.add_argument("--out")
+    tm.add_argument("--shapes", nargs="+", default=list(SHAPE_NAMES))
+    tm.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    args = p.parse_args(argv)
+    if args.cmd == "warm":
+        return warm(args)
+    if args.cmd == "warm-one":
+        warm_one(args.shape, args.variant)
+        return 0
+    return timing(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
