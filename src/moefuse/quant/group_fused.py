@@ -19,6 +19,7 @@ With a residual, ``res <- cast(h)`` and the norm uses the FP32 ``h``; ``input`` 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import triton
 import triton.language as tl
@@ -249,8 +250,22 @@ def _norm_group_quant_kernel(
 #: a row and may depend on the token count.
 GROUP_PROGRAMS_PER_SM = 4
 #: (residual, width) -> token count from which the one-pass rows run the persistent loop;
-#: widths not listed keep one tile per program at every M (not measured)
+#: widths not listed keep one tile per program at every M. None listed: on an H100 the loop was
+#: slower for rmsnorm_group_quant at 2048 / 2880 / 4096 columns from M = 2048 at 2, 3 and 4
+#: programs per SM (M = 16384, 4 per SM: 51.36 / 88.40 / 88.61 us against 47.16 / 84.14 /
+#: 84.75; notes/quant.md, ``bench quant --sweep``); its only gain, M = 512 (3.61 / 5.19 / 5.47
+#: against 4.14 / 5.54 / 6.01), came with a grid of one tile per program, not from the loop.
 GROUP_PERSISTENT_MIN_ROWS: dict[tuple[bool, int], int] = {}
+
+
+#: stepped rows (rmsnorm 6145-8192 columns; fused_add 4096, 6554-8192) run looped (two passes,
+#: the second re-reading the row from L2) from this many tokens and unrolled below; both modes
+#: give the same bits. rmsnorm_group_quant: unrolled at every M, faster than looped at 7168
+#: columns from M = 512 to 16384 on an H100 (8.55 / 25.36 / 47.28 / 176.48 us against 9.52 /
+#: 27.47 / 50.17 / 186.91 at M = 512 / 2048 / 4096 / 16384; notes/quant.md); fused_add: the
+#: norm's threshold.
+GROUP_RMSNORM_LOOP_MIN_ROWS = sys.maxsize
+GROUP_ADD_LOOP_MIN_ROWS = tiles.FUSED_ADD_LOOP_MIN_ROWS
 
 
 def _persistent_policy(policy: TilePolicy, per_sm: int) -> TilePolicy:
@@ -286,9 +301,7 @@ def launch_norm_group_quant(
     if n_rows == 0:
         return
     tile = norm_group_tile(width, residual is not None, n_rows, per_sm)
-    loop_min = (
-        tiles.FUSED_ADD_LOOP_MIN_ROWS if residual is not None else tiles.RMSNORM_LOOP_MIN_ROWS
-    )
+    loop_min = GROUP_ADD_LOOP_MIN_ROWS if residual is not None else GROUP_RMSNORM_LOOP_MIN_ROWS
     gw = min(group_size, tile.block)
     args = (
         input, residual if residual is not None else input, weight,

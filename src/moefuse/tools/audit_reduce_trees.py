@@ -140,7 +140,9 @@ def group_quant_trees(h: int, residual: bool, m: int, per_sm: int = 0) -> list[s
     program and in the persistent row loop with prefetch at ``per_sm`` programs per SM (one-pass
     rows; other rows ignore it). The group maxima are integer reductions and are not listed."""
     tile = group_fused.norm_group_tile(h, residual, m, per_sm)
-    loop_min = tiles.FUSED_ADD_LOOP_MIN_ROWS if residual else tiles.RMSNORM_LOOP_MIN_ROWS
+    loop_min = (
+        group_fused.GROUP_ADD_LOOP_MIN_ROWS if residual else group_fused.GROUP_RMSNORM_LOOP_MIN_ROWS
+    )
     consts = nt._row_consts(tile, h, m, None, loop_min, True)
     consts.update(
         HAS_RESIDUAL=residual, GW=min(128, tile.block), QMAX=448.0, UE8M0=False, INT8=False,
