@@ -4,8 +4,8 @@
 Six launches at most: the routing plan (above 32 slots; below, each program computes its own
 work item), the tokens' group quantization (per_token_group_quant_8bit's kernel: E4M3 codes and
 one FP32 scale per 128 channels), gate|up, the activation's group quantization (inside the
-gate|up kernel with ``fuse_act_quant``, :data:`moefuse.moe.tiles.EXPERTS_FP8_FUSE_ACT_QUANT_SLOTS`:
-the last program of each 128-column group of I quantizes it, the same bytes), down, and the
+gate|up kernel with ``fuse_act_quant``, :func:`moefuse.moe.tiles.experts_fp8_decode_tile`: the
+last program of each 128-column group of I quantizes it, the same bytes), down, and the
 deterministic finalize (inside the down kernel up to 8 slots). The plan, work items, tail tiles
 and finalize are the BF16 kernels' (:mod:`moefuse.moe.experts_triton`); the products are
 :func:`moefuse.moe.fp8_device.block_fp8_product`: every program streams its weight tile of one
@@ -38,7 +38,12 @@ from moefuse.moe.experts_triton import (
     _write_slot_map,
 )
 from moefuse.moe.fp8_device import block_fp8_product, fp8_codes
-from moefuse.moe.tiles import experts_fp8_decode_tile, experts_fp8_tile, experts_fp8_token_tile
+from moefuse.moe.tiles import (
+    experts_fp8_decode_tile,
+    experts_fp8_decode_token_tile,
+    experts_fp8_tile,
+    experts_fp8_token_tile,
+)
 from moefuse.moe.triton import launch_moe_finalize
 from moefuse.quant.group_triton import (
     _group_quant_kernel,
@@ -391,7 +396,11 @@ def launch_moe_experts_fp8(
     if tokens == 0 or hidden == 0:
         return
     slots = tokens * top_k_index.shape[1]
-    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
+    token_tile = (
+        token_tile
+        or experts_fp8_decode_token_tile(slots, experts)
+        or experts_fp8_token_tile(slots, experts)
+    )
     cfg = {
         **experts_fp8_tile(hidden, inter, token_tile, slots),
         **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
@@ -454,7 +463,11 @@ def gate_up_activation_codes(
     slots = top_k_index.numel()
     experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
-    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
+    token_tile = (
+        token_tile
+        or experts_fp8_decode_token_tile(slots, experts)
+        or experts_fp8_token_tile(slots, experts)
+    )
     cfg = {
         **experts_fp8_tile(hidden, inter, token_tile, slots),
         **experts_fp8_decode_tile(hidden, inter, token_tile, slots),

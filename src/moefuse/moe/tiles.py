@@ -250,15 +250,55 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- FP8 experts, decode
-#: up to this many routed slots (T*K), the gate|up kernel writes the activation's E4M3 codes and
-#: group scales itself (the last program of each 128-column group of I quantizes it for the work
-#: item's tokens with per_token_group_quant_8bit's device function): one launch fewer, the same
-#: bytes, so a token's bits do not depend on this cut. UNMEASURED (pending the H100 run).
-EXPERTS_FP8_FUSE_ACT_QUANT_SLOTS = 2048
+#: Decode keys of the FP8 experts laid over :func:`experts_fp8_tile` (T*K <= 512 slots only; the
+#: large-token tiles live there). None moves a bit: stages, rows per program and token columns
+#: change which program computes what, not a column's k32 chain or block order, and
+#: ``fuse_act_quant`` (the gate|up kernel quantizes the activation itself: the last program of
+#: each 128-column group of I, per_token_group_quant_8bit's device function) writes that op's
+#: bytes (GPU log below: every variant bitwise equal to the default at every point; GPU tests).
+#: MEASURED (H100 80GB HBM3, 2026-12-06, 81e3edb, scripts/bench_fp8_decode_variants.py,
+#: notes/gpu-logs/2026-12-06-experts-fp8-decode-variants-81e3edb.log), CUDA-graph us, default ->
+#: chosen: DeepSeek-V3 T = 1 144.2 -> 134.9 (fused quantization + 8 gate|up stages), Mixtral T = 1
+#: 139.7 -> 136.8 (the same; 128 gate|up rows ran 134.2), Mixtral T = 4 327.8 -> 328.5, Mixtral
+#: T = 256 772.1 -> 723.7 (fused quantization + 128 token columns). The fused quantization alone
+#: did not pay (the standalone launch overlaps under PDL; the group's last program quantizes
+#: at the gate|up kernel's occupancy): Qwen3 T = 1 24.5 -> 25.9, DeepSeek-V3 144.2 -> 145.2,
+#: Mixtral T = 256 772 -> 823; 8 gate|up stages at Qwen3 T = 1 26.7; so Qwen3 keeps the default.
+EXPERTS_FP8_DECODE_MAX_SLOTS = 512
+#: one-token-sized calls (T*K <= 8) of experts of at least this many H*I weights per matrix:
+#: the gate|up kernel quantizes the activation and runs 8 stages (the down kernel keeps 6)
+EXPERTS_FP8_DEEP_GATE_UP_MIN_HI = 8 << 20
+EXPERTS_FP8_DEEP_GATE_UP = {"fuse_act_quant": True, "stages": 8, "down_stages": 6}
+EXPERTS_FP8_DEEP_GATE_UP_SLOTS = 8
+#: token columns where the 64-column cap leaves experts with more than one item (a mean load of
+#: over 40 slots per expert at decode: Mixtral T = 256): 128 columns with the narrow rows, the
+#: activation quantized in the gate|up kernel
+EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE = 128
+
+
+def experts_fp8_decode_token_tile(slots: int, experts: int) -> int:
+    """Token columns of the FP8 experts at decode where they differ from
+    :func:`experts_fp8_token_tile` (0 elsewhere): :data:`EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE`
+    where :func:`experts_token_tile` asks for at least that many, up to
+    :data:`EXPERTS_FP8_DECODE_MAX_SLOTS` slots."""
+    if slots > EXPERTS_FP8_DECODE_MAX_SLOTS:
+        return 0
+    wide = EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE
+    return wide if experts_token_tile(slots, experts) >= wide else 0
 
 
 def experts_fp8_decode_tile(hidden: int, inter: int, token_tile: int, slots: int) -> dict:
-    """Keys the FP8 experts launcher lays over :func:`experts_fp8_tile` (its own function: the
-    large-token tiles live there): ``fuse_act_quant`` up to
-    :data:`EXPERTS_FP8_FUSE_ACT_QUANT_SLOTS` slots."""
-    return {"fuse_act_quant": slots <= EXPERTS_FP8_FUSE_ACT_QUANT_SLOTS}
+    """Keys the FP8 experts launcher lays over :func:`experts_fp8_tile` up to
+    :data:`EXPERTS_FP8_DECODE_MAX_SLOTS` slots: :data:`EXPERTS_FP8_DEEP_GATE_UP` at T*K <=
+    :data:`EXPERTS_FP8_DEEP_GATE_UP_SLOTS` when H*I >= :data:`EXPERTS_FP8_DEEP_GATE_UP_MIN_HI`;
+    the fused activation quantization with the wide token tile; else nothing."""
+    if slots > EXPERTS_FP8_DECODE_MAX_SLOTS:
+        return {}
+    if (
+        slots <= EXPERTS_FP8_DEEP_GATE_UP_SLOTS
+        and hidden * inter >= EXPERTS_FP8_DEEP_GATE_UP_MIN_HI
+    ):
+        return dict(EXPERTS_FP8_DEEP_GATE_UP)
+    if token_tile >= EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE:
+        return {"fuse_act_quant": True}
+    return {}
