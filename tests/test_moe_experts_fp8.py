@@ -128,11 +128,11 @@ def test_accumulation_knob_picks_one_mode_for_every_tile(monkeypatch):
     at every token count (one mode, so the bits never follow the batch); a bad value is named."""
     from moefuse.moe import tiles
 
-    for value, precise in (("block", False), ("k32", True), ("", False)):
+    for value, code in (("block", 0), ("k32", 1), ("fp16", 2), ("", 0)):
         monkeypatch.setenv("MOEFUSE_FP8_ACCUMULATION", value)
-        for tokens in (1, 16, 64):
-            assert tiles.experts_fp8_tile(2048, 768, tokens, tokens * 8)["precise"] is precise
-            assert tiles.linear_fp8_plan(tokens, 4096, 7168)["precise"] is precise
+        for tokens in (1, 16, 64, 4096):
+            assert tiles.experts_fp8_tile(2048, 768, tokens, tokens * 8)["accumulation"] == code
+            assert tiles.linear_fp8_plan(tokens, 4096, 7168)["accumulation"] == code
     monkeypatch.setenv("MOEFUSE_FP8_ACCUMULATION", "fast")
     with pytest.raises(ValueError, match="MOEFUSE_FP8_ACCUMULATION"):
         tiles.experts_fp8_tile(2048, 768, 1, 8)

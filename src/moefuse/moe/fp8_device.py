@@ -65,14 +65,25 @@ def _bytes(t):
         return t.to(tl.uint8, bitcast=True)
 
 
+#: ``ACCUM`` codes of the FP8 products (the knob MOEFUSE_FP8_ACCUMULATION, one per process)
+ACCUM_BLOCK: tl.constexpr = tl.constexpr(0)
+ACCUM_K32: tl.constexpr = tl.constexpr(1)
+ACCUM_FP16: tl.constexpr = tl.constexpr(2)
+
+
 @triton.jit
-def fp8_block_dot(w, q, PRECISE: tl.constexpr, PTX: tl.constexpr):
+def fp8_block_dot(w, q, ACCUM: tl.constexpr, PTX: tl.constexpr):
     """``dot_b`` = FP32 ``w @ q`` of E4M3 codes (E4M3 or their uint8 bytes) ``w`` [R, 128] and
-    ``q`` [128, BT] from a zero accumulator. ``PRECISE``: every k32 MMA step is added to the
-    FP32 sum (Hopper's FP8 MMA otherwise carries the block's four steps in its own, narrower
-    accumulator). Interpreter: exact FP64 products and sum, rounded once (module docstring)."""
+    ``q`` [128, BT] from a zero accumulator. ``ACCUM``: :data:`ACCUM_BLOCK`, Hopper's FP8 MMA
+    carries the block's four k32 steps in its own accumulator (narrower than FP32);
+    :data:`ACCUM_K32`, every k32 MMA step is added to the FP32 sum; :data:`ACCUM_FP16`, the codes
+    widened to FP16 (exact: every E4M3 value is an FP16 value) and multiplied by the FP16 MMA,
+    whose products are exact and whose sum is carried in FP32. Interpreter: exact FP64 products
+    and sum, rounded once (module docstring), whatever ``ACCUM``."""
     if PTX:
-        if PRECISE:
+        if ACCUM == ACCUM_FP16:
+            return tl.dot(_e4m3(w).to(tl.float16), _e4m3(q).to(tl.float16), out_dtype=tl.float32)
+        elif ACCUM == ACCUM_K32:
             return tl.dot(_e4m3(w), _e4m3(q), max_num_imprecise_acc=32)
         else:
             return tl.dot(_e4m3(w), _e4m3(q))
@@ -108,7 +119,7 @@ def block_fp8_product(
     STAGES: tl.constexpr,
     PTX: tl.constexpr,
     E8M0: tl.constexpr,
-    PRECISE: tl.constexpr,
+    ACCUM: tl.constexpr,
     CHUNK: tl.constexpr = 0,
 ):
     """FP32 ``acc = fma(dot_b, xs[b] * Ws[row, b], acc)`` over the ``NB`` K-blocks ``b`` from
@@ -132,7 +143,7 @@ def block_fp8_product(
         ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in & b_in, other=0), E8M0)
         q = tl.load(col_rows + kk[:, None], mask=r_in[None, :] & k_in[:, None], other=0.0)
         xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
-        part = fp8_block_dot(w, q, PRECISE, PTX)
+        part = fp8_block_dot(w, q, ACCUM, PTX)
         acc = _fma(part, xs[None, :] * ws[:, None], acc, PTX)
         if CHUNK > 0:
             end = ((b + 1) % CHUNK == 0) | (j + 1 == NB)

@@ -47,7 +47,7 @@ def _fp8_linear_kernel(
     m_rows, strides,
     N: tl.constexpr, KDIM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     SPLITS: tl.constexpr, CHUNK: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
-    STAGES: tl.constexpr, PRECISE: tl.constexpr, HAS_BIAS: tl.constexpr, E8M0: tl.constexpr,
+    STAGES: tl.constexpr, ACCUM: tl.constexpr, HAS_BIAS: tl.constexpr, E8M0: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The block-scaled product of ``BN`` weight rows and ``BT`` token columns (module
@@ -72,7 +72,7 @@ def _fp8_linear_kernel(
         c = tl.program_id(2)
         acc = block_fp8_product(
             w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, c * CHUNK, CHUNK, KDIM, BT,
-            STAGES, PTX, E8M0, PRECISE,
+            STAGES, PTX, E8M0, ACCUM,
         )  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
@@ -81,7 +81,7 @@ def _fp8_linear_kernel(
     else:
         acc = block_fp8_product(
             w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, 0, n_blocks, KDIM, BT, STAGES,
-            PTX, E8M0, PRECISE, CHUNK if SPLITS > 1 else 0,
+            PTX, E8M0, ACCUM, CHUNK if SPLITS > 1 else 0,
         )  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
@@ -165,7 +165,7 @@ def launch_fp8_linear(
         bias if bias is not None else out, out, part,
         m, strides,
         N=n, KDIM=k, BN=cfg["bn"], BT=cfg["bt"], SPLITS=splits, CHUNK=chunk,
-        SPLIT_PROGRAMS=split_programs, STAGES=cfg["stages"], PRECISE=cfg["precise"],
+        SPLIT_PROGRAMS=split_programs, STAGES=cfg["stages"], ACCUM=cfg["accumulation"],
         HAS_BIAS=bias is not None, E8M0=e8m0, PTX=ptx, USE_PDL=use_pdl,
         num_warps=cfg["warps"], enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),

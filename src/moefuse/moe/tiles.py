@@ -161,27 +161,44 @@ def experts_token_tile(slots: int, experts: int) -> int:
 #: K-block of the weight scales (fixed: one FP8 MMA chain per block, then scaled), so only the
 #: rows, warps, stages and token columns vary; a token's bits do not depend on any of them.
 #: MEASURED (H100, 2026-12-06, notes/moe-experts-fp8.md), CUDA-graph us: the BF16 kernels' wide
-#: tile (128 weight rows x 128 columns, 8 warps) lost to this narrow one at 64 columns wherever
-#: the policy would take it: Qwen3 T = 2048 912 -> 780, Mixtral 256 1238 -> 782, 2048 8362 ->
-#: 4733, DeepSeek-V3 2048 10217 -> 7154 (256: 4229 both); 128 rows x 64 columns, 8 warps, lay
-#: between. So the FP8 token tile stops at 64 columns. Six stages at 16 columns (decode): Mixtral
-#: T = 1 148.5 -> 144.5, T = 4 361 -> 346, DeepSeek-V3 T = 4 488 -> 483, Qwen3 25.0 -> 25.2.
+#: tile (128 weight rows x 128 columns, 8 warps) lost to this narrow one wherever the policy
+#: would take it: Qwen3 T = 2048 912 -> 780, Mixtral 256 1238 -> 782, 2048 8362 -> 4733,
+#: DeepSeek-V3 2048 10217 -> 7154 (one program per SM at 255 registers: no program's MMA runs
+#: under another's scaling epilogue; offline, every FP8 block dot waits for its MMA before the
+#: FMA). Six stages at 16 columns (decode): Mixtral T = 1 148.5 -> 144.5, T = 4 361 -> 346,
+#: DeepSeek-V3 T = 4 488 -> 483, Qwen3 25.0 -> 25.2.
 EXPERTS_FP8_NARROW = {"bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}
 EXPERTS_FP8_DECODE_STAGES = 6
-EXPERTS_FP8_MAX_TOKEN_TILE = 64
+#: the widest token tile: 128 columns with the narrow rows (64 weight rows, 4 warps: the m64n128
+#: FP8 MMA, two programs per SM at ~240 registers). MEASURED (H100 80GB HBM3, 2026-12-06, 6bcbc44,
+#: scripts of notes/gpu-logs/2026-12-06-experts-fp8-large-tiles-6bcbc44.log, every variant
+#: bitwise equal to the 64-column default), CUDA-graph us, 64 -> 128 columns: Qwen3 T = 2048
+#: 787.6 -> 568.0, 8192 2916 -> 2113; Mixtral 2048 4540 -> 3378, 8192 18775 -> 16754;
+#: DeepSeek-V3 2048 7191 -> 6945, 8192 23049 -> 21357 (each weight tile is read once for twice
+#: the tokens and the MMA is twice as wide). 128 weight rows x 128 columns at 8 warps lost
+#: (922 / 5272 / 10272 at T = 2048), as did 256 columns in the BF16 policy (not compiled: the
+#: accumulator and the block's product alone would take 256 registers per thread).
+EXPERTS_FP8_MAX_TOKEN_TILE = 128
 
 
-def fp8_precise_accumulation() -> bool:
-    """Whether the FP8 MMA adds every k32 step to the FP32 sum (``MOEFUSE_FP8_ACCUMULATION=k32``)
-    instead of letting Hopper's MMA carry a K-block's four steps in its own, narrower accumulator
-    (``block``, the default). One mode for every tile and token count, or the bits would follow
-    the batch. MEASURED (H100, 2026-12-06, notes/moe-experts-fp8.md): k32 doubled the time at
-    2,048 tokens (Qwen3 913 -> 1478 us, Mixtral 8362 -> 17947) and cost 1-3 % at one token; its
-    relative RMS from the FP64 formula at T = 64 is 3.1-3.6e-3 against 4.8-5.2e-3 for block
-    (``bench moe-experts-fp8 --accumulation``)."""
+#: the values of MOEFUSE_FP8_ACCUMULATION and the ``ACCUM`` codes of the FP8 kernels
+#: (:data:`moefuse.moe.fp8_device.ACCUM_BLOCK` / ``_K32`` / ``_FP16``)
+FP8_ACCUMULATION_CODES = {"block": 0, "k32": 1, "fp16": 2}
+
+
+def fp8_accumulation() -> int:
+    """The FP8 products' accumulation (``MOEFUSE_FP8_ACCUMULATION``) as the kernels' ``ACCUM``
+    code: ``block`` (default, 0), Hopper's FP8 MMA carries each 128-wide K-block's four k32 steps
+    in its own, narrower accumulator (DeepGEMM's numerics); ``k32`` (1), every k32 step is added
+    to the FP32 sum; ``fp16`` (2), the E4M3 codes widened exactly to FP16 and multiplied by the
+    FP16 MMA (exact products, FP32 sums). One mode for every tile and token count, or the bits
+    would follow the batch. MEASURED (H100, 2026-12-06, notes/moe-experts-fp8.md): relative RMS
+    from the FP64 formula at T = 64: block 4.6-4.8e-3, k32 3.1-3.6e-3, fp16 1.9-2.6e-4; k32
+    doubled the time at 2,048 tokens and cost 1-3 % at one token; fp16 cost 8-33 % at one and
+    64 tokens and 1.6-1.8 x at 2,048."""
     from moefuse import knobs
 
-    return knobs.get("MOEFUSE_FP8_ACCUMULATION") == "k32"
+    return FP8_ACCUMULATION_CODES[knobs.get("MOEFUSE_FP8_ACCUMULATION") or "block"]
 
 
 def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
@@ -194,13 +211,56 @@ def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int =
         **base,
         **EXPERTS_FP8_NARROW,
         "stages": stages,
-        "precise": fp8_precise_accumulation(),
+        "accumulation": fp8_accumulation(),
     }
 
 
 def experts_fp8_token_tile(slots: int, experts: int) -> int:
     """:func:`experts_token_tile`, at most :data:`EXPERTS_FP8_MAX_TOKEN_TILE` columns."""
     return min(experts_token_tile(slots, experts), EXPERTS_FP8_MAX_TOKEN_TILE)
+
+
+# ----------------------------------------------------------------------------- FP8 experts, decode
+#: Decode keys of the FP8 experts laid over :func:`experts_fp8_tile` (T*K <= 512 slots only; the
+#: large-token tiles live there). None moves a bit: stages, rows per program and token columns
+#: change which program computes what, not a column's k32 chain or block order, and
+#: ``fuse_act_quant`` (the gate|up kernel quantizes the activation itself: the last program of
+#: each 128-column group of I, per_token_group_quant_8bit's device function) writes that op's
+#: bytes (GPU log below: every variant bitwise equal to the default at every point; GPU tests).
+#: MEASURED (H100 80GB HBM3, 2026-12-06, 81e3edb, scripts/bench_fp8_decode_variants.py,
+#: notes/gpu-logs/2026-12-06-experts-fp8-decode-variants-81e3edb.log), CUDA-graph us, default ->
+#: chosen: DeepSeek-V3 T = 1 144.2 -> 134.9 (fused quantization + 8 gate|up stages), Mixtral T = 1
+#: 139.7 -> 136.8 (the same; 128 gate|up rows ran 134.2), Mixtral T = 4 327.8 -> 328.5, Mixtral
+#: T = 256 772.1 -> 723.7 (fused quantization + 128 token columns). The fused quantization alone
+#: did not pay (the standalone launch overlaps under PDL; the group's last program quantizes
+#: at the gate|up kernel's occupancy): Qwen3 T = 1 24.5 -> 25.9, DeepSeek-V3 144.2 -> 145.2,
+#: Mixtral T = 256 772 -> 823; 8 gate|up stages at Qwen3 T = 1 26.7; so Qwen3 keeps the default.
+EXPERTS_FP8_DECODE_MAX_SLOTS = 512
+#: one-token-sized calls (T*K <= 8) of experts of at least this many H*I weights per matrix:
+#: the gate|up kernel quantizes the activation and runs 8 stages (the down kernel keeps 6)
+EXPERTS_FP8_DEEP_GATE_UP_MIN_HI = 8 << 20
+EXPERTS_FP8_DEEP_GATE_UP = {"fuse_act_quant": True, "stages": 8, "down_stages": 6}
+EXPERTS_FP8_DEEP_GATE_UP_SLOTS = 8
+#: from this token tile on, at decode (up to EXPERTS_FP8_DECODE_MAX_SLOTS slots: Mixtral
+#: T = 256), the gate|up kernel quantizes the activation itself
+EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE = 128
+
+
+def experts_fp8_decode_tile(hidden: int, inter: int, token_tile: int, slots: int) -> dict:
+    """Keys the FP8 experts launcher lays over :func:`experts_fp8_tile` up to
+    :data:`EXPERTS_FP8_DECODE_MAX_SLOTS` slots: :data:`EXPERTS_FP8_DEEP_GATE_UP` at T*K <=
+    :data:`EXPERTS_FP8_DEEP_GATE_UP_SLOTS` when H*I >= :data:`EXPERTS_FP8_DEEP_GATE_UP_MIN_HI`;
+    the fused activation quantization with the wide token tile; else nothing."""
+    if slots > EXPERTS_FP8_DECODE_MAX_SLOTS:
+        return {}
+    if (
+        slots <= EXPERTS_FP8_DEEP_GATE_UP_SLOTS
+        and hidden * inter >= EXPERTS_FP8_DEEP_GATE_UP_MIN_HI
+    ):
+        return dict(EXPERTS_FP8_DEEP_GATE_UP)
+    if token_tile >= EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE:
+        return {"fuse_act_quant": True}
+    return {}
 
 
 # ----------------------------------------------------------------------------- fp8_linear
@@ -231,7 +291,7 @@ def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
 
 def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     """Launch of ``fp8_linear`` for M rows: ``{"bn", "bt", "warps", "stages", "splits", "chunk",
-    "split_programs", "precise"}``. The tile and whether the chunks run as programs of their
+    "split_programs", "accumulation"}``. The tile and whether the chunks run as programs of their
     own may follow M; the chunks (the summation order) do not."""
     splits, chunk = linear_fp8_splits(n, k)
     bt = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -245,60 +305,5 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
         "splits": splits,
         "chunk": chunk,
         "split_programs": split_programs,
-        "precise": fp8_precise_accumulation(),
+        "accumulation": fp8_accumulation(),
     }
-
-
-# ----------------------------------------------------------------------------- FP8 experts, decode
-#: Decode keys of the FP8 experts laid over :func:`experts_fp8_tile` (T*K <= 512 slots only; the
-#: large-token tiles live there). None moves a bit: stages, rows per program and token columns
-#: change which program computes what, not a column's k32 chain or block order, and
-#: ``fuse_act_quant`` (the gate|up kernel quantizes the activation itself: the last program of
-#: each 128-column group of I, per_token_group_quant_8bit's device function) writes that op's
-#: bytes (GPU log below: every variant bitwise equal to the default at every point; GPU tests).
-#: MEASURED (H100 80GB HBM3, 2026-12-06, 81e3edb, scripts/bench_fp8_decode_variants.py,
-#: notes/gpu-logs/2026-12-06-experts-fp8-decode-variants-81e3edb.log), CUDA-graph us, default ->
-#: chosen: DeepSeek-V3 T = 1 144.2 -> 134.9 (fused quantization + 8 gate|up stages), Mixtral T = 1
-#: 139.7 -> 136.8 (the same; 128 gate|up rows ran 134.2), Mixtral T = 4 327.8 -> 328.5, Mixtral
-#: T = 256 772.1 -> 723.7 (fused quantization + 128 token columns). The fused quantization alone
-#: did not pay (the standalone launch overlaps under PDL; the group's last program quantizes
-#: at the gate|up kernel's occupancy): Qwen3 T = 1 24.5 -> 25.9, DeepSeek-V3 144.2 -> 145.2,
-#: Mixtral T = 256 772 -> 823; 8 gate|up stages at Qwen3 T = 1 26.7; so Qwen3 keeps the default.
-EXPERTS_FP8_DECODE_MAX_SLOTS = 512
-#: one-token-sized calls (T*K <= 8) of experts of at least this many H*I weights per matrix:
-#: the gate|up kernel quantizes the activation and runs 8 stages (the down kernel keeps 6)
-EXPERTS_FP8_DEEP_GATE_UP_MIN_HI = 8 << 20
-EXPERTS_FP8_DEEP_GATE_UP = {"fuse_act_quant": True, "stages": 8, "down_stages": 6}
-EXPERTS_FP8_DEEP_GATE_UP_SLOTS = 8
-#: token columns where the 64-column cap leaves experts with more than one item (a mean load of
-#: over 40 slots per expert at decode: Mixtral T = 256): 128 columns with the narrow rows, the
-#: activation quantized in the gate|up kernel
-EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE = 128
-
-
-def experts_fp8_decode_token_tile(slots: int, experts: int) -> int:
-    """Token columns of the FP8 experts at decode where they differ from
-    :func:`experts_fp8_token_tile` (0 elsewhere): :data:`EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE`
-    where :func:`experts_token_tile` asks for at least that many, up to
-    :data:`EXPERTS_FP8_DECODE_MAX_SLOTS` slots."""
-    if slots > EXPERTS_FP8_DECODE_MAX_SLOTS:
-        return 0
-    wide = EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE
-    return wide if experts_token_tile(slots, experts) >= wide else 0
-
-
-def experts_fp8_decode_tile(hidden: int, inter: int, token_tile: int, slots: int) -> dict:
-    """Keys the FP8 experts launcher lays over :func:`experts_fp8_tile` up to
-    :data:`EXPERTS_FP8_DECODE_MAX_SLOTS` slots: :data:`EXPERTS_FP8_DEEP_GATE_UP` at T*K <=
-    :data:`EXPERTS_FP8_DEEP_GATE_UP_SLOTS` when H*I >= :data:`EXPERTS_FP8_DEEP_GATE_UP_MIN_HI`;
-    the fused activation quantization with the wide token tile; else nothing."""
-    if slots > EXPERTS_FP8_DECODE_MAX_SLOTS:
-        return {}
-    if (
-        slots <= EXPERTS_FP8_DEEP_GATE_UP_SLOTS
-        and hidden * inter >= EXPERTS_FP8_DEEP_GATE_UP_MIN_HI
-    ):
-        return dict(EXPERTS_FP8_DEEP_GATE_UP)
-    if token_tile >= EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE:
-        return {"fuse_act_quant": True}
-    return {}
