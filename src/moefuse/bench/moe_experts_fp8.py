@@ -325,7 +325,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--accumulation",
         action="store_true",
-        help="only compare the two FP8 MMA accumulation modes against the FP64 formula",
+        help="only compare the FP8 accumulation modes (block, k32, fp16) against the FP64 formula",
     )
     args = p.parse_args(argv)
     if args.quick:
