@@ -284,9 +284,10 @@ def print_bars(verdicts: list[dict]) -> None:
 # ----------------------------------------------------------------------------- sweep
 #: programs per SM of the fused one-pass rows' persistent loop (0 = one tile per program)
 SWEEP_PER_SM = (0, 2, 3, 4)
-#: (BLOCK_M, BLOCK_N, warps) of the standalone kernel; the first is ``group_tile``'s at GS = 128
+#: (BLOCK_M, BLOCK_N, warps) of the standalone kernel, ``group_tile``'s first (its choice at
+#: more than 16 rows; (1, 2048, 8) is its choice up to 16)
 SWEEP_GROUP_TILES = (
-    (4, 1024, 4), (8, 1024, 8), (2, 1024, 4), (4, 1024, 8), (8, 512, 4), (1, 2048, 8),
+    (2, 1024, 4), (1, 2048, 8), (4, 1024, 4), (8, 1024, 8), (4, 1024, 8), (8, 512, 4),
 )  # fmt: skip
 
 

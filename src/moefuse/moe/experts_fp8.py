@@ -313,7 +313,7 @@ def _tokens_quant(
     r, w = rows.shape
     codes = torch.empty(r, w, dtype=torch.uint8, device=rows.device)
     scales = torch.empty(r, triton.cdiv(w, 128), dtype=torch.float32, device=rows.device)
-    bm, bn, warps = group_tile(w, 128)
+    bm, bn, warps = group_tile(w, 128, r)
     launch(
         _tokens_quant_kernel,
         (triton.cdiv(r, bm), triton.cdiv(w, bn)),

@@ -29,10 +29,21 @@ from moefuse.norm.tiles import next_pow2
 from moefuse.norm.triton import row_base
 from moefuse.quant import device as D
 
-#: elements per program of the standalone kernel and its widest column tile
-GROUP_TILE = 4096
+#: the standalone kernel's tile (no bit depends on it: a group never spans two programs).
+#: MEASURED (H100 80GB HBM3, 2026-12-06, 2479cb9, `python -m moefuse bench quant --ops
+#: per_token_group_quant_8bit --sweep --widths 2048,2880,4096,7168 --tokens 1,16,128,2048`,
+#: notes/gpu-logs/2026-12-06-quant-group-standalone-tiles-2479cb9.log), CUDA-graph us, the former
+#: 4 x 1024 (4 warps) -> the tile chosen: up to GROUP_ROW_MAX_ROWS rows one row of up to 2048
+#: columns per program (8 warps): M = 1 1.97-1.99 -> 1.29-1.31 at H = 2048-7168, M = 16
+#: 2.02-2.08 -> 1.31-1.38; more rows, 2 rows x 1024 columns (4 warps): M = 128 2.34-3.30 ->
+#: 1.82-3.18, M = 2048 7.00 / 8.56 / 11.33 / 17.94 -> 6.23 / 8.20 / 10.94 / 17.48 (H = 2048 /
+#: 2880 / 4096 / 7168), M = 16,384 within 0.2 % (notes/quant.md).
+GROUP_TILE = 2048
 GROUP_MAX_COLS = 1024
 GROUP_WARPS = 4
+GROUP_ROW_MAX_ROWS = 16
+GROUP_ROW_MAX_COLS = 2048
+GROUP_ROW_WARPS = 8
 #: the 1.5 * 2^23 of the round-half-even trick: ``(q + M) - M`` rounds |q| < 2^22 to an integer
 _RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 
@@ -163,9 +174,14 @@ def _group_quant_kernel(
     store_scales(s_ptr + s_off, s, rmask[:, None] & (gs < G)[None, :], E8M0)
 
 
-def group_tile(width: int, group_size: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) of the standalone kernel: up to GROUP_MAX_COLS columns of a row
-    (at least one group), as many rows as make GROUP_TILE elements. Width and group size only."""
+def group_tile(width: int, group_size: int, rows: int = 1 << 30) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) of the standalone kernel for ``rows`` rows of ``width``: up to
+    GROUP_ROW_MAX_ROWS rows, one row of up to GROUP_ROW_MAX_COLS columns per program
+    (GROUP_ROW_WARPS warps at most, 8 elements per thread); more rows, up to GROUP_MAX_COLS
+    columns and as many rows as make GROUP_TILE elements. Always at least one group wide."""
+    if rows <= GROUP_ROW_MAX_ROWS:
+        block_n = max(group_size, min(next_pow2(max(width, 1)), GROUP_ROW_MAX_COLS))
+        return 1, block_n, max(1, min(GROUP_ROW_WARPS, block_n // 256))
     block_n = max(group_size, min(next_pow2(max(width, 1)), GROUP_MAX_COLS))
     return max(1, GROUP_TILE // block_n), block_n, GROUP_WARPS
 
@@ -191,7 +207,7 @@ def launch_group_quant(
         return
     _, _, s_st, s_sh = _rows(scales)
     g = scales.shape[-1]
-    bm, bn, warps = tile or group_tile(width, group_size)
+    bm, bn, warps = tile or group_tile(width, group_size, n_rows)
     grid = (triton.cdiv(n_rows, bm), triton.cdiv(width, bn))
     launch(
         _group_quant_kernel,
