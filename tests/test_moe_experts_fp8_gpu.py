@@ -20,10 +20,10 @@ pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
 #: relative RMS difference from the FP64 evaluation of the formula that the tests allow, per
 #: MOEFUSE_FP8_ACCUMULATION mode (the benchmark reports the issue's 2^-8 bar itself). Measured on
-#: H100 (2026-12-06) at T = 64: block 4.6-4.8e-3 (Hopper's FP8 MMA accumulates a block's k32
+#: H100 (2026-12-06) at T = 64: block 4.6-5.2e-3 (Hopper's FP8 MMA accumulates a block's k32
 #: steps narrower than FP32, and one ulp of a rounded activation then moves an E4M3 code by 1/16
 #: now and then), 8.3e-3 for the one DeepSeek-V3 token of this test at T = 1; k32 3.1-3.6e-3;
-#: fp16 (exact products, FP32 sums) 1.9-2.6e-4.
+#: fp16 (exact products, FP32 sums) 1.4-2.6e-4.
 TOL = {"block": 2**-6, "k32": 2**-7, "fp16": 2**-10}[
     os.environ.get("MOEFUSE_FP8_ACCUMULATION") or "block"
 ]

@@ -282,7 +282,7 @@ KNOBS: dict[str, Knob] = _declare(
         "themselves (fastest; DeepGEMM's numerics); k32 = every 32-wide MMA step is added in "
         "FP32 (closer to the exact formula; 1-3 % slower at decode, 2 x at 2,048 tokens); "
         "fp16 = the codes widened exactly to FP16 for the FP16 MMA (exact products, FP32 sums: "
-        "about 20 x closer to the exact formula than block; 8-33 % slower at decode, 1.6-1.8 x "
+        "about 20 x closer to the exact formula than block; 8-44 % slower at decode, 1.5-1.8 x "
         "at 2,048 tokens).",
         shared=False,
         choices=("block", "k32", "fp16"),

@@ -193,9 +193,9 @@ def fp8_accumulation() -> int:
     to the FP32 sum; ``fp16`` (2), the E4M3 codes widened exactly to FP16 and multiplied by the
     FP16 MMA (exact products, FP32 sums). One mode for every tile and token count, or the bits
     would follow the batch. MEASURED (H100, 2026-12-06, notes/moe-experts-fp8.md): relative RMS
-    from the FP64 formula at T = 64: block 4.6-4.8e-3, k32 3.1-3.6e-3, fp16 1.9-2.6e-4; k32
-    doubled the time at 2,048 tokens and cost 1-3 % at one token; fp16 cost 8-33 % at one and
-    64 tokens and 1.6-1.8 x at 2,048."""
+    from the FP64 formula at T = 64: block 4.6-5.2e-3, k32 3.1-3.6e-3, fp16 1.4-2.6e-4; k32
+    doubled the time at 2,048 tokens and cost 1-3 % at one token; fp16 cost 8-44 % at one and
+    64 tokens and 1.5-1.8 x at 2,048."""
     from moefuse import knobs
 
     return FP8_ACCUMULATION_CODES[knobs.get("MOEFUSE_FP8_ACCUMULATION") or "block"]
