@@ -107,5 +107,19 @@ def test_fp8_smoke_run_records_the_shipped_error_and_every_variant(tmp_path):
     logits = {r["variant"]: r for r in rows if r["op"] == "logits"}
     assert "mean_abs_vs_own_fp32" in logits[hf_fp8.PATCHED_FP8]
     assert "mean_abs_vs_patched_fp8" in logits[hf_fp8.REFERENCE_OPS]
-    bars = json.loads(Path(result["json"]).read_text())["meta"]["bars"]
-    assert bars == result["bars"] and len(bars) == 1 and "faithful FP8" in bars[0]
+    meta = json.loads(Path(result["json"]).read_text())["meta"]
+    assert meta["bars"] == result["bars"] and len(meta["bars"]) == 1
+    assert "faithful FP8" in meta["bars"][0]
+    # the run's own options, its machine's output folder hidden
+    assert meta["command"] == "python -m moefuse.bench.hf_moe --fp8 --smoke --out <out>"
+
+
+def test_results_record_the_command_without_machine_folders():
+    from moefuse.bench.harness import module_command, shown_args
+
+    assert shown_args(["--x", "--out", "/abs/dir", "--n", "2"]) == "--x --out <out> --n 2"
+    assert shown_args(["--out=/abs/dir"]) == "--out=<out>"
+    assert shown_args(["--out", "bench/results", "/abs/not-an-out"]) == (
+        "--out bench/results /abs/not-an-out"
+    )
+    assert module_command("m.n", []) == "python -m m.n"

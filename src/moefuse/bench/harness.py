@@ -226,11 +226,38 @@ def git_commit() -> str:
         return "unknown"
 
 
+#: the option whose value is a folder of this machine: recorded as ``<out>`` when absolute
+_OUT_OPTION = "--out"
+
+
+def shown_args(argv: list[str]) -> str:
+    """``argv`` as a results file records it: an absolute ``--out`` folder (a path of the machine
+    that ran it) shown as ``<out>``; everything else as given."""
+    shown, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            shown.append("<out>" if os.path.isabs(arg) else arg)
+            hide_next = False
+        elif arg.startswith(_OUT_OPTION + "="):
+            value = arg.split("=", 1)[1]
+            shown.append(f"{_OUT_OPTION}=<out>" if os.path.isabs(value) else arg)
+        else:
+            shown.append(arg)
+            hide_next = arg == _OUT_OPTION
+    return " ".join(shown)
+
+
+def module_command(module: str, argv: list[str]) -> str:
+    """``python -m <module> <argv>`` as a results file records it (:func:`shown_args`)."""
+    return f"python -m {module} {shown_args(argv)}".strip()
+
+
 def _command_line() -> str:
     """How this process was started: ``python -m moefuse ...`` for the CLI (whose argv[0] is
-    moefuse's ``__main__``), a module's or script's own path otherwise (repo-relative)."""
+    moefuse's ``__main__``), a module's or script's own path otherwise (repo-relative); the
+    arguments as :func:`shown_args` shows them."""
     prog = sys.argv[0] if sys.argv else ""
-    args = " ".join(sys.argv[1:])
+    args = shown_args(sys.argv[1:])
     if prog.endswith(("moefuse/__main__.py", "-c")) or not prog:
         return f"python -m moefuse {args}".strip()
     path = Path(prog).resolve()

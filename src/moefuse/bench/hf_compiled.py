@@ -597,7 +597,7 @@ def main(args) -> dict:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     args.backend = "aot_eager" if device.type != "cuda" else "inductor"
     meta = run_metadata()
-    meta["command"] = "python -m moefuse.bench.hf_moe --compiled"
+    meta["command"] = args.command
     meta["method"] = __doc__.split("\n\n", 2)[2].strip()
     try:
         import transformers

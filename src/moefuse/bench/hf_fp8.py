@@ -247,9 +247,7 @@ def build(args, device):
 
 def _meta(args) -> dict:
     meta = run_metadata()
-    meta["command"] = "python -m moefuse.bench.hf_moe --fp8" + (
-        " --compiled" if args.compiled else ""
-    )
+    meta["command"] = args.command
     meta["method"] = __doc__.split("\n\n", 2)[2].strip()
     try:
         import transformers

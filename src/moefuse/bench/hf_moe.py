@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 from functools import partial
 
@@ -40,6 +41,7 @@ import torch
 
 from moefuse.bench.harness import (
     interleaved_us,
+    module_command,
     print_table,
     rotated,
     run_metadata,
@@ -239,6 +241,7 @@ def parse_args(argv=None):
     f.add_argument("--logit-prompts", type=int, default=4, help="prompts of the logits rows")
     f.add_argument("--logit-tokens", type=int, default=32, help="tokens per logits prompt")
     args = p.parse_args(argv)
+    args.command = module_command("moefuse.bench.hf_moe", sys.argv[1:] if argv is None else argv)
     if args.tokens is None:
         args.tokens = [1, 64, 2048] if args.fp8 else [1, 16, 256, 2048, 8192]
     shapes = dict(
@@ -299,7 +302,7 @@ def main(argv=None) -> dict:
         )
         rows += decode
     meta = run_metadata()
-    meta["command"] = "python -m moefuse.bench.hf_moe"
+    meta["command"] = args.command
     meta["method"] = (
         "eager: wall time of back-to-back calls between synchronizations / calls "
         "(host time included), median of interleaved rounds (every implementation once per "
