@@ -66,11 +66,27 @@ def _gemm_metadata(grid, kernel, args):
 
 @triton.jit
 def _gate_up_item(
-    x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides, aq_ptrs, aq_args,
-    KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
-    STAGES: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr, INTERLEAVED: tl.constexpr,
-    E8M0: tl.constexpr, ACCUM: tl.constexpr, FUSE_QUANT: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    s_ptr,
+    act_ptr,
+    item,
+    strides,
+    aq_ptrs,
+    aq_args,
+    KDIM: tl.constexpr,
+    INTER: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+    FUSE_QUANT: tl.constexpr,
+):
     """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``strides`` =
     (x row, x-scale row, act row, weight expert / row / reduction, scale expert / row / block);
     ``x`` holds the tokens' E4M3 codes and ``xs`` their group scales. The weight
@@ -92,9 +108,23 @@ def _gate_up_item(
     s_rows = s_ptr + e64 * s_st_e + (rows // 128) * s_st_n
     x_cols = x_ptr + tok[None, :] * x_st
     acc = block_fp8_product(
-        w_rows, n_in, w_st_k, s_rows, s_st_k, x_cols, r_in, xs_ptr + tok * xs_st, 0,
-        (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0, ACCUM,
-    )  # fmt: skip
+        w_rows,
+        n_in,
+        w_st_k,
+        s_rows,
+        s_st_k,
+        x_cols,
+        r_in,
+        xs_ptr + tok * xs_st,
+        0,
+        (KDIM + 127) // 128,
+        KDIM,
+        BT,
+        STAGES,
+        PTX,
+        E8M0,
+        ACCUM,
+    )
     if USE_PDL:
         gdc_launch_dependents()
     g, u = tl.split(tl.permute(tl.reshape(acc, [BN // 32, 2, 32, BT]), (0, 2, 3, 1)))
@@ -112,9 +142,15 @@ def _gate_up_item(
 
 @triton.jit
 def _quantize_group_if_last(
-    act_ptr, s, r_in, aq_ptrs, aq_args,
-    INTER: tl.constexpr, BN: tl.constexpr, PTX: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    s,
+    r_in,
+    aq_ptrs,
+    aq_args,
+    INTER: tl.constexpr,
+    BN: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """per_token_group_quant_8bit of the rounded activation, inside the gate|up kernel: this
     program counts itself in ``counters[item, group]`` (group = its 128 columns of I, whole
     ``BN``-column tiles: 128 % BN == 0; the counters zeroed by :func:`_tokens_quant_kernel`)
@@ -152,17 +188,50 @@ def _quantize_group_if_last(
 
 @triton.jit(do_not_specialize=["n_rows", "n_count"])
 def _tokens_quant_kernel(
-    x_ptr, q_ptr, s_ptr, count_ptr, n_rows, H, G, x_st, s_st, eps, n_count,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    count_ptr,
+    n_rows,
+    H,
+    G,
+    x_st,
+    s_st,
+    eps,
+    n_count,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """per_token_group_quant_8bit of the tokens (its kernel's body, called as a device function:
     the same codes and scales), then zeroes ``n_count`` counters of
     :func:`_quantize_group_if_last` (after the body's ``gdc_wait``: the gate|up kernel, next in
     the stream, waits for this grid)."""
     _group_quant_kernel(
-        x_ptr, q_ptr, s_ptr, n_rows, H, G, 1, x_st, 0, s_st, 0, 1, eps,
-        BLOCK_M, BLOCK_N, 128, 448.0, False, False, False, PTX, USE_PDL,
-    )  # fmt: skip
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        n_rows,
+        H,
+        G,
+        1,
+        x_st,
+        0,
+        s_st,
+        0,
+        1,
+        eps,
+        BLOCK_M,
+        BLOCK_N,
+        128,
+        448.0,
+        False,
+        False,
+        False,
+        PTX,
+        USE_PDL,
+    )
     p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     step = tl.num_programs(0) * tl.num_programs(1) * 128
     c0 = p * 128
@@ -174,13 +243,38 @@ def _tokens_quant_kernel(
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_fp8_gate_up_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, act_ptr, idx_ptr, slot_map_ptr,
-    count_ptr, aq_ptrs, strides, idx_strides, aq_args, top_k, n_slots, n_experts, n_count,
-    KDIM: tl.constexpr, INTER: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
-    STAGES: tl.constexpr, SP: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-    BR: tl.constexpr, INTERLEAVED: tl.constexpr, E8M0: tl.constexpr, ACCUM: tl.constexpr,
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    s_ptr,
+    items_ptr,
+    sorted_ptr,
+    act_ptr,
+    idx_ptr,
+    slot_map_ptr,
+    count_ptr,
+    aq_ptrs,
+    strides,
+    idx_strides,
+    aq_args,
+    top_k,
+    n_slots,
+    n_experts,
+    n_count,
+    KDIM: tl.constexpr,
+    INTER: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    SP: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    BR: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
     FUSE_QUANT: tl.constexpr,
-):  # fmt: skip
+):
     """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
     tokens (module docstring); the roles of ``SP``, ``BR`` and the counters are those of the
     BF16 gate|up kernel (:func:`moefuse.moe.experts_triton._experts_gate_up_kernel`);
@@ -199,26 +293,74 @@ def _experts_fp8_gate_up_kernel(
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _gate_up_item(
-            x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, tail, strides, aq_ptrs, aq_args, KDIM, INTER,
-            BN, BR, STAGES, PTX, USE_PDL, INTERLEAVED, E8M0, ACCUM, FUSE_QUANT,
-        )  # fmt: skip
+            x_ptr,
+            xs_ptr,
+            w_ptr,
+            s_ptr,
+            act_ptr,
+            tail,
+            strides,
+            aq_ptrs,
+            aq_args,
+            KDIM,
+            INTER,
+            BN,
+            BR,
+            STAGES,
+            PTX,
+            USE_PDL,
+            INTERLEAVED,
+            E8M0,
+            ACCUM,
+            FUSE_QUANT,
+        )
     else:
         item = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
         if item[0] >= 0:
             _gate_up_item(
-                x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr, item, strides, aq_ptrs, aq_args, KDIM,
-                INTER, BN, BT, STAGES, PTX, USE_PDL, INTERLEAVED, E8M0, ACCUM, FUSE_QUANT,
-            )  # fmt: skip
+                x_ptr,
+                xs_ptr,
+                w_ptr,
+                s_ptr,
+                act_ptr,
+                item,
+                strides,
+                aq_ptrs,
+                aq_args,
+                KDIM,
+                INTER,
+                BN,
+                BT,
+                STAGES,
+                PTX,
+                USE_PDL,
+                INTERLEAVED,
+                E8M0,
+                ACCUM,
+                FUSE_QUANT,
+            )
 
 
 @triton.jit
 def _down_item(
-    act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, rows, strides,
-    KDIM: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
-    USE_PDL: tl.constexpr, E8M0: tl.constexpr, ACCUM: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    as_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    item,
+    rows,
+    strides,
+    KDIM: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+):
     """``y`` of ``rows`` = (rows of H, in range) for the ``BT`` columns of ``item``; ``strides``
     = (act row, act-scale row, y row, weight expert / row / reduction, scale expert / row /
     block); ``act`` holds the activation's E4M3 codes and ``as`` their group scales."""
@@ -231,10 +373,23 @@ def _down_item(
     s_rows = s_ptr + e64 * s_st_e + (n64 // 128) * s_st_n
     s64 = s.to(tl.int64)
     acc = block_fp8_product(
-        w_rows, n_in, w_st_k, s_rows, s_st_k, act_ptr + s64[None, :] * act_st, r_in,
-        as_ptr + s64 * as_st, 0, (KDIM + 127) // 128, KDIM, BT, STAGES, PTX, E8M0,
+        w_rows,
+        n_in,
+        w_st_k,
+        s_rows,
+        s_st_k,
+        act_ptr + s64[None, :] * act_st,
+        r_in,
+        as_ptr + s64 * as_st,
+        0,
+        (KDIM + 127) // 128,
+        KDIM,
+        BT,
+        STAGES,
+        PTX,
+        E8M0,
         ACCUM,
-    )  # fmt: skip
+    )
     if USE_PDL:
         gdc_launch_dependents()
     tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc, mask=n_in[:, None] & r_in[None, :])
@@ -242,13 +397,37 @@ def _down_item(
 
 @triton.jit(launch_metadata=_gemm_metadata)
 def _experts_fp8_down_kernel(
-    act_ptr, as_ptr, w_ptr, s_ptr, items_ptr, sorted_ptr, y_ptr, idx_ptr, fin_out, count_ptr,
-    strides, idx_strides, fin_strides, top_k, n_slots, n_experts, rsf,
-    KDIM: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
-    STAGES: tl.constexpr, SP: tl.constexpr, FINALIZE: tl.constexpr, EXTRAS: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr, BR: tl.constexpr, E8M0: tl.constexpr,
+    act_ptr,
+    as_ptr,
+    w_ptr,
+    s_ptr,
+    items_ptr,
+    sorted_ptr,
+    y_ptr,
+    idx_ptr,
+    fin_out,
+    count_ptr,
+    strides,
+    idx_strides,
+    fin_strides,
+    top_k,
+    n_slots,
+    n_experts,
+    rsf,
+    KDIM: tl.constexpr,
+    H: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    SP: tl.constexpr,
+    FINALIZE: tl.constexpr,
+    EXTRAS: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    BR: tl.constexpr,
+    E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
-):  # fmt: skip
+):
     """y[s, h] = the block-scaled FP8 product of act[s] and down row h (FP32, unrounded); with
     ``FINALIZE`` the last program of each H tile runs the finalize, as in the BF16 down kernel
     (:func:`moefuse.moe.experts_triton._experts_down_kernel`); ``fin_out`` = the finalize's
@@ -263,18 +442,44 @@ def _experts_fp8_down_kernel(
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _down_item(
-            act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, tail, (n, n_in), strides, KDIM, BR, STAGES, PTX,
-            USE_PDL, E8M0, ACCUM,
-        )  # fmt: skip
+            act_ptr,
+            as_ptr,
+            w_ptr,
+            s_ptr,
+            y_ptr,
+            tail,
+            (n, n_in),
+            strides,
+            KDIM,
+            BR,
+            STAGES,
+            PTX,
+            USE_PDL,
+            E8M0,
+            ACCUM,
+        )
     else:
         item = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
         if item[0] >= 0:
             _down_item(
-                act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, (n, n_in), strides, KDIM, BT, STAGES,
-                PTX, USE_PDL, E8M0, ACCUM,
-            )  # fmt: skip
+                act_ptr,
+                as_ptr,
+                w_ptr,
+                s_ptr,
+                y_ptr,
+                item,
+                (n, n_in),
+                strides,
+                KDIM,
+                BT,
+                STAGES,
+                PTX,
+                USE_PDL,
+                E8M0,
+                ACCUM,
+            )
     if FINALIZE:
         y_st = strides[2]
         map_st, scale_st, bias_st, shared_st, out_st = fin_strides
@@ -317,18 +522,38 @@ def _tokens_quant(
     launch(
         _tokens_quant_kernel,
         (triton.cdiv(r, bm), triton.cdiv(w, bn)),
-        rows, codes, scales, counters, r, w, scales.shape[1], rows.stride(0), scales.stride(0),
-        GROUP_EPS, n_count,
-        BLOCK_M=bm, BLOCK_N=bn, PTX=not interpreter_active(), USE_PDL=use_pdl,
-        num_warps=warps, **pdl_launch_kwargs(use_pdl),
-    )  # fmt: skip
+        rows,
+        codes,
+        scales,
+        counters,
+        r,
+        w,
+        scales.shape[1],
+        rows.stride(0),
+        scales.stride(0),
+        GROUP_EPS,
+        n_count,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        PTX=not interpreter_active(),
+        USE_PDL=use_pdl,
+        num_warps=warps,
+        **pdl_launch_kwargs(use_pdl),
+    )
     return fp8_codes(codes), scales
 
 
 def _launch_gate_up_fp8(
-    hidden_states, gate_up_proj, gate_up_proj_scale_inv, top_k_index, experts, plan, cfg,
-    interleaved: bool, use_pdl: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    hidden_states,
+    gate_up_proj,
+    gate_up_proj_scale_inv,
+    top_k_index,
+    experts,
+    plan,
+    cfg,
+    interleaved: bool,
+    use_pdl: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens' group quantization and the gate|up kernel: ``plan.act`` and the activation's
     (E4M3 codes [T*K, I] as the down kernel reads them, FP32 group scales [T*K, ceil(I/128)]),
     from the gate|up kernel itself with ``cfg["fuse_act_quant"]`` (rows of valid slots written)
@@ -355,18 +580,81 @@ def _launch_gate_up_fp8(
     launch(
         _experts_fp8_gate_up_kernel,
         (plan.n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
-        x, xs, gw, gs, plan.items, plan.sorted_slots, plan.act, top_k_index,
-        plan.slot_map, plan.counters, (a, a_s, q_count),
-        strides, idx_strides, aq_args, top_k_index.shape[1], slots_all, experts,
+        x,
+        xs,
+        gw,
+        gs,
+        plan.items,
+        plan.sorted_slots,
+        plan.act,
+        top_k_index,
+        plan.slot_map,
+        plan.counters,
+        (a, a_s, q_count),
+        strides,
+        idx_strides,
+        aq_args,
+        top_k_index.shape[1],
+        slots_all,
+        experts,
         plan.counters.numel() if plan.fused else 0,
-        KDIM=hidden, INTER=inter, BN=cfg["bn_gate_up"], BT=plan.bt, STAGES=cfg["stages"],
-        SP=plan.sp, PTX=ptx, USE_PDL=use_pdl, BR=plan.br, INTERLEAVED=interleaved, E8M0=gs_e8,
-        ACCUM=cfg["accumulation"], FUSE_QUANT=fuse_quant,
-        num_warps=cfg["warps"], enable_fp_fusion=False, **pdl_launch_kwargs(use_pdl),
-    )  # fmt: skip
+        KDIM=hidden,
+        INTER=inter,
+        BN=cfg["bn_gate_up"],
+        BT=plan.bt,
+        STAGES=cfg["stages"],
+        SP=plan.sp,
+        PTX=ptx,
+        USE_PDL=use_pdl,
+        BR=plan.br,
+        INTERLEAVED=interleaved,
+        E8M0=gs_e8,
+        ACCUM=cfg["accumulation"],
+        FUSE_QUANT=fuse_quant,
+        num_warps=cfg["warps"],
+        enable_fp_fusion=False,
+        **pdl_launch_kwargs(use_pdl),
+    )
     if fuse_quant:
         return fp8_codes(a), a_s
     return _group_quant(plan.act, use_pdl)
+
+
+def _gate_up_stage(
+    hidden_states,
+    gate_up_proj,
+    gate_up_proj_scale_inv,
+    top_k_index,
+    interleaved: bool,
+    use_pdl: bool,
+    tile: dict | None,
+    token_tile: int | None,
+):
+    """The tile policy (:func:`moefuse.moe.tiles.experts_fp8_tile`, the decode keys, then
+    ``tile``), the routing plan and the gate|up launch of :func:`launch_moe_experts_fp8`:
+    ``(plan, cfg, activation codes, their group scales)``."""
+    experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    slots = top_k_index.numel()
+    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
+    cfg = {
+        **experts_fp8_tile(hidden, inter, token_tile, slots),
+        **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
+        **(tile or {}),
+    }
+    plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
+    a, a_s = _launch_gate_up_fp8(
+        hidden_states,
+        gate_up_proj,
+        gate_up_proj_scale_inv,
+        top_k_index,
+        experts,
+        plan,
+        cfg,
+        interleaved,
+        use_pdl,
+    )
+    return plan, cfg, a, a_s
 
 
 def launch_moe_experts_fp8(
@@ -394,18 +682,16 @@ def launch_moe_experts_fp8(
     inter = two_i // 2
     if tokens == 0 or hidden == 0:
         return
-    slots = tokens * top_k_index.shape[1]
-    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
-    cfg = {
-        **experts_fp8_tile(hidden, inter, token_tile, slots),
-        **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
-        **(tile or {}),
-    }
-    plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
-    a, a_s = _launch_gate_up_fp8(
-        hidden_states, gate_up_proj, gate_up_proj_scale_inv, top_k_index, experts, plan, cfg,
-        interleaved, use_pdl,
-    )  # fmt: skip
+    plan, cfg, a, a_s = _gate_up_stage(
+        hidden_states,
+        gate_up_proj,
+        gate_up_proj_scale_inv,
+        top_k_index,
+        interleaved,
+        use_pdl,
+        tile,
+        token_tile,
+    )
     ptx = not interpreter_active()
     idx_strides = (top_k_index.stride(0), top_k_index.stride(1))
     ds, ds_e8 = _scale_arg(down_proj_scale_inv)
@@ -423,50 +709,89 @@ def launch_moe_experts_fp8(
     launch(
         _experts_fp8_down_kernel,
         (plan.n_items, triton.cdiv(hidden, cfg["bn_down"])),
-        a, a_s, dw, ds, plan.items, plan.sorted_slots, y, top_k_index,
-        (plan.slot_map, top_k_weights, bias if bias is not None else y,
-         shared_expert_output if shared_expert_output is not None else y, out),
+        a,
+        a_s,
+        dw,
+        ds,
+        plan.items,
+        plan.sorted_slots,
+        y,
+        top_k_index,
+        (
+            plan.slot_map,
+            top_k_weights,
+            bias if bias is not None else y,
+            shared_expert_output if shared_expert_output is not None else y,
+            out,
+        ),
         plan.counters,
-        strides, idx_strides, fin_strides, top_k_index.shape[1], top_k_index.numel(), experts, rsf,
-        KDIM=inter, H=hidden, BN=cfg["bn_down"], BT=plan.bt,
-        STAGES=cfg.get("down_stages", cfg["stages"]), SP=plan.sp, FINALIZE=plan.fused,
-        EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None), PTX=ptx,
-        USE_PDL=use_pdl, BR=plan.br, E8M0=ds_e8, ACCUM=cfg["accumulation"],
-        num_warps=cfg.get("down_warps", cfg["warps"]), enable_fp_fusion=False,
+        strides,
+        idx_strides,
+        fin_strides,
+        top_k_index.shape[1],
+        top_k_index.numel(),
+        experts,
+        rsf,
+        KDIM=inter,
+        H=hidden,
+        BN=cfg["bn_down"],
+        BT=plan.bt,
+        STAGES=cfg.get("down_stages", cfg["stages"]),
+        SP=plan.sp,
+        FINALIZE=plan.fused,
+        EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None),
+        PTX=ptx,
+        USE_PDL=use_pdl,
+        BR=plan.br,
+        E8M0=ds_e8,
+        ACCUM=cfg["accumulation"],
+        num_warps=cfg.get("down_warps", cfg["warps"]),
+        enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
-    )  # fmt: skip
+    )
     if plan.fused:
         return
     eids = None
     if bias is not None:
         eids = top_k_index if top_k_index.stride(1) == 1 else top_k_index.contiguous()
     launch_moe_finalize(
-        y, plan.slot_map, top_k_weights, out, bias, eids, routed_scaling_factor,
-        shared_expert_output, True, use_pdl,
-    )  # fmt: skip
+        y,
+        plan.slot_map,
+        top_k_weights,
+        out,
+        bias,
+        eids,
+        routed_scaling_factor,
+        shared_expert_output,
+        True,
+        use_pdl,
+    )
 
 
 def gate_up_activation_codes(
-    hidden_states, gate_up_proj, gate_up_proj_scale_inv, top_k_index, *, interleaved=False,
-    use_pdl=False, tile: dict | None = None, token_tile: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    hidden_states,
+    gate_up_proj,
+    gate_up_proj_scale_inv,
+    top_k_index,
+    *,
+    interleaved=False,
+    use_pdl=False,
+    tile: dict | None = None,
+    token_tile: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(``act`` [T*K, I], its E4M3 codes as uint8, its FP32 group scales, valid slots [T*K]
     bool) after the gate|up stage of :func:`launch_moe_experts_fp8` with the same tile policy
     and overrides: what the down kernel reads (tests: the fused quantization's bytes against
     per_token_group_quant_8bit of ``act``, on the valid slots' rows)."""
-    slots = top_k_index.numel()
-    experts, two_i, hidden = gate_up_proj.shape
-    inter = two_i // 2
-    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
-    cfg = {
-        **experts_fp8_tile(hidden, inter, token_tile, slots),
-        **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
-        **(tile or {}),
-    }
-    plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
-    a, a_s = _launch_gate_up_fp8(
-        hidden_states, gate_up_proj, gate_up_proj_scale_inv, top_k_index, experts, plan, cfg,
-        interleaved, use_pdl,
-    )  # fmt: skip
-    valid = (top_k_index >= 0) & (top_k_index < experts)
+    plan, _, a, a_s = _gate_up_stage(
+        hidden_states,
+        gate_up_proj,
+        gate_up_proj_scale_inv,
+        top_k_index,
+        interleaved,
+        use_pdl,
+        tile,
+        token_tile,
+    )
+    valid = (top_k_index >= 0) & (top_k_index < gate_up_proj.shape[0])
     return plan.act, a.view(torch.uint8), a_s, valid.reshape(-1)
