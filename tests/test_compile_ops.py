@@ -161,9 +161,13 @@ def _assert_compiled_equals_eager(got: dict, want: dict, what: str, backend: str
         ("aot_eager", "reference", False),
         pytest.param("inductor", "triton", True, marks=NEEDS_CXX),
     ],
-    ids=["aot_eager-triton-static", "aot_eager-triton-dynamic", "aot_eager-reference-static",
-         "inductor-triton-dynamic"],
-)  # fmt: skip
+    ids=[
+        "aot_eager-triton-static",
+        "aot_eager-triton-dynamic",
+        "aot_eager-reference-static",
+        "inductor-triton-dynamic",
+    ],
+)
 @torch.no_grad()
 def test_every_public_op_compiles_fullgraph(backend, impl, dynamic):
     """``dynamic=True``: the token count and the float arguments (eps, scaling factors, also

@@ -392,8 +392,20 @@ def test_fp8_fused_activation_quant_is_the_group_quant_op():
     for fuse in (False, True):
         out = poison_(torch.empty_like(x))
         launch_moe_experts_fp8(
-            x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, False, False,
+            x,
+            gq,
+            gs,
+            dq,
+            ds,
+            idx,
+            w,
+            out,
+            None,
+            None,
+            1.0,
+            False,
+            False,
             tile={"fuse_act_quant": fuse},
-        )  # fmt: skip
+        )
         outs.append(out)
     assert_bitwise_equal(outs[1], outs[0], "fused vs standalone activation quantization")

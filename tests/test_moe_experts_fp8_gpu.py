@@ -102,9 +102,21 @@ def test_fp8_fused_activation_quant_bytes(name):
         for fuse in (False, True):
             out = poison_(torch.empty_like(x))
             launch_moe_experts_fp8(
-                x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, False, True,
+                x,
+                gq,
+                gs,
+                dq,
+                ds,
+                idx,
+                w,
+                out,
+                None,
+                None,
+                1.0,
+                False,
+                True,
                 tile={"fuse_act_quant": fuse},
-            )  # fmt: skip
+            )
             outs.append(out)
         assert_bitwise_equal(outs[1], outs[0], f"{name} T={t}: fused vs standalone quantization")
 

@@ -308,9 +308,21 @@ def _variants(op, h, w) -> dict:
 
     def fused_fn(per_sm=None, unroll=None):
         return lambda s: gf.launch_norm_group_quant(
-            s[0], s[1], w, s[2].view(torch.uint8), s[3], GS, 1e-6, 0.0, 1e-10, False, False,
-            True, unroll=unroll, per_sm=per_sm,
-        )  # fmt: skip
+            s[0],
+            s[1],
+            w,
+            s[2].view(torch.uint8),
+            s[3],
+            GS,
+            1e-6,
+            0.0,
+            1e-10,
+            False,
+            False,
+            True,
+            unroll=unroll,
+            per_sm=per_sm,
+        )
 
     tile = gf.norm_group_tile(h, "add" in op)
     if tile.stepped and tile.num_chunks <= STEP_UNROLL_MAX_STEPS:

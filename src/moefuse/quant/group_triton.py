@@ -194,9 +194,16 @@ def _rows(t):
 
 
 def launch_group_quant(
-    input, q, scales, group_size: int, eps: float, int8: bool, ue8m0: bool, use_pdl: bool,
+    input,
+    q,
+    scales,
+    group_size: int,
+    eps: float,
+    int8: bool,
+    ue8m0: bool,
+    use_pdl: bool,
     tile: tuple[int, int, int] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """``input`` 2-D/3-D (last dim contiguous, any row strides); ``q`` contiguous codes (uint8
     FP8 bits or int8) of its shape; ``scales`` ``[..., G]`` FP32 or uint8 (E8M0 bytes) with any
     strides. ``tile`` overrides ``group_tile``'s (BLOCK_M, BLOCK_N, warps) (benchmark sweeps;
