@@ -99,29 +99,22 @@ def scaled_grouped_fn(shape: dict, gbf, dbf):
         counts = (flat[:, None] == torch.arange(e, device=x.device)[None, :]).sum(0)
         offs = counts.cumsum(0).to(torch.int32)
         rows = order // k
-        xq, xs = rowwise(x[rows])
-        gu = F.scaled_grouped_mm(
-            xq,
-            gq.transpose(1, 2),
-            xs,
-            st.RowWise,
-            gs,
-            st.RowWise,
-            offs=offs,
-            output_dtype=torch.bfloat16,
-        )
-        g, u = gu.chunk(2, dim=-1)
-        aq, a_s = rowwise(F.silu(g) * u)
-        y = F.scaled_grouped_mm(
-            aq,
-            dq.transpose(1, 2),
-            a_s,
-            st.RowWise,
-            ds,
-            st.RowWise,
-            offs=offs,
-            output_dtype=torch.bfloat16,
-        )
+
+        def grouped(a, wq, ws):  # row-quantized ``a`` times each expert's rows of ``wq``
+            aq, a_s = rowwise(a)
+            return F.scaled_grouped_mm(
+                aq,
+                wq.transpose(1, 2),
+                a_s,
+                st.RowWise,
+                ws,
+                st.RowWise,
+                offs=offs,
+                output_dtype=torch.bfloat16,
+            )
+
+        g, u = grouped(x[rows], gq, gs).chunk(2, dim=-1)
+        y = grouped(F.silu(g) * u, dq, ds)
         out = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)
         out.index_add_(0, rows, y.float() * w.reshape(-1)[order, None])
         return out.to(x.dtype)
