@@ -10,7 +10,12 @@ import torch
 import moefuse
 from moefuse.moe import reference as ref
 from moefuse.moe import reference_fp8 as r8
-from moefuse.testing import assert_bitwise_equal, expect_value_error, poison_
+from moefuse.testing import (
+    assert_bitwise_equal,
+    assert_fused_activation_quant,
+    expect_value_error,
+    poison_,
+)
 
 pytestmark = pytest.mark.interpreter
 E8M0 = torch.float8_e8m0fnu
@@ -372,40 +377,14 @@ def test_fp8_fused_activation_quant_is_the_group_quant_op():
     valid slots' rows, at every tile that changes which programs share a group (32, 64 and 128
     rows of I; a partial last group, I = 136; tails, plan kernel and inline plan), and the
     experts' output does not change a bit with it on or off."""
-    from moefuse.moe.experts_fp8 import gate_up_activation_codes, launch_moe_experts_fp8
-
     x, _m, (gq, gs, dq, ds), idx, w = fp8_case(7, 200, 136, 5, 3, seed=41)
     idx[2, 1] = 9  # an expert-parallel sentinel: its slot's rows are never read
     base = {"inline_plan_slots": 0, "fuse_act_quant": True}
-    for tile in (
+    tiles = (
         {"fuse_act_quant": True},
         base,
         {**base, "tail_tile": 16},
         {**base, "bn_gate_up": 64},
         {**base, "bn_gate_up": 128},
-    ):
-        act, codes, scales, valid = gate_up_activation_codes(x, gq, gs, idx, tile=tile)
-        q, s = moefuse.per_token_group_quant_8bit(act, 128, impl="triton")
-        assert torch.equal(codes[valid], q.view(torch.uint8)[valid]), tile
-        assert_bitwise_equal(scales[valid], s[valid], f"scales {tile}")
-    outs = []
-    for fuse in (False, True):
-        out = poison_(torch.empty_like(x))
-        launch_moe_experts_fp8(
-            x,
-            gq,
-            gs,
-            dq,
-            ds,
-            idx,
-            w,
-            out,
-            None,
-            None,
-            1.0,
-            False,
-            False,
-            tile={"fuse_act_quant": fuse},
-        )
-        outs.append(out)
-    assert_bitwise_equal(outs[1], outs[0], "fused vs standalone activation quantization")
+    )
+    assert_fused_activation_quant(x, (gq, gs, dq, ds), idx, w, tiles, False)

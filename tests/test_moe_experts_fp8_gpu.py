@@ -14,7 +14,12 @@ from moefuse.bench.fp8_linear import make_weight
 from moefuse.bench.moe_experts_fp8 import make_fp8_weights
 from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
 from moefuse.moe.linear_triton import launch_fp8_linear
-from moefuse.testing import assert_bitwise_equal, capture_graph, poison_
+from moefuse.testing import (
+    assert_bitwise_equal,
+    assert_fused_activation_quant,
+    capture_graph,
+    poison_,
+)
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -85,40 +90,14 @@ def test_fp8_fused_activation_quant_bytes(name):
     """The gate|up kernel's quantization of the activation writes per_token_group_quant_8bit's
     bytes (valid slots' rows; T = 1, 5 with sentinels, 64, 256; the row tiles 32 and 64 of I),
     and the experts' output is bitwise the same with it on and off."""
-    from moefuse.moe.experts_fp8 import gate_up_activation_codes
-
     shape = SHAPES[name]
     gq, gs, dq, ds, _, _ = weights(name)
+    tiles = ({"fuse_act_quant": True}, {"fuse_act_quant": True, "bn_gate_up": 64})
     for t in (1, 5, 64, 256):
         x, idx, w = make_routing(t, shape, DEV, seed=t + 7)
         if t == 5:
             idx[::2, -1] = shape["experts"] + 3
-        for tile in ({"fuse_act_quant": True}, {"fuse_act_quant": True, "bn_gate_up": 64}):
-            act, codes, scales, valid = gate_up_activation_codes(x, gq, gs, idx, tile=tile)
-            q, s = moefuse.per_token_group_quant_8bit(act, 128)
-            assert torch.equal(codes[valid], q.view(torch.uint8)[valid]), (name, t, tile)
-            assert_bitwise_equal(scales[valid], s[valid], f"{name} T={t} scales {tile}")
-        outs = []
-        for fuse in (False, True):
-            out = poison_(torch.empty_like(x))
-            launch_moe_experts_fp8(
-                x,
-                gq,
-                gs,
-                dq,
-                ds,
-                idx,
-                w,
-                out,
-                None,
-                None,
-                1.0,
-                False,
-                True,
-                tile={"fuse_act_quant": fuse},
-            )
-            outs.append(out)
-        assert_bitwise_equal(outs[1], outs[0], f"{name} T={t}: fused vs standalone quantization")
+        assert_fused_activation_quant(x, (gq, gs, dq, ds), idx, w, tiles, True, f"{name} T={t}")
 
 
 def test_fp8_experts_graph_pdl_e8m0_compile():

@@ -253,6 +253,43 @@ def poisoned_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     return poison_(torch.empty_like(t, dtype=dtype))
 
 
+def assert_fused_activation_quant(x, fp8_weights, idx, w, tiles, use_pdl: bool, what: str = ""):
+    """The FP8 experts' gate|up kernel quantizing the activation itself (``fuse_act_quant``)
+    writes per_token_group_quant_8bit's bytes for the valid slots' rows at each of ``tiles``, and
+    the experts' output is bitwise the same with it on and off. ``fp8_weights`` = (gate|up codes,
+    their scales, down codes, their scales)."""
+    import moefuse
+    from moefuse.moe.experts_fp8 import gate_up_activation_codes, launch_moe_experts_fp8
+
+    gq, gs, dq, ds = fp8_weights
+    for tile in tiles:
+        act, codes, scales, valid = gate_up_activation_codes(x, gq, gs, idx, tile=tile)
+        q, s = moefuse.per_token_group_quant_8bit(act, 128, impl="triton")
+        assert torch.equal(codes[valid], q.view(torch.uint8)[valid]), (what, tile)
+        assert_bitwise_equal(scales[valid], s[valid], f"{what} scales {tile}")
+    outs = []
+    for fuse in (False, True):
+        out = poison_(torch.empty_like(x))
+        launch_moe_experts_fp8(
+            x,
+            gq,
+            gs,
+            dq,
+            ds,
+            idx,
+            w,
+            out,
+            None,
+            None,
+            1.0,
+            False,
+            use_pdl,
+            tile={"fuse_act_quant": fuse},
+        )
+        outs.append(out)
+    assert_bitwise_equal(outs[1], outs[0], f"{what} fused vs standalone activation quantization")
+
+
 def moe_reduction_case(seed, p, m, h, e, dev):
     """Random inputs of ``moe_allreduce_residual_rmsnorm`` for ALL ``p`` ranks (the
     same on every rank, from ``seed``): ``(expert_rows, scales, token_inputs, residual,
