@@ -25,8 +25,8 @@ timing (every output a DRAM write), the compile ratio from fixed outputs (compil
 ``--sweep`` times what changes no bit (each variant checked bitwise against the default launch
 first; rotating outputs, the same-bytes copy beside them): the fused one-pass rows' persistent
 loop at ``SWEEP_PER_SM`` programs per SM, the stepped rows unrolled and looped, and the
-standalone kernel's tiles ``SWEEP_GROUP_TILES``; the measurements that set
-``group_fused.GROUP_PERSISTENT_MIN_ROWS`` and ``group_triton.group_tile``.
+standalone kernel's tiles ``SWEEP_GROUP_TILES``; the measurements that keep the persistent loop
+off (``group_fused``) and set ``group_triton.group_tile``.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def _variants(op, h, w) -> dict:
 
         return {f"tile {t[0]}x{t[1]} w{t[2]}": tile_fn(t) for t in SWEEP_GROUP_TILES}
 
-    def fused_fn(per_sm=None, unroll=None):
+    def fused_fn(per_sm=0, unroll=None):
         return lambda s: gf.launch_norm_group_quant(
             s[0],
             s[1],

@@ -26,13 +26,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import round_to, widen_f32
-from moefuse._runtime import interpreter_active
 from moefuse.norm import tiles
 from moefuse.norm.rms import _add_f32
 from moefuse.norm.row_loop import add_pair, head_pair, keep_pair, one_pass_rows
 from moefuse.norm.tiles import FUSED_ADD_POLICY, RMSNORM_POLICY, RowTile, TilePolicy, row_tile
 from moefuse.norm.triton import (
-    _compiled,
     _grid,
     _inv_rms,
     _launch,
@@ -243,19 +241,18 @@ def _norm_group_quant_kernel(
         )  # fmt: skip
 
 
-#: programs per SM of the persistent row loop with prefetch on the one-pass rows (quant/fused.py
-#: QUANT_POLICY's loop: rmsnorm_quant gained 26 % from it). The loop keeps the norm's block, rows,
-#: warps and tree (``_persistent_policy`` changes no other field; the reduce-tree audit compares
-#: both launch modes with rmsnorm / fused_add_rmsnorm), so it only chooses which program computes
-#: a row and may depend on the token count.
+#: The persistent row loop with prefetch on the one-pass rows (quant/fused.py QUANT_POLICY's
+#: loop: rmsnorm_quant gained 26 % from it) keeps the norm's block, rows, warps and tree (the
+#: reduce-tree audit compares both launch modes with rmsnorm / fused_add_rmsnorm), so it only
+#: chooses which program computes a row. It is not a default: on an H100 it was slower for
+#: rmsnorm_group_quant at 2048 / 2880 / 4096 columns from M = 2048 at 2, 3 and 4 programs per
+#: SM (M = 16384, 4 per SM: 51.36 / 88.40 / 88.61 us against 47.16 / 84.14 / 84.75;
+#: notes/quant.md, ``bench quant --sweep``); its only gain, M = 512 (3.61 / 5.19 / 5.47 against
+#: 4.14 / 5.54 / 6.01), came with a grid of one tile per program, not from the loop. Sweeps and
+#: tests ask for it through ``per_sm``.
+
+#: programs per SM of that loop where one count stands for it (the reduce-tree audit)
 GROUP_PROGRAMS_PER_SM = 4
-#: (residual, width) -> token count from which the one-pass rows run the persistent loop;
-#: widths not listed keep one tile per program at every M. None listed: on an H100 the loop was
-#: slower for rmsnorm_group_quant at 2048 / 2880 / 4096 columns from M = 2048 at 2, 3 and 4
-#: programs per SM (M = 16384, 4 per SM: 51.36 / 88.40 / 88.61 us against 47.16 / 84.14 /
-#: 84.75; notes/quant.md, ``bench quant --sweep``); its only gain, M = 512 (3.61 / 5.19 / 5.47
-#: against 4.14 / 5.54 / 6.01), came with a grid of one tile per program, not from the loop.
-GROUP_PERSISTENT_MIN_ROWS: dict[tuple[bool, int], int] = {}
 
 
 #: stepped rows (rmsnorm 6145-8192 columns; fused_add 4096, 6554-8192) run looped (two passes,
@@ -272,17 +269,11 @@ def _persistent_policy(policy: TilePolicy, per_sm: int) -> TilePolicy:
     return dataclasses.replace(policy, programs_per_sm=per_sm, prefetch=True)
 
 
-def norm_group_tile(
-    width: int, residual: bool, n_rows: int = 0, per_sm: int | None = None
-) -> RowTile:
+def norm_group_tile(width: int, residual: bool, per_sm: int = 0) -> RowTile:
     """The norm op's own tile (rmsnorm / fused_add_rmsnorm): what makes fused == unfused. One-pass
-    rows of ``n_rows`` tokens run the persistent loop from ``GROUP_PERSISTENT_MIN_ROWS`` on, or
-    when ``per_sm`` (programs per SM, 0 = off) asks for it (benchmark sweeps, tests); the block,
-    rows and warps are the norm's either way."""
+    rows run the persistent loop with ``per_sm`` programs per SM when it is not 0 (benchmark
+    sweeps, tests); the block, rows and warps are the norm's either way."""
     policy = FUSED_ADD_POLICY if residual else RMSNORM_POLICY
-    if per_sm is None:
-        start = GROUP_PERSISTENT_MIN_ROWS.get((residual, width))
-        per_sm = GROUP_PROGRAMS_PER_SM if start is not None and n_rows >= start else 0
     if not per_sm:
         return row_tile(width, policy)
     return row_tile(width, _persistent_policy(policy, per_sm))
@@ -291,7 +282,7 @@ def norm_group_tile(
 def launch_norm_group_quant(
     input, residual, weight, q, scales, group_size: int, eps: float, gain_center: float,
     quant_eps: float, int8: bool, ue8m0: bool, use_pdl: bool, unroll: bool | None = None,
-    per_sm: int | None = None,
+    per_sm: int = 0,
 ) -> None:  # fmt: skip
     """``input`` (and ``residual``) [M, H] with unit last stride; ``q`` contiguous codes (uint8
     FP8 bits or int8) [M, H]; ``scales`` [M, G] FP32 or uint8 (E8M0 bytes), any strides.
@@ -300,7 +291,7 @@ def launch_norm_group_quant(
     n_rows, width = input.shape
     if n_rows == 0:
         return
-    tile = norm_group_tile(width, residual is not None, n_rows, per_sm)
+    tile = norm_group_tile(width, residual is not None, per_sm)
     loop_min = GROUP_ADD_LOOP_MIN_ROWS if residual is not None else GROUP_RMSNORM_LOOP_MIN_ROWS
     gw = min(group_size, tile.block)
     args = (
@@ -320,18 +311,4 @@ def launch_norm_group_quant(
     }
     consts = {**_row_consts(tile, width, n_rows, unroll, loop_min, use_pdl), **quant}
     grid = _grid(tile, tile.grid(n_rows)[0], input.device)
-    # a width whose launch mode depends on M: a launch that compiles also compiles the other
-    # mode, so that a token count crossing the threshold never compiles (as norm.triton._launch
-    # does for the stepped rows' modes)
-    other = (
-        (residual is not None, width) in GROUP_PERSISTENT_MIN_ROWS
-        and per_sm is None
-        and not interpreter_active()
-    )
-    before = _compiled(_norm_group_quant_kernel) if other else 0
     _launch(_norm_group_quant_kernel, grid, args, consts, tile)
-    if other and _compiled(_norm_group_quant_kernel) > before:
-        flip = 0 if tile.programs_per_sm else GROUP_PROGRAMS_PER_SM
-        alt = norm_group_tile(width, residual is not None, n_rows, flip)
-        alt_consts = {**_row_consts(alt, width, n_rows, unroll, loop_min, use_pdl), **quant}
-        _norm_group_quant_kernel.warmup(*args, grid=grid, **alt_consts)

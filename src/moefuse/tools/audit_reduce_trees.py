@@ -139,7 +139,7 @@ def group_quant_trees(h: int, residual: bool, m: int, per_sm: int = 0) -> list[s
     must be those of rmsnorm / fused_add_rmsnorm (fused == unfused bitwise), with one tile per
     program and in the persistent row loop with prefetch at ``per_sm`` programs per SM (one-pass
     rows; other rows ignore it). The group maxima are integer reductions and are not listed."""
-    tile = group_fused.norm_group_tile(h, residual, m, per_sm)
+    tile = group_fused.norm_group_tile(h, residual, per_sm)
     loop_min = (
         group_fused.GROUP_ADD_LOOP_MIN_ROWS if residual else group_fused.GROUP_RMSNORM_LOOP_MIN_ROWS
     )
