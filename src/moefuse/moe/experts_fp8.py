@@ -657,6 +657,17 @@ def _gate_up_stage(
     return plan, cfg, a, a_s
 
 
+def _finalize(plan, top_k_index, top_k_weights, out, bias, shared, rsf: float, use_pdl: bool):
+    """The deterministic finalize of ``plan.y`` into ``out`` as its own launch (the down kernel
+    runs it itself up to the plan's fused limit)."""
+    eids = None
+    if bias is not None:
+        eids = top_k_index if top_k_index.stride(1) == 1 else top_k_index.contiguous()
+    launch_moe_finalize(
+        plan.y, plan.slot_map, top_k_weights, out, bias, eids, rsf, shared, True, use_pdl
+    )
+
+
 def launch_moe_experts_fp8(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -749,23 +760,8 @@ def launch_moe_experts_fp8(
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
     )
-    if plan.fused:
-        return
-    eids = None
-    if bias is not None:
-        eids = top_k_index if top_k_index.stride(1) == 1 else top_k_index.contiguous()
-    launch_moe_finalize(
-        y,
-        plan.slot_map,
-        top_k_weights,
-        out,
-        bias,
-        eids,
-        routed_scaling_factor,
-        shared_expert_output,
-        True,
-        use_pdl,
-    )
+    if not plan.fused:
+        _finalize(plan, top_k_index, top_k_weights, out, bias, shared_expert_output, rsf, use_pdl)
 
 
 def gate_up_activation_codes(
