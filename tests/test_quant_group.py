@@ -79,6 +79,18 @@ def test_reference_matches_fp64_oracle(int8, ue8m0, seed):
 
 
 # ----------------------------------------------------------------------------- kernel
+def test_reciprocal_quotient_is_the_ieee_division():
+    """The quantizer's quotient (one reciprocal per group, an FMA-corrected product per element)
+    has the IEEE division's bits on adversarial cases (midpoints of E4M3 and INT8 rounding and
+    the ulps beside them, signed zeros, subnormal dividends, infinite and NaN scales); the
+    check itself fails on the uncorrected product ``x * (1 / s)``."""
+    from moefuse.tools import quotient_check
+
+    assert quotient_check.check(20000, seed=1) == 40012
+    x, s = quotient_check.cases(20000, "cpu", torch.Generator().manual_seed(1))
+    assert (F.fp8_bits(x * (1 / s)) != F.fp8_bits(x / s)).any()
+
+
 CASES = [  # (H, group, dtype, dst, ue8m0, layout, scale dtype)
     (200, 64, torch.bfloat16, E4M3, False, "row", torch.float32),
     (7, 32, torch.float16, torch.int8, True, "column", torch.float32),

@@ -229,6 +229,7 @@ def _tokens_quant_kernel(
         False,
         False,
         False,
+        True,  # RCP: the quotients from one reciprocal per group (eps is 1e-10)
         PTX,
         USE_PDL,
     )

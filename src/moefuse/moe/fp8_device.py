@@ -103,6 +103,29 @@ def _fma(a, b, c, PTX: tl.constexpr):
 
 
 @triton.jit
+def _block_range(
+    w_rows, n_in, w_st_k, s_rows, s_st_k, col_rows, r_in, cs_rows, b0, nb,
+    KDIM: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
+    E8M0: tl.constexpr, ACCUM: tl.constexpr,
+):  # fmt: skip
+    """``acc = fma(dot_b, xs[b] * Ws[row, b], acc)`` from +0.0 over the ``nb`` K-blocks from
+    ``b0`` ascending (:func:`block_fp8_product`'s operands), one pipelined loop."""
+    acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
+    for j in tl.range(0, nb, num_stages=STAGES):
+        b = b0 + j
+        kk = b * BLOCK + tl.arange(0, BLOCK)
+        k_in = kk < KDIM
+        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
+        b_in = b * BLOCK < KDIM  # (a chunk of fp8_linear's split may end past K)
+        ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in & b_in, other=0), E8M0)
+        q = tl.load(col_rows + kk[:, None], mask=r_in[None, :] & k_in[:, None], other=0.0)
+        xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
+        part = fp8_block_dot(w, q, ACCUM, PTX)
+        acc = _fma(part, xs[None, :] * ws[:, None], acc, PTX)
+    return acc
+
+
+@triton.jit
 def block_fp8_product(
     w_rows,
     n_in,
@@ -129,29 +152,24 @@ def block_fp8_product(
     columns ``col_rows`` [1, BT] (E4M3 codes, unit stride along the reduction; ``r_in``: in use)
     with their group scales from ``cs_rows`` [BT] (FP32, unit stride over the groups). ``KDIM``
     is the reduction's width (a partial last block reads zeros), ``STAGES`` the pipeline depth.
-    ``CHUNK`` > 0: the sum restarts from +0.0 every ``CHUNK`` blocks (counted from block 0) and
-    the chunk sums are added in ascending order from +0.0 (``fp8_linear``'s split order,
-    :mod:`moefuse.moe.linear_triton`), in one pipelined loop."""
-    acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
-    total = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
-    for j in tl.range(0, NB, num_stages=STAGES):
-        b = b0 + j
-        kk = b * BLOCK + tl.arange(0, BLOCK)
-        k_in = kk < KDIM
-        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
-        b_in = b * BLOCK < KDIM  # (a chunk of fp8_linear's split may end past K)
-        ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in & b_in, other=0), E8M0)
-        q = tl.load(col_rows + kk[:, None], mask=r_in[None, :] & k_in[:, None], other=0.0)
-        xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
-        part = fp8_block_dot(w, q, ACCUM, PTX)
-        acc = _fma(part, xs[None, :] * ws[:, None], acc, PTX)
-        if CHUNK > 0:
-            end = ((b + 1) % CHUNK == 0) | (j + 1 == NB)
-            total = tl.where(end, total + acc, total)
-            acc = tl.where(end, 0.0, acc)
+    ``CHUNK`` > 0 (``b0`` = 0): the sum restarts from +0.0 every ``CHUNK`` blocks and the chunk
+    sums are added in ascending order from +0.0 (``fp8_linear``'s split order,
+    :mod:`moefuse.moe.linear_triton`): an outer loop over the chunks around the pipelined loop
+    over a chunk's blocks, so the per-block step is the unchunked one."""
     if CHUNK > 0:
+        total = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
+        for c in tl.range(0, (NB + CHUNK - 1) // CHUNK, num_stages=1):
+            # a last, shorter chunk runs CHUNK steps too: its blocks past K read nothing and
+            # leave the sum as it is (fma(+0, +0, acc) = acc: acc is never -0)
+            total = total + _block_range(
+                w_rows, n_in, w_st_k, s_rows, s_st_k, col_rows, r_in, cs_rows, c * CHUNK, CHUNK,
+                KDIM, BT, STAGES, PTX, E8M0, ACCUM,
+            )  # fmt: skip
         return total
-    return acc
+    return _block_range(
+        w_rows, n_in, w_st_k, s_rows, s_st_k, col_rows, r_in, cs_rows, b0, NB, KDIM, BT, STAGES,
+        PTX, E8M0, ACCUM,
+    )  # fmt: skip
 
 
 def fp8_codes(t):

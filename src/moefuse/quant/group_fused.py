@@ -44,7 +44,7 @@ from moefuse.norm.triton import (
     step_cols,
     step_params,
 )
-from moefuse.quant.group_triton import group_quant_tile, store_scales
+from moefuse.quant.group_triton import group_quant_tile, rcp_quotients, store_scales
 
 
 def _metadata(grid, kernel, args):
@@ -56,8 +56,9 @@ def _metadata(grid, kernel, args):
 
 
 # ``qa`` = (q_ptr, s_ptr, q_st, s_st, G, n_rows, qeps, x_ptr, s_sg): where and how the epilogue
-# stores (x_ptr: the input dtype); ``QC`` = (GW, QMAX, UE8M0, INT8, E8M0): its constexprs, a tuple
-# built in each call and read by index (Triton's assignment would turn its elements into tensors).
+# stores (x_ptr: the input dtype); ``QC`` = (GW, QMAX, UE8M0, INT8, E8M0, RCP): its constexprs,
+# a tuple built in each call and read by index (Triton's assignment would turn its elements into
+# tensors).
 @triton.jit
 def _group_out(y, rows, cols, mask, g0, qa, QC, PTX: tl.constexpr):
     """Store one tile of the norm output ``y`` (FP32 ``[R, B]``, columns ``cols`` [1, B]
@@ -69,10 +70,11 @@ def _group_out(y, rows, cols, mask, g0, qa, QC, PTX: tl.constexpr):
     UE8M0: tl.constexpr = QC[2]
     INT8: tl.constexpr = QC[3]
     E8M0: tl.constexpr = QC[4]
+    RCP: tl.constexpr = QC[5]
     B: tl.constexpr = y.shape[1]
     yq = widen_f32(round_to(y, qa[7].dtype.element_ty, PTX), PTX)
     live = tl.broadcast_to(mask, yq.shape)
-    q, s = group_quant_tile(yq, live, qa[6], GW, QMAX, UE8M0, INT8, PTX)
+    q, s = group_quant_tile(yq, live, qa[6], GW, QMAX, UE8M0, INT8, PTX, RCP)
     r64 = rows.to(tl.int64)[:, None]
     # codes stored 8 to a vector, as the 16-bit norm output is: a 16-byte vector of codes would
     # have Triton lay the whole tile out 16 elements per thread, the row sum included, and sum
@@ -200,7 +202,7 @@ def _norm_group_quant_kernel(
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, STEPPED: tl.constexpr,
     UNROLL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     GW: tl.constexpr, QMAX: tl.constexpr, UE8M0: tl.constexpr, INT8: tl.constexpr,
-    E8M0: tl.constexpr,
+    E8M0: tl.constexpr, RCP: tl.constexpr,
 ):  # fmt: skip
     """codes / scales of ``y = cast((h * r) * g)``, h = f32(x) [+ f32(res), res <- cast(h)].
     ``quant`` = (q_ptr, s_ptr, q_st, s_st, s_sg, G, qeps): the codes, the scales and their
@@ -211,7 +213,7 @@ def _norm_group_quant_kernel(
     if STEPPED:
         _stepped(
             x_ptr, res_ptr, w_ptr, pid.to(tl.int64), x_st, r_st, H, Hf, eps, gain_center, qa,
-            (GW, QMAX, UE8M0, INT8, E8M0),
+            (GW, QMAX, UE8M0, INT8, E8M0, RCP),
             BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, HAS_RESIDUAL,
             "" if HAS_RESIDUAL else "evict_first",
         )  # fmt: skip
@@ -221,14 +223,15 @@ def _norm_group_quant_kernel(
         if HAS_RESIDUAL:
             one_pass_rows(
                 add_pair, (x_ptr, res_ptr, x_st, r_st), _add_f32, _norm_tile,
-                ((w, res_ptr, r_st, Hf, eps), qa, (GW, QMAX, UE8M0, INT8, E8M0), MASKED, True, PTX),
+                ((w, res_ptr, r_st, Hf, eps), qa, (GW, QMAX, UE8M0, INT8, E8M0, RCP), MASKED, True,
+                 PTX),
                 pid, cols, n_rows, H, ROWS, BLOCK, MASKED, EVICT_FIRST, USE_PDL,
                 PERSISTENT, PREFETCH, False,
             )  # fmt: skip
         else:
             one_pass_rows(
                 head_pair, ((x_ptr, x_ptr), (1, x_st, 0, 0, 0), False), keep_pair, _norm_tile,
-                ((w, res_ptr, r_st, Hf, eps), qa, (GW, QMAX, UE8M0, INT8, E8M0), MASKED, False,
+                ((w, res_ptr, r_st, Hf, eps), qa, (GW, QMAX, UE8M0, INT8, E8M0, RCP), MASKED, False,
                  PTX),
                 pid, cols, n_rows, H, ROWS, BLOCK, MASKED, EVICT_FIRST, USE_PDL,
                 PERSISTENT, PREFETCH, True,
@@ -236,7 +239,7 @@ def _norm_group_quant_kernel(
     else:
         _two_pass(
             x_ptr, res_ptr, w_ptr, pid, n_rows, x_st, r_st, H, Hf, eps, gain_center, qa,
-            (GW, QMAX, UE8M0, INT8, E8M0),
+            (GW, QMAX, UE8M0, INT8, E8M0, RCP),
             BLOCK, NUM_CHUNKS, ROWS, MASKED, EVICT_FIRST, PTX, USE_PDL, HAS_RESIDUAL,
         )  # fmt: skip
 
@@ -308,6 +311,7 @@ def launch_norm_group_quant(
         "UE8M0": ue8m0,
         "INT8": int8,
         "E8M0": scales.dtype.itemsize == 1,
+        "RCP": rcp_quotients(quant_eps),
     }
     consts = {**_row_consts(tile, width, n_rows, unroll, loop_min, use_pdl), **quant}
     grid = _grid(tile, tile.grid(n_rows)[0], input.device)

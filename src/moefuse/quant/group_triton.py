@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import widen_f32
+from moefuse._device import fma_ftz, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.norm.tiles import next_pow2
@@ -46,6 +46,13 @@ GROUP_ROW_MAX_COLS = 2048
 GROUP_ROW_WARPS = 8
 #: the 1.5 * 2^23 of the round-half-even trick: ``(q + M) - M`` rounds |q| < 2^22 to an integer
 _RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
+#: the smallest eps whose scales give correctly rounded quotients through one reciprocal per
+#: group (:func:`quotient_rn`): every scale is then >= 2^-69 (normal, its reciprocal finite) and
+#: every quotient kept from the FMA correction has a normal dividend and an exact remainder
+RCP_MIN_EPS = 2.0**-60
+#: quotients under 2^-11 keep ``x * rcp``: their codes are those of the exact quotient (E4M3
+#: rounds everything under 2^-10 to a signed zero, INT8 to 0)
+_RCP_KEEP_Q0: tl.constexpr = tl.constexpr(2.0**-11)
 
 
 # ----------------------------------------------------------------------------- device functions
@@ -89,6 +96,33 @@ def group_codes(q, INT8: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _fma_rn(a, b, c, PTX: tl.constexpr):
+    """``a * b + c`` with one rounding: the GPU's FMA; in the interpreter (whose FMA rounds
+    twice) :func:`moefuse._device.fma_ftz`'s exact emulation. They differ only where an input
+    or the result is an FP32 subnormal, which :func:`quotient_rn` never keeps."""
+    if PTX:
+        return tl.fma(a, b, c)
+    else:
+        return fma_ftz(a, b, c, PTX)
+
+
+@triton.jit
+def quotient_rn(x, s, rcp, PTX: tl.constexpr):
+    """``x / s`` correctly rounded (the IEEE division's bits) from ``rcp`` = ``1 / s`` correctly
+    rounded, one per group: ``q0 = x * rcp`` (within one ulp of the quotient), the exact
+    remainder ``r = fma(-q0, s, x)`` and ``q1 = fma(r, rcp, q0)``, which is the correctly rounded
+    quotient (Markstein's theorem: a correctly rounded reciprocal and a quotient within one ulp).
+    Valid for the scales of :func:`group_scale` with ``eps >= RCP_MIN_EPS`` (so ``s`` is normal,
+    ``rcp`` finite, and every kept ``x`` and ``r`` normal): where ``|q0| < 2^-11`` the quotient
+    is kept as ``q0``, whose code is that of ``x / s`` (a signed zero in E4M3, 0 in INT8: also
+    ``x = -0``, a subnormal ``x``, an infinite scale); NaN scales and ``Inf / Inf`` give NaN."""
+    q0 = x * rcp
+    r = _fma_rn(-q0, s, x, PTX)
+    q1 = _fma_rn(r, rcp, q0, PTX)
+    return tl.where(tl.abs(q0) < _RCP_KEEP_Q0, q0, q1)
+
+
+@triton.jit
 def group_quant_tile(
     v,
     live,
@@ -98,10 +132,13 @@ def group_quant_tile(
     UE8M0: tl.constexpr,
     INT8: tl.constexpr,
     PTX: tl.constexpr,
+    RCP: tl.constexpr = True,
 ):
     """Quantize an FP32 ``[R, B]`` tile in groups of GW columns (B % GW == 0); ``live`` [R, B]
     marks the lanes holding data (the others count as 0 and their codes are not meant to be
-    stored). Returns ``(codes [R, B], scales [R, B // GW] FP32)``."""
+    stored). Returns ``(codes [R, B], scales [R, B // GW] FP32)``. ``RCP`` (only where ``eps >=
+    RCP_MIN_EPS``: :func:`rcp_quotients`): each quotient from the group's reciprocal
+    (:func:`quotient_rn`); otherwise one IEEE division per element. The same bits either way."""
     R: tl.constexpr = v.shape[0]
     B: tl.constexpr = v.shape[1]
     g = tl.reshape(v, (R, B // GW, GW))
@@ -110,10 +147,22 @@ def group_quant_tile(
     amax = tl.max(bits, axis=2).to(tl.float32, bitcast=True)
     s = group_scale(amax, eps, QMAX, UE8M0)
     sb = tl.broadcast_to(tl.expand_dims(s, 2), (R, B // GW, GW))
-    # lanes without data divide s by itself: the GPU's division takes its slow path for a zero
-    # dividend (a partial group's padding, padding rows), which made such tiles 2-3x slower
-    q = tl.math.div_rn(tl.where(lv, g, sb), sb)
+    if RCP:
+        rcp = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        rb = tl.broadcast_to(tl.expand_dims(rcp, 2), (R, B // GW, GW))
+        q = quotient_rn(g, sb, rb, PTX)  # lanes without data: 0 (or unused codes)
+    else:
+        # lanes without data divide s by itself: the GPU's division takes its slow path for a
+        # zero dividend (a partial group's padding, padding rows), which made such tiles 2-3x
+        # slower
+        q = tl.math.div_rn(tl.where(lv, g, sb), sb)
     return tl.reshape(group_codes(q, INT8, PTX), (R, B)), s
+
+
+def rcp_quotients(eps: float) -> bool:
+    """Whether :func:`group_quant_tile` may take its quotients from one reciprocal per group:
+    ``eps >= RCP_MIN_EPS`` (the default 1e-10 is), so every scale is a normal FP32 number."""
+    return eps >= RCP_MIN_EPS
 
 
 @triton.jit
@@ -149,8 +198,8 @@ def _group_quant_kernel(
     x_st, x_sh, s_st, s_sh, s_sg,
     eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GW: tl.constexpr, QMAX: tl.constexpr,
-    UE8M0: tl.constexpr, INT8: tl.constexpr, E8M0: tl.constexpr, PTX: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    UE8M0: tl.constexpr, INT8: tl.constexpr, E8M0: tl.constexpr, RCP: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """codes[row, col] and scales[row, g] of one [BLOCK_M, BLOCK_N] tile (whole groups)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -167,7 +216,7 @@ def _group_quant_kernel(
     )
     if USE_PDL:
         gdc_launch_dependents()
-    q, s = group_quant_tile(widen_f32(x, PTX), mask, eps, GW, QMAX, UE8M0, INT8, PTX)
+    q, s = group_quant_tile(widen_f32(x, PTX), mask, eps, GW, QMAX, UE8M0, INT8, PTX, RCP)
     tl.store(q_ptr + (rows.to(tl.int64) * H)[:, None] + cols[None, :], q, mask=mask)
     gs = tl.program_id(1) * (BLOCK_N // GW) + tl.arange(0, BLOCK_N // GW)
     s_off = row_base(rows, T, s_st, s_sh)[:, None] + gs[None, :].to(tl.int64) * s_sg
@@ -224,8 +273,8 @@ def launch_group_quant(
         x_st, x_sh, s_st, s_sh, scales.stride(-1),
         float(eps),
         BLOCK_M=bm, BLOCK_N=bn, GW=group_size, QMAX=127.0 if int8 else 448.0,
-        UE8M0=ue8m0, INT8=int8, E8M0=scales.dtype.itemsize == 1, PTX=not interpreter_active(),
-        USE_PDL=use_pdl,
+        UE8M0=ue8m0, INT8=int8, E8M0=scales.dtype.itemsize == 1, RCP=rcp_quotients(eps),
+        PTX=not interpreter_active(), USE_PDL=use_pdl,
         num_warps=warps,
         **pdl_launch_kwargs(use_pdl),
     )  # fmt: skip

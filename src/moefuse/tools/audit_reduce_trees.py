@@ -146,7 +146,7 @@ def group_quant_trees(h: int, residual: bool, m: int, per_sm: int = 0) -> list[s
     consts = nt._row_consts(tile, h, m, None, loop_min, True)
     consts.update(
         HAS_RESIDUAL=residual, GW=min(128, tile.block), QMAX=448.0, UE8M0=False, INT8=False,
-        E8M0=False,
+        E8M0=False, RCP=True,
     )  # fmt: skip
     warps = consts.pop("num_warps")
     types = {
