@@ -371,7 +371,12 @@ def _down_item(
     e64 = e.to(tl.int64)
     n64 = n.to(tl.int64)
     w_rows = w_ptr + e64 * w_st_e + n64[:, None] * w_st_n
-    s_rows = s_ptr + e64 * s_st_e + (n64 // 128) * s_st_n
+    # rows from a multiple of a tile of at most 128: one weight-scale row for the whole tile
+    TILE_SCALE: tl.constexpr = n.shape[0] <= 128
+    if TILE_SCALE:
+        s_rows = s_ptr + e64 * s_st_e + (tl.min(n64, axis=0) // 128) * s_st_n
+    else:
+        s_rows = s_ptr + e64 * s_st_e + (n64 // 128) * s_st_n
     s64 = s.to(tl.int64)
     acc = block_fp8_product(
         w_rows,
@@ -390,6 +395,8 @@ def _down_item(
         PTX,
         E8M0,
         ACCUM,
+        0,
+        TILE_SCALE,
     )
     if USE_PDL:
         gdc_launch_dependents()

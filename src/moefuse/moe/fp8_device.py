@@ -103,29 +103,6 @@ def _fma(a, b, c, PTX: tl.constexpr):
 
 
 @triton.jit
-def _block_range(
-    w_rows, n_in, w_st_k, s_rows, s_st_k, col_rows, r_in, cs_rows, b0, nb,
-    KDIM: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
-    E8M0: tl.constexpr, ACCUM: tl.constexpr,
-):  # fmt: skip
-    """``acc = fma(dot_b, xs[b] * Ws[row, b], acc)`` from +0.0 over the ``nb`` K-blocks from
-    ``b0`` ascending (:func:`block_fp8_product`'s operands), one pipelined loop."""
-    acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
-    for j in tl.range(0, nb, num_stages=STAGES):
-        b = b0 + j
-        kk = b * BLOCK + tl.arange(0, BLOCK)
-        k_in = kk < KDIM
-        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
-        b_in = b * BLOCK < KDIM  # (a chunk of fp8_linear's split may end past K)
-        ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in & b_in, other=0), E8M0)
-        q = tl.load(col_rows + kk[:, None], mask=r_in[None, :] & k_in[:, None], other=0.0)
-        xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
-        part = fp8_block_dot(w, q, ACCUM, PTX)
-        acc = _fma(part, xs[None, :] * ws[:, None], acc, PTX)
-    return acc
-
-
-@triton.jit
 def block_fp8_product(
     w_rows,
     n_in,
@@ -144,6 +121,7 @@ def block_fp8_product(
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
     CHUNK: tl.constexpr = 0,
+    TILE_SCALE: tl.constexpr = False,
 ):
     """FP32 ``acc = fma(dot_b, xs[b] * Ws[row, b], acc)`` over the ``NB`` K-blocks ``b`` from
     ``b0`` ascending (blocks past K read nothing and add +0.0), from +0.0. Weight rows
@@ -152,24 +130,38 @@ def block_fp8_product(
     columns ``col_rows`` [1, BT] (E4M3 codes, unit stride along the reduction; ``r_in``: in use)
     with their group scales from ``cs_rows`` [BT] (FP32, unit stride over the groups). ``KDIM``
     is the reduction's width (a partial last block reads zeros), ``STAGES`` the pipeline depth.
+
+    ``TILE_SCALE``: every row of the tile lies in one 128-row weight block (R <= 128 rows from
+    a multiple of R), so ``s_rows`` is that block row's scalar pointer and ``xs[b] * Ws[b]`` a
+    [BT] vector: the same products, one per column instead of one per element.
     ``CHUNK`` > 0 (``b0`` = 0): the sum restarts from +0.0 every ``CHUNK`` blocks and the chunk
     sums are added in ascending order from +0.0 (``fp8_linear``'s split order,
-    :mod:`moefuse.moe.linear_triton`): an outer loop over the chunks around the pipelined loop
-    over a chunk's blocks, so the per-block step is the unchunked one."""
+    :mod:`moefuse.moe.linear_triton`): a branch at each chunk's last block of the one pipelined
+    loop."""
+    acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
+    total = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
+    for j in tl.range(0, NB, num_stages=STAGES):
+        b = b0 + j
+        kk = b * BLOCK + tl.arange(0, BLOCK)
+        k_in = kk < KDIM
+        w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
+        b_in = b * BLOCK < KDIM  # (a chunk of fp8_linear's split may end past K)
+        q = tl.load(col_rows + kk[:, None], mask=r_in[None, :] & k_in[:, None], other=0.0)
+        xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
+        part = fp8_block_dot(w, q, ACCUM, PTX)
+        if TILE_SCALE:
+            ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=b_in, other=0), E8M0)
+            acc = _fma(part, (xs * ws)[None, :], acc, PTX)
+        else:
+            ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in & b_in, other=0), E8M0)
+            acc = _fma(part, xs[None, :] * ws[:, None], acc, PTX)
+        if CHUNK > 0:
+            if ((b + 1) % CHUNK == 0) | (j + 1 == NB):
+                total = total + acc
+                acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
     if CHUNK > 0:
-        total = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
-        for c in tl.range(0, (NB + CHUNK - 1) // CHUNK, num_stages=1):
-            # a last, shorter chunk runs CHUNK steps too: its blocks past K read nothing and
-            # leave the sum as it is (fma(+0, +0, acc) = acc: acc is never -0)
-            total = total + _block_range(
-                w_rows, n_in, w_st_k, s_rows, s_st_k, col_rows, r_in, cs_rows, c * CHUNK, CHUNK,
-                KDIM, BT, STAGES, PTX, E8M0, ACCUM,
-            )  # fmt: skip
         return total
-    return _block_range(
-        w_rows, n_in, w_st_k, s_rows, s_st_k, col_rows, r_in, cs_rows, b0, NB, KDIM, BT, STAGES,
-        PTX, E8M0, ACCUM,
-    )  # fmt: skip
+    return acc
 
 
 def fp8_codes(t):

@@ -62,7 +62,11 @@ def _fp8_linear_kernel(
     r_in = cols < m_rows
     c64 = cols.to(tl.int64)
     w_rows = w_ptr + n64[:, None] * w_st
-    s_rows = s_ptr + (n64 // 128) * s_st
+    TILE_SCALE: tl.constexpr = BN <= 128  # the row tile inside one 128-row weight block
+    if TILE_SCALE:
+        s_rows = s_ptr + ((tl.program_id(0) * BN) // 128).to(tl.int64) * s_st
+    else:
+        s_rows = s_ptr + (n64 // 128) * s_st
     x_cols = x_ptr + c64[None, :] * x_st
     xs_cols = xs_ptr + c64 * xs_st
     n_blocks: tl.constexpr = (KDIM + 127) // 128
@@ -72,7 +76,7 @@ def _fp8_linear_kernel(
         c = tl.program_id(2)
         acc = block_fp8_product(
             w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, c * CHUNK, CHUNK, KDIM, BT,
-            STAGES, PTX, E8M0, ACCUM,
+            STAGES, PTX, E8M0, ACCUM, 0, TILE_SCALE,
         )  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
@@ -81,7 +85,7 @@ def _fp8_linear_kernel(
     else:
         acc = block_fp8_product(
             w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, 0, n_blocks, KDIM, BT, STAGES,
-            PTX, E8M0, ACCUM, CHUNK if SPLITS > 1 else 0,
+            PTX, E8M0, ACCUM, CHUNK if SPLITS > 1 else 0, TILE_SCALE,
         )  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()

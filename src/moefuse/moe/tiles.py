@@ -277,6 +277,14 @@ LINEAR_FP8_MIN_CHUNK = 2
 #: (46.9 -> 48.2, 52.6 -> 53.3; Qwen3 q_proj 6.6 -> 7.3).
 LINEAR_FP8_NARROW = {"bn": 64, "warps": 4, "stages": 4}
 LINEAR_FP8_DECODE_STAGES = 8
+#: MEASURED (H100 80GB HBM3, 2026-12-06, `python -m moefuse bench fp8-linear --shapes dsv3_o_proj
+#: qwen3_q_proj --rows 1 16 2048 8192 --tiles ...`, notes/moe-experts-fp8.md), CUDA-graph us at
+#: M = 2,048 / 8,192, DeepSeek-V3 o_proj: 64 x 64 (4 warps) 1317 / 5532, 64 x 128 (4 warps)
+#: 1342 / 5272, 128 x 64 (8 warps) 1218 / 5177, 64 x 256 (8 warps, 3 stages) 971 / 3907; Qwen3
+#: q_proj 100 / 370, 93 / 378, 106 / 418, 77 / 292. Taken where it still gives every SM a
+#: program (LINEAR_FP8_WIDE_MIN_PROGRAMS); 64 x 64 below.
+LINEAR_FP8_WIDE = {"bn": 64, "bt": 256, "warps": 8, "stages": 3}
+LINEAR_FP8_WIDE_MIN_PROGRAMS = 132
 
 
 def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
@@ -296,6 +304,9 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     splits, chunk = linear_fp8_splits(n, k)
     bt = 16 if m <= 16 else 32 if m <= 32 else 64
     tile = dict(LINEAR_FP8_NARROW, bt=bt)
+    wide = LINEAR_FP8_WIDE
+    if -(-n // wide["bn"]) * -(-m // wide["bt"]) >= LINEAR_FP8_WIDE_MIN_PROGRAMS:
+        tile = dict(wide)
     if 1 < m <= 16:
         tile["stages"] = LINEAR_FP8_DECODE_STAGES
     programs = -(-n // tile["bn"]) * -(-m // tile["bt"])
