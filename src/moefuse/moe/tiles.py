@@ -281,8 +281,8 @@ LINEAR_FP8_DECODE_STAGES = 8
 #: qwen3_q_proj --rows 1 16 2048 8192 --tiles ...`, notes/moe-experts-fp8.md), CUDA-graph us at
 #: M = 2,048 / 8,192, DeepSeek-V3 o_proj: 64 x 64 (4 warps) 1317 / 5532, 64 x 128 (4 warps)
 #: 1342 / 5272, 128 x 64 (8 warps) 1218 / 5177, 64 x 256 (8 warps, 3 stages) 971 / 3907; Qwen3
-#: q_proj 100 / 370, 93 / 378, 106 / 418, 77 / 292. Taken where it still gives every SM a
-#: program (LINEAR_FP8_WIDE_MIN_PROGRAMS); 64 x 64 below.
+#: q_proj 100 / 370, 93 / 378, 106 / 418, 77 / 292. Taken from M = 256 where it still gives
+#: every SM a program (LINEAR_FP8_WIDE_MIN_PROGRAMS); 64 x 64 below.
 LINEAR_FP8_WIDE = {"bn": 64, "bt": 256, "warps": 8, "stages": 3}
 LINEAR_FP8_WIDE_MIN_PROGRAMS = 132
 
@@ -305,7 +305,10 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     bt = 16 if m <= 16 else 32 if m <= 32 else 64
     tile = dict(LINEAR_FP8_NARROW, bt=bt)
     wide = LINEAR_FP8_WIDE
-    if -(-n // wide["bn"]) * -(-m // wide["bt"]) >= LINEAR_FP8_WIDE_MIN_PROGRAMS:
+    if (
+        m >= wide["bt"]
+        and -(-n // wide["bn"]) * -(-m // wide["bt"]) >= LINEAR_FP8_WIDE_MIN_PROGRAMS
+    ):
         tile = dict(wide)
     if 1 < m <= 16:
         tile["stages"] = LINEAR_FP8_DECODE_STAGES
