@@ -6,10 +6,11 @@ Per token and group of ``GS`` consecutive channels (the last group partial when 
 divide H): ``amax = max |v|`` as an integer max over the FP32 bits with the sign cleared (exact;
 NaN, the largest pattern, propagates; Triton's float max may drop NaN on the GPU), ``s =
 max(amax, eps) / QMAX`` with one IEEE division (a NaN amax stays NaN), ``s = 2^ceil(log2 s)``
-with UE8M0 scales (integer arithmetic on the bits, subnormals exact), then ``v / s`` with an
-IEEE division per element, encoded as E4M3 (RNE, saturating, NaN -> 0x7F) or INT8 (round half
-to even, clamp to [-127, 127], NaN -> 0). Lanes outside the data count as 0 (a zero never raises
-a group's amax).
+with UE8M0 scales (integer arithmetic on the bits, subnormals exact), then ``v / s`` correctly
+rounded (the IEEE division's bits, from one reciprocal per group and an FMA-corrected product
+per element: :func:`quotient_rn`), encoded as E4M3 (RNE, saturating, NaN -> 0x7F) or INT8
+(round half to even, clamp to [-127, 127], NaN -> 0). Lanes outside the data count as 0 (a
+zero never raises a group's amax).
 
 Groups never span programs, so no result depends on the tile: the standalone kernel walks
 ``[BLOCK_M rows, BLOCK_N columns]`` tiles (BLOCK_N a multiple of GS) chosen from H and GS only;
