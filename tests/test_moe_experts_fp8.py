@@ -327,6 +327,21 @@ def test_fp8_linear_kernel():
     assert_bitwise_equal(pre, got, "pre-quantized input")
 
 
+def test_fp8_linear_plans_fit_shared_memory():
+    """Every fp8_linear launch plan at the benchmarked weights and token counts pipelines at most
+    what an SM90 program's shared memory holds (227 KiB): ``stages`` x (the weight tile's and
+    the token tile's E4M3 bytes of one 128-wide K-block). The wide token tile once met the
+    decode stages at M = 4 on a 24,576-row weight and asked for 327 KiB."""
+    from moefuse.bench.fp8_linear import ROWS, SHAPES
+    from moefuse.moe.tiles import linear_fp8_plan
+
+    for n, k in SHAPES.values():
+        for m in sorted({*ROWS, 2, 8, 32, 128, 255, 256, 512, 4096, 65536}):
+            cfg = linear_fp8_plan(m, n, k)
+            smem = cfg["stages"] * 128 * (cfg["bn"] + cfg["bt"])
+            assert smem <= 227 * 1024, (n, k, m, cfg)
+
+
 def test_fp8_custom_ops_compile_and_plans():
     """opcheck of both custom ops (kernel and reference backends), launch plans replaying the
     eager bits, and torch.compile(fullgraph=True, dynamic=True): one graph for 3 and 6 tokens."""
