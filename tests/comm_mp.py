@@ -219,12 +219,19 @@ def assert_bounded_waits(spans: list, timeout_s: float, most_s: float = 30.0) ->
         assert end - start < most_s, f"rank {rank}'s call took {end - start:.1f} s"
 
 
+#: (backend, dynamic) of :func:`assert_compiles_to_eager_bits`: the graph capture with static
+#: and with dynamic shapes, and inductor as serving engines compile (dynamic). Inductor's static
+#: compile checks nothing the others do not (the ops are opaque to it; its C++ build cost 1-3
+#: CPU-s per rank), as in tests/test_compile_ops.py.
+COMPILE_CONFIGS = (("aot_eager", False), ("aot_eager", True), ("inductor", True))
+
+
 def assert_compiles_to_eager_bits(layer, args: tuple, expected) -> None:
-    """``layer(*args)`` under ``torch.compile(fullgraph=True)``, with ``aot_eager`` and with
-    inductor (which rewrites the graph around the ops: reinplacing, buffer reuse; skipped
-    without g++, which its CPU code needs), with static and with dynamic shapes (a symbolic
-    token count and symbolic float arguments), gives ``expected`` (a tensor or a tuple of
-    tensors, the eager results) bit for bit."""
+    """``layer(*args)`` under ``torch.compile(fullgraph=True)`` in every :data:`COMPILE_CONFIGS`:
+    ``aot_eager`` with static and with dynamic shapes (a symbolic token count and symbolic float
+    arguments) and inductor with dynamic shapes (it rewrites the graph around the ops:
+    reinplacing, buffer reuse; skipped without g++, which its CPU code needs), gives
+    ``expected`` (a tensor or a tuple of tensors, the eager results) bit for bit."""
     import shutil
 
     import torch
@@ -232,16 +239,17 @@ def assert_compiles_to_eager_bits(layer, args: tuple, expected) -> None:
     from moefuse.testing import assert_bitwise_equal
 
     want = expected if isinstance(expected, tuple) else (expected,)
-    for backend in ("aot_eager", "inductor") if shutil.which("g++") else ("aot_eager",):
-        for dynamic in (False, True):
-            what = f"compiled ({backend}, dynamic={dynamic})"
-            torch._dynamo.reset()
-            compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend=backend)
-            got = compiled(*args)
-            got = got if isinstance(got, tuple) else (got,)
-            assert len(got) == len(want), f"{what}: {len(got)} results"
-            for i, (g, e) in enumerate(zip(got, want)):
-                assert_bitwise_equal(g, e, f"{what} result {i} == eager")
+    for backend, dynamic in COMPILE_CONFIGS:
+        if backend == "inductor" and not shutil.which("g++"):
+            continue
+        what = f"compiled ({backend}, dynamic={dynamic})"
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend=backend)
+        got = compiled(*args)
+        got = got if isinstance(got, tuple) else (got,)
+        assert len(got) == len(want), f"{what}: {len(got)} results"
+        for i, (g, e) in enumerate(zip(got, want)):
+            assert_bitwise_equal(g, e, f"{what} result {i} == eager")
 
 
 def count_calls(module, name: str, counts: dict, key) -> None:

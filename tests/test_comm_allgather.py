@@ -143,6 +143,20 @@ def digest(out) -> str:
     return sha.hexdigest()
 
 
+def agree_with_rank0(rank, p, got, want, what) -> None:
+    """``got`` (a tuple of tensors) bitwise equal to ``want`` on rank 0, where ``want`` (the
+    single-GPU op on the full rows, the same on every rank) is computed (other ranks: not used),
+    and on the other ranks equal to rank 0's by digest."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_bitwise_equal(a, b, f"{what} [{i}]")
+    digests = [None] * p
+    dist.all_gather_object(digests, digest({"got": got}))
+    assert len(set(digests)) == 1, f"{what}: ranks differ"
+
+
 def scenario_bitwise(rank, p, h, ms, layout, alpha_mode, full, chunk):
     """Fused one-shot (and, when ``full``, the torch algorithm and a token alone vs in a batch)
     bitwise equal to the single-GPU kernels on the gathered rows. ``full`` runs every op and
@@ -543,8 +557,9 @@ def test_one_launch_decode_stepped_rows():
 def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""):
     """The persistent gather + rmsnorm kernel (comm/all_gather/persistent.py) forced at small M:
     decode kernel off, ``grid`` CTAs (several tiles each), ``lookahead`` tiles pushed ahead;
-    rmsnorm and gemma_rmsnorm bitwise against moefuse.rmsnorm of the full rows and against the torch
-    algorithm, over enough calls to wrap the generations. ``loop_min_rows`` (stepped widths):
+    rmsnorm and gemma_rmsnorm bitwise against moefuse.rmsnorm of the full rows (on rank 0; the
+    other ranks against rank 0 by digest) and against the torch algorithm, over enough calls to
+    wrap the generations. ``loop_min_rows`` (stepped widths):
     the row count from which both the single-GPU op and the fused kernel loop over the steps.
     ``mode``: MOEFUSE_ALLGATHER_PERSISTENT ("" = the default: one-pass rmsnorm tiles are read
     from the slots)."""
@@ -577,7 +592,7 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""
             x, w = shard_of(c["full"], rank, p), c["weight"]
             for center in (0.0, 1.0):
                 single = moefuse.gemma_rmsnorm if center else moefuse.rmsnorm
-                want = single(c["full"], w, 1e-6, impl="triton")
+                want = single(c["full"], w, 1e-6, impl="triton") if rank == 0 else None
                 for algo in ("oneshot", "torch"):
                     out = poison_(torch.empty(m, h, dtype=BF16))
                     got = moefuse.all_gather_rmsnorm(
@@ -589,12 +604,14 @@ def scenario_fused_large(rank, p, h, ms, grid, lookahead, loop_min_rows, mode=""
                         impl="triton",
                         out=out,
                     )
-                    assert_bitwise_equal(got, want, f"P={p} H={h} M={m} c={center} {algo}")
+                    what = f"P={p} H={h} M={m} c={center} {algo}"
+                    agree_with_rank0(rank, p, (got,), (want,), what)
         ws.check()
         assert counts["persistent"] == 2 * len(ms), counts  # the one-shot calls ran the new kernel
         os.environ["MOEFUSE_ALLGATHER_LARGE"] = "chunked"  # the old two-launch path, same bits
         got = moefuse.all_gather_rmsnorm(x, w, workspace=ws, impl="triton", algorithm="oneshot")
-        assert_bitwise_equal(got, moefuse.rmsnorm(c["full"], w, 1e-6, impl="triton"), "chunked")
+        want = moefuse.rmsnorm(c["full"], w, 1e-6, impl="triton") if rank == 0 else None
+        agree_with_rank0(rank, p, (got,), (want,), "chunked")
         assert counts["persistent"] == 2 * len(ms), counts
         return int(moefuse.comm.all_gather.ops.allgather_state(ws).agctrl[0])
     finally:
@@ -703,9 +720,10 @@ def scenario_fused_ops(
     """all_gather_rmsnorm_fp8 / _fp4_quantize / gated_residual_next_rmsnorm on the one-launch
     kernels: the decode kernel at M <= 64 when ``decode``, else the persistent
     kernel forced (grid cap ``grid``: several tiles per CTA, ``lookahead`` tiles ahead); outputs
-    poisoned first, bitwise against the single-GPU op on the full rows, and the fused launcher
-    counted (not the two-launch fallback). ``cases``: ("fp8", dtype code 0 / 1), ("fp4",
-    layout), ("gated", "tensor" | "scalar"). ``loop_min_rows``: the gated op's stepped rows
+    poisoned first, bitwise against the single-GPU op on the full rows (run on rank 0; the other
+    ranks equal rank 0 by digest: :func:`agree_with_rank0`), and the fused launcher counted (not
+    the two-launch fallback). ``cases``: ("fp8", dtype code 0 / 1), ("fp4", layout), ("gated",
+    "tensor" | "scalar"). ``loop_min_rows``: the gated op's stepped rows
     loop from this many rows (single-GPU op and fused kernel alike). ``decode_mode``: the
     decode kernel's mode for every op (``allgather_decode.decode_mode``; "" = each op's
     default); "slots" / "late" also put the persistent kernel in its slots / gathered mode."""
@@ -749,17 +767,22 @@ def scenario_fused_ops(
             what = f"P={p} H={h} M={m}"
             for kind, arg in cases:
                 want_counts["decode" if decode and m <= 64 else "persistent"] += 1
+                # the single-GPU op on the full rows: the same on every rank, run on rank 0
+                ref = rank == 0
                 if kind == "fp8":
                     dt = fp8_dtypes[arg]
-                    want = moefuse.rmsnorm_quant(c["full"], w, c["scale"], dtype=dt, impl="triton")
+                    want = (
+                        moefuse.rmsnorm_quant(c["full"], w, c["scale"], dtype=dt, impl="triton")
+                        if ref
+                        else None
+                    )
                     out = poison_(torch.empty(m, h, dtype=torch.uint8)).view(dt)
                     got = moefuse.all_gather_rmsnorm_fp8(
                         x, w, c["scale"], workspace=ws, out=out, algorithm="oneshot", impl="triton"
                     )
                     assert got is out
-                    assert_bitwise_equal(
-                        got.view(torch.uint8), want.view(torch.uint8), f"{what} fp8 {dt}"
-                    )
+                    got, want = (got.view(torch.uint8),), ref and (want.view(torch.uint8),)
+                    agree_with_rank0(rank, p, got, want, f"{what} fp8 {dt}")
                 elif kind == "gated":  # "tensor": alpha tensor, post weight, router output;
                     # "scalar": scalar alpha, Gemma next gain, in place (residual_out = residual)
                     tensor = arg == "tensor"
@@ -769,18 +792,21 @@ def scenario_fused_ops(
                     )
                     alpha = c["alpha"] if tensor else 0.75
                     router_want = torch.empty(m, h) if tensor else None
-                    want = moefuse.gated_residual_next_rmsnorm(
-                        c["full"],
-                        c["residual"],
-                        w,
-                        alpha,
-                        c["beta"],
-                        1e-5,
-                        1e-6,
-                        router_input=router_want,
-                        impl="triton",
-                        **kw,
-                    )
+                    want = None
+                    if ref:
+                        want = moefuse.gated_residual_next_rmsnorm(
+                            c["full"],
+                            c["residual"],
+                            w,
+                            alpha,
+                            c["beta"],
+                            1e-5,
+                            1e-6,
+                            router_input=router_want,
+                            impl="triton",
+                            **kw,
+                        )
+                        want = (*want[:2], router_want) if tensor else want[:2]
                     stream = c["residual"].clone()
                     ro = stream if not tensor else poison_(torch.empty(m, h))
                     router = poison_(torch.empty(m, h)) if tensor else None
@@ -802,17 +828,18 @@ def scenario_fused_ops(
                         **kw,
                     )
                     assert got[0] is ro and got[1] is ffn
-                    assert_bitwise_equal(ro, want[0], f"{what} gated {arg} residual_out")
-                    assert_bitwise_equal(ffn, want[1], f"{what} gated {arg} ffn_input")
-                    if tensor:
-                        assert_bitwise_equal(router, router_want, f"{what} gated router")
+                    got = (ro, ffn, router) if tensor else (ro, ffn)
+                    # residual_out, ffn_input (and the router input)
+                    agree_with_rank0(rank, p, got, want, f"{what} gated {arg}")
                 else:
-                    want_q, want_sf = moefuse.rmsnorm_fp4_quantize(
-                        c["full"], w, c["gs"], layout=arg, impl="triton"
-                    )
-                    q = poison_(torch.empty_like(want_q))
-                    sf = poison_(torch.empty_like(want_sf))
-                    got_q, got_sf = moefuse.all_gather_rmsnorm_fp4_quantize(
+                    want = None
+                    if ref:
+                        want = moefuse.rmsnorm_fp4_quantize(
+                            c["full"], w, c["gs"], layout=arg, impl="triton"
+                        )
+                    q = poison_(torch.empty(m, h // 2, dtype=torch.uint8))
+                    sf = poison_(torch.empty(moefuse.scale_shape(m, h, arg), dtype=torch.uint8))
+                    got = moefuse.all_gather_rmsnorm_fp4_quantize(
                         x,
                         w,
                         c["gs"],
@@ -823,9 +850,9 @@ def scenario_fused_ops(
                         algorithm="oneshot",
                         impl="triton",
                     )
-                    assert got_q is q and got_sf is sf
-                    assert_bitwise_equal(got_q, want_q, f"{what} fp4 {arg} packed")
-                    assert_bitwise_equal(got_sf, want_sf, f"{what} fp4 {arg} scales")
+                    assert got[0] is q and got[1] is sf
+                    # packed codes, scales
+                    agree_with_rank0(rank, p, tuple(got), want, f"{what} fp4 {arg}")
         ws.check()
         assert counts == want_counts, (counts, want_counts)  # the one-launch kernels ran
         return int(moefuse.comm.all_gather.ops.allgather_state(ws).agctrl[0])

@@ -6,8 +6,9 @@ hand-off, the shared-expert finalize of DeepSeek-V3) has the patched model's eag
 bit and its graph holds the moefuse ops; compiled with ``dynamic=True``, one graph serves two
 prompt lengths with the eager bits, and ``torch.export`` with a dynamic length holds them too;
 a static-cache ``generate`` whose decode steps run compiled (the slot-order experts path, one
-token) gives the eager static-cache tokens, with no graph break counted by dynamo. The GPU
-file does the same with inductor and CUDA graphs."""
+token) gives the eager static-cache tokens, with no graph break counted by dynamo, and writes the
+graph inputs the shipped model's decode step writes. The GPU file does the same with inductor
+and CUDA graphs."""
 
 from __future__ import annotations
 
@@ -31,16 +32,26 @@ GEN = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, 
 
 class GraphRecorder:
     """``backend``: a torch.compile backend (a plain function: transformers deep-copies its
-    CompileConfig) running ``aot_eager`` and keeping the op names of every graph it gets."""
+    CompileConfig) running ``aot_eager`` and keeping the op names of every graph it gets and the
+    shapes of the graph inputs each graph writes (aot_autograd's input metadata, in input
+    order)."""
 
     def __init__(self):
         self.targets: list[set[str]] = []
+        self.mutated: list[tuple] = []
+
+        def fw(g, inputs):
+            info = torch._guards.TracingContext.get().fw_metadata.input_info
+            self.mutated.extend(
+                tuple(inputs[i].shape) for i, x in enumerate(info) if x.mutates_data
+            )
+            return g
 
         def backend(gm, example_inputs):
             from torch._dynamo.backends.common import aot_autograd
 
             self.targets.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
-            return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+            return aot_autograd(fw_compiler=fw)(gm, example_inputs)
 
         self.backend = backend
 
@@ -123,19 +134,33 @@ def test_export_with_a_symbolic_length():
     assert_bitwise_equal(program.module()(other), want, f"{kind}: exported program")
 
 
-@pytest.mark.parametrize("kind", KINDS[:2])
-@torch.no_grad()
-def test_static_cache_generate_compiled_fullgraph(kind):
-    """``generate(cache_implementation="static")`` compiles the decode step (prefill runs eager);
-    ``CompileConfig(fullgraph=True)`` makes a graph break an error."""
-    model = patched(kind)
-    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
-    want = model.generate(prompt, cache_implementation="static", disable_compile=True, **GEN)
+def _compiled_generate(model, prompt) -> tuple[torch.Tensor, GraphRecorder]:
+    """Static-cache ``generate`` with its decode step compiled (``CompileConfig(fullgraph=True)``:
+    a graph break is an error) by a fresh :class:`GraphRecorder`: the tokens and the recorder."""
     rec = GraphRecorder()
     config = tf.CompileConfig(fullgraph=True, backend=rec.backend, mode=None)
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told
-    counters.clear()
+    torch._dynamo.reset()
     got = model.generate(prompt, cache_implementation="static", compile_config=config, **GEN)
+    return got, rec
+
+
+@pytest.mark.parametrize("kind", KINDS[:2])
+@torch.no_grad()
+def test_static_cache_generate_compiled_fullgraph(kind):
+    """``generate(cache_implementation="static")`` compiles the decode step (prefill runs eager)
+    and gives the eager static-cache tokens with no graph break.
+
+    Qwen3-MoE: the patched decode step writes exactly the graph inputs the shipped one writes
+    (the static cache and its position). CUDA-graph trees (``mode="reduce-overhead"``, what
+    ``generate`` compiles with) run a graph without its CUDA graph when it writes an input not
+    known as static, so the patch cannot cost the graph replay; the GPU test counts inductor's
+    skips."""
+    model = patched(kind)
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    want = model.generate(prompt, cache_implementation="static", disable_compile=True, **GEN)
+    counters.clear()
+    got, rec = _compiled_generate(model, prompt)
     assert rec.targets, "generate did not compile the decode step"
     assert _breaks() == 0, dict(counters["graph_break"])
     # the decode step: the fused experts op (or slot-order experts: no permute), fused norms
@@ -144,52 +169,22 @@ def test_static_cache_generate_compiled_fullgraph(kind):
     assert {"rmsnorm", "fused_add_rmsnorm"} <= seen and seen & {"moe_experts", "moe_finalize"}, seen
     assert "moe_permute" not in seen
     assert torch.equal(got, want), (got.tolist(), want.tolist())
-
-
-def _mutated_inputs_of_the_decode_step(model) -> list[tuple]:
-    """Shapes of the graph inputs the compiled decode step of static-cache ``generate`` writes
-    (aot_autograd's input metadata), in input order."""
-    found = []
-
-    def backend(gm, example_inputs):
-        from torch._dynamo.backends.common import aot_autograd
-
-        def fw(g, inputs):
-            info = torch._guards.TracingContext.get().fw_metadata.input_info
-            found.extend(tuple(inputs[i].shape) for i, x in enumerate(info) if x.mutates_data)
-            return g
-
-        return aot_autograd(fw_compiler=fw)(gm, example_inputs)
-
-    torch._dynamo.reset()
-    config = tf.CompileConfig(fullgraph=True, backend=backend, mode=None)
-    config._compile_all_devices = True
-    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
-    model.generate(prompt, cache_implementation="static", compile_config=config, **GEN)
-    return found
-
-
-@torch.no_grad()
-def test_decode_step_writes_only_the_inputs_shipped_writes():
-    """CUDA-graph trees (``mode="reduce-overhead"``, what ``generate`` compiles with) run a graph
-    without its CUDA graph when it writes an input not known as static. The patched decode step
-    writes exactly the inputs the shipped one writes (the static cache and its position), so
-    the patch cannot cost the graph replay; the GPU test counts inductor's skips."""
-    shipped = _mutated_inputs_of_the_decode_step(build("qwen3_moe", 1).to(torch.bfloat16))
-    got = _mutated_inputs_of_the_decode_step(patched("qwen3_moe"))
-    assert shipped and got == shipped, (got, shipped)
+    if kind == "qwen3_moe":
+        _, shipped = _compiled_generate(build(kind, 1).to(torch.bfloat16), prompt)
+        assert shipped.mutated and rec.mutated == shipped.mutated, (rec.mutated, shipped.mutated)
 
 
 def test_compiled_generate_bench_times_a_reused_cache_too(tmp_path):
     """``bench hf_moe --compiled``'s generate stage (tiny shapes, aot_eager): besides
     transformers' default (a new static cache per call), a row that resets and reuses one static
     cache across calls (its tensors keep their addresses, so CUDA-graph trees replay instead of
-    recording again), with the same greedy tokens; two passes over both variants merged into one
-    row each."""
+    recording again), with the same greedy tokens; one pass over both variants (each pass
+    compiles every variant twice, a new and a reused cache; the merge of several passes into one
+    row: tests/test_bench_hf_moe.py)."""
     from moefuse.bench import hf_moe
 
     argv = ["--smoke", "--compiled", "--skip", "step", "profile", "fp32", "prefill"]
-    argv += ["--generate-passes", "2", "--repeats", "1", "--new", "4", "--out", str(tmp_path)]
+    argv += ["--generate-passes", "1", "--repeats", "1", "--new", "4", "--out", str(tmp_path)]
     result = hf_moe.main(argv)
     rows = result["rows"]
     # skipped stages: their bars say so; the generate bars are read (CPU timings: any verdict)
@@ -201,5 +196,5 @@ def test_compiled_generate_bench_times_a_reused_cache_too(tmp_path):
         assert reused["same_tokens_as_new_cache"] and "tok_s" in reused  # (timed; any value)
         assert by_op["compiled generate"]["graph_breaks"] == 0
         assert "cudagraph_skips" in by_op["compiled generate"]  # counted on GPUs (inductor)
-        for row in by_op.values():  # one row per variant and op, the median of two passes
-            assert len(row["tok_s_passes"]) == 2, row
+        for row in by_op.values():  # one row per variant and op, through merge_passes
+            assert len(row["tok_s_passes"]) == 1, row

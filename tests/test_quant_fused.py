@@ -139,7 +139,14 @@ def _check_fp4_against_own_norm(fn, args, kwargs, layout, recipe, what):
 @pytest.mark.parametrize("width", WIDTHS_FP4)
 @pytest.mark.parametrize("layout", list(F.LAYOUTS))
 def test_rmsnorm_fp4_quantize_kernel(width, layout, seed):
+    """Every layout with every token count at the one-block widths; at H = 20,000 (the two-pass
+    rows, one row per program) each layout with one of them, the token counts (with their
+    recipes and dtypes) spread over the layouts: swizzled 128x4 at M = 1 (127 programs of
+    padding rows), 8x4 at M = 3 (5 of them), linear at M = 17 (none). There the 128x4 layout's
+    padding-row programs cost 1-3 CPU-s a call whatever M."""
     for i, m in enumerate(TOKENS):
+        if width == WIDTHS_FP4[-1] and i != list(F.LAYOUTS).index(layout):
+            continue
         recipe = ("fast", "ieee")[i % 2]
         dtype = (torch.bfloat16, torch.float16)[i % 2]
         x, w = _rand(m, width, dtype=dtype, scale=3.0), _rand(width, dtype=dtype)
