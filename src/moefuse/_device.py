@@ -73,6 +73,17 @@ def fma_ftz(a, b, c, PTX: tl.constexpr):
 
 
 @triton.jit
+def fma_rn(a, b, c, PTX: tl.constexpr):
+    """``a * b + c`` with one rounding: the GPU's ``fma.rn.f32``; off the PTX path (the
+    interpreter's FMA rounds twice) :func:`fma_ftz`'s exact emulation. The two differ only
+    where an input or the result is an FP32 subnormal (flushed by the emulation)."""
+    if PTX:
+        return tl.fma(a, b, c)
+    else:
+        return fma_ftz(a, b, c, PTX)
+
+
+@triton.jit
 def round_to(x, dtype: tl.constexpr, PTX: tl.constexpr):
     """FP32 ``x`` -> ``dtype`` with round-to-nearest-even (the spec's ``cast``).
 

@@ -23,7 +23,7 @@ bits), then rounded to FP32: a deterministic stand-in for the tensor cores' bloc
 import triton
 import triton.language as tl
 
-from moefuse._device import fma_ftz
+from moefuse._device import fma_rn
 from moefuse.quant.device import fp8_decode
 
 #: the K-block (and activation group) width: one scale per 128 x 128 weight block
@@ -94,15 +94,6 @@ def fp8_block_dot(w, q, ACCUM: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _fma(a, b, c, PTX: tl.constexpr):
-    """``a * b + c`` with one rounding (the interpreter emulates it exactly)."""
-    if PTX:
-        return tl.fma(a, b, c)
-    else:
-        return fma_ftz(a, b, c, PTX)
-
-
-@triton.jit
 def block_fp8_product(
     w_rows,
     n_in,
@@ -151,10 +142,10 @@ def block_fp8_product(
         part = fp8_block_dot(w, q, ACCUM, PTX)
         if TILE_SCALE:
             ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=b_in, other=0), E8M0)
-            acc = _fma(part, (xs * ws)[None, :], acc, PTX)
+            acc = fma_rn(part, (xs * ws)[None, :], acc, PTX)
         else:
             ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=n_in & b_in, other=0), E8M0)
-            acc = _fma(part, xs[None, :] * ws[:, None], acc, PTX)
+            acc = fma_rn(part, xs[None, :] * ws[:, None], acc, PTX)
         if CHUNK > 0:
             if ((b + 1) % CHUNK == 0) | (j + 1 == NB):
                 total = total + acc

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import fma_ftz, widen_f32
+from moefuse._device import fma_rn, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.norm.tiles import next_pow2
@@ -97,17 +97,6 @@ def group_codes(q, INT8: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _fma_rn(a, b, c, PTX: tl.constexpr):
-    """``a * b + c`` with one rounding: the GPU's FMA; in the interpreter (whose FMA rounds
-    twice) :func:`moefuse._device.fma_ftz`'s exact emulation. They differ only where an input
-    or the result is an FP32 subnormal, which :func:`quotient_rn` never keeps."""
-    if PTX:
-        return tl.fma(a, b, c)
-    else:
-        return fma_ftz(a, b, c, PTX)
-
-
-@triton.jit
 def quotient_rn(x, s, rcp, PTX: tl.constexpr):
     """``x / s`` correctly rounded (the IEEE division's bits) from ``rcp`` = ``1 / s`` correctly
     rounded, one per group: ``q0 = x * rcp`` (within one ulp of the quotient), the exact
@@ -116,10 +105,12 @@ def quotient_rn(x, s, rcp, PTX: tl.constexpr):
     Valid for the scales of :func:`group_scale` with ``eps >= RCP_MIN_EPS`` (so ``s`` is normal,
     ``rcp`` finite, and every kept ``x`` and ``r`` normal): where ``|q0| < 2^-11`` the quotient
     is kept as ``q0``, whose code is that of ``x / s`` (a signed zero in E4M3, 0 in INT8: also
-    ``x = -0``, a subnormal ``x``, an infinite scale); NaN scales and ``Inf / Inf`` give NaN."""
+    ``x = -0``, a subnormal ``x``, an infinite scale); NaN scales and ``Inf / Inf`` give NaN.
+    No kept value is an FP32 subnormal, so :func:`moefuse._device.fma_rn`'s interpreter
+    emulation gives the GPU's bits."""
     q0 = x * rcp
-    r = _fma_rn(-q0, s, x, PTX)
-    q1 = _fma_rn(r, rcp, q0, PTX)
+    r = fma_rn(-q0, s, x, PTX)
+    q1 = fma_rn(r, rcp, q0, PTX)
     return tl.where(tl.abs(q0) < _RCP_KEEP_Q0, q0, q1)
 
 
