@@ -1,6 +1,6 @@
-"""Decode variants of the FP8 routed experts (T = 1 .. 256) at the Qwen3, Mixtral and DeepSeek-V3
-shapes: the launcher's ``tile`` / ``token_tile`` overrides against the default, CUDA-graph µs,
-and whether each variant's output is bitwise the default's.
+"""Decode variants of the FP8 routed experts (T = 1, 4, 16) at the Qwen3, Mixtral and DeepSeek-V3
+shapes: where the two group quantizations run (the launcher's ``tile`` overrides) against the
+default, CUDA-graph µs, and whether each variant's output is bitwise the default's.
 
     python scripts/bench_fp8_decode_variants.py warm [--jobs N]    compile every variant (parallel)
     python scripts/bench_fp8_decode_variants.py time [--out FILE]  time them (one process)
@@ -9,8 +9,12 @@ and whether each variant's output is bitwise the default's.
 the 128- and 256-expert shapes: the kernels' compile keys do not depend on E, the token tile is
 the one of the real E), so that ``time`` finds every kernel in Triton's cache. ``time`` goes
 token count first (T = 1 for every shape before T = 4) and appends one JSON line per point to
-``--out``. ``base`` is the activation quantized by its own launch (the previous default);
-``fq`` the gate|up kernel quantizing it; the others are ``fq`` with one tile change.
+``--out``. ``base`` is the default (:func:`moefuse.moe.tiles.experts_fp8_decode_tile`), timed
+again last; ``sa`` both quantizations by their own launches; ``tq`` the tokens quantized per
+K-block inside the gate|up programs, the activation by its own launch; ``tq_fq`` with the
+activation quantized by the gate|up kernel's last programs (counters zeroed by a memset);
+``tq_dq`` / ``dq`` the activation quantized per K-block inside the down programs, the tokens in
+gate|up or by their own launch.
 """
 
 from __future__ import annotations
@@ -24,20 +28,22 @@ import time
 
 import torch
 
-TOKENS = (1, 4, 16, 64, 256)
+TOKENS = (1, 4, 16)
 SHAPE_NAMES = ("qwen3", "mixtral", "deepseek_v3")
+_OFF = {"fuse_tokens_quant": False, "fuse_act_quant": False, "down_act_quant": False}
 #: name -> (tile overrides, token-tile factor, token counts it runs at)
 VARIANTS = {
-    "base": ({"fuse_act_quant": False}, 1, TOKENS),
-    "fq": ({"fuse_act_quant": True}, 1, TOKENS),
-    "fq_dst8": ({"fuse_act_quant": True, "down_stages": 8}, 1, TOKENS),
-    "fq_gst8": ({"fuse_act_quant": True, "stages": 8, "down_stages": None}, 1, (1, 4, 16, 64)),
-    "fq_bnd32": ({"fuse_act_quant": True, "bn_down": 32}, 1, (1, 4, 16, 64)),
-    "fq_bnd128w8": ({"fuse_act_quant": True, "bn_down": 128, "down_warps": 8}, 1, (1, 4)),
-    "fq_dw8": ({"fuse_act_quant": True, "down_warps": 8}, 1, (1, 4, 16, 64)),
-    "fq_bng64": ({"fuse_act_quant": True, "bn_gate_up": 64}, 1, (1, 4, 16, 64)),
-    "fq_bt2x": ({"fuse_act_quant": True}, 2, (64, 256)),
-    "fq_bt2xw8": ({"fuse_act_quant": True, "warps": 8}, 2, (256,)),
+    "base": ({}, 1, TOKENS),
+    "sa": (_OFF, 1, TOKENS),
+    "tq": ({**_OFF, "fuse_tokens_quant": True}, 1, TOKENS),
+    "tq_fq": ({**_OFF, "fuse_tokens_quant": True, "fuse_act_quant": True}, 1, TOKENS),
+    "tq_dq": ({**_OFF, "fuse_tokens_quant": True, "down_act_quant": True}, 1, TOKENS),
+    "dq": ({**_OFF, "down_act_quant": True}, 1, TOKENS),
+    "tq_dq_st4": (
+        {**_OFF, "fuse_tokens_quant": True, "down_act_quant": True, "stages": 4, "down_stages": 4},
+        1,
+        (1, 4),
+    ),
 }
 
 
@@ -187,7 +193,7 @@ def timing(args) -> int:
                 best = min(results.values())
                 print(
                     f"{n:12s} T={t:4d} {'bf16':12s}        {us:9.1f} us  x fp8-best "
-                    f"{us / best:5.2f} x fp8-fq {us / results['fq']:5.2f}",
+                    f"{us / best:5.2f} x fp8-base {us / results['base']:5.2f}",
                     flush=True,
                 )
                 if out:

@@ -235,7 +235,10 @@ def test_fp8_kernels_match_reference(tokens, hidden, inter, experts, top_k, layo
     """Odd H and I (partial 128-blocks in both GEMMs, I % 128 != 0 so a scale block holds gate
     and up rows), K = 1..8, sentinels, both layouts and scale dtypes; unrouted experts' codes and
     scales NaN, the output poisoned: the kernels within 2^-8 relative RMS of the reference; the
-    plan kernel (with and without tail tiles) and the inline plan give the same bits."""
+    plan kernel (with and without tail tiles), the inline plan and the quantizations placed
+    inside the GEMM programs (the tokens per K-block in gate|up, with the activation then
+    quantized by the gate|up kernel's last programs or per K-block in down) give the same
+    bits."""
     from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
 
     x, (gu, dn), _fp8, idx, w = fp8_case(tokens, hidden, inter, experts, top_k, seed=tokens)
@@ -252,7 +255,13 @@ def test_fp8_kernels_match_reference(tokens, hidden, inter, experts, top_k, layo
     out = poison_(torch.empty_like(x))
     got = moefuse.moe_experts(x, gq, dq, idx, w, out=out, impl="triton", **kw)
     assert got is out and rel_rms(got, want) < 2**-8, rel_rms(got, want)
-    for tile in ({"inline_plan_slots": 0}, {"inline_plan_slots": 0, "tail_tile": 16}):
+    for tile in (
+        {"inline_plan_slots": 0},
+        {"inline_plan_slots": 0, "tail_tile": 16},
+        {"fuse_tokens_quant": True, "fuse_act_quant": False},
+        {"fuse_tokens_quant": True, "fuse_act_quant": True},
+        {"fuse_tokens_quant": True, "down_act_quant": True, "inline_plan_slots": 0},
+    ):
         out = poison_(torch.empty_like(x))
         launch_moe_experts_fp8(
             x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, layout == "interleaved", False,
@@ -390,8 +399,9 @@ def test_fp8_fused_activation_quant_is_the_group_quant_op():
     """The gate|up kernel's own quantization of the activation (the last program of each
     128-column group of I) writes the bytes per_token_group_quant_8bit's kernel writes for the
     valid slots' rows, at every tile that changes which programs share a group (32, 64 and 128
-    rows of I; a partial last group, I = 136; tails, plan kernel and inline plan), and the
-    experts' output does not change a bit with it on or off."""
+    rows of I; a partial last group, I = 136; tails, plan kernel and inline plan; the tokens
+    quantized by the gate|up programs themselves), and the experts' output does not change a
+    bit with it on or off."""
     x, _m, (gq, gs, dq, ds), idx, w = fp8_case(7, 200, 136, 5, 3, seed=41)
     idx[2, 1] = 9  # an expert-parallel sentinel: its slot's rows are never read
     base = {"inline_plan_slots": 0, "fuse_act_quant": True}
@@ -401,5 +411,6 @@ def test_fp8_fused_activation_quant_is_the_group_quant_op():
         {**base, "tail_tile": 16},
         {**base, "bn_gate_up": 64},
         {**base, "bn_gate_up": 128},
+        {"fuse_act_quant": True, "fuse_tokens_quant": True},
     )
     assert_fused_activation_quant(x, (gq, gs, dq, ds), idx, w, tiles, False)

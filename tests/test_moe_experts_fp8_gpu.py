@@ -100,6 +100,41 @@ def test_fp8_fused_activation_quant_bytes(name):
         assert_fused_activation_quant(x, (gq, gs, dq, ds), idx, w, tiles, True, f"{name} T={t}")
 
 
+#: the decode placements of the two group quantizations besides their own launches and the
+#: gate|up kernel's fused activation quantization (test_fp8_fused_activation_quant_bytes):
+#: moefuse.moe.tiles.experts_fp8_decode_tile chooses among them, each must give the same bits
+QUANT_PLACEMENTS = (
+    {"fuse_tokens_quant": True, "fuse_act_quant": False},
+    {"fuse_tokens_quant": True, "fuse_act_quant": True},
+    {"fuse_tokens_quant": True, "down_act_quant": True},
+    {"fuse_tokens_quant": False, "down_act_quant": True},
+)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_fp8_quant_placements_bitwise(name):
+    """The tokens quantized per K-block inside the gate|up programs, the activation inside the
+    gate|up kernel's last programs or per K-block inside the down programs: the experts' output
+    bitwise the default's (T = 1 with PDL on and off, 5 with sentinels, 16), and the gate|up
+    kernel's activation bytes per_token_group_quant_8bit's with the tokens quantized in it."""
+    shape = SHAPES[name]
+    gq, gs, dq, ds, _, _ = weights(name)
+    for t in (1, 5, 16):
+        x, idx, w = make_routing(t, shape, DEV, seed=t + 11)
+        if t == 5:
+            idx[::2, -1] = shape["experts"] + 3
+        want = call(name, x, idx, w)
+        for tile in QUANT_PLACEMENTS:
+            for pdl in (True, False) if t == 1 else (True,):
+                out = poison_(torch.empty_like(x))
+                launch_moe_experts_fp8(
+                    x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, False, pdl, tile=tile
+                )
+                assert_bitwise_equal(out, want, f"{name} T={t} {tile} PDL {pdl}")
+        tiles = ({"fuse_act_quant": True, "fuse_tokens_quant": True},)
+        assert_fused_activation_quant(x, (gq, gs, dq, ds), idx, w, tiles, True, f"{name} T={t}")
+
+
 def test_fp8_experts_graph_pdl_e8m0_compile():
     name = "qwen3"
     shape = SHAPES[name]

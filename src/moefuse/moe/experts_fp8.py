@@ -3,11 +3,13 @@
 
 Six launches at most: the routing plan (above 32 slots; below, each program computes its own
 work item), the tokens' group quantization (per_token_group_quant_8bit's kernel: E4M3 codes and
-one FP32 scale per 128 channels), gate|up, the activation's group quantization (inside the
-gate|up kernel with ``fuse_act_quant``, :func:`moefuse.moe.tiles.experts_fp8_decode_tile`: the
-last program of each 128-column group of I quantizes it, the same bytes), down, and the
-deterministic finalize (inside the down kernel up to 8 slots). The plan, work items, tail tiles
-and finalize are the BF16 kernels' (:mod:`moefuse.moe.experts_triton`); the products are
+one FP32 scale per 128 channels; inside every gate|up program, per K-block, with
+``fuse_tokens_quant``), gate|up, the activation's group quantization (inside the gate|up kernel
+with ``fuse_act_quant``: the last program of each 128-column group of I quantizes it; inside
+every down program, per K-block, with ``down_act_quant``), down, and the deterministic finalize
+(inside the down kernel up to 8 slots). Every placement writes or uses that kernel's bytes; the
+decode keys are :func:`moefuse.moe.tiles.experts_fp8_decode_tile`'s. The plan, work items, tail
+tiles and finalize are the BF16 kernels' (:mod:`moefuse.moe.experts_triton`); the products are
 :func:`moefuse.moe.fp8_device.block_fp8_product`: every program streams its weight tile of one
 expert (E4M3 codes and their 128 x 128 block scales) once for all the item's tokens and sums the
 FP8 MMA of each K-block from zero, scaled, in ascending block order. No weight is copied or
@@ -37,7 +39,7 @@ from moefuse.moe.experts_triton import (
     _work_item,
     _write_slot_map,
 )
-from moefuse.moe.fp8_device import block_fp8_product, fp8_codes
+from moefuse.moe.fp8_device import GROUP_EPS, block_fp8_product, fp8_codes
 from moefuse.moe.tiles import (
     experts_fp8_decode_tile,
     experts_fp8_tile,
@@ -50,10 +52,6 @@ from moefuse.quant.group_triton import (
     group_tile,
     store_scales,
 )
-
-#: per_token_group_quant_8bit's arguments for the tokens and the activation: 128-channel groups,
-#: E4M3 (largest finite 448), FP32 scales, this eps
-GROUP_EPS = 1e-10
 
 
 def _gemm_metadata(grid, kernel, args):
@@ -86,10 +84,12 @@ def _gate_up_item(
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
     FUSE_QUANT: tl.constexpr,
+    QUANT_X: tl.constexpr,
 ):
     """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``strides`` =
     (x row, x-scale row, act row, weight expert / row / reduction, scale expert / row / block);
-    ``x`` holds the tokens' E4M3 codes and ``xs`` their group scales. The weight
+    ``x`` holds the tokens' E4M3 codes and ``xs`` their group scales, or with ``QUANT_X`` the
+    tokens themselves, quantized per K-block in registers (``xs`` unused). The weight
     tile is blocks of 64 rows, 32 gate rows and the 32 up rows that pair with them, as in the
     BF16 kernel; a row's scale is row ``stored row // 128`` of its expert's scales.
     ``FUSE_QUANT``: the activation's group quantization follows (:func:`_quantize_group_if_last`,
@@ -124,6 +124,7 @@ def _gate_up_item(
         PTX,
         E8M0,
         ACCUM,
+        QUANT=QUANT_X,
     )
     if USE_PDL:
         gdc_launch_dependents()
@@ -275,11 +276,13 @@ def _experts_fp8_gate_up_kernel(
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
     FUSE_QUANT: tl.constexpr,
+    QUANT_X: tl.constexpr,
 ):
     """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
     tokens (module docstring); the roles of ``SP``, ``BR`` and the counters are those of the
     BF16 gate|up kernel (:func:`moefuse.moe.experts_triton._experts_gate_up_kernel`);
-    ``FUSE_QUANT``: the activation's codes and scales too (:func:`_quantize_group_if_last`)."""
+    ``FUSE_QUANT``: the activation's codes and scales too (:func:`_quantize_group_if_last`);
+    ``QUANT_X``: ``x`` holds the tokens, quantized per K-block in registers."""
     idx_st0, idx_st1 = idx_strides
     if USE_PDL:
         gdc_wait()
@@ -314,6 +317,7 @@ def _experts_fp8_gate_up_kernel(
             E8M0,
             ACCUM,
             FUSE_QUANT,
+            QUANT_X,
         )
     else:
         item = _work_item(
@@ -341,6 +345,7 @@ def _experts_fp8_gate_up_kernel(
                 E8M0,
                 ACCUM,
                 FUSE_QUANT,
+                QUANT_X,
             )
 
 
@@ -361,10 +366,13 @@ def _down_item(
     USE_PDL: tl.constexpr,
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
+    QUANT_A: tl.constexpr,
 ):
     """``y`` of ``rows`` = (rows of H, in range) for the ``BT`` columns of ``item``; ``strides``
     = (act row, act-scale row, y row, weight expert / row / reduction, scale expert / row /
-    block); ``act`` holds the activation's E4M3 codes and ``as`` their group scales."""
+    block); ``act`` holds the activation's E4M3 codes and ``as`` their group scales, or with
+    ``QUANT_A`` the rounded activation itself, quantized per K-block in registers (``as``
+    unused)."""
     e, s, r_in, _tok = item
     n, n_in = rows
     act_st, as_st, y_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
@@ -397,6 +405,7 @@ def _down_item(
         ACCUM,
         0,
         TILE_SCALE,
+        QUANT_A,
     )
     if USE_PDL:
         gdc_launch_dependents()
@@ -435,11 +444,13 @@ def _experts_fp8_down_kernel(
     BR: tl.constexpr,
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
+    QUANT_A: tl.constexpr,
 ):
     """y[s, h] = the block-scaled FP8 product of act[s] and down row h (FP32, unrounded); with
     ``FINALIZE`` the last program of each H tile runs the finalize, as in the BF16 down kernel
     (:func:`moefuse.moe.experts_triton._experts_down_kernel`); ``fin_out`` = the finalize's
-    (slot map, top_k_weights, bias, shared expert output, out)."""
+    (slot map, top_k_weights, bias, shared expert output, out); ``QUANT_A``: ``act`` holds the
+    rounded activation, quantized per K-block in registers."""
     map_ptr, scale_ptr, bias_ptr, shared_ptr, out_ptr = fin_out
     idx_st0, idx_st1 = idx_strides
     fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
@@ -465,6 +476,7 @@ def _experts_fp8_down_kernel(
             USE_PDL,
             E8M0,
             ACCUM,
+            QUANT_A,
         )
     else:
         item = _work_item(
@@ -487,6 +499,7 @@ def _experts_fp8_down_kernel(
                 USE_PDL,
                 E8M0,
                 ACCUM,
+                QUANT_A,
             )
     if FINALIZE:
         y_st = strides[2]
@@ -562,10 +575,13 @@ def _launch_gate_up_fp8(
     interleaved: bool,
     use_pdl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens' group quantization and the gate|up kernel: ``plan.act`` and the activation's
-    (E4M3 codes [T*K, I] as the down kernel reads them, FP32 group scales [T*K, ceil(I/128)]),
-    from the gate|up kernel itself with ``cfg["fuse_act_quant"]`` (rows of valid slots written)
-    or from per_token_group_quant_8bit's kernel on ``plan.act`` (every row)."""
+    """The tokens' group quantization and the gate|up kernel: ``plan.act`` and what the down
+    kernel reads of the activation: its E4M3 codes [T*K, I] and FP32 group scales [T*K,
+    ceil(I/128)], from the gate|up kernel itself with ``cfg["fuse_act_quant"]`` (rows of valid
+    slots written) or from per_token_group_quant_8bit's kernel on ``plan.act`` (every row); or,
+    with ``cfg["down_act_quant"]``, ``plan.act`` twice (the down kernel quantizes it per
+    K-block). ``cfg["fuse_tokens_quant"]``: the gate|up kernel quantizes the tokens per K-block
+    (no launch of their own; the fused quantization's counters then zeroed by a memset)."""
     hidden = hidden_states.shape[1]
     inter = plan.act.shape[1]
     ptx = not interpreter_active()
@@ -574,15 +590,23 @@ def _launch_gate_up_fp8(
     gw = fp8_codes(gate_up_proj)
     slots_all, dev = top_k_index.numel(), hidden_states.device
     n_groups = triton.cdiv(inter, 128)
-    fuse_quant = bool(cfg.get("fuse_act_quant")) and 128 % cfg["bn_gate_up"] == 0
+    quant_x = bool(cfg.get("fuse_tokens_quant"))
+    down_quant = bool(cfg.get("down_act_quant"))
+    fuse_quant = not down_quant and bool(cfg.get("fuse_act_quant")) and 128 % cfg["bn_gate_up"] == 0
     if fuse_quant:  # the activation's codes and scales, written by the gate|up kernel
         a = torch.empty(slots_all, inter, dtype=torch.uint8, device=dev)
         a_s = torch.empty(slots_all, n_groups, dtype=torch.float32, device=dev)
-        q_count = torch.empty(plan.n_items * n_groups, dtype=torch.int32, device=dev)
-        x, xs = _tokens_quant(hidden_states, q_count, q_count.numel(), use_pdl)
+        if quant_x:
+            q_count = torch.zeros(plan.n_items * n_groups, dtype=torch.int32, device=dev)
+        else:
+            q_count = torch.empty(plan.n_items * n_groups, dtype=torch.int32, device=dev)
+            x, xs = _tokens_quant(hidden_states, q_count, q_count.numel(), use_pdl)
     else:
         a = a_s = q_count = plan.act
-        x, xs = _group_quant(hidden_states, use_pdl)
+        if not quant_x:
+            x, xs = _group_quant(hidden_states, use_pdl)
+    if quant_x:
+        x = xs = hidden_states
     aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
     strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
     launch(
@@ -619,12 +643,15 @@ def _launch_gate_up_fp8(
         E8M0=gs_e8,
         ACCUM=cfg["accumulation"],
         FUSE_QUANT=fuse_quant,
+        QUANT_X=quant_x,
         num_warps=cfg["warps"],
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
     )
     if fuse_quant:
         return fp8_codes(a), a_s
+    if down_quant:
+        return plan.act, plan.act
     return _group_quant(plan.act, use_pdl)
 
 
@@ -764,6 +791,7 @@ def launch_moe_experts_fp8(
         BR=plan.br,
         E8M0=ds_e8,
         ACCUM=cfg["accumulation"],
+        QUANT_A=bool(cfg.get("down_act_quant")),
         num_warps=cfg.get("down_warps", cfg["warps"]),
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),

@@ -4,16 +4,21 @@ shared by the FP8 routed experts (:mod:`moefuse.moe.experts_fp8`) and ``fp8_line
 
 The weights are the MMA's M operand (rows of ``W``), the tokens its N operand (columns), as in
 the BF16 experts kernels. The token rows arrive quantized (E4M3 codes and one FP32 scale per
-128-channel group, from per_token_group_quant_8bit's kernel). One loop step is one 128-wide
-K-block ``b``: the block's weight codes and per-row scale, the columns' codes and scales, one FP8
-MMA from a zero accumulator (``dot_b``, FP32) and ``acc = fma(dot_b, xs[b] * Ws[row, b], acc)``.
+128-channel group, from per_token_group_quant_8bit's kernel), or, with ``QUANT``, as their
+BF16 / FP16 / FP32 values, each K-block quantized in registers by that kernel's device function
+(:func:`quantized_columns`: a K-block is one group, so the same codes and scales). One loop step
+is one 128-wide K-block ``b``: the block's weight codes and per-row scale, the columns' codes and
+scales, one FP8 MMA from a zero accumulator (``dot_b``, FP32) and ``acc = fma(dot_b, xs[b] *
+Ws[row, b], acc)``.
 Each column's ``dot_b`` is the MMA's chain of k32 steps whatever the other columns hold, and the
 blocks are added in ascending ``b``: a column's bits depend on its own row, the weights and the
 accumulation mode, never on the batch or the tile's width.
 
-Quantizing the token groups inside every program (once per weight tile instead of once per
-token) lost everywhere it was measured (H100, notes/moe-experts-fp8.md): 2.6-3.9 x slower at one
-token, 2-5 x at 2,048.
+Quantizing the token groups inside every program with one IEEE division per element lost
+everywhere it was measured (H100, notes/moe-experts-fp8.md): 2.6-3.9 x slower at one token, 2-5 x
+at 2,048 (the padding lanes took the division's slow path). ``QUANT`` takes the quotients from
+one reciprocal per group (:func:`moefuse.quant.group_triton.quotient_rn`); the launchers use it
+only at the decode points :func:`moefuse.moe.tiles.experts_fp8_decode_tile` names.
 
 Interpreter: the FP8 codes are decoded exactly to FP64 and multiplied in FP64 (every ``dot_b`` is
 exact there: products of two E4M3 values have 8 significant bits and 128 of them span under 53
@@ -23,8 +28,13 @@ bits), then rounded to FP32: a deterministic stand-in for the tensor cores' bloc
 import triton
 import triton.language as tl
 
-from moefuse._device import fma_rn
+from moefuse._device import fma_rn, widen_f32
 from moefuse.quant.device import fp8_decode
+from moefuse.quant.group_triton import group_quant_tile
+
+#: per_token_group_quant_8bit's eps for the tokens and the activation of the FP8 experts
+GROUP_EPS = 1e-10
+_GROUP_EPS: tl.constexpr = tl.constexpr(GROUP_EPS)
 
 #: the K-block (and activation group) width: one scale per 128 x 128 weight block
 BLOCK: tl.constexpr = tl.constexpr(128)
@@ -94,6 +104,24 @@ def fp8_block_dot(w, q, ACCUM: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def quantized_columns(col_rows, kk, k_in, r_in, PTX: tl.constexpr):
+    """per_token_group_quant_8bit of one 128-channel K-block of BT columns, in registers:
+    ``col_rows`` [1, BT] pointers to the columns' rows (BF16, FP16 or FP32 values, unit stride
+    along K), ``kk`` [128] the block's channels (``k_in``: below K), ``r_in`` [BT] the columns in
+    use. Returns (E4M3 codes [128, BT] as uint8, FP32 group scales [BT], 0 where not in use).
+    The standalone kernel's device function on the same lanes: ``group_quant_tile`` (integer
+    amax, ``s = max(amax, eps) / 448``, each quotient from the group's correctly rounded
+    reciprocal: the IEEE division's bits, eps :data:`GROUP_EPS`), so that kernel's bytes for
+    every in-use column; lanes past K or of unused columns are 0 and give code 0, as the loads
+    of stored codes do."""
+    live = r_in[:, None] & k_in[None, :]
+    v = tl.load(tl.trans(col_rows) + kk[None, :], mask=live, other=0.0)
+    eps = tl.full([r_in.shape[0], 1], _GROUP_EPS, tl.float32)
+    q, s = group_quant_tile(widen_f32(v, PTX), live, eps, 128, 448.0, False, False, PTX, True)
+    return tl.trans(q), tl.where(r_in, tl.reshape(s, [r_in.shape[0]]), 0.0)
+
+
+@triton.jit
 def block_fp8_product(
     w_rows,
     n_in,
@@ -113,6 +141,7 @@ def block_fp8_product(
     ACCUM: tl.constexpr,
     CHUNK: tl.constexpr = 0,
     TILE_SCALE: tl.constexpr = False,
+    QUANT: tl.constexpr = False,
 ):
     """FP32 ``acc = fma(dot_b, xs[b] * Ws[row, b], acc)`` over the ``NB`` K-blocks ``b`` from
     ``b0`` ascending (blocks past K read nothing and add +0.0), from +0.0. Weight rows
@@ -128,7 +157,9 @@ def block_fp8_product(
     ``CHUNK`` > 0 (``b0`` = 0): the sum restarts from +0.0 every ``CHUNK`` blocks and the chunk
     sums are added in ascending order from +0.0 (``fp8_linear``'s split order,
     :mod:`moefuse.moe.linear_triton`): a branch at each chunk's last block of the one pipelined
-    loop."""
+    loop. ``QUANT``: ``col_rows`` point at the columns' BF16 / FP16 / FP32 values and each
+    K-block is quantized in registers (:func:`quantized_columns`; ``cs_rows`` unused): the codes
+    and scales per_token_group_quant_8bit writes, so the same bits."""
     acc = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
     total = tl.zeros([w_rows.shape[0], BT], dtype=tl.float32)
     for j in tl.range(0, NB, num_stages=STAGES):
@@ -137,8 +168,11 @@ def block_fp8_product(
         k_in = kk < KDIM
         w = tl.load(w_rows + kk[None, :] * w_st_k, mask=n_in[:, None] & k_in[None, :], other=0.0)
         b_in = b * BLOCK < KDIM  # (a chunk of fp8_linear's split may end past K)
-        q = tl.load(col_rows + kk[:, None], mask=r_in[None, :] & k_in[:, None], other=0.0)
-        xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
+        if QUANT:
+            q, xs = quantized_columns(col_rows, kk, k_in, r_in, PTX)
+        else:
+            q = tl.load(col_rows + kk[:, None], mask=r_in[None, :] & k_in[:, None], other=0.0)
+            xs = tl.load(cs_rows + b, mask=r_in & b_in, other=0.0)
         part = fp8_block_dot(w, q, ACCUM, PTX)
         if TILE_SCALE:
             ws = scale_f32(tl.load(s_rows + b * s_st_k, mask=b_in, other=0), E8M0)
