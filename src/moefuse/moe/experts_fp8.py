@@ -64,11 +64,7 @@ def _gemm_metadata(grid, kernel, args):
 
 @triton.jit
 def _gate_up_item(
-    x_ptr,
-    xs_ptr,
-    w_ptr,
-    s_ptr,
-    act_ptr,
+    ptrs,
     item,
     strides,
     aq_ptrs,
@@ -86,7 +82,8 @@ def _gate_up_item(
     FUSE_QUANT: tl.constexpr,
     QUANT_X: tl.constexpr,
 ):
-    """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``strides`` =
+    """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``ptrs`` = (x,
+    x scales, weight codes, weight scales, act); ``strides`` =
     (x row, x-scale row, act row, weight expert / row / reduction, scale expert / row / block);
     ``x`` holds the tokens' E4M3 codes and ``xs`` their group scales, or with ``QUANT_X`` the
     tokens themselves, quantized per K-block in registers (``xs`` unused). The weight
@@ -94,6 +91,7 @@ def _gate_up_item(
     BF16 kernel; a row's scale is row ``stored row // 128`` of its expert's scales.
     ``FUSE_QUANT``: the activation's group quantization follows (:func:`_quantize_group_if_last`,
     ``aq_ptrs`` / ``aq_args`` its buffers and arguments)."""
+    x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr = ptrs
     e, s, r_in, tok = item
     x_st, xs_st, act_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
     r = tl.arange(0, 2 * BN)
@@ -284,6 +282,7 @@ def _experts_fp8_gate_up_kernel(
     ``FUSE_QUANT``: the activation's codes and scales too (:func:`_quantize_group_if_last`);
     ``QUANT_X``: ``x`` holds the tokens, quantized per K-block in registers."""
     idx_st0, idx_st1 = idx_strides
+    ptrs = (x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr)
     if USE_PDL:
         gdc_wait()
     if SP > 0:
@@ -297,11 +296,7 @@ def _experts_fp8_gate_up_kernel(
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _gate_up_item(
-            x_ptr,
-            xs_ptr,
-            w_ptr,
-            s_ptr,
-            act_ptr,
+            ptrs,
             tail,
             strides,
             aq_ptrs,
@@ -325,11 +320,7 @@ def _experts_fp8_gate_up_kernel(
         )
         if item[0] >= 0:
             _gate_up_item(
-                x_ptr,
-                xs_ptr,
-                w_ptr,
-                s_ptr,
-                act_ptr,
+                ptrs,
                 item,
                 strides,
                 aq_ptrs,

@@ -17,8 +17,9 @@ accumulation mode, never on the batch or the tile's width.
 Quantizing the token groups inside every program with one IEEE division per element lost
 everywhere it was measured (H100, notes/moe-experts-fp8.md): 2.6-3.9 x slower at one token, 2-5 x
 at 2,048 (the padding lanes took the division's slow path). ``QUANT`` takes the quotients from
-one reciprocal per group (:func:`moefuse.quant.group_triton.quotient_rn`); the launchers use it
-only at the decode points :func:`moefuse.moe.tiles.experts_fp8_decode_tile` names.
+one reciprocal per group (:func:`moefuse.quant.group_triton.quotient_rn`); the FP8 experts use
+it where their tile says so (``fuse_tokens_quant``, ``down_act_quant``: off by default,
+unmeasured; :mod:`moefuse.moe.tiles`).
 
 Interpreter: the FP8 codes are decoded exactly to FP64 and multiplied in FP64 (every ``dot_b`` is
 exact there: products of two E4M3 values have 8 significant bits and 128 of them span under 53

@@ -244,6 +244,11 @@ EXPERTS_FP8_DEEP_GATE_UP_SLOTS = 8
 #: from this token tile on, at decode (up to EXPERTS_FP8_DECODE_MAX_SLOTS slots: Mixtral
 #: T = 256), the gate|up kernel quantizes the activation itself
 EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE = 128
+#: Two more placements of the group quantizations, the same bytes (CPU and GPU tests), which no
+#: default takes yet (UNMEASURED: scripts/bench_fp8_decode_variants.py times them):
+#: ``fuse_tokens_quant``, every gate|up program quantizes its token columns per 128-channel
+#: K-block in registers (no launch for the tokens); ``down_act_quant``, every down program its
+#: activation columns (no launch and no counters for the activation).
 
 
 def experts_fp8_decode_tile(hidden: int, inter: int, token_tile: int, slots: int) -> dict:
