@@ -91,6 +91,20 @@ def test_reciprocal_quotient_is_the_ieee_division():
     assert (F.fp8_bits(x * (1 / s)) != F.fp8_bits(x / s)).any()
 
 
+@pytest.mark.parametrize("qmax", [448.0, 127.0])
+def test_scale_quotient_is_the_ieee_division(qmax):
+    """The division-free scale ``m / QMAX`` (constant reciprocal, one FMA correction) equals the
+    IEEE division on every FP32 m of bit ranges at the eps floor 2^-60, around 1, at the top of
+    the range with Inf and the NaNs, and on 8192 values spaced through the range (the GPU test
+    checks every m)."""
+    from moefuse.tools import quotient_check as qc
+
+    for first in (qc.RCP_MIN_EPS_BITS, 0x3F800000 - 1024, 0x43E00000 - 1024, 0x7F800000 - 1024):
+        assert qc.check_scales(first, 2048, qmax) == 2048
+    step = (0x7F800000 - qc.RCP_MIN_EPS_BITS) // 8192
+    assert qc.check_scales(qc.RCP_MIN_EPS_BITS + 12345, 8192, qmax, step=step) == 8192
+
+
 CASES = [  # (H, group, dtype, dst, ue8m0, layout, scale dtype)
     (200, 64, torch.bfloat16, E4M3, False, "row", torch.float32),
     (7, 32, torch.float16, torch.int8, True, "column", torch.float32),

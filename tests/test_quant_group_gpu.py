@@ -30,11 +30,14 @@ def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
 
 
 def _specials(x):
-    """NaN, +-Inf, a zero group and a huge value in the first rows (where they exist)."""
+    """NaN (and a negative NaN with a payload: its code must still be 0x7F), +-Inf, a zero group
+    and a huge value in the first rows (where they exist)."""
     h = x.shape[-1]
     f = x.view(-1, h)
     if f.shape[0] >= 4:
         f[0, h // 3] = float("nan")
+        neg_nan = {torch.float32: (torch.int32, -4194303)}.get(x.dtype, (torch.int16, -63))
+        f.view(neg_nan[0])[0, (2 * h) // 3] = neg_nan[1]  # 0xFFC00001 / 0xFFC1
         f[1, min(5, h - 1)] = float("inf")
         f[2, h - 1] = -float("inf")
         f[3, : min(128, h)] = 0.0
@@ -112,6 +115,18 @@ def test_reciprocal_quotient_is_the_ieee_division_gpu():
 
     for seed in range(4):
         assert quotient_check.check(1 << 21, DEV, seed) > 4 << 20
+
+
+def test_scale_quotient_is_the_ieee_division_gpu():
+    """The division-free group scale ``m / QMAX`` at every FP32 m from 2^-60 through Inf and the
+    positive NaNs, E4M3's 448 and INT8's 127 (moefuse.tools.quotient_check.check_all_scales)."""
+    from moefuse.tools import quotient_check
+
+    for qmax in (448.0, 127.0):
+        assert (
+            quotient_check.check_all_scales(qmax, DEV)
+            == 0x80000000 - quotient_check.RCP_MIN_EPS_BITS
+        )
 
 
 # ----------------------------------------------------------------------------- fused

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import round_to, widen_f32
+from moefuse._device import round_to, round_widen_bf16_pairs, widen_bf16_pairs, widen_f32
 from moefuse.norm import tiles
 from moefuse.norm.rms import _add_f32
 from moefuse.norm.row_loop import add_pair, head_pair, keep_pair, one_pass_rows
@@ -34,15 +34,12 @@ from moefuse.norm.triton import (
     _grid,
     _inv_rms,
     _launch,
-    _param,
     _row_consts,
     _st,
-    _step_in,
     _tile,
     _weighted_sumsq,
     ld,
     step_cols,
-    step_params,
 )
 from moefuse.quant.group_triton import group_quant_tile, rcp_quotients, store_scales
 
@@ -72,7 +69,10 @@ def _group_out(y, rows, cols, mask, g0, qa, QC, PTX: tl.constexpr):
     E8M0: tl.constexpr = QC[4]
     RCP: tl.constexpr = QC[5]
     B: tl.constexpr = y.shape[1]
-    yq = widen_f32(round_to(y, qa[7].dtype.element_ty, PTX), PTX)
+    if PTX and qa[7].dtype.element_ty == tl.bfloat16:
+        yq = round_widen_bf16_pairs(y)
+    else:
+        yq = widen_f32(round_to(y, qa[7].dtype.element_ty, PTX), PTX)
     live = tl.broadcast_to(mask, yq.shape)
     q, s = group_quant_tile(yq, live, qa[6], GW, QMAX, UE8M0, INT8, PTX, RCP)
     r64 = rows.to(tl.int64)[:, None]
@@ -84,6 +84,36 @@ def _group_out(y, rows, cols, mask, g0, qa, QC, PTX: tl.constexpr):
     gs = g0 + tl.arange(0, B // GW)[None, :]
     smask = (rows < qa[5])[:, None] & (gs < qa[4])
     store_scales(qa[1] + r64 * qa[3] + gs.to(tl.int64) * qa[8], s, smask, E8M0)
+
+
+@triton.jit
+def _widen(v, PTX: tl.constexpr):
+    """Exact FP32 of a loaded tile: BF16 pairs widened by a shift / mask on the GPU
+    (``widen_bf16_pairs``: one instruction per element, Triton's conversion takes 1.5)."""
+    if PTX and v.dtype == tl.bfloat16:
+        return widen_bf16_pairs(v)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _load32(ptrs, mask, MASKED: tl.constexpr, POLICY: tl.constexpr, PTX: tl.constexpr):
+    """``norm.triton.ldp`` (load with an L2 policy, widen exactly) through :func:`_widen`."""
+    if MASKED:
+        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
+    else:
+        v = tl.load(ptrs, eviction_policy=POLICY)
+    return _widen(v, PTX)
+
+
+@triton.jit
+def _step_x(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED: tl.constexpr, POLICY: tl.constexpr,
+            ADD: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """``norm.triton._step_in`` (f32(x) [+ f32(res)]) with :func:`_load32`'s widening."""
+    v = _load32(x_ptr + x_row + cols, cm, MASKED, POLICY, PTX)
+    if ADD:
+        v += _load32(res_ptr + r_row + cols, cm, MASKED, POLICY, PTX)
+    return v
 
 
 @triton.jit
@@ -101,7 +131,7 @@ def _norm_tile(pair, rows, cols, mask, args):
         r64 = rows.to(tl.int64)[:, None]
         _st(args[0][1] + r64 * args[0][2] + cols[None, :], h, mask, MASKED, PTX)
     else:
-        h = pair[0].to(tl.float32)
+        h = _widen(pair[0], PTX)
     r = _inv_rms(tl.sum(h * h, axis=1), args[0][3], args[0][4])[:, None]
     _group_out((h * r) * w, rows, cols[None, :], mask, 0, args[1], args[2], PTX)
 
@@ -118,13 +148,16 @@ def _stepped(x_ptr, res_ptr, w_ptr, row, x_st, r_st, H, Hf, eps, gc, qa, QC,
     r_row = row * r_st
     rows = tl.full([1], 0, tl.int32) + row
     if UNROLL:
-        ws = step_params(w_ptr, H, gc, STEP, STEPS, MASKED, True)
+        ws = ()
+        for k in tl.static_range(STEPS):
+            cols, cm = step_cols(k, H, STEP)
+            ws = ws + (_load32(w_ptr + cols, cm, MASKED, "", PTX) + gc,)
         if USE_PDL:
             gdc_wait()
         vs = ()
         for k in tl.static_range(STEPS):
             cols, cm = step_cols(k, H, STEP)
-            vs = vs + (_step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, POLICY, ADD),)
+            vs = vs + (_step_x(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, POLICY, ADD, PTX),)
         if USE_PDL:
             gdc_launch_dependents()
         if ADD:
@@ -142,15 +175,15 @@ def _stepped(x_ptr, res_ptr, w_ptr, row, x_st, r_st, H, Hf, eps, gc, qa, QC,
         acc = tl.zeros([1, STEP], dtype=tl.float32)
         for k in tl.range(0, STEPS):
             cols, cm = step_cols(k, H, STEP)
-            v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_last", ADD)
+            v = _step_x(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_last", ADD, PTX)
             acc = tl.fma(v, v, acc)
         r = _inv_rms(tl.sum(acc, axis=1)[:, None], Hf, eps)
         for k in tl.range(0, STEPS):
             cols, cm = step_cols(k, H, STEP)
-            v = _step_in(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_first", ADD)
+            v = _step_x(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, "evict_first", ADD, PTX)
             if ADD:
                 _st(res_ptr + r_row + cols, v, cm, MASKED, PTX)
-            y = (v * r) * _param(w_ptr, cols, cm, gc, MASKED, True)
+            y = (v * r) * (_load32(w_ptr + cols, cm, MASKED, "", PTX) + gc)
             _group_out(y, rows, cols, cm, k * (STEP // QC[0]), qa, QC, PTX)
         if USE_PDL:
             gdc_launch_dependents()
@@ -219,7 +252,7 @@ def _norm_group_quant_kernel(
         )  # fmt: skip
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
-        w = ld(w_ptr + cols, cols < H, MASKED, False)[None, :] + gain_center
+        w = _load32(w_ptr + cols, cols < H, MASKED, "", PTX)[None, :] + gain_center
         if HAS_RESIDUAL:
             one_pass_rows(
                 add_pair, (x_ptr, res_ptr, x_st, r_st), _add_f32, _norm_tile,

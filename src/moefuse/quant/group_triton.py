@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import fma_rn, widen_f32
+from moefuse._device import fma_rn, widen_bf16_pairs, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.norm.tiles import next_pow2
@@ -51,9 +51,11 @@ _RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 #: group (:func:`quotient_rn`): every scale is then >= 2^-69 (normal, its reciprocal finite) and
 #: every quotient kept from the FMA correction has a normal dividend and an exact remainder
 RCP_MIN_EPS = 2.0**-60
-#: quotients under 2^-11 keep ``x * rcp``: their codes are those of the exact quotient (E4M3
-#: rounds everything under 2^-10 to a signed zero, INT8 to 0)
-_RCP_KEEP_Q0: tl.constexpr = tl.constexpr(2.0**-11)
+#: the largest finite FP32: an infinite scale enters :func:`quotient_rn`'s FMA as this
+_F32_MAX: tl.constexpr = tl.constexpr(float.fromhex("0x1.fffffep127"))
+#: RN(1 / 448) and RN(1 / 127) in FP32 (0x1.24924ap-9, 0x1.020408p-7), for :func:`scale_quotient_rn`
+_RCP_448: tl.constexpr = tl.constexpr(float.fromhex("0x1.24924ap-9"))
+_RCP_127: tl.constexpr = tl.constexpr(float.fromhex("0x1.020408p-7"))
 
 
 # ----------------------------------------------------------------------------- device functions
@@ -72,20 +74,52 @@ def pow2_ceil(s):
 
 
 @triton.jit
-def group_scale(amax, eps, QMAX: tl.constexpr, UE8M0: tl.constexpr):
-    """``max(amax, eps) / QMAX`` (IEEE division; NaN amax -> NaN), power-of-two when UE8M0."""
+def scale_quotient_rn(m, QMAX: tl.constexpr, PTX: tl.constexpr):
+    """``m / QMAX`` correctly rounded (QMAX 448 or 127) for ``m >= RCP_MIN_EPS``, Inf or NaN,
+    without a division: :func:`quotient_rn`'s Markstein step with the constant reciprocal
+    ``RN(1 / QMAX)`` (``q0 = m * c``, ``r = fma(-q0, QMAX, m)`` exact, ``q1 = fma(r, c, q0)``);
+    where ``r`` is NaN (``m`` Inf or NaN) the quotient is ``q0`` (Inf or NaN). Checked against
+    the IEEE division at every FP32 ``m`` from 2^-60 up on the GPU
+    (``moefuse.tools.quotient_check``)."""
+    if QMAX == 448.0:
+        c = tl.full(m.shape, _RCP_448, tl.float32)
+    else:
+        c = tl.full(m.shape, _RCP_127, tl.float32)
+    q0 = m * c
+    r = fma_rn(q0 * -1.0, tl.full(m.shape, QMAX, tl.float32), m, PTX)
+    q1 = fma_rn(r, c, q0, PTX)
+    return tl.where(r != r, q0, q1)
+
+
+@triton.jit
+def group_scale(
+    amax,
+    eps,
+    QMAX: tl.constexpr,
+    UE8M0: tl.constexpr,
+    RCP: tl.constexpr = False,
+    PTX: tl.constexpr = True,
+):
+    """``max(amax, eps) / QMAX`` correctly rounded (NaN amax -> NaN), power-of-two when UE8M0:
+    the IEEE division, or with ``RCP`` (``eps >= RCP_MIN_EPS``) :func:`scale_quotient_rn`'s
+    division-free step (the same bits)."""
     m = tl.where(amax < eps, eps, amax)
-    s = tl.math.div_rn(m, tl.full(m.shape, QMAX, tl.float32))
+    if RCP:
+        s = scale_quotient_rn(m, QMAX, PTX)
+    else:
+        s = tl.math.div_rn(m, tl.full(m.shape, QMAX, tl.float32))
     if UE8M0:
         s = pow2_ceil(s)
     return s
 
 
 @triton.jit
-def group_codes(q, INT8: tl.constexpr, PTX: tl.constexpr):
+def group_codes(q, INT8: tl.constexpr, PTX: tl.constexpr, CANONICAL_NAN: tl.constexpr = False):
     """Codes of the FP32 quotients ``q``: E4M3 bytes (uint8) or INT8 (round half to even by the
     magic-number add, whose rounding is the FP32 add's RNE; NaN -> 0; clamp first, which gives
-    the same integers as clamping after rounding since the bounds are integers)."""
+    the same integers as clamping after rounding since the bounds are integers).
+    ``CANONICAL_NAN``: every NaN of ``q`` is the GPU's canonical one (``q`` came out of a
+    multiply or an FMA: :func:`quotient_rn`), so E4M3 skips the NaN fix-up."""
     if INT8:
         q = tl.where(q != q, 0.0, q)
         q = tl.where(q > 127.0, 127.0, tl.where(q < -127.0, -127.0, q))
@@ -93,25 +127,30 @@ def group_codes(q, INT8: tl.constexpr, PTX: tl.constexpr):
         r = D._add_rn(D._add_rn(q, magic, PTX), -magic, PTX)
         return r.to(tl.int8)
     else:
-        return D.fp8_encode(q, 0, PTX)
+        return D.fp8_encode(q, 0, PTX, True, CANONICAL_NAN)
 
 
 @triton.jit
 def quotient_rn(x, s, rcp, PTX: tl.constexpr):
     """``x / s`` correctly rounded (the IEEE division's bits) from ``rcp`` = ``1 / s`` correctly
     rounded, one per group: ``q0 = x * rcp`` (within one ulp of the quotient), the exact
-    remainder ``r = fma(-q0, s, x)`` and ``q1 = fma(r, rcp, q0)``, which is the correctly rounded
-    quotient (Markstein's theorem: a correctly rounded reciprocal and a quotient within one ulp).
-    Valid for the scales of :func:`group_scale` with ``eps >= RCP_MIN_EPS`` (so ``s`` is normal,
-    ``rcp`` finite, and every kept ``x`` and ``r`` normal): where ``|q0| < 2^-11`` the quotient
-    is kept as ``q0``, whose code is that of ``x / s`` (a signed zero in E4M3, 0 in INT8: also
-    ``x = -0``, a subnormal ``x``, an infinite scale); NaN scales and ``Inf / Inf`` give NaN.
-    No kept value is an FP32 subnormal, so :func:`moefuse._device.fma_rn`'s interpreter
-    emulation gives the GPU's bits."""
+    remainder ``r = fma(q0, s, -x)`` (``q0 s - x``) and ``q = fma(-r, rcp, q0)``, which is the
+    correctly rounded quotient (Markstein's theorem: a correctly rounded reciprocal and a
+    quotient within one ulp). Three instructions per element (the negations are operand
+    modifiers). Valid for the scales of :func:`group_scale` with ``eps >= RCP_MIN_EPS`` (``s``
+    normal, ``rcp`` finite), with ``s`` given as ``min(s, FLT_MAX)`` (:data:`_F32_MAX`: an
+    infinite scale enters the FMA as FLT_MAX, so finite ``x`` give ``q = x * 0``, a zero of
+    ``x``'s sign, where ``Inf * 0`` would give NaN). Signed zeros: ``r`` is ``+0`` where ``q0 s
+    = x`` and ``-r`` is ``-0``, so a zero ``q0`` (``x = +-0``, or a product that underflowed)
+    keeps its sign. Quotients under 2^-11 may differ from the division's in their FP32 bits
+    where ``x`` is subnormal (the remainder is then inexact; the interpreter's FMA flushes
+    subnormals), never in their codes: every such quotient has ``x``'s sign and codes to a
+    signed zero in E4M3, 0 in INT8. NaN scales and ``Inf / Inf`` give NaN."""
     q0 = x * rcp
-    r = fma_rn(-q0, s, x, PTX)
-    q1 = fma_rn(r, rcp, q0, PTX)
-    return tl.where(tl.abs(q0) < _RCP_KEEP_Q0, q0, q1)
+    # negations as products with -1 (a sign flip, folded into the FMA's operand): Triton's unary
+    # minus is ``0 - v``, which gives +0 for +0
+    r = fma_rn(q0, s, x * -1.0, PTX)
+    return fma_rn(r * -1.0, rcp, q0, PTX)
 
 
 @triton.jit
@@ -137,18 +176,19 @@ def group_quant_tile(
     lv = tl.reshape(live, (R, B // GW, GW))
     bits = tl.where(lv, g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, 0)
     amax = tl.max(bits, axis=2).to(tl.float32, bitcast=True)
-    s = group_scale(amax, eps, QMAX, UE8M0)
+    s = group_scale(amax, eps, QMAX, UE8M0, RCP, PTX)
     sb = tl.broadcast_to(tl.expand_dims(s, 2), (R, B // GW, GW))
     if RCP:
         rcp = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         rb = tl.broadcast_to(tl.expand_dims(rcp, 2), (R, B // GW, GW))
-        q = quotient_rn(g, sb, rb, PTX)  # lanes without data: 0 (or unused codes)
+        sf = tl.broadcast_to(tl.expand_dims(tl.minimum(s, _F32_MAX), 2), (R, B // GW, GW))
+        q = quotient_rn(g, sf, rb, PTX)  # lanes without data: 0 (or unused codes)
     else:
         # lanes without data divide s by itself: the GPU's division takes its slow path for a
         # zero dividend (a partial group's padding, padding rows), which made such tiles 2-3x
         # slower
         q = tl.math.div_rn(tl.where(lv, g, sb), sb)
-    return tl.reshape(group_codes(q, INT8, PTX), (R, B)), s
+    return tl.reshape(group_codes(q, INT8, PTX, RCP), (R, B)), s
 
 
 def rcp_quotients(eps: float) -> bool:
@@ -208,7 +248,11 @@ def _group_quant_kernel(
     )
     if USE_PDL:
         gdc_launch_dependents()
-    q, s = group_quant_tile(widen_f32(x, PTX), mask, eps, GW, QMAX, UE8M0, INT8, PTX, RCP)
+    if PTX and x.dtype == tl.bfloat16:
+        xf = widen_bf16_pairs(x)  # one instruction per element (Triton's conversion: 1.5)
+    else:
+        xf = widen_f32(x, PTX)
+    q, s = group_quant_tile(xf, mask, eps, GW, QMAX, UE8M0, INT8, PTX, RCP)
     tl.store(q_ptr + (rows.to(tl.int64) * H)[:, None] + cols[None, :], q, mask=mask)
     gs = tl.program_id(1) * (BLOCK_N // GW) + tl.arange(0, BLOCK_N // GW)
     s_off = row_base(rows, T, s_st, s_sh)[:, None] + gs[None, :].to(tl.int64) * s_sg

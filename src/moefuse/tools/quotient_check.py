@@ -1,5 +1,7 @@
-"""Bitwise check of :func:`moefuse.quant.group_triton.quotient_rn` (the group quantizer's
-reciprocal-and-FMA quotient) against the IEEE division, on cases built to stress it: scales
+"""Bitwise checks of the group quantizer's division-free steps against the IEEE division:
+:func:`moefuse.quant.group_triton.scale_quotient_rn` (the scale ``m / QMAX``) at every FP32
+``m`` of a bit range (:func:`check_scales`), and :func:`moefuse.quant.group_triton.quotient_rn`
+(the reciprocal-and-FMA quotient) on cases built to stress it: scales
 from amaxes across the FP32 range and at the eps floor, power-of-two (UE8M0) scales, dividends
 spread over ``[-amax, amax]`` (FP32 and BF16-rounded), dividends whose quotient lies at or one to
 two ulps beside an E4M3 rounding midpoint or an INT8 half-integer, zeros of both signs,
@@ -17,7 +19,7 @@ import triton.language as tl
 
 from moefuse._runtime import interpreter_active
 from moefuse.quant import formats
-from moefuse.quant.group_triton import RCP_MIN_EPS, quotient_rn
+from moefuse.quant.group_triton import _F32_MAX, RCP_MIN_EPS, quotient_rn, scale_quotient_rn
 
 
 @triton.jit
@@ -27,11 +29,12 @@ def _quotient_kernel(x_ptr, s_ptr, q_ptr, n, BLOCK: tl.constexpr, PTX: tl.conste
     x = tl.load(x_ptr + i, mask=m, other=0.0)
     s = tl.load(s_ptr + i, mask=m, other=1.0)
     rcp = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-    tl.store(q_ptr + i, quotient_rn(x, s, rcp, PTX), mask=m)
+    tl.store(q_ptr + i, quotient_rn(x, tl.minimum(s, _F32_MAX), rcp, PTX), mask=m)
 
 
 def quotients(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """``quotient_rn(x, s, 1 / s)`` elementwise (FP32 1-D tensors of one length)."""
+    """``quotient_rn(x, min(s, FLT_MAX), 1 / s)`` elementwise, as the quantizer calls it (FP32
+    1-D tensors of one length)."""
     q = torch.empty_like(x)
     block = 1024
     _quotient_kernel[(triton.cdiv(x.numel(), block),)](
@@ -103,3 +106,53 @@ def check(n: int, device="cpu", seed: int = 0) -> int:
             f"{want[j].item()!r} ({int(bad.sum())} of {x.numel()} pairs differ)"
         )
     return x.numel()
+
+
+@triton.jit
+def _scale_kernel(
+    s_ptr, first, step, n, QMAX: tl.constexpr, BLOCK: tl.constexpr, PTX: tl.constexpr
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    bits = (first + i * step).to(tl.uint32)
+    m = bits.to(tl.float32, bitcast=True)
+    tl.store(s_ptr + i, scale_quotient_rn(m, QMAX, PTX), mask=i < n)
+
+
+def check_scales(first: int, count: int, qmax: float, device="cpu", step: int = 1) -> int:
+    """:func:`scale_quotient_rn` of the ``count`` FP32 values whose bit patterns are ``first +
+    i * step`` (positive patterns up to 0x7FFFFFFF; Inf and NaN patterns included)
+    against ``m / qmax`` (IEEE; NaN for NaN). Raises AssertionError naming the first mismatch;
+    returns ``count``."""
+    got = torch.empty(count, dtype=torch.float32, device=device)
+    block = 1024
+    _scale_kernel[(triton.cdiv(count, block),)](
+        got, first, step, count, QMAX=qmax, BLOCK=block, PTX=not interpreter_active()
+    )
+    m = (torch.arange(count, dtype=torch.int64, device=device) * step + first).to(torch.int32)
+    m = m.view(torch.float32)
+    # a tensor divisor: torch on CUDA divides by a Python scalar as a product with its reciprocal
+    want = m / torch.full_like(m, qmax)
+    same = got.view(torch.int32) == want.view(torch.int32)
+    same |= torch.isnan(got) & torch.isnan(want)
+    if not bool(same.all()):
+        j = int((~same).nonzero()[0])
+        raise AssertionError(
+            f"scale_quotient_rn({m[j].item()!r} / {qmax}) = {got[j].item()!r}, IEEE division "
+            f"{want[j].item()!r} ({int((~same).sum())} of {count} values differ)"
+        )
+    return count
+
+
+#: the bit pattern of RCP_MIN_EPS (2^-60): every scale the reciprocal path computes has m >= it
+RCP_MIN_EPS_BITS = (127 - 60) << 23
+
+
+def check_all_scales(qmax: float, device, chunk: int = 1 << 28) -> int:
+    """:func:`check_scales` at every FP32 ``m`` from 2^-60 through +Inf and the positive NaNs
+    (about 1.6e9 values; the GPU test's exhaustive run)."""
+    done, first, end = 0, RCP_MIN_EPS_BITS, 0x80000000
+    while first < end:
+        n = min(chunk, end - first)
+        done += check_scales(first, n, qmax, device)
+        first += n
+    return done
