@@ -245,7 +245,9 @@ EXPERTS_FP8_DEEP_GATE_UP_SLOTS = 8
 #: T = 256), the gate|up kernel quantizes the activation itself
 EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE = 128
 #: Two more placements of the group quantizations, the same bytes (CPU and GPU tests), which no
-#: default takes yet (UNMEASURED: scripts/bench_fp8_decode_variants.py times them):
+#: default takes: MEASURED slower at every shape and T = 1 / 4 / 16 (H100 80GB HBM3, 2026-12-06,
+#: `python scripts/bench_fp8_decode_variants.py time`, notes/moe-experts-fp8.md; Qwen3 T = 1
+#: 24.5 -> 28.8 us with the tokens', 25.5 with the activation's, Mixtral 137.7 -> 150.1 / 158.2):
 #: ``fuse_tokens_quant``, every gate|up program quantizes its token columns per 128-channel
 #: K-block in registers (no launch for the tokens); ``down_act_quant``, every down program its
 #: activation columns (no launch and no counters for the activation).
