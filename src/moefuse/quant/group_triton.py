@@ -5,7 +5,9 @@ its launcher.
 Per token and group of ``GS`` consecutive channels (the last group partial when GS does not
 divide H): ``amax = max |v|`` as an integer max over the FP32 bits with the sign cleared (exact;
 NaN, the largest pattern, propagates; Triton's float max may drop NaN on the GPU), ``s =
-max(amax, eps) / QMAX`` with one IEEE division (a NaN amax stays NaN), ``s = 2^ceil(log2 s)``
+max(amax, eps) / QMAX`` correctly rounded (the IEEE division's bits, from a constant
+reciprocal and one FMA correction where ``eps >= RCP_MIN_EPS``: :func:`scale_quotient_rn`; a NaN
+amax stays NaN), ``s = 2^ceil(log2 s)``
 with UE8M0 scales (integer arithmetic on the bits, subnormals exact), then ``v / s`` correctly
 rounded (the IEEE division's bits, from one reciprocal per group and an FMA-corrected product
 per element: :func:`quotient_rn`), encoded as E4M3 (RNE, saturating, NaN -> 0x7F) or INT8
