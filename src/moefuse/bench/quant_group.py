@@ -24,7 +24,8 @@ timing (every output a DRAM write), the compile ratio from fixed outputs (compil
 
 ``--sweep`` times what changes no bit (each variant checked bitwise against the default launch
 first; rotating outputs, the same-bytes copy beside them): the fused one-pass rows' persistent
-loop at ``SWEEP_PER_SM`` programs per SM, the stepped rows unrolled and looped, and the
+loop at ``SWEEP_PER_SM`` programs per SM, one tile per program with the registers capped at
+``SWEEP_MAXNREG``, the stepped rows unrolled and looped, and the
 standalone kernel's tiles ``SWEEP_GROUP_TILES``; the measurements that keep the persistent loop
 off (``group_fused``) and set ``group_triton.group_tile``.
 """
@@ -284,6 +285,7 @@ def print_bars(verdicts: list[dict]) -> None:
 # ----------------------------------------------------------------------------- sweep
 #: programs per SM of the fused one-pass rows' persistent loop (0 = one tile per program)
 SWEEP_PER_SM = (0, 2, 3, 4)
+SWEEP_MAXNREG = (40,)
 #: (BLOCK_M, BLOCK_N, warps) of the standalone kernel, ``group_tile``'s first (its choice at
 #: more than 16 rows; (1, 2048, 8) is its choice up to 16)
 SWEEP_GROUP_TILES = (
@@ -306,7 +308,7 @@ def _variants(op, h, w) -> dict:
 
         return {f"tile {t[0]}x{t[1]} w{t[2]}": tile_fn(t) for t in SWEEP_GROUP_TILES}
 
-    def fused_fn(per_sm=0, unroll=None):
+    def fused_fn(per_sm=0, unroll=None, maxnreg=None):
         return lambda s: gf.launch_norm_group_quant(
             s[0],
             s[1],
@@ -322,6 +324,7 @@ def _variants(op, h, w) -> dict:
             True,
             unroll=unroll,
             per_sm=per_sm,
+            maxnreg=maxnreg,
         )
 
     tile = gf.norm_group_tile(h, "add" in op)
@@ -329,7 +332,11 @@ def _variants(op, h, w) -> dict:
         return {"unrolled": fused_fn(unroll=True), "looped": fused_fn(unroll=False)}
     if tile.stepped or tile.num_chunks > 1:
         return {}
-    return {f"per_sm={k}": fused_fn(per_sm=k) for k in SWEEP_PER_SM}
+    out = {f"per_sm={k}": fused_fn(per_sm=k) for k in SWEEP_PER_SM}
+    # one tile per program with the registers capped to keep one more program per SM resident
+    # (48 -> 40 at the 4096-lane tile: 5 -> 6 programs of 8 warps; ptxas spills 16-20 B)
+    out.update({f"maxnreg={r}": fused_fn(maxnreg=r) for r in SWEEP_MAXNREG})
+    return out
 
 
 def _outputs_of(fn, s) -> tuple:

@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import round_to, round_widen_bf16_pairs, widen_bf16_pairs, widen_f32
+from moefuse._runtime import interpreter_active
 from moefuse.norm import tiles
 from moefuse.norm.rms import _add_f32
 from moefuse.norm.row_loop import add_pair, head_pair, keep_pair, one_pass_rows
@@ -318,12 +319,13 @@ def norm_group_tile(width: int, residual: bool, per_sm: int = 0) -> RowTile:
 def launch_norm_group_quant(
     input, residual, weight, q, scales, group_size: int, eps: float, gain_center: float,
     quant_eps: float, int8: bool, ue8m0: bool, use_pdl: bool, unroll: bool | None = None,
-    per_sm: int = 0,
+    per_sm: int = 0, maxnreg: int | None = None,
 ) -> None:  # fmt: skip
     """``input`` (and ``residual``) [M, H] with unit last stride; ``q`` contiguous codes (uint8
     FP8 bits or int8) [M, H]; ``scales`` [M, G] FP32 or uint8 (E8M0 bytes), any strides.
     ``unroll`` forces the stepped mode and ``per_sm`` the persistent loop's programs per SM (0 =
-    one tile per program) of one-pass rows (tests, sweeps; neither changes a bit)."""
+    one tile per program) of one-pass rows, ``maxnreg`` caps the registers per thread (tests,
+    sweeps; none of them changes a bit)."""
     n_rows, width = input.shape
     if n_rows == 0:
         return
@@ -347,5 +349,7 @@ def launch_norm_group_quant(
         "RCP": rcp_quotients(quant_eps),
     }
     consts = {**_row_consts(tile, width, n_rows, unroll, loop_min, use_pdl), **quant}
+    if maxnreg is not None and not interpreter_active():
+        consts["maxnreg"] = maxnreg
     grid = _grid(tile, tile.grid(n_rows)[0], input.device)
     _launch(_norm_group_quant_kernel, grid, args, consts, tile)
