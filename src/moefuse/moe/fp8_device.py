@@ -18,8 +18,9 @@ Quantizing the token groups inside every program with one IEEE division per elem
 everywhere it was measured (H100, notes/moe-experts-fp8.md): 2.6-3.9 x slower at one token, 2-5 x
 at 2,048 (the padding lanes took the division's slow path). ``QUANT`` takes the quotients from
 one reciprocal per group (:func:`moefuse.quant.group_triton.quotient_rn`); the FP8 experts use
-it where their tile says so (``fuse_tokens_quant``, ``down_act_quant``: off by default,
-unmeasured; :mod:`moefuse.moe.tiles`).
+it where their tile says so (``fuse_tokens_quant``, ``down_act_quant``: off by default, measured
+slower at every shape and T = 1 / 4 / 16 on the H100: a [128, 16]-column tile per K-block in
+every program costs more than one launch; :mod:`moefuse.moe.tiles`, notes/moe-experts-fp8.md).
 
 Interpreter: the FP8 codes are decoded exactly to FP64 and multiplied in FP64 (every ``dot_b`` is
 exact there: products of two E4M3 values have 8 significant bits and 128 of them span under 53
