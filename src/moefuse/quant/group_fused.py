@@ -9,9 +9,12 @@ row code (``one_pass_rows`` with the norm's LOAD / COMBINE hooks, the stepped ro
 FMA accumulation and ``_inv_rms``, the two-pass chunk loop) and its arithmetic in the same order;
 only the store differs: ``y`` is rounded to the input dtype as the norm stores it, widened back
 exactly, and quantized by :func:`moefuse.quant.group_triton.group_quant_tile`, the standalone
-quantizer's epilogue. A group never spans two tiles (blocks and steps are powers of two >= the
-group size, or the row fits one block narrower than a group), so wide rows quantize chunk by
-chunk. The GPU tests check fused == unfused bitwise at every benchmarked shape.
+quantizer's epilogue. (On the GPU the one-pass and stepped rows widen their BF16 loads two
+elements per instruction, :func:`_widen`, and the stepped rows load through :func:`_step_x`
+instead of the norm's ``_step_in`` / ``step_params`` for that: the same FP32 values.) A group
+never spans two tiles (blocks and steps are powers of two >= the group size, or the row fits one
+block narrower than a group), so wide rows quantize chunk by chunk. The GPU tests check fused ==
+unfused bitwise at every benchmarked shape.
 
 With a residual, ``res <- cast(h)`` and the norm uses the FP32 ``h``; ``input`` is not written.
 """
