@@ -212,6 +212,37 @@ def test_launch_modes_change_no_bit(h, m, seed):
         assert_bitwise_equal(s, outs[0][1], f"standalone scales, other tile, H={h}")
 
 
+@pytest.mark.parametrize("h, m", [(2880, 3), (7168, 2)], ids=["one-pass", "stepped"])
+def test_reloaded_store_changes_no_bit(h, m, seed):
+    """rmsnorm_group_quant's store re-reading the row in chunks after the row sum (``reload``:
+    every chunk width the tile takes, one tile per program and the persistent loop) gives the
+    default launch's bits, Gemma gains and special values included; rows with a residual and
+    chunks the tile cannot take are refused."""
+    from moefuse.quant.group_fused import launch_norm_group_quant
+
+    x, w = _specials(_rand(m + 2, h, scale=2.0))[2:], _rand(h)
+    g = -(-h // 128)
+
+    def run(reload, per_sm=0, gc=1.0, res=None):
+        q, s = torch.empty(m, h, dtype=torch.uint8), poison_(torch.empty(m, g))
+        launch_norm_group_quant(
+            x, res, w, q, s, 128, 1e-6, gc, 1e-10, False, False, False, per_sm=per_sm,
+            reload=reload,
+        )  # fmt: skip
+        return q, s
+
+    base = run(0)
+    variants = [(1024, 0), (2048, 0), (4096, 0), (1024, 2)] if h == 2880 else [(4096, 0)]
+    for reload, per_sm in variants:
+        q, s = run(reload, per_sm)
+        assert_bitwise_equal(q, base[0], f"codes, reload={reload} per_sm={per_sm} H={h}")
+        assert_bitwise_equal(s, base[1], f"scales, reload={reload} per_sm={per_sm} H={h}")
+    with pytest.raises(ValueError, match="reload"):
+        run(1024, res=_rand(m, h))
+    with pytest.raises(ValueError, match="reload"):
+        run(64 if h == 2880 else 2048)
+
+
 def test_fused_references_are_the_chain(seed):
     x, w, r = _rand(4, 96), _rand(96), _rand(4, 96)
     q, s = moefuse.rmsnorm_group_quant(x, w, group_size=32, impl="reference")

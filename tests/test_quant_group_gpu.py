@@ -201,6 +201,33 @@ def test_stepped_modes_bitwise_gpu():
         assert_bitwise_equal(outs[0][1], outs[1][1], f"scales unrolled == looped H={h}")
 
 
+def test_reloaded_store_bitwise_gpu():
+    """rmsnorm_group_quant's store re-reading the row after the row sum (``reload``, with and
+    without the persistent loop and a register cap) == the store on the norm's tile, bitwise."""
+    from moefuse.quant.group_fused import launch_norm_group_quant
+
+    cases = ((2880, (1024, 2048, 4096)), (4096, (1024, 2048, 4096)), (7168, (4096,)))
+    for h, subs in cases:
+        for m in (1, 100, 4096):
+            x, w = _specials(_rand(m, h, scale=2.0)), _rand(h)
+            outs = []
+            for sub, per_sm, maxnreg in (
+                [(0, 0, None)]
+                + [(s, 0, None) for s in subs]
+                + [(subs[0], 4 if h < 7168 else 0, None if h < 7168 else 32)]
+            ):
+                q = torch.empty(m, h, dtype=torch.uint8, device=DEV)
+                sc = poison_(torch.empty(m, -(-h // 128), device=DEV))
+                launch_norm_group_quant(
+                    x, None, w, q, sc, 128, 1e-6, 0.0, 1e-10, False, False, True,
+                    per_sm=per_sm, maxnreg=maxnreg, reload=sub,
+                )  # fmt: skip
+                outs.append((sub, q, sc))
+            for sub, q, sc in outs[1:]:
+                assert_bitwise_equal(q, outs[0][1], f"codes reload={sub} {m}x{h}")
+                assert_bitwise_equal(sc, outs[0][2], f"scales reload={sub} {m}x{h}")
+
+
 # ----------------------------------------------------------------------------- execution modes
 @pytest.mark.parametrize("m", [1, 1000])
 def test_group_eager_pdl_and_graph_replay_bitwise(m):

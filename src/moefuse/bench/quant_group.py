@@ -286,6 +286,10 @@ def print_bars(verdicts: list[dict]) -> None:
 #: programs per SM of the fused one-pass rows' persistent loop (0 = one tile per program)
 SWEEP_PER_SM = (0, 2, 3, 4)
 SWEEP_MAXNREG = (40,)
+#: store chunks of rmsnorm_group_quant's re-read rows (``launch_norm_group_quant(reload=)``), and
+#: the register caps tried with them on stepped rows (32: 4 programs of 16 warps per SM)
+SWEEP_RELOAD = (1024, 2048, 4096)
+SWEEP_RELOAD_MAXNREG = (32,)
 #: (BLOCK_M, BLOCK_N, warps) of the standalone kernel, ``group_tile``'s first (its choice at
 #: more than 16 rows; (1, 2048, 8) is its choice up to 16)
 SWEEP_GROUP_TILES = (
@@ -308,7 +312,7 @@ def _variants(op, h, w) -> dict:
 
         return {f"tile {t[0]}x{t[1]} w{t[2]}": tile_fn(t) for t in SWEEP_GROUP_TILES}
 
-    def fused_fn(per_sm=0, unroll=None, maxnreg=None):
+    def fused_fn(per_sm=0, unroll=None, maxnreg=None, reload=0):
         return lambda s: gf.launch_norm_group_quant(
             s[0],
             s[1],
@@ -325,17 +329,33 @@ def _variants(op, h, w) -> dict:
             unroll=unroll,
             per_sm=per_sm,
             maxnreg=maxnreg,
+            reload=reload,
         )
 
-    tile = gf.norm_group_tile(h, "add" in op)
+    residual = "add" in op
+    tile = gf.norm_group_tile(h, residual)
+    gw = min(GS, tile.block)
+    subs = [s for s in SWEEP_RELOAD if gf.reloadable(tile, residual, s, gw)]
     if tile.stepped and tile.num_chunks <= STEP_UNROLL_MAX_STEPS:
-        return {"unrolled": fused_fn(unroll=True), "looped": fused_fn(unroll=False)}
+        out = {"unrolled": fused_fn(unroll=True, reload=0), "looped": fused_fn(unroll=False)}
+        for sub in subs:
+            out[f"reload={sub}"] = fused_fn(unroll=True, reload=sub)
+            out.update(
+                {
+                    f"reload={sub} maxnreg={r}": fused_fn(unroll=True, reload=sub, maxnreg=r)
+                    for r in SWEEP_RELOAD_MAXNREG
+                }
+            )
+        return out
     if tile.stepped or tile.num_chunks > 1:
         return {}
-    out = {f"per_sm={k}": fused_fn(per_sm=k) for k in SWEEP_PER_SM}
+    out = {f"per_sm={k}": fused_fn(per_sm=k, reload=0) for k in SWEEP_PER_SM}
     # one tile per program with the registers capped to keep one more program per SM resident
     # (48 -> 40 at the 4096-lane tile: 5 -> 6 programs of 8 warps; ptxas spills 16-20 B)
-    out.update({f"maxnreg={r}": fused_fn(maxnreg=r) for r in SWEEP_MAXNREG})
+    out.update({f"maxnreg={r}": fused_fn(maxnreg=r, reload=0) for r in SWEEP_MAXNREG})
+    for sub in subs:
+        out[f"reload={sub}"] = fused_fn(reload=sub)
+        out.update({f"reload={sub} per_sm={k}": fused_fn(per_sm=k, reload=sub) for k in (4,)})
     return out
 
 

@@ -124,8 +124,9 @@ def _step_x(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED: tl.constexpr, POLICY
 def _norm_tile(pair, rows, cols, mask, args):
     """The ``TILE`` of :func:`moefuse.norm.row_loop.one_pass_rows`: the norm's tile arithmetic
     (``rms_tile`` / ``_add_tile``: [res <- cast(h)], ``r`` from ``tl.sum`` of the squares, ``y =
-    (h * r) * w``) with the group-quant store. ``args`` = ((w, res_ptr, r_st, Hf, eps), qa, QC,
-    MASKED, HAS_RESIDUAL, PTX)."""
+    (h * r) * w``) with the group-quant store, on the tile or (SUB > 0) by :func:`_reloaded_out`.
+    ``args`` = ((w, res_ptr, r_st, Hf, eps), qa, QC, MASKED, HAS_RESIDUAL, PTX, SUB, NSUB,
+    (x_ptr, x_st, w_ptr, gc, H))."""
     MASKED: tl.constexpr = args[3]
     HAS_RESIDUAL: tl.constexpr = args[4]
     PTX: tl.constexpr = args[5]
@@ -137,21 +138,58 @@ def _norm_tile(pair, rows, cols, mask, args):
     else:
         h = _widen(pair[0], PTX)
     r = _inv_rms(tl.sum(h * h, axis=1), args[0][3], args[0][4])[:, None]
-    _group_out((h * r) * w, rows, cols[None, :], mask, 0, args[1], args[2], PTX)
+    SUB: tl.constexpr = args[6]
+    if SUB == 0:
+        _group_out((h * r) * w, rows, cols[None, :], mask, 0, args[1], args[2], PTX)
+    else:
+        _reloaded_out(rows, r, args[8], args[1], args[2], SUB, args[7], PTX)
+
+
+@triton.jit
+def _reloaded_out(rows, r, src, qa, QC, SUB: tl.constexpr, NSUB: tl.constexpr,
+                  PTX: tl.constexpr):  # fmt: skip
+    """The store of :func:`_norm_tile` / :func:`_stepped` in ``NSUB`` column chunks of ``SUB``
+    instead of the norm's tile: each chunk's input and weight re-read (L1 / L2 hits: the row was
+    just loaded), ``y = (f32(x) * r) * (f32(w) + gc)`` and quantized. The same values as the
+    norm's tile gives (``y`` is elementwise and a group's amax a max), fewer empty lanes where
+    the norm's power-of-two tile is far wider than the row, and nothing of the row held in
+    registers across the row sum. ``src`` = (x_ptr, x_st, w_ptr, gc, H); rows: [R] (R = 1)."""
+    GW: tl.constexpr = QC[0]
+    row = rows.to(tl.int64)[:, None]
+    live_row = (rows < qa[5])[:, None]
+    for c in tl.static_range(NSUB):
+        cols = c * SUB + tl.arange(0, SUB)[None, :]
+        cm = cols < src[4]
+        v = _widen(tl.load(src[0] + row * src[1] + cols, mask=cm & live_row, other=0.0), PTX)
+        w = _widen(tl.load(src[2] + cols, mask=cm, other=0.0), PTX) + src[3]
+        _group_out((v * r) * w, rows, cols, cm & live_row, c * (SUB // GW), qa, QC, PTX)
 
 
 @triton.jit
 def _stepped(x_ptr, res_ptr, w_ptr, row, x_st, r_st, H, Hf, eps, gc, qa, QC,
              STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
              MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-             ADD: tl.constexpr, POLICY: tl.constexpr):  # fmt: skip
+             ADD: tl.constexpr, POLICY: tl.constexpr, RELOAD: tl.constexpr):  # fmt: skip
     """One stepped row: ``norm.triton.norm_stepped``'s arithmetic (per-thread FMA of the squares
     over the steps in ascending order, one tl.sum; unrolled or looped, the same bits) with the
-    group-quant store per step."""
+    group-quant store per step (RELOAD, unrolled rows without a residual: each step re-read by
+    :func:`_reloaded_out` after the sum instead of held in registers across it)."""
     x_row = row * x_st
     r_row = row * r_st
     rows = tl.full([1], 0, tl.int32) + row
-    if UNROLL:
+    if UNROLL and RELOAD:
+        if USE_PDL:
+            gdc_wait()
+        vs = ()
+        for k in tl.static_range(STEPS):
+            cols, cm = step_cols(k, H, STEP)
+            vs = vs + (_step_x(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, POLICY, ADD, PTX),)
+        if USE_PDL:
+            gdc_launch_dependents()
+        _, ss = _weighted_sumsq(vs, (), STEP, STEPS, False)
+        r = _inv_rms(ss, Hf, eps)
+        _reloaded_out(rows, r, (x_ptr, x_st, w_ptr, gc, H), qa, QC, STEP, STEPS, PTX)
+    elif UNROLL:
         ws = ()
         for k in tl.static_range(STEPS):
             cols, cm = step_cols(k, H, STEP)
@@ -239,7 +277,7 @@ def _norm_group_quant_kernel(
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, STEPPED: tl.constexpr,
     UNROLL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     GW: tl.constexpr, QMAX: tl.constexpr, UE8M0: tl.constexpr, INT8: tl.constexpr,
-    E8M0: tl.constexpr, RCP: tl.constexpr,
+    E8M0: tl.constexpr, RCP: tl.constexpr, SUB: tl.constexpr = 0, NSUB: tl.constexpr = 0,
 ):  # fmt: skip
     """codes / scales of ``y = cast((h * r) * g)``, h = f32(x) [+ f32(res), res <- cast(h)].
     ``quant`` = (q_ptr, s_ptr, q_st, s_st, s_sg, G, qeps): the codes, the scales and their
@@ -252,7 +290,7 @@ def _norm_group_quant_kernel(
             x_ptr, res_ptr, w_ptr, pid.to(tl.int64), x_st, r_st, H, Hf, eps, gain_center, qa,
             (GW, QMAX, UE8M0, INT8, E8M0, RCP),
             BLOCK, NUM_CHUNKS, UNROLL, MASKED, PTX, USE_PDL, HAS_RESIDUAL,
-            "" if HAS_RESIDUAL else "evict_first",
+            "" if HAS_RESIDUAL else "evict_first", SUB > 0,
         )  # fmt: skip
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
@@ -261,7 +299,7 @@ def _norm_group_quant_kernel(
             one_pass_rows(
                 add_pair, (x_ptr, res_ptr, x_st, r_st), _add_f32, _norm_tile,
                 ((w, res_ptr, r_st, Hf, eps), qa, (GW, QMAX, UE8M0, INT8, E8M0, RCP), MASKED, True,
-                 PTX),
+                 PTX, 0, 0, ()),
                 pid, cols, n_rows, H, ROWS, BLOCK, MASKED, EVICT_FIRST, USE_PDL,
                 PERSISTENT, PREFETCH, False,
             )  # fmt: skip
@@ -269,7 +307,7 @@ def _norm_group_quant_kernel(
             one_pass_rows(
                 head_pair, ((x_ptr, x_ptr), (1, x_st, 0, 0, 0), False), keep_pair, _norm_tile,
                 ((w, res_ptr, r_st, Hf, eps), qa, (GW, QMAX, UE8M0, INT8, E8M0, RCP), MASKED, False,
-                 PTX),
+                 PTX, SUB, NSUB, (x_ptr, x_st, w_ptr, gain_center, H)),
                 pid, cols, n_rows, H, ROWS, BLOCK, MASKED, EVICT_FIRST, USE_PDL,
                 PERSISTENT, PREFETCH, True,
             )  # fmt: skip
@@ -305,6 +343,29 @@ GROUP_RMSNORM_LOOP_MIN_ROWS = sys.maxsize
 GROUP_ADD_LOOP_MIN_ROWS = tiles.FUSED_ADD_LOOP_MIN_ROWS
 
 
+#: the store re-reads the row in chunks of this many columns after the row sum (``reload``,
+#: :func:`_reloaded_out`) at these widths of rmsnorm_group_quant, 0 = on the norm's tile. Not yet
+#: a default anywhere: ``bench quant --sweep`` times it.
+GROUP_RELOAD_WIDTHS: dict[int, int] = {}
+
+
+def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
+    """Whether the store may re-read the row in ``sub``-column chunks: rows without a residual
+    (the residual is overwritten before the store), one row per program, one pass or unrolled
+    steps (``sub`` = the step), chunks of whole groups."""
+    if residual or tile.rows != 1 or sub % gw or sub & (sub - 1):
+        return False
+    if tile.stepped:
+        return sub == tile.block
+    return tile.num_chunks == 1 and sub <= tile.block
+
+
+def reload_width(tile: RowTile, width: int, residual: bool, gw: int) -> int:
+    """The default store chunk of rmsnorm_group_quant rows of ``width`` (GROUP_RELOAD_WIDTHS)."""
+    sub = GROUP_RELOAD_WIDTHS.get(width, 0)
+    return sub if sub and reloadable(tile, residual, sub, gw) else 0
+
+
 def _persistent_policy(policy: TilePolicy, per_sm: int) -> TilePolicy:
     return dataclasses.replace(policy, programs_per_sm=per_sm, prefetch=True)
 
@@ -322,12 +383,13 @@ def norm_group_tile(width: int, residual: bool, per_sm: int = 0) -> RowTile:
 def launch_norm_group_quant(
     input, residual, weight, q, scales, group_size: int, eps: float, gain_center: float,
     quant_eps: float, int8: bool, ue8m0: bool, use_pdl: bool, unroll: bool | None = None,
-    per_sm: int = 0, maxnreg: int | None = None,
+    per_sm: int = 0, maxnreg: int | None = None, reload: int | None = None,
 ) -> None:  # fmt: skip
     """``input`` (and ``residual``) [M, H] with unit last stride; ``q`` contiguous codes (uint8
     FP8 bits or int8) [M, H]; ``scales`` [M, G] FP32 or uint8 (E8M0 bytes), any strides.
     ``unroll`` forces the stepped mode and ``per_sm`` the persistent loop's programs per SM (0 =
-    one tile per program) of one-pass rows, ``maxnreg`` caps the registers per thread (tests,
+    one tile per program) of one-pass rows, ``maxnreg`` caps the registers per thread,
+    ``reload`` the store's chunk width (:func:`reload_width`; 0 = on the norm's tile) (tests,
     sweeps; none of them changes a bit)."""
     n_rows, width = input.shape
     if n_rows == 0:
@@ -335,6 +397,9 @@ def launch_norm_group_quant(
     tile = norm_group_tile(width, residual is not None, per_sm)
     loop_min = GROUP_ADD_LOOP_MIN_ROWS if residual is not None else GROUP_RMSNORM_LOOP_MIN_ROWS
     gw = min(group_size, tile.block)
+    sub = reload_width(tile, width, residual is not None, gw) if reload is None else reload
+    if sub and not reloadable(tile, residual is not None, sub, gw):
+        raise ValueError(f"reload width {sub} does not fit the tile {tile} (group {gw})")
     args = (
         input, residual if residual is not None else input, weight,
         n_rows, width, float(width),
@@ -350,6 +415,8 @@ def launch_norm_group_quant(
         "INT8": int8,
         "E8M0": scales.dtype.itemsize == 1,
         "RCP": rcp_quotients(quant_eps),
+        "SUB": sub,
+        "NSUB": -(-width // sub) if sub else 0,
     }
     consts = {**_row_consts(tile, width, n_rows, unroll, loop_min, use_pdl), **quant}
     if maxnreg is not None and not interpreter_active():

@@ -44,6 +44,8 @@ from moefuse.tools.ptxas import TARGET, specialised_source, with_constexpr_defau
 
 #: FP32 pointers of the single-GPU gated_next kernel (the others hold the branch dtype)
 GATED_FP32 = {"res_ptr", "alpha_ptr", "beta_ptr", "rout_ptr", "router_ptr"}
+#: store chunks of rmsnorm_group_quant's re-read rows that are audited where a tile takes them
+RELOAD_WIDTHS = (1024, 2048, 4096)
 #: integer arguments equal to 1 at a launch of 2-D rows, which Triton specialises as constants
 EQUAL_TO_ONE = {"HEADS": 1}
 
@@ -134,11 +136,14 @@ def single_fused_add(h: int, m: int) -> list[str]:
     )
 
 
-def group_quant_trees(h: int, residual: bool, m: int, per_sm: int = 0) -> list[str]:
+def group_quant_trees(
+    h: int, residual: bool, m: int, per_sm: int = 0, reload: int = 0
+) -> list[str]:
     """rmsnorm_group_quant / fused_add_rmsnorm_group_quant (E4M3, groups of 128): their row sums
     must be those of rmsnorm / fused_add_rmsnorm (fused == unfused bitwise), with one tile per
     program and in the persistent row loop with prefetch at ``per_sm`` programs per SM (one-pass
-    rows; other rows ignore it). The group maxima are integer reductions and are not listed."""
+    rows; other rows ignore it), the store on the norm's tile or re-reading the row in chunks
+    of ``reload`` columns. The group maxima are integer reductions and are not listed."""
     tile = group_fused.norm_group_tile(h, residual, per_sm)
     loop_min = (
         group_fused.GROUP_ADD_LOOP_MIN_ROWS if residual else group_fused.GROUP_RMSNORM_LOOP_MIN_ROWS
@@ -146,7 +151,7 @@ def group_quant_trees(h: int, residual: bool, m: int, per_sm: int = 0) -> list[s
     consts = nt._row_consts(tile, h, m, None, loop_min, True)
     consts.update(
         HAS_RESIDUAL=residual, GW=min(128, tile.block), QMAX=448.0, UE8M0=False, INT8=False,
-        E8M0=False, RCP=True,
+        E8M0=False, RCP=True, SUB=reload, NSUB=-(-h // reload) if reload else 0,
     )  # fmt: skip
     warps = consts.pop("num_warps")
     types = {
@@ -221,6 +226,15 @@ def main() -> int:
                 single_fused_add(h, 16384),
                 group_quant_trees(h, True, 16384, per_sm),
             )
+            tile = group_fused.norm_group_tile(h, False, per_sm)
+            for sub in RELOAD_WIDTHS:
+                if group_fused.reloadable(tile, False, sub, min(128, tile.block)):
+                    diffs += not _compare(
+                        f"H={h} rmsnorm_group_quant{loop}, store re-reading {sub} columns, "
+                        "vs rmsnorm",
+                        single_rmsnorm(h, 16384),
+                        group_quant_trees(h, False, 16384, per_sm, sub),
+                    )
     print(f"TOTAL differing kernels: {diffs}")
     return diffs
 
