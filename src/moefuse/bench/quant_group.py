@@ -25,8 +25,10 @@ timing (every output a DRAM write), the compile ratio from fixed outputs (compil
 ``--sweep`` times what changes no bit (each variant checked bitwise against the default launch
 first; rotating outputs, the same-bytes copy beside them): the fused one-pass rows' persistent
 loop at ``SWEEP_PER_SM`` programs per SM, one tile per program with the registers capped at
-``SWEEP_MAXNREG``, the stepped rows unrolled and looped, and the
-standalone kernel's tiles ``SWEEP_GROUP_TILES``; the measurements that keep the persistent loop
+``SWEEP_MAXNREG``, the stepped rows unrolled and looped, rmsnorm_group_quant's store
+re-reading the row in chunks of ``SWEEP_RELOAD`` (``group_fused.store_plan``), and the
+standalone kernel's tiles ``SWEEP_GROUP_TILES``; the first variant of each row is the store on
+the norm's tile; the measurements that keep the persistent loop
 off (``group_fused``) and set ``group_triton.group_tile``.
 """
 
@@ -283,8 +285,9 @@ def print_bars(verdicts: list[dict]) -> None:
 
 
 # ----------------------------------------------------------------------------- sweep
-#: programs per SM of the fused one-pass rows' persistent loop (0 = one tile per program)
-SWEEP_PER_SM = (0, 2, 3, 4)
+#: programs per SM of the fused one-pass rows' persistent loop (0 = one tile per program; 2 and 3
+#: were slower than 4 wherever the loop was measured, notes/quant.md)
+SWEEP_PER_SM = (0, 4)
 SWEEP_MAXNREG = (40,)
 #: store chunks of rmsnorm_group_quant's re-read rows (``launch_norm_group_quant(reload=)``), and
 #: the register caps tried with them on stepped rows (32: 4 programs of 16 warps per SM)

@@ -343,10 +343,15 @@ GROUP_RMSNORM_LOOP_MIN_ROWS = sys.maxsize
 GROUP_ADD_LOOP_MIN_ROWS = tiles.FUSED_ADD_LOOP_MIN_ROWS
 
 
-#: the store re-reads the row in chunks of this many columns after the row sum (``reload``,
-#: :func:`_reloaded_out`) at these widths of rmsnorm_group_quant, 0 = on the norm's tile. Not yet
-#: a default anywhere: ``bench quant --sweep`` times it.
-GROUP_RELOAD_WIDTHS: dict[int, int] = {}
+#: rmsnorm_group_quant's store re-reads the row after the row sum (:func:`_reloaded_out`) on
+#: stepped rows (in steps, registers capped at RELOAD_STEPPED_MAXNREG: 4 programs of 16 warps
+#: per SM instead of 2) and on one-pass rows whose 4096-lane tile is at most RELOAD_MAX_FILL
+#: full (in chunks of RELOAD_CHUNK: 3 x 1024 lanes instead of 4096 at 2880 columns). Offline
+#: (sm_90a): 2880 columns 49 -> 29 registers, 400 -> 416 instructions per thread; 7168 columns
+#: 51 -> 32 registers, 418 -> 444. Measured: notes/quant.md.
+RELOAD_STEPPED_MAXNREG = 32
+RELOAD_CHUNK = 1024
+RELOAD_MAX_FILL = 0.75
 
 
 def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
@@ -360,10 +365,33 @@ def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
     return tile.num_chunks == 1 and sub <= tile.block
 
 
-def reload_width(tile: RowTile, width: int, residual: bool, gw: int) -> int:
-    """The default store chunk of rmsnorm_group_quant rows of ``width`` (GROUP_RELOAD_WIDTHS)."""
-    sub = GROUP_RELOAD_WIDTHS.get(width, 0)
-    return sub if sub and reloadable(tile, residual, sub, gw) else 0
+def store_plan(tile: RowTile, width: int, residual: bool, gw: int) -> tuple[int, int | None]:
+    """(store chunk, register cap) of rmsnorm_group_quant's default launch: (0, None) = the
+    store on the norm's tile (the comment above says where the row is re-read)."""
+    if tile.stepped and reloadable(tile, residual, tile.block, gw):
+        return tile.block, RELOAD_STEPPED_MAXNREG
+    if (
+        not tile.stepped
+        and tile.block == 4096
+        and width <= RELOAD_MAX_FILL * tile.block
+        and reloadable(tile, residual, RELOAD_CHUNK, gw)
+    ):
+        return RELOAD_CHUNK, None
+    return 0, None
+
+
+def _store(tile, width, residual, gw, reload, maxnreg, per_sm, unrolled):
+    """(store chunk, register cap) of a launch: ``reload`` / ``maxnreg`` as asked, else
+    :func:`store_plan`'s (its cap only for one tile per program; looped stepped rows keep the
+    store on the tile). Raises ``ValueError`` for a chunk the tile cannot take."""
+    if reload is None:
+        reload, cap = store_plan(tile, width, residual, gw)
+        if tile.stepped and not unrolled:
+            reload, cap = 0, None
+        maxnreg = cap if maxnreg is None and not per_sm else maxnreg
+    if reload and not reloadable(tile, residual, reload, gw):
+        raise ValueError(f"reload width {reload} does not fit the tile {tile} (group {gw})")
+    return reload, maxnreg
 
 
 def _persistent_policy(policy: TilePolicy, per_sm: int) -> TilePolicy:
@@ -389,17 +417,17 @@ def launch_norm_group_quant(
     FP8 bits or int8) [M, H]; ``scales`` [M, G] FP32 or uint8 (E8M0 bytes), any strides.
     ``unroll`` forces the stepped mode and ``per_sm`` the persistent loop's programs per SM (0 =
     one tile per program) of one-pass rows, ``maxnreg`` caps the registers per thread,
-    ``reload`` the store's chunk width (:func:`reload_width`; 0 = on the norm's tile) (tests,
-    sweeps; none of them changes a bit)."""
+    ``reload`` the store's chunk width (0 = on the norm's tile; None = :func:`store_plan`'s, with
+    its register cap) (tests, sweeps; none of them changes a bit)."""
     n_rows, width = input.shape
     if n_rows == 0:
         return
     tile = norm_group_tile(width, residual is not None, per_sm)
     loop_min = GROUP_ADD_LOOP_MIN_ROWS if residual is not None else GROUP_RMSNORM_LOOP_MIN_ROWS
     gw = min(group_size, tile.block)
-    sub = reload_width(tile, width, residual is not None, gw) if reload is None else reload
-    if sub and not reloadable(tile, residual is not None, sub, gw):
-        raise ValueError(f"reload width {sub} does not fit the tile {tile} (group {gw})")
+    row_consts = _row_consts(tile, width, n_rows, unroll, loop_min, use_pdl)
+    sub, maxnreg = _store(tile, width, residual is not None, gw, reload, maxnreg, per_sm,
+                          row_consts["UNROLL"])  # fmt: skip
     args = (
         input, residual if residual is not None else input, weight,
         n_rows, width, float(width),
@@ -418,7 +446,7 @@ def launch_norm_group_quant(
         "SUB": sub,
         "NSUB": -(-width // sub) if sub else 0,
     }
-    consts = {**_row_consts(tile, width, n_rows, unroll, loop_min, use_pdl), **quant}
+    consts = {**row_consts, **quant}
     if maxnreg is not None and not interpreter_active():
         consts["maxnreg"] = maxnreg
     grid = _grid(tile, tile.grid(n_rows)[0], input.device)
