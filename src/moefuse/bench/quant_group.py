@@ -285,9 +285,9 @@ def print_bars(verdicts: list[dict]) -> None:
 
 
 # ----------------------------------------------------------------------------- sweep
-#: programs per SM of the fused one-pass rows' persistent loop (0 = one tile per program; 2 and 3
-#: were slower than 4 wherever the loop was measured, notes/quant.md)
-SWEEP_PER_SM = (0, 4)
+#: programs per SM of the fused one-pass rows' persistent loop (0 = one tile per program; 2, 3
+#: and 4 measured slower at 2048-4096 columns, notes/quant.md: add them back to time the loop)
+SWEEP_PER_SM = (0,)
 SWEEP_MAXNREG = (40,)
 #: store chunks of rmsnorm_group_quant's re-read rows (``launch_norm_group_quant(reload=)``), and
 #: the register caps tried with them on stepped rows (32: 4 programs of 16 warps per SM)
@@ -358,7 +358,6 @@ def _variants(op, h, w) -> dict:
     out.update({f"maxnreg={r}": fused_fn(maxnreg=r, reload=0) for r in SWEEP_MAXNREG})
     for sub in subs:
         out[f"reload={sub}"] = fused_fn(reload=sub)
-        out.update({f"reload={sub} per_sm={k}": fused_fn(per_sm=k, reload=sub) for k in (4,)})
     return out
 
 
