@@ -22,7 +22,6 @@ With a residual, ``res <- cast(h)`` and the norm uses the FP32 ``h``; ``input`` 
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import triton
 import triton.language as tl
@@ -335,23 +334,26 @@ GROUP_PROGRAMS_PER_SM = 4
 
 #: stepped rows (rmsnorm 6145-8192 columns; fused_add 4096, 6554-8192) run looped (two passes,
 #: the second re-reading the row from L2) from this many tokens and unrolled below; both modes
-#: give the same bits. rmsnorm_group_quant: unrolled at every M, faster than looped at 7168
-#: columns from M = 512 to 16384 on an H100 (8.55 / 25.36 / 47.28 / 176.48 us against 9.52 /
-#: 27.47 / 50.17 / 186.91 at M = 512 / 2048 / 4096 / 16384; notes/quant.md); fused_add: the
-#: norm's threshold.
-GROUP_RMSNORM_LOOP_MIN_ROWS = sys.maxsize
+#: give the same bits. rmsnorm_group_quant: looped from 4096 rows (H100, 7168 columns, with
+#: the lighter quantizer: M = 16384 146.45 us looped against 167.86 unrolled, M = 2048 22.95
+#: against 22.46 unrolled with the re-reading store; before it, unrolled was faster at every M,
+#: notes/quant.md); fused_add: the norm's threshold.
+GROUP_RMSNORM_LOOP_MIN_ROWS = 4096
 GROUP_ADD_LOOP_MIN_ROWS = tiles.FUSED_ADD_LOOP_MIN_ROWS
 
 
-#: rmsnorm_group_quant's store re-reads the row after the row sum (:func:`_reloaded_out`) on
-#: stepped rows (in steps, registers capped at RELOAD_STEPPED_MAXNREG: 4 programs of 16 warps
-#: per SM instead of 2) and on one-pass rows whose 4096-lane tile is at most RELOAD_MAX_FILL
-#: full (in chunks of RELOAD_CHUNK: 3 x 1024 lanes instead of 4096 at 2880 columns). Offline
-#: (sm_90a): 2880 columns 49 -> 29 registers, 400 -> 416 instructions per thread; 7168 columns
-#: 51 -> 32 registers, 418 -> 444. Measured: notes/quant.md.
+#: rmsnorm_group_quant's default launches (:func:`store_plan`), H100 80GB HBM3, 2026-12-06
+#: (``bench quant --sweep``, notes/quant.md; x the same-bytes copy at M = 2048 / 16384): the
+#: one-pass 4096-lane tile (2049-4096 columns) with the registers capped at ONE_PASS_MAXNREG (48
+#: -> 40: 6 programs of 8 warps per SM instead of 5): 4096 columns 0.84 / 0.89 -> 0.89 / 0.98,
+#: 2880 0.67 / 0.69 -> 0.73 / 0.77 (the store re-reading the row in 1024-column chunks: 0.71 /
+#: 0.78); stepped rows (6145-8192 columns) unrolled below GROUP_RMSNORM_LOOP_MIN_ROWS with the
+#: store re-reading each step after the row sum and the registers capped at
+#: RELOAD_STEPPED_MAXNREG (51 -> 32: 4 programs of 16 warps per SM instead of 2), looped from
+#: there: 7168 columns M = 2048 0.69 -> 0.75 (looped 0.73), M = 16384 0.71 -> 0.81 (looped;
+#: unrolled with the re-reading store 0.70).
+ONE_PASS_MAXNREG = 40
 RELOAD_STEPPED_MAXNREG = 32
-RELOAD_CHUNK = 1024
-RELOAD_MAX_FILL = 0.75
 
 
 def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
@@ -366,17 +368,14 @@ def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
 
 
 def store_plan(tile: RowTile, width: int, residual: bool, gw: int) -> tuple[int, int | None]:
-    """(store chunk, register cap) of rmsnorm_group_quant's default launch: (0, None) = the
-    store on the norm's tile (the comment above says where the row is re-read)."""
+    """(store chunk, register cap) of rmsnorm_group_quant's default launch of one tile per
+    program (the comment above): (0, None) = the store on the norm's tile, uncapped."""
+    if residual:
+        return 0, None
     if tile.stepped and reloadable(tile, residual, tile.block, gw):
         return tile.block, RELOAD_STEPPED_MAXNREG
-    if (
-        not tile.stepped
-        and tile.block == 4096
-        and width <= RELOAD_MAX_FILL * tile.block
-        and reloadable(tile, residual, RELOAD_CHUNK, gw)
-    ):
-        return RELOAD_CHUNK, None
+    if not tile.stepped and tile.num_chunks == 1 and tile.rows == 1 and tile.block == 4096:
+        return 0, ONE_PASS_MAXNREG
     return 0, None
 
 
