@@ -28,15 +28,23 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import round_to, round_widen_bf16_pairs, widen_bf16_pairs, widen_f32
+from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.norm import tiles
 from moefuse.norm.rms import _add_f32
 from moefuse.norm.row_loop import add_pair, head_pair, keep_pair, one_pass_rows
-from moefuse.norm.tiles import FUSED_ADD_POLICY, RMSNORM_POLICY, RowTile, TilePolicy, row_tile
+from moefuse.norm.tiles import (
+    FUSED_ADD_POLICY,
+    RMSNORM_POLICY,
+    STEP_UNROLL_MAX_STEPS,
+    RowTile,
+    TilePolicy,
+    row_tile,
+)
 from moefuse.norm.triton import (
+    _compiled,
     _grid,
     _inv_rms,
-    _launch,
     _row_consts,
     _st,
     _tile,
@@ -425,8 +433,6 @@ def launch_norm_group_quant(
     loop_min = GROUP_ADD_LOOP_MIN_ROWS if residual is not None else GROUP_RMSNORM_LOOP_MIN_ROWS
     gw = min(group_size, tile.block)
     row_consts = _row_consts(tile, width, n_rows, unroll, loop_min, use_pdl)
-    sub, maxnreg = _store(tile, width, residual is not None, gw, reload, maxnreg, per_sm,
-                          row_consts["UNROLL"])  # fmt: skip
     args = (
         input, residual if residual is not None else input, weight,
         n_rows, width, float(width),
@@ -442,11 +448,26 @@ def launch_norm_group_quant(
         "INT8": int8,
         "E8M0": scales.dtype.itemsize == 1,
         "RCP": rcp_quotients(quant_eps),
-        "SUB": sub,
-        "NSUB": -(-width // sub) if sub else 0,
     }
-    consts = {**row_consts, **quant}
-    if maxnreg is not None and not interpreter_active():
-        consts["maxnreg"] = maxnreg
+
+    def consts(unrolled: bool) -> dict:
+        sub, cap = _store(tile, width, residual is not None, gw, reload, maxnreg, per_sm, unrolled)
+        out = {**row_consts, **quant, "UNROLL": unrolled, "SUB": sub}
+        out["NSUB"] = -(-width // sub) if sub else 0
+        if cap is not None and not interpreter_active():
+            out["maxnreg"] = cap
+        return out
+
     grid = _grid(tile, tile.grid(n_rows)[0], input.device)
-    _launch(_norm_group_quant_kernel, grid, args, consts, tile)
+    _launch_modes(_norm_group_quant_kernel, grid, args, consts, row_consts["UNROLL"], tile)
+
+
+def _launch_modes(kernel, grid, args, consts, unrolled: bool, tile: RowTile) -> None:
+    """``norm.triton._launch`` with each stepped mode's own constexprs (``consts(unrolled)``:
+    the store and register cap differ): a launch that had to compile also compiles the other
+    mode, so that a token count crossing the loop threshold never compiles."""
+    warm = tile.stepped and not interpreter_active() and tile.num_chunks <= STEP_UNROLL_MAX_STEPS
+    before = _compiled(kernel) if warm else 0
+    launch(kernel, grid, *args, **consts(unrolled))
+    if warm and _compiled(kernel) > before:
+        kernel.warmup(*args, grid=grid, **consts(not unrolled))
