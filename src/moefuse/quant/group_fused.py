@@ -11,7 +11,9 @@ only the store differs: ``y`` is rounded to the input dtype as the norm stores i
 exactly, and quantized by :func:`moefuse.quant.group_triton.group_quant_tile`, the standalone
 quantizer's epilogue. (On the GPU the one-pass and stepped rows widen their BF16 loads two
 elements per instruction, :func:`_widen`, and the stepped rows load through :func:`_step_x`
-instead of the norm's ``_step_in`` / ``step_params`` for that: the same FP32 values.) A group
+instead of the norm's ``_step_in`` / ``step_params`` for that: the same FP32 values. Where
+:func:`store_plan` says so, rmsnorm_group_quant's store re-reads the row after the row sum,
+:func:`_reloaded_out`, and the launch caps the registers: the same values again.) A group
 never spans two tiles (blocks and steps are powers of two >= the group size, or the row fits one
 block narrower than a group), so wide rows quantize chunk by chunk. The GPU tests check fused ==
 unfused bitwise at every benchmarked shape.
