@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -352,16 +353,16 @@ GROUP_RMSNORM_LOOP_MIN_ROWS = 4096
 GROUP_ADD_LOOP_MIN_ROWS = tiles.FUSED_ADD_LOOP_MIN_ROWS
 
 
-#: rmsnorm_group_quant's default launches (:func:`store_plan`), H100 80GB HBM3, 2026-12-06
-#: (``bench quant --sweep``, notes/quant.md; x the same-bytes copy at M = 2048 / 16384): the
-#: one-pass 4096-lane tile (2049-4096 columns) with the registers capped at ONE_PASS_MAXNREG (48
-#: -> 40: 6 programs of 8 warps per SM instead of 5): 4096 columns 0.84 / 0.89 -> 0.89 / 0.98,
-#: 2880 0.67 / 0.69 -> 0.73 / 0.77 (the store re-reading the row in 1024-column chunks: 0.71 /
-#: 0.78); stepped rows (6145-8192 columns) unrolled below GROUP_RMSNORM_LOOP_MIN_ROWS with the
-#: store re-reading each step after the row sum and the registers capped at
-#: RELOAD_STEPPED_MAXNREG (51 -> 32: 4 programs of 16 warps per SM instead of 2), looped from
-#: there: 7168 columns M = 2048 0.69 -> 0.75 (looped 0.73), M = 16384 0.71 -> 0.81 (looped;
-#: unrolled with the re-reading store 0.70).
+#: rmsnorm_group_quant's default launches (:func:`store_plan`), H100 80GB HBM3, 2026-12-06 (``bench
+#: quant --sweep``, notes/quant.md; x the same-bytes copy at M = 2048 / 16384): the one-pass
+#: 4096-lane tile (2049-4096 columns) with the registers capped at ONE_PASS_MAXNREG (48 -> 40: 6
+#: programs of 8 warps per SM instead of 5; ptxas spills 16 bytes): 4096 columns 0.84 / 0.89 -> 0.89
+#: / 0.98, 2880 0.67 / 0.69 -> 0.73 / 0.77 (the store re-reading the row in 1024-column chunks: 0.71
+#: / 0.78); stepped rows (6145-8192 columns) unrolled below GROUP_RMSNORM_LOOP_MIN_ROWS with the
+#: store re-reading each step after the row sum and the registers capped at RELOAD_STEPPED_MAXNREG
+#: (51 -> 32: 4 programs of 16 warps per SM instead of 2), looped from there: 7168 columns M = 2048
+#: 0.69 -> 0.75 (looped 0.73), M = 16384 0.71 -> 0.81 (looped; unrolled with the re-reading store
+#: 0.70).
 ONE_PASS_MAXNREG = 40
 RELOAD_STEPPED_MAXNREG = 32
 
@@ -377,10 +378,13 @@ def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
     return tile.num_chunks == 1 and sub <= tile.block
 
 
-def store_plan(tile: RowTile, width: int, residual: bool, gw: int) -> tuple[int, int | None]:
+def store_plan(
+    tile: RowTile, width: int, residual: bool, gw: int, bf16: bool = True
+) -> tuple[int, int | None]:
     """(store chunk, register cap) of rmsnorm_group_quant's default launch of one tile per
-    program (the comment above): (0, None) = the store on the norm's tile, uncapped."""
-    if residual:
+    program (the comment above; measured on BF16 rows, other dtypes keep the store on the
+    tile): (0, None) = the store on the norm's tile, uncapped."""
+    if residual or not bf16:
         return 0, None
     if tile.stepped and reloadable(tile, residual, tile.block, gw):
         return tile.block, RELOAD_STEPPED_MAXNREG
@@ -389,12 +393,12 @@ def store_plan(tile: RowTile, width: int, residual: bool, gw: int) -> tuple[int,
     return 0, None
 
 
-def _store(tile, width, residual, gw, reload, maxnreg, per_sm, unrolled):
+def _store(tile, width, residual, gw, reload, maxnreg, per_sm, unrolled, bf16):
     """(store chunk, register cap) of a launch: ``reload`` / ``maxnreg`` as asked, else
     :func:`store_plan`'s (its cap only for one tile per program; looped stepped rows keep the
     store on the tile). Raises ``ValueError`` for a chunk the tile cannot take."""
     if reload is None:
-        reload, cap = store_plan(tile, width, residual, gw)
+        reload, cap = store_plan(tile, width, residual, gw, bf16)
         if tile.stepped and not unrolled:
             reload, cap = 0, None
         maxnreg = cap if maxnreg is None and not per_sm else maxnreg
@@ -453,7 +457,10 @@ def launch_norm_group_quant(
     }
 
     def consts(unrolled: bool) -> dict:
-        sub, cap = _store(tile, width, residual is not None, gw, reload, maxnreg, per_sm, unrolled)
+        sub, cap = _store(
+            tile, width, residual is not None, gw, reload, maxnreg, per_sm, unrolled,
+            input.dtype == torch.bfloat16,
+        )  # fmt: skip
         out = {**row_consts, **quant, "UNROLL": unrolled, "SUB": sub}
         out["NSUB"] = -(-width // sub) if sub else 0
         if cap is not None and not interpreter_active():
