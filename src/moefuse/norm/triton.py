@@ -478,18 +478,21 @@ def _compiled(kernel) -> int:
     return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
 
-def _launch(kernel, grid, args, consts, tile: RowTile) -> None:
+def _launch(kernel, grid, args, consts, tile: RowTile, other_mode=None) -> None:
     """Launch; for stepped rows, a launch that had to compile also compiles the other mode
     (unrolled / looped) of the same specialisation, so that a later token count crossing the
     op's loop threshold never triggers a compilation (serving changes M every step). Cost on a
-    cached launch: two looks at the size of Triton's kernel cache."""
+    cached launch: two looks at the size of Triton's kernel cache. ``other_mode()`` gives the
+    other mode's constexprs where they differ in more than ``UNROLL`` (default: ``consts``
+    with ``UNROLL`` flipped)."""
     warm = (
         tile.stepped and not interpreter_active() and tile.num_chunks <= tiles.STEP_UNROLL_MAX_STEPS
     )
     before = _compiled(kernel) if warm else 0
     launch(kernel, grid, *args, **consts)
     if warm and _compiled(kernel) > before:
-        kernel.warmup(*args, grid=grid, **{**consts, "UNROLL": not consts["UNROLL"]})
+        other = other_mode() if other_mode else {**consts, "UNROLL": not consts["UNROLL"]}
+        kernel.warmup(*args, grid=grid, **other)
 
 
 def _row_consts(

@@ -31,7 +31,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefuse._device import round_to, round_widen_bf16_pairs, widen_bf16_pairs, widen_f32
-from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active
 from moefuse.norm import tiles
 from moefuse.norm.rms import _add_f32
@@ -39,15 +38,14 @@ from moefuse.norm.row_loop import add_pair, head_pair, keep_pair, one_pass_rows
 from moefuse.norm.tiles import (
     FUSED_ADD_POLICY,
     RMSNORM_POLICY,
-    STEP_UNROLL_MAX_STEPS,
     RowTile,
     TilePolicy,
     row_tile,
 )
 from moefuse.norm.triton import (
-    _compiled,
     _grid,
     _inv_rms,
+    _launch,
     _row_consts,
     _st,
     _tile,
@@ -170,8 +168,8 @@ def _reloaded_out(rows, r, src, qa, QC, SUB: tl.constexpr, NSUB: tl.constexpr,
     for c in tl.static_range(NSUB):
         cols = c * SUB + tl.arange(0, SUB)[None, :]
         cm = cols < src[4]
-        v = _widen(tl.load(src[0] + row * src[1] + cols, mask=cm & live_row, other=0.0), PTX)
-        w = _widen(tl.load(src[2] + cols, mask=cm, other=0.0), PTX) + src[3]
+        v = _load32(src[0] + row * src[1] + cols, cm & live_row, True, "", PTX)
+        w = _load32(src[2] + cols, cm, True, "", PTX) + src[3]
         _group_out((v * r) * w, rows, cols, cm & live_row, c * (SUB // GW), qa, QC, PTX)
 
 
@@ -187,23 +185,12 @@ def _stepped(x_ptr, res_ptr, w_ptr, row, x_st, r_st, H, Hf, eps, gc, qa, QC,
     x_row = row * x_st
     r_row = row * r_st
     rows = tl.full([1], 0, tl.int32) + row
-    if UNROLL and RELOAD:
-        if USE_PDL:
-            gdc_wait()
-        vs = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = step_cols(k, H, STEP)
-            vs = vs + (_step_x(x_ptr, res_ptr, x_row, r_row, cols, cm, MASKED, POLICY, ADD, PTX),)
-        if USE_PDL:
-            gdc_launch_dependents()
-        _, ss = _weighted_sumsq(vs, (), STEP, STEPS, False)
-        r = _inv_rms(ss, Hf, eps)
-        _reloaded_out(rows, r, (x_ptr, x_st, w_ptr, gc, H), qa, QC, STEP, STEPS, PTX)
-    elif UNROLL:
+    if UNROLL:
         ws = ()
-        for k in tl.static_range(STEPS):
-            cols, cm = step_cols(k, H, STEP)
-            ws = ws + (_load32(w_ptr + cols, cm, MASKED, "", PTX) + gc,)
+        if not RELOAD:
+            for k in tl.static_range(STEPS):
+                cols, cm = step_cols(k, H, STEP)
+                ws = ws + (_load32(w_ptr + cols, cm, MASKED, "", PTX) + gc,)
         if USE_PDL:
             gdc_wait()
         vs = ()
@@ -218,9 +205,12 @@ def _stepped(x_ptr, res_ptr, w_ptr, row, x_st, r_st, H, Hf, eps, gc, qa, QC,
                 _st(res_ptr + r_row + cols, vs[k], cm, MASKED, PTX)
         _, ss = _weighted_sumsq(vs, ws, STEP, STEPS, False)
         r = _inv_rms(ss, Hf, eps)
-        for k in tl.static_range(STEPS):
-            cols, cm = step_cols(k, H, STEP)
-            _group_out((vs[k] * r) * ws[k], rows, cols, cm, k * (STEP // QC[0]), qa, QC, PTX)
+        if RELOAD:
+            _reloaded_out(rows, r, (x_ptr, x_st, w_ptr, gc, H), qa, QC, STEP, STEPS, PTX)
+        else:
+            for k in tl.static_range(STEPS):
+                cols, cm = step_cols(k, H, STEP)
+                _group_out((vs[k] * r) * ws[k], rows, cols, cm, k * (STEP // QC[0]), qa, QC, PTX)
     else:
         if USE_PDL:
             gdc_wait()
@@ -379,28 +369,28 @@ def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
 
 
 def store_plan(
-    tile: RowTile, width: int, residual: bool, gw: int, bf16: bool = True
+    tile: RowTile, residual: bool, gw: int, bf16: bool, unrolled: bool
 ) -> tuple[int, int | None]:
     """(store chunk, register cap) of rmsnorm_group_quant's default launch of one tile per
-    program (the comment above; measured on BF16 rows, other dtypes keep the store on the
-    tile): (0, None) = the store on the norm's tile, uncapped."""
+    program (the comment above; measured on BF16 rows, other dtypes keep the store on the tile,
+    as looped stepped rows do): (0, None) = the store on the norm's tile, uncapped."""
     if residual or not bf16:
         return 0, None
-    if tile.stepped and reloadable(tile, residual, tile.block, gw):
-        return tile.block, RELOAD_STEPPED_MAXNREG
-    if not tile.stepped and tile.num_chunks == 1 and tile.rows == 1 and tile.block == 4096:
+    if tile.stepped:
+        if unrolled and reloadable(tile, residual, tile.block, gw):
+            return tile.block, RELOAD_STEPPED_MAXNREG
+        return 0, None
+    if tile.num_chunks == 1 and tile.rows == 1 and tile.block == 4096:
         return 0, ONE_PASS_MAXNREG
     return 0, None
 
 
-def _store(tile, width, residual, gw, reload, maxnreg, per_sm, unrolled, bf16):
+def _store(tile, residual, gw, reload, maxnreg, per_sm, unrolled, bf16):
     """(store chunk, register cap) of a launch: ``reload`` / ``maxnreg`` as asked, else
-    :func:`store_plan`'s (its cap only for one tile per program; looped stepped rows keep the
-    store on the tile). Raises ``ValueError`` for a chunk the tile cannot take."""
+    :func:`store_plan`'s (its cap only for one tile per program). Raises ``ValueError`` for a
+    chunk the tile cannot take."""
     if reload is None:
-        reload, cap = store_plan(tile, width, residual, gw, bf16)
-        if tile.stepped and not unrolled:
-            reload, cap = 0, None
+        reload, cap = store_plan(tile, residual, gw, bf16, unrolled)
         maxnreg = cap if maxnreg is None and not per_sm else maxnreg
     if reload and not reloadable(tile, residual, reload, gw):
         raise ValueError(f"reload width {reload} does not fit the tile {tile} (group {gw})")
@@ -458,7 +448,7 @@ def launch_norm_group_quant(
 
     def consts(unrolled: bool) -> dict:
         sub, cap = _store(
-            tile, width, residual is not None, gw, reload, maxnreg, per_sm, unrolled,
+            tile, residual is not None, gw, reload, maxnreg, per_sm, unrolled,
             input.dtype == torch.bfloat16,
         )  # fmt: skip
         out = {**row_consts, **quant, "UNROLL": unrolled, "SUB": sub}
@@ -468,15 +458,7 @@ def launch_norm_group_quant(
         return out
 
     grid = _grid(tile, tile.grid(n_rows)[0], input.device)
-    _launch_modes(_norm_group_quant_kernel, grid, args, consts, row_consts["UNROLL"], tile)
-
-
-def _launch_modes(kernel, grid, args, consts, unrolled: bool, tile: RowTile) -> None:
-    """``norm.triton._launch`` with each stepped mode's own constexprs (``consts(unrolled)``:
-    the store and register cap differ): a launch that had to compile also compiles the other
-    mode, so that a token count crossing the loop threshold never compiles."""
-    warm = tile.stepped and not interpreter_active() and tile.num_chunks <= STEP_UNROLL_MAX_STEPS
-    before = _compiled(kernel) if warm else 0
-    launch(kernel, grid, *args, **consts(unrolled))
-    if warm and _compiled(kernel) > before:
-        kernel.warmup(*args, grid=grid, **consts(not unrolled))
+    unrolled = row_consts["UNROLL"]
+    _launch(
+        _norm_group_quant_kernel, grid, args, consts(unrolled), tile, lambda: consts(not unrolled)
+    )
