@@ -14,7 +14,9 @@ again last; ``sa`` both quantizations by their own launches; ``tq`` the tokens q
 K-block inside the gate|up programs, the activation by its own launch; ``tq_fq`` with the
 activation quantized by the gate|up kernel's last programs (counters zeroed by a memset);
 ``tq_dq`` / ``dq`` the activation quantized per K-block inside the down programs, the tokens in
-gate|up or by their own launch.
+gate|up or by their own launch; ``pf`` every gate|up and down program requests its weight rows
+from the L2 before its ``gdc_wait``, ``pf2`` that and the gate|up kernel launches its dependents
+right after its wait, ``pf2_fq`` that with the activation quantized by the gate|up kernel.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ VARIANTS = {
     "tq_fq": ({**_OFF, "fuse_tokens_quant": True, "fuse_act_quant": True}, 1, TOKENS),
     "tq_dq": ({**_OFF, "fuse_tokens_quant": True, "down_act_quant": True}, 1, TOKENS),
     "dq": ({**_OFF, "down_act_quant": True}, 1, TOKENS),
+    "pf": ({"prefetch": 1}, 1, TOKENS),
+    "pf2": ({"prefetch": 2}, 1, TOKENS),
+    "pf2_fq": ({"prefetch": 2, "fuse_act_quant": True}, 1, TOKENS),
+    "pf2_fq_st8": ({"prefetch": 2, "fuse_act_quant": True, "stages": 8}, 1, (1,)),
     "tq_dq_st4": (
         {**_OFF, "fuse_tokens_quant": True, "down_act_quant": True, "stages": 4, "down_stages": 4},
         1,
@@ -108,7 +114,7 @@ def warm_one(name, variant) -> None:
 
 
 def warm(args) -> int:
-    jobs = [(n, v) for n in SHAPE_NAMES for v in VARIANTS]
+    jobs = [(n, v) for n in SHAPE_NAMES for v in args.variants]
     running, failed = [], 0
     t0 = time.time()
     while jobs or running:
@@ -155,7 +161,8 @@ def timing(args) -> int:
             calls = int(max(3, min(20, 20000 / (3 * floor + 20))))
             x0, i0, w0 = sets[0]
             ref = None
-            names = [v for v in VARIANTS if t in VARIANTS[v][2]]
+            names = [v for v in ["base", *args.variants] if t in VARIANTS[v][2]]
+            names = list(dict.fromkeys(names))
             results = {}
             for v in names + ["base"]:  # base again last: the drift of the run
                 tile, bt = variant_args(n, v, t)
@@ -208,6 +215,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("warm")
     w.add_argument("--jobs", type=int, default=12)
+    w.add_argument("--variants", nargs="+", default=list(VARIANTS))
     one = sub.add_parser("warm-one")
     one.add_argument("shape")
     one.add_argument("variant")
@@ -215,6 +223,7 @@ def main(argv=None) -> int:
     tm.add_argument("--out")
     tm.add_argument("--shapes", nargs="+", default=list(SHAPE_NAMES))
     tm.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    tm.add_argument("--variants", nargs="+", default=list(VARIANTS))
     args = p.parse_args(argv)
     if args.cmd == "warm":
         return warm(args)

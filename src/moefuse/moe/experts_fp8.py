@@ -39,7 +39,14 @@ from moefuse.moe.experts_triton import (
     _work_item,
     _write_slot_map,
 )
-from moefuse.moe.fp8_device import GROUP_EPS, block_fp8_product, fp8_codes
+from moefuse.moe.fp8_device import (
+    GROUP_EPS,
+    PREFETCH_EARLY,
+    PREFETCH_OFF,
+    block_fp8_product,
+    fp8_codes,
+    prefetch_rows_l2,
+)
 from moefuse.moe.tiles import (
     experts_fp8_decode_tile,
     experts_fp8_tile,
@@ -60,6 +67,27 @@ def _gemm_metadata(grid, kernel, args):
         "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
         "bytes": grid[0] * grid[1] * rows * args["KDIM"],
     }
+
+
+@triton.jit
+def _gate_up_rows(INTER: tl.constexpr, BN: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(stored rows [2 * BN] int64 of this program's gate|up weight tile, in range): blocks of
+    64 rows, 32 gate rows and the 32 up rows that pair with them, as in the BF16 kernel."""
+    r = tl.arange(0, 2 * BN)
+    n = tl.program_id(1) * BN + (r // 64) * 32 + r % 32
+    if INTERLEAVED:
+        rows = (2 * n + (r // 32) % 2).to(tl.int64)
+    else:
+        rows = (n + ((r // 32) % 2) * INTER).to(tl.int64)
+    return rows, n < INTER
+
+
+@triton.jit
+def _prefetch_weight_rows(w_ptr, e, rows, n_in, w_st_e, w_st_n, KDIM: tl.constexpr, PTX):
+    """:func:`prefetch_rows_l2` of ``rows`` of expert ``e``'s weight (none where ``e`` < 0: the
+    program has no work item)."""
+    ptrs = w_ptr + e.to(tl.int64) * w_st_e + rows * w_st_n
+    prefetch_rows_l2(ptrs, n_in & (e >= 0), KDIM, PTX)
 
 
 @triton.jit
@@ -94,13 +122,7 @@ def _gate_up_item(
     x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr = ptrs
     e, s, r_in, tok = item
     x_st, xs_st, act_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
-    r = tl.arange(0, 2 * BN)
-    n = tl.program_id(1) * BN + (r // 64) * 32 + r % 32
-    n_in = n < INTER
-    if INTERLEAVED:
-        rows = (2 * n + (r // 32) % 2).to(tl.int64)
-    else:
-        rows = (n + ((r // 32) % 2) * INTER).to(tl.int64)
+    rows, n_in = _gate_up_rows(INTER, BN, INTERLEAVED)
     e64 = e.to(tl.int64)
     w_rows = w_ptr + e64 * w_st_e + rows[:, None] * w_st_n
     s_rows = s_ptr + e64 * s_st_e + (rows // 128) * s_st_n
@@ -275,16 +297,29 @@ def _experts_fp8_gate_up_kernel(
     ACCUM: tl.constexpr,
     FUSE_QUANT: tl.constexpr,
     QUANT_X: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
     tokens (module docstring); the roles of ``SP``, ``BR`` and the counters are those of the
     BF16 gate|up kernel (:func:`moefuse.moe.experts_triton._experts_gate_up_kernel`);
     ``FUSE_QUANT``: the activation's codes and scales too (:func:`_quantize_group_if_last`);
-    ``QUANT_X``: ``x`` holds the tokens, quantized per K-block in registers."""
+    ``QUANT_X``: ``x`` holds the tokens, quantized per K-block in registers. ``PREFETCH``
+    (:data:`moefuse.moe.fp8_device.PREFETCH_ROWS` / ``_EARLY``; only with ``SP`` > 0 after the
+    tokens' quantization kernel, whose dependents launch after its own ``gdc_wait``, so
+    ``top_k_index`` is complete): the program's weight rows are requested before the wait."""
     idx_st0, idx_st1 = idx_strides
     ptrs = (x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr)
+    if PREFETCH != PREFETCH_OFF:
+        mine = _work_item(
+            items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
+        )
+        rows, n_in = _gate_up_rows(INTER, BN, INTERLEAVED)
+        _prefetch_weight_rows(w_ptr, mine[0], rows, n_in, strides[3], strides[4], KDIM, PTX)
+    TRIGGER_AFTER_LOOP: tl.constexpr = USE_PDL and PREFETCH != PREFETCH_EARLY
     if USE_PDL:
         gdc_wait()
+        if PREFETCH == PREFETCH_EARLY:
+            gdc_launch_dependents()
     if SP > 0:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _write_slot_map(idx_ptr, slot_map_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP)
@@ -307,7 +342,7 @@ def _experts_fp8_gate_up_kernel(
             BR,
             STAGES,
             PTX,
-            USE_PDL,
+            TRIGGER_AFTER_LOOP,
             INTERLEAVED,
             E8M0,
             ACCUM,
@@ -331,7 +366,7 @@ def _experts_fp8_gate_up_kernel(
                 BT,
                 STAGES,
                 PTX,
-                USE_PDL,
+                TRIGGER_AFTER_LOOP,
                 INTERLEAVED,
                 E8M0,
                 ACCUM,
@@ -436,19 +471,30 @@ def _experts_fp8_down_kernel(
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
     QUANT_A: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """y[s, h] = the block-scaled FP8 product of act[s] and down row h (FP32, unrounded); with
     ``FINALIZE`` the last program of each H tile runs the finalize, as in the BF16 down kernel
     (:func:`moefuse.moe.experts_triton._experts_down_kernel`); ``fin_out`` = the finalize's
     (slot map, top_k_weights, bias, shared expert output, out); ``QUANT_A``: ``act`` holds the
-    rounded activation, quantized per K-block in registers."""
+    rounded activation, quantized per K-block in registers. ``PREFETCH`` (``SP`` > 0): the
+    program's weight rows are requested before the wait (``top_k_index`` is complete: the
+    kernel before this one launches its dependents after its own ``gdc_wait``, which follows
+    the gate|up kernel's)."""
     map_ptr, scale_ptr, bias_ptr, shared_ptr, out_ptr = fin_out
     idx_st0, idx_st1 = idx_strides
     fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
-    if USE_PDL:
-        gdc_wait()  # act from the gate|up kernel
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_in = n < H
+    if PREFETCH != PREFETCH_OFF:
+        mine = _work_item(
+            items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
+        )
+        _prefetch_weight_rows(
+            w_ptr, mine[0], n.to(tl.int64), n_in, strides[3], strides[4], KDIM, PTX
+        )
+    if USE_PDL:
+        gdc_wait()  # act from the gate|up kernel
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _down_item(
@@ -520,6 +566,19 @@ def _group_quant(rows: torch.Tensor, use_pdl: bool) -> tuple[torch.Tensor, torch
     scales = torch.empty(r, triton.cdiv(w, 128), dtype=torch.float32, device=rows.device)
     launch_group_quant(rows, codes, scales, 128, GROUP_EPS, False, False, use_pdl)
     return fp8_codes(codes), scales
+
+
+def _prefetch_code(cfg: dict, plan, weights: torch.Tensor, use_pdl: bool, ptx: bool) -> int:
+    """The kernels' ``PREFETCH`` code: ``cfg["prefetch"]`` where the programs can name their
+    work item before their ``gdc_wait`` (PDL on, items computed in the program from
+    ``top_k_index``: ``plan.sp`` > 0) and every weight row is 16-byte aligned with a unit
+    reduction stride (one bulk L2 prefetch per row); 0 elsewhere."""
+    code = int(cfg.get("prefetch", 0))
+    if not (code and use_pdl and ptx and plan.sp > 0) or cfg.get("fuse_tokens_quant"):
+        return 0
+    st_e, st_n, st_k = weights.stride()
+    aligned = weights.data_ptr() % 16 == 0 and st_e % 16 == 0 and st_n % 16 == 0
+    return code if st_k == 1 and aligned and weights.shape[2] % 16 == 0 else 0
 
 
 def _tokens_quant(
@@ -635,6 +694,7 @@ def _launch_gate_up_fp8(
         ACCUM=cfg["accumulation"],
         FUSE_QUANT=fuse_quant,
         QUANT_X=quant_x,
+        PREFETCH=_prefetch_code(cfg, plan, gw, use_pdl, ptx),
         num_warps=cfg["warps"],
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
@@ -783,6 +843,7 @@ def launch_moe_experts_fp8(
         E8M0=ds_e8,
         ACCUM=cfg["accumulation"],
         QUANT_A=bool(cfg.get("down_act_quant")),
+        PREFETCH=_prefetch_code(cfg, plan, dw, use_pdl, ptx),
         num_warps=cfg.get("down_warps", cfg["warps"]),
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),

@@ -105,6 +105,34 @@ def fp8_block_dot(w, q, ACCUM: tl.constexpr, PTX: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
 
 
+#: ``PREFETCH`` codes of the FP8 experts kernels (tile key ``prefetch``): 0 off; 1 each gate|up and
+#: down program asks the L2 for its weight rows before its ``gdc_wait``; 2 that, and the gate|up
+#: kernel lets its dependents launch right after its ``gdc_wait`` (so the down programs' requests
+#: run under the gate|up products)
+PREFETCH_OFF: tl.constexpr = tl.constexpr(0)
+PREFETCH_ROWS: tl.constexpr = tl.constexpr(1)
+PREFETCH_EARLY: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def prefetch_rows_l2(row_ptrs, live, nbytes, PTX: tl.constexpr):
+    """Asks the L2 for the ``nbytes`` bytes from each of ``row_ptrs`` [R] where ``live`` (one
+    ``cp.async.bulk.prefetch.L2`` per row: rows 16-byte aligned and ``nbytes`` % 16 == 0, which
+    the launcher checks). Reads and writes nothing a thread sees: it only starts the HBM reads
+    of the weights a program is about to stream. A no-op in the interpreter."""
+    if PTX:
+        size = tl.where(live, nbytes, 0).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [row_ptrs, size],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
 @triton.jit
 def quantized_columns(col_rows, kk, k_in, r_in, PTX: tl.constexpr):
     """per_token_group_quant_8bit of one 128-channel K-block of BT columns, in registers:
