@@ -16,7 +16,8 @@ activation quantized by the gate|up kernel's last programs (counters zeroed by a
 ``tq_dq`` / ``dq`` the activation quantized per K-block inside the down programs, the tokens in
 gate|up or by their own launch; ``pf`` every gate|up and down program requests its weight rows
 from the L2 before its ``gdc_wait``, ``pf2`` that and the gate|up kernel launches its dependents
-right after its wait, ``pf2_fq`` that with the activation quantized by the gate|up kernel.
+right after its wait, ``pf2_fq`` that with the activation quantized by the gate|up kernel,
+``pf512_2`` as ``pf2`` with the first 512 bytes of each row only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 TOKENS = (1, 4, 16)
 SHAPE_NAMES = ("qwen3", "mixtral", "deepseek_v3")
+_ROW = 1 << 20  # prefetch: every weight row whole
 _OFF = {"fuse_tokens_quant": False, "fuse_act_quant": False, "down_act_quant": False}
 #: name -> (tile overrides, token-tile factor, token counts it runs at)
 VARIANTS = {
@@ -41,10 +43,15 @@ VARIANTS = {
     "tq_fq": ({**_OFF, "fuse_tokens_quant": True, "fuse_act_quant": True}, 1, TOKENS),
     "tq_dq": ({**_OFF, "fuse_tokens_quant": True, "down_act_quant": True}, 1, TOKENS),
     "dq": ({**_OFF, "down_act_quant": True}, 1, TOKENS),
-    "pf": ({"prefetch": 1}, 1, TOKENS),
-    "pf2": ({"prefetch": 2}, 1, TOKENS),
-    "pf2_fq": ({"prefetch": 2, "fuse_act_quant": True}, 1, TOKENS),
-    "pf2_fq_st8": ({"prefetch": 2, "fuse_act_quant": True, "stages": 8}, 1, (1,)),
+    "pf": ({"prefetch": _ROW}, 1, TOKENS),
+    "pf2": ({"prefetch": _ROW, "early_dependents": True}, 1, TOKENS),
+    "pf2_fq": ({"prefetch": _ROW, "early_dependents": True, "fuse_act_quant": True}, 1, TOKENS),
+    "pf512_2": ({"prefetch": 512, "early_dependents": True}, 1, TOKENS),
+    "pf2_fq_st8": (
+        {"prefetch": _ROW, "early_dependents": True, "fuse_act_quant": True, "stages": 8},
+        1,
+        (1,),
+    ),
     "tq_dq_st4": (
         {**_OFF, "fuse_tokens_quant": True, "down_act_quant": True, "stages": 4, "down_stages": 4},
         1,

@@ -41,8 +41,6 @@ from moefuse.moe.experts_triton import (
 )
 from moefuse.moe.fp8_device import (
     GROUP_EPS,
-    PREFETCH_EARLY,
-    PREFETCH_OFF,
     block_fp8_product,
     fp8_codes,
     prefetch_rows_l2,
@@ -83,11 +81,11 @@ def _gate_up_rows(INTER: tl.constexpr, BN: tl.constexpr, INTERLEAVED: tl.constex
 
 
 @triton.jit
-def _prefetch_weight_rows(w_ptr, e, rows, n_in, w_st_e, w_st_n, KDIM: tl.constexpr, PTX):
-    """:func:`prefetch_rows_l2` of ``rows`` of expert ``e``'s weight (none where ``e`` < 0: the
-    program has no work item)."""
+def _prefetch_weight_rows(w_ptr, e, rows, n_in, w_st_e, w_st_n, NBYTES: tl.constexpr, PTX):
+    """:func:`prefetch_rows_l2` of the first ``NBYTES`` of ``rows`` of expert ``e``'s weight
+    (none where ``e`` < 0: the program has no work item)."""
     ptrs = w_ptr + e.to(tl.int64) * w_st_e + rows * w_st_n
-    prefetch_rows_l2(ptrs, n_in & (e >= 0), KDIM, PTX)
+    prefetch_rows_l2(ptrs, n_in & (e >= 0), NBYTES, PTX)
 
 
 @triton.jit
@@ -297,28 +295,30 @@ def _experts_fp8_gate_up_kernel(
     ACCUM: tl.constexpr,
     FUSE_QUANT: tl.constexpr,
     QUANT_X: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PF_BYTES: tl.constexpr,
+    EARLY_DEPENDENTS: tl.constexpr,
 ):
     """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
     tokens (module docstring); the roles of ``SP``, ``BR`` and the counters are those of the
     BF16 gate|up kernel (:func:`moefuse.moe.experts_triton._experts_gate_up_kernel`);
     ``FUSE_QUANT``: the activation's codes and scales too (:func:`_quantize_group_if_last`);
-    ``QUANT_X``: ``x`` holds the tokens, quantized per K-block in registers. ``PREFETCH``
-    (:data:`moefuse.moe.fp8_device.PREFETCH_ROWS` / ``_EARLY``; only with ``SP`` > 0 after the
-    tokens' quantization kernel, whose dependents launch after its own ``gdc_wait``, so
-    ``top_k_index`` is complete): the program's weight rows are requested before the wait."""
+    ``QUANT_X``: ``x`` holds the tokens, quantized per K-block in registers. ``PF_BYTES`` > 0
+    (only with ``SP`` > 0 after the tokens' quantization kernel, whose dependents launch after
+    its own ``gdc_wait``, so ``top_k_index`` is complete): the first ``PF_BYTES`` of each of the
+    program's weight rows are requested from the L2 before the wait. ``EARLY_DEPENDENTS``: the
+    kernel next in the stream may launch right after the wait, not after the products."""
     idx_st0, idx_st1 = idx_strides
     ptrs = (x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr)
-    if PREFETCH != PREFETCH_OFF:
+    if PF_BYTES > 0:
         mine = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
         rows, n_in = _gate_up_rows(INTER, BN, INTERLEAVED)
-        _prefetch_weight_rows(w_ptr, mine[0], rows, n_in, strides[3], strides[4], KDIM, PTX)
-    TRIGGER_AFTER_LOOP: tl.constexpr = USE_PDL and PREFETCH != PREFETCH_EARLY
+        _prefetch_weight_rows(w_ptr, mine[0], rows, n_in, strides[3], strides[4], PF_BYTES, PTX)
+    TRIGGER_AFTER_LOOP: tl.constexpr = USE_PDL and not EARLY_DEPENDENTS
     if USE_PDL:
         gdc_wait()
-        if PREFETCH == PREFETCH_EARLY:
+        if EARLY_DEPENDENTS:
             gdc_launch_dependents()
     if SP > 0:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -471,27 +471,27 @@ def _experts_fp8_down_kernel(
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
     QUANT_A: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PF_BYTES: tl.constexpr,
 ):
     """y[s, h] = the block-scaled FP8 product of act[s] and down row h (FP32, unrounded); with
     ``FINALIZE`` the last program of each H tile runs the finalize, as in the BF16 down kernel
     (:func:`moefuse.moe.experts_triton._experts_down_kernel`); ``fin_out`` = the finalize's
     (slot map, top_k_weights, bias, shared expert output, out); ``QUANT_A``: ``act`` holds the
-    rounded activation, quantized per K-block in registers. ``PREFETCH`` (``SP`` > 0): the
-    program's weight rows are requested before the wait (``top_k_index`` is complete: the
-    kernel before this one launches its dependents after its own ``gdc_wait``, which follows
-    the gate|up kernel's)."""
+    rounded activation, quantized per K-block in registers. ``PF_BYTES`` > 0 (``SP`` > 0): the
+    first ``PF_BYTES`` of each of the program's weight rows are requested before the wait
+    (``top_k_index`` is complete: the kernel before this one launches its dependents after its
+    own ``gdc_wait``, which follows the gate|up kernel's)."""
     map_ptr, scale_ptr, bias_ptr, shared_ptr, out_ptr = fin_out
     idx_st0, idx_st1 = idx_strides
     fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_in = n < H
-    if PREFETCH != PREFETCH_OFF:
+    if PF_BYTES > 0:
         mine = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
         _prefetch_weight_rows(
-            w_ptr, mine[0], n.to(tl.int64), n_in, strides[3], strides[4], KDIM, PTX
+            w_ptr, mine[0], n.to(tl.int64), n_in, strides[3], strides[4], PF_BYTES, PTX
         )
     if USE_PDL:
         gdc_wait()  # act from the gate|up kernel
@@ -568,17 +568,19 @@ def _group_quant(rows: torch.Tensor, use_pdl: bool) -> tuple[torch.Tensor, torch
     return fp8_codes(codes), scales
 
 
-def _prefetch_code(cfg: dict, plan, weights: torch.Tensor, use_pdl: bool, ptx: bool) -> int:
-    """The kernels' ``PREFETCH`` code: ``cfg["prefetch"]`` where the programs can name their
-    work item before their ``gdc_wait`` (PDL on, items computed in the program from
-    ``top_k_index``: ``plan.sp`` > 0) and every weight row is 16-byte aligned with a unit
+def _prefetch_bytes(cfg: dict, plan, weights: torch.Tensor, use_pdl: bool, ptx: bool) -> int:
+    """The kernels' ``PF_BYTES``: ``cfg["prefetch"]`` bytes of each weight row (at most the row,
+    a multiple of 16) where the programs can name their work item before their ``gdc_wait``
+    (PDL on, items computed in the program from ``top_k_index``: ``plan.sp`` > 0, the tokens'
+    quantization launched just before) and every weight row is 16-byte aligned with a unit
     reduction stride (one bulk L2 prefetch per row); 0 elsewhere."""
-    code = int(cfg.get("prefetch", 0))
-    if not (code and use_pdl and ptx and plan.sp > 0) or cfg.get("fuse_tokens_quant"):
+    want = int(cfg.get("prefetch", 0))
+    if not (want and use_pdl and ptx and plan.sp > 0) or cfg.get("fuse_tokens_quant"):
         return 0
     st_e, st_n, st_k = weights.stride()
     aligned = weights.data_ptr() % 16 == 0 and st_e % 16 == 0 and st_n % 16 == 0
-    return code if st_k == 1 and aligned and weights.shape[2] % 16 == 0 else 0
+    row = weights.shape[2]
+    return min(want, row) // 16 * 16 if st_k == 1 and aligned and row % 16 == 0 else 0
 
 
 def _tokens_quant(
@@ -658,6 +660,7 @@ def _launch_gate_up_fp8(
     if quant_x:
         x = xs = hidden_states
     aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
+    pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
     strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
     launch(
         _experts_fp8_gate_up_kernel,
@@ -694,7 +697,8 @@ def _launch_gate_up_fp8(
         ACCUM=cfg["accumulation"],
         FUSE_QUANT=fuse_quant,
         QUANT_X=quant_x,
-        PREFETCH=_prefetch_code(cfg, plan, gw, use_pdl, ptx),
+        PF_BYTES=pf_bytes,
+        EARLY_DEPENDENTS=bool(pf_bytes and cfg.get("early_dependents")),
         num_warps=cfg["warps"],
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
@@ -843,7 +847,7 @@ def launch_moe_experts_fp8(
         E8M0=ds_e8,
         ACCUM=cfg["accumulation"],
         QUANT_A=bool(cfg.get("down_act_quant")),
-        PREFETCH=_prefetch_code(cfg, plan, dw, use_pdl, ptx),
+        PF_BYTES=_prefetch_bytes(cfg, plan, dw, use_pdl, ptx),
         num_warps=cfg.get("down_warps", cfg["warps"]),
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),

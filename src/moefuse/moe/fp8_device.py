@@ -105,15 +105,6 @@ def fp8_block_dot(w, q, ACCUM: tl.constexpr, PTX: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
 
 
-#: ``PREFETCH`` codes of the FP8 experts kernels (tile key ``prefetch``): 0 off; 1 each gate|up and
-#: down program asks the L2 for its weight rows before its ``gdc_wait``; 2 that, and the gate|up
-#: kernel lets its dependents launch right after its ``gdc_wait`` (so the down programs' requests
-#: run under the gate|up products)
-PREFETCH_OFF: tl.constexpr = tl.constexpr(0)
-PREFETCH_ROWS: tl.constexpr = tl.constexpr(1)
-PREFETCH_EARLY: tl.constexpr = tl.constexpr(2)
-
-
 @triton.jit
 def prefetch_rows_l2(row_ptrs, live, nbytes, PTX: tl.constexpr):
     """Asks the L2 for the ``nbytes`` bytes from each of ``row_ptrs`` [R] where ``live`` (one
