@@ -130,6 +130,21 @@ def tile_fn(x0, want, wq, ws, tile):
     return run
 
 
+def prefetch_fn(x0, want, wq, ws, nbytes: int):
+    """The default launch (PDL on) with each program's first ``nbytes`` of every weight row
+    requested from the L2 before its ``gdc_wait``, checked bitwise against ``want`` first."""
+    from moefuse.moe.linear_triton import launch_fp8_linear
+
+    def run(x):
+        out = torch.empty(x.shape[0], wq.shape[0], dtype=x.dtype, device=x.device)
+        launch_fp8_linear(x, wq, ws, None, None, out, True, tile={"prefetch": nbytes})
+        return out
+
+    if not torch.equal(run(x0).view(torch.int16), want.view(torch.int16)):
+        raise AssertionError(f"fp8_linear prefetch {nbytes} changed the bits")
+    return run
+
+
 def bench_shape(name, n, k, rows_list, args, device, ceiling) -> list[dict]:
     import moefuse
 
@@ -160,6 +175,8 @@ def bench_shape(name, n, k, rows_list, args, device, ceiling) -> list[dict]:
             "moefuse": lambda x: moefuse.fp8_linear(x, wq, ws),
             "bf16_mm": lambda x: x @ wbf.t(),
         }
+        for nbytes in args.prefetch:
+            variants[f"prefetch_{nbytes}"] = prefetch_fn(x0, got, wq, ws, nbytes)
         for tile in args.tiles:
             try:
                 variants[f"tile_{tile_name(tile)}"] = tile_fn(x0, got, wq, ws, tile)
@@ -244,6 +261,14 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     p.add_argument("--replays", type=int, default=8)
+    p.add_argument(
+        "--prefetch",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also time the default launch with these bytes of each weight row requested from "
+        "the L2 before the kernel's gdc_wait (checked bitwise first)",
+    )
     p.add_argument(
         "--tiles",
         type=parse_tile,

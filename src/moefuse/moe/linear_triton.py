@@ -30,7 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
-from moefuse.moe.fp8_device import block_fp8_product, fp8_codes
+from moefuse.moe.fp8_device import block_fp8_product, fp8_codes, prefetch_rows_l2
 from moefuse.moe.tiles import linear_fp8_plan
 
 
@@ -48,12 +48,14 @@ def _fp8_linear_kernel(
     N: tl.constexpr, KDIM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     SPLITS: tl.constexpr, CHUNK: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
     STAGES: tl.constexpr, ACCUM: tl.constexpr, HAS_BIAS: tl.constexpr, E8M0: tl.constexpr,
-    PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr, PF_BYTES: tl.constexpr = 0,
 ):  # fmt: skip
     """The block-scaled product of ``BN`` weight rows and ``BT`` token columns (module
     docstring); ``strides`` = (x row, x-scale row, weight row, scale row, out row). With
     ``SPLIT_PROGRAMS`` grid axis 2 is the chunk and the program stores its chunk sum into
-    ``part`` [SPLITS, M, N]; otherwise it adds all chunks and writes ``out``."""
+    ``part`` [SPLITS, M, N]; otherwise it adds all chunks and writes ``out``. ``PF_BYTES`` > 0:
+    the first ``PF_BYTES`` of each of the program's weight rows (of its chunk) are requested
+    from the L2 before the ``gdc_wait`` (the weights are no kernel's output)."""
     x_st, xs_st, w_st, s_st, out_st = strides
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_in = n < N
@@ -70,6 +72,10 @@ def _fp8_linear_kernel(
     x_cols = x_ptr + c64[None, :] * x_st
     xs_cols = xs_ptr + c64 * xs_st
     n_blocks: tl.constexpr = (KDIM + 127) // 128
+    if PF_BYTES > 0:
+        k0 = tl.program_id(2) * CHUNK * 128 if SPLIT_PROGRAMS else 0
+        size = tl.minimum(KDIM - k0, PF_BYTES)
+        prefetch_rows_l2(w_ptr + n64 * w_st + k0, n_in & (size > 0), size, PTX)
     if USE_PDL:
         gdc_wait()
     if SPLIT_PROGRAMS:
@@ -122,6 +128,15 @@ def _fp8_linear_reduce_kernel(
     )
 
 
+def _prefetch_bytes(cfg: dict, weight: torch.Tensor, ptx: bool) -> int:
+    """The kernel's ``PF_BYTES``: ``cfg["prefetch"]`` bytes of each weight row, a multiple of
+    16, where every row is 16-byte aligned (one bulk L2 prefetch per row); 0 elsewhere."""
+    want = int(cfg.get("prefetch", 0)) // 16 * 16
+    row_st, k = weight.stride(0), weight.shape[1]
+    aligned = weight.data_ptr() % 16 == 0 and row_st % 16 == 0 and k % 16 == 0
+    return want if ptx and aligned and weight.stride(1) == 1 else 0
+
+
 def launch_fp8_linear(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -171,6 +186,7 @@ def launch_fp8_linear(
         N=n, KDIM=k, BN=cfg["bn"], BT=cfg["bt"], SPLITS=splits, CHUNK=chunk,
         SPLIT_PROGRAMS=split_programs, STAGES=cfg["stages"], ACCUM=cfg["accumulation"],
         HAS_BIAS=bias is not None, E8M0=e8m0, PTX=ptx, USE_PDL=use_pdl,
+        PF_BYTES=_prefetch_bytes(cfg, weight, ptx),
         num_warps=cfg["warps"], enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
     )  # fmt: skip
