@@ -414,3 +414,32 @@ def test_fp8_fused_activation_quant_is_the_group_quant_op():
         {"fuse_act_quant": True, "fuse_tokens_quant": True},
     )
     assert_fused_activation_quant(x, (gq, gs, dq, ds), idx, w, tiles, False)
+
+
+def test_prefetch_only_where_the_work_item_is_known_before_the_wait():
+    """The L2 prefetch of the weight rows runs before a program's ``gdc_wait``: only with PDL,
+    with inline work items (``plan.sp`` > 0: read from ``top_k_index``, complete once the
+    tokens' quantization kernel launched its dependents), never with the tokens quantized in
+    the gate|up programs (no kernel of ours before them), on 16-byte aligned rows; the byte
+    count is cut to the row and to a multiple of 16."""
+    from types import SimpleNamespace
+
+    from moefuse.moe.experts_fp8 import _prefetch_bytes
+    from moefuse.moe.linear_triton import _prefetch_bytes as linear_prefetch_bytes
+
+    w = torch.empty(4, 256, 1024, dtype=torch.float8_e4m3fn)
+    inline, planned = SimpleNamespace(sp=32), SimpleNamespace(sp=0)
+    on = {"prefetch": 1 << 20}
+    assert _prefetch_bytes(on, inline, w, True, True) == 1024
+    assert _prefetch_bytes({"prefetch": 500}, inline, w, True, True) == 496
+    assert _prefetch_bytes({}, inline, w, True, True) == 0
+    assert _prefetch_bytes(on, planned, w, True, True) == 0
+    assert _prefetch_bytes(on, inline, w, False, True) == 0  # no PDL
+    assert _prefetch_bytes(on, inline, w, True, False) == 0  # interpreter
+    assert _prefetch_bytes({**on, "fuse_tokens_quant": True}, inline, w, True, True) == 0
+    odd = torch.empty(4, 256, 1032, dtype=torch.float8_e4m3fn)[:, :, :1000]
+    assert _prefetch_bytes(on, inline, odd, True, True) == 0  # rows of 1000 bytes
+    lin = torch.empty(512, 2048, dtype=torch.float8_e4m3fn)
+    assert linear_prefetch_bytes({"prefetch": 2050}, lin, True) == 2048
+    assert linear_prefetch_bytes({"prefetch": 2048}, lin, False) == 0
+    assert linear_prefetch_bytes({"prefetch": 2048}, lin[:, 8:], True) == 0  # 8-byte offset

@@ -108,6 +108,11 @@ QUANT_PLACEMENTS = (
     {"fuse_tokens_quant": True, "fuse_act_quant": True},
     {"fuse_tokens_quant": True, "down_act_quant": True},
     {"fuse_tokens_quant": False, "down_act_quant": True},
+    # the weight rows requested from the L2 before each program's gdc_wait (whole rows, or
+    # their first 512 bytes), with the down kernel launched right after gate|up's wait
+    {"prefetch": 1 << 20},
+    {"prefetch": 1 << 20, "early_dependents": True, "fuse_act_quant": True},
+    {"prefetch": 512, "early_dependents": True, "fuse_act_quant": False},
 )
 
 
@@ -180,7 +185,13 @@ def test_fp8_linear(n, k):
         assert rel(got, want) < TOL, (m, rel(got, want))
         j = m // 2
         assert_bitwise_equal(moefuse.fp8_linear(x[j : j + 1], wq, ws, bias)[0], got[j], "alone")
-        for tile in ({"split_programs": True}, {"split_programs": False}, {"bt": 64}):
+        for tile in (
+            {"split_programs": True},
+            {"split_programs": False},
+            {"bt": 64},
+            {"prefetch": 1024},
+            {"prefetch": 1 << 20, "split_programs": False},
+        ):
             o = poison_(torch.empty_like(got))
             launch_fp8_linear(x, wq, ws, bias, None, o, True, tile=tile)
             assert_bitwise_equal(o, got, f"M={m} {tile}")
