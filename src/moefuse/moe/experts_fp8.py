@@ -81,10 +81,17 @@ def _gate_up_rows(INTER: tl.constexpr, BN: tl.constexpr, INTERLEAVED: tl.constex
 
 
 @triton.jit
-def _prefetch_weight_rows(w_ptr, e, rows, n_in, w_st_e, w_st_n, NBYTES: tl.constexpr, PTX):
-    """:func:`prefetch_rows_l2` of the first ``NBYTES`` of ``rows`` of expert ``e``'s weight
-    (none where ``e`` < 0: the program has no work item)."""
-    ptrs = w_ptr + e.to(tl.int64) * w_st_e + rows * w_st_n
+def _request_item_rows(
+    w_ptr, rows, n_in, strides, work, SP: tl.constexpr, BT: tl.constexpr, NBYTES: tl.constexpr,
+    PTX: tl.constexpr,
+):  # fmt: skip
+    """:func:`prefetch_rows_l2` of the first ``NBYTES`` of ``rows`` of the weight of this
+    program's work item's expert (none without an item); ``work`` = (items, sorted slots,
+    top_k_index, slots, top_k, experts, index strides) as :func:`_work_item` takes them,
+    ``strides[3:5]`` the weight's expert and row strides."""
+    items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, st0, st1 = work
+    e = _work_item(items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, st0, st1, SP, BT)[0]
+    ptrs = w_ptr + e.to(tl.int64) * strides[3] + rows * strides[4]
     prefetch_rows_l2(ptrs, n_in & (e >= 0), NBYTES, PTX)
 
 
@@ -277,10 +284,7 @@ def _experts_fp8_gate_up_kernel(
     strides,
     idx_strides,
     aq_args,
-    top_k,
-    n_slots,
-    n_experts,
-    n_count,
+    sizes,
     KDIM: tl.constexpr,
     INTER: tl.constexpr,
     BN: tl.constexpr,
@@ -295,30 +299,30 @@ def _experts_fp8_gate_up_kernel(
     ACCUM: tl.constexpr,
     FUSE_QUANT: tl.constexpr,
     QUANT_X: tl.constexpr,
-    PF_BYTES: tl.constexpr,
-    EARLY_DEPENDENTS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """act[s, n] = cast(silu(g_n) * u_n) with the block-scaled FP8 products of the item's
     tokens (module docstring); the roles of ``SP``, ``BR`` and the counters are those of the
-    BF16 gate|up kernel (:func:`moefuse.moe.experts_triton._experts_gate_up_kernel`);
+    BF16 gate|up kernel (:func:`moefuse.moe.experts_triton._experts_gate_up_kernel`), ``sizes``
+    = (top_k, slots, experts, counters to zero);
     ``FUSE_QUANT``: the activation's codes and scales too (:func:`_quantize_group_if_last`);
-    ``QUANT_X``: ``x`` holds the tokens, quantized per K-block in registers. ``PF_BYTES`` > 0
-    (only with ``SP`` > 0 after the tokens' quantization kernel, whose dependents launch after
-    its own ``gdc_wait``, so ``top_k_index`` is complete): the first ``PF_BYTES`` of each of the
-    program's weight rows are requested from the L2 before the wait. ``EARLY_DEPENDENTS``: the
-    kernel next in the stream may launch right after the wait, not after the products."""
+    ``QUANT_X``: ``x`` holds the tokens, quantized per K-block in registers. ``PREFETCH`` =
+    (bytes, early dependents): bytes > 0 (only with ``SP`` > 0 after the tokens' quantization
+    kernel, whose dependents launch after its own ``gdc_wait``, so ``top_k_index`` is
+    complete), the first bytes of each of the program's weight rows are requested from the L2
+    before the wait; early dependents, the kernel next in the stream may launch right after the
+    wait, not after the products."""
+    top_k, n_slots, n_experts, n_count = sizes
     idx_st0, idx_st1 = idx_strides
     ptrs = (x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr)
-    if PF_BYTES > 0:
-        mine = _work_item(
-            items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
-        )
+    if PREFETCH[0] > 0:
+        work = (items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1)
         rows, n_in = _gate_up_rows(INTER, BN, INTERLEAVED)
-        _prefetch_weight_rows(w_ptr, mine[0], rows, n_in, strides[3], strides[4], PF_BYTES, PTX)
-    TRIGGER_AFTER_LOOP: tl.constexpr = USE_PDL and not EARLY_DEPENDENTS
+        _request_item_rows(w_ptr, rows, n_in, strides, work, SP, BT, PREFETCH[0], PTX)
+    TRIGGER_AFTER_LOOP: tl.constexpr = USE_PDL and not PREFETCH[1]
     if USE_PDL:
         gdc_wait()
-        if EARLY_DEPENDENTS:
+        if PREFETCH[1]:
             gdc_launch_dependents()
     if SP > 0:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -331,48 +335,18 @@ def _experts_fp8_gate_up_kernel(
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _gate_up_item(
-            ptrs,
-            tail,
-            strides,
-            aq_ptrs,
-            aq_args,
-            KDIM,
-            INTER,
-            BN,
-            BR,
-            STAGES,
-            PTX,
-            TRIGGER_AFTER_LOOP,
-            INTERLEAVED,
-            E8M0,
-            ACCUM,
-            FUSE_QUANT,
-            QUANT_X,
-        )
+            ptrs, tail, strides, aq_ptrs, aq_args, KDIM, INTER, BN, BR, STAGES, PTX,
+            TRIGGER_AFTER_LOOP, INTERLEAVED, E8M0, ACCUM, FUSE_QUANT, QUANT_X,
+        )  # fmt: skip
     else:
         item = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
         if item[0] >= 0:
             _gate_up_item(
-                ptrs,
-                item,
-                strides,
-                aq_ptrs,
-                aq_args,
-                KDIM,
-                INTER,
-                BN,
-                BT,
-                STAGES,
-                PTX,
-                TRIGGER_AFTER_LOOP,
-                INTERLEAVED,
-                E8M0,
-                ACCUM,
-                FUSE_QUANT,
-                QUANT_X,
-            )
+                ptrs, item, strides, aq_ptrs, aq_args, KDIM, INTER, BN, BT, STAGES, PTX,
+                TRIGGER_AFTER_LOOP, INTERLEAVED, E8M0, ACCUM, FUSE_QUANT, QUANT_X,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -484,60 +458,29 @@ def _experts_fp8_down_kernel(
     map_ptr, scale_ptr, bias_ptr, shared_ptr, out_ptr = fin_out
     idx_st0, idx_st1 = idx_strides
     fin_ptrs = (map_ptr, scale_ptr, bias_ptr, idx_ptr, shared_ptr, out_ptr)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_in = n < H
     if PF_BYTES > 0:
-        mine = _work_item(
-            items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
-        )
-        _prefetch_weight_rows(
-            w_ptr, mine[0], n.to(tl.int64), n_in, strides[3], strides[4], PF_BYTES, PTX
-        )
+        work = (items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        _request_item_rows(w_ptr, rows.to(tl.int64), rows < H, strides, work, SP, BT, PF_BYTES, PTX)
     if USE_PDL:
         gdc_wait()  # act from the gate|up kernel
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_in = n < H
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
         _down_item(
-            act_ptr,
-            as_ptr,
-            w_ptr,
-            s_ptr,
-            y_ptr,
-            tail,
-            (n, n_in),
-            strides,
-            KDIM,
-            BR,
-            STAGES,
-            PTX,
-            USE_PDL,
-            E8M0,
-            ACCUM,
-            QUANT_A,
-        )
+            act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, tail, (n, n_in), strides, KDIM, BR,
+            STAGES, PTX, USE_PDL, E8M0, ACCUM, QUANT_A,
+        )  # fmt: skip
     else:
         item = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
         if item[0] >= 0:
             _down_item(
-                act_ptr,
-                as_ptr,
-                w_ptr,
-                s_ptr,
-                y_ptr,
-                item,
-                (n, n_in),
-                strides,
-                KDIM,
-                BT,
-                STAGES,
-                PTX,
-                USE_PDL,
-                E8M0,
-                ACCUM,
-                QUANT_A,
-            )
+                act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, (n, n_in), strides, KDIM, BT,
+                STAGES, PTX, USE_PDL, E8M0, ACCUM, QUANT_A,
+            )  # fmt: skip
     if FINALIZE:
         y_st = strides[2]
         map_st, scale_st, bias_st, shared_st, out_st = fin_strides
@@ -679,10 +622,7 @@ def _launch_gate_up_fp8(
         strides,
         idx_strides,
         aq_args,
-        top_k_index.shape[1],
-        slots_all,
-        experts,
-        plan.counters.numel() if plan.fused else 0,
+        (top_k_index.shape[1], slots_all, experts, plan.counters.numel() if plan.fused else 0),
         KDIM=hidden,
         INTER=inter,
         BN=cfg["bn_gate_up"],
@@ -697,8 +637,7 @@ def _launch_gate_up_fp8(
         ACCUM=cfg["accumulation"],
         FUSE_QUANT=fuse_quant,
         QUANT_X=quant_x,
-        PF_BYTES=pf_bytes,
-        EARLY_DEPENDENTS=bool(pf_bytes and cfg.get("early_dependents")),
+        PREFETCH=(pf_bytes, bool(pf_bytes and cfg.get("early_dependents"))),
         num_warps=cfg["warps"],
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
