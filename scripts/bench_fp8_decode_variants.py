@@ -5,6 +5,8 @@ default, CUDA-graph µs, and whether each variant's output is bitwise the defaul
     python scripts/bench_fp8_decode_variants.py warm [--jobs N]    compile every variant (parallel)
     python scripts/bench_fp8_decode_variants.py time [--out FILE]  time them (one process)
 
+(``--variants NAME ...`` on both: only these, with ``base``.)
+
 ``warm`` runs each (shape, variant) once per token count in its own process (16 experts for
 the 128- and 256-expert shapes: the kernels' compile keys do not depend on E, the token tile is
 the one of the real E), so that ``time`` finds every kernel in Triton's cache. ``time`` goes
