@@ -43,6 +43,7 @@ from moefuse.moe.fp8_device import (
     GROUP_EPS,
     block_fp8_product,
     fp8_codes,
+    prefetch_row_bytes,
     prefetch_rows_l2,
 )
 from moefuse.moe.tiles import (
@@ -82,9 +83,16 @@ def _gate_up_rows(INTER: tl.constexpr, BN: tl.constexpr, INTERLEAVED: tl.constex
 
 @triton.jit
 def _request_item_rows(
-    w_ptr, rows, n_in, strides, work, SP: tl.constexpr, BT: tl.constexpr, NBYTES: tl.constexpr,
+    w_ptr,
+    rows,
+    n_in,
+    strides,
+    work,
+    SP: tl.constexpr,
+    BT: tl.constexpr,
+    NBYTES: tl.constexpr,
     PTX: tl.constexpr,
-):  # fmt: skip
+):
     """:func:`prefetch_rows_l2` of the first ``NBYTES`` of ``rows`` of the weight of this
     program's work item's expert (none without an item); ``work`` = (items, sorted slots,
     top_k_index, slots, top_k, experts, index strides) as :func:`_work_item` takes them,
@@ -102,20 +110,12 @@ def _gate_up_item(
     strides,
     aq_ptrs,
     aq_args,
-    KDIM: tl.constexpr,
-    INTER: tl.constexpr,
-    BN: tl.constexpr,
     BT: tl.constexpr,
-    STAGES: tl.constexpr,
-    PTX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    E8M0: tl.constexpr,
-    ACCUM: tl.constexpr,
-    FUSE_QUANT: tl.constexpr,
-    QUANT_X: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``ptrs`` = (x,
+    """``act`` of this program's BN rows of I for the ``BT`` columns of ``item``; ``TILE`` = the
+    gate|up kernel's (KDIM, INTER, BN, STAGES, PTX, trigger its dependents after the products,
+    INTERLEAVED, E8M0, ACCUM, FUSE_QUANT, QUANT_X); ``ptrs`` = (x,
     x scales, weight codes, weight scales, act); ``strides`` =
     (x row, x-scale row, act row, weight expert / row / reduction, scale expert / row / block);
     ``x`` holds the tokens' E4M3 codes and ``xs`` their group scales, or with ``QUANT_X`` the
@@ -124,6 +124,7 @@ def _gate_up_item(
     BF16 kernel; a row's scale is row ``stored row // 128`` of its expert's scales.
     ``FUSE_QUANT``: the activation's group quantization follows (:func:`_quantize_group_if_last`,
     ``aq_ptrs`` / ``aq_args`` its buffers and arguments)."""
+    KDIM, INTER, BN, STAGES, PTX, USE_PDL, INTERLEAVED, E8M0, ACCUM, FUSE_QUANT, QUANT_X = TILE
     x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr = ptrs
     e, s, r_in, tok = item
     x_st, xs_st, act_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
@@ -320,6 +321,19 @@ def _experts_fp8_gate_up_kernel(
         rows, n_in = _gate_up_rows(INTER, BN, INTERLEAVED)
         _request_item_rows(w_ptr, rows, n_in, strides, work, SP, BT, PREFETCH[0], PTX)
     TRIGGER_AFTER_LOOP: tl.constexpr = USE_PDL and not PREFETCH[1]
+    TILE: tl.constexpr = (
+        KDIM,
+        INTER,
+        BN,
+        STAGES,
+        PTX,
+        TRIGGER_AFTER_LOOP,
+        INTERLEAVED,
+        E8M0,
+        ACCUM,
+        FUSE_QUANT,
+        QUANT_X,
+    )
     if USE_PDL:
         gdc_wait()
         if PREFETCH[1]:
@@ -334,19 +348,13 @@ def _experts_fp8_gate_up_kernel(
                 c0 += 128
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
-        _gate_up_item(
-            ptrs, tail, strides, aq_ptrs, aq_args, KDIM, INTER, BN, BR, STAGES, PTX,
-            TRIGGER_AFTER_LOOP, INTERLEAVED, E8M0, ACCUM, FUSE_QUANT, QUANT_X,
-        )  # fmt: skip
+        _gate_up_item(ptrs, tail, strides, aq_ptrs, aq_args, BR, TILE)
     else:
         item = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
         if item[0] >= 0:
-            _gate_up_item(
-                ptrs, item, strides, aq_ptrs, aq_args, KDIM, INTER, BN, BT, STAGES, PTX,
-                TRIGGER_AFTER_LOOP, INTERLEAVED, E8M0, ACCUM, FUSE_QUANT, QUANT_X,
-            )  # fmt: skip
+            _gate_up_item(ptrs, item, strides, aq_ptrs, aq_args, BT, TILE)
 
 
 @triton.jit
@@ -359,20 +367,16 @@ def _down_item(
     item,
     rows,
     strides,
-    KDIM: tl.constexpr,
     BT: tl.constexpr,
-    STAGES: tl.constexpr,
-    PTX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    E8M0: tl.constexpr,
-    ACCUM: tl.constexpr,
-    QUANT_A: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    """``y`` of ``rows`` = (rows of H, in range) for the ``BT`` columns of ``item``; ``strides``
+    """``y`` of ``rows`` = (rows of H, in range) for the ``BT`` columns of ``item``; ``TILE`` =
+    the down kernel's (KDIM, STAGES, PTX, USE_PDL, E8M0, ACCUM, QUANT_A); ``strides``
     = (act row, act-scale row, y row, weight expert / row / reduction, scale expert / row /
     block); ``act`` holds the activation's E4M3 codes and ``as`` their group scales, or with
     ``QUANT_A`` the rounded activation itself, quantized per K-block in registers (``as``
     unused)."""
+    KDIM, STAGES, PTX, USE_PDL, E8M0, ACCUM, QUANT_A = TILE
     e, s, r_in, _tok = item
     n, n_in = rows
     act_st, as_st, y_st, w_st_e, w_st_n, w_st_k, s_st_e, s_st_n, s_st_k = strides
@@ -466,21 +470,16 @@ def _experts_fp8_down_kernel(
         gdc_wait()  # act from the gate|up kernel
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_in = n < H
+    TILE: tl.constexpr = (KDIM, STAGES, PTX, USE_PDL, E8M0, ACCUM, QUANT_A)
     if BR > 0 and _tail_item(items_ptr, BR):
         tail = _item_tokens(items_ptr, sorted_ptr, top_k, BR)
-        _down_item(
-            act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, tail, (n, n_in), strides, KDIM, BR,
-            STAGES, PTX, USE_PDL, E8M0, ACCUM, QUANT_A,
-        )  # fmt: skip
+        _down_item(act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, tail, (n, n_in), strides, BR, TILE)
     else:
         item = _work_item(
             items_ptr, sorted_ptr, idx_ptr, n_slots, top_k, n_experts, idx_st0, idx_st1, SP, BT
         )
         if item[0] >= 0:
-            _down_item(
-                act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, (n, n_in), strides, KDIM, BT,
-                STAGES, PTX, USE_PDL, E8M0, ACCUM, QUANT_A,
-            )  # fmt: skip
+            _down_item(act_ptr, as_ptr, w_ptr, s_ptr, y_ptr, item, (n, n_in), strides, BT, TILE)
     if FINALIZE:
         y_st = strides[2]
         map_st, scale_st, bias_st, shared_st, out_st = fin_strides
@@ -512,18 +511,14 @@ def _group_quant(rows: torch.Tensor, use_pdl: bool) -> tuple[torch.Tensor, torch
 
 
 def _prefetch_bytes(cfg: dict, plan, weights: torch.Tensor, use_pdl: bool, ptx: bool) -> int:
-    """The kernels' ``PF_BYTES``: ``cfg["prefetch"]`` bytes of each weight row (at most the row,
-    a multiple of 16) where the programs can name their work item before their ``gdc_wait``
+    """The kernels' ``PF_BYTES``: :func:`moefuse.moe.fp8_device.prefetch_row_bytes` of
+    ``cfg["prefetch"]`` where the programs can name their work item before their ``gdc_wait``
     (PDL on, items computed in the program from ``top_k_index``: ``plan.sp`` > 0, the tokens'
-    quantization launched just before) and every weight row is 16-byte aligned with a unit
-    reduction stride (one bulk L2 prefetch per row); 0 elsewhere."""
+    quantization launched just before); 0 elsewhere."""
     want = int(cfg.get("prefetch", 0))
     if not (want and use_pdl and ptx and plan.sp > 0) or cfg.get("fuse_tokens_quant"):
         return 0
-    st_e, st_n, st_k = weights.stride()
-    aligned = weights.data_ptr() % 16 == 0 and st_e % 16 == 0 and st_n % 16 == 0
-    row = weights.shape[2]
-    return min(want, row) // 16 * 16 if st_k == 1 and aligned and row % 16 == 0 else 0
+    return prefetch_row_bytes(want, weights)
 
 
 def _tokens_quant(

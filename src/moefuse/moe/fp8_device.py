@@ -109,8 +109,8 @@ def fp8_block_dot(w, q, ACCUM: tl.constexpr, PTX: tl.constexpr):
 def prefetch_rows_l2(row_ptrs, live, nbytes, PTX: tl.constexpr):
     """Asks the L2 for the ``nbytes`` bytes from each of ``row_ptrs`` [R] where ``live`` (one
     ``cp.async.bulk.prefetch.L2`` per row: rows 16-byte aligned and ``nbytes`` % 16 == 0, which
-    the launcher checks). Reads and writes nothing a thread sees: it only starts the HBM reads
-    of the weights a program is about to stream. A no-op in the interpreter."""
+    :func:`prefetch_row_bytes` checks). Reads and writes nothing a thread sees: it only starts
+    the HBM reads of the weights a program is about to stream. A no-op in the interpreter."""
     if PTX:
         size = tl.where(live, nbytes, 0).to(tl.int32)
         tl.inline_asm_elementwise(
@@ -208,6 +208,17 @@ def block_fp8_product(
     if CHUNK > 0:
         return total
     return acc
+
+
+def prefetch_row_bytes(want: int, weight) -> int:
+    """The bytes of each row of ``weight`` (E4M3, rows along its last dimension) that
+    :func:`prefetch_rows_l2` may request: ``want`` cut to the row and to a multiple of 16, where
+    every row is contiguous and 16-byte aligned (the bulk prefetch's rule); 0 elsewhere."""
+    row = weight.shape[-1]
+    aligned = weight.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in weight.stride()[:-1])
+    if weight.stride(-1) != 1 or not aligned or row % 16:
+        return 0
+    return min(want, row) // 16 * 16
 
 
 def fp8_codes(t):

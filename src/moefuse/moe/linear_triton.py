@@ -30,7 +30,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
-from moefuse.moe.fp8_device import block_fp8_product, fp8_codes, prefetch_rows_l2
+from moefuse.moe.fp8_device import (
+    block_fp8_product,
+    fp8_codes,
+    prefetch_row_bytes,
+    prefetch_rows_l2,
+)
 from moefuse.moe.tiles import linear_fp8_plan
 
 
@@ -129,12 +134,9 @@ def _fp8_linear_reduce_kernel(
 
 
 def _prefetch_bytes(cfg: dict, weight: torch.Tensor, ptx: bool) -> int:
-    """The kernel's ``PF_BYTES``: ``cfg["prefetch"]`` bytes of each weight row, a multiple of
-    16, where every row is 16-byte aligned (one bulk L2 prefetch per row); 0 elsewhere."""
-    want = int(cfg.get("prefetch", 0)) // 16 * 16
-    row_st, k = weight.stride(0), weight.shape[1]
-    aligned = weight.data_ptr() % 16 == 0 and row_st % 16 == 0 and k % 16 == 0
-    return want if ptx and aligned and weight.stride(1) == 1 else 0
+    """The kernel's ``PF_BYTES``: :func:`moefuse.moe.fp8_device.prefetch_row_bytes` of
+    ``cfg["prefetch"]`` (0 in the interpreter)."""
+    return prefetch_row_bytes(int(cfg.get("prefetch", 0)), weight) if ptx else 0
 
 
 def launch_fp8_linear(

@@ -154,8 +154,7 @@ def _norm_tile(pair, rows, cols, mask, args):
 
 
 @triton.jit
-def _reloaded_out(rows, r, src, qa, QC, SUB: tl.constexpr, NSUB: tl.constexpr,
-                  PTX: tl.constexpr):  # fmt: skip
+def _reloaded_out(rows, r, src, qa, QC, SUB: tl.constexpr, NSUB: tl.constexpr, PTX: tl.constexpr):
     """The store of :func:`_norm_tile` / :func:`_stepped` in ``NSUB`` column chunks of ``SUB``
     instead of the norm's tile: each chunk's input and weight re-read (L1 / L2 hits: the row was
     just loaded), ``y = (f32(x) * r) * (f32(w) + gc)`` and quantized. The same values as the
@@ -174,10 +173,29 @@ def _reloaded_out(rows, r, src, qa, QC, SUB: tl.constexpr, NSUB: tl.constexpr,
 
 
 @triton.jit
-def _stepped(x_ptr, res_ptr, w_ptr, row, x_st, r_st, H, Hf, eps, gc, qa, QC,
-             STEP: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
-             MASKED: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-             ADD: tl.constexpr, POLICY: tl.constexpr, RELOAD: tl.constexpr):  # fmt: skip
+def _stepped(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    row,
+    x_st,
+    r_st,
+    H,
+    Hf,
+    eps,
+    gc,
+    qa,
+    QC,
+    STEP: tl.constexpr,
+    STEPS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    MASKED: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    ADD: tl.constexpr,
+    POLICY: tl.constexpr,
+    RELOAD: tl.constexpr,
+):
     """One stepped row: ``norm.triton.norm_stepped``'s arithmetic (per-thread FMA of the squares
     over the steps in ascending order, one tl.sum; unrolled or looped, the same bits) with the
     group-quant store per step (RELOAD, unrolled rows without a residual: each step re-read by
@@ -447,10 +465,8 @@ def launch_norm_group_quant(
     }
 
     def consts(unrolled: bool) -> dict:
-        sub, cap = _store(
-            tile, residual is not None, gw, reload, maxnreg, per_sm, unrolled,
-            input.dtype == torch.bfloat16,
-        )  # fmt: skip
+        bf16 = input.dtype == torch.bfloat16
+        sub, cap = _store(tile, residual is not None, gw, reload, maxnreg, per_sm, unrolled, bf16)
         out = {**row_consts, **quant, "UNROLL": unrolled, "SUB": sub}
         out["NSUB"] = -(-width // sub) if sub else 0
         if cap is not None and not interpreter_active():
