@@ -251,16 +251,15 @@ EXPERTS_FP8_DECODE_WIDE_TOKEN_TILE = 128
 #: ``fuse_tokens_quant``, every gate|up program quantizes its token columns per 128-channel
 #: K-block in registers (no launch for the tokens); ``down_act_quant``, every down program its
 #: activation columns (no launch and no counters for the activation).
-#: Two more decode keys, same bits (no value changes; GPU test `test_fp8_quant_placements_bitwise`),
-#: no default takes them until measured (`scripts/bench_fp8_decode_variants.py`, variants ``pf*``):
-#: ``prefetch`` (bytes per weight row), every gate|up and down program with an inline work item
-#: asks the L2 for that much of each of its weight rows (one ``cp.async.bulk.prefetch.L2`` per
-#: row) before its ``gdc_wait``, so the weights' HBM reads start under the kernel before it;
-#: ``early_dependents``, the gate|up kernel lets the kernel after it launch right after its own
-#: wait (so the down programs' requests run under the gate|up products). Predicted at Qwen3 one
-#: token: the gate|up kernel's ~1.5 µs start and the down kernel's under the launches before
-#: them, 23 -> ~18 µs (37.8 MB of weights fit the 50 MB L2); at Mixtral and DeepSeek-V3 the
-#: whole rows exceed the L2 (512 bytes of each row is the bounded variant). UNMEASURED.
+#: Two more decode keys, same bits (GPU test `test_fp8_quant_placements_bitwise`), which no
+#: default takes: ``prefetch`` (bytes per weight row), every gate|up and down program with an
+#: inline work item asks the L2 for that much of each of its weight rows (one
+#: ``cp.async.bulk.prefetch.L2`` per row) before its ``gdc_wait``; ``early_dependents``, the
+#: gate|up kernel lets the kernel after it launch right after its own wait. MEASURED slower
+#: (H100 80GB HBM3, 2026-12-07, 167f99f, `scripts/bench_fp8_decode_variants.py`, variants
+#: ``pf*``, notes/moe-experts-fp8.md): whole rows Qwen3 T = 1 24.1 -> 28.9 us, Mixtral 137.3 ->
+#: 195.9, DeepSeek-V3 T = 4 476.4 -> 728.7; 512-byte heads 23.6 / 153.1 / 482.6 (base again
+#: 23.5 / 137.2 / 477.4).
 
 
 def experts_fp8_decode_tile(hidden: int, inter: int, token_tile: int, slots: int) -> dict:
@@ -301,10 +300,12 @@ LINEAR_FP8_DECODE_STAGES = 8
 #: q_proj 100 / 370, 93 / 378, 106 / 418, 77 / 292. Taken from M = 256 where it still gives
 #: every SM a program (LINEAR_FP8_WIDE_MIN_PROGRAMS); 64 x 64 below.
 LINEAR_FP8_WIDE = {"bn": 64, "bt": 256, "warps": 8, "stages": 3}
-#: ``prefetch`` (bytes per weight row, tile key of ``fp8_linear``; no default takes it until
-#: measured, `bench fp8-linear --prefetch`): each program asks the L2 for the first bytes of
-#: each of its weight rows in its chunk before its ``gdc_wait`` (the weights are no kernel's
-#: output), so the weight stream starts under the activation's quantization. Same bits. UNMEASURED.
+#: ``prefetch`` (bytes per weight row, tile key of ``fp8_linear``, no default takes it): each
+#: program asks the L2 for the first bytes of each of its weight rows in its chunk before its
+#: ``gdc_wait``. Same bits. MEASURED (H100 80GB HBM3, 2026-12-07, 167f99f, `bench fp8-linear
+#: --rows 1 4 16 --prefetch 2048 8192 65536`, notes/moe-experts-fp8.md): 8192 and 65536 bytes
+#: slower everywhere; 2048 slower in 13 of 15 cells (Qwen3 q_proj M = 1 5.3 -> 8.6 us), faster in
+#: two (DeepSeek-V3 MLP down M = 1 59.4 -> 54.1).
 LINEAR_FP8_WIDE_MIN_PROGRAMS = 132
 
 
