@@ -219,3 +219,32 @@ def test_another_threads_recording_is_not_a_foreign_launch_hook():
         finally:
             chain.remove(profiler_hook)
     assert not chain.calls
+
+
+def test_keyword_options_are_part_of_the_signature(seed):
+    """The parameters with defaults share one key part per kind (every one at its default, or
+    the tuple of their parts): a changed option still records a plan of its own."""
+    fp.clear()
+    op = moefuse.rmsnorm_group_quant
+    for kwargs in ({}, {"scale_ue8m0": True}, {}, {"scale_ue8m0": True}, {"group_size": 64}):
+        x, w = _rand(3, H), _rand(H)
+        want = _slow(lambda: op(x, w, impl="triton", **kwargs))
+        got = op(x, w, impl="triton", **kwargs)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), kwargs
+    assert fp.plan_count(op) == 3, fp.refusals(op)
+
+
+def test_forget_finds_an_object_among_the_keyword_options():
+    @fp.fast_op
+    def probe(x, scale=1.0, *, handle=None, flag=False):
+        return x
+
+    marker = object()
+    x = torch.zeros(2)
+    probe(x)
+    probe(x, handle=marker)
+    probe(x, 2.0, handle=marker, flag=True)
+    assert len(probe._moefuse_plans) == 3
+    fp.forget(marker)
+    assert len(probe._moefuse_plans) == 1

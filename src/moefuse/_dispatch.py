@@ -16,6 +16,10 @@ import torch
 from torch._library.custom_ops import CustomOpDef
 
 _is_compiling = torch.compiler.is_compiling
+#: True only while dynamo traces (it folds the call to a constant); eager, a function returning
+#: False: 0.1 µs cheaper a call than ``is_compiling`` (whose other case, non-strict export, runs
+#: under a dispatch mode or on fake tensors, which the launch plans' guard refuses anyway)
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 
 
