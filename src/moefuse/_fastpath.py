@@ -12,9 +12,10 @@ compiled kernels, same arguments, same bits.
 Lookup, cheapest first: the dict key holds the first argument's shape (the token count), the
 tensors' Python types and the other arguments' values, the parameters with defaults as one part
 per kind (positional, keyword-only): a marker when every one was left at its default object (a
-chain of identity tests), else the tuple of their parts; the plan's first line then checks every tensor's dtype, device, shape, strides,
-``requires_grad`` and dispatch keys in one C++ call (dynamo's tensor guard, ~0.35 µs for any
-number of tensors, where a Python tuple per tensor cost ~0.4 µs each).
+chain of identity tests), else the tuple of their parts. The plan's first line then checks
+every tensor's dtype, device, shape, strides, ``requires_grad`` and dispatch keys in one C++
+call (dynamo's tensor guard, ~0.35 µs for any number of tensors, where a Python tuple per tensor
+cost ~0.4 µs each).
 
 A plan is only built when the slow path was pure launch work, as in a CUDA-graph capture:
 * every torch op it ran was an allocation (``empty*``) or a view (a dispatch mode watches);
