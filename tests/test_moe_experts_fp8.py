@@ -336,6 +336,47 @@ def test_fp8_linear_kernel():
     assert_bitwise_equal(pre, got, "pre-quantized input")
 
 
+def test_fp8_linear_tma_launch(monkeypatch):
+    """The ``tma`` tile (tokens on the MMA's M side, TMA loads; linear_tma) gives the default
+    launch's bits with partial blocks in M, N and K, chunks, bias and UE8M0 scales; it runs
+    only where the operands are TMA-readable (K % 16 == 0); launch plans refuse its descriptors
+    and the public op stays right call after call."""
+    import moefuse.moe.linear_triton as lt
+    from moefuse import _fastpath as fp
+
+    ran = []
+    real = lt.launch_fp8_linear_tma
+    monkeypatch.setattr(lt, "launch_fp8_linear_tma", lambda *a: ran.append(a[-1]) or real(*a))
+    g = torch.Generator().manual_seed(22)
+    tma = {"tma": True, "bn": 64, "bt": 16, "warps": 4, "stages": 2, "split_programs": False}
+    for m, n, k, scale_dtype in ((19, 200, 400, E8M0), (3, 130, 1040, torch.float32)):
+        w = torch.randn(n, k, generator=g) * k**-0.5
+        wq, ws = r8.quantize_weight_blocks(w, scale_dtype)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        bias = torch.randn(n, generator=g).to(torch.bfloat16)
+        want = moefuse.fp8_linear(x, wq, ws, bias, impl="triton")
+        for tile in (tma, dict(tma, bn=128, bt=32)):
+            o = poison_(torch.empty_like(want))
+            lt.launch_fp8_linear(x, wq, ws, bias, None, o, False, tile=tile)
+            assert_bitwise_equal(o, want, f"M={m} N={n} K={k} {tile}")
+    assert ran == [2, 2, 3, 3], ran  # chunks: (200, 400) 2 of its 4 blocks, (130, 1040) 3 of 9
+    x = torch.randn(4, 520, generator=g).to(torch.bfloat16)  # K % 16 != 0: the other launch
+    wq, ws = r8.quantize_weight_blocks(torch.randn(70, 520, generator=g) * 0.05, torch.float32)
+    lt.launch_fp8_linear(x, wq, ws, None, None, torch.empty(4, 70, dtype=x.dtype), False, tile=tma)
+    assert len(ran) == 4
+    policy = lt.linear_fp8_plan
+    monkeypatch.setattr(lt, "linear_fp8_plan", lambda m, n, k: dict(policy(m, n, k), **tma))
+    fp.clear()
+    wq, ws = r8.quantize_weight_blocks(torch.randn(70, 256, generator=g) * 0.05, torch.float32)
+    for _ in range(3):
+        x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+        got = moefuse.fp8_linear(x, wq, ws, impl="triton")
+        assert rel_rms(got, moefuse.fp8_linear(x, wq, ws, impl="reference")) < 2**-8
+    assert len(ran) == 7
+    assert any("TMA descriptor" in why for why in fp.refusals(moefuse.fp8_linear))
+    fp.clear()
+
+
 def test_fp8_linear_plans_fit_shared_memory():
     """Every fp8_linear launch plan at the benchmarked weights and token counts pipelines at most
     what an SM90 program's shared memory holds (227 KiB): ``stages`` x (the weight tile's and

@@ -355,6 +355,8 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
     for kernel, compiled, grid, kargs, consts in rec.launches:
         if callable(grid):
             raise _Unplannable("callable grid")
+        if any(_holds_a_tensor(a) for a in kargs):
+            raise _Unplannable("a kernel argument holds a tensor (a TMA descriptor)")
         located = [_locate_arg(sources, a) for a in kargs]
         devices.update(a.device for a in _tensors(kargs))
         if any(True for _ in _tensors(consts.values())):
@@ -378,6 +380,12 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
         next(iter(devices)),
         hooked,
     )
+
+
+def _holds_a_tensor(a) -> bool:
+    """An argument that is no tensor but refers to one (Triton's host-side ``TensorDescriptor``:
+    its ``base``): a plan could not move it to the next call's tensors."""
+    return not isinstance(a, torch.Tensor) and isinstance(getattr(a, "base", None), torch.Tensor)
 
 
 def _locate_arg(sources: _Sources, a):

@@ -1,6 +1,7 @@
 """Block-scaled FP8 linear layers (:func:`moefuse.fp8_linear`) against torch's.
 
-    python -m moefuse bench fp8-linear [--save] [--out DIR] [--quick] [--tiles 64x128x4 ...]
+    python -m moefuse bench fp8-linear [--save] [--out DIR] [--quick]
+                                       [--tiles 64x128x4 tma128x128x8x4 ...]
 
 At the projection shapes of Qwen3-30B-A3B and DeepSeek-V3 (N x K of the weight) and M = 1 ..
 8,192 rows: random E4M3 codes with FP32 128 x 128 block scales and the BF16 weight they
@@ -99,19 +100,26 @@ def scaled_mm_fn(x, wq, ws, wbf):
 
 
 def parse_tile(text: str) -> dict:
-    """``BNxBTxWARPS[xSTAGES]`` -> a ``launch_fp8_linear`` tile override (one launch: the chunks
-    summed in registers)."""
-    parts = [int(p) for p in text.split("x")]
+    """``[tma]BNxBTxWARPS[xSTAGES]`` -> a ``launch_fp8_linear`` tile override (one launch: the
+    chunks summed in registers; ``tma``: the tokens on the MMA's M side, TMA loads,
+    :mod:`moefuse.moe.linear_tma`)."""
+    tma = text.startswith("tma")
+    try:
+        parts = [int(p) for p in text.removeprefix("tma").split("x")]
+    except ValueError:
+        parts = []
     if len(parts) not in (3, 4):
-        raise argparse.ArgumentTypeError(f"tile {text!r}: BNxBTxWARPS[xSTAGES]")
+        raise argparse.ArgumentTypeError(f"tile {text!r}: [tma]BNxBTxWARPS[xSTAGES]")
     tile = {"bn": parts[0], "bt": parts[1], "warps": parts[2], "split_programs": False}
     if len(parts) == 4:
         tile["stages"] = parts[3]
+    if tma:
+        tile["tma"] = True
     return tile
 
 
 def tile_name(tile: dict) -> str:
-    name = f"{tile['bn']}x{tile['bt']}x{tile['warps']}"
+    name = ("tma" if tile.get("tma") else "") + f"{tile['bn']}x{tile['bt']}x{tile['warps']}"
     return name + (f"x{tile['stages']}" if "stages" in tile else "")
 
 
@@ -274,7 +282,7 @@ def parse_args(argv=None):
         type=parse_tile,
         nargs="+",
         default=[],
-        help="also time these one-launch tiles, BNxBTxWARPS[xSTAGES] (each checked bitwise "
+        help="also time these one-launch tiles, [tma]BNxBTxWARPS[xSTAGES] (each checked bitwise "
         "against the default launch first)",
     )
     args = p.parse_args(argv)

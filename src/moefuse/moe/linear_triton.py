@@ -36,7 +36,8 @@ from moefuse.moe.fp8_device import (
     prefetch_row_bytes,
     prefetch_rows_l2,
 )
-from moefuse.moe.tiles import linear_fp8_plan
+from moefuse.moe.linear_tma import launch_fp8_linear_tma, tma_ready
+from moefuse.moe.tiles import FP8_ACCUMULATION_CODES, linear_fp8_plan
 
 
 def _metadata(grid, kernel, args):
@@ -139,6 +140,18 @@ def _prefetch_bytes(cfg: dict, weight: torch.Tensor, ptx: bool) -> int:
     return prefetch_row_bytes(int(cfg.get("prefetch", 0)), weight) if ptx else 0
 
 
+def _tma_launch(cfg: dict, codes: torch.Tensor, weight: torch.Tensor, split_programs) -> bool:
+    """Whether the tile's ``tma`` key may run :mod:`moefuse.moe.linear_tma`: one launch (no
+    split programs), block accumulation (the orientation-invariance of ``dot_b`` was measured
+    there), a weight-row tile inside one 128-row scale block, TMA-readable operands."""
+    return (
+        not split_programs
+        and cfg["accumulation"] == FP8_ACCUMULATION_CODES["block"]
+        and cfg["bn"] in (64, 128)
+        and tma_ready(codes, weight)
+    )
+
+
 def launch_fp8_linear(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -175,6 +188,12 @@ def launch_fp8_linear(
     if scale.stride(1) != 1:
         scale = scale.contiguous()
     splits, chunk, split_programs = cfg["splits"], cfg["chunk"], cfg["split_programs"]
+    if cfg.get("tma") and _tma_launch(cfg, x, weight, split_programs):
+        launch_fp8_linear_tma(
+            x, xs, fp8_codes(weight), scale, bias, out, cfg, e8m0, ptx, use_pdl,
+            chunk if splits > 1 else 0,
+        )  # fmt: skip
+        return
     part = torch.empty(splits if split_programs else 1, m, n, dtype=torch.float32,
                        device=input.device) if split_programs else out  # fmt: skip
     strides = (x.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), out.stride(0))
