@@ -14,6 +14,7 @@ from moefuse.bench.fp8_linear import make_weight
 from moefuse.bench.moe_experts_fp8 import make_fp8_weights
 from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
 from moefuse.moe.linear_triton import launch_fp8_linear
+from moefuse.moe.tiles import LINEAR_FP8_TMA
 from moefuse.testing import (
     assert_bitwise_equal,
     assert_fused_activation_quant,
@@ -191,7 +192,7 @@ def test_fp8_linear(n, k):
             {"bt": 64},
             {"prefetch": 1024},
             {"prefetch": 1 << 20, "split_programs": False},
-            {"tma": True, "bn": 128, "bt": 128, "warps": 8, "stages": 4, "split_programs": False},
+            dict(LINEAR_FP8_TMA, split_programs=False),
             {"tma": True, "bn": 64, "bt": 64, "warps": 4, "stages": 4, "split_programs": False},
         ):
             o = poison_(torch.empty_like(got))

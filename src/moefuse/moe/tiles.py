@@ -307,6 +307,12 @@ LINEAR_FP8_WIDE = {"bn": 64, "bt": 256, "warps": 8, "stages": 3}
 #: slower everywhere; 2048 slower in 13 of 15 cells (Qwen3 q_proj M = 1 5.3 -> 8.6 us), faster in
 #: two (DeepSeek-V3 MLP down M = 1 59.4 -> 54.1).
 LINEAR_FP8_WIDE_MIN_PROGRAMS = 132
+#: ``tma`` (tile key, with ``bn`` 64 or 128; no default takes it until measured): the many-row
+#: launch of :mod:`moefuse.moe.linear_tma`, the tokens on the MMA's M side and TMA loads, the
+#: same bits. A probe of that shape without chunk sums ran 551.6 us against the pointer
+#: kernel's 783.9 and BF16 torch.mm's 591.6 at 2048 x 7168 x 16384 (H100 80GB HBM3, 2026-12-07,
+#: 128 x 128 tile, 8 warps, 4 stages; notes/moe-experts-fp8.md). The launch itself: UNMEASURED.
+LINEAR_FP8_TMA = {"tma": True, "bn": 128, "bt": 128, "warps": 8, "stages": 4}
 
 
 def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
