@@ -46,12 +46,26 @@ def _metadata(grid, kernel, args):
 
 @triton.jit(launch_metadata=_metadata)
 def _fp8_linear_tma_kernel(
-    x_desc, w_desc, xs_ptr, s_ptr, bias_ptr, out_ptr,
-    m_rows, strides,
-    N: tl.constexpr, KDIM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
-    CHUNK: tl.constexpr, STAGES: tl.constexpr, ACCUM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    E8M0: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    x_desc,
+    w_desc,
+    xs_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    m_rows,
+    strides,
+    N: tl.constexpr,
+    KDIM: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    STAGES: tl.constexpr,
+    ACCUM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    E8M0: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """``out[t, n]`` for ``BT`` token rows from ``program_id(1) * BT`` and ``BN`` (<= 128, a
     divisor of 128) weight rows from ``program_id(0) * BN``; ``strides`` = (x-scale row, weight
     scale row, out row). ``CHUNK`` > 0: the sum restarts from +0.0 every ``CHUNK`` blocks and
@@ -101,8 +115,9 @@ def tma_ready(codes: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def launch_fp8_linear_tma(x, xs, weight, scale, bias, out, cfg: dict, e8m0: bool, ptx: bool,
-                          use_pdl: bool, chunk: int) -> None:  # fmt: skip
+def launch_fp8_linear_tma(
+    x, xs, weight, scale, bias, out, cfg: dict, e8m0: bool, ptx: bool, use_pdl: bool, chunk: int
+) -> None:
     """``out`` [M, N] from the codes ``x`` [M, K] (E4M3, or uint8 in the interpreter) with
     their scales ``xs`` [M, ceil(K/128)], the weight codes [N, K] and its block scales ``scale``
     (FP32 or UE8M0 bytes, unit stride along K); ``chunk`` > 0: the chunk order of a split (N, K).
@@ -117,10 +132,26 @@ def launch_fp8_linear_tma(x, xs, weight, scale, bias, out, cfg: dict, e8m0: bool
     launch(
         _fp8_linear_tma_kernel,
         (triton.cdiv(n, bn), triton.cdiv(m, bt)),
-        x_desc, w_desc, xs, scale, bias if bias is not None else out, out,
-        m, (xs.stride(0), scale.stride(0), out.stride(0)),
-        N=n, KDIM=k, BN=bn, BT=bt, CHUNK=chunk, STAGES=cfg["stages"], ACCUM=cfg["accumulation"],
-        HAS_BIAS=bias is not None, E8M0=e8m0, PTX=ptx, USE_PDL=use_pdl,
-        num_warps=cfg["warps"], enable_fp_fusion=False,
+        x_desc,
+        w_desc,
+        xs,
+        scale,
+        bias if bias is not None else out,
+        out,
+        m,
+        (xs.stride(0), scale.stride(0), out.stride(0)),
+        N=n,
+        KDIM=k,
+        BN=bn,
+        BT=bt,
+        CHUNK=chunk,
+        STAGES=cfg["stages"],
+        ACCUM=cfg["accumulation"],
+        HAS_BIAS=bias is not None,
+        E8M0=e8m0,
+        PTX=ptx,
+        USE_PDL=use_pdl,
+        num_warps=cfg["warps"],
+        enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
-    )  # fmt: skip
+    )

@@ -190,9 +190,18 @@ def launch_fp8_linear(
     splits, chunk, split_programs = cfg["splits"], cfg["chunk"], cfg["split_programs"]
     if cfg.get("tma") and _tma_launch(cfg, x, weight, split_programs):
         launch_fp8_linear_tma(
-            x, xs, fp8_codes(weight), scale, bias, out, cfg, e8m0, ptx, use_pdl,
+            x,
+            xs,
+            fp8_codes(weight),
+            scale,
+            bias,
+            out,
+            cfg,
+            e8m0,
+            ptx,
+            use_pdl,
             chunk if splits > 1 else 0,
-        )  # fmt: skip
+        )
         return
     part = torch.empty(splits if split_programs else 1, m, n, dtype=torch.float32,
                        device=input.device) if split_programs else out  # fmt: skip
