@@ -183,8 +183,8 @@ def bench_shape(name, n, k, rows_list, args, device, ceiling) -> list[dict]:
             "moefuse": lambda x: moefuse.fp8_linear(x, wq, ws),
             "bf16_mm": lambda x: x @ wbf.t(),
         }
-        for nbytes in args.prefetch:
-            variants[f"prefetch_{nbytes}"] = prefetch_fn(x0, got, wq, ws, nbytes)
+        for request in args.prefetch:  # (not ``nbytes``: the weight's bytes, used below)
+            variants[f"prefetch_{request}"] = prefetch_fn(x0, got, wq, ws, request)
         for tile in args.tiles:
             try:
                 variants[f"tile_{tile_name(tile)}"] = tile_fn(x0, got, wq, ws, tile)
