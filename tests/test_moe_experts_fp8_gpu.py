@@ -204,3 +204,37 @@ def test_fp8_linear(n, k):
     graph.replay()
     torch.cuda.synchronize()
     assert_bitwise_equal(out, moefuse.fp8_linear(x, wq, ws, bias), "CUDA-graph replay")
+
+
+def test_fp8_linear_tma_plan_replays(monkeypatch):
+    """With the TMA launch as the policy, an eager call's launch plan replays it: the recorded
+    descriptors are rebuilt over the next call's tensors (moefuse._fastpath), same bits as the
+    slow path on fresh inputs, also under a CUDA graph."""
+    import moefuse.moe.linear_triton as lt
+    from moefuse import _fastpath as fp
+
+    policy = lt.linear_fp8_plan
+    monkeypatch.setattr(
+        lt, "linear_fp8_plan", lambda m, n, k: dict(policy(m, n, k), **LINEAR_FP8_TMA)
+    )
+    fp.clear()
+    wq, ws, _ = make_weight(4096, 2048, DEV, seed=6)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    try:
+        for _ in range(3):
+            x = torch.randn(300, 2048, generator=g, device=DEV).to(torch.bfloat16)
+            got = moefuse.fp8_linear(x, wq, ws)
+            fp.ENABLED[0] = False
+            try:
+                want = moefuse.fp8_linear(x, wq, ws)
+            finally:
+                fp.ENABLED[0] = True
+            assert_bitwise_equal(got, want, "TMA launch replayed by its plan")
+        assert fp.plan_count(moefuse.fp8_linear) == 1, fp.refusals(moefuse.fp8_linear)
+        out = poison_(torch.empty(300, 4096, device=DEV, dtype=torch.bfloat16))
+        graph = capture_graph(lambda: moefuse.fp8_linear(x, wq, ws, out=out))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, want, "CUDA-graph replay")
+    finally:
+        fp.clear()

@@ -21,9 +21,10 @@ per tensor cost ~0.4 µs each).
 
 A plan is only built when the slow path was pure launch work, as in a CUDA-graph capture:
 * every torch op it ran was an allocation (``empty*``) or a view (a dispatch mode watches);
-* every tensor a kernel got, at the top level or inside a tuple argument, lies inside one of
-  the call's tensor arguments or allocations (found by address, kept as that source plus a byte
-  offset; a tuple is replayed as a tuple of the same structure);
+* every tensor a kernel got, at the top level, inside a tuple argument or under a host-side
+  TMA descriptor (``TensorDescriptor``), lies inside one of the call's tensor arguments or
+  allocations (found by address, kept as that source plus a byte offset; a tuple is replayed as
+  a tuple of the same structure, a descriptor as its fields over the new address);
 * what it returned is None, an argument, an allocation, or a tuple of these;
 * the aliasing checks of the validation can be re-run from addresses (``_validate`` reports them).
 Anything else (the PyTorch reference, a torch.distributed call, a scratch tensor of unknown
@@ -357,8 +358,6 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
     for kernel, compiled, grid, kargs, consts in rec.launches:
         if callable(grid):
             raise _Unplannable("callable grid")
-        if any(_holds_a_tensor(a) for a in kargs):
-            raise _Unplannable("a kernel argument holds a tensor (a TMA descriptor)")
         located = [_locate_arg(sources, a) for a in kargs]
         devices.update(a.device for a in _tensors(kargs))
         if any(True for _ in _tensors(consts.values())):
@@ -384,17 +383,45 @@ def _build(rec: _Recorder, args: tuple, result, guard_positions: tuple[int, ...]
     )
 
 
-def _holds_a_tensor(a) -> bool:
-    """An argument that is no tensor but refers to one (Triton's host-side ``TensorDescriptor``:
-    its ``base``): a plan could not move it to the next call's tensors."""
-    return not isinstance(a, torch.Tensor) and isinstance(getattr(a, "base", None), torch.Tensor)
+def _descriptor(a) -> bool:
+    """Triton's host-side ``TensorDescriptor`` (a TMA descriptor over its ``base`` tensor)."""
+    return a.__class__.__name__ == "TensorDescriptor" and isinstance(
+        getattr(a, "base", None), torch.Tensor
+    )
+
+
+class _Address(int):
+    """A device address that answers ``data_ptr()`` as a tensor does: the ``base`` of a
+    :class:`_Descriptor`, read by Triton's launcher (the descriptor's CUtensorMap is filled from
+    ``base.data_ptr()``, its shape, strides and padding at every launch)."""
+
+    __slots__ = ()
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+class _Descriptor:
+    """What Triton's launcher reads of a ``TensorDescriptor`` (base, shape, strides, padding),
+    over the next call's address: a plan's replay of a recorded descriptor argument (the key
+    and layout guard fix its tensor's shape and strides, so only the address changes)."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "padding")
+
+    def __init__(self, address: int, shape, strides, block_shape, padding: str):
+        self.base = _Address(address)
+        self.shape, self.strides, self.block_shape = shape, strides, block_shape
+        self.padding = padding
 
 
 def _locate_arg(sources: _Sources, a):
     """A kernel argument's place: ``(source, byte offset)`` for a tensor, a tuple of places for
-    a tuple that holds a tensor (same structure), None for anything else."""
+    a tuple that holds a tensor (same structure), ``("descriptor", place of its base)`` for a
+    TMA descriptor, None for anything else."""
     if isinstance(a, torch.Tensor):
         return sources.locate(a)
+    if _descriptor(a):
+        return ("descriptor", sources.locate(a.base))
     if isinstance(a, tuple) and any(True for _ in _tensors(a)):
         return tuple(_locate_arg(sources, x) for x in a)
     return None
@@ -447,7 +474,7 @@ def _cuda_launch(code: _Code, kernel, compiled, grid, kargs, consts, located) ->
 
 def _places(a, loc, out: dict) -> None:
     """``out[id(tensor)] = (source, offset)`` for every tensor of ``a`` (tuples walked)."""
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, torch.Tensor) or _descriptor(a):
         out[id(a)] = loc
     elif loc is not None:
         for x, x_loc in zip(a, loc):
@@ -468,6 +495,18 @@ def _launcher_arg(code: _Code, value, by_id: dict) -> str:
         return f"p{src} + {off}" if off else f"p{src}"
     if isinstance(value, tuple) and any(True for _ in _tensors(value)):
         return "(" + "".join(_launcher_arg(code, x, by_id) + ", " for x in value) + ")"
+    if _descriptor(value):
+        loc = by_id.get(id(value))
+        if loc is None:
+            raise _Unplannable("a bound descriptor argument was not located")
+        src, off = loc[1]
+        if off % 16:
+            raise _Unplannable("unaligned descriptor base")
+        fields = (tuple(value.shape), tuple(value.strides), tuple(value.block_shape))
+        return (
+            f"{code.const(_Descriptor)}(p{src} + {off}, {code.const(fields[0])}, "
+            f"{code.const(fields[1])}, {code.const(fields[2])}, {value.padding!r})"
+        )
     return code.const(value)
 
 
@@ -503,6 +542,9 @@ def _layout_of(a, loc):
         return None
     if isinstance(a, torch.Tensor):
         return (loc, a.dtype, tuple(a.shape), a.stride())
+    if _descriptor(a):
+        fields = (list(a.shape), list(a.strides), list(a.block_shape), a.padding)
+        return ("descriptor", _layout_of(a.base, loc[1]), fields)
     return tuple(_layout_of(x, x_loc) for x, x_loc in zip(a, loc))
 
 
@@ -510,6 +552,8 @@ def _reviewed(a, lay, srcs):
     """``a`` with each of its tensors (tuples walked) replaced by the same view of ``srcs``."""
     if lay is None:
         return a
+    if _descriptor(a):
+        return a.__class__(_reviewed(a.base, lay[1], srcs), *lay[2])
     if not isinstance(a, torch.Tensor):
         return tuple(_reviewed(x, x_lay, srcs) for x, x_lay in zip(a, lay))
     (src, off), dtype, shape, stride = lay

@@ -19,8 +19,9 @@ The FP8 MMA's ``dot_b`` of a (token, weight row) pair has the same bits whicheve
 the M side (H100, block accumulation: a probe of the two orientations, bitwise equal at
 2,048 x 7,168 x 16,384 and 2,048 x 4,096 x 2,048), so a row's bits still do not depend on M or
 on which launch ran. The launch needs 16-byte aligned codes and weight rows (``K`` a multiple
-of 16): :func:`tma_ready`. Host-side descriptors are rebuilt each call, so these launches are
-not replayed by launch plans (the plan refuses them: a descriptor holds its tensor).
+of 16): :func:`tma_ready`. The descriptors are host-side (``TensorDescriptor``: Triton's
+launcher fills each CUtensorMap at launch), so launch plans replay these launches with the next
+call's addresses (:mod:`moefuse._fastpath`).
 """
 
 from __future__ import annotations
