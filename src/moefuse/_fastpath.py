@@ -38,9 +38,9 @@ Otherwise the call takes the slow path, which raises the usual error or records 
 Plans are skipped while anything traces: dynamo (``torch.compiler.is_dynamo_compiling``, which
 it folds to True), any dispatch mode that is not the recorder (AOT tracing, export, fake tensor
 modes), and tensor subclasses such as fake tensors (no key admits them); then the custom op runs
-as before. On CUDA a plan
-calls the compiled kernels' launcher directly with integer addresses; under ``TRITON_INTERPRET=1``
-the same plan relaunches through Triton's interpreter (how CI tests the plans).
+as before. On CUDA a plan calls the compiled kernels' launcher directly with integer addresses;
+under ``TRITON_INTERPRET=1`` the same plan relaunches through Triton's interpreter (how CI tests
+the plans).
 
 ``clear()`` drops every plan (needed after changing module-level tile policies or thresholds at
 run time); ``MOEFUSE_FASTPATH=0`` turns plans off (read at the first call of an op).
