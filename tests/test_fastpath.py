@@ -248,20 +248,3 @@ def test_forget_finds_an_object_among_the_keyword_options():
     assert len(probe._moefuse_plans) == 3
     fp.forget(marker)
     assert len(probe._moefuse_plans) == 1
-
-
-def test_a_call_without_keywords_finds_the_plans_of_the_full_signature():
-    """An op whose keyword-only parameters all have defaults has a wrapper for calls that pass
-    none (no defaults to fill): it builds the key the full wrapper builds for that call, so what
-    either records the other finds, and argument errors still name the op."""
-    fp.clear()
-    op = moefuse.rmsnorm_group_quant
-    x, w = _rand(3, H), _rand(H)
-    op(x, w)  # no keywords: records (CPU: the reference, a refusal)
-    op(x, w, out=None, impl="auto")  # the same call through the full wrapper: found, not recorded
-    op(x, w)
-    assert len(fp.refusals(op)) == 1
-    with pytest.raises(TypeError, match=r"rmsnorm_group_quant\(\) got an unexpected keyword"):
-        op(x, w, bogus=1)
-    with pytest.raises(TypeError, match=r"rmsnorm_group_quant\(\) takes from 2 to 4 positional"):
-        op(x, w, 1e-6, 64, torch.int8)

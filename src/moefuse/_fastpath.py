@@ -12,12 +12,10 @@ compiled kernels, same arguments, same bits.
 Lookup, cheapest first: the dict key holds the first argument's shape (the token count), the
 tensors' Python types and the other arguments' values, the parameters with defaults as one part
 per kind (positional, keyword-only): a marker when every one was left at its default object (a
-chain of identity tests), else the tuple of their parts. An op whose keyword-only parameters
-all have defaults gets a second wrapper in front for calls that pass none of them: it builds the
-same key without filling those defaults (:func:`_keywords_at_defaults`). The plan's first line
-then checks every tensor's dtype, device, shape, strides, ``requires_grad`` and dispatch keys in
-one C++ call (dynamo's tensor guard, ~0.35 µs for any number of tensors, where a Python tuple
-per tensor cost ~0.4 µs each).
+chain of identity tests), else the tuple of their parts. The plan's first line then checks
+every tensor's dtype, device, shape, strides, ``requires_grad`` and dispatch keys in one C++
+call (dynamo's tensor guard, ~0.35 µs for any number of tensors, where a Python tuple per tensor
+cost ~0.4 µs each).
 
 A plan is only built when the slow path was pure launch work, as in a CUDA-graph capture:
 * every torch op it ran was an allocation (``empty*``) or a view (a dispatch mode watches);
@@ -720,39 +718,6 @@ def _folded_key_expr(names: list[str]) -> list[str]:
     return [f"(_DEF if {every_default} else ({parts}))"]
 
 
-def _keywords_at_defaults(name: str, params, key: str) -> str:
-    """The public wrapper of an op whose keyword-only parameters all have defaults: a call that
-    passes none of them (the usual eager call) skips Python's filling of each default and the
-    identity test of each (0.1-0.3 µs a call with ten of them); the key is the one ``_full``
-    (the wrapper of :func:`fast_op`, with every parameter) builds for that call, so both find
-    the same plans. A call that passes keywords goes to ``_full`` as is (its errors included)."""
-    positional = [p for p in params if p.kind is not p.KEYWORD_ONLY]
-    decl = [p.name if p.default is p.empty else f"{p.name}=_d_{p.name}" for p in positional]
-    pos = ", ".join(p.name for p in positional)
-    every = ", ".join(p.name if p.kind is not p.KEYWORD_ONLY else f"_d_{p.name}" for p in params)
-    return f"""
-def {name}({", ".join(decl)}, **_kw):
-    if _kw:
-        return _full({pos}, **_kw)
-    if _ON[0] and not _compiling() and (
-        not _depth() or _local.rec is None and _depth() <= _own.depth
-    ):
-        try:
-            plans = _plans.get(key := ({key},))
-        except TypeError:
-            return _fn({pos})
-        if plans is None:
-            return _record(key, ({every},), lambda: _fn({pos}))
-        for plan in plans:
-            result = plan({every})
-            if result is not _MISS:
-                return result
-        if plans.__class__ is list and len(plans) < _MAXP:
-            return _record(key, ({every},), lambda: _fn({pos}))
-    return _fn({pos})
-"""
-
-
 def _first_shape_expr(name: str) -> str:
     """The first argument's shape joins the key (it carries the token count in every op), so
     that calls of many sizes do not share one list of plans."""
@@ -848,13 +813,12 @@ def fast_op(fn=None, *, guards: tuple[str, ...] = ()):
         call.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
     args = ", ".join(names)
     calls = ", ".join(call)
-    key_head = (
+    key = ", ".join(
         [_first_shape_expr(names[0])]
         + [_key_expr(p.name, False) for p in params if p.default is p.empty]
         + _folded_key_expr([p.name for p in params if _folded(p) and p.kind is not p.KEYWORD_ONLY])
+        + _folded_key_expr([p.name for p in params if _folded(p) and p.kind is p.KEYWORD_ONLY])
     )
-    keywords = [p for p in params if p.kind is p.KEYWORD_ONLY]
-    key = ", ".join(key_head + _folded_key_expr([p.name for p in keywords if _folded(p)]))
     # the guard reads the thread's dispatch-mode depth first: at 0 (every eager call) no
     # recorder can be active on this thread (a recorder is a dispatch mode of its thread's
     # stack), so the two thread-local reads behind it are skipped
@@ -878,11 +842,6 @@ def {fn.__name__}({", ".join(decl)}):
     return _fn({calls})
 """
 
-    if keywords and all(_folded(p) for p in keywords):
-        # ``_full`` keeps the op's name: Python's argument errors name the function
-        src += f"_full = {fn.__name__}\n" + _keywords_at_defaults(
-            fn.__name__, params, ", ".join(key_head + ["_DEF"])
-        )
     env["_record"] = _recorder(fn, plans, guard_positions)
     exec(compile(src, f"<moefuse fast_op {fn.__name__}>", "exec"), env)  # noqa: S102
     wrapper = env[fn.__name__]
