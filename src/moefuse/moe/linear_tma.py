@@ -38,14 +38,15 @@ from moefuse._runtime import pdl_launch_kwargs
 from moefuse.moe.fp8_device import fp8_block_dot, scale_f32
 
 
-def _metadata(grid, kernel, args):
+def fp8_linear_metadata(grid, kernel, args):
+    """Profiler name and weight bytes of an ``fp8_linear`` launch (both of its kernels)."""
     return {
-        "name": f"{kernel.name} N={args['N']} K={args['KDIM']} BT={args['BT']} BN={args['BN']}",
+        "name": f"{kernel.name} N={args['N']} K={args['KDIM']} BN={args['BN']} BT={args['BT']}",
         "bytes": args["N"] * args["KDIM"],
     }
 
 
-@triton.jit(launch_metadata=_metadata)
+@triton.jit(launch_metadata=fp8_linear_metadata)
 def _fp8_linear_tma_kernel(
     x_desc,
     w_desc,
@@ -122,12 +123,11 @@ def launch_fp8_linear_tma(
     """``out`` [M, N] from the codes ``x`` [M, K] (E4M3, or uint8 in the interpreter) with
     their scales ``xs`` [M, ceil(K/128)], the weight codes [N, K] and its block scales ``scale``
     (FP32 or UE8M0 bytes, unit stride along K); ``chunk`` > 0: the chunk order of a split (N, K).
-    ``cfg``: ``bn`` (64 or 128), ``bt``, ``warps``, ``stages``."""
+    ``cfg``: ``bn`` (64 or 128: the caller's check, ``linear_triton._tma_launch``), ``bt``,
+    ``warps``, ``stages``."""
     m, k = x.shape
     n = weight.shape[0]
     bn, bt = cfg["bn"], cfg["bt"]
-    if bn > 128 or 128 % bn:
-        raise ValueError(f"fp8_linear TMA tile: bn {bn} must divide 128")
     x_desc = TensorDescriptor.from_tensor(x, [bt, 128])
     w_desc = TensorDescriptor.from_tensor(weight, [bn, 128])
     launch(

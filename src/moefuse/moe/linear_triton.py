@@ -36,18 +36,11 @@ from moefuse.moe.fp8_device import (
     prefetch_row_bytes,
     prefetch_rows_l2,
 )
-from moefuse.moe.linear_tma import launch_fp8_linear_tma, tma_ready
+from moefuse.moe.linear_tma import fp8_linear_metadata, launch_fp8_linear_tma, tma_ready
 from moefuse.moe.tiles import FP8_ACCUMULATION_CODES, linear_fp8_plan
 
 
-def _metadata(grid, kernel, args):
-    return {
-        "name": f"{kernel.name} N={args['N']} K={args['KDIM']} BN={args['BN']} BT={args['BT']}",
-        "bytes": args["N"] * args["KDIM"],
-    }
-
-
-@triton.jit(launch_metadata=_metadata)
+@triton.jit(launch_metadata=fp8_linear_metadata)
 def _fp8_linear_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     m_rows, strides,
