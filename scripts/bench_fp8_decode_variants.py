@@ -1,6 +1,7 @@
-"""Decode variants of the FP8 routed experts (T = 1, 4, 16) at the Qwen3, Mixtral and DeepSeek-V3
-shapes: where the two group quantizations run (the launcher's ``tile`` overrides) against the
-default, CUDA-graph µs, and whether each variant's output is bitwise the default's.
+"""Launch variants of the FP8 routed experts at the Qwen3, Mixtral and DeepSeek-V3 shapes (the
+launcher's ``tile`` overrides) against the default, CUDA-graph µs, and whether each variant's
+output is bitwise the default's: at decode (T = 1, 4, 16) where the two group quantizations run,
+at many tokens (T = 2,048, 8,192) the ``tma`` launches, with BF16 moefuse beside them.
 
     python scripts/bench_fp8_decode_variants.py warm [--jobs N]    compile every variant (parallel)
     python scripts/bench_fp8_decode_variants.py time [--out FILE]  time them (one process)
@@ -19,7 +20,10 @@ activation quantized by the gate|up kernel's last programs (counters zeroed by a
 gate|up or by their own launch; ``pf`` every gate|up and down program requests its weight rows
 from the L2 before its ``gdc_wait``, ``pf2`` that and the gate|up kernel launches its dependents
 right after its wait, ``pf2_fq`` that with the activation quantized by the gate|up kernel,
-``pf512_2`` as ``pf2`` with the first 512 bytes of each row only.
+``pf512_2`` as ``pf2`` with the first 512 bytes of each row only; ``tma*`` the GEMMs with the
+tokens on the MMA's M side and the weight tiles by TMA (:mod:`moefuse.moe.experts_fp8_tma`):
+gate|up 64 rows and down 128 rows at 8 warps, 3 or 4 stages; 32 / 64 rows at 4 warps; 128 / 128
+rows.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ import time
 import torch
 
 TOKENS = (1, 4, 16)
+LARGE = (2048, 8192)
 SHAPE_NAMES = ("qwen3", "mixtral", "deepseek_v3")
 _ROW = 1 << 20  # prefetch: every weight row whole
 _OFF = {"fuse_tokens_quant": False, "fuse_act_quant": False, "down_act_quant": False}
+_TMA = {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8}
 #: name -> (tile overrides, token-tile factor, token counts it runs at)
 VARIANTS = {
-    "base": ({}, 1, TOKENS),
+    "base": ({}, 1, TOKENS + LARGE),
     "sa": (_OFF, 1, TOKENS),
     "tq": ({**_OFF, "fuse_tokens_quant": True}, 1, TOKENS),
     "tq_fq": ({**_OFF, "fuse_tokens_quant": True, "fuse_act_quant": True}, 1, TOKENS),
@@ -59,6 +65,11 @@ VARIANTS = {
         1,
         (1, 4),
     ),
+    # many tokens: the tokens on the MMA's M side, weight tiles by TMA (moefuse.moe.experts_fp8_tma)
+    "tma": ({**_TMA, "stages": 3}, 1, LARGE),
+    "tma_s4": ({**_TMA, "stages": 4}, 1, LARGE),
+    "tma_w4": ({**_TMA, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}, 1, LARGE),
+    "tma_gu128": ({**_TMA, "bn_gate_up": 128, "stages": 3}, 1, LARGE),
 }
 
 
@@ -202,7 +213,7 @@ def timing(args) -> int:
                     f"{us / floor:5.2f}  bits==base {same}",
                     flush=True,
                 )
-            if t == 1:
+            if t == 1 or t in LARGE:
                 gb, db = bf16
                 fns = [lambda s=s: moefuse.moe_experts(s[0], gb, db, s[1], s[2]) for s in sets]
                 us = graph_time_us(lambda k, f=fns: f[k % len(f)](), calls=calls, replays=10)

@@ -304,6 +304,43 @@ def test_fp8_batch_invariance_and_extensions():
         assert_bitwise_equal(out, full, f"token tile {bt}")
 
 
+@pytest.mark.parametrize("layout,scale_dtype,tile", [
+    ("stacked", torch.float32, {"bn_gate_up": 64, "bn_down": 128, "stages": 2}),
+    ("interleaved", E8M0, {"bn_gate_up": 32, "bn_down": 64, "stages": 3, "tail_tile": 16}),
+])  # fmt: skip
+def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
+    """The ``tma`` launches (tokens on the MMA's M side, weight tiles by TMA; experts_fp8_tma)
+    give the default launches' bits with the plan kernel's work items, sentinels, partial
+    K-blocks (H = 144) and partial last row tiles (down's 128-row tile of H = 144, interleaved
+    gate|up's 32-row tile of I = 200: the next expert's rows read and dropped); down runs there
+    only where I % 16 == 0 (interleaved: I = 200, the other launch)."""
+    import moefuse.moe.experts_fp8 as ef
+
+    ran = []
+    for fn in ("launch_gate_up_fp8_tma", "launch_down_fp8_tma"):
+        real = getattr(ef, fn)
+        monkeypatch.setattr(ef, fn, lambda *a, _r=real, _n=fn, **k: ran.append(_n) or _r(*a, **k))
+    inter = 256 if layout == "stacked" else 200
+    x, (gu, dn), _fp8, idx, w = fp8_case(40, 144, inter, 3, 4, seed=5)
+    if layout == "interleaved":
+        gu = interleave(gu)
+    gq, gs = r8.quantize_weight_blocks(gu, scale_dtype)
+    dq, ds = r8.quantize_weight_blocks(dn, scale_dtype)
+    idx[0, -1] = 5  # an expert-parallel sentinel
+    il = layout == "interleaved"
+    want = poison_(torch.empty_like(x))
+    base = {"inline_plan_slots": 0}
+    ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, want, None, None, 1.0, il, False,
+                              tile=base, token_tile=64)  # fmt: skip
+    assert not ran
+    out = poison_(torch.empty_like(x))
+    tma = dict(base, tma=True, warps=4, **tile)
+    ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, il, False,
+                              tile=tma, token_tile=64)  # fmt: skip
+    assert_bitwise_equal(out, want, f"{layout} {tma}")
+    assert ran == ["launch_gate_up_fp8_tma"] + (["launch_down_fp8_tma"] if not il else []), ran
+
+
 def test_fp8_linear_kernel():
     """fp8_linear in the interpreter: within 2^-8 of the reference with bias and UE8M0 scales,
     partial blocks in N and K; the split launch, the in-register chunks and the wide tile give

@@ -141,6 +141,46 @@ def test_fp8_quant_placements_bitwise(name):
         assert_fused_activation_quant(x, (gq, gs, dq, ds), idx, w, tiles, True, f"{name} T={t}")
 
 
+#: the ``tma`` launches of the experts' GEMMs (tokens on the MMA's M side, weight tiles by TMA,
+#: moefuse.moe.experts_fp8_tma) that the benchmarks time
+EXPERTS_TMA_TILES = (
+    {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3},
+    {"tma": True, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4},
+    {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 8, "stages": 3},
+)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_fp8_experts_tma_bitwise(name):
+    """The ``tma`` launches give the default launches' bits (T = 300 with sentinels and short
+    items, 2,048; PDL on and off), and they ran (not the other launch). The interleaved layout:
+    the CPU test."""
+    import moefuse.moe.experts_fp8 as ef
+
+    shape = SHAPES[name]
+    gq, gs, dq, ds, _, _ = weights(name)
+    for t, pdl in ((300, True), (300, False), (2048, True)):
+        x, idx, w = make_routing(t, shape, DEV, seed=t + 3)
+        if t == 300:
+            idx[::3, -1] = shape["experts"] + 3
+        want = poison_(torch.empty_like(x))
+        launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, want, None, None, 1.0, False, pdl,
+                               token_tile=128)  # fmt: skip
+        for tile in EXPERTS_TMA_TILES:
+            ran = []
+            real = (ef.launch_gate_up_fp8_tma, ef.launch_down_fp8_tma)
+            ef.launch_gate_up_fp8_tma = lambda *a, **k: ran.append(1) or real[0](*a, **k)
+            ef.launch_down_fp8_tma = lambda *a, **k: ran.append(2) or real[1](*a, **k)
+            try:
+                out = poison_(torch.empty_like(x))
+                launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, False,
+                                       pdl, tile=tile, token_tile=128)  # fmt: skip
+            finally:
+                ef.launch_gate_up_fp8_tma, ef.launch_down_fp8_tma = real
+            assert ran == [1, 2], (name, t, tile, ran)
+            assert_bitwise_equal(out, want, f"{name} T={t} PDL {pdl} {tile}")
+
+
 def test_fp8_experts_graph_pdl_e8m0_compile():
     name = "qwen3"
     shape = SHAPES[name]

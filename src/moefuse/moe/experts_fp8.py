@@ -31,6 +31,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
+from moefuse.moe.experts_fp8_tma import (
+    gate_up_tma_fits,
+    launch_down_fp8_tma,
+    launch_gate_up_fp8_tma,
+    tma_experts_ready,
+)
 from moefuse.moe.experts_triton import (
     _finalize_if_last,
     _item_tokens,
@@ -554,6 +560,29 @@ def _tokens_quant(
     return fp8_codes(codes), scales
 
 
+def _tma_gate_up(cfg: dict, plan, weight: torch.Tensor, interleaved: bool, inter: int) -> bool:
+    """Whether the tile's ``tma`` key runs the gate|up GEMM by
+    :mod:`moefuse.moe.experts_fp8_tma` (its readiness and scale-block rules)."""
+    return (
+        bool(cfg.get("tma"))
+        and tma_experts_ready(weight, cfg, plan.bt, plan_kernel=plan.sp == 0)
+        and gate_up_tma_fits(inter, cfg["bn_gate_up"], interleaved)
+    )
+
+
+def _tma_down(cfg: dict, plan, weight: torch.Tensor, quant_a: bool) -> bool:
+    """Whether the tile's ``tma`` key runs the down GEMM by :mod:`moefuse.moe.experts_fp8_tma`:
+    its readiness, a row tile inside one scale block, the finalize a launch of its own and the
+    activation's codes given (not quantized inside the GEMM)."""
+    down_cfg = dict(cfg, warps=cfg.get("down_warps", cfg["warps"]))
+    return (
+        bool(cfg.get("tma"))
+        and not (plan.fused or quant_a)
+        and 128 % cfg["bn_down"] == 0
+        and tma_experts_ready(weight, down_cfg, plan.bt, plan_kernel=plan.sp == 0)
+    )
+
+
 def _launch_gate_up_fp8(
     hidden_states,
     gate_up_proj,
@@ -598,6 +627,10 @@ def _launch_gate_up_fp8(
     if quant_x:
         x = xs = hidden_states
     aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
+    if _tma_gate_up(cfg, plan, gw, interleaved, inter) and not (quant_x or fuse_quant):
+        launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], cfg,
+                               interleaved, use_pdl)  # fmt: skip
+        return (plan.act, plan.act) if down_quant else _group_quant(plan.act, use_pdl)
     pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
     strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
     launch(
@@ -740,6 +773,11 @@ def launch_moe_experts_fp8(
         shared_expert_output.stride(0) if shared_expert_output is not None else 0,
         out.stride(0),
     )
+    quant_a = bool(cfg.get("down_act_quant"))
+    if _tma_down(cfg, plan, dw, quant_a):
+        launch_down_fp8_tma(a, a_s, dw, ds, ds_e8, plan, top_k_index.shape[1], cfg, use_pdl)
+        _finalize(plan, top_k_index, top_k_weights, out, bias, shared_expert_output, rsf, use_pdl)
+        return
     strides = (a.stride(0), a_s.stride(0), y.stride(0), *dw.stride(), *ds.stride())
     launch(
         _experts_fp8_down_kernel,
@@ -780,7 +818,7 @@ def launch_moe_experts_fp8(
         BR=plan.br,
         E8M0=ds_e8,
         ACCUM=cfg["accumulation"],
-        QUANT_A=bool(cfg.get("down_act_quant")),
+        QUANT_A=quant_a,
         PF_BYTES=_prefetch_bytes(cfg, plan, dw, use_pdl, ptx),
         num_warps=cfg.get("down_warps", cfg["warps"]),
         enable_fp_fusion=False,

@@ -1,0 +1,324 @@
+"""The FP8 experts' GEMMs at many tokens with the tokens on the MMA's M side and the weight tiles
+loaded by the Tensor Memory Accelerator (tile key ``tma`` of :func:`launch_moe_experts_fp8`).
+
+The products and their order are :mod:`moefuse.moe.experts_fp8`'s: per K-block ``b`` ascending,
+``dot_b`` of the block's E4M3 codes from a zero accumulator (:func:`fp8_block_dot`), then
+``acc = fma(dot_b, xs[t, b] * Ws[row / 128, b], acc)`` from +0.0; gate|up then
+``cast(silu(g) * u)``, down the FP32 sum. What changes is the program's shape, as in
+``fp8_linear``'s TMA launch (:mod:`moefuse.moe.linear_tma`):
+
+* ``BT`` slots of one work item (the routing plan's: one expert, slots in sorted order) x ``BN``
+  weight rows, the slots as the MMA's M operand. A thread holds two token rows of each
+  accumulator, so the per-token scales cost two registers, and a tile's weight rows lie in one
+  128-row scale block, so the weight scale is one scalar per K-block (gate and up: one each).
+* The weight tiles (one expert's rows, contiguous) arrive by TMA through host-side descriptors
+  over the weight viewed as ``[experts * rows, K]`` rows: no address registers. The slots' rows
+  are gathered by the plan's order, so they stay pointer loads (Hopper's TMA has no row gather).
+  A tile's rows past I (or H) read the next expert's rows or zeros: their columns are never
+  stored, and each column's sum is its own.
+
+The FP8 MMA's ``dot_b`` of a (token, weight row) pair has the same bits whichever operand is the
+M side (measured for ``fp8_linear``, H100, block accumulation), so a slot's bits do not depend on
+the launch, the batch or the tile. Used at many tokens only: the routing plan's kernel has
+written the work items (no inline plan, no finalize inside the down kernel, no quantization
+inside the GEMMs), the token tile fills the 64-row MMAs of its warpgroups, and the weights are
+TMA-readable (:func:`tma_experts_ready`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from moefuse._device import fma_rn, round_to
+from moefuse._fastpath import launch
+from moefuse._runtime import pdl_launch_kwargs
+from moefuse.moe.experts_triton import _item_tokens
+from moefuse.moe.fp8_device import fp8_block_dot, scale_f32
+
+
+def _tma_metadata(grid, kernel, args):
+    rows = args["BN"] * (2 if "gate_up" in kernel.name else 1)
+    return {
+        "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
+        "bytes": grid[0] * grid[1] * rows * args["KDIM"],
+    }
+
+
+@triton.jit
+def _slot_block_product(
+    col_rows,
+    r_in,
+    cs_rows,
+    descs,
+    row0,
+    s_ptrs,
+    s_st_k,
+    KDIM: tl.constexpr,
+    BN: tl.constexpr,
+    STAGES: tl.constexpr,
+    PTX: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+):
+    """FP32 ``acc[j] = fma(dot_b, cs[t, b] * Ws_j[b], acc[j])`` over the K-blocks ``b``
+    ascending from +0.0, for each of the one or two weight tiles ``descs[j]`` (rows ``row0`` ..
+    ``row0 + BN``, block-scale row pointer ``s_ptrs[j]``, block stride ``s_st_k``): slot rows
+    ``col_rows`` [BT] (E4M3 codes, unit stride; ``r_in``: in use) with their group scales from
+    ``cs_rows`` [BT]. Returns two [BT, BN] sums (the second +0.0 with one descriptor)."""
+    BT: tl.constexpr = col_rows.shape[0]
+    TWO: tl.constexpr = len(descs) == 2
+    acc0 = tl.zeros([BT, BN], dtype=tl.float32)
+    acc1 = tl.zeros([BT, BN], dtype=tl.float32)
+    for b in tl.range(0, (KDIM + 127) // 128, num_stages=STAGES):
+        kk = b * 128 + tl.arange(0, 128)
+        live = r_in[:, None] & (kk < KDIM)[None, :]
+        q = tl.load(col_rows[:, None] + kk[None, :], mask=live, other=0.0)
+        xs = tl.load(cs_rows + b, mask=r_in, other=0.0)
+        w0 = descs[0].load([row0, b * 128])
+        ws0 = scale_f32(tl.load(s_ptrs[0] + b * s_st_k), E8M0)
+        acc0 = fma_rn(fp8_block_dot(q, tl.trans(w0), ACCUM, PTX), (xs * ws0)[:, None], acc0, PTX)
+        if TWO:
+            w1 = descs[1].load([row0, b * 128])
+            ws1 = scale_f32(tl.load(s_ptrs[1] + b * s_st_k), E8M0)
+            p1 = fp8_block_dot(q, tl.trans(w1), ACCUM, PTX)
+            acc1 = fma_rn(p1, (xs * ws1)[:, None], acc1, PTX)
+    return acc0, acc1
+
+
+@triton.jit(launch_metadata=_tma_metadata)
+def _experts_fp8_gate_up_tma_kernel(
+    x_ptr,
+    xs_ptr,
+    gate_desc,
+    up_desc,
+    s_ptr,
+    items_ptr,
+    sorted_ptr,
+    act_ptr,
+    strides,
+    top_k,
+    KDIM: tl.constexpr,
+    INTER: tl.constexpr,
+    PITCH: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """act[s, n] = cast(silu(g_n) * u_n) for the ``BT`` slots of work item ``program_id(0)`` and
+    the ``BN`` rows of I from ``program_id(1) * BN``; ``gate_desc`` / ``up_desc`` read the gate
+    and up rows, row ``e * PITCH + n`` for row ``n`` of expert ``e``; ``strides`` = (x row,
+    x-scale row, act row, scale expert / row / block). A gate (up) row's scale is row ``stored
+    row // 128`` of its expert's scales: ``n // 128`` and ``(I + n) // 128`` stacked, ``2n //
+    128`` for both interleaved."""
+    x_st, xs_st, act_st, s_st_e, s_st_n, s_st_k = strides
+    if USE_PDL:
+        gdc_wait()  # the tokens' codes
+    e, s, r_in, tok = _item_tokens(items_ptr, sorted_ptr, top_k, BT)
+    if e >= 0:
+        n0 = tl.program_id(1) * BN
+        if INTERLEAVED:
+            g_row = (2 * n0) // 128
+            u_row = g_row
+        else:
+            g_row = n0 // 128
+            u_row = (INTER + n0) // 128
+        s_e = s_ptr + e.to(tl.int64) * s_st_e
+        g, u = _slot_block_product(
+            x_ptr + tok * x_st,
+            r_in,
+            xs_ptr + tok * xs_st,
+            (gate_desc, up_desc),
+            e * PITCH + n0,
+            (s_e + g_row * s_st_n, s_e + u_row * s_st_n),
+            s_st_k,
+            KDIM,
+            BN,
+            STAGES,
+            PTX,
+            E8M0,
+            ACCUM,
+        )
+        if USE_PDL:
+            gdc_launch_dependents()
+        act = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, FP32
+        n = n0 + tl.arange(0, BN)
+        ptrs = act_ptr + s.to(tl.int64)[:, None] * act_st + n[None, :]
+        val = round_to(act, act_ptr.dtype.element_ty, PTX)
+        tl.store(ptrs, val, mask=r_in[:, None] & (n < INTER)[None, :])
+
+
+@triton.jit(launch_metadata=_tma_metadata)
+def _experts_fp8_down_tma_kernel(
+    a_ptr,
+    as_ptr,
+    w_desc,
+    s_ptr,
+    items_ptr,
+    sorted_ptr,
+    y_ptr,
+    strides,
+    top_k,
+    KDIM: tl.constexpr,
+    H: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """y[s, h] (FP32, unrounded) for the ``BT`` slots of work item ``program_id(0)`` and the
+    ``BN`` rows of H from ``program_id(1) * BN`` (``BN`` divides 128: one scale row);
+    ``w_desc`` reads row ``e * H + h``; ``strides`` = (act row, act-scale row, y row, scale
+    expert / row / block)."""
+    a_st, as_st, y_st, s_st_e, s_st_n, s_st_k = strides
+    if USE_PDL:
+        gdc_wait()  # the activation's codes
+    e, s, r_in, _tok = _item_tokens(items_ptr, sorted_ptr, top_k, BT)
+    if e >= 0:
+        n0 = tl.program_id(1) * BN
+        s64 = s.to(tl.int64)
+        s_row = s_ptr + e.to(tl.int64) * s_st_e + (n0 // 128) * s_st_n
+        acc, _unused = _slot_block_product(
+            a_ptr + s64 * a_st,
+            r_in,
+            as_ptr + s64 * as_st,
+            (w_desc,),
+            e * H + n0,
+            (s_row,),
+            s_st_k,
+            KDIM,
+            BN,
+            STAGES,
+            PTX,
+            E8M0,
+            ACCUM,
+        )
+        if USE_PDL:
+            gdc_launch_dependents()
+        n = n0 + tl.arange(0, BN)
+        tl.store(
+            y_ptr + s64[:, None] * y_st + n[None, :], acc, mask=r_in[:, None] & (n < H)[None, :]
+        )
+
+
+# ----------------------------------------------------------------------------- launchers
+def _rows_view(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [E, R, K] as [E * R, K] rows (a view: the weight is contiguous)."""
+    return weight.view(weight.shape[0] * weight.shape[1], weight.shape[2])
+
+
+def tma_experts_ready(weight: torch.Tensor, cfg: dict, token_tile: int, plan_kernel: bool) -> bool:
+    """Whether the ``tma`` launch may run this GEMM: the plan kernel writes the work items
+    (``plan_kernel``), the token tile fills the 64-row MMAs of each warpgroup (``token_tile >=
+    16 * warps``), block accumulation (where the orientation's bits were measured), the weight
+    contiguous with 16-byte aligned rows (K % 16 == 0) and base."""
+    from moefuse.moe.tiles import FP8_ACCUMULATION_CODES
+
+    return (
+        plan_kernel
+        and token_tile >= 16 * cfg["warps"]
+        and cfg["accumulation"] == FP8_ACCUMULATION_CODES["block"]
+        and weight.is_contiguous()
+        and weight.shape[-1] % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+
+
+def gate_up_tma_fits(inter: int, bn: int, interleaved: bool) -> bool:
+    """Whether every gate and every up tile of ``bn`` rows lies in one 128-row scale block:
+    ``bn`` divides 128, and stacked I % 128 == 0 (the up rows start at I), interleaved ``bn`` <=
+    64 (a tile's rows are 2 * ``bn`` stored rows)."""
+    return 128 % bn == 0 and (bn <= 64 if interleaved else inter % 128 == 0)
+
+
+def launch_gate_up_fp8_tma(x, xs, weight, scale, e8m0, plan, top_k, cfg, interleaved, use_pdl):
+    """``plan.act`` [T*K, I] from the tokens' codes ``x`` [T, H] with their group scales ``xs``
+    and the gate|up weight codes [E, 2I, H] (E4M3, or uint8 in the interpreter) with their block
+    scales ``scale`` (FP32 or UE8M0 bytes); ``cfg``: ``bn_gate_up``, ``warps``, ``stages``,
+    ``accumulation`` (:func:`tma_experts_ready` and :func:`gate_up_tma_fits` hold)."""
+    from moefuse._runtime import interpreter_active
+
+    experts, two_i, hidden = weight.shape
+    inter = two_i // 2
+    bn = cfg["bn_gate_up"]
+    if interleaved:
+        pairs = weight.view(experts * inter, 2, hidden)
+        gate, up, pitch = pairs[:, 0], pairs[:, 1], inter
+    else:
+        rows = _rows_view(weight)
+        gate, up, pitch = rows, rows[inter:], two_i
+    launch(
+        _experts_fp8_gate_up_tma_kernel,
+        (plan.n_items, triton.cdiv(inter, bn)),
+        x,
+        xs,
+        TensorDescriptor.from_tensor(gate, [bn, 128]),
+        TensorDescriptor.from_tensor(up, [bn, 128]),
+        scale,
+        plan.items,
+        plan.sorted_slots,
+        plan.act,
+        (x.stride(0), xs.stride(0), plan.act.stride(0), *scale.stride()),
+        top_k,
+        KDIM=hidden,
+        INTER=inter,
+        PITCH=pitch,
+        BN=bn,
+        BT=plan.bt,
+        STAGES=cfg["stages"],
+        INTERLEAVED=interleaved,
+        E8M0=e8m0,
+        ACCUM=cfg["accumulation"],
+        PTX=not interpreter_active(),
+        USE_PDL=use_pdl,
+        num_warps=cfg["warps"],
+        enable_fp_fusion=False,
+        **pdl_launch_kwargs(use_pdl),
+    )
+
+
+def launch_down_fp8_tma(a, a_s, weight, scale, e8m0, plan, top_k, cfg, use_pdl):
+    """``plan.y`` [T*K, H] (FP32) from the activation's codes ``a`` [T*K, I] with their group
+    scales ``a_s`` and the down weight codes [E, H, I] with their block scales; ``cfg``:
+    ``bn_down`` (a divisor of 128), ``down_warps`` or ``warps``, ``down_stages`` or ``stages``,
+    ``accumulation``."""
+    from moefuse._runtime import interpreter_active
+
+    hidden, inter = weight.shape[1], weight.shape[2]
+    bn = cfg["bn_down"]
+    launch(
+        _experts_fp8_down_tma_kernel,
+        (plan.n_items, triton.cdiv(hidden, bn)),
+        a,
+        a_s,
+        TensorDescriptor.from_tensor(_rows_view(weight), [bn, 128]),
+        scale,
+        plan.items,
+        plan.sorted_slots,
+        plan.y,
+        (a.stride(0), a_s.stride(0), plan.y.stride(0), *scale.stride()),
+        top_k,
+        KDIM=inter,
+        H=hidden,
+        BN=bn,
+        BT=plan.bt,
+        STAGES=cfg.get("down_stages", cfg["stages"]),
+        E8M0=e8m0,
+        ACCUM=cfg["accumulation"],
+        PTX=not interpreter_active(),
+        USE_PDL=use_pdl,
+        num_warps=cfg.get("down_warps", cfg["warps"]),
+        enable_fp_fusion=False,
+        **pdl_launch_kwargs(use_pdl),
+    )
