@@ -746,8 +746,6 @@ def launch_moe_experts_fp8(
     """Writes ``out`` [T, H] (module docstring). ``tile`` / ``token_tile`` override the policy of
     :func:`moefuse.moe.tiles.experts_fp8_tile` (benchmarks and the invariance tests only)."""
     tokens, hidden = hidden_states.shape
-    experts, two_i, _ = gate_up_proj.shape
-    inter = two_i // 2
     if tokens == 0 or hidden == 0:
         return
     plan, cfg, a, a_s = _gate_up_stage(
@@ -803,9 +801,9 @@ def launch_moe_experts_fp8(
         fin_strides,
         top_k_index.shape[1],
         top_k_index.numel(),
-        experts,
+        gate_up_proj.shape[0],
         rsf,
-        KDIM=inter,
+        KDIM=dw.shape[2],
         H=hidden,
         BN=cfg["bn_down"],
         BT=plan.bt,
