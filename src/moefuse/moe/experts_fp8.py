@@ -44,6 +44,7 @@ from moefuse.moe.experts_triton import (
     _tail_item,
     _work_item,
     _write_slot_map,
+    experts_gemm_metadata,
 )
 from moefuse.moe.fp8_device import (
     GROUP_EPS,
@@ -65,13 +66,7 @@ from moefuse.quant.group_triton import (
     store_scales,
 )
 
-
-def _gemm_metadata(grid, kernel, args):
-    rows = args["BN"] * (2 if "gate_up" in kernel.name else 1)
-    return {
-        "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
-        "bytes": grid[0] * grid[1] * rows * args["KDIM"],
-    }
+_gemm_metadata = experts_gemm_metadata(1)
 
 
 @triton.jit

@@ -36,16 +36,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from moefuse._device import fma_rn, round_to
 from moefuse._fastpath import launch
 from moefuse._runtime import pdl_launch_kwargs
-from moefuse.moe.experts_triton import _item_tokens
+from moefuse.moe.experts_triton import _item_tokens, experts_gemm_metadata
 from moefuse.moe.fp8_device import fp8_block_dot, scale_f32
 
-
-def _tma_metadata(grid, kernel, args):
-    rows = args["BN"] * (2 if "gate_up" in kernel.name else 1)
-    return {
-        "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
-        "bytes": grid[0] * grid[1] * rows * args["KDIM"],
-    }
+_tma_metadata = experts_gemm_metadata(1)
 
 
 @triton.jit

@@ -64,14 +64,22 @@ from moefuse.moe.tiles import experts_tile, experts_token_tile, next_pow2
 from moefuse.moe.triton import launch_moe_finalize
 
 
-# launch metadata (evaluated only under a profiler hook): weight bytes of the whole grid, unused
-# items included (an upper bound of what the launch reads)
-def _gemm_metadata(grid, kernel, args):
-    rows = args["BN"] * (2 if "gate_up" in kernel.name else 1)
-    return {
-        "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
-        "bytes": grid[0] * grid[1] * rows * args["KDIM"] * 2,
-    }
+def experts_gemm_metadata(weight_bytes: int):
+    """Launch metadata of an experts GEMM kernel (evaluated only under a profiler hook): its name
+    with the grid and token tile, and the weight bytes of the whole grid at ``weight_bytes`` per
+    element, unused items included (an upper bound of what the launch reads)."""
+
+    def metadata(grid, kernel, args):
+        rows = args["BN"] * (2 if "gate_up" in kernel.name else 1)
+        return {
+            "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
+            "bytes": grid[0] * grid[1] * rows * args["KDIM"] * weight_bytes,
+        }
+
+    return metadata
+
+
+_gemm_metadata = experts_gemm_metadata(2)
 
 
 # ----------------------------------------------------------------------------- GEMMs
