@@ -32,6 +32,7 @@ from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.moe.experts_fp8_tma import (
+    fp8_gemm_metadata,
     gate_up_tma_fits,
     launch_down_fp8_tma,
     launch_gate_up_fp8_tma,
@@ -44,7 +45,6 @@ from moefuse.moe.experts_triton import (
     _tail_item,
     _work_item,
     _write_slot_map,
-    experts_gemm_metadata,
 )
 from moefuse.moe.fp8_device import (
     GROUP_EPS,
@@ -65,8 +65,6 @@ from moefuse.quant.group_triton import (
     group_tile,
     store_scales,
 )
-
-_gemm_metadata = experts_gemm_metadata(1)
 
 
 @triton.jit
@@ -270,7 +268,7 @@ def _tokens_quant_kernel(
         c0 += step
 
 
-@triton.jit(launch_metadata=_gemm_metadata)
+@triton.jit(launch_metadata=fp8_gemm_metadata)
 def _experts_fp8_gate_up_kernel(
     x_ptr,
     xs_ptr,
@@ -417,7 +415,7 @@ def _down_item(
     tl.store(y_ptr + s64[None, :] * y_st + n[:, None], acc, mask=n_in[:, None] & r_in[None, :])
 
 
-@triton.jit(launch_metadata=_gemm_metadata)
+@triton.jit(launch_metadata=fp8_gemm_metadata)
 def _experts_fp8_down_kernel(
     act_ptr,
     as_ptr,

@@ -39,7 +39,8 @@ from moefuse._runtime import pdl_launch_kwargs
 from moefuse.moe.experts_triton import _item_tokens, experts_gemm_metadata
 from moefuse.moe.fp8_device import fp8_block_dot, scale_f32
 
-_tma_metadata = experts_gemm_metadata(1)
+#: launch metadata of every FP8 experts GEMM kernel (one byte per weight element)
+fp8_gemm_metadata = experts_gemm_metadata(1)
 
 
 @triton.jit
@@ -83,7 +84,7 @@ def _slot_block_product(
     return acc0, acc1
 
 
-@triton.jit(launch_metadata=_tma_metadata)
+@triton.jit(launch_metadata=fp8_gemm_metadata)
 def _experts_fp8_gate_up_tma_kernel(
     x_ptr,
     xs_ptr,
@@ -150,7 +151,7 @@ def _experts_fp8_gate_up_tma_kernel(
         tl.store(ptrs, val, mask=r_in[:, None] & (n < INTER)[None, :])
 
 
-@triton.jit(launch_metadata=_tma_metadata)
+@triton.jit(launch_metadata=fp8_gemm_metadata)
 def _experts_fp8_down_tma_kernel(
     a_ptr,
     as_ptr,
