@@ -54,6 +54,7 @@ from moefuse.moe.fp8_device import (
     prefetch_rows_l2,
 )
 from moefuse.moe.tiles import (
+    EXPERTS_FP8_NARROW,
     experts_fp8_decode_tile,
     experts_fp8_tile,
     experts_fp8_token_tile,
@@ -553,14 +554,23 @@ def _tokens_quant(
     return fp8_codes(codes), scales
 
 
-def _tma_gate_up(cfg: dict, plan, weight: torch.Tensor, interleaved: bool, inter: int) -> bool:
-    """Whether the tile's ``tma`` key runs the gate|up GEMM by
-    :mod:`moefuse.moe.experts_fp8_tma` (its readiness and scale-block rules)."""
-    return (
-        bool(cfg.get("tma"))
-        and tma_experts_ready(weight, cfg, plan.bt, plan_kernel=plan.sp == 0)
-        and gate_up_tma_fits(inter, cfg["bn_gate_up"], interleaved)
-    )
+def _tma_gate_up(cfg: dict, plan, weight: torch.Tensor, interleaved: bool, inter: int):
+    """The tile with which the ``tma`` key runs the gate|up GEMM by
+    :mod:`moefuse.moe.experts_fp8_tma`, or None where it cannot (its readiness and scale-block
+    rules): ``bn_gate_up`` rows, or 64 where only those keep a tile in one scale block (an
+    interleaved gate|up)."""
+    if not (cfg.get("tma") and tma_experts_ready(weight, cfg, plan.bt, plan_kernel=plan.sp == 0)):
+        return None
+    for bn in dict.fromkeys((cfg["bn_gate_up"], 64)):
+        if gate_up_tma_fits(inter, bn, interleaved):
+            return dict(cfg, bn_gate_up=bn)
+    return None
+
+
+def _pointer_tile(cfg: dict) -> dict:
+    """The pointer kernels' tile for a GEMM the ``tma`` key could not run: the narrow rows and
+    warps (:data:`moefuse.moe.tiles.EXPERTS_FP8_NARROW`), measured on that kernel."""
+    return {**cfg, **EXPERTS_FP8_NARROW} if cfg.get("tma") else cfg
 
 
 def _tma_down(cfg: dict, plan, weight: torch.Tensor, quant_a: bool) -> bool:
@@ -620,10 +630,12 @@ def _launch_gate_up_fp8(
     if quant_x:
         x = xs = hidden_states
     aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
-    if _tma_gate_up(cfg, plan, gw, interleaved, inter) and not (quant_x or fuse_quant):
-        launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], cfg,
+    tma_cfg = None if quant_x or fuse_quant else _tma_gate_up(cfg, plan, gw, interleaved, inter)
+    if tma_cfg is not None:
+        launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], tma_cfg,
                                interleaved, use_pdl)  # fmt: skip
         return (plan.act, plan.act) if down_quant else _group_quant(plan.act, use_pdl)
+    cfg = _pointer_tile(cfg)
     pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
     strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
     launch(
@@ -769,6 +781,7 @@ def launch_moe_experts_fp8(
         launch_down_fp8_tma(a, a_s, dw, ds, ds_e8, plan, top_k_index.shape[1], cfg, use_pdl)
         _finalize(plan, top_k_index, top_k_weights, out, bias, shared_expert_output, rsf, use_pdl)
         return
+    cfg = _pointer_tile(cfg)
     strides = (a.stride(0), a_s.stride(0), y.stride(0), *dw.stride(), *ds.stride())
     launch(
         _experts_fp8_down_kernel,

@@ -180,8 +180,10 @@ def launch_fp8_linear(
         scale = scale.view(torch.uint8)
     if scale.stride(1) != 1:
         scale = scale.contiguous()
+    if cfg.get("tma") and not _tma_launch(cfg, x, weight, cfg["split_programs"]):
+        cfg = cfg.get("pointer_tile") or dict(cfg, tma=False)  # the pointer kernel's tile
     splits, chunk, split_programs = cfg["splits"], cfg["chunk"], cfg["split_programs"]
-    if cfg.get("tma") and _tma_launch(cfg, x, weight, split_programs):
+    if cfg.get("tma"):
         launch_fp8_linear_tma(
             x,
             xs,

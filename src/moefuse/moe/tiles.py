@@ -201,18 +201,33 @@ def fp8_accumulation() -> int:
     return FP8_ACCUMULATION_CODES[knobs.get("MOEFUSE_FP8_ACCUMULATION") or "block"]
 
 
+#: The many-token launch (:mod:`moefuse.moe.experts_fp8_tma`: the token columns on the MMA's M
+#: side, the weight tiles loaded by TMA), taken with the widest token tile above the decode slots
+#: (:data:`EXPERTS_FP8_DECODE_MAX_SLOTS`); where its launch cannot run (a GEMM's rows across a
+#: scale block, unaligned weights, ...) that GEMM runs the pointer kernel on
+#: :data:`EXPERTS_FP8_NARROW`. Same bits (every variant below bitwise equal to the pointer kernel's
+#: default). MEASURED (H100 80GB HBM3, 2026-12-07, d207e79, `python
+#: scripts/bench_fp8_decode_variants.py time --tokens 2048 8192 --variants tma tma_s4 tma_w4
+#: tma_gu128`, notes/gpu-logs/2026-12-07-experts-fp8-tma-d207e79.log), CUDA-graph us, pointer
+#: kernel 64 x 128 -> this tile (128 gate|up rows, 128 down rows, 8 warps, 3 stages) at T = 2048 /
+#: 8192: Qwen3 541 / 2072 -> 521 / 1634, Mixtral 3341 / 15472 -> 2226 / 8949, DeepSeek-V3 6612 /
+#: 20509 -> 5549 / 12496; 64 gate|up rows (the widest an interleaved gate|up takes) 574 / 1789,
+#: 2635 / 10329, 5990 / 14335; 4 stages between the two; 4 warps (32 / 64 rows) no better than
+#: the pointer kernel.
+EXPERTS_FP8_TMA = {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 8, "stages": 3}
+
+
 def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
     """Tile of the FP8 experts kernels: :func:`experts_tile`'s plan keys (inline plan, fused
     finalize, tail tile, plan chunks) with the rows and warps of :data:`EXPERTS_FP8_NARROW`
-    (``token_tile``: :func:`experts_fp8_token_tile`)."""
+    (``token_tile``: :func:`experts_fp8_token_tile`), or :data:`EXPERTS_FP8_TMA` at the widest
+    token tile above :data:`EXPERTS_FP8_DECODE_MAX_SLOTS` slots."""
     base = experts_tile(hidden, inter, token_tile, slots)
     stages = EXPERTS_FP8_DECODE_STAGES if token_tile <= 16 else EXPERTS_FP8_NARROW["stages"]
-    return {
-        **base,
-        **EXPERTS_FP8_NARROW,
-        "stages": stages,
-        "accumulation": fp8_accumulation(),
-    }
+    tile = {**EXPERTS_FP8_NARROW, "stages": stages}
+    if token_tile >= EXPERTS_FP8_MAX_TOKEN_TILE and slots > EXPERTS_FP8_DECODE_MAX_SLOTS:
+        tile = dict(EXPERTS_FP8_TMA)
+    return {**base, **tile, "accumulation": fp8_accumulation()}
 
 
 def experts_fp8_token_tile(slots: int, experts: int) -> int:
@@ -307,12 +322,20 @@ LINEAR_FP8_WIDE = {"bn": 64, "bt": 256, "warps": 8, "stages": 3}
 #: slower everywhere; 2048 slower in 13 of 15 cells (Qwen3 q_proj M = 1 5.3 -> 8.6 us), faster in
 #: two (DeepSeek-V3 MLP down M = 1 59.4 -> 54.1).
 LINEAR_FP8_WIDE_MIN_PROGRAMS = 132
-#: ``tma`` (tile key, with ``bn`` 64 or 128; no default takes it until measured): the many-row
-#: launch of :mod:`moefuse.moe.linear_tma`, the tokens on the MMA's M side and TMA loads, the
-#: same bits. A probe of that shape without chunk sums ran 551.6 us against the pointer
-#: kernel's 783.9 and BF16 torch.mm's 591.6 at 2048 x 7168 x 16384 (H100 80GB HBM3, 2026-12-07,
-#: 128 x 128 tile, 8 warps, 4 stages; notes/moe-experts-fp8.md). The launch itself: UNMEASURED.
-LINEAR_FP8_TMA = {"tma": True, "bn": 128, "bt": 128, "warps": 8, "stages": 4}
+#: ``tma`` (tile key, with ``bn`` 64 or 128): the many-row launch of :mod:`moefuse.moe.linear_tma`,
+#: the tokens on the MMA's M side and TMA loads, the same bits; taken from
+#: :data:`LINEAR_FP8_TMA_MIN_ROWS` rows (where its launch cannot run: the pointer tile the plan
+#: keeps under ``pointer_tile``). MEASURED (H100 80GB HBM3, 2026-12-07, d207e79, `python -m
+#: moefuse bench fp8-linear --shapes dsv3_o_proj dsv3_mlp_down qwen3_q_proj qwen3_o_proj
+#: dsv3_q_b_proj --rows 2048 8192 --replays 10 --tiles tma128x128x8x4 tma128x128x8x3`,
+#: notes/gpu-logs/2026-12-07-fp8-linear-tma-d207e79.log; each tile bitwise equal to the default
+#: first), CUDA-graph us at M = 2048 / 8192, pointer kernel (:data:`LINEAR_FP8_WIDE`) -> 3 / 4
+#: stages: DeepSeek-V3 o_proj 975 / 4029 -> 638 / 2702, 638 / 2596; MLP down 1198 / 4814 -> 721 /
+#: 2976, 691 / 2982; q_b_proj 286 / 1149 -> 267 / 1046, 265 / 1132; Qwen3 q_proj 76.2 / 293 ->
+#: 53.6 / 204, 53.8 / 222; o_proj 79.8 / 318 -> 52.3 / 213, 52.4 / 244 (BF16 torch.mm 586 / 2742,
+#: 763 / 2957, 202 / 894, 47.0 / 177, 44.0 / 173). Rows 256-2047: UNMEASURED, the pointer tile.
+LINEAR_FP8_TMA = {"tma": True, "bn": 128, "bt": 128, "warps": 8, "stages": 3}
+LINEAR_FP8_TMA_MIN_ROWS = 2048
 
 
 def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
@@ -327,8 +350,10 @@ def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
 
 def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     """Launch of ``fp8_linear`` for M rows: ``{"bn", "bt", "warps", "stages", "splits", "chunk",
-    "split_programs", "accumulation"}``. The tile and whether the chunks run as programs of their
-    own may follow M; the chunks (the summation order) do not."""
+    "split_programs", "accumulation"}``, from :data:`LINEAR_FP8_TMA_MIN_ROWS` rows
+    :data:`LINEAR_FP8_TMA`'s keys with the pointer kernel's plan under ``"pointer_tile"``. The
+    tile and whether the chunks run as programs of their own may follow M; the chunks (the
+    summation order) do not."""
     splits, chunk = linear_fp8_splits(n, k)
     bt = 16 if m <= 16 else 32 if m <= 32 else 64
     tile = dict(LINEAR_FP8_NARROW, bt=bt)
@@ -342,10 +367,17 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
         tile["stages"] = LINEAR_FP8_DECODE_STAGES
     programs = -(-n // tile["bn"]) * -(-m // tile["bt"])
     split_programs = splits > 1 and programs < LINEAR_FP8_TARGET_PROGRAMS // 2
-    return {
+    plan = {
         **tile,
         "splits": splits,
         "chunk": chunk,
         "split_programs": split_programs,
         "accumulation": fp8_accumulation(),
     }
+    tma = LINEAR_FP8_TMA
+    programs = -(-n // tma["bn"]) * -(-m // tma["bt"])
+    if m >= LINEAR_FP8_TMA_MIN_ROWS and not (
+        splits > 1 and programs < LINEAR_FP8_TARGET_PROGRAMS // 2
+    ):
+        return {**plan, **tma, "split_programs": False, "pointer_tile": plan}
+    return plan
