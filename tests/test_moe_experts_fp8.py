@@ -341,6 +341,52 @@ def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     assert ran == ["launch_gate_up_fp8_tma"] + (["launch_down_fp8_tma"] if not il else []), ran
 
 
+def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
+    """The policy takes the ``tma`` tile at the widest token tile above the decode slots only.
+    With that tile, a GEMM its launch cannot run takes the pointer kernel on the narrow rows and
+    warps (stacked I = 200: gate|up tiles across the scale block at I, down K % 16 != 0), an
+    interleaved gate|up the TMA launch on 64 rows; every case with the default's bits."""
+    import moefuse.moe.experts_fp8 as ef
+    from moefuse.moe import tiles
+
+    assert tiles.experts_fp8_tile(2048, 768, 128, 16384)["tma"]
+    for token_tile, slots in ((128, 512), (64, 16384)):
+        assert "tma" not in tiles.experts_fp8_tile(2048, 768, token_tile, slots)
+    ran, pointer = [], []
+    for fn in ("launch_gate_up_fp8_tma", "launch_down_fp8_tma"):
+        real = getattr(ef, fn)
+        monkeypatch.setattr(ef, fn, lambda *a, _r=real, _n=fn: ran.append((_n, a[7])) or _r(*a))
+    real_launch = ef.launch
+    monkeypatch.setattr(ef, "launch", lambda k, g, *a, **c: pointer.append(
+        (k.fn.__name__, g[1], c["num_warps"])) or real_launch(k, g, *a, **c))  # fmt: skip
+    for layout, inter in (("stacked", 200), ("interleaved", 256)):
+        il = layout == "interleaved"
+        x, (gu, dn), _fp8, idx, w = fp8_case(24, 144, inter, 3, 4, seed=9)
+        gq, gs = r8.quantize_weight_blocks(interleave(gu) if il else gu, torch.float32)
+        dq, ds = r8.quantize_weight_blocks(dn, torch.float32)
+        want = poison_(torch.empty_like(x))
+        base = {"inline_plan_slots": 0, "fuse_act_quant": False}  # the many-slot keys
+        ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, want, None, None, 1.0, il, False,
+                                  tile=base, token_tile=128)  # fmt: skip
+        ran.clear(), pointer.clear()
+        out = poison_(torch.empty_like(x))
+        tma = {**base, **tiles.EXPERTS_FP8_TMA}
+        ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, il, False,
+                                  tile=tma, token_tile=128)  # fmt: skip
+        assert_bitwise_equal(out, want, layout)
+        gemms = [p for p in pointer if "gate_up" in p[0] or "down" in p[0]]
+        if il:
+            assert [(n, c["bn_gate_up"]) for n, c in ran][:1] == [("launch_gate_up_fp8_tma", 64)]
+            assert len(ran) == 2 and not gemms, (ran, gemms)
+        else:
+            assert not ran, ran
+            narrow = tiles.EXPERTS_FP8_NARROW
+            assert sorted(gemms) == sorted([
+                ("_experts_fp8_gate_up_kernel", -(-inter // narrow["bn_gate_up"]), narrow["warps"]),
+                ("_experts_fp8_down_kernel", -(-144 // narrow["bn_down"]), narrow["warps"]),
+            ]), gemms  # fmt: skip
+
+
 def test_fp8_linear_kernel():
     """fp8_linear in the interpreter: within 2^-8 of the reference with bias and UE8M0 scales,
     partial blocks in N and K; the split launch, the in-register chunks and the wide tile give
@@ -416,6 +462,42 @@ def test_fp8_linear_tma_launch(monkeypatch):
     assert fp.plan_count(moefuse.fp8_linear) == 1, fp.refusals(moefuse.fp8_linear)
     assert len(ran) == 4 + 4  # the recording and three slow calls: the replays skip the launcher
     fp.clear()
+
+
+def test_fp8_linear_tma_policy_and_fallback(monkeypatch):
+    """From LINEAR_FP8_TMA_MIN_ROWS rows the plan takes the ``tma`` tile and keeps the pointer
+    kernel's plan beside it; operands TMA cannot read (K % 16 != 0) run that pointer tile, with
+    the default's bits."""
+    import moefuse.moe.linear_triton as lt
+    from moefuse.moe import tiles
+
+    big = tiles.linear_fp8_plan(tiles.LINEAR_FP8_TMA_MIN_ROWS, 7168, 16384)
+    assert big["tma"] and big["bn"] == tiles.LINEAR_FP8_TMA["bn"], big
+    assert not big["pointer_tile"].get("tma")
+    assert "tma" not in tiles.linear_fp8_plan(tiles.LINEAR_FP8_TMA_MIN_ROWS - 1, 7168, 16384)
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(4, 520, generator=g).to(torch.bfloat16)
+    wq, ws = r8.quantize_weight_blocks(torch.randn(70, 520, generator=g) * 0.05, torch.float32)
+    want = moefuse.fp8_linear(x, wq, ws, impl="triton")
+    policy = lt.linear_fp8_plan
+    tma = {"tma": True, "bn": 128, "bt": 64, "warps": 8, "stages": 2, "split_programs": False}
+    monkeypatch.setattr(
+        lt,
+        "linear_fp8_plan",
+        lambda m, n, k: {**policy(m, n, k), **tma, "pointer_tile": policy(m, n, k)},
+    )
+    tiles_run = []
+    real_launch = lt.launch
+
+    def spy(kernel, grid, *args, **consts):
+        tiles_run.append(consts.get("BN"))
+        real_launch(kernel, grid, *args, **consts)
+
+    monkeypatch.setattr(lt, "launch", spy)
+    out = poison_(torch.empty_like(want))
+    lt.launch_fp8_linear(x, wq, ws, None, None, out, False)
+    assert tiles_run[0] == policy(4, 70, 520)["bn"], tiles_run  # then its chunks' reduce
+    assert_bitwise_equal(out, want, "pointer tile")
 
 
 def test_fp8_linear_plans_fit_shared_memory():
