@@ -65,7 +65,9 @@ VARIANTS = {
         1,
         (1, 4),
     ),
-    # many tokens: the tokens on the MMA's M side, weight tiles by TMA (moefuse.moe.experts_fp8_tma)
+    # many tokens: the pointer kernels (moefuse.moe.tiles.EXPERTS_FP8_NARROW), and the tokens on
+    # the MMA's M side with weight tiles by TMA (moefuse.moe.experts_fp8_tma)
+    "pointer": ({"tma": False, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}, 1, LARGE),
     "tma": ({**_TMA, "stages": 3}, 1, LARGE),
     "tma_s4": ({**_TMA, "stages": 4}, 1, LARGE),
     "tma_w4": ({**_TMA, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}, 1, LARGE),

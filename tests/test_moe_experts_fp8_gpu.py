@@ -150,11 +150,15 @@ EXPERTS_TMA_TILES = (
 )
 
 
+#: the pointer kernels' tile at many tokens (what the policy takes where TMA cannot run)
+POINTER_TILE = {"tma": False, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}
+
+
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_fp8_experts_tma_bitwise(name):
-    """The ``tma`` launches give the default launches' bits (T = 300 with sentinels and short
-    items, 2,048; PDL on and off), and they ran (not the other launch). The interleaved layout:
-    the CPU test."""
+    """The ``tma`` launches (the policy's default at these token counts among them) give the
+    pointer kernels' bits (T = 300 with sentinels and short items, 2,048; PDL on and off), and
+    they ran (not the other launch). The interleaved layout: the CPU test."""
     import moefuse.moe.experts_fp8 as ef
 
     shape = SHAPES[name]
@@ -165,7 +169,7 @@ def test_fp8_experts_tma_bitwise(name):
             idx[::3, -1] = shape["experts"] + 3
         want = poison_(torch.empty_like(x))
         launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, want, None, None, 1.0, False, pdl,
-                               token_tile=128)  # fmt: skip
+                               tile=POINTER_TILE, token_tile=128)  # fmt: skip
         for tile in EXPERTS_TMA_TILES:
             ran = []
             real = (ef.launch_gate_up_fp8_tma, ef.launch_down_fp8_tma)
