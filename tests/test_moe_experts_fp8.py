@@ -344,8 +344,9 @@ def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
 def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
     """The policy takes the ``tma`` tile at the widest token tile above the decode slots only.
     With that tile, a GEMM its launch cannot run takes the pointer kernel on the narrow rows and
-    warps (stacked I = 200: gate|up tiles across the scale block at I, down K % 16 != 0), an
-    interleaved gate|up the TMA launch on 64 rows; every case with the default's bits."""
+    warps (stacked I = 200: gate|up tiles across the scale block at I, down K % 16 != 0; an
+    interleaved gate|up: 128-row tiles across scale blocks), its down GEMM the TMA launch; every
+    case with the default's bits."""
     import moefuse.moe.experts_fp8 as ef
     from moefuse.moe import tiles
 
@@ -375,16 +376,20 @@ def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
                                   tile=tma, token_tile=128)  # fmt: skip
         assert_bitwise_equal(out, want, layout)
         gemms = [p for p in pointer if "gate_up" in p[0] or "down" in p[0]]
+        narrow = tiles.EXPERTS_FP8_NARROW
+        gate_up = (
+            "_experts_fp8_gate_up_kernel",
+            -(-inter // narrow["bn_gate_up"]),
+            narrow["warps"],
+        )
+        down = ("_experts_fp8_down_kernel", -(-144 // narrow["bn_down"]), narrow["warps"])
         if il:
-            assert [(n, c["bn_gate_up"]) for n, c in ran][:1] == [("launch_gate_up_fp8_tma", 64)]
-            assert len(ran) == 2 and not gemms, (ran, gemms)
+            assert [n for n, _ in ran] == ["launch_down_fp8_tma"] and gemms == [gate_up], (
+                ran,
+                gemms,
+            )
         else:
-            assert not ran, ran
-            narrow = tiles.EXPERTS_FP8_NARROW
-            assert sorted(gemms) == sorted([
-                ("_experts_fp8_gate_up_kernel", -(-inter // narrow["bn_gate_up"]), narrow["warps"]),
-                ("_experts_fp8_down_kernel", -(-144 // narrow["bn_down"]), narrow["warps"]),
-            ]), gemms  # fmt: skip
+            assert not ran and sorted(gemms) == sorted([gate_up, down]), (ran, gemms)
 
 
 def test_fp8_linear_kernel():

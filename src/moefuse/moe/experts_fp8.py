@@ -554,17 +554,16 @@ def _tokens_quant(
     return fp8_codes(codes), scales
 
 
-def _tma_gate_up(cfg: dict, plan, weight: torch.Tensor, interleaved: bool, inter: int):
-    """The tile with which the ``tma`` key runs the gate|up GEMM by
-    :mod:`moefuse.moe.experts_fp8_tma`, or None where it cannot (its readiness and scale-block
-    rules): ``bn_gate_up`` rows, or 64 where only those keep a tile in one scale block (an
-    interleaved gate|up)."""
-    if not (cfg.get("tma") and tma_experts_ready(weight, cfg, plan.bt, plan_kernel=plan.sp == 0)):
-        return None
-    for bn in dict.fromkeys((cfg["bn_gate_up"], 64)):
-        if gate_up_tma_fits(inter, bn, interleaved):
-            return dict(cfg, bn_gate_up=bn)
-    return None
+def _tma_gate_up(cfg: dict, plan, weight: torch.Tensor, interleaved: bool, inter: int) -> bool:
+    """Whether the tile's ``tma`` key runs the gate|up GEMM by
+    :mod:`moefuse.moe.experts_fp8_tma` (its readiness and scale-block rules: the default's 128
+    rows take a stacked gate|up with I % 128 == 0; an interleaved one needs ``bn_gate_up`` <= 64,
+    a tile key no default sets)."""
+    return (
+        bool(cfg.get("tma"))
+        and tma_experts_ready(weight, cfg, plan.bt, plan_kernel=plan.sp == 0)
+        and gate_up_tma_fits(inter, cfg["bn_gate_up"], interleaved)
+    )
 
 
 def _pointer_tile(cfg: dict) -> dict:
@@ -630,9 +629,8 @@ def _launch_gate_up_fp8(
     if quant_x:
         x = xs = hidden_states
     aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
-    tma_cfg = None if quant_x or fuse_quant else _tma_gate_up(cfg, plan, gw, interleaved, inter)
-    if tma_cfg is not None:
-        launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], tma_cfg,
+    if _tma_gate_up(cfg, plan, gw, interleaved, inter) and not (quant_x or fuse_quant):
+        launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], cfg,
                                interleaved, use_pdl)  # fmt: skip
         return (plan.act, plan.act) if down_quant else _group_quant(plan.act, use_pdl)
     cfg = _pointer_tile(cfg)
