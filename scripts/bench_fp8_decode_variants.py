@@ -72,6 +72,7 @@ VARIANTS = {
     "tma_s4": ({**_TMA, "stages": 4}, 1, LARGE),
     "tma_w4": ({**_TMA, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}, 1, LARGE),
     "tma_gu128": ({**_TMA, "bn_gate_up": 128, "stages": 3}, 1, LARGE),
+    "tma_gu128_s4": ({**_TMA, "bn_gate_up": 128, "stages": 4}, 1, LARGE),
 }
 
 
