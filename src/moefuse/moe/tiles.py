@@ -205,13 +205,13 @@ def fp8_accumulation() -> int:
 #: side, the weight tiles loaded by TMA), taken with the widest token tile above the decode slots
 #: (:data:`EXPERTS_FP8_DECODE_MAX_SLOTS`); where its launch cannot run (a GEMM's rows across a
 #: scale block: an interleaved gate|up or a stacked one with I % 128 != 0; unaligned weights,
-#: ...) that GEMM runs the pointer kernel on :data:`EXPERTS_FP8_NARROW`. Same bits (every variant below bitwise equal to the pointer kernel's
-#: default). MEASURED (H100 80GB HBM3, 2026-12-07, d207e79, `python
-#: scripts/bench_fp8_decode_variants.py time --tokens 2048 8192 --variants tma tma_s4 tma_w4
-#: tma_gu128`, notes/gpu-logs/2026-12-07-experts-fp8-tma-d207e79.log), CUDA-graph us, pointer
-#: kernel 64 x 128 -> this tile (128 gate|up rows, 128 down rows, 8 warps, 3 stages) at T = 2048 /
-#: 8192: Qwen3 541 / 2072 -> 521 / 1634, Mixtral 3341 / 15472 -> 2226 / 8949, DeepSeek-V3 6612 /
-#: 20509 -> 5549 / 12496; 64 gate|up rows 574 / 1789,
+#: ...) that GEMM runs the pointer kernel on :data:`EXPERTS_FP8_NARROW`. Same bits (every
+#: variant below bitwise equal to the pointer kernel's). MEASURED (H100 80GB HBM3, 2026-12-07,
+#: d207e79, `python scripts/bench_fp8_decode_variants.py time --tokens 2048 8192 --variants tma
+#: tma_s4 tma_w4 tma_gu128`, notes/gpu-logs/2026-12-07-experts-fp8-tma-d207e79.log), CUDA-graph
+#: us at T = 2048 / 8192, pointer kernel (narrow rows, 128 token columns) -> this tile (128
+#: gate|up rows, 128 down rows, 8 warps, 3 stages): Qwen3 541 / 2072 -> 521 / 1634, Mixtral 3341
+#: / 15472 -> 2226 / 8949, DeepSeek-V3 6612 / 20509 -> 5549 / 12496; 64 gate|up rows 574 / 1789,
 #: 2635 / 10329, 5990 / 14335; 4 stages between the two; 4 warps (32 / 64 rows) no better than
 #: the pointer kernel.
 EXPERTS_FP8_TMA = {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 8, "stages": 3}
