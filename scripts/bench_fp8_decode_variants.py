@@ -73,6 +73,8 @@ VARIANTS = {
     "tma_w4": ({**_TMA, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4}, 1, LARGE),
     "tma_gu128": ({**_TMA, "bn_gate_up": 128, "stages": 3}, 1, LARGE),
     "tma_gu128_s4": ({**_TMA, "bn_gate_up": 128, "stages": 4}, 1, LARGE),
+    # the gate|up programs quantize the activation's 128-channel groups in registers
+    "tma_gu128_fq": ({**_TMA, "bn_gate_up": 128, "stages": 3, "fuse_act_quant": True}, 1, LARGE),
 }
 
 

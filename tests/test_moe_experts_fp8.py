@@ -307,19 +307,27 @@ def test_fp8_batch_invariance_and_extensions():
 @pytest.mark.parametrize("layout,scale_dtype,tile", [
     ("stacked", torch.float32, {"bn_gate_up": 64, "bn_down": 128, "stages": 2}),
     ("interleaved", E8M0, {"bn_gate_up": 32, "bn_down": 64, "stages": 3, "tail_tile": 16}),
+    ("stacked", E8M0, {"bn_gate_up": 128, "bn_down": 128, "stages": 2, "fuse_act_quant": True}),
 ])  # fmt: skip
 def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     """The ``tma`` launches (tokens on the MMA's M side, weight tiles by TMA; experts_fp8_tma)
     give the default launches' bits with the plan kernel's work items, sentinels, partial
     K-blocks (H = 144) and partial last row tiles (down's 128-row tile of H = 144, interleaved
     gate|up's 32-row tile of I = 200: the next expert's rows read and dropped); down runs there
-    only where I % 16 == 0 (interleaved: I = 200, the other launch)."""
+    only where I % 16 == 0 (interleaved: I = 200, the other launch). With ``fuse_act_quant``
+    and 128 gate|up rows the gate|up program writes the activation's group codes and scales
+    itself ("+quant"): the standalone quantization's bytes."""
     import moefuse.moe.experts_fp8 as ef
 
     ran = []
     for fn in ("launch_gate_up_fp8_tma", "launch_down_fp8_tma"):
         real = getattr(ef, fn)
-        monkeypatch.setattr(ef, fn, lambda *a, _r=real, _n=fn, **k: ran.append(_n) or _r(*a, **k))
+
+        def spy(*a, _r=real, _n=fn, **k):
+            ran.append(_n + ("+quant" if len(a) > 10 and a[10] is not None else ""))
+            return _r(*a, **k)
+
+        monkeypatch.setattr(ef, fn, spy)
     inter = 256 if layout == "stacked" else 200
     x, (gu, dn), _fp8, idx, w = fp8_case(40, 144, inter, 3, 4, seed=5)
     if layout == "interleaved":
@@ -338,7 +346,8 @@ def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, il, False,
                               tile=tma, token_tile=64)  # fmt: skip
     assert_bitwise_equal(out, want, f"{layout} {tma}")
-    assert ran == ["launch_gate_up_fp8_tma"] + (["launch_down_fp8_tma"] if not il else []), ran
+    gate_up = "launch_gate_up_fp8_tma" + ("+quant" if tile.get("fuse_act_quant") else "")
+    assert ran == [gate_up] + (["launch_down_fp8_tma"] if not il else []), ran
 
 
 def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):

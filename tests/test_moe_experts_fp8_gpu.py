@@ -147,6 +147,14 @@ EXPERTS_TMA_TILES = (
     {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3},
     {"tma": True, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4},
     {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 8, "stages": 3},
+    {
+        "tma": True,
+        "bn_gate_up": 128,
+        "bn_down": 128,
+        "warps": 8,
+        "stages": 3,
+        "fuse_act_quant": True,
+    },
 )
 
 

@@ -629,9 +629,12 @@ def _launch_gate_up_fp8(
     if quant_x:
         x = xs = hidden_states
     aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
-    if _tma_gate_up(cfg, plan, gw, interleaved, inter) and not (quant_x or fuse_quant):
+    split_groups = fuse_quant and cfg["bn_gate_up"] != 128  # a TMA program quantizes whole ones
+    if _tma_gate_up(cfg, plan, gw, interleaved, inter) and not (quant_x or split_groups):
         launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], cfg,
-                               interleaved, use_pdl)  # fmt: skip
+                               interleaved, use_pdl, (a, a_s) if fuse_quant else None)  # fmt: skip
+        if fuse_quant:
+            return fp8_codes(a), a_s
         return (plan.act, plan.act) if down_quant else _group_quant(plan.act, use_pdl)
     cfg = _pointer_tile(cfg)
     pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)

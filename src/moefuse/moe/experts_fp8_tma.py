@@ -33,11 +33,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moefuse._device import fma_rn, round_to
+from moefuse._device import fma_rn, round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import pdl_launch_kwargs
 from moefuse.moe.experts_triton import _item_tokens, experts_gemm_metadata
-from moefuse.moe.fp8_device import fp8_block_dot, scale_f32
+from moefuse.moe.fp8_device import _GROUP_EPS, fp8_block_dot, scale_f32
+from moefuse.quant.group_triton import group_quant_tile, store_scales
 
 #: launch metadata of every FP8 experts GEMM kernel (one byte per weight element)
 fp8_gemm_metadata = experts_gemm_metadata(1)
@@ -96,6 +97,8 @@ def _experts_fp8_gate_up_tma_kernel(
     act_ptr,
     strides,
     top_k,
+    aq_ptrs,
+    aq_strides,
     KDIM: tl.constexpr,
     INTER: tl.constexpr,
     PITCH: tl.constexpr,
@@ -103,6 +106,7 @@ def _experts_fp8_gate_up_tma_kernel(
     BT: tl.constexpr,
     STAGES: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    QUANT: tl.constexpr,
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
     PTX: tl.constexpr,
@@ -113,7 +117,10 @@ def _experts_fp8_gate_up_tma_kernel(
     and up rows, row ``e * PITCH + n`` for row ``n`` of expert ``e``; ``strides`` = (x row,
     x-scale row, act row, scale expert / row / block). A gate (up) row's scale is row ``stored
     row // 128`` of its expert's scales: ``n // 128`` and ``(I + n) // 128`` stacked, ``2n //
-    128`` for both interleaved."""
+    128`` for both interleaved. ``QUANT`` (``BN`` = 128: the program holds whole 128-channel
+    groups): instead of ``act``, its per_token_group_quant_8bit codes and FP32 scales, from the
+    rounded values in registers with that op's device function (the standalone kernel's bytes);
+    ``aq_ptrs`` = (codes [T*K, I], scales [T*K, ceil(I/128)]), ``aq_strides`` their row strides."""
     x_st, xs_st, act_st, s_st_e, s_st_n, s_st_k = strides
     if USE_PDL:
         gdc_wait()  # the tokens' codes
@@ -146,9 +153,18 @@ def _experts_fp8_gate_up_tma_kernel(
             gdc_launch_dependents()
         act = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, FP32
         n = n0 + tl.arange(0, BN)
-        ptrs = act_ptr + s.to(tl.int64)[:, None] * act_st + n[None, :]
+        s64 = s.to(tl.int64)
+        live = r_in[:, None] & (n < INTER)[None, :]
         val = round_to(act, act_ptr.dtype.element_ty, PTX)
-        tl.store(ptrs, val, mask=r_in[:, None] & (n < INTER)[None, :])
+        if QUANT:
+            codes_ptr, scales_ptr = aq_ptrs
+            eps = tl.full([BT, 1], _GROUP_EPS, tl.float32)
+            q, sc = group_quant_tile(widen_f32(val, PTX), live, eps, 128, 448.0, False, False, PTX)
+            tl.store(codes_ptr + s64[:, None] * aq_strides[0] + n[None, :], q, mask=live)
+            grp_ptrs = scales_ptr + s64[:, None] * aq_strides[1] + n0 // 128
+            store_scales(grp_ptrs, sc, r_in[:, None], False)
+        else:
+            tl.store(act_ptr + s64[:, None] * act_st + n[None, :], val, mask=live)
 
 
 @triton.jit(launch_metadata=fp8_gemm_metadata)
@@ -237,11 +253,15 @@ def gate_up_tma_fits(inter: int, bn: int, interleaved: bool) -> bool:
     return 128 % bn == 0 and (bn <= 64 if interleaved else inter % 128 == 0)
 
 
-def launch_gate_up_fp8_tma(x, xs, weight, scale, e8m0, plan, top_k, cfg, interleaved, use_pdl):
+def launch_gate_up_fp8_tma(
+    x, xs, weight, scale, e8m0, plan, top_k, cfg, interleaved, use_pdl, quant=None
+):
     """``plan.act`` [T*K, I] from the tokens' codes ``x`` [T, H] with their group scales ``xs``
     and the gate|up weight codes [E, 2I, H] (E4M3, or uint8 in the interpreter) with their block
     scales ``scale`` (FP32 or UE8M0 bytes); ``cfg``: ``bn_gate_up``, ``warps``, ``stages``,
-    ``accumulation`` (:func:`tma_experts_ready` and :func:`gate_up_tma_fits` hold)."""
+    ``accumulation`` (:func:`tma_experts_ready` and :func:`gate_up_tma_fits` hold). ``quant`` =
+    (codes uint8 [T*K, I], scales FP32 [T*K, ceil(I/128)]), with ``bn_gate_up`` 128: the
+    activation's group quantization written there instead of ``plan.act`` (valid slots' rows)."""
     from moefuse._runtime import interpreter_active
 
     experts, two_i, hidden = weight.shape
@@ -266,6 +286,8 @@ def launch_gate_up_fp8_tma(x, xs, weight, scale, e8m0, plan, top_k, cfg, interle
         plan.act,
         (x.stride(0), xs.stride(0), plan.act.stride(0), *scale.stride()),
         top_k,
+        quant if quant is not None else (plan.act, plan.act),
+        (quant[0].stride(0), quant[1].stride(0)) if quant is not None else (0, 0),
         KDIM=hidden,
         INTER=inter,
         PITCH=pitch,
@@ -273,6 +295,7 @@ def launch_gate_up_fp8_tma(x, xs, weight, scale, e8m0, plan, top_k, cfg, interle
         BT=plan.bt,
         STAGES=cfg["stages"],
         INTERLEAVED=interleaved,
+        QUANT=quant is not None,
         E8M0=e8m0,
         ACCUM=cfg["accumulation"],
         PTX=not interpreter_active(),
