@@ -348,6 +348,13 @@ def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
     return -(-blocks // chunk), chunk
 
 
+def _linear_fp8_split_programs(m: int, n: int, splits: int, tile: dict) -> bool:
+    """Whether the K chunks run as programs of their own: more than one chunk, and ``tile``'s
+    row tiles alone fill less than half of :data:`LINEAR_FP8_TARGET_PROGRAMS`."""
+    programs = -(-n // tile["bn"]) * -(-m // tile["bt"])
+    return splits > 1 and programs < LINEAR_FP8_TARGET_PROGRAMS // 2
+
+
 def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     """Launch of ``fp8_linear`` for M rows: ``{"bn", "bt", "warps", "stages", "splits", "chunk",
     "split_programs", "accumulation"}``, from :data:`LINEAR_FP8_TMA_MIN_ROWS` rows
@@ -365,19 +372,14 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
         tile = dict(wide)
     if 1 < m <= 16:
         tile["stages"] = LINEAR_FP8_DECODE_STAGES
-    programs = -(-n // tile["bn"]) * -(-m // tile["bt"])
-    split_programs = splits > 1 and programs < LINEAR_FP8_TARGET_PROGRAMS // 2
     plan = {
         **tile,
         "splits": splits,
         "chunk": chunk,
-        "split_programs": split_programs,
+        "split_programs": _linear_fp8_split_programs(m, n, splits, tile),
         "accumulation": fp8_accumulation(),
     }
-    tma = LINEAR_FP8_TMA
-    programs = -(-n // tma["bn"]) * -(-m // tma["bt"])
-    if m >= LINEAR_FP8_TMA_MIN_ROWS and not (
-        splits > 1 and programs < LINEAR_FP8_TARGET_PROGRAMS // 2
-    ):
+    tma = LINEAR_FP8_TMA  # one launch: taken only where its chunks need no programs of their own
+    if m >= LINEAR_FP8_TMA_MIN_ROWS and not _linear_fp8_split_programs(m, n, splits, tma):
         return {**plan, **tma, "split_programs": False, "pointer_tile": plan}
     return plan
