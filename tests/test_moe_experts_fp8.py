@@ -452,15 +452,17 @@ def test_fp8_linear_tma_launch(monkeypatch):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         bias = torch.randn(n, generator=g).to(torch.bfloat16)
         want = moefuse.fp8_linear(x, wq, ws, bias, impl="triton")
-        for tile in (tma, dict(tma, bn=128, bt=32)):
+        for tile in (tma, dict(tma, bn=128, bt=32), dict(tma, ws=True)):
             o = poison_(torch.empty_like(want))
             lt.launch_fp8_linear(x, wq, ws, bias, None, o, False, tile=tile)
             assert_bitwise_equal(o, want, f"M={m} N={n} K={k} {tile}")
-    assert ran == [2, 2, 3, 3], ran  # chunks: (200, 400) 2 of its 4 blocks, (130, 1040) 3 of 9
+    assert ran == [2, 2, 2, 3, 3, 3], (
+        ran
+    )  # chunks: (200, 400) 2 of its 4 blocks, (130, 1040) 3 of 9
     x = torch.randn(4, 520, generator=g).to(torch.bfloat16)  # K % 16 != 0: the other launch
     wq, ws = r8.quantize_weight_blocks(torch.randn(70, 520, generator=g) * 0.05, torch.float32)
     lt.launch_fp8_linear(x, wq, ws, None, None, torch.empty(4, 70, dtype=x.dtype), False, tile=tma)
-    assert len(ran) == 4
+    assert len(ran) == 6
     policy = lt.linear_fp8_plan
     monkeypatch.setattr(lt, "linear_fp8_plan", lambda m, n, k: dict(policy(m, n, k), **tma))
     fp.clear()
@@ -474,7 +476,7 @@ def test_fp8_linear_tma_launch(monkeypatch):
         finally:
             fp.ENABLED[0] = True
     assert fp.plan_count(moefuse.fp8_linear) == 1, fp.refusals(moefuse.fp8_linear)
-    assert len(ran) == 4 + 4  # the recording and three slow calls: the replays skip the launcher
+    assert len(ran) == 6 + 4  # the recording and three slow calls: the replays skip the launcher
     fp.clear()
 
 

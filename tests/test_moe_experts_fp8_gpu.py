@@ -246,6 +246,24 @@ def test_fp8_linear(n, k):
             {"prefetch": 1 << 20, "split_programs": False},
             dict(LINEAR_FP8_TMA, split_programs=False),
             {"tma": True, "bn": 64, "bt": 64, "warps": 4, "stages": 4, "split_programs": False},
+            {
+                "tma": True,
+                "bn": 128,
+                "bt": 128,
+                "warps": 4,
+                "stages": 3,
+                "ws": True,
+                "split_programs": False,
+            },
+            {
+                "tma": True,
+                "bn": 128,
+                "bt": 128,
+                "warps": 4,
+                "stages": 4,
+                "ws": True,
+                "split_programs": False,
+            },
         ):
             o = poison_(torch.empty_like(got))
             launch_fp8_linear(x, wq, ws, bias, None, o, True, tile=tile)
