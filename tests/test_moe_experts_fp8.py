@@ -350,6 +350,41 @@ def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     assert ran == [gate_up] + (["launch_down_fp8_tma"] if not il else []), ran
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0])
+def test_fp8_experts_ws_launch(monkeypatch, scale_dtype):
+    """The ``ws`` launch (experts_fp8_ws: the slots' codes gathered into the plan's sorted
+    order, both MMA operands by TMA, the K loop warp-specialised on the GPU) gives the default
+    launch's bits with sentinels, partial K-blocks (H = 144), an item per expert of fewer rows
+    than its 128-row box (the next item's rows and unwritten rows read and dropped), bias,
+    shared output and scaling; it runs only with a stacked gate|up and I % 128 == 0 (I = 200:
+    the TMA and pointer launches)."""
+    import moefuse.moe.experts_fp8 as ef
+
+    ran = []
+    real = ef.launch_experts_fp8_ws
+    monkeypatch.setattr(ef, "launch_experts_fp8_ws", lambda *a: ran.append(a[-2]) or real(*a))
+    for inter in (256, 200):
+        x, (gu, dn), _fp8, idx, w = fp8_case(40, 144, inter, 3, 4, seed=inter)
+        gq, gs = r8.quantize_weight_blocks(gu, scale_dtype)
+        dq, ds = r8.quantize_weight_blocks(dn, scale_dtype)
+        idx[0, -1], idx[3, 0] = 5, -1  # expert-parallel sentinels
+        g = torch.Generator().manual_seed(inter)
+        bias = torch.randn(3, 144, generator=g).to(torch.bfloat16)
+        shared = torch.randn(40, 144, generator=g).to(torch.bfloat16)
+        base = {"inline_plan_slots": 0, "fuse_finalize_slots": 0}
+        want = poison_(torch.empty_like(x))
+        ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, want, bias, shared, 1.5, False,
+                                  False, tile=base, token_tile=128)  # fmt: skip
+        assert not ran
+        out = poison_(torch.empty_like(x))
+        ws = dict(base, tma=True, ws=True, bn_gate_up=128, bn_down=64, warps=8, stages=2)
+        ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, out, bias, shared, 1.5, False,
+                                  False, tile=ws, token_tile=128)  # fmt: skip
+        assert_bitwise_equal(out, want, f"I={inter} {scale_dtype}")
+        assert len(ran) == (1 if inter == 256 else 0), (inter, ran)
+        ran.clear()
+
+
 def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
     """The policy takes the ``tma`` tile at the widest token tile above the decode slots only.
     With that tile, a GEMM its launch cannot run takes the pointer kernel on the narrow rows and

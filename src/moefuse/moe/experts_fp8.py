@@ -31,6 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
+from moefuse.moe.experts_fp8_quant import group_quant_rows, tokens_quant
 from moefuse.moe.experts_fp8_tma import (
     fp8_gemm_metadata,
     gate_up_tma_fits,
@@ -38,6 +39,7 @@ from moefuse.moe.experts_fp8_tma import (
     launch_gate_up_fp8_tma,
     tma_experts_ready,
 )
+from moefuse.moe.experts_fp8_ws import launch_experts_fp8_ws, ws_experts_fits
 from moefuse.moe.experts_triton import (
     _finalize_if_last,
     _item_tokens,
@@ -61,9 +63,7 @@ from moefuse.moe.tiles import (
 )
 from moefuse.moe.triton import launch_moe_finalize
 from moefuse.quant.group_triton import (
-    _group_quant_kernel,
     group_quant_tile,
-    group_tile,
     store_scales,
 )
 
@@ -180,7 +180,7 @@ def _quantize_group_if_last(
 ):
     """per_token_group_quant_8bit of the rounded activation, inside the gate|up kernel: this
     program counts itself in ``counters[item, group]`` (group = its 128 columns of I, whole
-    ``BN``-column tiles: 128 % BN == 0; the counters zeroed by :func:`_tokens_quant_kernel`)
+    ``BN``-column tiles: 128 % BN == 0; the counters zeroed by ``experts_fp8_quant.tokens_quant``)
     after its ``act`` stores, and the group's last program loads the group's ``act`` of the
     item's slots (through L2) and writes their E4M3 codes and FP32 scale with the standalone
     kernel's device function (:func:`moefuse.quant.group_triton.group_quant_tile`, the same
@@ -211,62 +211,6 @@ def _quantize_group_if_last(
         q, sc = group_quant_tile(widen_f32(v, PTX), live, eps, 128, 448.0, False, False, PTX)
         tl.store(codes_ptr + s64[:, None] * codes_st + cols[None, :], q, mask=live)
         store_scales(scales_ptr + s64[:, None] * scales_st + grp, sc, r_in[:, None], False)
-
-
-@triton.jit(do_not_specialize=["n_rows", "n_count"])
-def _tokens_quant_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    count_ptr,
-    n_rows,
-    H,
-    G,
-    x_st,
-    s_st,
-    eps,
-    n_count,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PTX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """per_token_group_quant_8bit of the tokens (its kernel's body, called as a device function:
-    the same codes and scales), then zeroes ``n_count`` counters of
-    :func:`_quantize_group_if_last` (after the body's ``gdc_wait``: the gate|up kernel, next in
-    the stream, waits for this grid)."""
-    _group_quant_kernel(
-        x_ptr,
-        q_ptr,
-        s_ptr,
-        n_rows,
-        H,
-        G,
-        1,
-        x_st,
-        0,
-        s_st,
-        0,
-        1,
-        eps,
-        BLOCK_M,
-        BLOCK_N,
-        128,
-        448.0,
-        False,
-        False,
-        False,
-        True,  # RCP: the quotients from one reciprocal per group (eps is 1e-10)
-        PTX,
-        USE_PDL,
-    )
-    p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    step = tl.num_programs(0) * tl.num_programs(1) * 128
-    c0 = p * 128
-    while c0 < n_count:
-        cs = c0 + tl.arange(0, 128)
-        tl.store(count_ptr + cs, tl.zeros([128], tl.int32), mask=cs < n_count)
-        c0 += step
 
 
 @triton.jit(launch_metadata=fp8_gemm_metadata)
@@ -497,19 +441,6 @@ def _scale_arg(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return scale, False
 
 
-def _group_quant(rows: torch.Tensor, use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 codes [R, W] as the kernels read them, FP32 group scales [R, ceil(W/128)]) of
-    ``rows`` by per_token_group_quant_8bit's kernel (:func:`group_quant_columns` computes the
-    same codes)."""
-    from moefuse.quant.group_triton import launch_group_quant
-
-    r, w = rows.shape
-    codes = torch.empty(r, w, dtype=torch.uint8, device=rows.device)
-    scales = torch.empty(r, triton.cdiv(w, 128), dtype=torch.float32, device=rows.device)
-    launch_group_quant(rows, codes, scales, 128, GROUP_EPS, False, False, use_pdl)
-    return fp8_codes(codes), scales
-
-
 def _prefetch_bytes(cfg: dict, plan, weights: torch.Tensor, use_pdl: bool, ptx: bool) -> int:
     """The kernels' ``PF_BYTES``: :func:`moefuse.moe.fp8_device.prefetch_row_bytes` of
     ``cfg["prefetch"]`` where the programs can name their work item before their ``gdc_wait``
@@ -519,39 +450,6 @@ def _prefetch_bytes(cfg: dict, plan, weights: torch.Tensor, use_pdl: bool, ptx: 
     if not (want and use_pdl and ptx and plan.sp > 0) or cfg.get("fuse_tokens_quant"):
         return 0
     return prefetch_row_bytes(want, weights)
-
-
-def _tokens_quant(
-    rows: torch.Tensor, counters: torch.Tensor, n_count: int, use_pdl: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_group_quant` of the tokens (the same codes and scales, per_token_group_quant_8bit's
-    tile) by :func:`_tokens_quant_kernel`, which also zeroes ``counters[:n_count]``."""
-    r, w = rows.shape
-    codes = torch.empty(r, w, dtype=torch.uint8, device=rows.device)
-    scales = torch.empty(r, triton.cdiv(w, 128), dtype=torch.float32, device=rows.device)
-    bm, bn, warps = group_tile(w, 128, r)
-    launch(
-        _tokens_quant_kernel,
-        (triton.cdiv(r, bm), triton.cdiv(w, bn)),
-        rows,
-        codes,
-        scales,
-        counters,
-        r,
-        w,
-        scales.shape[1],
-        rows.stride(0),
-        scales.stride(0),
-        GROUP_EPS,
-        n_count,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        PTX=not interpreter_active(),
-        USE_PDL=use_pdl,
-        num_warps=warps,
-        **pdl_launch_kwargs(use_pdl),
-    )
-    return fp8_codes(codes), scales
 
 
 def _tma_gate_up(cfg: dict, plan, weight: torch.Tensor, interleaved: bool, inter: int) -> bool:
@@ -621,11 +519,11 @@ def _launch_gate_up_fp8(
             q_count = torch.zeros(plan.n_items * n_groups, dtype=torch.int32, device=dev)
         else:
             q_count = torch.empty(plan.n_items * n_groups, dtype=torch.int32, device=dev)
-            x, xs = _tokens_quant(hidden_states, q_count, q_count.numel(), use_pdl)
+            x, xs = tokens_quant(hidden_states, q_count, q_count.numel(), use_pdl)
     else:
         a = a_s = q_count = plan.act
         if not quant_x:
-            x, xs = _group_quant(hidden_states, use_pdl)
+            x, xs = group_quant_rows(hidden_states, use_pdl)
     if quant_x:
         x = xs = hidden_states
     aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
@@ -635,7 +533,7 @@ def _launch_gate_up_fp8(
                                interleaved, use_pdl, (a, a_s) if fuse_quant else None)  # fmt: skip
         if fuse_quant:
             return fp8_codes(a), a_s
-        return (plan.act, plan.act) if down_quant else _group_quant(plan.act, use_pdl)
+        return (plan.act, plan.act) if down_quant else group_quant_rows(plan.act, use_pdl)
     cfg = _pointer_tile(cfg)
     pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
     strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
@@ -680,7 +578,35 @@ def _launch_gate_up_fp8(
         return fp8_codes(a), a_s
     if down_quant:
         return plan.act, plan.act
-    return _group_quant(plan.act, use_pdl)
+    return group_quant_rows(plan.act, use_pdl)
+
+
+def _policy_plan(hidden_states, gate_up_proj, top_k_index, use_pdl, tile, token_tile):
+    """The tile policy (:func:`moefuse.moe.tiles.experts_fp8_tile`, the decode keys, then
+    ``tile``) and the routing plan of :func:`launch_moe_experts_fp8`: ``(plan, cfg)``."""
+    experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    slots = top_k_index.numel()
+    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
+    cfg = {
+        **experts_fp8_tile(hidden, inter, token_tile, slots),
+        **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
+        **(tile or {}),
+    }
+    return _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl), cfg
+
+
+def _ws_launch(cfg: dict, plan, gate_up: torch.Tensor, down: torch.Tensor, interleaved) -> bool:
+    """Whether the tile's ``ws`` key (with ``tma``) runs both GEMMs by
+    :mod:`moefuse.moe.experts_fp8_ws`: a stacked gate|up, the plan kernel's work items, the
+    finalize a launch of its own, the quantizations as launches of their own (``fuse_act_quant``
+    is not taken there), and :func:`moefuse.moe.experts_fp8_ws.ws_experts_fits`."""
+    return (
+        bool(cfg.get("ws") and cfg.get("tma"))
+        and not (interleaved or plan.fused or plan.sp)
+        and not (cfg.get("down_act_quant") or cfg.get("fuse_tokens_quant"))
+        and ws_experts_fits(gate_up, down, cfg, plan.bt)
+    )
 
 
 def _gate_up_stage(
@@ -693,25 +619,15 @@ def _gate_up_stage(
     tile: dict | None,
     token_tile: int | None,
 ):
-    """The tile policy (:func:`moefuse.moe.tiles.experts_fp8_tile`, the decode keys, then
-    ``tile``), the routing plan and the gate|up launch of :func:`launch_moe_experts_fp8`:
+    """:func:`_policy_plan` and the gate|up launch of :func:`launch_moe_experts_fp8`:
     ``(plan, cfg, activation codes, their group scales)``."""
-    experts, two_i, hidden = gate_up_proj.shape
-    inter = two_i // 2
-    slots = top_k_index.numel()
-    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
-    cfg = {
-        **experts_fp8_tile(hidden, inter, token_tile, slots),
-        **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
-        **(tile or {}),
-    }
-    plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
+    plan, cfg = _policy_plan(hidden_states, gate_up_proj, top_k_index, use_pdl, tile, token_tile)
     a, a_s = _launch_gate_up_fp8(
         hidden_states,
         gate_up_proj,
         gate_up_proj_scale_inv,
         top_k_index,
-        experts,
+        gate_up_proj.shape[0],
         plan,
         cfg,
         interleaved,
@@ -728,6 +644,71 @@ def _finalize(plan, top_k_index, top_k_weights, out, bias, shared, rsf: float, u
         eids = top_k_index if top_k_index.stride(1) == 1 else top_k_index.contiguous()
     launch_moe_finalize(
         plan.y, plan.slot_map, top_k_weights, out, bias, eids, rsf, shared, True, use_pdl
+    )
+
+
+def _launch_down_fp8(a, a_s, dw, ds, ds_e8, plan, cfg, top_k_index, routing, extras, use_pdl):
+    """The pointer kernel's down GEMM (and, with ``plan.fused``, the finalize) of
+    :func:`launch_moe_experts_fp8`: ``routing`` = (top_k_weights, out), ``extras`` = (bias,
+    shared expert output, routed scaling factor, expert count)."""
+    top_k_weights, out = routing
+    bias, shared, rsf, experts = extras
+    hidden, y = out.shape[1], plan.y
+    ptx = not interpreter_active()
+    cfg = _pointer_tile(cfg)
+    strides = (a.stride(0), a_s.stride(0), y.stride(0), *dw.stride(), *ds.stride())
+    fin_strides = (
+        plan.slot_map.stride(0),
+        top_k_weights.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        shared.stride(0) if shared is not None else 0,
+        out.stride(0),
+    )
+    quant_a = bool(cfg.get("down_act_quant"))
+    launch(
+        _experts_fp8_down_kernel,
+        (plan.n_items, triton.cdiv(hidden, cfg["bn_down"])),
+        a,
+        a_s,
+        dw,
+        ds,
+        plan.items,
+        plan.sorted_slots,
+        y,
+        top_k_index,
+        (
+            plan.slot_map,
+            top_k_weights,
+            bias if bias is not None else y,
+            shared if shared is not None else y,
+            out,
+        ),
+        plan.counters,
+        strides,
+        (top_k_index.stride(0), top_k_index.stride(1)),
+        fin_strides,
+        top_k_index.shape[1],
+        top_k_index.numel(),
+        experts,
+        rsf,
+        KDIM=dw.shape[2],
+        H=hidden,
+        BN=cfg["bn_down"],
+        BT=plan.bt,
+        STAGES=cfg.get("down_stages", cfg["stages"]),
+        SP=plan.sp,
+        FINALIZE=plan.fused,
+        EXTRAS=(bias is not None, rsf != 1.0, shared is not None),
+        PTX=ptx,
+        USE_PDL=use_pdl,
+        BR=plan.br,
+        E8M0=ds_e8,
+        ACCUM=cfg["accumulation"],
+        QUANT_A=quant_a,
+        PF_BYTES=_prefetch_bytes(cfg, plan, dw, use_pdl, ptx),
+        num_warps=cfg.get("down_warps", cfg["warps"]),
+        enable_fp_fusion=False,
+        **pdl_launch_kwargs(use_pdl),
     )
 
 
@@ -754,83 +735,48 @@ def launch_moe_experts_fp8(
     tokens, hidden = hidden_states.shape
     if tokens == 0 or hidden == 0:
         return
-    plan, cfg, a, a_s = _gate_up_stage(
+    plan, cfg = _policy_plan(hidden_states, gate_up_proj, top_k_index, use_pdl, tile, token_tile)
+    ds, ds_e8 = _scale_arg(down_proj_scale_inv)
+    dw, gw = fp8_codes(down_proj), fp8_codes(gate_up_proj)
+    rsf = float(routed_scaling_factor)
+    finalize = (plan, top_k_index, top_k_weights, out, bias, shared_expert_output, rsf, use_pdl)
+    if _ws_launch(cfg, plan, gw, dw, interleaved):
+        gs, gs_e8 = _scale_arg(gate_up_proj_scale_inv)
+        x, xs = group_quant_rows(hidden_states, use_pdl)
+        top_k = top_k_index.shape[1]
+        launch_experts_fp8_ws(x, xs, gw, gs, dw, ds, (gs_e8, ds_e8), plan, top_k, cfg, use_pdl)
+        _finalize(*finalize)
+        return
+    a, a_s = _launch_gate_up_fp8(
         hidden_states,
         gate_up_proj,
         gate_up_proj_scale_inv,
         top_k_index,
+        gate_up_proj.shape[0],
+        plan,
+        cfg,
         interleaved,
         use_pdl,
-        tile,
-        token_tile,
     )
-    ptx = not interpreter_active()
-    idx_strides = (top_k_index.stride(0), top_k_index.stride(1))
-    ds, ds_e8 = _scale_arg(down_proj_scale_inv)
-    dw = fp8_codes(down_proj)
-    rsf = float(routed_scaling_factor)
-    y = plan.y
-    fin_strides = (
-        plan.slot_map.stride(0),
-        top_k_weights.stride(0),
-        bias.stride(0) if bias is not None else 0,
-        shared_expert_output.stride(0) if shared_expert_output is not None else 0,
-        out.stride(0),
-    )
-    quant_a = bool(cfg.get("down_act_quant"))
-    if _tma_down(cfg, plan, dw, quant_a):
+    if _tma_down(cfg, plan, dw, bool(cfg.get("down_act_quant"))):
         launch_down_fp8_tma(a, a_s, dw, ds, ds_e8, plan, top_k_index.shape[1], cfg, use_pdl)
-        _finalize(plan, top_k_index, top_k_weights, out, bias, shared_expert_output, rsf, use_pdl)
+        _finalize(*finalize)
         return
-    cfg = _pointer_tile(cfg)
-    strides = (a.stride(0), a_s.stride(0), y.stride(0), *dw.stride(), *ds.stride())
-    launch(
-        _experts_fp8_down_kernel,
-        (plan.n_items, triton.cdiv(hidden, cfg["bn_down"])),
+    _launch_down_fp8(
         a,
         a_s,
         dw,
         ds,
-        plan.items,
-        plan.sorted_slots,
-        y,
+        ds_e8,
+        plan,
+        cfg,
         top_k_index,
-        (
-            plan.slot_map,
-            top_k_weights,
-            bias if bias is not None else y,
-            shared_expert_output if shared_expert_output is not None else y,
-            out,
-        ),
-        plan.counters,
-        strides,
-        idx_strides,
-        fin_strides,
-        top_k_index.shape[1],
-        top_k_index.numel(),
-        gate_up_proj.shape[0],
-        rsf,
-        KDIM=dw.shape[2],
-        H=hidden,
-        BN=cfg["bn_down"],
-        BT=plan.bt,
-        STAGES=cfg.get("down_stages", cfg["stages"]),
-        SP=plan.sp,
-        FINALIZE=plan.fused,
-        EXTRAS=(bias is not None, rsf != 1.0, shared_expert_output is not None),
-        PTX=ptx,
-        USE_PDL=use_pdl,
-        BR=plan.br,
-        E8M0=ds_e8,
-        ACCUM=cfg["accumulation"],
-        QUANT_A=quant_a,
-        PF_BYTES=_prefetch_bytes(cfg, plan, dw, use_pdl, ptx),
-        num_warps=cfg.get("down_warps", cfg["warps"]),
-        enable_fp_fusion=False,
-        **pdl_launch_kwargs(use_pdl),
+        (top_k_weights, out),
+        (bias, shared_expert_output, rsf, gate_up_proj.shape[0]),
+        use_pdl,
     )
     if not plan.fused:
-        _finalize(plan, top_k_index, top_k_weights, out, bias, shared_expert_output, rsf, use_pdl)
+        _finalize(*finalize)
 
 
 def gate_up_activation_codes(
