@@ -59,7 +59,6 @@ def _slot_block_product(
     PTX: tl.constexpr,
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
-    WS: tl.constexpr = False,
 ):
     """FP32 ``acc[j] = fma(dot_b, cs[t, b] * Ws_j[b], acc[j])`` over the K-blocks ``b``
     ascending from +0.0, for each of the one or two weight tiles ``descs[j]`` (rows ``row0`` ..
@@ -70,7 +69,7 @@ def _slot_block_product(
     TWO: tl.constexpr = len(descs) == 2
     acc0 = tl.zeros([BT, BN], dtype=tl.float32)
     acc1 = tl.zeros([BT, BN], dtype=tl.float32)
-    for b in tl.range(0, (KDIM + 127) // 128, num_stages=STAGES, warp_specialize=WS):
+    for b in tl.range(0, (KDIM + 127) // 128, num_stages=STAGES):
         kk = b * 128 + tl.arange(0, 128)
         live = r_in[:, None] & (kk < KDIM)[None, :]
         q = tl.load(col_rows[:, None] + kk[None, :], mask=live, other=0.0)
@@ -112,7 +111,6 @@ def _experts_fp8_gate_up_tma_kernel(
     ACCUM: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
-    WS: tl.constexpr = False,
 ):
     """act[s, n] = cast(silu(g_n) * u_n) for the ``BT`` slots of work item ``program_id(0)`` and
     the ``BN`` rows of I from ``program_id(1) * BN``; ``gate_desc`` / ``up_desc`` read the gate
@@ -150,7 +148,6 @@ def _experts_fp8_gate_up_tma_kernel(
             PTX,
             E8M0,
             ACCUM,
-            WS,
         )
         if USE_PDL:
             gdc_launch_dependents()
@@ -190,7 +187,6 @@ def _experts_fp8_down_tma_kernel(
     ACCUM: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
-    WS: tl.constexpr = False,
 ):
     """y[s, h] (FP32, unrounded) for the ``BT`` slots of work item ``program_id(0)`` and the
     ``BN`` rows of H from ``program_id(1) * BN`` (``BN`` divides 128: one scale row);
@@ -218,7 +214,6 @@ def _experts_fp8_down_tma_kernel(
             PTX,
             E8M0,
             ACCUM,
-            WS,
         )
         if USE_PDL:
             gdc_launch_dependents()
