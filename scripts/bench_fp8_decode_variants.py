@@ -75,11 +75,6 @@ VARIANTS = {
     "tma_gu128_s4": ({**_TMA, "bn_gate_up": 128, "stages": 4}, 1, LARGE),
     # the gate|up programs quantize the activation's 128-channel groups in registers
     "tma_gu128_fq": ({**_TMA, "bn_gate_up": 128, "stages": 3, "fuse_act_quant": True}, 1, LARGE),
-    # both operands by TMA (slots gathered into the plan's order), K loops warp-specialised
-    # (moefuse.moe.experts_fp8_ws; 4 warps per partition)
-    "ws64": ({**_TMA, "ws": True, "warps": 4, "stages": 3}, 1, LARGE),
-    "ws128": ({**_TMA, "ws": True, "bn_gate_up": 128, "warps": 4, "stages": 3}, 1, LARGE),
-    "ws64_s4": ({**_TMA, "ws": True, "warps": 4, "stages": 4}, 1, LARGE),
 }
 
 

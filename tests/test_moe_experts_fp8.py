@@ -350,51 +350,19 @@ def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     assert ran == [gate_up] + (["launch_down_fp8_tma"] if not il else []), ran
 
 
-@pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0])
-def test_fp8_experts_ws_launch(monkeypatch, scale_dtype):
-    """The ``ws`` launch (experts_fp8_ws: the slots' codes gathered into the plan's sorted
-    order, both MMA operands by TMA, the K loop warp-specialised on the GPU) gives the default
-    launch's bits with sentinels, partial K-blocks (H = 144), an item per expert of fewer rows
-    than its 128-row box (the next item's rows and unwritten rows read and dropped), bias,
-    shared output and scaling; it runs only with a stacked gate|up and I % 128 == 0 (I = 200:
-    the TMA and pointer launches)."""
-    import moefuse.moe.experts_fp8 as ef
-
-    ran = []
-    real = ef.launch_experts_fp8_ws
-    monkeypatch.setattr(ef, "launch_experts_fp8_ws", lambda *a: ran.append(a[-2]) or real(*a))
-    for inter in (256, 200):
-        x, (gu, dn), _fp8, idx, w = fp8_case(40, 144, inter, 3, 4, seed=inter)
-        gq, gs = r8.quantize_weight_blocks(gu, scale_dtype)
-        dq, ds = r8.quantize_weight_blocks(dn, scale_dtype)
-        idx[0, -1], idx[3, 0] = 5, -1  # expert-parallel sentinels
-        g = torch.Generator().manual_seed(inter)
-        bias = torch.randn(3, 144, generator=g).to(torch.bfloat16)
-        shared = torch.randn(40, 144, generator=g).to(torch.bfloat16)
-        base = {"inline_plan_slots": 0, "fuse_finalize_slots": 0}
-        want = poison_(torch.empty_like(x))
-        ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, want, bias, shared, 1.5, False,
-                                  False, tile=base, token_tile=128)  # fmt: skip
-        assert not ran
-        out = poison_(torch.empty_like(x))
-        ws = dict(base, tma=True, ws=True, bn_gate_up=128, bn_down=64, warps=8, stages=2)
-        ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, out, bias, shared, 1.5, False,
-                                  False, tile=ws, token_tile=128)  # fmt: skip
-        assert_bitwise_equal(out, want, f"I={inter} {scale_dtype}")
-        assert len(ran) == (1 if inter == 256 else 0), (inter, ran)
-        ran.clear()
-
-
 def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
-    """The policy takes the ``tma`` tile at the widest token tile above the decode slots only.
-    With that tile, a GEMM its launch cannot run takes the pointer kernel on the narrow rows and
-    warps (stacked I = 200: gate|up tiles across the scale block at I, down K % 16 != 0; an
+    """The policy takes the ``tma`` tile (the activation quantized by the gate|up programs) at
+    the widest token tile above the decode slots only. With that tile, a GEMM its launch cannot
+    run takes the pointer kernel on the narrow rows and warps and the activation's own launch
+    (stacked I = 200: gate|up tiles across the scale block at I, down K % 16 != 0; an
     interleaved gate|up: 128-row tiles across scale blocks), its down GEMM the TMA launch; every
     case with the default's bits."""
     import moefuse.moe.experts_fp8 as ef
     from moefuse.moe import tiles
 
-    assert tiles.experts_fp8_tile(2048, 768, 128, 16384)["tma"]
+    many = tiles.experts_fp8_tile(2048, 768, 128, 16384)
+    assert many["tma"] and many["fuse_act_quant"]  # the TMA gate|up quantizes the activation
+    assert not ef._pointer_tile(many)["fuse_act_quant"]  # the pointer kernel's launch stays
     for token_tile, slots in ((128, 512), (64, 16384)):
         assert "tma" not in tiles.experts_fp8_tile(2048, 768, token_tile, slots)
     ran, pointer = [], []
@@ -487,17 +455,15 @@ def test_fp8_linear_tma_launch(monkeypatch):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         bias = torch.randn(n, generator=g).to(torch.bfloat16)
         want = moefuse.fp8_linear(x, wq, ws, bias, impl="triton")
-        for tile in (tma, dict(tma, bn=128, bt=32), dict(tma, ws=True)):
+        for tile in (tma, dict(tma, bn=128, bt=32)):
             o = poison_(torch.empty_like(want))
             lt.launch_fp8_linear(x, wq, ws, bias, None, o, False, tile=tile)
             assert_bitwise_equal(o, want, f"M={m} N={n} K={k} {tile}")
-    assert ran == [2, 2, 2, 3, 3, 3], (
-        ran
-    )  # chunks: (200, 400) 2 of its 4 blocks, (130, 1040) 3 of 9
+    assert ran == [2, 2, 3, 3], ran  # chunks: (200, 400) 2 of its 4 blocks, (130, 1040) 3 of 9
     x = torch.randn(4, 520, generator=g).to(torch.bfloat16)  # K % 16 != 0: the other launch
     wq, ws = r8.quantize_weight_blocks(torch.randn(70, 520, generator=g) * 0.05, torch.float32)
     lt.launch_fp8_linear(x, wq, ws, None, None, torch.empty(4, 70, dtype=x.dtype), False, tile=tma)
-    assert len(ran) == 6
+    assert len(ran) == 4
     policy = lt.linear_fp8_plan
     monkeypatch.setattr(lt, "linear_fp8_plan", lambda m, n, k: dict(policy(m, n, k), **tma))
     fp.clear()
@@ -511,7 +477,7 @@ def test_fp8_linear_tma_launch(monkeypatch):
         finally:
             fp.ENABLED[0] = True
     assert fp.plan_count(moefuse.fp8_linear) == 1, fp.refusals(moefuse.fp8_linear)
-    assert len(ran) == 6 + 4  # the recording and three slow calls: the replays skip the launcher
+    assert len(ran) == 4 + 4  # the recording and three slow calls: the replays skip the launcher
     fp.clear()
 
 

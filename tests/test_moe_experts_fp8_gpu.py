@@ -193,42 +193,6 @@ def test_fp8_experts_tma_bitwise(name):
             assert_bitwise_equal(out, want, f"{name} T={t} PDL {pdl} {tile}")
 
 
-#: the warp-specialised launches (moefuse.moe.experts_fp8_ws)
-EXPERTS_WS_TILES = tuple(
-    {"tma": True, "ws": True, "bn_gate_up": bn, "bn_down": 128, "warps": 4, "stages": stages}
-    for bn, stages in ((64, 3), (128, 3), (64, 4))
-)
-
-
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_fp8_experts_ws_bitwise(name):
-    """The ``ws`` launches give the pointer kernels' bits (T = 300 with sentinels and short
-    items, 2,048; PDL on and off), and they ran."""
-    import moefuse.moe.experts_fp8 as ef
-
-    shape = SHAPES[name]
-    gq, gs, dq, ds, _, _ = weights(name)
-    for t, pdl in ((300, True), (300, False), (2048, True)):
-        x, idx, w = make_routing(t, shape, DEV, seed=t + 5)
-        if t == 300:
-            idx[::3, -1] = shape["experts"] + 3
-        want = poison_(torch.empty_like(x))
-        launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, want, None, None, 1.0, False, pdl,
-                               tile=POINTER_TILE, token_tile=128)  # fmt: skip
-        for tile in EXPERTS_WS_TILES:
-            ran = []
-            real = ef.launch_experts_fp8_ws
-            ef.launch_experts_fp8_ws = lambda *a, **k: ran.append(1) or real(*a, **k)
-            try:
-                out = poison_(torch.empty_like(x))
-                launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, False,
-                                       pdl, tile=tile, token_tile=128)  # fmt: skip
-            finally:
-                ef.launch_experts_fp8_ws = real
-            assert ran == [1], (name, t, tile, ran)
-            assert_bitwise_equal(out, want, f"{name} T={t} PDL {pdl} {tile}")
-
-
 def test_fp8_experts_graph_pdl_e8m0_compile():
     name = "qwen3"
     shape = SHAPES[name]
@@ -282,24 +246,6 @@ def test_fp8_linear(n, k):
             {"prefetch": 1 << 20, "split_programs": False},
             dict(LINEAR_FP8_TMA, split_programs=False),
             {"tma": True, "bn": 64, "bt": 64, "warps": 4, "stages": 4, "split_programs": False},
-            {
-                "tma": True,
-                "bn": 128,
-                "bt": 128,
-                "warps": 4,
-                "stages": 3,
-                "ws": True,
-                "split_programs": False,
-            },
-            {
-                "tma": True,
-                "bn": 128,
-                "bt": 128,
-                "warps": 4,
-                "stages": 4,
-                "ws": True,
-                "split_programs": False,
-            },
         ):
             o = poison_(torch.empty_like(got))
             launch_fp8_linear(x, wq, ws, bias, None, o, True, tile=tile)

@@ -100,32 +100,27 @@ def scaled_mm_fn(x, wq, ws, wbf):
 
 
 def parse_tile(text: str) -> dict:
-    """``[tma]BNxBTxWARPS[xSTAGES][ws]`` -> a ``launch_fp8_linear`` tile override (one launch:
-    the chunks summed in registers; ``tma``: the tokens on the MMA's M side, TMA loads,
-    :mod:`moefuse.moe.linear_tma`; ``ws``: its K loop warp-specialised, ``WARPS`` the warps of
-    one partition)."""
+    """``[tma]BNxBTxWARPS[xSTAGES]`` -> a ``launch_fp8_linear`` tile override (one launch: the
+    chunks summed in registers; ``tma``: the tokens on the MMA's M side, TMA loads,
+    :mod:`moefuse.moe.linear_tma`)."""
     tma = text.startswith("tma")
-    ws = tma and text.endswith("ws")
     try:
-        parts = [int(p) for p in text.removeprefix("tma").removesuffix("ws").split("x")]
+        parts = [int(p) for p in text.removeprefix("tma").split("x")]
     except ValueError:
         parts = []
     if len(parts) not in (3, 4):
-        raise argparse.ArgumentTypeError(f"tile {text!r}: [tma]BNxBTxWARPS[xSTAGES][ws]")
+        raise argparse.ArgumentTypeError(f"tile {text!r}: [tma]BNxBTxWARPS[xSTAGES]")
     tile = {"bn": parts[0], "bt": parts[1], "warps": parts[2], "split_programs": False}
     if len(parts) == 4:
         tile["stages"] = parts[3]
     if tma:
         tile["tma"] = True
-    if ws:
-        tile["ws"] = True
     return tile
 
 
 def tile_name(tile: dict) -> str:
     name = ("tma" if tile.get("tma") else "") + f"{tile['bn']}x{tile['bt']}x{tile['warps']}"
-    name += f"x{tile['stages']}" if "stages" in tile else ""
-    return name + ("ws" if tile.get("ws") else "")
+    return name + (f"x{tile['stages']}" if "stages" in tile else "")
 
 
 def tile_fn(x0, want, wq, ws, tile):
@@ -287,8 +282,8 @@ def parse_args(argv=None):
         type=parse_tile,
         nargs="+",
         default=[],
-        help="also time these one-launch tiles, [tma]BNxBTxWARPS[xSTAGES][ws] (each checked "
-        "bitwise against the default launch first)",
+        help="also time these one-launch tiles, [tma]BNxBTxWARPS[xSTAGES] (each checked bitwise "
+        "against the default launch first)",
     )
     args = p.parse_args(argv)
     if args.quick:

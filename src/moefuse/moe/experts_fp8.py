@@ -39,7 +39,6 @@ from moefuse.moe.experts_fp8_tma import (
     launch_gate_up_fp8_tma,
     tma_experts_ready,
 )
-from moefuse.moe.experts_fp8_ws import launch_experts_fp8_ws, ws_experts_fits
 from moefuse.moe.experts_triton import (
     _finalize_if_last,
     _item_tokens,
@@ -466,8 +465,9 @@ def _tma_gate_up(cfg: dict, plan, weight: torch.Tensor, interleaved: bool, inter
 
 def _pointer_tile(cfg: dict) -> dict:
     """The pointer kernels' tile for a GEMM the ``tma`` key could not run: the narrow rows and
-    warps (:data:`moefuse.moe.tiles.EXPERTS_FP8_NARROW`), measured on that kernel."""
-    return {**cfg, **EXPERTS_FP8_NARROW} if cfg.get("tma") else cfg
+    warps (:data:`moefuse.moe.tiles.EXPERTS_FP8_NARROW`) with the activation's quantization as
+    a launch of its own, as measured on that kernel at many tokens."""
+    return {**cfg, **EXPERTS_FP8_NARROW, "fuse_act_quant": False} if cfg.get("tma") else cfg
 
 
 def _tma_down(cfg: dict, plan, weight: torch.Tensor, quant_a: bool) -> bool:
@@ -510,6 +510,10 @@ def _launch_gate_up_fp8(
     slots_all, dev = top_k_index.numel(), hidden_states.device
     n_groups = triton.cdiv(inter, 128)
     quant_x = bool(cfg.get("fuse_tokens_quant"))
+    # a TMA program quantizes whole 128-channel groups only
+    split_groups = bool(cfg.get("fuse_act_quant")) and cfg["bn_gate_up"] != 128
+    tma = _tma_gate_up(cfg, plan, gw, interleaved, inter) and not (quant_x or split_groups)
+    cfg = cfg if tma else _pointer_tile(cfg)
     down_quant = bool(cfg.get("down_act_quant"))
     fuse_quant = not down_quant and bool(cfg.get("fuse_act_quant")) and 128 % cfg["bn_gate_up"] == 0
     if fuse_quant:  # the activation's codes and scales, written by the gate|up kernel
@@ -527,14 +531,12 @@ def _launch_gate_up_fp8(
     if quant_x:
         x = xs = hidden_states
     aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
-    split_groups = fuse_quant and cfg["bn_gate_up"] != 128  # a TMA program quantizes whole ones
-    if _tma_gate_up(cfg, plan, gw, interleaved, inter) and not (quant_x or split_groups):
+    if tma:
         launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], cfg,
                                interleaved, use_pdl, (a, a_s) if fuse_quant else None)  # fmt: skip
         if fuse_quant:
             return fp8_codes(a), a_s
         return (plan.act, plan.act) if down_quant else group_quant_rows(plan.act, use_pdl)
-    cfg = _pointer_tile(cfg)
     pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
     strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
     launch(
@@ -594,19 +596,6 @@ def _policy_plan(hidden_states, gate_up_proj, top_k_index, use_pdl, tile, token_
         **(tile or {}),
     }
     return _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl), cfg
-
-
-def _ws_launch(cfg: dict, plan, gate_up: torch.Tensor, down: torch.Tensor, interleaved) -> bool:
-    """Whether the tile's ``ws`` key (with ``tma``) runs both GEMMs by
-    :mod:`moefuse.moe.experts_fp8_ws`: a stacked gate|up, the plan kernel's work items, the
-    finalize a launch of its own, the quantizations as launches of their own (``fuse_act_quant``
-    is not taken there), and :func:`moefuse.moe.experts_fp8_ws.ws_experts_fits`."""
-    return (
-        bool(cfg.get("ws") and cfg.get("tma"))
-        and not (interleaved or plan.fused or plan.sp)
-        and not (cfg.get("down_act_quant") or cfg.get("fuse_tokens_quant"))
-        and ws_experts_fits(gate_up, down, cfg, plan.bt)
-    )
 
 
 def _gate_up_stage(
@@ -735,29 +724,20 @@ def launch_moe_experts_fp8(
     tokens, hidden = hidden_states.shape
     if tokens == 0 or hidden == 0:
         return
-    plan, cfg = _policy_plan(hidden_states, gate_up_proj, top_k_index, use_pdl, tile, token_tile)
-    ds, ds_e8 = _scale_arg(down_proj_scale_inv)
-    dw, gw = fp8_codes(down_proj), fp8_codes(gate_up_proj)
-    rsf = float(routed_scaling_factor)
-    finalize = (plan, top_k_index, top_k_weights, out, bias, shared_expert_output, rsf, use_pdl)
-    if _ws_launch(cfg, plan, gw, dw, interleaved):
-        gs, gs_e8 = _scale_arg(gate_up_proj_scale_inv)
-        x, xs = group_quant_rows(hidden_states, use_pdl)
-        top_k = top_k_index.shape[1]
-        launch_experts_fp8_ws(x, xs, gw, gs, dw, ds, (gs_e8, ds_e8), plan, top_k, cfg, use_pdl)
-        _finalize(*finalize)
-        return
-    a, a_s = _launch_gate_up_fp8(
+    plan, cfg, a, a_s = _gate_up_stage(
         hidden_states,
         gate_up_proj,
         gate_up_proj_scale_inv,
         top_k_index,
-        gate_up_proj.shape[0],
-        plan,
-        cfg,
         interleaved,
         use_pdl,
+        tile,
+        token_tile,
     )
+    ds, ds_e8 = _scale_arg(down_proj_scale_inv)
+    dw = fp8_codes(down_proj)
+    rsf = float(routed_scaling_factor)
+    finalize = (plan, top_k_index, top_k_weights, out, bias, shared_expert_output, rsf, use_pdl)
     if _tma_down(cfg, plan, dw, bool(cfg.get("down_act_quant"))):
         launch_down_fp8_tma(a, a_s, dw, ds, ds_e8, plan, top_k_index.shape[1], cfg, use_pdl)
         _finalize(*finalize)

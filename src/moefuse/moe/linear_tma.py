@@ -67,7 +67,6 @@ def _fp8_linear_tma_kernel(
     E8M0: tl.constexpr,
     PTX: tl.constexpr,
     USE_PDL: tl.constexpr,
-    WS: tl.constexpr = False,
 ):
     """``out[t, n]`` for ``BT`` token rows from ``program_id(1) * BT`` and ``BN`` (<= 128, a
     divisor of 128) weight rows from ``program_id(0) * BN``; ``strides`` = (x-scale row, weight
@@ -88,7 +87,7 @@ def _fp8_linear_tma_kernel(
         gdc_wait()
     acc = tl.zeros([BT, BN], dtype=tl.float32)
     total = tl.zeros([BT, BN], dtype=tl.float32)
-    for b in tl.range(0, n_blocks, num_stages=STAGES, warp_specialize=WS):
+    for b in tl.range(0, n_blocks, num_stages=STAGES):
         q = x_desc.load([t0, b * 128])
         w = w_desc.load([n0, b * 128])
         part = fp8_block_dot(q, tl.trans(w), ACCUM, PTX)
@@ -96,11 +95,7 @@ def _fp8_linear_tma_kernel(
         ws = scale_f32(tl.load(s_row + b), E8M0)
         acc = fma_rn(part, (xs * ws)[:, None], acc, PTX)
         if CHUNK > 0:
-            if WS:  # a select at every block: a branch in the loop keeps it from specialising
-                end = ((b + 1) % CHUNK == 0) | (b + 1 == n_blocks)
-                total = tl.where(end, total + acc, total)
-                acc = tl.where(end, 0.0, acc)
-            elif ((b + 1) % CHUNK == 0) | (b + 1 == n_blocks):
+            if ((b + 1) % CHUNK == 0) | (b + 1 == n_blocks):
                 total = total + acc
                 acc = tl.zeros([BT, BN], dtype=tl.float32)
     if CHUNK > 0:
@@ -157,7 +152,6 @@ def launch_fp8_linear_tma(
         E8M0=e8m0,
         PTX=ptx,
         USE_PDL=use_pdl,
-        WS=cfg.get("ws", False),
         num_warps=cfg["warps"],
         enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),

@@ -213,8 +213,22 @@ def fp8_accumulation() -> int:
 #: gate|up rows, 128 down rows, 8 warps, 3 stages): Qwen3 541 / 2072 -> 521 / 1634, Mixtral 3341
 #: / 15472 -> 2226 / 8949, DeepSeek-V3 6612 / 20509 -> 5549 / 12496; 64 gate|up rows 574 / 1789,
 #: 2635 / 10329, 5990 / 14335; 4 stages between the two; 4 warps (32 / 64 rows) no better than
-#: the pointer kernel.
-EXPERTS_FP8_TMA = {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 8, "stages": 3}
+#: the pointer kernel. The gate|up programs then quantize the activation themselves
+#: (``fuse_act_quant``: a program's 128 rows of I are one whole group), no launch of its own;
+#: MEASURED (H100 80GB HBM3, 2026-12-07, 22ccc69, `python scripts/bench_fp8_decode_variants.py
+#: time --tokens 2048 8192 --variants tma_gu128_fq`,
+#: notes/gpu-logs/2026-12-07-experts-fp8-tma-fused-quant-22ccc69.log; bitwise equal), us at
+#: T = 2048 / 8192, launch -> in the gate|up programs: Qwen3 518.0 / 1627.7 -> 504.8 / 1578.4,
+#: Mixtral 2194.4 / 9007.9 -> 2146.7 / 8696.1, DeepSeek-V3 5534.4 / 12429.9 -> 5511.5 / 12420.1.
+#: Where the pointer kernel runs instead, the activation's launch stays (as measured there).
+EXPERTS_FP8_TMA = {
+    "tma": True,
+    "bn_gate_up": 128,
+    "bn_down": 128,
+    "warps": 8,
+    "stages": 3,
+    "fuse_act_quant": True,
+}
 
 
 def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
