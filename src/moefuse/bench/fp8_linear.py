@@ -40,6 +40,7 @@ from moefuse.bench.harness import (
 SHAPES = {
     "qwen3_q_proj": (4096, 2048),
     "qwen3_o_proj": (2048, 4096),
+    "qwen3_kv_proj": (512, 2048),
     "dsv3_q_b_proj": (24576, 1536),
     "dsv3_kv_b_proj": (32768, 512),
     "dsv3_o_proj": (7168, 16384),
