@@ -503,8 +503,6 @@ def _launch_gate_up_fp8(
     (no launch of their own; the fused quantization's counters then zeroed by a memset)."""
     hidden = hidden_states.shape[1]
     inter = plan.act.shape[1]
-    ptx = not interpreter_active()
-    idx_strides = (top_k_index.stride(0), top_k_index.stride(1))
     gs, gs_e8 = _scale_arg(gate_up_proj_scale_inv)
     gw = fp8_codes(gate_up_proj)
     slots_all, dev = top_k_index.numel(), hidden_states.device
@@ -519,7 +517,10 @@ def _launch_gate_up_fp8(
     if fuse_quant:  # the activation's codes and scales, written by the gate|up kernel
         a = torch.empty(slots_all, inter, dtype=torch.uint8, device=dev)
         a_s = torch.empty(slots_all, n_groups, dtype=torch.float32, device=dev)
-        if quant_x:
+        if tma:  # its programs hold whole groups: no counters to zero
+            q_count = plan.act
+            x, xs = group_quant_rows(hidden_states, use_pdl)
+        elif quant_x:
             q_count = torch.zeros(plan.n_items * n_groups, dtype=torch.int32, device=dev)
         else:
             q_count = torch.empty(plan.n_items * n_groups, dtype=torch.int32, device=dev)
@@ -537,6 +538,7 @@ def _launch_gate_up_fp8(
         if fuse_quant:
             return fp8_codes(a), a_s
         return (plan.act, plan.act) if down_quant else group_quant_rows(plan.act, use_pdl)
+    ptx = not interpreter_active()
     pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
     strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
     launch(
@@ -554,7 +556,7 @@ def _launch_gate_up_fp8(
         plan.counters,
         (a, a_s, q_count),
         strides,
-        idx_strides,
+        (top_k_index.stride(0), top_k_index.stride(1)),
         aq_args,
         (top_k_index.shape[1], slots_all, experts, plan.counters.numel() if plan.fused else 0),
         KDIM=hidden,
