@@ -5,10 +5,12 @@ Six launches at most: the routing plan (above 32 slots; below, each program comp
 work item), the tokens' group quantization (per_token_group_quant_8bit's kernel: E4M3 codes and
 one FP32 scale per 128 channels; inside every gate|up program, per K-block, with
 ``fuse_tokens_quant``), gate|up, the activation's group quantization (inside the gate|up kernel
-with ``fuse_act_quant``: the last program of each 128-column group of I quantizes it; inside
-every down program, per K-block, with ``down_act_quant``), down, and the deterministic finalize
-(inside the down kernel up to 8 slots). Every placement writes or uses that kernel's bytes; the
-decode keys are :func:`moefuse.moe.tiles.experts_fp8_decode_tile`'s. The plan, work items, tail
+with ``fuse_act_quant``: the last program of each 128-column group of I quantizes it, or, in
+the many-token TMA launch (:mod:`moefuse.moe.experts_fp8_tma`, the default there), each
+128-row program its own group; inside every down program, per K-block, with
+``down_act_quant``), down, and the deterministic finalize (inside the down kernel up to 8
+slots). Every placement writes or uses that kernel's bytes; the decode keys are
+:func:`moefuse.moe.tiles.experts_fp8_decode_tile`'s. The plan, work items, tail
 tiles and finalize are the BF16 kernels' (:mod:`moefuse.moe.experts_triton`); the products are
 :func:`moefuse.moe.fp8_device.block_fp8_product`: every program streams its weight tile of one
 expert (E4M3 codes and their 128 x 128 block scales) once for all the item's tokens and sums the
