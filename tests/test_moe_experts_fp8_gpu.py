@@ -14,7 +14,7 @@ from moefuse.bench.fp8_linear import make_weight
 from moefuse.bench.moe_experts_fp8 import make_fp8_weights
 from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
 from moefuse.moe.linear_triton import launch_fp8_linear
-from moefuse.moe.tiles import LINEAR_FP8_TMA
+from moefuse.moe.tiles import EXPERTS_FP8_TMA, LINEAR_FP8_TMA
 from moefuse.testing import (
     assert_bitwise_equal,
     assert_fused_activation_quant,
@@ -147,14 +147,7 @@ EXPERTS_TMA_TILES = (
     {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3},
     {"tma": True, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4},
     {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 8, "stages": 3},
-    {
-        "tma": True,
-        "bn_gate_up": 128,
-        "bn_down": 128,
-        "warps": 8,
-        "stages": 3,
-        "fuse_act_quant": True,
-    },
+    dict(EXPERTS_FP8_TMA),  # the default: the gate|up programs quantize the activation
 )
 
 

@@ -587,21 +587,6 @@ def _launch_gate_up_fp8(
     return group_quant_rows(plan.act, use_pdl)
 
 
-def _policy_plan(hidden_states, gate_up_proj, top_k_index, use_pdl, tile, token_tile):
-    """The tile policy (:func:`moefuse.moe.tiles.experts_fp8_tile`, the decode keys, then
-    ``tile``) and the routing plan of :func:`launch_moe_experts_fp8`: ``(plan, cfg)``."""
-    experts, two_i, hidden = gate_up_proj.shape
-    inter = two_i // 2
-    slots = top_k_index.numel()
-    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
-    cfg = {
-        **experts_fp8_tile(hidden, inter, token_tile, slots),
-        **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
-        **(tile or {}),
-    }
-    return _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl), cfg
-
-
 def _gate_up_stage(
     hidden_states,
     gate_up_proj,
@@ -612,15 +597,25 @@ def _gate_up_stage(
     tile: dict | None,
     token_tile: int | None,
 ):
-    """:func:`_policy_plan` and the gate|up launch of :func:`launch_moe_experts_fp8`:
+    """The tile policy (:func:`moefuse.moe.tiles.experts_fp8_tile`, the decode keys, then
+    ``tile``), the routing plan and the gate|up launch of :func:`launch_moe_experts_fp8`:
     ``(plan, cfg, activation codes, their group scales)``."""
-    plan, cfg = _policy_plan(hidden_states, gate_up_proj, top_k_index, use_pdl, tile, token_tile)
+    experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    slots = top_k_index.numel()
+    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
+    cfg = {
+        **experts_fp8_tile(hidden, inter, token_tile, slots),
+        **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
+        **(tile or {}),
+    }
+    plan = _plan(hidden_states, top_k_index, experts, inter, cfg, token_tile, use_pdl)
     a, a_s = _launch_gate_up_fp8(
         hidden_states,
         gate_up_proj,
         gate_up_proj_scale_inv,
         top_k_index,
-        gate_up_proj.shape[0],
+        experts,
         plan,
         cfg,
         interleaved,
