@@ -30,10 +30,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefuse._device import round_to, widen_f32
+from moefuse._device import round_to
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
-from moefuse.moe.experts_fp8_quant import group_quant_rows, tokens_quant
+from moefuse.moe.experts_fp8_quant import group_quant_rows, store_slot_group_codes, tokens_quant
 from moefuse.moe.experts_fp8_tma import (
     fp8_gemm_metadata,
     gate_up_tma_fits,
@@ -63,10 +63,6 @@ from moefuse.moe.tiles import (
     experts_fp8_token_tile,
 )
 from moefuse.moe.triton import launch_moe_finalize
-from moefuse.quant.group_triton import (
-    group_quant_tile,
-    store_scales,
-)
 
 
 @triton.jit
@@ -209,9 +205,8 @@ def _quantize_group_if_last(
             other=0.0,
             cache_modifier=".cg",
         )
-        q, sc = group_quant_tile(widen_f32(v, PTX), live, eps, 128, 448.0, False, False, PTX)
-        tl.store(codes_ptr + s64[:, None] * codes_st + cols[None, :], q, mask=live)
-        store_scales(scales_ptr + s64[:, None] * scales_st + grp, sc, r_in[:, None], False)
+        codes, scales = (codes_ptr, codes_st), (scales_ptr, scales_st)
+        store_slot_group_codes(v, live, r_in, s64, cols, grp, codes, scales, eps, PTX)
 
 
 @triton.jit(launch_metadata=fp8_gemm_metadata)

@@ -9,10 +9,31 @@ import torch
 import triton
 import triton.language as tl
 
+from moefuse._device import widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.moe.fp8_device import GROUP_EPS, fp8_codes
-from moefuse.quant.group_triton import _group_quant_kernel, group_tile
+from moefuse.quant.group_triton import (
+    _group_quant_kernel,
+    group_quant_tile,
+    group_tile,
+    store_scales,
+)
+
+
+@triton.jit
+def store_slot_group_codes(v, live, r_in, s64, cols, grp, codes, scales, eps, PTX: tl.constexpr):
+    """per_token_group_quant_8bit of one 128-channel group of slot rows, inside a GEMM kernel:
+    ``v`` [BT, 128] (``live``: in use; ``r_in`` [BT]: valid slots, rows ``s64``), the columns
+    ``cols`` of group ``grp``; writes the E4M3 codes and the FP32 scale with the standalone
+    kernel's device function (:func:`moefuse.quant.group_triton.group_quant_tile`: the same
+    lanes, eps and division, so that kernel's bytes). ``codes`` / ``scales`` = (pointer, row
+    stride)."""
+    codes_ptr, codes_st = codes
+    scales_ptr, scales_st = scales
+    q, sc = group_quant_tile(widen_f32(v, PTX), live, eps, 128, 448.0, False, False, PTX)
+    tl.store(codes_ptr + s64[:, None] * codes_st + cols[None, :], q, mask=live)
+    store_scales(scales_ptr + s64[:, None] * scales_st + grp, sc, r_in[:, None], False)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_count"])

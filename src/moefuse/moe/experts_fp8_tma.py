@@ -33,12 +33,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moefuse._device import fma_rn, round_to, widen_f32
+from moefuse._device import fma_rn, round_to
 from moefuse._fastpath import launch
 from moefuse._runtime import pdl_launch_kwargs
+from moefuse.moe.experts_fp8_quant import store_slot_group_codes
 from moefuse.moe.experts_triton import _item_tokens, experts_gemm_metadata
 from moefuse.moe.fp8_device import _GROUP_EPS, fp8_block_dot, scale_f32
-from moefuse.quant.group_triton import group_quant_tile, store_scales
 
 #: launch metadata of every FP8 experts GEMM kernel (one byte per weight element)
 fp8_gemm_metadata = experts_gemm_metadata(1)
@@ -159,10 +159,8 @@ def _experts_fp8_gate_up_tma_kernel(
         if QUANT:
             codes_ptr, scales_ptr = aq_ptrs
             eps = tl.full([BT, 1], _GROUP_EPS, tl.float32)
-            q, sc = group_quant_tile(widen_f32(val, PTX), live, eps, 128, 448.0, False, False, PTX)
-            tl.store(codes_ptr + s64[:, None] * aq_strides[0] + n[None, :], q, mask=live)
-            grp_ptrs = scales_ptr + s64[:, None] * aq_strides[1] + n0 // 128
-            store_scales(grp_ptrs, sc, r_in[:, None], False)
+            codes, scales = (codes_ptr, aq_strides[0]), (scales_ptr, aq_strides[1])
+            store_slot_group_codes(val, live, r_in, s64, n, n0 // 128, codes, scales, eps, PTX)
         else:
             tl.store(act_ptr + s64[:, None] * act_st + n[None, :], val, mask=live)
 
