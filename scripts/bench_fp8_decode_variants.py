@@ -23,7 +23,7 @@ right after its wait, ``pf2_fq`` that with the activation quantized by the gate|
 ``pf512_2`` as ``pf2`` with the first 512 bytes of each row only; ``tma*`` the GEMMs with the
 tokens on the MMA's M side and the weight tiles by TMA (:mod:`moefuse.moe.experts_fp8_tma`):
 gate|up 64 rows and down 128 rows at 8 warps, 3 or 4 stages; 32 / 64 rows at 4 warps; 128 / 128
-rows.
+rows; ``tma_bt64*`` work items of 64 slots at 4 warps (token-tile factor 0.5).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ SHAPE_NAMES = ("qwen3", "mixtral", "deepseek_v3")
 _ROW = 1 << 20  # prefetch: every weight row whole
 _OFF = {"fuse_tokens_quant": False, "fuse_act_quant": False, "down_act_quant": False}
 _TMA = {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8}
+_TMA64 = {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 4, "fuse_act_quant": True}
 #: name -> (tile overrides, token-tile factor, token counts it runs at)
 VARIANTS = {
     "base": ({}, 1, TOKENS + LARGE),
@@ -75,6 +76,15 @@ VARIANTS = {
     "tma_gu128_s4": ({**_TMA, "bn_gate_up": 128, "stages": 4}, 1, LARGE),
     # the gate|up programs quantize the activation's 128-channel groups in registers
     "tma_gu128_fq": ({**_TMA, "bn_gate_up": 128, "stages": 3, "fuse_act_quant": True}, 1, LARGE),
+    # 64 slots per work item at 4 warps (one warpgroup): two programs per SM that need not run
+    # in step, so one program's MMA can run under the other's block scaling
+    "tma_bt64": ({**_TMA64, "stages": 2, "down_stages": 3}, 0.5, LARGE),
+    "tma_bt64_d4": ({**_TMA64, "stages": 2, "down_stages": 4}, 0.5, LARGE),
+    "tma_bt64_gu64": (
+        {**_TMA64, "bn_gate_up": 64, "fuse_act_quant": False, "stages": 3, "down_stages": 3},
+        0.5,
+        LARGE,
+    ),
 }
 
 
@@ -95,7 +105,7 @@ def variant_args(name, variant, t, experts=None):
     tile = dict(tile)
     if tile.get("down_stages", 0) is None:  # the gate|up stages alone: the down kernel's default
         tile["down_stages"] = experts_fp8_tile(shape["hidden"], shape["inter"], bt, slots)["stages"]
-    return tile, min(128, bt * factor)
+    return tile, min(128, int(bt * factor))
 
 
 def call(x, idx, w, fp8, tile, bt, out=None):
