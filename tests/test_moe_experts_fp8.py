@@ -482,16 +482,24 @@ def test_fp8_linear_tma_launch(monkeypatch):
 
 
 def test_fp8_linear_tma_policy_and_fallback(monkeypatch):
-    """From LINEAR_FP8_TMA_MIN_ROWS rows the plan takes the ``tma`` tile and keeps the pointer
+    """From LINEAR_FP8_TMA_MIN_ROWS rows the plan takes the ``tma`` tile where its row tiles
+    fill the GPU, else from LINEAR_FP8_TMA_NARROW_MIN_ROWS the 64-row one, and keeps the pointer
     kernel's plan beside it; operands TMA cannot read (K % 16 != 0) run that pointer tile, with
     the default's bits."""
     import moefuse.moe.linear_triton as lt
     from moefuse.moe import tiles
 
+    wide, narrow = tiles.LINEAR_FP8_TMA, tiles.LINEAR_FP8_TMA_NARROW
     big = tiles.linear_fp8_plan(tiles.LINEAR_FP8_TMA_MIN_ROWS, 7168, 16384)
-    assert big["tma"] and big["bn"] == tiles.LINEAR_FP8_TMA["bn"], big
+    assert big["tma"] and (big["bn"], big["bt"]) == (wide["bn"], wide["bt"]), big
     assert not big["pointer_tile"].get("tma")
-    assert "tma" not in tiles.linear_fp8_plan(tiles.LINEAR_FP8_TMA_MIN_ROWS - 1, 7168, 16384)
+    for m, n, k in ((tiles.LINEAR_FP8_TMA_MIN_ROWS - 1, 7168, 16384),
+                    (tiles.LINEAR_FP8_TMA_NARROW_MIN_ROWS, 4096, 2048),
+                    (tiles.LINEAR_FP8_TMA_MIN_ROWS, 512, 2048)):  # fmt: skip
+        mid = tiles.linear_fp8_plan(m, n, k)  # (k/v projection: 128 wide tiles, under the GPU)
+        assert mid["tma"] and (mid["bt"], mid["warps"]) == (narrow["bt"], narrow["warps"]), mid
+        assert not mid["split_programs"] and not mid["pointer_tile"].get("tma")
+    assert "tma" not in tiles.linear_fp8_plan(tiles.LINEAR_FP8_TMA_NARROW_MIN_ROWS - 1, 4096, 2048)
     g = torch.Generator().manual_seed(23)
     x = torch.randn(4, 520, generator=g).to(torch.bfloat16)
     wq, ws = r8.quantize_weight_blocks(torch.randn(70, 520, generator=g) * 0.05, torch.float32)

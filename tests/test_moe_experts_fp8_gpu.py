@@ -14,7 +14,7 @@ from moefuse.bench.fp8_linear import make_weight
 from moefuse.bench.moe_experts_fp8 import make_fp8_weights
 from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
 from moefuse.moe.linear_triton import launch_fp8_linear
-from moefuse.moe.tiles import EXPERTS_FP8_TMA, LINEAR_FP8_TMA
+from moefuse.moe.tiles import EXPERTS_FP8_TMA, LINEAR_FP8_TMA, LINEAR_FP8_TMA_NARROW
 from moefuse.testing import (
     assert_bitwise_equal,
     assert_fused_activation_quant,
@@ -223,7 +223,7 @@ def test_fp8_linear(n, k):
     wq, ws, _ = make_weight(n, k, DEV, seed=4)
     g = torch.Generator(device=DEV).manual_seed(n)
     bias = torch.randn(n, generator=g, device=DEV).to(torch.bfloat16)
-    for m in (1, 16, 300):
+    for m in (1, 16, 300, 600):  # 600: LINEAR_FP8_TMA_NARROW by the policy
         x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
         out = poison_(torch.empty(m, n, device=DEV, dtype=torch.bfloat16))
         got = moefuse.fp8_linear(x, wq, ws, bias, out=out)
@@ -238,6 +238,7 @@ def test_fp8_linear(n, k):
             {"prefetch": 1024},
             {"prefetch": 1 << 20, "split_programs": False},
             dict(LINEAR_FP8_TMA, split_programs=False),
+            dict(LINEAR_FP8_TMA_NARROW, split_programs=False),
             {"tma": True, "bn": 64, "bt": 64, "warps": 4, "stages": 4, "split_programs": False},
         ):
             o = poison_(torch.empty_like(got))

@@ -347,9 +347,25 @@ LINEAR_FP8_WIDE_MIN_PROGRAMS = 132
 #: stages: DeepSeek-V3 o_proj 975 / 4029 -> 638 / 2702, 638 / 2596; MLP down 1198 / 4814 -> 721 /
 #: 2976, 691 / 2982; q_b_proj 286 / 1149 -> 267 / 1046, 265 / 1132; Qwen3 q_proj 76.2 / 293 ->
 #: 53.6 / 204, 53.8 / 222; o_proj 79.8 / 318 -> 52.3 / 213, 52.4 / 244 (BF16 torch.mm 586 / 2742,
-#: 763 / 2957, 202 / 894, 47.0 / 177, 44.0 / 173). Rows 256-2047: UNMEASURED, the pointer tile.
+#: 763 / 2957, 202 / 894, 47.0 / 177, 44.0 / 173). Rows 512-2047: LINEAR_FP8_TMA_NARROW below.
 LINEAR_FP8_TMA = {"tma": True, "bn": 128, "bt": 128, "warps": 8, "stages": 3}
 LINEAR_FP8_TMA_MIN_ROWS = 2048
+#: The same launch with 64 token rows at 4 warps (one warpgroup, 216 registers and 74 KB of
+#: shared memory at 3 stages, sm_90a: two programs per SM), one launch whatever the grid (the
+#: chunks summed in registers): taken from :data:`LINEAR_FP8_TMA_NARROW_MIN_ROWS` rows where
+#: :data:`LINEAR_FP8_TMA` is not. MEASURED (H100 80GB HBM3, 2026-12-07, 6574900, `python -m
+#: moefuse bench fp8-linear --shapes qwen3_kv_proj qwen3_q_proj qwen3_o_proj dsv3_o_proj --rows
+#: 512 2048 8192 --replays 10 --tiles tma64x64x4x4 tma128x64x4x2 tma128x64x4x3 tma128x64x4x4`,
+#: notes/gpu-logs/2026-12-07-fp8-linear-tma-narrow-6574900.log; each tile bitwise equal to the
+#: default first), CUDA-graph us, default -> this tile: M = 512 (the pointer tile) Qwen3 q_proj
+#: 27.27 -> 13.75, o_proj 28.03 -> 18.40, k/v proj 12.09 -> 10.48, DeepSeek-V3 o_proj 281.3 ->
+#: 178.3 (BF16 torch.mm 13.51 / 19.52 / 6.38 / 163.1); k/v proj M = 2048 (split pointer
+#: programs) 18.55 -> 13.99. Where LINEAR_FP8_TMA runs it stays (M = 2048 / 8192, this tile:
+#: q_proj 51.3 / 197.9 -> 50.5 / 198.4, o_proj 52.1 / 199.8 -> 50.0 / 201.3, DeepSeek-V3 o_proj
+#: 648 / 2641 -> 814 / 3006; k/v proj 8192 41.2 -> 39.0). 2 stages slower everywhere, 4 stages
+#: within 2 % at 512. Rows 17-511: UNMEASURED, the pointer tile.
+LINEAR_FP8_TMA_NARROW = {"tma": True, "bn": 128, "bt": 64, "warps": 4, "stages": 3}
+LINEAR_FP8_TMA_NARROW_MIN_ROWS = 512
 
 
 def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
@@ -372,7 +388,9 @@ def _linear_fp8_split_programs(m: int, n: int, splits: int, tile: dict) -> bool:
 def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     """Launch of ``fp8_linear`` for M rows: ``{"bn", "bt", "warps", "stages", "splits", "chunk",
     "split_programs", "accumulation"}``, from :data:`LINEAR_FP8_TMA_MIN_ROWS` rows
-    :data:`LINEAR_FP8_TMA`'s keys with the pointer kernel's plan under ``"pointer_tile"``. The
+    :data:`LINEAR_FP8_TMA`'s keys (where its row tiles fill the GPU; else from
+    :data:`LINEAR_FP8_TMA_NARROW_MIN_ROWS` rows :data:`LINEAR_FP8_TMA_NARROW`'s) with the pointer
+    kernel's plan under ``"pointer_tile"``. The
     tile and whether the chunks run as programs of their own may follow M; the chunks (the
     summation order) do not."""
     splits, chunk = linear_fp8_splits(n, k)
@@ -396,4 +414,6 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     tma = LINEAR_FP8_TMA  # one launch: taken only where its chunks need no programs of their own
     if m >= LINEAR_FP8_TMA_MIN_ROWS and not _linear_fp8_split_programs(m, n, splits, tma):
         return {**plan, **tma, "split_programs": False, "pointer_tile": plan}
+    if m >= LINEAR_FP8_TMA_NARROW_MIN_ROWS:
+        return {**plan, **LINEAR_FP8_TMA_NARROW, "split_programs": False, "pointer_tile": plan}
     return plan
