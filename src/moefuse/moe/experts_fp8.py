@@ -528,53 +528,50 @@ def _launch_gate_up_fp8(
             x, xs = group_quant_rows(hidden_states, use_pdl)
     if quant_x:
         x = xs = hidden_states
-    aq_args = (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS)
     if tma:
         launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], cfg,
                                interleaved, use_pdl, (a, a_s) if fuse_quant else None)  # fmt: skip
-        if fuse_quant:
-            return fp8_codes(a), a_s
-        return (plan.act, plan.act) if down_quant else group_quant_rows(plan.act, use_pdl)
-    ptx = not interpreter_active()
-    pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
-    strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
-    launch(
-        _experts_fp8_gate_up_kernel,
-        (plan.n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
-        x,
-        xs,
-        gw,
-        gs,
-        plan.items,
-        plan.sorted_slots,
-        plan.act,
-        top_k_index,
-        plan.slot_map,
-        plan.counters,
-        (a, a_s, q_count),
-        strides,
-        (top_k_index.stride(0), top_k_index.stride(1)),
-        aq_args,
-        (top_k_index.shape[1], slots_all, experts, plan.counters.numel() if plan.fused else 0),
-        KDIM=hidden,
-        INTER=inter,
-        BN=cfg["bn_gate_up"],
-        BT=plan.bt,
-        STAGES=cfg["stages"],
-        SP=plan.sp,
-        PTX=ptx,
-        USE_PDL=use_pdl,
-        BR=plan.br,
-        INTERLEAVED=interleaved,
-        E8M0=gs_e8,
-        ACCUM=cfg["accumulation"],
-        FUSE_QUANT=fuse_quant,
-        QUANT_X=quant_x,
-        PREFETCH=(pf_bytes, bool(pf_bytes and cfg.get("early_dependents"))),
-        num_warps=cfg["warps"],
-        enable_fp_fusion=False,
-        **pdl_launch_kwargs(use_pdl),
-    )
+    else:
+        ptx = not interpreter_active()
+        pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
+        strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
+        launch(
+            _experts_fp8_gate_up_kernel,
+            (plan.n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
+            x,
+            xs,
+            gw,
+            gs,
+            plan.items,
+            plan.sorted_slots,
+            plan.act,
+            top_k_index,
+            plan.slot_map,
+            plan.counters,
+            (a, a_s, q_count),
+            strides,
+            (top_k_index.stride(0), top_k_index.stride(1)),
+            (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS),
+            (top_k_index.shape[1], slots_all, experts, plan.counters.numel() if plan.fused else 0),
+            KDIM=hidden,
+            INTER=inter,
+            BN=cfg["bn_gate_up"],
+            BT=plan.bt,
+            STAGES=cfg["stages"],
+            SP=plan.sp,
+            PTX=ptx,
+            USE_PDL=use_pdl,
+            BR=plan.br,
+            INTERLEAVED=interleaved,
+            E8M0=gs_e8,
+            ACCUM=cfg["accumulation"],
+            FUSE_QUANT=fuse_quant,
+            QUANT_X=quant_x,
+            PREFETCH=(pf_bytes, bool(pf_bytes and cfg.get("early_dependents"))),
+            num_warps=cfg["warps"],
+            enable_fp_fusion=False,
+            **pdl_launch_kwargs(use_pdl),
+        )
     if fuse_quant:
         return fp8_codes(a), a_s
     if down_quant:
