@@ -23,7 +23,9 @@ right after its wait, ``pf2_fq`` that with the activation quantized by the gate|
 ``pf512_2`` as ``pf2`` with the first 512 bytes of each row only; ``tma*`` the GEMMs with the
 tokens on the MMA's M side and the weight tiles by TMA (:mod:`moefuse.moe.experts_fp8_tma`):
 gate|up 64 rows and down 128 rows at 8 warps, 3 or 4 stages; 32 / 64 rows at 4 warps; 128 / 128
-rows; ``tma_bt64*`` work items of 64 slots at 4 warps (token-tile factor 0.5).
+rows; ``tma_bt64*`` work items of 64 slots at 4 warps (token-tile factor 0.5); ``tma64*`` the same
+at a fixed token tile of 64 (the table's second field: a factor of the default's token tile up to
+1, a fixed tile above).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 
 TOKENS = (1, 4, 16)
 LARGE = (2048, 8192)
+MANY = (512, 1024, 2048, 4096)
 SHAPE_NAMES = ("qwen3", "mixtral", "deepseek_v3")
 _ROW = 1 << 20  # prefetch: every weight row whole
 _OFF = {"fuse_tokens_quant": False, "fuse_act_quant": False, "down_act_quant": False}
@@ -46,7 +49,7 @@ _TMA = {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8}
 _TMA64 = {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 4, "fuse_act_quant": True}
 #: name -> (tile overrides, token-tile factor, token counts it runs at)
 VARIANTS = {
-    "base": ({}, 1, TOKENS + LARGE),
+    "base": ({}, 1, TOKENS + tuple(sorted(set(LARGE + MANY)))),
     "sa": (_OFF, 1, TOKENS),
     "tq": ({**_OFF, "fuse_tokens_quant": True}, 1, TOKENS),
     "tq_fq": ({**_OFF, "fuse_tokens_quant": True, "fuse_act_quant": True}, 1, TOKENS),
@@ -85,6 +88,19 @@ VARIANTS = {
         0.5,
         LARGE,
     ),
+    # the same launches at a fixed token tile of 64 slots, from 512 slots per call (where the
+    # default runs the pointer kernels at 32-64 columns or the 128-slot TMA items)
+    "tma64_d4": ({**_TMA64, "stages": 2, "down_stages": 4}, 64, MANY),
+    "tma64_gu64": (
+        {**_TMA64, "bn_gate_up": 64, "fuse_act_quant": False, "stages": 3, "down_stages": 3},
+        64,
+        MANY,
+    ),
+    "tma64_gu64_d4": (
+        {**_TMA64, "bn_gate_up": 64, "fuse_act_quant": False, "stages": 3, "down_stages": 4},
+        64,
+        MANY,
+    ),
 }
 
 
@@ -105,6 +121,8 @@ def variant_args(name, variant, t, experts=None):
     tile = dict(tile)
     if tile.get("down_stages", 0) is None:  # the gate|up stages alone: the down kernel's default
         tile["down_stages"] = experts_fp8_tile(shape["hidden"], shape["inter"], bt, slots)["stages"]
+    if factor > 1:  # a fixed token tile
+        return tile, factor
     return tile, min(128, int(bt * factor))
 
 
@@ -228,7 +246,7 @@ def timing(args) -> int:
                     f"{us / floor:5.2f}  bits==base {same}",
                     flush=True,
                 )
-            if t == 1 or t in LARGE:
+            if t == 1 or t in LARGE or t in MANY:
                 gb, db = bf16
                 fns = [lambda s=s: moefuse.moe_experts(s[0], gb, db, s[1], s[2]) for s in sets]
                 us = graph_time_us(lambda k, f=fns: f[k % len(f)](), calls=calls, replays=10)
