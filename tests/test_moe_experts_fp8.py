@@ -308,6 +308,7 @@ def test_fp8_batch_invariance_and_extensions():
     ("stacked", torch.float32, {"bn_gate_up": 64, "bn_down": 128, "stages": 2}),
     ("interleaved", E8M0, {"bn_gate_up": 32, "bn_down": 64, "stages": 3, "tail_tile": 16}),
     ("stacked", E8M0, {"bn_gate_up": 128, "bn_down": 128, "stages": 2, "fuse_act_quant": True}),
+    ("stacked", torch.float32, {"bn_gate_up": 64, "bn_down": 64, "down_persistent": 2}),
 ])  # fmt: skip
 def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     """The ``tma`` launches (tokens on the MMA's M side, weight tiles by TMA; experts_fp8_tma)
@@ -316,7 +317,8 @@ def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     gate|up's 32-row tile of I = 200: the next expert's rows read and dropped); down runs there
     only where I % 16 == 0 (interleaved: I = 200, the other launch). With ``fuse_act_quant``
     and 128 gate|up rows the gate|up program writes the activation's group codes and scales
-    itself ("+quant"): the standalone quantization's bytes."""
+    itself ("+quant"): the standalone quantization's bytes. ``down_persistent``: the down tiles
+    on a persistent grid (off CUDA one SM: 2 programs walk the 3 row tiles of every item)."""
     import moefuse.moe.experts_fp8 as ef
 
     ran = []

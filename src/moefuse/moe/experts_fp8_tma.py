@@ -35,9 +35,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moefuse._device import fma_rn, round_to
 from moefuse._fastpath import launch
-from moefuse._runtime import pdl_launch_kwargs
+from moefuse._runtime import pdl_launch_kwargs, sm_count
 from moefuse.moe.experts_fp8_quant import store_slot_group_codes
-from moefuse.moe.experts_triton import _item_tokens, experts_gemm_metadata
+from moefuse.moe.experts_triton import _item_tokens, _item_tokens_at, experts_gemm_metadata
 from moefuse.moe.fp8_device import _GROUP_EPS, fp8_block_dot, scale_f32
 
 #: launch metadata of every FP8 experts GEMM kernel (one byte per weight element)
@@ -53,6 +53,7 @@ def _slot_block_product(
     row0,
     s_ptrs,
     s_st_k,
+    n_blocks,
     KDIM: tl.constexpr,
     BN: tl.constexpr,
     STAGES: tl.constexpr,
@@ -60,16 +61,17 @@ def _slot_block_product(
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
 ):
-    """FP32 ``acc[j] = fma(dot_b, cs[t, b] * Ws_j[b], acc[j])`` over the K-blocks ``b``
-    ascending from +0.0, for each of the one or two weight tiles ``descs[j]`` (rows ``row0`` ..
-    ``row0 + BN``, block-scale row pointer ``s_ptrs[j]``, block stride ``s_st_k``): slot rows
-    ``col_rows`` [BT] (E4M3 codes, unit stride; ``r_in``: in use) with their group scales from
-    ``cs_rows`` [BT]. Returns two [BT, BN] sums (the second +0.0 with one descriptor)."""
+    """FP32 ``acc[j] = fma(dot_b, cs[t, b] * Ws_j[b], acc[j])`` over the K-blocks ``b`` <
+    ``n_blocks`` (``ceil(KDIM / 128)``, or 0 for an unused item) ascending from +0.0, for each
+    of the one or two weight tiles ``descs[j]`` (rows ``row0`` .. ``row0 + BN``, block-scale row
+    pointer ``s_ptrs[j]``, block stride ``s_st_k``): slot rows ``col_rows`` [BT] (E4M3 codes,
+    unit stride; ``r_in``: in use) with their group scales from ``cs_rows`` [BT]. Returns two
+    [BT, BN] sums (the second +0.0 with one descriptor)."""
     BT: tl.constexpr = col_rows.shape[0]
     TWO: tl.constexpr = len(descs) == 2
     acc0 = tl.zeros([BT, BN], dtype=tl.float32)
     acc1 = tl.zeros([BT, BN], dtype=tl.float32)
-    for b in tl.range(0, (KDIM + 127) // 128, num_stages=STAGES):
+    for b in tl.range(0, n_blocks, num_stages=STAGES):
         kk = b * 128 + tl.arange(0, 128)
         live = r_in[:, None] & (kk < KDIM)[None, :]
         q = tl.load(col_rows[:, None] + kk[None, :], mask=live, other=0.0)
@@ -142,6 +144,7 @@ def _experts_fp8_gate_up_tma_kernel(
             e * PITCH + n0,
             (s_e + g_row * s_st_n, s_e + u_row * s_st_n),
             s_st_k,
+            (KDIM + 127) // 128,
             KDIM,
             BN,
             STAGES,
@@ -206,6 +209,7 @@ def _experts_fp8_down_tma_kernel(
             e * H + n0,
             (s_row,),
             s_st_k,
+            (KDIM + 127) // 128,
             KDIM,
             BN,
             STAGES,
@@ -219,6 +223,100 @@ def _experts_fp8_down_tma_kernel(
         tl.store(
             y_ptr + s64[:, None] * y_st + n[None, :], acc, mask=r_in[:, None] & (n < H)[None, :]
         )
+
+
+@triton.jit
+def _down_tma_tile(
+    j,
+    args,
+    KDIM: tl.constexpr,
+    H: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """Tile ``j`` of :func:`_experts_fp8_down_tma_persistent_kernel`: work item ``j % used`` x
+    the ``BN`` rows of H from ``(j // used) * BN``; ``args`` = (activation codes, their scales,
+    weight descriptor, weight scales, items, sorted slots, y, strides, top_k, used)."""
+    a_ptr, as_ptr, w_desc, s_ptr, items_ptr, sorted_ptr, y_ptr, strides, top_k, used = args
+    a_st, as_st, y_st, s_st_e, s_st_n, s_st_k = strides
+    e, s, r_in, _tok = _item_tokens_at(items_ptr, sorted_ptr, j % used, top_k, BT)
+    n0 = (j // used) * BN
+    s64 = s.to(tl.int64)
+    acc, _unused = _slot_block_product(
+        a_ptr + s64 * a_st,
+        r_in,
+        as_ptr + s64 * as_st,
+        (w_desc,),
+        e * H + n0,
+        (s_ptr + e.to(tl.int64) * s_st_e + (n0 // 128) * s_st_n,),
+        s_st_k,
+        (KDIM + 127) // 128,
+        KDIM,
+        BN,
+        STAGES,
+        PTX,
+        E8M0,
+        ACCUM,
+    )
+    n = n0 + tl.arange(0, BN)
+    tl.store(y_ptr + s64[:, None] * y_st + n[None, :], acc, mask=r_in[:, None] & (n < H)[None, :])
+
+
+@triton.jit(launch_metadata=fp8_gemm_metadata)
+def _experts_fp8_down_tma_persistent_kernel(
+    a_ptr,
+    as_ptr,
+    w_desc,
+    s_ptr,
+    items_ptr,
+    sorted_ptr,
+    y_ptr,
+    strides,
+    top_k,
+    n_items,
+    KDIM: tl.constexpr,
+    H: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """:func:`_experts_fp8_down_tma_kernel`'s tiles on a persistent grid: tile ``j`` is work item
+    ``j % used`` x the ``BN`` rows of H from ``(j // used) * BN`` (``used``: the plan's items in
+    use, a prefix of the ``n_items`` records, found by bisection), program ``p`` takes tiles
+    ``p``, ``p + grid``, ... with the tile loop flattened into the K loop, so a tile's first
+    weight loads run under the one before's last blocks and store (K is short: 6 blocks at I =
+    768). The same products in the same order: the same bits."""
+    if USE_PDL:
+        gdc_wait()  # the activation's codes
+    lo = 0
+    hi = n_items
+    while lo < hi:  # the first unused record (expert -1), or n_items
+        mid = (lo + hi) // 2
+        if tl.load(items_ptr + mid * 3) >= 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    used = tl.maximum(lo, 1)
+    n_tiles = lo * ((H + BN - 1) // BN)
+    tile = (a_ptr, as_ptr, w_desc, s_ptr, items_ptr, sorted_ptr, y_ptr, strides, top_k, used)
+    if PTX:  # a for loop, which Triton can flatten into the K loop
+        for j in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
+            _down_tma_tile(j, tile, KDIM, H, BN, BT, STAGES, E8M0, ACCUM, PTX)
+    else:  # the interpreter's range() takes no tensors: the same tiles by a while loop
+        j = tl.program_id(0)
+        while j < n_tiles:
+            _down_tma_tile(j, tile, KDIM, H, BN, BT, STAGES, E8M0, ACCUM, PTX)
+            j += tl.num_programs(0)
+    if USE_PDL:
+        gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -308,14 +406,23 @@ def launch_down_fp8_tma(a, a_s, weight, scale, e8m0, plan, top_k, cfg, use_pdl):
     """``plan.y`` [T*K, H] (FP32) from the activation's codes ``a`` [T*K, I] with their group
     scales ``a_s`` and the down weight codes [E, H, I] with their block scales; ``cfg``:
     ``bn_down`` (a divisor of 128), ``down_warps`` or ``warps``, ``down_stages`` or ``stages``,
-    ``accumulation``."""
+    ``accumulation``; ``down_persistent`` (programs per SM, 0 = one program per tile) runs the
+    persistent kernel."""
     from moefuse._runtime import interpreter_active
 
     hidden, inter = weight.shape[1], weight.shape[2]
     bn = cfg["bn_down"]
+    per_sm = cfg.get("down_persistent", 0)
+    n_tiles = plan.n_items * triton.cdiv(hidden, bn)
+    if per_sm:
+        grid = (min(n_tiles, per_sm * sm_count(a.device)),)
+        kernel, tail = _experts_fp8_down_tma_persistent_kernel, (top_k, plan.n_items)
+    else:
+        grid = (plan.n_items, triton.cdiv(hidden, bn))
+        kernel, tail = _experts_fp8_down_tma_kernel, (top_k,)
     launch(
-        _experts_fp8_down_tma_kernel,
-        (plan.n_items, triton.cdiv(hidden, bn)),
+        kernel,
+        grid,
         a,
         a_s,
         TensorDescriptor.from_tensor(_rows_view(weight), [bn, 128]),
@@ -324,7 +431,7 @@ def launch_down_fp8_tma(a, a_s, weight, scale, e8m0, plan, top_k, cfg, use_pdl):
         plan.sorted_slots,
         plan.y,
         (a.stride(0), a_s.stride(0), plan.y.stride(0), *scale.stride()),
-        top_k,
+        *tail,
         KDIM=inter,
         H=hidden,
         BN=bn,

@@ -87,7 +87,13 @@ _gemm_metadata = experts_gemm_metadata(2)
 def _item_tokens(items_ptr, sorted_ptr, top_k, BT: tl.constexpr):
     """``(expert, slots [BT], columns in use [BT] bool, token rows [BT] int64)`` of this
     program's work item (``expert`` -1 for an unused item)."""
-    rec = items_ptr + tl.program_id(0) * 3  # ITEM_FIELDS
+    return _item_tokens_at(items_ptr, sorted_ptr, tl.program_id(0), top_k, BT)
+
+
+@triton.jit
+def _item_tokens_at(items_ptr, sorted_ptr, item, top_k, BT: tl.constexpr):
+    """:func:`_item_tokens` of work item ``item``."""
+    rec = items_ptr + item * 3  # ITEM_FIELDS
     e = tl.load(rec)
     start = tl.load(rec + 1)
     rows = tl.load(rec + 2)
