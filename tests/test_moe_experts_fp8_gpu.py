@@ -148,6 +148,8 @@ EXPERTS_TMA_TILES = (
     {"tma": True, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4},
     {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 8, "stages": 3},
     dict(EXPERTS_FP8_TMA),  # the default: the gate|up programs quantize the activation
+    {**EXPERTS_FP8_TMA, "down_persistent": 1},  # the down tiles on a persistent grid
+    {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 4, "stages": 3, "down_persistent": 2},
 )
 
 
