@@ -25,7 +25,8 @@ tokens on the MMA's M side and the weight tiles by TMA (:mod:`moefuse.moe.expert
 gate|up 64 rows and down 128 rows at 8 warps, 3 or 4 stages; 32 / 64 rows at 4 warps; 128 / 128
 rows; ``tma_bt64*`` work items of 64 slots at 4 warps (token-tile factor 0.5); ``tma64*`` the same
 at a fixed token tile of 64 (the table's second field: a factor of the default's token tile up to
-1, a fixed tile above); ``*pd*`` the down tiles on a persistent grid of 1 or 2 programs per SM.
+1, a fixed tile above); ``*pd*`` the down tiles (``gpd``: the gate|up tiles) on a persistent
+grid of 1 or 2 programs per SM.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ VARIANTS = {
     ),
     # the down tiles on a persistent grid, the tile loop flattened into the K loop
     "tma_pd1": ({"down_persistent": 1}, 1, MANY),
+    "tma_gpd1": ({"gate_up_persistent": 1}, 1, MANY),
+    "tma_pd1_gpd1": ({"down_persistent": 1, "gate_up_persistent": 1}, 1, MANY),
     "tma64_gu64_pd2": (
         {**_TMA64, "bn_gate_up": 64, "fuse_act_quant": False, "stages": 3, "down_stages": 3}
         | {"down_persistent": 2},

@@ -309,6 +309,7 @@ def test_fp8_batch_invariance_and_extensions():
     ("interleaved", E8M0, {"bn_gate_up": 32, "bn_down": 64, "stages": 3, "tail_tile": 16}),
     ("stacked", E8M0, {"bn_gate_up": 128, "bn_down": 128, "stages": 2, "fuse_act_quant": True}),
     ("stacked", torch.float32, {"bn_gate_up": 64, "bn_down": 64, "down_persistent": 2}),
+    ("stacked", E8M0, {"bn_gate_up": 128, "fuse_act_quant": True, "gate_up_persistent": 2}),
 ])  # fmt: skip
 def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     """The ``tma`` launches (tokens on the MMA's M side, weight tiles by TMA; experts_fp8_tma)
@@ -317,8 +318,9 @@ def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     gate|up's 32-row tile of I = 200: the next expert's rows read and dropped); down runs there
     only where I % 16 == 0 (interleaved: I = 200, the other launch). With ``fuse_act_quant``
     and 128 gate|up rows the gate|up program writes the activation's group codes and scales
-    itself ("+quant"): the standalone quantization's bytes. ``down_persistent``: the down tiles
-    on a persistent grid (off CUDA one SM: 2 programs walk the 3 row tiles of every item)."""
+    itself ("+quant"): the standalone quantization's bytes. ``down_persistent`` /
+    ``gate_up_persistent``: the down / gate|up tiles on a persistent grid (off CUDA one SM: 2
+    programs walk every item's row tiles)."""
     import moefuse.moe.experts_fp8 as ef
 
     ran = []

@@ -149,6 +149,7 @@ EXPERTS_TMA_TILES = (
     {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 8, "stages": 3},
     dict(EXPERTS_FP8_TMA),  # the default: the gate|up programs quantize the activation
     {**EXPERTS_FP8_TMA, "down_persistent": 1},  # the down tiles on a persistent grid
+    {**EXPERTS_FP8_TMA, "gate_up_persistent": 1, "down_persistent": 1},
     {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 4, "stages": 3, "down_persistent": 2},
 )
 

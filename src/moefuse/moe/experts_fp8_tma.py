@@ -123,49 +123,169 @@ def _experts_fp8_gate_up_tma_kernel(
     groups): instead of ``act``, its per_token_group_quant_8bit codes and FP32 scales, from the
     rounded values in registers with that op's device function (the standalone kernel's bytes);
     ``aq_ptrs`` = (codes [T*K, I], scales [T*K, ceil(I/128)]), ``aq_strides`` their row strides."""
-    x_st, xs_st, act_st, s_st_e, s_st_n, s_st_k = strides
     if USE_PDL:
         gdc_wait()  # the tokens' codes
     e, s, r_in, tok = _item_tokens(items_ptr, sorted_ptr, top_k, BT)
     if e >= 0:
         n0 = tl.program_id(1) * BN
-        if INTERLEAVED:
-            g_row = (2 * n0) // 128
-            u_row = g_row
-        else:
-            g_row = n0 // 128
-            u_row = (INTER + n0) // 128
-        s_e = s_ptr + e.to(tl.int64) * s_st_e
-        g, u = _slot_block_product(
-            x_ptr + tok * x_st,
-            r_in,
-            xs_ptr + tok * xs_st,
-            (gate_desc, up_desc),
-            e * PITCH + n0,
-            (s_e + g_row * s_st_n, s_e + u_row * s_st_n),
-            s_st_k,
-            (KDIM + 127) // 128,
-            KDIM,
-            BN,
-            STAGES,
-            PTX,
-            E8M0,
-            ACCUM,
-        )
+        ins = (x_ptr, xs_ptr, gate_desc, up_desc, s_ptr)
+        g, u = _gate_up_tma_product(
+            e, r_in, tok, n0, ins, strides, KDIM, INTER, PITCH, BN, STAGES, INTERLEAVED, E8M0,
+            ACCUM, PTX,
+        )  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
-        act = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, FP32
-        n = n0 + tl.arange(0, BN)
-        s64 = s.to(tl.int64)
-        live = r_in[:, None] & (n < INTER)[None, :]
-        val = round_to(act, act_ptr.dtype.element_ty, PTX)
-        if QUANT:
-            codes_ptr, scales_ptr = aq_ptrs
-            eps = tl.full([BT, 1], _GROUP_EPS, tl.float32)
-            codes, scales = (codes_ptr, aq_strides[0]), (scales_ptr, aq_strides[1])
-            store_slot_group_codes(val, live, r_in, s64, n, n0 // 128, codes, scales, eps, PTX)
+        outs = (act_ptr, strides[2], aq_ptrs, aq_strides)
+        _gate_up_tma_store(g, u, s, r_in, n0, outs, INTER, BN, QUANT, PTX)
+
+
+@triton.jit
+def _gate_up_tma_product(
+    e,
+    r_in,
+    tok,
+    n0,
+    ins,
+    strides,
+    KDIM: tl.constexpr,
+    INTER: tl.constexpr,
+    PITCH: tl.constexpr,
+    BN: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """The gate and up sums [BT, BN] of :func:`_experts_fp8_gate_up_tma_kernel`'s tile (expert
+    ``e``, slots' token rows ``tok``, rows of I from ``n0``); ``ins`` = (token codes, their
+    scales, gate and up descriptors, weight scales)."""
+    x_ptr, xs_ptr, gate_desc, up_desc, s_ptr = ins
+    x_st, xs_st, _act_st, s_st_e, s_st_n, s_st_k = strides
+    if INTERLEAVED:
+        g_row = (2 * n0) // 128
+        u_row = g_row
+    else:
+        g_row = n0 // 128
+        u_row = (INTER + n0) // 128
+    s_e = s_ptr + e.to(tl.int64) * s_st_e
+    return _slot_block_product(
+        x_ptr + tok * x_st,
+        r_in,
+        xs_ptr + tok * xs_st,
+        (gate_desc, up_desc),
+        e * PITCH + n0,
+        (s_e + g_row * s_st_n, s_e + u_row * s_st_n),
+        s_st_k,
+        (KDIM + 127) // 128,
+        KDIM,
+        BN,
+        STAGES,
+        PTX,
+        E8M0,
+        ACCUM,
+    )
+
+
+@triton.jit
+def _gate_up_tma_store(
+    g, u, s, r_in, n0, outs, INTER: tl.constexpr, BN: tl.constexpr, QUANT: tl.constexpr, PTX
+):
+    """``cast(silu(g) * u)`` of the tile's slots ``s`` and rows of I from ``n0`` into ``act``, or
+    with ``QUANT`` its group codes and scales; ``outs`` = (act, act row stride, (codes,
+    scales), their row strides)."""
+    act_ptr, act_st, aq_ptrs, aq_strides = outs
+    BT: tl.constexpr = g.shape[0]
+    act = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, FP32
+    n = n0 + tl.arange(0, BN)
+    s64 = s.to(tl.int64)
+    live = r_in[:, None] & (n < INTER)[None, :]
+    val = round_to(act, act_ptr.dtype.element_ty, PTX)
+    if QUANT:
+        codes_ptr, scales_ptr = aq_ptrs
+        eps = tl.full([BT, 1], _GROUP_EPS, tl.float32)
+        codes, scales = (codes_ptr, aq_strides[0]), (scales_ptr, aq_strides[1])
+        store_slot_group_codes(val, live, r_in, s64, n, n0 // 128, codes, scales, eps, PTX)
+    else:
+        tl.store(act_ptr + s64[:, None] * act_st + n[None, :], val, mask=live)
+
+
+@triton.jit(launch_metadata=fp8_gemm_metadata)
+def _experts_fp8_gate_up_tma_persistent_kernel(
+    x_ptr,
+    xs_ptr,
+    gate_desc,
+    up_desc,
+    s_ptr,
+    items_ptr,
+    sorted_ptr,
+    act_ptr,
+    strides,
+    top_k,
+    aq_ptrs,
+    aq_strides,
+    n_items,
+    KDIM: tl.constexpr,
+    INTER: tl.constexpr,
+    PITCH: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    QUANT: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """:func:`_experts_fp8_gate_up_tma_kernel`'s tiles on a persistent grid, walked as
+    :func:`_experts_fp8_down_tma_persistent_kernel` walks the down tiles (tile ``j``: item ``j %
+    used`` x rows of I from ``(j // used) * BN``; the tile loop flattened into the K loop). The
+    same bits."""
+    if USE_PDL:
+        gdc_wait()  # the tokens' codes
+    used = _items_in_use(items_ptr, n_items)
+    n_tiles = used * ((INTER + BN - 1) // BN)
+    used = tl.maximum(used, 1)
+    ins = (x_ptr, xs_ptr, gate_desc, up_desc, s_ptr)
+    outs = (act_ptr, strides[2], aq_ptrs, aq_strides)
+    if PTX:  # a for loop, which Triton can flatten into the K loop
+        for j in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
+            e, s, r_in, tok = _item_tokens_at(items_ptr, sorted_ptr, j % used, top_k, BT)
+            n0 = (j // used) * BN
+            g, u = _gate_up_tma_product(
+                e, r_in, tok, n0, ins, strides, KDIM, INTER, PITCH, BN, STAGES, INTERLEAVED,
+                E8M0, ACCUM, PTX,
+            )  # fmt: skip
+            _gate_up_tma_store(g, u, s, r_in, n0, outs, INTER, BN, QUANT, PTX)
+    else:  # the interpreter's range() takes no tensors: the same tiles by a while loop
+        j = tl.program_id(0)
+        while j < n_tiles:
+            e, s, r_in, tok = _item_tokens_at(items_ptr, sorted_ptr, j % used, top_k, BT)
+            n0 = (j // used) * BN
+            g, u = _gate_up_tma_product(
+                e, r_in, tok, n0, ins, strides, KDIM, INTER, PITCH, BN, STAGES, INTERLEAVED,
+                E8M0, ACCUM, PTX,
+            )  # fmt: skip
+            _gate_up_tma_store(g, u, s, r_in, n0, outs, INTER, BN, QUANT, PTX)
+            j += tl.num_programs(0)
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _items_in_use(items_ptr, n_items):
+    """The plan's work items in use: the first record with expert -1 (they are a prefix of the
+    ``n_items`` records), or ``n_items``; by bisection."""
+    lo = 0
+    hi = n_items
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(items_ptr + mid * 3) >= 0:
+            lo = mid + 1
         else:
-            tl.store(act_ptr + s64[:, None] * act_st + n[None, :], val, mask=live)
+            hi = mid
+    return lo
 
 
 @triton.jit(launch_metadata=fp8_gemm_metadata)
@@ -296,16 +416,9 @@ def _experts_fp8_down_tma_persistent_kernel(
     768). The same products in the same order: the same bits."""
     if USE_PDL:
         gdc_wait()  # the activation's codes
-    lo = 0
-    hi = n_items
-    while lo < hi:  # the first unused record (expert -1), or n_items
-        mid = (lo + hi) // 2
-        if tl.load(items_ptr + mid * 3) >= 0:
-            lo = mid + 1
-        else:
-            hi = mid
-    used = tl.maximum(lo, 1)
-    n_tiles = lo * ((H + BN - 1) // BN)
+    used = _items_in_use(items_ptr, n_items)
+    n_tiles = used * ((H + BN - 1) // BN)
+    used = tl.maximum(used, 1)
     tile = (a_ptr, as_ptr, w_desc, s_ptr, items_ptr, sorted_ptr, y_ptr, strides, top_k, used)
     if PTX:  # a for loop, which Triton can flatten into the K loop
         for j in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
@@ -357,7 +470,9 @@ def launch_gate_up_fp8_tma(
     scales ``scale`` (FP32 or UE8M0 bytes); ``cfg``: ``bn_gate_up``, ``warps``, ``stages``,
     ``accumulation`` (:func:`tma_experts_ready` and :func:`gate_up_tma_fits` hold). ``quant`` =
     (codes uint8 [T*K, I], scales FP32 [T*K, ceil(I/128)]), with ``bn_gate_up`` 128: the
-    activation's group quantization written there instead of ``plan.act`` (valid slots' rows)."""
+    activation's group quantization written there instead of ``plan.act`` (valid slots' rows).
+    ``gate_up_persistent`` (programs per SM, 0 = one program per tile) runs the persistent
+    kernel."""
     from moefuse._runtime import interpreter_active
 
     experts, two_i, hidden = weight.shape
@@ -369,9 +484,17 @@ def launch_gate_up_fp8_tma(
     else:
         rows = _rows_view(weight)
         gate, up, pitch = rows, rows[inter:], two_i
+    per_sm = cfg.get("gate_up_persistent", 0)
+    if per_sm:
+        n_tiles = plan.n_items * triton.cdiv(inter, bn)
+        grid = (min(n_tiles, per_sm * sm_count(x.device)),)
+        kernel, tail = _experts_fp8_gate_up_tma_persistent_kernel, (plan.n_items,)
+    else:
+        grid = (plan.n_items, triton.cdiv(inter, bn))
+        kernel, tail = _experts_fp8_gate_up_tma_kernel, ()
     launch(
-        _experts_fp8_gate_up_tma_kernel,
-        (plan.n_items, triton.cdiv(inter, bn)),
+        kernel,
+        grid,
         x,
         xs,
         TensorDescriptor.from_tensor(gate, [bn, 128]),
@@ -384,6 +507,7 @@ def launch_gate_up_fp8_tma(
         top_k,
         quant if quant is not None else (plan.act, plan.act),
         (quant[0].stride(0), quant[1].stride(0)) if quant is not None else (0, 0),
+        *tail,
         KDIM=hidden,
         INTER=inter,
         PITCH=pitch,

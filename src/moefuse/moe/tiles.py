@@ -229,9 +229,10 @@ EXPERTS_FP8_TMA = {
     "stages": 3,
     "fuse_act_quant": True,
 }
-#: ``down_persistent`` (tile key, programs per SM; no default takes it): the TMA down tiles on a
-#: persistent grid with the tile loop flattened into the K loop (a tile's first loads under the
-#: one before's last blocks; the same bits). UNMEASURED (notes/moe-experts-fp8.md).
+#: ``down_persistent`` / ``gate_up_persistent`` (tile keys, programs per SM; no default takes
+#: them): the TMA down / gate|up tiles on a persistent grid with the tile loop flattened into the
+#: K loop (a tile's first loads under the one before's last blocks; the same bits). UNMEASURED
+#: (notes/moe-experts-fp8.md).
 
 
 def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
