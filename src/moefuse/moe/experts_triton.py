@@ -70,10 +70,15 @@ def experts_gemm_metadata(weight_bytes: int):
     element, unused items included (an upper bound of what the launch reads)."""
 
     def metadata(grid, kernel, args):
-        rows = args["BN"] * (2 if "gate_up" in kernel.name else 1)
+        gate_up = "gate_up" in kernel.name
+        rows = args["BN"] * (2 if gate_up else 1)
+        items, tiles = grid[0], grid[1]
+        if "n_items" in args:  # a persistent grid: programs, not tiles
+            items = args["n_items"]
+            tiles = -(-(args["INTER"] if gate_up else args["H"]) // args["BN"])
         return {
-            "name": f"{kernel.name} items={grid[0]} tiles={grid[1]} BT={args['BT']}",
-            "bytes": grid[0] * grid[1] * rows * args["KDIM"] * weight_bytes,
+            "name": f"{kernel.name} items={items} tiles={tiles} BT={args['BT']}",
+            "bytes": items * tiles * rows * args["KDIM"] * weight_bytes,
         }
 
     return metadata
