@@ -53,7 +53,6 @@ def _slot_block_product(
     row0,
     s_ptrs,
     s_st_k,
-    n_blocks,
     KDIM: tl.constexpr,
     BN: tl.constexpr,
     STAGES: tl.constexpr,
@@ -61,17 +60,16 @@ def _slot_block_product(
     E8M0: tl.constexpr,
     ACCUM: tl.constexpr,
 ):
-    """FP32 ``acc[j] = fma(dot_b, cs[t, b] * Ws_j[b], acc[j])`` over the K-blocks ``b`` <
-    ``n_blocks`` (``ceil(KDIM / 128)``, or 0 for an unused item) ascending from +0.0, for each
-    of the one or two weight tiles ``descs[j]`` (rows ``row0`` .. ``row0 + BN``, block-scale row
-    pointer ``s_ptrs[j]``, block stride ``s_st_k``): slot rows ``col_rows`` [BT] (E4M3 codes,
-    unit stride; ``r_in``: in use) with their group scales from ``cs_rows`` [BT]. Returns two
-    [BT, BN] sums (the second +0.0 with one descriptor)."""
+    """FP32 ``acc[j] = fma(dot_b, cs[t, b] * Ws_j[b], acc[j])`` over the K-blocks ``b``
+    ascending from +0.0, for each of the one or two weight tiles ``descs[j]`` (rows ``row0`` ..
+    ``row0 + BN``, block-scale row pointer ``s_ptrs[j]``, block stride ``s_st_k``): slot rows
+    ``col_rows`` [BT] (E4M3 codes, unit stride; ``r_in``: in use) with their group scales from
+    ``cs_rows`` [BT]. Returns two [BT, BN] sums (the second +0.0 with one descriptor)."""
     BT: tl.constexpr = col_rows.shape[0]
     TWO: tl.constexpr = len(descs) == 2
     acc0 = tl.zeros([BT, BN], dtype=tl.float32)
     acc1 = tl.zeros([BT, BN], dtype=tl.float32)
-    for b in tl.range(0, n_blocks, num_stages=STAGES):
+    for b in tl.range(0, (KDIM + 127) // 128, num_stages=STAGES):
         kk = b * 128 + tl.arange(0, 128)
         live = r_in[:, None] & (kk < KDIM)[None, :]
         q = tl.load(col_rows[:, None] + kk[None, :], mask=live, other=0.0)
@@ -177,7 +175,6 @@ def _gate_up_tma_product(
         e * PITCH + n0,
         (s_e + g_row * s_st_n, s_e + u_row * s_st_n),
         s_st_k,
-        (KDIM + 127) // 128,
         KDIM,
         BN,
         STAGES,
@@ -208,6 +205,35 @@ def _gate_up_tma_store(
         store_slot_group_codes(val, live, r_in, s64, n, n0 // 128, codes, scales, eps, PTX)
     else:
         tl.store(act_ptr + s64[:, None] * act_st + n[None, :], val, mask=live)
+
+
+@triton.jit
+def _gate_up_tma_tile(
+    j,
+    walk,
+    KDIM: tl.constexpr,
+    INTER: tl.constexpr,
+    PITCH: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    QUANT: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """Tile ``j`` of :func:`_experts_fp8_gate_up_tma_persistent_kernel`: work item ``j % used``
+    x the ``BN`` rows of I from ``(j // used) * BN``; ``walk`` = (items, sorted slots, top_k,
+    used, the product's ``ins``, the store's ``outs``, strides)."""
+    items_ptr, sorted_ptr, top_k, used, ins, outs, strides = walk
+    e, s, r_in, tok = _item_tokens_at(items_ptr, sorted_ptr, j % used, top_k, BT)
+    n0 = (j // used) * BN
+    g, u = _gate_up_tma_product(
+        e, r_in, tok, n0, ins, strides, KDIM, INTER, PITCH, BN, STAGES, INTERLEAVED, E8M0, ACCUM,
+        PTX,
+    )  # fmt: skip
+    _gate_up_tma_store(g, u, s, r_in, n0, outs, INTER, BN, QUANT, PTX)
 
 
 @triton.jit(launch_metadata=fp8_gemm_metadata)
@@ -249,25 +275,18 @@ def _experts_fp8_gate_up_tma_persistent_kernel(
     used = tl.maximum(used, 1)
     ins = (x_ptr, xs_ptr, gate_desc, up_desc, s_ptr)
     outs = (act_ptr, strides[2], aq_ptrs, aq_strides)
+    walk = (items_ptr, sorted_ptr, top_k, used, ins, outs, strides)
     if PTX:  # a for loop, which Triton can flatten into the K loop
         for j in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
-            e, s, r_in, tok = _item_tokens_at(items_ptr, sorted_ptr, j % used, top_k, BT)
-            n0 = (j // used) * BN
-            g, u = _gate_up_tma_product(
-                e, r_in, tok, n0, ins, strides, KDIM, INTER, PITCH, BN, STAGES, INTERLEAVED,
-                E8M0, ACCUM, PTX,
-            )  # fmt: skip
-            _gate_up_tma_store(g, u, s, r_in, n0, outs, INTER, BN, QUANT, PTX)
+            _gate_up_tma_tile(
+                j, walk, KDIM, INTER, PITCH, BN, BT, STAGES, INTERLEAVED, QUANT, E8M0, ACCUM, PTX
+            )
     else:  # the interpreter's range() takes no tensors: the same tiles by a while loop
         j = tl.program_id(0)
         while j < n_tiles:
-            e, s, r_in, tok = _item_tokens_at(items_ptr, sorted_ptr, j % used, top_k, BT)
-            n0 = (j // used) * BN
-            g, u = _gate_up_tma_product(
-                e, r_in, tok, n0, ins, strides, KDIM, INTER, PITCH, BN, STAGES, INTERLEAVED,
-                E8M0, ACCUM, PTX,
-            )  # fmt: skip
-            _gate_up_tma_store(g, u, s, r_in, n0, outs, INTER, BN, QUANT, PTX)
+            _gate_up_tma_tile(
+                j, walk, KDIM, INTER, PITCH, BN, BT, STAGES, INTERLEAVED, QUANT, E8M0, ACCUM, PTX
+            )
             j += tl.num_programs(0)
     if USE_PDL:
         gdc_launch_dependents()
@@ -313,42 +332,71 @@ def _experts_fp8_down_tma_kernel(
     ``BN`` rows of H from ``program_id(1) * BN`` (``BN`` divides 128: one scale row);
     ``w_desc`` reads row ``e * H + h``; ``strides`` = (act row, act-scale row, y row, scale
     expert / row / block)."""
-    a_st, as_st, y_st, s_st_e, s_st_n, s_st_k = strides
     if USE_PDL:
         gdc_wait()  # the activation's codes
     e, s, r_in, _tok = _item_tokens(items_ptr, sorted_ptr, top_k, BT)
     if e >= 0:
         n0 = tl.program_id(1) * BN
         s64 = s.to(tl.int64)
-        s_row = s_ptr + e.to(tl.int64) * s_st_e + (n0 // 128) * s_st_n
-        acc, _unused = _slot_block_product(
-            a_ptr + s64 * a_st,
-            r_in,
-            as_ptr + s64 * as_st,
-            (w_desc,),
-            e * H + n0,
-            (s_row,),
-            s_st_k,
-            (KDIM + 127) // 128,
-            KDIM,
-            BN,
-            STAGES,
-            PTX,
-            E8M0,
-            ACCUM,
+        ins = (a_ptr, as_ptr, w_desc, s_ptr)
+        acc = _down_tma_product(
+            e, s64, r_in, n0, ins, strides, KDIM, H, BN, STAGES, E8M0, ACCUM, PTX
         )
         if USE_PDL:
             gdc_launch_dependents()
-        n = n0 + tl.arange(0, BN)
-        tl.store(
-            y_ptr + s64[:, None] * y_st + n[None, :], acc, mask=r_in[:, None] & (n < H)[None, :]
-        )
+        _down_tma_store(acc, s64, r_in, n0, y_ptr, strides[2], H, BN)
+
+
+@triton.jit
+def _down_tma_product(
+    e,
+    s64,
+    r_in,
+    n0,
+    ins,
+    strides,
+    KDIM: tl.constexpr,
+    H: tl.constexpr,
+    BN: tl.constexpr,
+    STAGES: tl.constexpr,
+    E8M0: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """The FP32 sums [BT, BN] of :func:`_experts_fp8_down_tma_kernel`'s tile (expert ``e``,
+    slot rows ``s64``, rows of H from ``n0``); ``ins`` = (activation codes, their scales, weight
+    descriptor, weight scales)."""
+    a_ptr, as_ptr, w_desc, s_ptr = ins
+    a_st, as_st, _y_st, s_st_e, s_st_n, s_st_k = strides
+    acc, _unused = _slot_block_product(
+        a_ptr + s64 * a_st,
+        r_in,
+        as_ptr + s64 * as_st,
+        (w_desc,),
+        e * H + n0,
+        (s_ptr + e.to(tl.int64) * s_st_e + (n0 // 128) * s_st_n,),
+        s_st_k,
+        KDIM,
+        BN,
+        STAGES,
+        PTX,
+        E8M0,
+        ACCUM,
+    )
+    return acc
+
+
+@triton.jit
+def _down_tma_store(acc, s64, r_in, n0, y_ptr, y_st, H: tl.constexpr, BN: tl.constexpr):
+    """``y`` rows ``s64`` (valid ``r_in``), columns ``n0`` .. ``n0 + BN`` below H, from ``acc``."""
+    n = n0 + tl.arange(0, BN)
+    tl.store(y_ptr + s64[:, None] * y_st + n[None, :], acc, mask=r_in[:, None] & (n < H)[None, :])
 
 
 @triton.jit
 def _down_tma_tile(
     j,
-    args,
+    walk,
     KDIM: tl.constexpr,
     H: tl.constexpr,
     BN: tl.constexpr,
@@ -359,31 +407,14 @@ def _down_tma_tile(
     PTX: tl.constexpr,
 ):
     """Tile ``j`` of :func:`_experts_fp8_down_tma_persistent_kernel`: work item ``j % used`` x
-    the ``BN`` rows of H from ``(j // used) * BN``; ``args`` = (activation codes, their scales,
-    weight descriptor, weight scales, items, sorted slots, y, strides, top_k, used)."""
-    a_ptr, as_ptr, w_desc, s_ptr, items_ptr, sorted_ptr, y_ptr, strides, top_k, used = args
-    a_st, as_st, y_st, s_st_e, s_st_n, s_st_k = strides
+    the ``BN`` rows of H from ``(j // used) * BN``; ``walk`` = (items, sorted slots, top_k, used,
+    the product's ``ins``, y, strides)."""
+    items_ptr, sorted_ptr, top_k, used, ins, y_ptr, strides = walk
     e, s, r_in, _tok = _item_tokens_at(items_ptr, sorted_ptr, j % used, top_k, BT)
     n0 = (j // used) * BN
     s64 = s.to(tl.int64)
-    acc, _unused = _slot_block_product(
-        a_ptr + s64 * a_st,
-        r_in,
-        as_ptr + s64 * as_st,
-        (w_desc,),
-        e * H + n0,
-        (s_ptr + e.to(tl.int64) * s_st_e + (n0 // 128) * s_st_n,),
-        s_st_k,
-        (KDIM + 127) // 128,
-        KDIM,
-        BN,
-        STAGES,
-        PTX,
-        E8M0,
-        ACCUM,
-    )
-    n = n0 + tl.arange(0, BN)
-    tl.store(y_ptr + s64[:, None] * y_st + n[None, :], acc, mask=r_in[:, None] & (n < H)[None, :])
+    acc = _down_tma_product(e, s64, r_in, n0, ins, strides, KDIM, H, BN, STAGES, E8M0, ACCUM, PTX)
+    _down_tma_store(acc, s64, r_in, n0, y_ptr, strides[2], H, BN)
 
 
 @triton.jit(launch_metadata=fp8_gemm_metadata)
@@ -419,14 +450,14 @@ def _experts_fp8_down_tma_persistent_kernel(
     used = _items_in_use(items_ptr, n_items)
     n_tiles = used * ((H + BN - 1) // BN)
     used = tl.maximum(used, 1)
-    tile = (a_ptr, as_ptr, w_desc, s_ptr, items_ptr, sorted_ptr, y_ptr, strides, top_k, used)
+    walk = (items_ptr, sorted_ptr, top_k, used, (a_ptr, as_ptr, w_desc, s_ptr), y_ptr, strides)
     if PTX:  # a for loop, which Triton can flatten into the K loop
         for j in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
-            _down_tma_tile(j, tile, KDIM, H, BN, BT, STAGES, E8M0, ACCUM, PTX)
+            _down_tma_tile(j, walk, KDIM, H, BN, BT, STAGES, E8M0, ACCUM, PTX)
     else:  # the interpreter's range() takes no tensors: the same tiles by a while loop
         j = tl.program_id(0)
         while j < n_tiles:
-            _down_tma_tile(j, tile, KDIM, H, BN, BT, STAGES, E8M0, ACCUM, PTX)
+            _down_tma_tile(j, walk, KDIM, H, BN, BT, STAGES, E8M0, ACCUM, PTX)
             j += tl.num_programs(0)
     if USE_PDL:
         gdc_launch_dependents()
@@ -436,6 +467,15 @@ def _experts_fp8_down_tma_persistent_kernel(
 def _rows_view(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [E, R, K] as [E * R, K] rows (a view: the weight is contiguous)."""
     return weight.view(weight.shape[0] * weight.shape[1], weight.shape[2])
+
+
+def _tile_grid(plan, row_tiles: int, per_sm: int, device: torch.device) -> tuple[int, ...]:
+    """Grid of a TMA GEMM over ``plan.n_items`` work items x ``row_tiles``: one program per tile
+    (2-D), or with ``per_sm`` > 0 a persistent grid of at most ``per_sm`` programs per SM (1-D,
+    never more programs than tiles)."""
+    if per_sm:
+        return (min(plan.n_items * row_tiles, per_sm * sm_count(device)),)
+    return (plan.n_items, row_tiles)
 
 
 def tma_experts_ready(weight: torch.Tensor, cfg: dict, token_tile: int, plan_kernel: bool) -> bool:
@@ -484,16 +524,12 @@ def launch_gate_up_fp8_tma(
     else:
         rows = _rows_view(weight)
         gate, up, pitch = rows, rows[inter:], two_i
-    per_sm = cfg.get("gate_up_persistent", 0)
-    if per_sm:
-        n_tiles = plan.n_items * triton.cdiv(inter, bn)
-        grid = (min(n_tiles, per_sm * sm_count(x.device)),)
-        kernel, tail = _experts_fp8_gate_up_tma_persistent_kernel, (plan.n_items,)
-    else:
-        grid = (plan.n_items, triton.cdiv(inter, bn))
-        kernel, tail = _experts_fp8_gate_up_tma_kernel, ()
+    grid = _tile_grid(plan, triton.cdiv(inter, bn), cfg.get("gate_up_persistent", 0), x.device)
+    persistent = len(grid) == 1
     launch(
-        kernel,
+        _experts_fp8_gate_up_tma_persistent_kernel
+        if persistent
+        else _experts_fp8_gate_up_tma_kernel,
         grid,
         x,
         xs,
@@ -507,7 +543,7 @@ def launch_gate_up_fp8_tma(
         top_k,
         quant if quant is not None else (plan.act, plan.act),
         (quant[0].stride(0), quant[1].stride(0)) if quant is not None else (0, 0),
-        *tail,
+        *((plan.n_items,) if persistent else ()),
         KDIM=hidden,
         INTER=inter,
         PITCH=pitch,
@@ -536,16 +572,10 @@ def launch_down_fp8_tma(a, a_s, weight, scale, e8m0, plan, top_k, cfg, use_pdl):
 
     hidden, inter = weight.shape[1], weight.shape[2]
     bn = cfg["bn_down"]
-    per_sm = cfg.get("down_persistent", 0)
-    n_tiles = plan.n_items * triton.cdiv(hidden, bn)
-    if per_sm:
-        grid = (min(n_tiles, per_sm * sm_count(a.device)),)
-        kernel, tail = _experts_fp8_down_tma_persistent_kernel, (top_k, plan.n_items)
-    else:
-        grid = (plan.n_items, triton.cdiv(hidden, bn))
-        kernel, tail = _experts_fp8_down_tma_kernel, (top_k,)
+    grid = _tile_grid(plan, triton.cdiv(hidden, bn), cfg.get("down_persistent", 0), a.device)
+    persistent = len(grid) == 1
     launch(
-        kernel,
+        _experts_fp8_down_tma_persistent_kernel if persistent else _experts_fp8_down_tma_kernel,
         grid,
         a,
         a_s,
@@ -555,7 +585,8 @@ def launch_down_fp8_tma(a, a_s, weight, scale, e8m0, plan, top_k, cfg, use_pdl):
         plan.sorted_slots,
         plan.y,
         (a.stride(0), a_s.stride(0), plan.y.stride(0), *scale.stride()),
-        *tail,
+        top_k,
+        *((plan.n_items,) if persistent else ()),
         KDIM=inter,
         H=hidden,
         BN=bn,

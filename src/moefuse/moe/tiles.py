@@ -394,9 +394,8 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     "split_programs", "accumulation"}``, from :data:`LINEAR_FP8_TMA_MIN_ROWS` rows
     :data:`LINEAR_FP8_TMA`'s keys (where its row tiles fill the GPU; else from
     :data:`LINEAR_FP8_TMA_NARROW_MIN_ROWS` rows :data:`LINEAR_FP8_TMA_NARROW`'s) with the pointer
-    kernel's plan under ``"pointer_tile"``. The
-    tile and whether the chunks run as programs of their own may follow M; the chunks (the
-    summation order) do not."""
+    kernel's plan under ``"pointer_tile"``. The tile and whether the chunks run as programs of
+    their own may follow M; the chunks (the summation order) do not."""
     splits, chunk = linear_fp8_splits(n, k)
     bt = 16 if m <= 16 else 32 if m <= 32 else 64
     tile = dict(LINEAR_FP8_NARROW, bt=bt)
