@@ -367,8 +367,19 @@ def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
     many = tiles.experts_fp8_tile(2048, 768, 128, 16384)
     assert many["tma"] and many["fuse_act_quant"]  # the TMA gate|up quantizes the activation
     assert not ef._pointer_tile(many)["fuse_act_quant"]  # the pointer kernel's launch stays
-    for token_tile, slots in ((128, 512), (64, 16384)):
+    for token_tile, slots in ((128, 512), (32, 16384)):
         assert "tma" not in tiles.experts_fp8_tile(2048, 768, token_tile, slots)
+    # 64-slot items up to a mean load of 128 slots per expert above the decode slots; gate|up 64
+    # rows (the activation's own launch) where 2I is small, 128 rows otherwise
+    assert tiles.experts_fp8_token_tile(512, 128) == tiles.experts_token_tile(512, 128)  # decode
+    assert tiles.experts_fp8_token_tile(8 * 2048, 128) == 64  # Qwen3 T = 2048: mean load 128
+    assert tiles.experts_fp8_token_tile(8 * 4096, 128) == 128
+    assert tiles.experts_fp8_token_tile(2 * 1024, 8) == 128  # Mixtral T = 1024: mean load 256
+    qwen3 = tiles.experts_fp8_tile(2048, 768, 64, 8 * 2048)
+    assert qwen3["tma"] and qwen3["warps"] == 4 and qwen3["bn_gate_up"] == 64
+    assert not qwen3["fuse_act_quant"]
+    dsv3 = tiles.experts_fp8_tile(7168, 2048, 64, 8 * 2048)
+    assert dsv3["tma"] and dsv3["bn_gate_up"] == 128 and dsv3["fuse_act_quant"]
     ran, pointer = [], []
     for fn in ("launch_gate_up_fp8_tma", "launch_down_fp8_tma"):
         real = getattr(ef, fn)

@@ -14,7 +14,13 @@ from moefuse.bench.fp8_linear import make_weight
 from moefuse.bench.moe_experts_fp8 import make_fp8_weights
 from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
 from moefuse.moe.linear_triton import launch_fp8_linear
-from moefuse.moe.tiles import EXPERTS_FP8_TMA, LINEAR_FP8_TMA, LINEAR_FP8_TMA_NARROW
+from moefuse.moe.tiles import (
+    EXPERTS_FP8_TMA,
+    EXPERTS_FP8_TMA64,
+    EXPERTS_FP8_TMA64_NARROW_GATE_UP,
+    LINEAR_FP8_TMA,
+    LINEAR_FP8_TMA_NARROW,
+)
 from moefuse.testing import (
     assert_bitwise_equal,
     assert_fused_activation_quant,
@@ -142,15 +148,14 @@ def test_fp8_quant_placements_bitwise(name):
 
 
 #: the ``tma`` launches of the experts' GEMMs (tokens on the MMA's M side, weight tiles by TMA,
-#: moefuse.moe.experts_fp8_tma) that the benchmarks time
+#: moefuse.moe.experts_fp8_tma) that the benchmarks time, each with its token tile
 EXPERTS_TMA_TILES = (
-    {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3},
-    {"tma": True, "bn_gate_up": 32, "bn_down": 64, "warps": 4, "stages": 4},
-    {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 8, "stages": 3},
-    dict(EXPERTS_FP8_TMA),  # the default: the gate|up programs quantize the activation
-    {**EXPERTS_FP8_TMA, "down_persistent": 1},  # the down tiles on a persistent grid
-    {**EXPERTS_FP8_TMA, "gate_up_persistent": 1, "down_persistent": 1},
-    {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 4, "stages": 3, "down_persistent": 2},
+    ({"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3}, 128),
+    (dict(EXPERTS_FP8_TMA), 128),  # the default at 128 slots: gate|up quantizes the activation
+    (dict(EXPERTS_FP8_TMA64), 64),  # the defaults at 64 slots (128 / 64 gate|up rows)
+    ({**EXPERTS_FP8_TMA64, **EXPERTS_FP8_TMA64_NARROW_GATE_UP}, 64),
+    ({**EXPERTS_FP8_TMA, "gate_up_persistent": 1, "down_persistent": 1}, 128),  # persistent grids
+    ({**EXPERTS_FP8_TMA64, **EXPERTS_FP8_TMA64_NARROW_GATE_UP, "down_persistent": 2}, 64),
 )
 
 
@@ -174,7 +179,7 @@ def test_fp8_experts_tma_bitwise(name):
         want = poison_(torch.empty_like(x))
         launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, want, None, None, 1.0, False, pdl,
                                tile=POINTER_TILE, token_tile=128)  # fmt: skip
-        for tile in EXPERTS_TMA_TILES:
+        for tile, bt in EXPERTS_TMA_TILES:
             ran = []
             real = (ef.launch_gate_up_fp8_tma, ef.launch_down_fp8_tma)
             ef.launch_gate_up_fp8_tma = lambda *a, **k: ran.append(1) or real[0](*a, **k)
@@ -182,7 +187,7 @@ def test_fp8_experts_tma_bitwise(name):
             try:
                 out = poison_(torch.empty_like(x))
                 launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, False,
-                                       pdl, tile=tile, token_tile=128)  # fmt: skip
+                                       pdl, tile=tile, token_tile=bt)  # fmt: skip
             finally:
                 ef.launch_gate_up_fp8_tma, ef.launch_down_fp8_tma = real
             assert ran == [1, 2], (name, t, tile, ran)

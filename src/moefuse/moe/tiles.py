@@ -229,27 +229,68 @@ EXPERTS_FP8_TMA = {
     "stages": 3,
     "fuse_act_quant": True,
 }
+#: Work items of 64 slots at 4 warps (one warpgroup, two programs per SM) where the mean load is
+#: at most :data:`EXPERTS_FP8_TMA64_MAX_MEAN_LOAD` slots per expert above the decode slots (the
+#: token tile :data:`EXPERTS_FP8_TMA64_TOKEN_TILE`); gate|up 64 rows per program (the activation
+#: then quantized by its own launch: a 128-column group spans two programs) where 2I is at most
+#: :data:`EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_ROWS`, 128 rows otherwise. Same bits. MEASURED (H100
+#: 80GB HBM3, 2026-12-07, 69c3c74, `python scripts/bench_fp8_decode_variants.py time --tokens 2048
+#: 1024 4096 --variants tma64_d4 tma64_gu64 tma64_gu64_d4 ...`, then `--tokens 512`,
+#: notes/gpu-logs/2026-12-07-experts-fp8-tma64-69c3c74.log; every variant bitwise equal to the
+#: default), CUDA-graph us, default -> 64-slot items (128 / 64 gate|up rows): Qwen3 T = 512 298 ->
+#: 263 / 260, 1024 358 -> 328 / 309, 2048 505 -> 487 / 460, 4096 (mean load 256) 866 -> 836 /
+#: 828; DeepSeek-V3 512 4270 -> 4180 / 4110, 1024 5015 -> 4465 / 4476, 2048 5517 -> 5277 / 5516,
+#: 4096 7623 -> 7293 / 7880; Mixtral 512 757 -> 732 / 725, but 1024 (mean load 256) 1163 ->
+#: 1215 / 1241 and 2048 2148 -> 2222 / 2307.
+EXPERTS_FP8_TMA64 = {
+    "tma": True,
+    "bn_gate_up": 128,
+    "bn_down": 128,
+    "warps": 4,
+    "stages": 2,
+    "down_stages": 4,
+    "fuse_act_quant": True,
+}
+EXPERTS_FP8_TMA64_NARROW_GATE_UP = {"bn_gate_up": 64, "stages": 3, "fuse_act_quant": False}
+EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_ROWS = 2048
+EXPERTS_FP8_TMA64_MAX_MEAN_LOAD = 128
+EXPERTS_FP8_TMA64_TOKEN_TILE = 64
 #: ``down_persistent`` / ``gate_up_persistent`` (tile keys, programs per SM; no default takes
 #: them): the TMA down / gate|up tiles on a persistent grid with the tile loop flattened into the
-#: K loop (a tile's first loads under the one before's last blocks; the same bits). UNMEASURED
-#: (notes/moe-experts-fp8.md).
+#: K loop (a tile's first loads under the one before's last blocks; the same bits). MEASURED
+#: slower at every shape and T = 1024 / 2048 / 4096 (same run as above), us at T = 2048, default
+#: -> persistent down / gate|up / both (1 program per SM): Qwen3 505 -> 596 / 600 / 686, Mixtral
+#: 2148 -> 2913 / 2793 / 3680, DeepSeek-V3 5517 -> 6644 / 6345 / 7423; the 64-row gate|up items
+#: with the down on 2 programs per SM 515 / 2937 / 6177 (notes/moe-experts-fp8.md).
 
 
 def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
     """Tile of the FP8 experts kernels: :func:`experts_tile`'s plan keys (inline plan, fused
     finalize, tail tile, plan chunks) with the rows and warps of :data:`EXPERTS_FP8_NARROW`
-    (``token_tile``: :func:`experts_fp8_token_tile`), or :data:`EXPERTS_FP8_TMA` at the widest
-    token tile above :data:`EXPERTS_FP8_DECODE_MAX_SLOTS` slots."""
+    (``token_tile``: :func:`experts_fp8_token_tile`); above :data:`EXPERTS_FP8_DECODE_MAX_SLOTS`
+    slots :data:`EXPERTS_FP8_TMA` at the widest token tile and :data:`EXPERTS_FP8_TMA64` (with
+    :data:`EXPERTS_FP8_TMA64_NARROW_GATE_UP` where 2I is small) at 64 token columns."""
     base = experts_tile(hidden, inter, token_tile, slots)
     stages = EXPERTS_FP8_DECODE_STAGES if token_tile <= 16 else EXPERTS_FP8_NARROW["stages"]
     tile = {**EXPERTS_FP8_NARROW, "stages": stages}
-    if token_tile >= EXPERTS_FP8_MAX_TOKEN_TILE and slots > EXPERTS_FP8_DECODE_MAX_SLOTS:
-        tile = dict(EXPERTS_FP8_TMA)
+    if slots > EXPERTS_FP8_DECODE_MAX_SLOTS:
+        if token_tile >= EXPERTS_FP8_MAX_TOKEN_TILE:
+            tile = dict(EXPERTS_FP8_TMA)
+        elif token_tile == EXPERTS_FP8_TMA64_TOKEN_TILE:
+            tile = dict(EXPERTS_FP8_TMA64)
+            if 2 * inter <= EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_ROWS:
+                tile.update(EXPERTS_FP8_TMA64_NARROW_GATE_UP)
     return {**base, **tile, "accumulation": fp8_accumulation()}
 
 
 def experts_fp8_token_tile(slots: int, experts: int) -> int:
-    """:func:`experts_token_tile`, at most :data:`EXPERTS_FP8_MAX_TOKEN_TILE` columns."""
+    """:func:`experts_token_tile`, at most :data:`EXPERTS_FP8_MAX_TOKEN_TILE` columns; above the
+    decode slots, :data:`EXPERTS_FP8_TMA64_TOKEN_TILE` where the mean load is at most
+    :data:`EXPERTS_FP8_TMA64_MAX_MEAN_LOAD` slots per expert (the 64-slot TMA items of
+    :func:`experts_fp8_tile`)."""
+    experts = max(1, experts)
+    if EXPERTS_FP8_DECODE_MAX_SLOTS < slots <= EXPERTS_FP8_TMA64_MAX_MEAN_LOAD * experts:
+        return EXPERTS_FP8_TMA64_TOKEN_TILE
     return min(experts_token_tile(slots, experts), EXPERTS_FP8_MAX_TOKEN_TILE)
 
 
