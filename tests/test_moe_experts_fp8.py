@@ -555,6 +555,19 @@ def test_fp8_linear_plans_fit_shared_memory():
             assert smem <= 227 * 1024, (n, k, m, cfg)
 
 
+def test_fp8_linear_bench_rotates_small_weights():
+    """The fp8-linear benchmark rotates a weight over copies spanning twice the L2 (at most 8),
+    so a replayed call reads it from DRAM: a 37.8 MB weight on a 50 MiB L2 once timed below the
+    datasheet floor."""
+    from moefuse.bench.fp8_linear import weight_copies
+
+    l2 = 50 << 20
+    assert weight_copies(37_748_736, l2) == 3
+    assert weight_copies(8 << 20, l2) == 8  # at most 8
+    assert weight_copies(117 << 20, l2) == 1
+    assert weight_copies(100 << 20, l2) == 1
+
+
 def test_fp8_custom_ops_compile_and_plans():
     """opcheck of both custom ops (kernel and reference backends), launch plans replaying the
     eager bits, and torch.compile(fullgraph=True, dynamic=True): one graph for 3 and 6 tokens."""

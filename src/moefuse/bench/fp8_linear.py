@@ -9,7 +9,8 @@ dequantize to; BF16 activations.
 
 * checks first: a row alone == the same row inside the batch (bits), and at M <= 256 the
   relative RMS difference from the FP64 reference of the formula;
-* CUDA-graph µs (inputs rotated over 4 sets) of ``fp8_linear`` ("moefuse"), BF16 ``torch.mm``
+* CUDA-graph µs (inputs rotated over 4 sets, weights over copies of the same values until they
+  span twice the L2, :func:`weight_copies`) of ``fp8_linear`` ("moefuse"), BF16 ``torch.mm``
   on the dequantized weight ("bf16_mm") and ``F.scaled_mm`` with block-wise scales (1 x 128
   activation groups, 128 x 128 weight blocks: the same recipe) where it runs, else row-wise
   ("scaled_mm_block" / "scaled_mm_row"; the activation quantization is not timed);
@@ -57,6 +58,18 @@ def make_weight(n: int, k: int, device, seed: int = 0):
     s = (torch.rand(-(-n // 128), -(-k // 128), generator=g, device=device) + 1) / (128 * k**0.5)
     full = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
     return q, s, (q.float() * full).to(torch.bfloat16)
+
+
+def weight_copies(weight_bytes: int, l2_bytes: int) -> int:
+    """Copies of a weight the timed calls rotate over so that their weights span at least twice
+    the L2 (at most 8): a replayed call then reads its weight from DRAM, as a layer does between
+    other layers' weights, not from the L2 the previous call filled."""
+    return max(1, min(8, -(-2 * l2_bytes // max(1, weight_bytes))))
+
+
+def l2_bytes(device) -> int:
+    """This GPU's L2 size (50 MiB where torch does not say: an H100's)."""
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
 
 
 def scaled_mm_fn(x, wq, ws, wbf):
@@ -125,13 +138,13 @@ def tile_name(tile: dict) -> str:
 
 
 def tile_fn(x0, want, wq, ws, tile):
-    """The launch with ``tile``, checked bitwise against the default's output ``want`` first
-    (no bit may depend on the tile)."""
+    """The launch with ``tile`` as ``run(x, (wq, ws, ...))``, checked bitwise against the
+    default's output ``want`` first (no bit may depend on the tile)."""
     from moefuse.moe.linear_triton import launch_fp8_linear
 
-    def run(x):
-        out = torch.empty(x.shape[0], wq.shape[0], dtype=x.dtype, device=x.device)
-        launch_fp8_linear(x, wq, ws, None, None, out, False, tile=tile)
+    def run(x, w=(wq, ws)):
+        out = torch.empty(x.shape[0], w[0].shape[0], dtype=x.dtype, device=x.device)
+        launch_fp8_linear(x, w[0], w[1], None, None, out, False, tile=tile)
         return out
 
     if not torch.equal(run(x0).view(torch.int16), want.view(torch.int16)):
@@ -141,12 +154,13 @@ def tile_fn(x0, want, wq, ws, tile):
 
 def prefetch_fn(x0, want, wq, ws, nbytes: int):
     """The default launch (PDL on) with each program's first ``nbytes`` of every weight row
-    requested from the L2 before its ``gdc_wait``, checked bitwise against ``want`` first."""
+    requested from the L2 before its ``gdc_wait``, as ``run(x, (wq, ws, ...))``, checked
+    bitwise against ``want`` first."""
     from moefuse.moe.linear_triton import launch_fp8_linear
 
-    def run(x):
-        out = torch.empty(x.shape[0], wq.shape[0], dtype=x.dtype, device=x.device)
-        launch_fp8_linear(x, wq, ws, None, None, out, True, tile={"prefetch": nbytes})
+    def run(x, w=(wq, ws)):
+        out = torch.empty(x.shape[0], w[0].shape[0], dtype=x.dtype, device=x.device)
+        launch_fp8_linear(x, w[0], w[1], None, None, out, True, tile={"prefetch": nbytes})
         return out
 
     if not torch.equal(run(x0).view(torch.int16), want.view(torch.int16)):
@@ -154,11 +168,19 @@ def prefetch_fn(x0, want, wq, ws, nbytes: int):
     return run
 
 
+def _index(copies, w) -> int:
+    return next(i for i, c in enumerate(copies) if c is w)
+
+
 def bench_shape(name, n, k, rows_list, args, device, ceiling) -> list[dict]:
     import moefuse
 
     wq, ws, wbf = make_weight(n, k, device)
     nbytes = wq.numel() + ws.numel() * 4
+    copies = [(wq, ws, wbf)] + [
+        (wq.clone(), ws.clone(), wbf.clone())
+        for _ in range(weight_copies(nbytes, l2_bytes(device)) - 1)
+    ]
     sheet = datasheet_gpu()
     floor = nbytes / (sheet[1] * 1e12) * 1e6 if sheet else None
     floor_copy = nbytes / (ceiling * 1e12) * 1e6
@@ -180,9 +202,9 @@ def bench_shape(name, n, k, rows_list, args, device, ceiling) -> list[dict]:
         if m <= 256:
             want = moefuse.fp8_linear(x0, wq, ws, impl="reference").float()
             errs["reference"] = float((got.float() - want).norm() / want.norm())
-        variants = {
-            "moefuse": lambda x: moefuse.fp8_linear(x, wq, ws),
-            "bf16_mm": lambda x: x @ wbf.t(),
+        variants = {  # f(x, (wq, ws, wbf)): one of the weight's copies
+            "moefuse": lambda x, w: moefuse.fp8_linear(x, w[0], w[1]),
+            "bf16_mm": lambda x, w: x @ w[2].t(),
         }
         for request in args.prefetch:  # (not ``nbytes``: the weight's bytes, used below)
             variants[f"prefetch_{request}"] = prefetch_fn(x0, got, wq, ws, request)
@@ -192,14 +214,19 @@ def bench_shape(name, n, k, rows_list, args, device, ceiling) -> list[dict]:
             except OutOfResources as exc:  # a tile that does not fit is reported
                 notes.add(f"tile {tile_name(tile)}: {str(exc)[:80]}")
         fn, recipe = scaled_mm_fn(x0, wq, ws, wbf)
-        if fn is not None:
-            variants[f"scaled_mm_{recipe}"] = lambda x, f=fn: f()
+        if fn is not None:  # one call per copy (the activation's quantization is not timed)
+            fns = [fn] + [scaled_mm_fn(x0, *c)[0] for c in copies[1:]]
+            variants[f"scaled_mm_{recipe}"] = lambda x, w, c=copies, f=fns: f[_index(c, w)]()
         else:
             notes.add(f"scaled_mm: {recipe}")
         flops_us = 2 * m * n * k / 1e12  # µs at 1 PFLOP/s (for the call count only)
         calls = int(max(3, min(20, 20000 / (3 * max(floor_copy, flops_us) + 20))))
         times = {
-            v: graph_time_us(lambda i, f=f, s=sets: f(s[i % 4]), calls=calls, replays=args.replays)
+            v: graph_time_us(
+                lambda i, f=f, s=sets: f(s[i % 4], copies[i % len(copies)]),
+                calls=calls,
+                replays=args.replays,
+            )
             for v, f in variants.items()
         }
         torch_times = {v: us for v, us in times.items() if v == "bf16_mm" or "scaled_mm" in v}
@@ -212,6 +239,7 @@ def bench_shape(name, n, k, rows_list, args, device, ceiling) -> list[dict]:
                 "variant": v,
                 "us": us,
                 "weight_bytes": nbytes,
+                "weight_copies": len(copies),
                 "floor_us": floor,
                 "x_floor": us / floor if floor else None,
                 "floor_copy_us": floor_copy,
