@@ -380,6 +380,14 @@ def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
     assert not qwen3["fuse_act_quant"]
     dsv3 = tiles.experts_fp8_tile(7168, 2048, 64, 8 * 2048)
     assert dsv3["tma"] and dsv3["bn_gate_up"] == 128 and dsv3["fuse_act_quant"]
+    # the launcher keeps the 64-slot items only where their gate|up takes the TMA launch on a
+    # stacked layout: not interleaved (untimed on a GPU), not I % 128 != 0, not unaligned rows
+    without = tiles.experts_fp8_token_tile(600, 8, tma64=False)
+    assert tiles.experts_fp8_token_tile(600, 8) == 64 != without
+    for inter, hidden, il, want in ((128, 64, False, 64), (128, 64, True, without),
+                                    (200, 64, False, without), (128, 72, False, without)):  # fmt: skip
+        weight = torch.zeros(8, 2 * inter, hidden, dtype=torch.uint8)
+        assert ef.policy_token_tile(600, 8, weight, inter, il) == want, (inter, hidden, il)
     ran, pointer = [], []
     for fn in ("launch_gate_up_fp8_tma", "launch_down_fp8_tma"):
         real = getattr(ef, fn)

@@ -58,6 +58,7 @@ from moefuse.moe.fp8_device import (
 )
 from moefuse.moe.tiles import (
     EXPERTS_FP8_NARROW,
+    EXPERTS_FP8_TMA64_TOKEN_TILE,
     experts_fp8_decode_tile,
     experts_fp8_tile,
     experts_fp8_token_tile,
@@ -460,6 +461,25 @@ def _tma_gate_up(cfg: dict, plan, weight: torch.Tensor, interleaved: bool, inter
     )
 
 
+def policy_token_tile(slots: int, experts: int, weight, inter: int, interleaved: bool) -> int:
+    """The token tile of the policy (:func:`moefuse.moe.tiles.experts_fp8_token_tile`) for the
+    gate|up ``weight`` [E, 2I, H]: its 64-slot TMA items only where their gate|up GEMM takes the
+    TMA launch on a stacked layout (the measured case). Elsewhere the token tile without them:
+    the pointer gate|up at 64 columns is slower than at 128 (Qwen3 T = 2,048, H100: 787.6 against
+    568.0 us, notes/moe-experts-fp8.md), and the interleaved TMA gate|up has not run on a GPU."""
+    token_tile = experts_fp8_token_tile(slots, experts)
+    if token_tile != EXPERTS_FP8_TMA64_TOKEN_TILE:
+        return token_tile
+    cfg = experts_fp8_tile(weight.shape[-1], inter, token_tile, slots)
+    if (
+        not interleaved
+        and tma_experts_ready(weight, cfg, token_tile, plan_kernel=True)
+        and gate_up_tma_fits(inter, cfg["bn_gate_up"], interleaved)
+    ):
+        return token_tile
+    return experts_fp8_token_tile(slots, experts, tma64=False)
+
+
 def _pointer_tile(cfg: dict) -> dict:
     """The pointer kernels' tile for a GEMM the ``tma`` key could not run: the narrow rows and
     warps (:data:`moefuse.moe.tiles.EXPERTS_FP8_NARROW`) with the activation's quantization as
@@ -595,7 +615,7 @@ def _gate_up_stage(
     experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     slots = top_k_index.numel()
-    token_tile = token_tile or experts_fp8_token_tile(slots, experts)
+    token_tile = token_tile or policy_token_tile(slots, experts, gate_up_proj, inter, interleaved)
     cfg = {
         **experts_fp8_tile(hidden, inter, token_tile, slots),
         **experts_fp8_decode_tile(hidden, inter, token_tile, slots),

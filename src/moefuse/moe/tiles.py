@@ -283,13 +283,14 @@ def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int =
     return {**base, **tile, "accumulation": fp8_accumulation()}
 
 
-def experts_fp8_token_tile(slots: int, experts: int) -> int:
+def experts_fp8_token_tile(slots: int, experts: int, tma64: bool = True) -> int:
     """:func:`experts_token_tile`, at most :data:`EXPERTS_FP8_MAX_TOKEN_TILE` columns; above the
-    decode slots, :data:`EXPERTS_FP8_TMA64_TOKEN_TILE` where the mean load is at most
-    :data:`EXPERTS_FP8_TMA64_MAX_MEAN_LOAD` slots per expert (the 64-slot TMA items of
-    :func:`experts_fp8_tile`)."""
+    decode slots, with ``tma64``, :data:`EXPERTS_FP8_TMA64_TOKEN_TILE` where the mean load is at
+    most :data:`EXPERTS_FP8_TMA64_MAX_MEAN_LOAD` slots per expert (the 64-slot TMA items of
+    :func:`experts_fp8_tile`; the launcher asks without them where their gate|up GEMM cannot
+    take the TMA launch: ``experts_fp8.policy_token_tile``)."""
     experts = max(1, experts)
-    if EXPERTS_FP8_DECODE_MAX_SLOTS < slots <= EXPERTS_FP8_TMA64_MAX_MEAN_LOAD * experts:
+    if tma64 and EXPERTS_FP8_DECODE_MAX_SLOTS < slots <= EXPERTS_FP8_TMA64_MAX_MEAN_LOAD * experts:
         return EXPERTS_FP8_TMA64_TOKEN_TILE
     return min(experts_token_tile(slots, experts), EXPERTS_FP8_MAX_TOKEN_TILE)
 
