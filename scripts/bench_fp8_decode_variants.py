@@ -91,7 +91,7 @@ VARIANTS = {
     ),
     # the same launches at a fixed token tile of 64 slots, from 512 slots per call (where the
     # default runs the pointer kernels at 32-64 columns or the 128-slot TMA items)
-    "tma64_d4": ({**_TMA64, "stages": 2, "down_stages": 4}, 64, MANY),
+    "tma64_d4": ({**_TMA64, "stages": 2, "down_stages": 4}, 64, (*MANY, 8192)),
     "tma64_gu64": (
         {**_TMA64, "bn_gate_up": 64, "fuse_act_quant": False, "stages": 3, "down_stages": 3},
         64,
@@ -110,7 +110,7 @@ VARIANTS = {
     "tma64_gu64_d4": (
         {**_TMA64, "bn_gate_up": 64, "fuse_act_quant": False, "stages": 3, "down_stages": 4},
         64,
-        MANY,
+        (*MANY, 8192),
     ),
 }
 

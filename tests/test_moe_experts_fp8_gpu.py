@@ -149,9 +149,9 @@ def test_fp8_quant_placements_bitwise(name):
 
 #: the ``tma`` launches of the experts' GEMMs (tokens on the MMA's M side, weight tiles by TMA,
 #: moefuse.moe.experts_fp8_tma) that the benchmarks time, each with its token tile
+_GATE_UP_64_8W = {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3}
 EXPERTS_TMA_TILES = (
-    ({"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8, "stages": 3,
-      "fuse_act_quant": False}, 128),  # fmt: skip
+    ({**_GATE_UP_64_8W, "fuse_act_quant": False}, 128),  # (64 rows hold half a group)
     (dict(EXPERTS_FP8_TMA), 128),  # the default at 128 slots: gate|up quantizes the activation
     (dict(EXPERTS_FP8_TMA64), 64),  # the defaults at 64 slots (128 / 64 gate|up rows)
     ({**EXPERTS_FP8_TMA64, **EXPERTS_FP8_TMA64_NARROW_GATE_UP}, 64),
