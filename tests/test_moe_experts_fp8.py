@@ -384,8 +384,8 @@ def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
     # stacked layout: not interleaved (untimed on a GPU), not I % 128 != 0, not unaligned rows
     without = tiles.experts_fp8_token_tile(600, 8, tma64=False)
     assert tiles.experts_fp8_token_tile(600, 8) == 64 != without
-    for inter, hidden, il, want in ((128, 64, False, 64), (128, 64, True, without),
-                                    (200, 64, False, without), (128, 72, False, without)):  # fmt: skip
+    cases = ((128, 64, False, 64), (128, 64, True, without), (200, 64, False, without))
+    for inter, hidden, il, want in (*cases, (128, 72, False, without)):
         weight = torch.zeros(8, 2 * inter, hidden, dtype=torch.uint8)
         assert ef.policy_token_tile(600, 8, weight, inter, il) == want, (inter, hidden, il)
     ran, pointer = [], []
