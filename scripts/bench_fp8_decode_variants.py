@@ -26,7 +26,7 @@ gate|up 64 rows and down 128 rows at 8 warps, 3 or 4 stages; 32 / 64 rows at 4 w
 rows; ``tma_bt64*`` work items of 64 slots at 4 warps (token-tile factor 0.5); ``tma64*`` the same
 at a fixed token tile of 64 (the table's second field: a factor of the default's token tile up to
 1, a fixed tile above); ``*pd*`` the down tiles (``gpd``: the gate|up tiles) on a persistent
-grid of 1 or 2 programs per SM.
+grid of 1 or 2 programs per SM; ``tma_dec`` the decode points on the 64-slot TMA launches.
 """
 
 from __future__ import annotations
@@ -96,6 +96,14 @@ VARIANTS = {
         {**_TMA64, "bn_gate_up": 64, "fuse_act_quant": False, "stages": 3, "down_stages": 3},
         64,
         MANY,
+    ),
+    # decode on the TMA launches: the weight tiles streamed by TMA (slots on M, mostly empty
+    # rows), the plan kernel and the finalize as launches of their own
+    "tma_dec": (
+        {**_TMA64, "bn_down": 64, "stages": 4, "down_stages": 6}
+        | {"inline_plan_slots": 0, "fuse_finalize_slots": 0},
+        64,
+        TOKENS,
     ),
     # the down tiles on a persistent grid, the tile loop flattened into the K loop
     "tma_pd1": ({"down_persistent": 1}, 1, MANY),
