@@ -449,14 +449,20 @@ def _prefetch_bytes(cfg: dict, plan, weights: torch.Tensor, use_pdl: bool, ptx: 
     return prefetch_row_bytes(want, weights)
 
 
-def _tma_gate_up(cfg: dict, plan, weight: torch.Tensor, interleaved: bool, inter: int) -> bool:
+def _tma_gate_up(
+    cfg: dict,
+    token_tile: int,
+    plan_kernel: bool,
+    weight: torch.Tensor,
+    interleaved: bool,
+    inter: int,
+) -> bool:
     """Whether the tile's ``tma`` key runs the gate|up GEMM by
-    :mod:`moefuse.moe.experts_fp8_tma` (its readiness and scale-block rules: the default's 128
-    rows take a stacked gate|up with I % 128 == 0; an interleaved one needs ``bn_gate_up`` <= 64,
-    a tile key no default sets)."""
+    :mod:`moefuse.moe.experts_fp8_tma` (its readiness and scale-block rules: 128 rows take a
+    stacked gate|up with I % 128 == 0; an interleaved one needs ``bn_gate_up`` <= 64)."""
     return (
         bool(cfg.get("tma"))
-        and tma_experts_ready(weight, cfg, plan.bt, plan_kernel=plan.sp == 0)
+        and tma_experts_ready(weight, cfg, token_tile, plan_kernel=plan_kernel)
         and gate_up_tma_fits(inter, cfg["bn_gate_up"], interleaved)
     )
 
@@ -471,12 +477,8 @@ def policy_token_tile(slots: int, experts: int, weight, inter: int, interleaved:
     if token_tile != EXPERTS_FP8_TMA64_TOKEN_TILE:
         return token_tile
     cfg = experts_fp8_tile(weight.shape[-1], inter, token_tile, slots)
-    if (
-        not interleaved
-        and tma_experts_ready(weight, cfg, token_tile, plan_kernel=True)
-        and gate_up_tma_fits(inter, cfg["bn_gate_up"], interleaved)
-    ):
-        return token_tile
+    if not interleaved and _tma_gate_up(cfg, token_tile, True, weight, interleaved, inter):
+        return token_tile  # (above the decode slots the plan kernel writes the work items)
     return experts_fp8_token_tile(slots, experts, tma64=False)
 
 
@@ -527,7 +529,9 @@ def _launch_gate_up_fp8(
     quant_x = bool(cfg.get("fuse_tokens_quant"))
     # a TMA program quantizes whole 128-channel groups only
     split_groups = bool(cfg.get("fuse_act_quant")) and cfg["bn_gate_up"] != 128
-    tma = _tma_gate_up(cfg, plan, gw, interleaved, inter) and not (quant_x or split_groups)
+    tma = _tma_gate_up(cfg, plan.bt, plan.sp == 0, gw, interleaved, inter) and not (
+        quant_x or split_groups
+    )
     cfg = cfg if tma else _pointer_tile(cfg)
     down_quant = bool(cfg.get("down_act_quant"))
     fuse_quant = not down_quant and bool(cfg.get("fuse_act_quant")) and 128 % cfg["bn_gate_up"] == 0
