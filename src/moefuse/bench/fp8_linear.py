@@ -168,10 +168,6 @@ def prefetch_fn(x0, want, wq, ws, nbytes: int):
     return run
 
 
-def _index(copies, w) -> int:
-    return next(i for i, c in enumerate(copies) if c is w)
-
-
 def bench_shape(name, n, k, rows_list, args, device, ceiling) -> list[dict]:
     import moefuse
 
@@ -202,28 +198,30 @@ def bench_shape(name, n, k, rows_list, args, device, ceiling) -> list[dict]:
         if m <= 256:
             want = moefuse.fp8_linear(x0, wq, ws, impl="reference").float()
             errs["reference"] = float((got.float() - want).norm() / want.norm())
-        variants = {  # f(x, (wq, ws, wbf)): one of the weight's copies
-            "moefuse": lambda x, w: moefuse.fp8_linear(x, w[0], w[1]),
-            "bf16_mm": lambda x, w: x @ w[2].t(),
+        variants = {  # f(x, c): on the weight's copy c
+            "moefuse": lambda x, c: moefuse.fp8_linear(x, copies[c][0], copies[c][1]),
+            "bf16_mm": lambda x, c: x @ copies[c][2].t(),
         }
         for request in args.prefetch:  # (not ``nbytes``: the weight's bytes, used below)
-            variants[f"prefetch_{request}"] = prefetch_fn(x0, got, wq, ws, request)
+            run = prefetch_fn(x0, got, wq, ws, request)
+            variants[f"prefetch_{request}"] = lambda x, c, r=run: r(x, copies[c])
         for tile in args.tiles:
             try:
-                variants[f"tile_{tile_name(tile)}"] = tile_fn(x0, got, wq, ws, tile)
+                run = tile_fn(x0, got, wq, ws, tile)
+                variants[f"tile_{tile_name(tile)}"] = lambda x, c, r=run: r(x, copies[c])
             except OutOfResources as exc:  # a tile that does not fit is reported
                 notes.add(f"tile {tile_name(tile)}: {str(exc)[:80]}")
         fn, recipe = scaled_mm_fn(x0, wq, ws, wbf)
         if fn is not None:  # one call per copy (the activation's quantization is not timed)
             fns = [fn] + [scaled_mm_fn(x0, *c)[0] for c in copies[1:]]
-            variants[f"scaled_mm_{recipe}"] = lambda x, w, c=copies, f=fns: f[_index(c, w)]()
+            variants[f"scaled_mm_{recipe}"] = lambda x, c, f=fns: f[c]()
         else:
             notes.add(f"scaled_mm: {recipe}")
         flops_us = 2 * m * n * k / 1e12  # µs at 1 PFLOP/s (for the call count only)
         calls = int(max(3, min(20, 20000 / (3 * max(floor_copy, flops_us) + 20))))
         times = {
             v: graph_time_us(
-                lambda i, f=f, s=sets: f(s[i % 4], copies[i % len(copies)]),
+                lambda i, f=f, s=sets: f(s[i % 4], i % len(copies)),
                 calls=calls,
                 replays=args.replays,
             )
