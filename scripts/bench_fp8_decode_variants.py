@@ -43,6 +43,7 @@ import torch
 TOKENS = (1, 4, 16)
 LARGE = (2048, 8192)
 MANY = (512, 1024, 2048, 4096)
+MID = (64, 128, 256)
 SHAPE_NAMES = ("qwen3", "mixtral", "deepseek_v3")
 _ROW = 1 << 20  # prefetch: every weight row whole
 _OFF = {"fuse_tokens_quant": False, "fuse_act_quant": False, "down_act_quant": False}
@@ -50,7 +51,7 @@ _TMA = {"tma": True, "bn_gate_up": 64, "bn_down": 128, "warps": 8}
 _TMA64 = {"tma": True, "bn_gate_up": 128, "bn_down": 128, "warps": 4, "fuse_act_quant": True}
 #: name -> (tile overrides, token-tile factor, token counts it runs at)
 VARIANTS = {
-    "base": ({}, 1, TOKENS + tuple(sorted(set(LARGE + MANY)))),
+    "base": ({}, 1, TOKENS + tuple(sorted(set(LARGE + MANY + MID)))),
     "sa": (_OFF, 1, TOKENS),
     "tq": ({**_OFF, "fuse_tokens_quant": True}, 1, TOKENS),
     "tq_fq": ({**_OFF, "fuse_tokens_quant": True, "fuse_act_quant": True}, 1, TOKENS),
@@ -91,7 +92,7 @@ VARIANTS = {
     ),
     # the same launches at a fixed token tile of 64 slots, from 512 slots per call (where the
     # default runs the pointer kernels at 32-64 columns or the 128-slot TMA items)
-    "tma64_d4": ({**_TMA64, "stages": 2, "down_stages": 4}, 64, (*MANY, 8192)),
+    "tma64_d4": ({**_TMA64, "stages": 2, "down_stages": 4}, 64, (*MID, *MANY, 8192)),
     "tma64_gu64": (
         {**_TMA64, "bn_gate_up": 64, "fuse_act_quant": False, "stages": 3, "down_stages": 3},
         64,
@@ -118,7 +119,7 @@ VARIANTS = {
     "tma64_gu64_d4": (
         {**_TMA64, "bn_gate_up": 64, "fuse_act_quant": False, "stages": 3, "down_stages": 4},
         64,
-        (*MANY, 8192),
+        (*MID, *MANY, 8192),
     ),
 }
 

@@ -243,6 +243,23 @@ def test_reloaded_store_changes_no_bit(h, m, seed):
         run(64 if h == 2880 else 2048)
 
 
+def test_store_plan_follows_rows():
+    """The stepped rows' re-reading store (capped) serves from RELOAD_STEPPED_MIN_ROWS rows;
+    fewer rows keep the store on the tile, uncapped (same bits: the test above)."""
+    from moefuse.quant import group_fused as gf
+
+    tile = gf.norm_group_tile(7168, False)
+    assert tile.stepped
+    few, many = gf.RELOAD_STEPPED_MIN_ROWS - 1, gf.RELOAD_STEPPED_MIN_ROWS
+    assert gf.store_plan(tile, False, 128, True, True, few) == (0, None)
+    assert gf.store_plan(tile, False, 128, True, True, many) == (
+        tile.block,
+        gf.RELOAD_STEPPED_MAXNREG,
+    )
+    assert gf.store_plan(tile, False, 128, True, False, many) == (0, None)  # looped rows
+    assert gf.store_plan(tile, True, 128, True, True, many) == (0, None)  # with a residual
+
+
 def test_fused_references_are_the_chain(seed):
     x, w, r = _rand(4, 96), _rand(96), _rand(4, 96)
     q, s = moefuse.rmsnorm_group_quant(x, w, group_size=32, impl="reference")

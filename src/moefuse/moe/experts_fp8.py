@@ -476,7 +476,7 @@ def policy_token_tile(slots: int, experts: int, weight, inter: int, interleaved:
     token_tile = experts_fp8_token_tile(slots, experts)
     if token_tile != EXPERTS_FP8_TMA64_TOKEN_TILE:
         return token_tile
-    cfg = experts_fp8_tile(weight.shape[-1], inter, token_tile, slots)
+    cfg = experts_fp8_tile(weight.shape[-1], inter, token_tile, slots, experts)
     if not interleaved and _tma_gate_up(cfg, token_tile, True, weight, interleaved, inter):
         return token_tile  # (above the decode slots the plan kernel writes the work items)
     return experts_fp8_token_tile(slots, experts, tma64=False)
@@ -621,7 +621,7 @@ def _gate_up_stage(
     slots = top_k_index.numel()
     token_tile = token_tile or policy_token_tile(slots, experts, gate_up_proj, inter, interleaved)
     cfg = {
-        **experts_fp8_tile(hidden, inter, token_tile, slots),
+        **experts_fp8_tile(hidden, inter, token_tile, slots, experts),
         **experts_fp8_decode_tile(hidden, inter, token_tile, slots),
         **(tile or {}),
     }

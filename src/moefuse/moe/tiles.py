@@ -255,6 +255,23 @@ EXPERTS_FP8_TMA64_NARROW_GATE_UP = {"bn_gate_up": 64, "stages": 3, "fuse_act_qua
 EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_ROWS = 2048
 EXPERTS_FP8_TMA64_MAX_MEAN_LOAD = 128
 EXPERTS_FP8_TMA64_TOKEN_TILE = 64
+#: The 64-slot items also serve, above the decode slots, every load of experts this many or
+#: more (where a 128-slot item is mostly a partial one), and, at the decode slots, a mean load of
+#: EXPERTS_FP8_TMA64_DECODE_MIN_MEAN_LOAD or more (every expert's slots fill whole items); their
+#: gate|up takes 64 rows also where the 128-row programs would be at most
+#: EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_PROGRAMS (the grid's bound: items x 128-row tiles).
+#: Same bits. MEASURED (H100 80GB HBM3, 2026-12-07, 270104f, `python
+#: scripts/bench_fp8_decode_variants.py time --tokens 256 8192 --variants tma64_d4 tma64_gu64_d4`,
+#: notes/gpu-logs/2026-12-07-experts-fp8-tma64-loads-270104f.log; bitwise equal), CUDA-graph us,
+#: default -> 64-slot items with 128 / 64 gate|up rows: Mixtral T = 256 (512 slots, mean load 64)
+#: 693.1 -> 568.8 / 541.9; Qwen3 T = 8192 (mean load 512) 1570.4 -> 1531.2 / 1533.2; DeepSeek-V3
+#: T = 8192 (mean load 256) 11959.0 -> 11912.9 / 12645.2, T = 256 (128-row programs 9,088) 4014.2
+#: -> 4013.2 / 3918.2; Mixtral T = 8192 8460.3 -> 8860.0 / 9108.9 (E = 8: not taken). With the
+#: earlier run (constant above): DeepSeek-V3 T = 512 (10,112 programs) 4180 / 4110, T = 1024
+#: (12,160) 4465 / 4476, T = 2048 5277 / 5516.
+EXPERTS_FP8_TMA64_ANY_LOAD_MIN_EXPERTS = 128
+EXPERTS_FP8_TMA64_DECODE_MIN_MEAN_LOAD = 64
+EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_PROGRAMS = 10240
 #: ``down_persistent`` / ``gate_up_persistent`` (tile keys, programs per SM; no default takes
 #: them): the TMA down / gate|up tiles on a persistent grid with the tile loop flattened into the
 #: K loop (a tile's first loads under the one before's last blocks; the same bits). MEASURED
@@ -264,33 +281,64 @@ EXPERTS_FP8_TMA64_TOKEN_TILE = 64
 #: with the down on 2 programs per SM 515 / 2937 / 6177 (notes/moe-experts-fp8.md).
 
 
-def experts_fp8_tile(hidden: int, inter: int, token_tile: int = 16, slots: int = 0) -> dict:
+def experts_fp8_tma64(slots: int, experts: int) -> bool:
+    """Whether the 64-slot TMA items serve ``slots`` routed slots over ``experts`` experts:
+    above :data:`EXPERTS_FP8_DECODE_MAX_SLOTS` up to a mean load of
+    :data:`EXPERTS_FP8_TMA64_MAX_MEAN_LOAD` (any load from
+    :data:`EXPERTS_FP8_TMA64_ANY_LOAD_MIN_EXPERTS` experts), at or below it from a mean load of
+    :data:`EXPERTS_FP8_TMA64_DECODE_MIN_MEAN_LOAD`. ``experts`` 0 (unknown): above the decode
+    slots."""
+    if experts <= 0:
+        return slots > EXPERTS_FP8_DECODE_MAX_SLOTS
+    if slots <= EXPERTS_FP8_DECODE_MAX_SLOTS:
+        return slots >= EXPERTS_FP8_TMA64_DECODE_MIN_MEAN_LOAD * experts
+    return (
+        slots <= EXPERTS_FP8_TMA64_MAX_MEAN_LOAD * experts
+        or experts >= EXPERTS_FP8_TMA64_ANY_LOAD_MIN_EXPERTS
+    )
+
+
+def _narrow_tma64_gate_up(inter: int, slots: int, experts: int) -> bool:
+    """64 gate|up rows per 64-slot item: where 2I is small, or where the 128-row programs'
+    grid (items x 128-row tiles) is small (:data:`EXPERTS_FP8_TMA64` comment)."""
+    if 2 * inter <= EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_ROWS:
+        return True
+    if experts <= 0:
+        return False
+    used = min(experts, slots)
+    items = used + (slots - used) // EXPERTS_FP8_TMA64_TOKEN_TILE  # experts_item_count's bound
+    programs = items * -(-2 * inter // 128)
+    return programs <= EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_PROGRAMS
+
+
+def experts_fp8_tile(
+    hidden: int, inter: int, token_tile: int = 16, slots: int = 0, experts: int = 0
+) -> dict:
     """Tile of the FP8 experts kernels: :func:`experts_tile`'s plan keys (inline plan, fused
     finalize, tail tile, plan chunks) with the rows and warps of :data:`EXPERTS_FP8_NARROW`
     (``token_tile``: :func:`experts_fp8_token_tile`); above :data:`EXPERTS_FP8_DECODE_MAX_SLOTS`
-    slots :data:`EXPERTS_FP8_TMA` at the widest token tile and :data:`EXPERTS_FP8_TMA64` (with
-    :data:`EXPERTS_FP8_TMA64_NARROW_GATE_UP` where 2I is small) at 64 token columns."""
+    slots :data:`EXPERTS_FP8_TMA` at the widest token tile; :data:`EXPERTS_FP8_TMA64` (with
+    :data:`EXPERTS_FP8_TMA64_NARROW_GATE_UP` where 2I or the grid is small) at 64 token columns
+    where :func:`experts_fp8_tma64` says so (``experts`` 0: above the decode slots)."""
     base = experts_tile(hidden, inter, token_tile, slots)
     stages = EXPERTS_FP8_DECODE_STAGES if token_tile <= 16 else EXPERTS_FP8_NARROW["stages"]
     tile = {**EXPERTS_FP8_NARROW, "stages": stages}
-    if slots > EXPERTS_FP8_DECODE_MAX_SLOTS:
-        if token_tile >= EXPERTS_FP8_MAX_TOKEN_TILE:
-            tile = dict(EXPERTS_FP8_TMA)
-        elif token_tile == EXPERTS_FP8_TMA64_TOKEN_TILE:
-            tile = dict(EXPERTS_FP8_TMA64)
-            if 2 * inter <= EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_ROWS:
-                tile.update(EXPERTS_FP8_TMA64_NARROW_GATE_UP)
+    if token_tile == EXPERTS_FP8_TMA64_TOKEN_TILE and experts_fp8_tma64(slots, experts):
+        tile = dict(EXPERTS_FP8_TMA64)
+        if _narrow_tma64_gate_up(inter, slots, experts):
+            tile.update(EXPERTS_FP8_TMA64_NARROW_GATE_UP)
+    elif slots > EXPERTS_FP8_DECODE_MAX_SLOTS and token_tile >= EXPERTS_FP8_MAX_TOKEN_TILE:
+        tile = dict(EXPERTS_FP8_TMA)
     return {**base, **tile, "accumulation": fp8_accumulation()}
 
 
 def experts_fp8_token_tile(slots: int, experts: int, tma64: bool = True) -> int:
-    """:func:`experts_token_tile`, at most :data:`EXPERTS_FP8_MAX_TOKEN_TILE` columns; above the
-    decode slots, with ``tma64``, :data:`EXPERTS_FP8_TMA64_TOKEN_TILE` where the mean load is at
-    most :data:`EXPERTS_FP8_TMA64_MAX_MEAN_LOAD` slots per expert (the 64-slot TMA items of
-    :func:`experts_fp8_tile`; the launcher asks without them where their gate|up GEMM cannot
-    take the TMA launch: ``experts_fp8.policy_token_tile``)."""
+    """:func:`experts_token_tile`, at most :data:`EXPERTS_FP8_MAX_TOKEN_TILE` columns; with
+    ``tma64``, :data:`EXPERTS_FP8_TMA64_TOKEN_TILE` where :func:`experts_fp8_tma64` says so (the
+    64-slot TMA items of :func:`experts_fp8_tile`; the launcher asks without them where their
+    gate|up GEMM cannot take the TMA launch: ``experts_fp8.policy_token_tile``)."""
     experts = max(1, experts)
-    if tma64 and EXPERTS_FP8_DECODE_MAX_SLOTS < slots <= EXPERTS_FP8_TMA64_MAX_MEAN_LOAD * experts:
+    if tma64 and experts_fp8_tma64(slots, experts):
         return EXPERTS_FP8_TMA64_TOKEN_TILE
     return min(experts_token_tile(slots, experts), EXPERTS_FP8_MAX_TOKEN_TILE)
 

@@ -373,6 +373,12 @@ GROUP_ADD_LOOP_MIN_ROWS = tiles.FUSED_ADD_LOOP_MIN_ROWS
 #: 0.70).
 ONE_PASS_MAXNREG = 40
 RELOAD_STEPPED_MAXNREG = 32
+#: the stepped rows' re-reading store (capped) from this many rows; fewer rows keep the store on
+#: the tile, uncapped, where a row's second read sits on the critical path. MEASURED (H100 80GB
+#: HBM3, 2026-12-07, 270104f, ``bench quant --ops rmsnorm_group_quant --sweep --widths 7168
+#: --tokens 1,16,128,2048``, notes/quant.md), us, store on the tile against re-reading store
+#: capped: M = 1 1.89 / 2.42, 16 2.01 / 2.51, 128 3.16 / 3.76, 2048 23.53 / 22.61.
+RELOAD_STEPPED_MIN_ROWS = 2048
 
 
 def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
@@ -387,15 +393,17 @@ def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
 
 
 def store_plan(
-    tile: RowTile, residual: bool, gw: int, bf16: bool, unrolled: bool
+    tile: RowTile, residual: bool, gw: int, bf16: bool, unrolled: bool, n_rows: int
 ) -> tuple[int, int | None]:
     """(store chunk, register cap) of rmsnorm_group_quant's default launch of one tile per
-    program (the comment above; measured on BF16 rows, other dtypes keep the store on the tile,
-    as looped stepped rows do): (0, None) = the store on the norm's tile, uncapped."""
+    program of ``n_rows`` rows (the comments above; measured on BF16 rows, other dtypes keep the
+    store on the tile, as looped stepped rows and stepped rows below RELOAD_STEPPED_MIN_ROWS do):
+    (0, None) = the store on the norm's tile, uncapped. No choice changes a bit."""
     if residual or not bf16:
         return 0, None
     if tile.stepped:
-        if unrolled and reloadable(tile, residual, tile.block, gw):
+        reload_rows = n_rows >= RELOAD_STEPPED_MIN_ROWS
+        if unrolled and reload_rows and reloadable(tile, residual, tile.block, gw):
             return tile.block, RELOAD_STEPPED_MAXNREG
         return 0, None
     if tile.num_chunks == 1 and tile.rows == 1 and tile.block == 4096:
@@ -403,12 +411,12 @@ def store_plan(
     return 0, None
 
 
-def _store(tile, residual, gw, reload, maxnreg, per_sm, unrolled, bf16):
+def _store(tile, residual, gw, reload, maxnreg, per_sm, unrolled, bf16, n_rows):
     """(store chunk, register cap) of a launch: ``reload`` / ``maxnreg`` as asked, else
     :func:`store_plan`'s (its cap only for one tile per program). Raises ``ValueError`` for a
     chunk the tile cannot take."""
     if reload is None:
-        reload, cap = store_plan(tile, residual, gw, bf16, unrolled)
+        reload, cap = store_plan(tile, residual, gw, bf16, unrolled, n_rows)
         maxnreg = cap if maxnreg is None and not per_sm else maxnreg
     if reload and not reloadable(tile, residual, reload, gw):
         raise ValueError(f"reload width {reload} does not fit the tile {tile} (group {gw})")
@@ -466,7 +474,8 @@ def launch_norm_group_quant(
 
     def consts(unrolled: bool) -> dict:
         bf16 = input.dtype == torch.bfloat16
-        sub, cap = _store(tile, residual is not None, gw, reload, maxnreg, per_sm, unrolled, bf16)
+        has_res = residual is not None
+        sub, cap = _store(tile, has_res, gw, reload, maxnreg, per_sm, unrolled, bf16, n_rows)
         out = {**row_consts, **quant, "UNROLL": unrolled, "SUB": sub}
         out["NSUB"] = -(-width // sub) if sub else 0
         if cap is not None and not interpreter_active():
