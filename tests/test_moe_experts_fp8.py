@@ -370,7 +370,7 @@ def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
     for token_tile, slots in ((128, 512), (32, 16384)):
         assert "tma" not in tiles.experts_fp8_tile(2048, 768, token_tile, slots)
     # 64-slot items up to a mean load of 128 slots per expert above the decode slots (any load
-    # from 128 experts), at the decode slots from a mean load of 64; gate|up 64 rows (the
+    # from 128 experts), at the decode slots from a mean load of 16; gate|up 64 rows (the
     # activation's own launch) where 2I or the 128-row grid is small, 128 rows otherwise
     assert tiles.experts_fp8_token_tile(512, 128) == tiles.experts_token_tile(512, 128)  # decode
     assert tiles.experts_fp8_token_tile(8 * 2048, 128) == 64  # Qwen3 T = 2048: mean load 128
@@ -378,7 +378,8 @@ def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
     assert tiles.experts_fp8_token_tile(8 * 1024, 32) == 128  # mean load 256, 32 experts
     assert tiles.experts_fp8_token_tile(2 * 1024, 8) == 128  # Mixtral T = 1024: mean load 256
     assert tiles.experts_fp8_token_tile(2 * 256, 8) == 64  # Mixtral T = 256: mean load 64
-    assert tiles.experts_fp8_token_tile(2 * 128, 8) == tiles.experts_token_tile(256, 8)
+    assert tiles.experts_fp8_token_tile(2 * 64, 8) == 64  # Mixtral T = 64: mean load 16
+    assert tiles.experts_fp8_token_tile(2 * 32, 8) == tiles.experts_token_tile(64, 8)
     qwen3 = tiles.experts_fp8_tile(2048, 768, 64, 8 * 2048, 128)
     assert qwen3["tma"] and qwen3["warps"] == 4 and qwen3["bn_gate_up"] == 64
     assert not qwen3["fuse_act_quant"]
@@ -390,7 +391,7 @@ def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
     mixtral = tiles.experts_fp8_tile(4096, 14336, 64, 2 * 256, 8)  # at the decode slots
     assert mixtral["tma"] and mixtral["bn_gate_up"] == 64
     assert tiles.experts_fp8_decode_tile(4096, 14336, 64, 2 * 256) == {}
-    assert "tma" not in tiles.experts_fp8_tile(4096, 14336, 64, 2 * 128, 8)  # mean load 32
+    assert "tma" not in tiles.experts_fp8_tile(4096, 14336, 64, 2 * 32, 8)  # mean load 8
     # the launcher keeps the 64-slot items only where their gate|up takes the TMA launch on a
     # stacked layout: not interleaved (untimed on a GPU), not I % 128 != 0, not unaligned rows
     without = tiles.experts_fp8_token_tile(600, 8, tma64=False)

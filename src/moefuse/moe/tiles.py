@@ -256,9 +256,8 @@ EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_ROWS = 2048
 EXPERTS_FP8_TMA64_MAX_MEAN_LOAD = 128
 EXPERTS_FP8_TMA64_TOKEN_TILE = 64
 #: The 64-slot items also serve, above the decode slots, every load of experts this many or
-#: more (where a 128-slot item is mostly a partial one), and, at the decode slots, a mean load of
-#: EXPERTS_FP8_TMA64_DECODE_MIN_MEAN_LOAD or more (every expert's slots fill whole items); their
-#: gate|up takes 64 rows also where the 128-row programs would be at most
+#: more, and, at the decode slots, a mean load of EXPERTS_FP8_TMA64_DECODE_MIN_MEAN_LOAD or more;
+#: their gate|up takes 64 rows also where the 128-row programs would be at most
 #: EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_PROGRAMS (the grid's bound: items x 128-row tiles).
 #: Same bits. MEASURED (H100 80GB HBM3, 2026-12-07, 270104f, `python
 #: scripts/bench_fp8_decode_variants.py time --tokens 256 8192 --variants tma64_d4 tma64_gu64_d4`,
@@ -266,11 +265,13 @@ EXPERTS_FP8_TMA64_TOKEN_TILE = 64
 #: default -> 64-slot items with 128 / 64 gate|up rows: Mixtral T = 256 (512 slots, mean load 64)
 #: 693.1 -> 568.8 / 541.9; Qwen3 T = 8192 (mean load 512) 1570.4 -> 1531.2 / 1533.2; DeepSeek-V3
 #: T = 8192 (mean load 256) 11959.0 -> 11912.9 / 12645.2, T = 256 (128-row programs 9,088) 4014.2
-#: -> 4013.2 / 3918.2; Mixtral T = 8192 8460.3 -> 8860.0 / 9108.9 (E = 8: not taken). With the
-#: earlier run (constant above): DeepSeek-V3 T = 512 (10,112 programs) 4180 / 4110, T = 1024
-#: (12,160) 4465 / 4476, T = 2048 5277 / 5516.
+#: -> 4013.2 / 3918.2; Mixtral T = 8192 8460.3 -> 8860.0 / 9108.9 (E = 8: not taken); then at
+#: ea54c2a (`... time --tokens 64 128 --shapes mixtral ...`, same log) Mixtral T = 64 (mean load
+#: 16) 496.0 -> 506.9 / 490.9, T = 128 (mean load 32) 527.8 -> 515.5 / 503.2. With the earlier
+#: run (constant above): DeepSeek-V3 T = 512 (10,112 programs) 4180 / 4110, T = 1024 (12,160)
+#: 4465 / 4476, T = 2048 5277 / 5516.
 EXPERTS_FP8_TMA64_ANY_LOAD_MIN_EXPERTS = 128
-EXPERTS_FP8_TMA64_DECODE_MIN_MEAN_LOAD = 64
+EXPERTS_FP8_TMA64_DECODE_MIN_MEAN_LOAD = 16
 EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_PROGRAMS = 10240
 #: ``down_persistent`` / ``gate_up_persistent`` (tile keys, programs per SM; no default takes
 #: them): the TMA down / gate|up tiles on a persistent grid with the tile loop flattened into the

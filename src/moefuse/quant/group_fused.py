@@ -377,8 +377,9 @@ RELOAD_STEPPED_MAXNREG = 32
 #: the tile, uncapped, where a row's second read sits on the critical path. MEASURED (H100 80GB
 #: HBM3, 2026-12-07, 270104f, ``bench quant --ops rmsnorm_group_quant --sweep --widths 7168
 #: --tokens 1,16,128,2048``, notes/quant.md), us, store on the tile against re-reading store
-#: capped: M = 1 1.89 / 2.42, 16 2.01 / 2.51, 128 3.16 / 3.76, 2048 23.53 / 22.61.
-RELOAD_STEPPED_MIN_ROWS = 2048
+#: capped: M = 1 1.89 / 2.42, 16 2.01 / 2.51, 128 3.16 / 3.76, 2048 23.53 / 22.61; then at ea54c2a
+#: (``--tokens 512,1024``) M = 512 7.67 / 7.72, 1024 13.19 / 12.82.
+RELOAD_STEPPED_MIN_ROWS = 1024
 
 
 def reloadable(tile: RowTile, residual: bool, sub: int, gw: int) -> bool:
