@@ -322,6 +322,7 @@ def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     ``gate_up_persistent``: the down / gate|up tiles on a persistent grid (off CUDA one SM: 2
     programs walk every item's row tiles)."""
     import moefuse.moe.experts_fp8 as ef
+    from moefuse.moe import tiles
 
     ran = []
     for fn in ("launch_gate_up_fp8_tma", "launch_down_fp8_tma"):
@@ -342,8 +343,10 @@ def test_fp8_experts_tma_launch(monkeypatch, layout, scale_dtype, tile):
     il = layout == "interleaved"
     want = poison_(torch.empty_like(x))
     base = {"inline_plan_slots": 0}
+    # the pointer kernels (the policy would take the 64-slot TMA items at this mean load)
+    pointer = dict(base, **tiles.EXPERTS_FP8_NARROW, tma=False, fuse_act_quant=False)
     ef.launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, want, None, None, 1.0, il, False,
-                              tile=base, token_tile=64)  # fmt: skip
+                              tile=pointer, token_tile=64)  # fmt: skip
     assert not ran
     out = poison_(torch.empty_like(x))
     tma = dict(base, tma=True, warps=4, **tile)
