@@ -306,8 +306,9 @@ def _narrow_tma64_gate_up(inter: int, slots: int, experts: int) -> bool:
         return True
     if experts <= 0:
         return False
-    used = min(experts, slots)
-    items = used + (slots - used) // EXPERTS_FP8_TMA64_TOKEN_TILE  # experts_item_count's bound
+    from moefuse.moe.experts_plan import experts_item_count  # (that module imports this one)
+
+    items = experts_item_count(slots, experts, EXPERTS_FP8_TMA64_TOKEN_TILE)
     programs = items * -(-2 * inter // 128)
     return programs <= EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_PROGRAMS
 
