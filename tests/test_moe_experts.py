@@ -10,12 +10,11 @@ import moefuse
 from moefuse import _fastpath
 from moefuse.moe import reference as ref
 from moefuse.moe.experts_plan import (
-    experts_item_count,
     experts_plan_buffers,
     launch_experts_plan,
 )
 from moefuse.moe.experts_triton import launch_moe_experts
-from moefuse.moe.tiles import EXPERTS_WIDE, EXPERTS_WIDE_ROWS
+from moefuse.moe.tiles import EXPERTS_WIDE, EXPERTS_WIDE_ROWS, experts_item_count
 from moefuse.testing import assert_bitwise_equal, bits, expect_value_error, poison_
 
 pytestmark = pytest.mark.interpreter

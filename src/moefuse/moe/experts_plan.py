@@ -199,13 +199,6 @@ def _experts_plan_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def experts_item_count(slots: int, experts: int, token_tile: int) -> int:
-    """Static upper bound of the plan's work items: sum_e cdiv(c_e, BT) <= D + (T*K - D) // BT
-    with D = min(E, T*K) experts in use."""
-    used = min(experts, slots)
-    return used + (slots - used) // token_tile
-
-
 def experts_plan_buffers(tokens: int, top_k: int, n_items: int, device):
     """``(items [n_items * 3], sorted_slots [T*K], slot_map [T, K])`` int32, uninitialised."""
     return (

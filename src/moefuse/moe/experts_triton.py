@@ -55,12 +55,11 @@ from moefuse._runtime import interpreter_active, pdl_launch_kwargs
 from moefuse.moe.experts_plan import (
     PLAN_CHUNK,
     PLAN_TWO_PHASE,
-    experts_item_count,
     experts_plan_buffers,
     launch_experts_plan,
     load_experts,
 )
-from moefuse.moe.tiles import experts_tile, experts_token_tile, next_pow2
+from moefuse.moe.tiles import experts_item_count, experts_tile, experts_token_tile, next_pow2
 from moefuse.moe.triton import launch_moe_finalize
 
 

@@ -282,6 +282,13 @@ EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_PROGRAMS = 10240
 #: with the down on 2 programs per SM 515 / 2937 / 6177 (notes/moe-experts-fp8.md).
 
 
+def experts_item_count(slots: int, experts: int, token_tile: int) -> int:
+    """Static upper bound of the experts plan's work items: sum_e cdiv(c_e, BT) <= D + (T*K -
+    D) // BT with D = min(E, T*K) experts in use."""
+    used = min(experts, slots)
+    return used + (slots - used) // token_tile
+
+
 def experts_fp8_tma64(slots: int, experts: int) -> bool:
     """Whether the 64-slot TMA items serve ``slots`` routed slots over ``experts`` experts:
     above :data:`EXPERTS_FP8_DECODE_MAX_SLOTS` up to a mean load of
@@ -306,8 +313,6 @@ def _narrow_tma64_gate_up(inter: int, slots: int, experts: int) -> bool:
         return True
     if experts <= 0:
         return False
-    from moefuse.moe.experts_plan import experts_item_count  # (that module imports this one)
-
     items = experts_item_count(slots, experts, EXPERTS_FP8_TMA64_TOKEN_TILE)
     programs = items * -(-2 * inter // 128)
     return programs <= EXPERTS_FP8_TMA64_NARROW_GATE_UP_MAX_PROGRAMS
