@@ -121,6 +121,11 @@ VARIANTS = {
         64,
         (*MID, *MANY, 8192),
     ),
+    # the down GEMM in Gluon (moefuse.moe.experts_fp8_wgmma): block b's MMA in flight while
+    # block b - 1 is scaled; on the default's tiles, and with 3 / 4 down stages
+    "wgd": ({"down_wgmma": True}, 1, (*MID, *MANY, 8192)),
+    "wgd_d3": ({"down_wgmma": True, "down_stages": 3}, 1, (*MID, *MANY, 8192)),
+    "wgd_d4": ({"down_wgmma": True, "down_stages": 4}, 1, (*MID, *MANY, 8192)),
 }
 
 

@@ -4,6 +4,8 @@ Triton kernels in the interpreter against the reference (odd H and I with partia
 1..8, sentinels, both layouts and scale dtypes, poisoned outputs), bitwise batch invariance,
 custom ops, torch.compile and launch plans."""
 
+import os
+
 import pytest
 import torch
 
@@ -519,9 +521,57 @@ def test_fp8_linear_tma_launch(monkeypatch):
     fp.clear()
 
 
+@pytest.mark.parametrize(
+    "n,k,tile,chunk,e8m0",
+    [
+        (7168, 16384, {"bt": 128, "bn": 128, "warps": 8, "stages": 3}, 64, False),
+        (1000, 1040, {"bt": 128, "bn": 128, "warps": 8, "stages": 4}, 0, True),
+        (4096, 2048, {"bt": 64, "bn": 128, "warps": 4, "stages": 3}, 4, False),
+    ],
+)
+def test_fp8_linear_wgmma_compiles_for_sm90(n, k, tile, chunk, e8m0):
+    """The Gluon launch (tile key ``wgmma``; the interpreter cannot run Gluon, the GPU tests
+    compare its bits with the TMA launch's) compiles for sm_90a with the bundled ptxas: no
+    spills, its shared memory within the H100's, and the loop waits with one MMA still in
+    flight (block b runs while block b - 1 is scaled)."""
+    from moefuse.moe.linear_wgmma import compile_offline
+    from moefuse.tools.ptxas import PTXAS, ptxas_report
+
+    if not os.path.exists(PTXAS):
+        pytest.skip("no ptxas bundled with this Triton")
+    kernel = compile_offline(n, k, tile, chunk, e8m0)
+    ptx = kernel.asm["ptx"]
+    report = ptxas_report(ptx)
+    assert report.returncode == 0 and report.spills == 0, report.log
+    assert kernel.metadata.shared <= 227 * 1024
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.parametrize(
+    "hidden,inter,bt,stages,e8m0", [(2048, 768, 64, 4, False), (7168, 2048, 128, 3, True)]
+)
+def test_fp8_experts_down_wgmma_compiles_for_sm90(hidden, inter, bt, stages, e8m0):
+    """The experts' Gluon down GEMM (tile key ``down_wgmma``) compiles for sm_90a: no spills,
+    16-byte ``cp.async`` copies of the gathered activation rows, one MMA left in flight."""
+    from moefuse.moe.experts_fp8_wgmma import compile_offline
+    from moefuse.tools.ptxas import PTXAS, ptxas_report
+
+    if not os.path.exists(PTXAS):
+        pytest.skip("no ptxas bundled with this Triton")
+    kernel = compile_offline(hidden, inter, bt, 128, stages, e8m0)
+    ptx = kernel.asm["ptx"]
+    report = ptxas_report(ptx)
+    assert report.returncode == 0 and report.spills == 0, report.log
+    assert kernel.metadata.shared <= 227 * 1024
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.ca.shared.global" not in ptx
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+
+
 def test_fp8_linear_tma_policy_and_fallback(monkeypatch):
     """From LINEAR_FP8_TMA_MIN_ROWS rows the plan takes the ``tma`` tile where its row tiles
-    fill the GPU, else from LINEAR_FP8_TMA_NARROW_MIN_ROWS the 64-row one, and keeps the pointer
+    fill the GPU, else from LINEAR_FP8_TMA_NARROW_MIN_ROWS the 64-row one (from
+    LINEAR_FP8_TMA_FEW_MIN_ROWS where that one's grid has enough programs), and keeps the pointer
     kernel's plan beside it; operands TMA cannot read (K % 16 != 0) run that pointer tile, with
     the default's bits."""
     import moefuse.moe.linear_triton as lt
@@ -537,7 +587,11 @@ def test_fp8_linear_tma_policy_and_fallback(monkeypatch):
         mid = tiles.linear_fp8_plan(m, n, k)  # (k/v projection: 128 wide tiles, under the GPU)
         assert mid["tma"] and (mid["bt"], mid["warps"]) == (narrow["bt"], narrow["warps"]), mid
         assert not mid["split_programs"] and not mid["pointer_tile"].get("tma")
-    assert "tma" not in tiles.linear_fp8_plan(tiles.LINEAR_FP8_TMA_NARROW_MIN_ROWS - 1, 4096, 2048)
+    few = tiles.LINEAR_FP8_TMA_FEW_MIN_ROWS  # below the narrow tile's rows: where it fills
+    assert tiles.linear_fp8_plan(few, 4096, 2048).get("tma")  # 32 x 2 programs
+    for m, n, k in ((few - 1, 7168, 16384), (few, 2048, 4096),
+                    (tiles.LINEAR_FP8_TMA_NARROW_MIN_ROWS - 1, 512, 2048)):  # fmt: skip
+        assert "tma" not in tiles.linear_fp8_plan(m, n, k), (m, n, k)
     g = torch.Generator().manual_seed(23)
     x = torch.randn(4, 520, generator=g).to(torch.bfloat16)
     wq, ws = r8.quantize_weight_blocks(torch.randn(70, 520, generator=g) * 0.05, torch.float32)

@@ -157,6 +157,8 @@ EXPERTS_TMA_TILES = (
     ({**EXPERTS_FP8_TMA64, **EXPERTS_FP8_TMA64_NARROW_GATE_UP}, 64),
     ({**EXPERTS_FP8_TMA, "gate_up_persistent": 1, "down_persistent": 1}, 128),  # persistent grids
     ({**EXPERTS_FP8_TMA64, **EXPERTS_FP8_TMA64_NARROW_GATE_UP, "down_persistent": 2}, 64),
+    ({**EXPERTS_FP8_TMA, "down_wgmma": True}, 128),  # the Gluon down GEMM
+    ({**EXPERTS_FP8_TMA64, **EXPERTS_FP8_TMA64_NARROW_GATE_UP, "down_wgmma": True}, 64),
 )
 
 
@@ -170,6 +172,7 @@ def test_fp8_experts_tma_bitwise(name):
     pointer kernels' bits (T = 300 with sentinels and short items, 2,048; PDL on and off), and
     they ran (not the other launch). The interleaved layout: the CPU test."""
     import moefuse.moe.experts_fp8 as ef
+    import moefuse.moe.experts_fp8_wgmma as ew
 
     shape = SHAPES[name]
     gq, gs, dq, ds, _, _ = weights(name)
@@ -182,16 +185,18 @@ def test_fp8_experts_tma_bitwise(name):
                                tile=POINTER_TILE, token_tile=128)  # fmt: skip
         for tile, bt in EXPERTS_TMA_TILES:
             ran = []
-            real = (ef.launch_gate_up_fp8_tma, ef.launch_down_fp8_tma)
+            real = (ef.launch_gate_up_fp8_tma, ef.launch_down_fp8_tma, ew.launch_down_fp8_wgmma)
             ef.launch_gate_up_fp8_tma = lambda *a, **k: ran.append(1) or real[0](*a, **k)
             ef.launch_down_fp8_tma = lambda *a, **k: ran.append(2) or real[1](*a, **k)
+            ew.launch_down_fp8_wgmma = lambda *a, **k: ran.append(3) or real[2](*a, **k)
             try:
                 out = poison_(torch.empty_like(x))
                 launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, out, None, None, 1.0, False,
                                        pdl, tile=tile, token_tile=bt)  # fmt: skip
             finally:
-                ef.launch_gate_up_fp8_tma, ef.launch_down_fp8_tma = real
-            assert ran == [1, 2], (name, t, tile, ran)
+                ef.launch_gate_up_fp8_tma, ef.launch_down_fp8_tma = real[:2]
+                ew.launch_down_fp8_wgmma = real[2]
+            assert ran == [1, 3 if tile.get("down_wgmma") else 2], (name, t, tile, ran)
             assert_bitwise_equal(out, want, f"{name} T={t} PDL {pdl} {tile}")
 
 
@@ -259,6 +264,37 @@ def test_fp8_linear(n, k):
     graph.replay()
     torch.cuda.synchronize()
     assert_bitwise_equal(out, moefuse.fp8_linear(x, wq, ws, bias), "CUDA-graph replay")
+
+
+@pytest.mark.parametrize("n,k", [(7168, 16384), (4096, 2048), (1000, 1040)])
+def test_fp8_linear_wgmma_bits(n, k):
+    """The Gluon launch (tile key ``wgmma``: each block's MMA in flight while the block before is
+    scaled) writes the TMA launch's bits: odd N, a partial last K-block, rows past a tile, bias,
+    FP32 and UE8M0 scales, one chunk or several."""
+    wq, ws, _ = make_weight(n, k, DEV, seed=8)
+    g = torch.Generator(device=DEV).manual_seed(k)
+    bias = torch.randn(n, generator=g, device=DEV).to(torch.bfloat16)
+    e8m0 = torch.exp2(torch.ceil(torch.log2(ws))).to(torch.float8_e8m0fnu)
+    for scale in (ws, e8m0):
+        for m in (5, 300, 2100):
+            x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
+            want = poison_(torch.empty(m, n, device=DEV, dtype=torch.bfloat16))
+            launch_fp8_linear(
+                x,
+                wq,
+                scale,
+                bias,
+                None,
+                want,
+                False,
+                tile=dict(LINEAR_FP8_TMA, split_programs=False),
+            )
+            for bn, bt, warps, stages in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3)):
+                tile = dict(LINEAR_FP8_TMA, split_programs=False, wgmma=True)
+                tile.update(bn=bn, bt=bt, warps=warps, stages=stages)
+                got = poison_(torch.empty_like(want))
+                launch_fp8_linear(x, wq, scale, bias, None, got, False, tile=tile)
+                assert_bitwise_equal(got, want, f"M={m} {tile} {scale.dtype}")
 
 
 def test_fp8_linear_tma_plan_replays(monkeypatch):

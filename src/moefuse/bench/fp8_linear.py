@@ -114,26 +114,31 @@ def scaled_mm_fn(x, wq, ws, wbf):
 
 
 def parse_tile(text: str) -> dict:
-    """``[tma]BNxBTxWARPS[xSTAGES]`` -> a ``launch_fp8_linear`` tile override (one launch: the
-    chunks summed in registers; ``tma``: the tokens on the MMA's M side, TMA loads,
-    :mod:`moefuse.moe.linear_tma`)."""
-    tma = text.startswith("tma")
+    """``[tma|wgmma]BNxBTxWARPS[xSTAGES]`` -> a ``launch_fp8_linear`` tile override (one launch:
+    the chunks summed in registers; ``tma``: the tokens on the MMA's M side, TMA loads,
+    :mod:`moefuse.moe.linear_tma`; ``wgmma``: the same with each block's MMA in flight while
+    the block before is scaled, :mod:`moefuse.moe.linear_wgmma`)."""
+    wgmma = text.startswith("wgmma")
+    tma = wgmma or text.startswith("tma")
     try:
-        parts = [int(p) for p in text.removeprefix("tma").split("x")]
+        parts = [int(p) for p in text.removeprefix("wgmma").removeprefix("tma").split("x")]
     except ValueError:
         parts = []
     if len(parts) not in (3, 4):
-        raise argparse.ArgumentTypeError(f"tile {text!r}: [tma]BNxBTxWARPS[xSTAGES]")
+        raise argparse.ArgumentTypeError(f"tile {text!r}: [tma|wgmma]BNxBTxWARPS[xSTAGES]")
     tile = {"bn": parts[0], "bt": parts[1], "warps": parts[2], "split_programs": False}
     if len(parts) == 4:
         tile["stages"] = parts[3]
     if tma:
         tile["tma"] = True
+    if wgmma:
+        tile["wgmma"] = True
     return tile
 
 
 def tile_name(tile: dict) -> str:
-    name = ("tma" if tile.get("tma") else "") + f"{tile['bn']}x{tile['bt']}x{tile['warps']}"
+    kind = "wgmma" if tile.get("wgmma") else "tma" if tile.get("tma") else ""
+    name = kind + f"{tile['bn']}x{tile['bt']}x{tile['warps']}"
     return name + (f"x{tile['stages']}" if "stages" in tile else "")
 
 
@@ -309,8 +314,8 @@ def parse_args(argv=None):
         type=parse_tile,
         nargs="+",
         default=[],
-        help="also time these one-launch tiles, [tma]BNxBTxWARPS[xSTAGES] (each checked bitwise "
-        "against the default launch first)",
+        help="also time these one-launch tiles, [tma|wgmma]BNxBTxWARPS[xSTAGES] (each checked "
+        "bitwise against the default launch first)",
     )
     args = p.parse_args(argv)
     if args.quick:

@@ -502,6 +502,21 @@ def _tma_down(cfg: dict, plan, weight: torch.Tensor, quant_a: bool) -> bool:
     )
 
 
+def _wgmma_down(cfg: dict, plan, a: torch.Tensor) -> bool:
+    """Whether the down GEMM runs :mod:`moefuse.moe.experts_fp8_wgmma` (tile key ``down_wgmma``,
+    where :func:`_tma_down` holds): on the GPU, a 64- or 128-row tile, one accumulator row set
+    per warp (``plan.bt`` = 16 x warps) and 16-byte aligned activation rows (16-byte copies)."""
+    warps = cfg.get("down_warps", cfg["warps"])
+    return (
+        bool(cfg.get("down_wgmma"))
+        and not interpreter_active()
+        and cfg["bn_down"] in (64, 128)
+        and plan.bt == 16 * warps
+        and a.stride(0) % 16 == 0
+        and a.data_ptr() % 16 == 0
+    )
+
+
 def _launch_gate_up_fp8(
     hidden_states,
     gate_up_proj,
@@ -754,6 +769,12 @@ def launch_moe_experts_fp8(
     rsf = float(routed_scaling_factor)
     finalize = (plan, top_k_index, top_k_weights, out, bias, shared_expert_output, rsf, use_pdl)
     if _tma_down(cfg, plan, dw, bool(cfg.get("down_act_quant"))):
+        if _wgmma_down(cfg, plan, a):
+            from moefuse.moe.experts_fp8_wgmma import launch_down_fp8_wgmma
+
+            launch_down_fp8_wgmma(a, a_s, dw, ds, ds_e8, plan, cfg, use_pdl)
+            _finalize(*finalize)
+            return
         launch_down_fp8_tma(a, a_s, dw, ds, ds_e8, plan, top_k_index.shape[1], cfg, use_pdl)
         _finalize(*finalize)
         return

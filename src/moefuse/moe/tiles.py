@@ -464,9 +464,24 @@ LINEAR_FP8_TMA_MIN_ROWS = 2048
 #: programs) 18.55 -> 13.99. Where LINEAR_FP8_TMA runs it stays (M = 2048 / 8192, this tile:
 #: q_proj 51.3 / 197.9 -> 50.5 / 198.4, o_proj 52.1 / 199.8 -> 50.0 / 201.3, DeepSeek-V3 o_proj
 #: 648 / 2641 -> 814 / 3006; k/v proj 8192 41.2 -> 39.0). 2 stages slower everywhere, 4 stages
-#: within 2 % at 512. Rows 17-511: UNMEASURED, the pointer tile.
+#: within 2 % at 512.
 LINEAR_FP8_TMA_NARROW = {"tma": True, "bn": 128, "bt": 64, "warps": 4, "stages": 3}
 LINEAR_FP8_TMA_NARROW_MIN_ROWS = 512
+#: Below :data:`LINEAR_FP8_TMA_NARROW_MIN_ROWS` the same tile from
+#: :data:`LINEAR_FP8_TMA_FEW_MIN_ROWS` rows where its grid has at least
+#: :data:`LINEAR_FP8_TMA_FEW_MIN_PROGRAMS` programs (else the pointer tile, whose K chunks run as
+#: programs of their own). MEASURED (H100 80GB HBM3, 2026-12-08, `python -m moefuse bench
+#: fp8-linear --shapes dsv3_o_proj dsv3_mlp_down dsv3_q_b_proj qwen3_q_proj qwen3_o_proj
+#: qwen3_kv_proj --rows 128 256 --replays 5 --tiles tma128x64x4x3`,
+#: notes/gpu-logs/2026-12-08-fp8-linear-rows-128-256.log; each tile bitwise equal to the default
+#: first), CUDA-graph us, pointer tile -> this tile (programs): M = 128 DeepSeek-V3 o_proj 93.5 ->
+#: 76.1 (112), MLP down 106.5 -> 87.2 (112), q_b_proj 32.4 -> 22.7 (384), Qwen3 q_proj 15.3 ->
+#: 12.4 (64), o_proj 15.3 -> 19.5 (32), k/v proj 6.3 -> 10.0 (8); M = 256 o_proj 168.5 -> 87.7,
+#: MLP down 200.2 -> 100.6, q_b_proj 38.9 -> 39.1 (768: a tie), q_proj 15.4 -> 12.7, Qwen3 o_proj
+#: 24.4 -> 19.7 (64), k/v proj 8.5 -> 10.1 (16). At M = 64 it lost (same day, o_proj 56.5 ->
+#: 73.6, q_proj 10.1 -> 12.3): rows 65-127 keep the pointer tile (unmeasured between).
+LINEAR_FP8_TMA_FEW_MIN_ROWS = 128
+LINEAR_FP8_TMA_FEW_MIN_PROGRAMS = 64
 
 
 def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
@@ -490,7 +505,9 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     """Launch of ``fp8_linear`` for M rows: ``{"bn", "bt", "warps", "stages", "splits", "chunk",
     "split_programs", "accumulation"}``, from :data:`LINEAR_FP8_TMA_MIN_ROWS` rows
     :data:`LINEAR_FP8_TMA`'s keys (where its row tiles fill the GPU; else from
-    :data:`LINEAR_FP8_TMA_NARROW_MIN_ROWS` rows :data:`LINEAR_FP8_TMA_NARROW`'s) with the pointer
+    :data:`LINEAR_FP8_TMA_NARROW_MIN_ROWS` rows, or from :data:`LINEAR_FP8_TMA_FEW_MIN_ROWS` where
+    its grid has :data:`LINEAR_FP8_TMA_FEW_MIN_PROGRAMS` programs, :data:`LINEAR_FP8_TMA_NARROW`'s)
+    with the pointer
     kernel's plan under ``"pointer_tile"``. The tile and whether the chunks run as programs of
     their own may follow M; the chunks (the summation order) do not."""
     splits, chunk = linear_fp8_splits(n, k)
@@ -514,6 +531,10 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
     tma = LINEAR_FP8_TMA  # one launch: taken only where its chunks need no programs of their own
     if m >= LINEAR_FP8_TMA_MIN_ROWS and not _linear_fp8_split_programs(m, n, splits, tma):
         return {**plan, **tma, "split_programs": False, "pointer_tile": plan}
-    if m >= LINEAR_FP8_TMA_NARROW_MIN_ROWS:
-        return {**plan, **LINEAR_FP8_TMA_NARROW, "split_programs": False, "pointer_tile": plan}
+    narrow = LINEAR_FP8_TMA_NARROW
+    narrow_programs = -(-n // narrow["bn"]) * -(-m // narrow["bt"])
+    if m >= LINEAR_FP8_TMA_NARROW_MIN_ROWS or (
+        m >= LINEAR_FP8_TMA_FEW_MIN_ROWS and narrow_programs >= LINEAR_FP8_TMA_FEW_MIN_PROGRAMS
+    ):
+        return {**plan, **narrow, "split_programs": False, "pointer_tile": plan}
     return plan
