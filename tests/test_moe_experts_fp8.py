@@ -4,7 +4,10 @@ Triton kernels in the interpreter against the reference (odd H and I with partia
 1..8, sentinels, both layouts and scale dtypes, poisoned outputs), bitwise batch invariance,
 custom ops, torch.compile and launch plans."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -521,6 +524,38 @@ def test_fp8_linear_tma_launch(monkeypatch):
     fp.clear()
 
 
+def offline_gluon_compile(module: str, *args) -> dict:
+    """``module.compile_offline(*args)`` (a Gluon kernel for sm_90a) in a fresh Python process
+    without the interpreter: its PTX, shared bytes and ptxas's report. In this process an
+    interpreter launch before it leaves Triton's frontend unable to compile Gluon (``gl.fma``
+    called without ``_semantic``, seen whenever the compile misses Triton's cache)."""
+    from moefuse.tools.ptxas import PTXAS
+
+    if not os.path.exists(PTXAS):
+        pytest.skip("no ptxas bundled with this Triton")
+    code = (
+        "import json, sys\n"
+        "from importlib import import_module\n"
+        "from moefuse.tools.ptxas import ptxas_report\n"
+        "kernel = import_module(sys.argv[1]).compile_offline(*json.loads(sys.argv[2]))\n"
+        "report = ptxas_report(kernel.asm['ptx'])\n"
+        "print(json.dumps(dict(ptx=kernel.asm['ptx'], shared=kernel.metadata.shared,\n"
+        "    regs=report.regs, spills=report.spills, rc=report.returncode, log=report.log)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", code, module, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
 @pytest.mark.parametrize(
     "n,k,tile,chunk,e8m0",
     [
@@ -534,16 +569,10 @@ def test_fp8_linear_wgmma_compiles_for_sm90(n, k, tile, chunk, e8m0):
     compare its bits with the TMA launch's) compiles for sm_90a with the bundled ptxas: no
     spills, its shared memory within the H100's, and the loop waits with one MMA still in
     flight (block b runs while block b - 1 is scaled)."""
-    from moefuse.moe.linear_wgmma import compile_offline
-    from moefuse.tools.ptxas import PTXAS, ptxas_report
-
-    if not os.path.exists(PTXAS):
-        pytest.skip("no ptxas bundled with this Triton")
-    kernel = compile_offline(n, k, tile, chunk, e8m0)
-    ptx = kernel.asm["ptx"]
-    report = ptxas_report(ptx)
-    assert report.returncode == 0 and report.spills == 0, report.log
-    assert kernel.metadata.shared <= 227 * 1024
+    kernel = offline_gluon_compile("moefuse.moe.linear_wgmma", n, k, tile, chunk, e8m0)
+    ptx = kernel["ptx"]
+    assert kernel["rc"] == 0 and kernel["spills"] == 0, kernel["log"]
+    assert kernel["shared"] <= 227 * 1024
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "griddepcontrol.wait" in ptx
 
@@ -554,16 +583,11 @@ def test_fp8_linear_wgmma_compiles_for_sm90(n, k, tile, chunk, e8m0):
 def test_fp8_experts_down_wgmma_compiles_for_sm90(hidden, inter, bt, stages, e8m0):
     """The experts' Gluon down GEMM (tile key ``down_wgmma``) compiles for sm_90a: no spills,
     16-byte ``cp.async`` copies of the gathered activation rows, one MMA left in flight."""
-    from moefuse.moe.experts_fp8_wgmma import compile_offline
-    from moefuse.tools.ptxas import PTXAS, ptxas_report
-
-    if not os.path.exists(PTXAS):
-        pytest.skip("no ptxas bundled with this Triton")
-    kernel = compile_offline(hidden, inter, bt, 128, stages, e8m0)
-    ptx = kernel.asm["ptx"]
-    report = ptxas_report(ptx)
-    assert report.returncode == 0 and report.spills == 0, report.log
-    assert kernel.metadata.shared <= 227 * 1024
+    args = (hidden, inter, bt, 128, stages, e8m0)
+    kernel = offline_gluon_compile("moefuse.moe.experts_fp8_wgmma", *args)
+    ptx = kernel["ptx"]
+    assert kernel["rc"] == 0 and kernel["spills"] == 0, kernel["log"]
+    assert kernel["shared"] <= 227 * 1024
     assert "cp.async.cg.shared.global" in ptx and "cp.async.ca.shared.global" not in ptx
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
 
@@ -589,8 +613,8 @@ def test_fp8_linear_tma_policy_and_fallback(monkeypatch):
         assert not mid["split_programs"] and not mid["pointer_tile"].get("tma")
     few = tiles.LINEAR_FP8_TMA_FEW_MIN_ROWS  # below the narrow tile's rows: where it fills
     assert tiles.linear_fp8_plan(few, 4096, 2048).get("tma")  # 32 x 2 programs
-    for m, n, k in ((few - 1, 7168, 16384), (few, 2048, 4096),
-                    (tiles.LINEAR_FP8_TMA_NARROW_MIN_ROWS - 1, 512, 2048)):  # fmt: skip
+    below = ((few - 1, 7168, 16384), (few, 2048, 4096))
+    for m, n, k in (*below, (tiles.LINEAR_FP8_TMA_NARROW_MIN_ROWS - 1, 512, 2048)):
         assert "tma" not in tiles.linear_fp8_plan(m, n, k), (m, n, k)
     g = torch.Generator().manual_seed(23)
     x = torch.randn(4, 520, generator=g).to(torch.bfloat16)

@@ -183,36 +183,14 @@ def launch_fp8_linear(
     if cfg.get("tma") and not _tma_launch(cfg, x, weight, cfg["split_programs"]):
         cfg = cfg.get("pointer_tile") or dict(cfg, tma=False)  # the pointer kernel's tile
     splits, chunk, split_programs = cfg["splits"], cfg["chunk"], cfg["split_programs"]
-    if cfg.get("wgmma") and ptx:
-        from moefuse.moe.linear_wgmma import launch_fp8_linear_wgmma
-
-        launch_fp8_linear_wgmma(
-            x,
-            xs,
-            fp8_codes(weight),
-            scale,
-            bias,
-            out,
-            cfg,
-            e8m0,
-            use_pdl,
-            chunk if splits > 1 else 0,
-        )
-        return
     if cfg.get("tma"):
-        launch_fp8_linear_tma(
-            x,
-            xs,
-            fp8_codes(weight),
-            scale,
-            bias,
-            out,
-            cfg,
-            e8m0,
-            ptx,
-            use_pdl,
-            chunk if splits > 1 else 0,
-        )
+        args = (x, xs, fp8_codes(weight), scale, bias, out, cfg, e8m0)
+        if cfg.get("wgmma") and ptx:  # the Gluon loop of the same launch (GPU only)
+            from moefuse.moe.linear_wgmma import launch_fp8_linear_wgmma
+
+            launch_fp8_linear_wgmma(*args, use_pdl, chunk if splits > 1 else 0)
+        else:
+            launch_fp8_linear_tma(*args, ptx, use_pdl, chunk if splits > 1 else 0)
         return
     part = torch.empty(splits if split_programs else 1, m, n, dtype=torch.float32,
                        device=input.device) if split_programs else out  # fmt: skip

@@ -68,12 +68,26 @@ def _issue_block(x_desc, w_desc, a_bufs, w_bufs, ready, b, t0, n0, STAGES: gl.co
 
 @gluon.jit(launch_metadata=fp8_linear_metadata)
 def _fp8_linear_wgmma_kernel(
-    x_desc, w_desc, xs_ptr, s_ptr, bias_ptr, out_ptr,
-    m_rows, xs_st, s_st, out_st,
-    N: gl.constexpr, KDIM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
-    CHUNK: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, E8M0: gl.constexpr,
+    x_desc,
+    w_desc,
+    xs_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    m_rows,
+    xs_st,
+    s_st,
+    out_st,
+    N: gl.constexpr,
+    KDIM: gl.constexpr,
+    BN: gl.constexpr,
+    BT: gl.constexpr,
+    CHUNK: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    E8M0: gl.constexpr,
     USE_PDL: gl.constexpr,
-):  # fmt: skip
+):
     """``out[t, n]`` for ``BT`` token rows from ``program_id(1) * BT`` and ``BN`` weight rows
     (<= 128, inside one 128-row scale block) from ``program_id(0) * BN`` (module docstring).
     ``CHUNK`` > 0: the sum restarts from +0.0 every ``CHUNK`` blocks and the chunk sums are
@@ -180,22 +194,36 @@ def launch_fp8_linear_wgmma(
     launch(
         _fp8_linear_wgmma_kernel,
         (triton.cdiv(n, bn), triton.cdiv(m, bt)),
-        x_desc, w_desc, xs, scale, bias if bias is not None else out, out,
-        m, xs.stride(0), scale.stride(0), out.stride(0),
-        N=n, KDIM=k, BN=bn, BT=bt, CHUNK=chunk, STAGES=cfg["stages"],
-        HAS_BIAS=bias is not None, E8M0=e8m0, USE_PDL=use_pdl,
-        num_warps=cfg["warps"], enable_fp_fusion=False,
+        x_desc,
+        w_desc,
+        xs,
+        scale,
+        bias if bias is not None else out,
+        out,
+        m,
+        xs.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        N=n,
+        KDIM=k,
+        BN=bn,
+        BT=bt,
+        CHUNK=chunk,
+        STAGES=cfg["stages"],
+        HAS_BIAS=bias is not None,
+        E8M0=e8m0,
+        USE_PDL=use_pdl,
+        num_warps=cfg["warps"],
+        enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
-    )  # fmt: skip
+    )
 
 
 def compile_offline(n: int, k: int, cfg: dict, chunk: int, e8m0: bool = False):
     """The launch's kernel compiled for sm_90a without a GPU (BF16 output and bias, PDL on):
     Triton's compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). For the CPU tests, which
     cannot run Gluon, and for reading the loop's PTX."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from moefuse.tools.ptxas import TARGET
+    from moefuse.tools.ptxas import compile_gluon
 
     bt, bn = cfg["bt"], cfg["bn"]
     descs = {
@@ -208,19 +236,6 @@ def compile_offline(n: int, k: int, cfg: dict, chunk: int, e8m0: bool = False):
     }
     sig.update(xs_ptr="*fp32", s_ptr="*u8" if e8m0 else "*fp32", bias_ptr="*bf16", out_ptr="*bf16")
     sig.update(m_rows="i32", xs_st="i32", s_st="i32", out_st="i32")
-    consts = dict(
-        N=n, KDIM=k, BN=bn, BT=bt, CHUNK=chunk, STAGES=cfg["stages"], HAS_BIAS=True, E8M0=e8m0,
-        USE_PDL=True,
-    )  # fmt: skip
-    names = list(sig) + list(consts)
-    sig.update({name: "constexpr" for name in consts})
-    source = GluonASTSource(
-        fn=_fp8_linear_wgmma_kernel,
-        signature=sig,
-        constexprs={(names.index(name),): v for name, v in consts.items()},
-        attrs={
-            (i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name.endswith("_ptr")
-        },
-    )
-    options = {"num_warps": cfg["warps"], "enable_fp_fusion": False}
-    return triton.compile(source, target=TARGET, options=options)
+    consts = dict(N=n, KDIM=k, BN=bn, BT=bt, CHUNK=chunk, STAGES=cfg["stages"], HAS_BIAS=True)
+    consts.update(E8M0=e8m0, USE_PDL=True)
+    return compile_gluon(_fp8_linear_wgmma_kernel, sig, consts, cfg["warps"])

@@ -112,6 +112,26 @@ def specialised_source(kernel, consts: dict, types: dict, divisible) -> ASTSourc
     return ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
 
 
+def compile_gluon(kernel, sig: dict, consts: dict, num_warps: int):
+    """A Gluon ``kernel`` compiled for :data:`TARGET` without a GPU: ``sig`` types its run-time
+    arguments in their order (pointers, ``*_ptr``, marked 16-byte divisible as the JIT's
+    specialisation gives them), ``consts`` its constexprs, FP fusion off as at every launch.
+    Returns Triton's compiled kernel (``.asm["ptx"]``, ``.metadata.shared``)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = [*sig, *consts]
+    source = GluonASTSource(
+        fn=kernel,
+        signature={**sig, **{name: "constexpr" for name in consts}},
+        constexprs={(names.index(name),): v for name, v in consts.items()},
+        attrs={
+            (i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name.endswith("_ptr")
+        },
+    )
+    options = {"num_warps": num_warps, "enable_fp_fusion": False}
+    return triton.compile(source, target=TARGET, options=options)
+
+
 @dataclass(frozen=True)
 class PtxasReport:
     """``regs``: registers per thread (-1 when ptxas did not say); ``spills``: bytes of spill
