@@ -40,7 +40,7 @@ COMPARE_TABLES = (
     "moe",
     "quant",
 )
-COMPARE_LAUNCH = ("gated-next", "experts")
+COMPARE_LAUNCH = ("gated-next", "experts", "linear")
 REGISTERS = ("norm", "quant", "experts", "moe-reduction", "expert-norm", "all-gather")
 USAGE = (
     "usage: ptx_check.py {compare,registers,sass} [FAMILY ...] [options]\n"

@@ -447,11 +447,26 @@ def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
             assert not ran and sorted(gemms) == sorted([gate_up, down]), (ran, gemms)
 
 
-def test_fp8_linear_kernel():
+def _named_launch(real, names: list):
+    """A ``launch`` that appends each kernel's name to ``names`` before launching it."""
+
+    def spy(kernel, grid, *args, **consts):
+        names.append(kernel.fn.__name__)
+        real(kernel, grid, *args, **consts)
+
+    return spy
+
+
+def test_fp8_linear_kernel(monkeypatch):
     """fp8_linear in the interpreter: within 2^-8 of the reference with bias and UE8M0 scales,
-    partial blocks in N and K; the split launch, the in-register chunks and the wide tile give
-    the same bits; a row alone == in the batch; pre-quantized input (per_token_group_quant_8bit's
-    codes and scales) == the op's own quantization."""
+    partial blocks in N and K; the split launch (its chunk sums added by each tile's last
+    program, or by the reduce kernel), the in-register chunks and the wide tile give the same
+    bits; a row alone == in the batch; pre-quantized input (per_token_group_quant_8bit's codes
+    and scales, added by the reduce kernel: nothing zeroes counters before) == the op's own
+    quantization."""
+    import moefuse.moe.experts_fp8_quant as efq
+    import moefuse.moe.linear_triton as lt
+    import moefuse.quant.group_triton as gt
     from moefuse.moe.linear_triton import launch_fp8_linear
 
     g = torch.Generator().manual_seed(21)
@@ -464,19 +479,38 @@ def test_fp8_linear_kernel():
     got = moefuse.fp8_linear(x, wq, ws, bias, out=out, impl="triton")
     want = moefuse.fp8_linear(x, wq, ws, bias, impl="reference")
     assert got is out and rel_rms(got, want) < 2**-8
-    for tile in (
-        {"split_programs": False},
-        {"split_programs": True},
-        {"bn": 128, "bt": 128, "warps": 8, "split_programs": False},
+    kernels = []
+    for mod in (lt, efq, gt):  # every launch of the op, by kernel name
+        monkeypatch.setattr(mod, "launch", _named_launch(mod.launch, kernels))
+    one = ["_group_quant_kernel", "_fp8_linear_kernel"]
+    split = ["_tokens_quant_kernel", "_fp8_linear_kernel"]  # the chunks added by the last program
+    reduce = [*one, "_fp8_linear_reduce_kernel"]
+    for tile, ran in (
+        ({"split_programs": False}, one),
+        ({"split_programs": True, "fused_reduce": True}, split),
+        ({"split_programs": True, "fused_reduce": False}, reduce),
+        ({"split_programs": True, "fused_reduce": True, "bn": 64, "bt": 16}, split),  # 4 row tiles
+        ({"bn": 128, "bt": 128, "warps": 8, "split_programs": False}, one),
     ):
         o = poison_(torch.empty_like(got))
+        kernels.clear()
         launch_fp8_linear(x, wq, ws, bias, None, o, False, tile=tile)
         assert_bitwise_equal(o, got, f"{tile}")
+        assert kernels == ran, (tile, kernels)
     alone = moefuse.fp8_linear(x[3:4], wq, ws, bias, impl="triton")
     assert_bitwise_equal(alone[0], got[3], "a row alone")
     q, s = moefuse.per_token_group_quant_8bit(x, 128, impl="reference")
-    pre = moefuse.fp8_linear(q, wq, ws, bias, input_scale=s, impl="triton")
+    kernels.clear()
+    o = poison_(torch.empty_like(got))
+    pre = moefuse.fp8_linear(q, wq, ws, bias, input_scale=s, impl="triton", out=o)
     assert_bitwise_equal(pre, got, "pre-quantized input")
+    assert kernels == reduce[1:], kernels
+    o = poison_(torch.empty_like(got))
+    kernels.clear()  # no launch of the op's own before it to zero counters: the reduce kernel
+    tile = {"split_programs": True, "fused_reduce": True}
+    launch_fp8_linear(q, wq, ws, bias, s, o, False, tile=tile)
+    assert_bitwise_equal(o, got, "pre-quantized input, fused_reduce")
+    assert kernels == reduce[1:], kernels
 
 
 def test_fp8_linear_tma_launch(monkeypatch):

@@ -247,6 +247,7 @@ def test_fp8_linear(n, k):
         assert_bitwise_equal(moefuse.fp8_linear(x[j : j + 1], wq, ws, bias)[0], got[j], "alone")
         for tile in (
             {"split_programs": True},
+            {"split_programs": True, "fused_reduce": True},
             {"split_programs": False},
             {"bt": 64},
             {"prefetch": 1024},
@@ -258,6 +259,12 @@ def test_fp8_linear(n, k):
             o = poison_(torch.empty_like(got))
             launch_fp8_linear(x, wq, ws, bias, None, o, True, tile=tile)
             assert_bitwise_equal(o, got, f"M={m} {tile}")
+        outs = [poison_(torch.empty_like(got)) for _ in range(16)]
+        for o in outs:  # back to back: each tile's last program reads every chunk sum
+            tile = {"split_programs": True, "fused_reduce": True}
+            launch_fp8_linear(x, wq, ws, bias, None, o, True, tile=tile)
+        for i, o in enumerate(outs):
+            assert_bitwise_equal(o, got, f"M={m} split launch {i} of 16")
     out = poison_(torch.empty(2, n, device=DEV, dtype=torch.bfloat16))
     x = x[:2]
     graph = capture_graph(lambda: moefuse.fp8_linear(x, wq, ws, bias, out=out))

@@ -17,10 +17,11 @@ whether any mattered. The PTX is also assembled for sm_90a with the ptxas bundle
 and disassembled with its ``cuobjdump`` (``moefuse.tools.ptxas.disassemble``). Verdicts:
 ``identical`` (the same normalised PTX); ``same SASS`` (the PTX differs, the SASS instructions,
 addresses and encodings left out, do not); ``reordered`` (the same normalised PTX lines, some in
-another order, and different SASS); ``different``; ``parameters differ``; ``grid A -> B``;
+another order, and different SASS); ``different``; ``parameters differ`` (with ``(same
+SASS)`` where the machine code is the same: a parameter no instruction reads); ``grid A -> B``;
 ``error: ...``.
 
-Families (``ptx_check.py compare gated-next experts``):
+Families (``ptx_check.py compare gated-next experts linear``):
 * ``gated-next``: ``gated_residual_next_rmsnorm``'s launcher at widths 64, 2048 (one-pass tiles),
   4096 and 7168 (stepped rows, unrolled and looped), with alpha as a tensor or a scalar (1.0 and
   not), with and without post_weight and router_input; BF16 branch, FP32 stream, PDL on.
@@ -28,8 +29,11 @@ Families (``ptx_check.py compare gated-next experts``):
   gate|up, down, the finalize when it is not fused) at decode token counts, T = 1, 2 and 4, for
   the Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 expert shapes (:data:`EXPERT_SHAPES`); BF16,
   random distinct expert ids, PDL on. Every launch of a call is a case of its own.
+* ``linear``: ``fp8_linear``'s launcher (``launch_fp8_linear``: the activation's quantization,
+  the product, the split programs' reduce when it runs) at the default launches of
+  :data:`LINEAR_SHAPES` x :data:`LINEAR_ROWS`.
 
-Run: python scripts/ptx_check.py compare gated-next|experts [--before REV] [--after REV]
+Run: python scripts/ptx_check.py compare gated-next|experts|linear [--before REV] [--after REV]
      [--report FILE]
 (``--before`` / ``--after``: a git revision, extracted with ``git archive``, or a source tree;
 default HEAD / this checkout.) Exit status 1 when a case is neither ``identical`` nor ``same
@@ -145,6 +149,35 @@ def _experts_cases():
     return out
 
 
+#: (N, K) of the ``linear`` family's weights and its token counts M (decode split programs, the
+#: 64-row and 128-row TMA launches)
+LINEAR_SHAPES = ((4096, 2048), (7168, 16384), (576, 7168))
+LINEAR_ROWS = (1, 16, 64, 600, 2048)
+
+
+def _linear_cases():
+    """(case label, callable that runs ``launch_fp8_linear`` once): the default launches of
+    :data:`LINEAR_SHAPES` x :data:`LINEAR_ROWS`, FP32 weight scales, BF16 input and bias, PDL on."""
+    import torch
+
+    from moefuse.moe.linear_triton import launch_fp8_linear
+
+    out = []
+    for n, k in LINEAR_SHAPES:
+        for m in LINEAR_ROWS:
+
+            def run(n=n, k=k, m=m):
+                x = torch.randn(m, k, dtype=torch.bfloat16)
+                weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+                scale = torch.ones(-(-n // 128), -(-k // 128))
+                bias = torch.zeros(n, dtype=torch.bfloat16)
+                out = torch.empty(m, n, dtype=torch.bfloat16)
+                launch_fp8_linear(x, weight, scale, bias, None, out, True)
+
+            out.append((f"N={n} K={k} M={m}", run))
+    return out
+
+
 def _catch_gated_next(caught: list) -> None:
     import moefuse.norm.gated as gated
     import moefuse.norm.triton as nt
@@ -171,12 +204,33 @@ def _catch_experts(caught: list) -> None:
                 module.launch = record
 
 
+def _catch_linear(caught: list) -> None:
+    """Every module of a tree that launches a kernel of ``fp8_linear`` records instead."""
+    import importlib
+    import importlib.util
+
+    def record(kernel, grid, *args, **consts):
+        caught.append((kernel, grid, args, consts))
+
+    for name in (
+        "moefuse.moe.linear_triton",
+        "moefuse.moe.linear_tma",
+        "moefuse.moe.experts_fp8_quant",
+        "moefuse.quant.group_triton",
+    ):
+        if importlib.util.find_spec(name) is not None:
+            module = importlib.import_module(name)
+            if hasattr(module, "launch"):
+                module.launch = record
+
+
 #: verdicts of a case whose launch runs the same machine code
 PASS = ("identical", "same SASS")
 #: family -> (cases, installs the launch catcher into a list)
 FAMILIES = {
     "gated-next": (_gated_next_cases, _catch_gated_next),
     "experts": (_experts_cases, _catch_experts),
+    "linear": (_linear_cases, _catch_linear),
 }
 
 
@@ -326,6 +380,8 @@ def main(argv=None) -> int:
             verdict = "error: " + (a.get("error") or b.get("error"))
         elif a["params"] != b["params"]:
             verdict = "parameters differ"
+            if a["sass"] and a["sass"] == b["sass"]:  # a parameter no instruction reads
+                verdict += " (same SASS)"
         elif a["grid"] != b["grid"]:
             verdict = f"grid {b['grid']} -> {a['grid']}"
         elif a["ptx"] == b["ptx"]:

@@ -117,7 +117,11 @@ def parse_tile(text: str) -> dict:
     """``[tma|wgmma]BNxBTxWARPS[xSTAGES]`` -> a ``launch_fp8_linear`` tile override (one launch:
     the chunks summed in registers; ``tma``: the tokens on the MMA's M side, TMA loads,
     :mod:`moefuse.moe.linear_tma`; ``wgmma``: the same with each block's MMA in flight while
-    the block before is scaled, :mod:`moefuse.moe.linear_wgmma`)."""
+    the block before is scaled, :mod:`moefuse.moe.linear_wgmma`); or ``fused`` / ``reduce``:
+    the default launch (PDL on) with the split programs' chunk sums added by each tile's last
+    program / by a kernel of their own (tile key ``fused_reduce``)."""
+    if text in ("fused", "reduce"):
+        return {"fused_reduce": text == "fused", "pdl": True}
     wgmma = text.startswith("wgmma")
     tma = wgmma or text.startswith("tma")
     try:
@@ -137,6 +141,8 @@ def parse_tile(text: str) -> dict:
 
 
 def tile_name(tile: dict) -> str:
+    if "bn" not in tile:
+        return "fused" if tile["fused_reduce"] else "reduce"
     kind = "wgmma" if tile.get("wgmma") else "tma" if tile.get("tma") else ""
     name = kind + f"{tile['bn']}x{tile['bt']}x{tile['warps']}"
     return name + (f"x{tile['stages']}" if "stages" in tile else "")
@@ -147,9 +153,12 @@ def tile_fn(x0, want, wq, ws, tile):
     default's output ``want`` first (no bit may depend on the tile)."""
     from moefuse.moe.linear_triton import launch_fp8_linear
 
+    pdl = bool(tile.get("pdl"))
+    tile = {k: v for k, v in tile.items() if k != "pdl"}
+
     def run(x, w=(wq, ws)):
         out = torch.empty(x.shape[0], w[0].shape[0], dtype=x.dtype, device=x.device)
-        launch_fp8_linear(x, w[0], w[1], None, None, out, False, tile=tile)
+        launch_fp8_linear(x, w[0], w[1], None, None, out, pdl, tile=tile)
         return out
 
     if not torch.equal(run(x0).view(torch.int16), want.view(torch.int16)):
@@ -314,8 +323,9 @@ def parse_args(argv=None):
         type=parse_tile,
         nargs="+",
         default=[],
-        help="also time these one-launch tiles, [tma|wgmma]BNxBTxWARPS[xSTAGES] (each checked "
-        "bitwise against the default launch first)",
+        help="also time these one-launch tiles, [tma|wgmma]BNxBTxWARPS[xSTAGES], or `fused` / "
+        "`reduce` (the default launch, its split programs' chunk sums added by each tile's last "
+        "program / by a kernel of their own); each checked bitwise against the default first",
     )
     args = p.parse_args(argv)
     if args.quick:

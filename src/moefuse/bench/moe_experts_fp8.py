@@ -19,7 +19,8 @@ weights they dequantize to; random routing (distinct experts per token, softmax 
   where it runs;
 * the floor: bytes of the FP8 codes and FP32 scales of the distinct routed experts over the
   datasheet bandwidth of this GPU, and over the SM copy ceiling measured in this run;
-* per-kernel µs of one eager call at T = 1, and BAR lines for the issue's bars.
+* per-kernel µs of one eager call at T = 1 (``--kernels-at T ...``: at these token counts), and
+  BAR lines for the issue's bars.
 
 Writes ``moe-experts-fp8-<gpu>.json`` and ``.png`` with ``--save``.
 """
@@ -189,7 +190,9 @@ def bench_shape(name: str, shape: dict, tokens_list, args, device, ceiling_tbs) 
             for v, fn in variants.items()
         }
         fp8_call = variants["moefuse"]
-        kernels = kernel_times(lambda f=fp8_call, a=(x0, i0, w0): f(*a), device) if t == 1 else {}
+        kernels = {}
+        if t in args.kernels_at:
+            kernels = kernel_times(lambda f=fp8_call, a=(x0, i0, w0): f(*a), device)
         for v, us in times.items():
             row = {
                 "op": "moe_experts_fp8",
@@ -315,6 +318,13 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--replays", type=int, default=8)
     p.add_argument("--dtype", choices=("fp8",), default="fp8", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--kernels-at",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="token counts whose FP8 call is also timed kernel by kernel (eager, torch.profiler)",
+    )
     p.add_argument(
         "--accumulation",
         action="store_true",

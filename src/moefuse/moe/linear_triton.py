@@ -10,9 +10,12 @@ block order from +0.0 and the chunk sums are added in ascending order from +0.0,
 Two launches compute that same order:
 
 * few programs (decode: M small, W streamed once): one program per (row tile, column tile,
-  chunk) writes its chunk sum to an FP32 scratch ``[SPLITS, M, N]`` and a second kernel adds the
-  chunks and the bias (:func:`_fp8_linear_reduce_kernel`). The split fills the GPU where
-  ``N / BN`` programs alone would leave SMs idle, so the weights stream at full bandwidth.
+  chunk) writes its chunk sum to an FP32 scratch ``[SPLITS, M, N]``; the chunks and the bias are
+  then added by the tile's last program (it counts itself in a counter of its tile, zeroed by
+  the quantization launch before, and the one that counts last reads the tile's chunk sums:
+  ``FUSED_REDUCE``), or, for a pre-quantized input (no launch of the op's own before it to zero
+  counters), by a second kernel (:func:`_fp8_linear_reduce_kernel`). The split fills the GPU
+  where ``N / BN`` programs alone would leave SMs idle, so the weights stream at full bandwidth.
 * many programs: each loops over the chunks itself, the same additions in registers.
 
 So a row's bits do not depend on M or on which launch ran. The activation is quantized once by
@@ -30,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefuse._device import round_to, widen_f32
 from moefuse._fastpath import launch
 from moefuse._runtime import interpreter_active, pdl_launch_kwargs
+from moefuse.moe.experts_fp8_quant import group_quant_rows, tokens_quant
 from moefuse.moe.fp8_device import (
     block_fp8_product,
     fp8_codes,
@@ -40,19 +44,45 @@ from moefuse.moe.linear_tma import fp8_linear_metadata, launch_fp8_linear_tma, t
 from moefuse.moe.tiles import FP8_ACCUMULATION_CODES, linear_fp8_plan
 
 
+@triton.jit
+def _add_chunks(part_ptr, c64, n64, mask, m_rows, N: tl.constexpr, SPLITS: tl.constexpr):
+    """``((+0.0 + part[0]) + part[1]) + ...`` over the ``SPLITS`` chunk sums of columns ``c64`` x
+    rows ``n64`` (``mask`` [len(n64), len(c64)]), loaded past the L1: other SMs wrote them in
+    this launch."""
+    acc = tl.zeros(mask.shape, dtype=tl.float32)
+    for c in tl.static_range(SPLITS):
+        ptrs = part_ptr + (c * m_rows + c64[None, :]) * N + n64[:, None]
+        acc = acc + tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def _store_out(acc, bias_ptr, out_ptr, rows, c64, r_in, out_st, HAS_BIAS: tl.constexpr, PTX):
+    """``out[c, n] = cast(acc + bias[n])`` for weight rows ``rows`` = (n, n < N) and token
+    columns ``c64`` (``r_in``: valid): one rounding to the output's dtype."""
+    n, n_in = rows
+    if HAS_BIAS:
+        acc = acc + widen_f32(tl.load(bias_ptr + n, mask=n_in, other=0.0), PTX)[:, None]
+    ptrs = out_ptr + c64[None, :] * out_st + n.to(tl.int64)[:, None]
+    tl.store(ptrs, round_to(acc, out_ptr.dtype.element_ty, PTX), mask=n_in[:, None] & r_in[None, :])
+
+
 @triton.jit(launch_metadata=fp8_linear_metadata)
 def _fp8_linear_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     m_rows, strides,
     N: tl.constexpr, KDIM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     SPLITS: tl.constexpr, CHUNK: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
     STAGES: tl.constexpr, ACCUM: tl.constexpr, HAS_BIAS: tl.constexpr, E8M0: tl.constexpr,
     PTX: tl.constexpr, USE_PDL: tl.constexpr, PF_BYTES: tl.constexpr = 0,
+    FUSED_REDUCE: tl.constexpr = False,
 ):  # fmt: skip
     """The block-scaled product of ``BN`` weight rows and ``BT`` token columns (module
     docstring); ``strides`` = (x row, x-scale row, weight row, scale row, out row). With
     ``SPLIT_PROGRAMS`` grid axis 2 is the chunk and the program stores its chunk sum into
-    ``part`` [SPLITS, M, N]; otherwise it adds all chunks and writes ``out``. ``PF_BYTES`` > 0:
+    ``part`` [SPLITS, M, N] (with ``FUSED_REDUCE`` it then counts itself in
+    ``count[tile]``, zeroed before the launch, and the tile's last program adds the chunk sums
+    and writes ``out``); otherwise it adds all chunks and writes ``out``. ``PF_BYTES`` > 0:
     the first ``PF_BYTES`` of each of the program's weight rows (of its chunk) are requested
     from the L2 before the ``gdc_wait`` (the weights are no kernel's output)."""
     x_st, xs_st, w_st, s_st, out_st = strides
@@ -85,8 +115,17 @@ def _fp8_linear_kernel(
         )  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
+        mask = n_in[:, None] & r_in[None, :]
         ptrs = part_ptr + (c.to(tl.int64) * m_rows + c64[None, :]) * N + n64[:, None]
-        tl.store(ptrs, acc, mask=n_in[:, None] & r_in[None, :])
+        tl.store(ptrs, acc, mask=mask)
+        if FUSED_REDUCE:
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            tl.debug_barrier()  # every thread's chunk-sum stores precede the release below
+            old = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if old == SPLITS - 1:
+                tl.debug_barrier()  # the acquire precedes every thread's loads
+                acc = _add_chunks(part_ptr, c64, n64, mask, m_rows, N, SPLITS)
+                _store_out(acc, bias_ptr, out_ptr, (n, n_in), c64, r_in, out_st, HAS_BIAS, PTX)
     else:
         acc = block_fp8_product(
             w_rows, n_in, 1, s_rows, 1, x_cols, r_in, xs_cols, 0, n_blocks, KDIM, BT, STAGES,
@@ -94,12 +133,7 @@ def _fp8_linear_kernel(
         )  # fmt: skip
         if USE_PDL:
             gdc_launch_dependents()
-        if HAS_BIAS:
-            acc = acc + widen_f32(tl.load(bias_ptr + n, mask=n_in, other=0.0), PTX)[:, None]
-        ptrs = out_ptr + c64[None, :] * out_st + n64[:, None]
-        tl.store(
-            ptrs, round_to(acc, out_ptr.dtype.element_ty, PTX), mask=n_in[:, None] & r_in[None, :]
-        )
+        _store_out(acc, bias_ptr, out_ptr, (n, n_in), c64, r_in, out_st, HAS_BIAS, PTX)
 
 
 @triton.jit
@@ -165,15 +199,24 @@ def launch_fp8_linear(
         return
     cfg = dict(linear_fp8_plan(m, n, k), **(tile or {}))
     ptx = not interpreter_active()
+    tiles = triton.cdiv(n, cfg["bn"]) * triton.cdiv(m, cfg["bt"])
+    # the split programs' chunk sums added by each tile's last program (tile key
+    # ``fused_reduce``), where the op's own quantization launch runs first and zeroes the tiles'
+    # counters
+    fused_reduce = bool(
+        cfg["split_programs"]
+        and cfg.get("fused_reduce")
+        and not cfg.get("tma")
+        and input_scale is None
+    )
+    counters = out
     if input_scale is not None:
         x, xs = fp8_codes(input), input_scale
+    elif fused_reduce:  # per_token_group_quant_8bit's codes, and the counters zeroed
+        counters = torch.empty(tiles, dtype=torch.int32, device=input.device)
+        x, xs = tokens_quant(input, counters, tiles, use_pdl)
     else:  # quantized once here, not once per row tile (the codes of per_token_group_quant_8bit)
-        from moefuse.quant.group_triton import launch_group_quant
-
-        codes = torch.empty(m, k, dtype=torch.uint8, device=input.device)
-        xs = torch.empty(m, triton.cdiv(k, 128), dtype=torch.float32, device=input.device)
-        launch_group_quant(input, codes, xs, 128, 1e-10, False, False, use_pdl)
-        x = fp8_codes(codes)
+        x, xs = group_quant_rows(input, use_pdl)
     scale = weight_scale_inv
     e8m0 = scale.dtype == torch.float8_e8m0fnu
     if e8m0:
@@ -200,16 +243,16 @@ def launch_fp8_linear(
         _fp8_linear_kernel,
         grid,
         x, xs, fp8_codes(weight), scale,
-        bias if bias is not None else out, out, part,
+        bias if bias is not None else out, out, part, counters,
         m, strides,
         N=n, KDIM=k, BN=cfg["bn"], BT=cfg["bt"], SPLITS=splits, CHUNK=chunk,
         SPLIT_PROGRAMS=split_programs, STAGES=cfg["stages"], ACCUM=cfg["accumulation"],
         HAS_BIAS=bias is not None, E8M0=e8m0, PTX=ptx, USE_PDL=use_pdl,
-        PF_BYTES=_prefetch_bytes(cfg, weight, ptx),
+        PF_BYTES=_prefetch_bytes(cfg, weight, ptx), FUSED_REDUCE=fused_reduce,
         num_warps=cfg["warps"], enable_fp_fusion=False,
         **pdl_launch_kwargs(use_pdl),
     )  # fmt: skip
-    if split_programs:
+    if split_programs and not fused_reduce:
         block = 1024
         launch(
             _fp8_linear_reduce_kernel,

@@ -482,6 +482,13 @@ LINEAR_FP8_TMA_NARROW_MIN_ROWS = 512
 #: 73.6, q_proj 10.1 -> 12.3): rows 65-127 keep the pointer tile (unmeasured between).
 LINEAR_FP8_TMA_FEW_MIN_ROWS = 128
 LINEAR_FP8_TMA_FEW_MIN_PROGRAMS = 64
+#: ``fused_reduce`` (tile key of the split launch; this is its default): each row x column
+#: tile's last split program adds the tile's chunk sums (counters zeroed by the op's own
+#: quantization launch) instead of a reduce kernel of their own; the same bits, one launch
+#: fewer. A pre-quantized input (``input_scale``) always takes the reduce kernel. UNMEASURED:
+#: off until timed against the reduce kernel (`python -m moefuse bench fp8-linear --rows 1 4 16
+#: 64 128 --tiles fused`).
+LINEAR_FP8_FUSED_REDUCE = False
 
 
 def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
@@ -526,6 +533,7 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
         "splits": splits,
         "chunk": chunk,
         "split_programs": _linear_fp8_split_programs(m, n, splits, tile),
+        "fused_reduce": LINEAR_FP8_FUSED_REDUCE,
         "accumulation": fp8_accumulation(),
     }
     tma = LINEAR_FP8_TMA  # one launch: taken only where its chunks need no programs of their own
