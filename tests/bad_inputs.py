@@ -50,7 +50,8 @@ SETTINGS = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, data
 
 # ----------------------------------------------------------------------------- valid calls
 def local_cases(dev) -> dict:
-    """op name -> builder of a valid keyword call on ``dev`` (tiny shapes)."""
+    """op name -> builder of a valid keyword call on ``dev`` (tiny shapes); ``op[variant]``: a
+    second valid call of the same op (FP8 weights, pre-quantized input)."""
     g = torch.Generator().manual_seed(7)
 
     def r(*shape, dtype=BF16):
@@ -121,6 +122,23 @@ def local_cases(dev) -> dict:
             weight_scale_inv=r(1, 1, dtype=F32).abs() + 0.01,
             bias=r(24),
             out=e(m, 24),
+        ),
+        "fp8_linear[input_scale]": lambda: dict(
+            input=r(m, h).to(E4M3),
+            weight=r(24, h).to(E4M3),
+            weight_scale_inv=r(1, 1, dtype=F32).abs() + 0.01,
+            input_scale=r(m, 1, dtype=F32).abs() + 0.01,
+            out=e(m, 24),
+        ),
+        "moe_experts[fp8]": lambda: dict(
+            hidden_states=r(m, h),
+            gate_up_proj=r(3, 16, h).to(E4M3),
+            down_proj=r(3, h, 8).to(E4M3),
+            top_k_index=i32(0, 2, 1, 0, 2, 2, -1, 0, shape=(m, 2)),
+            top_k_weights=r(m, 2, dtype=F32),
+            out=e(m, h),
+            gate_up_proj_scale_inv=r(3, 1, 1, dtype=F32).abs() + 0.01,
+            down_proj_scale_inv=r(3, 1, 1, dtype=F32).abs() + 0.01,
         ),
         "route_topk": lambda: dict(router_logits=r(m, 6, dtype=F32), top_k=2, scoring="softmax"),
         "router_topk": lambda: dict(
