@@ -513,6 +513,39 @@ def test_fp8_linear_kernel(monkeypatch):
     assert kernels == reduce[1:], kernels
 
 
+def test_fp8_linear_fused_reduce_plan_replays(monkeypatch):
+    """With ``fused_reduce`` as the policy, a launch plan of the split launch replays its
+    counters' allocation, the quantization launch that zeroes them and the product on fresh
+    inputs, with the slow path's bits and no reduce kernel; without bias, FP32 scales."""
+    import moefuse.moe.linear_triton as lt
+    from moefuse import _fastpath as fp
+
+    policy = lt.linear_fp8_plan
+    monkeypatch.setattr(
+        lt, "linear_fp8_plan", lambda m, n, k: dict(policy(m, n, k), fused_reduce=True)
+    )
+    kernels = []
+    monkeypatch.setattr(lt, "launch", _named_launch(lt.launch, kernels))
+    fp.clear()
+    g = torch.Generator().manual_seed(23)
+    wq, ws = r8.quantize_weight_blocks(torch.randn(200, 520, generator=g) * 0.05, torch.float32)
+    try:
+        for _ in range(3):  # records, then replays on fresh inputs
+            x = torch.randn(3, 520, generator=g).to(torch.bfloat16)
+            out = poison_(torch.empty(3, 200, dtype=torch.bfloat16))
+            got = moefuse.fp8_linear(x, wq, ws, out=out, impl="triton")
+            fp.ENABLED[0] = False
+            try:
+                assert_bitwise_equal(got, moefuse.fp8_linear(x, wq, ws, impl="triton"), "plan")
+            finally:
+                fp.ENABLED[0] = True
+        assert fp.plan_count(moefuse.fp8_linear) == 1, fp.refusals(moefuse.fp8_linear)
+        assert kernels == ["_fp8_linear_kernel"] * 4, kernels  # the recording, three slow calls
+        assert policy(3, 200, 520)["split_programs"]
+    finally:
+        fp.clear()
+
+
 def test_fp8_linear_tma_launch(monkeypatch):
     """The ``tma`` tile (tokens on the MMA's M side, TMA loads; linear_tma) gives the default
     launch's bits with partial blocks in M, N and K, chunks, bias and UE8M0 scales; it runs
