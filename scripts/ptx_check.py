@@ -40,7 +40,7 @@ COMPARE_TABLES = (
     "moe",
     "quant",
 )
-COMPARE_LAUNCH = ("gated-next", "experts", "linear")
+COMPARE_LAUNCH = ("gated-next", "experts", "linear", "experts-fp8")
 REGISTERS = ("norm", "quant", "experts", "moe-reduction", "expert-norm", "all-gather")
 USAGE = (
     "usage: ptx_check.py {compare,registers,sass} [FAMILY ...] [options]\n"

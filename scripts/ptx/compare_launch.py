@@ -21,7 +21,7 @@ another order, and different SASS); ``different``; ``parameters differ`` (with `
 SASS)`` where the machine code is the same: a parameter no instruction reads); ``grid A -> B``;
 ``error: ...``.
 
-Families (``ptx_check.py compare gated-next experts linear``):
+Families (``ptx_check.py compare gated-next experts experts-fp8 linear``):
 * ``gated-next``: ``gated_residual_next_rmsnorm``'s launcher at widths 64, 2048 (one-pass tiles),
   4096 and 7168 (stepped rows, unrolled and looped), with alpha as a tensor or a scalar (1.0 and
   not), with and without post_weight and router_input; BF16 branch, FP32 stream, PDL on.
@@ -29,11 +29,16 @@ Families (``ptx_check.py compare gated-next experts linear``):
   gate|up, down, the finalize when it is not fused) at decode token counts, T = 1, 2 and 4, for
   the Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 expert shapes (:data:`EXPERT_SHAPES`); BF16,
   random distinct expert ids, PDL on. Every launch of a call is a case of its own.
+* ``experts-fp8``: ``moe_experts``' FP8 launcher (``launch_moe_experts_fp8``: the quantization
+  launches, the plan kernel when it runs, gate|up, down, the finalize when it is not fused) at
+  :data:`EXPERT_SHAPES` x :data:`EXPERT_FP8_TOKENS` (the decode launches and the TMA launches
+  above 512 token-slots), E4M3 weights with FP32 block scales, stacked gate|up, PDL on.
 * ``linear``: ``fp8_linear``'s launcher (``launch_fp8_linear``: the activation's quantization,
   the product, the split programs' reduce when it runs) at the default launches of
   :data:`LINEAR_SHAPES` x :data:`LINEAR_ROWS`.
 
-Run: python scripts/ptx_check.py compare gated-next|experts|linear [--before REV] [--after REV]
+Run: python scripts/ptx_check.py compare gated-next|experts|experts-fp8|linear [--before REV]
+     [--after REV]
      [--report FILE]
 (``--before`` / ``--after``: a git revision, extracted with ``git archive``, or a source tree;
 default HEAD / this checkout.) Exit status 1 when a case is neither ``identical`` nor ``same
@@ -178,6 +183,44 @@ def _linear_cases():
     return out
 
 
+#: token counts of the ``experts-fp8`` family: the decode launches (inline plan, the plan kernel)
+#: and, above 512 token-slots, the TMA launches with the slots on the MMA's M side
+EXPERT_FP8_TOKENS = (1, 4, 16, 128)
+
+
+def _experts_fp8_cases():
+    """(case label, callable that runs ``launch_moe_experts_fp8`` once) at
+    :data:`EXPERT_SHAPES` x :data:`EXPERT_FP8_TOKENS`: E4M3 weights (uninitialised), FP32 block
+    scales, stacked gate|up, random distinct expert ids, PDL on."""
+    import torch
+
+    from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
+
+    out = []
+    for model, hidden, experts, top_k, inter in EXPERT_SHAPES:
+        for tokens in EXPERT_FP8_TOKENS:
+
+            def run(hidden=hidden, experts=experts, top_k=top_k, inter=inter, tokens=tokens):
+                gen = torch.Generator().manual_seed(tokens)
+                e4m3 = torch.float8_e4m3fn
+                x = torch.randn(tokens, hidden, dtype=torch.bfloat16, generator=gen)
+                gate_up = torch.empty(experts, 2 * inter, hidden, dtype=e4m3)
+                down = torch.empty(experts, hidden, inter, dtype=e4m3)
+                gs = torch.ones(experts, -(-2 * inter // 128), -(-hidden // 128))
+                ds = torch.ones(experts, -(-hidden // 128), -(-inter // 128))
+                ids = torch.stack(
+                    [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]
+                )
+                weights = torch.rand(tokens, top_k, generator=gen)
+                out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+                launch_moe_experts_fp8(
+                    x, gate_up, gs, down, ds, ids, weights, out, None, None, 1.0, False, True
+                )
+
+            out.append((f"{model} T={tokens}", run))
+    return out
+
+
 def _catch_gated_next(caught: list) -> None:
     import moefuse.norm.gated as gated
     import moefuse.norm.triton as nt
@@ -191,13 +234,20 @@ def _catch_gated_next(caught: list) -> None:
 def _catch_experts(caught: list) -> None:
     """Every module of a tree that launches a kernel of ``launch_moe_experts`` (the plan kernel
     sat in ``experts_triton`` before it had a module of its own) records instead."""
+    _catch_modules(
+        caught, ("moefuse.moe.experts_triton", "moefuse.moe.experts_plan", "moefuse.moe.triton")
+    )
+
+
+def _catch_modules(caught: list, names) -> None:
+    """The modules ``names`` of a tree (those it has) record their launches in ``caught``."""
     import importlib
     import importlib.util
 
     def record(kernel, grid, *args, **consts):
         caught.append((kernel, grid, args, consts))
 
-    for name in ("moefuse.moe.experts_triton", "moefuse.moe.experts_plan", "moefuse.moe.triton"):
+    for name in names:
         if importlib.util.find_spec(name) is not None:
             module = importlib.import_module(name)
             if hasattr(module, "launch"):
@@ -206,22 +256,32 @@ def _catch_experts(caught: list) -> None:
 
 def _catch_linear(caught: list) -> None:
     """Every module of a tree that launches a kernel of ``fp8_linear`` records instead."""
-    import importlib
-    import importlib.util
+    _catch_modules(
+        caught,
+        (
+            "moefuse.moe.linear_triton",
+            "moefuse.moe.linear_tma",
+            "moefuse.moe.experts_fp8_quant",
+            "moefuse.quant.group_triton",
+        ),
+    )
 
-    def record(kernel, grid, *args, **consts):
-        caught.append((kernel, grid, args, consts))
 
-    for name in (
-        "moefuse.moe.linear_triton",
-        "moefuse.moe.linear_tma",
-        "moefuse.moe.experts_fp8_quant",
-        "moefuse.quant.group_triton",
-    ):
-        if importlib.util.find_spec(name) is not None:
-            module = importlib.import_module(name)
-            if hasattr(module, "launch"):
-                module.launch = record
+def _catch_experts_fp8(caught: list) -> None:
+    """Every module of a tree that launches a kernel of ``launch_moe_experts_fp8`` records
+    instead."""
+    _catch_modules(
+        caught,
+        (
+            "moefuse.moe.experts_fp8",
+            "moefuse.moe.experts_fp8_tma",
+            "moefuse.moe.experts_fp8_quant",
+            "moefuse.moe.experts_plan",
+            "moefuse.moe.experts_triton",
+            "moefuse.moe.triton",
+            "moefuse.quant.group_triton",
+        ),
+    )
 
 
 #: verdicts of a case whose launch runs the same machine code
@@ -231,6 +291,7 @@ FAMILIES = {
     "gated-next": (_gated_next_cases, _catch_gated_next),
     "experts": (_experts_cases, _catch_experts),
     "linear": (_linear_cases, _catch_linear),
+    "experts-fp8": (_experts_fp8_cases, _catch_experts_fp8),
 }
 
 
@@ -288,7 +349,8 @@ def _constexprs(kernel, consts: dict) -> dict:
 def worker(family: str, out_path: str) -> int:
     """Run every case of ``family`` in this interpreter's tree, writing
     {case: {ptx, params, grid, constexprs} | {error}}; a case that launches several kernels
-    gives one entry per launch, ``<kernel> [<case>]``."""
+    gives one entry per launch, ``<kernel> [<case>]`` (``<kernel> #2 [<case>]`` for the same
+    kernel's second launch)."""
     cases, install = FAMILIES[family]
     caught = []
     install(caught)
@@ -302,7 +364,9 @@ def worker(family: str, out_path: str) -> int:
             print(label, "error", flush=True)
             continue
         for kernel, grid, args, consts in caught:
-            cid = f"{kernel.fn.__name__} [{label}]"
+            cid, nth = f"{kernel.fn.__name__} [{label}]", 2
+            while cid in index:  # the same kernel launched again in this case
+                cid, nth = f"{kernel.fn.__name__} #{nth} [{label}]", nth + 1
             try:
                 ptx, flat, sass = compile_launch(kernel, args, consts)
                 index[cid] = {
