@@ -129,6 +129,7 @@ def local_cases(dev) -> dict:
             weight_scale_inv=r(1, 1, dtype=F32).abs() + 0.01,
             input_scale=r(m, 1, dtype=F32).abs() + 0.01,
             out=e(m, 24),
+            workspace=e(132, dtype=torch.int32),
         ),
         "moe_experts[fp8]": lambda: dict(
             hidden_states=r(m, h),

@@ -177,3 +177,57 @@ def test_compiled_patched_fp8_model_has_no_graph_break_and_the_eager_bits(offlin
     for n in (3, 5):
         want = fp8(ids[:, :n], use_cache=False).logits
         assert_bitwise_equal(dynamic(ids[:, :n], use_cache=False).logits, want, f"dynamic {n}")
+
+
+@torch.no_grad()
+def test_patched_fp8_linears_count_split_chunks_in_one_workspace(offline, monkeypatch):
+    """With the chunk sums added by each tile's last program (``fused_reduce`` on), the patched
+    projections of K = 512 (four K-blocks in two chunks, run as programs of their own) count
+    their tiles in the device's one workspace, the pre-quantized q / k / v included, and give
+    the bits of the reduce kernel; the workspace is zero again after every call."""
+    from moefuse import _fastpath
+    from moefuse.integrations import _fp8
+    from moefuse.moe import linear_triton, tiles
+
+    torch.manual_seed(3)
+    cfg = tf.Qwen3MoeConfig(
+        vocab_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        num_experts=2, num_experts_per_tok=1, max_position_embeddings=16, initializer_range=0.1,
+        hidden_size=512, intermediate_size=256, moe_intermediate_size=128, head_dim=64,
+    )  # fmt: skip
+    fp8 = quantize_fp8(tf.Qwen3MoeForCausalLM(cfg).eval().to(torch.bfloat16))
+    mt.patch(fp8, impl="triton")  # the kernels, in Triton's interpreter
+    ids = torch.randint(0, 64, (1, 3), generator=torch.Generator().manual_seed(3))
+    kernels = []
+    real_launch = linear_triton.launch
+    monkeypatch.setattr(
+        linear_triton,
+        "launch",
+        lambda k, *a, **c: kernels.append(k.fn.__name__) or real_launch(k, *a, **c),
+    )
+    _fastpath.clear()
+    want = fp8(ids, use_cache=False).logits
+    assert "_fp8_linear_reduce_kernel" in kernels, kernels  # the chunks run as programs
+    kernels.clear()
+    workspace = _fp8.linear_workspace(torch.device("cpu"))
+    seen = []
+    real = linear_triton.launch_fp8_linear
+
+    def spy(*args, **kw):
+        seen.append((args[4] is not None, kw.get("workspace") is workspace))
+        real(*args, **kw)
+
+    monkeypatch.setattr(linear_triton, "launch_fp8_linear", spy)
+    monkeypatch.setattr(tiles, "LINEAR_FP8_FUSED_REDUCE", True)
+    _fastpath.clear()
+    try:
+        for plans in (True, True, False):  # recorded, replayed, then every call a slow one
+            _fastpath.ENABLED[0] = plans
+            assert_bitwise_equal(fp8(ids, use_cache=False).logits, want, f"plans {plans}")
+            assert not workspace.any()
+    finally:
+        _fastpath.ENABLED[0] = True
+        _fastpath.clear()
+    # the slow calls: q, k and v on the shared codes, o on its own input, all in the workspace
+    assert seen[-4:] == [(True, True)] * 3 + [(False, True)], seen
+    assert "_fp8_linear_reduce_kernel" not in kernels and "_fp8_linear_kernel" in kernels

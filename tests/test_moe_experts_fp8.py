@@ -511,6 +511,13 @@ def test_fp8_linear_kernel(monkeypatch):
     launch_fp8_linear(q, wq, ws, bias, s, o, False, tile=tile)
     assert_bitwise_equal(o, got, "pre-quantized input, fused_reduce")
     assert kernels == reduce[1:], kernels
+    workspace = torch.zeros(132, dtype=torch.int32)  # counters of the caller's: left zeroed
+    for inp, scales, ran in ((q, s, one[1:]), (x, None, one), (q, s, one[1:])):
+        o = poison_(torch.empty_like(got))
+        kernels.clear()
+        launch_fp8_linear(inp, wq, ws, bias, scales, o, False, tile=tile, workspace=workspace)
+        assert_bitwise_equal(o, got, f"workspace, pre-quantized {scales is not None}")
+        assert kernels == ran and not workspace.any(), (kernels, workspace)
 
 
 def test_fp8_linear_fused_reduce_plan_replays(monkeypatch):
@@ -755,10 +762,10 @@ def test_fp8_custom_ops_compile_and_plans():
     wq, ws = r8.quantize_weight_blocks(torch.randn(136, 200) * 0.1)
     xl = torch.randn(3, 200).to(torch.bfloat16)
     ol = torch.empty(3, 136, dtype=torch.bfloat16)
-    for backend in ("triton",):
+    for backend, workspace in (("triton", None), ("triton", torch.zeros(132, dtype=torch.int32))):
         torch.library.opcheck(
             ops.fp8_linear_op,
-            (xl, wq, ws, None, None, ol, False, backend),
+            (xl, wq, ws, None, None, ol, workspace, False, backend),
             test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
         )
     kw = dict(gate_up_proj_scale_inv=gs, down_proj_scale_inv=ds, impl="triton")

@@ -265,6 +265,14 @@ def test_fp8_linear(n, k):
             launch_fp8_linear(x, wq, ws, bias, None, o, True, tile=tile)
         for i, o in enumerate(outs):
             assert_bitwise_equal(o, got, f"M={m} split launch {i} of 16")
+        q, qs = moefuse.per_token_group_quant_8bit(x, 128)
+        workspace = torch.zeros(132, dtype=torch.int32, device=DEV)
+        for inp, scales in ((q, qs), (x, None), (q, qs)):  # the caller's counters, reused
+            o = poison_(torch.empty_like(got))
+            tile = {"split_programs": True, "fused_reduce": True}
+            launch_fp8_linear(inp, wq, ws, bias, scales, o, True, tile=tile, workspace=workspace)
+            assert_bitwise_equal(o, got, f"M={m} workspace, pre-quantized {scales is not None}")
+        assert not workspace.any()
     out = poison_(torch.empty(2, n, device=DEV, dtype=torch.bfloat16))
     x = x[:2]
     graph = capture_graph(lambda: moefuse.fp8_linear(x, wq, ws, bias, out=out))

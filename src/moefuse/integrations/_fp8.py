@@ -18,7 +18,9 @@ time. It runs them through kernels it downloads from the Hub at the first forwar
   op, block-scaled FP32 accumulation, output in the input's dtype, bias added).
 * In the patched decoder layers, the normalized rows that every attention input projection reads
   (q, k, v) are quantized once (:func:`share_quantization`) and each projection multiplies those
-  codes: one quantization launch instead of three, the same bits.
+  codes: one quantization launch instead of three, the same bits. Every patched linear passes
+  one zeroed workspace per device (:func:`linear_workspace`) in which a launch whose K chunks
+  run as programs of their own can count its tiles (no bit depends on it).
 
 Covered: E4M3 weights, 128 x 128 blocks, dynamic activation scales, FP32 or UE8M0
 (``float8_e8m0fnu``) weight scales, BF16/FP16 activations, no autograd; experts with a SiLU
@@ -37,6 +39,7 @@ import torch
 from moefuse._runtime import log_once
 from moefuse.moe.experts import moe_experts
 from moefuse.moe.linear import fp8_linear
+from moefuse.moe.tiles import LINEAR_FP8_WORKSPACE
 from moefuse.quant.group_api import per_token_group_quant_8bit
 
 #: the instance attribute holding a patched module's state (shared with
@@ -85,10 +88,30 @@ def fp8_linear_reason(module) -> str | None:
 
 
 class _LinearState:
-    __slots__ = ("forward", "saved", "impl", "pending")
+    __slots__ = ("forward", "saved", "impl", "pending", "workspace")
 
-    def __init__(self, forward, saved, impl):
+    def __init__(self, forward, saved, impl, workspace):
         self.forward, self.saved, self.impl, self.pending = forward, saved, impl, None
+        self.workspace = workspace
+
+
+#: device -> the zeroed int32 counters every patched FP8Linear on it passes to ``fp8_linear``
+#: (``workspace``: each launch leaves them zeroed; the patched model runs on one stream)
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+
+
+def linear_workspace(device: torch.device) -> torch.Tensor:
+    """The patched FP8 linears' ``fp8_linear`` workspace on ``device`` (created once, zeroed, its
+    address marked static for compiled CUDA graphs, which then read it in place)."""
+    ws = _WORKSPACES.get(device)
+    if ws is None:
+        ws = torch.zeros(LINEAR_FP8_WORKSPACE, dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            from torch._dynamo import mark_static_address
+
+            mark_static_address(ws)
+        _WORKSPACES[device] = ws
+    return ws
 
 
 def _fp8_linear_forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -98,6 +121,7 @@ def _fp8_linear_forward(self, input: torch.Tensor) -> torch.Tensor:
     autograd records."""
     st = self.__dict__[STATE]
     pending = st.pending
+    ws = st.workspace if st.workspace.device == self.weight.device else None
     if pending is not None:
         st.pending = None
         if pending[0] is input:
@@ -110,12 +134,19 @@ def _fp8_linear_forward(self, input: torch.Tensor) -> torch.Tensor:
                 block_size=BLOCK,
                 input_scale=pending[2],
                 out=out,
+                workspace=ws,
                 impl=st.impl,
             )
     if input.dtype not in _HALF or (torch.is_grad_enabled() and input.requires_grad):
         return st.forward(input)
     return fp8_linear(
-        input, self.weight, self.weight_scale_inv, self.bias, block_size=BLOCK, impl=st.impl
+        input,
+        self.weight,
+        self.weight_scale_inv,
+        self.bias,
+        block_size=BLOCK,
+        workspace=ws,
+        impl=st.impl,
     )
 
 
@@ -165,7 +196,10 @@ def patch_fp8_linears(model, impl: str) -> int:
         if reason is not None:
             log_once("fp8_linear", f"{type(module).__name__} keeps transformers' path: {reason}")
             continue
-        module.__dict__[STATE] = _LinearState(module.forward, module.__dict__.get("forward"), impl)
+        ws = linear_workspace(module.weight.device)
+        module.__dict__[STATE] = _LinearState(
+            module.forward, module.__dict__.get("forward"), impl, ws
+        )
         module.forward = types.MethodType(_fp8_linear_forward, module)
         n += 1
     return n

@@ -17,11 +17,24 @@ from moefuse._runtime import choose_impl, kernel_device_reason, resolve_pdl
 from moefuse.moe import ops
 from moefuse.moe.api import EXTRA_DTYPES, HALF
 from moefuse.moe.reference_fp8 import BLOCK, SCALE_DTYPES, cdiv
+from moefuse.moe.tiles import LINEAR_FP8_WORKSPACE
 
 FP8 = torch.float8_e4m3fn
 
 
-def _check_linear(op, x, weight, scale, bias, block_size, input_scale, out) -> tuple[int, int, int]:
+def _check_workspace(op, workspace, dev) -> None:
+    v.check_tensor(op, "workspace", workspace, dtypes=(torch.int32,), ndims=(1,), device=dev)
+    if workspace.numel() < LINEAR_FP8_WORKSPACE or workspace.stride(0) != 1:
+        raise ValueError(
+            f"moefuse.{op}: argument 'workspace' must be a contiguous int32 tensor of at least "
+            f"{LINEAR_FP8_WORKSPACE} zeros, got shape {tuple(workspace.shape)} and stride "
+            f"{workspace.stride()}"
+        )
+
+
+def _check_linear(
+    op, x, weight, scale, bias, block_size, input_scale, out, workspace=None
+) -> tuple[int, int, int]:
     """Validate; returns (M, N, K) with M the product of the input's leading dims."""
     v.check_tensor(op, "weight", weight, dtypes=(FP8,), ndims=(2,))
     dev = weight.device
@@ -54,6 +67,8 @@ def _check_linear(op, x, weight, scale, bias, block_size, input_scale, out) -> t
     out_dtypes = HALF if input_scale is not None else (x.dtype,)
     if bias is not None:
         v.check_tensor(op, "bias", bias, dtypes=EXTRA_DTYPES, shape=(n,), device=dev)
+    if workspace is not None:
+        _check_workspace(op, workspace, dev)
     if out is not None:
         v.check_tensor(op, "out", out, dtypes=out_dtypes, shape=(*lead, n), device=dev)
         v.check_rows_addressable(op, "out", out)
@@ -63,6 +78,7 @@ def _check_linear(op, x, weight, scale, bias, block_size, input_scale, out) -> t
             ("weight_scale_inv", scale),
             ("bias", bias),
             ("input_scale", input_scale),
+            ("workspace", workspace),
         ):
             if t is not None:
                 v.check_no_overlap(op, "out", out, name, t)
@@ -87,6 +103,7 @@ def fp8_linear(
     block_size: tuple[int, int] = (BLOCK, BLOCK),
     input_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
     enable_pdl: bool | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
@@ -102,7 +119,12 @@ def fp8_linear(
     ``weight_scale_inv`` [ceil(N/128), ceil(K/128)] FP32 or ``float8_e8m0fnu`` (the last block
     row / column may be partial), ``block_size`` (128, 128) only; ``bias`` [N] BF16/FP16/FP32;
     ``out`` [..., N] in the input's dtype (given pre-quantized input: ``out``'s dtype, BF16 when
-    ``out`` is None), allocated when None, never aliasing an input.
+    ``out`` is None), allocated when None, never aliasing an input. ``workspace``: optional
+    contiguous int32 zeros, at least 132 of them (``tiles.LINEAR_FP8_WORKSPACE``), that a launch
+    whose K chunks run as programs of their own may count its tiles in (the tile's last program
+    then adds the chunk sums, no second launch; ``tiles.LINEAR_FP8_FUSED_REDUCE``); every launch
+    leaves it zeroed, so one workspace serves every call of one stream in turn (not two streams
+    at once). No bit depends on it.
 
     Determinism: ``dot_b`` is the FP32 sum of a 128-block's products in an order fixed by the
     kernel's tile and the blocks are summed in an order fixed by (N, K), never by M, so a row's
@@ -110,7 +132,9 @@ def fp8_linear(
     :func:`moefuse.moe.reference_fp8.fp8_linear_reference` (FP64 dots). Returns ``out``.
     """
     op = "fp8_linear"
-    m, n, k = _check_linear(op, input, weight, weight_scale_inv, bias, block_size, input_scale, out)
+    m, n, k = _check_linear(
+        op, input, weight, weight_scale_inv, bias, block_size, input_scale, out, workspace
+    )
     if out is None:
         dtype = input.dtype if input_scale is None else torch.bfloat16
         out = torch.empty(*input.shape[:-1], n, dtype=dtype, device=input.device)
@@ -121,7 +145,9 @@ def fp8_linear(
     use_pdl = backend == "triton" and resolve_pdl(enable_pdl, input.device)
     x2 = input.reshape(m, k)
     xs2 = input_scale.reshape(m, -1) if input_scale is not None else None
-    ops.fp8_linear_op(x2, weight, weight_scale_inv, bias, xs2, out.view(m, n), use_pdl, backend)
+    ops.fp8_linear_op(
+        x2, weight, weight_scale_inv, bias, xs2, out.view(m, n), workspace, use_pdl, backend
+    )
     return out
 
 
@@ -134,11 +160,20 @@ def supports_fp8_linear(
     block_size: tuple[int, int] = (BLOCK, BLOCK),
     input_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> bool:
     """True when the Triton kernel can run these arguments on their device (no side effects)."""
     try:
         dims = _check_linear(
-            "fp8_linear", input, weight, weight_scale_inv, bias, block_size, input_scale, out
+            "fp8_linear",
+            input,
+            weight,
+            weight_scale_inv,
+            bias,
+            block_size,
+            input_scale,
+            out,
+            workspace,
         )
     except ValueError:
         return False

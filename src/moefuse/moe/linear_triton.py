@@ -11,11 +11,12 @@ Two launches compute that same order:
 
 * few programs (decode: M small, W streamed once): one program per (row tile, column tile,
   chunk) writes its chunk sum to an FP32 scratch ``[SPLITS, M, N]``; the chunks and the bias are
-  then added by the tile's last program (it counts itself in a counter of its tile, zeroed by
-  the quantization launch before, and the one that counts last reads the tile's chunk sums:
-  ``FUSED_REDUCE``), or, for a pre-quantized input (no launch of the op's own before it to zero
-  counters), by a second kernel (:func:`_fp8_linear_reduce_kernel`). The split fills the GPU
-  where ``N / BN`` programs alone would leave SMs idle, so the weights stream at full bandwidth.
+  then added by the tile's last program (``FUSED_REDUCE``: it counts itself in a counter of its
+  tile, and the one that counts last zeroes the counter and reads the tile's chunk sums; the
+  counters are the caller's ``workspace`` or a fresh allocation the op's quantization launch
+  zeroes), or, for a pre-quantized input without a workspace, by a second kernel
+  (:func:`_fp8_linear_reduce_kernel`). The split fills the GPU where ``N / BN`` programs alone
+  would leave SMs idle, so the weights stream at full bandwidth.
 * many programs: each loops over the chunks itself, the same additions in registers.
 
 So a row's bits do not depend on M or on which launch ran. The activation is quantized once by
@@ -80,11 +81,11 @@ def _fp8_linear_kernel(
     """The block-scaled product of ``BN`` weight rows and ``BT`` token columns (module
     docstring); ``strides`` = (x row, x-scale row, weight row, scale row, out row). With
     ``SPLIT_PROGRAMS`` grid axis 2 is the chunk and the program stores its chunk sum into
-    ``part`` [SPLITS, M, N] (with ``FUSED_REDUCE`` it then counts itself in
-    ``count[tile]``, zeroed before the launch, and the tile's last program adds the chunk sums
-    and writes ``out``); otherwise it adds all chunks and writes ``out``. ``PF_BYTES`` > 0:
-    the first ``PF_BYTES`` of each of the program's weight rows (of its chunk) are requested
-    from the L2 before the ``gdc_wait`` (the weights are no kernel's output)."""
+    ``part`` [SPLITS, M, N] (with ``FUSED_REDUCE`` it then counts itself in ``count[tile]``,
+    zero before the launch, and the tile's last program zeroes it again, adds the chunk sums and
+    writes ``out``); otherwise it adds all chunks and writes ``out``. ``PF_BYTES`` > 0: the
+    first ``PF_BYTES`` of each of the program's weight rows (of its chunk) are requested from
+    the L2 before the ``gdc_wait`` (the weights are no kernel's output)."""
     x_st, xs_st, w_st, s_st, out_st = strides
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_in = n < N
@@ -122,7 +123,8 @@ def _fp8_linear_kernel(
             tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
             tl.debug_barrier()  # every thread's chunk-sum stores precede the release below
             old = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if old == SPLITS - 1:
+            if old == SPLITS - 1:  # every chunk counted: the counter is free again
+                tl.store(count_ptr + tile, 0)
                 tl.debug_barrier()  # the acquire precedes every thread's loads
                 acc = _add_chunks(part_ptr, c64, n64, mask, m_rows, N, SPLITS)
                 _store_out(acc, bias_ptr, out_ptr, (n, n_in), c64, r_in, out_st, HAS_BIAS, PTX)
@@ -189,10 +191,12 @@ def launch_fp8_linear(
     use_pdl: bool,
     *,
     tile: dict | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> None:
     """Writes ``out`` [M, N] from ``input`` [M, K] (BF16/FP16, or E4M3 codes with
     ``input_scale`` [M, ceil(K/128)]) (module docstring). ``tile`` overrides the policy of
-    :func:`moefuse.moe.tiles.linear_fp8_plan` (benchmarks and the invariance tests only)."""
+    :func:`moefuse.moe.tiles.linear_fp8_plan` (benchmarks and the invariance tests only).
+    ``workspace``: int32 zeros the split launch may count its tiles in (left zeroed)."""
     m, k = input.shape
     n = weight.shape[0]
     if m == 0 or n == 0:
@@ -201,18 +205,19 @@ def launch_fp8_linear(
     ptx = not interpreter_active()
     tiles = triton.cdiv(n, cfg["bn"]) * triton.cdiv(m, cfg["bt"])
     # the split programs' chunk sums added by each tile's last program (tile key
-    # ``fused_reduce``), where the op's own quantization launch runs first and zeroes the tiles'
-    # counters
+    # ``fused_reduce``), counted in the caller's workspace or, where the op quantizes the input
+    # itself, in counters its quantization launch zeroes
+    has_workspace = workspace is not None and tiles <= workspace.numel()
     fused_reduce = bool(
         cfg["split_programs"]
         and cfg.get("fused_reduce")
         and not cfg.get("tma")
-        and input_scale is None
+        and (input_scale is None or has_workspace)
     )
-    counters = out
+    counters = workspace if fused_reduce and has_workspace else out
     if input_scale is not None:
         x, xs = fp8_codes(input), input_scale
-    elif fused_reduce:  # per_token_group_quant_8bit's codes, and the counters zeroed
+    elif fused_reduce and not has_workspace:  # the codes, and the counters zeroed
         counters = torch.empty(tiles, dtype=torch.int32, device=input.device)
         x, xs = tokens_quant(input, counters, tiles, use_pdl)
     else:  # quantized once here, not once per row tile (the codes of per_token_group_quant_8bit)

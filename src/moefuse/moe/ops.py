@@ -277,11 +277,13 @@ def fp8_linear_op(
     bias: Tensor | None,
     input_scale: Tensor | None,
     out: Tensor,
+    workspace: Tensor | None,
     use_pdl: bool,
     backend: str,
 ) -> None:
     """``out`` [M, N] = the block-scaled FP8 product of ``input`` [M, K] (codes when
-    ``input_scale`` is given) and ``weight`` [N, K] (:func:`moefuse.moe.linear.fp8_linear`)."""
+    ``input_scale`` is given) and ``weight`` [N, K] (:func:`moefuse.moe.linear.fp8_linear`).
+    ``workspace`` (zeroed counters) is left as it was found: not a mutated argument."""
     if backend == "reference":
         from moefuse.moe.reference_fp8 import fp8_linear_reference
 
@@ -293,9 +295,11 @@ def fp8_linear_op(
         return
     from moefuse.moe.linear_triton import launch_fp8_linear
 
-    launch_fp8_linear(input, weight, weight_scale_inv, bias, input_scale, out, use_pdl)
+    launch_fp8_linear(
+        input, weight, weight_scale_inv, bias, input_scale, out, use_pdl, workspace=workspace
+    )
 
 
 @fp8_linear_op.register_fake
-def _(input, weight, weight_scale_inv, bias, input_scale, out, use_pdl, backend):
+def _(input, weight, weight_scale_inv, bias, input_scale, out, workspace, use_pdl, backend):
     return None

@@ -485,10 +485,14 @@ LINEAR_FP8_TMA_FEW_MIN_PROGRAMS = 64
 #: ``fused_reduce`` (tile key of the split launch; this is its default): each row x column
 #: tile's last split program adds the tile's chunk sums (counters zeroed by the op's own
 #: quantization launch) instead of a reduce kernel of their own; the same bits, one launch
-#: fewer. A pre-quantized input (``input_scale``) always takes the reduce kernel. UNMEASURED:
+#: fewer. A pre-quantized input (``input_scale``) takes the reduce kernel unless the call
+#: passes a ``workspace`` (zeroed counters the launch leaves zeroed). UNMEASURED:
 #: off until timed against the reduce kernel (`python -m moefuse bench fp8-linear --rows 1 4 16
 #: 64 128 --tiles fused`).
 LINEAR_FP8_FUSED_REDUCE = False
+#: int32 counters an ``fp8_linear`` workspace holds: more than the row x column tiles of any
+#: split launch (the K chunks run as programs of their own only below half the target)
+LINEAR_FP8_WORKSPACE = LINEAR_FP8_TARGET_PROGRAMS // 2
 
 
 def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
