@@ -520,6 +520,16 @@ def test_fp8_linear_kernel(monkeypatch):
         assert kernels == ran and not workspace.any(), (kernels, workspace)
 
 
+def test_fp8_linear_fused_reduce_knob(monkeypatch):
+    """``MOEFUSE_FP8_LINEAR_FUSED_REDUCE`` sets the split launch's ``fused_reduce``; unset, the
+    policy's constant decides."""
+    from moefuse.moe import tiles
+
+    for value, want in (("1", True), ("0", False), ("", tiles.LINEAR_FP8_FUSED_REDUCE)):
+        monkeypatch.setenv("MOEFUSE_FP8_LINEAR_FUSED_REDUCE", value)
+        assert tiles.linear_fp8_plan(1, 4096, 2048)["fused_reduce"] is want, value
+
+
 def test_fp8_linear_fused_reduce_plan_replays(monkeypatch):
     """With ``fused_reduce`` as the policy, a launch plan of the split launch replays its
     counters' allocation, the quantization launch that zeroes them and the product on fresh

@@ -287,6 +287,16 @@ KNOBS: dict[str, Knob] = _declare(
         shared=False,
         choices=("block", "k32", "fp16"),
     ),
+    Knob(
+        "MOEFUSE_FP8_LINEAR_FUSED_REDUCE",
+        "bool",
+        None,
+        "fp8_linear at few rows, whose K chunks run as programs of their own: 1 = each row x "
+        "column tile's last program adds the chunk sums (one launch), 0 = a second kernel adds "
+        "them; the same bits. Unset: the policy's default (moefuse.moe.tiles."
+        "LINEAR_FP8_FUSED_REDUCE).",
+        shared=False,
+    ),
     # ----------------------------------------------------------------------------- benchmarks
     Knob(
         "MOEFUSE_COMMIT",

@@ -488,11 +488,20 @@ LINEAR_FP8_TMA_FEW_MIN_PROGRAMS = 64
 #: fewer. A pre-quantized input (``input_scale``) takes the reduce kernel unless the call
 #: passes a ``workspace`` (zeroed counters the launch leaves zeroed). UNMEASURED:
 #: off until timed against the reduce kernel (`python -m moefuse bench fp8-linear --rows 1 4 16
-#: 64 128 --tiles fused`).
+#: 64 128 --tiles fused`); ``MOEFUSE_FP8_LINEAR_FUSED_REDUCE`` overrides it.
 LINEAR_FP8_FUSED_REDUCE = False
 #: int32 counters an ``fp8_linear`` workspace holds: more than the row x column tiles of any
 #: split launch (the K chunks run as programs of their own only below half the target)
 LINEAR_FP8_WORKSPACE = LINEAR_FP8_TARGET_PROGRAMS // 2
+
+
+def linear_fp8_fused_reduce() -> bool:
+    """Whether the split launch adds its chunk sums in each tile's last program:
+    ``MOEFUSE_FP8_LINEAR_FUSED_REDUCE`` where set, else :data:`LINEAR_FP8_FUSED_REDUCE`."""
+    from moefuse import knobs
+
+    value = knobs.get("MOEFUSE_FP8_LINEAR_FUSED_REDUCE")
+    return LINEAR_FP8_FUSED_REDUCE if value is None else bool(value)
 
 
 def linear_fp8_splits(n: int, k: int) -> tuple[int, int]:
@@ -537,7 +546,7 @@ def linear_fp8_plan(m: int, n: int, k: int) -> dict:
         "splits": splits,
         "chunk": chunk,
         "split_programs": _linear_fp8_split_programs(m, n, splits, tile),
-        "fused_reduce": LINEAR_FP8_FUSED_REDUCE,
+        "fused_reduce": linear_fp8_fused_reduce(),
         "accumulation": fp8_accumulation(),
     }
     tma = LINEAR_FP8_TMA  # one launch: taken only where its chunks need no programs of their own
