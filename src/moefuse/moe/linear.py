@@ -124,7 +124,8 @@ def fp8_linear(
     whose K chunks run as programs of their own may count its tiles in (the tile's last program
     then adds the chunk sums, no second launch; ``tiles.LINEAR_FP8_FUSED_REDUCE``); every launch
     leaves it zeroed, so one workspace serves every call of one stream in turn (not two streams
-    at once). No bit depends on it.
+    at once). No bit depends on it; it is not read on the host, so a workspace that does not hold
+    zeros (not from ``torch.zeros``, or shared by two streams at once) gives wrong outputs.
 
     Determinism: ``dot_b`` is the FP32 sum of a 128-block's products in an order fixed by the
     kernel's tile and the blocks are summed in an order fixed by (N, K), never by M, so a row's
