@@ -20,7 +20,9 @@ activation quantized by the gate|up kernel's last programs (counters zeroed by a
 gate|up or by their own launch; ``pf`` every gate|up and down program requests its weight rows
 from the L2 before its ``gdc_wait``, ``pf2`` that and the gate|up kernel launches its dependents
 right after its wait, ``pf2_fq`` that with the activation quantized by the gate|up kernel,
-``pf512_2`` as ``pf2`` with the first 512 bytes of each row only; ``tma*`` the GEMMs with the
+``pf512_2`` as ``pf2`` with the first 512 bytes of each row only; ``pfd`` each gate|up program
+asks the L2 for its slice of its expert's down weights after its products (the down kernel,
+next, reads them from there); ``tma*`` the GEMMs with the
 tokens on the MMA's M side and the weight tiles by TMA (:mod:`moefuse.moe.experts_fp8_tma`):
 gate|up 64 rows and down 128 rows at 8 warps, 3 or 4 stages; 32 / 64 rows at 4 warps; 128 / 128
 rows; ``tma_bt64*`` work items of 64 slots at 4 warps (token-tile factor 0.5); ``tma64*`` the same
@@ -61,6 +63,7 @@ VARIANTS = {
     "pf2": ({"prefetch": _ROW, "early_dependents": True}, 1, TOKENS),
     "pf2_fq": ({"prefetch": _ROW, "early_dependents": True, "fuse_act_quant": True}, 1, TOKENS),
     "pf512_2": ({"prefetch": 512, "early_dependents": True}, 1, TOKENS),
+    "pfd": ({"prefetch_down": True}, 1, TOKENS),
     "pf2_fq_st8": (
         {"prefetch": _ROW, "early_dependents": True, "fuse_act_quant": True, "stages": 8},
         1,

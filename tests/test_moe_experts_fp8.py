@@ -520,6 +520,36 @@ def test_fp8_linear_kernel(monkeypatch):
         assert kernels == ran and not workspace.any(), (kernels, workspace)
 
 
+def test_fp8_experts_prefetch_down_slices():
+    """Tile key ``prefetch_down``: the chunk bytes each gate|up program asks the L2 for, 16
+    chunks per program, cover its expert's down weights (a multiple of 16 bytes each); none in
+    the interpreter, without the key, or where an expert is not one aligned contiguous run. In
+    the interpreter the launch with the key gives the default's bits."""
+    from moefuse.moe.experts_fp8 import _prefetch_down_bytes
+
+    key = {"prefetch_down": True}
+    down = torch.empty(4, 2048, 768, dtype=torch.float8_e4m3fn)  # Qwen3: 24 programs per item
+    chunk = _prefetch_down_bytes(key, down, 24, True)
+    assert chunk == 4096 and chunk % 16 == 0 and 24 * 16 * chunk >= 2048 * 768
+    assert _prefetch_down_bytes(key, down, 7, True) * 7 * 16 >= 2048 * 768
+    assert _prefetch_down_bytes({}, down, 24, True) == 0
+    assert _prefetch_down_bytes(key, down, 24, False) == 0
+    assert _prefetch_down_bytes(key, down[:, :, :700], 24, True) == 0  # rows not contiguous
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)  # H 256, I 128, E 4, K 2
+    gq, gs = r8.quantize_weight_blocks(torch.randn(4, 256, 256, generator=g) * 0.06, E8M0)
+    dq, ds = r8.quantize_weight_blocks(torch.randn(4, 256, 128, generator=g) * 0.09, E8M0)
+    idx = torch.tensor([[0, 2], [1, 3], [2, 0]])
+    w = torch.rand(3, 2, generator=g)
+    kw = dict(gate_up_proj_scale_inv=gs, down_proj_scale_inv=ds, impl="triton")
+    want = moefuse.moe_experts(x, gq, dq, idx, w, **kw)
+    from moefuse.moe.experts_fp8 import launch_moe_experts_fp8
+
+    got = poison_(torch.empty_like(want))
+    launch_moe_experts_fp8(x, gq, gs, dq, ds, idx, w, got, None, None, 1.0, False, False, tile=key)
+    assert_bitwise_equal(got, want, "prefetch_down")
+
+
 def test_fp8_linear_fused_reduce_knob(monkeypatch):
     """``MOEFUSE_FP8_LINEAR_FUSED_REDUCE`` sets the split launch's ``fused_reduce``; unset, the
     policy's constant decides."""

@@ -120,6 +120,8 @@ QUANT_PLACEMENTS = (
     {"prefetch": 1 << 20},
     {"prefetch": 1 << 20, "early_dependents": True, "fuse_act_quant": True},
     {"prefetch": 512, "early_dependents": True, "fuse_act_quant": False},
+    # each gate|up program asks the L2 for its slice of its expert's down weights
+    {"prefetch_down": True},
 )
 
 

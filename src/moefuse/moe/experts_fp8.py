@@ -102,6 +102,18 @@ def _request_item_rows(
 
 
 @triton.jit
+def _request_expert_slice(down, e, CHUNK: tl.constexpr, PTX: tl.constexpr):
+    """:func:`prefetch_rows_l2` of this program's slice of expert ``e``'s down weights:
+    ``down`` = (pointer, bytes of one expert's [H, I] codes); the programs of a gate|up item
+    (grid axis 1) take 16 chunks of ``CHUNK`` bytes each, in order, so together they cover the
+    expert. The down kernel, launched next, then finds its weights in the L2."""
+    down_ptr, expert_bytes = down
+    off = (tl.program_id(1) * 16 + tl.arange(0, 16)).to(tl.int64) * CHUNK
+    size = tl.minimum(expert_bytes - off, CHUNK)
+    prefetch_rows_l2(down_ptr + e.to(tl.int64) * expert_bytes + off, size > 0, size, PTX)
+
+
+@triton.jit
 def _gate_up_item(
     ptrs,
     item,
@@ -227,6 +239,7 @@ def _experts_fp8_gate_up_kernel(
     idx_strides,
     aq_args,
     sizes,
+    down,
     KDIM: tl.constexpr,
     INTER: tl.constexpr,
     BN: tl.constexpr,
@@ -253,7 +266,9 @@ def _experts_fp8_gate_up_kernel(
     kernel, whose dependents launch after its own ``gdc_wait``, so ``top_k_index`` is
     complete), the first bytes of each of the program's weight rows are requested from the L2
     before the wait; early dependents, the kernel next in the stream may launch right after the
-    wait, not after the products."""
+    wait, not after the products; down chunk bytes > 0, after its products each program asks
+    the L2 for its slice of its expert's down weights (:func:`_request_expert_slice`; ``down``
+    = (the down weights' codes, bytes per expert))."""
     top_k, n_slots, n_experts, n_count = sizes
     idx_st0, idx_st1 = idx_strides
     ptrs = (x_ptr, xs_ptr, w_ptr, s_ptr, act_ptr)
@@ -296,6 +311,8 @@ def _experts_fp8_gate_up_kernel(
         )
         if item[0] >= 0:
             _gate_up_item(ptrs, item, strides, aq_ptrs, aq_args, BT, TILE)
+            if PREFETCH[2] > 0:
+                _request_expert_slice(down, item[0], PREFETCH[2], PTX)
 
 
 @triton.jit
@@ -449,6 +466,20 @@ def _prefetch_bytes(cfg: dict, plan, weights: torch.Tensor, use_pdl: bool, ptx: 
     return prefetch_row_bytes(want, weights)
 
 
+def _prefetch_down_bytes(cfg: dict, down: torch.Tensor | None, programs: int, ptx: bool) -> int:
+    """The gate|up kernel's down chunk bytes (``PREFETCH[2]``) for the tile key
+    ``prefetch_down``: each of an item's ``programs`` asks the L2 for 16 chunks of its expert's
+    down weights, together the whole expert; 0 without the key, in the interpreter, or where an
+    expert's codes are not one contiguous, 16-byte aligned run of a multiple of 16 bytes."""
+    if not (cfg.get("prefetch_down") and ptx) or down is None:
+        return 0
+    _, h, i = down.shape
+    expert = h * i
+    if down.stride() != (expert, i, 1) or down.data_ptr() % 16 or expert % 16:
+        return 0
+    return -(-expert // (programs * 16 * 16)) * 16
+
+
 def _tma_gate_up(
     cfg: dict,
     token_tile: int,
@@ -517,6 +548,63 @@ def _wgmma_down(cfg: dict, plan, a: torch.Tensor) -> bool:
     )
 
 
+def _launch_gate_up_pointer(
+    operands, plan, cfg, top_k_index, experts, quant, interleaved, use_pdl, down_proj
+) -> None:
+    """The pointer kernel's gate|up launch of :func:`_launch_gate_up_fp8`: ``operands`` = (token
+    codes or, with ``QUANT_X``, the tokens; their scales; the gate|up codes; their block
+    scales; whether those are UE8M0), ``quant`` = (activation codes, their scales, the fused
+    quantization's counters, ``FUSE_QUANT``, ``QUANT_X``)."""
+    x, xs, gw, gs, gs_e8 = operands
+    a, a_s, q_count, fuse_quant, quant_x = quant
+    hidden, inter = x.shape[1], plan.act.shape[1]
+    slots_all = top_k_index.numel()
+    ptx = not interpreter_active()
+    pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
+    programs = triton.cdiv(inter, cfg["bn_gate_up"])
+    pf_down = _prefetch_down_bytes(cfg, down_proj, programs, ptx)
+    down = (fp8_codes(down_proj), down_proj.shape[1] * down_proj.shape[2]) if pf_down else (gw, 0)
+    strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
+    launch(
+        _experts_fp8_gate_up_kernel,
+        (plan.n_items, programs),
+        x,
+        xs,
+        gw,
+        gs,
+        plan.items,
+        plan.sorted_slots,
+        plan.act,
+        top_k_index,
+        plan.slot_map,
+        plan.counters,
+        (a, a_s, q_count),
+        strides,
+        (top_k_index.stride(0), top_k_index.stride(1)),
+        (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS),
+        (top_k_index.shape[1], slots_all, experts, plan.counters.numel() if plan.fused else 0),
+        down,
+        KDIM=hidden,
+        INTER=inter,
+        BN=cfg["bn_gate_up"],
+        BT=plan.bt,
+        STAGES=cfg["stages"],
+        SP=plan.sp,
+        PTX=ptx,
+        USE_PDL=use_pdl,
+        BR=plan.br,
+        INTERLEAVED=interleaved,
+        E8M0=gs_e8,
+        ACCUM=cfg["accumulation"],
+        FUSE_QUANT=fuse_quant,
+        QUANT_X=quant_x,
+        PREFETCH=(pf_bytes, bool(pf_bytes and cfg.get("early_dependents")), pf_down),
+        num_warps=cfg["warps"],
+        enable_fp_fusion=False,
+        **pdl_launch_kwargs(use_pdl),
+    )
+
+
 def _launch_gate_up_fp8(
     hidden_states,
     gate_up_proj,
@@ -527,6 +615,7 @@ def _launch_gate_up_fp8(
     cfg,
     interleaved: bool,
     use_pdl: bool,
+    down_proj: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens' group quantization and the gate|up kernel: ``plan.act`` and what the down
     kernel reads of the activation: its E4M3 codes [T*K, I] and FP32 group scales [T*K,
@@ -535,7 +624,6 @@ def _launch_gate_up_fp8(
     with ``cfg["down_act_quant"]``, ``plan.act`` twice (the down kernel quantizes it per
     K-block). ``cfg["fuse_tokens_quant"]``: the gate|up kernel quantizes the tokens per K-block
     (no launch of their own; the fused quantization's counters then zeroed by a memset)."""
-    hidden = hidden_states.shape[1]
     inter = plan.act.shape[1]
     gs, gs_e8 = _scale_arg(gate_up_proj_scale_inv)
     gw = fp8_codes(gate_up_proj)
@@ -571,46 +659,9 @@ def _launch_gate_up_fp8(
         launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], cfg,
                                interleaved, use_pdl, (a, a_s) if fuse_quant else None)  # fmt: skip
     else:
-        ptx = not interpreter_active()
-        pf_bytes = _prefetch_bytes(cfg, plan, gw, use_pdl, ptx)
-        strides = (x.stride(0), xs.stride(0), plan.act.stride(0), *gw.stride(), *gs.stride())
-        launch(
-            _experts_fp8_gate_up_kernel,
-            (plan.n_items, triton.cdiv(inter, cfg["bn_gate_up"])),
-            x,
-            xs,
-            gw,
-            gs,
-            plan.items,
-            plan.sorted_slots,
-            plan.act,
-            top_k_index,
-            plan.slot_map,
-            plan.counters,
-            (a, a_s, q_count),
-            strides,
-            (top_k_index.stride(0), top_k_index.stride(1)),
-            (plan.act.stride(0), a.stride(0), a_s.stride(0), GROUP_EPS),
-            (top_k_index.shape[1], slots_all, experts, plan.counters.numel() if plan.fused else 0),
-            KDIM=hidden,
-            INTER=inter,
-            BN=cfg["bn_gate_up"],
-            BT=plan.bt,
-            STAGES=cfg["stages"],
-            SP=plan.sp,
-            PTX=ptx,
-            USE_PDL=use_pdl,
-            BR=plan.br,
-            INTERLEAVED=interleaved,
-            E8M0=gs_e8,
-            ACCUM=cfg["accumulation"],
-            FUSE_QUANT=fuse_quant,
-            QUANT_X=quant_x,
-            PREFETCH=(pf_bytes, bool(pf_bytes and cfg.get("early_dependents"))),
-            num_warps=cfg["warps"],
-            enable_fp_fusion=False,
-            **pdl_launch_kwargs(use_pdl),
-        )
+        operands, quant = (x, xs, gw, gs, gs_e8), (a, a_s, q_count, fuse_quant, quant_x)
+        launch_args = (plan, cfg, top_k_index, experts, quant, interleaved, use_pdl, down_proj)
+        _launch_gate_up_pointer(operands, *launch_args)
     if fuse_quant:
         return fp8_codes(a), a_s
     if down_quant:
@@ -627,10 +678,12 @@ def _gate_up_stage(
     use_pdl: bool,
     tile: dict | None,
     token_tile: int | None,
+    down_proj: torch.Tensor | None = None,
 ):
     """The tile policy (:func:`moefuse.moe.tiles.experts_fp8_tile`, the decode keys, then
     ``tile``), the routing plan and the gate|up launch of :func:`launch_moe_experts_fp8`:
-    ``(plan, cfg, activation codes, their group scales)``."""
+    ``(plan, cfg, activation codes, their group scales)``; ``down_proj``: the down weights the
+    gate|up programs may ask the L2 for (tile key ``prefetch_down``)."""
     experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     slots = top_k_index.numel()
@@ -651,6 +704,7 @@ def _gate_up_stage(
         cfg,
         interleaved,
         use_pdl,
+        down_proj,
     )
     return plan, cfg, a, a_s
 
@@ -763,6 +817,7 @@ def launch_moe_experts_fp8(
         use_pdl,
         tile,
         token_tile,
+        down_proj,
     )
     ds, ds_e8 = _scale_arg(down_proj_scale_inv)
     dw = fp8_codes(down_proj)
