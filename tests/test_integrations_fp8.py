@@ -190,11 +190,16 @@ def test_patched_fp8_linears_count_split_chunks_in_one_workspace(offline, monkey
     from moefuse.moe import linear_triton, tiles
 
     torch.manual_seed(3)
+    shapes = dict(hidden_size=512, intermediate_size=256, moe_intermediate_size=128, head_dim=64)
+    heads = dict(num_attention_heads=2, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1)
     cfg = tf.Qwen3MoeConfig(
-        vocab_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-        num_experts=2, num_experts_per_tok=1, max_position_embeddings=16, initializer_range=0.1,
-        hidden_size=512, intermediate_size=256, moe_intermediate_size=128, head_dim=64,
-    )  # fmt: skip
+        vocab_size=64,
+        num_hidden_layers=1,
+        max_position_embeddings=16,
+        initializer_range=0.1,
+        **heads,
+        **shapes,
+    )
     fp8 = quantize_fp8(tf.Qwen3MoeForCausalLM(cfg).eval().to(torch.bfloat16))
     mt.patch(fp8, impl="triton")  # the kernels, in Triton's interpreter
     ids = torch.randint(0, 64, (1, 3), generator=torch.Generator().manual_seed(3))
