@@ -23,7 +23,7 @@ from moefuse import _runtime  # noqa: E402
 from moefuse.bench.hf_fp8 import fp32_reference, quantize_fp8  # noqa: E402
 from moefuse.integrations import transformers as mt  # noqa: E402
 from moefuse.quant.reference import per_token_group_quant_8bit_reference  # noqa: E402
-from moefuse.testing import assert_bitwise_equal  # noqa: E402
+from moefuse.testing import assert_bitwise_equal, naming_launch  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 
@@ -204,12 +204,7 @@ def test_patched_fp8_linears_count_split_chunks_in_one_workspace(offline, monkey
     mt.patch(fp8, impl="triton")  # the kernels, in Triton's interpreter
     ids = torch.randint(0, 64, (1, 3), generator=torch.Generator().manual_seed(3))
     kernels = []
-    real_launch = linear_triton.launch
-    monkeypatch.setattr(
-        linear_triton,
-        "launch",
-        lambda k, *a, **c: kernels.append(k.fn.__name__) or real_launch(k, *a, **c),
-    )
+    monkeypatch.setattr(linear_triton, "launch", naming_launch(linear_triton.launch, kernels))
     _fastpath.clear()
     want = fp8(ids, use_cache=False).logits
     assert "_fp8_linear_reduce_kernel" in kernels, kernels  # the chunks run as programs

@@ -19,6 +19,7 @@ from moefuse.testing import (
     assert_bitwise_equal,
     assert_fused_activation_quant,
     expect_value_error,
+    naming_launch,
     poison_,
 )
 
@@ -447,14 +448,18 @@ def test_fp8_experts_tma_default_and_fallbacks(monkeypatch):
             assert not ran and sorted(gemms) == sorted([gate_up, down]), (ran, gemms)
 
 
-def _named_launch(real, names: list):
-    """A ``launch`` that appends each kernel's name to ``names`` before launching it."""
+def _plan_replays_match_slow_path(call, inputs) -> None:
+    """``call(x)`` for each of ``inputs`` in turn (the first records a launch plan, the next ones
+    replay it on fresh inputs) gives the bits of the same call with plans off."""
+    from moefuse import _fastpath as fp
 
-    def spy(kernel, grid, *args, **consts):
-        names.append(kernel.fn.__name__)
-        real(kernel, grid, *args, **consts)
-
-    return spy
+    for x in inputs:
+        got = call(x)
+        fp.ENABLED[0] = False
+        try:
+            assert_bitwise_equal(got, call(x), "plan")
+        finally:
+            fp.ENABLED[0] = True
 
 
 def test_fp8_linear_kernel(monkeypatch):
@@ -481,7 +486,7 @@ def test_fp8_linear_kernel(monkeypatch):
     assert got is out and rel_rms(got, want) < 2**-8
     kernels = []
     for mod in (lt, efq, gt):  # every launch of the op, by kernel name
-        monkeypatch.setattr(mod, "launch", _named_launch(mod.launch, kernels))
+        monkeypatch.setattr(mod, "launch", naming_launch(mod.launch, kernels))
     one = ["_group_quant_kernel", "_fp8_linear_kernel"]
     split = ["_tokens_quant_kernel", "_fp8_linear_kernel"]  # the chunks added by the last program
     reduce = [*one, "_fp8_linear_reduce_kernel"]
@@ -572,20 +577,17 @@ def test_fp8_linear_fused_reduce_plan_replays(monkeypatch):
         lt, "linear_fp8_plan", lambda m, n, k: dict(policy(m, n, k), fused_reduce=True)
     )
     kernels = []
-    monkeypatch.setattr(lt, "launch", _named_launch(lt.launch, kernels))
+    monkeypatch.setattr(lt, "launch", naming_launch(lt.launch, kernels))
     fp.clear()
     g = torch.Generator().manual_seed(23)
     wq, ws = r8.quantize_weight_blocks(torch.randn(200, 520, generator=g) * 0.05, torch.float32)
     try:
-        for _ in range(3):  # records, then replays on fresh inputs
-            x = torch.randn(3, 520, generator=g).to(torch.bfloat16)
-            out = poison_(torch.empty(3, 200, dtype=torch.bfloat16))
-            got = moefuse.fp8_linear(x, wq, ws, out=out, impl="triton")
-            fp.ENABLED[0] = False
-            try:
-                assert_bitwise_equal(got, moefuse.fp8_linear(x, wq, ws, impl="triton"), "plan")
-            finally:
-                fp.ENABLED[0] = True
+        _plan_replays_match_slow_path(
+            lambda x: moefuse.fp8_linear(
+                x, wq, ws, out=poison_(torch.empty(3, 200, dtype=x.dtype)), impl="triton"
+            ),
+            [torch.randn(3, 520, generator=g).to(torch.bfloat16) for _ in range(3)],
+        )
         assert fp.plan_count(moefuse.fp8_linear) == 1, fp.refusals(moefuse.fp8_linear)
         assert kernels == ["_fp8_linear_kernel"] * 4, kernels  # the recording, three slow calls
         assert policy(3, 200, 520)["split_programs"]
@@ -625,14 +627,10 @@ def test_fp8_linear_tma_launch(monkeypatch):
     monkeypatch.setattr(lt, "linear_fp8_plan", lambda m, n, k: dict(policy(m, n, k), **tma))
     fp.clear()
     wq, ws = r8.quantize_weight_blocks(torch.randn(70, 256, generator=g) * 0.05, torch.float32)
-    for _ in range(3):  # records, then replays on fresh inputs
-        x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
-        got = moefuse.fp8_linear(x, wq, ws, impl="triton")
-        fp.ENABLED[0] = False
-        try:
-            assert_bitwise_equal(got, moefuse.fp8_linear(x, wq, ws, impl="triton"), "plan")
-        finally:
-            fp.ENABLED[0] = True
+    _plan_replays_match_slow_path(
+        lambda x: moefuse.fp8_linear(x, wq, ws, impl="triton"),
+        [torch.randn(5, 256, generator=g).to(torch.bfloat16) for _ in range(3)],
+    )
     assert fp.plan_count(moefuse.fp8_linear) == 1, fp.refusals(moefuse.fp8_linear)
     assert len(ran) == 4 + 4  # the recording and three slow calls: the replays skip the launcher
     fp.clear()

@@ -124,6 +124,18 @@ def _gated_next_cases():
     return out
 
 
+def _routing(tokens: int, hidden: int, experts: int, top_k: int, weights_dtype):
+    """``(x [T, H] BF16, distinct expert ids [T, K], routing weights [T, K], out [T, H])`` of
+    the experts families, drawn from a generator seeded with the token count."""
+    import torch
+
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen).to(weights_dtype)
+    return x, ids, weights, torch.empty(tokens, hidden, dtype=torch.bfloat16)
+
+
 def _experts_cases():
     """(case label, callable that runs ``launch_moe_experts`` once) for every case; the weights
     are left uninitialised (only their shapes, strides and alignment reach the compiler)."""
@@ -136,16 +148,10 @@ def _experts_cases():
         for tokens in EXPERT_TOKENS:
 
             def run(hidden=hidden, experts=experts, top_k=top_k, inter=inter, tokens=tokens):
-                gen = torch.Generator().manual_seed(tokens)
                 bf16 = torch.bfloat16
-                x = torch.randn(tokens, hidden, dtype=bf16, generator=gen)
+                x, ids, weights, out = _routing(tokens, hidden, experts, top_k, bf16)
                 gate_up = torch.empty(experts, 2 * inter, hidden, dtype=bf16)
                 down = torch.empty(experts, hidden, inter, dtype=bf16)
-                ids = torch.stack(
-                    [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]
-                )
-                weights = torch.rand(tokens, top_k, generator=gen).to(bf16)
-                out = torch.empty(tokens, hidden, dtype=bf16)
                 launch_moe_experts(
                     x, gate_up, down, ids, weights, out, None, None, 1.0, False, True
                 )
@@ -201,18 +207,12 @@ def _experts_fp8_cases():
         for tokens in EXPERT_FP8_TOKENS:
 
             def run(hidden=hidden, experts=experts, top_k=top_k, inter=inter, tokens=tokens):
-                gen = torch.Generator().manual_seed(tokens)
                 e4m3 = torch.float8_e4m3fn
-                x = torch.randn(tokens, hidden, dtype=torch.bfloat16, generator=gen)
+                x, ids, weights, out = _routing(tokens, hidden, experts, top_k, torch.float32)
                 gate_up = torch.empty(experts, 2 * inter, hidden, dtype=e4m3)
                 down = torch.empty(experts, hidden, inter, dtype=e4m3)
                 gs = torch.ones(experts, -(-2 * inter // 128), -(-hidden // 128))
                 ds = torch.ones(experts, -(-hidden // 128), -(-inter // 128))
-                ids = torch.stack(
-                    [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]
-                )
-                weights = torch.rand(tokens, top_k, generator=gen)
-                out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
                 launch_moe_experts_fp8(
                     x, gate_up, gs, down, ds, ids, weights, out, None, None, 1.0, False, True
                 )

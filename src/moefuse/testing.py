@@ -249,6 +249,17 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def naming_launch(real, names: list):
+    """A stand-in for a module's ``launch`` (``moefuse._fastpath.launch``) that appends each
+    kernel's name to ``names`` and then launches it with ``real``."""
+
+    def launch(kernel, grid, *args, **consts):
+        names.append(kernel.fn.__name__)
+        real(kernel, grid, *args, **consts)
+
+    return launch
+
+
 def poisoned_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return poison_(torch.empty_like(t, dtype=dtype))
 

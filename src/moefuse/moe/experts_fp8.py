@@ -659,9 +659,17 @@ def _launch_gate_up_fp8(
         launch_gate_up_fp8_tma(x, xs, gw, gs, gs_e8, plan, top_k_index.shape[1], cfg,
                                interleaved, use_pdl, (a, a_s) if fuse_quant else None)  # fmt: skip
     else:
-        operands, quant = (x, xs, gw, gs, gs_e8), (a, a_s, q_count, fuse_quant, quant_x)
-        launch_args = (plan, cfg, top_k_index, experts, quant, interleaved, use_pdl, down_proj)
-        _launch_gate_up_pointer(operands, *launch_args)
+        _launch_gate_up_pointer(
+            (x, xs, gw, gs, gs_e8),
+            plan,
+            cfg,
+            top_k_index,
+            experts,
+            (a, a_s, q_count, fuse_quant, quant_x),
+            interleaved,
+            use_pdl,
+            down_proj,
+        )
     if fuse_quant:
         return fp8_codes(a), a_s
     if down_quant:

@@ -23,12 +23,13 @@ FP8 = torch.float8_e4m3fn
 
 
 def _check_workspace(op, workspace, dev) -> None:
+    """A contiguous 1-D int32 tensor (check_tensor: dtype, rank, device, unit stride) of at least
+    :data:`LINEAR_FP8_WORKSPACE` elements."""
     v.check_tensor(op, "workspace", workspace, dtypes=(torch.int32,), ndims=(1,), device=dev)
-    if workspace.numel() < LINEAR_FP8_WORKSPACE or workspace.stride(0) != 1:
+    if workspace.numel() < LINEAR_FP8_WORKSPACE:
         raise ValueError(
-            f"moefuse.{op}: argument 'workspace' must be a contiguous int32 tensor of at least "
-            f"{LINEAR_FP8_WORKSPACE} zeros, got shape {tuple(workspace.shape)} and stride "
-            f"{workspace.stride()}"
+            f"moefuse.{op}: argument 'workspace' must hold at least {LINEAR_FP8_WORKSPACE} int32 "
+            f"zeros, got shape {tuple(workspace.shape)}"
         )
 
 
